@@ -1,0 +1,30 @@
+# `make serve` and `make test` bootstrap .venv on first use (scripts/bootstrap.sh);
+# the stamp files make a second run skip the installs.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+ARGS   ?=
+
+.PHONY: serve test lint bench clean
+
+$(VENV)/.stamp-runtime: pyproject.toml scripts/bootstrap.sh
+	scripts/bootstrap.sh
+	touch $@
+
+$(VENV)/.stamp-test: pyproject.toml scripts/bootstrap.sh
+	scripts/bootstrap.sh --test
+	touch $(VENV)/.stamp-runtime $@
+
+serve: $(VENV)/.stamp-runtime
+	$(VENV)/bin/bargein serve $(ARGS)
+
+test: $(VENV)/.stamp-test
+	$(PY) -m pytest -q $(ARGS)
+
+lint: $(VENV)/.stamp-test
+	$(VENV)/bin/ruff check bargein tests bench
+
+bench: $(VENV)/.stamp-runtime
+	$(VENV)/bin/bargein bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
