@@ -1,0 +1,153 @@
+"""Paged attention over a block-structured KV cache, with explicit metadata.
+
+The cache of one layer is a pair of tensors ``(num_blocks, block_size, num_kv_heads,
+head_dim)``. A sequence's keys live in the blocks its block table names, in order; the
+token at position p sits in slot ``block_table[p // block_size] * block_size + p %
+block_size``. Everything a forward needs to find them is in :class:`AttentionMetadata`,
+built by the runner from the scheduler's plan: there is no global context object.
+
+Tokens of one forward are laid out sequence after sequence. Sequences whose step is a
+single token (decodes) are attended in one padded batch; longer ones (prompt chunks)
+one at a time, since padding a 500-token chunk to the batch would waste more than the
+loop costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """One layer's keys and values, each (num_blocks, block_size, num_kv_heads, head_dim)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device | str) -> KVCache:
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k[dst].copy_(self.k[src])
+        self.v[dst].copy_(self.v[src])
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token of a forward reads and writes K/V.
+
+    ``slot_mapping[t]`` is the cache slot token t's K/V is written to. Sequence i owns
+    tokens ``query_starts[i] : query_starts[i] + query_lens[i]``, which are its positions
+    ``context_lens[i] - query_lens[i] ... context_lens[i] - 1``; it attends to its first
+    ``context_lens[i]`` positions, found through ``block_tables[i]`` (padded with block
+    0, never read past ``context_lens[i]``).
+    """
+
+    slot_mapping: torch.Tensor  # (T,) int64
+    block_tables: torch.Tensor  # (B, max_blocks) int64
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    decode_rows: torch.Tensor  # (Bd,) int64: sequences with query_len == 1
+    decode_token_index: torch.Tensor  # (Bd,) int64: their token's index in the forward
+    decode_context_lens: torch.Tensor  # (Bd,) int64
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def query_starts(self) -> tuple[int, ...]:
+        starts, total = [], 0
+        for n in self.query_lens:
+            starts.append(total)
+            total += n
+        return tuple(starts)
+
+    @classmethod
+    def build(cls, *, block_tables: list[list[int]], query_lens: list[int], context_lens: list[int],
+              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Derives the slot mapping and decode grouping from per-sequence block tables."""
+        slots: list[int] = []
+        decode_rows, decode_index, decode_ctx = [], [], []
+        start = 0
+        for i, (table, q_len, ctx) in enumerate(zip(block_tables, query_lens, context_lens, strict=True)):
+            for pos in range(ctx - q_len, ctx):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            if q_len == 1:
+                decode_rows.append(i)
+                decode_index.append(start)
+                decode_ctx.append(ctx)
+            start += q_len
+        width = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+
+        def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            slot_mapping=as_tensor(slots),
+            block_tables=as_tensor(padded) if padded else torch.zeros((0, 0), dtype=torch.int64, device=device),
+            query_lens=tuple(query_lens),
+            context_lens=tuple(context_lens),
+            decode_rows=as_tensor(decode_rows),
+            decode_token_index=as_tensor(decode_index),
+            decode_context_lens=as_tensor(decode_ctx),
+            block_size=block_size,
+        )
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """Writes k, v (T, KVH, D) into the cache, then attends q (T, H, D); returns (T, H, D)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    cache.k.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
+    cache.v.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    if meta.decode_rows.numel():
+        out[meta.decode_token_index] = _decode_attention(q[meta.decode_token_index], cache, meta)
+    for i, (start, q_len, ctx) in enumerate(zip(meta.query_starts, meta.query_lens, meta.context_lens, strict=True)):
+        if q_len > 1:
+            out[start:start + q_len] = _chunk_attention(q[start:start + q_len], cache, meta.block_tables[i], ctx)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    """One query per sequence, padded to the longest context: q (Bd, H, D) -> (Bd, H, D)."""
+    ctx = meta.decode_context_lens
+    num_blocks = (int(ctx.max()) + meta.block_size - 1) // meta.block_size
+    tables = meta.block_tables[meta.decode_rows, :num_blocks]  # (Bd, nb)
+    bd, kvh, d = q.shape[0], cache.k.shape[2], cache.k.shape[3]
+    keys = cache.k[tables].view(bd, -1, kvh, d).transpose(1, 2)  # (Bd, KVH, L, D)
+    values = cache.v[tables].view(bd, -1, kvh, d).transpose(1, 2)
+    length = keys.shape[2]
+    mask = torch.arange(length, device=q.device).unsqueeze(0) < ctx.unsqueeze(1)  # (Bd, L)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], enable_gqa=True
+    )  # (Bd, H, 1, D)
+    return out.squeeze(2)
+
+
+def _chunk_attention(q: torch.Tensor, cache: KVCache, table: torch.Tensor, ctx: int) -> torch.Tensor:
+    """A chunk of q_len queries at the end of a ctx-long sequence: q (q_len, H, D)."""
+    q_len, block_size = q.shape[0], cache.k.shape[1]
+    kvh, d = cache.k.shape[2], cache.k.shape[3]
+    blocks = table[: (ctx + block_size - 1) // block_size]
+    keys = cache.k[blocks].view(-1, kvh, d)[:ctx].transpose(0, 1)  # (KVH, ctx, D)
+    values = cache.v[blocks].view(-1, kvh, d)[:ctx].transpose(0, 1)
+    qt = q.transpose(0, 1)  # (H, q_len, D)
+    if q_len == ctx:
+        out = F.scaled_dot_product_attention(qt, keys, values, is_causal=True, enable_gqa=True)
+    else:
+        # Query i sits at position ctx - q_len + i and sees keys up to and including it.
+        key_pos = torch.arange(ctx, device=q.device)
+        query_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (q_len, ctx)
+        out = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1)

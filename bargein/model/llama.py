@@ -1,0 +1,146 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a layer range.
+
+A :class:`LlamaStage` holds layers ``[start, end)`` of a model: the embedding only when
+``start == 0``, the final norm and LM head only when ``end == num_layers``. A whole
+model is the stage ``[0, num_layers)``; a pipeline is several stages, each taking the
+previous one's hidden states.
+
+Weights arrive in canonical names (see ``bargein.loader``) and are fused here, at
+construction: Q, K and V into one matrix and gate/up into another, so that each layer
+runs two large matmuls instead of five small ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bargein.config import ModelConfig
+from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
+from bargein.model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the model's dtype, as the reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        wqkv = torch.cat([w[f"{prefix}.wq.weight"], w[f"{prefix}.wk.weight"], w[f"{prefix}.wv.weight"]])
+        self.wqkv = nn.Parameter(wqkv, requires_grad=False)
+        self.bqkv = None
+        if config.attention_bias:
+            bias = torch.cat([w[f"{prefix}.wq.bias"], w[f"{prefix}.wk.bias"], w[f"{prefix}.wv.bias"]])
+            self.bqkv = nn.Parameter(bias, requires_grad=False)
+        self.wo = nn.Parameter(w[f"{prefix}.wo.weight"], requires_grad=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = F.linear(x, self.wqkv, self.bqkv)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(q, k, positions)
+        out = paged_attention(q, k, v.contiguous(), cache, meta)  # (T, H, D)
+        return F.linear(out.reshape(t, q_size), self.wo)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, w: Mapping[str, torch.Tensor], prefix: str):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.cat([w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"]]), requires_grad=False)
+        self.w2 = nn.Parameter(w[f"{prefix}.w2.weight"], requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], layer: int):
+        super().__init__()
+        prefix = f"layers.{layer}"
+        self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm.weight"], config.rms_norm_eps)
+        self.attention = Attention(config, w, prefix)
+        self.ffn_norm = RMSNorm(w[f"{prefix}.ffn_norm.weight"], config.rms_norm_eps)
+        self.feed_forward = FeedForward(w, prefix)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.attention(self.attn_norm(x), positions, rope, cache, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LlamaStage(nn.Module):
+    """Layers ``[start, end)`` of a Llama-family model.
+
+    ``forward`` takes token ids (T,) in the first stage and hidden states (T, hidden)
+    in the others; it returns float32 logits for the rows named by ``logits_indices`` in
+    the last stage, and hidden states in the others. ``kv_caches[j]`` is the cache of
+    layer ``start + j``; the caller owns the caches and their block ids.
+    """
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
+                 layer_range: tuple[int, int] | None = None, max_positions: int | None = None):
+        super().__init__()
+        start, end = layer_range or (0, config.num_layers)
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"layer range [{start}, {end}) is not within [0, {config.num_layers})")
+        self.config, self.start, self.end = config, start, end
+        self.is_first, self.is_last = start == 0, end == config.num_layers
+        self.embed = nn.Parameter(weights["embed.weight"], requires_grad=False) if self.is_first else None
+        self.layers = nn.ModuleList(TransformerBlock(config, weights, i) for i in range(start, end))
+        self.norm = self.lm_head = None
+        if self.is_last:
+            self.norm = RMSNorm(weights["norm.weight"], config.rms_norm_eps)
+            head = weights["embed.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
+            self.lm_head = nn.Parameter(head, requires_grad=False)
+        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings,
+                                    weights.get("rope_freq_factors"))
+
+    @property
+    def num_layers(self) -> int:
+        return self.end - self.start
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0].attention.wqkv.dtype
+
+    def make_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
+        device = self.layers[0].attention.wqkv.device
+        return [KVCache.empty(num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim,
+                              self.dtype, device) for _ in range(self.num_layers)]
+
+    @torch.inference_mode()
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        x = F.embedding(inputs, self.embed) if self.is_first else inputs  # (T, hidden)
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rope, cache, meta)
+        if not self.is_last:
+            return x
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return F.linear(self.norm(x), self.lm_head).float()  # (N, vocab)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Memory one block of this stage's K/V takes, over all its layers."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.config.num_kv_heads * self.config.head_dim * elem
