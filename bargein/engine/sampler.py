@@ -1,0 +1,281 @@
+"""Batched sampling: one row of logits per request -> one token per request.
+
+Per row, in this order (see ``SamplingParams``):
+
+1. ``adjust_logits``: mask eos and ``stop_token_ids`` while fewer than ``min_tokens``
+   tokens were generated; add ``logit_bias``; apply ``repetition_penalty`` over prompt
+   and output tokens (positive logits divided, negative multiplied); subtract
+   ``presence_penalty * (count > 0) + frequency_penalty * count`` over output tokens.
+2. ``truncate_logits``: a greedy row keeps only its argmax. Otherwise divide by the
+   temperature, then keep the ``top_k`` largest, then the smallest prefix by probability
+   whose mass reaches ``top_p``, then the tokens whose probability is at least ``min_p``
+   times the largest. Dropped tokens become -inf. Ties at a cut are all kept.
+3. Draw: ``argmax(kept_logits + gumbel)``, where the Gumbel noise comes from the row's own
+   generator (the exponential-race trick, in log space). That samples exactly from
+   ``softmax(kept_logits)``.
+
+Reproducibility: each non-greedy row draws exactly ``V`` uniforms per step from its
+request's ``torch.Generator`` and nothing from any shared RNG, and every operation works
+row by row, so a seeded request's tokens do not depend on what else is in the batch or
+where its row is.
+
+Log-probabilities are of the model's distribution, ``log_softmax`` of the raw logits
+passed to ``sample``, before bias, penalties, temperature and truncation: they say what
+the model thought, not how the token was picked.
+
+Device syncs: none until the chosen token ids (and log-probabilities) are copied to
+Python at the end of ``sample``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from bargein.engine.sampling import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs to know about one request, owned by the request.
+
+    The sampler reads ``params``, ``prompt_token_ids`` and ``output_token_ids`` and
+    advances ``generator``; it never appends to ``output_token_ids``: the caller appends
+    each token it accepts, so a token dropped by a cancel never counts for penalties.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]  # for repetition_penalty
+    output_token_ids: list[int]  # tokens generated so far, appended by the caller
+    generator: torch.Generator  # this request's private random stream
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # masked for min_tokens
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        eos_token_ids: Iterable[int] = (),
+        device: torch.device | str = "cpu",
+    ) -> SamplingState:
+        """A fresh state whose generator is seeded from ``params.seed``, else at random.
+
+        ``device`` is where the generator draws; draw where the logits live to avoid a
+        copy per step.
+        """
+        generator = torch.Generator(device=device)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        generator.manual_seed(seed)
+        return cls(params, prompt_token_ids, [], generator, frozenset(eos_token_ids))
+
+    @property
+    def masks_eos(self) -> bool:
+        """Whether eos and ``stop_token_ids`` are masked now (``min_tokens`` not reached)."""
+        return len(self.output_token_ids) < self.params.min_tokens
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token and, if the request asked for them, log-probabilities."""
+
+    token_id: int
+    logprob: float | None  # of the sampled token under the model; None without logprobs
+    top_logprobs: tuple[tuple[int, float], ...]  # (token_id, logprob), best first
+
+
+class Sampler:
+    """Picks one token per row of a (B, V) logits tensor; holds no state of its own."""
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
+        """Sample row i of ``logits`` for ``states[i]``, advancing its generator."""
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(
+                f"logits must be (len(states), V) = ({len(states)}, V), got {tuple(logits.shape)}"
+            )
+        logits = logits.float()
+        if all(_plain_greedy(state) for state in states):
+            # Fast path: nothing to adjust and nothing to report, one batched argmax.
+            return [SampledToken(t, None, ()) for t in logits.argmax(dim=-1).tolist()]
+        kept = truncate_logits(adjust_logits(logits, states), [s.params for s in states])
+        token_ids = (kept + _gumbel_noise(logits, states)).argmax(dim=-1)  # (B,)
+        return _with_logprobs(logits, token_ids, states)
+
+
+def adjust_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Step 1: min_tokens masking, logit bias, repetition, presence and frequency penalties.
+
+    Returns a new (B, V) tensor; ``logits`` is not changed.
+    """
+    logits = logits.clone()
+    rows, cols = _flat_indices(
+        (row, state.eos_token_ids | frozenset(state.params.stop_token_ids))
+        for row, state in enumerate(states)
+        if state.masks_eos
+    )
+    if rows:
+        logits[_index(rows, logits), _index(cols, logits)] = float("-inf")
+
+    rows, cols = _flat_indices(
+        (row, [token_id for token_id, _ in state.params.logit_bias])
+        for row, state in enumerate(states)
+    )
+    if rows:
+        biases = [bias for state in states for _, bias in state.params.logit_bias]
+        logits.index_put_(
+            (_index(rows, logits), _index(cols, logits)),
+            torch.tensor(biases, dtype=logits.dtype, device=logits.device),
+            accumulate=True,
+        )
+
+    if any(state.params.repetition_penalty != 1.0 for state in states):
+        logits = _repetition_penalty(logits, states)
+    if any(s.params.presence_penalty or s.params.frequency_penalty for s in states):
+        logits = _presence_frequency_penalty(logits, states)
+    return logits
+
+
+def truncate_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Step 2: temperature, top_k, top_p and min_p; dropped tokens become -inf.
+
+    Kept tokens hold ``(logit - row_max) / temperature``, so ``softmax`` of a row is the
+    distribution that row samples from. A greedy row keeps exactly its (first) argmax.
+    """
+    # Shifting by the row max before dividing keeps a tiny temperature from overflowing:
+    # the best token is 0 and the rest go to -inf, which is the right limit.
+    row_max = logits.max(dim=-1, keepdim=True).values
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    temperature = _column([p.temperature if not p.greedy else 1.0 for p in params], logits)
+    scaled = (logits - row_max) / temperature  # (B, V)
+
+    threshold = torch.full_like(row_max, float("-inf"))  # (B, 1): keep scaled >= threshold
+    vocab_size = logits.shape[-1]
+    if any(p.top_k is not None or p.top_p < 1.0 for p in params):
+        sorted_desc = scaled.sort(dim=-1, descending=True).values  # (B, V)
+        top_k = [min(p.top_k or vocab_size, vocab_size) for p in params]
+        kth = sorted_desc.gather(1, _column(top_k, logits, torch.long) - 1)  # (B, 1)
+        sorted_desc = torch.where(sorted_desc >= kth, sorted_desc, float("-inf"))
+        probs = sorted_desc.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # nondecreasing, so `within` is a prefix
+        within = mass_before < _column([p.top_p for p in params], logits)
+        within |= _column([p.top_p == 1.0 for p in params], logits, torch.bool)
+        last_kept = sorted_desc.gather(1, within.sum(dim=-1, keepdim=True) - 1)
+        threshold = torch.maximum(kth, last_kept)
+    if any(p.min_p > 0.0 for p in params):
+        # p / p_max >= min_p  <=>  scaled >= log(min_p), since the best token is at 0.
+        log_min_p = _column([p.min_p for p in params], logits).log()
+        threshold = torch.maximum(threshold, log_min_p)
+    kept = torch.where(scaled >= threshold, scaled, float("-inf"))
+
+    if any(p.greedy for p in params):
+        best = logits.argmax(dim=-1, keepdim=True)
+        one_hot = torch.full_like(logits, float("-inf")).scatter_(1, best, 0.0)
+        kept = torch.where(_column([p.greedy for p in params], logits, torch.bool), one_hot, kept)
+    return kept
+
+
+def _plain_greedy(state: SamplingState) -> bool:
+    """Whether the row's token is simply the argmax of the raw logits, with no logprobs."""
+    p = state.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and not (state.masks_eos and (state.eos_token_ids or p.stop_token_ids))
+    )
+
+
+def _gumbel_noise(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """(B, V) Gumbel noise, V draws from each non-greedy row's generator; 0 for greedy rows."""
+    vocab_size = logits.shape[-1]
+    tiny = torch.finfo(torch.float32).tiny
+    rows = []
+    for state in states:
+        if state.params.greedy:
+            rows.append(torch.zeros(vocab_size, device=logits.device))
+            continue
+        g = state.generator
+        uniform = torch.rand(vocab_size, generator=g, device=g.device).to(logits.device)
+        # -log(u) ~ Exp(1) and -log(Exp(1)) ~ Gumbel; clamping u keeps both finite.
+        rows.append(-(-uniform.clamp_min(tiny).log()).log())
+    return torch.stack(rows)
+
+
+def _with_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, states: Sequence[SamplingState]
+) -> list[SampledToken]:
+    """Package the chosen tokens with the model's log-probabilities where asked for."""
+    wanted = [state.params.logprobs for state in states]
+    if all(n is None for n in wanted):
+        return [SampledToken(t, None, ()) for t in token_ids.tolist()]
+    logprobs = logits.log_softmax(dim=-1)  # of the raw logits: the model's distribution
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    num_top = max(n for n in wanted if n is not None)
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    # The first .tolist() waits for the device; the later ones find the work done.
+    ids, values = token_ids.tolist(), chosen.tolist()
+    top_ids = top.indices.tolist() if top is not None else [[] for _ in states]
+    top_values = top.values.tolist() if top is not None else [[] for _ in states]
+    out = []
+    for row, n in enumerate(wanted):
+        if n is None:
+            out.append(SampledToken(ids[row], None, ()))
+        else:
+            alternatives = tuple(zip(top_ids[row][:n], top_values[row][:n], strict=True))
+            out.append(SampledToken(ids[row], values[row], alternatives))
+    return out
+
+
+def _repetition_penalty(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    seen_rows, seen_cols = _flat_indices(
+        (row, [*state.prompt_token_ids, *state.output_token_ids])
+        for row, state in enumerate(states)
+        if state.params.repetition_penalty != 1.0
+    )
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    seen[_index(seen_rows, logits), _index(seen_cols, logits)] = True
+    penalty = _column([s.params.repetition_penalty for s in states], logits)
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+def _presence_frequency_penalty(
+    logits: torch.Tensor, states: Sequence[SamplingState]
+) -> torch.Tensor:
+    rows, cols = _flat_indices((row, state.output_token_ids) for row, state in enumerate(states))
+    counts = torch.zeros_like(logits)
+    counts.index_put_(
+        (_index(rows, logits), _index(cols, logits)),
+        torch.ones(len(rows), dtype=logits.dtype, device=logits.device),
+        accumulate=True,
+    )
+    presence = _column([s.params.presence_penalty for s in states], logits)
+    frequency = _column([s.params.frequency_penalty for s in states], logits)
+    return logits - presence * (counts > 0) - frequency * counts
+
+
+def _flat_indices(
+    row_tokens: Iterable[tuple[int, Iterable[int]]],
+) -> tuple[list[int], list[int]]:
+    """(row, token ids) pairs -> parallel row and column index lists for one index_put."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, tokens in row_tokens:
+        tokens = list(tokens)
+        rows.extend([row] * len(tokens))
+        cols.extend(tokens)
+    return rows, cols
+
+
+def _index(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)
+
+
+def _column(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Per-row values as a (B, 1) tensor on ``like``'s device, to broadcast over V."""
+    return torch.tensor(values, dtype=dtype or like.dtype, device=like.device).unsqueeze(1)
