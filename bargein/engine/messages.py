@@ -1,0 +1,40 @@
+"""Typed messages into the engine's ordered inbox.
+
+New requests, cancels and calls from other threads go through one FIFO queue, drained
+by the engine's own thread at step boundaries, so none is lost or applied twice, and a
+cancel sent after an add is always applied after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from bargein.engine.request import CancelReason, Request
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: Request
+    session_id: str | None = None  # generate onto this conversation's sequence
+    new_token_ids: tuple[int, ...] = ()  # appended to the session's sequence first
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+    reason: CancelReason
+    requested_at: float  # time.monotonic(), for cancel latency
+
+
+@dataclass(frozen=True)
+class CallInEngine:
+    """Runs ``fn`` in the engine's thread between steps; its result or error goes to ``future``."""
+
+    fn: Callable[[], Any]
+    future: Future = field(default_factory=Future)
+
+
+EngineMessage = AddRequest | AbortRequest | CallInEngine

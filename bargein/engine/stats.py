@@ -1,0 +1,43 @@
+"""Counters the engine keeps, and the snapshot it reports."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A point-in-time view of the engine (``engine.stats()``)."""
+
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_blocks_used: int
+    block_size: int
+    running: int
+    waiting: int
+    conversations: int
+    steps: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_hit_blocks: int
+    prefix_cache_query_blocks: int
+    computed_tokens: int
+    generated_tokens: int
+    preemptions: int
+    finished: dict[str, int]  # by finish reason
+    cancelled: dict[str, int]  # by cancel reason
+
+
+@dataclass
+class EngineCounters:
+    """Mutable tallies, owned by the engine thread."""
+
+    steps: int = 0
+    generated_tokens: int = 0
+    finished: Counter = field(default_factory=Counter)
+    cancelled: Counter = field(default_factory=Counter)
+    # Recent samples for latency reporting (seconds); bounded so memory stays flat.
+    cancel_latencies: deque = field(default_factory=lambda: deque(maxlen=4096))
+    cancel_latency_steps: deque = field(default_factory=lambda: deque(maxlen=4096))
+    step_durations: deque = field(default_factory=lambda: deque(maxlen=4096))
