@@ -1,0 +1,219 @@
+"""GGUF files: config from metadata, canonical weights from tensors.
+
+Reading goes through gguf.GGUFReader; dequantization through bargein.loader.dequant.
+llama.cpp stores Q/K of the ``llama`` architecture in an interleaved RoPE layout; it is
+put back into the Hugging Face "rotate_half" layout here, so the model sees one layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+from tqdm import tqdm
+
+from bargein.config import ModelConfig
+from bargein.loader.dequant import SUPPORTED_TYPES, dequantize
+from bargein.loader.errors import CorruptModelError, UnsupportedModelError
+from bargein.loader.names import check_layer_range, wanted_tensors
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+# Architectures whose Q/K llama.cpp's converter permuted (qwen2 keeps the HF layout).
+PERMUTED_ARCHS = ("llama",)
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that slices a plain ndarray view instead of the np.memmap subclass.
+
+    Same data, same mapping; it avoids memmap's per-slice bookkeeping, which made
+    parsing the 100k tokenizer strings of a small model take seconds.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        dt = np.dtype(dtype)
+        count = int(count)
+        arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr.view(arr.dtype.newbyteorder(order))
+
+
+class GGUFFile:
+    """An opened GGUF file: metadata fields and tensors by name."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.reader = _Reader(path)
+        except Exception as exc:  # gguf raises ValueError/IndexError/... on malformed files
+            raise CorruptModelError(f"{path}: not a readable GGUF file ({exc})") from exc
+        self.tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
+
+    def has(self, key: str) -> bool:
+        return key in self.reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A scalar, string or (small) array metadata value; ``default`` when absent."""
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            raise CorruptModelError(f"{self.path}: metadata key {key!r} is missing")
+        return field.contents()
+
+    def strings(self, key: str) -> list[str] | None:
+        """A string-array field, decoded fast (tokenizer vocabularies are large)."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            return None
+        _check_array_of(field, GGUFValueType.STRING, self.path)
+        return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+
+    def ints(self, key: str) -> list[int] | None:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return None
+        return [int(field.parts[i][0]) for i in field.data]
+
+    def floats(self, key: str) -> list[float] | None:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return None
+        return [float(field.parts[i][0]) for i in field.data]
+
+    def tensor(self, name: str, shape_hint: str = "") -> torch.Tensor:
+        """Dequantized float32 tensor in torch shape (GGUF lists dims innermost first)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise CorruptModelError(f"{self.path}: tensor {name!r} is missing{shape_hint}")
+        qtype = GGMLQuantizationType(info.tensor_type)
+        if qtype not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"{self.path}: tensor {name!r} has type {qtype.name}, which bargein cannot "
+                f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+            )
+        shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+        if info.data.nbytes != int(info.n_bytes):
+            raise CorruptModelError(
+                f"{self.path}: tensor {name!r} is truncated ({info.data.nbytes} of "
+                f"{int(info.n_bytes)} bytes present)"
+            )
+        return dequantize(info.data, qtype, shape)
+
+
+def _check_array_of(field: ReaderField, item: GGUFValueType, path: Path) -> None:
+    if field.types[:1] != [GGUFValueType.ARRAY] or field.types[1:2] != [item]:
+        raise CorruptModelError(f"{path}: metadata {field.name!r} is not an array of {item.name}")
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: Path, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """Open (or reuse) a GGUF file; config, weights and tokenizer all read the same one."""
+    stat = path.stat()
+    return _open_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+def read_gguf_config(path: Path, name: str) -> ModelConfig:
+    """ModelConfig from GGUF metadata. Unknown architectures and RoPE scalings are refused."""
+    f = open_gguf(path)
+    arch = f.require("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(
+            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+
+    def key(k: str) -> str:
+        return f"{arch}.{k}"
+
+    hidden = int(f.require(key("embedding_length")))
+    num_heads = int(f.require(key("attention.head_count")))
+    head_dim = int(f.get(key("attention.key_length"), hidden // num_heads))
+    rope_dim = f.get(key("rope.dimension_count"))
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise UnsupportedModelError(
+            f"{path}: partial rotary ({rope_dim} of {head_dim}) is not supported"
+        )
+    scaling = f.get(key("rope.scaling.type"), "none")
+    if scaling not in ("none", "") and "rope_freqs.weight" not in f.tensors:
+        raise UnsupportedModelError(f"{path}: RoPE scaling type {scaling!r} is not supported")
+    if "token_embd.weight" not in f.tensors:
+        raise CorruptModelError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab_size = int(f.tensors["token_embd.weight"].shape[-1])
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(f.require(key("feed_forward_length"))),
+        num_layers=int(f.require(key("block_count"))),
+        num_heads=num_heads,
+        num_kv_heads=int(f.get(key("attention.head_count_kv"), num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(f.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
+        rope_theta=float(f.get(key("rope.freq_base"), 10000.0)),
+        max_position_embeddings=int(f.get(key("context_length"), 4096)),
+        tie_word_embeddings="output.weight" not in f.tensors,
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        name=name,
+    )
+
+
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Invert llama.cpp's ``w.reshape(n, 2, d // n // 2, *rest).swapaxes(1, 2)``.
+
+    Works for weights (out, in) and biases (out,): rows of each head go from interleaved
+    pairs (x0, y0, x1, y1, ...) back to halves (x0, x1, ..., y0, y1, ...).
+    """
+    rest = w.shape[1:]
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def load_gguf_weights(
+    path: Path,
+    config: ModelConfig,
+    *,
+    layer_range: tuple[int, int] | None,
+    dtype: torch.dtype,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    """Canonical tensors for layers [start, end) (see bargein.loader.names)."""
+    f = open_gguf(path)
+    start, end = check_layer_range(config, layer_range)
+    wanted = {
+        canon: gguf_name for canon, (gguf_name, _) in wanted_tensors(config, start, end).items()
+    }
+    if "rope_freqs.weight" in f.tensors:
+        wanted["rope_freq_factors"] = "rope_freqs.weight"
+    arch = f.get("general.architecture")
+    weights: dict[str, torch.Tensor] = {}
+    for canon, gguf_name in _progress(wanted.items(), len(wanted), config.name, progress):
+        w = f.tensor(gguf_name)
+        if arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon):
+            w = unpermute_qk(w, config.num_heads if ".wq." in canon else config.num_kv_heads)
+        weights[canon] = w.to(dtype)
+    return weights
+
+
+def _progress(items: Any, total: int, name: str, enabled: bool) -> Iterator[Any]:
+    return iter(
+        tqdm(
+            items,
+            total=total,
+            desc=f"Loading {name}",
+            unit="tensor",
+            file=sys.stderr,
+            disable=not enabled,
+        )
+    )

@@ -1,0 +1,150 @@
+"""Hugging Face model folders: config.json and (sharded) *.safetensors.
+
+Never unpickles: only safetensors weights are read.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from bargein.config import ModelConfig, RopeScaling
+from bargein.loader.errors import CorruptModelError, UnsupportedModelError
+from bargein.loader.names import check_layer_range, wanted_tensors
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CorruptModelError(f"{path}: file is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptModelError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def read_hf_config(folder: Path, name: str) -> ModelConfig:
+    """ModelConfig from config.json; unknown architectures and RoPE scalings are refused."""
+    path = folder / "config.json"
+    cfg = read_json(path)
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise UnsupportedModelError(
+            f"{path}: architecture {archs or cfg.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    try:
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        return ModelConfig(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=_rope_scaling(cfg, path),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama declares them with attention_bias
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            name=name,
+        )
+    except KeyError as exc:
+        raise CorruptModelError(f"{path}: required key {exc.args[0]!r} is missing") from None
+
+
+def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """rope_scaling (transformers 4) or rope_parameters (transformers 5), whichever is set."""
+    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+
+
+def _rope_scaling(cfg: dict[str, Any], path: Path) -> RopeScaling | None:
+    params = _rope_params(cfg)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind != "llama3":
+        raise UnsupportedModelError(f"{path}: RoPE scaling type {kind!r} is not supported")
+    return RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _weight_map(folder: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (index json, or every file's header)."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        entries = read_json(index).get("weight_map")
+        if not isinstance(entries, dict):
+            raise CorruptModelError(f"{index}: no 'weight_map' object")
+        return {name: folder / file for name, file in entries.items()}
+    mapping: dict[str, Path] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with _open(file) as handle:
+            mapping.update({name: file for name in handle.keys()})  # noqa: SIM118 (not a dict)
+    return mapping
+
+
+def _open(file: Path) -> Any:
+    if not file.is_file():
+        raise CorruptModelError(f"{file}: safetensors file is missing")
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types on bad headers
+        raise CorruptModelError(f"{file}: not a readable safetensors file ({exc})") from exc
+
+
+def load_hf_weights(
+    folder: Path,
+    config: ModelConfig,
+    *,
+    layer_range: tuple[int, int] | None,
+    dtype: torch.dtype,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    """Canonical tensors for layers [start, end), read shard by shard."""
+    start, end = check_layer_range(config, layer_range)
+    wanted = {canon: hf_name for canon, (_, hf_name) in wanted_tensors(config, start, end).items()}
+    where = _weight_map(folder)
+    for canon, hf_name in wanted.items():
+        if hf_name not in where:
+            raise CorruptModelError(f"{folder}: tensor {hf_name!r} is missing (for {canon})")
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for canon, hf_name in wanted.items():
+        by_file.setdefault(where[hf_name], []).append((canon, hf_name))
+    weights: dict[str, torch.Tensor] = {}
+    bar = tqdm(
+        total=len(wanted),
+        desc=f"Loading {config.name}",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    with bar:
+        for file, names in by_file.items():
+            with _open(file) as handle:
+                for canon, hf_name in names:
+                    try:
+                        weights[canon] = handle.get_tensor(hf_name).to(dtype)
+                    except Exception as exc:
+                        raise CorruptModelError(
+                            f"{file}: cannot read tensor {hf_name!r} ({exc})"
+                        ) from exc
+                    bar.update()
+    return {canon: weights[canon] for canon in wanted}

@@ -1,0 +1,94 @@
+"""Canonical weight names, and which of them a layer range [start, end) holds."""
+
+from __future__ import annotations
+
+from bargein.config import ModelConfig
+
+# per-layer canonical suffix -> (GGUF tensor name suffix, HF tensor name suffix)
+LAYER_TENSORS: dict[str, tuple[str, str]] = {
+    "attn_norm.weight": ("attn_norm.weight", "input_layernorm.weight"),
+    "wq.weight": ("attn_q.weight", "self_attn.q_proj.weight"),
+    "wk.weight": ("attn_k.weight", "self_attn.k_proj.weight"),
+    "wv.weight": ("attn_v.weight", "self_attn.v_proj.weight"),
+    "wo.weight": ("attn_output.weight", "self_attn.o_proj.weight"),
+    "ffn_norm.weight": ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    "w1.weight": ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    "w2.weight": ("ffn_down.weight", "mlp.down_proj.weight"),
+    "w3.weight": ("ffn_up.weight", "mlp.up_proj.weight"),
+}
+BIAS_TENSORS: dict[str, tuple[str, str]] = {
+    "wq.bias": ("attn_q.bias", "self_attn.q_proj.bias"),
+    "wk.bias": ("attn_k.bias", "self_attn.k_proj.bias"),
+    "wv.bias": ("attn_v.bias", "self_attn.v_proj.bias"),
+}
+# global canonical name -> (GGUF name, HF name)
+GLOBAL_TENSORS: dict[str, tuple[str, str]] = {
+    "embed.weight": ("token_embd.weight", "model.embed_tokens.weight"),
+    "norm.weight": ("output_norm.weight", "model.norm.weight"),
+    "lm_head.weight": ("output.weight", "lm_head.weight"),
+}
+
+
+def check_layer_range(config: ModelConfig, layer_range: tuple[int, int] | None) -> tuple[int, int]:
+    """None -> all layers; otherwise validate 0 <= start < end <= num_layers."""
+    if layer_range is None:
+        return 0, config.num_layers
+    start, end = layer_range
+    if not 0 <= start < end <= config.num_layers:
+        raise ValueError(
+            f"layer_range {layer_range} is not within [0, {config.num_layers}) or is empty"
+        )
+    return start, end
+
+
+def wanted_tensors(config: ModelConfig, start: int, end: int) -> dict[str, tuple[str, str]]:
+    """Canonical name -> (GGUF name, HF name) for every tensor layers [start, end) need.
+
+    The embedding goes to the first stage, and also to the last one when the head is tied
+    to it; the final norm and an untied head go to the last stage.
+    """
+    wanted: dict[str, tuple[str, str]] = {}
+    last = end == config.num_layers
+    if start == 0 or (last and config.tie_word_embeddings):
+        wanted["embed.weight"] = GLOBAL_TENSORS["embed.weight"]
+    per_layer = dict(LAYER_TENSORS)
+    if config.attention_bias:
+        per_layer.update(BIAS_TENSORS)
+    for i in range(start, end):
+        for suffix, (gguf_suffix, hf_suffix) in per_layer.items():
+            wanted[f"layers.{i}.{suffix}"] = (
+                f"blk.{i}.{gguf_suffix}",
+                f"model.layers.{i}.{hf_suffix}",
+            )
+    if last:
+        wanted["norm.weight"] = GLOBAL_TENSORS["norm.weight"]
+        if not config.tie_word_embeddings:
+            wanted["lm_head.weight"] = GLOBAL_TENSORS["lm_head.weight"]
+    return wanted
+
+
+def expected_shape(config: ModelConfig, canon: str) -> tuple[int, ...] | None:
+    """The torch shape a canonical tensor must have; None for ones without a fixed shape."""
+    h, q, kv = (
+        config.hidden_size,
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+    )
+    suffix = canon.split(".", 2)[-1] if canon.startswith("layers.") else canon
+    return {
+        "embed.weight": (config.vocab_size, h),
+        "lm_head.weight": (config.vocab_size, h),
+        "norm.weight": (h,),
+        "attn_norm.weight": (h,),
+        "ffn_norm.weight": (h,),
+        "wq.weight": (q, h),
+        "wk.weight": (kv, h),
+        "wv.weight": (kv, h),
+        "wo.weight": (h, q),
+        "wq.bias": (q,),
+        "wk.bias": (kv,),
+        "wv.bias": (kv,),
+        "w1.weight": (config.intermediate_size, h),
+        "w3.weight": (config.intermediate_size, h),
+        "w2.weight": (h, config.intermediate_size),
+    }.get(suffix)
