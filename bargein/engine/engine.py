@@ -41,6 +41,7 @@ from bargein.engine.request import (
     FinishReason,
     Request,
     RequestOutput,
+    RequestStatus,
     Sequence as TokenSequence,
     TokenLogprob,
 )
@@ -48,7 +49,7 @@ from bargein.engine.runner import ModelRunner
 from bargein.engine.sampler import SampledToken, Sampler, SamplingState
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
-from bargein.engine.stats import EngineCounters, EngineStats
+from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo
 from bargein.model.llama import LlamaStage
 
 log = logging.getLogger("bargein.engine")
@@ -456,6 +457,24 @@ class Engine:
             finished=dict(self.counters.finished),
             cancelled=dict(self.counters.cancelled),
         )
+
+    def list_requests(self) -> list[RequestInfo]:
+        """Queued and running requests, oldest first (engine thread)."""
+        now = time.monotonic()
+        names = {RequestStatus.WAITING: "queued", RequestStatus.RUNNING: "running",
+                 RequestStatus.PREEMPTED: "preempted"}
+        infos = []
+        for req in sorted(self.scheduler.requests.values(), key=lambda r: r.arrival_time):
+            infos.append(RequestInfo(
+                request_id=req.request_id,
+                status=names.get(req.status, req.status.name.lower()),
+                prompt_tokens=req.prompt_len,
+                completion_tokens=req.num_output_tokens,
+                age_s=now - req.arrival_time,
+                deadline_s=None if req.deadline is None else max(0.0, req.deadline - now),
+                session_id=None if req.owns_sequence else req.sequence.seq_id,
+            ))
+        return infos
 
     def check_block_accounting(self) -> None:
         """Asserts contract C5 against every live block table (for tests and debugging)."""

@@ -29,6 +29,19 @@ class EngineStats:
     cancelled: dict[str, int]  # by cancel reason
 
 
+@dataclass(frozen=True)
+class RequestInfo:
+    """One queued or running request, as ``GET /v1/requests`` lists it."""
+
+    request_id: str
+    status: str  # "queued" | "running" | "preempted"
+    prompt_tokens: int
+    completion_tokens: int
+    age_s: float
+    deadline_s: float | None  # seconds left until its deadline
+    session_id: str | None
+
+
 @dataclass
 class EngineCounters:
     """Mutable tallies, owned by the engine thread."""
