@@ -80,11 +80,11 @@ def test_q4_k_hand_built_block() -> None:
         packed[j] = scales[j] | ((scales[j + 4] >> 4) << 6)
         packed[j + 4] = mins[j] | ((mins[j + 4] >> 4) << 6)
         packed[j + 8] = (scales[j + 4] & 0xF) | ((mins[j + 4] & 0xF) << 4)
-    quants = [(l * 7 + j) % 16 for j in range(8) for l in range(32)]  # sub-block j, element l
+    quants = [(e * 7 + j) % 16 for j in range(8) for e in range(32)]  # sub-block j, element e
     qs = bytearray(128)
     for g in range(4):  # each 32 bytes: low nibbles = sub-block 2g, high = 2g + 1
-        for l in range(32):
-            qs[32 * g + l] = quants[64 * g + l] | (quants[64 * g + 32 + l] << 4)
+        for e in range(32):
+            qs[32 * g + e] = quants[64 * g + e] | (quants[64 * g + 32 + e] << 4)
     block = _f16_bytes(0.5) + _f16_bytes(0.25) + bytes(packed) + bytes(qs)
     expected = [0.5 * scales[i // 32] * quants[i] - 0.25 * mins[i // 32] for i in range(256)]
     got = dequantize(np.frombuffer(block, np.uint8), GGMLQuantizationType.Q4_K, (256,))
@@ -99,11 +99,11 @@ def test_q5_k_hand_built_block() -> None:
     qh = bytearray(32)
     qs = bytearray(128)
     for j in range(8):
-        for l in range(32):
-            q = quants[32 * j + l]
-            qh[l] |= (q >> 4) << j
+        for e in range(32):
+            q = quants[32 * j + e]
+            qh[e] |= (q >> 4) << j
             nibble = q & 0xF
-            qs[32 * (j // 2) + l] |= nibble if j % 2 == 0 else nibble << 4
+            qs[32 * (j // 2) + e] |= nibble if j % 2 == 0 else nibble << 4
     block = _f16_bytes(d) + _f16_bytes(1.0) + packed + bytes(qh) + bytes(qs)
     got = dequantize(np.frombuffer(block, np.uint8), GGMLQuantizationType.Q5_K, (256,))
     assert got.tolist() == [d * q for q in quants]
@@ -118,11 +118,11 @@ def test_q6_k_hand_built_block() -> None:
     ql, qh = bytearray(128), bytearray(64)
     for half in range(2):
         for quarter in range(4):
-            for l in range(32):
-                q = quants[128 * half + 32 * quarter + l]
-                ql_index = 64 * half + 32 * (quarter % 2) + l
+            for e in range(32):
+                q = quants[128 * half + 32 * quarter + e]
+                ql_index = 64 * half + 32 * (quarter % 2) + e
                 ql[ql_index] |= (q & 0xF) << (4 * (quarter // 2))
-                qh[32 * half + l] |= (q >> 4) << (2 * quarter)
+                qh[32 * half + e] |= (q >> 4) << (2 * quarter)
     block = bytes(ql) + bytes(qh) + np.array(scales, np.int8).tobytes() + _f16_bytes(d)
     got = dequantize(np.frombuffer(block, np.uint8), GGMLQuantizationType.Q6_K, (256,))
     assert got.tolist() == [d * scales[i // 16] * (quants[i] - 32) for i in range(256)]
