@@ -20,10 +20,11 @@ function inline(escaped) {
   let s = escaped.replace(/`([^`]+)`/g, (_, code) => keep(`<code>${code}</code>`));
   s = s.replace(/\[([^\]]+)\]\((https?:\/\/[^\s)]+)\)/g, (_, label, url) =>
     keep(`<a href="${url}" target="_blank" rel="noopener noreferrer">${label}</a>`));
-  s = s.replace(/(^|[\s(])(https?:\/\/[^\s<)]+[^\s<).,;:!?])/g, (_, pre, url) =>
+  // Bare URLs, also inside quotes (escaped above, hence the entities in the pattern).
+  s = s.replace(/(^|[\s(]|&quot;|&#39;|&lt;)(https?:\/\/(?:(?!&quot;|&#39;|&lt;|&gt;)[^\s)])*[^\s).,;:!?&])/g, (_, pre, url) =>
     pre + keep(`<a href="${url}" target="_blank" rel="noopener noreferrer">${url}</a>`));
   s = s.replace(/\*\*(?=\S)(.+?)\*\*/g, "<strong>$1</strong>");
-  s = s.replace(/__(?=\S)(.+?)__/g, "<strong>$1</strong>");
+  s = s.replace(/(^|\W)__(?=\S)(.+?)__(?!\w)/g, "$1<strong>$2</strong>");
   s = s.replace(/(^|[^*\w])\*(?=\S)([^*]+?)\*(?![*\w])/g, "$1<em>$2</em>");
   s = s.replace(/(^|[^_\w])_(?=\S)([^_]+?)_(?![_\w])/g, "$1<em>$2</em>");
   // Restore twice: a link label may itself contain a code span.
