@@ -1,0 +1,105 @@
+"""The bundled model's tokenizer against the Hugging Face reference (AutoTokenizer on the
+same GGUF), and the tokenizer contract the engine relies on."""
+
+from __future__ import annotations
+
+import pytest
+
+from bargein.loader import Tokenizer, load_tokenizer, resolve_model_ref
+
+TEXTS = [
+    "",
+    "Hello, world!",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>",
+    "a<|im_end|>b<|endoftext|><|im_start|>",
+    "<|im_start|> spaced <|im_end|>  ",
+    "   leading and trailing   ",
+    "tabs\tand\n\nnewlines\r\n   \n",
+    "many     spaces      here",
+    "digits 1234567890 3.14159 -42 1e10 0x1F",
+    "emoji 😀👍🏽👨‍👩‍👧 🎉!",
+    "CJK 日本語のテキスト 中文 한국어",
+    "mixed: café naïve Ünïcödé — “quotes” ‘single’ …",
+    "code: def f(x):\n    return x ** 2  # comment\n",
+    "don't won't it's we're they'll I'd I'm",
+    "<|im_start|> not <|im_start at all <im_end|>",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(resolve_model_ref(None))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    transformers = pytest.importorskip("transformers")
+    path = resolve_model_ref(None).path
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_equals_reference(tokenizer: Tokenizer, reference, add_special_tokens: bool) -> None:
+    for text in TEXTS:
+        expected = reference(text, add_special_tokens=add_special_tokens)["input_ids"]
+        assert tokenizer.encode(text, add_special_tokens=add_special_tokens) == expected, text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_equals_reference(
+    tokenizer: Tokenizer, reference, skip_special_tokens: bool
+) -> None:
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        expected = reference.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) == expected, text
+
+
+@pytest.mark.slow
+def test_special_ids_equal_reference(tokenizer: Tokenizer, reference) -> None:
+    assert tokenizer.bos_token_id == reference.bos_token_id
+    assert reference.eos_token_id in tokenizer.eos_token_ids
+    assert tokenizer.vocab_size == len(reference)
+    assert (
+        tokenizer.special_token_ids == set(reference.all_special_ids) | tokenizer.special_token_ids
+    )
+    assert set(reference.all_special_ids) <= tokenizer.special_token_ids
+
+
+@pytest.mark.slow
+def test_decode_round_trips(tokenizer: Tokenizer) -> None:
+    for text in TEXTS:
+        assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=False) == text
+
+
+@pytest.mark.slow
+def test_control_tokens_are_single_special_tokens(tokenizer: Tokenizer) -> None:
+    im_start, im_end = tokenizer.encode("<|im_start|><|im_end|>")
+    assert {im_start, im_end} <= tokenizer.special_token_ids
+    assert tokenizer.decode([im_start, im_end]) == ""
+    assert (
+        tokenizer.decode([im_start, im_end], skip_special_tokens=False) == "<|im_start|><|im_end|>"
+    )
+
+
+@pytest.mark.slow
+def test_eos_ids_include_end_of_turn(tokenizer: Tokenizer) -> None:
+    assert tokenizer.eos_token_ids == {
+        tokenizer.encode("<|im_end|>")[0],
+        tokenizer.encode("<|endoftext|>")[0],
+    }
+
+
+@pytest.mark.slow
+def test_token_bytes_concatenate_to_utf8(tokenizer: Tokenizer) -> None:
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        raw = b"".join(tokenizer.token_bytes(i, skip_special_tokens=False) for i in ids)
+        assert raw == text.encode("utf-8"), text
+        skipped = b"".join(tokenizer.token_bytes(i) for i in ids)
+        assert skipped.decode("utf-8") == tokenizer.decode(ids)
+    # an emoji is several byte tokens, each not valid UTF-8 on its own
+    pieces = [tokenizer.token_bytes(i) for i in tokenizer.encode("😀")]
+    assert b"".join(pieces) == "😀".encode()
