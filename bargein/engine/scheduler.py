@@ -184,12 +184,15 @@ class Scheduler:
             req = self.waiting[0]
             seq = req.sequence
             first_admission = req.status == RequestStatus.WAITING
-            if not seq.block_table.block_ids:
+            matched = not seq.block_table.block_ids
+            if matched:
                 self._match_prefix(seq)
             n = min(seq.num_pending, budget)
             try:
                 copies += self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)
             except OutOfBlocks:
+                if matched:  # give the prefix hits back while it waits: waiting holds no blocks
+                    self._drop_kv(seq)
                 if self._reclaim_idle_session():
                     continue
                 if not self.running and not chunks:

@@ -1,0 +1,279 @@
+"""The synchronous engine on a tiny model: exact outputs and the cancellation contract."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from bargein.engine.engine import EngineError
+from bargein.engine.request import AbortResult, CancelReason, FinishReason
+from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
+from tests.tiny_engine import EOS, prompt, reference_greedy, tiny_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def run_until_finished(engine, request_id):
+    outputs = []
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id:
+                outputs.append(out)
+                if out.finished:
+                    return outputs
+
+
+def test_batched_greedy_matches_the_reference_token_for_token() -> None:
+    engine = tiny_engine(max_num_batched_tokens=16)  # forces chunked prefill of the long prompt
+    prompts = [prompt(5, 1), prompt(23, 2), prompt(1, 3)]
+    outs = engine.generate(prompts, GREEDY)
+    for p, out in zip(prompts, outs, strict=True):
+        assert list(out.token_ids) == reference_greedy(p, 8)
+        assert out.finish_reason == FinishReason.LENGTH
+        assert out.usage.prompt_tokens == len(p) and out.usage.completion_tokens == 8
+    engine.check_block_accounting()
+    assert engine.pool.num_referenced == 0
+
+
+def test_outputs_stream_deltas_that_add_up() -> None:
+    engine = tiny_engine()
+    rid = engine.add_request(prompt(6, 4), GREEDY)
+    outs = run_until_finished(engine, rid)
+    assert sum((list(o.new_token_ids) for o in outs), []) == list(outs[-1].token_ids)
+    assert "".join(o.delta_text for o in outs) == outs[-1].text
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+
+
+def test_stop_conditions() -> None:
+    engine = tiny_engine()
+    p = prompt(6, 5)
+    free = reference_greedy(p, 8)
+    # A stop token id ends the answer at its first occurrence, included in the tokens.
+    (out,) = engine.generate([p], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[free[3]]))
+    assert out.finish_reason == FinishReason.STOP
+    assert list(out.token_ids) == free[:free.index(free[3]) + 1]
+    # eos stops unless ignored; logit_bias forces it here.
+    (out,) = engine.generate([p], SamplingParams(temperature=0, max_tokens=8, logit_bias={EOS: 100}))
+    assert out.finish_reason == FinishReason.STOP and list(out.token_ids) == [EOS]
+    (out,) = engine.generate([p], SamplingParams(temperature=0, max_tokens=3, min_tokens=2, logit_bias={EOS: 100}))
+    assert list(out.token_ids)[-1] == EOS and len(out.token_ids) == 3
+
+
+def test_stop_string_cuts_text_and_finishes() -> None:
+    engine = tiny_engine()
+    p = prompt(6, 6)
+    (free,) = engine.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    text = free.text
+    assert len(text) >= 4
+    stop = text[2:4]
+    (out,) = engine.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=stop))
+    assert out.finish_reason == FinishReason.STOP
+    assert out.text == text[:text.index(stop)]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=1234, ignore_eos=True)
+    (alone,) = tiny_engine().generate([prompt(7, 8)], params)
+    others = [prompt(n, 9 + n) for n in (3, 11, 5)]
+    crowd = tiny_engine().generate(others[:2] + [prompt(7, 8)] + others[2:],
+                                   [SamplingParams(temperature=1.0, max_tokens=10)] * 2 + [params]
+                                   + [SamplingParams(temperature=0.7, max_tokens=6)])
+    assert crowd[2].token_ids == alone.token_ids
+
+
+def test_logprobs_are_reported_per_token() -> None:
+    engine = tiny_engine()
+    rid = engine.add_request(prompt(5, 10), SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))
+    outs = run_until_finished(engine, rid)
+    lps = [lp for o in outs for lp in o.new_logprobs]
+    assert [lp.token_id for lp in lps] == list(outs[-1].token_ids)
+    for lp in lps:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.logprob == pytest.approx(lp.top[0][1])
+
+
+def test_bad_requests_are_refused_clearly() -> None:
+    engine = tiny_engine()
+    with pytest.raises(EngineError, match="context holds 256"):
+        engine.add_request([1] * 600, GREEDY)
+    with pytest.raises(EngineError, match="empty"):
+        engine.add_request([], GREEDY)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.add_request([1, 9999], GREEDY)
+    with pytest.raises(InvalidSamplingParams, match="logit_bias"):
+        engine.add_request([1, 2], SamplingParams(logit_bias={9999: 1.0}))
+    rid = engine.add_request([1, 2], GREEDY, request_id="same")
+    with pytest.raises(EngineError, match="already in use"):
+        engine.add_request([1, 2], GREEDY, request_id="same")
+    assert run_until_finished(engine, rid)[-1].finish_reason == FinishReason.LENGTH
+
+
+# -- cancellation -------------------------------------------------------------------------
+
+def test_cancel_between_steps_keeps_exactly_the_delivered_tokens() -> None:
+    engine = tiny_engine()
+    p = prompt(9, 11)
+    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    delivered = []
+    while len(delivered) < 4:
+        for out in engine.step():
+            delivered += out.new_token_ids
+    assert engine.abort(rid) == AbortResult.CANCELLED
+    final = engine.step()
+    assert len(final) == 1 and final[0].finished
+    assert final[0].finish_reason == FinishReason.CANCELLED and final[0].cancel_reason == CancelReason.USER
+    assert final[0].new_token_ids == () and list(final[0].token_ids) == delivered
+    assert delivered == reference_greedy(p, 4)
+    assert engine.abort(rid) == AbortResult.ALREADY_FINISHED
+    assert engine.abort("no-such-id") == AbortResult.NOT_FOUND
+    engine.check_block_accounting()
+    assert engine.pool.num_referenced == 0
+
+
+def test_cancel_during_a_step_takes_effect_at_its_end_and_drops_its_sample() -> None:
+    engine = tiny_engine()
+    rid = engine.add_request(prompt(9, 12), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()  # two tokens delivered
+    entered, release = threading.Event(), threading.Event()
+    execute = engine.runner.execute
+    plans = []
+
+    def blocking_execute(plan):
+        plans.append(plan)
+        entered.set()
+        assert release.wait(10)
+        return execute(plan)
+
+    engine.runner.execute = blocking_execute
+    result: list = []
+    stepper = threading.Thread(target=lambda: result.extend(engine.step()))
+    stepper.start()
+    assert entered.wait(10)
+    # Cancel from another thread while the forward is blocked, twice (idempotent).
+    assert engine.abort(rid) == AbortResult.CANCELLED
+    assert engine.abort(rid) == AbortResult.CANCELLED
+    release.set()
+    stepper.join(10)
+    (final,) = result
+    assert final.finished and final.finish_reason == FinishReason.CANCELLED
+    assert final.new_token_ids == ()  # the token sampled in the cancelled step never reaches the caller
+    assert len(final.token_ids) == 2
+    assert engine.counters.cancel_latency_steps[-1] == 0
+    engine.step()
+    assert all(rid not in [c.request_id for c in plan.chunks] for plan in plans[1:])
+    assert engine.abort(rid) == AbortResult.ALREADY_FINISHED
+
+
+def test_queued_request_is_removed_without_compute() -> None:
+    engine = tiny_engine(max_num_seqs=1)
+    a = engine.add_request(prompt(5, 13), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    b = engine.add_request(prompt(50, 14), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    engine.step()
+    computed = engine.scheduler.num_computed_tokens
+    assert [r.request_id for r in engine.scheduler.waiting] == [b]
+    assert engine.abort(b) == AbortResult.CANCELLED
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs[b].finish_reason == FinishReason.CANCELLED and outs[b].token_ids == ()
+    assert engine.scheduler.num_computed_tokens - computed == 1  # only a's decode token
+    run_until_finished(engine, a)
+    engine.check_block_accounting()
+
+
+def test_deadline_cancels_with_its_own_reason() -> None:
+    engine = tiny_engine()
+    rid = engine.add_request(prompt(5, 15), SamplingParams(temperature=0, max_tokens=10_000 // 30, ignore_eos=True),
+                             timeout=1e-6)
+    outs = run_until_finished(engine, rid)
+    assert outs[-1].finish_reason == FinishReason.CANCELLED and outs[-1].cancel_reason == CancelReason.DEADLINE
+    assert engine.stats().cancelled == {"deadline": 1}
+
+
+@pytest.mark.parametrize("cancel_after", [0, 1, 3, 7])
+def test_continuing_after_a_cancel_equals_no_cancel_and_the_reference(cancel_after: int) -> None:
+    """C4, and C7: the continuation computes only the new tokens."""
+    engine = tiny_engine(max_num_batched_tokens=8)  # the 20-token prompt takes 3 steps
+    p, follow_up = prompt(20, 16), prompt(6, 17)
+    session = engine.open_session()
+    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), session_id=session)
+    delivered: list[int] = []
+    steps = 0
+    while len(delivered) < cancel_after or (cancel_after == 0 and steps < 1):
+        for out in engine.step():
+            delivered += out.new_token_ids
+        steps += 1
+    engine.abort(rid)
+    engine.step()
+    assert engine.session_tokens(session) == p + delivered
+    if cancel_after == 0:
+        assert delivered == [] and 0 < engine.scheduler.session(session).sequence.num_computed < len(p)
+    computed_before = engine.scheduler.num_computed_tokens
+    held = engine.scheduler.session(session).sequence.num_computed
+    rid2 = engine.add_request(follow_up, GREEDY, session_id=session)
+    outs = run_until_finished(engine, rid2)
+    continued = list(outs[-1].token_ids)
+    assert continued == reference_greedy(p + delivered + follow_up, 8)
+    # Only tokens without K/V were computed: the rest of the prompt, the follow-up, the answer.
+    total = len(p) + len(delivered) + len(follow_up)
+    assert engine.scheduler.num_computed_tokens - computed_before == total - held + 8 - 1
+    assert outs[-1].usage.cached_tokens == held
+    # The same tokens with no cancel anywhere give the same answer.
+    (fresh,) = tiny_engine().generate([p + delivered + follow_up], GREEDY)
+    assert list(fresh.token_ids) == continued
+    engine.close_session(session)
+    engine.check_block_accounting()
+    assert engine.pool.num_referenced == 0
+
+
+def test_prefix_reuse_computes_only_new_tokens() -> None:
+    engine = tiny_engine(block_size=4)
+    p = prompt(30, 18)
+    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    delivered: list[int] = []
+    while len(delivered) < 5:
+        for out in engine.step():
+            delivered += out.new_token_ids
+    engine.abort(rid)
+    engine.step()
+    tokens = p + delivered + prompt(7, 19)
+    before = engine.scheduler.num_computed_tokens
+    (out,) = engine.generate([tokens], GREEDY)
+    # 34 of the 35 previous tokens have K/V (the last delivered one was never computed);
+    # full blocks of those are reused: 32 tokens.
+    assert out.usage.cached_tokens == 32
+    assert engine.scheduler.num_computed_tokens - before == len(tokens) - 32 + 8 - 1
+    assert list(out.token_ids) == reference_greedy(tokens, 8)
+
+
+def test_preemption_under_a_small_pool_finishes_everything_correctly() -> None:
+    prompts = [prompt(10 + i, 20 + i) for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    expected = tiny_engine(num_blocks=256).generate(prompts, params)
+    small = tiny_engine(num_blocks=12, block_size=4)  # 48 token slots for 5 x 30+ tokens
+    outs = small.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    assert small.stats().preemptions > 0
+    small.check_block_accounting()
+    assert small.pool.num_referenced == 0
+
+
+def test_idle_conversation_blocks_are_reclaimed_under_pressure_and_recomputed() -> None:
+    engine = tiny_engine(num_blocks=10, block_size=4)
+    session = engine.open_session()
+    p = prompt(20, 30)
+    run_until_finished(engine, engine.add_request(p, GREEDY, session_id=session))
+    assert engine.scheduler.session(session).sequence.block_table.block_ids
+    (other,) = engine.generate([prompt(24, 31)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert engine.scheduler.num_reclaimed_sessions >= 1
+    tokens = engine.session_tokens(session)
+    outs = run_until_finished(engine, engine.add_request([5], GREEDY, session_id=session))
+    assert list(outs[-1].token_ids) == reference_greedy(tokens + [5], 8)
+    engine.check_block_accounting()
+
+
+def test_a_request_larger_than_the_pool_gets_a_clear_error() -> None:
+    engine = tiny_engine(num_blocks=4, block_size=4)
+    with pytest.raises(EngineError, match="context holds 16"):
+        engine.add_request(prompt(20, 32), GREEDY)
+    (out,) = engine.generate([prompt(10, 33)], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == 6

@@ -1,0 +1,72 @@
+"""A tiny random-weight engine for fast engine tests, and an independent greedy oracle.
+
+The tokenizer is bytes: token t < 256 is the byte t; 256 is end-of-sequence. Prompts
+are token lists, so no test depends on a real vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from bargein.engine.engine import Engine
+from bargein.model.llama import LlamaStage
+from tests.dense_reference import dense_logits, random_weights
+
+EOS = 256
+TINY = ModelConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=16, tie_word_embeddings=False, max_position_embeddings=512)
+
+
+class ByteTokenizer:
+    vocab_size = 260
+    bos_token_id = None
+    eos_token_ids = frozenset({EOS})
+    special_token_ids = frozenset({256, 257, 258, 259})
+    chat_template = None
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def token_bytes(self, token_id: int, *, skip_special_tokens: bool = True) -> bytes:
+        if token_id < 256:
+            return bytes([token_id])
+        return b"" if skip_special_tokens else f"<{token_id}>".encode()
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return b"".join(self.token_bytes(t, skip_special_tokens=skip_special_tokens) for t in ids).decode(
+            errors="replace")
+
+
+_WEIGHTS: dict[int, dict[str, torch.Tensor]] = {}
+
+
+def tiny_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    if seed not in _WEIGHTS:
+        _WEIGHTS[seed] = random_weights(TINY, seed=seed)
+    return _WEIGHTS[seed]
+
+
+def tiny_engine(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
+                max_num_batched_tokens: int = 64, seed: int = 0, prefix_caching: bool = True) -> Engine:
+    config = EngineConfig(
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+    )
+    return Engine(LlamaStage(TINY, tiny_weights(seed)), ByteTokenizer(), config, model_name="tiny")
+
+
+def reference_greedy(tokens: list[int], n: int, seed: int = 0) -> list[int]:
+    """Greedy continuation by the dense float64 reference, recomputing everything each token."""
+    tokens = list(tokens)
+    out = []
+    for _ in range(n):
+        nxt = int(dense_logits(TINY, tiny_weights(seed), tokens)[-1].argmax())
+        out.append(nxt)
+        tokens.append(nxt)
+    return out
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), generator=g).tolist()
