@@ -28,6 +28,7 @@ async function errorFrom(response) {
     const body = await response.json();
     if (body?.error?.message) ({ message, code } = body.error);
     else if (typeof body?.detail === "string") message = body.detail;
+    else if (Array.isArray(body?.detail)) message = body.detail.map((d) => d.msg).join("; ");
   } catch { /* not JSON: keep the status line */ }
   if (response.status === 401 && !apiKey) message += " (set an API key in Settings)";
   return new ApiError(message, { status: response.status, code });
