@@ -335,15 +335,15 @@ function onConversationClick(event) {
 
 // ---- settings and model ----------------------------------------------------------------
 
-const SETTING_INPUTS = [["systemPrompt", "systemPrompt"], ["temperature", "temperature"], ["topP", "topP"], ["maxTokens", "maxTokens"], ["apiKey", "apiKey"]];
-
+// Each setting has an input of the same name in `el`; values are kept as typed and
+// converted when a request is built, so that an invalid one reaches the server's check.
 function bindSettings() {
-  for (const [key, name] of SETTING_INPUTS) {
-    el[name].value = state.settings[key] ?? "";
-    el[name].addEventListener("input", () => {
-      state.settings[key] = el[name].value;
+  for (const key of Object.keys(store.DEFAULT_SETTINGS)) {
+    el[key].value = state.settings[key] ?? "";
+    el[key].addEventListener("input", () => {
+      state.settings[key] = el[key].value;
       store.saveSettings(state.settings);
-      if (key === "apiKey") api.setApiKey(el[name].value);
+      if (key === "apiKey") api.setApiKey(el[key].value);
     });
   }
   el.apiKey.addEventListener("change", () => loadModel());
