@@ -103,3 +103,83 @@ def test_token_bytes_concatenate_to_utf8(tokenizer: Tokenizer) -> None:
     # an emoji is several byte tokens, each not valid UTF-8 on its own
     pieces = [tokenizer.token_bytes(i) for i in tokenizer.encode("😀")]
     assert b"".join(pieces) == "😀".encode()
+
+
+def _write_sentencepiece_gguf(path) -> None:
+    """A minimal GGUF with a ``llama`` (SentencePiece, byte fallback) vocabulary."""
+    import gguf
+    import numpy as np
+
+    words = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "▁h",
+        "el",
+        "lo",
+        "▁hel",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+        "▁the",
+        "t",
+        "▁t",
+        "he",
+        "a",
+        "▁a",
+    ]
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + words
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(words))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(words))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", np.zeros((len(pieces), 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow
+def test_sentencepiece_gguf_vocab_equals_reference(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    _write_sentencepiece_gguf(tmp_path / "sp.gguf")
+    ours = load_tokenizer(resolve_model_ref(tmp_path / "sp.gguf"))
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
+    assert ours.bos_token_id == 1 and ours.eos_token_ids == {2}
+    for text in [
+        "hello world",
+        "  hello   the world ",
+        "héllo 😀 wörld",
+        "a</s>the<s>",
+        "",
+        "\nhello\n",
+    ]:
+        for flag in (True, False):
+            assert (
+                ours.encode(text, add_special_tokens=flag)
+                == reference(text, add_special_tokens=flag)["input_ids"]
+            )
+        ids = ours.encode(text)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(
+                ids, skip_special_tokens=skip
+            )
+    # byte-fallback tokens give their byte; "▁" is a space
+    assert (
+        b"".join(ours.token_bytes(i) for i in ours.encode("😀", add_special_tokens=False)).strip()
+        == "😀".encode()
+    )
