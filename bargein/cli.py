@@ -1,0 +1,159 @@
+"""The ``bargein`` command.
+
+Subcommands are registered in ``COMMANDS``: each has a function that adds its arguments
+and one that runs it and returns the exit status. A mistake a user can make (a bad flag
+value, a missing model, a busy port) ends with one ``bargein: error: ...`` line and a
+non-zero status, never a traceback.
+
+    bargein serve [--model REF] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line."""
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# -- serve ----------------------------------------------------------------------------------
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from bargein.server.settings import EnvReader, ServerSettings, SettingsError
+
+    try:
+        env_settings = ServerSettings.from_env()
+        env = EnvReader(os.environ)
+        model = env.str("MODEL", None)
+        kv_memory = env.str("KV_MEMORY", "512MiB")
+        max_model_len = env.int("MAX_MODEL_LEN", None)
+        max_num_seqs = env.int("MAX_NUM_SEQS", 64)
+        max_batched = env.int("MAX_NUM_BATCHED_TOKENS", 512)
+    except SettingsError as exc:
+        raise UserError(str(exc)) from None
+    s = env_settings
+    p.add_argument("--model", default=model, metavar="REF",
+                   help="a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default=s.host, help="address to listen on (default: %(default)s, loopback only)")
+    p.add_argument("--port", type=int, default=s.port, help="port (default: %(default)s; 0 picks a free one)")
+    p.add_argument("--api-key", default=s.api_key, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    p.add_argument("--request-timeout", type=float, default=s.request_timeout, metavar="S",
+                   help="cancel any request after S seconds (reason: deadline)")
+    p.add_argument("--max-queue", type=int, default=s.max_queue, metavar="N",
+                   help="answer 429 when N requests are already in flight")
+    p.add_argument("--kv-memory", default=kv_memory, metavar="SIZE",
+                   help="memory for the KV cache, e.g. 512MiB or 2GB (default: %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=max_model_len, metavar="N",
+                   help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, metavar="N",
+                   help="sequences in one batch (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=max_batched, metavar="N",
+                   help="tokens in one step; long prompts are computed in chunks of this size (default: %(default)s)")
+    p.add_argument("--max-body", default=str(s.max_body_bytes), metavar="SIZE",
+                   help="largest request body, e.g. 4MiB (default: %(default)s bytes)")
+    p.add_argument("--shutdown-timeout", type=float, default=s.shutdown_timeout, metavar="S",
+                   help="seconds to answer in-flight requests on Ctrl-C / SIGTERM (default: %(default)s)")
+    p.add_argument("--log-level", default=s.log_level, choices=["critical", "error", "warning", "info", "debug"],
+                   help="(default: %(default)s)")
+    p.add_argument("--debug-endpoints", action="store_true", default=s.debug_endpoints,
+                   help="serve /debug/kv (KV block accounting; for tests)")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
+    from bargein.server.settings import ServerSettings, SettingsError, parse_size
+
+    try:
+        settings = ServerSettings(
+            host=args.host, port=args.port, api_key=args.api_key or None, request_timeout=args.request_timeout,
+            max_queue=args.max_queue, max_body_bytes=parse_size(args.max_body), debug_endpoints=args.debug_endpoints,
+            shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+        if args.max_model_len is not None and args.max_model_len < 2:
+            raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+        config = EngineConfig(
+            cache=CacheConfig(memory_bytes=parse_size(args.kv_memory)),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+            max_model_len=args.max_model_len)
+    except ValueError as exc:  # SettingsError and the configs' own checks
+        raise UserError(str(exc)) from None
+
+    from bargein.server.serve import bind_socket
+
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = _load_engine(args.model, config)
+
+    from bargein.engine.async_engine import AsyncEngine
+    from bargein.server import create_app
+    from bargein.server.serve import run_server
+
+    port = sock.getsockname()[1]
+    url = ServerSettings(host=settings.host, port=port).base_url
+
+    def announce() -> None:
+        print(f"bargein: serving {engine.model_name} at {url} (chat UI at {url}/)", flush=True)
+
+    app = create_app(AsyncEngine(engine), settings)
+    run_server(app, settings, sock, on_started=announce)
+    return 0
+
+
+def _load_engine(ref: str | None, config):
+    from bargein.engine.engine import Engine
+    from bargein.loader import LoaderError
+
+    print(f"bargein: loading {ref or 'the bundled SmolLM2-135M-Instruct'}", file=sys.stderr, flush=True)
+    try:
+        return Engine.from_pretrained(ref, config, progress=True)
+    except (LoaderError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        raise UserError(str(exc)) from None
+
+
+COMMANDS: dict[str, Command] = {
+    "serve": Command("run the OpenAI-compatible server and the web chat", _add_serve_arguments, _run_serve),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bargein", description="An LLM engine where every generation can be "
+                                     "stopped at any moment and continued exactly.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(p)
+        p.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except UserError as exc:
+        print(f"bargein: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("bargein: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

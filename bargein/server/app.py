@@ -1,0 +1,72 @@
+"""``create_app(engine, settings)``: the FastAPI application around one AsyncEngine.
+
+Shutdown in two phases. ``begin_shutdown`` (called on SIGINT/SIGTERM, before uvicorn
+waits for open connections) stops new requests and cancels every in-flight one with
+reason ``shutdown``, so each is answered (a stream gets its cancelled chunk and
+``[DONE]``) and its connection can close. The lifespan's exit then does the same for
+anything left and stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+
+from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.request import CancelReason
+from bargein.server import routes_generate, routes_ops, routes_requests, routes_responses
+from bargein.server.context import ServerContext
+from bargein.server.errors import install_error_handlers
+from bargein.server.middleware import GuardMiddleware
+from bargein.server.settings import ServerSettings
+
+log = logging.getLogger("bargein.server")
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    ctx = ServerContext(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await finish_shutdown(ctx)
+
+    app = FastAPI(title="bargein", summary="An OpenAI-compatible server where every request can be stopped.",
+                  lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    for module in (routes_generate, routes_responses, routes_requests, routes_ops):
+        app.include_router(module.router)
+    if settings.debug_endpoints:
+        app.include_router(routes_ops.debug_router)
+    if (STATIC_DIR / "index.html").is_file():
+        app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui")
+    app.add_middleware(GuardMiddleware, settings=settings)
+    return app
+
+
+def begin_shutdown(app: FastAPI) -> None:
+    """Refuses new requests and cancels in-flight ones (reason ``shutdown``). Any thread."""
+    ctx: ServerContext = app.state.ctx
+    if ctx.draining:
+        return
+    ctx.draining = True
+    cancelled = ctx.engine.abort_all(CancelReason.SHUTDOWN)
+    log.info("shutting down: cancelled %d in-flight request(s)", len(cancelled))
+
+
+async def finish_shutdown(ctx: ServerContext) -> None:
+    ctx.draining = True
+    ctx.engine.abort_all(CancelReason.SHUTDOWN)
+    if ctx.background_tasks:
+        await asyncio.wait(set(ctx.background_tasks), timeout=ctx.settings.shutdown_timeout)
+    await ctx.engine.shutdown(timeout=ctx.settings.shutdown_timeout)

@@ -1,0 +1,112 @@
+"""Errors in the OpenAI shape, from one place.
+
+Every error the server answers looks like OpenAI's::
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+
+Routes raise :class:`APIError`; ``install_error_handlers`` turns it, FastAPI's validation
+errors, the engine's typed errors and unexpected exceptions into that shape. A failure
+in one request never reaches the engine loop or other requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from bargein.engine.async_engine import EngineDeadError
+from bargein.engine.engine import EngineError
+from bargein.engine.sampling import InvalidSamplingParams
+from bargein.loader import ChatTemplateError
+
+log = logging.getLogger("bargein.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error answered to the client with ``status`` in the OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, *, type: str = "server_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def from_engine_exception(exc: Exception) -> APIError | None:
+    """The APIError for an exception the engine or loader raises about a request, if any."""
+    if isinstance(exc, InvalidSamplingParams):
+        return APIError(400, str(exc), param=exc.field, code="invalid_value")
+    if isinstance(exc, ChatTemplateError):
+        return APIError(400, f"the chat template could not render the messages: {exc}", param="messages")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, EngineError):
+        return APIError(400, str(exc))
+    return None
+
+
+def not_found(what: str, ident: str, *, param: str | None = None) -> APIError:
+    return APIError(404, f"no {what} with id {ident!r}", param=param, code="not_found")
+
+
+def _validation_param(loc: tuple[Any, ...]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = _validation_param(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        else:
+            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return APIError(400, message, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = f"no route for {request.method} {request.url.path}"
+        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        mapped = from_engine_exception(exc)
+        if mapped is not None:
+            return mapped.response()
+        log.exception("unexpected error answering %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"), status_code=500)

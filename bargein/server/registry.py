@@ -1,0 +1,118 @@
+"""RequestRegistry: which HTTP requests are live, and the engine requests behind each.
+
+One HTTP request (a chat completion with ``n`` choices, a batch of completion prompts)
+may run several engine requests. The registry maps the id the client sees to those
+engine ids, so that cancel-by-id, ``GET /v1/requests`` and the queue limit all speak of
+HTTP requests. It also remembers recently finished ids, so a late cancel answers
+"already finished" rather than "not found".
+
+Owned by the event loop thread; no locks needed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from bargein.engine.request import AbortResult, CancelReason
+from bargein.engine.stats import RequestInfo
+
+_FINISHED_MEMORY = 10_000
+
+
+@dataclass
+class LiveRequest:
+    request_id: str
+    engine_ids: list[str]
+    endpoint: str
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class RequestSummary:
+    """One HTTP request as ``GET /v1/requests`` lists it."""
+
+    id: str
+    status: str  # "queued" | "running"
+    prompt_tokens: int
+    completion_tokens: int
+    age_s: float
+    deadline_s: float | None
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "status": self.status, "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "age_s": round(self.age_s, 3),
+                "deadline_s": None if self.deadline_s is None else round(self.deadline_s, 3)}
+
+
+class RequestRegistry:
+    def __init__(self) -> None:
+        self._live: dict[str, LiveRequest] = {}
+        self._by_engine_id: dict[str, str] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def add(self, request_id: str, engine_ids: list[str], endpoint: str) -> LiveRequest:
+        live = LiveRequest(request_id, list(engine_ids), endpoint)
+        self._live[request_id] = live
+        for engine_id in engine_ids:
+            self._by_engine_id[engine_id] = request_id
+        self._finished.pop(request_id, None)
+        return live
+
+    def finish(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        for engine_id in live.engine_ids:
+            self._by_engine_id.pop(engine_id, None)
+        self._finished[request_id] = None
+        if len(self._finished) > _FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+
+    def owner(self, engine_id: str) -> str | None:
+        """The HTTP request id an engine request belongs to, if the server started it."""
+        return self._by_engine_id.get(engine_id)
+
+    def live_ids(self) -> list[str]:
+        return list(self._live)
+
+    def cancel(self, request_id: str, abort, reason: CancelReason = CancelReason.USER) -> AbortResult:
+        """Aborts every engine request behind ``request_id`` via ``abort(engine_id, reason)``.
+
+        Ids the server never registered (a request made through another surface of the
+        same engine) go straight to the engine, which knows them or answers NOT_FOUND.
+        """
+        live = self._live.get(request_id)
+        if live is None:
+            if request_id in self._finished:
+                return AbortResult.ALREADY_FINISHED
+            return abort(request_id, reason)
+        results = [abort(engine_id, reason) for engine_id in live.engine_ids]
+        if AbortResult.CANCELLED in results:
+            return AbortResult.CANCELLED
+        return AbortResult.ALREADY_FINISHED
+
+    def summarize(self, infos: list[RequestInfo]) -> list[RequestSummary]:
+        """Engine request infos grouped by the HTTP request they belong to, oldest first."""
+        groups: dict[str, list[RequestInfo]] = {}
+        for info in infos:
+            groups.setdefault(self._by_engine_id.get(info.request_id, info.request_id), []).append(info)
+        summaries = []
+        for request_id, group in groups.items():
+            deadlines = [i.deadline_s for i in group if i.deadline_s is not None]
+            summaries.append(RequestSummary(
+                id=request_id,
+                status="running" if any(i.status == "running" for i in group) else "queued",
+                prompt_tokens=group[0].prompt_tokens,
+                completion_tokens=sum(i.completion_tokens for i in group),
+                age_s=max(i.age_s for i in group),
+                deadline_s=min(deadlines) if deadlines else None,
+            ))
+        return sorted(summaries, key=lambda s: -s.age_s)

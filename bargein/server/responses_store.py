@@ -1,0 +1,142 @@
+"""Stored Responses API objects, bounded (least recently used goes first).
+
+A :class:`StoredResponse` keeps what a follow-up needs to continue token-exactly: the
+messages its prompt was rendered from, its prompt token ids and its output token ids.
+It is updated from the engine's outputs as they arrive, by whichever task consumes
+them (a stream, a non-streaming wait, or a background task), and ``done`` is set once
+its final status is known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from bargein.engine.request import CancelReason, FinishReason, RequestOutput
+
+FINAL_STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
+
+
+@dataclass
+class StoredResponse:
+    id: str
+    model: str
+    prompt_messages: list[dict[str, Any]]  # what the prompt was rendered from, instructions included
+    conversation: list[dict[str, Any]]  # the same without the instructions (carried to follow-ups)
+    prompt_token_ids: list[int]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    background: bool = False
+    store: bool = True
+    params: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, max_output_tokens
+    metadata: dict[str, Any] = field(default_factory=dict)
+    user: str | None = None
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "queued"
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    usage: dict[str, Any] | None = None
+    cancel_reason: CancelReason | None = None
+    error: str | None = None
+    incomplete_reason: str | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def message_id(self) -> str:
+        return "msg_" + self.id.removeprefix("resp_")
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+    def apply(self, out: RequestOutput) -> None:
+        """Takes in one engine output for this response."""
+        self.text = out.text
+        self.output_token_ids = list(out.token_ids)
+        if self.status == "queued" and (out.new_token_ids or out.finished):
+            self.status = "in_progress"
+        if not out.finished:
+            return
+        self.prompt_token_ids = list(out.prompt_token_ids) or self.prompt_token_ids
+        u = out.usage
+        self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                      "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": u.total_tokens}
+        if out.finish_reason == FinishReason.STOP:
+            self.status = "completed"
+        elif out.finish_reason == FinishReason.LENGTH:
+            self.status, self.incomplete_reason = "incomplete", "max_output_tokens"
+        elif out.finish_reason == FinishReason.CANCELLED:
+            self.status, self.cancel_reason = "cancelled", out.cancel_reason or CancelReason.USER
+        else:
+            self.status, self.error = "failed", out.error or "generation failed"
+        self.done.set()
+
+    def fail(self, message: str) -> None:
+        if not self.is_final:
+            self.status, self.error = "failed", message
+        self.done.set()
+
+    def message_item(self) -> dict[str, Any]:
+        status = {"completed": "completed", "in_progress": "in_progress", "queued": "in_progress"}
+        return {"type": "message", "id": self.message_id, "status": status.get(self.status, "incomplete"),
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}]}
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
+            "background": self.background, "model": self.model,
+            "output": [self.message_item()] if self.text or self.is_final else [],
+            "error": {"code": "server_error", "message": self.error} if self.error else None,
+            "incomplete_details": _incomplete(self),
+            "instructions": self.instructions, "previous_response_id": self.previous_response_id,
+            "max_output_tokens": self.params.get("max_output_tokens"),
+            "temperature": self.params.get("temperature"), "top_p": self.params.get("top_p"),
+            "parallel_tool_calls": False, "tool_choice": "auto", "tools": [], "truncation": "disabled",
+            "text": {"format": {"type": "text"}}, "store": self.store, "metadata": self.metadata,
+            "user": self.user, "usage": self.usage,
+        }
+        if self.cancel_reason is not None:
+            body["cancel_reason"] = self.cancel_reason.value
+        return body
+
+
+def _incomplete(r: StoredResponse) -> dict[str, str] | None:
+    if r.incomplete_reason:
+        return {"reason": r.incomplete_reason}
+    if r.status == "cancelled":
+        return {"reason": "cancelled"}
+    return None
+
+
+class ResponseStore:
+    """Responses by id; at most ``capacity``, dropping the least recently used finished one."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, response: StoredResponse) -> None:
+        self._items[response.id] = response
+        self._items.move_to_end(response.id)
+        for key in list(self._items):
+            if len(self._items) <= self.capacity:
+                break
+            if self._items[key].is_final:  # a live one stays until it finishes
+                del self._items[key]
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        response = self._items.get(response_id)
+        if response is not None:
+            self._items.move_to_end(response_id)
+        return response
+
+    def pop(self, response_id: str) -> StoredResponse | None:
+        return self._items.pop(response_id, None)

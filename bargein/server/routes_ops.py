@@ -1,0 +1,48 @@
+"""Operations: ``/health``, ``/metrics`` (Prometheus text), and ``/debug/kv`` for tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from bargein.server.context import Ctx
+
+router = APIRouter()
+debug_router = APIRouter()
+
+
+@router.get("/health")
+async def health(ctx: Ctx) -> JSONResponse:
+    alive = ctx.engine.is_alive and not ctx.draining
+    body = {"status": "ok" if alive else "unavailable", "model": ctx.model_name}
+    return JSONResponse(body, status_code=200 if alive else 503)
+
+
+@router.get("/metrics")
+async def metrics(ctx: Ctx) -> PlainTextResponse:
+    stats, latencies, steps = None, [], []
+    if ctx.engine.is_alive:
+        counters = ctx.engine.engine.counters
+        stats = await ctx.engine.stats()
+        latencies, steps = await ctx.engine.call(
+            lambda: (list(counters.cancel_latencies), list(counters.cancel_latency_steps)))
+    text = ctx.metrics.render(stats, latencies, steps, live_requests=len(ctx.registry))
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+@debug_router.get("/debug/kv")
+async def debug_kv(ctx: Ctx) -> dict[str, Any]:
+    """The engine's KV block accounting, checked against every live block table (C5)."""
+    engine = ctx.engine.engine
+    try:
+        await ctx.engine.call(engine.check_block_accounting)
+        ok, error = True, None
+    except AssertionError as exc:
+        ok, error = False, str(exc) or "block accounting is inconsistent"
+    stats = await ctx.engine.stats()
+    return {"ok": ok, "error": error, "kv_blocks_total": stats.kv_blocks_total,
+            "kv_blocks_free": stats.kv_blocks_free, "kv_blocks_cached": stats.kv_blocks_cached,
+            "kv_blocks_used": stats.kv_blocks_used, "running": stats.running, "waiting": stats.waiting,
+            "live_requests": len(ctx.registry), "engine_live_requests": len(engine.live_request_ids())}

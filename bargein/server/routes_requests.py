@@ -1,0 +1,60 @@
+"""Requests in flight: list them, and cancel one, several or all.
+
+All cancel surfaces end in the same engine abort (reason ``user``); the request's own
+response then ends with ``finish_reason: "cancelled"`` at the next step boundary.
+``POST /v1/requests/{id}/cancel`` is canonical; ``POST /v1/chat/cancel`` takes the id in
+the body. Unknown ids are 404; finished ones 200 with ``"status": "already_finished"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from bargein.engine.request import AbortResult, CancelReason
+from bargein.server.context import Ctx, ServerContext
+from bargein.server.errors import APIError, not_found
+from bargein.server.schemas import CancelManyRequest, CancelRequest
+
+router = APIRouter()
+
+
+def cancel_one(ctx: ServerContext, request_id: str) -> dict[str, Any]:
+    result = ctx.registry.cancel(request_id, ctx.engine.abort, CancelReason.USER)
+    if result == AbortResult.NOT_FOUND:
+        raise not_found("request", request_id, param="request_id")
+    return {"id": request_id, "object": "request.cancel", "status": result.value}
+
+
+@router.post("/v1/requests/{request_id}/cancel")
+async def cancel_request(request_id: str, ctx: Ctx) -> dict[str, Any]:
+    return cancel_one(ctx, request_id)
+
+
+@router.post("/v1/chat/cancel")
+async def cancel_chat(body: CancelRequest, ctx: Ctx) -> dict[str, Any]:
+    return cancel_one(ctx, body.request_id)
+
+
+@router.post("/v1/requests/cancel")
+async def cancel_many(body: CancelManyRequest, ctx: Ctx) -> dict[str, Any]:
+    """``{"all": true}`` cancels everything in flight; ``{"ids": [...]}`` those requests."""
+    if body.all:
+        ids = ctx.registry.live_ids()
+        ids += [i for i in ctx.engine.engine.live_request_ids() if ctx.registry.owner(i) is None]
+    elif body.ids is not None:
+        ids = body.ids
+    else:
+        raise APIError(400, 'give {"all": true} or {"ids": [...]}', param="all", code="invalid_value")
+    results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER) for i in ids}
+    return {"object": "request.cancel", "status": "cancelled",
+            "cancelled": [i for i, r in results.items() if r == AbortResult.CANCELLED],
+            "already_finished": [i for i, r in results.items() if r == AbortResult.ALREADY_FINISHED],
+            "not_found": [i for i, r in results.items() if r == AbortResult.NOT_FOUND]}
+
+
+@router.get("/v1/requests")
+async def list_requests(ctx: Ctx) -> dict[str, Any]:
+    infos = await ctx.engine.call(ctx.engine.engine.list_requests)
+    return {"object": "list", "data": [s.as_dict() for s in ctx.registry.summarize(infos)]}

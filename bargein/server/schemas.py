@@ -1,0 +1,98 @@
+"""Request bodies (pydantic), as the OpenAI API and its usual extensions define them.
+
+Types are checked here; ranges are checked once, by ``SamplingParams`` (whose errors name
+the field). Unknown fields are ignored, as tools built for the OpenAI API send many.
+Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens`` and ``timeout`` (seconds, a
+deadline after which the request is cancelled with reason ``deadline``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Sampling fields shared by chat, completions and responses."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    timeout: float | None = Field(default=None, description="seconds until the request is cancelled")
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (tool_calls, name, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # the OpenAI default for this endpoint
+    n: int = 1
+    logprobs: int | None = None
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ResponseRequest(SamplingFields):
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = None
+    stream: bool = False
+    background: bool = False
+    store: bool = True
+    metadata: dict[str, Any] | None = None
+
+
+class CancelRequest(_Body):
+    request_id: str
+
+
+class CancelManyRequest(_Body):
+    all: bool = False
+    ids: list[str] | None = None
+
+
+StreamKind = Literal["chat", "completion"]

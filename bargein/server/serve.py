@@ -1,0 +1,82 @@
+"""Running the app on uvicorn, with a shutdown that answers in-flight requests.
+
+uvicorn, on SIGINT/SIGTERM, stops accepting connections and then waits for the open
+ones to close before the lifespan ends; a stream that never ends would hold it until
+the graceful timeout. So the signal handler first cancels every request (reason
+``shutdown``): each is answered with ``finish_reason: "cancelled"`` and its connection
+closes, and the server exits promptly. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+from collections.abc import Callable, Generator
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from bargein.server.app import begin_shutdown
+from bargein.server.settings import ServerSettings
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class BargeinServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, *, on_exit_signal: Callable[[], None],
+                 on_started: Callable[[], None] | None = None):
+        super().__init__(config)
+        self._on_exit_signal = on_exit_signal
+        self._on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self._on_started is not None:
+            self._on_started()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            self._on_exit_signal()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        # Like uvicorn's, without re-raising the signal afterwards: a shutdown we handled
+        # is a clean exit (status 0), not a death by signal.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before the model loads so a busy port fails fast (OSError)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(app: FastAPI, settings: ServerSettings, sock: socket.socket, *,
+               on_started: Callable[[], None] | None = None) -> None:
+    """Serves ``app`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown."""
+    level = settings.log_level.lower()
+    config = uvicorn.Config(app, log_level=level, access_log=level in ("debug", "trace"), lifespan="on",
+                            timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)))
+    server = BargeinServer(config, on_exit_signal=lambda: begin_shutdown(app), on_started=on_started)
+    server.run(sockets=[sock])

@@ -1,0 +1,125 @@
+"""ServerSettings: how the HTTP server behaves, from CLI flags and ``BARGEIN_*`` variables.
+
+Settings are frozen: nothing writes them back at run time. ``from_env`` reads the
+environment; the CLI uses those values as its flags' defaults, so a flag wins over a
+variable, which wins over the built-in default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+ENV_PREFIX = "BARGEIN_"
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+class SettingsError(ValueError):
+    """A setting a user gave cannot be used; the message names it."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything the HTTP layer needs; the engine's own config is separate (EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    request_timeout: float | None = None  # seconds; a deadline for every request
+    max_queue: int | None = None  # live requests at most; more get 429
+    max_body_bytes: int = 4 * 1024**2
+    max_stored_responses: int = 1000  # Responses API objects kept (LRU)
+    debug_endpoints: bool = False  # /debug/kv: block accounting, for tests
+    shutdown_timeout: float = 10.0  # seconds to answer in-flight requests on SIGINT/SIGTERM
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise SettingsError(f"port must be in 0..65535, got {self.port}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise SettingsError(f"request timeout must be positive, got {self.request_timeout}")
+        if self.max_queue is not None and self.max_queue < 1:
+            raise SettingsError(f"max queue must be at least 1, got {self.max_queue}")
+        if self.max_body_bytes < 1024:
+            raise SettingsError(f"max body size must be at least 1 KiB, got {self.max_body_bytes}")
+        if self.max_stored_responses < 1:
+            raise SettingsError("max stored responses must be at least 1")
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerSettings:
+        """Settings from ``BARGEIN_*`` variables, built-in defaults for the rest."""
+        env = EnvReader(os.environ if environ is None else environ)
+        defaults = cls()
+        return cls(
+            host=env.str("HOST", defaults.host),
+            port=env.int("PORT", defaults.port),
+            api_key=env.str("API_KEY", None) or None,
+            request_timeout=env.float("REQUEST_TIMEOUT", None),
+            max_queue=env.int("MAX_QUEUE", None),
+            max_body_bytes=env.size("MAX_BODY", defaults.max_body_bytes),
+            max_stored_responses=env.int("MAX_STORED_RESPONSES", defaults.max_stored_responses),
+            debug_endpoints=env.bool("DEBUG_ENDPOINTS", False),
+            shutdown_timeout=env.float("SHUTDOWN_TIMEOUT", defaults.shutdown_timeout) or 0.0,
+            log_level=env.str("LOG_LEVEL", defaults.log_level) or defaults.log_level,
+        )
+
+
+class EnvReader:
+    """Typed reads of ``BARGEIN_<NAME>``; a malformed value is a SettingsError naming it."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self.environ = environ
+
+    def _raw(self, name: str) -> str | None:
+        value = self.environ.get(ENV_PREFIX + name)
+        return None if value is None or value.strip() == "" else value.strip()
+
+    def _parse(self, name: str, default, parse):
+        raw = self._raw(name)
+        if raw is None:
+            return default
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            raise SettingsError(f"{ENV_PREFIX}{name}={raw!r}: {exc}") from None
+
+    def str(self, name: str, default: str | None) -> str | None:
+        return self._parse(name, default, lambda s: s)
+
+    def int(self, name: str, default: int | None) -> int | None:
+        return self._parse(name, default, int)
+
+    def float(self, name: str, default: float | None) -> float | None:
+        return self._parse(name, default, float)
+
+    def size(self, name: str, default: int | None) -> int | None:
+        return self._parse(name, default, parse_size)
+
+    def bool(self, name: str, default: bool) -> bool:
+        return self._parse(name, default, parse_bool)
+
+
+def parse_size(text: str) -> int:
+    """``"512MiB"``, ``"4 MB"``, ``"1g"`` or a plain byte count, as bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (try 512MiB, 4MB or a byte count)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
