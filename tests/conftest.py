@@ -1,0 +1,182 @@
+"""Shared fixtures: real ``bargein serve`` processes on loopback.
+
+``live_server`` (session-scoped) runs the bundled model with default settings plus the
+debug endpoints; the server tests and the web UI tests share it. ``server_factory``
+starts servers with other options (an API key, a small queue, a deadline), once per
+distinct option set per session, since loading the model takes seconds. Every server
+is started with the project's own command, ``python -m bargein.cli serve``.
+
+``check_kv`` (used by the server tests after each test) waits until the servers are
+idle and asserts the engine's KV block accounting (contract C5) through ``/debug/kv``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = float(os.environ.get("BARGEIN_TEST_STARTUP_TIMEOUT", "240"))
+IDLE_TIMEOUT_S = 60.0
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """One ``bargein serve`` subprocess; its output goes to ``log_path``."""
+
+    args: tuple[str, ...]
+    api_key: str | None = None
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> ServerProcess:
+        fd, name = tempfile.mkstemp(prefix="bargein-serve-", suffix=".log")
+        self.log_path = Path(name)
+        command = [sys.executable, "-m", "bargein.cli", "serve", "--port", str(self.port), *self.args]
+        if self.api_key:
+            command += ["--api-key", self.api_key]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BARGEIN_")}
+        self.proc = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        os.close(fd)
+        return self
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise RuntimeError(f"bargein serve exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"bargein serve did not become ready in {timeout:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:] if self.log_path else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def wait_idle(self, timeout: float = IDLE_TIMEOUT_S) -> dict:
+        """Waits until nothing runs or waits; returns the last ``/debug/kv`` report."""
+        deadline = time.monotonic() + timeout
+        while True:
+            report = httpx.get(f"{self.base_url}/debug/kv", headers=self.headers, timeout=10).json()
+            idle = not (report["running"] or report["waiting"] or report["engine_live_requests"])
+            if idle or time.monotonic() > deadline:
+                return report
+            time.sleep(0.05)
+
+
+class ServerFactory:
+    """Servers by option set, started on first use and stopped at the end of the session."""
+
+    def __init__(self) -> None:
+        self.servers: dict[tuple[tuple[str, ...], str | None], ServerProcess] = {}
+
+    def get(self, args: Sequence[str] = (), api_key: str | None = None) -> ServerProcess:
+        key = (("--debug-endpoints", *args), api_key)
+        server = self.servers.get(key)
+        if server is None or not server.running:
+            server = ServerProcess(key[0], api_key=api_key).start().wait_ready()
+            self.servers[key] = server
+        return server
+
+    def running(self) -> list[ServerProcess]:
+        return [s for s in self.servers.values() if s.running]
+
+    def stop_all(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def server_factory() -> Iterator[ServerFactory]:
+    factory = ServerFactory()
+    yield factory
+    factory.stop_all()
+
+
+@pytest.fixture(scope="session")
+def live_server(server_factory: ServerFactory) -> ServerProcess:
+    """The bundled model with default settings, at ``.base_url`` (``.api_key`` is None)."""
+    return server_factory.get()
+
+
+@pytest.fixture
+def check_kv(server_factory: ServerFactory) -> Iterator[None]:
+    """After the test: every server settles idle and its KV block accounting holds (C5)."""
+    yield
+    for server in server_factory.running():
+        report = server.wait_idle()
+        assert report["ok"], f"KV accounting broken on {server.base_url}: {report['error']}"
+        assert not (report["running"] or report["waiting"] or report["engine_live_requests"]), report
+        assert report["kv_blocks_used"] == 0, f"blocks still referenced with nothing running: {report}"
+        assert report["live_requests"] == 0, report
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.02):
+    """Polls ``predicate`` until it returns something truthy; returns that, or fails."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def listed_requests(server: ServerProcess) -> dict[str, dict]:
+    """``GET /v1/requests`` as {id: entry}."""
+    body = httpx.get(f"{server.base_url}/v1/requests", headers=server.headers, timeout=10).json()
+    assert body["object"] == "list"
+    return {entry["id"]: entry for entry in body["data"]}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (``@pytest.mark.anyio``) run on asyncio."""
+    return "asyncio"
