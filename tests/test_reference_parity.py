@@ -1,0 +1,111 @@
+"""The bundled SmolLM2 against Hugging Face transformers loading the same GGUF file.
+
+transformers is the reference (a test dependency only): the same logits at every
+position of a chat, and the same greedy continuations, token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bargein.config import CacheConfig, EngineConfig
+from bargein.engine.engine import Engine
+from bargein.engine.sampling import SamplingParams
+from bargein.loader import resolve_model_ref
+
+pytestmark = pytest.mark.slow
+
+CHAT = [
+    {"role": "system", "content": "You are a concise assistant who answers in one or two sentences."},
+    {"role": "user", "content": "What is the capital of France, and why is it famous?"},
+    {"role": "assistant", "content": "Paris. It is famous for the Eiffel Tower, art and food."},
+    {"role": "user", "content": "Name three museums there. 🎨 Also: 東京 is where?"},
+]
+PROMPTS = [
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Explain recursion to a child."}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Where is the treasure?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    transformers = pytest.importorskip("transformers")
+    source = resolve_model_ref(None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(source.path.parent), gguf_file=source.path.name, torch_dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(None, EngineConfig(cache=CacheConfig(memory_bytes=64 * 1024**2)), progress=False)
+
+
+def chat_ids(engine: Engine, messages) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def our_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """Logits at every position, through the paged runner, in 3 chunks to exercise the cache."""
+    from bargein.engine.blocks import BlockTable
+    from bargein.engine.plan import ScheduledChunk, StepPlan
+
+    table = BlockTable()
+    engine.pool.ensure_writable(table, 0, len(ids))
+    rows = []
+    bounds = [0, len(ids) // 3, 2 * len(ids) // 3, len(ids)]
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        plan = StepPlan(0, (ScheduledChunk("x", tuple(ids[start:end]), start, tuple(table.block_ids), True),))
+        rows.append(_all_positions(engine, plan))
+    engine.pool.release(table)
+    return torch.cat(rows)
+
+
+def _all_positions(engine: Engine, plan) -> torch.Tensor:
+    from bargein.model.attention import AttentionMetadata
+
+    runner = engine.runner
+    chunk = plan.chunks[0]
+    meta = AttentionMetadata.build(block_tables=[list(chunk.block_table)], query_lens=[len(chunk.token_ids)],
+                                   context_lens=[chunk.context_len], block_size=runner.block_size)
+    x = torch.tensor(chunk.token_ids)
+    pos = torch.arange(chunk.start_pos, chunk.context_len)
+    (stage,) = runner.stages
+    return stage(x, pos, meta, runner.kv_caches[0], logits_indices=torch.arange(len(chunk.token_ids)))
+
+
+def test_logits_match_the_reference_at_every_position(engine, reference) -> None:
+    ids = chat_ids(engine, CHAT)
+    assert len(ids) >= 64
+    ours = our_logits(engine, ids)
+    with torch.no_grad():
+        theirs = reference(torch.tensor([ids])).logits[0].float()
+    assert ours.shape == theirs.shape
+    diff = (ours - theirs).abs().max().item()
+    assert diff < 1e-3, f"max abs logit difference {diff}"
+
+
+def test_greedy_continuations_match_the_reference(engine, reference) -> None:
+    prompts = [chat_ids(engine, m) for m in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ours = engine.generate(prompts, params)  # batched together
+    for ids, out in zip(prompts, ours, strict=True):
+        assert list(out.token_ids) == reference_greedy(reference, ids, 64)
+
+
+def reference_greedy(model, ids: list[int], n: int) -> list[int]:
+    """argmax decoding with the reference's own KV cache, free of any generation config."""
+    out: list[int] = []
+    past = None
+    inputs = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            result = model(inputs, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            token = int(result.logits[0, -1].argmax())
+            out.append(token)
+            inputs = torch.tensor([[token]])
+    return out
