@@ -1,0 +1,50 @@
+"""``bargein serve`` mistakes end with one clear line and a non-zero status (no model load needed)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bargein.cli", "serve", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def test_busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        result = serve("--port", str(s.getsockname()[1]))
+    assert_one_line_error(result, "cannot listen on 127.0.0.1")
+
+
+def test_bad_size_and_missing_model():
+    assert_one_line_error(serve("--kv-memory", "lots", "--port", "0"), "not a size")
+    assert_one_line_error(serve("--model", "/nonexistent/model.gguf", "--port", "0"), "nonexistent")
+    assert_one_line_error(serve("--port", "99999"), "port")
+
+
+def test_bad_environment_variable():
+    import os
+
+    env = {**os.environ, "BARGEIN_MAX_QUEUE": "many"}
+    assert_one_line_error(serve(env=env), "BARGEIN_MAX_QUEUE")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"]])
+def test_help(args):
+    result = subprocess.run([sys.executable, "-m", "bargein.cli", *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "serve" in result.stdout
