@@ -6,6 +6,8 @@ value, a missing model, a busy port) ends with one ``bargein: error: ...`` line 
 non-zero status, never a traceback.
 
     bargein serve [--model REF] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
+    bargein chat [--model REF | --url URL]      bargein run "prompt" [--model REF | --url URL]
+    bargein ps [--url URL]    bargein cancel ID... | --all [--url URL]    bargein bench [--quick]
 """
 
 from __future__ import annotations
@@ -127,8 +129,16 @@ def _load_engine(ref: str | None, config):
         raise UserError(str(exc)) from None
 
 
+def _client_commands() -> dict[str, Command]:
+    """chat, run, ps, cancel and bench, from bargein.cli_commands (which reports its own errors)."""
+    from bargein.cli_commands import COMMANDS as CLIENT_COMMANDS
+
+    return {name: Command(*spec) for name, spec in CLIENT_COMMANDS.items()}
+
+
 COMMANDS: dict[str, Command] = {
     "serve": Command("run the OpenAI-compatible server and the web chat", _add_serve_arguments, _run_serve),
+    **_client_commands(),
 }
 
 
