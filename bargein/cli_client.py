@@ -74,14 +74,14 @@ class BargeinClient:
     def model_name(self) -> str:
         response = self._call("GET", "/v1/models")
         self._check(response)
-        data = response.json().get("data") or [{}]
+        data = self._json(response, "data") or [{}]
         return str(data[0].get("id", "unknown model"))
 
     def list_requests(self) -> list[dict[str, Any]]:
         """``GET /v1/requests``: the server's live requests, oldest first."""
         response = self._call("GET", "/v1/requests")
         self._check(response)
-        return list(response.json()["data"])
+        return list(self._json(response, "data"))
 
     def cancel(self, request_id: str) -> str:
         """Cancels one request; returns "cancelled" or "already_finished", raises UnknownRequest."""
@@ -89,13 +89,13 @@ class BargeinClient:
         if response.status_code == 404:
             raise UnknownRequest(request_id)
         self._check(response)
-        return str(response.json()["status"])
+        return str(self._json(response, "status"))
 
     def cancel_all(self) -> list[str]:
         """Cancels everything in flight; returns the ids that were cancelled."""
         response = self._call("POST", "/v1/requests/cancel", json={"all": True})
         self._check(response)
-        return list(response.json()["cancelled"])
+        return list(self._json(response, "cancelled"))
 
     async def acancel(self, request_id: str) -> bool:
         """Like ``cancel`` without blocking the event loop; False when the server did not cancel it."""
@@ -145,6 +145,14 @@ class BargeinClient:
             raise ClientError(f"{self.base_url} wants an API key: give --api-key or set BARGEIN_API_KEY")
         raise ClientError(f"{self.base_url} answered {response.status_code}: {_error_message(response)}")
 
+    def _json(self, response: httpx.Response, key: str) -> Any:
+        """``response.json()[key]``, or a ClientError if this is not a bargein server's answer."""
+        try:
+            return response.json()[key]
+        except (ValueError, KeyError, TypeError):
+            raise ClientError(f"{self.base_url} did not answer like a bargein server "
+                              f"({response.request.method} {response.request.url.path})") from None
+
     def _transport_error(self, exc: httpx.HTTPError) -> ClientError:
         if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
             return ClientError(f"cannot reach a bargein server at {self.base_url} "
@@ -161,8 +169,8 @@ def _present(values: dict[str, Any]) -> dict[str, Any]:
 def _error_message(response: httpx.Response) -> str:
     try:
         return str(response.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return response.text.strip()[:200] or response.reason_phrase
+    except (ValueError, KeyError, TypeError):  # not an OpenAI-shaped error: keep it to one line
+        return f"{response.reason_phrase or 'error'} (is this a bargein server?)"
 
 
 def _parse_sse_line(line: str, text_field: str) -> StreamEvent | None:
