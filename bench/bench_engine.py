@@ -1,0 +1,423 @@
+"""Engine benchmark (issue 3): batching throughput, time to first token, cancel latency,
+and the prefill saved when a cancelled conversation is continued.
+
+Measures, for the bundled model (or ``--model``) on this machine:
+
+- aggregate decode tokens/s at 1, 4, 16 and 32 concurrent greedy requests (256 tokens
+  each, ``ignore_eos``), stepping the synchronous ``Engine``; with the time to first
+  token (median, p99) of each level. A level that runs past ``--level-budget`` seconds
+  is stopped there (its requests cancelled) and marked ``truncated``: its rates are
+  still those of the steps it ran.
+- cancel latency: a second thread steps the engine (as AsyncEngine does) while this one
+  calls ``engine.abort()`` at random moments and tops the batch up again. Latency runs
+  from the ``abort()`` call to the step that returns the cancelled output, in ms and in
+  steps, measured here and as the engine records it (``engine.counters``). Every
+  forward is recorded too, so a forward that started after the abort and still held the
+  request (a breach of contract C1) would be counted.
+- prefill saved: a ~1,000-token conversation is cancelled mid-answer (and another
+  mid-prefill), then prompted again; the tokens computed for the continuation
+  (``engine.stats().computed_tokens``) are compared with a cold run of the same tokens
+  on a fresh cache (a second Engine over the same weights).
+- where ``llama_cpp`` (llama-cpp-python) is importable, its prefill and single-sequence
+  decode on the same GGUF file; skipped otherwise.
+
+    python bench/bench_engine.py [--quick] [--json PATH] [--threads N]
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__:
+    from .common import (
+        apply_threads,
+        base_parser,
+        emit,
+        format_table,
+        machine_info,
+        median,
+        percentile,
+        timed,
+    )
+else:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import (
+        apply_threads,
+        base_parser,
+        emit,
+        format_table,
+        machine_info,
+        median,
+        percentile,
+        timed,
+    )
+
+from bargein import Engine, SamplingParams
+from bargein.config import CacheConfig, EngineConfig
+from bargein.engine.request import FinishReason
+
+_TOPICS = ["a lighthouse keeper", "a lost robot", "the first city on Mars", "a dragon who bakes bread",
+           "an old violin", "a river that flows uphill", "a chess prodigy", "the last library",
+           "a time-travelling cat", "a desert festival", "a submarine crew", "a village of clockmakers"]
+
+
+def _prompt(i: int) -> str:
+    """Distinct prompts (the index comes first), so no two share a cached prefix."""
+    return f"{i}. Write a long, detailed story about {_TOPICS[i % len(_TOPICS)]}, chapter {i // len(_TOPICS) + 1}."
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _drain(engine: Engine, ids: set[str]) -> None:
+    """Steps until every request in ids has finished."""
+    while ids:
+        for out in engine.step():
+            if out.finished:
+                ids.discard(out.request_id)
+
+
+# -- 1. throughput and time to first token ---------------------------------------------
+def bench_concurrency(engine: Engine, n: int, max_tokens: int, budget_s: float) -> dict[str, Any]:
+    params = _greedy(max_tokens)
+    started = time.perf_counter()
+    ids = [engine.add_request(_prompt(i), params) for i in range(n)]
+    first: dict[str, float] = {}
+    live = set(ids)
+    generated = 0
+    decode_tokens, decode_time = 0, 0.0
+    step_rates: list[float] = []
+    truncated = False
+    while live:
+        step_start = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
+        in_decode = len(first) == n  # every request past its prompt before this step
+        step_tokens = 0
+        for out in outs:
+            step_tokens += len(out.new_token_ids)
+            if out.new_token_ids and out.request_id not in first:
+                first[out.request_id] = now - started
+            if out.finished:
+                live.discard(out.request_id)
+        generated += step_tokens
+        if in_decode and step_tokens:
+            decode_tokens += step_tokens
+            decode_time += now - step_start
+            step_rates.append(step_tokens / (now - step_start))
+        if live and now - started > budget_s:
+            truncated = True
+            for rid in live:
+                engine.abort(rid)
+            _drain(engine, live)
+    wall = time.perf_counter() - started
+    ttft = list(first.values())
+    return {
+        "concurrency": n, "max_tokens": max_tokens, "generated": generated, "wall_s": wall,
+        "aggregate_tok_s": generated / wall,
+        "decode_tok_s": decode_tokens / decode_time if decode_time else float("nan"),
+        "median_step_tok_s": median(step_rates),
+        "ttft_ms_median": median(ttft) * 1e3, "ttft_ms_p99": percentile(ttft, 99) * 1e3,
+        "truncated": truncated,
+    }
+
+
+# -- 2. cancel latency -------------------------------------------------------------------
+class _Stepper:
+    """Steps the engine in its own thread (as AsyncEngine does) and records what happened."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.steps = 0  # completed step() calls
+        self.cancelled_at: dict[str, tuple[float, int]] = {}  # rid -> (time, steps) when its output came
+        self.forwards: list[tuple[float, frozenset[str]]] = []  # (start time, request ids) of each forward
+        self.step_times: list[float] = []
+        self._stop = threading.Event()
+        self._execute = engine.runner.execute
+        engine.runner.execute = self._recording_execute  # instance attribute: the class is untouched
+        self.thread = threading.Thread(target=self._loop, name="bench-stepper", daemon=True)
+
+    def _recording_execute(self, plan: Any) -> Any:
+        self.forwards.append((time.perf_counter(), frozenset(c.request_id for c in plan.chunks)))
+        return self._execute(plan)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            engine.wait_for_work(timeout=0.05)
+            if not engine.has_work:
+                continue
+            start = time.perf_counter()
+            outs = engine.step()
+            now = time.perf_counter()
+            self.steps += 1
+            self.step_times.append(now - start)
+            for out in outs:
+                if out.finished and out.finish_reason == FinishReason.CANCELLED:
+                    self.cancelled_at[out.request_id] = (now, self.steps)
+
+    def start(self) -> _Stepper:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.engine._wakeup.set()
+        self.thread.join()
+        del self.engine.runner.execute  # back to the class's method
+
+
+def bench_cancel(engine: Engine, concurrency: int, cancels: int, seed: int = 0) -> dict[str, Any]:
+    rng = random.Random(seed)
+    engine.counters.cancel_latencies.clear()
+    engine.counters.cancel_latency_steps.clear()
+    params = _greedy(512)
+    stepper = _Stepper(engine).start()
+    live: list[str] = []
+    counter = [0]
+
+    def add() -> None:
+        live.append(engine.add_request(_prompt(1000 + counter[0]), params))
+        counter[0] += 1
+
+    samples: list[tuple[float, float, int, int, str]] = []  # (latency s, latency steps, violations, ...)
+    try:
+        for _ in range(concurrency):
+            add()
+        while stepper.steps < 3:  # past the first prompts
+            time.sleep(0.01)
+        for _ in range(cancels):
+            typical = median(stepper.step_times[-20:]) or 0.05
+            time.sleep(rng.uniform(0.0, 1.5 * typical))  # random phase against the step loop
+            rid = live.pop(rng.randrange(len(live)))
+            steps_before = stepper.steps
+            requested = time.perf_counter()
+            engine.abort(rid)
+            add()  # keep the batch full
+            deadline = time.perf_counter() + 60
+            while rid not in stepper.cancelled_at and time.perf_counter() < deadline:
+                time.sleep(0.0005)
+            if rid not in stepper.cancelled_at:
+                samples.append((float("nan"), float("nan"), 0, 0, rid))
+                continue
+            done, steps_after = stepper.cancelled_at[rid]
+            late = sum(1 for t, rids in list(stepper.forwards) if t > requested and rid in rids)
+            samples.append((done - requested, steps_after - steps_before, late, 0, rid))
+        # Snapshot the engine's own samples before the clean-up aborts below add theirs.
+        internal = list(engine.counters.cancel_latencies), list(engine.counters.cancel_latency_steps)
+        for rid in live:
+            engine.abort(rid)
+        deadline = time.perf_counter() + 60
+        while engine.live_request_ids() and time.perf_counter() < deadline:
+            time.sleep(0.01)
+    finally:
+        stepper.stop()
+    ms = [s[0] * 1e3 for s in samples if s[0] == s[0]]
+    steps = [s[1] for s in samples if s[1] == s[1]]
+    internal_ms = [x * 1e3 for x in internal[0]]
+    internal_steps = internal[1]
+    step_ms = median(stepper.step_times) * 1e3
+    return {
+        "concurrency": concurrency, "cancels": len(samples), "step_ms_median": step_ms,
+        "latency_ms_median": median(ms), "latency_ms_p99": percentile(ms, 99), "latency_ms_max": max(ms, default=None),
+        "latency_steps_median": median(steps), "latency_steps_p99": percentile(steps, 99),
+        "latency_steps_max": max(steps, default=None),
+        "latency_in_step_times_p99": percentile(ms, 99) / step_ms if step_ms else None,
+        "forwards_after_cancel": sum(s[2] for s in samples),
+        "timed_out": sum(1 for s in samples if s[0] != s[0]),
+        "engine_latency_ms_median": median(internal_ms), "engine_latency_ms_p99": percentile(internal_ms, 99),
+        "engine_latency_steps_median": median(internal_steps),
+        "engine_latency_steps_p99": percentile(internal_steps, 99),
+        "engine_latency_steps_max": max(internal_steps, default=None),
+    }
+
+
+# -- 3. prefill saved on continuing a cancelled conversation -------------------------------
+def _long_prompt(engine: Engine, n_tokens: int, salt: str) -> list[int]:
+    paragraph = (f"[{salt}] The committee met again on Tuesday to review the harbour plans. Each member read "
+                 "a section aloud, argued about the tides, the cost of stone, and the fishermen's complaints, "
+                 "and then voted. ")
+    text = ""
+    ids: list[int] = []
+    while len(ids) < n_tokens:
+        text += paragraph
+        ids = engine.encode(text)
+    return ids[:n_tokens]
+
+
+def _run_to_end(engine: Engine, rid: str) -> Any:
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+
+
+def bench_continue(engine: Engine, cold: Engine, prompt_tokens: int, cancel_after: int | None) -> dict[str, Any]:
+    """Prompt a conversation, cancel it (after ``cancel_after`` tokens, or None: mid-prefill), continue it."""
+    salt = "decode" if cancel_after is not None else "prefill"
+    prompt = _long_prompt(engine, prompt_tokens, salt)
+    sid = engine.open_session()
+    rid = engine.add_request(prompt, _greedy(4 * (cancel_after or 1) + 64), session_id=sid)
+    delivered = 0
+    if cancel_after is None:
+        engine.step()  # the first prompt chunk is computed, the rest is still pending
+    else:
+        while delivered < cancel_after:
+            delivered += sum(len(o.new_token_ids) for o in engine.step() if o.request_id == rid)
+    engine.abort(rid)
+    cancelled = _run_to_end(engine, rid)
+    conv_tokens = engine.session_tokens(sid)
+    follow = engine.tokenizer.encode("\nUser: Go on, and summarise the vote.\nAssistant:", add_special_tokens=False)
+
+    before = engine.stats().computed_tokens
+    seconds, out = timed(lambda: _run_to_end(engine, engine.add_request(follow, _greedy(1), session_id=sid)))
+    computed = engine.stats().computed_tokens - before
+    engine.close_session(sid)
+
+    full = conv_tokens + follow
+    cold_before = cold.stats().computed_tokens
+    cold_seconds, cold_out = timed(lambda: _run_to_end(cold, cold.add_request(full, _greedy(1))))
+    cold_computed = cold.stats().computed_tokens - cold_before
+    same = list(out.token_ids) == list(cold_out.token_ids)
+    return {
+        "case": "cancel mid-answer" if cancel_after is not None else "cancel mid-prefill",
+        "conversation_tokens": len(conv_tokens), "delivered_before_cancel": len(cancelled.token_ids),
+        "continuation_prompt_tokens": out.usage.prompt_tokens, "cached_tokens": out.usage.cached_tokens,
+        "computed": computed, "cold_computed": cold_computed,
+        "saved_pct": 100.0 * (1 - computed / cold_computed) if cold_computed else float("nan"),
+        "cached_pct": 100.0 * out.usage.cached_tokens / out.usage.prompt_tokens if out.usage.prompt_tokens else None,
+        "continue_ms": seconds * 1e3, "cold_ms": cold_seconds * 1e3, "same_next_token": same,
+    }
+
+
+# -- 4. llama.cpp, where installed ----------------------------------------------------------
+def bench_llama_cpp(engine: Engine, model_ref: str | None, threads: int, quick: bool) -> dict[str, Any]:
+    try:
+        import llama_cpp  # type: ignore[import-not-found]
+    except ImportError:
+        return {"skipped": "llama_cpp (llama-cpp-python) is not installed"}
+    from bargein.loader import resolve_model_ref
+
+    source = resolve_model_ref(model_ref)
+    if not str(source.path).endswith(".gguf"):
+        return {"skipped": "the model is not a GGUF file"}
+    try:
+        llm = llama_cpp.Llama(model_path=str(source.path), n_ctx=2048, n_batch=512, n_threads=threads,
+                              verbose=False)
+        prompt = _long_prompt(engine, 512, "llama.cpp")
+        prefill = []
+        for _ in range(1 if quick else 3):
+            llm.reset()
+            prefill.append(timed(lambda: llm.eval(prompt))[0])
+        llm.reset()
+        gaps: list[float] = []
+        last = time.perf_counter()
+        n = 16 if quick else 64
+        for i, _tok in enumerate(llm.generate(engine.encode(_prompt(0)), temp=0.0, top_k=1)):
+            now = time.perf_counter()
+            if i:
+                gaps.append(now - last)
+            last = now
+            if i >= n:
+                break
+        return {"version": getattr(llama_cpp, "__version__", "?"), "threads": threads,
+                "prefill_tok_s": len(prompt) / median(prefill), "decode_tok_s": 1 / median(gaps)}
+    except Exception as exc:  # optional comparison: report, never fail the benchmark
+        return {"skipped": f"llama_cpp failed: {type(exc).__name__}: {exc}"}
+
+
+# -- main ----------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 256; quick 16)")
+    parser.add_argument("--level-budget", type=float, default=None,
+                        help="seconds one concurrency level may run (default 25; quick 8)")
+    parser.add_argument("--cancels", type=int, default=None, help="cancels to measure (default 24; quick 8)")
+    args = parser.parse_args(argv)
+    apply_threads(args.threads)
+    quick = args.quick
+    max_tokens = args.max_tokens or (16 if quick else 256)
+    budget = args.level_budget or (8.0 if quick else 25.0)
+    cancels = args.cancels or (8 if quick else 24)
+    levels = (1, 4, 16, 32)
+
+    load_s, engine = timed(lambda: Engine.from_pretrained(args.model, progress=False))
+    info = machine_info()
+    print(f"loaded {engine.model_name} in {load_s:.1f}s; torch threads {info['torch_threads']}, "
+          f"load average {info.get('loadavg_1m')}", flush=True)
+    started = time.perf_counter()
+    engine.generate([_prompt(0)], _greedy(4))  # warm-up
+
+    throughput = []
+    for n in levels:
+        throughput.append(bench_concurrency(engine, n, max_tokens, budget))
+        row = throughput[-1]
+        print(f"  {n} concurrent: {row['aggregate_tok_s']:.1f} tok/s aggregate, "
+              f"ttft {row['ttft_ms_median']:.0f} ms{' (truncated)' if row['truncated'] else ''}", flush=True)
+
+    cancel = bench_cancel(engine, 8, cancels)
+    print(f"  cancel: median {cancel['latency_ms_median']:.0f} ms, p99 {cancel['latency_steps_p99']} steps",
+          flush=True)
+
+    prompt_tokens = 1000
+    cold = Engine(engine.runner.stages, engine.tokenizer,
+                  EngineConfig(cache=CacheConfig(memory_bytes=96 * 1024**2)), model_name=engine.model_name)
+    cont = [bench_continue(engine, cold, prompt_tokens, cancel_after=8 if quick else 16),
+            bench_continue(engine, cold, prompt_tokens, cancel_after=None)]
+    print(f"  continue after cancel: {cont[0]['saved_pct']:.1f}% of prefill saved", flush=True)
+
+    llama = bench_llama_cpp(engine, args.model, info["torch_threads"], quick)
+    info["loadavg_1m_end"] = machine_info().get("loadavg_1m")
+
+    at32 = next(r for r in throughput if r["concurrency"] == 32)
+    targets = {
+        "aggregate_tok_s_at_32": {"target": 400, "measured": at32["aggregate_tok_s"],
+                                  "met": at32["aggregate_tok_s"] >= 400},
+        "cancel_latency_steps_p99": {"target": 1, "measured": cancel["latency_steps_p99"],
+                                     "met": cancel["latency_steps_p99"] <= 1 and cancel["forwards_after_cancel"] == 0},
+        "prefill_saved_pct": {"target": 95, "measured": cont[0]["saved_pct"], "met": cont[0]["saved_pct"] >= 95},
+    }
+    result = {
+        "benchmark": "engine", "model": engine.model_name, "quick": quick, "load_s": load_s,
+        "throughput": throughput, "cancel": cancel, "continue_after_cancel": cont, "llama_cpp": llama,
+        "targets": targets, "machine": info, "seconds": time.perf_counter() - started + load_s,
+    }
+
+    cancel_rows = [
+        {"measured by": "abort() -> cancelled output (here)", "median_ms": cancel["latency_ms_median"],
+         "p99_ms": cancel["latency_ms_p99"], "median_steps": cancel["latency_steps_median"],
+         "p99_steps": cancel["latency_steps_p99"], "max_steps": cancel["latency_steps_max"]},
+        {"measured by": "engine.counters", "median_ms": cancel["engine_latency_ms_median"],
+         "p99_ms": cancel["engine_latency_ms_p99"], "median_steps": cancel["engine_latency_steps_median"],
+         "p99_steps": cancel["engine_latency_steps_p99"], "max_steps": cancel["engine_latency_steps_max"]},
+    ]
+    target_rows = [{"target": k, "goal": v["target"], "measured": v["measured"], "met": v["met"]}
+                   for k, v in targets.items()]
+    sections = [
+        (f"Throughput ({max_tokens} greedy tokens per request, ignore_eos; decode_tok_s = steps with every "
+         "request decoding; median_step_tok_s = median over those steps)",
+         format_table(throughput, ["concurrency", "generated", "wall_s", "aggregate_tok_s", "decode_tok_s",
+                                   "median_step_tok_s", "ttft_ms_median", "ttft_ms_p99", "truncated"])),
+        (f"Cancel latency ({cancel['cancels']} aborts from another thread at random moments, "
+         f"{cancel['concurrency']} running; median step {cancel['step_ms_median']:.0f} ms; "
+         f"forwards holding a request after its abort: {cancel['forwards_after_cancel']})",
+         format_table(cancel_rows)),
+        (f"Continuing a cancelled ~{prompt_tokens}-token conversation (computed tokens vs a cold run)",
+         format_table(cont, ["case", "conversation_tokens", "continuation_prompt_tokens", "cached_tokens",
+                             "computed", "cold_computed", "saved_pct", "continue_ms", "cold_ms",
+                             "same_next_token"])),
+        ("llama.cpp on the same GGUF", format_table([llama])),
+        ("Targets (issue 3)", format_table(target_rows)),
+    ]
+    emit(f"bargein engine benchmark ({engine.model_name})", sections, result, args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()

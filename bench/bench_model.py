@@ -1,0 +1,251 @@
+"""Model benchmark (issue 2): load time, prefill and decode throughput of the runner.
+
+Measures, for the bundled model (or ``--model``) on this machine:
+
+- load time of ``Engine.from_pretrained``;
+- prefill tokens/s for one 512-token prompt (one forward);
+- decode tokens/s for 1, 8 and 32 sequences in one batch (one token each per forward,
+  at a fixed context length).
+
+Each figure goes through the engine's own runner (``engine.runner.execute(plan)`` on
+hand-built :class:`StepPlan` objects, so prefill and decode are timed apart and nothing
+else runs), and side by side with a plain fp32 PyTorch forward of the same weights
+(contiguous KV cache, no paging), interleaved repeat by repeat, so that the ratio holds
+even on a busy machine. Figures are medians over repeats.
+
+    python bench/bench_model.py [--quick] [--json PATH] [--threads N]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+if __package__:
+    from .common import apply_threads, base_parser, emit, format_table, machine_info, median, timed
+else:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import apply_threads, base_parser, emit, format_table, machine_info, median, timed
+
+from bargein import Engine
+from bargein.engine.plan import ScheduledChunk, StepPlan
+
+
+# -- plans for the engine's runner ------------------------------------------------------
+class PlanMaker:
+    """Hand-built plans over block ids of an otherwise idle engine (nothing else uses them)."""
+
+    def __init__(self, engine: Engine):
+        self.block_size = engine.pool.block_size
+        self.num_blocks = engine.pool.num_blocks
+        self.vocab = engine.model_config.vocab_size
+
+    def tables(self, num_seqs: int, max_len: int) -> list[tuple[int, ...]]:
+        per_seq = -(-max_len // self.block_size)
+        if per_seq * num_seqs > self.num_blocks:
+            raise ValueError(f"{num_seqs} sequences of {max_len} tokens need {per_seq * num_seqs} blocks; "
+                             f"the pool has {self.num_blocks}")
+        return [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(num_seqs)]
+
+    def tokens(self, n: int, seed: int = 0) -> tuple[int, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return tuple(torch.randint(100, min(self.vocab, 20_000), (n,), generator=g).tolist())
+
+    def prefill(self, prompt_len: int) -> StepPlan:
+        table = self.tables(1, prompt_len)[0]
+        return StepPlan(0, (ScheduledChunk("p0", self.tokens(prompt_len), 0, table, True),))
+
+    def decode(self, tables: Sequence[tuple[int, ...]], position: int) -> StepPlan:
+        chunks = tuple(ScheduledChunk(f"d{i}", (1000 + i,), position, t, True) for i, t in enumerate(tables))
+        return StepPlan(0, chunks)
+
+
+# -- a plain fp32 PyTorch forward of the same weights, as the yardstick ------------------
+class DenseModel:
+    """The textbook forward over the stage's weights: contiguous K/V, no paging, no plans."""
+
+    def __init__(self, engine: Engine):
+        (stage,) = engine.runner.stages
+        self.stage = stage
+        cfg = engine.model_config
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.stage.rope.cos[pos], self.stage.rope.sin[pos]  # (T, D), broadcast over (B, heads)
+        half = x.shape[-1] // 2
+        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rot * sin
+
+    def alloc(self, batch: int, max_len: int) -> None:
+        shape = (batch, self.kvh, max_len, self.d)
+        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in self.stage.layers]
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids (B, T) at positions start..start+T-1; returns logits of the last position (B, V)."""
+        b, t = ids.shape
+        pos = torch.arange(start, start + t)
+        x = F.embedding(ids, self.stage.embed)  # (B, T, hidden)
+        q_size, kv_size = self.h * self.d, self.kvh * self.d
+        for layer, (kc, vc) in zip(self.stage.layers, self.caches, strict=True):
+            att = layer.attention
+            qkv = F.linear(self._norm(x, layer.attn_norm.weight), att.wqkv, att.bqkv)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = self._rope(q.view(b, t, self.h, self.d).transpose(1, 2), pos)  # (B, H, T, D)
+            k = self._rope(k.view(b, t, self.kvh, self.d).transpose(1, 2), pos)
+            kc[:, :, start:start + t] = k
+            vc[:, :, start:start + t] = v.view(b, t, self.kvh, self.d).transpose(1, 2)
+            keys, values = kc[:, :, :start + t], vc[:, :, :start + t]
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1 and start == 0, enable_gqa=True)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, t, q_size), att.wo)
+            ff = layer.feed_forward
+            gate, up = F.linear(self._norm(x, layer.ffn_norm.weight), ff.w13).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, ff.w2)
+        return F.linear(self._norm(x[:, -1], self.stage.norm.weight), self.stage.lm_head)
+
+
+# -- measurements ---------------------------------------------------------------------
+def _interleaved(ours: Callable[[], Any], dense: Callable[[], Any] | None, repeats: int, warmup: int,
+                 budget_s: float) -> tuple[list[float], list[float]]:
+    """Times ours and dense alternately, so both see the same machine load.
+
+    Stops early (after at least two repeats) once ``budget_s`` seconds are spent, so a
+    busy machine cannot stretch the run past its time limit.
+    """
+    started = time.perf_counter()
+    for _ in range(warmup):
+        ours()
+        if dense is not None:
+            dense()
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(repeats):
+        a.append(timed(ours)[0])
+        if dense is not None:
+            b.append(timed(dense)[0])
+        if i >= 1 and time.perf_counter() - started > budget_s:
+            break
+    return a, b
+
+
+def bench_prefill(engine: Engine, dense: DenseModel | None, prompt_len: int, repeats: int,
+                  budget_s: float) -> dict[str, Any]:
+    maker = PlanMaker(engine)
+    plan = maker.prefill(prompt_len)
+    ids = torch.tensor([plan.chunks[0].token_ids])
+
+    def ours() -> None:
+        engine.runner.execute(plan)
+
+    def ref() -> None:
+        dense.alloc(1, prompt_len)
+        dense.forward(ids, 0)
+
+    times, dtimes = _interleaved(ours, None if dense is None else ref, repeats, 1, budget_s)
+    return _row(f"prefill {prompt_len}", 1, prompt_len, prompt_len, times, dtimes)
+
+
+def bench_decode(engine: Engine, dense: DenseModel | None, batch: int, context: int, steps: int,
+                 budget_s: float) -> dict[str, Any]:
+    maker = PlanMaker(engine)
+    warmup = 2
+    tables = maker.tables(batch, context + warmup + steps + 1)
+    position = [context]
+    ids = torch.tensor([[1000 + i] for i in range(batch)])
+    dense_pos = [context]
+    if dense is not None:
+        dense.alloc(batch, context + warmup + steps + 1)
+
+    def ours() -> None:
+        engine.runner.execute(maker.decode(tables, position[0]))
+        position[0] += 1
+
+    def ref() -> None:
+        dense.forward(ids, dense_pos[0])
+        dense_pos[0] += 1
+
+    times, dtimes = _interleaved(ours, None if dense is None else ref, steps, warmup, budget_s)
+    return _row(f"decode x{batch}", batch, context, batch, times, dtimes)
+
+
+def _row(name: str, batch: int, context: int, tokens_per_forward: int, times: list[float],
+         dense_times: list[float]) -> dict[str, Any]:
+    t = median(times)
+    row: dict[str, Any] = {
+        "case": name, "batch": batch, "context": context,
+        "forward_ms": t * 1e3, "tok_s": tokens_per_forward / t, "repeats": len(times),
+    }
+    if dense_times:
+        td = median(dense_times)
+        row["dense_forward_ms"] = td * 1e3
+        row["dense_tok_s"] = tokens_per_forward / td
+        row["vs_dense"] = td / t
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--context", type=int, default=256, help="context length of the decode cases")
+    parser.add_argument("--case-budget", type=float, default=None,
+                        help="seconds one case may take before it stops repeating (default 30; quick 8)")
+    parser.add_argument("--no-dense", action="store_true", help="skip the plain PyTorch yardstick")
+    args = parser.parse_args(argv)
+    apply_threads(args.threads)
+    quick = args.quick
+    prefill_repeats, decode_steps = (2, 4) if quick else (3, 16)
+    budget = args.case_budget or (8.0 if quick else 30.0)
+
+    load_s, engine = timed(lambda: Engine.from_pretrained(args.model, progress=False))
+    dense = None if args.no_dense else DenseModel(engine)
+    info = machine_info()
+    print(f"loaded {engine.model_name} in {load_s:.1f}s; torch threads {info['torch_threads']}, "
+          f"load average {info.get('loadavg_1m')}", flush=True)
+
+    rows = []
+    started = time.perf_counter()
+    rows.append(bench_prefill(engine, dense, args.prompt_len, prefill_repeats, budget))
+    print(f"  {rows[-1]['case']}: {rows[-1]['tok_s']:.0f} tok/s", flush=True)
+    for batch in (1, 8, 32):
+        rows.append(bench_decode(engine, dense, batch, args.context, decode_steps, budget))
+        print(f"  {rows[-1]['case']}: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
+
+    orientation = {"prefill 512": 1000.0, "decode x1": 35.0, "decode x32": 450.0}
+    for row in rows:
+        if row["case"] in orientation:
+            row["target_tok_s"] = orientation[row["case"]]
+    info["loadavg_1m_end"] = machine_info().get("loadavg_1m")
+    result = {
+        "benchmark": "model",
+        "model": engine.model_name,
+        "quick": quick,
+        "load_s": load_s,
+        "prefill_tok_s": rows[0]["tok_s"],
+        "decode_tok_s": {str(r["batch"]): r["tok_s"] for r in rows[1:]},
+        "cases": rows,
+        "machine": info,
+        "seconds": time.perf_counter() - started + load_s,
+    }
+    columns = ["case", "batch", "context", "forward_ms", "tok_s", "target_tok_s"]
+    if dense is not None:
+        columns += ["dense_tok_s", "vs_dense"]
+    emit(f"bargein model benchmark ({engine.model_name}, load {load_s:.1f}s)",
+         [("Runner forward (median over repeats; vs_dense = our speed / plain PyTorch speed, "
+           "measured interleaved)", format_table(rows, columns))],
+         result, args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()

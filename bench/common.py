@@ -1,0 +1,132 @@
+"""Shared helpers for the benchmarks: statistics, a plain-text table, JSON output.
+
+Benchmarks report medians over repeats (this machine is shared and noisy), never
+assert, and print a human table followed by one JSON object on the last line of
+stdout (and, with ``--json PATH``, the same object to a file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def median(values: Iterable[float]) -> float:
+    data = list(values)
+    return statistics.median(data) if data else math.nan
+
+
+def percentile(values: Iterable[float], p: float) -> float:
+    """The p-th percentile (0..100), linear interpolation between closest ranks."""
+    data = sorted(values)
+    if not data:
+        return math.nan
+    k = (len(data) - 1) * p / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return data[lo] + (data[hi] - data[lo]) * (k - lo)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Runs fn once; returns (seconds, result)."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def repeat_timed(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeats`` calls of fn, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    return [timed(fn)[0] for _ in range(repeats)]
+
+
+def rnd(value: Any, digits: int = 3) -> Any:
+    """Rounds floats (recursively) for JSON; NaN becomes None."""
+    if isinstance(value, float):
+        return None if math.isnan(value) else round(value, digits)
+    if isinstance(value, dict):
+        return {k: rnd(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rnd(v, digits) for v in value]
+    return value
+
+
+def fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        if abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 10:
+            return f"{value:.1f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A plain-text table of dict rows (columns default to the first row's keys)."""
+    if not rows:
+        return "(no rows)"
+    columns = list(columns or rows[0].keys())
+    cells = [[fmt(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    line = "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))
+    sep = "  ".join("-" * w for w in widths)
+    body = ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(r, widths, strict=True)))
+            for r in cells]
+    return "\n".join([line, sep, *body])
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on, including how busy the machine was."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+    with contextlib.suppress(OSError):
+        info["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    return info
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="a smoke run (under a minute)")
+    parser.add_argument("--json", metavar="PATH", help="also write the JSON result to PATH")
+    parser.add_argument("--model", default=None, help="model reference (default: the bundled SmolLM2)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    return parser
+
+
+def apply_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def emit(title: str, sections: Sequence[tuple[str, str]], result: dict[str, Any], json_path: str | None) -> None:
+    """Prints the tables, then the JSON object as the last line; writes it to json_path too."""
+    print(f"\n== {title} ==")
+    for heading, table in sections:
+        print(f"\n{heading}\n{table}")
+    text = json.dumps(rnd(result), sort_keys=False)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+    print()
+    print(text, flush=True)
