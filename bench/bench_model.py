@@ -68,12 +68,31 @@ class PlanMaker:
 
 # -- a plain fp32 PyTorch forward of the same weights, as the yardstick ------------------
 class DenseModel:
-    """The textbook forward over the stage's weights: contiguous K/V, no paging, no plans."""
+    """The textbook forward over the same weights: plain F.linear, contiguous K/V, no paging.
 
-    def __init__(self, engine: Engine):
+    It reads the checkpoint's canonical weights itself (the engine's layers may hold them
+    pre-packed for a faster kernel), fusing Q/K/V and gate/up as any fast forward would.
+    """
+
+    def __init__(self, engine: Engine, ref: str | None):
+        from bargein.loader import load_weights, resolve_model_ref
+
         (stage,) = engine.runner.stages
         self.stage = stage
         cfg = engine.model_config
+        w = load_weights(resolve_model_ref(ref), cfg, progress=False)
+        self.layers = [
+            {"attn_norm": w[f"layers.{i}.attn_norm.weight"], "ffn_norm": w[f"layers.{i}.ffn_norm.weight"],
+             "wqkv": torch.cat([w[f"layers.{i}.{n}.weight"] for n in ("wq", "wk", "wv")]),
+             "bqkv": (torch.cat([w[f"layers.{i}.{n}.bias"] for n in ("wq", "wk", "wv")])
+                      if cfg.attention_bias else None),
+             "wo": w[f"layers.{i}.wo.weight"],
+             "w13": torch.cat([w[f"layers.{i}.w1.weight"], w[f"layers.{i}.w3.weight"]]),
+             "w2": w[f"layers.{i}.w2.weight"]}
+            for i in range(cfg.num_layers)]
+        self.embed = w["embed.weight"]
+        self.norm = w["norm.weight"]
+        self.lm_head = w["embed.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -89,18 +108,17 @@ class DenseModel:
 
     def alloc(self, batch: int, max_len: int) -> None:
         shape = (batch, self.kvh, max_len, self.d)
-        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in self.stage.layers]
+        self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in self.layers]
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """ids (B, T) at positions start..start+T-1; returns logits of the last position (B, V)."""
         b, t = ids.shape
         pos = torch.arange(start, start + t)
-        x = F.embedding(ids, self.stage.embed)  # (B, T, hidden)
+        x = F.embedding(ids, self.embed)  # (B, T, hidden)
         q_size, kv_size = self.h * self.d, self.kvh * self.d
-        for layer, (kc, vc) in zip(self.stage.layers, self.caches, strict=True):
-            att = layer.attention
-            qkv = F.linear(self._norm(x, layer.attn_norm.weight), att.wqkv, att.bqkv)
+        for layer, (kc, vc) in zip(self.layers, self.caches, strict=True):
+            qkv = F.linear(self._norm(x, layer["attn_norm"]), layer["wqkv"], layer["bqkv"])
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = self._rope(q.view(b, t, self.h, self.d).transpose(1, 2), pos)  # (B, H, T, D)
             k = self._rope(k.view(b, t, self.kvh, self.d).transpose(1, 2), pos)
@@ -108,11 +126,10 @@ class DenseModel:
             vc[:, :, start:start + t] = v.view(b, t, self.kvh, self.d).transpose(1, 2)
             keys, values = kc[:, :, :start + t], vc[:, :, :start + t]
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=t > 1 and start == 0, enable_gqa=True)
-            x = x + F.linear(o.transpose(1, 2).reshape(b, t, q_size), att.wo)
-            ff = layer.feed_forward
-            gate, up = F.linear(self._norm(x, layer.ffn_norm.weight), ff.w13).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, ff.w2)
-        return F.linear(self._norm(x[:, -1], self.stage.norm.weight), self.stage.lm_head)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, t, q_size), layer["wo"])
+            gate, up = F.linear(self._norm(x, layer["ffn_norm"]), layer["w13"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["w2"])
+        return F.linear(self._norm(x[:, -1], self.norm), self.lm_head)
 
 
 # -- measurements ---------------------------------------------------------------------
@@ -208,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget = args.case_budget or (8.0 if quick else 30.0)
 
     load_s, engine = timed(lambda: Engine.from_pretrained(args.model, progress=False))
-    dense = None if args.no_dense else DenseModel(engine)
+    dense = None if args.no_dense else DenseModel(engine, args.model)
     info = machine_info()
     print(f"loaded {engine.model_name} in {load_s:.1f}s; torch threads {info['torch_threads']}, "
           f"load average {info.get('loadavg_1m')}", flush=True)

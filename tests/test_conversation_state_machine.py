@@ -156,7 +156,7 @@ class ConversationMachine(RuleBasedStateMachine):
             for cid, conv in self.live.items():
                 if not conv.is_generating:
                     held = core.session_tokens(cid)
-                    assert held + conv._pending == conv.tokens
+                    assert held + conv.pending_tokens == conv.tokens
 
         self.run(self.engine.call(check))
 

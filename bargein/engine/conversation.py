@@ -105,6 +105,11 @@ class Conversation:
         return list(self._tokens)
 
     @property
+    def pending_tokens(self) -> list[int]:
+        """Prompted tokens not yet sent to the engine (they go with the next generate)."""
+        return list(self._pending)
+
+    @property
     def is_generating(self) -> bool:
         return self._active is not None and not self._active.finished
 

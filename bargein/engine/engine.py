@@ -147,7 +147,9 @@ class Engine:
         model_config = load_config(source)
         dtype = getattr(torch, config.dtype)
         weights = load_weights(source, model_config, dtype=dtype, progress=progress)
+        weights = {name: w.to(config.device) for name, w in weights.items()}
         max_len = config.max_model_len or model_config.max_position_embeddings
+        # Built on the target device, so each layer picks that device's fastest kernel.
         model = LlamaStage(model_config, weights, max_positions=max_len).to(config.device)
         return cls(model, load_tokenizer(source), config, model_name=source.name)
 
@@ -408,7 +410,7 @@ class Engine:
         return list(self.scheduler.session(session_id).sequence.token_ids)
 
     def append_session_tokens(self, session_id: str, token_ids: Sequence[int]) -> None:
-        seq = self.scheduler._idle_session(session_id).sequence
+        seq = self.scheduler.idle_session(session_id).sequence
         if seq.num_tokens + len(token_ids) >= self.max_model_len:
             raise EngineError(f"the conversation would be {seq.num_tokens + len(token_ids)} tokens, "
                               f"but the context holds {self.max_model_len}")

@@ -27,8 +27,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_caches = [s.make_kv_caches(num_blocks, block_size) for s in self.stages]
-        self.device = stages[0].embed.device
-        self.vocab_size = stages[-1].lm_head.shape[0]
+        self.device = stages[0].device
+        self.vocab_size = stages[-1].vocab_size
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Runs the plan's forward; returns float32 logits (len(plan.sampled), vocab)."""

@@ -165,7 +165,7 @@ class Scheduler:
                 try:
                     copies += self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)
                 except OutOfBlocks:
-                    if self._reclaim_idle_session():
+                    if self._reclaimidle_session():
                         continue
                     victim = self.running[-1]
                     if victim is req and len(self.running) == 1:
@@ -193,7 +193,7 @@ class Scheduler:
             except OutOfBlocks:
                 if matched:  # give the prefix hits back while it waits: waiting holds no blocks
                     self._drop_kv(seq)
-                if self._reclaim_idle_session():
+                if self._reclaimidle_session():
                     continue
                 if not self.running and not chunks:
                     self.waiting.popleft()
@@ -286,7 +286,7 @@ class Scheduler:
         self.pool.release(seq.block_table)
         seq.num_computed = 0
 
-    def _reclaim_idle_session(self) -> bool:
+    def _reclaimidle_session(self) -> bool:
         """Frees the blocks of the least recently used idle conversation, if any holds some."""
         idle = [s for s in self.sessions.values() if s.active is None and s.sequence.block_table.block_ids]
         if not idle:
@@ -331,7 +331,7 @@ class Scheduler:
         except KeyError:
             raise UnknownSession(seq_id) from None
 
-    def _idle_session(self, seq_id: str) -> Session:
+    def idle_session(self, seq_id: str) -> Session:
         session = self.session(seq_id)
         if session.active is not None:
             raise SessionBusy(f"conversation {seq_id!r} is generating (request {session.active.request_id!r})")
@@ -339,13 +339,13 @@ class Scheduler:
 
     def start_session_request(self, request: Request) -> None:
         """Queues a request that generates onto its (idle) session's sequence."""
-        session = self._idle_session(request.sequence.seq_id)
+        session = self.idle_session(request.sequence.seq_id)
         self.add(request)
         session.active = request
 
     def fork_session(self, seq_id: str, new_id: str) -> Sequence:
         """A new session with the same tokens, sharing every block (copy on write)."""
-        src = self._idle_session(seq_id).sequence
+        src = self.idle_session(seq_id).sequence
         if new_id in self.sessions:
             raise ValueError(f"session {new_id!r} already exists")
         seq = Sequence(new_id, list(src.token_ids), src.num_computed, self.pool.fork(src.block_table))
@@ -354,7 +354,7 @@ class Scheduler:
 
     def truncate_session(self, seq_id: str, num_tokens: int) -> None:
         """Keeps the first ``num_tokens`` tokens (and their K/V) of an idle session."""
-        seq = self._idle_session(seq_id).sequence
+        seq = self.idle_session(seq_id).sequence
         if not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(f"cannot keep {num_tokens} of {seq.num_tokens} tokens")
         del seq.token_ids[num_tokens:]
@@ -363,7 +363,7 @@ class Scheduler:
 
     def close_session(self, seq_id: str) -> None:
         """Releases a session's blocks; aborting its request first is the caller's job."""
-        session = self._idle_session(seq_id)
+        session = self.idle_session(seq_id)
         self.pool.release(session.sequence.block_table)
         del self.sessions[seq_id]
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from bargein.config import ModelConfig
 from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
+from bargein.model.linear import Linear
 from bargein.model.rope import RotaryEmbedding
 
 
@@ -41,36 +42,35 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         wqkv = torch.cat([w[f"{prefix}.wq.weight"], w[f"{prefix}.wk.weight"], w[f"{prefix}.wv.weight"]])
-        self.wqkv = nn.Parameter(wqkv, requires_grad=False)
-        self.bqkv = None
+        bqkv = None
         if config.attention_bias:
-            bias = torch.cat([w[f"{prefix}.wq.bias"], w[f"{prefix}.wk.bias"], w[f"{prefix}.wv.bias"]])
-            self.bqkv = nn.Parameter(bias, requires_grad=False)
-        self.wo = nn.Parameter(w[f"{prefix}.wo.weight"], requires_grad=False)
+            bqkv = torch.cat([w[f"{prefix}.wq.bias"], w[f"{prefix}.wk.bias"], w[f"{prefix}.wv.bias"]])
+        self.wqkv = Linear(wqkv, bqkv)
+        self.wo = Linear(w[f"{prefix}.wo.weight"])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = F.linear(x, self.wqkv, self.bqkv)  # (T, q_size + 2 * kv_size)
+        qkv = self.wqkv(x)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rope(q, k, positions)
         out = paged_attention(q, k, v.contiguous(), cache, meta)  # (T, H, D)
-        return F.linear(out.reshape(t, q_size), self.wo)
+        return self.wo(out.reshape(t, q_size))
 
 
 class FeedForward(nn.Module):
     def __init__(self, w: Mapping[str, torch.Tensor], prefix: str):
         super().__init__()
-        self.w13 = nn.Parameter(torch.cat([w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"]]), requires_grad=False)
-        self.w2 = nn.Parameter(w[f"{prefix}.w2.weight"], requires_grad=False)
+        self.w13 = Linear(torch.cat([w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"]]))
+        self.w2 = Linear(w[f"{prefix}.w2.weight"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2)
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -111,7 +111,7 @@ class LlamaStage(nn.Module):
         if self.is_last:
             self.norm = RMSNorm(weights["norm.weight"], config.rms_norm_eps)
             head = weights["embed.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
-            self.lm_head = nn.Parameter(head, requires_grad=False)
+            self.lm_head = Linear(head)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings,
                                     weights.get("rope_freq_factors"))
 
@@ -121,10 +121,18 @@ class LlamaStage(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].attention.wqkv.dtype
+        return self.layers[0].attn_norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].attn_norm.weight.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
 
     def make_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
-        device = self.layers[0].attention.wqkv.device
+        device = self.device
         return [KVCache.empty(num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim,
                               self.dtype, device) for _ in range(self.num_layers)]
 
@@ -138,7 +146,7 @@ class LlamaStage(nn.Module):
             return x
         if logits_indices is not None:
             x = x[logits_indices]
-        return F.linear(self.norm(x), self.lm_head).float()  # (N, vocab)
+        return self.lm_head(self.norm(x)).float()  # (N, vocab)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Memory one block of this stage's K/V takes, over all its layers."""
