@@ -85,7 +85,7 @@ def test_abort_from_another_thread_ends_the_stream_with_cancelled(engine) -> Non
             outs.append(out)
             if len(outs) == 2:
                 result: list = []
-                t = threading.Thread(target=lambda: result.append(engine.abort("by-id")))
+                t = threading.Thread(target=lambda out=result: out.append(engine.abort("by-id")))
                 t.start()
                 t.join()
                 assert result == [AbortResult.CANCELLED]

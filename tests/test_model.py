@@ -81,7 +81,7 @@ def test_batched_mixed_prefill_and_decode_equals_each_alone(name: str) -> None:
     out = runner.run([(i, s[:-1], 0) for i, s in enumerate(seqs) if len(s) > 1])
     # Step 2: every sequence's last token, as decodes, plus the 1-token prompt's prefill.
     out2 = runner.run([(i, s[-1:], len(s) - 1) for i, s in enumerate(seqs)])
-    for i, s in enumerate(seqs):
+    for i in range(len(seqs)):
         torch.testing.assert_close(out2[i][0].double(), expected[i][-1], atol=1e-4, rtol=1e-4)
     for logits, s in zip(out, [s for s in seqs if len(s) > 1], strict=True):
         torch.testing.assert_close(logits.double(), dense_logits(config, w, s)[:-1], atol=1e-4, rtol=1e-4)

@@ -16,13 +16,14 @@ shuts down (``shutdown``). In every case the stream ends with an output whose
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
-from bargein.engine.engine import Engine
-from bargein.engine.request import AbortResult, CancelReason, RequestOutput
+from bargein.engine.engine import Engine, EngineError
+from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.stats import EngineStats
 
@@ -93,22 +94,16 @@ class AsyncEngine:
                     self._streams.pop(out.request_id, None)
             if target is not None:
                 loop, stream = target
-                try:
+                with contextlib.suppress(RuntimeError):  # that event loop closed: nobody listens
                     loop.call_soon_threadsafe(stream.put_nowait, out)
-                except RuntimeError:  # that event loop is closed: nobody is listening
-                    pass
 
     def _fail_all(self, message: str) -> None:
         with self._streams_lock:
             streams, self._streams = self._streams, {}
         for rid, (loop, stream) in streams.items():
-            from bargein.engine.request import FinishReason, Usage
-
             out = RequestOutput(rid, (), (), "", "", True, FinishReason.ERROR, Usage(0, 0, 0), error=message)
-            try:
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(stream.put_nowait, out)
-            except RuntimeError:
-                pass
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -127,8 +122,6 @@ class AsyncEngine:
         stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
         with self._streams_lock:
             if request_id in self._streams:
-                from bargein.engine.engine import EngineError
-
                 raise EngineError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         try:

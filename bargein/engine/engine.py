@@ -42,8 +42,10 @@ from bargein.engine.request import (
     Request,
     RequestOutput,
     RequestStatus,
-    Sequence as TokenSequence,
     TokenLogprob,
+)
+from bargein.engine.request import (
+    Sequence as TokenSequence,
 )
 from bargein.engine.runner import ModelRunner
 from bargein.engine.sampler import SampledToken, Sampler, SamplingState

@@ -36,14 +36,14 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
 
 
-class CancelReason(str, enum.Enum):
+class CancelReason(enum.StrEnum):
     """Why a request was cancelled; kept apart in outputs, logs and metrics."""
 
     USER = "user"
@@ -61,7 +61,7 @@ _FINISH_STATUS = {
 }
 
 
-class AbortResult(str, enum.Enum):
+class AbortResult(enum.StrEnum):
     """What ``abort`` found (contract C6)."""
 
     CANCELLED = "cancelled"

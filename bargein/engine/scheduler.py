@@ -248,9 +248,9 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params
-        if req.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-                return FinishReason.STOP
+        is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if is_stop_token and req.num_output_tokens >= params.min_tokens:
+            return FinishReason.STOP
         if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if req.sequence.num_tokens >= self.max_model_len:
