@@ -21,7 +21,9 @@ from torch import nn
 from bargein.config import ModelConfig
 from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
 from bargein.model.linear import Linear
-from bargein.model.rope import RotaryEmbedding
+from bargein.model.rope import RotaryEmbedding, apply_rotary
+
+Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the forward's tokens
 
 
 class RMSNorm(nn.Module):
@@ -29,12 +31,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        self.shape = (weight.shape[0],)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the model's dtype, as the reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        # Normalise in fp32 whatever the model's dtype, then scale, as the reference does.
+        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -48,8 +51,7 @@ class Attention(nn.Module):
         self.wqkv = Linear(wqkv, bqkv)
         self.wo = Linear(w[f"{prefix}.wo.weight"])
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.wqkv(x)  # (T, q_size + 2 * kv_size)
@@ -57,7 +59,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
+        q, k = apply_rotary(q, k, *rotary)
         out = paged_attention(q, k, v.contiguous(), cache, meta)  # (T, H, D)
         return self.wo(out.reshape(t, q_size))
 
@@ -82,9 +84,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(w[f"{prefix}.ffn_norm.weight"], config.rms_norm_eps)
         self.feed_forward = FeedForward(w, prefix)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.attention(self.attn_norm(x), positions, rope, cache, meta)
+    def forward(self, x: torch.Tensor, rotary: Rotary, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        h = x + self.attention(self.attn_norm(x), rotary, cache, meta)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -140,8 +141,9 @@ class LlamaStage(nn.Module):
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         x = F.embedding(inputs, self.embed) if self.is_first else inputs  # (T, hidden)
+        rotary = self.rope.angles(positions, x.dtype)  # shared by every layer
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, cache, meta)
+            x = layer(x, rotary, cache, meta)
         if not self.is_last:
             return x
         if logits_indices is not None:
