@@ -200,8 +200,10 @@ def test_responses_store_false_is_not_retrievable(client):
 ])
 def test_invalid_chat_field_is_400_naming_it(live_server, body, param):
     payload = {"messages": HELLO, "max_tokens": 2, **body}
-    r = httpx.post(f"{live_server.base_url}/v1/chat/completions", json=payload, timeout=30)
+    r = httpx.post(f"{live_server.base_url}/v1/chat/completions", json=payload, timeout=30,
+                   headers={"X-Request-Id": "my-bad-request"})
     assert r.status_code == 400, r.text
+    assert r.headers["X-Request-Id"] == "my-bad-request"  # errors carry the request's id too
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
 
@@ -213,6 +215,7 @@ def test_invalid_json_and_bad_request_id(live_server):
     r = httpx.post(f"{live_server.base_url}/v1/chat/completions", json={"messages": HELLO},
                    headers={"X-Request-Id": "bad id with spaces"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
+    assert "X-Request-Id" not in r.headers  # an invalid id is never echoed
 
 
 def test_prompt_longer_than_context_is_a_clear_400(client):

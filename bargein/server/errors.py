@@ -12,6 +12,7 @@ in one request never reaches the engine loop or other requests.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,6 +26,8 @@ from bargein.engine.sampling import InvalidSamplingParams
 from bargein.loader import ChatTemplateError
 
 log = logging.getLogger("bargein.server")
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # what a client may choose as X-Request-Id
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
@@ -80,10 +83,18 @@ def _validation_param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
+def _with_request_id(request: Request, response: JSONResponse) -> JSONResponse:
+    """Echoes the request's id on an error too: the one a route assigned, else the client's."""
+    request_id = getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
+    if request_id and REQUEST_ID.fullmatch(request_id):
+        response.headers["X-Request-Id"] = request_id
+    return response
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return _with_request_id(request, exc.response())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -94,7 +105,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message, param = "the request body is not valid JSON", None
         else:
             message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return APIError(400, message, param=param, code="invalid_value").response()
+        return _with_request_id(request, APIError(400, message, param=param, code="invalid_value").response())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -107,6 +118,6 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         mapped = from_engine_exception(exc)
         if mapped is not None:
-            return mapped.response()
+            return _with_request_id(request, mapped.response())
         log.exception("unexpected error answering %s %s", request.method, request.url.path)
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"), status_code=500)

@@ -14,7 +14,6 @@ boundary, just as a streaming client does.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -25,13 +24,12 @@ from fastapi import Request
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput
 from bargein.engine.sampling import MAX_SEED, SamplingParams
-from bargein.server.errors import APIError, from_engine_exception
+from bargein.server.errors import REQUEST_ID, APIError, from_engine_exception
 
 if TYPE_CHECKING:
     from bargein.server.app import ServerContext
 
 T = TypeVar("T")
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 class ClientGone(Exception):
@@ -70,11 +68,13 @@ def request_id_for(request: Request, prefix: str) -> str:
     """The id the client chose in ``X-Request-Id``, or a fresh one with ``prefix``."""
     chosen = request.headers.get("x-request-id")
     if chosen is None:
-        return new_id(prefix)
-    if not _REQUEST_ID.fullmatch(chosen):
+        request.state.request_id = new_id(prefix)
+    elif REQUEST_ID.fullmatch(chosen):
+        request.state.request_id = chosen
+    else:
         raise APIError(400, "X-Request-Id must be 1-128 characters of letters, digits and ._:-",
                        param="X-Request-Id")
-    return chosen
+    return request.state.request_id
 
 
 def effective_timeout(requested: float | None, server_timeout: float | None) -> float | None:
