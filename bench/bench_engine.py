@@ -337,13 +337,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 256; quick 16)")
     parser.add_argument("--level-budget", type=float, default=None,
-                        help="seconds one concurrency level may run (default 25; quick 5)")
+                        help="seconds one concurrency level may run (default 120; quick 5)")
     parser.add_argument("--cancels", type=int, default=None, help="cancels to measure (default 24; quick 8)")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     quick = args.quick
     max_tokens = args.max_tokens or (16 if quick else 256)
-    budget = args.level_budget or (5.0 if quick else 25.0)
+    budget = args.level_budget or (5.0 if quick else 120.0)
     cancels = args.cancels or (8 if quick else 24)
     levels = (1, 4, 16, 32)
 
