@@ -277,3 +277,29 @@ def test_a_request_larger_than_the_pool_gets_a_clear_error() -> None:
         engine.add_request(prompt(20, 32), GREEDY)
     (out,) = engine.generate([prompt(10, 33)], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == 6
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on() -> None:
+    engine = tiny_engine()
+    session = engine.open_session()
+    p = prompt(9, 34)
+    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), session_id=session)
+    engine.step()
+    delivered = list(engine.session_tokens(session)[len(p):])
+    execute = engine.runner.execute
+
+    def broken(plan):
+        raise RuntimeError("simulated kernel failure")
+
+    engine.runner.execute = broken
+    (out,) = engine.step()
+    assert out.finished and out.finish_reason == FinishReason.ERROR and "simulated kernel failure" in out.error
+    assert engine.abort(rid) == AbortResult.ALREADY_FINISHED
+    engine.runner.execute = execute
+    # The conversation holds exactly what was delivered and continues exactly.
+    assert engine.session_tokens(session) == p + delivered
+    outs = run_until_finished(engine, engine.add_request([7], GREEDY, session_id=session))
+    assert list(outs[-1].token_ids) == reference_greedy(p + delivered + [7], 8)
+    engine.close_session(session)
+    engine.check_block_accounting()
+    assert engine.pool.num_referenced == 0

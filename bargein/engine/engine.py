@@ -249,9 +249,14 @@ class Engine:
         sampled: dict[str, SampledToken] = {}
         if not plan.is_empty:
             started = time.perf_counter()
-            logits = self.runner.execute(plan)
-            chunks = plan.sampled
-            tokens = self.sampler.sample(logits, [self._trackers[c.request_id].sampling for c in chunks])
+            try:
+                logits = self.runner.execute(plan)
+                chunks = plan.sampled
+                tokens = self.sampler.sample(logits, [self._trackers[c.request_id].sampling for c in chunks])
+            except Exception as exc:  # the loop survives; the step's requests fail, the rest go on
+                log.exception("step %d failed", plan.step)
+                self.scheduler.fail_step(plan, f"the model step failed: {type(exc).__name__}: {exc}")
+                return self._finish_step(touched, {})
             sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
             self.counters.step_durations.append(time.perf_counter() - started)
             self.counters.steps += 1
@@ -260,6 +265,9 @@ class Engine:
             touched[req.request_id] = req
         for req in self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()}):
             touched[req.request_id] = req
+        return self._finish_step(touched, sampled)
+
+    def _finish_step(self, touched: dict[str, Request], sampled: dict[str, SampledToken]) -> list[RequestOutput]:
         for req in self.scheduler.drain_finished():
             touched[req.request_id] = req
         outputs, self._pending_outputs = self._pending_outputs, []

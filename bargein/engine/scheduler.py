@@ -246,6 +246,18 @@ class Scheduler:
         self._in_flight = set()
         return changed
 
+    def fail_step(self, plan: StepPlan, error: str) -> None:
+        """Ends the requests of a step whose forward failed; their K/V is left as it was.
+
+        Nothing the failed step wrote is counted as computed, so a conversation keeps
+        exactly its tokens and recomputes the rest with its next prompt (C3).
+        """
+        for chunk in plan.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is not None:
+                self._finish(req, FinishReason.ERROR, error=error)
+        self._in_flight = set()
+
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params
         is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
