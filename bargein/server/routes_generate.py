@@ -100,6 +100,16 @@ def render_chat(ctx: ServerContext, messages: list[dict[str, Any]], tools: Any =
     return ctx.tokenizer.encode(text, add_special_tokens=False)
 
 
+async def _collect_unless_disconnected(request: Request, ctx: ServerContext, job: Any) -> list | None:
+    """A non-streaming job's results, or None if the client went away first (then cancelled)."""
+    try:
+        return await unless_disconnected(request, ctx.jobs.collect(job))
+    except ClientGone:
+        return None
+    finally:
+        ctx.jobs.abandon(job)
+
+
 def _check_n(n: int) -> None:
     if not 1 <= n <= MAX_CHOICES:
         raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n}", param="n", code="invalid_value")
@@ -129,12 +139,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStream(_chat_events(ctx, job, head, body.logprobs, include_usage),
                            on_close=lambda: ctx.jobs.abandon(job), headers=headers)
-    try:
-        results = await unless_disconnected(request, ctx.jobs.collect(job))
-    except ClientGone:
+    results = await _collect_unless_disconnected(request, ctx, job)
+    if results is None:
         return Response(status_code=CLIENT_CLOSED)
-    finally:
-        ctx.jobs.abandon(job)
     choices = []
     for slot, outs in results:
         final = _final_or_raise(outs)
@@ -221,12 +228,9 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Re
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _completion_events(ctx, job, head, echoes, body.logprobs is not None, include_usage)
         return EventStream(events, on_close=lambda: ctx.jobs.abandon(job), headers=headers)
-    try:
-        results = await unless_disconnected(request, ctx.jobs.collect(job))
-    except ClientGone:
+    results = await _collect_unless_disconnected(request, ctx, job)
+    if results is None:
         return Response(status_code=CLIENT_CLOSED)
-    finally:
-        ctx.jobs.abandon(job)
     choices = []
     for slot, outs in results:
         final = _final_or_raise(outs)
