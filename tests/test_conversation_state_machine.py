@@ -169,7 +169,7 @@ class ConversationMachine(RuleBasedStateMachine):
 
 
 ConversationMachine.TestCase.settings = settings(
-    max_examples=40, stateful_step_count=25, deadline=None,
+    max_examples=100, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_conversations = ConversationMachine.TestCase
