@@ -33,29 +33,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__:
-    from .common import (
-        apply_threads,
-        base_parser,
-        emit,
-        format_table,
-        machine_info,
-        median,
-        percentile,
-        timed,
-    )
-else:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import (
-        apply_threads,
-        base_parser,
-        emit,
-        format_table,
-        machine_info,
-        median,
-        percentile,
-        timed,
-    )
+# The benchmarks share bench/common.py whether run as scripts or loaded by `bargein bench`.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    apply_threads,
+    base_parser,
+    emit,
+    format_table,
+    machine_info,
+    median,
+    percentile,
+    timed,
+)
 
 from bargein import Engine, SamplingParams
 from bargein.config import CacheConfig, EngineConfig

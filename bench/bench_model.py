@@ -27,11 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-if __package__:
-    from .common import apply_threads, base_parser, emit, format_table, machine_info, median, timed
-else:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import apply_threads, base_parser, emit, format_table, machine_info, median, timed
+# The benchmarks share bench/common.py whether run as scripts or loaded by `bargein bench`.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import apply_threads, base_parser, emit, format_table, machine_info, median, timed  # noqa: E402
 
 from bargein import Engine
 from bargein.engine.plan import ScheduledChunk, StepPlan

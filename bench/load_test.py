@@ -19,9 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
-import os
-import platform
 import random
 import re
 import sys
@@ -32,8 +29,11 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import format_table, machine_info, percentile, rnd  # noqa: E402
 
 from tests.conftest import ServerProcess  # noqa: E402  (the tests' way of running bargein serve)
 
@@ -45,43 +45,6 @@ PROMPTS = [
     "Describe a busy market in the morning.",
     "What makes a good cup of tea?",
 ]
-
-
-def percentile(values: list[float], p: float) -> float:
-    """The p-th percentile (0..100), interpolating between closest ranks; NaN for none."""
-    data = sorted(values)
-    if not data:
-        return math.nan
-    k = (len(data) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return data[lo] + (data[hi] - data[lo]) * (k - lo)
-
-
-def rnd(value):
-    """Floats rounded for JSON (NaN as None), recursively."""
-    if isinstance(value, float):
-        return None if math.isnan(value) else round(value, 3)
-    if isinstance(value, dict):
-        return {k: rnd(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [rnd(v) for v in value]
-    return value
-
-
-def machine_info() -> dict:
-    info = {"python": platform.python_version(), "cpus": os.cpu_count(), "machine": platform.machine()}
-    if hasattr(os, "getloadavg"):
-        info["loadavg_1m"] = round(os.getloadavg()[0], 2)
-    return info
-
-
-def format_table(rows: list[dict]) -> str:
-    cells = [(str(r["metric"]), f"{r['value']:.3g}" if isinstance(r["value"], float) else str(r["value"]))
-             for r in rows]
-    width = max(len(m) for m, _ in cells)
-    vwidth = max(len(v) for _, v in cells)
-    return "\n".join([f"{'metric'.ljust(width)}  {'value'.rjust(vwidth)}", f"{'-' * width}  {'-' * vwidth}",
-                      *(f"{m.ljust(width)}  {v.rjust(vwidth)}" for m, v in cells)])
 
 
 @dataclass
@@ -238,7 +201,7 @@ def report(result: dict) -> None:
     rows += [{"metric": f"engine cancelled ({k})", "value": v} for k, v in result["engine_cancelled_by_reason"].items()]
     rows.append({"metric": "kv accounting ok", "value": result["kv"]["ok"]})
     print(f"load test: {result['clients']} streaming clients for {result['duration_s']:.0f} s")
-    print(format_table(rows))
+    print(format_table(rows, ["metric", "value"]))
     for sample in result["error_samples"]:
         print("error:", sample)
 
