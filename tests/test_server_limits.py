@@ -48,12 +48,15 @@ def test_api_key_protects_everything_but_health(strict):
     assert httpx.get(f"{base}/health").status_code == 200
     for method, path in [("GET", "/v1/models"), ("GET", "/v1/requests"), ("GET", "/metrics"),
                          ("POST", "/v1/chat/completions"), ("POST", "/v1/requests/x/cancel"),
-                         ("GET", "/v1/responses/x"), ("GET", "/debug/kv")]:
+                         ("GET", "/v1/responses/x"), ("GET", "/debug/kv"), ("GET", "/openapi.json"),
+                         ("GET", "/docs")]:
         r = httpx.request(method, base + path, headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401, path
         assert r.json()["error"]["type"] == "authentication_error"
         assert httpx.request(method, base + path).status_code == 401
     assert httpx.get(f"{base}/v1/models", headers=strict.headers).status_code == 200
+    assert httpx.get(f"{base}/openapi.json", headers=strict.headers).status_code == 200
+    assert httpx.get(f"{base}/").status_code == 200  # the chat page loads, then asks for the key
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)

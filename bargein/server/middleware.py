@@ -16,7 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bargein.server.errors import APIError
 from bargein.server.settings import ServerSettings
 
-_API_PREFIXES = ("/v1", "/metrics", "/debug")
+# The API and its self-description; the chat page's static files stay open so it can ask for the key.
+_API_PREFIXES = ("/v1", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
