@@ -20,6 +20,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from bargein.engine.engine import Engine, EngineError
@@ -64,7 +65,7 @@ class AsyncEngine:
         while self.engine.live_request_ids() and loop.time() < deadline and self.is_alive:
             await asyncio.sleep(0.01)
         self._stopping.set()
-        self.engine._wakeup.set()
+        self.engine.wake()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, max(0.0, deadline - loop.time()))
 
@@ -171,10 +172,14 @@ class AsyncEngine:
                 cancelled.append(request_id)
         return cancelled
 
+    def call_soon(self, fn: Callable[[], T]) -> Future:
+        """Queues ``fn`` for the engine thread, in order with everything sent after it."""
+        self._check_alive()
+        return self.engine.call_soon(fn)
+
     async def call(self, fn: Callable[[], T]) -> T:
         """Runs ``fn`` in the engine thread between steps and returns its result."""
-        self._check_alive()
-        return await asyncio.wrap_future(self.engine.call_soon(fn))
+        return await asyncio.wrap_future(self.call_soon(fn))
 
     async def stats(self) -> EngineStats:
         return await self.call(self.engine.stats)

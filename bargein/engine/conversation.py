@@ -95,8 +95,7 @@ class Conversation:
         session_id = f"conv-{os.urandom(8).hex()}"
         tokens = [int(t) for t in token_ids]
         # Ordered inbox: this runs before anything the conversation sends later.
-        engine._check_alive()
-        core.call_soon(lambda: core.open_session(tokens, session_id))
+        engine.call_soon(lambda: core.open_session(tokens, session_id))
         return cls(engine, session_id, tokens)
 
     # -- state --------------------------------------------------------------------

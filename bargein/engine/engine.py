@@ -227,6 +227,10 @@ class Engine:
         self._wakeup.wait(timeout)
         self._wakeup.clear()
 
+    def wake(self) -> None:
+        """Ends a ``wait_for_work`` early (the step loop is being stopped)."""
+        self._wakeup.set()
+
     def _post(self, message: EngineMessage) -> None:
         self._inbox.put(message)
         self._wakeup.set()

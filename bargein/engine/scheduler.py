@@ -24,7 +24,7 @@ This module imports no torch; it is driven by one thread (the engine's).
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -39,8 +39,6 @@ from bargein.engine.request import (
     RequestStatus,
     Sequence,
 )
-
-_FINISHED_MEMORY = 10_000  # finished request ids remembered, to answer "already finished"
 
 
 class SessionBusy(Exception):
@@ -60,13 +58,6 @@ class Session:
     last_used: float = 0.0
 
 
-@dataclass(frozen=True)
-class SampledOutcome:
-    """What update() needs from a sampled token (the sampler's richer result stays with the engine)."""
-
-    token_id: int
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, max_model_len: int,
                  eos_token_ids: frozenset[int]):
@@ -78,7 +69,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.sessions: dict[str, Session] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
         self._in_flight: set[str] = set()
         self._finished_log: list[Request] = []  # finished since the last drain_finished()
         self._step = 0
@@ -102,15 +92,18 @@ class Scheduler:
             # Everything is computed (a cancel dropped the last sample): recompute the
             # last token, whose logits are needed to sample the next one.
             seq.num_computed = seq.num_tokens - 1
-        self._finished.pop(request.request_id, None)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def abort(self, request_id: str, reason: CancelReason) -> AbortResult:
-        """Cancels a request (C6: idempotent; never raises for an unknown id)."""
+        """Cancels an unfinished request; idempotent, and NOT_FOUND for any other id.
+
+        Telling "finished" from "never seen" (C6) is the engine's job: it owns the
+        registry of request ids that every thread reads.
+        """
         req = self.requests.get(request_id)
         if req is None:
-            return AbortResult.ALREADY_FINISHED if request_id in self._finished else AbortResult.NOT_FOUND
+            return AbortResult.NOT_FOUND
         if req.cancel_reason is None:
             req.cancel_reason = reason
         if request_id not in self._in_flight:
@@ -137,9 +130,6 @@ class Scheduler:
         """Requests finished since the last call, in the order they finished."""
         finished, self._finished_log = self._finished_log, []
         return finished
-
-    def is_finished(self, request_id: str) -> bool:
-        return request_id in self._finished
 
     @property
     def has_work(self) -> bool:
@@ -319,9 +309,6 @@ class Scheduler:
             self.waiting.remove(req)
         del self.requests[req.request_id]
         self._finished_log.append(req)
-        self._finished[req.request_id] = None
-        if len(self._finished) > _FINISHED_MEMORY:
-            self._finished.popitem(last=False)
         if req.owns_sequence:
             self.pool.release(req.sequence.block_table)
         else:
