@@ -88,3 +88,6 @@ class EngineConfig:
     dtype: str = "float32"  # "float32" or "bfloat16"
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Our C kernels (bargein/kernels), built on first use where a C compiler is found;
+    # float32 CPU only. False, or BARGEIN_NATIVE_KERNELS=0, keeps to PyTorch's own.
+    native_kernels: bool = True

@@ -152,7 +152,8 @@ class Engine:
         weights = {name: w.to(config.device) for name, w in weights.items()}
         max_len = config.max_model_len or model_config.max_position_embeddings
         # Built on the target device, so each layer picks that device's fastest kernel.
-        model = LlamaStage(model_config, weights, max_positions=max_len).to(config.device)
+        model = LlamaStage(model_config, weights, max_positions=max_len,
+                           native_kernels=config.native_kernels).to(config.device)
         return cls(model, load_tokenizer(source), config, model_name=source.name)
 
     @property

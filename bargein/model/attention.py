@@ -7,9 +7,10 @@ block_size``. Everything a forward needs to find them is in :class:`AttentionMet
 built by the runner from the scheduler's plan: there is no global context object.
 
 Tokens of one forward are laid out sequence after sequence. Sequences whose step is a
-single token (decodes) are attended in one padded batch; longer ones (prompt chunks)
-one at a time, since padding a 500-token chunk to the batch would waste more than the
-loop costs.
+single token (decodes) are attended in one batch: by the native kernel straight from
+the cache where it is available (float32 on the CPU), else by PyTorch over a padded
+gather of their blocks. Longer ones (prompt chunks) are attended one at a time, since
+padding a 500-token chunk to the batch would waste more than the loop costs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from bargein.kernels.native import NativeKernels
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,8 @@ class AttentionMetadata:
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     decode_token_index: torch.Tensor  # (Bd,) int64: the token index of each decode in the forward
-    decode_block_ids: torch.Tensor  # (Bd * nb,) int64: the decodes' blocks, padded to the longest
+    decode_block_tables: torch.Tensor  # (Bd, nb) int64: the decodes' blocks, padded with block 0
+    decode_context_lens: torch.Tensor  # (Bd,) int64
     decode_mask: torch.Tensor  # (Bd, 1, 1, nb * block_size) float: 0 where a key is visible, -inf past it
     block_size: int
 
@@ -80,6 +84,9 @@ class AttentionMetadata:
         decode_ctx: list[int] = []
         start = 0
         for table, q_len, ctx in zip(block_tables, query_lens, context_lens, strict=True):
+            if not 1 <= q_len <= ctx <= len(table) * block_size:
+                raise ValueError(f"a sequence of {ctx} tokens ({q_len} new) cannot use a table of "
+                                 f"{len(table)} blocks of {block_size}")
             for pos in range(ctx - q_len, ctx):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
             if q_len == 1:
@@ -93,7 +100,7 @@ class AttentionMetadata:
         # same for every layer, so they are built once here (as a float mask, which the
         # CPU attention kernel takes without converting it per call).
         decode_width = max((len(t) for t in decode_tables), default=0)
-        decode_ids = [b for t in decode_tables for b in t + [0] * (decode_width - len(t))]
+        decode_ids = [t + [0] * (decode_width - len(t)) for t in decode_tables]
         key_pos = torch.arange(decode_width * block_size, device=device)
         visible = key_pos.unsqueeze(0) < torch.tensor(decode_ctx, dtype=torch.int64, device=device).unsqueeze(1)
         mask = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill(~visible, float("-inf"))
@@ -107,21 +114,33 @@ class AttentionMetadata:
             query_lens=tuple(query_lens),
             context_lens=tuple(context_lens),
             decode_token_index=as_tensor(decode_index),
-            decode_block_ids=as_tensor(decode_ids),
+            decode_block_tables=as_tensor(decode_ids) if decode_ids else torch.zeros((0, 0), dtype=torch.int64,
+                                                                                   device=device),
+            decode_context_lens=as_tensor(decode_ctx),
             decode_mask=mask[:, None, None, :],
             block_size=block_size,
         )
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata) -> torch.Tensor:
-    """Writes k, v (T, KVH, D) into the cache, then attends q (T, H, D); returns (T, H, D)."""
+                    meta: AttentionMetadata, kernels: NativeKernels | None = None) -> torch.Tensor:
+    """Writes k, v (T, KVH, D) into the cache, then attends q (T, H, D); returns (T, H, D).
+
+    With ``kernels`` and a float32 CPU cache, decodes are attended by the native kernel;
+    the result is the same to float32 rounding.
+    """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     cache.k.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
     cache.v.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
     out = torch.empty_like(q)
     if meta.decode_token_index.numel():
-        out[meta.decode_token_index] = _decode_attention(q[meta.decode_token_index], cache, meta)
+        dq = q[meta.decode_token_index]
+        if kernels is not None and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
+            out[meta.decode_token_index] = kernels.paged_decode_attention(
+                dq, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
+                q.shape[-1] ** -0.5, torch.get_num_threads())
+        else:
+            out[meta.decode_token_index] = _decode_attention(dq, cache, meta)
     for i, (start, q_len, ctx) in enumerate(zip(meta.query_starts, meta.query_lens, meta.context_lens, strict=True)):
         if q_len > 1:
             out[start:start + q_len] = _chunk_attention(q[start:start + q_len], cache, meta.block_tables[i], ctx)
@@ -132,8 +151,9 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) 
     """One query per sequence, padded to the longest context: q (Bd, H, D) -> (Bd, H, D)."""
     bd, kvh, d = q.shape[0], cache.k.shape[2], cache.k.shape[3]
     # index_select copies whole blocks; advanced indexing (cache.k[tables]) is ~25% slower on CPU.
-    keys = cache.k.index_select(0, meta.decode_block_ids).view(bd, -1, kvh, d).transpose(1, 2)  # (Bd, KVH, L, D)
-    values = cache.v.index_select(0, meta.decode_block_ids).view(bd, -1, kvh, d).transpose(1, 2)
+    ids = meta.decode_block_tables.view(-1)
+    keys = cache.k.index_select(0, ids).view(bd, -1, kvh, d).transpose(1, 2)  # (Bd, KVH, L, D)
+    values = cache.v.index_select(0, ids).view(bd, -1, kvh, d).transpose(1, 2)
     mask = meta.decode_mask.to(q.dtype)
     out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
     return out.squeeze(2)  # (Bd, H, D)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bargein.config import ModelConfig
+from bargein.kernels.native import NativeKernels, load_native_kernels
 from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
 from bargein.model.linear import Linear
 from bargein.model.rope import RotaryEmbedding, apply_rotary
@@ -41,8 +42,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str):
+    def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str,
+                 kernels: NativeKernels | None):
         super().__init__()
+        self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         wqkv = torch.cat([w[f"{prefix}.wq.weight"], w[f"{prefix}.wk.weight"], w[f"{prefix}.wv.weight"]])
         bqkv = None
@@ -60,7 +63,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, *rotary)
-        out = paged_attention(q, k, v.contiguous(), cache, meta)  # (T, H, D)
+        out = paged_attention(q, k, v.contiguous(), cache, meta, self.kernels)  # (T, H, D)
         return self.wo(out.reshape(t, q_size))
 
 
@@ -76,11 +79,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], layer: int):
+    def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], layer: int,
+                 kernels: NativeKernels | None):
         super().__init__()
         prefix = f"layers.{layer}"
         self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm.weight"], config.rms_norm_eps)
-        self.attention = Attention(config, w, prefix)
+        self.attention = Attention(config, w, prefix, kernels)
         self.ffn_norm = RMSNorm(w[f"{prefix}.ffn_norm.weight"], config.rms_norm_eps)
         self.feed_forward = FeedForward(w, prefix)
 
@@ -99,7 +103,8 @@ class LlamaStage(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
-                 layer_range: tuple[int, int] | None = None, max_positions: int | None = None):
+                 layer_range: tuple[int, int] | None = None, max_positions: int | None = None,
+                 native_kernels: bool = True):
         super().__init__()
         start, end = layer_range or (0, config.num_layers)
         if not 0 <= start < end <= config.num_layers:
@@ -107,7 +112,9 @@ class LlamaStage(nn.Module):
         self.config, self.start, self.end = config, start, end
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self.embed = nn.Parameter(weights["embed.weight"], requires_grad=False) if self.is_first else None
-        self.layers = nn.ModuleList(TransformerBlock(config, weights, i) for i in range(start, end))
+        # Our C kernels where they build; used only while the caches are float32 on the CPU.
+        kernels = load_native_kernels() if native_kernels else None
+        self.layers = nn.ModuleList(TransformerBlock(config, weights, i, kernels) for i in range(start, end))
         self.norm = self.lm_head = None
         if self.is_last:
             self.norm = RMSNorm(weights["norm.weight"], config.rms_norm_eps)

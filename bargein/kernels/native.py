@@ -1,0 +1,151 @@
+"""CPU kernels of our own, written in C, compiled on first use and called through ctypes.
+
+PyTorch has no kernel for attention straight out of a paged KV cache, and on the CPU
+its way there (gather the blocks, then scaled_dot_product_attention one head at a time)
+spends most of a decode step's attention time copying and re-reading keys. The C
+source next to this module does it in one pass over the cache.
+
+The library is built with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``),
+with ``-O3 -march=native``, into a cache folder keyed by the source, the compiler and
+the CPU, so that it is built once per machine (about a second) and shared by every
+process. Where no compiler is found, the build fails, or ``BARGEIN_NATIVE_KERNELS=0``
+is set, :func:`load_native_kernels` returns None and callers use PyTorch instead: the
+kernels make bargein faster, never possible.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("decode_attention.c")
+_FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread")
+_P = ctypes.c_void_p
+
+
+class NativeKernelError(RuntimeError):
+    """A native kernel was handed tensors outside its contract, or ran out of memory."""
+
+
+class NativeKernels:
+    """The loaded library; each method states the tensors it takes."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path):
+        self.path = path
+        self._decode = library.bargein_paged_decode_attention
+        self._decode.restype = ctypes.c_int
+        self._decode.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float, num_threads: int) -> torch.Tensor:
+        """Attention of one query per sequence over its paged keys and values.
+
+        q (B, H, D) and the caches (num_blocks, block_size, KVH, D) float32 on the CPU;
+        block_tables (B, W) and context_lens (B,) contiguous int64. The caller guarantees
+        what is too costly to check per layer: every context length is at least 1 and
+        table i holds at least ``ceil(context_lens[i] / block_size)`` ids of existing
+        blocks (``AttentionMetadata.build`` checks this once per step). Returns (B, H, D).
+        """
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        tensors = (q, k_cache, v_cache)
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            raise NativeKernelError("q and the caches must be contiguous float32 CPU tensors")
+        if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+            raise NativeKernelError(f"shapes do not fit: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+        if block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,) \
+                or not block_tables.is_contiguous() or not context_lens.is_contiguous():
+            raise NativeKernelError("one block table and one context length per sequence are needed")
+        if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64:
+            raise NativeKernelError("block tables and context lengths must be int64")
+        out = torch.empty_like(q)
+        status = self._decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                              context_lens.data_ptr(), out.data_ptr(), num_seqs, block_tables.shape[1],
+                              num_heads, num_kv_heads, head_dim, block_size, scale, num_threads)
+        if status:
+            raise NativeKernelError("the decode attention kernel could not allocate its scratch memory")
+        return out
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$BARGEIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/bargein``."""
+    if explicit := os.environ.get("BARGEIN_CACHE_DIR"):
+        return Path(explicit) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "bargein" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags, since -march=native code is only good on its like."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def build_library(compiler: str, target_dir: Path) -> Path:
+    """Compiles the kernels (or finds them already built); returns the library's path.
+
+    Raises OSError or subprocess.CalledProcessError when the build fails.
+    """
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
+    path = target_dir / f"bargein_kernels_{key}.so"
+    if path.exists():
+        return path
+    target_dir.mkdir(parents=True, exist_ok=True)
+    # Build under a temporary name and rename: processes starting together never load half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
+                       check=True, timeout=120)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@functools.cache
+def load_native_kernels() -> NativeKernels | None:
+    """The native kernels, built if need be; None (with one logged reason) where unavailable."""
+    if os.environ.get("BARGEIN_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C compiler found; decode attention runs on PyTorch kernels (slower)")
+        return None
+    try:
+        path = build_library(compiler, cache_dir())
+        return NativeKernels(ctypes.CDLL(str(path)), path)
+    except subprocess.CalledProcessError as exc:
+        log.warning("building the native kernels failed; using PyTorch kernels (slower):\n%s", exc.stderr)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("the native kernels are unavailable (%s); using PyTorch kernels (slower)", exc)
+    return None
