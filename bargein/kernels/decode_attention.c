@@ -9,16 +9,20 @@
  *   context_lens (num_seqs,) int64; sequence i attends to its first context_lens[i] positions
  *   out          (num_seqs, num_heads, head_dim), written in full
  * Query head h reads KV head h / (num_heads / num_kv_heads), as grouped-query attention
- * does. Work is split over (sequence, KV head) pairs across num_threads threads; the
- * calling thread takes a share. Returns 0, or -1 when scratch memory could not be had.
+ * does. Sequences are shared out among num_threads threads (the calling thread is one).
+ * Returns 0, or -1 when scratch memory could not be had.
  *
  * Why a kernel of our own: with one query per sequence, PyTorch needs the sequences'
  * blocks gathered into a padded copy and then runs its flash kernel one head at a time,
- * reading each KV head once per query head; here every key and value is read once from
- * where it lies, for all the query heads that share it.
+ * reading each KV head once per query head. Here a sequence's K rows, then its V rows,
+ * are streamed once, in order, each row (all KV heads of a token) serving every query
+ * head; the rows ahead are prefetched, since block tables scatter them over the pool
+ * where the hardware prefetcher cannot follow.
  */
+#include "parallel.h"
+
 #include <math.h>
-#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -27,19 +31,18 @@
 #define BARGEIN_AVX2 1
 #endif
 
-#define QUERY_GROUP 4 /* query heads scored together per pass over the keys */
+#define QUERY_GROUP 4    /* query heads scored together against one key */
+#define PREFETCH_AHEAD 4 /* tokens */
 
 typedef struct {
     const float *q, *k_cache, *v_cache;
     const int64_t *block_tables, *context_lens;
     float *out;
-    int64_t table_width;
+    int64_t num_seqs, table_width, max_context;
     int num_heads, num_kv_heads, head_dim, block_size;
     float scale;
-    int64_t unit_begin, unit_end; /* units are (sequence, KV head) pairs */
-    int64_t max_context;
-    int status;
-} job_t;
+    atomic_llong next_seq; /* the next sequence a thread may take */
+} batch_t;
 
 #ifdef BARGEIN_AVX2
 static inline float hsum256(__m256 v) {
@@ -68,29 +71,58 @@ static inline __m256 exp256(__m256 x) {
 }
 #endif
 
-/* scores[g * ctx + t] = scale * <q_g, k_t> for the group's queries q[0..n). */
-static void score_keys(const job_t *j, const int64_t *table, int64_t ctx, int kv_head,
-                       const float *const *q, int n, float *scores) {
-    const int d_len = j->head_dim, bs = j->block_size;
-    const int64_t row = (int64_t)j->num_kv_heads * d_len;
+static inline void prefetch_row(const float *row, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)row + c, 0, 3);
+}
+
+/* Where token t's row (all KV heads) starts in a cache, for t < ctx, without a division per token. */
+static void token_offsets(const batch_t *b, const int64_t *table, int64_t ctx, int64_t *offsets) {
+    const int64_t row = (int64_t)b->num_kv_heads * b->head_dim;
+    for (int64_t t = 0, i = 0; t < ctx; i++) {
+        const int64_t base = table[i] * b->block_size * row;
+        for (int o = 0; o < b->block_size && t < ctx; o++, t++) offsets[t] = base + o * row;
+    }
+}
+
+/* scores[h * ctx + t] = scale * <q_h, k_t> for every head h and token t < ctx. */
+static void score_keys(const batch_t *b, const float *qs, const int64_t *offsets, int64_t ctx, float *scores) {
+    const int n_heads = b->num_heads, n_kv = b->num_kv_heads, d_len = b->head_dim, group = n_heads / n_kv;
+    const int64_t row_bytes = (int64_t)n_kv * d_len * (int64_t)sizeof(float);
     for (int64_t t = 0; t < ctx; t++) {
-        const float *k = j->k_cache + (table[t / bs] * bs + t % bs) * row + (int64_t)kv_head * d_len;
+        if (t + PREFETCH_AHEAD < ctx) prefetch_row(b->k_cache + offsets[t + PREFETCH_AHEAD], row_bytes);
+        const float *row = b->k_cache + offsets[t];
+        for (int kv = 0; kv < n_kv; kv++) {
+            const float *k = row + (int64_t)kv * d_len;
 #ifdef BARGEIN_AVX2
-        if (d_len % 8 == 0) {
-            __m256 acc[QUERY_GROUP];
-            for (int g = 0; g < QUERY_GROUP; g++) acc[g] = _mm256_setzero_ps();
-            for (int d = 0; d < d_len; d += 8) {
-                __m256 kv = _mm256_loadu_ps(k + d);
-                for (int g = 0; g < QUERY_GROUP; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q[g] + d), kv, acc[g]);
+            if (d_len % 8 == 0) {
+                for (int g0 = 0; g0 < group; g0 += QUERY_GROUP) {
+                    const int n = group - g0 < QUERY_GROUP ? group - g0 : QUERY_GROUP;
+                    const float *q[QUERY_GROUP];
+                    for (int g = 0; g < QUERY_GROUP; g++) /* rows past the group repeat its first; dropped */
+                        q[g] = qs + (int64_t)(kv * group + g0 + (g < n ? g : 0)) * d_len;
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int d = 0; d < d_len; d += 8) {
+                        const __m256 kd = _mm256_loadu_ps(k + d);
+                        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q[0] + d), kd, a0);
+                        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q[1] + d), kd, a1);
+                        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q[2] + d), kd, a2);
+                        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q[3] + d), kd, a3);
+                    }
+                    /* Four horizontal sums at once: lane g holds the sum of a_g. */
+                    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+                    float lanes[QUERY_GROUP];
+                    _mm_storeu_ps(lanes, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+                    for (int g = 0; g < n; g++) scores[(int64_t)(kv * group + g0 + g) * ctx + t] = lanes[g] * b->scale;
+                }
+                continue;
             }
-            for (int g = 0; g < n; g++) scores[g * ctx + t] = hsum256(acc[g]) * j->scale;
-            continue;
-        }
 #endif
-        for (int g = 0; g < n; g++) {
-            float s = 0.0f;
-            for (int d = 0; d < d_len; d++) s += q[g][d] * k[d];
-            scores[g * ctx + t] = s * j->scale;
+            for (int g = 0; g < group; g++) {
+                const float *q = qs + (int64_t)(kv * group + g) * d_len;
+                float s = 0.0f;
+                for (int d = 0; d < d_len; d++) s += q[d] * k[d];
+                scores[(int64_t)(kv * group + g) * ctx + t] = s * b->scale;
+            }
         }
     }
 }
@@ -102,9 +134,10 @@ static float softmax_row(float *s, int64_t ctx) {
     float sum = 0.0f;
     int64_t t = 0;
 #ifdef BARGEIN_AVX2
-    __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
     for (; t + 8 <= ctx; t += 8) {
-        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
         _mm256_storeu_ps(s + t, e);
         vsum = _mm256_add_ps(vsum, e);
     }
@@ -117,68 +150,56 @@ static float softmax_row(float *s, int64_t ctx) {
     return 1.0f / sum;
 }
 
-/* out_g = inv_g * sum_t p[g * ctx + t] * v_t for the group's queries. */
-static void weigh_values(const job_t *j, const int64_t *table, int64_t ctx, int kv_head,
-                         const float *p, const float *inv, float *const *out, int n) {
-    const int d_len = j->head_dim, bs = j->block_size;
-    const int64_t row = (int64_t)j->num_kv_heads * d_len;
-    const float *v0 = j->v_cache + (int64_t)kv_head * d_len;
-#ifdef BARGEIN_AVX2
-    if (d_len % 8 == 0) {
-        for (int d = 0; d < d_len; d += 8) {
-            __m256 acc[QUERY_GROUP];
-            for (int g = 0; g < QUERY_GROUP; g++) acc[g] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < ctx; t++) {
-                __m256 vv = _mm256_loadu_ps(v0 + (table[t / bs] * bs + t % bs) * row + d);
-                for (int g = 0; g < n; g++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * ctx + t]), vv, acc[g]);
-            }
-            for (int g = 0; g < n; g++) _mm256_storeu_ps(out[g] + d, _mm256_mul_ps(acc[g], _mm256_set1_ps(inv[g])));
-        }
-        return;
-    }
-#endif
-    for (int g = 0; g < n; g++)
-        for (int d = 0; d < d_len; d++) out[g][d] = 0.0f;
+/* out_h = inv_h * sum_t p[h * ctx + t] * v_t for every head h; acc is (heads, head_dim) scratch. */
+static void weigh_values(const batch_t *b, const int64_t *offsets, int64_t ctx, const float *p,
+                         const float *inv, float *acc, float *out) {
+    const int n_heads = b->num_heads, n_kv = b->num_kv_heads, d_len = b->head_dim, group = n_heads / n_kv;
+    const int64_t row_bytes = (int64_t)n_kv * d_len * (int64_t)sizeof(float);
+    for (int64_t i = 0; i < (int64_t)n_heads * d_len; i++) acc[i] = 0.0f;
     for (int64_t t = 0; t < ctx; t++) {
-        const float *v = v0 + (table[t / bs] * bs + t % bs) * row;
-        for (int g = 0; g < n; g++)
-            for (int d = 0; d < d_len; d++) out[g][d] += p[g * ctx + t] * v[d];
+        if (t + PREFETCH_AHEAD < ctx) prefetch_row(b->v_cache + offsets[t + PREFETCH_AHEAD], row_bytes);
+        const float *row = b->v_cache + offsets[t];
+        for (int h = 0; h < n_heads; h++) {
+            const float *v = row + (int64_t)(h / group) * d_len;
+            const float w = p[(int64_t)h * ctx + t];
+            float *a = acc + (int64_t)h * d_len;
+            int d = 0;
+#ifdef BARGEIN_AVX2
+            const __m256 vw = _mm256_set1_ps(w);
+            for (; d + 8 <= d_len; d += 8)
+                _mm256_storeu_ps(a + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + d), _mm256_loadu_ps(a + d)));
+#endif
+            for (; d < d_len; d++) a[d] += w * v[d];
+        }
     }
-    for (int g = 0; g < n; g++)
-        for (int d = 0; d < d_len; d++) out[g][d] *= inv[g];
+    for (int h = 0; h < n_heads; h++)
+        for (int d = 0; d < d_len; d++) out[(int64_t)h * d_len + d] = acc[(int64_t)h * d_len + d] * inv[h];
 }
 
-static void *run_job(void *arg) {
-    job_t *j = (job_t *)arg;
-    float *scores = malloc(sizeof(float) * QUERY_GROUP * (size_t)(j->max_context > 0 ? j->max_context : 1));
-    if (!scores) {
-        j->status = -1;
-        return NULL;
-    }
-    const int group = j->num_heads / j->num_kv_heads, d_len = j->head_dim;
-    for (int64_t unit = j->unit_begin; unit < j->unit_end; unit++) {
-        const int64_t seq = unit / j->num_kv_heads;
-        const int kv_head = (int)(unit % j->num_kv_heads);
-        const int64_t ctx = j->context_lens[seq];
-        const int64_t *table = j->block_tables + seq * j->table_width;
-        for (int g0 = 0; g0 < group; g0 += QUERY_GROUP) {
-            const int n = group - g0 < QUERY_GROUP ? group - g0 : QUERY_GROUP;
-            const float *q[QUERY_GROUP];
-            float *out[QUERY_GROUP];
-            float inv[QUERY_GROUP];
-            for (int g = 0; g < QUERY_GROUP; g++) {
-                /* Rows past the group repeat its first query; their results are dropped. */
-                const int64_t head = (int64_t)kv_head * group + g0 + (g < n ? g : 0);
-                q[g] = j->q + (seq * j->num_heads + head) * d_len;
-                out[g] = j->out + (seq * j->num_heads + head) * d_len;
-            }
-            score_keys(j, table, ctx, kv_head, q, n, scores);
-            for (int g = 0; g < n; g++) inv[g] = softmax_row(scores + g * ctx, ctx);
-            weigh_values(j, table, ctx, kv_head, scores, inv, out, n);
+/* Takes sequences until none is left; one short of scratch memory takes none. */
+static void run_worker(void *arg, int index, int count) {
+    (void)index;
+    (void)count;
+    batch_t *b = (batch_t *)arg;
+    const int64_t cap = b->max_context > 0 ? b->max_context : 1;
+    float *scores = malloc(sizeof(float) * (size_t)b->num_heads * (size_t)cap);
+    float *acc = malloc(sizeof(float) * (size_t)b->num_heads * (size_t)b->head_dim);
+    float *inv = malloc(sizeof(float) * (size_t)b->num_heads);
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)cap);
+    if (scores && acc && inv && offsets) {
+        const int64_t per_seq = (int64_t)b->num_heads * b->head_dim;
+        for (int64_t seq; (seq = atomic_fetch_add(&b->next_seq, 1)) < b->num_seqs;) {
+            const int64_t ctx = b->context_lens[seq];
+            token_offsets(b, b->block_tables + seq * b->table_width, ctx, offsets);
+            score_keys(b, b->q + seq * per_seq, offsets, ctx, scores);
+            for (int h = 0; h < b->num_heads; h++) inv[h] = softmax_row(scores + (int64_t)h * ctx, ctx);
+            weigh_values(b, offsets, ctx, scores, inv, acc, b->out + seq * per_seq);
         }
     }
     free(scores);
-    return NULL;
+    free(acc);
+    free(inv);
+    free(offsets);
 }
 
 int bargein_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
@@ -186,29 +207,12 @@ int bargein_paged_decode_attention(const float *q, const float *k_cache, const f
                                    float *out, int64_t num_seqs, int64_t table_width, int num_heads,
                                    int num_kv_heads, int head_dim, int block_size, float scale,
                                    int num_threads) {
-    enum { MAX_THREADS = 256 };
-    job_t jobs[MAX_THREADS];
-    pthread_t threads[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    const int64_t units = num_seqs * num_kv_heads;
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
-    if (num_threads > units) num_threads = units > 0 ? (int)units : 1;
-    int64_t max_context = 0;
-    for (int64_t i = 0; i < num_seqs; i++) max_context = context_lens[i] > max_context ? context_lens[i] : max_context;
-    for (int i = 0; i < num_threads; i++) {
-        jobs[i] = (job_t){q, k_cache, v_cache, block_tables, context_lens, out, table_width,
-                          num_heads, num_kv_heads, head_dim, block_size, scale,
-                          units * i / num_threads, units * (i + 1) / num_threads, max_context, 0};
-    }
-    for (int i = 1; i < num_threads; i++) started[i] = pthread_create(&threads[i], NULL, run_job, &jobs[i]) == 0;
-    for (int i = 1; i < num_threads; i++)
-        if (!started[i]) run_job(&jobs[i]); /* no thread to be had: do its share here */
-    run_job(&jobs[0]);
-    int status = 0;
-    for (int i = 1; i < num_threads; i++) {
-        if (started[i]) pthread_join(threads[i], NULL);
-        status |= jobs[i].status;
-    }
-    return status | jobs[0].status;
+    if (num_threads > num_seqs) num_threads = (int)num_seqs;
+    batch_t batch = {q, k_cache, v_cache, block_tables, context_lens, out, num_seqs, table_width, 0,
+                     num_heads, num_kv_heads, head_dim, block_size, scale, 0};
+    for (int64_t i = 0; i < num_seqs; i++)
+        batch.max_context = context_lens[i] > batch.max_context ? context_lens[i] : batch.max_context;
+    bargein_parallel_run(run_worker, &batch, num_threads);
+    /* Sequences are left over only if every worker lacked scratch memory. */
+    return atomic_load(&batch.next_seq) < num_seqs ? -1 : 0;
 }
