@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -165,7 +166,7 @@ def test_failed_build_falls_back_with_the_compiler_output(monkeypatch: pytest.Mo
                                                           caplog: pytest.LogCaptureFixture) -> None:
     bad = tmp_path / "broken.c"
     bad.write_text("this is not C\n")
-    monkeypatch.setattr(native, "_SOURCE", bad)
+    monkeypatch.setattr(native, "_SOURCES", (bad,))
     monkeypatch.setenv("BARGEIN_CACHE_DIR", str(tmp_path / "cache"))
     load_native_kernels.cache_clear()
     try:
@@ -185,3 +186,18 @@ def test_build_is_cached_per_source(tmp_path) -> None:
     stamp = first.stat().st_mtime_ns
     assert build_library(compiler, tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
+
+
+def test_portable_build_when_the_cpu_flag_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A compiler that refuses -march=native still gets a library: the portable C code."""
+    compiler = native._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(native, "_NATIVE_ARCH", "-march=no-such-cpu")
+    kernels = native.NativeKernels(ctypes.CDLL(str(build_library(compiler, tmp_path))), tmp_path)
+    ctx_lens = [3, 21, 8]
+    q, cache, tables = random_case(6, 2, 16, 4, ctx_lens, seed=11)
+    meta = AttentionMetadata.build(block_tables=tables, query_lens=[1] * 3, context_lens=ctx_lens, block_size=4)
+    got = kernels.paged_decode_attention(q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
+                                         0.25, 2)
+    torch.testing.assert_close(got, reference(q, cache, tables, ctx_lens), rtol=1e-5, atol=1e-5)

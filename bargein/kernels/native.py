@@ -28,10 +28,14 @@ from pathlib import Path
 
 import torch
 
+from bargein.model.block_quant import BlockWeight
+
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("decode_attention.c")
-_FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-pthread")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "block_matmul.c", "parallel.c"))
+_HEADERS = (Path(__file__).with_name("parallel.h"),)
+_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread")
+_NATIVE_ARCH = "-march=native"  # tried first; some compilers and CPUs have no such option
 _P = ctypes.c_void_p
 
 
@@ -48,6 +52,25 @@ class NativeKernels:
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        self._matmul = library.bargein_block_matmul
+        self._matmul.restype = ctypes.c_int
+        self._matmul.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int, ctypes.c_int64, _P,
+                                 ctypes.c_int]
+
+    def block_matmul(self, x: torch.Tensor, weight: BlockWeight, num_threads: int) -> torch.Tensor:
+        """``x @ W.T`` for x (m, k) contiguous float32 on the CPU and W block-quantized (n, k)."""
+        n, k = weight.shape
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() != 2:
+            raise NativeKernelError("x must be a contiguous 2-D float32 CPU tensor")
+        if x.shape[1] != k:
+            raise NativeKernelError(f"x has {x.shape[1]} columns; the weight takes {k}")
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        mins = weight.mins.data_ptr() if weight.mins is not None else None
+        status = self._matmul(x.data_ptr(), x.shape[0], k, weight.qs.data_ptr(), weight.scales.data_ptr(), mins,
+                              weight.bits, n, y.data_ptr(), num_threads)
+        if status:
+            raise NativeKernelError("the block matmul kernel could not allocate its scratch memory")
+        return y
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -111,9 +134,9 @@ def build_library(compiler: str, target_dir: Path) -> Path:
 
     Raises OSError or subprocess.CalledProcessError when the build fails.
     """
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join((_NATIVE_ARCH, *_FLAGS)).encode(), version.encode(),
                                      platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
     path = target_dir / f"bargein_kernels_{key}.so"
     if path.exists():
@@ -123,13 +146,20 @@ def build_library(compiler: str, target_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
-                       check=True, timeout=120)
+        try:
+            _compile(compiler, (_NATIVE_ARCH, *_FLAGS), tmp)
+        except subprocess.CalledProcessError:
+            _compile(compiler, _FLAGS, tmp)  # portable code; raises with the compiler's message
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def _compile(compiler: str, flags: tuple[str, ...], output: str) -> None:
+    subprocess.run([compiler, *flags, "-o", output, *map(str, _SOURCES), "-lm"], capture_output=True, text=True,
+                   check=True, timeout=120)
 
 
 @functools.cache

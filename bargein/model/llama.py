@@ -51,8 +51,8 @@ class Attention(nn.Module):
         bqkv = None
         if config.attention_bias:
             bqkv = torch.cat([w[f"{prefix}.wq.bias"], w[f"{prefix}.wk.bias"], w[f"{prefix}.wv.bias"]])
-        self.wqkv = Linear(wqkv, bqkv)
-        self.wo = Linear(w[f"{prefix}.wo.weight"])
+        self.wqkv = Linear(wqkv, bqkv, kernels=kernels)
+        self.wo = Linear(w[f"{prefix}.wo.weight"], kernels=kernels)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -68,10 +68,10 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w: Mapping[str, torch.Tensor], prefix: str):
+    def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, kernels: NativeKernels | None):
         super().__init__()
-        self.w13 = Linear(torch.cat([w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"]]))
-        self.w2 = Linear(w[f"{prefix}.w2.weight"])
+        self.w13 = Linear(torch.cat([w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"]]), kernels=kernels)
+        self.w2 = Linear(w[f"{prefix}.w2.weight"], kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -86,7 +86,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm.weight"], config.rms_norm_eps)
         self.attention = Attention(config, w, prefix, kernels)
         self.ffn_norm = RMSNorm(w[f"{prefix}.ffn_norm.weight"], config.rms_norm_eps)
-        self.feed_forward = FeedForward(w, prefix)
+        self.feed_forward = FeedForward(w, prefix, kernels)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         h = x + self.attention(self.attn_norm(x), rotary, cache, meta)
@@ -112,14 +112,15 @@ class LlamaStage(nn.Module):
         self.config, self.start, self.end = config, start, end
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self.embed = nn.Parameter(weights["embed.weight"], requires_grad=False) if self.is_first else None
-        # Our C kernels where they build; used only while the caches are float32 on the CPU.
+        # Our C kernels where they build: attention while the caches are float32 on the CPU,
+        # and the block matmul for weights that are exactly Q4/Q8 block-quantized.
         kernels = load_native_kernels() if native_kernels else None
         self.layers = nn.ModuleList(TransformerBlock(config, weights, i, kernels) for i in range(start, end))
         self.norm = self.lm_head = None
         if self.is_last:
             self.norm = RMSNorm(weights["norm.weight"], config.rms_norm_eps)
             head = weights["embed.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
-            self.lm_head = Linear(head)
+            self.lm_head = Linear(head, kernels=kernels)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings,
                                     weights.get("rope_freq_factors"))
 
