@@ -18,14 +18,16 @@ Measures, for the bundled model (or ``--model``) on this machine:
   mid-prefill), then prompted again; the tokens computed for the continuation
   (``engine.stats().computed_tokens``) are compared with a cold run of the same tokens
   on a fresh cache (a second Engine over the same weights).
-- where ``llama_cpp`` (llama-cpp-python) is importable, its prefill and single-sequence
-  decode on the same GGUF file; skipped otherwise.
+- where ``llama_cpp`` (llama-cpp-python) is importable, llama.cpp's aggregate tokens/s
+  on the same GGUF file, prompts and concurrency levels, every sequence in one batch
+  per step; skipped otherwise.
 
     python bench/bench_engine.py [--quick] [--json PATH] [--threads N]
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
 import threading
@@ -286,39 +288,95 @@ def bench_continue(engine: Engine, cold: Engine, prompt_tokens: int, cancel_afte
 
 
 # -- 4. llama.cpp, where installed ----------------------------------------------------------
-def bench_llama_cpp(engine: Engine, model_ref: str | None, threads: int, quick: bool) -> dict[str, Any]:
+def bench_llama_cpp(engine: Engine, model_ref: str | None, threads: int, levels: tuple[int, ...],
+                    max_tokens: int, budget_s: float) -> list[dict[str, Any]]:
+    """llama.cpp on the same GGUF, the same prompts (our tokenizer; the vocabulary is the
+    GGUF's) and the same concurrency levels: one ``llama_decode`` per step over every
+    sequence, greedy, as bargein's engine does it. One row per level, or one row saying
+    why it was skipped."""
     try:
         import llama_cpp  # type: ignore[import-not-found]
     except ImportError:
-        return {"skipped": "llama_cpp (llama-cpp-python) is not installed"}
+        return [{"skipped": "llama_cpp (llama-cpp-python) is not installed"}]
     from bargein.loader import resolve_model_ref
 
     source = resolve_model_ref(model_ref)
     if not str(source.path).endswith(".gguf"):
-        return {"skipped": "the model is not a GGUF file"}
+        return [{"skipped": "the model is not a GGUF file"}]
     try:
-        llm = llama_cpp.Llama(model_path=str(source.path), n_ctx=2048, n_batch=512, n_threads=threads,
-                              verbose=False)
-        prompt = _long_prompt(engine, 512, "llama.cpp")
-        prefill = []
-        for _ in range(1 if quick else 3):
-            llm.reset()
-            prefill.append(timed(lambda: llm.eval(prompt))[0])
-        llm.reset()
-        gaps: list[float] = []
-        last = time.perf_counter()
-        n = 16 if quick else 64
-        for i, _tok in enumerate(llm.generate(engine.encode(_prompt(0)), temp=0.0, top_k=1)):
-            now = time.perf_counter()
-            if i:
-                gaps.append(now - last)
-            last = now
-            if i >= n:
-                break
-        return {"version": getattr(llama_cpp, "__version__", "?"), "threads": threads,
-                "prefill_tok_s": len(prompt) / median(prefill), "decode_tok_s": 1 / median(gaps)}
+        return _LlamaCpp(llama_cpp, str(source.path), threads).run_levels(
+            [engine.encode(_prompt(i)) for i in range(max(levels))], levels, max_tokens, budget_s)
     except Exception as exc:  # optional comparison: report, never fail the benchmark
-        return {"skipped": f"llama_cpp failed: {type(exc).__name__}: {exc}"}
+        return [{"skipped": f"llama_cpp failed: {type(exc).__name__}: {exc}"}]
+
+
+class _LlamaCpp:
+    """llama.cpp's low-level API (the high-level ``Llama`` drives one sequence only)."""
+
+    def __init__(self, llama_cpp: Any, path: str, threads: int):
+        self.lib, self.threads = llama_cpp, threads
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # kept alive here
+        llama_cpp.llama_log_set(self._quiet, None)
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.version = getattr(llama_cpp, "__version__", "?")
+
+    def run_levels(self, prompts: list[list[int]], levels: tuple[int, ...], max_tokens: int,
+                   budget_s: float) -> list[dict[str, Any]]:
+        try:
+            return [self.run(prompts[:n], max_tokens, budget_s) for n in levels]
+        finally:
+            self.lib.llama_model_free(self.model)
+
+    def run(self, prompts: list[list[int]], max_tokens: int, budget_s: float) -> dict[str, Any]:
+        import numpy as np
+
+        lib, n = self.lib, len(prompts)
+        params = lib.llama_context_default_params()
+        params.n_seq_max = n
+        params.n_ctx = n * (max(map(len, prompts)) + max_tokens + 16)
+        params.n_batch = params.n_ubatch = max(512, sum(map(len, prompts)))
+        params.n_threads = params.n_threads_batch = self.threads
+        ctx = lib.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not make a context for {n} sequences")
+        batch = lib.llama_batch_init(params.n_batch, 0, 1)
+        try:
+            def decode(rows: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, logits)
+                for i, (token, pos, seq, logits) in enumerate(rows):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+                    batch.seq_id[i][0], batch.logits[i] = seq, logits
+                batch.n_tokens = len(rows)
+                if lib.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed")
+
+            def greedy(index: int) -> int:
+                logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(self.n_vocab,))
+                return int(logits.argmax())
+
+            started = time.perf_counter()
+            decode([(tok, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts) for pos, tok in enumerate(p)])
+            ends = list(itertools.accumulate(map(len, prompts)))
+            last = [greedy(end - 1) for end in ends]
+            ttft = time.perf_counter() - started
+            generated, decode_start = n, time.perf_counter()
+            for step in range(max_tokens - 1):
+                if time.perf_counter() - started > budget_s:
+                    break
+                decode([(tok, len(p) + step, seq, True) for seq, (tok, p) in enumerate(zip(last, prompts, strict=True))])
+                last = [greedy(i) for i in range(n)]
+                generated += n
+            now = time.perf_counter()
+            return {"concurrency": n, "generated": generated, "wall_s": now - started,
+                    "aggregate_tok_s": generated / (now - started),
+                    "decode_tok_s": (generated - n) / (now - decode_start) if generated > n else float("nan"),
+                    "ttft_ms": ttft * 1e3, "threads": self.threads, "version": self.version}
+        finally:
+            lib.llama_batch_free(batch)
+            lib.llama_free(ctx)
 
 
 # -- main ----------------------------------------------------------------------------
@@ -362,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cont.append(bench_continue(engine, cold, prompt_tokens, cancel_after=None))
     print(f"  continue after cancel: {cont[0]['saved_pct']:.1f}% of prefill saved", flush=True)
 
-    llama = bench_llama_cpp(engine, args.model, info["torch_threads"], quick)
+    llama = bench_llama_cpp(engine, args.model, info["torch_threads"], levels, max_tokens, budget)
     info["loadavg_1m_end"] = machine_info().get("loadavg_1m")
 
     at32 = next(r for r in throughput if r["concurrency"] == 32)
@@ -402,7 +460,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
          format_table(cont, ["case", "conversation_tokens", "continuation_prompt_tokens", "cached_tokens",
                              "computed", "cold_computed", "saved_pct", "continue_ms", "cold_ms",
                              "same_next_token"])),
-        ("llama.cpp on the same GGUF", format_table([llama])),
+        ("llama.cpp on the same GGUF, same prompts and levels (optional; where llama-cpp-python is installed)",
+         format_table(llama)),
         ("Targets (issue 3)", format_table(target_rows)),
     ]
     emit(f"bargein engine benchmark ({engine.model_name})", sections, result, args.json)
