@@ -77,7 +77,7 @@ def test_which_gguf_types_are_recovered(tensor_type: str, bits: int | None) -> N
 
 @needs_kernels
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 12])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_block_matmul_matches_float64(bits: int, rows: int, threads: int) -> None:
     w = lattice_4bit(70, 160, rows) if bits == 4 else lattice_8bit(70, 160, rows)

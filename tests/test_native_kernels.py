@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 
 import pytest
 import torch
@@ -189,15 +190,29 @@ def test_build_is_cached_per_source(tmp_path) -> None:
 
 
 def test_portable_build_when_the_cpu_flag_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """A compiler that refuses -march=native still gets a library: the portable C code."""
+    """A compiler that refuses -march=native (and, here, OpenMP) still gets a library: the
+    portable C code on bargein's own thread pool, which also serves concurrent callers."""
     compiler = native._compiler()
     if compiler is None:
         pytest.skip("no C compiler here")
-    monkeypatch.setattr(native, "_NATIVE_ARCH", "-march=no-such-cpu")
+    monkeypatch.setattr(native, "_VARIANTS", (("-march=no-such-cpu",), ()))
     kernels = native.NativeKernels(ctypes.CDLL(str(build_library(compiler, tmp_path))), tmp_path)
     ctx_lens = [3, 21, 8]
     q, cache, tables = random_case(6, 2, 16, 4, ctx_lens, seed=11)
     meta = AttentionMetadata.build(block_tables=tables, query_lens=[1] * 3, context_lens=ctx_lens, block_size=4)
-    got = kernels.paged_decode_attention(q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
-                                         0.25, 2)
-    torch.testing.assert_close(got, reference(q, cache, tables, ctx_lens), rtol=1e-5, atol=1e-5)
+    want = reference(q, cache, tables, ctx_lens)
+    failures: list[int] = []
+
+    def call(i: int) -> None:
+        for threads in (1, 2, 3) * 10:
+            got = kernels.paged_decode_attention(q, cache.k, cache.v, meta.decode_block_tables,
+                                                 meta.decode_context_lens, 0.25, threads)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                failures.append(i)
+
+    callers = [threading.Thread(target=call, args=(i,)) for i in range(3)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(timeout=60)
+    assert not failures and not any(t.is_alive() for t in callers)

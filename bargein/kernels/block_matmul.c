@@ -8,8 +8,8 @@
  *
  * For the few rows of decoding the weights dominate the memory traffic, and these are a
  * fifth (4-bit) or a quarter (8-bit) of float32. The arithmetic is float32: each block
- * is widened to floats, scaled, and multiplied into up to four activation rows at a
- * time (registers hold four accumulators), so the result is that of a float32 matmul of
+ * is widened to floats, scaled, and multiplied into up to eight activation rows at a
+ * time (registers hold one accumulator per row), so the result is that of a float32 matmul of
  * the dequantized weight, up to rounding order.
  *
  * Output rows are shared out among num_threads threads (the calling thread is one).
@@ -27,7 +27,7 @@
 #endif
 
 #define BLOCK 32
-#define ROW_GROUP 4 /* activation rows per pass over a weight row */
+#define ROW_GROUP 8 /* activation rows per pass over a weight row, at most */
 
 typedef struct {
     const float *x, *xsum; /* xsum[r, b]: sum of x's row r over block b (4-bit only) */
@@ -63,7 +63,7 @@ static inline float hsum256(__m256 v) {
 }
 
 /* The q values of block b of weight row j as floats, in four registers (not scaled). */
-static inline void widen_block_avx2(const job_t *job, int bits, int64_t j, int64_t b, __m256 w[4]) {
+static inline __attribute__((always_inline)) void widen_block_avx2(const job_t *job, int bits, int64_t j, int64_t b, __m256 w[4]) {
     const int64_t nb = job->k / BLOCK;
     __m128i lo, hi;
     if (bits == 4) {
@@ -90,7 +90,8 @@ static inline void widen_block_avx2(const job_t *job, int bits, int64_t j, int64
 /* y[r, j] for rows r in [r0, r0 + count), count <= ROW_GROUP, without the min term.
  * Each block's q . x is summed unscaled, then scaled into the row's accumulator once:
  * one multiply per block and row instead of one per value. */
-static inline void dot_rows_bits(const job_t *job, int bits, int64_t j, int64_t r0, int count, float *out) {
+static inline __attribute__((always_inline)) void dot_rows_bits(const job_t *job, int bits, int width, int64_t j, int64_t r0, int count,
+                                 float *out) {
     const int64_t nb = job->k / BLOCK, k = job->k;
     const float *scales = job->scales + j * nb;
 #ifdef BARGEIN_AVX2
@@ -107,12 +108,26 @@ static inline void dot_rows_bits(const job_t *job, int bits, int64_t j, int64_t 
         __m256 w[4];
         widen_block_avx2(job, bits, j, b, w);
         const __m256 s = _mm256_broadcast_ss(scales + b);
-        /* count is a run-time value; the cases keep the accumulators in registers. */
-        switch (count) {
-        case 4: BARGEIN_ROW(3); /* fall through */
-        case 3: BARGEIN_ROW(2); /* fall through */
-        case 2: BARGEIN_ROW(1); /* fall through */
-        default: BARGEIN_ROW(0);
+        /* count is a run-time value; the cases keep the accumulators in registers. The
+         * 4-wide copy needs fewer of them, which is faster when 4 rows are all there are. */
+        if (width == 4) {
+            switch (count) {
+            case 4: BARGEIN_ROW(3); /* fall through */
+            case 3: BARGEIN_ROW(2); /* fall through */
+            case 2: BARGEIN_ROW(1); /* fall through */
+            default: BARGEIN_ROW(0);
+            }
+        } else {
+            switch (count) {
+            case 8: BARGEIN_ROW(7); /* fall through */
+            case 7: BARGEIN_ROW(6); /* fall through */
+            case 6: BARGEIN_ROW(5); /* fall through */
+            case 5: BARGEIN_ROW(4); /* fall through */
+            case 4: BARGEIN_ROW(3); /* fall through */
+            case 3: BARGEIN_ROW(2); /* fall through */
+            case 2: BARGEIN_ROW(1); /* fall through */
+            default: BARGEIN_ROW(0);
+            }
         }
     }
 #undef BARGEIN_ROW
@@ -120,6 +135,7 @@ static inline void dot_rows_bits(const job_t *job, int bits, int64_t j, int64_t 
 #else
     float w[BLOCK];
     (void)bits;
+    (void)width;
     (void)scales;
     for (int r = 0; r < count; r++) out[r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
@@ -136,10 +152,16 @@ static inline void dot_rows_bits(const job_t *job, int bits, int64_t j, int64_t 
 
 /* bits as a constant in each copy, so that no block pays for the branch. */
 static void dot_rows(const job_t *job, int64_t j, int64_t r0, int count, float *out) {
-    if (job->bits == 4)
-        dot_rows_bits(job, 4, j, r0, count, out);
-    else
-        dot_rows_bits(job, 8, j, r0, count, out);
+    if (count <= 4) {
+        if (job->bits == 4)
+            dot_rows_bits(job, 4, 4, j, r0, count, out);
+        else
+            dot_rows_bits(job, 8, 4, j, r0, count, out);
+    } else if (job->bits == 4) {
+        dot_rows_bits(job, 4, 8, j, r0, count, out);
+    } else {
+        dot_rows_bits(job, 8, 8, j, r0, count, out);
+    }
 }
 
 /* Output rows [n * index / count, n * (index + 1) / count). */

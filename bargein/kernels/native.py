@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "block_matmul.c", "parallel.c"))
 _HEADERS = (Path(__file__).with_name("parallel.h"),)
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread")
-_NATIVE_ARCH = "-march=native"  # tried first; some compilers and CPUs have no such option
+# Tried in order until one builds: -march=native is missing on some compilers and CPUs,
+# OpenMP on some compilers (then parallel.c uses a thread pool of its own).
+_VARIANTS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
 _P = ctypes.c_void_p
 
 
@@ -136,7 +138,7 @@ def build_library(compiler: str, target_dir: Path) -> Path:
     """
     source = b"\0".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join((_NATIVE_ARCH, *_FLAGS)).encode(), version.encode(),
+    key = hashlib.sha256(b"\0".join([source, repr((_VARIANTS, _FLAGS)).encode(), version.encode(),
                                      platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
     path = target_dir / f"bargein_kernels_{key}.so"
     if path.exists():
@@ -146,10 +148,13 @@ def build_library(compiler: str, target_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
     os.close(fd)
     try:
-        try:
-            _compile(compiler, (_NATIVE_ARCH, *_FLAGS), tmp)
-        except subprocess.CalledProcessError:
-            _compile(compiler, _FLAGS, tmp)  # portable code; raises with the compiler's message
+        for i, variant in enumerate(_VARIANTS):
+            try:
+                _compile(compiler, (*variant, *_FLAGS), tmp)
+                break
+            except subprocess.CalledProcessError:
+                if i == len(_VARIANTS) - 1:
+                    raise  # the plainest build failed too: the compiler's message goes up
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -10,6 +10,23 @@
  */
 #include "parallel.h"
 
+#ifdef _OPENMP
+/* Built with OpenMP, the kernels run on the process's OpenMP threads: in a process that
+ * has loaded PyTorch, the very threads PyTorch uses (the dynamic linker hands this
+ * library the libgomp already loaded), so the two never compete for the cores. */
+#include <omp.h>
+
+void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
+    if (count <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+#pragma omp parallel num_threads(count)
+    fn(arg, omp_get_thread_num(), omp_get_num_threads());
+}
+
+#else /* no OpenMP: a pool of our own */
+
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -106,3 +123,5 @@ void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) CPU_RELAX();
     pthread_mutex_unlock(&pool.submit);
 }
+
+#endif /* _OPENMP */
