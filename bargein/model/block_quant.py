@@ -1,15 +1,17 @@
 """Weights that are exactly block-quantized, found and held in their compact form.
 
-A GGUF file's Q4_0/Q4_1/Q4_K and Q8_0 weights arrive dequantized to float32, but every
-block of 32 values along a row still lies on a small lattice: ``scale * q + min`` with
-``q`` in 0..15, or ``scale * q`` with ``q`` in -127..127. :func:`recover_blocks` finds
-that lattice again and keeps ``q`` in 4 or 8 bits, a fifth or a quarter of the float32
+A GGUF file's Q4_1 and Q8_0 weights arrive dequantized to float32, but every block of
+32 values along a row still lies on a small lattice: ``scale * q + min`` with ``q`` in
+0..15 (Q4_1 uses both ends), or ``scale * q`` with ``q`` in -127..127 (Q8_0 uses
+``|q| = 127``). :func:`recover_blocks` finds that lattice again from each block's
+extremes and keeps ``q`` in 4 or 8 bits, a fifth or a quarter of the float32
 bytes, for the native matmul (``bargein/kernels/block_matmul.c``) to read when a forward
 has few rows and the weights' memory traffic is what costs.
 
 Nothing is approximated: a weight is taken only if every block's values are rebuilt
 from the lattice to float32 rounding; otherwise (a float32 or bf16 checkpoint, say)
-the answer is None and the weight stays float32 only.
+the answer is None and the weight stays float32 only. Formats whose blocks need not
+reach both ends of their range (Q4_0, the K-quants) are, as a rule, not recovered.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ exact to float32 rounding; everywhere else (CUDA, bf16, other builds) ``F.linear
 Given the native kernels, a weight that is exactly block-quantized (the GGUF's Q4/Q8
 weights, see :mod:`bargein.model.block_quant`) is also kept in that compact form, and
 forwards of at most :data:`BLOCK_KERNEL_MAX_ROWS` rows read it instead: decoding a few
-sequences is bound by reading the weights, which are then 4.5-7x fewer bytes (measured
+sequences is bound by reading the weights, which are then 3.6-5.3x fewer bytes (measured
 on 2 AVX2 cores over every linear of SmolLM2-135M, against the packed float32 matmul:
 2.5x as fast at 1 row, 1.7x at 8, 1.16x at 12, even at 16 and 0.72x at 32 rows).
 """
