@@ -216,3 +216,19 @@ def test_portable_build_when_the_cpu_flag_is_refused(monkeypatch: pytest.MonkeyP
     for t in callers:
         t.join(timeout=60)
     assert not failures and not any(t.is_alive() for t in callers)
+
+
+def test_unwritable_cache_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    if native._compiler() is None:
+        pytest.skip("no C compiler here")
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("BARGEIN_CACHE_DIR", str(blocker))  # kernels/ cannot be made under a file
+    load_native_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert load_native_kernels() is None
+        assert "native kernels are unavailable" in caplog.text
+    finally:
+        load_native_kernels.cache_clear()
