@@ -142,42 +142,38 @@ def test_metadata_refuses_a_table_too_short_for_its_context() -> None:
         AttentionMetadata.build(block_tables=[[0]], query_lens=[1], context_lens=[5], block_size=4)
 
 
-def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BARGEIN_NATIVE_KERNELS", "0")
+@pytest.fixture
+def fresh_loader():
+    """load_native_kernels() remembers its answer; these tests need it asked anew, then forgotten."""
     load_native_kernels.cache_clear()
-    try:
-        assert load_native_kernels() is None
-    finally:
-        load_native_kernels.cache_clear()
+    yield load_native_kernels
+    load_native_kernels.cache_clear()
 
 
-def test_no_compiler_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+def test_disabled_by_environment(monkeypatch: pytest.MonkeyPatch, fresh_loader) -> None:
+    monkeypatch.setenv("BARGEIN_NATIVE_KERNELS", "0")
+    assert fresh_loader() is None
+
+
+def test_no_compiler_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, fresh_loader,
                                                caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(native, "_compiler", lambda: None)
-    load_native_kernels.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=native.__name__):
-            assert load_native_kernels() is None
-        assert "no C compiler found" in caplog.text
-    finally:
-        load_native_kernels.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert fresh_loader() is None
+    assert "no C compiler found" in caplog.text
 
 
-def test_failed_build_falls_back_with_the_compiler_output(monkeypatch: pytest.MonkeyPatch, tmp_path,
+def test_failed_build_falls_back_with_the_compiler_output(monkeypatch: pytest.MonkeyPatch, tmp_path, fresh_loader,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     bad = tmp_path / "broken.c"
     bad.write_text("this is not C\n")
     monkeypatch.setattr(native, "_SOURCES", (bad,))
     monkeypatch.setenv("BARGEIN_CACHE_DIR", str(tmp_path / "cache"))
-    load_native_kernels.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=native.__name__):
-            assert load_native_kernels() is None
-        assert "building the native kernels failed" in caplog.text
-        assert "error" in caplog.text  # the compiler's own message is passed on
-        assert not list((tmp_path / "cache" / "kernels").glob("*.so"))  # no half-built library left
-    finally:
-        load_native_kernels.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert fresh_loader() is None
+    assert "building the native kernels failed" in caplog.text
+    assert "error" in caplog.text  # the compiler's own message is passed on
+    assert not list((tmp_path / "cache" / "kernels").glob("*.so"))  # no half-built library left
 
 
 @needs_kernels
@@ -218,17 +214,13 @@ def test_portable_build_when_the_cpu_flag_is_refused(monkeypatch: pytest.MonkeyP
     assert not failures and not any(t.is_alive() for t in callers)
 
 
-def test_unwritable_cache_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path,
+def test_unwritable_cache_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path, fresh_loader,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     if native._compiler() is None:
         pytest.skip("no C compiler here")
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("BARGEIN_CACHE_DIR", str(blocker))  # kernels/ cannot be made under a file
-    load_native_kernels.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=native.__name__):
-            assert load_native_kernels() is None
-        assert "native kernels are unavailable" in caplog.text
-    finally:
-        load_native_kernels.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert fresh_loader() is None
+    assert "native kernels are unavailable" in caplog.text

@@ -16,15 +16,11 @@
  * k must be a multiple of 32. Returns 0, or -1 when scratch memory could not be had.
  */
 #include "parallel.h"
+#include "simd.h"
 
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define BARGEIN_AVX2 1
-#endif
 
 #define BLOCK 32
 #define ROW_GROUP 8 /* activation rows per pass over a weight row, at most */
@@ -55,13 +51,6 @@ static inline void widen_block(const job_t *job, int64_t j, int64_t b, float *w)
 }
 
 #ifdef BARGEIN_AVX2
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* The q values of block b of weight row j as floats, in four registers (not scaled). */
 static inline __attribute__((always_inline)) void widen_block_avx2(const job_t *job, int bits, int64_t j, int64_t b, __m256 w[4]) {
     const int64_t nb = job->k / BLOCK;

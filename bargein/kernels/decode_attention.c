@@ -20,16 +20,13 @@
  * where the hardware prefetcher cannot follow.
  */
 #include "parallel.h"
+#include "simd.h"
 
 #include <math.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define BARGEIN_AVX2 1
-#endif
 
 #define QUERY_GROUP 4    /* query heads scored together against one key */
 #define PREFETCH_AHEAD 4 /* tokens */
@@ -45,13 +42,6 @@ typedef struct {
 } batch_t;
 
 #ifdef BARGEIN_AVX2
-static inline float hsum256(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' expf, ~1 ulp. */
 static inline __m256 exp256(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));

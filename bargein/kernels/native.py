@@ -33,7 +33,7 @@ from bargein.model.block_quant import BlockWeight
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "block_matmul.c", "parallel.c"))
-_HEADERS = (Path(__file__).with_name("parallel.h"),)
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "simd.h"))
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread")
 # Tried in order until one builds: -march=native is missing on some compilers and CPUs,
 # OpenMP on some compilers (then parallel.c uses a thread pool of its own).
