@@ -129,8 +129,11 @@ class LocalBackend:
         self.tokenizer = async_engine.engine.tokenizer
         self.model_name = async_engine.engine.model_name
         self.where = "locally"
-        self.conv = async_engine.conversation()
+        from bargein.engine.conversation import Conversation  # the engine (torch) loads only for local chat
+
+        self.conv = Conversation.open(async_engine)
         self._stop = False
+        self._num_tokens = 0  # as of the last turn, for the status line
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         from bargein.loader import LoaderError
@@ -146,7 +149,8 @@ class LocalBackend:
         Usually nothing is rewound: the tokens are the history so far, and the rest is the
         new turn. After /rewind, /reset or /system the tokens that no longer match go.
         """
-        tokens = self.conv.tokens
+        tokens = await self.conv.tokens()
+        self._num_tokens = len(tokens)
 
         def decoded(n: int) -> str:
             return self.tokenizer.decode(tokens[:n], skip_special_tokens=False)
@@ -162,16 +166,17 @@ class LocalBackend:
             else:
                 hi = mid
         await self.conv.rewind(len(tokens) - lo)
+        self._num_tokens = lo
         return text[len(decoded(lo)):]
 
     async def answer(self, messages: list[dict[str, str]], settings: GenerationSettings,
                      on_delta: OnDelta) -> AnswerResult:
         suffix = await self._align(self._render(messages, add_generation_prompt=True))
-        self.conv.prompt(self.tokenizer.encode(suffix, add_special_tokens=False))
+        await self.conv.prompt(self.tokenizer.encode(suffix, add_special_tokens=False))
         return await self._generate(settings, on_delta)
 
     async def answer_raw(self, prompt: str, settings: GenerationSettings, on_delta: OnDelta) -> AnswerResult:
-        self.conv.prompt(self.tokenizer.encode(prompt))  # with the BOS the model expects, if any
+        await self.conv.prompt(self.tokenizer.encode(prompt))  # with the BOS the model expects, if any
         return await self._generate(settings, on_delta)
 
     async def _generate(self, settings: GenerationSettings, on_delta: OnDelta) -> AnswerResult:
@@ -191,6 +196,7 @@ class LocalBackend:
                 last = out
         except EngineError as exc:
             raise AnswerError(str(exc)) from None
+        self._num_tokens = len(await self.conv.tokens())
         if last is None or last.finish_reason is None or last.finish_reason.value == "error":
             raise AnswerError(last.error if last is not None and last.error else "the engine failed the request")
         return AnswerResult(last.text, last.finish_reason.value, last.usage.completion_tokens,
@@ -204,7 +210,7 @@ class LocalBackend:
         await self._align(self._render(messages, add_generation_prompt=False))
 
     def num_tokens(self) -> int | None:
-        return len(self.conv.tokens)
+        return self._num_tokens
 
     async def state(self) -> dict[str, Any]:
         saved = await self.conv.save()
@@ -212,15 +218,16 @@ class LocalBackend:
 
     async def restore(self, data: dict[str, Any]) -> None:
         """Continues from a saved file's tokens (their K/V is reused if still cached)."""
-        from bargein.engine.conversation import ConversationState
+        from bargein.engine.conversation import Conversation, ConversationState
 
         if "token_ids" in data:
             state = ConversationState(tuple(int(t) for t in data["token_ids"]), str(data.get("model", "")))
-            conv = self.ae.load_conversation(state)  # ValueError if another model saved it
+            conv = Conversation.load(self.ae, state)  # ValueError if another model saved it
         else:  # saved against a server: the tokens are computed with the next message
-            conv = self.ae.conversation()
+            conv = Conversation.open(self.ae)
         old, self.conv = self.conv, conv
         await old.close()
+        self._num_tokens = len(await conv.tokens())
 
     async def close(self) -> None:
         await self.conv.close()

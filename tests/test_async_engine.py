@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.conversation import Conversation
 from bargein.engine.request import AbortResult, CancelReason, FinishReason
 from bargein.engine.sampling import SamplingParams
 from tests.tiny_engine import prompt, reference_greedy, tiny_engine
@@ -48,8 +49,10 @@ def test_breaking_out_of_the_loop_cancels(engine) -> None:
     async def main():
         rid = "walk-away"
         agen = engine.generate(prompt(9, 2), LONG, request_id=rid)
+        got = 0
         async for out in agen:
-            if len(out.token_ids) >= 3:
+            got += len(out.new_token_ids)  # intermediate outputs carry deltas only
+            if got >= 3:
                 break
         await agen.aclose()
         await settle(engine)
@@ -131,16 +134,16 @@ def test_shutdown_answers_in_flight_requests() -> None:
 def test_conversation_cancel_then_continue_is_exact(engine) -> None:
     async def main():
         p, q = prompt(12, 7), prompt(4, 8)
-        conv = engine.conversation()
-        conv.prompt(p)
+        conv = Conversation.open(engine)
+        await conv.prompt(p)
         got = []
         async for out in conv.generate(LONG):
             got += out.new_token_ids
             if len(got) >= 3:
                 conv.cancel()
         assert out.finish_reason == FinishReason.CANCELLED
-        assert conv.tokens == p + got
-        conv.prompt(q)
+        assert await conv.tokens() == p + got
+        await conv.prompt(q)
         outs = [o async for o in conv.generate(SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))]
         assert list(outs[-1].token_ids) == reference_greedy(p + got + q, 5)
         assert outs[-1].usage.cached_tokens >= len(p) + len(got) - 1

@@ -166,12 +166,12 @@ def test_each_turn_prompts_only_the_new_text():
     async def test(backend, tok):
         history = [{"role": "user", "content": "hello"}]
         first = await backend.answer(history, SHORT, lambda _: None)
-        held = backend.conv.tokens
+        held = (await backend.conv.tokens())
         assert held == tok.encode("[user]hello<257>\n[assistant]") + held[-first.completion_tokens:]
 
         history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}]
         second = await backend.answer(history, SHORT, lambda _: None)
-        tokens = backend.conv.tokens
+        tokens = (await backend.conv.tokens())
         assert tokens[:len(held)] == held  # nothing before was re-tokenized or rewound
         assert tokens[len(held):len(tokens) - second.completion_tokens] == tok.encode("<257>\n[user]more<257>\n[assistant]")
         assert second.cached_tokens >= len(held) - 1
@@ -183,17 +183,17 @@ def test_history_edits_rewind_what_no_longer_matches():
     async def test(backend, tok):
         history = [{"role": "user", "content": "hello"}]
         first = await backend.answer(history, SHORT, lambda _: None)
-        after_first = backend.conv.tokens
+        after_first = (await backend.conv.tokens())
         history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "again"}]
         await backend.answer(history, SHORT, lambda _: None)
 
         await backend.sync(history[:2])  # /rewind: back to the first exchange and its turn end
-        assert backend.conv.tokens == after_first + tok.encode("<257>\n")
+        assert (await backend.conv.tokens()) == after_first + tok.encode("<257>\n")
 
         await backend.sync([{"role": "system", "content": "be brief"}, *history[:2]])  # /system
-        assert backend.conv.tokens == tok.encode("[")  # "[system]..." shares only its "[" with "[user]..."
+        assert (await backend.conv.tokens()) == tok.encode("[")  # "[system]..." shares only its "[" with "[user]..."
         await backend.sync([])  # /reset
-        assert backend.conv.tokens == []
+        assert (await backend.conv.tokens()) == []
 
     run_backend(test)
 
@@ -201,11 +201,11 @@ def test_history_edits_rewind_what_no_longer_matches():
 def test_save_and_load_round_trip(tmp_path):
     async def test(backend, tok):
         await backend.answer([{"role": "user", "content": "hi"}], SHORT, lambda _: None)
-        tokens = backend.conv.tokens
+        tokens = (await backend.conv.tokens())
         state = await backend.state()
         assert state["token_ids"] == tokens
         await backend.restore({"model": "tiny", **state})
-        assert backend.conv.tokens == tokens
+        assert (await backend.conv.tokens()) == tokens
         with pytest.raises(ValueError, match="model"):
             await backend.restore({"model": "another", **state})
 

@@ -9,7 +9,7 @@ import pytest
 from bargein.engine.engine import EngineError
 from bargein.engine.request import AbortResult, CancelReason, FinishReason
 from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
-from tests.tiny_engine import EOS, prompt, reference_greedy, tiny_engine
+from tests.tiny_engine import EOS, collector, prompt, reference_greedy, tiny_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 def run_until_finished(engine, request_id):
     outputs = []
     while True:
-        for out in engine.step():
+        for out in collector(engine).step():
             if out.request_id == request_id:
                 outputs.append(out)
                 if out.finished:
@@ -38,7 +38,7 @@ def test_batched_greedy_matches_the_reference_token_for_token() -> None:
 
 def test_outputs_stream_deltas_that_add_up() -> None:
     engine = tiny_engine()
-    rid = engine.add_request(prompt(6, 4), GREEDY)
+    rid = collector(engine).add_request(prompt(6, 4), GREEDY)
     outs = run_until_finished(engine, rid)
     assert sum((list(o.new_token_ids) for o in outs), []) == list(outs[-1].token_ids)
     assert "".join(o.delta_text for o in outs) == outs[-1].text
@@ -84,7 +84,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch() -> None:
 
 def test_logprobs_are_reported_per_token() -> None:
     engine = tiny_engine()
-    rid = engine.add_request(prompt(5, 10), SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))
+    rid = collector(engine).add_request(prompt(5, 10), SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True))
     outs = run_until_finished(engine, rid)
     lps = [lp for o in outs for lp in o.new_logprobs]
     assert [lp.token_id for lp in lps] == list(outs[-1].token_ids)
@@ -95,16 +95,16 @@ def test_logprobs_are_reported_per_token() -> None:
 def test_bad_requests_are_refused_clearly() -> None:
     engine = tiny_engine()
     with pytest.raises(EngineError, match="context holds 256"):
-        engine.add_request([1] * 600, GREEDY)
+        collector(engine).add_request([1] * 600, GREEDY)
     with pytest.raises(EngineError, match="empty"):
-        engine.add_request([], GREEDY)
+        collector(engine).add_request([], GREEDY)
     with pytest.raises(EngineError, match="outside the vocabulary"):
-        engine.add_request([1, 9999], GREEDY)
+        collector(engine).add_request([1, 9999], GREEDY)
     with pytest.raises(InvalidSamplingParams, match="logit_bias"):
-        engine.add_request([1, 2], SamplingParams(logit_bias={9999: 1.0}))
-    rid = engine.add_request([1, 2], GREEDY, request_id="same")
+        collector(engine).add_request([1, 2], SamplingParams(logit_bias={9999: 1.0}))
+    rid = collector(engine).add_request([1, 2], GREEDY, request_id="same")
     with pytest.raises(EngineError, match="already in use"):
-        engine.add_request([1, 2], GREEDY, request_id="same")
+        collector(engine).add_request([1, 2], GREEDY, request_id="same")
     assert run_until_finished(engine, rid)[-1].finish_reason == FinishReason.LENGTH
 
 
@@ -113,13 +113,13 @@ def test_bad_requests_are_refused_clearly() -> None:
 def test_cancel_between_steps_keeps_exactly_the_delivered_tokens() -> None:
     engine = tiny_engine()
     p = prompt(9, 11)
-    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     delivered = []
     while len(delivered) < 4:
-        for out in engine.step():
+        for out in collector(engine).step():
             delivered += out.new_token_ids
     assert engine.abort(rid) == AbortResult.CANCELLED
-    final = engine.step()
+    final = collector(engine).step()
     assert len(final) == 1 and final[0].finished
     assert final[0].finish_reason == FinishReason.CANCELLED and final[0].cancel_reason == CancelReason.USER
     assert final[0].new_token_ids == () and list(final[0].token_ids) == delivered
@@ -132,9 +132,9 @@ def test_cancel_between_steps_keeps_exactly_the_delivered_tokens() -> None:
 
 def test_cancel_during_a_step_takes_effect_at_its_end_and_drops_its_sample() -> None:
     engine = tiny_engine()
-    rid = engine.add_request(prompt(9, 12), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    engine.step()
-    engine.step()  # two tokens delivered
+    rid = collector(engine).add_request(prompt(9, 12), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    collector(engine).step()
+    collector(engine).step()  # two tokens delivered
     entered, release = threading.Event(), threading.Event()
     execute = engine.runner.execute
     plans = []
@@ -147,7 +147,7 @@ def test_cancel_during_a_step_takes_effect_at_its_end_and_drops_its_sample() -> 
 
     engine.runner.execute = blocking_execute
     result: list = []
-    stepper = threading.Thread(target=lambda: result.extend(engine.step()))
+    stepper = threading.Thread(target=lambda: result.extend(collector(engine).step()))
     stepper.start()
     assert entered.wait(10)
     # Cancel from another thread while the forward is blocked, twice (idempotent).
@@ -160,20 +160,20 @@ def test_cancel_during_a_step_takes_effect_at_its_end_and_drops_its_sample() -> 
     assert final.new_token_ids == ()  # the token sampled in the cancelled step never reaches the caller
     assert len(final.token_ids) == 2
     assert engine.counters.cancel_latency_steps[-1] == 0
-    engine.step()
+    collector(engine).step()
     assert all(rid not in [c.request_id for c in plan.chunks] for plan in plans[1:])
     assert engine.abort(rid) == AbortResult.ALREADY_FINISHED
 
 
 def test_queued_request_is_removed_without_compute() -> None:
     engine = tiny_engine(max_num_seqs=1)
-    a = engine.add_request(prompt(5, 13), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    b = engine.add_request(prompt(50, 14), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    engine.step()
+    a = collector(engine).add_request(prompt(5, 13), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    b = collector(engine).add_request(prompt(50, 14), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    collector(engine).step()
     computed = engine.scheduler.num_computed_tokens
     assert [r.request_id for r in engine.scheduler.waiting] == [b]
     assert engine.abort(b) == AbortResult.CANCELLED
-    outs = {o.request_id: o for o in engine.step()}
+    outs = {o.request_id: o for o in collector(engine).step()}
     assert outs[b].finish_reason == FinishReason.CANCELLED and outs[b].token_ids == ()
     assert engine.scheduler.num_computed_tokens - computed == 1  # only a's decode token
     run_until_finished(engine, a)
@@ -182,7 +182,7 @@ def test_queued_request_is_removed_without_compute() -> None:
 
 def test_deadline_cancels_with_its_own_reason() -> None:
     engine = tiny_engine()
-    rid = engine.add_request(prompt(5, 15), SamplingParams(temperature=0, max_tokens=10_000 // 30, ignore_eos=True),
+    rid = collector(engine).add_request(prompt(5, 15), SamplingParams(temperature=0, max_tokens=10_000 // 30, ignore_eos=True),
                              timeout=1e-6)
     outs = run_until_finished(engine, rid)
     assert outs[-1].finish_reason == FinishReason.CANCELLED and outs[-1].cancel_reason == CancelReason.DEADLINE
@@ -195,21 +195,21 @@ def test_continuing_after_a_cancel_equals_no_cancel_and_the_reference(cancel_aft
     engine = tiny_engine(max_num_batched_tokens=8)  # the 20-token prompt takes 3 steps
     p, follow_up = prompt(20, 16), prompt(6, 17)
     session = engine.open_session()
-    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), session_id=session)
+    rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), session_id=session)
     delivered: list[int] = []
     steps = 0
     while len(delivered) < cancel_after or (cancel_after == 0 and steps < 1):
-        for out in engine.step():
+        for out in collector(engine).step():
             delivered += out.new_token_ids
         steps += 1
     engine.abort(rid)
-    engine.step()
+    collector(engine).step()
     assert engine.session_tokens(session) == p + delivered
     if cancel_after == 0:
         assert delivered == [] and 0 < engine.scheduler.session(session).sequence.num_computed < len(p)
     computed_before = engine.scheduler.num_computed_tokens
     held = engine.scheduler.session(session).sequence.num_computed
-    rid2 = engine.add_request(follow_up, GREEDY, session_id=session)
+    rid2 = collector(engine).add_request(follow_up, GREEDY, session_id=session)
     outs = run_until_finished(engine, rid2)
     continued = list(outs[-1].token_ids)
     assert continued == reference_greedy(p + delivered + follow_up, 8)
@@ -228,21 +228,44 @@ def test_continuing_after_a_cancel_equals_no_cancel_and_the_reference(cancel_aft
 def test_prefix_reuse_computes_only_new_tokens() -> None:
     engine = tiny_engine(block_size=4)
     p = prompt(30, 18)
-    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     delivered: list[int] = []
     while len(delivered) < 5:
-        for out in engine.step():
+        for out in collector(engine).step():
             delivered += out.new_token_ids
     engine.abort(rid)
-    engine.step()
+    collector(engine).step()
     tokens = p + delivered + prompt(7, 19)
     before = engine.scheduler.num_computed_tokens
     (out,) = engine.generate([tokens], GREEDY)
     # 34 of the 35 previous tokens have K/V (the last delivered one was never computed);
-    # full blocks of those are reused: 32 tokens.
-    assert out.usage.cached_tokens == 32
-    assert engine.scheduler.num_computed_tokens - before == len(tokens) - 32 + 8 - 1
+    # all of them are reused, the partly filled last block (2 tokens) included, by copy.
+    assert out.usage.cached_tokens == len(p) + len(delivered) - 1 == 34
+    assert engine.scheduler.num_computed_tokens - before == len(tokens) - 34 + 8 - 1
     assert list(out.token_ids) == reference_greedy(tokens, 8)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "finished"])
+def test_continuation_after_a_plain_answer_reuses_every_computed_token(how: str) -> None:
+    """Token-granular prefix reuse (C7): prompt + delivered answer + new text hits every
+    token that has K/V (the last delivered one has none), and answers like a fresh engine."""
+    engine = tiny_engine(block_size=4)
+    p = prompt(13, 40)
+    params = SamplingParams(temperature=0, max_tokens=6 if how == "finished" else 50, ignore_eos=True)
+    rid = collector(engine).add_request(p, params)
+    delivered: list[int] = []
+    while len(delivered) < 6:
+        for out in collector(engine).step():
+            delivered += out.new_token_ids
+    if how == "cancelled":
+        assert engine.abort(rid) == AbortResult.CANCELLED
+        collector(engine).step()
+    tokens = p + delivered + prompt(5, 41)
+    (out,) = engine.generate([tokens], GREEDY)
+    assert out.usage.cached_tokens == len(p) + len(delivered) - 1
+    (fresh,) = tiny_engine(block_size=4).generate([tokens], GREEDY)
+    assert out.token_ids == fresh.token_ids
+    engine.check_block_accounting()
 
 
 def test_preemption_under_a_small_pool_finishes_everything_correctly() -> None:
@@ -261,12 +284,12 @@ def test_idle_conversation_blocks_are_reclaimed_under_pressure_and_recomputed() 
     engine = tiny_engine(num_blocks=10, block_size=4)
     session = engine.open_session()
     p = prompt(20, 30)
-    run_until_finished(engine, engine.add_request(p, GREEDY, session_id=session))
+    run_until_finished(engine, collector(engine).add_request(p, GREEDY, session_id=session))
     assert engine.scheduler.session(session).sequence.block_table.block_ids
     (other,) = engine.generate([prompt(24, 31)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert engine.scheduler.num_reclaimed_sessions >= 1
     tokens = engine.session_tokens(session)
-    outs = run_until_finished(engine, engine.add_request([5], GREEDY, session_id=session))
+    outs = run_until_finished(engine, collector(engine).add_request([5], GREEDY, session_id=session))
     assert list(outs[-1].token_ids) == reference_greedy(tokens + [5], 8)
     engine.check_block_accounting()
 
@@ -274,7 +297,7 @@ def test_idle_conversation_blocks_are_reclaimed_under_pressure_and_recomputed() 
 def test_a_request_larger_than_the_pool_gets_a_clear_error() -> None:
     engine = tiny_engine(num_blocks=4, block_size=4)
     with pytest.raises(EngineError, match="context holds 16"):
-        engine.add_request(prompt(20, 32), GREEDY)
+        collector(engine).add_request(prompt(20, 32), GREEDY)
     (out,) = engine.generate([prompt(10, 33)], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == 6
 
@@ -283,8 +306,8 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on() -> None:
     engine = tiny_engine()
     session = engine.open_session()
     p = prompt(9, 34)
-    rid = engine.add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), session_id=session)
-    engine.step()
+    rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), session_id=session)
+    collector(engine).step()
     delivered = list(engine.session_tokens(session)[len(p):])
     execute = engine.runner.execute
 
@@ -292,13 +315,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on() -> None:
         raise RuntimeError("simulated kernel failure")
 
     engine.runner.execute = broken
-    (out,) = engine.step()
+    (out,) = collector(engine).step()
     assert out.finished and out.finish_reason == FinishReason.ERROR and "simulated kernel failure" in out.error
     assert engine.abort(rid) == AbortResult.ALREADY_FINISHED
     engine.runner.execute = execute
     # The conversation holds exactly what was delivered and continues exactly.
     assert engine.session_tokens(session) == p + delivered
-    outs = run_until_finished(engine, engine.add_request([7], GREEDY, session_id=session))
+    outs = run_until_finished(engine, collector(engine).add_request([7], GREEDY, session_id=session))
     assert list(outs[-1].token_ids) == reference_greedy(p + delivered + [7], 8)
     engine.close_session(session)
     engine.check_block_accounting()

@@ -6,10 +6,13 @@ are token lists, so no test depends on a real vocabulary.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from bargein.engine.engine import Engine
+from bargein.engine.outputs import OutputCollector
 from bargein.model.llama import LlamaStage
 from tests.dense_reference import dense_logits, random_weights
 
@@ -70,3 +73,13 @@ def reference_greedy(tokens: list[int], n: int, seed: int = 0) -> list[int]:
 def prompt(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+_COLLECTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def collector(engine: Engine) -> OutputCollector:
+    """The synchronous consumer of ``engine`` for tests: add requests and step through it."""
+    if engine not in _COLLECTORS:
+        _COLLECTORS[engine] = OutputCollector(engine)
+    return _COLLECTORS[engine]

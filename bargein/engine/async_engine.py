@@ -1,10 +1,16 @@
 """AsyncEngine: the Engine stepped by a background thread, with per-request streams.
 
 The engine thread owns the Engine: it steps while there is work and sleeps on the
-inbox otherwise. Outputs are handed to the asyncio loop that asked for them, one
-``asyncio.Queue`` per request. The model's forward runs outside the event loop, so
-the loop stays responsive and a cancel from any coroutine or thread lands at the
-next step boundary.
+inbox otherwise. Each step's deltas go to the requests' :class:`RequestStream`
+(coalescing: one pending item per request at most); the consumer's coroutine turns
+them into :class:`RequestOutput` (text, stop strings, logprobs) off the engine thread.
+The model's forward runs outside the event loop, so the loop stays responsive and a
+cancel from any coroutine or thread lands at the next step boundary.
+
+Conversations use the typed session methods here (``open_session``,
+``append_session``, ``generate(..., session_id=...)``, ``fork_session``,
+``truncate_session``, ``session_tokens``, ``close_session``); every one goes through
+the engine's ordered inbox, so they apply in the order they were called.
 
 A request is cancelled (contract C1-C2) when: its consuming task is cancelled or the
 consumer stops iterating (reason ``disconnect`` by default), ``abort(request_id)`` is
@@ -16,17 +22,19 @@ shuts down (``shutdown``). In every case the stream ends with an output whose
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from bargein.engine.engine import Engine, EngineError
-from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
+from bargein.engine.outputs import OutputProcessor, RequestDelta, StepOutcome
+from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.stats import EngineStats
+from bargein.engine.streams import RequestStream
 
 log = logging.getLogger("bargein.engine")
 T = TypeVar("T")
@@ -39,15 +47,24 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
-        self._streams_lock = threading.Lock()
+        # Request id -> its stream. Written by submit (any loop) and by the engine thread
+        # (removal on finish); single dict operations, atomic under the GIL.
+        self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._error: BaseException | None = None
 
     @classmethod
-    def from_pretrained(cls, ref: str | None = None, **kwargs: Any) -> AsyncEngine:
-        return cls(Engine.from_pretrained(ref, **kwargs))
+    def from_pretrained(cls, ref: str | None = None, **kwargs: object) -> AsyncEngine:
+        return cls(Engine.from_pretrained(ref, **kwargs))  # type: ignore[arg-type]
+
+    @property
+    def tokenizer(self) -> object:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
 
     # -- lifecycle ----------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -57,9 +74,12 @@ class AsyncEngine:
         return self
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Cancels every request with reason ``shutdown``, answers them, then stops the loop."""
-        for request_id in self.engine.live_request_ids():
-            self.engine.abort(request_id, CancelReason.SHUTDOWN)
+        """Cancels every request with reason ``shutdown``, answers them, then stops the loop.
+
+        Every stream still open when the loop stops (or when ``timeout`` runs out, e.g.
+        because a forward hangs) gets a final cancelled output: nobody is left waiting.
+        """
+        self.abort_all(CancelReason.SHUTDOWN)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while self.engine.live_request_ids() and loop.time() < deadline and self.is_alive:
@@ -68,6 +88,12 @@ class AsyncEngine:
         self.engine.wake()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, max(0.0, deadline - loop.time()))
+        self._end_streams(FinishReason.CANCELLED, cancel_reason=CancelReason.SHUTDOWN,
+                          error="the engine shut down")
+
+    def request_shutdown(self) -> None:
+        """Asks every request to stop (reason ``shutdown``); lock-free, safe in a signal handler."""
+        self.abort_all(CancelReason.SHUTDOWN)
 
     @property
     def is_alive(self) -> bool:
@@ -84,27 +110,25 @@ class AsyncEngine:
             except BaseException as exc:  # the loop must report, not vanish silently
                 log.exception("engine loop crashed")
                 self._error = exc
-                self._fail_all(f"the engine stopped: {exc}")
+                self._end_streams(FinishReason.ERROR, error=f"the engine stopped: {exc}")
                 return
 
-    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
-        for out in outputs:
-            with self._streams_lock:
-                target = self._streams.get(out.request_id)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-            if target is not None:
-                loop, stream = target
-                with contextlib.suppress(RuntimeError):  # that event loop closed: nobody listens
-                    loop.call_soon_threadsafe(stream.put_nowait, out)
+    def _dispatch(self, outcome: StepOutcome) -> None:
+        for delta in outcome.deltas:
+            stream = self._streams.pop(delta.request_id, None) if delta.finished else \
+                self._streams.get(delta.request_id)
+            if stream is not None:
+                stream.push(delta)
 
-    def _fail_all(self, message: str) -> None:
-        with self._streams_lock:
-            streams, self._streams = self._streams, {}
-        for rid, (loop, stream) in streams.items():
-            out = RequestOutput(rid, (), (), "", "", True, FinishReason.ERROR, Usage(0, 0, 0), error=message)
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(stream.put_nowait, out)
+    def _end_streams(self, reason: FinishReason, *, cancel_reason: CancelReason | None = None,
+                     error: str | None = None) -> None:
+        """Gives every open stream a final delta (the loop stopped or crashed)."""
+        for rid in list(self._streams):
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.push(RequestDelta(rid, finished=True, finish_reason=reason,
+                                         cancel_reason=cancel_reason,
+                                         error=None if reason == FinishReason.CANCELLED else error))
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -116,19 +140,27 @@ class AsyncEngine:
     # -- requests -----------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout: float | None = None,
-               session_id: str | None = None) -> tuple[str, asyncio.Queue[RequestOutput]]:
-        """Queues a request and returns its id and output queue (call from a running loop)."""
+               session_id: str | None = None) -> tuple[str, RequestStream]:
+        """Queues a request and returns its id and stream (call from a running loop).
+
+        Read the stream with ``stream(request_id, stream)``. Raises EngineError for a bad
+        request or an id in use.
+        """
         self._check_alive()
+        params = params or SamplingParams()
         request_id = request_id or self.engine.new_request_id()
-        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise EngineError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        stream = RequestStream(request_id, asyncio.get_running_loop(),
+                               OutputProcessor(request_id, params, self.engine.tokenizer))
+        # The id is claimed (and checked) by add_request; the stream is registered
+        # first so that no delta can arrive before it, and removed if the add fails.
+        previous = self._streams.get(request_id)
+        self._streams[request_id] = stream
         try:
             self.engine.add_request(prompt, params, request_id=request_id, timeout=timeout, session_id=session_id)
         except BaseException:
-            with self._streams_lock:
+            if previous is not None:
+                self._streams[request_id] = previous
+            else:
                 self._streams.pop(request_id, None)
             raise
         return request_id, stream
@@ -140,32 +172,41 @@ class AsyncEngine:
         """Streams a request's outputs; the last one has ``finished`` set.
 
         If the consumer stops early (breaks out, or its task is cancelled) the request
-        is cancelled with ``exit_reason``.
+        is cancelled with ``exit_reason``, and its sequence keeps only the tokens the
+        consumer was handed.
         """
         request_id, stream = self.submit(prompt, params, request_id=request_id, timeout=timeout,
                                          session_id=session_id)
         async for out in self.stream(request_id, stream, exit_reason=exit_reason):
             yield out
 
-    async def stream(self, request_id: str, stream: asyncio.Queue[RequestOutput], *,
+    async def stream(self, request_id: str, stream: RequestStream, *,
                      exit_reason: CancelReason = CancelReason.DISCONNECT) -> AsyncIterator[RequestOutput]:
+        """A submitted request's outputs (RequestOutput contract: deltas, cumulative at the end)."""
         finished = False
+        processor = stream.processor
         try:
             while True:
-                out = await stream.get()
+                result = processor.process(await stream.next_delta())
+                if result.stop_delivered is not None:
+                    self.engine.finish(request_id, FinishReason.STOP, delivered=result.stop_delivered)
+                out = result.output
+                if out is None:
+                    continue
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
             if not finished:
-                self.engine.abort(request_id, exit_reason)
+                self.engine.abort(request_id, exit_reason, delivered=processor.num_delivered)
 
     def abort(self, request_id: str, reason: CancelReason = CancelReason.USER) -> AbortResult:
-        """Thread-safe, idempotent (C6); the stream then ends with a cancelled output."""
+        """Thread-safe, lock-free, idempotent (C6); the stream then ends with a cancelled output."""
         return self.engine.abort(request_id, reason)
 
     def abort_all(self, reason: CancelReason = CancelReason.USER) -> list[str]:
+        """Cancels every live request; lock-free (safe in a signal handler)."""
         cancelled = []
         for request_id in self.engine.live_request_ids():
             if self.engine.abort(request_id, reason) == AbortResult.CANCELLED:
@@ -184,17 +225,26 @@ class AsyncEngine:
     async def stats(self) -> EngineStats:
         return await self.call(self.engine.stats)
 
-    def conversation(self, token_ids: Sequence[int] = ()) -> Any:
-        from bargein.engine.conversation import Conversation
+    # -- sessions (conversations' sequences) ------------------------------------------
+    def open_session(self, token_ids: Sequence[int] = ()) -> str:
+        """Opens a session; returns its id at once. The open is queued in the ordered
+        inbox, so everything sent for this session afterwards sees it."""
+        session_id = self.engine.new_request_id().replace("req-", "conv-")
+        self.call_soon(functools.partial(self.engine.open_session, [int(t) for t in token_ids], session_id))
+        return session_id
 
-        return Conversation.open(self, token_ids)
+    async def append_session(self, session_id: str, token_ids: Sequence[int]) -> None:
+        """Appends prompt tokens (computed with the next answer). EngineError if too long."""
+        await self.call(functools.partial(self.engine.append_session_tokens, session_id, list(token_ids)))
 
-    def load_conversation(self, state: Any) -> Any:
-        """A conversation from ``Conversation.save()``'s state or the file it wrote."""
-        from bargein.engine.conversation import Conversation, load_state
+    async def session_tokens(self, session_id: str) -> list[int]:
+        return await self.call(functools.partial(self.engine.session_tokens, session_id))
 
-        loaded = load_state(state)
-        if loaded.model and loaded.model != self.engine.model_name:
-            raise ValueError(f"the conversation was saved with model {loaded.model!r}, "
-                             f"not {self.engine.model_name!r}")
-        return Conversation.open(self, loaded.token_ids)
+    async def fork_session(self, session_id: str) -> str:
+        return await self.call(functools.partial(self.engine.fork_session, session_id))
+
+    async def truncate_session(self, session_id: str, num_tokens: int) -> None:
+        await self.call(functools.partial(self.engine.truncate_session, session_id, num_tokens))
+
+    async def close_session(self, session_id: str) -> None:
+        await self.call(functools.partial(self.engine.close_session, session_id))

@@ -4,35 +4,63 @@ Every block is in exactly one of three states, and the pool can say which at any
 
 - *free*: referenced by no sequence and holding nothing reusable;
 - *referenced*: in the block table of one or more sequences (``ref_count > 0``);
-- *cached*: referenced by nobody but full of K/V that a prefix hash still names, so a
-  later sequence starting with the same tokens can take it back instead of recomputing.
-  Cached blocks are evicted, least recently released first, only when a free block is
-  needed and none is left.
+- *cached*: referenced by nobody but holding K/V of known tokens, so a later sequence
+  starting with the same tokens can reuse it instead of recomputing. Cached blocks are
+  evicted, least recently released first, only when a free block is needed and none is
+  left.
 
 ``num_free + num_referenced + num_cached == num_blocks`` always (contract C5).
 
-A full block's hash chains its tokens with the previous block's hash, so a hit on block
-i implies the whole prefix up to block i matches. A block is registered under its hash
+A full block's key chains its tokens with the previous block's key through a
+cryptographic hash (BLAKE2b), and a hit is also checked against the block's tokens, so
+one user's K/V can never be served for another's different tokens. A hit on block i
+implies the whole prefix up to block i matches. A block is registered under its key
 only once it is full and its K/V computed, and it is never written again while
 registered: a sequence about to write into a shared or registered block gets a private
 copy first (copy on write), which this module reports as a ``(src, dst)`` pair that the
 runner must perform before the forward.
+
+Reuse is at token granularity: when a sequence is released, its last, partly filled
+block keeps the K/V of its computed tokens as a cached *partial* block, known by its
+parent's key and its tokens. A later sequence that matches every full block up to
+there and then starts with some of the tokens of a cached block that follows the same
+parent (full or partial) gets a copy of that block and reuses those tokens too.
 
 This module holds no tensors and imports no torch.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-BlockHash = int
+BlockHash = bytes
 
 
 def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
-    """The hash naming a full block of ``tokens`` that follows a block hashed ``parent``."""
-    return hash((parent, tuple(tokens)))
+    """The key naming a full block of ``tokens`` that follows a block keyed ``parent``.
+
+    BLAKE2b over the parent key and the tokens (fixed-width, so no two token lists
+    encode alike): collisions are out of reach, unlike Python's ``hash``.
+    """
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class _Content:
+    """What a cached or registered block holds: its tokens, after the block keyed ``parent``.
+
+    ``key`` is set for a full, registered block; None for a partial one.
+    """
+
+    parent: BlockHash | None
+    tokens: tuple[int, ...]
+    key: BlockHash | None
 
 
 @dataclass
@@ -70,8 +98,11 @@ class BlockPool:
         # Cached blocks in eviction order (front = evicted first). An OrderedDict gives
         # O(1) removal from the middle when a prefix hit revives a cached block.
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._hash_to_block: dict[BlockHash, int] = {}
-        self._block_hash: dict[int, BlockHash] = {}
+        self._hash_to_block: dict[BlockHash, int] = {}  # full registered blocks by key
+        self._content: dict[int, _Content] = {}  # registered (full) and cached partial blocks
+        # Blocks with known content, by the key of the block before them: where a
+        # token-granular match looks once full-block keys stop matching.
+        self._children: dict[BlockHash | None, dict[int, None]] = {}
         self.prefix_hit_blocks = 0  # counters, for stats
         self.prefix_query_blocks = 0
         self.evictions = 0
@@ -98,7 +129,8 @@ class BlockPool:
         return self._ref_counts[block_id]
 
     def is_registered(self, block_id: int) -> bool:
-        return block_id in self._block_hash
+        content = self._content.get(block_id)
+        return content is not None and content.key is not None
 
     def check_invariants(self, tables: Iterable[BlockTable] | None = None) -> None:
         """Raises AssertionError unless the accounting is exact.
@@ -115,11 +147,14 @@ class BlockPool:
             states = (b in free) + (b in cached) + (refs > 0)
             assert states == 1, f"block {b} is in {states} states (refs={refs})"
             if b in cached:
-                assert b in self._block_hash, f"cached block {b} has no hash"
+                assert b in self._content, f"cached block {b} has no content"
             if b in free:
-                assert b not in self._block_hash, f"free block {b} still has a hash"
+                assert b not in self._content, f"free block {b} still has content"
+            content = self._content.get(b)
+            if content is not None and content.key is None:
+                assert refs == 0, f"partial block {b} is cached and referenced"
         for h, b in self._hash_to_block.items():
-            assert self._block_hash.get(b) == h, f"hash map and block {b} disagree"
+            assert self._content[b].key == h, f"hash map and block {b} disagree"
         assert self.num_free + self.num_referenced + self.num_cached == self.num_blocks
         if tables is not None:
             counted = [0] * self.num_blocks
@@ -141,10 +176,23 @@ class BlockPool:
         self._ref_counts[block] = 1
         return block
 
+    def _register(self, block: int, content: _Content) -> None:
+        self._content[block] = content
+        if content.key is not None:
+            self._hash_to_block[content.key] = block
+        self._children.setdefault(content.parent, {})[block] = None
+
     def _unregister(self, block: int) -> None:
-        h = self._block_hash.pop(block, None)
-        if h is not None and self._hash_to_block.get(h) == block:
-            del self._hash_to_block[h]
+        content = self._content.pop(block, None)
+        if content is None:
+            return
+        if content.key is not None and self._hash_to_block.get(content.key) == block:
+            del self._hash_to_block[content.key]
+        siblings = self._children.get(content.parent)
+        if siblings is not None:
+            siblings.pop(block, None)
+            if not siblings:
+                del self._children[content.parent]
 
     def _ref(self, block: int) -> None:
         if self._ref_counts[block] == 0:
@@ -154,32 +202,63 @@ class BlockPool:
     def _unref(self, block: int) -> None:
         self._ref_counts[block] -= 1
         if self._ref_counts[block] == 0:
-            if block in self._block_hash:
+            if block in self._content:
                 self._evictable[block] = None  # most recently used end
             else:
                 self._free.append(block)
 
     # -- sequence operations -----------------------------------------------------
-    def match_prefix(self, table: BlockTable, token_ids: Sequence[int], max_blocks: int) -> int:
-        """Fills an empty table with cached blocks matching the leading full blocks of
-        ``token_ids``, at most ``max_blocks`` of them; returns how many matched."""
+    def match_prefix(self, table: BlockTable, token_ids: Sequence[int],
+                     max_tokens: int) -> tuple[int, list[tuple[int, int]]]:
+        """Fills an empty table with cached K/V for the leading tokens of ``token_ids``, at
+        most ``max_tokens`` of them; returns (tokens reused, block copies to make).
+
+        Full blocks are shared by key (checked against their tokens). Then, at token
+        granularity, the cached block after the last full hit that shares the most leading
+        tokens with the rest is copied into a fresh block (copy on write).
+        """
         assert not table.block_ids, "match_prefix needs an empty block table"
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or max_tokens <= 0:
+            return 0, []
         parent: BlockHash | None = None
         bs = self.block_size
-        for i in range(min(max_blocks, len(token_ids) // bs)):
-            h = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+        for i in range(min(max_tokens, len(token_ids)) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
             self.prefix_query_blocks += 1
             block = self._hash_to_block.get(h)
-            if block is None:
+            if block is None or self._content[block].tokens != tokens:
                 break
             self._ref(block)
             table.block_ids.append(block)
             table.hashes.append(h)
             self.prefix_hit_blocks += 1
             parent = h
-        return len(table.block_ids)
+        hit = len(table.block_ids) * bs
+        partial, copies = self._match_partial(table, parent, token_ids[hit:min(max_tokens, hit + bs)])
+        return hit + partial, copies
+
+    def _match_partial(self, table: BlockTable, parent: BlockHash | None,
+                       rest: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
+        """Copies the cached block after ``parent`` sharing the longest head with ``rest``;
+        returns (tokens reused, copies)."""
+        best, best_len = None, 0
+        for block in self._children.get(parent, ()):
+            tokens = self._content[block].tokens
+            n = 0
+            for a, b in zip(tokens, rest, strict=False):
+                if a != b:
+                    break
+                n += 1
+            if n > best_len:
+                best, best_len = block, n
+        if best is None or self.num_available < 2:
+            return 0, []
+        self._ref(best)  # so taking the copy's block cannot evict the source
+        fresh = self._take_block()
+        self._unref(best)
+        table.block_ids.append(fresh)
+        return best_len, [(best, fresh)]
 
     def _written_blocks(self, table: BlockTable, num_computed: int, num_tokens: int) -> range:
         """Indices of the table's existing blocks that positions [num_computed, num_tokens) touch."""
@@ -212,8 +291,8 @@ class BlockPool:
                 copies.append((block, fresh))
                 self._unref(block)
                 table.block_ids[i] = fresh
-            elif block in self._block_hash:
-                # Registered but ours alone (after a rewind): forget its hash, then write.
+            elif block in self._content:
+                # Registered but ours alone (after a rewind): forget its key, then write.
                 self._unregister(block)
         if written:
             del table.hashes[written.start:]
@@ -227,19 +306,31 @@ class BlockPool:
         while len(table.hashes) < min(num_computed // bs, len(table.block_ids)):
             i = len(table.hashes)
             parent = table.hashes[-1] if table.hashes else None
-            h = chain_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
             table.hashes.append(h)
             block = table.block_ids[i]
-            if self.enable_prefix_caching and h not in self._hash_to_block and block not in self._block_hash:
-                self._hash_to_block[h] = block
-                self._block_hash[block] = h
+            if self.enable_prefix_caching and h not in self._hash_to_block and block not in self._content:
+                self._register(block, _Content(parent, tokens, h))
 
-    def release(self, table: BlockTable) -> None:
+    def release(self, table: BlockTable, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
         """Drops the table's references; registered blocks become cached, others free.
+
+        With the sequence's ``token_ids`` and ``num_computed``, its partly filled block
+        after the registered ones keeps its computed tokens' K/V as a cached partial
+        block (when nobody else holds it), for token-granular reuse.
 
         Blocks are released tail first, so that a sequence's last blocks are evicted
         before its first ones (a shorter shared prefix is the likelier hit).
         """
+        i = len(table.hashes)
+        bs = self.block_size
+        if (self.enable_prefix_caching and i < len(table.block_ids) and num_computed > i * bs
+                and self._ref_counts[table.block_ids[i]] == 1 and table.block_ids[i] not in self._content):
+            end = min(num_computed, (i + 1) * bs, len(token_ids))
+            if end > i * bs:
+                parent = table.hashes[-1] if table.hashes else None
+                self._register(table.block_ids[i], _Content(parent, tuple(token_ids[i * bs:end]), None))
         for block in reversed(table.block_ids):
             self._unref(block)
         table.block_ids.clear()

@@ -2,17 +2,22 @@
 
 The library face of bargein, for programs that drive a model turn by turn::
 
-    conv = engine.conversation()
-    conv.prompt("<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n")
+    conv = Conversation.open(engine)
+    await conv.prompt("<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n")
     async for out in conv.generate(SamplingParams(max_tokens=64)):
         print(out.delta_text, end="")
     conv.cancel()                      # from anywhere, at any moment
 
-Contract (C3): ``conv.tokens`` is always exactly the prompts given plus the tokens the
-caller was handed. After a cancel at any point (queued, mid-prompt, mid-answer, or the
-consumer simply stopping) the conversation can at once be prompted, generated, forked,
-rewound, saved or closed; K/V computed before the stop is kept, and whatever is not
-computed yet is computed with the next prompt.
+Contract (C3): ``await conv.tokens()`` is always exactly the prompts given plus the
+tokens the caller was handed. After a cancel at any point (queued, mid-prompt,
+mid-answer, or the consumer simply stopping) the conversation can at once be prompted,
+generated, forked, rewound, saved or closed; K/V computed before the stop is kept, and
+whatever is not computed yet is computed with the next prompt.
+
+A Conversation is a handle on an engine session and keeps no copy of its tokens: the
+engine's scheduler holds them, and this class only calls :class:`AsyncEngine`'s typed
+session methods. An answer's consumer tells the engine how many tokens it was handed
+when it stops early, and the engine cuts the session to them.
 
 A Conversation is used from one asyncio task at a time; ``cancel`` may be called from
 anywhere.
@@ -25,15 +30,11 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.request import CancelReason, RequestOutput
 from bargein.engine.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    import asyncio
-
-    from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.streams import RequestStream
 
 _STATE_VERSION = 1
 
@@ -73,59 +74,60 @@ class ConversationState:
 
 
 @dataclass
-class _ActiveAnswer:
+class _Answer:
     request_id: str
-    stream: asyncio.Queue[RequestOutput]
-    handed: int = 0  # tokens handed to the caller
-    finished: bool = False
+    stream: RequestStream
 
 
 class Conversation:
-    def __init__(self, engine: AsyncEngine, session_id: str, token_ids: Sequence[int]):
+    def __init__(self, engine: AsyncEngine, session_id: str):
         self._engine = engine
         self.id = session_id
-        self._tokens = list(token_ids)  # what the session holds plus what is pending
-        self._pending: list[int] = []  # prompted, not yet sent to the engine
-        self._active: _ActiveAnswer | None = None
+        self._answer: _Answer | None = None  # the last answer, until the engine has ended it
         self._closed = False
 
     @classmethod
     def open(cls, engine: AsyncEngine, token_ids: Sequence[int] = ()) -> Conversation:
-        core = engine.engine
-        session_id = f"conv-{os.urandom(8).hex()}"
-        tokens = [int(t) for t in token_ids]
-        # Ordered inbox: this runs before anything the conversation sends later.
-        engine.call_soon(lambda: core.open_session(tokens, session_id))
-        return cls(engine, session_id, tokens)
+        """A new conversation holding ``token_ids`` (computed with the first answer)."""
+        return cls(engine, engine.open_session(token_ids))
+
+    @classmethod
+    def load(cls, engine: AsyncEngine, state: ConversationState | str | os.PathLike) -> Conversation:
+        """A conversation from ``save()``'s state or the file it wrote (K/V reused if still cached)."""
+        loaded = load_state(state)
+        if loaded.model and loaded.model != engine.model_name:
+            raise ValueError(f"the conversation was saved with model {loaded.model!r}, "
+                             f"not {engine.model_name!r}")
+        return cls.open(engine, loaded.token_ids)
 
     # -- state --------------------------------------------------------------------
-    @property
-    def tokens(self) -> list[int]:
-        return list(self._tokens)
-
-    @property
-    def pending_tokens(self) -> list[int]:
-        """Prompted tokens not yet sent to the engine (they go with the next generate)."""
-        return list(self._pending)
+    async def tokens(self) -> list[int]:
+        """Exactly the prompts given plus the tokens handed, as the engine holds them."""
+        self._check_open()
+        await self._settle()
+        return await self._engine.session_tokens(self.id)
 
     @property
     def is_generating(self) -> bool:
-        return self._active is not None and not self._active.finished
+        return self._answer is not None and not self._answer.stream.processor.finished
 
     def _check_open(self) -> None:
         if self._closed:
             raise ConversationClosed(f"conversation {self.id} is closed")
 
     # -- turns ----------------------------------------------------------------------
-    def prompt(self, text_or_tokens: str | Sequence[int]) -> list[int]:
-        """Appends a prompt (text is tokenized as is, special tokens included); returns its tokens."""
+    async def prompt(self, text_or_tokens: str | Sequence[int]) -> list[int]:
+        """Appends a prompt (text is tokenized as is, special tokens included); returns its tokens.
+
+        Raises EngineError if the conversation would not fit the context.
+        """
         self._check_open()
         if isinstance(text_or_tokens, str):
             new = self._engine.engine.tokenizer.encode(text_or_tokens, add_special_tokens=False)
         else:
             new = [int(t) for t in text_or_tokens]
-        self._pending.extend(new)
-        self._tokens.extend(new)
+        await self._settle()
+        await self._engine.append_session(self.id, new)
         return new
 
     async def generate(self, params: SamplingParams | None = None, *, timeout: float | None = None,
@@ -133,93 +135,48 @@ class Conversation:
         """Streams an answer onto the conversation; stopping early cancels it (C3 holds)."""
         self._check_open()
         await self._settle()
-        new, self._pending = self._pending, []
-        try:
-            rid, stream = self._engine.submit(new, params, request_id=request_id, timeout=timeout, session_id=self.id)
-        except BaseException:
-            self._pending = new + self._pending
-            raise
-        active = self._active = _ActiveAnswer(rid, stream)
-        try:
-            while True:
-                out = await stream.get()
-                active.finished = out.finished
-                self._tokens.extend(out.new_token_ids)
-                active.handed += len(out.new_token_ids)
-                yield out
-                if out.finished:
-                    return
-        finally:
-            if not active.finished:
-                self._engine.abort(rid, CancelReason.DISCONNECT)
+        rid, stream = self._engine.submit((), params, request_id=request_id, timeout=timeout, session_id=self.id)
+        self._answer = _Answer(rid, stream)
+        async for out in self._engine.stream(rid, stream):
+            yield out
 
     def cancel(self, reason: CancelReason = CancelReason.USER) -> bool:
         """Stops the answer being generated, if any; safe from any thread."""
-        active = self._active
-        if active is None or active.finished:
+        answer = self._answer
+        if answer is None or answer.stream.processor.finished:
             return False
-        self._engine.abort(active.request_id, reason)
+        self._engine.abort(answer.request_id, reason)
         return True
 
     async def _settle(self) -> None:
-        """Waits out an answer the caller stopped consuming, then trims what it was not handed."""
-        active = self._active
-        if active is None:
+        """Waits until the engine has ended the last answer, first telling it (if the
+        caller stopped consuming without closing the answer) how many tokens were handed."""
+        answer, self._answer = self._answer, None
+        if answer is None:
             return
-        self._active = None
-        if not active.finished:
-            self._engine.abort(active.request_id, CancelReason.DISCONNECT)
-            while not (await active.stream.get()).finished:
-                pass
-        expected = self._tokens[:len(self._tokens) - len(self._pending)]
-        core = self._engine.engine
-
-        def reconcile() -> list[int]:
-            held = core.session_tokens(self.id)
-            if len(held) > len(expected):  # sampled but never handed to the caller
-                core.truncate_session(self.id, len(expected))
-                held = held[:len(expected)]
-            return held
-
-        held = await self._engine.call(reconcile)
-        if held != expected[:len(held)]:
-            raise RuntimeError(f"conversation {self.id} diverged from its engine session")
-        # A refused request never reached the session: its prompt is pending again.
-        self._pending = expected[len(held):] + self._pending
-
-    async def _sync(self) -> None:
-        """Sends pending prompt tokens to the engine, after settling any answer."""
-        await self._settle()
-        if self._pending:
-            new, self._pending = self._pending, []
-            core = self._engine.engine
-            await self._engine.call(lambda: core.append_session_tokens(self.id, new))
+        if not answer.stream.processor.finished:
+            self._engine.engine.abort(answer.request_id, CancelReason.DISCONNECT,
+                                      delivered=answer.stream.processor.num_delivered)
+        while not answer.stream.engine_finished:
+            await answer.stream.next_delta()
 
     # -- fork, rewind, save, close -------------------------------------------------
     async def fork(self) -> Conversation:
         """A new conversation with the same tokens, sharing K/V blocks (copy on write)."""
         self._check_open()
-        await self._sync()
-        core = self._engine.engine
-        new_id = await self._engine.call(lambda: core.fork_session(self.id))
-        return Conversation(self._engine, new_id, self._tokens)
+        await self._settle()
+        return Conversation(self._engine, await self._engine.fork_session(self.id))
 
     async def rewind(self, num_tokens: int) -> None:
         """Drops the last ``num_tokens`` tokens (their K/V too)."""
-        self._check_open()
-        if not 0 <= num_tokens <= len(self._tokens):
-            raise ValueError(f"cannot rewind {num_tokens} of {len(self._tokens)} tokens")
-        await self._sync()
-        keep = len(self._tokens) - num_tokens
-        core = self._engine.engine
-        await self._engine.call(lambda: core.truncate_session(self.id, keep))
-        del self._tokens[keep:]
+        held = len(await self.tokens())
+        if not 0 <= num_tokens <= held:
+            raise ValueError(f"cannot rewind {num_tokens} of {held} tokens")
+        await self._engine.truncate_session(self.id, held - num_tokens)
 
     async def save(self, path: str | os.PathLike | None = None) -> ConversationState:
         """Captures the conversation; also writes it as JSON to ``path`` when given."""
-        self._check_open()
-        await self._settle()
-        state = ConversationState(tuple(self._tokens), self._engine.engine.model_name)
+        state = ConversationState(tuple(await self.tokens()), self._engine.model_name)
         if path is not None:
             Path(path).write_text(state.to_json())
         return state
@@ -230,8 +187,7 @@ class Conversation:
             return
         await self._settle()
         self._closed = True
-        core = self._engine.engine
-        await self._engine.call(lambda: core.close_session(self.id))
+        await self._engine.close_session(self.id)
 
 
 def load_state(state_or_path: ConversationState | str | os.PathLike) -> ConversationState:

@@ -1,40 +1,51 @@
-"""Engine: the synchronous core. ``add_request``, ``abort``, ``step``, ``generate``.
+"""Engine: the synchronous core. ``add_request``, ``abort``, ``finish``, ``step``.
 
 One step reads like the architecture::
 
     plan = scheduler.schedule()
-    logits = runner.execute(plan)
-    tokens = sampler.sample(logits, states)
-    requests = scheduler.update(plan, tokens)
+    runner.submit(plan); result = runner.collect()
+    tokens = sampler.sample(result.logits, states)
+    scheduler.update(plan, tokens)
+    return scheduler.take_outcome()
 
 with the inbox drained before the schedule and again right after the forward, so a
 cancel requested while step k runs takes effect at the end of step k (C1), and the
-token sampled in step k is then dropped (C2).
+token sampled in step k is then dropped (C2). A step returns one :class:`StepOutcome`:
+per request it changed, a delta (new token ids, raw logprobs, the finish, usage
+counts). Turning deltas into text and outputs is the consumer's job
+(:mod:`bargein.engine.outputs`), off the engine thread.
 
 Threads: ``step`` and the session methods belong to one thread (the engine's owner:
-the caller of a plain Engine, or AsyncEngine's loop thread). ``add_request``, ``abort``
-and ``call_soon`` may be called from any thread; they go through the ordered inbox.
+the caller of a plain Engine, or AsyncEngine's loop thread). ``add_request``,
+``abort``, ``finish`` and ``call_soon`` may be called from any thread; they go through
+the ordered inbox (a ``queue.SimpleQueue``, whose ``put`` is reentrant). ``abort``
+takes no lock at all, so it is safe in a signal handler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.engine.blocks import BlockPool
-from bargein.engine.detokenizer import IncrementalDetokenizer
-from bargein.engine.messages import AbortRequest, AddRequest, CallInEngine, EngineMessage
+from bargein.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    CallInEngine,
+    EngineMessage,
+    FinishRequest,
+    Wake,
+)
+from bargein.engine.outputs import OutputCollector, RequestDelta, StepOutcome
 from bargein.engine.request import (
     AbortResult,
     CancelReason,
@@ -42,13 +53,13 @@ from bargein.engine.request import (
     Request,
     RequestOutput,
     RequestStatus,
-    TokenLogprob,
 )
 from bargein.engine.request import (
     Sequence as TokenSequence,
 )
+from bargein.engine.request_ids import IdInUse
 from bargein.engine.runner import ModelRunner
-from bargein.engine.sampler import SampledToken, Sampler, SamplingState
+from bargein.engine.sampler import Sampler, SamplingState
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
 from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo
@@ -57,58 +68,10 @@ from bargein.model.llama import LlamaStage
 log = logging.getLogger("bargein.engine")
 
 _MIN_BLOCKS = 16
-_ID_MEMORY = 10_000
 
 
 class EngineError(Exception):
     """A request the engine refuses (bad prompt, id in use); the message says why."""
-
-
-@dataclass
-class _Tracker:
-    """Per-request output state, owned by the engine thread."""
-
-    request: Request
-    sampling: SamplingState
-    detokenizer: IncrementalDetokenizer
-    delivered: int = 0  # output tokens already reported
-    cancel_requested_at: float | None = None
-    cancel_requested_step: int | None = None
-
-
-class _IdRegistry:
-    """Which request ids are live or recently finished, readable from any thread (C6)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._live: set[str] = set()
-        self._finished: OrderedDict[str, None] = OrderedDict()
-
-    def claim(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self._live:
-                raise EngineError(f"request id {request_id!r} is already in use")
-            self._finished.pop(request_id, None)
-            self._live.add(request_id)
-
-    def finish(self, request_id: str) -> None:
-        with self._lock:
-            self._live.discard(request_id)
-            self._finished[request_id] = None
-            if len(self._finished) > _ID_MEMORY:
-                self._finished.popitem(last=False)
-
-    def status(self, request_id: str) -> AbortResult:
-        with self._lock:
-            if request_id in self._live:
-                return AbortResult.CANCELLED
-            if request_id in self._finished:
-                return AbortResult.ALREADY_FINISHED
-            return AbortResult.NOT_FOUND
-
-    def live(self) -> list[str]:
-        with self._lock:
-            return list(self._live)
 
 
 class Engine:
@@ -132,10 +95,7 @@ class Engine:
         self.sampler = Sampler()
         self.counters = EngineCounters()
         self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._ids = _IdRegistry()
-        self._trackers: dict[str, _Tracker] = {}
-        self._pending_outputs: list[RequestOutput] = []  # outputs made between steps
+        self._held: EngineMessage | None = None  # taken by wait_for_work, handled first by the next drain
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -172,7 +132,8 @@ class Engine:
         With ``session_id``, the prompt's tokens are appended to that conversation's
         sequence and the answer generated onto it; the sequence keeps its K/V after.
         ``timeout`` (seconds) sets a deadline, after which the request is cancelled
-        with reason ``deadline``.
+        with reason ``deadline``. The request's outputs come as deltas in the
+        ``StepOutcome`` of later steps.
         """
         params = params or SamplingParams()
         params.validate_for_vocab(self.model_config.vocab_size)
@@ -183,13 +144,17 @@ class Engine:
         if session_id is None:
             if not token_ids:
                 raise EngineError("the prompt is empty")
-            if len(token_ids) >= self.max_model_len:
-                raise EngineError(f"the prompt is {len(token_ids)} tokens, but the context holds "
-                                  f"{self.max_model_len} (room is needed for at least one generated token)")
+            try:
+                self.scheduler.check_length(len(token_ids))
+            except ValueError as exc:
+                raise EngineError(str(exc)) from None
         if timeout is not None and not timeout > 0:
             raise EngineError("timeout must be a positive number of seconds")
         request_id = request_id or self.new_request_id()
-        self._ids.claim(request_id)
+        try:
+            self.scheduler.ids.claim(request_id)
+        except IdInUse as exc:
+            raise EngineError(str(exc)) from None
         sequence = TokenSequence(request_id if session_id is None else session_id, list(token_ids))
         request = Request(
             request_id=request_id, sequence=sequence, params=params,
@@ -200,17 +165,29 @@ class Engine:
         self._post(AddRequest(request, session_id, tuple(token_ids)))
         return request_id
 
-    def abort(self, request_id: str, reason: CancelReason = CancelReason.USER) -> AbortResult:
-        """Cancels a request from any thread (C6): idempotent, never raises.
+    def abort(self, request_id: str, reason: CancelReason = CancelReason.USER, *,
+              delivered: int | None = None) -> AbortResult:
+        """Cancels a request from any thread (C6): idempotent, lock-free, never raises.
 
-        Returns NOT_FOUND for an unknown id and ALREADY_FINISHED for a finished one.
-        The request's last output, with ``finish_reason == "cancelled"``, follows at
-        the next step boundary.
+        Returns NOT_FOUND for an unknown id and ALREADY_FINISHED for a finished one. When
+        it returns CANCELLED the request's last output says ``finish_reason ==
+        "cancelled"`` (even if the step in flight would have finished it otherwise; its
+        token is then dropped). With ``delivered`` (the output tokens its consumer was
+        handed), the sequence keeps only those, even if the request already finished.
         """
-        result = self._ids.status(request_id)
-        if result == AbortResult.CANCELLED:
-            self._post(AbortRequest(request_id, CancelReason(reason), time.monotonic()))
-        return result
+        try:
+            result = self.scheduler.ids.request_cancel(request_id, CancelReason(reason))
+            if result == AbortResult.CANCELLED or (delivered is not None and result != AbortResult.NOT_FOUND):
+                self._post(AbortRequest(request_id, CancelReason(reason), time.monotonic(), delivered))
+            return result
+        except Exception:  # C6: never raises (a bad reason is the caller's bug, not the loop's)
+            log.exception("abort(%r) failed", request_id)
+            return AbortResult.NOT_FOUND
+
+    def finish(self, request_id: str, reason: FinishReason, *, delivered: int) -> None:
+        """Ends a request for a reason its consumer found (a stop string), keeping
+        ``delivered`` output tokens; applied at the next step boundary."""
+        self._post(FinishRequest(request_id, reason, delivered))
 
     def call_soon(self, fn: Callable[[], Any]) -> Future:
         """Runs ``fn`` in the engine's thread at the next step boundary."""
@@ -219,22 +196,21 @@ class Engine:
         return message.future
 
     def live_request_ids(self) -> list[str]:
-        return self._ids.live()
+        return self.scheduler.ids.live()
 
     def wait_for_work(self, timeout: float | None = None) -> None:
         """Blocks until a message arrives or there is work to step (for a step loop)."""
         if self.has_work:
             return
-        self._wakeup.wait(timeout)
-        self._wakeup.clear()
+        with contextlib.suppress(queue.Empty):
+            self._held = self._inbox.get(timeout=timeout)
 
     def wake(self) -> None:
-        """Ends a ``wait_for_work`` early (the step loop is being stopped)."""
-        self._wakeup.set()
+        """Ends a ``wait_for_work`` early (the step loop is being stopped); lock-free."""
+        self._inbox.put(Wake())
 
     def _post(self, message: EngineMessage) -> None:
         self._inbox.put(message)
-        self._wakeup.set()
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
@@ -242,100 +218,84 @@ class Engine:
     # -- the engine's thread ------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or not self._inbox.empty()
+        return self.scheduler.has_work or self._held is not None or not self._inbox.empty()
 
-    def step(self) -> list[RequestOutput]:
-        """Runs one step; returns an output for every request it changed."""
-        touched: dict[str, Request] = {}
-        self._drain_inbox(touched)
-        for req in self.scheduler.expire_deadlines():
-            touched[req.request_id] = req
+    def step(self) -> StepOutcome:
+        """Runs one step; returns its one result: a delta for every request it changed."""
+        self._drain_inbox()
+        self.scheduler.expire_deadlines()
         plan = self.scheduler.schedule()
-        sampled: dict[str, SampledToken] = {}
+        sampled: dict[str, Any] = {}
         if not plan.is_empty:
             started = time.perf_counter()
             try:
-                logits = self.runner.execute(plan)
+                self.runner.submit(plan)
+                result = self.runner.collect()
                 chunks = plan.sampled
-                tokens = self.sampler.sample(logits, [self._trackers[c.request_id].sampling for c in chunks])
+                states = [self.scheduler.requests[c.request_id].sampling for c in chunks]
+                tokens = self.sampler.sample(result.logits, states)
             except Exception as exc:  # the loop survives; the step's requests fail, the rest go on
                 log.exception("step %d failed", plan.step)
                 self.scheduler.fail_step(plan, f"the model step failed: {type(exc).__name__}: {exc}")
-                return self._finish_step(touched, {})
+                return self._outcome()
             sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
             self.counters.step_durations.append(time.perf_counter() - started)
             self.counters.steps += 1
-        self._drain_inbox(touched)  # cancels that arrived during the forward (C1)
-        for req in self.scheduler.expire_deadlines():
-            touched[req.request_id] = req
-        for req in self.scheduler.update(plan, {rid: t.token_id for rid, t in sampled.items()}):
-            touched[req.request_id] = req
-        return self._finish_step(touched, sampled)
+        self._drain_inbox()  # cancels that arrived during the forward (C1)
+        self.scheduler.expire_deadlines()
+        self.scheduler.update(plan, sampled)
+        return self._outcome()
 
-    def _finish_step(self, touched: dict[str, Request], sampled: dict[str, SampledToken]) -> list[RequestOutput]:
-        for req in self.scheduler.drain_finished():
-            touched[req.request_id] = req
-        outputs, self._pending_outputs = self._pending_outputs, []
-        outputs += [out for req in touched.values() if (out := self._output(req, sampled)) is not None]
-        return outputs
+    def _outcome(self) -> StepOutcome:
+        outcome = self.scheduler.take_outcome()
+        for delta in outcome.deltas:
+            self.counters.generated_tokens += len(delta.new_token_ids)
+            if delta.finished:
+                self._count_finish(delta)
+        return outcome
 
-    def _drain_inbox(self, touched: dict[str, Request]) -> None:
+    def _drain_inbox(self) -> None:
         while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(message, AddRequest):
-                self._admit(message, touched)
-            elif isinstance(message, AbortRequest):
-                self._apply_abort(message, touched)
+            if self._held is not None:
+                message, self._held = self._held, None
             else:
+                try:
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+            if isinstance(message, AddRequest):
+                self._admit(message)
+            elif isinstance(message, AbortRequest):
+                self._apply_abort(message)
+            elif isinstance(message, FinishRequest):
+                self.scheduler.finish([message.request_id], message.reason, delivered=message.delivered)
+            elif isinstance(message, CallInEngine):
                 self._run_call(message)
 
-    def _admit(self, message: AddRequest, touched: dict[str, Request]) -> None:
+    def _admit(self, message: AddRequest) -> None:
+        """Queues a new request; any failure fails that request alone (the loop goes on)."""
         req = message.request
         try:
             if message.session_id is not None:
-                self._bind_to_session(req, message.session_id, message.new_token_ids)
+                req.sequence = self.scheduler.session(message.session_id).sequence
+                self.scheduler.start_session_request(req, message.new_token_ids)
             else:
                 self.scheduler.add(req)
+            req.sampling = SamplingState.create(req.params, req.sequence.token_ids[:req.prompt_len],
+                                                self.eos_token_ids, device=self.runner.device)
         except Exception as exc:  # a bad request must never take the loop down
-            req.finish(FinishReason.ERROR, error=str(exc))
-            self._trackers[req.request_id] = self._make_tracker(req)
-            touched[req.request_id] = req
-            return
-        self._trackers[req.request_id] = self._make_tracker(req)
+            if req.request_id in self.scheduler.requests:
+                self.scheduler.finish([req.request_id], FinishReason.ERROR, error=str(exc))
+            else:
+                self.scheduler.reject(req, str(exc) or type(exc).__name__)
 
-    def _bind_to_session(self, req: Request, session_id: str, new_tokens: tuple[int, ...]) -> None:
-        session = self.scheduler.session(session_id)
-        seq = session.sequence
-        if session.active is not None:
-            raise EngineError(f"conversation {session_id!r} is already generating")
-        if not seq.token_ids and not new_tokens:
-            raise EngineError("the conversation is empty: prompt it first")
-        if seq.num_tokens + len(new_tokens) >= self.max_model_len:
-            raise EngineError(f"the conversation would be {seq.num_tokens + len(new_tokens)} tokens, "
-                              f"but the context holds {self.max_model_len}")
-        seq.token_ids.extend(new_tokens)
-        req.sequence = seq
-        req.prompt_len = seq.num_tokens
-        self.scheduler.start_session_request(req)
-
-    def _make_tracker(self, req: Request) -> _Tracker:
-        state = SamplingState.create(req.params, req.sequence.token_ids[:req.prompt_len], self.eos_token_ids,
-                                     device=self.runner.device)
-        detok = IncrementalDetokenizer(self.tokenizer, stop=req.params.stop,
-                                       skip_special_tokens=req.params.skip_special_tokens)
-        return _Tracker(req, state, detok)
-
-    def _apply_abort(self, message: AbortRequest, touched: dict[str, Request]) -> None:
-        tracker = self._trackers.get(message.request_id)
-        if tracker is not None and tracker.cancel_requested_at is None:
-            tracker.cancel_requested_at = message.requested_at
-            tracker.cancel_requested_step = self.counters.steps
-        result = self.scheduler.abort(message.request_id, message.reason)
-        if result == AbortResult.CANCELLED and tracker is not None:
-            touched[message.request_id] = tracker.request
+    def _apply_abort(self, message: AbortRequest) -> None:
+        req = self.scheduler.requests.get(message.request_id)
+        if req is not None and req.cancel_requested_at is None:
+            req.cancel_requested_at = message.requested_at
+            req.cancel_requested_step = self.counters.steps
+        self.scheduler.finish([message.request_id], FinishReason.CANCELLED, cancel_reason=message.reason,
+                              delivered=message.delivered)
 
     def _run_call(self, message: CallInEngine) -> None:
         if not message.future.set_running_or_notify_cancel():
@@ -345,72 +305,35 @@ class Engine:
         except BaseException as exc:  # delivered to the caller, never raised here
             message.future.set_exception(exc)
 
-    def _output(self, req: Request, sampled: dict[str, SampledToken] | None = None) -> RequestOutput | None:
-        tracker = self._trackers.get(req.request_id)
-        if tracker is None:
-            return None
-        new_tokens = req.output_token_ids[tracker.delivered:]
-        delta = []
-        for token in new_tokens:
-            tracker.sampling.output_token_ids.append(token)
-            delta.append(tracker.detokenizer.push(token))
-        tracker.delivered += len(new_tokens)
-        self.counters.generated_tokens += len(new_tokens)
-        if tracker.detokenizer.stop_matched is not None and not req.is_finished:
-            self.scheduler.finish_request(req.request_id, FinishReason.STOP)
-            self.scheduler.drain_finished()
-        if req.is_finished:
-            delta.append(tracker.detokenizer.flush())
-        if not new_tokens and not req.is_finished:
-            return None
-        logprobs: tuple[TokenLogprob, ...] = ()
-        token = (sampled or {}).get(req.request_id)
-        if new_tokens and token is not None and token.logprob is not None and token.token_id == new_tokens[-1]:
-            logprobs = (TokenLogprob(token.token_id, token.logprob, token.top_logprobs),)
-        out = RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=tuple(new_tokens),
-            token_ids=tuple(req.output_token_ids),
-            delta_text="".join(delta),
-            text=tracker.detokenizer.text,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
-            usage=req.usage(),
-            cancel_reason=req.cancel_reason if req.finish_reason == FinishReason.CANCELLED else None,
-            error=req.error,
-            new_logprobs=logprobs,
-            prompt_token_ids=tuple(req.sequence.token_ids[:req.prompt_len]),
-        )
-        if req.is_finished:
-            self._retire(req, tracker)
-        return out
-
-    def _retire(self, req: Request, tracker: _Tracker) -> None:
-        del self._trackers[req.request_id]
-        self._ids.finish(req.request_id)
-        reason = req.finish_reason.value if req.finish_reason else "unknown"
-        self.counters.finished[reason] += 1
-        if req.finish_reason == FinishReason.CANCELLED and req.cancel_reason is not None:
-            self.counters.cancelled[req.cancel_reason.value] += 1
-            if tracker.cancel_requested_at is not None:
-                self.counters.cancel_latencies.append(time.monotonic() - tracker.cancel_requested_at)
-                self.counters.cancel_latency_steps.append(self.counters.steps - tracker.cancel_requested_step)
-            log.info("request %s cancelled (%s) after %d tokens", req.request_id, req.cancel_reason.value,
-                     req.num_output_tokens)
-        elif req.finish_reason == FinishReason.ERROR:
-            log.warning("request %s failed: %s", req.request_id, req.error)
+    def _count_finish(self, delta: RequestDelta) -> None:
+        reason = delta.finish_reason
+        self.counters.finished[reason.value if reason else "unknown"] += 1
+        if reason == FinishReason.CANCELLED and delta.cancel_reason is not None:
+            self.counters.cancelled[delta.cancel_reason.value] += 1
+            if delta.cancel_requested is not None:
+                requested_at, requested_step = delta.cancel_requested
+                self.counters.cancel_latencies.append(time.monotonic() - requested_at)
+                self.counters.cancel_latency_steps.append(self.counters.steps - requested_step)
+            log.info("request %s cancelled (%s)", delta.request_id, delta.cancel_reason.value)
+        elif reason == FinishReason.ERROR:
+            log.warning("request %s failed: %s", delta.request_id, delta.error)
 
     # -- batch generation --------------------------------------------------------
     def generate(self, prompts: Iterable[str | Sequence[int]] | str,
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generates for every prompt; returns each one's final output, in order."""
+        """Generates for every prompt; returns each one's final output, in order.
+
+        Returns once the engine has ended every request too (a stop string found by
+        the consumer side is applied at the next step).
+        """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        collector = OutputCollector(self)
+        ids = [collector.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
         final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for out in self.step():
+        while len(final) < len(ids) or collector.pending:
+            for out in collector.step():
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
@@ -418,18 +341,16 @@ class Engine:
     # -- conversations' sequences (engine thread) ----------------------------------
     def open_session(self, token_ids: Iterable[int] = (), session_id: str | None = None) -> str:
         session_id = session_id or f"conv-{uuid.uuid4().hex[:16]}"
-        self.scheduler.open_session(session_id, token_ids)
+        with _as_engine_error():
+            self.scheduler.open_session(session_id, token_ids)
         return session_id
 
     def session_tokens(self, session_id: str) -> list[int]:
         return list(self.scheduler.session(session_id).sequence.token_ids)
 
     def append_session_tokens(self, session_id: str, token_ids: Sequence[int]) -> None:
-        seq = self.scheduler.idle_session(session_id).sequence
-        if seq.num_tokens + len(token_ids) >= self.max_model_len:
-            raise EngineError(f"the conversation would be {seq.num_tokens + len(token_ids)} tokens, "
-                              f"but the context holds {self.max_model_len}")
-        seq.token_ids.extend(int(t) for t in token_ids)
+        with _as_engine_error():
+            self.scheduler.append_to_session(session_id, token_ids)
 
     def fork_session(self, session_id: str) -> str:
         new_id = f"conv-{uuid.uuid4().hex[:16]}"
@@ -440,16 +361,8 @@ class Engine:
         self.scheduler.truncate_session(session_id, num_tokens)
 
     def close_session(self, session_id: str) -> None:
-        """Closes a conversation, cancelling its request if one is generating."""
-        session = self.scheduler.sessions.get(session_id)
-        if session is None:
-            return
-        active = session.active
-        if active is not None:
-            self.scheduler.abort(active.request_id, CancelReason.USER)
-            self.scheduler.drain_finished()
-            if (out := self._output(active)) is not None:
-                self._pending_outputs.append(out)  # reported by the next step
+        """Closes a conversation, cancelling its request if one is generating (its last
+        delta comes in the next step's outcome, with everything else that finished)."""
         self.scheduler.close_session(session_id)
 
     # -- reporting ------------------------------------------------------------------
@@ -486,6 +399,7 @@ class Engine:
                 request_id=req.request_id,
                 status=names.get(req.status, req.status.name.lower()),
                 prompt_tokens=req.prompt_len,
+                prompt_computed=min(req.sequence.num_computed, req.prompt_len),
                 completion_tokens=req.num_output_tokens,
                 age_s=now - req.arrival_time,
                 deadline_s=None if req.deadline is None else max(0.0, req.deadline - now),
@@ -496,3 +410,15 @@ class Engine:
     def check_block_accounting(self) -> None:
         """Asserts contract C5 against every live block table (for tests and debugging)."""
         self.pool.check_invariants(self.scheduler.live_block_tables())
+
+
+class _as_engine_error:
+    """Turns a scheduler's refusal (ValueError: too long, already exists) into EngineError."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, ValueError) and not isinstance(exc, EngineError):
+            raise EngineError(str(exc)) from None
+        return False

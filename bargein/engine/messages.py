@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from bargein.engine.request import CancelReason, Request
+from bargein.engine.request import CancelReason, FinishReason, Request
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,28 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
+    """Cancel a request; with ``delivered``, also keep only that many of its output tokens
+    (the consumer walked away after being handed them)."""
+
     request_id: str
     reason: CancelReason
     requested_at: float  # time.monotonic(), for cancel latency
+    delivered: int | None = None
+
+
+@dataclass(frozen=True)
+class FinishRequest:
+    """End a request for a reason the consumer found (a stop string), keeping ``delivered``
+    output tokens."""
+
+    request_id: str
+    reason: FinishReason
+    delivered: int
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to do: ends a wait for work (e.g. the step loop is being stopped)."""
 
 
 @dataclass(frozen=True)
@@ -37,4 +56,4 @@ class CallInEngine:
     future: Future = field(default_factory=Future)
 
 
-EngineMessage = AddRequest | AbortRequest | CallInEngine
+EngineMessage = AddRequest | AbortRequest | FinishRequest | CallInEngine | Wake

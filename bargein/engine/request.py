@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from bargein.engine.blocks import BlockTable
 from bargein.engine.sampling import SamplingParams
@@ -53,12 +54,45 @@ class CancelReason(enum.StrEnum):
     ERROR = "error"
 
 
-_FINISH_STATUS = {
-    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
-    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
-    FinishReason.CANCELLED: RequestStatus.FINISHED_CANCELLED,
-    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+class RequestEvent(enum.Enum):
+    """What can happen to a request; the scheduler's one transition function applies it."""
+
+    SCHEDULE = "schedule"  # admitted into a step (first time, or again after a preemption)
+    PREEMPT = "preempt"  # blocks taken back; recomputed later from its tokens
+    STOP = "stop"  # a stop token or a stop string (found by the consumer)
+    LENGTH = "length"  # max_tokens or the context is full
+    CANCEL = "cancel"  # user, disconnect, deadline, shutdown
+    FAIL = "fail"  # refused at admission, KV cache too small, the forward failed
+
+
+_W, _R, _P = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED
+_ENDS = {
+    RequestEvent.CANCEL: RequestStatus.FINISHED_CANCELLED,
+    RequestEvent.FAIL: RequestStatus.FINISHED_ERROR,
 }
+
+#: The whole lifecycle: ``TRANSITIONS[status][event]`` is the status an event leads to.
+#: A pair missing from the table is a bug, and ``transition`` raises on it. Finished
+#: statuses have no entry: nothing happens to a finished request.
+TRANSITIONS: dict[RequestStatus, dict[RequestEvent, RequestStatus]] = {
+    _W: {RequestEvent.SCHEDULE: _R, **_ENDS},
+    _R: {RequestEvent.PREEMPT: _P, RequestEvent.STOP: RequestStatus.FINISHED_STOPPED,
+         RequestEvent.LENGTH: RequestStatus.FINISHED_LENGTH, **_ENDS},
+    # A preempted request has delivered tokens, so a stop string found late by the
+    # consumer can still end it with "stop".
+    _P: {RequestEvent.SCHEDULE: _R, RequestEvent.STOP: RequestStatus.FINISHED_STOPPED, **_ENDS},
+}
+
+FINISH_EVENTS = {
+    FinishReason.STOP: RequestEvent.STOP,
+    FinishReason.LENGTH: RequestEvent.LENGTH,
+    FinishReason.CANCELLED: RequestEvent.CANCEL,
+    FinishReason.ERROR: RequestEvent.FAIL,
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A status change the table does not allow (a bug in the scheduler)."""
 
 
 class AbortResult(enum.StrEnum):
@@ -107,11 +141,14 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A snapshot of a request, emitted after each step that changed it.
+    """What a consumer gets for a request, made on the consumer's side from engine deltas.
 
-    ``token_ids`` and ``text`` are everything delivered so far; ``new_token_ids`` and
-    ``delta_text`` what this output adds. The last output has ``finished`` set; after
-    a cancel it has ``finish_reason == CANCELLED`` and ``cancel_reason`` says why.
+    Every output carries what it adds: ``new_token_ids``, ``delta_text``,
+    ``new_logprobs``, and the cumulative ``usage`` counts. The cumulative ``token_ids``,
+    ``text`` and ``prompt_token_ids`` are filled on the last output only (``finished``
+    set); on earlier ones they are empty, so no output copies the answer so far. After
+    a cancel the last output has ``finish_reason == CANCELLED`` and ``cancel_reason``
+    says why.
     """
 
     request_id: str
@@ -140,13 +177,24 @@ class Request:
     owns_sequence: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value
-    status: RequestStatus = RequestStatus.WAITING
+    _status: RequestStatus = RequestStatus.WAITING  # written by ``transition`` alone
     finish_reason: FinishReason | None = None
     cancel_reason: CancelReason | None = None
     error: str | None = None
     cached_tokens: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Engine-side bookkeeping, all owned by the scheduler's thread:
+    sampling: Any = None  # the sampler's per-request state (a SamplingState), made at admission
+    num_reported: int = 0  # output tokens already sent to the consumer in deltas
+    prompt_reported: bool = False  # the first delta (which carries prompt_token_ids) was sent
+    cancel_requested_at: float | None = None  # for cancel latency
+    cancel_requested_step: int | None = None
+
+    @property
+    def status(self) -> RequestStatus:
+        """Read-only: only :func:`transition` (called by the scheduler) changes it."""
+        return self._status
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -160,13 +208,21 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def finish(self, reason: FinishReason, *, cancel_reason: CancelReason | None = None,
-               error: str | None = None) -> None:
-        self.status = _FINISH_STATUS[reason]
-        self.finish_reason = reason
-        self.cancel_reason = cancel_reason
-        self.error = error
-        self.finish_time = time.monotonic()
-
     def usage(self) -> Usage:
         return Usage(self.prompt_len, self.num_output_tokens, self.cached_tokens)
+
+
+def transition(req: Request, event: RequestEvent) -> tuple[RequestStatus, RequestStatus]:
+    """The one place a request's status changes; returns (old, new).
+
+    Called by the scheduler only. Raises IllegalTransition for a pair not in
+    ``TRANSITIONS``, so a lifecycle bug shows up where it happens.
+    """
+    old = req._status
+    new = TRANSITIONS.get(old, {}).get(event)
+    if new is None:
+        raise IllegalTransition(f"request {req.request_id!r}: {event.value} is not allowed when {old.name}")
+    req._status = new
+    if new.is_finished:
+        req.finish_time = time.monotonic()
+    return old, new

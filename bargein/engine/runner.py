@@ -4,17 +4,31 @@ It owns the KV cache tensors (one pair per layer) of the model stages it drives,
 turns the plan's plain data (token ids, positions, block tables) into the tensors and
 :class:`~bargein.model.attention.AttentionMetadata` of one forward. It never decides
 anything: block ids come from the scheduler.
+
+The engine drives it through ``submit(plan)`` / ``collect()``, a seam that lets a runner
+hold several plans at once (a pipeline of stages on several machines, each busy with a
+different micro-batch). This in-process runner keeps one plan in flight: ``collect``
+runs it. The scheduler never puts a sequence in two plans in flight.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from bargein.engine.plan import StepPlan
 from bargein.model.attention import AttentionMetadata
 from bargein.model.llama import LlamaStage
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A plan that ran, and float32 logits of its sampled positions (len(plan.sampled), vocab)."""
+
+    plan: StepPlan
+    logits: torch.Tensor
 
 
 class ModelRunner:
@@ -29,6 +43,20 @@ class ModelRunner:
         self.kv_caches = [s.make_kv_caches(num_blocks, block_size) for s in self.stages]
         self.device = stages[0].device
         self.vocab_size = stages[-1].vocab_size
+        self._submitted: StepPlan | None = None
+
+    def submit(self, plan: StepPlan) -> None:
+        """Hands a plan over; its result comes from ``collect``. One plan at a time here."""
+        if self._submitted is not None:
+            raise RuntimeError("this runner holds one plan at a time: collect() the previous one first")
+        self._submitted = plan
+
+    def collect(self) -> StepResult:
+        """Runs (or waits for) the oldest submitted plan; raises what its forward raised."""
+        plan, self._submitted = self._submitted, None
+        if plan is None:
+            raise RuntimeError("no plan was submitted")
+        return StepResult(plan, self.execute(plan))
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Runs the plan's forward; returns float32 logits (len(plan.sampled), vocab)."""

@@ -6,14 +6,25 @@ A fresh prompt, a prompt chunk, a prefix-cache hit and a decode are all that one
 
 Each step takes, within a token budget, the pending tokens of running requests (oldest
 first; one token for a decode, a chunk for a long prompt) and then admits waiting
-requests. When blocks run out it first reclaims blocks held by idle conversations,
-then preempts the newest running request (its blocks are released, its tokens kept,
-and it is recomputed later, usually from the prefix cache).
+requests. When blocks run out it first takes back blocks that nobody is computing with
+(waiting requests' and idle conversations'), then preempts the newest running request
+(its blocks are released, its tokens kept, and it is recomputed later, usually from the
+prefix cache).
 
-Cancellation (contract C1-C3): ``abort`` finishes a queued request at once, without
-compute. A request in the step in flight is finished in ``update``: its K/V computed in
-that step is kept, and the token sampled in it is dropped, so nothing sampled after the
-cancel reaches the caller.
+Ownership: a request's status changes only in :func:`~bargein.engine.request.transition`,
+called from ``_transition`` here, following the table ``TRANSITIONS`` in request.py.
+Every end of a request goes through ``finish(ids, reason)`` (a stop token, max_tokens, a
+stop string found by the consumer, a cancel, a deadline, an error), and every change is
+reported once, in the :class:`StepOutcome` that ``take_outcome`` returns at the end of
+the step.
+
+Cancellation (contract C1-C3): a queued request is finished at once, without compute. A
+request in a plan in flight is finished when that plan's results come back
+(``update``): its K/V computed in that step is kept, and the token sampled in it is
+dropped, so nothing sampled after the cancel reaches the caller. ``finish`` may carry
+``delivered``, the number of output tokens the consumer was handed: the sequence is cut
+to them (after a stop string, or a consumer that walked away), so a conversation holds
+exactly what its caller saw.
 
 Conversations keep a *session*: a sequence that outlives its requests, with its
 blocks, so the next turn computes only the new tokens.
@@ -25,20 +36,25 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from bargein.config import SchedulerConfig
 from bargein.engine.blocks import BlockPool, BlockTable, OutOfBlocks
+from bargein.engine.outputs import RequestDelta, StepOutcome
 from bargein.engine.plan import ScheduledChunk, StepPlan
 from bargein.engine.request import (
-    AbortResult,
+    FINISH_EVENTS,
     CancelReason,
     FinishReason,
     Request,
+    RequestEvent,
     RequestStatus,
     Sequence,
+    transition,
 )
+from bargein.engine.request_ids import RequestIds
 
 
 class SessionBusy(Exception):
@@ -49,13 +65,35 @@ class UnknownSession(KeyError):
     pass
 
 
+class TooLong(ValueError):
+    """A prompt or conversation that cannot fit the context."""
+
+
 @dataclass
 class Session:
-    """A conversation's sequence between requests. ``active`` is the request on it, if any."""
+    """A conversation's sequence between requests. ``active`` is the request on it, if any.
+
+    ``last_request`` (id, prompt length) names the request that generated last, so a
+    consumer's late "I was handed n tokens" can still cut the sequence to them.
+    """
 
     sequence: Sequence
     active: Request | None = None
     last_used: float = 0.0
+    last_request: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """A finish waiting for the plan in flight to come back."""
+
+    reason: FinishReason
+    cancel_reason: CancelReason | None
+    error: str | None
+    delivered: int | None
+
+
+Transition = tuple[str, RequestStatus, RequestEvent, RequestStatus]
 
 
 class Scheduler:
@@ -65,29 +103,42 @@ class Scheduler:
         self.pool = pool
         self.max_model_len = min(max_model_len, pool.num_blocks * pool.block_size)
         self.eos_token_ids = eos_token_ids
+        self.ids = RequestIds()  # the one memory of request ids, readable from any thread
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.sessions: dict[str, Session] = {}
-        self._in_flight: set[str] = set()
-        self._finished_log: list[Request] = []  # finished since the last drain_finished()
+        self._in_flight: dict[int, frozenset[str]] = {}  # plan step -> its requests
+        self._pending_finish: dict[str, _Finish] = {}  # finishes of requests in flight
+        self._changed: dict[str, tuple[Request, RequestDelta]] = {}  # this step's deltas
         self._step = 0
+        self.on_transition: Callable[[Transition], Any] | None = None  # a hook for tests and tracing
         self.num_preemptions = 0
         self.num_reclaimed_sessions = 0
         self.num_computed_tokens = 0  # tokens computed by forwards, ever (counters for tests and stats)
         self.num_prefix_hit_tokens = 0
 
-    # -- requests -----------------------------------------------------------------
+    # -- the lifecycle ----------------------------------------------------------------
+    def _transition(self, req: Request, event: RequestEvent) -> None:
+        old, new = transition(req, event)
+        if self.on_transition is not None:
+            self.on_transition((req.request_id, old, event, new))
+
+    def check_length(self, num_tokens: int, what: str = "the prompt") -> None:
+        """Raises TooLong unless ``num_tokens`` leaves room for one generated token.
+
+        The one length check; pure, so any thread may call it.
+        """
+        if num_tokens >= self.max_model_len:
+            raise TooLong(f"{what} is {num_tokens} tokens, but the context holds {self.max_model_len} "
+                          f"(room is needed for at least one generated token)")
+
     def add(self, request: Request) -> None:
-        """Queues a request; raises ValueError if it can never fit."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        """Queues a request whose id was claimed in ``ids``; raises ValueError if it can never fit."""
         seq = request.sequence
-        if seq.num_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt is {seq.num_tokens} tokens, but the context holds {self.max_model_len} "
-                f"(room is needed for at least one generated token)"
-            )
+        if not seq.token_ids:
+            raise ValueError("the prompt is empty")
+        self.check_length(seq.num_tokens)
         if seq.num_pending == 0:
             # Everything is computed (a cancel dropped the last sample): recompute the
             # last token, whose logits are needed to sample the next one.
@@ -95,57 +146,85 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_id: str, reason: CancelReason) -> AbortResult:
-        """Cancels an unfinished request; idempotent, and NOT_FOUND for any other id.
+    def reject(self, request: Request, error: str) -> None:
+        """Ends a request that could not be admitted; it never held blocks."""
+        self.ids.settle(request.request_id)
+        self._transition(request, RequestEvent.FAIL)
+        request.finish_reason, request.error = FinishReason.ERROR, error
+        self._record_finish(request)
 
-        Telling "finished" from "never seen" (C6) is the engine's job: it owns the
-        registry of request ids that every thread reads.
+    def finish(self, ids: Iterable[str], reason: FinishReason, *, cancel_reason: CancelReason | None = None,
+               error: str | None = None, delivered: int | None = None) -> None:
+        """The one way a request ends. Unknown or finished ids are ignored, except that a
+        late ``delivered`` still cuts an idle conversation to what its caller was handed.
+
+        A request in a plan in flight ends when that plan comes back (``update``).
         """
-        req = self.requests.get(request_id)
-        if req is None:
-            return AbortResult.NOT_FOUND
-        if req.cancel_reason is None:
-            req.cancel_reason = reason
-        if request_id not in self._in_flight:
-            self._finish(req, FinishReason.CANCELLED, cancel_reason=req.cancel_reason)
-        # else: finished in update(), after the step in flight, keeping its K/V.
-        return AbortResult.CANCELLED
+        for request_id in ids:
+            req = self.requests.get(request_id)
+            if req is None:
+                if delivered is not None:
+                    self._cut_idle_session(request_id, delivered)
+                continue
+            if self._is_in_flight(request_id):
+                earlier = self._pending_finish.get(request_id)
+                if earlier is None or (delivered is not None and earlier.delivered is None):
+                    self._pending_finish[request_id] = _Finish(reason, cancel_reason, error, delivered)
+                continue
+            self._finish(req, reason, cancel_reason=cancel_reason, error=error, delivered=delivered)
 
-    def finish_request(self, request_id: str, reason: FinishReason, *, error: str | None = None) -> None:
-        """Ends a request between steps (a stop string matched, or an error)."""
-        req = self.requests.get(request_id)
-        if req is not None:
-            self._finish(req, reason, error=error)
-
-    def expire_deadlines(self, now: float | None = None) -> list[Request]:
-        """Cancels requests whose deadline passed; returns them (finished or pending finish)."""
+    def expire_deadlines(self, now: float | None = None) -> None:
+        """Cancels requests whose deadline passed (reason ``deadline``)."""
         now = time.monotonic() if now is None else now
-        expired = [r for r in self.requests.values()
-                   if r.deadline is not None and r.deadline <= now and r.cancel_reason is None]
-        for req in expired:
-            self.abort(req.request_id, CancelReason.DEADLINE)
-        return expired
+        expired = [rid for rid, r in self.requests.items()
+                   if r.deadline is not None and r.deadline <= now and rid not in self._pending_finish]
+        self.finish(expired, FinishReason.CANCELLED, cancel_reason=CancelReason.DEADLINE)
 
-    def drain_finished(self) -> list[Request]:
-        """Requests finished since the last call, in the order they finished."""
-        finished, self._finished_log = self._finished_log, []
-        return finished
+    def take_outcome(self) -> StepOutcome:
+        """Everything that changed since the last call, once: the step's one result."""
+        changed, self._changed = self._changed, {}
+        deltas = []
+        for req, delta in changed.values():
+            if not req.prompt_reported:
+                req.prompt_reported = True
+                delta.prompt_token_ids = tuple(req.sequence.token_ids[:req.prompt_len])
+            delta.usage = req.usage()
+            deltas.append(delta)
+        return StepOutcome(self._step, tuple(deltas))
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """Requests in some plan in flight."""
+        return frozenset().union(*self._in_flight.values()) if self._in_flight else frozenset()
+
+    def _is_in_flight(self, request_id: str) -> bool:
+        return any(request_id in ids for ids in self._in_flight.values())
+
+    def _delta(self, req: Request) -> RequestDelta:
+        entry = self._changed.get(req.request_id)
+        if entry is None:
+            entry = self._changed[req.request_id] = (req, RequestDelta(req.request_id))
+        return entry[1]
+
     # -- one step -----------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """Picks this step's work; the plan's requests are in flight until update()."""
+        """Picks this step's work; the plan's requests are in flight until its ``update``.
+
+        A request already in a plan in flight is not scheduled again (no sequence is in
+        two plans at once), so a runner may hold several plans.
+        """
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
         preempted = False
-        scheduled: set[str] = set()
+        busy = self.in_flight
 
         for req in list(self.running):
-            if req.status != RequestStatus.RUNNING or budget == 0:
+            if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in busy:
                 continue
             seq = req.sequence
             n = min(seq.num_pending, budget)
@@ -155,18 +234,16 @@ class Scheduler:
                 try:
                     copies += self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)
                 except OutOfBlocks:
-                    if self._reclaimidle_session():
+                    if self._reclaim_blocks():
                         continue
-                    victim = self.running[-1]
-                    if victim is req and len(self.running) == 1:
-                        self._finish(req, FinishReason.ERROR,
-                                     error="the KV cache is too small for this sequence")
+                    victim = self._preemption_victim(busy)
+                    if victim is None or (victim is req and len(self.running) == 1):
+                        self._finish(req, FinishReason.ERROR, error="the KV cache is too small for this sequence")
                         break
                     self._preempt(victim)
                     preempted = True
                     continue
                 chunks.append(self._chunk(req, n))
-                scheduled.add(req.request_id)
                 budget -= n
                 break
 
@@ -174,43 +251,43 @@ class Scheduler:
             req = self.waiting[0]
             seq = req.sequence
             first_admission = req.status == RequestStatus.WAITING
-            matched = not seq.block_table.block_ids
-            if matched:
-                self._match_prefix(seq)
+            # A request waits without blocks (they may have been reclaimed): match again.
+            copies_hit = self._match_prefix(seq) if not seq.block_table.block_ids else []
             n = min(seq.num_pending, budget)
             try:
-                copies += self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)
+                copies_new = self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)
             except OutOfBlocks:
-                if matched:  # give the prefix hits back while it waits: waiting holds no blocks
-                    self._drop_kv(seq)
-                if self._reclaimidle_session():
+                self._drop_kv(seq)  # waiting holds no blocks: give back the hits (and any it had)
+                if self._reclaim_blocks():
                     continue
                 if not self.running and not chunks:
                     self.waiting.popleft()
                     self._finish(req, FinishReason.ERROR, error="the KV cache is too small for this prompt")
                     continue
                 break
+            copies += copies_hit + copies_new
             self.waiting.popleft()
             if first_admission:
                 req.cached_tokens = seq.num_computed
                 self.num_prefix_hit_tokens += seq.num_computed
-            req.status = RequestStatus.RUNNING
+            self._transition(req, RequestEvent.SCHEDULE)
             self.running.append(req)
             chunks.append(self._chunk(req, n))
-            scheduled.add(req.request_id)
             budget -= n
 
-        self._in_flight = scheduled
         self._step += 1
+        if chunks:
+            self._in_flight[self._step] = frozenset(c.request_id for c in chunks)
         return StepPlan(self._step, tuple(chunks), tuple(copies))
 
-    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
-        """Applies a finished step; returns the requests whose state changed.
+    def update(self, plan: StepPlan, sampled: dict[str, Any]) -> None:
+        """Applies a plan whose forward finished; the changes go into the step's outcome.
 
-        ``sampled`` maps each sampling chunk's request id to its token. Requests
-        cancelled during the step are finished here, without their sampled token.
+        ``sampled`` maps each sampling chunk's request id to its sampled token (an object
+        with ``token_id``, and the raw log-probabilities the consumer packs). Requests
+        finished while the plan was in flight end here, without their sampled token.
         """
-        changed: list[Request] = []
+        self._in_flight.pop(plan.step, None)
         for chunk in plan.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None:
@@ -219,22 +296,31 @@ class Scheduler:
             seq.num_computed = chunk.context_len
             self.num_computed_tokens += len(chunk.token_ids)
             self.pool.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
-            if req.cancel_reason is not None:
-                self._finish(req, FinishReason.CANCELLED, cancel_reason=req.cancel_reason)
-                changed.append(req)
+            pending = self._pending_finish.pop(chunk.request_id, None)
+            if pending is not None:
+                self._finish(req, pending.reason, cancel_reason=pending.cancel_reason, error=pending.error,
+                             delivered=pending.delivered)
                 continue
             if not chunk.sample:
                 continue
+            if self.ids.cancel_claim(req.request_id) is not None:
+                # A cancel claimed this request after the inbox was read: it ends
+                # cancelled, as its abort answered, and this token is not delivered (C2).
+                self._finish(req, FinishReason.CANCELLED)
+                continue
             token = sampled[chunk.request_id]
-            seq.token_ids.append(token)
+            reason = self._stop_reason(req, token.token_id)
+            seq.token_ids.append(token.token_id)
+            if req.sampling is not None:
+                req.sampling.output_token_ids.append(token.token_id)
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            changed.append(req)
-            reason = self._stop_reason(req, token)
+            delta = self._delta(req)
+            delta.new_token_ids.append(token.token_id)
+            delta.new_logprobs.append(token)
+            req.num_reported += 1
             if reason is not None:
                 self._finish(req, reason)
-        self._in_flight = set()
-        return changed
 
     def fail_step(self, plan: StepPlan, error: str) -> None:
         """Ends the requests of a step whose forward failed; their K/V is left as it was.
@@ -242,20 +328,22 @@ class Scheduler:
         Nothing the failed step wrote is counted as computed, so a conversation keeps
         exactly its tokens and recomputes the rest with its next prompt (C3).
         """
+        self._in_flight.pop(plan.step, None)
         for chunk in plan.chunks:
+            self._pending_finish.pop(chunk.request_id, None)
             req = self.requests.get(chunk.request_id)
             if req is not None:
                 self._finish(req, FinishReason.ERROR, error=error)
-        self._in_flight = set()
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params
+        n = req.num_output_tokens + 1  # counting this token
         is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        if is_stop_token and req.num_output_tokens >= params.min_tokens:
+        if is_stop_token and n >= params.min_tokens:
             return FinishReason.STOP
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and n >= params.max_tokens:
             return FinishReason.LENGTH
-        if req.sequence.num_tokens >= self.max_model_len:
+        if req.sequence.num_tokens + 1 >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
@@ -270,26 +358,38 @@ class Scheduler:
             sample=start + n == seq.num_tokens,
         )
 
-    def _match_prefix(self, seq: Sequence) -> None:
+    def _match_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
         # Leave at least the last token to compute: its logits are needed to sample.
-        max_blocks = (seq.num_tokens - 1) // self.pool.block_size
-        hits = self.pool.match_prefix(seq.block_table, seq.token_ids, max_blocks)
-        seq.num_computed = hits * self.pool.block_size
+        hit, copies = self.pool.match_prefix(seq.block_table, seq.token_ids, seq.num_tokens - 1)
+        seq.num_computed = hit
+        return copies
+
+    def _preemption_victim(self, busy: frozenset[str]) -> Request | None:
+        """The newest running request that is not in a plan in flight."""
+        for req in reversed(self.running):
+            if req.request_id not in busy:
+                return req
+        return None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._drop_kv(req.sequence)
-        req.status = RequestStatus.PREEMPTED
+        self._transition(req, RequestEvent.PREEMPT)
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     def _drop_kv(self, seq: Sequence) -> None:
         """Releases a sequence's blocks, keeping its tokens; they are recomputed (or hit) later."""
-        self.pool.release(seq.block_table)
+        self.pool.release(seq.block_table, seq.token_ids, seq.num_computed)
         seq.num_computed = 0
 
-    def _reclaimidle_session(self) -> bool:
-        """Frees the blocks of the least recently used idle conversation, if any holds some."""
+    def _reclaim_blocks(self) -> bool:
+        """Frees blocks nobody is computing with: a waiting request's, else the least
+        recently used idle conversation's. False if none holds any."""
+        for req in self.waiting:
+            if req.sequence.block_table.block_ids:
+                self._drop_kv(req.sequence)
+                return True
         idle = [s for s in self.sessions.values() if s.active is None and s.sequence.block_table.block_ids]
         if not idle:
             return False
@@ -299,28 +399,64 @@ class Scheduler:
         return True
 
     def _finish(self, req: Request, reason: FinishReason, *, cancel_reason: CancelReason | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, delivered: int | None = None) -> None:
         if req.is_finished:
             return
-        req.finish(reason, cancel_reason=cancel_reason, error=error)
+        claimed = self.ids.settle(req.request_id)
+        if claimed is not None:  # a cancel got there first: the request ends as its abort answered
+            reason, cancel_reason, error = FinishReason.CANCELLED, claimed, None
+        self._transition(req, FINISH_EVENTS[reason])
+        req.finish_reason = reason
+        req.cancel_reason = cancel_reason if reason == FinishReason.CANCELLED else None
+        req.error = error
+        if delivered is not None:
+            self._cut(req.sequence, req.prompt_len + delivered)
+            req.num_reported = min(req.num_reported, delivered)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         del self.requests[req.request_id]
-        self._finished_log.append(req)
+        self._pending_finish.pop(req.request_id, None)
         if req.owns_sequence:
-            self.pool.release(req.sequence.block_table)
+            seq = req.sequence
+            self.pool.release(seq.block_table, seq.token_ids, seq.num_computed)
         else:
             session = self.sessions[req.sequence.seq_id]
             session.active = None
             session.last_used = time.monotonic()
+            session.last_request = (req.request_id, req.prompt_len)
+        self._record_finish(req)
+
+    def _record_finish(self, req: Request) -> None:
+        delta = self._delta(req)
+        delta.finished, delta.finish_reason = True, req.finish_reason
+        delta.cancel_reason, delta.error = req.cancel_reason, req.error
+        if req.cancel_requested_at is not None and req.cancel_requested_step is not None:
+            delta.cancel_requested = (req.cancel_requested_at, req.cancel_requested_step)
+        self.ids.release(req.request_id)
+
+    def _cut(self, seq: Sequence, num_tokens: int) -> None:
+        """Keeps the first ``num_tokens`` tokens of a sequence (never grows it)."""
+        if num_tokens >= seq.num_tokens:
+            return
+        del seq.token_ids[num_tokens:]
+        seq.num_computed = min(seq.num_computed, num_tokens)
+        self.pool.truncate(seq.block_table, num_tokens)
+
+    def _cut_idle_session(self, request_id: str, delivered: int) -> None:
+        for session in self.sessions.values():
+            if session.active is None and session.last_request and session.last_request[0] == request_id:
+                self._cut(session.sequence, session.last_request[1] + delivered)
+                return
 
     # -- sessions (conversations) ----------------------------------------------------
     def open_session(self, seq_id: str, token_ids: Iterable[int] = ()) -> Sequence:
         if seq_id in self.sessions:
             raise ValueError(f"session {seq_id!r} already exists")
         seq = Sequence(seq_id, list(token_ids))
+        if seq.token_ids:
+            self.check_length(seq.num_tokens, "the conversation")
         self.sessions[seq_id] = Session(seq, last_used=time.monotonic())
         return seq
 
@@ -336,9 +472,25 @@ class Scheduler:
             raise SessionBusy(f"conversation {seq_id!r} is generating (request {session.active.request_id!r})")
         return session
 
-    def start_session_request(self, request: Request) -> None:
-        """Queues a request that generates onto its (idle) session's sequence."""
+    def append_to_session(self, seq_id: str, token_ids: Iterable[int]) -> None:
+        """Appends prompt tokens to an idle session (computed with its next request)."""
+        seq = self.idle_session(seq_id).sequence
+        new = [int(t) for t in token_ids]
+        self.check_length(seq.num_tokens + len(new), "the conversation")
+        seq.token_ids.extend(new)
+
+    def start_session_request(self, request: Request, new_tokens: Iterable[int] = ()) -> None:
+        """Appends ``new_tokens`` to the request's (idle) session and queues the request,
+        which generates onto the session's sequence. Raises, changing nothing, if it can't."""
         session = self.idle_session(request.sequence.seq_id)
+        seq = session.sequence
+        new = [int(t) for t in new_tokens]
+        if not seq.token_ids and not new:
+            raise ValueError("the conversation is empty: prompt it first")
+        self.check_length(seq.num_tokens + len(new), "the conversation")
+        seq.token_ids.extend(new)
+        request.sequence = seq
+        request.prompt_len = seq.num_tokens
         self.add(request)
         session.active = request
 
@@ -356,14 +508,21 @@ class Scheduler:
         seq = self.idle_session(seq_id).sequence
         if not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(f"cannot keep {num_tokens} of {seq.num_tokens} tokens")
-        del seq.token_ids[num_tokens:]
-        seq.num_computed = min(seq.num_computed, num_tokens)
-        self.pool.truncate(seq.block_table, num_tokens)
+        self._cut(seq, num_tokens)
 
     def close_session(self, seq_id: str) -> None:
-        """Releases a session's blocks; aborting its request first is the caller's job."""
-        session = self.idle_session(seq_id)
-        self.pool.release(session.sequence.block_table)
+        """Ends the session's request (cancelled, reported in the step's outcome) and
+        releases its blocks (to the prefix cache). Unknown ids are ignored."""
+        session = self.sessions.get(seq_id)
+        if session is None:
+            return
+        if session.active is not None:
+            req = session.active
+            self._pending_finish.pop(req.request_id, None)
+            # Ended now even if its plan is in flight: update() skips requests it no longer knows.
+            self._finish(req, FinishReason.CANCELLED, cancel_reason=CancelReason.USER)
+        seq = session.sequence
+        self.pool.release(seq.block_table, seq.token_ids, seq.num_computed)
         del self.sessions[seq_id]
 
     def live_block_tables(self) -> list[BlockTable]:

@@ -35,11 +35,12 @@ class RequestInfo:
 
     request_id: str
     status: str  # "queued" | "running" | "preempted"
-    prompt_tokens: int
+    prompt_tokens: int  # the request's prompt length
     completion_tokens: int
     age_s: float
     deadline_s: float | None  # seconds left until its deadline
     session_id: str | None
+    prompt_computed: int = 0  # prompt tokens with K/V computed so far (cached hits included)
 
 
 @dataclass
