@@ -1,9 +1,12 @@
-"""Randomized state machine over conversations (contracts C3 and C5).
+"""Randomized state machine over conversations (contracts C3 and C5, and the lifecycle).
 
 Any interleaving of prompt, generate (stopped at a random point, by cancel or by the
-consumer walking away), fork, rewind, save, load and close must keep the block
-accounting exact, and every conversation's tokens equal to exactly what its caller gave
-and was handed. When everything is closed, no block is referenced.
+consumer walking away), several answers at once (so some wait for a slot while the KV
+pool is small), fork, rewind, save, load and close must keep the block accounting exact,
+and every conversation's tokens equal to exactly what its caller gave and was handed.
+When everything is closed, no block is referenced. Every status change the scheduler
+makes is recorded: each must be in the transition table, and each request's changes
+must form one path from WAITING (nothing changes a status behind the table's back).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from hypothesis.stateful import (
 )
 
 from bargein.engine.async_engine import AsyncEngine
-from bargein.engine.request import FinishReason
+from bargein.engine.conversation import Conversation
+from bargein.engine.engine import EngineError
+from bargein.engine.request import TRANSITIONS, FinishReason, RequestStatus
 from bargein.engine.sampling import SamplingParams
 from tests.tiny_engine import tiny_engine
 
@@ -35,10 +40,14 @@ class ConversationMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        # A small pool, so preemption and reclaiming idle conversations happen too.
-        self.engine = AsyncEngine(tiny_engine(num_blocks=24, block_size=4, max_num_batched_tokens=8)).start()
+        # A small pool, so preemption and reclaiming idle conversations happen too, and
+        # two slots, so answers started together wait for one.
+        core = tiny_engine(num_blocks=24, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+        self.transitions: list[tuple] = []
+        core.scheduler.on_transition = self.transitions.append  # called in the engine thread
+        self.engine = AsyncEngine(core).start()
         self.expected: dict[str, list[int]] = {}  # what each caller gave and was handed
-        self.live: dict[str, object] = {}
+        self.live: dict[str, Conversation] = {}
 
     def run(self, coro):
         return self.loop.run_until_complete(asyncio.wait_for(coro, 30))
@@ -55,11 +64,21 @@ class ConversationMachine(RuleBasedStateMachine):
 
         self.run(close_all())
         self.loop.close()
+        self.check_transitions(finished=True)
+
+    def check_transitions(self, finished: bool = False) -> None:
+        status: dict[str, RequestStatus] = {}
+        for rid, old, event, new in list(self.transitions):
+            assert TRANSITIONS[old][event] == new, (rid, old, event, new)
+            assert status.get(rid, RequestStatus.WAITING) == old, f"{rid}: status changed outside the table"
+            status[rid] = new
+        if finished:
+            assert all(s.is_finished for s in status.values()), status
 
     # -- rules ----------------------------------------------------------------------
     @rule(target=conversations, tokens=TOKENS)
     def open(self, tokens):
-        conv = self.engine.conversation(tokens)
+        conv = Conversation.open(self.engine, tokens)
         self.expected[conv.id] = list(tokens)
         self.live[conv.id] = conv
         return conv
@@ -68,7 +87,11 @@ class ConversationMachine(RuleBasedStateMachine):
     def prompt(self, conv, tokens):
         if conv.id not in self.live:
             return
-        conv.prompt(tokens)
+        try:
+            self.run(conv.prompt(tokens))
+        except EngineError as exc:  # the context is full: nothing was added
+            assert "context holds" in str(exc)
+            return
         self.expected[conv.id] += tokens
 
     @rule(conv=conversations, stop_after=st.integers(0, 6), how=st.sampled_from(["cancel", "walk_away", "none"]),
@@ -135,7 +158,7 @@ class ConversationMachine(RuleBasedStateMachine):
         if conv.id not in self.live:
             return conv
         state = self.run(conv.save())
-        loaded = self.engine.load_conversation(state)
+        loaded = Conversation.load(self.engine, state)
         self.expected[loaded.id] = list(state.token_ids)
         self.live[loaded.id] = loaded
         return loaded
@@ -149,27 +172,43 @@ class ConversationMachine(RuleBasedStateMachine):
         del self.live[conv.id]
 
     # -- invariants -----------------------------------------------------------------
+    @rule(convs=st.lists(conversations, min_size=2, max_size=3, unique_by=id), max_tokens=st.integers(1, 12))
+    def generate_together(self, convs, max_tokens):
+        """Answers started at once: with two slots one waits, holding no blocks the running
+        ones need; all finish (none fails for a KV pool that is too small)."""
+        convs = [c for c in convs if c.id in self.live and self.expected[c.id]]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+        async def consume(conv):
+            handed: list[int] = []
+            async for out in conv.generate(params):
+                handed += out.new_token_ids
+            return handed, out
+
+        async def together():
+            return await asyncio.gather(*(consume(c) for c in convs))
+
+        for conv, (handed, final) in zip(convs, self.run(together()), strict=True):
+            assert final.finish_reason == FinishReason.LENGTH, final
+            assert list(final.token_ids) == handed
+            self.expected[conv.id] += handed
+
     @invariant()
     def tokens_are_exactly_what_was_given_and_handed(self):
         for cid, conv in self.live.items():
-            assert conv.tokens == self.expected[cid]
+            assert self.run(conv.tokens()) == self.expected[cid]
 
     @invariant()
     def block_accounting_is_exact(self):
-        core = self.engine.engine
+        self.run(self.engine.call(self.engine.engine.check_block_accounting))
 
-        def check():
-            core.check_block_accounting()
-            for cid, conv in self.live.items():
-                if not conv.is_generating:
-                    held = core.session_tokens(cid)
-                    assert held + conv.pending_tokens == conv.tokens
-
-        self.run(self.engine.call(check))
+    @invariant()
+    def every_transition_is_in_the_table(self):
+        self.check_transitions()
 
 
 ConversationMachine.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=30, deadline=None,
+    max_examples=15, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_conversations = ConversationMachine.TestCase
