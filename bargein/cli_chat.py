@@ -129,7 +129,9 @@ class LocalBackend:
         self.tokenizer = async_engine.engine.tokenizer
         self.model_name = async_engine.engine.model_name
         self.where = "locally"
-        from bargein.engine.conversation import Conversation  # the engine (torch) loads only for local chat
+        from bargein.engine.conversation import (
+            Conversation,  # the engine (torch) loads only for local chat
+        )
 
         self.conv = Conversation.open(async_engine)
         self._stop = False

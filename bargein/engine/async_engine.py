@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
-from bargein.engine.engine import Engine, EngineError
+from bargein.engine.engine import Engine
 from bargein.engine.outputs import OutputProcessor, RequestDelta, StepOutcome
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput
 from bargein.engine.sampling import SamplingParams
