@@ -32,9 +32,11 @@ def test_prefix_hit_reuses_blocks_and_counts() -> None:
     ids = list(first.block_ids)
     pool.release(first)
     second = BlockTable()
-    hits = pool.match_prefix(second, list(range(10)) + [99, 98], max_blocks=3)
-    assert hits == 2 and second.block_ids == ids[:2]
-    assert pool.num_cached == 1 and pool.num_referenced == 2
+    hit, copies = pool.match_prefix(second, list(range(10)) + [99, 98], max_tokens=11)
+    # Two full blocks are shared; the third matches 2 tokens of 4: copied, not shared.
+    assert hit == 10 and second.block_ids[:2] == ids[:2]
+    assert copies == [(ids[2], second.block_ids[2])] and second.block_ids[2] not in ids
+    assert pool.num_cached == 1 and pool.num_referenced == 3
     pool.check_invariants([second])
 
 
@@ -43,7 +45,7 @@ def test_prefix_hit_requires_the_whole_chain() -> None:
     pool.release(filled(pool, [1, 2, 3, 4, 5, 6, 7, 8]))
     table = BlockTable()
     # Same second block, different first block: no hit at all.
-    assert pool.match_prefix(table, [0, 2, 3, 4, 5, 6, 7, 8], max_blocks=2) == 0
+    assert pool.match_prefix(table, [0, 2, 3, 4, 5, 6, 7, 8], max_tokens=8) == (0, [])
 
 
 def test_eviction_is_least_recently_released_and_tail_first() -> None:
@@ -59,7 +61,7 @@ def test_eviction_is_least_recently_released_and_tail_first() -> None:
     assert fresh.block_ids == [a_ids[1]]
     assert pool.evictions == 1
     t = BlockTable()
-    assert pool.match_prefix(t, [1, 1, 2, 2], max_blocks=2) == 1  # a's head survived
+    assert pool.match_prefix(t, [1, 1, 2, 2], max_tokens=4) == (2, [])  # a's head survived
     assert t.block_ids == [a_ids[0]]
     pool.check_invariants([fresh, t])
     assert b_ids  # b untouched
@@ -97,7 +99,7 @@ def test_truncate_then_write_never_corrupts_a_cached_block() -> None:
     shared = BlockTable()
     pool.release(b := pool.fork(a))
     assert b.block_ids == []
-    pool.match_prefix(shared, [1, 2, 3, 4, 5, 6, 7, 8, 9], max_blocks=2)  # another sequence holds both
+    pool.match_prefix(shared, [1, 2, 3, 4, 5, 6, 7, 8, 9], max_tokens=8)  # another sequence holds both
     pool.truncate(a, 6)  # a keeps block 0 and half of block 1
     assert len(a.block_ids) == 2 and a.hashes == [a.hashes[0]]
     copies = pool.ensure_writable(a, 6, 8)  # block 1 is shared: copy, never overwrite
@@ -127,4 +129,35 @@ def test_prefix_caching_can_be_disabled() -> None:
     pool = BlockPool(8, 4, enable_prefix_caching=False)
     pool.release(filled(pool, [1, 2, 3, 4]))
     assert pool.num_cached == 0 and pool.num_free == 8
-    assert pool.match_prefix(BlockTable(), [1, 2, 3, 4, 5], max_blocks=1) == 0
+    assert pool.match_prefix(BlockTable(), [1, 2, 3, 4, 5], max_tokens=4) == (0, [])
+
+
+def test_a_released_partial_block_is_reused_at_token_granularity() -> None:
+    pool = BlockPool(8, 4)
+    tokens = [1, 2, 3, 4, 5, 6, 7]  # one full block, then 3 tokens, of which 2 computed
+    table = filled(pool, tokens[:6])
+    pool.release(table, tokens, num_computed=6)
+    partial = [b for b in range(8) if pool.num_cached and not pool.is_registered(b) and pool.ref_count(b) == 0]
+    assert pool.num_cached == 2  # the full block and the partial one
+    pool.check_invariants([])
+    again = BlockTable()
+    hit, copies = pool.match_prefix(again, [1, 2, 3, 4, 5, 6, 9, 9], max_tokens=7)
+    assert hit == 6 and len(copies) == 1
+    src, dst = copies[0]
+    assert src in partial and again.block_ids[1] == dst
+    assert pool.ref_count(src) == 0 and pool.num_cached == 1  # the source stays cached for others
+    pool.check_invariants([again])
+    # A different head after the same parent matches nothing more than the full block.
+    other = BlockTable()
+    assert pool.match_prefix(other, [1, 2, 3, 4, 8, 8], max_tokens=5) == (4, [])
+
+
+def test_keys_are_cryptographic_and_hits_are_checked_against_tokens(monkeypatch) -> None:
+    from bargein.engine import blocks
+
+    assert isinstance(blocks.chain_hash(None, [1, 2]), bytes) and len(blocks.chain_hash(None, [1, 2])) == 16
+    assert blocks.chain_hash(None, [1, 2]) != blocks.chain_hash(None, [2, 1])
+    monkeypatch.setattr(blocks, "chain_hash", lambda parent, tokens: b"collide")
+    pool = BlockPool(8, 4)
+    pool.release(filled(pool, [1, 2, 3, 4]))
+    assert pool.match_prefix(BlockTable(), [5, 6, 7, 8, 9], max_tokens=4) == (0, [])
