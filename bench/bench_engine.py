@@ -21,14 +21,27 @@ Measures, for the bundled model (or ``--model``) on this machine:
 - where ``llama_cpp`` (llama-cpp-python) is importable, llama.cpp's aggregate tokens/s
   on the same GGUF file, prompts and concurrency levels, every sequence in one batch
   per step; skipped otherwise.
+- output processing per token (issue 9): the engine-side cost (the scheduler's update
+  and the step's deltas) and the consumer-side cost (detokenizing, a stop string,
+  packing) of one generated token, at answer position ~20 and ~2,000, with no model in
+  the loop (sampled tokens are given), so it is the output path alone. It must not grow
+  with the answer's length.
+- with ``--before TREE`` (another commit's checkout, e.g. ``git worktree add
+  /tmp/engine-before abfdbbc``): aggregate tokens/s at 1 and 32 streams of that tree's
+  engine and this one's, in separate processes, interleaved round by round
+  (``engine_level.py``); medians over the rounds.
 
-    python bench/bench_engine.py [--quick] [--json PATH] [--threads N]
+    python bench/bench_engine.py [--quick] [--json PATH] [--threads N] [--before TREE]
+        [--sections throughput,cancel,continue,llama,output,compare]
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -47,26 +60,22 @@ from common import (  # noqa: E402
     percentile,
     timed,
 )
+from engine_level import prompt_text as _prompt  # noqa: E402
 
 from bargein import Engine, SamplingParams
-from bargein.config import CacheConfig, EngineConfig
-from bargein.engine.request import FinishReason
-
-_TOPICS = ["a lighthouse keeper", "a lost robot", "the first city on Mars", "a dragon who bakes bread",
-           "an old violin", "a river that flows uphill", "a chess prodigy", "the last library",
-           "a time-travelling cat", "a desert festival", "a submarine crew", "a village of clockmakers"]
-
-
-def _prompt(i: int) -> str:
-    """Distinct prompts (the index comes first), so no two share a cached prefix."""
-    return f"{i}. Write a long, detailed story about {_TOPICS[i % len(_TOPICS)]}, chapter {i // len(_TOPICS) + 1}."
+from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
+from bargein.engine.blocks import BlockPool
+from bargein.engine.outputs import OutputCollector, OutputProcessor
+from bargein.engine.request import FinishReason, Request, Sequence
+from bargein.engine.sampler import SampledToken
+from bargein.engine.scheduler import Scheduler
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _drain(engine: Engine, ids: set[str]) -> None:
+def _drain(engine: OutputCollector, ids: set[str]) -> None:
     """Steps until every request in ids has finished."""
     while ids:
         for out in engine.step():
@@ -75,7 +84,7 @@ def _drain(engine: Engine, ids: set[str]) -> None:
 
 
 # -- 1. throughput and time to first token ---------------------------------------------
-def bench_concurrency(engine: Engine, n: int, max_tokens: int, budget_s: float) -> dict[str, Any]:
+def bench_concurrency(engine: OutputCollector, n: int, max_tokens: int, budget_s: float) -> dict[str, Any]:
     params = _greedy(max_tokens)
     started = time.perf_counter()
     ids = [engine.add_request(_prompt(i), params) for i in range(n)]
@@ -105,7 +114,7 @@ def bench_concurrency(engine: Engine, n: int, max_tokens: int, budget_s: float) 
         if live and now - started > budget_s:
             truncated = True
             for rid in live:
-                engine.abort(rid)
+                engine.engine.abort(rid)
             _drain(engine, live)
     wall = time.perf_counter() - started
     ttft = list(first.values())
@@ -145,13 +154,13 @@ class _Stepper:
             if not engine.has_work:
                 continue
             start = time.perf_counter()
-            outs = engine.step()
+            deltas = engine.step().deltas
             now = time.perf_counter()
             self.steps += 1
             self.step_times.append(now - start)
-            for out in outs:
-                if out.finished and out.finish_reason == FinishReason.CANCELLED:
-                    self.cancelled_at[out.request_id] = (now, self.steps)
+            for delta in deltas:
+                if delta.finished and delta.finish_reason == FinishReason.CANCELLED:
+                    self.cancelled_at[delta.request_id] = (now, self.steps)
 
     def start(self) -> _Stepper:
         self.thread.start()
@@ -159,7 +168,7 @@ class _Stepper:
 
     def stop(self) -> None:
         self._stop.set()
-        self.engine._wakeup.set()
+        self.engine.wake()
         self.thread.join()
         del self.engine.runner.execute  # back to the class's method
 
@@ -242,11 +251,13 @@ def _long_prompt(engine: Engine, n_tokens: int, salt: str) -> list[int]:
     return ids[:n_tokens]
 
 
-def _run_to_end(engine: Engine, rid: str) -> Any:
-    while True:
-        for out in engine.step():
+def _run_to_end(collector: OutputCollector, rid: str) -> Any:
+    final = None
+    while final is None or collector.pending:
+        for out in collector.step():
             if out.request_id == rid and out.finished:
-                return out
+                final = out
+    return final
 
 
 def bench_continue(engine: Engine, cold: Engine, prompt_tokens: int, cancel_after: int | None) -> dict[str, Any]:
@@ -254,26 +265,27 @@ def bench_continue(engine: Engine, cold: Engine, prompt_tokens: int, cancel_afte
     salt = "decode" if cancel_after is not None else "prefill"
     prompt = _long_prompt(engine, prompt_tokens, salt)
     sid = engine.open_session()
-    rid = engine.add_request(prompt, _greedy(4 * (cancel_after or 1) + 64), session_id=sid)
+    warm, cool = OutputCollector(engine), OutputCollector(cold)
+    rid = warm.add_request(prompt, _greedy(4 * (cancel_after or 1) + 64), session_id=sid)
     delivered = 0
     if cancel_after is None:
-        engine.step()  # the first prompt chunk is computed, the rest is still pending
+        warm.step()  # the first prompt chunk is computed, the rest is still pending
     else:
         while delivered < cancel_after:
-            delivered += sum(len(o.new_token_ids) for o in engine.step() if o.request_id == rid)
+            delivered += sum(len(o.new_token_ids) for o in warm.step() if o.request_id == rid)
     engine.abort(rid)
-    cancelled = _run_to_end(engine, rid)
+    cancelled = _run_to_end(warm, rid)
     conv_tokens = engine.session_tokens(sid)
     follow = engine.tokenizer.encode("\nUser: Go on, and summarise the vote.\nAssistant:", add_special_tokens=False)
 
     before = engine.stats().computed_tokens
-    seconds, out = timed(lambda: _run_to_end(engine, engine.add_request(follow, _greedy(1), session_id=sid)))
+    seconds, out = timed(lambda: _run_to_end(warm, warm.add_request(follow, _greedy(1), session_id=sid)))
     computed = engine.stats().computed_tokens - before
     engine.close_session(sid)
 
     full = conv_tokens + follow
     cold_before = cold.stats().computed_tokens
-    cold_seconds, cold_out = timed(lambda: _run_to_end(cold, cold.add_request(full, _greedy(1))))
+    cold_seconds, cold_out = timed(lambda: _run_to_end(cool, cool.add_request(full, _greedy(1))))
     cold_computed = cold.stats().computed_tokens - cold_before
     same = list(out.token_ids) == list(cold_out.token_ids)
     return {
@@ -379,6 +391,96 @@ class _LlamaCpp:
             lib.llama_free(ctx)
 
 
+# -- 5. output processing per token, by answer position ------------------------------------
+def bench_output_cost(tokenizer: Any, positions: tuple[int, ...] = (20, 2000), window: int = 20,
+                      repeats: int = 5) -> list[dict[str, Any]]:
+    """Per-token cost of the output path at each answer position: engine side (the
+    scheduler applying a sampled token and making the step's deltas) and consumer side
+    (the request's OutputProcessor: detokenizing, a stop string, packing). No model: the
+    sampled tokens are given, so only the output path is timed. Medians over a window of
+    ``window`` tokens around each position and over ``repeats`` fresh requests."""
+    text = "The committee met again on Tuesday to review the harbour plans, and argued about the tides. "
+    answer = tokenizer.encode(text * 8, add_special_tokens=False)
+    length = max(positions) + window
+    block_size = 16
+    engine_ns: dict[int, list[float]] = {p: [] for p in positions}
+    consumer_ns: dict[int, list[float]] = {p: [] for p in positions}
+    for r in range(repeats):
+        pool = BlockPool(-(-(length + 64) // block_size) + 4, block_size)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512), pool,
+                              length + 64, frozenset())
+        params = SamplingParams(temperature=0, max_tokens=length, ignore_eos=True, stop=["</answer>"])
+        rid = f"cost-{r}"
+        scheduler.ids.claim(rid)
+        prompt = answer[:16]
+        scheduler.add(Request(rid, Sequence(rid, list(prompt)), params, len(prompt), len(prompt)))
+        processor = OutputProcessor(rid, params, tokenizer)
+        per_engine, per_consumer = [], []
+        for i in range(length):
+            plan = scheduler.schedule()
+            token = answer[i % len(answer)]
+            t0 = time.perf_counter_ns()
+            scheduler.update(plan, {rid: SampledToken(token, None, ())})
+            outcome = scheduler.take_outcome()
+            t1 = time.perf_counter_ns()
+            for delta in outcome.deltas:
+                processor.process(delta)
+            t2 = time.perf_counter_ns()
+            per_engine.append(t1 - t0)
+            per_consumer.append(t2 - t1)
+        for p in positions:
+            lo = max(0, p - window // 2)
+            engine_ns[p] += per_engine[lo:lo + window]
+            consumer_ns[p] += per_consumer[lo:lo + window]
+    rows = []
+    for p in positions:
+        e, c = median(engine_ns[p]) / 1e3, median(consumer_ns[p]) / 1e3
+        rows.append({"answer_position": p, "engine_us_per_token": e, "consumer_us_per_token": c,
+                     "total_us_per_token": e + c})
+    for row in rows:
+        row[f"vs_position_{positions[0]}"] = row["total_us_per_token"] / rows[0]["total_us_per_token"]
+    return rows
+
+
+# -- 6. throughput before / after, another tree's engine in its own processes ---------------
+def bench_before_after(before: str, levels: tuple[int, ...], seconds: float, rounds: int, max_tokens: int,
+                       threads: int | None, model: str | None) -> dict[str, Any]:
+    """Runs ``engine_level.py`` with PYTHONPATH set to each tree, alternating which goes
+    first each round; returns the runs and the medians per tree and level."""
+    script = str(Path(__file__).resolve().parent / "engine_level.py")
+    trees = {"before": str(Path(before).resolve()), "after": str(Path(__file__).resolve().parent.parent)}
+    runs: list[dict[str, Any]] = []
+    for r in range(rounds):
+        for name in (["before", "after"] if r % 2 == 0 else ["after", "before"]):
+            cmd = [sys.executable, script, "--levels", ",".join(map(str, levels)), "--seconds", str(seconds),
+                   "--max-tokens", str(max_tokens)]
+            if threads:
+                cmd += ["--threads", str(threads)]
+            if model:
+                cmd += ["--model", model]
+            env = {**os.environ, "PYTHONPATH": trees[name]}
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                runs.append({"tree": name, "round": r, "error": proc.stderr.strip().splitlines()[-1:]})
+                continue
+            for line in proc.stdout.splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    runs.append({"tree": name, "round": r, **row})
+                    print(f"  {name} round {r}: {row['level']} streams {row['tok_s']:.1f} tok/s", flush=True)
+    summary = []
+    for level in levels:
+        row: dict[str, Any] = {"streams": level}
+        for name in ("before", "after"):
+            rates = [x["tok_s"] for x in runs if x.get("tree") == name and x.get("level") == level]
+            row[f"{name}_tok_s_median"] = median(rates)
+            row[f"{name}_runs"] = len(rates)
+        row["after_vs_before"] = row["after_tok_s_median"] / row["before_tok_s_median"]
+        summary.append(row)
+    return {"before_tree": trees["before"], "seconds_per_level": seconds, "rounds": rounds,
+            "runs": runs, "summary": summary}
+
+
 # -- main ----------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
@@ -386,7 +488,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--level-budget", type=float, default=None,
                         help="seconds one concurrency level may run (default 120; quick 5)")
     parser.add_argument("--cancels", type=int, default=None, help="cancels to measure (default 24; quick 8)")
+    parser.add_argument("--before", metavar="TREE", default=None,
+                        help="another checkout whose engine to compare throughput with (1 and 32 streams)")
+    parser.add_argument("--compare-seconds", type=float, default=25.0, help="seconds per level and round (--before)")
+    parser.add_argument("--compare-rounds", type=int, default=3, help="rounds of the before/after comparison")
+    parser.add_argument("--sections", default="throughput,cancel,continue,llama,output,compare",
+                        help="which parts to run (comma-separated)")
     args = parser.parse_args(argv)
+    sections_wanted = set(args.sections.split(","))
     apply_threads(args.threads)
     quick = args.quick
     max_tokens = args.max_tokens or (16 if quick else 256)
@@ -401,69 +510,109 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     engine.generate([_prompt(0)], _greedy(4))  # warm-up
 
+    output_cost = bench_output_cost(engine.tokenizer) if "output" in sections_wanted else []
+    for row in output_cost:
+        print(f"  output path at token {row['answer_position']}: {row['total_us_per_token']:.1f} us/token", flush=True)
+    compare = None
+    if args.before and "compare" in sections_wanted:
+        compare = bench_before_after(args.before, (1, 32), args.compare_seconds, args.compare_rounds, max_tokens,
+                                     args.threads, args.model)
+
     throughput = []
-    for n in levels:
-        throughput.append(bench_concurrency(engine, n, max_tokens, budget))
+    for n in (levels if "throughput" in sections_wanted else ()):
+        throughput.append(bench_concurrency(OutputCollector(engine), n, max_tokens, budget))
         row = throughput[-1]
         print(f"  {n} concurrent: {row['aggregate_tok_s']:.1f} tok/s aggregate, "
               f"ttft {row['ttft_ms_median']:.0f} ms{' (truncated)' if row['truncated'] else ''}", flush=True)
 
-    cancel = bench_cancel(engine, 8, cancels)
-    print(f"  cancel: median {cancel['latency_ms_median']:.0f} ms, p99 {cancel['latency_steps_p99']} steps",
-          flush=True)
+    cancel: dict[str, Any] = {}
+    if "cancel" in sections_wanted:
+        cancel = bench_cancel(engine, 8, cancels)
+        print(f"  cancel: median {cancel['latency_ms_median']:.0f} ms, p99 {cancel['latency_steps_p99']} steps",
+              flush=True)
 
     prompt_tokens = 1000
-    cold = Engine(engine.runner.stages, engine.tokenizer,
-                  EngineConfig(cache=CacheConfig(memory_bytes=96 * 1024**2)), model_name=engine.model_name)
-    cont = [bench_continue(engine, cold, prompt_tokens, cancel_after=8 if quick else 16)]
-    if not quick:  # the mid-prefill case costs two more long prefills
-        cont.append(bench_continue(engine, cold, prompt_tokens, cancel_after=None))
-    print(f"  continue after cancel: {cont[0]['saved_pct']:.1f}% of prefill saved", flush=True)
+    cont: list[dict[str, Any]] = []
+    if "continue" in sections_wanted:
+        cold = Engine(engine.runner.stages, engine.tokenizer,
+                      EngineConfig(cache=CacheConfig(memory_bytes=96 * 1024**2)), model_name=engine.model_name)
+        cont = [bench_continue(engine, cold, prompt_tokens, cancel_after=8 if quick else 16)]
+        if not quick:  # the mid-prefill case costs two more long prefills
+            cont.append(bench_continue(engine, cold, prompt_tokens, cancel_after=None))
+        print(f"  continue after cancel: {cont[0]['saved_pct']:.1f}% of prefill saved", flush=True)
 
-    llama = bench_llama_cpp(engine, args.model, info["torch_threads"], levels, max_tokens, budget)
+    llama = (bench_llama_cpp(engine, args.model, info["torch_threads"], levels, max_tokens, budget)
+             if "llama" in sections_wanted else [])
     info["loadavg_1m_end"] = machine_info().get("loadavg_1m")
 
-    at32 = next(r for r in throughput if r["concurrency"] == 32)
-    targets = {
-        "aggregate_tok_s_at_32": {"target": 400, "measured": at32["aggregate_tok_s"],
-                                  "met": at32["aggregate_tok_s"] >= 400},
-        "cancel_latency_steps_p99": {"target": 1, "measured": cancel["latency_steps_p99"],
-                                     "met": cancel["latency_steps_p99"] <= 1 and cancel["forwards_after_cancel"] == 0},
-        "prefill_saved_pct": {"target": 95, "measured": cont[0]["saved_pct"], "met": cont[0]["saved_pct"] >= 95},
-    }
+    targets: dict[str, Any] = {}
+    at32 = next((r for r in throughput if r["concurrency"] == 32), None)
+    if at32 is not None:
+        targets["aggregate_tok_s_at_32"] = {"target": 400, "measured": at32["aggregate_tok_s"],
+                                            "met": at32["aggregate_tok_s"] >= 400}
+    if cancel:
+        targets["cancel_latency_steps_p99"] = {
+            "target": 1, "measured": cancel["latency_steps_p99"],
+            "met": cancel["latency_steps_p99"] <= 1 and cancel["forwards_after_cancel"] == 0}
+    if cont:
+        targets["prefill_saved_pct"] = {"target": 95, "measured": cont[0]["saved_pct"],
+                                        "met": cont[0]["saved_pct"] >= 95}
+    if output_cost:
+        ratio = output_cost[-1]["total_us_per_token"] / output_cost[0]["total_us_per_token"]
+        targets["output_cost_at_2000_vs_20"] = {"target": 1.1, "measured": ratio, "met": ratio <= 1.1}
+    if compare is not None:
+        for row in compare["summary"]:
+            targets[f"tok_s_after_vs_before_{row['streams']}_streams"] = {
+                "target": 1.0, "measured": row["after_vs_before"], "met": row["after_vs_before"] >= 1.0}
     result = {
         "benchmark": "engine", "model": engine.model_name, "quick": quick, "load_s": load_s,
         "throughput": throughput, "cancel": cancel, "continue_after_cancel": cont, "llama_cpp": llama,
+        "output_cost": output_cost, "before_after": compare,
         "targets": targets, "machine": info, "seconds": time.perf_counter() - started + load_s,
     }
 
-    cancel_rows = [
-        {"measured by": "abort() -> cancelled output (here)", "median_ms": cancel["latency_ms_median"],
-         "p99_ms": cancel["latency_ms_p99"], "median_steps": cancel["latency_steps_median"],
-         "p99_steps": cancel["latency_steps_p99"], "max_steps": cancel["latency_steps_max"]},
-        {"measured by": "engine.counters", "median_ms": cancel["engine_latency_ms_median"],
-         "p99_ms": cancel["engine_latency_ms_p99"], "median_steps": cancel["engine_latency_steps_median"],
-         "p99_steps": cancel["engine_latency_steps_p99"], "max_steps": cancel["engine_latency_steps_max"]},
-    ]
     target_rows = [{"target": k, "goal": v["target"], "measured": v["measured"], "met": v["met"]}
                    for k, v in targets.items()]
-    sections = [
-        (f"Throughput ({max_tokens} greedy tokens per request, ignore_eos; decode_tok_s = steps with every "
-         "request decoding; median_step_tok_s = median over those steps)",
-         format_table(throughput, ["concurrency", "generated", "wall_s", "aggregate_tok_s", "decode_tok_s",
-                                   "median_step_tok_s", "ttft_ms_median", "ttft_ms_p99", "truncated"])),
-        (f"Cancel latency ({cancel['cancels']} aborts from another thread at random moments, "
-         f"{cancel['concurrency']} running; median step {cancel['step_ms_median']:.0f} ms; "
-         f"forwards holding a request after its abort: {cancel['forwards_after_cancel']})",
-         format_table(cancel_rows)),
-        (f"Continuing a cancelled ~{prompt_tokens}-token conversation (computed tokens vs a cold run)",
-         format_table(cont, ["case", "conversation_tokens", "continuation_prompt_tokens", "cached_tokens",
-                             "computed", "cold_computed", "saved_pct", "continue_ms", "cold_ms",
-                             "same_next_token"])),
-        ("llama.cpp on the same GGUF, same prompts and levels (optional; where llama-cpp-python is installed)",
-         format_table(llama)),
-        ("Targets (issue 3)", format_table(target_rows)),
-    ]
+    sections = []
+    if throughput:
+        sections.append((
+            f"Throughput ({max_tokens} greedy tokens per request, ignore_eos; decode_tok_s = steps with every "
+            "request decoding; median_step_tok_s = median over those steps)",
+            format_table(throughput, ["concurrency", "generated", "wall_s", "aggregate_tok_s", "decode_tok_s",
+                                      "median_step_tok_s", "ttft_ms_median", "ttft_ms_p99", "truncated"])))
+    if cancel:
+        cancel_rows = [
+            {"measured by": "abort() -> cancelled output (here)", "median_ms": cancel["latency_ms_median"],
+             "p99_ms": cancel["latency_ms_p99"], "median_steps": cancel["latency_steps_median"],
+             "p99_steps": cancel["latency_steps_p99"], "max_steps": cancel["latency_steps_max"]},
+            {"measured by": "engine.counters", "median_ms": cancel["engine_latency_ms_median"],
+             "p99_ms": cancel["engine_latency_ms_p99"], "median_steps": cancel["engine_latency_steps_median"],
+             "p99_steps": cancel["engine_latency_steps_p99"], "max_steps": cancel["engine_latency_steps_max"]},
+        ]
+        sections.append((
+            f"Cancel latency ({cancel['cancels']} aborts from another thread at random moments, "
+            f"{cancel['concurrency']} running; median step {cancel['step_ms_median']:.0f} ms; "
+            f"forwards holding a request after its abort: {cancel['forwards_after_cancel']})",
+            format_table(cancel_rows)))
+    if cont:
+        sections.append((
+            f"Continuing a cancelled ~{prompt_tokens}-token conversation (computed tokens vs a cold run)",
+            format_table(cont, ["case", "conversation_tokens", "continuation_prompt_tokens", "cached_tokens",
+                                "computed", "cold_computed", "saved_pct", "continue_ms", "cold_ms",
+                                "same_next_token"])))
+    if llama:
+        sections.append(("llama.cpp on the same GGUF, same prompts and levels (optional; where "
+                         "llama-cpp-python is installed)", format_table(llama)))
+    if output_cost:
+        sections.append(("Output path per generated token, by answer position (engine side: the scheduler "
+                         "applying the token and the step's deltas; consumer side: detokenizing, a stop string; "
+                         "no model; medians over 20 tokens x 5 requests)", format_table(output_cost)))
+    if compare is not None:
+        sections.append((f"Throughput before ({compare['before_tree']}) and after, tokens/s, medians over "
+                         f"{compare['rounds']} interleaved rounds of {compare['seconds_per_level']:.0f} s per level "
+                         "(each tree in its own process; the level is kept full)",
+                         format_table(compare["summary"])))
+    sections.append(("Targets (issues 3 and 9)", format_table(target_rows)))
     emit(f"bargein engine benchmark ({engine.model_name})", sections, result, args.json)
     return result
 
