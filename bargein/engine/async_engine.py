@@ -27,10 +27,10 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from bargein.engine.engine import Engine
-from bargein.engine.outputs import OutputProcessor, RequestDelta, StepOutcome
+from bargein.engine.outputs import OutputProcessor, RequestDelta, StepOutcome, end_found_by_consumer
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.stats import EngineStats
@@ -59,7 +59,7 @@ class AsyncEngine:
         return cls(Engine.from_pretrained(ref, **kwargs))  # type: ignore[arg-type]
 
     @property
-    def tokenizer(self) -> object:
+    def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     @property
@@ -187,10 +187,7 @@ class AsyncEngine:
         processor = stream.processor
         try:
             while True:
-                result = processor.process(await stream.next_delta())
-                if result.stop_delivered is not None:
-                    self.engine.finish(request_id, FinishReason.STOP, delivered=result.stop_delivered)
-                out = result.output
+                out = end_found_by_consumer(self.engine, processor.process(await stream.next_delta()))
                 if out is None:
                     continue
                 finished = out.finished
@@ -201,9 +198,14 @@ class AsyncEngine:
             if not finished:
                 self.engine.abort(request_id, exit_reason, delivered=processor.num_delivered)
 
-    def abort(self, request_id: str, reason: CancelReason = CancelReason.USER) -> AbortResult:
-        """Thread-safe, lock-free, idempotent (C6); the stream then ends with a cancelled output."""
-        return self.engine.abort(request_id, reason)
+    def abort(self, request_id: str, reason: CancelReason = CancelReason.USER, *,
+              delivered: int | None = None) -> AbortResult:
+        """Thread-safe, lock-free, idempotent (C6); the stream then ends with a cancelled output.
+
+        With ``delivered``, the request's sequence keeps only that many output tokens
+        (what its consumer was handed), even if it already finished.
+        """
+        return self.engine.abort(request_id, reason, delivered=delivered)
 
     def abort_all(self, reason: CancelReason = CancelReason.USER) -> list[str]:
         """Cancels every live request; lock-free (safe in a signal handler)."""

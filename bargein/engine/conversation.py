@@ -123,7 +123,7 @@ class Conversation:
         """
         self._check_open()
         if isinstance(text_or_tokens, str):
-            new = self._engine.engine.tokenizer.encode(text_or_tokens, add_special_tokens=False)
+            new = self._engine.tokenizer.encode(text_or_tokens, add_special_tokens=False)
         else:
             new = [int(t) for t in text_or_tokens]
         await self._settle()
@@ -155,8 +155,8 @@ class Conversation:
         if answer is None:
             return
         if not answer.stream.processor.finished:
-            self._engine.engine.abort(answer.request_id, CancelReason.DISCONNECT,
-                                      delivered=answer.stream.processor.num_delivered)
+            self._engine.abort(answer.request_id, CancelReason.DISCONNECT,
+                               delivered=answer.stream.processor.num_delivered)
         while not answer.stream.engine_finished:
             await answer.stream.next_delta()
 

@@ -184,10 +184,16 @@ class Engine:
             log.exception("abort(%r) failed", request_id)
             return AbortResult.NOT_FOUND
 
-    def finish(self, request_id: str, reason: FinishReason, *, delivered: int) -> None:
+    def finish(self, request_id: str, reason: FinishReason, *, delivered: int) -> CancelReason | None:
         """Ends a request for a reason its consumer found (a stop string), keeping
-        ``delivered`` output tokens; applied at the next step boundary."""
+        ``delivered`` output tokens; applied at the next step boundary. Lock-free.
+
+        Returns the cancel reason if an abort claimed the request first: it then ends
+        cancelled (as that abort answered), and the consumer's last output should say so.
+        """
+        claimed = self.scheduler.ids.claim_end(request_id)
         self._post(FinishRequest(request_id, reason, delivered))
+        return claimed
 
     def call_soon(self, fn: Callable[[], Any]) -> Future:
         """Runs ``fn`` in the engine's thread at the next step boundary."""
@@ -277,7 +283,6 @@ class Engine:
         req = message.request
         try:
             if message.session_id is not None:
-                req.sequence = self.scheduler.session(message.session_id).sequence
                 self.scheduler.start_session_request(req, message.new_token_ids)
             else:
                 self.scheduler.add(req)

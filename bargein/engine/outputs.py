@@ -16,7 +16,7 @@ found the stop.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bargein.engine.detokenizer import IncrementalDetokenizer
@@ -36,7 +36,7 @@ class RequestDelta:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[Any] = field(default_factory=list)
-    usage: Usage = field(default_factory=lambda: Usage(0, 0, 0))
+    usage: Usage | None = None  # cumulative counts; None: unchanged (a final delta made outside the engine)
     finished: bool = False
     finish_reason: FinishReason | None = None
     cancel_reason: CancelReason | None = None
@@ -50,7 +50,7 @@ class RequestDelta:
             return  # nothing follows a finish
         self.new_token_ids += later.new_token_ids
         self.new_logprobs += later.new_logprobs
-        self.usage = later.usage
+        self.usage = later.usage or self.usage
         if self.prompt_token_ids is None:
             self.prompt_token_ids = later.prompt_token_ids
         if later.finished:
@@ -79,6 +79,18 @@ class Processed:
     stop_delivered: int | None = None
 
 
+def end_found_by_consumer(engine: Any, result: Processed) -> RequestOutput | None:
+    """Sends a stop string the consumer found back to the engine; returns the output to
+    hand on (cancelled instead, if an abort claimed the request first)."""
+    out = result.output
+    if result.stop_delivered is None or out is None:
+        return out
+    claimed = engine.finish(out.request_id, FinishReason.STOP, delivered=result.stop_delivered)
+    if claimed is not None:
+        out = replace(out, finish_reason=FinishReason.CANCELLED, cancel_reason=claimed)
+    return out
+
+
 class OutputProcessor:
     """Turns one request's deltas into outputs; lives on the consumer's side.
 
@@ -92,6 +104,7 @@ class OutputProcessor:
                                              skip_special_tokens=params.skip_special_tokens)
         self._token_ids: list[int] = []
         self._prompt: tuple[int, ...] = ()
+        self._usage = Usage(0, 0, 0)
         self.finished = False
 
     @property
@@ -104,6 +117,8 @@ class OutputProcessor:
             return Processed(None)
         if delta.prompt_token_ids is not None:
             self._prompt = delta.prompt_token_ids
+        if delta.usage is not None:
+            self._usage = delta.usage
         new: list[int] = []
         pieces: list[str] = []
         for token in delta.new_token_ids:
@@ -116,17 +131,17 @@ class OutputProcessor:
                          for t in delta.new_logprobs[:len(new)] if t is not None and t.logprob is not None)
         if self._detok.stop_matched is not None:
             self.finished = True
-            usage = Usage(delta.usage.prompt_tokens, len(self._token_ids), delta.usage.cached_tokens)
+            usage = Usage(self._usage.prompt_tokens, len(self._token_ids), self._usage.cached_tokens)
             out = self._output(new, pieces, logprobs, usage, FinishReason.STOP, None, None)
             return Processed(out, stop_delivered=len(self._token_ids))
         if delta.finished:
             self.finished = True
             pieces.append(self._detok.flush())
-            return Processed(self._output(new, pieces, logprobs, delta.usage, delta.finish_reason,
+            return Processed(self._output(new, pieces, logprobs, self._usage, delta.finish_reason,
                                           delta.cancel_reason, delta.error))
         if not new:
             return Processed(None)
-        return Processed(self._output(new, pieces, logprobs, delta.usage, None, None, None))
+        return Processed(self._output(new, pieces, logprobs, self._usage, None, None, None))
 
     def _output(self, new: list[int], pieces: list[str], logprobs: tuple[TokenLogprob, ...], usage: Usage,
                 reason: FinishReason | None, cancel_reason: CancelReason | None, error: str | None) -> RequestOutput:
@@ -192,11 +207,9 @@ class OutputCollector:
             processor = self._processors.get(delta.request_id)
             if processor is None:
                 continue
-            result = processor.process(delta)
-            if result.stop_delivered is not None:
-                self.engine.finish(delta.request_id, FinishReason.STOP, delivered=result.stop_delivered)
-            if result.output is not None:
-                outputs.append(result.output)
+            out = end_found_by_consumer(self.engine, processor.process(delta))
+            if out is not None:
+                outputs.append(out)
             if processor.finished:
                 del self._processors[delta.request_id]
         return outputs

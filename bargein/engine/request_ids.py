@@ -56,6 +56,12 @@ class RequestIds:
         got = self._outcome.get(request_id)
         return got if isinstance(got, CancelReason) else None
 
+    def claim_end(self, request_id: str) -> CancelReason | None:
+        """Claims the outcome for an end found outside the engine (a consumer's stop
+        string); returns the cancel reason if a cancel got there first."""
+        got = self._outcome.setdefault(request_id, _DONE)
+        return got if isinstance(got, CancelReason) else None
+
     def live(self) -> list[str]:
         return list(self._live)
 

@@ -62,7 +62,10 @@ class SessionBusy(Exception):
 
 
 class UnknownSession(KeyError):
-    pass
+    """No conversation with that id (never opened, or closed)."""
+
+    def __str__(self) -> str:
+        return f"no conversation {self.args[0]!r} (it was never opened, or is closed)"
 
 
 class TooLong(ValueError):
