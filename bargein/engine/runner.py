@@ -4,6 +4,12 @@ It owns the KV cache tensors (one pair per layer) of the model stages it drives,
 turns the plan's plain data (token ids, positions, block tables) into the tensors and
 :class:`~bargein.model.attention.AttentionMetadata` of one forward. It never decides
 anything: block ids come from the scheduler.
+
+Device: the caches live where the model does. A step's integers are gathered on the
+host and copied to the device once per tensor; pure-decode steps on CUDA replay CUDA
+graphs (``bargein.engine.decode_graphs``), everything else runs eagerly. The caches
+hold one block more than the scheduler's pool: a scratch block that graph padding
+writes to and no sequence ever owns.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from bargein.engine.decode_graphs import DecodeGraphs
 from bargein.engine.plan import StepPlan
 from bargein.model.attention import AttentionMetadata
 from bargein.model.llama import LlamaStage
@@ -20,15 +27,27 @@ from bargein.model.llama import LlamaStage
 class ModelRunner:
     """Drives one or more consecutive model stages in this process."""
 
-    def __init__(self, stages: Sequence[LlamaStage], num_blocks: int, block_size: int):
+    def __init__(self, stages: Sequence[LlamaStage], num_blocks: int, block_size: int, *,
+                 cuda_graph_batch_sizes: Sequence[int] = ()):
+        """``cuda_graph_batch_sizes``: decode batch sizes to capture graphs for on CUDA
+        (empty: no graphs). Ignored on other devices."""
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("the stages must cover the model from its first layer to its last")
         self.stages = list(stages)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = [s.make_kv_caches(num_blocks, block_size) for s in self.stages]
+        self.pad_block = num_blocks  # the scratch block past the pool's ids
+        self.kv_caches = [s.make_kv_caches(num_blocks + 1, block_size) for s in self.stages]
         self.device = stages[0].device
         self.vocab_size = stages[-1].vocab_size
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graph_batch_sizes and self.device.type == "cuda":
+            self.decode_graphs = self.padded_decode(cuda_graph_batch_sizes, capture=True)
+
+    def padded_decode(self, batch_sizes: Sequence[int], *, capture: bool) -> DecodeGraphs:
+        """A :class:`DecodeGraphs` over this runner's stages and caches."""
+        return DecodeGraphs(self.stages, self.kv_caches, pad_block=self.pad_block, block_size=self.block_size,
+                            batch_sizes=batch_sizes, capture=capture)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Runs the plan's forward; returns float32 logits (len(plan.sampled), vocab)."""
@@ -38,6 +57,8 @@ class ModelRunner:
                     cache.copy_block(src, dst)
         if plan.is_empty:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        if self.decode_graphs is not None and (logits := self.decode_graphs.run(plan)) is not None:
+            return logits
         ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -53,9 +74,8 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
-        x = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        x, pos, indices = (torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)
+                           for v in (ids, positions, logits_indices))
         for stage, caches in zip(self.stages, self.kv_caches, strict=True):
             x = stage(x, pos, meta, caches, logits_indices=indices if stage.is_last else None)
         return x
