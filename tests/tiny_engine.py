@@ -53,7 +53,7 @@ def tiny_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return _WEIGHTS[seed]
 
 
-def test_device() -> str:
+def target_device() -> str:
     return os.environ.get("BARGEIN_TEST_DEVICE", "cpu")
 
 
@@ -63,7 +63,7 @@ def tiny_engine(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
     config = EngineConfig(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        device=device or test_device(), dtype=dtype or os.environ.get("BARGEIN_TEST_DTYPE", "float32"),
+        device=device or target_device(), dtype=dtype or os.environ.get("BARGEIN_TEST_DTYPE", "float32"),
         cuda_graphs=cuda_graphs,
     )
     model = build_model(TINY, dict(tiny_weights(seed)), config, max_positions=TINY.max_position_embeddings)
