@@ -154,7 +154,8 @@ class DecodeGraphs:
                 self._forward(g)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA work (a server's, say) does not break this capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             g.logits = self._forward(g)
         g.graph = graph
 
