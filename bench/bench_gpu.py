@@ -17,6 +17,7 @@ tokens with ``ignore_eos``. Each level runs twice with fresh prompts: once to wa
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -172,8 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = EngineConfig(
         cache=CacheConfig(block_size=16, memory_bytes=int(args.kv_memory_gb * 1024**3)),
         scheduler=SchedulerConfig(max_num_seqs=max(levels), max_num_batched_tokens=max(2048, PROMPT_LEN * max(levels))),
-        device=str(device), dtype=_dtype_name(dtype))
-    model = build_model(shape, weights, base, max_positions=PROMPT_LEN + args.max_tokens + 16)
+        device=str(device), dtype=_dtype_name(dtype), max_model_len=PROMPT_LEN + args.max_tokens + 16)
+    model = build_model(shape, weights, base, max_positions=base.max_model_len)
     _sync(device)
     build_s = time.perf_counter() - t0
     info = machine_info()
@@ -184,8 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     rows: list[dict[str, Any]] = []
     for graphs_on in modes:
-        config = EngineConfig(cache=base.cache, scheduler=base.scheduler, device=base.device, dtype=base.dtype,
-                              cuda_graphs=graphs_on)
+        config = dataclasses.replace(base, cuda_graphs=graphs_on)
         engine = Engine(model, IdTokenizer(shape.vocab_size), config, model_name=shape.name)
         mode = "off"
         if graphs_on:
