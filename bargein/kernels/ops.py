@@ -64,14 +64,17 @@ class KernelSet:
 def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """PyTorch's path: gather each sequence's blocks, padded to the widest, then SDPA."""
-    bd, kvh, d = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    bd, num_heads, kvh, d = q.shape[0], q.shape[1], k_cache.shape[2], k_cache.shape[3]
     # index_select copies whole blocks; advanced indexing (cache.k[tables]) is ~25% slower on CPU.
     ids = block_tables.reshape(-1)
     keys = k_cache.index_select(0, ids).view(bd, -1, kvh, d).transpose(1, 2)  # (Bd, KVH, L, D)
     values = v_cache.index_select(0, ids).view(bd, -1, kvh, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask.to(q.dtype),
-                                         enable_gqa=True)
-    return out.squeeze(2)  # (Bd, H, D)
+    # One query per head: the heads sharing a KV head become that head's query rows, all
+    # under the same mask. Grouped attention then needs no repeated K/V and no enable_gqa
+    # (whose repeat may synchronise with the device, which a CUDA graph capture forbids).
+    grouped = q.view(bd, kvh, num_heads // kvh, d)  # (Bd, KVH, group, D): head h uses KV head h // group
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask.to(q.dtype))
+    return out.reshape(bd, num_heads, d)
 
 
 TORCH_KERNELS = KernelSet()
