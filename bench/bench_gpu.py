@@ -18,6 +18,7 @@ tokens with ``ignore_eos``. Each level runs twice with fresh prompts: once to wa
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 # The benchmarks share bench/common.py whether run as scripts or loaded by `bargein bench`.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-from common import base_parser, emit, format_table, machine_info, median, percentile  # noqa: E402
+from common import base_parser, emit, format_table, machine_info, median, percentile, rnd  # noqa: E402
 
 from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from bargein.engine.device import build_model, resolve_device, resolve_dtype  # noqa: E402
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             args.level_budget)
             row = {"cuda_graphs": mode, **row, "warmup_s": warm_s}
             rows.append(row)
+            if args.json:  # what is measured so far survives a run cut short
+                Path(args.json).write_text(json.dumps(rnd({"partial": True, "rows": rows})) + "\n")
             print(f"  graphs {mode} {n:4d} streams: {row['aggregate_tok_s']:,.0f} tok/s "
                   f"aggregate, decode {row['decode_tok_s']:,.0f} tok/s, step {row['step_ms_median']:.2f} ms",
                   flush=True)

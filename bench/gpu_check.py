@@ -274,6 +274,7 @@ def attention(args: argparse.Namespace) -> int:
             row = _attention_case(flex, device, dtype, bs, b, ctx_len, g, failures)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            _write(args.json, {"device": str(device), "dtype": str(dtype), "rows": rows, "failures": failures})
     _write(args.json, {"device": str(device), "dtype": str(dtype), "rows": rows, "failures": failures})
     print(f"attention: {'PASS' if not failures else 'FAIL: ' + '; '.join(failures)}", flush=True)
     return 1 if failures else 0

@@ -53,19 +53,21 @@ main() {
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
             && export PYTHONPATH="$PYTHONPATH:/tmp/site" && echo "installed wheels: $(ls .whl)"
     fi
-    stage nvidia-smi 20 nvidia-smi
-    stage versions 30 "$PY" bench/gpu_check.py info
+    stage nvidia-smi 15 nvidia-smi
+    stage versions 25 "$PY" bench/gpu_check.py info
     if [ "$SMALL" = 1 ]; then
         bench_args=(--small --streams 1,4 --max-tokens 8)
     else
         bench_args=(--streams 1,32,256 --max-tokens 128)
     fi
-    stage parity 60 "$PY" bench/gpu_check.py parity --device "$DEVICE" --json "$OUT/parity.json"
-    stage contract 100 env BARGEIN_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider -rfE --timeout 60 \
-        tests/test_device.py tests/test_engine.py tests/test_conversation_state_machine.py
-    stage bench 140 "$PY" bench/bench_gpu.py --device "$DEVICE" "${bench_args[@]}" --graphs both \
+    stage parity 55 "$PY" bench/gpu_check.py parity --device "$DEVICE" --json "$OUT/parity.json"
+    stage contract 110 env BARGEIN_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider -rfE --timeout 60 \
+        --durations=5 tests/test_device.py tests/test_engine.py tests/test_async_engine.py \
+        tests/test_conversation_state_machine.py
+    # 12 runs (3 levels x graphs on/off x warm-up + timed), each cut at 8 s: always inside the box.
+    stage bench 130 "$PY" bench/bench_gpu.py --device "$DEVICE" "${bench_args[@]}" --graphs both --level-budget 8 \
         --json "$OUT/bench_gpu.json"
-    stage attention 60 "$PY" bench/gpu_check.py attention --device "$DEVICE" --json "$OUT/attention.json"
+    stage attention 55 "$PY" bench/gpu_check.py attention --device "$DEVICE" --json "$OUT/attention.json"
     echo
     echo "=== summary ($(date -u +%H:%M:%S)) ==="
     cat "$SUMMARY"
