@@ -22,7 +22,7 @@ from bargein.engine.sampling import SamplingParams
 from bargein.model.attention import AttentionMetadata
 from tests.tiny_engine import TINY, prompt, target_device, tiny_engine, tiny_weights
 
-BF16_TOL = 0.02
+BF16_TOL = 0.04
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
@@ -237,14 +237,15 @@ def test_cuda_greedy_matches_this_machines_cpu_fp32(dtype: str) -> None:
     gpu = tiny_engine(device="cuda", dtype=dtype)
     assert gpu.runner.decode_graphs is not None
     want = [list(o.token_ids) for o in cpu.generate(prompts, GREEDY)]
+    got = [list(o.token_ids) for o in gpu.generate(prompts, GREEDY)]
     if dtype == "float32":
-        assert [list(o.token_ids) for o in gpu.generate(prompts, GREEDY)] == want
+        assert got == want  # bf16 is held to the tolerance below instead, teacher-forced
     gpu_model = gpu.runner.stages[0]
     cpu_model = cpu.runner.stages[0]
     for p, answer in zip(prompts, want, strict=True):
-        got, ref = sequence_logits(gpu_model, p + answer), sequence_logits(cpu_model, p + answer)
+        on_gpu, ref = sequence_logits(gpu_model, p + answer), sequence_logits(cpu_model, p + answer)
         if dtype == "float32":
-            torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-3)
+            torch.testing.assert_close(on_gpu, ref, atol=1e-3, rtol=1e-3)
         else:
-            assert_close_to_fp32(got, ref)
+            assert_close_to_fp32(on_gpu, ref)
     assert gpu.runner.decode_graphs.replays > 0 and gpu.runner.decode_graphs.capture
