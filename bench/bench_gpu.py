@@ -100,15 +100,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def consumer(engine: Engine) -> Any:
+    """What adds requests and steps to RequestOutputs: the engine's OutputCollector where
+    the engine sends deltas (issue 9's output split), else the engine itself."""
+    try:
+        from bargein.engine.outputs import OutputCollector
+    except ImportError:  # an engine from before the split
+        return engine
+    return OutputCollector(engine)
+
+
 def run_level(engine: Engine, prompts: list[list[int]], max_tokens: int, budget_s: float) -> dict[str, Any]:
     """All prompts at once; steps until every request finished (or the budget ran out)."""
     device = engine.runner.device
+    driver = consumer(engine)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     graphs = engine.runner.decode_graphs
     replays_before = graphs.replays if graphs is not None else 0
     _sync(device)
     started = time.perf_counter()
-    live = {engine.add_request(p, params) for p in prompts}
+    live = {driver.add_request(p, params) for p in prompts}
     first: dict[str, float] = {}
     generated = decode_tokens = 0
     decode_time = 0.0
@@ -116,7 +127,7 @@ def run_level(engine: Engine, prompts: list[list[int]], max_tokens: int, budget_
     truncated = False
     while live:
         t0 = time.perf_counter()
-        outs = engine.step()
+        outs = driver.step()
         now = time.perf_counter()
         in_decode = len(first) == len(prompts)
         tokens = 0
@@ -136,7 +147,7 @@ def run_level(engine: Engine, prompts: list[list[int]], max_tokens: int, budget_
             for rid in list(live):
                 engine.abort(rid)
             while live:
-                live -= {o.request_id for o in engine.step() if o.finished}
+                live -= {o.request_id for o in driver.step() if o.finished}
     _sync(device)
     wall = time.perf_counter() - started
     engine.check_block_accounting()
