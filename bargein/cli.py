@@ -45,6 +45,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         max_model_len = env.int("MAX_MODEL_LEN", None)
         max_num_seqs = env.int("MAX_NUM_SEQS", 64)
         max_batched = env.int("MAX_NUM_BATCHED_TOKENS", 512)
+        device = env.str("DEVICE", "auto")
+        dtype = env.str("DTYPE", "auto")
     except SettingsError as exc:
         raise UserError(str(exc)) from None
     s = env_settings
@@ -66,6 +68,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences in one batch (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=max_batched, metavar="N",
                    help="tokens in one step; long prompts are computed in chunks of this size (default: %(default)s)")
+    p.add_argument("--device", default=device, metavar="DEVICE",
+                   help="auto (CUDA where available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache: auto is bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
     p.add_argument("--max-body", default=str(s.max_body_bytes), metavar="SIZE",
                    help="largest request body, e.g. 4MiB (default: %(default)s bytes)")
     p.add_argument("--shutdown-timeout", type=float, default=s.shutdown_timeout, metavar="S",
@@ -78,6 +84,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
+    from bargein.engine.device import resolve_device
     from bargein.server.settings import ServerSettings, SettingsError, parse_size
 
     try:
@@ -90,7 +97,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         config = EngineConfig(
             cache=CacheConfig(memory_bytes=parse_size(args.kv_memory)),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-            max_model_len=args.max_model_len)
+            max_model_len=args.max_model_len, device=args.device, dtype=args.dtype)
+        resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
     except ValueError as exc:  # SettingsError and the configs' own checks
         raise UserError(str(exc)) from None
 
@@ -119,13 +127,14 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _load_engine(ref: str | None, config):
+    from bargein.engine.device import DeviceError
     from bargein.engine.engine import Engine
     from bargein.loader import LoaderError
 
     print(f"bargein: loading {ref or 'the bundled SmolLM2-135M-Instruct'}", file=sys.stderr, flush=True)
     try:
         return Engine.from_pretrained(ref, config, progress=True)
-    except (LoaderError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+    except (LoaderError, DeviceError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         raise UserError(str(exc)) from None
 
 

@@ -79,15 +79,38 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 
 
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Decode-only steps of these batch sizes (padded up to the next one) replay CUDA graphs.
+CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an engine is built from besides the weights."""
+    """Everything an engine is built from besides the weights.
+
+    ``device``: "auto" (CUDA where ``torch.cuda.is_available()``, else the CPU), "cpu",
+    "cuda" or "cuda:N". ``dtype`` of weights and K/V: "auto" is bfloat16 on CUDA and
+    float32 on the CPU. Both are resolved once, by ``bargein.engine.device``.
+    """
 
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    dtype: str = "float32"  # "float32" or "bfloat16"
-    device: str = "cpu"
+    dtype: str = "auto"
+    device: str = "auto"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     # Our C kernels (bargein/kernels), built on first use where a C compiler is found;
     # float32 CPU only. False, or BARGEIN_NATIVE_KERNELS=0, keeps to PyTorch's own.
     native_kernels: bool = True
+    # CUDA only: replay decode-only steps from CUDA graphs captured per batch size.
+    cuda_graphs: bool = True
+    cuda_graph_batch_sizes: tuple[int, ...] = CUDA_GRAPH_BATCH_SIZES
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        base, _, index = self.device.partition(":")
+        if base not in DEVICES or (index and (base != "cuda" or not index.isdigit())):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if not self.cuda_graph_batch_sizes or any(b <= 0 for b in self.cuda_graph_batch_sizes):
+            raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from bargein.config import CacheConfig, EngineConfig
 from bargein.engine.engine import Engine
 from bargein.engine.sampling import SamplingParams
+from bargein.kernels.block_quant import recover_blocks
 from bargein.kernels.native import NativeKernelError, load_native_kernels
-from bargein.model.block_quant import recover_blocks
-from bargein.model.linear import BLOCK_KERNEL_MAX_ROWS, Linear
+from bargein.kernels.ops import BLOCK_KERNEL_MAX_ROWS, KernelSet
+from bargein.model.linear import Linear
 from tests.tiny_models import TinySpec, quantized_reference, tiny_weights, write_gguf
 
 KERNELS = load_native_kernels()
@@ -120,7 +121,7 @@ def test_concurrent_callers_each_get_their_own_answer() -> None:
 @needs_kernels
 def test_linear_uses_blocks_for_few_rows_and_packed_float32_for_many() -> None:
     w, bias = lattice_4bit(48, 64, 9), torch.randn(48)
-    layer = Linear(w, bias, kernels=KERNELS)
+    layer = Linear(w, bias, kernels=KernelSet(KERNELS))
     assert layer.blocks is not None
     calls = []
     real = KERNELS.block_matmul
@@ -130,12 +131,12 @@ def test_linear_uses_blocks_for_few_rows_and_packed_float32_for_many() -> None:
             calls.append(args[0].shape[0])
             return real(*args)
 
-    layer.kernels = Spy()
+    layer.kernels = KernelSet(Spy())
     for rows in (1, BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(layer(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
     assert calls == [1, BLOCK_KERNEL_MAX_ROWS]
-    assert Linear(torch.randn(48, 64), kernels=KERNELS).blocks is None
+    assert Linear(torch.randn(48, 64), kernels=KernelSet(KERNELS)).blocks is None
     assert Linear(w).blocks is None  # no kernels, no block copy
 
 

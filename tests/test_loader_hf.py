@@ -159,3 +159,16 @@ def test_generation_config_eos_ids_are_stop_tokens(tmp_path: Path) -> None:
     folder = write_hf_folder(tmp_path / "gen", SPEC, WEIGHTS)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert {2, 7} <= load_tokenizer(resolve_model_ref(folder)).eos_token_ids
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_weights_go_to_the_device_one_by_one(tmp_path: Path, kind: str) -> None:
+    """``device``/``dtype`` apply to every tensor as it is read (the meta device stands in
+    for a GPU: nothing is computed, only placed)."""
+    if kind == "hf":
+        path = write_hf_folder(tmp_path / "tiny-hf", SPEC, WEIGHTS)
+    else:
+        path = write_gguf(tmp_path / "tiny.gguf", SPEC, WEIGHTS, tensor_type="F32")
+    _, weights = load(path, dtype=torch.bfloat16, device="meta")
+    assert weights.keys() == WEIGHTS.keys()
+    assert all(w.device.type == "meta" and w.dtype == torch.bfloat16 for w in weights.values())

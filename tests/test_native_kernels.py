@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from bargein.kernels import native
 from bargein.kernels.native import NativeKernelError, build_library, load_native_kernels
+from bargein.kernels.ops import KernelSet, resolve_kernels
 from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
 from tests.dense_reference import random_weights
 from tests.test_model import CONFIGS, PagedRunner, tokens
@@ -93,8 +94,8 @@ def test_paged_attention_native_equals_torch_path_in_a_mixed_batch() -> None:
     v = torch.randn(t, num_kv_heads, head_dim, generator=g)
     meta = AttentionMetadata.build(block_tables=tables, query_lens=q_lens, context_lens=ctx_lens, block_size=4)
     torch_cache = KVCache(cache.k.clone(), cache.v.clone())
-    got = paged_attention(q, k, v, cache, meta, KERNELS)
-    want = paged_attention(q, k, v, torch_cache, meta, None)
+    got = paged_attention(q, k, v, cache, meta, KernelSet(KERNELS))
+    want = paged_attention(q, k, v, torch_cache, meta)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(cache.k, torch_cache.k) and torch.equal(cache.v, torch_cache.v)
 
@@ -119,7 +120,7 @@ def test_model_logits_same_with_and_without_kernels() -> None:
 def native_stage(config, weights, use: bool):
     from bargein.model.llama import LlamaStage
 
-    return LlamaStage(config, weights, native_kernels=use)
+    return LlamaStage(config, weights, kernels=resolve_kernels("cpu", native=use))
 
 
 @needs_kernels

@@ -2,18 +2,23 @@
 
 The tokenizer is bytes: token t < 256 is the byte t; 256 is end-of-sequence. Prompts
 are token lists, so no test depends on a real vocabulary.
+
+``BARGEIN_TEST_DEVICE`` (default ``cpu``) and ``BARGEIN_TEST_DTYPE`` (default
+``float32``) choose where these engines run, so the same contract tests run on a GPU
+(scripts/gpu_check.sh sets ``cuda``).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
 
 from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
 from bargein.engine.outputs import OutputCollector
-from bargein.model.llama import LlamaStage
 from tests.dense_reference import dense_logits, random_weights
 
 EOS = 256
@@ -50,13 +55,21 @@ def tiny_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return _WEIGHTS[seed]
 
 
+def target_device() -> str:
+    return os.environ.get("BARGEIN_TEST_DEVICE", "cpu")
+
+
 def tiny_engine(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
-                max_num_batched_tokens: int = 64, seed: int = 0, prefix_caching: bool = True) -> Engine:
+                max_num_batched_tokens: int = 64, seed: int = 0, prefix_caching: bool = True,
+                device: str | None = None, dtype: str | None = None, cuda_graphs: bool = True) -> Engine:
     config = EngineConfig(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        device=device or target_device(), dtype=dtype or os.environ.get("BARGEIN_TEST_DTYPE", "float32"),
+        cuda_graphs=cuda_graphs,
     )
-    return Engine(LlamaStage(TINY, tiny_weights(seed)), ByteTokenizer(), config, model_name="tiny")
+    model = build_model(TINY, dict(tiny_weights(seed)), config, max_positions=TINY.max_position_embeddings)
+    return Engine(model, ByteTokenizer(), config, model_name="tiny")
 
 
 def reference_greedy(tokens: list[int], n: int, seed: int = 0) -> list[int]:

@@ -33,8 +33,6 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import torch
-
 from bargein.config import EngineConfig, ModelConfig
 from bargein.engine.blocks import BlockPool
 from bargein.engine.messages import (
@@ -46,6 +44,7 @@ from bargein.engine.messages import (
     Wake,
 )
 from bargein.engine.outputs import OutputCollector, RequestDelta, StepOutcome
+from bargein.engine.device import build_model, resolve_device, resolve_dtype
 from bargein.engine.request import (
     AbortResult,
     CancelReason,
@@ -88,7 +87,9 @@ class Engine:
         bytes_per_block = sum(s.kv_bytes_per_block(cache.block_size) for s in stages)
         num_blocks = cache.num_blocks or max(_MIN_BLOCKS, cache.memory_bytes // bytes_per_block)
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.runner = ModelRunner(stages, num_blocks, cache.block_size)
+        self.runner = ModelRunner(stages, num_blocks, cache.block_size,
+                                  cuda_graph_batch_sizes=self.config.cuda_graph_batch_sizes
+                                  if self.config.cuda_graphs else ())
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.pool, max_len, self.eos_token_ids)
@@ -107,13 +108,12 @@ class Engine:
         config = config or EngineConfig()
         source = resolve_model_ref(ref)
         model_config = load_config(source)
-        dtype = getattr(torch, config.dtype)
-        weights = load_weights(source, model_config, dtype=dtype, progress=progress)
-        weights = {name: w.to(config.device) for name, w in weights.items()}
+        device = resolve_device(config.device)
+        # Each tensor goes to the device as it is read: no whole-model copy in host memory.
+        weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
+                               progress=progress)
         max_len = config.max_model_len or model_config.max_position_embeddings
-        # Built on the target device, so each layer picks that device's fastest kernel.
-        model = LlamaStage(model_config, weights, max_positions=max_len,
-                           native_kernels=config.native_kernels).to(config.device)
+        model = build_model(model_config, weights, config, max_positions=max_len)
         return cls(model, load_tokenizer(source), config, model_name=source.name)
 
     @property

@@ -9,6 +9,12 @@ The engine drives it through ``submit(plan)`` / ``collect()``, a seam that lets 
 hold several plans at once (a pipeline of stages on several machines, each busy with a
 different micro-batch). This in-process runner keeps one plan in flight: ``collect``
 runs it. The scheduler never puts a sequence in two plans in flight.
+
+Device: the caches live where the model does. A step's integers are gathered on the
+host and copied to the device once per tensor; pure-decode steps on CUDA replay CUDA
+graphs (``bargein.engine.decode_graphs``), everything else runs eagerly. The caches
+hold one block more than the scheduler's pool: a scratch block that graph padding
+writes to and no sequence ever owns.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bargein.engine.decode_graphs import DecodeGraphs
 from bargein.engine.plan import StepPlan
 from bargein.model.attention import AttentionMetadata
 from bargein.model.llama import LlamaStage
@@ -34,15 +41,22 @@ class StepResult:
 class ModelRunner:
     """Drives one or more consecutive model stages in this process."""
 
-    def __init__(self, stages: Sequence[LlamaStage], num_blocks: int, block_size: int):
+    def __init__(self, stages: Sequence[LlamaStage], num_blocks: int, block_size: int, *,
+                 cuda_graph_batch_sizes: Sequence[int] = ()):
+        """``cuda_graph_batch_sizes``: decode batch sizes to capture graphs for on CUDA
+        (empty: no graphs). Ignored on other devices."""
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("the stages must cover the model from its first layer to its last")
         self.stages = list(stages)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = [s.make_kv_caches(num_blocks, block_size) for s in self.stages]
+        self.pad_block = num_blocks  # the scratch block past the pool's ids
+        self.kv_caches = [s.make_kv_caches(num_blocks + 1, block_size) for s in self.stages]
         self.device = stages[0].device
         self.vocab_size = stages[-1].vocab_size
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graph_batch_sizes and self.device.type == "cuda":
+            self.decode_graphs = self.padded_decode(cuda_graph_batch_sizes, capture=True)
         self._submitted: StepPlan | None = None
 
     def submit(self, plan: StepPlan) -> None:
@@ -58,6 +72,11 @@ class ModelRunner:
             raise RuntimeError("no plan was submitted")
         return StepResult(plan, self.execute(plan))
 
+    def padded_decode(self, batch_sizes: Sequence[int], *, capture: bool) -> DecodeGraphs:
+        """A :class:`DecodeGraphs` over this runner's stages and caches."""
+        return DecodeGraphs(self.stages, self.kv_caches, pad_block=self.pad_block, block_size=self.block_size,
+                            batch_sizes=batch_sizes, capture=capture)
+
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """Runs the plan's forward; returns float32 logits (len(plan.sampled), vocab)."""
         for caches in self.kv_caches:
@@ -66,6 +85,8 @@ class ModelRunner:
                     cache.copy_block(src, dst)
         if plan.is_empty:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
+        if self.decode_graphs is not None and (logits := self.decode_graphs.run(plan)) is not None:
+            return logits
         ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -81,9 +102,8 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
-        x = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        indices = torch.tensor(logits_indices, dtype=torch.int64, device=self.device)
+        x, pos, indices = (torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)
+                           for v in (ids, positions, logits_indices))
         for stage, caches in zip(self.stages, self.kv_caches, strict=True):
             x = stage(x, pos, meta, caches, logits_indices=indices if stage.is_last else None)
         return x

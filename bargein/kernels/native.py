@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bargein.model.block_quant import BlockWeight
+from bargein.kernels.block_quant import BlockWeight
 
 log = logging.getLogger(__name__)
 

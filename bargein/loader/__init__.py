@@ -58,9 +58,14 @@ def load_weights(
     *,
     layer_range: tuple[int, int] | None = None,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
     progress: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Canonical weights for layers [start, end) (all layers when None), as ``dtype``.
+    """Canonical weights for layers [start, end) (all layers when None), as ``dtype`` on ``device``.
+
+    Each tensor is read, converted and moved to ``device`` before the next is read, so
+    host memory holds one tensor at a time, never a float32 copy of the whole model
+    (``rope_freq_factors`` stays float32).
 
     Layer names use global indices. ``embed.weight`` is included when start == 0, or at the
     last stage of a tied model; ``norm.weight`` and an untied ``lm_head.weight`` when
@@ -68,7 +73,8 @@ def load_weights(
     on stderr shows progress unless ``progress`` is False.
     """
     load = load_gguf_weights if source.kind == "gguf" else load_hf_weights
-    weights = load(source.path, config, layer_range=layer_range, dtype=dtype, progress=progress)
+    weights = load(source.path, config, layer_range=layer_range, dtype=dtype, device=torch.device(device),
+                   progress=progress)
     for name, tensor in weights.items():
         shape = expected_shape(config, name)
         if shape is not None and tuple(tensor.shape) != shape:

@@ -186,9 +186,11 @@ def load_gguf_weights(
     *,
     layer_range: tuple[int, int] | None,
     dtype: torch.dtype,
+    device: torch.device,
     progress: bool,
 ) -> dict[str, torch.Tensor]:
-    """Canonical tensors for layers [start, end) (see bargein.loader.names)."""
+    """Canonical tensors for layers [start, end) (see bargein.loader.names), each moved to
+    ``device`` as soon as it is dequantized."""
     f = open_gguf(path)
     start, end = check_layer_range(config, layer_range)
     wanted = {
@@ -202,7 +204,7 @@ def load_gguf_weights(
         w = f.tensor(gguf_name)
         if arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon):
             w = unpermute_qk(w, config.num_heads if ".wq." in canon else config.num_kv_heads)
-        weights[canon] = w.to(dtype)
+        weights[canon] = w.to(device=device, dtype=torch.float32 if canon == "rope_freq_factors" else dtype)
     return weights
 
 

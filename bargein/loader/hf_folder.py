@@ -116,9 +116,11 @@ def load_hf_weights(
     *,
     layer_range: tuple[int, int] | None,
     dtype: torch.dtype,
+    device: torch.device,
     progress: bool,
 ) -> dict[str, torch.Tensor]:
-    """Canonical tensors for layers [start, end), read shard by shard."""
+    """Canonical tensors for layers [start, end), read shard by shard, each moved to
+    ``device`` as it is read."""
     start, end = check_layer_range(config, layer_range)
     wanted = {canon: hf_name for canon, (_, hf_name) in wanted_tensors(config, start, end).items()}
     where = _weight_map(folder)
@@ -141,7 +143,7 @@ def load_hf_weights(
             with _open(file) as handle:
                 for canon, hf_name in names:
                     try:
-                        weights[canon] = handle.get_tensor(hf_name).to(dtype)
+                        weights[canon] = handle.get_tensor(hf_name).to(device=device, dtype=dtype)
                     except Exception as exc:
                         raise CorruptModelError(
                             f"{file}: cannot read tensor {hf_name!r} ({exc})"

@@ -7,9 +7,10 @@ block_size``. Everything a forward needs to find them is in :class:`AttentionMet
 built by the runner from the scheduler's plan: there is no global context object.
 
 Tokens of one forward are laid out sequence after sequence. Sequences whose step is a
-single token (decodes) are attended in one batch: by the native kernel straight from
-the cache where it is available (float32 on the CPU), else by PyTorch over a padded
-gather of their blocks. Longer ones (prompt chunks) are attended one at a time, since
+single token (decodes) are attended in one batch through the model's
+:class:`~bargein.kernels.ops.KernelSet`: by the native kernel straight from the cache
+where it fits (float32 on the CPU), else by PyTorch over a padded gather of their
+blocks (any device and dtype). Longer ones (prompt chunks) are attended one at a time, since
 padding a 500-token chunk to the batch would waste more than the loop costs.
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from bargein.kernels.native import NativeKernels
+from bargein.kernels.ops import TORCH_KERNELS, KernelSet
 
 
 @dataclass(frozen=True)
@@ -123,40 +124,23 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                    meta: AttentionMetadata, kernels: NativeKernels | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, kernels: KernelSet = TORCH_KERNELS) -> torch.Tensor:
     """Writes k, v (T, KVH, D) into the cache, then attends q (T, H, D); returns (T, H, D).
 
-    With ``kernels`` and a float32 CPU cache, decodes are attended by the native kernel;
-    the result is the same to float32 rounding.
+    Decodes go through ``kernels`` (native or PyTorch: the same to float32 rounding).
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     cache.k.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
     cache.v.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
     out = torch.empty_like(q)
     if meta.decode_token_index.numel():
-        dq = q[meta.decode_token_index]
-        if kernels is not None and cache.k.dtype == torch.float32 and cache.k.device.type == "cpu":
-            out[meta.decode_token_index] = kernels.paged_decode_attention(
-                dq, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
-                q.shape[-1] ** -0.5, torch.get_num_threads())
-        else:
-            out[meta.decode_token_index] = _decode_attention(dq, cache, meta)
+        out[meta.decode_token_index] = kernels.decode_attention(
+            q[meta.decode_token_index], cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
+            meta.decode_mask)
     for i, (start, q_len, ctx) in enumerate(zip(meta.query_starts, meta.query_lens, meta.context_lens, strict=True)):
         if q_len > 1:
             out[start:start + q_len] = _chunk_attention(q[start:start + q_len], cache, meta.block_tables[i], ctx)
     return out
-
-
-def _decode_attention(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-    """One query per sequence, padded to the longest context: q (Bd, H, D) -> (Bd, H, D)."""
-    bd, kvh, d = q.shape[0], cache.k.shape[2], cache.k.shape[3]
-    # index_select copies whole blocks; advanced indexing (cache.k[tables]) is ~25% slower on CPU.
-    ids = meta.decode_block_tables.view(-1)
-    keys = cache.k.index_select(0, ids).view(bd, -1, kvh, d).transpose(1, 2)  # (Bd, KVH, L, D)
-    values = cache.v.index_select(0, ids).view(bd, -1, kvh, d).transpose(1, 2)
-    mask = meta.decode_mask.to(q.dtype)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
-    return out.squeeze(2)  # (Bd, H, D)
 
 
 def _chunk_attention(q: torch.Tensor, cache: KVCache, table: torch.Tensor, ctx: int) -> torch.Tensor:

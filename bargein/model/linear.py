@@ -8,8 +8,8 @@ torch operator, so it is probed once against ``F.linear`` and used only if prese
 exact to float32 rounding; everywhere else (CUDA, bf16, other builds) ``F.linear`` runs.
 
 Given the native kernels, a weight that is exactly block-quantized (the GGUF's Q4/Q8
-weights, see :mod:`bargein.model.block_quant`) is also kept in that compact form, and
-forwards of at most :data:`BLOCK_KERNEL_MAX_ROWS` rows read it instead: decoding a few
+weights, see :mod:`bargein.kernels.block_quant`) is also kept in that compact form, and
+forwards of at most :data:`~bargein.kernels.ops.BLOCK_KERNEL_MAX_ROWS` rows read it instead: decoding a few
 sequences is bound by reading the weights, which are then 3.6-5.3x fewer bytes (measured
 on 2 AVX2 cores over every linear of SmolLM2-135M, against the packed float32 matmul:
 2.5x as fast at 1 row, 1.7x at 8, 1.16x at 12, even at 16 and 0.72x at 32 rows).
@@ -21,10 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bargein.kernels.native import NativeKernels
-from bargein.model.block_quant import BlockWeight, recover_blocks
-
-BLOCK_KERNEL_MAX_ROWS = 12
+from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.ops import TORCH_KERNELS, KernelSet
 
 
 def _onednn_available(weight: torch.Tensor) -> bool:
@@ -38,13 +36,11 @@ class Linear(nn.Module):
     """``y = x @ weight.T + bias`` for x of shape (T, in_features)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
-                 kernels: NativeKernels | None = None):
+                 kernels: KernelSet = TORCH_KERNELS):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernels = kernels
-        self.blocks: BlockWeight | None = None
-        if kernels is not None and weight.device.type == "cpu":
-            self.blocks = recover_blocks(weight)
+        self.blocks: BlockWeight | None = kernels.block_form(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed: torch.Tensor | None = None
         self.weight: nn.Parameter | None = nn.Parameter(weight, requires_grad=False)
@@ -54,9 +50,7 @@ class Linear(nn.Module):
                 self.weight = None  # the packed copy is all the forward needs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.blocks is not None and x.shape[0] <= BLOCK_KERNEL_MAX_ROWS and x.dtype == torch.float32 \
-                and x.device.type == "cpu":
-            y = self.kernels.block_matmul(x.contiguous(), self.blocks, torch.get_num_threads())
+        if self.blocks is not None and (y := self.kernels.block_linear(x, self.blocks)) is not None:
             return y if self.bias is None else y + self.bias
         if self.packed is not None and x.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

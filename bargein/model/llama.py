@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bargein.config import ModelConfig
-from bargein.kernels.native import NativeKernels, load_native_kernels
+from bargein.kernels.ops import TORCH_KERNELS, KernelSet
 from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
 from bargein.model.linear import Linear
 from bargein.model.rope import RotaryEmbedding, apply_rotary
@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str,
-                 kernels: NativeKernels | None):
+                 kernels: KernelSet):
         super().__init__()
         self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -68,7 +68,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, kernels: NativeKernels | None):
+    def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, kernels: KernelSet):
         super().__init__()
         self.w13 = Linear(torch.cat([w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"]]), kernels=kernels)
         self.w2 = Linear(w[f"{prefix}.w2.weight"], kernels=kernels)
@@ -80,7 +80,7 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], layer: int,
-                 kernels: NativeKernels | None):
+                 kernels: KernelSet):
         super().__init__()
         prefix = f"layers.{layer}"
         self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm.weight"], config.rms_norm_eps)
@@ -100,11 +100,15 @@ class LlamaStage(nn.Module):
     in the others; it returns float32 logits for the rows named by ``logits_indices`` in
     the last stage, and hidden states in the others. ``kv_caches[j]`` is the cache of
     layer ``start + j``; the caller owns the caches and their block ids.
+
+    ``kernels`` (resolved once by whoever builds the model, see
+    :func:`bargein.kernels.ops.resolve_kernels`) picks native or PyTorch operations;
+    the constructor itself never builds or loads a kernel library.
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
                  layer_range: tuple[int, int] | None = None, max_positions: int | None = None,
-                 native_kernels: bool = True):
+                 kernels: KernelSet = TORCH_KERNELS):
         super().__init__()
         start, end = layer_range or (0, config.num_layers)
         if not 0 <= start < end <= config.num_layers:
@@ -112,9 +116,6 @@ class LlamaStage(nn.Module):
         self.config, self.start, self.end = config, start, end
         self.is_first, self.is_last = start == 0, end == config.num_layers
         self.embed = nn.Parameter(weights["embed.weight"], requires_grad=False) if self.is_first else None
-        # Our C kernels where they build: attention while the caches are float32 on the CPU,
-        # and the block matmul for weights that are exactly Q4/Q8 block-quantized.
-        kernels = load_native_kernels() if native_kernels else None
         self.layers = nn.ModuleList(TransformerBlock(config, weights, i, kernels) for i in range(start, end))
         self.norm = self.lm_head = None
         if self.is_last:

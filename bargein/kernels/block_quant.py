@@ -5,7 +5,7 @@ A GGUF file's Q4_1 and Q8_0 weights arrive dequantized to float32, but every blo
 0..15 (Q4_1 uses both ends), or ``scale * q`` with ``q`` in -127..127 (Q8_0 uses
 ``|q| = 127``). :func:`recover_blocks` finds that lattice again from each block's
 extremes and keeps ``q`` in 4 or 8 bits, a fifth or a quarter of the float32
-bytes, for the native matmul (``bargein/kernels/block_matmul.c``) to read when a forward
+bytes, for the native matmul (``block_matmul.c`` beside this module) to read when a forward
 has few rows and the weights' memory traffic is what costs.
 
 Nothing is approximated: a weight is taken only if every block's values are rebuilt

@@ -1,0 +1,63 @@
+"""Where an engine's model runs and in which precision, resolved once from its config.
+
+``resolve_device`` turns "auto" into CUDA where PyTorch sees a GPU and the CPU
+otherwise; ``resolve_dtype`` turns "auto" into bfloat16 on CUDA and float32 on the CPU
+(the CPU's exact mode). ``build_model`` puts a model together on that device: the
+kernels are chosen here, once (``bargein.kernels.ops.resolve_kernels``), never inside a
+module's constructor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import torch
+
+from bargein.config import EngineConfig, ModelConfig
+from bargein.kernels.ops import resolve_kernels
+from bargein.model.llama import LlamaStage
+
+
+class DeviceError(ValueError):
+    """The configured device cannot be used here; the message says why."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda if available else cpu; "cuda" without a usable GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {name!r} was asked for, but this PyTorch ({torch.__version__}) "
+                              "sees no CUDA GPU; use --device cpu (or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {name!r} was asked for, but only {torch.cuda.device_count()} "
+                              "CUDA device(s) are visible")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" -> bfloat16 on CUDA, float32 elsewhere; otherwise the named torch dtype."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def build_model(model_config: ModelConfig, weights: MutableMapping[str, torch.Tensor], config: EngineConfig,
+                *, max_positions: int | None = None) -> LlamaStage:
+    """The whole model on ``config``'s device and dtype, with its kernels resolved once.
+
+    Tensors not yet there are moved one at a time and dropped from ``weights`` as they
+    go, so a CPU copy of the whole model never sits beside the device copy.
+    """
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    for name in list(weights):
+        tensor = weights[name]
+        # RoPE frequency factors stay float32: they set the angles, not the activations.
+        want = torch.float32 if name == "rope_freq_factors" else dtype
+        if tensor.device != device or tensor.dtype != want:
+            weights[name] = tensor.to(device=device, dtype=want)
+    kernels = resolve_kernels(device, native=config.native_kernels)
+    return LlamaStage(model_config, weights, max_positions=max_positions, kernels=kernels).to(device)
