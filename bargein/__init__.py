@@ -12,11 +12,12 @@ from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.conversation import Conversation, ConversationState
 from bargein.engine.engine import Engine, EngineError
+from bargein.engine.outputs import OutputCollector
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
 from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
 
 __all__ = [
     "AbortResult", "AsyncEngine", "CacheConfig", "CancelReason", "Conversation", "ConversationState",
     "Engine", "EngineConfig", "EngineError", "FinishReason", "InvalidSamplingParams", "ModelConfig",
-    "RequestOutput", "SamplingParams", "SchedulerConfig", "Usage",
+    "OutputCollector", "RequestOutput", "SamplingParams", "SchedulerConfig", "Usage",
 ]

@@ -9,6 +9,7 @@ import pytest
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.conversation import Conversation
+from bargein.engine.engine import EngineError
 from bargein.engine.outputs import OutputCollector
 from bargein.engine.request import (
     TRANSITIONS,
@@ -129,6 +130,25 @@ def test_a_slow_consumer_gets_coalesced_deltas_and_never_blocks_the_engine() -> 
             outs = [o async for o in ae.stream(rid, stream)]
             assert len(outs) == 1  # everything pending was one item
             assert list(outs[0].token_ids) == reference_greedy(p, 20) == list(outs[0].new_token_ids)
+        finally:
+            await ae.shutdown(timeout=5)
+
+    asyncio.run(main())
+
+
+def test_a_duplicate_id_is_refused_without_touching_the_live_requests_stream() -> None:
+    async def main():
+        ae = AsyncEngine(tiny_engine()).start()
+        try:
+            p = prompt(9, 86)
+            rid, stream = ae.submit(p, GREEDY, request_id="same")
+            with pytest.raises(EngineError, match="already in use"):
+                ae.submit(prompt(5, 87), GREEDY, request_id="same")
+            outs = [o async for o in ae.stream(rid, stream)]
+            assert list(outs[-1].token_ids) == reference_greedy(p, 8)
+            # A finished id may be used again.
+            again = [o async for o in ae.generate(p, GREEDY, request_id="same")]
+            assert again[-1].token_ids == outs[-1].token_ids
         finally:
             await ae.shutdown(timeout=5)
 

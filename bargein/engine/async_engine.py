@@ -151,18 +151,10 @@ class AsyncEngine:
         request_id = request_id or self.engine.new_request_id()
         stream = RequestStream(request_id, asyncio.get_running_loop(),
                                OutputProcessor(request_id, params, self.engine.tokenizer))
-        # The id is claimed (and checked) by add_request; the stream is registered
-        # first so that no delta can arrive before it, and removed if the add fails.
-        previous = self._streams.get(request_id)
-        self._streams[request_id] = stream
-        try:
-            self.engine.add_request(prompt, params, request_id=request_id, timeout=timeout, session_id=session_id)
-        except BaseException:
-            if previous is not None:
-                self._streams[request_id] = previous
-            else:
-                self._streams.pop(request_id, None)
-            raise
+        # add_request claims (and checks) the id, then registers the stream, then queues
+        # the request: no other live request has the id, and no delta precedes the stream.
+        self.engine.add_request(prompt, params, request_id=request_id, timeout=timeout, session_id=session_id,
+                                on_claimed=lambda rid: self._streams.__setitem__(rid, stream))
         return request_id, stream
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

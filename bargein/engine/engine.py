@@ -126,14 +126,16 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, timeout: float | None = None,
-                    session_id: str | None = None) -> str:
+                    session_id: str | None = None, on_claimed: Callable[[str], Any] | None = None) -> str:
         """Queues a generation; returns its id. Raises EngineError for a bad request.
 
         With ``session_id``, the prompt's tokens are appended to that conversation's
         sequence and the answer generated onto it; the sequence keeps its K/V after.
         ``timeout`` (seconds) sets a deadline, after which the request is cancelled
         with reason ``deadline``. The request's outputs come as deltas in the
-        ``StepOutcome`` of later steps.
+        ``StepOutcome`` of later steps. ``on_claimed(request_id)`` runs once the id is
+        claimed (no live request has it) and before the request is queued (so before any
+        of its deltas): AsyncEngine registers the request's stream there.
         """
         params = params or SamplingParams()
         params.validate_for_vocab(self.model_config.vocab_size)
@@ -155,6 +157,12 @@ class Engine:
             self.scheduler.ids.claim(request_id)
         except IdInUse as exc:
             raise EngineError(str(exc)) from None
+        if on_claimed is not None:
+            try:
+                on_claimed(request_id)
+            except BaseException:
+                self.scheduler.ids.forget(request_id)
+                raise
         sequence = TokenSequence(request_id if session_id is None else session_id, list(token_ids))
         request = Request(
             request_id=request_id, sequence=sequence, params=params,
