@@ -6,7 +6,7 @@ disconnect), metrics, the routes (generate, responses, requests, ops), middlewar
 key, body limit), app (the factory and shutdown), serve (uvicorn with graceful signals).
 """
 
-from bargein.server.app import begin_shutdown, create_app
+from bargein.server.app import begin_shutdown, create_app, request_shutdown
 from bargein.server.settings import ServerSettings, SettingsError
 
-__all__ = ["ServerSettings", "SettingsError", "begin_shutdown", "create_app"]
+__all__ = ["ServerSettings", "SettingsError", "begin_shutdown", "create_app", "request_shutdown"]

@@ -53,9 +53,12 @@ class StoredResponse:
         return self.status in FINAL_STATUSES
 
     def apply(self, out: RequestOutput) -> None:
-        """Takes in one engine output for this response."""
-        self.text = out.text
-        self.output_token_ids = list(out.token_ids)
+        """Takes in one engine output: deltas as they come, the cumulative fields at the end."""
+        if out.finished:
+            self.text, self.output_token_ids = out.text, list(out.token_ids)
+        else:
+            self.text += out.delta_text
+            self.output_token_ids.extend(out.new_token_ids)
         if self.status == "queued" and (out.new_token_ids or out.finished):
             self.status = "in_progress"
         if not out.finished:

@@ -63,16 +63,20 @@ class ChatCompletionRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    return_token_ids: bool = Field(default=False, description="extension: prompt_token_ids and token_ids "
+                                   "in each choice of a non-streamed answer")
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # the OpenAI default for this endpoint
+    max_tokens: int | None = None  # none: 16, the OpenAI default for this endpoint
     n: int = 1
     logprobs: int | None = None
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
 
 
 class ResponseRequest(SamplingFields):
