@@ -91,7 +91,8 @@ def final_or_raise(job: Job, slot: Slot) -> RequestOutput:
 
 
 def token_id_fields(final: RequestOutput) -> dict[str, list[int]]:
-    """The ``return_token_ids`` extension: the exact prompt and answer token ids."""
+    """The ``return_token_ids`` extension: the exact prompt and answer token ids (on the
+    final chunk of a stream, and in each choice of a body)."""
     return {"prompt_token_ids": list(final.prompt_token_ids), "token_ids": list(final.token_ids)}
 
 
@@ -126,7 +127,8 @@ class ChatShape:
 
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         yield self._chunk([{"index": slot.index, "delta": {}, "logprobs": None,
-                            "finish_reason": finish_reason(out), **cancel_fields(out)}])
+                            "finish_reason": finish_reason(out), **cancel_fields(out),
+                            **(token_id_fields(out) if self.token_ids else {})}])
 
     def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         yield data_event(error_body(out.error or "generation failed"))
@@ -189,7 +191,8 @@ class CompletionShape:
 
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         yield self._chunk([{"index": slot.index, "text": "", "logprobs": None,
-                            "finish_reason": finish_reason(out), **cancel_fields(out)}])
+                            "finish_reason": finish_reason(out), **cancel_fields(out),
+                            **(token_id_fields(out) if self.token_ids else {})}])
 
     def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         yield data_event(error_body(out.error or "generation failed"))

@@ -55,6 +55,7 @@ class PromptBuilder:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.max_input_bytes = max_model_len * token_bytes_bound
+        self._remembering: set[asyncio.Future] = set()  # answers being decoded for the memory
 
     async def run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
@@ -75,6 +76,8 @@ class PromptBuilder:
         ``previous_response_id``'s, which must work even once memory has dropped it.
         """
         self.check_bytes([m.get("content") or "" for m in messages], param)
+        if self._remembering:  # answers that finished before this request are matchable
+            await asyncio.wait(set(self._remembering))
         snapshot = self.memory.snapshot()
 
         def work() -> tuple[str, Continuation]:
@@ -133,7 +136,14 @@ class PromptBuilder:
             return KnownText(prompt_text, prompt_ids, tuple(answer), prompt_text + self._decode(answer))
 
         future = asyncio.get_running_loop().run_in_executor(self.pool, work)
-        future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else self.memory.remember(f.result()))
+        self._remembering.add(future)
+
+        def done(f: asyncio.Future) -> None:
+            self._remembering.discard(f)
+            if not f.cancelled() and f.exception() is None:
+                self.memory.remember(f.result())
+
+        future.add_done_callback(done)
 
     def known_answer(self, prompt_text: str, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> KnownText:
         """A pair for a stored answer (``previous_response_id``); decodes: call in the pool."""

@@ -105,7 +105,8 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Ctx) -> Response:
     received = time.monotonic()
     request_id = request_id_for(request, "chatcmpl-")
-    messages = message_dicts(body.messages)  # validation in FIELD_ORDER (validation.py)
+    # Validation in FIELD_ORDER (validation.py); the messages' walk grows with the input: off the loop.
+    messages = await ctx.prompts.run(lambda: message_dicts(body.messages))
     check_n(body.n)
     check_response_format(body.response_format)
     use_mct = body.max_completion_tokens is not None

@@ -65,7 +65,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     return_token_ids: bool = Field(default=False, description="extension: prompt_token_ids and token_ids "
-                                   "in each choice of a non-streamed answer")
+                                   "in each choice (streamed: in its final chunk)")
 
 
 class CompletionRequest(SamplingFields):
