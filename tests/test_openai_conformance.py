@@ -456,22 +456,6 @@ def test_unprefixed_aliases(live_server):
     assert "/v1/chat/completions" in schema_paths and "/chat/completions" not in schema_paths
 
 
-def test_default_max_tokens_and_max_tokens_limit(server_factory):
-    server = server_factory.get(["--default-max-tokens", "4", "--max-tokens-limit", "6"])
-    url = f"{server.base_url}/v1/chat/completions"
-    long_ask = [{"role": "user", "content": LONG}]
-    r = httpx.post(url, json={"messages": long_ask, "temperature": 0}, timeout=60).json()
-    assert (r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]) == (4, "length")
-    r = httpx.post(url, json={"messages": long_ask, "temperature": 0, "max_tokens": 6}, timeout=60).json()
-    assert r["usage"]["completion_tokens"] == 6
-    r = httpx.post(url, json={"messages": long_ask, "max_tokens": 7}, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    r = httpx.post(f"{server.base_url}/v1/responses", json={"input": LONG, "max_output_tokens": 7})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
-    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": LONG, "temperature": 0}, timeout=60).json()
-    assert r["usage"]["completion_tokens"] == 6  # the endpoint's own default (16), capped by the limit
-
-
 def test_system_fingerprint_is_stable_and_everywhere(live_server, fingerprint):
     base = live_server.base_url
     bodies = [httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],

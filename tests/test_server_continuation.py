@@ -22,6 +22,8 @@ import openai
 import pytest
 
 from tests.conftest import wait_until
+from tests.test_server_limits import ARGS as LIMITS_ARGS
+from tests.test_server_limits import KEY as LIMITS_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("check_kv")]
 
@@ -36,9 +38,10 @@ def client(live_server) -> openai.OpenAI:
 
 @pytest.fixture
 def reference(server_factory):
-    """Another server process: a fresh cache for the same tokens."""
-    server = server_factory.get(["--max-num-seqs", "8"])
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    """Another server process (the limits tests' one, so the suite starts no extra server):
+    a cache that never computed these token ids."""
+    server = server_factory.get(LIMITS_ARGS, api_key=LIMITS_KEY)
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=LIMITS_KEY, max_retries=0)
 
 
 def kv(server) -> dict:

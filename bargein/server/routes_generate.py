@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
@@ -69,10 +70,19 @@ async def get_model(model_id: str, ctx: Ctx) -> dict[str, Any]:
 
 
 # -- chat -------------------------------------------------------------------------------------
-def message_dicts(messages: list[ChatMessage], param: str = "messages") -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text parts joined, ``developer`` as system."""
+def message_dicts(raw: list[dict[str, Any]], param: str = "messages") -> list[dict[str, Any]]:
+    """Messages as the chat template takes them: text parts joined, ``developer`` as system.
+
+    Each is validated as a ChatMessage here (400 naming ``messages.<i>.<field>``).
+    """
     out = []
-    for i, message in enumerate(messages):
+    for i, item in enumerate(raw):
+        try:
+            message = ChatMessage.model_validate(item)
+        except pydantic.ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in (param, i, *first["loc"]))
+            raise APIError(400, f"{where}: {first['msg']}", param=where, code="invalid_value") from None
         if message.role not in _ROLES:
             raise APIError(400, f"{param}[{i}].role must be one of {sorted(_ROLES)}, got {message.role!r}",
                            param=f"{param}.{i}.role", code="invalid_value")

@@ -54,7 +54,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # Plain objects here, each validated as a ChatMessage off the event loop (a body of many
+    # messages would otherwise hold the loop for its whole validation).
+    messages: list[dict[str, Any]] = Field(min_length=1, description="ChatMessage objects")
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int = 1
