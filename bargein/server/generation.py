@@ -91,6 +91,8 @@ class Job:
     received: float  # time.monotonic() when the HTTP request arrived
     on_final: FinalHook | None = None
     progress: dict[int, Progress] = field(default_factory=dict)  # by slot index
+    merged: asyncio.Queue = field(default_factory=asyncio.Queue)  # (slot, output) from every slot
+    pumps: list[asyncio.Task] = field(default_factory=list)  # slot queue -> merged, while consumed
     closed: bool = False  # left the registry; its outcome is recorded
 
     def __post_init__(self) -> None:
@@ -197,8 +199,8 @@ class JobRunner:
         Stopping early (a break, a cancelled task) aborts the unfinished slots with
         ``exit_reason``.
         """
-        merged: asyncio.Queue[tuple[Slot, RequestOutput]] = asyncio.Queue()
-        pumps = [asyncio.ensure_future(_pump(job, slot, merged)) for slot in job.slots]
+        merged = job.merged
+        job.pumps = [asyncio.ensure_future(_pump(job, slot, merged)) for slot in job.slots]
         last_time: dict[int, float] = {}
         first_token_seen = False
         try:
@@ -219,10 +221,6 @@ class JobRunner:
                     remaining -= 1
                 yield slot, out
         finally:
-            for pump in pumps:
-                pump.cancel()
-            while not merged.empty():  # delivered by the engine but not read: still part of the answer
-                self._take(job, *merged.get_nowait())
             self.abandon(job, exit_reason)
 
     @staticmethod
@@ -248,6 +246,10 @@ class JobRunner:
             return
         job.closed = True
         self._open.pop(id(job), None)
+        for pump in job.pumps:  # stop reading the engine's queues here: _late_finals may go on
+            pump.cancel()
+        while not job.merged.empty():  # delivered by the engine but not read: still part of the answer
+            self._take(job, *job.merged.get_nowait())
         unfinished = [slot for slot in job.slots if (final := job.progress[slot.index].final) is None
                       or _is_forced(final)]
         for slot in unfinished:
