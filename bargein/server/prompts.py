@@ -120,15 +120,20 @@ class PromptBuilder:
             check_prompt_length(len(tokens), self.max_model_len, "prompt")
         return prompts
 
-    async def decode(self, ids: Sequence[int]) -> str:
-        return await self.run(lambda: self.tokenizer.decode(list(ids)))
+    async def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return await self.run(lambda: self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def strip_eos(self, ids: Sequence[int]) -> list[int]:
+        """An answer without its end-of-turn token(s), which the template writes back itself."""
+        answer = list(ids)
+        while answer and answer[-1] in self.eos_token_ids:
+            answer.pop()
+        return answer
 
     def remember(self, prompt_text: str, out: RequestOutput) -> None:
         """Remembers a finished output's exact ids under ``prompt_text`` + its answer's text."""
         prompt_ids = tuple(out.prompt_token_ids)
-        answer = list(out.token_ids)
-        while answer and answer[-1] in self.eos_token_ids:
-            answer.pop()  # the template writes the end of the turn back itself
+        answer = self.strip_eos(out.token_ids)
         if not prompt_ids:
             return
 
@@ -147,9 +152,7 @@ class PromptBuilder:
 
     def known_answer(self, prompt_text: str, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> KnownText:
         """A pair for a stored answer (``previous_response_id``); decodes: call in the pool."""
-        answer = list(answer_ids)
-        while answer and answer[-1] in self.eos_token_ids:
-            answer.pop()
+        answer = self.strip_eos(answer_ids)
         return KnownText(prompt_text, tuple(prompt_ids), tuple(answer), prompt_text + self._decode(answer))
 
     def _encode(self, text: str) -> list[int]:

@@ -90,7 +90,7 @@ async def _build(ctx: ServerContext, body: ResponseRequest) -> tuple[StoredRespo
         conversation = new_turn
         more_known = None
     else:
-        answer_text = await ctx.prompts.decode(ctx.prompts.known_answer("", (), prev.output_token_ids).ids)
+        answer_text = await ctx.prompts.decode(ctx.prompts.strip_eos(prev.output_token_ids), skip_special_tokens=False)
         conversation = prev.conversation + [{"role": "assistant", "content": answer_text}] + new_turn
         more_known = _previous_known(ctx, prev)
     prompt_messages = system + conversation
