@@ -70,9 +70,14 @@ async def event_stream(runner: JobRunner, job: Job, shape: Shape) -> AsyncIterat
         yield event
 
 
-async def collect(runner: JobRunner, job: Job, shape: Shape) -> Job:
-    """Runs a job to its end for a non-streaming answer, showing every output to ``shape``."""
-    async for slot, out in runner.outputs(job):
+async def collect(runner: JobRunner, job: Job, shape: Shape,
+                  exit_reason: CancelReason = CancelReason.DISCONNECT) -> Job:
+    """Runs a job to its end for a non-streaming answer, showing every output to ``shape``.
+
+    If the collecting task is cancelled, the job's unfinished requests are cancelled
+    with ``exit_reason``.
+    """
+    async for slot, out in runner.outputs(job, exit_reason=exit_reason):
         shape.observe(slot, out)
     return job
 

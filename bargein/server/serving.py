@@ -81,7 +81,7 @@ def serve_in_background(ctx: ServerContext, gen: Generation, shape: Shape) -> Jo
 
     async def run() -> None:
         try:
-            await collect(ctx.jobs, job, shape)
+            await collect(ctx.jobs, job, shape, CancelReason.SHUTDOWN)
         finally:
             ctx.jobs.abandon(job, CancelReason.SHUTDOWN)
             shape.closed(CancelReason.SHUTDOWN)
