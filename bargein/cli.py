@@ -74,6 +74,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights and KV cache: auto is bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
     p.add_argument("--max-body", default=str(s.max_body_bytes), metavar="SIZE",
                    help="largest request body, e.g. 4MiB (default: %(default)s bytes)")
+    p.add_argument("--default-max-tokens", type=int, default=s.default_max_tokens, metavar="N",
+                   help="max tokens for chat and responses requests that give none (default: unset, to the "
+                        "end of the context)")
+    p.add_argument("--max-tokens-limit", type=int, default=s.max_tokens_limit, metavar="N",
+                   help="refuse requests asking for more than N tokens, and cap the defaults at N (default: unset)")
     p.add_argument("--shutdown-timeout", type=float, default=s.shutdown_timeout, metavar="S",
                    help="seconds to answer in-flight requests on Ctrl-C / SIGTERM (default: %(default)s)")
     p.add_argument("--log-level", default=s.log_level, choices=["critical", "error", "warning", "info", "debug"],
@@ -91,7 +96,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=args.api_key or None, request_timeout=args.request_timeout,
             max_queue=args.max_queue, max_body_bytes=parse_size(args.max_body), debug_endpoints=args.debug_endpoints,
-            shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+            shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+            default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit)
         if args.max_model_len is not None and args.max_model_len < 2:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
         config = EngineConfig(

@@ -27,12 +27,13 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from bargein.cli_client import BargeinClient, ClientError, StreamEvent
+from bargein.engine.continuation import KnownText, continue_text
 
 HARD_STOP_AFTER_S = 3.0
 STATE_VERSION = 1  # the same version as Conversation.save(), whose readers ignore our extra keys
@@ -150,26 +151,20 @@ class LocalBackend:
 
         Usually nothing is rewound: the tokens are the history so far, and the rest is the
         new turn. After /rewind, /reset or /system the tokens that no longer match go.
+        The match is the one continuation function, with the conversation as the known text.
         """
-        tokens = await self.conv.tokens()
+        tokens = tuple(await self.conv.tokens())
         self._num_tokens = len(tokens)
 
-        def decoded(n: int) -> str:
-            return self.tokenizer.decode(tokens[:n], skip_special_tokens=False)
+        def decode(ids: Sequence[int]) -> str:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-        held = decoded(len(tokens))
-        if text.startswith(held):
-            return text[len(held):]
-        lo, hi = 0, len(tokens)  # decoded(lo) is a prefix of text, decoded(hi) is not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if text.startswith(decoded(mid)):
-                lo = mid
-            else:
-                hi = mid
-        await self.conv.rewind(len(tokens) - lo)
-        self._num_tokens = lo
-        return text[len(decoded(lo)):]
+        known = KnownText("", (), tokens, decode(tokens))
+        cont = continue_text(text, [known], encode=lambda _: [], decode=decode)
+        if cont.reused < len(tokens):
+            await self.conv.rewind(len(tokens) - cont.reused)
+            self._num_tokens = cont.reused
+        return cont.rest_text
 
     async def answer(self, messages: list[dict[str, str]], settings: GenerationSettings,
                      on_delta: OnDelta) -> AnswerResult:

@@ -9,7 +9,7 @@ import pytest
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
 from bargein.engine.stats import EngineStats, RequestInfo
 from bargein.server.metrics import Histogram, ServerMetrics, quantile
-from bargein.server.registry import RequestRegistry
+from bargein.server.registry import RequestRegistry, engine_id_for
 from bargein.server.responses_store import ResponseStore, StoredResponse
 from bargein.server.settings import ServerSettings, SettingsError, parse_size
 
@@ -63,9 +63,11 @@ def test_metrics_render_engine_stats():
         assert line in text, line
 
 
-def test_registry_groups_cancels_and_remembers():
+def test_registry_groups_cancels_and_asks_the_engine_about_finished_ids():
     registry = RequestRegistry()
-    registry.add("r1", ["r1-0", "r1-1"], "chat")
+    engine_ids = [engine_id_for("r1", 0), engine_id_for("r1", 1)]
+    assert engine_ids == ["r1#0", "r1#1"]  # "#" is outside what a client may choose as its id
+    registry.add("r1", engine_ids, "chat")
     aborted = []
 
     def abort(engine_id, reason):
@@ -73,13 +75,17 @@ def test_registry_groups_cancels_and_remembers():
         return AbortResult.CANCELLED
 
     assert registry.cancel("r1", abort) == AbortResult.CANCELLED
-    assert aborted == [("r1-0", CancelReason.USER), ("r1-1", CancelReason.USER)]
-    infos = [RequestInfo("r1-0", "running", 5, 3, 1.0, None, None), RequestInfo("r1-1", "queued", 5, 0, 0.5, 4.0, None)]
+    assert aborted == [("r1#0", CancelReason.USER), ("r1#1", CancelReason.USER)]
+    infos = [RequestInfo("r1#0", "running", 5, 3, 1.0, None, None), RequestInfo("r1#1", "queued", 5, 0, 0.5, 4.0, None)]
     [summary] = registry.summarize(infos)
     assert (summary.id, summary.status, summary.completion_tokens, summary.deadline_s) == ("r1", "running", 3, 4.0)
     registry.finish("r1")
-    assert registry.cancel("r1", abort) == AbortResult.ALREADY_FINISHED
+    asked = []
+    engine_answer = lambda i, r: asked.append(i) or AbortResult.ALREADY_FINISHED  # noqa: E731
+    assert registry.cancel("r1", engine_answer) == AbortResult.ALREADY_FINISHED
+    assert asked == ["r1#0"]  # the registry keeps no memory of finished ids: the engine does
     assert registry.cancel("other", lambda i, r: AbortResult.NOT_FOUND) == AbortResult.NOT_FOUND
+    assert registry.cancel("r1-0", lambda i, r: AbortResult.NOT_FOUND) == AbortResult.NOT_FOUND
 
 
 def _output(finish: FinishReason | None, reason: CancelReason | None = None) -> RequestOutput:

@@ -176,19 +176,29 @@ class AsyncEngine:
                      exit_reason: CancelReason = CancelReason.DISCONNECT) -> AsyncIterator[RequestOutput]:
         """A submitted request's outputs (RequestOutput contract: deltas, cumulative at the end)."""
         finished = False
-        processor = stream.processor
         try:
             while True:
-                out = end_found_by_consumer(self.engine, processor.process(await stream.next_delta()))
-                if out is None:
-                    continue
+                out = await self.next_output(stream)
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
             if not finished:
-                self.engine.abort(request_id, exit_reason, delivered=processor.num_delivered)
+                self.engine.abort(request_id, exit_reason, delivered=stream.processor.num_delivered)
+
+    async def next_output(self, stream: RequestStream) -> RequestOutput:
+        """The next output of a submitted request, read through its stream's processor.
+
+        For consumers that manage the request's end themselves (the server's jobs): it
+        never aborts. A stop string the processor finds ends the request through the
+        scheduler here, so the output it returns is then the final one.
+        """
+        processor = stream.processor
+        while True:
+            out = end_found_by_consumer(self.engine, processor.process(await stream.next_delta()))
+            if out is not None:
+                return out
 
     def abort(self, request_id: str, reason: CancelReason = CancelReason.USER, *,
               delivered: int | None = None) -> AbortResult:

@@ -1,10 +1,14 @@
 """``create_app(engine, settings)``: the FastAPI application around one AsyncEngine.
 
-Shutdown in two phases. ``begin_shutdown`` (called on SIGINT/SIGTERM, before uvicorn
-waits for open connections) stops new requests and cancels every in-flight one with
-reason ``shutdown``, so each is answered (a stream gets its cancelled chunk and
-``[DONE]``) and its connection can close. The lifespan's exit then does the same for
-anything left and stops the engine.
+Shutdown in two phases. On SIGINT/SIGTERM, ``request_shutdown`` (the signal handler's
+part) only sets the draining flag and schedules ``begin_shutdown`` on the event loop: a
+signal handler must not take a lock that the interrupted code may hold. ``begin_shutdown``
+(before uvicorn waits for open connections) cancels every in-flight request with reason
+``shutdown``, so each is answered (a stream gets its cancelled chunk and ``[DONE]``) and
+its connection can close; if the engine has not answered one within 90% of the shutdown
+timeout (a step that does not end), the server ends it itself with what was delivered
+(``JobRunner.force_finish``), so no stream or collector is left hanging. The lifespan's
+exit then does the same for anything left and stops the engine.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from bargein.server.settings import ServerSettings
 
 log = logging.getLogger("bargein.server")
 STATIC_DIR = Path(__file__).parent / "static"
+FORCE_FINISH_AT = 0.9  # of the shutdown timeout: when the server ends what the engine has not
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -36,6 +41,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx.loop = asyncio.get_running_loop()
         engine.start()
         yield
         await finish_shutdown(ctx)
@@ -54,19 +60,36 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     return app
 
 
-def begin_shutdown(app: FastAPI) -> None:
-    """Refuses new requests and cancels in-flight ones (reason ``shutdown``). Any thread."""
+def request_shutdown(app: FastAPI) -> None:
+    """The signal handler's part: sets a flag and schedules ``begin_shutdown``; takes no lock."""
     ctx: ServerContext = app.state.ctx
-    if ctx.draining:
-        return
     ctx.draining = True
+    if ctx.loop is not None:
+        ctx.loop.call_soon_threadsafe(begin_shutdown, ctx)
+
+
+def begin_shutdown(ctx: ServerContext) -> None:
+    """Refuses new requests and cancels in-flight ones (reason ``shutdown``). On the loop."""
+    ctx.draining = True
+    if ctx.shutdown_started:
+        return
+    ctx.shutdown_started = True
     cancelled = ctx.engine.abort_all(CancelReason.SHUTDOWN)
     log.info("shutting down: cancelled %d in-flight request(s)", len(cancelled))
+    asyncio.get_running_loop().call_later(FORCE_FINISH_AT * ctx.settings.shutdown_timeout, _force_finish, ctx)
+
+
+def _force_finish(ctx: ServerContext) -> None:
+    ended = ctx.jobs.force_finish()
+    if ended:
+        log.warning("shutdown: ended %d request(s) the engine did not answer in time", ended)
 
 
 async def finish_shutdown(ctx: ServerContext) -> None:
-    ctx.draining = True
-    ctx.engine.abort_all(CancelReason.SHUTDOWN)
+    begin_shutdown(ctx)
+    timeout = ctx.settings.shutdown_timeout
     if ctx.background_tasks:
-        await asyncio.wait(set(ctx.background_tasks), timeout=ctx.settings.shutdown_timeout)
-    await ctx.engine.shutdown(timeout=ctx.settings.shutdown_timeout)
+        await asyncio.wait(set(ctx.background_tasks), timeout=timeout)
+    await ctx.engine.shutdown(timeout=timeout)
+    _force_finish(ctx)
+    ctx.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,14 +1,18 @@
 """ServerContext: the state one app instance owns, reachable from every route.
 
 Built by ``create_app`` and kept on ``app.state``; there are no module-level globals, so
-tests can run several apps side by side.
+tests can run several apps side by side. The parts it holds get their dependencies
+from it explicitly at construction (the job runner its engine, registry and metrics;
+the prompt builder its tokenizer, pool and memory); none of them imports this module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -16,9 +20,19 @@ from fastapi import Depends, Request
 from bargein.engine.async_engine import AsyncEngine
 from bargein.server.generation import JobRunner
 from bargein.server.metrics import ServerMetrics
+from bargein.server.openai_format import system_fingerprint
+from bargein.server.prompt_memory import PromptMemory
+from bargein.server.prompts import PromptBuilder, max_token_bytes
 from bargein.server.registry import RequestRegistry
 from bargein.server.responses_store import ResponseStore
 from bargein.server.settings import ServerSettings
+
+
+def bargein_version() -> str:
+    try:
+        return metadata.version("bargein")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 @dataclass
@@ -29,13 +43,29 @@ class ServerContext:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGINT/SIGTERM: new requests get 503
+    shutdown_started: bool = False  # begin_shutdown ran (in-flight requests were cancelled)
+    loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once the app started
     background_tasks: set[asyncio.Task] = field(default_factory=set)  # background responses
     jobs: JobRunner = field(init=False)
     responses: ResponseStore = field(init=False)
+    memory: PromptMemory = field(init=False)
+    pool: ThreadPoolExecutor = field(init=False)  # rendering and tokenizing, off the event loop
+    prompts: PromptBuilder = field(init=False)
+    fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.jobs = JobRunner(self)
-        self.responses = ResponseStore(self.settings.max_stored_responses)
+        s = self.settings
+        core = self.engine.engine
+        self.jobs = JobRunner(self.engine, self.registry, self.metrics, max_queue=s.max_queue,
+                              draining=lambda: self.draining)
+        self.responses = ResponseStore(s.max_stored_responses)
+        self.memory = PromptMemory(s.continuation_memory_entries, s.continuation_memory_tokens)
+        self.pool = ThreadPoolExecutor(s.tokenizer_threads, thread_name_prefix="bargein-tokenize")
+        self.prompts = PromptBuilder(core.tokenizer, self.pool, self.memory, max_model_len=core.max_model_len,
+                                     eos_token_ids=frozenset(core.eos_token_ids),
+                                     token_bytes_bound=max_token_bytes(core.tokenizer))
+        precision = getattr(core.config, "precision", None) or core.config.dtype
+        self.fingerprint = system_fingerprint(bargein_version(), core.model_name, str(precision))
 
     @property
     def tokenizer(self) -> Any:
@@ -52,6 +82,11 @@ class ServerContext:
     @property
     def vocab_size(self) -> int:
         return self.engine.engine.model_config.vocab_size
+
+    def head(self, request_id: str) -> dict[str, Any]:
+        """The fields every response and chunk of a request starts with."""
+        return {"id": request_id, "created": int(time.time()), "model": self.model_name,
+                "system_fingerprint": self.fingerprint}
 
 
 def get_ctx(request: Request) -> ServerContext:

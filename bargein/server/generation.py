@@ -1,39 +1,90 @@
 """Jobs: one HTTP request's engine work, from submission to the last output.
 
-A job submits one engine request per (prompt, choice), registers them under the id
-the client sees, and yields their outputs merged as ``(slot, output)``. Whatever way the
-job ends (finished, the consumer stopped, the task cancelled by a disconnect or a
-shutdown), every engine request that has not finished is aborted (``AsyncEngine.stream``
-does that) and the job leaves the registry.
+A job submits one engine request per (prompt, choice), registers them under the id the
+client sees, and yields their outputs merged as ``(slot, output)``. Whatever way the job
+ends (finished, the consumer stopped, the task cancelled by a disconnect or a shutdown),
+every engine request that has not finished is aborted and the job leaves the registry.
 
-Non-streaming routes run their collection under ``until_disconnect``, so a client that
-hangs up while its request is still queued or running cancels it at the next step
-boundary, just as a streaming client does.
+Outputs follow the engine's contract: intermediate outputs carry deltas; the cumulative
+``text``, ``token_ids`` and ``prompt_token_ids`` are read from the finished output only.
+``Progress`` accumulates the deltas of each slot for whoever needs the text so far.
+
+A job's ``on_final`` hook sees every slot's finished output, also when the consumer left
+before it arrived (a disconnect): the runner then reads the rest of that slot's outputs
+in the background. That is how the prompt memory learns of every answer, cancelled ones
+included.
+
+Shutdown (``force_finish``): after the engine had its chance to answer every request,
+any slot still without a final output gets one made here (cancelled, reason
+``shutdown``), so no stream or collector is left waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 
-from bargein.engine.request import CancelReason, FinishReason, RequestOutput
+from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.request import CancelReason, FinishReason, RequestOutput, TokenLogprob, Usage
 from bargein.engine.sampling import MAX_SEED, SamplingParams
+from bargein.engine.streams import RequestStream
 from bargein.server.errors import REQUEST_ID, APIError, from_engine_exception
+from bargein.server.metrics import ServerMetrics
+from bargein.server.registry import RequestRegistry, engine_id_for
 
-if TYPE_CHECKING:
-    from bargein.server.app import ServerContext
-
+log = logging.getLogger("bargein.server")
 T = TypeVar("T")
+LATE_FINAL_WAIT_S = 60.0  # how long a left job's final outputs are awaited in the background
 
 
 class ClientGone(Exception):
     """The client disconnected before the answer was ready; its request was cancelled."""
+
+
+class SlotOutputs:
+    """One engine request's outputs as the job reads them, plus a forced end at shutdown.
+
+    ``get`` returns the next :class:`RequestOutput` (read through the engine stream's
+    processor, O(new tokens)) or ``_FORCED_END`` once ``force_end`` was called. A ``get``
+    that is cancelled (a pump stopped, a ``wait_for`` ran out) loses nothing: the read in
+    progress is kept and handed to the next ``get``.
+    """
+
+    def __init__(self, engine: AsyncEngine, stream: RequestStream):
+        self._engine = engine
+        self.stream = stream
+        self._reading: asyncio.Future[RequestOutput] | None = None
+        self._forced = asyncio.Event()
+
+    @property
+    def num_delivered(self) -> int:
+        """Output tokens turned into outputs so far (what the client can have seen)."""
+        return self.stream.processor.num_delivered
+
+    def force_end(self) -> None:
+        self._forced.set()
+
+    async def get(self) -> RequestOutput | _ForcedEnd:
+        if self._forced.is_set():
+            return _FORCED_END
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(self._engine.next_output(self.stream))
+        forced = asyncio.ensure_future(self._forced.wait())
+        try:
+            await asyncio.wait({self._reading, forced}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            forced.cancel()
+        if self._reading.done():
+            reading, self._reading = self._reading, None
+            return reading.result()
+        return _FORCED_END
 
 
 @dataclass(frozen=True)
@@ -41,9 +92,35 @@ class Slot:
     """One engine request of a job: which prompt, which choice, and its output index."""
 
     engine_id: str
-    queue: asyncio.Queue
+    queue: SlotOutputs
     index: int  # the choice index the client sees
     prompt_index: int
+
+
+@dataclass
+class Progress:
+    """One slot's outputs so far: deltas accumulated, and the final output once it came."""
+
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last_usage: Usage | None = None
+    final: RequestOutput | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.pieces.append(out.delta_text)
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs)
+        self.last_usage = out.usage
+        if out.finished:
+            self.final = out
+
+    @property
+    def text(self) -> str:
+        return self.final.text if self.final is not None else "".join(self.pieces)
+
+
+FinalHook = Callable[[Slot, RequestOutput], None]
 
 
 @dataclass
@@ -52,12 +129,22 @@ class Job:
     endpoint: str
     slots: list[Slot]
     received: float  # time.monotonic() when the HTTP request arrived
-    finals: dict[int, RequestOutput] = field(default_factory=dict)  # by slot index
+    on_final: FinalHook | None = None
+    progress: dict[int, Progress] = field(default_factory=dict)  # by slot index
+    merged: asyncio.Queue = field(default_factory=asyncio.Queue)  # (slot, output) from every slot
+    pumps: list[asyncio.Task] = field(default_factory=list)  # slot queue -> merged, while consumed
     closed: bool = False  # left the registry; its outcome is recorded
+
+    def __post_init__(self) -> None:
+        self.progress = {slot.index: Progress() for slot in self.slots}
+
+    @property
+    def finals(self) -> dict[int, RequestOutput]:
+        return {i: p.final for i, p in self.progress.items() if p.final is not None}
 
     @property
     def finished(self) -> bool:
-        return len(self.finals) == len(self.slots)
+        return all(p.final is not None for p in self.progress.values())
 
 
 def new_id(prefix: str) -> str:
@@ -77,64 +164,73 @@ def request_id_for(request: Request, prefix: str) -> str:
     return request.state.request_id
 
 
-def effective_timeout(requested: float | None, server_timeout: float | None) -> float | None:
-    """The tighter of the request's own ``timeout`` and the server's ``--request-timeout``."""
-    if requested is not None and not requested > 0:
-        raise APIError(400, f"timeout must be a positive number of seconds, got {requested}",
-                       param="timeout", code="invalid_value")
-    given = [t for t in (requested, server_timeout) if t is not None]
-    return min(given) if given else None
+class _ForcedEnd:
+    """Put into a slot's queue at shutdown: end this slot now with what was delivered."""
+
+
+_FORCED_END = _ForcedEnd()
+_FORCED_SUFFIX = "(shutdown)"  # on the request_id of a final output made by force_finish
 
 
 class JobRunner:
-    """Starts jobs on the engine and streams their outputs, with metrics and bookkeeping."""
+    """Starts jobs on the engine and streams their outputs, with metrics and bookkeeping.
 
-    def __init__(self, ctx: ServerContext):
-        self.ctx = ctx
+    Dependencies are given, not looked up: the engine, the registry of live HTTP
+    requests, the metrics, the queue limit and a ``draining`` check (shutdown began).
+    """
+
+    def __init__(self, engine: AsyncEngine, registry: RequestRegistry, metrics: ServerMetrics, *,
+                 max_queue: int | None, draining: Callable[[], bool]):
+        self.engine = engine
+        self.registry = registry
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._draining = draining
+        self._open: dict[int, Job] = {}  # by id(job): jobs not yet closed
+        self._late: set[asyncio.Task] = set()
 
     def check_capacity(self, request_id: str) -> None:
         """Refuses a new request when shutting down, over the queue limit or reusing a live id."""
-        ctx = self.ctx
-        if ctx.draining:
-            ctx.metrics.rejected["shutting_down"] += 1
+        if self._draining():
+            self.metrics.rejected["shutting_down"] += 1
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        limit = ctx.settings.max_queue
-        if limit is not None and len(ctx.registry) >= limit:
-            ctx.metrics.rejected["queue_full"] += 1
-            raise APIError(429, f"the server already has {len(ctx.registry)} requests in flight "
+        limit = self.max_queue
+        if limit is not None and len(self.registry) >= limit:
+            self.metrics.rejected["queue_full"] += 1
+            raise APIError(429, f"the server already has {len(self.registry)} requests in flight "
                                 f"(--max-queue {limit}); retry later", code="queue_full",
                            headers={"Retry-After": "1"})
-        if request_id in ctx.registry:
+        if request_id in self.registry:
             raise APIError(409, f"request id {request_id!r} is already in use", param="X-Request-Id",
                            code="request_id_in_use")
 
     def start(self, request_id: str, endpoint: str, prompts: Sequence[Sequence[int]],
               params: SamplingParams, *, n: int = 1, timeout: float | None = None,
-              received: float | None = None) -> Job:
+              received: float | None = None, on_final: FinalHook | None = None) -> Job:
         """Submits every (prompt, choice) to the engine and registers the job.
 
         Raises APIError; on failure nothing stays submitted.
         """
         self.check_capacity(request_id)
-        total = len(prompts) * n
         slots: list[Slot] = []
         try:
             for p, prompt in enumerate(prompts):
                 for j in range(n):
                     index = p * n + j
-                    engine_id = request_id if total == 1 else f"{request_id}-{index}"
-                    rid, queue = self.ctx.engine.submit(list(prompt), _choice_params(params, j, n),
-                                                        request_id=engine_id, timeout=timeout)
-                    slots.append(Slot(rid, queue, index, p))
+                    rid, stream = self.engine.submit(list(prompt), _choice_params(params, j, n),
+                                                     request_id=engine_id_for(request_id, index), timeout=timeout)
+                    slots.append(Slot(rid, SlotOutputs(self.engine, stream), index, p))
         except Exception as exc:
             for slot in slots:
-                self.ctx.engine.abort(slot.engine_id, CancelReason.ERROR)
+                self.engine.abort(slot.engine_id, CancelReason.ERROR)
             mapped = from_engine_exception(exc)
             if mapped is None:
                 raise
             raise mapped from None
-        self.ctx.registry.add(request_id, [s.engine_id for s in slots], endpoint)
-        return Job(request_id, endpoint, slots, received or time.monotonic())
+        self.registry.add(request_id, [s.engine_id for s in slots], endpoint)
+        job = Job(request_id, endpoint, slots, received or time.monotonic(), on_final)
+        self._open[id(job)] = job
+        return job
 
     async def outputs(self, job: Job, *, exit_reason: CancelReason = CancelReason.DISCONNECT
                       ) -> AsyncIterator[tuple[Slot, RequestOutput]]:
@@ -143,82 +239,125 @@ class JobRunner:
         Stopping early (a break, a cancelled task) aborts the unfinished slots with
         ``exit_reason``.
         """
-        metrics = self.ctx.metrics
+        merged = job.merged
+        job.pumps = [asyncio.ensure_future(_pump(job, slot, merged)) for slot in job.slots]
         last_time: dict[int, float] = {}
         first_token_seen = False
         try:
-            async for slot, out in self._merged(job, exit_reason):
+            remaining = len(job.slots)
+            while remaining:
+                slot, out = await merged.get()
                 now = time.monotonic()
                 if out.new_token_ids:
-                    metrics.token_rate.add(len(out.new_token_ids), now)
+                    self.metrics.token_rate.add(len(out.new_token_ids), now)
                     if not first_token_seen:
                         first_token_seen = True
-                        metrics.ttft.observe(now - job.received)
+                        self.metrics.ttft.observe(now - job.received)
                     elif slot.index in last_time:
-                        gap = (now - last_time[slot.index]) / len(out.new_token_ids)
-                        metrics.itl.observe(gap)
+                        self.metrics.itl.observe((now - last_time[slot.index]) / len(out.new_token_ids))
                     last_time[slot.index] = now
+                self._take(job, slot, out)
                 if out.finished:
-                    job.finals[slot.index] = out
+                    remaining -= 1
                 yield slot, out
         finally:
-            self._close(job, exit_reason)
+            self.abandon(job, exit_reason)
+
+    @staticmethod
+    def _take(job: Job, slot: Slot, out: RequestOutput) -> None:
+        job.progress[slot.index].add(out)
+        if out.finished and job.on_final is not None and not _is_forced(out):
+            job.on_final(slot, out)
+
+    async def collect(self, job: Job, *, exit_reason: CancelReason = CancelReason.DISCONNECT) -> Job:
+        """Runs the job to its end; its ``progress`` then holds every slot's final output."""
+        async for _ in self.outputs(job, exit_reason=exit_reason):
+            pass
+        return job
 
     def abandon(self, job: Job, reason: CancelReason = CancelReason.DISCONNECT) -> None:
         """Closes a job whose outputs were not (all) consumed: aborts what still runs.
 
         The safety net behind every route: a response torn down before its body was
         iterated, or a collecting task cancelled before it started, leaves nothing
-        running. A no-op for a job that finished normally.
+        running. A no-op for a job already closed.
         """
         if job.closed:
             return
-        for slot in job.slots:
-            if slot.index not in job.finals:
-                self.ctx.engine.abort(slot.engine_id, reason)
-        self._close(job, reason)
-
-    def _close(self, job: Job, exit_reason: CancelReason) -> None:
-        if job.closed:
-            return
         job.closed = True
-        self.ctx.registry.finish(job.request_id)
-        self.ctx.metrics.record_outcome(job.endpoint, job_outcome(job, exit_reason))
-        self.ctx.metrics.duration.observe(time.monotonic() - job.received)
+        self._open.pop(id(job), None)
+        for pump in job.pumps:  # stop reading the engine's queues here: _late_finals may go on
+            pump.cancel()
+        while not job.merged.empty():  # delivered by the engine but not read: still part of the answer
+            self._take(job, *job.merged.get_nowait())
+        unfinished = [slot for slot in job.slots if (final := job.progress[slot.index].final) is None
+                      or _is_forced(final)]
+        for slot in unfinished:  # the engine keeps exactly what the client was handed (C3)
+            self.engine.abort(slot.engine_id, reason, delivered=slot.queue.num_delivered)
+        self.registry.finish(job.request_id)
+        self.metrics.record_outcome(job.endpoint, job_outcome(job, reason))
+        self.metrics.duration.observe(time.monotonic() - job.received)
+        unanswered = [slot for slot in unfinished if job.progress[slot.index].final is None]
+        if unanswered and job.on_final is not None:
+            task = asyncio.ensure_future(self._late_finals(job, unanswered))
+            self._late.add(task)
+            task.add_done_callback(self._late.discard)
 
-    async def _merged(self, job: Job, exit_reason: CancelReason
-                      ) -> AsyncIterator[tuple[Slot, RequestOutput]]:
-        engine = self.ctx.engine
-        if len(job.slots) == 1:
-            slot = job.slots[0]
-            async for out in engine.stream(slot.engine_id, slot.queue, exit_reason=exit_reason):
-                yield slot, out
+    async def _late_finals(self, job: Job, slots: list[Slot]) -> None:
+        """Reads left slots to their final output, for ``on_final`` (the prompt memory)."""
+        for slot in slots:
+            try:
+                while True:
+                    out = await asyncio.wait_for(slot.queue.get(), LATE_FINAL_WAIT_S)
+                    if isinstance(out, _ForcedEnd):
+                        break
+                    if out.finished:
+                        assert job.on_final is not None
+                        job.on_final(slot, out)
+                        break
+            except TimeoutError:
+                log.warning("no final output for %s within %.0f s", slot.engine_id, LATE_FINAL_WAIT_S)
+
+    def force_finish(self) -> int:
+        """Ends every open job's unfinished slots now (shutdown, after the engine's chance).
+
+        Returns how many slots were ended this way. Their final output is made here from
+        what was delivered: ``finish_reason`` cancelled, ``cancel_reason`` shutdown.
+        """
+        ended = 0
+        for job in list(self._open.values()):
+            for slot in job.slots:
+                if job.progress[slot.index].final is None:
+                    slot.queue.force_end()
+                    ended += 1
+        for task in list(self._late):
+            task.cancel()
+        return ended
+
+
+async def _pump(job: Job, slot: Slot, merged: asyncio.Queue) -> None:
+    """Moves one slot's outputs into the job's merged queue, up to its final one."""
+    while True:
+        item = await slot.queue.get()
+        if isinstance(item, _ForcedEnd):
+            item = _shutdown_final(slot, job.progress[slot.index])
+        merged.put_nowait((slot, item))
+        if item.finished:
             return
-        merged: asyncio.Queue[tuple[Slot, RequestOutput]] = asyncio.Queue()
 
-        async def pump(slot: Slot) -> None:
-            async for out in engine.stream(slot.engine_id, slot.queue, exit_reason=exit_reason):
-                merged.put_nowait((slot, out))
 
-        tasks = [asyncio.ensure_future(pump(slot)) for slot in job.slots]
-        try:
-            remaining = len(job.slots)
-            while remaining:
-                slot, out = await merged.get()
-                if out.finished:
-                    remaining -= 1
-                yield slot, out
-        finally:
-            for task in tasks:
-                task.cancel()  # a pump still waiting aborts its request with exit_reason
+def _shutdown_final(slot: Slot, progress: Progress) -> RequestOutput:
+    """The final output of a slot the engine did not end in time: what was delivered."""
+    usage = progress.last_usage or Usage(0, 0, 0)
+    return RequestOutput(
+        request_id=slot.engine_id + _FORCED_SUFFIX, new_token_ids=(), token_ids=tuple(progress.token_ids),
+        delta_text="", text="".join(progress.pieces), finished=True, finish_reason=FinishReason.CANCELLED,
+        usage=usage, cancel_reason=CancelReason.SHUTDOWN)
 
-    async def collect(self, job: Job, *, exit_reason: CancelReason = CancelReason.DISCONNECT
-                      ) -> list[tuple[Slot, list[RequestOutput]]]:
-        """Every output of every slot, in slot order, once all have finished."""
-        by_slot: dict[int, list[RequestOutput]] = {s.index: [] for s in job.slots}
-        async for slot, out in self.outputs(job, exit_reason=exit_reason):
-            by_slot[slot.index].append(out)
-        return [(slot, by_slot[slot.index]) for slot in job.slots]
+
+def _is_forced(out: RequestOutput) -> bool:
+    """Made by ``force_finish``, not the engine: its token ids are not known to be exact."""
+    return out.request_id.endswith(_FORCED_SUFFIX)
 
 
 def job_outcome(job: Job, exit_reason: CancelReason) -> str:

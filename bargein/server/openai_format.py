@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -38,14 +39,10 @@ def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: i
         raise APIError(400, str(exc).replace(exc.field, param, 1), param=param, code="invalid_value") from None
 
 
-def check_prompt_length(num_tokens: int, max_model_len: int, param: str) -> None:
-    """A 400 before submitting: empty prompt, or one the context cannot hold."""
-    if num_tokens == 0:
-        raise APIError(400, f"{param} is empty", param=param, code="invalid_value")
-    if num_tokens >= max_model_len:
-        raise APIError(400, f"the prompt is {num_tokens} tokens, but this model's context holds "
-                            f"{max_model_len} (room is needed for at least one generated token); "
-                            "shorten the prompt", param=param, code="context_length_exceeded")
+def system_fingerprint(version: str, model_name: str, precision: str) -> str:
+    """``fp_`` + 10 hex digits, stable for a bargein version, model and precision."""
+    digest = hashlib.sha256(f"bargein {version}\n{model_name}\n{precision}".encode()).hexdigest()
+    return f"fp_{digest[:10]}"
 
 
 def finish_reason(out: RequestOutput) -> str | None:

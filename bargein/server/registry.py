@@ -3,8 +3,14 @@
 One HTTP request (a chat completion with ``n`` choices, a batch of completion prompts)
 may run several engine requests. The registry maps the id the client sees to those
 engine ids, so that cancel-by-id, ``GET /v1/requests`` and the queue limit all speak of
-HTTP requests. It also remembers recently finished ids, so a late cancel answers
-"already finished" rather than "not found".
+HTTP requests.
+
+Engine ids are ``"{http id}#{index}"``. A client may choose its HTTP id (``X-Request-Id``)
+but never one with ``#`` in it, so no id a client chooses is ever another request's
+engine id, and engine ids of live requests are distinct because live HTTP ids are. The
+registry keeps no memory of finished requests: a cancel for an id that is not live asks
+the engine about its first engine id, and the engine, which remembers recently finished
+ids, answers "already finished" or "not found".
 
 Owned by the event loop thread; no locks needed.
 """
@@ -12,13 +18,19 @@ Owned by the event loop thread; no locks needed.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bargein.engine.request import AbortResult, CancelReason
 from bargein.engine.stats import RequestInfo
 
-_FINISHED_MEMORY = 10_000
+ENGINE_ID_SEPARATOR = "#"  # outside what a client may choose (errors.REQUEST_ID)
+Abort = Callable[[str, CancelReason], AbortResult]
+
+
+def engine_id_for(request_id: str, index: int) -> str:
+    """The engine id of choice ``index`` of HTTP request ``request_id``."""
+    return f"{request_id}{ENGINE_ID_SEPARATOR}{index}"
 
 
 @dataclass
@@ -50,7 +62,6 @@ class RequestRegistry:
     def __init__(self) -> None:
         self._live: dict[str, LiveRequest] = {}
         self._by_engine_id: dict[str, str] = {}
-        self._finished: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._live)
@@ -63,7 +74,6 @@ class RequestRegistry:
         self._live[request_id] = live
         for engine_id in engine_ids:
             self._by_engine_id[engine_id] = request_id
-        self._finished.pop(request_id, None)
         return live
 
     def finish(self, request_id: str) -> None:
@@ -72,9 +82,6 @@ class RequestRegistry:
             return
         for engine_id in live.engine_ids:
             self._by_engine_id.pop(engine_id, None)
-        self._finished[request_id] = None
-        if len(self._finished) > _FINISHED_MEMORY:
-            self._finished.popitem(last=False)
 
     def owner(self, engine_id: str) -> str | None:
         """The HTTP request id an engine request belongs to, if the server started it."""
@@ -83,17 +90,18 @@ class RequestRegistry:
     def live_ids(self) -> list[str]:
         return list(self._live)
 
-    def cancel(self, request_id: str, abort, reason: CancelReason = CancelReason.USER) -> AbortResult:
+    def cancel(self, request_id: str, abort: Abort, reason: CancelReason = CancelReason.USER) -> AbortResult:
         """Aborts every engine request behind ``request_id`` via ``abort(engine_id, reason)``.
 
-        Ids the server never registered (a request made through another surface of the
-        same engine) go straight to the engine, which knows them or answers NOT_FOUND.
+        For an id that is not live, the engine's answer about its first engine id says
+        whether it finished recently (ALREADY_FINISHED) or is unknown (NOT_FOUND).
         """
         live = self._live.get(request_id)
         if live is None:
-            if request_id in self._finished:
-                return AbortResult.ALREADY_FINISHED
-            return abort(request_id, reason)
+            result = abort(engine_id_for(request_id, 0), reason)
+            # CANCELLED here would mean the engine still runs it after the job closed: a
+            # job closes only once every engine request has finished or been aborted.
+            return AbortResult.ALREADY_FINISHED if result == AbortResult.CANCELLED else result
         results = [abort(engine_id, reason) for engine_id in live.engine_ids]
         if AbortResult.CANCELLED in results:
             return AbortResult.CANCELLED

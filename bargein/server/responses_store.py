@@ -53,16 +53,21 @@ class StoredResponse:
         return self.status in FINAL_STATUSES
 
     def apply(self, out: RequestOutput) -> None:
-        """Takes in one engine output for this response."""
-        self.text = out.text
-        self.output_token_ids = list(out.token_ids)
+        """Takes in one engine output: deltas as they come, the cumulative fields at the end."""
+        if out.finished:
+            self.text, self.output_token_ids = out.text, list(out.token_ids)
+        else:
+            self.text += out.delta_text
+            self.output_token_ids.extend(out.new_token_ids)
         if self.status == "queued" and (out.new_token_ids or out.finished):
             self.status = "in_progress"
         if not out.finished:
             return
         self.prompt_token_ids = list(out.prompt_token_ids) or self.prompt_token_ids
         u = out.usage
-        self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        # cache_write_tokens: the prompt tokens computed here, whose K/V the prefix cache keeps
+        details = {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.prompt_tokens - u.cached_tokens}
+        self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": details,
                       "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": u.total_tokens}
         if out.finish_reason == FinishReason.STOP:
@@ -106,11 +111,9 @@ class StoredResponse:
 
 
 def _incomplete(r: StoredResponse) -> dict[str, str] | None:
-    if r.incomplete_reason:
-        return {"reason": r.incomplete_reason}
-    if r.status == "cancelled":
-        return {"reason": "cancelled"}
-    return None
+    # A cancelled response says so in ``status`` (and why in ``cancel_reason``); OpenAI's
+    # incomplete_details.reason knows only max_output_tokens and content_filter.
+    return {"reason": r.incomplete_reason} if r.incomplete_reason else None
 
 
 class ResponseStore:

@@ -45,4 +45,7 @@ async def debug_kv(ctx: Ctx) -> dict[str, Any]:
     return {"ok": ok, "error": error, "kv_blocks_total": stats.kv_blocks_total,
             "kv_blocks_free": stats.kv_blocks_free, "kv_blocks_cached": stats.kv_blocks_cached,
             "kv_blocks_used": stats.kv_blocks_used, "running": stats.running, "waiting": stats.waiting,
-            "live_requests": len(ctx.registry), "engine_live_requests": len(engine.live_request_ids())}
+            "live_requests": len(ctx.registry), "engine_live_requests": len(engine.live_request_ids()),
+            "block_size": stats.block_size,
+            "supports_partial_block_reuse": bool(getattr(engine, "supports_partial_block_reuse", False)),
+            "continuation_memory": {"entries": len(ctx.memory), "tokens": ctx.memory.num_tokens}}

@@ -42,12 +42,14 @@ async def cancel_many(body: CancelManyRequest, ctx: Ctx) -> dict[str, Any]:
     """``{"all": true}`` cancels everything in flight; ``{"ids": [...]}`` those requests."""
     if body.all:
         ids = ctx.registry.live_ids()
-        ids += [i for i in ctx.engine.engine.live_request_ids() if ctx.registry.owner(i) is None]
+        results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER) for i in ids}
+        # requests made through another surface of the same engine (a conversation): by engine id
+        others = [i for i in ctx.engine.engine.live_request_ids() if ctx.registry.owner(i) is None]
+        results.update({i: ctx.engine.abort(i, CancelReason.USER) for i in others})
     elif body.ids is not None:
-        ids = body.ids
+        results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER) for i in body.ids}
     else:
         raise APIError(400, 'give {"all": true} or {"ids": [...]}', param="all", code="invalid_value")
-    results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER) for i in ids}
     return {"object": "request.cancel", "status": "cancelled",
             "cancelled": [i for i, r in results.items() if r == AbortResult.CANCELLED],
             "already_finished": [i for i, r in results.items() if r == AbortResult.ALREADY_FINISHED],

@@ -54,7 +54,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    # Plain objects here, each validated as a ChatMessage off the event loop (a body of many
+    # messages would otherwise hold the loop for its whole validation).
+    messages: list[dict[str, Any]] = Field(min_length=1, description="ChatMessage objects")
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int = 1
@@ -63,16 +65,20 @@ class ChatCompletionRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    return_token_ids: bool = Field(default=False, description="extension: prompt_token_ids and token_ids "
+                                   "in each choice (streamed: in its final chunk)")
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # the OpenAI default for this endpoint
+    max_tokens: int | None = None  # none: 16, the OpenAI default for this endpoint
     n: int = 1
     logprobs: int | None = None
     echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
 
 
 class ResponseRequest(SamplingFields):

@@ -2,8 +2,9 @@
 
 uvicorn, on SIGINT/SIGTERM, stops accepting connections and then waits for the open
 ones to close before the lifespan ends; a stream that never ends would hold it until
-the graceful timeout. So the signal handler first cancels every request (reason
-``shutdown``): each is answered with ``finish_reason: "cancelled"`` and its connection
+the graceful timeout. So the signal handler first has every request cancelled (reason
+``shutdown``; the handler only sets a flag and schedules that on the event loop, taking
+no lock the interrupted code may hold): each is answered with ``finish_reason: "cancelled"`` and its connection
 closes, and the server exits promptly. A second SIGINT forces the exit.
 """
 
@@ -19,7 +20,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from bargein.server.app import begin_shutdown
+from bargein.server.app import request_shutdown
 from bargein.server.settings import ServerSettings
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -78,5 +79,5 @@ def run_server(app: FastAPI, settings: ServerSettings, sock: socket.socket, *,
     level = settings.log_level.lower()
     config = uvicorn.Config(app, log_level=level, access_log=level in ("debug", "trace"), lifespan="on",
                             timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)))
-    server = BargeinServer(config, on_exit_signal=lambda: begin_shutdown(app), on_started=on_started)
+    server = BargeinServer(config, on_exit_signal=lambda: request_shutdown(app), on_started=on_started)
     server.run(sockets=[sock])

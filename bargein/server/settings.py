@@ -35,6 +35,11 @@ class ServerSettings:
     debug_endpoints: bool = False  # /debug/kv: block accounting, for tests
     shutdown_timeout: float = 10.0  # seconds to answer in-flight requests on SIGINT/SIGTERM
     log_level: str = "info"
+    default_max_tokens: int | None = None  # for chat and responses requests that give none
+    max_tokens_limit: int | None = None  # a request asking for more gets 400; caps the defaults
+    continuation_memory_entries: int = 256  # answers remembered for token-exact continuation
+    continuation_memory_tokens: int = 262_144  # total token ids those answers may hold
+    tokenizer_threads: int = 2  # the pool that renders and tokenizes off the event loop
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -47,6 +52,18 @@ class ServerSettings:
             raise SettingsError(f"max body size must be at least 1 KiB, got {self.max_body_bytes}")
         if self.max_stored_responses < 1:
             raise SettingsError("max stored responses must be at least 1")
+        for name in ("default_max_tokens", "max_tokens_limit"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SettingsError(f"{name.replace('_', ' ')} must be at least 1, got {value}")
+        if (self.default_max_tokens is not None and self.max_tokens_limit is not None
+                and self.default_max_tokens > self.max_tokens_limit):
+            raise SettingsError(f"default max tokens ({self.default_max_tokens}) is above the max tokens "
+                                f"limit ({self.max_tokens_limit})")
+        if self.continuation_memory_entries < 0 or self.continuation_memory_tokens < 0:
+            raise SettingsError("continuation memory bounds must not be negative")
+        if self.tokenizer_threads < 1:
+            raise SettingsError(f"tokenizer threads must be at least 1, got {self.tokenizer_threads}")
 
     @property
     def base_url(self) -> str:
@@ -69,6 +86,12 @@ class ServerSettings:
             debug_endpoints=env.bool("DEBUG_ENDPOINTS", False),
             shutdown_timeout=env.float("SHUTDOWN_TIMEOUT", defaults.shutdown_timeout) or 0.0,
             log_level=env.str("LOG_LEVEL", defaults.log_level) or defaults.log_level,
+            default_max_tokens=env.int("DEFAULT_MAX_TOKENS", None),
+            max_tokens_limit=env.int("MAX_TOKENS_LIMIT", None),
+            continuation_memory_entries=env.int("CONTINUATION_MEMORY_ENTRIES",
+                                                defaults.continuation_memory_entries),
+            continuation_memory_tokens=env.int("CONTINUATION_MEMORY_TOKENS", defaults.continuation_memory_tokens),
+            tokenizer_threads=env.int("TOKENIZER_THREADS", defaults.tokenizer_threads),
         )
 
 

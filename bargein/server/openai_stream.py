@@ -1,0 +1,279 @@
+"""The shape of every answer, streamed or not, produced in one place.
+
+The stream grammar, the same for every endpoint (``event_stream`` drives it; a
+:class:`Shape` only says how each part looks for its endpoint):
+
+1. an opening per choice: chat ``{"delta": {"role": "assistant", "content": ""}}``,
+   completions ``{"text": ""}`` (or the echoed prompt), Responses ``response.created``,
+   ``response.in_progress``, ``output_item.added``, ``content_part.added``;
+2. content: one chunk per output that adds text (or logprobs), ``finish_reason: null``;
+3. one final chunk per choice with an empty delta (``{}``, ``"text": ""``) and
+   ``finish_reason``, plus ``cancel_reason`` when cancelled. It never carries content:
+   whatever text an engine's final output still adds goes out in a content chunk
+   before it. Responses: ``output_text.done``, ``content_part.done``, ``output_item.done``;
+4. the usage chunk (``choices: []``) when ``stream_options.include_usage``;
+5. ``data: [DONE]`` (Responses: ``response.completed`` / ``incomplete`` / ``failed``).
+
+A failed choice sends an error event in the OpenAI error shape instead of its final
+chunk. Non-streaming bodies come from the same shapes (``body``), from the outputs the
+job accumulated, so the two forms always agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Protocol
+
+from bargein.engine.request import CancelReason, FinishReason, RequestOutput
+from bargein.server.errors import APIError, error_body
+from bargein.server.generation import Job, JobRunner, Slot
+from bargein.server.openai_format import (
+    cancel_fields,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    job_usage,
+)
+from bargein.server.responses_store import StoredResponse
+from bargein.server.sse import DONE, data_event, named_event
+
+
+class Shape(Protocol):
+    """How one endpoint's answer looks; ``event_stream`` decides what comes when."""
+
+    def observe(self, slot: Slot, out: RequestOutput) -> None: ...
+    def opening(self, slots: list[Slot]) -> Iterable[str]: ...
+    def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]: ...
+    def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]: ...
+    def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]: ...
+    def closing(self, usage: dict[str, Any]) -> Iterable[str]: ...
+    def body(self, job: Job) -> dict[str, Any]: ...
+    def closed(self, reason: CancelReason) -> None: ...
+
+
+async def event_stream(runner: JobRunner, job: Job, shape: Shape) -> AsyncIterator[str]:
+    """The one stream grammar (module docstring), for any endpoint's shape."""
+    for event in shape.opening(job.slots):
+        yield event
+    async for slot, out in runner.outputs(job):
+        shape.observe(slot, out)
+        if out.finish_reason == FinishReason.ERROR:
+            for event in shape.error(slot, out):
+                yield event
+            continue
+        for event in shape.content(slot, out):
+            yield event
+        if out.finished:
+            for event in shape.final(slot, out):
+                yield event
+    for event in shape.closing(usage_of(job)):
+        yield event
+
+
+async def collect(runner: JobRunner, job: Job, shape: Shape,
+                  exit_reason: CancelReason = CancelReason.DISCONNECT) -> Job:
+    """Runs a job to its end for a non-streaming answer, showing every output to ``shape``.
+
+    If the collecting task is cancelled, the job's unfinished requests are cancelled
+    with ``exit_reason``.
+    """
+    async for slot, out in runner.outputs(job, exit_reason=exit_reason):
+        shape.observe(slot, out)
+    return job
+
+
+def usage_of(job: Job) -> dict[str, Any]:
+    return job_usage((slot.prompt_index, job.progress[slot.index].final) for slot in job.slots
+                     if job.progress[slot.index].final is not None)
+
+
+def final_or_raise(job: Job, slot: Slot) -> RequestOutput:
+    final = job.progress[slot.index].final
+    if final is None or final.finish_reason == FinishReason.ERROR:
+        message = (final.error if final is not None else None) or "generation failed"
+        raise APIError(500, message, type="server_error", code="generation_failed")
+    return final
+
+
+def token_id_fields(final: RequestOutput) -> dict[str, list[int]]:
+    """The ``return_token_ids`` extension: the exact prompt and answer token ids (on the
+    final chunk of a stream, and in each choice of a body)."""
+    return {"prompt_token_ids": list(final.prompt_token_ids), "token_ids": list(final.token_ids)}
+
+
+class ChatShape:
+    """``chat.completion`` and ``chat.completion.chunk``."""
+
+    def __init__(self, head: dict[str, Any], tokenizer: Any, *, logprobs: bool, include_usage: bool,
+                 token_ids: bool = False):
+        self.head = head  # id, created, model, system_fingerprint
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.token_ids = token_ids  # the return_token_ids extension (non-streamed bodies)
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        usage = {"usage": None} if self.include_usage else {}
+        return data_event({**self.head, "object": "chat.completion.chunk", "choices": choices, **usage, **extra})
+
+    def observe(self, slot: Slot, out: RequestOutput) -> None:
+        pass
+
+    def opening(self, slots: list[Slot]) -> Iterable[str]:
+        for slot in slots:
+            yield self._chunk([{"index": slot.index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}])
+
+    def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        lps = chat_logprobs(self.tokenizer, out.new_logprobs) if self.logprobs and out.new_logprobs else None
+        if out.delta_text or lps:
+            yield self._chunk([{"index": slot.index, "delta": {"content": out.delta_text},
+                                "logprobs": {"content": lps} if lps else None, "finish_reason": None}])
+
+    def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        yield self._chunk([{"index": slot.index, "delta": {}, "logprobs": None,
+                            "finish_reason": finish_reason(out), **cancel_fields(out),
+                            **(token_id_fields(out) if self.token_ids else {})}])
+
+    def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        yield data_event(error_body(out.error or "generation failed"))
+
+    def closing(self, usage: dict[str, Any]) -> Iterable[str]:
+        if self.include_usage:
+            yield data_event({**self.head, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+        yield DONE
+
+    def body(self, job: Job) -> dict[str, Any]:
+        choices = []
+        for slot in job.slots:
+            final = final_or_raise(job, slot)
+            progress = job.progress[slot.index]
+            logprobs = {"content": chat_logprobs(self.tokenizer, progress.logprobs)} if self.logprobs else None
+            choices.append({"index": slot.index,
+                            "message": {"role": "assistant", "content": final.text, "refusal": None},
+                            "logprobs": logprobs, "finish_reason": finish_reason(final), **cancel_fields(final),
+                            **(token_id_fields(final) if self.token_ids else {})})
+        return {**self.head, "object": "chat.completion", "choices": choices, "usage": usage_of(job)}
+
+    def closed(self, reason: CancelReason) -> None:
+        pass
+
+
+class CompletionShape:
+    """``text_completion``, streamed and not; ``echoes`` holds each prompt's echoed text."""
+
+    def __init__(self, head: dict[str, Any], tokenizer: Any, echoes: list[str], *, logprobs: bool,
+                 include_usage: bool, token_ids: bool = False):
+        self.head = {**head, "object": "text_completion"}
+        self.token_ids = token_ids
+        self.tokenizer = tokenizer
+        self.echoes = echoes
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+        self.offsets: dict[int, int] = {}  # text length so far, per choice (logprobs' text_offset)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> str:
+        usage = {"usage": None} if self.include_usage else {}
+        return data_event({**self.head, "choices": choices, **usage})
+
+    def observe(self, slot: Slot, out: RequestOutput) -> None:
+        pass
+
+    def opening(self, slots: list[Slot]) -> Iterable[str]:
+        for slot in slots:
+            echo = self.echoes[slot.prompt_index]
+            self.offsets[slot.index] = len(echo)
+            yield self._chunk([{"index": slot.index, "text": echo, "logprobs": None, "finish_reason": None}])
+
+    def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        lps = None
+        if self.logprobs and out.new_logprobs:
+            lps = completion_logprobs(self.tokenizer, out.new_logprobs, self.offsets[slot.index])
+        self.offsets[slot.index] += len(out.delta_text)
+        if out.delta_text or lps:
+            yield self._chunk([{"index": slot.index, "text": out.delta_text, "logprobs": lps,
+                                "finish_reason": None}])
+
+    def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        yield self._chunk([{"index": slot.index, "text": "", "logprobs": None,
+                            "finish_reason": finish_reason(out), **cancel_fields(out),
+                            **(token_id_fields(out) if self.token_ids else {})}])
+
+    def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        yield data_event(error_body(out.error or "generation failed"))
+
+    def closing(self, usage: dict[str, Any]) -> Iterable[str]:
+        if self.include_usage:
+            yield data_event({**self.head, "choices": [], "usage": usage})
+        yield DONE
+
+    def body(self, job: Job) -> dict[str, Any]:
+        choices = []
+        for slot in job.slots:
+            final = final_or_raise(job, slot)
+            echo = self.echoes[slot.prompt_index]
+            logprobs = None
+            if self.logprobs:
+                logprobs = completion_logprobs(self.tokenizer, job.progress[slot.index].logprobs, len(echo))
+            choices.append({"index": slot.index, "text": echo + final.text, "logprobs": logprobs,
+                            "finish_reason": finish_reason(final), **cancel_fields(final),
+                            **(token_id_fields(final) if self.token_ids else {})})
+        return {**self.head, "choices": choices, "usage": usage_of(job)}
+
+    def closed(self, reason: CancelReason) -> None:
+        pass
+
+
+class ResponsesShape:
+    """The Responses API: one stored response, updated by every output; its events."""
+
+    def __init__(self, stored: StoredResponse):
+        self.stored = stored
+        self.seq = 0
+        self.where = {"item_id": stored.message_id, "output_index": 0}
+
+    def _event(self, kind: str, **payload: Any) -> str:
+        self.seq += 1
+        return named_event(kind, {"type": kind, "sequence_number": self.seq - 1, **payload})
+
+    def observe(self, slot: Slot, out: RequestOutput) -> None:
+        self.stored.apply(out)
+
+    def opening(self, slots: list[Slot]) -> Iterable[str]:
+        stored = self.stored
+        stored.status = "in_progress"
+        yield self._event("response.created", response=stored.to_dict())
+        yield self._event("response.in_progress", response=stored.to_dict())
+        item = {**stored.message_item(), "status": "in_progress", "content": []}
+        yield self._event("response.output_item.added", output_index=0, item=item)
+        yield self._event("response.content_part.added", **self.where, content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+    def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        if out.delta_text:
+            yield self._event("response.output_text.delta", **self.where, content_index=0, delta=out.delta_text,
+                              logprobs=[])
+
+    def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        item = self.stored.message_item()
+        yield self._event("response.output_text.done", **self.where, content_index=0, text=self.stored.text,
+                          logprobs=[])
+        yield self._event("response.content_part.done", **self.where, content_index=0, part=item["content"][0])
+        yield self._event("response.output_item.done", output_index=0, item=item)
+
+    def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        return ()  # the failure is in the stored response, sent with response.failed
+
+    def closing(self, usage: dict[str, Any]) -> Iterable[str]:
+        terminal = {"completed": "response.completed", "failed": "response.failed"}.get(self.stored.status,
+                                                                                        "response.incomplete")
+        yield self._event(terminal, response=self.stored.to_dict())
+
+    def body(self, job: Job) -> dict[str, Any]:
+        return self.stored.to_dict()
+
+    def closed(self, reason: CancelReason) -> None:
+        """A response whose job ended without a final output is cancelled for ``reason``."""
+        if not self.stored.is_final:
+            self.stored.status, self.stored.cancel_reason = "cancelled", reason
+            self.stored.done.set()

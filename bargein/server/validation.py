@@ -1,0 +1,90 @@
+"""Request fields checked in one documented order; the first wrong field is the one named.
+
+Types are checked first, by the pydantic schemas (a wrong type is a 400 naming its
+field). Then, for every generation endpoint, in this order (``FIELD_ORDER``):
+
+1. the prompt: ``messages`` (roles, content parts) / ``prompt`` / ``input``;
+2. ``n``;
+3. ``response_format`` (``response_format.type``: ``text``; ``json_object`` and
+   ``json_schema`` are refused as not supported yet, anything else as unknown);
+4. ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` (at least 1, at most
+   the server's ``--max-tokens-limit``);
+5. ``logprobs``, ``top_logprobs``;
+6. ``timeout``;
+7. the sampling fields, in ``SamplingParams``' order: ``min_tokens``, ``temperature``,
+   ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``presence_penalty``,
+   ``frequency_penalty``, ``logit_bias``, ``stop``, ``stop_token_ids``, ``seed``;
+8. the prompt's length in tokens (``context_length_exceeded``), once it is tokenized.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bargein.engine.sampling import MAX_LOGPROBS
+from bargein.server.errors import APIError
+from bargein.server.settings import ServerSettings
+
+FIELD_ORDER = ("messages|prompt|input", "n", "response_format", "max_tokens", "logprobs", "timeout",
+               "sampling", "context_length")
+MAX_CHOICES = 16
+RESPONSE_FORMATS = ("text",)
+UNSUPPORTED_FORMATS = ("json_object", "json_schema")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def check_n(n: int) -> None:
+    if not 1 <= n <= MAX_CHOICES:
+        raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n}", param="n", code="invalid_value")
+
+
+def check_response_format(value: dict[str, Any] | None) -> None:
+    if value is None:
+        return
+    kind = value.get("type")
+    if kind in RESPONSE_FORMATS:
+        return
+    if kind in UNSUPPORTED_FORMATS:
+        raise APIError(400, f"response_format.type {kind!r} is not supported by this server yet; "
+                            f"use one of {list(RESPONSE_FORMATS)}", param="response_format.type",
+                       code="unsupported_value")
+    raise APIError(400, f"response_format.type must be one of {list(RESPONSE_FORMATS + UNSUPPORTED_FORMATS)}, "
+                        f"got {kind!r}", param="response_format.type", code="invalid_value")
+
+
+def resolve_max_tokens(requested: int | None, field: str, settings: ServerSettings,
+                       default: int | None) -> int | None:
+    """The max tokens to generate: the request's, else ``default``; capped by the limit.
+
+    A request above ``--max-tokens-limit`` is refused (400 naming ``field``) rather than
+    silently cut; a request that gives none gets the limit when it is lower than
+    ``default`` (or when there is no default).
+    """
+    limit = settings.max_tokens_limit
+    if requested is not None:
+        if requested < 1:
+            raise APIError(400, f"{field} must be at least 1, got {requested}", param=field, code="invalid_value")
+        if limit is not None and requested > limit:
+            raise APIError(400, f"{field} must be at most {limit} on this server (--max-tokens-limit), "
+                                f"got {requested}", param=field, code="invalid_value")
+        return requested
+    if limit is not None and (default is None or default > limit):
+        return limit
+    return default
+
+
+def check_logprobs(logprobs: bool, top_logprobs: int | None, param: str = "top_logprobs") -> None:
+    if top_logprobs is not None and not logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param=param, code="invalid_value")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"{param} must be an integer in [0, {MAX_LOGPROBS}], got {top_logprobs}", param=param,
+                       code="invalid_value")
+
+
+def effective_timeout(requested: float | None, server_timeout: float | None) -> float | None:
+    """The tighter of the request's own ``timeout`` and the server's ``--request-timeout``."""
+    if requested is not None and not requested > 0:
+        raise APIError(400, f"timeout must be a positive number of seconds, got {requested}",
+                       param="timeout", code="invalid_value")
+    given = [t for t in (requested, server_timeout) if t is not None]
+    return min(given) if given else None
