@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -74,7 +75,7 @@ def _previous(ctx: ServerContext, previous_id: str) -> StoredResponse:
     return prev
 
 
-def _previous_known(ctx: ServerContext, prev: StoredResponse):
+def _previous_known(ctx: ServerContext, prev: StoredResponse) -> Callable[[], list[KnownText]]:
     """The previous response's exact (text -> ids), computed in the tokenizer pool."""
     def known() -> list[KnownText]:
         prompt_text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True)
@@ -82,9 +83,9 @@ def _previous_known(ctx: ServerContext, prev: StoredResponse):
     return known
 
 
-async def _build(ctx: ServerContext, body: ResponseRequest) -> tuple[StoredResponse, str, list[int]]:
+async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[str, Any]]
+                 ) -> tuple[StoredResponse, str, list[int]]:
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    new_turn = input_messages(body.input)
     prev = _previous(ctx, body.previous_response_id) if body.previous_response_id else None
     if prev is None:
         conversation = new_turn
@@ -113,11 +114,12 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
     if body.background and not body.store:
         raise APIError(400, "background responses must be stored (store: true)", param="background",
                        code="invalid_value")
+    new_turn = input_messages(body.input)  # validation in FIELD_ORDER (validation.py)
     max_tokens = resolve_max_tokens(body.max_output_tokens, "max_output_tokens", ctx.settings,
                                     ctx.settings.default_max_tokens)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"})
-    stored, prompt_text, tokens = await _build(ctx, body)
+    stored, prompt_text, tokens = await _build(ctx, body, new_turn)
     stored.id = response_id
     gen = Generation("responses", response_id, received, [tokens], params, timeout=timeout, stream=body.stream,
                      on_final=lambda slot, out: ctx.prompts.remember(prompt_text, out))
