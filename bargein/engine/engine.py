@@ -76,6 +76,10 @@ class EngineError(Exception):
 class Engine:
     """A model, its KV cache, a scheduler and a sampler, stepped by one thread."""
 
+    #: A prefix hit covers every matching token, a partly filled last block included (C7);
+    #: the server's ``/debug/kv`` reports it and its continuation tests assert the exact count.
+    supports_partial_block_reuse = True
+
     def __init__(self, stages: LlamaStage | Sequence[LlamaStage], tokenizer: Any,
                  config: EngineConfig | None = None, *, model_name: str = "model"):
         self.config = config or EngineConfig()
