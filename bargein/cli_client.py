@@ -54,11 +54,21 @@ class StreamEvent:
     usage: dict[str, Any] | None = None
 
 
+def server_root(url: str) -> str:
+    """The server's root URL from what a user may paste: trailing slashes and a trailing
+    ``/v1`` (the base URL OpenAI clients want) are dropped, since this client adds ``/v1/...``."""
+    root = url.strip().rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")].rstrip("/")
+    return root
+
+
 class BargeinClient:
     def __init__(self, base_url: str | None = None, api_key: str | None = None):
-        self.base_url = (base_url or default_url()).rstrip("/")
+        self.base_url = server_root(base_url or default_url())
         if not self.base_url.startswith(("http://", "https://")):
             raise ClientError(f"bad URL {self.base_url!r}: give one like {DEFAULT_URL}")
+        self.api_key = api_key or None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
 
@@ -142,6 +152,9 @@ class BargeinClient:
         if response.status_code < 400:
             return
         if response.status_code == 401:
+            if self.api_key:
+                raise ClientError(f"{self.base_url} rejected the API key given (--api-key or BARGEIN_API_KEY); "
+                                  "check it against the key the server was started with")
             raise ClientError(f"{self.base_url} wants an API key: give --api-key or set BARGEIN_API_KEY")
         raise ClientError(f"{self.base_url} answered {response.status_code}: {_error_message(response)}")
 

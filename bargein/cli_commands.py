@@ -53,7 +53,8 @@ def _one_line_errors(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
 
 # -- shared arguments ---------------------------------------------------------------------------
 def _add_server_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=default_url(), help="the bargein server (default: $BARGEIN_URL or %(default)s)")
+    p.add_argument("--url", default=default_url(),
+                   help="the bargein server; a base URL ending in /v1 is fine (default: $BARGEIN_URL or %(default)s)")
     p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
                    help="the server's API key (default: $BARGEIN_API_KEY)")
 
@@ -63,7 +64,8 @@ def _add_generation_arguments(p: argparse.ArgumentParser, max_tokens: int) -> No
     where.add_argument("--model", default=os.environ.get("BARGEIN_MODEL"), metavar="REF",
                        help="a .gguf file or a Hugging Face folder, run in this process "
                             "(default: $BARGEIN_MODEL or the bundled SmolLM2-135M-Instruct)")
-    where.add_argument("--url", default=None, help="ask a bargein server instead, e.g. http://127.0.0.1:8000")
+    where.add_argument("--url", default=None,
+                       help="ask a bargein server instead, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
                    help="the server's API key, with --url (default: $BARGEIN_API_KEY)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
@@ -187,11 +189,19 @@ def format_requests(requests: list[dict[str, Any]]) -> str:
     if not requests:
         return "no requests in flight"
     header = ("ID", "STATUS", "PROMPT", "COMPLETION", "AGE", "DEADLINE")
-    rows = [(r["id"], r["status"], str(r["prompt_tokens"]), str(r["completion_tokens"]), _seconds(r["age_s"]),
+    rows = [(r["id"], r["status"], _prompt(r), str(r["completion_tokens"]), _seconds(r["age_s"]),
              "-" if r.get("deadline_s") is None else f"in {_seconds(r['deadline_s'])}") for r in requests]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
                      for row in (header, *rows))
+
+
+def _prompt(r: dict[str, Any]) -> str:
+    """The prompt's length, and while it is still being read, how far: ``512/2000 (25%)``."""
+    total, computed = r["prompt_tokens"], r.get("prompt_computed", r["prompt_tokens"])
+    if computed >= total:
+        return str(total)
+    return f"{computed}/{total} ({100 * computed // max(total, 1)}%)"
 
 
 def _seconds(value: float) -> str:

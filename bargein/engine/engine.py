@@ -486,6 +486,7 @@ class Engine:
                 request_id=req.request_id,
                 status=names.get(req.status, req.status.name.lower()),
                 prompt_tokens=req.prompt_len,
+                prompt_computed=min(req.sequence.num_computed, req.prompt_len),
                 completion_tokens=req.num_output_tokens,
                 age_s=now - req.arrival_time,
                 deadline_s=None if req.deadline is None else max(0.0, req.deadline - now),
