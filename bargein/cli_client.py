@@ -107,6 +107,16 @@ class BargeinClient:
         self._check(response)
         return list(self._json(response, "cancelled"))
 
+    async def aprompt_progress(self, request_id: str) -> tuple[int, int] | None:
+        """``(prompt_computed, prompt_tokens)`` of a request in flight, from ``GET /v1/requests``."""
+        async with httpx.AsyncClient(headers=self.headers, timeout=CONNECT_TIMEOUT_S) as http:
+            response = await http.get(f"{self.base_url}/v1/requests")
+        self._check(response)
+        for r in self._json(response, "data"):
+            if r.get("id") == request_id:
+                return int(r.get("prompt_computed", r["prompt_tokens"])), int(r["prompt_tokens"])
+        return None
+
     async def acancel(self, request_id: str) -> bool:
         """Like ``cancel`` without blocking the event loop; False when the server did not cancel it."""
         try:

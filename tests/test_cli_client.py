@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
+from bargein.cli_chat import ChatREPL, GenerationSettings, RemoteBackend
 from bargein.cli_client import BargeinClient, server_root
 from bargein.cli_commands import format_requests
+from bargein.cli_progress import progress_text, with_progress
 from tests.conftest import GUARDED_KEY
 from tests.tiny_engine import prompt, tiny_engine
 
@@ -101,3 +106,44 @@ def test_engine_reports_prompt_progress_per_step():
         seen.append((info.request_id, info.prompt_tokens, info.prompt_computed, info.completion_tokens))
     # 16 prompt tokens a step; the step that reads the last 8 also samples the first token.
     assert seen == [(rid, 40, 16, 0), (rid, 40, 32, 0), (rid, 40, 40, 1), (rid, 40, 40, 2)]
+
+
+def test_prompt_progress_line_is_drawn_then_erased():
+    readings = iter([None, (0, 100), (16, 100), (48, 100), (100, 100)])
+    out = io.StringIO()
+
+    async def probe():
+        return next(readings, (100, 100))
+
+    async def answer(first_text):
+        await asyncio.sleep(0.2)
+        first_text()
+        return "answer"
+
+    async def main():
+        return await with_progress(answer, probe, out, interval_s=0.01)
+
+    assert asyncio.run(main()) == "answer"
+    text = out.getvalue()
+    drawn = [line for line in text.split("\r") if line.strip()]
+    assert [d.strip() for d in drawn] == [progress_text(0, 100), progress_text(16, 100), progress_text(48, 100)]
+    assert text.endswith("\r" + " " * len(progress_text(16, 100)) + "\r")  # erased before the answer
+    assert progress_text(512, 2000) == "[reading the prompt: 512/2000 tokens (25%)]"
+
+
+@pytest.mark.slow
+def test_chat_shows_prompt_progress_from_the_server(guarded_server):
+    client = BargeinClient(guarded_server.base_url, GUARDED_KEY)
+    loop = asyncio.new_event_loop()
+    out, status = io.StringIO(), io.StringIO()
+    try:
+        backend = RemoteBackend(client, client.model_name())
+        repl = ChatREPL(backend, GenerationSettings(max_tokens=4, temperature=0.0), None, loop, out=out, status=status)
+        repl.turn("Summarise these notes. " + " ".join(f"Note {i}: the sky was grey." for i in range(60)))
+    finally:
+        loop.close()
+    readings = re.findall(r"reading the prompt: (\d+)/(\d+) tokens", status.getvalue())
+    assert readings, status.getvalue()
+    assert all(0 <= int(done) < int(total) and int(total) > 300 for done, total in readings)
+    assert status.getvalue().endswith("\r")  # erased
+    assert "reading the prompt" not in out.getvalue()
