@@ -45,7 +45,7 @@ def run_once(args: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--repeats", type=int, default=None, help="runs per command (default: 15, quick: 5)")
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
               "ps_help_under_target": ps_help < TARGET_S, "rows": rows}
     emit("bargein CLI start-up", [(f"wall seconds per command, {repeats} runs each", format_table(rows))],
          result, args.json)
+    return result
 
 
 if __name__ == "__main__":

@@ -147,3 +147,10 @@ def test_chat_shows_prompt_progress_from_the_server(guarded_server):
     assert all(0 <= int(done) < int(total) and int(total) > 300 for done, total in readings)
     assert status.getvalue().endswith("\r")  # erased
     assert "reading the prompt" not in out.getvalue()
+
+
+@pytest.mark.slow
+def test_serve_logs_lines_not_progress_bars_when_not_a_terminal(live_server):
+    log = live_server.log_path.read_text(errors="replace")  # its stderr is a file, not a terminal
+    assert "bargein: loaded SmolLM2-135M-Instruct in " in log
+    assert "\r" not in log and "tensor/s" not in log and "Loading" not in log
