@@ -488,7 +488,7 @@ async function loadModel() {
     setConnected(true);
     if (!state.inflight) renderMessages(); // speaker labels name the model
   } catch (e) {
-    el.model.textContent = e.kind === "auth" ? "API key needed" : "unavailable";
+    el.model.textContent = e.kind !== "auth" ? "unavailable" : state.settings.apiKey ? "API key rejected" : "API key needed";
     if (e.kind === "auth") setConnected(true, "Connected; the server wants an API key");
     reportError(e);
   }
