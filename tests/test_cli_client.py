@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -139,7 +140,8 @@ def test_chat_shows_prompt_progress_from_the_server(guarded_server):
     try:
         backend = RemoteBackend(client, client.model_name())
         repl = ChatREPL(backend, GenerationSettings(max_tokens=4, temperature=0.0), None, loop, out=out, status=status)
-        repl.turn("Summarise these notes. " + " ".join(f"Note {i}: the sky was grey." for i in range(60)))
+        # A prompt of its own (a fresh first line), so that no earlier test left it in the prefix cache.
+        repl.turn(f"Notes {uuid.uuid4().hex}. " + " ".join(f"Note {i}: the sky was grey." for i in range(60)))
     finally:
         loop.close()
     readings = re.findall(r"reading the prompt: (\d+)/(\d+) tokens", status.getvalue())
