@@ -13,28 +13,20 @@ and exits non-zero. Nothing here imports the engine.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+from bargein.cli_common import DEFAULT_URL as DEFAULT_URL
+from bargein.cli_common import ClientError as ClientError
+from bargein.cli_common import default_api_key as default_api_key
+from bargein.cli_common import default_url as default_url
+from bargein.cli_common import server_root as server_root
+
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0  # a long prompt on a slow machine may take minutes before its first token
-
-
-def default_url() -> str:
-    return os.environ.get("BARGEIN_URL") or DEFAULT_URL
-
-
-def default_api_key() -> str | None:
-    return os.environ.get("BARGEIN_API_KEY") or None
-
-
-class ClientError(Exception):
-    """A failure talking to the server, as one line a user can act on."""
 
 
 class UnknownRequest(ClientError):
@@ -52,15 +44,6 @@ class StreamEvent:
     delta: str = ""
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
-
-
-def server_root(url: str) -> str:
-    """The server's root URL from what a user may paste: trailing slashes and a trailing
-    ``/v1`` (the base URL OpenAI clients want) are dropped, since this client adds ``/v1/...``."""
-    root = url.strip().rstrip("/")
-    if root.endswith("/v1"):
-        root = root[: -len("/v1")].rstrip("/")
-    return root
 
 
 class BargeinClient:

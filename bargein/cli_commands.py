@@ -23,7 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bargein.cli_client import BargeinClient, ClientError, default_api_key, default_url
+# Not bargein.cli_client (httpx) here: building the parser for `--help` must stay cheap;
+# the commands that talk to a server import the client when they run.
+from bargein.cli_common import ClientError, default_api_key, default_url
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -91,6 +93,8 @@ def _backend(args: argparse.Namespace):
     from bargein.cli_chat import LocalBackend, RemoteBackend
 
     if args.url:
+        from bargein.cli_client import BargeinClient
+
         client = BargeinClient(args.url, args.api_key)
         return RemoteBackend(client, client.model_name())
     return LocalBackend(_load_async_engine(args.model))
@@ -179,6 +183,8 @@ def add_ps_arguments(p: argparse.ArgumentParser) -> None:
 
 @_one_line_errors
 def run_ps(args: argparse.Namespace) -> int:
+    from bargein.cli_client import BargeinClient
+
     requests = BargeinClient(args.url, args.api_key).list_requests()
     print(format_requests(requests))
     return 0
@@ -223,6 +229,8 @@ def run_cancel(args: argparse.Namespace) -> int:
     """Cancels requests by id (or all); exit 1 if any id is unknown, after trying the others."""
     if bool(args.ids) == args.all:
         raise CommandError("give request ids or --all (not both)", EXIT_USAGE)
+    from bargein.cli_client import BargeinClient
+
     client = BargeinClient(args.url, args.api_key)
     if args.all:
         cancelled = client.cancel_all()

@@ -122,7 +122,7 @@ def test_prompt_progress_line_is_drawn_then_erased():
         return "answer"
 
     async def main():
-        return await with_progress(answer, probe, out, interval_s=0.01)
+        return await with_progress(answer, probe, out, interval_s=0.01, delay_s=0, min_remaining=0)
 
     assert asyncio.run(main()) == "answer"
     text = out.getvalue()
@@ -130,6 +130,21 @@ def test_prompt_progress_line_is_drawn_then_erased():
     assert [d.strip() for d in drawn] == [progress_text(0, 100), progress_text(16, 100), progress_text(48, 100)]
     assert text.endswith("\r" + " " * len(progress_text(16, 100)) + "\r")  # erased before the answer
     assert progress_text(512, 2000) == "[reading the prompt: 512/2000 tokens (25%)]"
+
+
+def test_prompt_progress_stays_quiet_for_a_short_read():
+    readings = iter([(0, 100), (16, 100), (60, 100)])
+    out = io.StringIO()
+
+    async def probe():
+        return next(readings, (100, 100))
+
+    async def answer(first_text):
+        await asyncio.sleep(0.1)
+        first_text()
+
+    asyncio.run(with_progress(answer, probe, out, interval_s=0.01, delay_s=0))  # fewer than 256 tokens left
+    assert out.getvalue() == ""
 
 
 @pytest.mark.slow
