@@ -8,16 +8,42 @@ Public API::
     [out] = engine.generate(["The capital of France is"], SamplingParams(max_tokens=16))
 """
 
-from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from bargein.engine.async_engine import AsyncEngine
-from bargein.engine.conversation import Conversation, ConversationState
-from bargein.engine.engine import Engine, EngineError
-from bargein.engine.outputs import OutputCollector
-from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
-from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
+from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+# Names are imported on first use (PEP 562), so that `import bargein.cli` for a client
+# command (ps, cancel, --help) does not pay for torch and the model code.
+_EXPORTS = {
+    "CacheConfig": "bargein.config", "EngineConfig": "bargein.config", "ModelConfig": "bargein.config",
+    "SchedulerConfig": "bargein.config", "AsyncEngine": "bargein.engine.async_engine",
+    "Conversation": "bargein.engine.conversation", "ConversationState": "bargein.engine.conversation",
+    "Engine": "bargein.engine.engine", "EngineError": "bargein.engine.engine",
+    "AbortResult": "bargein.engine.request", "CancelReason": "bargein.engine.request",
+    "FinishReason": "bargein.engine.request", "RequestOutput": "bargein.engine.request",
+    "Usage": "bargein.engine.request", "InvalidSamplingParams": "bargein.engine.sampling",
+    "SamplingParams": "bargein.engine.sampling", "OutputCollector": "bargein.engine.outputs",
+}
 __all__ = [
     "AbortResult", "AsyncEngine", "CacheConfig", "CancelReason", "Conversation", "ConversationState",
     "Engine", "EngineConfig", "EngineError", "FinishReason", "InvalidSamplingParams", "ModelConfig",
     "OutputCollector", "RequestOutput", "SamplingParams", "SchedulerConfig", "Usage",
 ]
+
+if TYPE_CHECKING:
+    from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from bargein.engine.async_engine import AsyncEngine
+    from bargein.engine.conversation import Conversation, ConversationState
+    from bargein.engine.engine import Engine, EngineError
+    from bargein.engine.outputs import OutputCollector
+    from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
+    from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'bargein' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

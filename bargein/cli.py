@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,7 +56,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=s.host, help="address to listen on (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=s.port, help="port (default: %(default)s; 0 picks a free one)")
     p.add_argument("--api-key", default=s.api_key, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+                   help="require 'Authorization: Bearer KEY' on the API (/v1/..., /metrics, /debug/...); "
+                        "/health and the chat page's static files stay open, and the page asks for the key")
     p.add_argument("--request-timeout", type=float, default=s.request_timeout, metavar="S",
                    help="cancel any request after S seconds (reason: deadline)")
     p.add_argument("--max-queue", type=int, default=s.max_queue, metavar="N",
@@ -138,10 +140,14 @@ def _load_engine(ref: str | None, config):
     from bargein.loader import LoaderError
 
     print(f"bargein: loading {ref or 'the bundled SmolLM2-135M-Instruct'}", file=sys.stderr, flush=True)
+    started = time.perf_counter()
     try:
-        return Engine.from_pretrained(ref, config, progress=True)
+        # A progress bar only on a terminal: in a log file each redraw would be another line.
+        engine = Engine.from_pretrained(ref, config, progress=sys.stderr.isatty())
     except (LoaderError, DeviceError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         raise UserError(str(exc)) from None
+    print(f"bargein: loaded {engine.model_name} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    return engine
 
 
 def _client_commands() -> dict[str, Command]:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from bargein.cli_client import BargeinClient, ClientError, StreamEvent
+from bargein.cli_progress import with_progress
 from bargein.engine.continuation import KnownText, continue_text
 
 HARD_STOP_AFTER_S = 3.0
@@ -95,6 +96,7 @@ class Backend(Protocol):
     async def sync(self, messages: list[dict[str, str]]) -> None: ...
     def num_tokens(self) -> int | None: ...
     async def state(self) -> dict[str, Any]: ...
+    async def prompt_progress(self) -> tuple[int, int] | None: ...
     async def restore(self, data: dict[str, Any]) -> None: ...
     async def close(self) -> None: ...
 
@@ -209,6 +211,13 @@ class LocalBackend:
     def num_tokens(self) -> int | None:
         return self._num_tokens
 
+    async def prompt_progress(self) -> tuple[int, int] | None:
+        """(computed, total) prompt tokens of this conversation's request in flight, if any."""
+        for info in await self.ae.call(self.ae.engine.list_requests):
+            if info.session_id == self.conv.id:
+                return info.prompt_computed, info.prompt_tokens
+        return None
+
     async def state(self) -> dict[str, Any]:
         saved = await self.conv.save()
         return {"token_ids": list(saved.token_ids)}
@@ -293,6 +302,10 @@ class RemoteBackend:
     def num_tokens(self) -> int | None:
         return self._last_total
 
+    async def prompt_progress(self) -> tuple[int, int] | None:
+        rid = self._request_id
+        return None if rid is None else await self.client.aprompt_progress(rid)
+
     async def state(self) -> dict[str, Any]:
         return {}
 
@@ -307,8 +320,10 @@ class RemoteBackend:
 # -- the REPL -----------------------------------------------------------------------------------
 class ChatREPL:
     def __init__(self, backend: Backend, settings: GenerationSettings, system: str | None,
-                 loop: asyncio.AbstractEventLoop, out: TextIO = sys.stdout):
+                 loop: asyncio.AbstractEventLoop, out: TextIO = sys.stdout, status: TextIO | None = None):
         self.backend = backend
+        # Where prompt-reading progress goes: stderr on a terminal, nowhere otherwise.
+        self.status = status if status is not None else (sys.stderr if sys.stderr.isatty() else None)
         self.settings = settings
         self.system = system
         self.loop = loop
@@ -350,12 +365,23 @@ class ChatREPL:
     def turn(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
         printed: list[str] = []
+        first_text: list[Callable[[], None]] = []  # erases the progress line
 
         def on_delta(delta: str) -> None:
+            for erase in first_text:
+                erase()
             printed.append(delta)
             self.say(delta, end="")
 
-        result, stopped = self.interruptible(lambda: self.backend.answer(self.history(), self.settings, on_delta))
+        async def answer(erase: Callable[[], None]) -> AnswerResult:
+            first_text.append(erase)
+            return await self.backend.answer(self.history(), self.settings, on_delta)
+
+        if self.status is None:
+            result, stopped = self.interruptible(lambda: self.backend.answer(self.history(), self.settings, on_delta))
+        else:
+            result, stopped = self.interruptible(
+                lambda: with_progress(answer, self.backend.prompt_progress, self.status))
         if isinstance(result, AnswerError):
             self.say(f"{chr(10) if printed else ''}[error: {result}]")
             self.messages.pop()

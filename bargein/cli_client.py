@@ -13,28 +13,20 @@ and exits non-zero. Nothing here imports the engine.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+from bargein.cli_common import DEFAULT_URL as DEFAULT_URL
+from bargein.cli_common import ClientError as ClientError
+from bargein.cli_common import default_api_key as default_api_key
+from bargein.cli_common import default_url as default_url
+from bargein.cli_common import server_root as server_root
+
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0  # a long prompt on a slow machine may take minutes before its first token
-
-
-def default_url() -> str:
-    return os.environ.get("BARGEIN_URL") or DEFAULT_URL
-
-
-def default_api_key() -> str | None:
-    return os.environ.get("BARGEIN_API_KEY") or None
-
-
-class ClientError(Exception):
-    """A failure talking to the server, as one line a user can act on."""
 
 
 class UnknownRequest(ClientError):
@@ -56,9 +48,10 @@ class StreamEvent:
 
 class BargeinClient:
     def __init__(self, base_url: str | None = None, api_key: str | None = None):
-        self.base_url = (base_url or default_url()).rstrip("/")
+        self.base_url = server_root(base_url or default_url())
         if not self.base_url.startswith(("http://", "https://")):
             raise ClientError(f"bad URL {self.base_url!r}: give one like {DEFAULT_URL}")
+        self.api_key = api_key or None
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
 
@@ -96,6 +89,16 @@ class BargeinClient:
         response = self._call("POST", "/v1/requests/cancel", json={"all": True})
         self._check(response)
         return list(self._json(response, "cancelled"))
+
+    async def aprompt_progress(self, request_id: str) -> tuple[int, int] | None:
+        """``(prompt_computed, prompt_tokens)`` of a request in flight, from ``GET /v1/requests``."""
+        async with httpx.AsyncClient(headers=self.headers, timeout=CONNECT_TIMEOUT_S) as http:
+            response = await http.get(f"{self.base_url}/v1/requests")
+        self._check(response)
+        for r in self._json(response, "data"):
+            if r.get("id") == request_id:
+                return int(r.get("prompt_computed", r["prompt_tokens"])), int(r["prompt_tokens"])
+        return None
 
     async def acancel(self, request_id: str) -> bool:
         """Like ``cancel`` without blocking the event loop; False when the server did not cancel it."""
@@ -142,6 +145,9 @@ class BargeinClient:
         if response.status_code < 400:
             return
         if response.status_code == 401:
+            if self.api_key:
+                raise ClientError(f"{self.base_url} rejected the API key given (--api-key or BARGEIN_API_KEY); "
+                                  "check it against the key the server was started with")
             raise ClientError(f"{self.base_url} wants an API key: give --api-key or set BARGEIN_API_KEY")
         raise ClientError(f"{self.base_url} answered {response.status_code}: {_error_message(response)}")
 

@@ -23,7 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bargein.cli_client import BargeinClient, ClientError, default_api_key, default_url
+# Not bargein.cli_client (httpx) here: building the parser for `--help` must stay cheap;
+# the commands that talk to a server import the client when they run.
+from bargein.cli_common import ClientError, default_api_key, default_url
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -53,7 +55,8 @@ def _one_line_errors(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
 
 # -- shared arguments ---------------------------------------------------------------------------
 def _add_server_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=default_url(), help="the bargein server (default: $BARGEIN_URL or %(default)s)")
+    p.add_argument("--url", default=default_url(),
+                   help="the bargein server; a base URL ending in /v1 is fine (default: $BARGEIN_URL or %(default)s)")
     p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
                    help="the server's API key (default: $BARGEIN_API_KEY)")
 
@@ -63,7 +66,8 @@ def _add_generation_arguments(p: argparse.ArgumentParser, max_tokens: int) -> No
     where.add_argument("--model", default=os.environ.get("BARGEIN_MODEL"), metavar="REF",
                        help="a .gguf file or a Hugging Face folder, run in this process "
                             "(default: $BARGEIN_MODEL or the bundled SmolLM2-135M-Instruct)")
-    where.add_argument("--url", default=None, help="ask a bargein server instead, e.g. http://127.0.0.1:8000")
+    where.add_argument("--url", default=None,
+                       help="ask a bargein server instead, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
                    help="the server's API key, with --url (default: $BARGEIN_API_KEY)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
@@ -89,6 +93,8 @@ def _backend(args: argparse.Namespace):
     from bargein.cli_chat import LocalBackend, RemoteBackend
 
     if args.url:
+        from bargein.cli_client import BargeinClient
+
         client = BargeinClient(args.url, args.api_key)
         return RemoteBackend(client, client.model_name())
     return LocalBackend(_load_async_engine(args.model))
@@ -177,6 +183,8 @@ def add_ps_arguments(p: argparse.ArgumentParser) -> None:
 
 @_one_line_errors
 def run_ps(args: argparse.Namespace) -> int:
+    from bargein.cli_client import BargeinClient
+
     requests = BargeinClient(args.url, args.api_key).list_requests()
     print(format_requests(requests))
     return 0
@@ -187,11 +195,19 @@ def format_requests(requests: list[dict[str, Any]]) -> str:
     if not requests:
         return "no requests in flight"
     header = ("ID", "STATUS", "PROMPT", "COMPLETION", "AGE", "DEADLINE")
-    rows = [(r["id"], r["status"], str(r["prompt_tokens"]), str(r["completion_tokens"]), _seconds(r["age_s"]),
+    rows = [(r["id"], r["status"], _prompt(r), str(r["completion_tokens"]), _seconds(r["age_s"]),
              "-" if r.get("deadline_s") is None else f"in {_seconds(r['deadline_s'])}") for r in requests]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
                      for row in (header, *rows))
+
+
+def _prompt(r: dict[str, Any]) -> str:
+    """The prompt's length, and while it is still being read, how far: ``512/2000 (25%)``."""
+    total, computed = r["prompt_tokens"], r.get("prompt_computed", r["prompt_tokens"])
+    if computed >= total:
+        return str(total)
+    return f"{computed}/{total} ({100 * computed // max(total, 1)}%)"
 
 
 def _seconds(value: float) -> str:
@@ -213,6 +229,8 @@ def run_cancel(args: argparse.Namespace) -> int:
     """Cancels requests by id (or all); exit 1 if any id is unknown, after trying the others."""
     if bool(args.ids) == args.all:
         raise CommandError("give request ids or --all (not both)", EXIT_USAGE)
+    from bargein.cli_client import BargeinClient
+
     client = BargeinClient(args.url, args.api_key)
     if args.all:
         cancelled = client.cancel_all()

@@ -145,6 +145,17 @@ def live_server(server_factory: ServerFactory) -> ServerProcess:
     return server_factory.get()
 
 
+# A server for the tests of key errors, deadlines and prompt progress (web page and CLI): an
+# API key, a 3 s deadline, and prompts read 16 tokens a step so that progress is visible.
+GUARDED_ARGS = ("--request-timeout", "3", "--max-num-batched-tokens", "16")
+GUARDED_KEY = "web-secret"
+
+
+@pytest.fixture
+def guarded_server(server_factory: ServerFactory) -> ServerProcess:
+    return server_factory.get(GUARDED_ARGS, api_key=GUARDED_KEY)
+
+
 @pytest.fixture
 def check_kv(server_factory: ServerFactory) -> Iterator[None]:
     """After the test: every server settles idle and its KV block accounting holds (C5)."""

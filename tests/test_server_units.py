@@ -76,9 +76,10 @@ def test_registry_groups_cancels_and_asks_the_engine_about_finished_ids():
 
     assert registry.cancel("r1", abort) == AbortResult.CANCELLED
     assert aborted == [("r1#0", CancelReason.USER), ("r1#1", CancelReason.USER)]
-    infos = [RequestInfo("r1#0", "running", 5, 3, 1.0, None, None), RequestInfo("r1#1", "queued", 5, 0, 0.5, 4.0, None)]
+    infos = [RequestInfo("r1#0", "running", 5, 5, 3, 1.0, None, None), RequestInfo("r1#1", "queued", 5, 2, 0, 0.5, 4.0, None)]
     [summary] = registry.summarize(infos)
     assert (summary.id, summary.status, summary.completion_tokens, summary.deadline_s) == ("r1", "running", 3, 4.0)
+    assert (summary.prompt_tokens, summary.prompt_computed) == (5, 2)  # the prompt is read when all have read it
     registry.finish("r1")
     asked = []
     engine_answer = lambda i, r: asked.append(i) or AbortResult.ALREADY_FINISHED  # noqa: E731

@@ -36,11 +36,11 @@ class RequestInfo:
     request_id: str
     status: str  # "queued" | "running" | "preempted"
     prompt_tokens: int  # the request's prompt length
+    prompt_computed: int  # prompt tokens with K/V computed so far (prefix-cache hits included)
     completion_tokens: int
     age_s: float
     deadline_s: float | None  # seconds left until its deadline
     session_id: str | None
-    prompt_computed: int = 0  # prompt tokens with K/V computed so far (cached hits included)
 
 
 @dataclass

@@ -10,7 +10,24 @@ the routes (generate, responses, requests, ops), middleware (API key, body limit
 (the factory and shutdown), serve (uvicorn with graceful signals).
 """
 
-from bargein.server.app import begin_shutdown, create_app, request_shutdown
-from bargein.server.settings import ServerSettings, SettingsError
+from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use (PEP 562): the CLI reads bargein.server.settings for every command's
+# --help, and that must not import the app (FastAPI, the engine, torch).
+_EXPORTS = {"begin_shutdown": "bargein.server.app", "create_app": "bargein.server.app",
+            "request_shutdown": "bargein.server.app",
+            "ServerSettings": "bargein.server.settings", "SettingsError": "bargein.server.settings"}
 __all__ = ["ServerSettings", "SettingsError", "begin_shutdown", "create_app", "request_shutdown"]
+
+if TYPE_CHECKING:
+    from bargein.server.app import begin_shutdown, create_app, request_shutdown
+    from bargein.server.settings import ServerSettings, SettingsError
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'bargein.server' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

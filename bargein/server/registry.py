@@ -48,12 +48,14 @@ class RequestSummary:
     id: str
     status: str  # "queued" | "running"
     prompt_tokens: int
+    prompt_computed: int  # prompt tokens with K/V so far: equal to prompt_tokens once the prompt is read
     completion_tokens: int
     age_s: float
     deadline_s: float | None
 
     def as_dict(self) -> dict:
         return {"id": self.id, "status": self.status, "prompt_tokens": self.prompt_tokens,
+                "prompt_computed": self.prompt_computed,
                 "completion_tokens": self.completion_tokens, "age_s": round(self.age_s, 3),
                 "deadline_s": None if self.deadline_s is None else round(self.deadline_s, 3)}
 
@@ -119,6 +121,7 @@ class RequestRegistry:
                 id=request_id,
                 status="running" if any(i.status == "running" for i in group) else "queued",
                 prompt_tokens=group[0].prompt_tokens,
+                prompt_computed=min(i.prompt_computed for i in group),
                 completion_tokens=sum(i.completion_tokens for i in group),
                 age_s=max(i.age_s for i in group),
                 deadline_s=min(deadlines) if deadlines else None,

@@ -2,8 +2,9 @@
 // server-sent events read from a fetch body (EventSource cannot POST).
 
 export class ApiError extends Error {
-  // kind: "http" (the server answered with an error), "stream" (an error event inside a
-  // stream) or "network" (no answer at all: the server is down or unreachable).
+  // kind: "http" (the server answered with an error), "auth" (401: a key is missing or
+  // wrong), "stream" (an error event inside a stream) or "network" (no answer at all: the
+  // server is down or unreachable, or the connection broke).
   constructor(message, { kind = "http", status = 0, code = null } = {}) {
     super(message);
     this.kind = kind;
@@ -30,7 +31,10 @@ async function errorFrom(response) {
     else if (typeof body?.detail === "string") message = body.detail;
     else if (Array.isArray(body?.detail)) message = body.detail.map((d) => d.msg).join("; ");
   } catch { /* not JSON: keep the status line */ }
-  if (response.status === 401 && !apiKey) message += " (set an API key in Settings)";
+  if (response.status === 401) {
+    message = apiKey ? "The server rejected the API key set in Settings." : "This server needs an API key: enter it in Settings.";
+    return new ApiError(message, { kind: "auth", status: 401, code });
+  }
   return new ApiError(message, { status: response.status, code });
 }
 
@@ -87,8 +91,10 @@ async function* events(body) {
 }
 
 // Stream one chat completion. Calls onDelta(text) per content piece, then resolves with
-// { finishReason, usage } (usage is null when the stream ended without one). An AbortError
-// from `signal` propagates; every other failure is an ApiError.
+// { finishReason, cancelReason, usage }: finishReason is null when the stream ended without
+// one (the connection broke), cancelReason is the server's cancel_reason extension (user,
+// disconnect, deadline, shutdown) on a cancelled answer, usage is null when none came.
+// An AbortError from `signal` propagates; every other failure is an ApiError.
 export async function streamChat({ body, requestId, signal, onDelta }) {
   let response;
   try {
@@ -102,6 +108,7 @@ export async function streamChat({ body, requestId, signal, onDelta }) {
   }
   if (!response.ok) throw await errorFrom(response);
   let finishReason = null;
+  let cancelReason = null;
   let usage = null;
   try {
     for await (const event of events(response.body)) {
@@ -110,11 +117,12 @@ export async function streamChat({ body, requestId, signal, onDelta }) {
       for (const choice of event.choices || []) {
         if (choice.delta?.content) onDelta(choice.delta.content);
         if (choice.finish_reason) finishReason = choice.finish_reason;
+        if (choice.cancel_reason) cancelReason = choice.cancel_reason;
       }
     }
   } catch (e) {
     if (e instanceof ApiError || e.name === "AbortError") throw e;
     throw new ApiError("Lost connection to the server while the answer streamed.", { kind: "network" });
   }
-  return { finishReason, usage };
+  return { finishReason, cancelReason, usage };
 }

@@ -2,11 +2,18 @@
 //
 // One owner for each piece of state: `state` below. The DOM is derived from it; only the
 // answer being streamed is patched in place, so that a long answer does not re-render
-// the whole conversation on every token.
+// the whole conversation on every token. The answer is written to storage as it streams
+// (throttled, and at once when the page goes away), so a reload loses nothing.
 
+import * as answers from "./answers.js";
 import * as api from "./api.js";
 import { escapeHtml, renderMarkdown } from "./markdown.js";
 import * as store from "./store.js";
+
+const SAVE_EVERY_MS = 300; // storage writes while an answer streams
+const PROGRESS_POLL_MS = 250; // /v1/requests polls while the prompt is read
+const COLLAPSE_CHARS = 1200; // user messages longer than this (or COLLAPSE_LINES) fold
+const COLLAPSE_LINES = 14;
 
 const $ = (sel) => document.querySelector(sel);
 const el = {
@@ -25,10 +32,18 @@ const state = {
   model: null,
   // The one request this page has in flight: { conv, msg, requestId, controller, stopRequested }.
   inflight: null,
+  leaving: false, // the page is being unloaded
 };
 
 const current = () => state.conversations.find((c) => c.id === state.currentId);
 const save = () => { store.saveConversations(state.conversations); store.saveCurrentId(state.currentId); };
+
+// While an answer streams: save at most every SAVE_EVERY_MS.
+let saveTimer = null;
+function saveSoon() {
+  if (saveTimer) return;
+  saveTimer = setTimeout(() => { saveTimer = null; save(); }, SAVE_EVERY_MS);
+}
 
 // ---- errors ----------------------------------------------------------------------------
 
@@ -37,10 +52,14 @@ function showError(message, { retry = false } = {}) {
   el.errorRetry.hidden = !retry;
   el.error.hidden = false;
 }
-const clearError = () => { el.error.hidden = true; };
+const clearError = () => { el.error.hidden = true; el.error.classList.remove("auth"); };
 
 function reportError(e) {
-  if (e.kind === "network") {
+  if (e.kind === "auth") {
+    showError(e.message, { retry: true });
+    el.error.classList.add("auth");
+    openSettings(el.apiKey);
+  } else if (e.kind === "network") {
     showError(`${e.message} Check that \`bargein serve\` is still running, then press Retry.`, { retry: true });
   } else {
     showError(e.message, { retry: e.kind === "stream" || e.status >= 500 });
@@ -59,23 +78,61 @@ function formatStats(s) {
   return parts.join(" · ");
 }
 
+// While the prompt is read: a progress bar from /v1/requests (prompt_computed of
+// prompt_tokens), or the typing dots before the server has listed the request.
+function pendingHtml(msg) {
+  const p = msg.progress;
+  if (p?.status === "queued") return '<p class="muted waiting">Waiting for the server (queued)…</p>';
+  if (!p || !p.total || p.done >= p.total) {
+    return '<span class="typing" aria-label="Processing the prompt"><i></i><i></i><i></i></span>';
+  }
+  const pct = Math.floor((100 * p.done) / p.total);
+  return `<div class="prompt-progress" data-testid="prompt-progress" role="progressbar" aria-valuemin="0" aria-valuemax="${p.total}" aria-valuenow="${p.done}">` +
+    `<div class="bar"><i style="width: ${pct}%"></i></div>` +
+    `<span class="label">Reading the prompt: ${p.done.toLocaleString("en")} / ${p.total.toLocaleString("en")} tokens (${pct}%)</span></div>`;
+}
+
+function versionsHtml(msg) {
+  const n = answers.versionCount(msg);
+  if (n < 2) return "";
+  const i = answers.versionIndex(msg);
+  const busy = !!state.inflight;
+  return `<span class="versions" data-testid="versions"><button type="button" class="icon prev-version" aria-label="Previous version"${i === 0 || busy ? " disabled" : ""}>‹</button>` +
+    `<span class="version-label">${i + 1}/${n}</span>` +
+    `<button type="button" class="icon next-version" aria-label="Next version"${i === n - 1 || busy ? " disabled" : ""}>›</button></span>`;
+}
+
+function isLong(text) {
+  return text.length > COLLAPSE_CHARS || text.split("\n").length > COLLAPSE_LINES;
+}
+
 function fillMessage(node, msg) {
   const body = node.querySelector(".content");
   if (msg.role === "assistant") {
     body.innerHTML = msg.content ? renderMarkdown(msg.content)
-      : msg.pending ? '<span class="typing" aria-label="Processing the prompt"><i></i><i></i><i></i></span>'
+      : msg.pending ? pendingHtml(msg)
       : '<p class="muted">(stopped before the first token)</p>';
   } else {
     body.textContent = msg.content;
+    const long = isLong(msg.content);
+    node.classList.toggle("collapsible", long);
+    if (long && !node.dataset.expanded) node.classList.add("collapsed");
   }
   node.dataset.finish = msg.finishReason || "";
+  node.dataset.stop = msg.stopKind || "";
   node.classList.toggle("pending", !!msg.pending);
   node.classList.toggle("stopped", !!msg.stopped);
   const meta = node.querySelector(".meta");
-  const badge = msg.stopped ? '<span class="badge">stopped</span>' : msg.interrupted ? '<span class="badge warn">interrupted</span>' : "";
+  const look = answers.STOP_KINDS[msg.stopKind];
+  const badge = look ? `<span class="badge stop-badge" data-testid="stop-badge">${escapeHtml(look.badge)}</span>`
+    : msg.interrupted ? '<span class="badge warn">interrupted</span>' : "";
+  const note = look && !msg.pending ? answers.stopNote(msg) : "";
   const stats = msg.stats ? `<span class="stats">${escapeHtml(formatStats(msg.stats))}</span>` : "";
+  const more = msg.role === "user" && isLong(msg.content)
+    ? `<button type="button" class="link toggle-more">${node.classList.contains("collapsed") ? "Show more" : "Show less"}</button>` : "";
   const edit = msg.role === "user" && !state.inflight ? '<button type="button" class="link edit">Edit</button>' : "";
-  meta.innerHTML = badge + stats + edit;
+  meta.innerHTML = (msg.role === "assistant" ? versionsHtml(msg) : "") + badge + stats + more + edit +
+    (note ? `<div class="stop-note" data-testid="stop-note">${escapeHtml(note)}</div>` : "");
 }
 
 function messageNode(msg, index) {
@@ -83,7 +140,7 @@ function messageNode(msg, index) {
   node.className = "message";
   node.dataset.role = msg.role;
   node.dataset.index = index;
-  node.innerHTML = `<div class="who">${msg.role === "user" ? "You" : escapeHtml(state.model || "Assistant")}</div>` +
+  node.innerHTML = `<div class="who">${msg.role === "user" ? "You" : escapeHtml(msg.model || state.model || "Assistant")}</div>` +
     '<div class="content"></div><div class="meta"></div>';
   fillMessage(node, msg);
   return node;
@@ -163,19 +220,24 @@ function requestBody(conv, msg) {
   return body;
 }
 
-// Ask the server for one more answer at the end of `conv`. The answer is appended at once
-// and kept whatever happens: a stop leaves the partial text, marked stopped.
-async function generate(conv) {
+// Ask the server for one more answer at the end of `conv` (or a new version of `into`, its
+// last answer). The answer is stored at once and kept whatever happens: a stop leaves the
+// partial text, marked with how it stopped.
+async function generate(conv, into = null) {
   if (state.inflight) return;
   clearError();
   if (!state.model) await loadModel();
-  const msg = { role: "assistant", content: "", pending: true };
+  let msg = into;
+  if (msg) answers.startVersion(msg);
+  else conv.messages.push((msg = { role: "assistant", content: "" }));
+  Object.assign(msg, { pending: true, streaming: true, model: state.model || undefined });
   const f = { conv, msg, requestId: api.newRequestId(), controller: new AbortController(), stopRequested: false };
   const body = requestBody(conv, msg);
-  conv.messages.push(msg);
   conv.updated = Date.now();
   state.inflight = f;
+  save(); // the question (and the empty answer) survive a reload from now on
   render();
+  watchPrompt(f);
   const t0 = performance.now();
   let tFirst = null;
   let tLast = null;
@@ -192,38 +254,89 @@ async function generate(conv) {
     };
   };
   try {
-    const { finishReason, usage } = await api.streamChat({
+    const { finishReason, cancelReason, usage } = await api.streamChat({
       body, requestId: f.requestId, signal: f.controller.signal,
       onDelta: (text) => {
         tLast = performance.now();
         tFirst ??= tLast;
         pieces += 1;
+        delete msg.pending;
         msg.content += text;
         patchInflight();
+        saveSoon();
       },
     });
     msg.finishReason = finishReason || "incomplete";
+    msg.cancelReason = cancelReason || undefined;
+    msg.stopKind = answers.stopKind(finishReason, cancelReason) || undefined;
     msg.stopped = finishReason === "cancelled";
-    msg.stats = stats(usage, msg.finishReason);
+    msg.stats = stats(usage, msg.stopKind === "lost" ? "incomplete (connection lost)"
+      : msg.finishReason + (cancelReason ? ` (${cancelReason})` : ""));
+    if (msg.stopKind === "shutdown") setConnected(false);
   } catch (e) {
+    // The page is going away (reload, tab closed): its fetch breaks off. The answer stays
+    // stored as streaming; the next page load shows it as stopped (recoverInterrupted).
+    if (state.leaving) return;
     if (e.name === "AbortError") { // the fallback of Stop: the stream was cut on this side
       msg.finishReason = "cancelled";
+      msg.stopKind = "user";
       msg.stopped = true;
       msg.stats = stats(null, "cancelled (connection closed)");
+    } else if (e.kind === "network" && msg.content) { // broke mid-answer: keep what arrived
+      msg.finishReason = "incomplete";
+      msg.stopKind = "lost";
+      msg.stats = stats(null, "incomplete (connection lost)");
+      setConnected(false);
     } else {
       msg.finishReason = "error";
       msg.interrupted = true;
       reportError(e);
     }
   } finally {
-    clearTimeout(f.fallbackTimer);
-    delete msg.pending;
-    // An answer that failed before any text is dropped, so that Retry asks again.
-    if (msg.interrupted && !msg.content) conv.messages.splice(conv.messages.indexOf(msg), 1);
-    state.inflight = null;
-    save();
-    render();
-    pollRequests();
+    if (!state.leaving) settle(f);
+  }
+}
+
+// The end of a generation, however it ended: store the answer, free the page for the next.
+function settle(f) {
+  const { conv, msg } = f;
+  clearTimeout(f.fallbackTimer);
+  clearTimeout(saveTimer);
+  saveTimer = null;
+  delete msg.pending;
+  delete msg.streaming;
+  delete msg.progress;
+  // An answer that failed before any text is dropped (or its version, when regenerating),
+  // so that Retry asks again.
+  if (msg.interrupted && !msg.content) dropFailed(conv, msg);
+  else answers.storeVersion(msg);
+  state.inflight = null;
+  save();
+  render();
+  pollRequests();
+}
+
+function dropFailed(conv, msg) {
+  if (answers.versionCount(msg) > 1) {
+    answers.dropShownVersion(msg);
+  } else {
+    conv.messages.splice(conv.messages.indexOf(msg), 1);
+  }
+}
+
+// While the prompt is read (no token yet), ask /v1/requests how far it is, for the
+// progress bar. The OpenAI stream is left standard; this is a side channel.
+async function watchPrompt(f) {
+  while (state.inflight === f && f.msg.pending) {
+    try {
+      const list = await api.listRequests();
+      const r = (list.data || []).find((x) => x.id === f.requestId);
+      if (r && f.msg.pending) {
+        f.msg.progress = { status: r.status, done: r.prompt_computed ?? 0, total: r.prompt_tokens ?? 0 };
+        patchInflight();
+      }
+    } catch { /* the answer's own stream reports errors */ }
+    await new Promise((resolve) => setTimeout(resolve, PROGRESS_POLL_MS));
   }
 }
 
@@ -259,12 +372,12 @@ function send() {
   generate(conv);
 }
 
+// A new version of the last answer; the earlier ones stay, reachable with ‹ ›.
 function regenerate() {
   const conv = current();
-  if (!conv || state.inflight) return;
-  while (conv.messages.length && conv.messages.at(-1).role === "assistant") conv.messages.pop();
-  if (conv.messages.length) generate(conv);
-  else render();
+  if (!conv || state.inflight || !conv.messages.some((m) => m.role === "user")) return;
+  const last = conv.messages.at(-1);
+  generate(conv, last.role === "assistant" ? last : null);
 }
 
 function editMessage(node) {
@@ -277,13 +390,30 @@ function editMessage(node) {
   const box = body.querySelector("textarea");
   box.value = msg.content;
   box.focus();
+  // Later turns are not dropped silently: the conversation as it was is kept as a copy.
+  const later = conv.messages.length - index - 1;
+  if (later > 0) {
+    const warn = document.createElement("p");
+    warn.className = "edit-warning";
+    warn.dataset.testid = "edit-warning";
+    warn.textContent = `Sending replaces the ${later} later message${later > 1 ? "s" : ""} here; ` +
+      "the conversation as it is now is kept as a copy in the sidebar.";
+    body.prepend(warn);
+  }
   body.querySelector(".cancel-edit").onclick = () => fillMessage(node, msg);
   body.querySelector(".save-edit").onclick = () => {
     const text = box.value.trim();
     if (!text || state.inflight) return;
+    if (later > 0) keepCopy(conv);
     conv.messages = [...conv.messages.slice(0, index), { role: "user", content: text }];
     generate(conv);
   };
+}
+
+function keepCopy(conv) {
+  const copy = { ...structuredClone(conv), ...store.newConversation(), title: `${conv.title} (before edit)` };
+  copy.messages = structuredClone(conv.messages);
+  state.conversations.splice(state.conversations.indexOf(conv) + 1, 0, copy);
 }
 
 // ---- conversations ---------------------------------------------------------------------
@@ -356,17 +486,25 @@ async function loadModel() {
     state.model = models.data?.[0]?.id ?? null;
     el.model.textContent = state.model || "no model";
     setConnected(true);
+    if (!state.inflight) renderMessages(); // speaker labels name the model
   } catch (e) {
-    el.model.textContent = "unavailable";
+    el.model.textContent = e.kind !== "auth" ? "unavailable" : state.settings.apiKey ? "API key rejected" : "API key needed";
+    if (e.kind === "auth") setConnected(true, "Connected; the server wants an API key");
     reportError(e);
   }
 }
 
+function openSettings(focus) {
+  document.body.classList.remove("panel-toggled"); // wide screens: the panel shows by default
+  if (window.matchMedia("(max-width: 1000px)").matches) document.body.classList.add("panel-toggled");
+  focus?.focus();
+}
+
 // ---- the requests panel ----------------------------------------------------------------
 
-function setConnected(ok) {
+function setConnected(ok, title = null) {
   el.connection.className = ok ? "connection ok" : "connection lost";
-  el.connection.title = ok ? "Connected to the server" : "Lost connection to the server";
+  el.connection.title = title || (ok ? "Connected to the server" : "Lost connection to the server");
 }
 
 function requestRow(r) {
@@ -392,8 +530,10 @@ function renderRequests(list, emptyText = "Nothing running.") {
     row.querySelector(".req-status").textContent = r.status + (r.id === state.inflight?.requestId ? " (this chat)" : "");
     row.querySelector(".req-status").dataset.status = r.status;
     const deadline = r.deadline_s == null ? "" : ` · deadline ${Number(r.deadline_s).toFixed(1)} s`;
+    const computed = r.prompt_computed ?? r.prompt_tokens;
+    const prompt = computed < r.prompt_tokens ? `${computed}/${r.prompt_tokens} read` : `${r.prompt_tokens}`;
     row.querySelector(".req-numbers").textContent =
-      `· prompt ${r.prompt_tokens} · generated ${r.completion_tokens} · ${Number(r.age_s).toFixed(1)} s${deadline}`;
+      `· prompt ${prompt} · generated ${r.completion_tokens} · ${Number(r.age_s).toFixed(1)} s${deadline}`;
   }
   const empty = el.requests.querySelector(".empty");
   empty.textContent = emptyText;
@@ -409,6 +549,7 @@ async function pollRequests() {
   } catch (e) {
     setConnected(e.kind !== "network");
     if (e.kind === "network") renderRequests([], "The server cannot be reached.");
+    else if (e.kind === "auth") renderRequests([], e.message);
   }
 }
 
@@ -461,8 +602,21 @@ $("#new-chat").addEventListener("click", newChat);
 el.conversations.addEventListener("click", onConversationClick);
 el.requests.addEventListener("click", onRequestsClick);
 el.messages.addEventListener("click", (e) => {
+  const node = e.target.closest(".message");
   if (e.target.closest(".copy-code")) copyCode(e.target.closest(".copy-code"));
-  if (e.target.closest(".edit") && !state.inflight) editMessage(e.target.closest(".message"));
+  if (e.target.closest(".edit") && !state.inflight) editMessage(node);
+  if (e.target.closest(".toggle-more")) {
+    node.classList.toggle("collapsed");
+    node.dataset.expanded = node.classList.contains("collapsed") ? "" : "1";
+    fillMessage(node, current().messages[Number(node.dataset.index)]);
+  }
+  const step = e.target.closest(".prev-version") ? -1 : e.target.closest(".next-version") ? 1 : 0;
+  if (step && !state.inflight) {
+    const msg = current().messages[Number(node.dataset.index)];
+    answers.showVersion(msg, answers.versionIndex(msg) + step);
+    save();
+    fillMessage(node, msg);
+  }
 });
 el.errorRetry.addEventListener("click", () => { clearError(); if (!state.model) loadModel(); regenerate(); });
 $("#error-close").addEventListener("click", clearError);
@@ -471,11 +625,19 @@ $("#toggle-panel").addEventListener("click", () => document.body.classList.toggl
 const closeOverlays = () => document.body.classList.remove("show-sidebar", "panel-toggled");
 $("#close-panel").addEventListener("click", closeOverlays);
 $("#backdrop").addEventListener("click", closeOverlays);
+// Leaving the page mid-answer: write the partial answer now, not at the next throttle tick,
+// and leave it marked as streaming (the broken-off fetch must not mark it "connection lost").
+const leave = () => { state.leaving = true; if (state.inflight) save(); };
+window.addEventListener("beforeunload", leave);
+window.addEventListener("pagehide", leave);
+document.addEventListener("visibilitychange", () => { if (document.hidden && state.inflight) save(); });
 window.addEventListener("storage", (e) => { // another tab changed the conversations
   if (e.key === "bargein.conversations" && !state.inflight) { state.conversations = store.loadConversations(); render(); }
 });
 
 if (!current()) state.currentId = state.conversations[0]?.id ?? null;
+// Answers that were streaming when the page went away are stopped ones now.
+if (state.conversations.some((c) => c.messages.map(answers.recoverInterrupted).some(Boolean))) save();
 bindSettings();
 render();
 loadModel();

@@ -1,7 +1,8 @@
 // Conversations and settings, kept in the browser's localStorage.
 //
 // A conversation is { id, title, messages, updated }; a message is { role, content } plus,
-// for answers, { stopped, finishReason, stats }. Only role and content go to the server.
+// for answers, the fields answers.js describes (how it ended, stats, versions). Only role
+// and content go to the server. The page writes an answer here while it streams, too.
 
 const KEYS = { conversations: "bargein.conversations", current: "bargein.current", settings: "bargein.settings" };
 
