@@ -35,6 +35,7 @@ from typing import Any
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.engine.blocks import BlockPool
+from bargein.engine.device import build_model, resolve_device, resolve_dtype
 from bargein.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -44,7 +45,6 @@ from bargein.engine.messages import (
     Wake,
 )
 from bargein.engine.outputs import OutputCollector, RequestDelta, StepOutcome
-from bargein.engine.device import build_model, resolve_device, resolve_dtype
 from bargein.engine.request import (
     AbortResult,
     CancelReason,
