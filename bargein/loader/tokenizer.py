@@ -52,6 +52,24 @@ _PRE_SPLITS = {
 }
 
 
+class UnencodableTextError(ValueError):
+    """Text that UTF-8 cannot encode (a lone surrogate); ``position`` is its first bad index."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(f"the text holds a lone UTF-16 surrogate at character {position}, "
+                         "which is not valid Unicode")
+        self.position = position
+
+
+def first_unencodable(text: str) -> int | None:
+    """The index of the first character UTF-8 cannot encode, or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -100,8 +118,20 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids; special tokens written in ``text`` become their single ids."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids; special tokens written in ``text`` become their single ids.
+
+        Raises ``UnencodableTextError`` (a ``ValueError``) for text that is not valid
+        Unicode, such as a lone surrogate from a JSON ``"\\ud800"`` escape, instead of the
+        backend's ``TypeError``; checked only when the backend refuses, so valid text pays
+        nothing.
+        """
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            position = first_unencodable(text)
+            if position is None:
+                raise
+            raise UnencodableTextError(position) from None
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

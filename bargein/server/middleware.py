@@ -1,50 +1,110 @@
-"""ASGI middleware: API key and body size, before any route runs.
+"""ASGI middleware: what every request passes before any route runs, and the last word after.
 
 Pure ASGI rather than ``BaseHTTPMiddleware``, which would wrap the receive channel and
 hide the ``http.disconnect`` message that cancels a request when its client goes away.
-The body is read here (up to the limit, 413 beyond it) and replayed to the app; after
-it, ``receive`` is the server's own, so disconnects reach the routes unchanged.
+In order, ``GuardMiddleware``:
+
+- answers ``HEAD`` as ``GET`` without the body (FastAPI routes only the GET);
+- refuses a request during the shutdown drain (503 with ``Retry-After``), so a client
+  that connects while in-flight requests are being answered hears why instead of a
+  refused connection (``serve.py`` keeps the socket open for the drain);
+- refuses ``Content-Length`` together with ``Transfer-Encoding`` (400: two framings of
+  one body are the stuff of request smuggling);
+- checks the API key (401);
+- reads the body up to ``max_body_bytes`` (413 beyond it), within ``body_timeout``
+  seconds in all (408 and the connection closed for a body that trickles in slower), and
+  replays it to the app; after it, ``receive`` is the server's own, so disconnects reach
+  the routes unchanged;
+- answers any exception the app lets escape with one generic 500 in the OpenAI shape and
+  logs its traceback once. Not re-raising keeps uvicorn from logging it again and from
+  closing the keep-alive connection, which stays usable for the next request.
+
+``Traffic`` counts the requests past the guard, so the shutdown drain knows when every
+admitted request has been answered.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bargein.server.errors import APIError
+from bargein.server.errors import APIError, internal_error
 from bargein.server.settings import ServerSettings
 
+log = logging.getLogger("bargein.server")
+
 # The API and its self-description; the chat page's static files stay open so it can ask for the key.
-_API_PREFIXES = ("/v1", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
+API_PREFIXES = ("/v1", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+DRAIN_RETRY_AFTER_S = 5  # what a client refused during the drain is told to wait
+
+
+@dataclass
+class Traffic:
+    """Requests admitted past the guard and not yet answered; owned by the event loop."""
+
+    in_flight: int = 0
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, settings: ServerSettings):
+    def __init__(self, app: ASGIApp, settings: ServerSettings, traffic: Traffic,
+                 draining: Callable[[], bool]):
         self.app = app
         self.settings = settings
+        self.traffic = traffic
+        self.draining = draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        error = self._auth_error(scope)
-        if error is None and scope["method"] in _BODY_METHODS:
-            body, error = await self._read_body(scope, receive)
-            if error is None:
-                receive = _replay(body, receive)
-        if error is not None:
-            await _send_error(error, scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+        if scope["method"] == "HEAD":  # as GET, without the body: HTTP asks HEAD wherever GET works
+            scope = {**scope, "method": "GET"}
+            send = _without_body(send)
+        started = _Started(send)
+        try:
+            error = self._header_error(scope)
+            if error is None and scope["method"] in _BODY_METHODS:
+                body, error = await self._read_body(scope, receive)
+                if error is None:
+                    receive = _replay(body, receive)
+            if error is not None:
+                await _send_error(error, scope, receive, started)
+                return
+            self.traffic.in_flight += 1
+            try:
+                await self.app(scope, receive, started)
+            finally:
+                self.traffic.in_flight -= 1
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            if not started.response_started:
+                await _send_error(internal_error(), scope, receive, started)
+            # Else the response is cut short: uvicorn closes the connection, which is all
+            # a client can be told once the status line is out.
 
-    def _auth_error(self, scope: Scope) -> APIError | None:
+    def _header_error(self, scope: Scope) -> APIError | None:
+        if self.draining():
+            return APIError(503, "the server is shutting down; retry on another instance or later",
+                            code="shutting_down", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S),
+                                                           "Connection": "close"})
+        headers = dict(scope["headers"])
+        if b"content-length" in headers and b"transfer-encoding" in headers:
+            return APIError(400, "a request may not carry both Content-Length and Transfer-Encoding",
+                            code="conflicting_length_headers", headers={"Connection": "close"})
+        return self._auth_error(scope, headers)
+
+    def _auth_error(self, scope: Scope, headers: dict[bytes, bytes]) -> APIError | None:
         key = self.settings.api_key
         if not key or not _needs_auth(scope["path"], scope["method"]):
             return None
-        headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1")
         token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
         if token and hmac.compare_digest(token.encode(), key.encode()):
@@ -54,13 +114,20 @@ class GuardMiddleware:
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, APIError | None]:
         limit = self.settings.max_body_bytes
-        too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                           headers={"Connection": "close"})
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return b"", too_big
+        deadline = time.monotonic() + self.settings.body_timeout
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return b"", APIError(
+                    408, f"the request body did not arrive within {self.settings.body_timeout:g} s",
+                    code="request_timeout", headers={"Connection": "close"})
             if message["type"] == "http.disconnect":
                 return b"", None  # the app will see the disconnect when it reads
             chunk = message.get("body", b"")
@@ -72,11 +139,33 @@ class GuardMiddleware:
                 return b"".join(chunks), None
 
 
+class _Started:
+    """``send`` that remembers whether the response has started (then no 500 can follow)."""
+
+    def __init__(self, send: Send):
+        self._send = send
+        self.response_started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.response_started = True
+        await self._send(message)
+
+
+def _without_body(send: Send) -> Send:
+    async def head_send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return head_send
+
+
 def _needs_auth(path: str, method: str) -> bool:
     """Everything but /health and the web UI's static files (which hold no data)."""
     if path == "/health":
         return False
-    return path.startswith(_API_PREFIXES) or method not in ("GET", "HEAD")
+    return path.startswith(API_PREFIXES) or method not in ("GET", "HEAD")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

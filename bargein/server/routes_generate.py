@@ -26,6 +26,7 @@ from bargein.server.generation import (
     request_id_for,
     unless_disconnected,
 )
+from bargein.server.limits import check_limits
 from bargein.server.openai_format import (
     cancel_fields,
     chat_logprobs,
@@ -120,6 +121,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                            ctx: Ctx) -> Response:
     received = time.monotonic()
     request_id = request_id_for(request, "chatcmpl-")
+    check_limits(body, ctx.settings)
     _check_n(body.n)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
@@ -213,6 +215,7 @@ def completion_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
 async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Response:
     received = time.monotonic()
     request_id = request_id_for(request, "cmpl-")
+    check_limits(body, ctx.settings)
     _check_n(body.n)
     prompts = completion_prompts(ctx, body.prompt)
     if len(prompts) * body.n > MAX_CHOICES:

@@ -34,6 +34,7 @@ from bargein.server.generation import (
     request_id_for,
     unless_disconnected,
 )
+from bargein.server.limits import check_limits
 from bargein.server.openai_format import check_prompt_length, sampling_params
 from bargein.server.responses_store import StoredResponse
 from bargein.server.routes_generate import CLIENT_CLOSED, content_text, render_chat
@@ -130,6 +131,7 @@ def _build(ctx: ServerContext, body: ResponseRequest) -> tuple[StoredResponse, l
 async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> Response:
     received = time.monotonic()
     response_id = request_id_for(request, "resp_")
+    check_limits(body, ctx.settings)
     if body.background and not body.store:
         raise APIError(400, "background responses must be stored (store: true)", param="background",
                        code="invalid_value")
