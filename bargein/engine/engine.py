@@ -395,6 +395,7 @@ class Engine:
             if tracker.cancel_requested_at is not None:
                 self.counters.cancel_latencies.append(time.monotonic() - tracker.cancel_requested_at)
                 self.counters.cancel_latency_steps.append(self.counters.steps - tracker.cancel_requested_step)
+                self.counters.cancel_samples += 1
             log.info("request %s cancelled (%s) after %d tokens", req.request_id, req.cancel_reason.value,
                      req.num_output_tokens)
         elif req.finish_reason == FinishReason.ERROR:

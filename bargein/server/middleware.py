@@ -19,8 +19,8 @@ In order, ``GuardMiddleware``:
   logs its traceback once. Not re-raising keeps uvicorn from logging it again and from
   closing the keep-alive connection, which stays usable for the next request.
 
-``Traffic`` counts the requests past the guard, so the shutdown drain knows when every
-admitted request has been answered.
+``Traffic`` counts the requests being answered, so the shutdown drain knows when every
+request that arrived before it has its answer.
 """
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ DRAIN_RETRY_AFTER_S = 5  # what a client refused during the drain is told to wai
 
 @dataclass
 class Traffic:
-    """Requests admitted past the guard and not yet answered; owned by the event loop."""
+    """Requests past the drain check and not yet answered (body still arriving included).
+
+    Owned by the event loop; the shutdown drain waits for it to reach 0.
+    """
 
     in_flight: int = 0
 
@@ -68,7 +71,11 @@ class GuardMiddleware:
         if scope["method"] == "HEAD":  # as GET, without the body: HTTP asks HEAD wherever GET works
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
+        if self.draining():
+            await _send_error(_draining_error(), scope, receive, send)
+            return
         started = _Started(send)
+        self.traffic.in_flight += 1
         try:
             error = self._header_error(scope)
             if error is None and scope["method"] in _BODY_METHODS:
@@ -77,24 +84,18 @@ class GuardMiddleware:
                     receive = _replay(body, receive)
             if error is not None:
                 await _send_error(error, scope, receive, started)
-                return
-            self.traffic.in_flight += 1
-            try:
+            else:
                 await self.app(scope, receive, started)
-            finally:
-                self.traffic.in_flight -= 1
         except Exception:
             log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
             if not started.response_started:
                 await _send_error(internal_error(), scope, receive, started)
             # Else the response is cut short: uvicorn closes the connection, which is all
             # a client can be told once the status line is out.
+        finally:
+            self.traffic.in_flight -= 1
 
     def _header_error(self, scope: Scope) -> APIError | None:
-        if self.draining():
-            return APIError(503, "the server is shutting down; retry on another instance or later",
-                            code="shutting_down", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S),
-                                                           "Connection": "close"})
         headers = dict(scope["headers"])
         if b"content-length" in headers and b"transfer-encoding" in headers:
             return APIError(400, "a request may not carry both Content-Length and Transfer-Encoding",
@@ -137,6 +138,11 @@ class GuardMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks), None
+
+
+def _draining_error() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another instance or later",
+                    code="shutting_down", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S), "Connection": "close"})
 
 
 class _Started:
