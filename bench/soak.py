@@ -63,7 +63,6 @@ class Tally:
     outcomes: Counter = field(default_factory=Counter)
     unexpected: list[str] = field(default_factory=list)
     cancel_ms: list[float] = field(default_factory=list)
-    stream_gaps: dict[int, float] = field(default_factory=dict)  # open stream -> its longest gap so far
     huge_windows: list[tuple[float, float]] = field(default_factory=list)
     gaps_during_huge: list[float] = field(default_factory=list)
     rss_mb: list[tuple[float, float]] = field(default_factory=list)
@@ -79,9 +78,15 @@ class Soak:
         self.base, self.args, self.rng = base, args, rng
         self.tally = Tally()
         self.ids = 0
-        self.huge_active = 0
+        self.huge_started: dict[int, float] = {}  # huge prompts being refused: token -> start
         host, port = base.removeprefix("http://").rsplit(":", 1)
         self.host, self.port = host.strip("[]"), int(port)
+
+    def overlaps_huge(self, start: float, end: float) -> bool:
+        """Whether [start, end] overlaps the time a huge prompt was being refused."""
+        if any(s < end for s in self.huge_started.values()):
+            return True
+        return any(s < end and start < e for s, e in self.tally.huge_windows[-8:])
 
     def next_id(self, kind: str) -> str:
         self.ids += 1
@@ -94,33 +99,27 @@ class Soak:
     async def stream(self, http: httpx.AsyncClient, body: dict, rid: str,
                      after_chunks=None, stop_after: int | None = None) -> tuple[list[dict], bool]:
         """Reads a stream; calls ``after_chunks`` once after a few chunks; returns (chunks, saw [DONE])."""
-        chunks, done, key = [], False, id(object())
+        chunks, done = [], False
         last = time.monotonic()
-        self.tally.stream_gaps[key] = 0.0
-        try:
-            async with http.stream("POST", f"{self.base}/v1/chat/completions", json={**body, "stream": True},
-                                   headers={"X-Request-Id": rid}) as r:
-                if r.status_code != 200:
-                    raise _Status(r.status_code, (await r.aread()).decode(errors="replace"))
-                async for line in r.aiter_lines():
-                    now = time.monotonic()
-                    gap = now - last
-                    last = now
-                    self.tally.stream_gaps[key] = max(self.tally.stream_gaps[key], gap)
-                    if self.huge_active:
-                        self.tally.gaps_during_huge.append(gap)
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        done = True
-                        break
-                    chunks.append(json.loads(line[6:]))
-                    if stop_after is not None and len(chunks) >= stop_after:
-                        return chunks, False  # hang up
-                    if after_chunks is not None and len(chunks) == 3:
-                        await after_chunks()
-        finally:
-            self.tally.stream_gaps.pop(key, None)
+        async with http.stream("POST", f"{self.base}/v1/chat/completions", json={**body, "stream": True},
+                               headers={"X-Request-Id": rid}) as r:
+            if r.status_code != 200:
+                raise _Status(r.status_code, (await r.aread()).decode(errors="replace"))
+            async for line in r.aiter_lines():
+                now = time.monotonic()
+                if self.overlaps_huge(last, now):
+                    self.tally.gaps_during_huge.append(now - last)
+                last = now
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                chunks.append(json.loads(line[6:]))
+                if stop_after is not None and len(chunks) >= stop_after:
+                    return chunks, False  # hang up
+                if after_chunks is not None and len(chunks) == 3:
+                    await after_chunks()
         return chunks, done
 
     # -- behaviours ----------------------------------------------------------------------
@@ -193,22 +192,26 @@ class Soak:
         return "cancel_response"
 
     async def slow(self, behaviour: str) -> str:
+        """Trickles a request slower than the server's timeouts; expects 408 (read while writing)."""
         reader, writer = await asyncio.open_connection(self.host, self.port)
+        answer = asyncio.ensure_future(reader.read(65536))  # the first bytes back: the 408's head
         try:
             if behaviour == "slow_headers":
                 head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\n"
                 for i in range(len(head)):
-                    writer.write(head[i:i + 1])
-                    await writer.drain()
-                    await asyncio.sleep(0.3)
-                    if reader.at_eof() or reader._buffer:  # noqa: SLF001  (the 408 came already)
+                    if answer.done():
                         break
+                    with contextlib.suppress(OSError):  # the server may have closed already
+                        writer.write(head[i:i + 1])
+                        await writer.drain()
+                    await asyncio.sleep(0.3)
             else:
                 writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
                              b"Content-Length: 500\r\n\r\n{")
                 await writer.drain()
-            reply = await asyncio.wait_for(reader.read(), 30)
+            reply = await asyncio.wait_for(answer, 30)
         finally:
+            answer.cancel()
             writer.close()
         if not reply.startswith(b"HTTP/1.1 408 "):
             raise _Unexpected(f"slow client got {reply[:60]!r}")
@@ -223,13 +226,13 @@ class Soak:
 
     async def huge_prompt(self, http: httpx.AsyncClient) -> str:
         text = "lorem ipsum " * (4_000_000 // 12 - 100)  # ~4 MB, under the 4 MiB body limit
-        self.huge_active += 1
-        started = time.monotonic()
+        token = self.ids = self.ids + 1
+        self.huge_started[token] = started = time.monotonic()
         try:
             r = await http.post(f"{self.base}/v1/chat/completions",
                                 json={"messages": [{"role": "user", "content": text}], "max_tokens": 1})
         finally:
-            self.huge_active -= 1
+            del self.huge_started[token]
             self.tally.huge_windows.append((started, time.monotonic()))
         _expect(r, 400)
         return "huge_prompt"

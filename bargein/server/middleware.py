@@ -11,9 +11,9 @@ In order, ``GuardMiddleware``:
 - refuses ``Content-Length`` together with ``Transfer-Encoding`` (400: two framings of
   one body are the stuff of request smuggling);
 - checks the API key (401);
-- reads the body up to ``max_body_bytes`` (413 beyond it), within ``body_timeout``
-  seconds in all (408 and the connection closed for a body that trickles in slower), and
-  replays it to the app; after it, ``receive`` is the server's own, so disconnects reach
+- reads the body up to ``max_body_bytes`` (413 beyond it, once the client has sent it),
+  within ``body_timeout`` seconds in all (408 and the connection closed for a body that
+  trickles in slower), and replays it to the app; after it, ``receive`` is the server's own, so disconnects reach
   the routes unchanged;
 - answers any exception the app lets escape with one generic 500 in the OpenAI shape and
   logs its traceback once. Not re-raising keeps uvicorn from logging it again and from
@@ -114,18 +114,24 @@ class GuardMiddleware:
         return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, APIError | None]:
+        """The whole body, or the error to answer: 413 over the limit, 408 past the deadline.
+
+        A body over the limit is still read to its end (and dropped) while the deadline
+        allows: a client busy sending it reads no response, and closing on unread data
+        resets the connection, so it would see a broken pipe instead of the 413. A body
+        that cannot end in time gets its answer with the connection closed.
+        """
         limit = self.settings.max_body_bytes
-        too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
-                           headers={"Connection": "close"})
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            return b"", too_big
+        declared = int(length) if length is not None and length.isdigit() else None
         deadline = time.monotonic() + self.settings.body_timeout
         chunks, size = [], 0
         while True:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
+                if size > limit or (declared or 0) > limit:
+                    return b"", _too_large(limit, close=True)
                 return b"", APIError(
                     408, f"the request body did not arrive within {self.settings.body_timeout:g} s",
                     code="request_timeout", headers={"Connection": "close"})
@@ -133,11 +139,15 @@ class GuardMiddleware:
                 return b"", None  # the app will see the disconnect when it reads
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                return b"", too_big
-            chunks.append(chunk)
+            if size <= limit and (declared or 0) <= limit:
+                chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks), None
+                return (b"".join(chunks), None) if size <= limit else (b"", _too_large(limit, close=False))
+
+
+def _too_large(limit: int, *, close: bool) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                    headers={"Connection": "close"} if close else None)
 
 
 def _draining_error() -> APIError:
