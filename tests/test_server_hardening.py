@@ -205,6 +205,18 @@ def test_metrics_parse_and_never_decrease(server):
     assert ("bargein_requests_waiting", ()) in second
 
 
+def test_short_soak_loses_nothing(server):
+    """bench/soak.py for 20 s with 8 clients: every behaviour, no unexpected answer, no leak."""
+    from bench.soak import parse_args, run
+
+    args = parse_args(["--clients", "8", "--duration", "20", "--rss-every", "5", "--seed", "1"])
+    result = asyncio.run(run(server.base_url, args, server.proc.pid))
+    assert result["unexpected_errors"] == 0, result["unexpected_samples"]
+    assert result["leaked_blocks"] == 0 and result["kv_ok"] and result["in_flight_after"] == 0, result
+    assert result["requests"] >= 40 and len(result["outcomes"]) >= 8, result["outcomes"]
+    assert len(result["rss_mb_samples"]) >= 4
+
+
 def test_shutdown_drain_answers_503_with_retry_after(server):
     """Last: while a request that came before the signal is unanswered, a new one gets 503, not a refused connection."""
     holder = socket.create_connection(("127.0.0.1", server.port), timeout=30)
