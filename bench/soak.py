@@ -55,7 +55,7 @@ BEHAVIOURS = {  # behaviour -> weight
 PROMPTS = ["Tell me a story about a lighthouse.", "List three colors.", "Why is the sky blue?",
            "Write a haiku about rain.", "Count from one to twenty."]
 ENDLESS = {"ignore_eos": True, "max_tokens": 4000}
-SERVER_ARGS = ("--header-timeout", "2", "--body-timeout", "2", "--max-body", "4MiB")
+SERVER_ARGS = ("--header-timeout", "5", "--body-timeout", "10", "--max-body", "4MiB")
 
 
 @dataclass
