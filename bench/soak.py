@@ -65,7 +65,7 @@ class Tally:
     cancel_ms: list[float] = field(default_factory=list)
     huge_windows: list[tuple[float, float]] = field(default_factory=list)
     gaps_during_huge: list[float] = field(default_factory=list)
-    rss_mb: list[tuple[float, float]] = field(default_factory=list)
+    rss_mb: list[tuple[float, float, bool]] = field(default_factory=list)  # (s, MB, quiet)
 
     def bad(self, behaviour: str, detail: str) -> None:
         self.outcomes["unexpected"] += 1
@@ -105,7 +105,7 @@ class Soak:
                                headers={"X-Request-Id": rid}) as r:
             if r.status_code != 200:
                 raise _Status(r.status_code, (await r.aread()).decode(errors="replace"))
-            async for line in r.aiter_lines():
+            async for line in _sse_lines(r):
                 now = time.monotonic()
                 if self.overlaps_huge(last, now):
                     self.tally.gaps_during_huge.append(now - last)
@@ -266,13 +266,16 @@ class Soak:
                     self.tally.outcomes[await self.one(http, behaviour)] += 1
                 except (_Unexpected, _Status) as exc:
                     self.tally.bad(behaviour, str(exc))
-                except (TimeoutError, httpx.HTTPError, OSError) as exc:
+                except Exception as exc:  # a connection error, a broken event...: counted, the soak goes on
                     self.tally.bad(behaviour, f"{type(exc).__name__}: {exc}")
 
     async def sample_rss(self, pid: int | None, deadline: float, every: float) -> None:
         started = time.monotonic()
         while pid is not None:
-            self.tally.rss_mb.append((time.monotonic() - started, rss_mb(pid)))
+            now = time.monotonic()
+            # "quiet": no 4 MB prompt in flight or just refused, whose transient buffers would show
+            quiet = not self.overlaps_huge(now - 2.0, now)
+            self.tally.rss_mb.append((now - started, rss_mb(pid), quiet))
             if time.monotonic() >= deadline:
                 return
             await asyncio.sleep(min(every, max(0.0, deadline - time.monotonic())))
@@ -285,6 +288,19 @@ class _Unexpected(Exception):
 class _Status(Exception):
     def __init__(self, status: int, text: str):
         super().__init__(f"status {status}: {text[:300]}")
+
+
+async def _sse_lines(r: httpx.Response):
+    """Lines split at LF only, as SSE defines them (``aiter_lines`` also splits at U+2028,
+    U+0085 and the like, which a model's text may hold raw inside a JSON string)."""
+    pending = ""
+    async for text in r.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if pending:
+        yield pending
 
 
 def _expect(r: httpx.Response, status: int) -> None:
@@ -325,8 +341,8 @@ async def run(base: str, args: argparse.Namespace, pid: int | None) -> dict:
     t = soak.tally
     steps = _metric(after, "bargein_engine_steps_total") - steps_before
     step_ms = histogram_quantile(before, after, "bargein_step_duration_seconds", 0.5) * 1000
-    rss = [mb for _, mb in t.rss_mb]
-    half = [mb for s, mb in t.rss_mb if s >= elapsed / 2]
+    rss = [mb for _, mb, _ in t.rss_mb]
+    half = [mb for s, mb, quiet in t.rss_mb if s >= elapsed / 2 and quiet]
     return {
         "clients": args.clients, "duration_s": elapsed, "requests": sum(t.outcomes.values()),
         "outcomes": dict(sorted(t.outcomes.items())), "unexpected_errors": t.outcomes.get("unexpected", 0),
@@ -345,9 +361,9 @@ async def run(base: str, args: argparse.Namespace, pid: int | None) -> dict:
         "longest_gap_during_huge_ms": max(t.gaps_during_huge, default=float("nan")) * 1000,
         "longest_gap_during_huge_steps": (max(t.gaps_during_huge, default=float("nan")) * 1000 / step_ms
                                           if step_ms == step_ms and step_ms > 0 else float("nan")),
-        "rss_mb_samples": [[round(s), round(mb, 1)] for s, mb in t.rss_mb],
+        "rss_mb_samples": [[round(s), round(mb, 1), quiet] for s, mb, quiet in t.rss_mb],
         "rss_mb_first": rss[0] if rss else None, "rss_mb_last": rss[-1] if rss else None,
-        "rss_second_half_spread_pct": ((max(half) - min(half)) / min(half) * 100) if len(half) > 1 else None,
+        "rss_second_half_quiet_spread_pct": ((max(half) - min(half)) / min(half) * 100) if len(half) > 1 else None,
         "machine": machine_info(),
     }
 
@@ -365,10 +381,11 @@ def report(result: dict) -> None:
         "requests", "unexpected_errors", "leaked_blocks", "kv_ok", "in_flight_after", "engine_steps", "step_p50_ms",
         "cancel_client_p50_ms", "cancel_client_p99_ms", "cancel_engine_p50_steps", "cancel_engine_p99_steps",
         "cancel_engine_p50_ms", "cancel_engine_p99_ms", "huge_prompts", "longest_gap_during_huge_ms",
-        "longest_gap_during_huge_steps", "rss_mb_first", "rss_mb_last", "rss_second_half_spread_pct")]
+        "longest_gap_during_huge_steps", "rss_mb_first", "rss_mb_last", "rss_second_half_quiet_spread_pct")]
     print(f"soak: {result['clients']} clients for {result['duration_s']:.0f} s")
     print(format_table(rows, ["metric", "value"]))
-    print("RSS (s, MB):", " ".join(f"{s}:{mb}" for s, mb in result["rss_mb_samples"]))
+    print("RSS (s, MB; * = a 4 MB prompt in flight):",
+          " ".join(f"{s}:{mb}{'' if quiet else '*'}" for s, mb, quiet in result["rss_mb_samples"]))
     for sample in result["unexpected_samples"]:
         print("unexpected:", sample)
 

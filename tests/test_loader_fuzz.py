@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import json
+import os
 import resource
 import struct
 from pathlib import Path
@@ -49,9 +49,19 @@ def rss_guard():
 
 
 @pytest.fixture(scope="module")
-def valid_gguf(tmp_path_factory) -> bytes:
-    path = write_gguf(tmp_path_factory.mktemp("valid") / "tiny.gguf", SPEC, tiny_weights(SPEC), tensor_type="Q8_0")
-    return path.read_bytes()
+def valid_path(tmp_path_factory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("valid") / "tiny.gguf", SPEC, tiny_weights(SPEC), tensor_type="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def valid_gguf(valid_path) -> bytes:
+    return valid_path.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def tables_end(valid_path) -> int:
+    """Where the tensor data starts: everything before is header, KV and tensor tables."""
+    return int(gguf.GGUFReader(valid_path).data_offset)
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +90,6 @@ def _fresh(fuzz_dir: Path, data: bytes, suffix: str = ".gguf") -> Path:
     return path
 
 
-def _header_end(data: bytes) -> int:
-    """Where the tensor data starts: everything before is header, KV and tensor tables."""
-    reader = gguf.GGUFReader(_fresh_tmp(data))
-    return int(reader.data_offset)
-
-
-def _fresh_tmp(data: bytes) -> Path:
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".gguf", delete=False) as f:
-        f.write(data)
-    return Path(f.name)
-
-
 def test_valid_file_loads(valid_gguf, fuzz_dir):
     load_all(_fresh(fuzz_dir, valid_gguf))
 
@@ -106,8 +102,8 @@ def test_truncated_gguf(valid_gguf, fuzz_dir, rss_guard, cut):
 
 @FUZZ
 @given(data=st.data())
-def test_gguf_header_and_tables_with_extreme_integers(valid_gguf, fuzz_dir, rss_guard, data):
-    end = _header_end(valid_gguf)
+def test_gguf_header_and_tables_with_extreme_integers(valid_gguf, tables_end, fuzz_dir, rss_guard, data):
+    end = tables_end
     blob = bytearray(valid_gguf)
     for _ in range(data.draw(st.integers(1, 4))):
         at = data.draw(st.integers(4, end - 8))
@@ -118,8 +114,8 @@ def test_gguf_header_and_tables_with_extreme_integers(valid_gguf, fuzz_dir, rss_
 
 @FUZZ
 @given(data=st.data())
-def test_gguf_random_bytes_in_header_and_tables(valid_gguf, fuzz_dir, rss_guard, data):
-    end = _header_end(valid_gguf)
+def test_gguf_random_bytes_in_header_and_tables(valid_gguf, tables_end, fuzz_dir, rss_guard, data):
+    end = tables_end
     blob = bytearray(valid_gguf)
     for _ in range(data.draw(st.integers(1, 16))):
         blob[data.draw(st.integers(0, end - 1))] = data.draw(st.integers(0, 255))
@@ -138,8 +134,8 @@ _META_VALUES = st.one_of(st.integers(-2**63, 2**63 - 1), st.sampled_from([0, -1,
 
 @FUZZ
 @given(overrides=st.dictionaries(st.sampled_from(_META_KEYS), _META_VALUES, min_size=1, max_size=3))
-def test_gguf_metadata_of_wrong_type_or_range(valid_gguf, fuzz_dir, rss_guard, overrides):
-    src = gguf.GGUFReader(_fresh_tmp(valid_gguf))
+def test_gguf_metadata_of_wrong_type_or_range(valid_path, fuzz_dir, rss_guard, overrides):
+    src = gguf.GGUFReader(valid_path)
     path = fuzz_dir / f"m{next(_names)}.gguf"
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.kv_data[0].clear()  # drop the architecture the constructor wrote; copied or overridden below

@@ -45,3 +45,18 @@ def test_encoding_a_long_text_lets_other_threads_run(tokenizer):
     assert ids == tokenizer.backend.encode(text, add_special_tokens=False).ids
     longest_gap = max(b - a for a, b in zip(ticks, ticks[1:], strict=False))
     assert longest_gap < max(0.05, took / 2), (longest_gap, took)  # holding the GIL, the gap is all of `took`
+
+
+def test_at_least_tokens_is_a_lower_bound_found_without_encoding(tokenizer):
+    import random
+
+    rng = random.Random(0)
+    pieces = ["a", "the", " ", "\n", "é", "日本", "😀", "<|im_start|>", "ing", "1234", "    "]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
+        assert tokenizer.at_least_tokens(text) <= len(tokenizer.encode(text, add_special_tokens=False)), text
+    huge = "lorem ipsum " * 350_000  # 4.2 MB
+    started = time.monotonic()
+    bound = tokenizer.at_least_tokens(huge)
+    assert time.monotonic() - started < 0.5
+    assert bound > 8192 and bound <= len(huge)  # refusable for a context of 8k without tokenizing

@@ -8,6 +8,8 @@ the file marks as control become special tokens, so ``<|im_start|>`` stays one t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -136,6 +138,28 @@ class Tokenizer:
             if position is None:
                 raise
             raise UnencodableTextError(position) from None
+
+    def at_least_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text, add_special_tokens=False))``, without encoding.
+
+        No token covers more bytes than the longest piece of the vocabulary, so a text of
+        b bytes has at least ``ceil(b / max_piece_bytes)`` tokens: a server can refuse a
+        prompt that cannot fit the context from its size alone, in microseconds, instead of
+        tokenizing megabytes first. 0 (no bound) when the tokenizer normalizes the text
+        first, since a normalizer may shorten it.
+        """
+        if self.backend.normalizer is not None or not text:
+            return 0
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self.max_piece_bytes)
+
+    @functools.cached_property
+    def max_piece_bytes(self) -> int:
+        """The most bytes of text one token stands for (special tokens included)."""
+        longest = 1
+        for token_id in range(self.vocab_size):
+            with contextlib.suppress(ValueError):  # an id the vocabulary skips
+                longest = max(longest, len(self.token_bytes(token_id, skip_special_tokens=False)))
+        return longest
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
