@@ -30,9 +30,9 @@ from bargein.loader.tokenizer import UnencodableTextError
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # what a client may choose as X-Request-Id
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-          408: "invalid_request_error", 503: "service_unavailable_error"}
+          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):
