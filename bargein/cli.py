@@ -20,11 +20,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+EXIT_FAILURE = 1  # a failure at run time: the model does not load, the port is busy
 EXIT_USAGE = 2
 
 
 class UserError(Exception):
-    """A mistake the user can fix; printed as one line."""
+    """A mistake the user can fix; printed as one line, exits with ``status``."""
+
+    def __init__(self, message: str, status: int = EXIT_USAGE):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class Command:
 
 # -- serve ----------------------------------------------------------------------------------
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from bargein.server.settings import EnvReader, ServerSettings, SettingsError
+    from bargein.server.settings import LIMIT_FLAGS, EnvReader, ServerSettings, SettingsError
 
     try:
         env_settings = ServerSettings.from_env()
@@ -87,19 +92,28 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="(default: %(default)s)")
     p.add_argument("--debug-endpoints", action="store_true", default=s.debug_endpoints,
                    help="serve /debug/kv (KV block accounting; for tests)")
+    p.add_argument("--header-timeout", type=float, default=s.header_timeout, metavar="S",
+                   help="408 when a request's headers take longer (default: %(default)s)")
+    p.add_argument("--body-timeout", type=float, default=s.body_timeout, metavar="S",
+                   help="408 when a request's body takes longer after its headers (default: %(default)s)")
+    for name, what in LIMIT_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(s, name), metavar="N",
+                       help=f"most {what}; more is a 400 (default: %(default)s)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
     from bargein.engine.device import resolve_device
-    from bargein.server.settings import ServerSettings, SettingsError, parse_size
+    from bargein.server.settings import LIMIT_FLAGS, ServerSettings, SettingsError, parse_size
 
     try:
         settings = ServerSettings(
             host=args.host, port=args.port, api_key=args.api_key or None, request_timeout=args.request_timeout,
             max_queue=args.max_queue, max_body_bytes=parse_size(args.max_body), debug_endpoints=args.debug_endpoints,
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-            default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit)
+            default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
+            header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+            **{name: getattr(args, name) for name in LIMIT_FLAGS})
         if args.max_model_len is not None and args.max_model_len < 2:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
         config = EngineConfig(
@@ -115,7 +129,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
-        raise UserError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}") from None
+        raise UserError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
+                        EXIT_FAILURE) from None
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = _load_engine(args.model, config)
 
@@ -145,7 +160,7 @@ def _load_engine(ref: str | None, config):
         # A progress bar only on a terminal: in a log file each redraw would be another line.
         engine = Engine.from_pretrained(ref, config, progress=sys.stderr.isatty())
     except (LoaderError, DeviceError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        raise UserError(str(exc)) from None
+        raise UserError(str(exc), EXIT_FAILURE) from None
     print(f"bargein: loaded {engine.model_name} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     return engine
 
@@ -180,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except UserError as exc:
         print(f"bargein: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exc.status
     except KeyboardInterrupt:
         print("bargein: interrupted", file=sys.stderr)
         return 130

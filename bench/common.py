@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -130,3 +131,36 @@ def emit(title: str, sections: Sequence[tuple[str, str]], result: dict[str, Any]
         Path(json_path).write_text(text + "\n")
     print()
     print(text, flush=True)
+
+
+def histogram_quantile(before: str, after: str, name: str, q: float, *, interpolate: bool = True) -> float:
+    """The q-quantile (0..1) of a Prometheus histogram's observations between two scrapes.
+
+    Like PromQL's ``histogram_quantile`` over the bucket increase: linear within the bucket
+    that holds the rank (or that bucket's upper bound with ``interpolate=False``, right for
+    integer counts such as steps); the last finite bound when the rank falls in +Inf.
+    NaN for no observations.
+    """
+    def buckets(text: str) -> dict[float, float]:
+        out = {}
+        for le, value in re.findall(rf'^{re.escape(name)}_bucket{{le="([^"]+)"}} (\S+)$', text, re.M):
+            out[math.inf if le == "+Inf" else float(le)] = float(value)
+        return out
+
+    old, new = buckets(before), buckets(after)
+    bounds = sorted(new)
+    counts = [new[b] - old.get(b, 0.0) for b in bounds]
+    if not counts or counts[-1] <= 0:
+        return math.nan
+    rank = q * counts[-1]
+    lower, below = 0.0, 0.0
+    for bound, cumulative in zip(bounds, counts, strict=True):
+        if cumulative >= rank:
+            if math.isinf(bound):
+                return lower
+            inside = cumulative - below
+            if not interpolate:
+                return bound
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, cumulative
+    return lower

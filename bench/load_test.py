@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import format_table, machine_info, percentile, rnd  # noqa: E402
+from common import format_table, histogram_quantile, machine_info, percentile, rnd  # noqa: E402
 
 from tests.conftest import ServerProcess  # noqa: E402  (the tests' way of running bargein serve)
 
@@ -180,9 +180,10 @@ async def run(args, base: str) -> dict:
         "itl_p50_s": percentile(tally.itl, 50), "itl_p99_s": percentile(tally.itl, 99),
         "cancel_latency_client_p50_s": percentile(tally.cancel_latency, 50),
         "cancel_latency_client_p99_s": percentile(tally.cancel_latency, 99),
-        "cancel_latency_engine_p50_s": metric(after, "bargein_cancel_latency_seconds", '{quantile="0.5"}'),
-        "cancel_latency_engine_p99_s": metric(after, "bargein_cancel_latency_seconds", '{quantile="0.99"}'),
-        "cancel_latency_engine_p99_steps": metric(after, "bargein_cancel_latency_steps", '{quantile="0.99"}'),
+        "cancel_latency_engine_p50_s": histogram_quantile(before, after, "bargein_cancel_latency_seconds", 0.5),
+        "cancel_latency_engine_p99_s": histogram_quantile(before, after, "bargein_cancel_latency_seconds", 0.99),
+        "cancel_latency_engine_p99_steps": histogram_quantile(before, after, "bargein_cancel_latency_steps", 0.99,
+                                                              interpolate=False),
         "kv": {"ok": kv["ok"], "error": kv["error"], "blocks_total": kv["kv_blocks_total"],
                "blocks_used": kv["kv_blocks_used"], "blocks_cached": kv["kv_blocks_cached"],
                "blocks_free": kv["kv_blocks_free"], "requests_left": len(listed) + kv["engine_live_requests"]},

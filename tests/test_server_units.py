@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
-from bargein.engine.stats import EngineStats, RequestInfo
-from bargein.server.metrics import Histogram, ServerMetrics, quantile
+from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo
+from bargein.server.metrics import ServerMetrics
 from bargein.server.registry import RequestRegistry, engine_id_for
 from bargein.server.responses_store import ResponseStore, StoredResponse
 from bargein.server.settings import ServerSettings, SettingsError, parse_size
@@ -37,30 +36,60 @@ def test_settings_from_env_and_validation():
         ServerSettings(request_timeout=0)
 
 
-def test_histogram_and_quantile():
-    h = Histogram("x_seconds", "help", buckets=(0.1, 1.0))
-    for v in (0.05, 0.5, 5.0):
-        h.observe(v)
-    text = "\n".join(h.render())
-    assert 'x_seconds_bucket{le="0.1"} 1' in text and 'x_seconds_bucket{le="1"} 2' in text
-    assert 'x_seconds_bucket{le="+Inf"} 3' in text and "x_seconds_count 3" in text
-    assert quantile([1, 2, 3, 4], 0.5) == 2 and math.isnan(quantile([], 0.5))
+def _samples(text: bytes) -> dict[tuple[str, tuple], float]:
+    """Every sample of an exposition, parsed by prometheus_client's own parser."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text.decode()) for s in family.samples}
 
 
-def test_metrics_render_engine_stats():
-    stats = EngineStats(kv_blocks_total=10, kv_blocks_free=6, kv_blocks_cached=3, kv_blocks_used=1, block_size=16,
-                        running=1, waiting=2, conversations=0, steps=5, prefix_cache_hit_tokens=32,
-                        prefix_cache_hit_blocks=2, prefix_cache_query_blocks=4, computed_tokens=100,
-                        generated_tokens=40, preemptions=0, finished={"stop": 2, "cancelled": 1},
-                        cancelled={"disconnect": 1})
+def _stats(steps: int, finished: dict, cancelled: dict, used: int = 1) -> EngineStats:
+    return EngineStats(kv_blocks_total=10, kv_blocks_free=9 - used, kv_blocks_cached=1, kv_blocks_used=used,
+                       block_size=16, running=1, waiting=2, conversations=0, steps=steps, prefix_cache_hit_tokens=32,
+                       prefix_cache_hit_blocks=2, prefix_cache_query_blocks=4, computed_tokens=100,
+                       generated_tokens=40, preemptions=0, finished=finished, cancelled=cancelled)
+
+
+def test_metrics_engine_snapshot_and_samples_are_counted_once():
+    counters = EngineCounters()
     m = ServerMetrics()
     m.record_outcome("chat", "stop")
-    text = m.render(stats, [0.01, 0.02], [1, 1], live_requests=1)
-    for line in ['bargein_requests_cancelled_total{cancel_reason="disconnect"} 1',
-                 'bargein_requests_finished_total{finish_reason="stop"} 2', 'bargein_kv_blocks{state="cached"} 3',
-                 "bargein_requests_waiting 2", "bargein_prefix_cache_hit_tokens_total 32",
-                 'bargein_http_requests_total{endpoint="chat",outcome="stop"} 1', "bargein_cancel_latency_steps_count 2"]:
-        assert line in text, line
+    m.rejected["queue_full"] += 1
+    for duration in (0.002, 0.02):
+        counters.step_durations.append(duration)
+        counters.steps += 1
+    counters.cancel_latencies.append(0.03)
+    counters.cancel_latency_steps.append(1)
+    counters.cancel_samples += 1
+    m.observe_engine(_stats(2, {"stop": 2, "cancelled": 1}, {"disconnect": 1}), m.cursor.take(counters))
+    first = _samples(m.render(live_requests=1))
+    assert first[("bargein_requests_cancelled_total", (("cancel_reason", "disconnect"),))] == 1
+    assert first[("bargein_requests_finished_total", (("finish_reason", "stop"),))] == 2
+    assert first[("bargein_kv_blocks", (("state", "cached"),))] == 1
+    assert first[("bargein_requests_waiting", ())] == 2 and first[("bargein_http_requests_live", ())] == 1
+    assert first[("bargein_http_requests_total", (("endpoint", "chat"), ("outcome", "stop")))] == 1
+    assert first[("bargein_requests_rejected_total", (("reason", "queue_full"),))] == 1
+    assert first[("bargein_step_duration_seconds_count", ())] == 2
+    assert first[("bargein_step_duration_seconds_bucket", (("le", "0.0025"),))] == 1
+    assert first[("bargein_cancel_latency_steps_bucket", (("le", "1.0"),))] == 1
+    assert first[("bargein_cancel_latency_seconds_sum", ())] == pytest.approx(0.03)
+    # A second scrape with nothing new observes nothing twice; one new step is one more sample.
+    m.observe_engine(_stats(2, {"stop": 2, "cancelled": 1}, {"disconnect": 1}), m.cursor.take(counters))
+    assert _samples(m.render(live_requests=0))[("bargein_step_duration_seconds_count", ())] == 2
+    counters.step_durations.append(0.5)
+    counters.steps += 1
+    m.observe_engine(None, m.cursor.take(counters))  # engine gone: the last snapshot stays
+    third = _samples(m.render(live_requests=0))
+    assert third[("bargein_step_duration_seconds_count", ())] == 3
+    assert third[("bargein_requests_finished_total", (("finish_reason", "stop"),))] == 2
+    with pytest.raises(ValueError):
+        m.rejected["queue_full"] = 0  # counters never go back
+
+
+def test_metrics_registries_are_per_app():
+    a, b = ServerMetrics(), ServerMetrics()
+    a.record_outcome("chat", "stop")
+    assert ("bargein_http_requests_total", (("endpoint", "chat"), ("outcome", "stop"))) in _samples(a.render(0))
+    assert ("bargein_http_requests_total", (("endpoint", "chat"), ("outcome", "stop"))) not in _samples(b.render(0))
 
 
 def test_registry_groups_cancels_and_asks_the_engine_about_finished_ids():

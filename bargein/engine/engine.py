@@ -331,6 +331,7 @@ class Engine:
                 requested_at, requested_step = delta.cancel_requested
                 self.counters.cancel_latencies.append(time.monotonic() - requested_at)
                 self.counters.cancel_latency_steps.append(self.counters.steps - requested_step)
+                self.counters.cancel_samples += 1  # a running total: metrics observe each sample once
             log.info("request %s cancelled (%s)", delta.request_id, delta.cancel_reason.value)
         elif reason == FinishReason.ERROR:
             log.warning("request %s failed: %s", delta.request_id, delta.error)

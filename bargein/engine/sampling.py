@@ -25,6 +25,7 @@ MAX_TEMPERATURE = 2.0  # the OpenAI range; higher is noise, not creativity
 MAX_ABS_BIAS = 100.0
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, as in OpenAI
 # torch.Generator.manual_seed accepts exactly this range.
+_MAX_KEY_DIGITS = 19  # no vocabulary is larger; longer keys are refused before int() parses them
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 
@@ -200,6 +201,12 @@ def _stop(value: object) -> tuple[str, ...]:
     return stops
 
 
+def _short(value: object, limit: int = 40) -> str:
+    """``repr(value)``, cut to ``limit`` characters so an error message stays small."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 128 else f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     """A mapping or pairs of token id -> bias, as pairs sorted by token id.
 
@@ -221,11 +228,11 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
                 "logit_bias", f"logit_bias must hold (token_id, bias) pairs, got {pair!r}"
             )
         key, bias = pair
-        if isinstance(key, str) and key.isdecimal():
+        if isinstance(key, str) and key.isdecimal() and len(key) <= _MAX_KEY_DIGITS:
             key = int(key)
         if not _is_int(key) or key < 0:
             raise InvalidSamplingParams(
-                "logit_bias", f"logit_bias keys must be token ids >= 0, got {key!r}"
+                "logit_bias", f"logit_bias keys must be token ids >= 0, got {_short(key)}"
             )
         if int(key) in biases:
             raise InvalidSamplingParams(

@@ -52,6 +52,7 @@ class EngineCounters:
     finished: Counter = field(default_factory=Counter)
     cancelled: Counter = field(default_factory=Counter)
     # Recent samples for latency reporting (seconds); bounded so memory stays flat.
+    cancel_samples: int = 0  # cancel latencies recorded, ever (the deques keep the recent ones)
     cancel_latencies: deque = field(default_factory=lambda: deque(maxlen=4096))
     cancel_latency_steps: deque = field(default_factory=lambda: deque(maxlen=4096))
     step_durations: deque = field(default_factory=lambda: deque(maxlen=4096))

@@ -14,6 +14,10 @@ the file format. Every error is a LoaderError subclass whose message names the f
 
 from __future__ import annotations
 
+import contextlib
+import struct
+from collections.abc import Iterator
+
 import torch
 
 from bargein.config import ModelConfig
@@ -26,9 +30,10 @@ from bargein.loader.errors import (
 )
 from bargein.loader.gguf_file import load_gguf_weights, read_gguf_config
 from bargein.loader.hf_folder import load_hf_weights, read_hf_config
-from bargein.loader.names import expected_shape
+from bargein.loader.names import check_layer_range, expected_shape
 from bargein.loader.source import ModelSource, resolve_model_ref
-from bargein.loader.tokenizer import Tokenizer, load_tokenizer
+from bargein.loader.tokenizer import Tokenizer
+from bargein.loader.tokenizer import load_tokenizer as _load_tokenizer
 
 __all__ = [
     "ChatTemplateError",
@@ -45,11 +50,55 @@ __all__ = [
 ]
 
 
+# What parsing a malformed file raises below the loader's own checks (the gguf reader,
+# int() of a string field, a reshape of a wrong-sized tensor, a division by a zero count).
+_MALFORMED = (ValueError, TypeError, IndexError, KeyError, OverflowError, ZeroDivisionError,
+              struct.error, RuntimeError)
+
+
+@contextlib.contextmanager
+def _malformed_is_corrupt(source: ModelSource, what: str,
+                          kinds: tuple[type[Exception], ...] = _MALFORMED) -> Iterator[None]:
+    """Any error of a malformed file becomes a CorruptModelError naming the file; LoaderErrors pass."""
+    try:
+        yield
+    except LoaderError:
+        raise
+    except kinds as exc:
+        raise CorruptModelError(f"{source.path}: malformed {what} ({type(exc).__name__}: {exc})") from exc
+
+
 def load_config(source: ModelSource) -> ModelConfig:
     """The architecture of ``source``; ``config.name`` is the served model id."""
-    if source.kind == "gguf":
-        return read_gguf_config(source.path, source.name)
-    return read_hf_config(source.path, source.name)
+    with _malformed_is_corrupt(source, "model metadata"):
+        read = read_gguf_config if source.kind == "gguf" else read_hf_config
+        config = read(source.path, source.name)
+    _check_sizes(config, source)
+    return config
+
+
+# Sizes a header may claim before anything is allocated from them. The tensors' own sizes
+# are checked against the bytes present; these are the values nothing else bounds (the
+# RoPE table is sized by the context length) or that must be positive to mean anything.
+MAX_POSITIONS = 1 << 22
+
+
+def _check_sizes(config: ModelConfig, source: ModelSource) -> None:
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "max_position_embeddings"):
+        if getattr(config, name) < 1:
+            raise CorruptModelError(f"{source.path}: {name} must be positive, got {getattr(config, name)}")
+    if config.max_position_embeddings > MAX_POSITIONS:
+        raise UnsupportedModelError(
+            f"{source.path}: a context of {config.max_position_embeddings} positions is more than "
+            f"bargein supports ({MAX_POSITIONS})")
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    """The tokenizer of ``source`` (GGUF metadata or the folder's tokenizer.json)."""
+    # The tokenizers library raises plain Exception for an inconsistent vocabulary or merges.
+    with _malformed_is_corrupt(source, "tokenizer", (Exception,)):
+        return _load_tokenizer(source)
 
 
 def load_weights(
@@ -73,8 +122,10 @@ def load_weights(
     on stderr shows progress unless ``progress`` is False.
     """
     load = load_gguf_weights if source.kind == "gguf" else load_hf_weights
-    weights = load(source.path, config, layer_range=layer_range, dtype=dtype, device=torch.device(device),
-                   progress=progress)
+    check_layer_range(config, layer_range)  # the caller's mistake (ValueError), not the file's
+    with _malformed_is_corrupt(source, "weights"):
+        weights = load(source.path, config, layer_range=layer_range, dtype=dtype, device=torch.device(device),
+                       progress=progress)
     for name, tensor in weights.items():
         shape = expected_shape(config, name)
         if shape is not None and tuple(tensor.shape) != shape:

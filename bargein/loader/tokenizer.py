@@ -8,6 +8,8 @@ the file marks as control become special tokens, so ``<|im_start|>`` stays one t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +52,24 @@ _PRE_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
 }
+
+
+class UnencodableTextError(ValueError):
+    """Text that UTF-8 cannot encode (a lone surrogate); ``position`` is its first bad index."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(f"the text holds a lone UTF-16 surrogate at character {position}, "
+                         "which is not valid Unicode")
+        self.position = position
+
+
+def first_unencodable(text: str) -> int | None:
+    """The index of the first character UTF-8 cannot encode, or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -100,8 +120,46 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids; special tokens written in ``text`` become their single ids."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids; special tokens written in ``text`` become their single ids.
+
+        Through ``encode_batch``, which gives the same ids but releases the GIL while it
+        works (``encode`` holds it: 7 s for a 4 MB text, during which no other thread, the
+        engine's included, runs a line of Python).
+
+        Raises ``UnencodableTextError`` (a ``ValueError``) for text that is not valid
+        Unicode, such as a lone surrogate from a JSON ``"\\ud800"`` escape, instead of the
+        backend's ``TypeError``; checked only when the backend refuses, so valid text pays
+        nothing.
+        """
+        try:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            position = first_unencodable(text)
+            if position is None:
+                raise
+            raise UnencodableTextError(position) from None
+
+    def at_least_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text, add_special_tokens=False))``, without encoding.
+
+        No token covers more bytes than the longest piece of the vocabulary, so a text of
+        b bytes has at least ``ceil(b / max_piece_bytes)`` tokens: a server can refuse a
+        prompt that cannot fit the context from its size alone, in microseconds, instead of
+        tokenizing megabytes first. 0 (no bound) when the tokenizer normalizes the text
+        first, since a normalizer may shorten it.
+        """
+        if self.backend.normalizer is not None or not text:
+            return 0
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self.max_piece_bytes)
+
+    @functools.cached_property
+    def max_piece_bytes(self) -> int:
+        """The most bytes of text one token stands for (special tokens included)."""
+        longest = 1
+        for token_id in range(self.vocab_size):
+            with contextlib.suppress(ValueError):  # an id the vocabulary skips
+                longest = max(longest, len(self.token_bytes(token_id, skip_special_tokens=False)))
+        return longest
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

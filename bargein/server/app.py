@@ -21,13 +21,15 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
+from starlette.routing import Match, Mount
+from starlette.types import Scope
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.request import CancelReason
 from bargein.server import routes_generate, routes_ops, routes_requests, routes_responses
 from bargein.server.context import ServerContext
 from bargein.server.errors import install_error_handlers
-from bargein.server.middleware import GuardMiddleware
+from bargein.server.middleware import API_PREFIXES, GuardMiddleware, Traffic
 from bargein.server.settings import ServerSettings
 
 log = logging.getLogger("bargein.server")
@@ -55,8 +57,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     if settings.debug_endpoints:
         app.include_router(routes_ops.debug_router)
     if (STATIC_DIR / "index.html").is_file():
-        app.mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui")
-    app.add_middleware(GuardMiddleware, settings=settings)
+        app.router.routes.append(_UIMount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui"))
+    app.state.traffic = Traffic()
+    app.add_middleware(GuardMiddleware, settings=settings, traffic=app.state.traffic,
+                       draining=lambda: ctx.draining)
     return app
 
 
@@ -93,3 +97,17 @@ async def finish_shutdown(ctx: ServerContext) -> None:
     await ctx.engine.shutdown(timeout=timeout)
     _force_finish(ctx)
     ctx.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _UIMount(Mount):
+    """The web UI's files at ``/``, except under the API's prefixes.
+
+    A mount at ``/`` fully matches every path, so ``GET /v1/chat/completions`` would be
+    the static files' 404; without it the router finds the POST route's partial match
+    and answers 405 with ``Allow``, and an unknown API path is the router's JSON 404.
+    """
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and scope["path"].startswith((*API_PREFIXES, "/health")):
+            return Match.NONE, {}
+        return super().matches(scope)

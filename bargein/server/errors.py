@@ -5,13 +5,14 @@ Every error the server answers looks like OpenAI's::
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
 Routes raise :class:`APIError`; ``install_error_handlers`` turns it, FastAPI's validation
-errors, the engine's typed errors and unexpected exceptions into that shape. A failure
-in one request never reaches the engine loop or other requests.
+errors and the engine's typed errors into that shape. Any other exception is answered by
+``GuardMiddleware`` with ``internal_error()``: a 500 whose body names no internals, one
+logged traceback, and a connection that stays usable. A failure in one request never
+reaches the engine loop or other requests.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
@@ -24,15 +25,14 @@ from bargein.engine.async_engine import EngineDeadError
 from bargein.engine.engine import EngineError
 from bargein.engine.sampling import InvalidSamplingParams
 from bargein.loader import ChatTemplateError
-
-log = logging.getLogger("bargein.server")
+from bargein.loader.tokenizer import UnencodableTextError
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # what a client may choose as X-Request-Id
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable_error"}
+          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          409: "conflict_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):
@@ -71,7 +71,13 @@ def from_engine_exception(exc: Exception) -> APIError | None:
         return APIError(503, str(exc), code="engine_unavailable")
     if isinstance(exc, EngineError):
         return APIError(400, str(exc))
+    if isinstance(exc, UnencodableTextError):
+        return APIError(400, str(exc), code="invalid_value")
     return None
+
+
+_ENGINE_EXCEPTIONS = (InvalidSamplingParams, ChatTemplateError, EngineDeadError, EngineError,
+                      UnencodableTextError)
 
 
 def not_found(what: str, ident: str, *, param: str | None = None) -> APIError:
@@ -112,12 +118,24 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no route for {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}"
         return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _mapped(request: Request, exc: Exception) -> JSONResponse:
         mapped = from_engine_exception(exc)
-        if mapped is not None:
-            return _with_request_id(request, mapped.response())
-        log.exception("unexpected error answering %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+        if mapped is None:  # not one of ours after all: the catch-all in middleware.py answers 500
+            raise exc
+        return _with_request_id(request, mapped.response())
+
+    # By type, so Starlette's ExceptionMiddleware answers them and nothing is re-raised;
+    # anything else reaches GuardMiddleware, which answers 500 (see internal_error).
+    for exc_type in _ENGINE_EXCEPTIONS:
+        app.add_exception_handler(exc_type, _mapped)
+
+
+def internal_error() -> APIError:
+    """The one 500 a client sees: no exception text, no internals (the log has the traceback)."""
+    return APIError(500, "the server failed to answer this request; the error is logged",
+                    code="internal_error", type="server_error")

@@ -1,51 +1,42 @@
-"""Prometheus metrics, hand-rolled: counters, histograms and a text renderer.
+"""Prometheus metrics on ``prometheus_client``, one ``CollectorRegistry`` per app.
 
-Two sources: what the HTTP layer measures itself (time to first token, inter-token
-latency, request durations, rejections, generated tokens per second), and the engine's
-own snapshot (``EngineStats``: requests by finish and cancel reason, KV blocks, prefix
-hits, queue length) and recent cancel latencies, read between steps at scrape time.
+Two sources:
+
+- what the HTTP layer measures itself, as it happens (time to first token, inter-token
+  latency, request durations, outcomes, rejections): ``ServerMetrics``' histograms and
+  counters, updated on the event loop;
+- the engine's own counts, read at scrape time: requests by finish and cancel reason,
+  tokens, steps, preemptions (cumulative ``EngineStats`` counts, exposed as counters by
+  ``_EngineCollector``), KV blocks and queue lengths (gauges), and the samples the engine
+  recorded since the last scrape (step durations, cancel latency in seconds and steps),
+  each observed once into a histogram. So every counter and every histogram's
+  ``_count``/``_sum`` only grows, and ``rate()`` is right.
+
+The registry is the app's own (never prometheus_client's global default), so tests and
+benchmarks can build several apps in one process. Metric names are listed in the README.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
+import collections
 import time
-from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from bargein.engine.stats import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 DURATION_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+CANCEL_STEP_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _RATE_WINDOW_S = 10.0
-
-
-class Histogram:
-    """Cumulative-bucket histogram in the Prometheus sense."""
-
-    def __init__(self, name: str, help: str, buckets: Sequence[float] = LATENCY_BUCKETS):
-        self.name, self.help, self.buckets = name, help, tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # the last is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for bound, n in zip((*self.buckets, math.inf), self.counts, strict=True):
-            running += n
-            le = "+Inf" if math.isinf(bound) else f"{bound:g}"
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {running}')
-        lines += [f"{self.name}_sum {self.sum:.6f}", f"{self.name}_count {running}"]
-        return lines
 
 
 class TokenRate:
@@ -66,106 +57,168 @@ class TokenRate:
         return sum(n for _, n in self._events) / self.window_s
 
 
-class ServerMetrics:
-    """What the HTTP layer measures; owned by the event loop."""
+class _Tally:
+    """``tally[label] += 1`` onto a one-label Counter; a decrease is refused (ValueError)."""
+
+    def __init__(self, counter: Counter):
+        self._counter = counter
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def __getitem__(self, label: str) -> int:
+        return self._counts[label]
+
+    def __setitem__(self, label: str, value: int) -> None:
+        self._counter.labels(label).inc(value - self._counts[label])  # inc refuses a negative amount
+        self._counts[label] = value
+
+
+@dataclass
+class EngineSamples:
+    """Engine samples not yet observed: step durations and cancel latencies (s, steps)."""
+
+    step_durations: list[float]
+    cancel_latencies: list[float]
+    cancel_latency_steps: list[int]
+
+
+class SampleCursor:
+    """How many of the engine's per-step and per-cancel samples were observed already.
+
+    The engine keeps the recent samples in bounded deques plus running totals
+    (``steps``, ``cancel_samples``); what arrived since the last scrape is the tail of the
+    deque of that length. ``take`` must run on the engine thread (``AsyncEngine.call``),
+    between steps, where the deques and totals agree.
+    """
 
     def __init__(self) -> None:
+        self.steps = 0
+        self.cancels = 0
+
+    def take(self, counters: Any) -> EngineSamples:
+        new_steps, self.steps = counters.steps - self.steps, counters.steps
+        new_cancels, self.cancels = counters.cancel_samples - self.cancels, counters.cancel_samples
+        return EngineSamples(_tail(counters.step_durations, new_steps), _tail(counters.cancel_latencies, new_cancels),
+                             _tail(counters.cancel_latency_steps, new_cancels))
+
+
+def _tail(samples: deque, n: int) -> list:
+    n = min(max(n, 0), len(samples))
+    return list(samples)[len(samples) - n:] if n else []
+
+
+class ServerMetrics:
+    """The app's metrics and its registry; updated and scraped on the event loop."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
         self.ttft = Histogram("bargein_time_to_first_token_seconds",
-                              "Time from receiving a request to its first generated token.")
+                              "Time from receiving a request to its first generated token.",
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("bargein_inter_token_latency_seconds",
-                             "Time between consecutive outputs of one request, per token.")
+                             "Time between consecutive outputs of one request, per token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
         self.duration = Histogram("bargein_request_duration_seconds",
-                                  "Time from receiving a request to its last output.", DURATION_BUCKETS)
-        self.http_requests: Counter[tuple[str, str]] = Counter()  # (endpoint, outcome)
-        self.rejected: Counter[str] = Counter()  # why a request was refused before it ran
+                                  "Time from receiving a request to its last output.", buckets=DURATION_BUCKETS,
+                                  registry=r)
+        self.step_time = Histogram("bargein_step_duration_seconds", "Duration of one engine step (a forward).",
+                                   buckets=STEP_BUCKETS, registry=r)
+        self.cancel_latency = Histogram("bargein_cancel_latency_seconds",
+                                        "From a cancel being requested to the request leaving the batch.",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.cancel_steps = Histogram("bargein_cancel_latency_steps",
+                                      "Engine steps between a cancel being requested and taking effect.",
+                                      buckets=CANCEL_STEP_BUCKETS, registry=r)
+        self.http_requests = Counter("bargein_http_requests", "HTTP generation requests by endpoint and outcome.",
+                                     ["endpoint", "outcome"], registry=r)
+        self._rejected = Counter("bargein_requests_rejected", "Requests refused before running, by reason.",
+                                 ["reason"], registry=r)
+        self.rejected = _Tally(self._rejected)  # ``metrics.rejected["queue_full"] += 1``
         self.token_rate = TokenRate()
+        Gauge("bargein_generation_tokens_per_second",
+              f"Generated tokens per second over the last {_RATE_WINDOW_S:g} s.",
+              registry=r).set_function(self.token_rate.rate)
+        self._live = Gauge("bargein_http_requests_live", "HTTP requests in flight.", registry=r)
+        self._engine = _EngineCollector()
+        r.register(self._engine)
+        self.cursor = SampleCursor()
 
     def record_outcome(self, endpoint: str, outcome: str) -> None:
-        self.http_requests[(endpoint, outcome)] += 1
+        self.http_requests.labels(endpoint, outcome).inc()
 
-    def render(self, stats: EngineStats | None, cancel_latencies: Sequence[float],
-               cancel_steps: Sequence[int], live_requests: int) -> str:
-        lines: list[str] = []
-        for hist in (self.ttft, self.itl, self.duration):
-            lines += hist.render()
-        lines += _counter("bargein_http_requests_total", "HTTP generation requests by endpoint and outcome.",
-                          (({"endpoint": e, "outcome": o}, n) for (e, o), n in sorted(self.http_requests.items())))
-        lines += _counter("bargein_requests_rejected_total", "Requests refused before running, by reason.",
-                          (({"reason": r}, n) for r, n in sorted(self.rejected.items())))
-        lines += _gauge("bargein_generation_tokens_per_second",
-                        f"Generated tokens per second over the last {_RATE_WINDOW_S:g} s.", self.token_rate.rate())
-        lines += _gauge("bargein_http_requests_live", "HTTP requests in flight.", live_requests)
-        lines += _summary("bargein_cancel_latency_seconds",
-                          "From a cancel being requested to the request leaving the batch (recent cancels).",
-                          cancel_latencies)
-        lines += _summary("bargein_cancel_latency_steps",
-                          "Engine steps between a cancel being requested and taking effect (recent cancels).",
-                          cancel_steps)
+    def record_rejected(self, reason: str) -> None:
+        self.rejected[reason] += 1
+
+    def observe_engine(self, stats: EngineStats | None, samples: EngineSamples | None) -> None:
+        """Takes a scrape's engine snapshot (None when the engine is gone: the last one stays)."""
         if stats is not None:
-            lines += _engine_lines(stats)
-        return "\n".join(lines) + "\n"
+            self._engine.stats = stats
+        if samples is not None:
+            for value in samples.step_durations:
+                self.step_time.observe(value)
+            for value in samples.cancel_latencies:
+                self.cancel_latency.observe(value)
+            for steps in samples.cancel_latency_steps:
+                self.cancel_steps.observe(steps)
+
+    def render(self, live_requests: int) -> bytes:
+        """The exposition text (``generate_latest``)."""
+        self._live.set(live_requests)
+        return generate_latest(self.registry)
+
+    async def scrape(self, engine: Any, live_requests: int) -> bytes:
+        """Reads the engine's snapshot and new samples (between steps), then renders.
+
+        ``engine`` is the app's ``AsyncEngine``; when it is not alive, the last snapshot is
+        rendered, so counters never go back.
+        """
+        if engine.is_alive:
+            stats = await engine.stats()
+            counters = engine.engine.counters
+            samples = await engine.call(lambda: self.cursor.take(counters))
+            self.observe_engine(stats, samples)
+        return self.render(live_requests)
 
 
-def _engine_lines(s: EngineStats) -> list[str]:
-    lines = _counter("bargein_requests_finished_total", "Engine requests finished, by finish reason.",
-                     (({"finish_reason": r}, n) for r, n in sorted(s.finished.items())))
-    lines += _counter("bargein_requests_cancelled_total",
-                      "Engine requests cancelled, by cancel reason (user, disconnect, deadline, shutdown, error).",
-                      (({"cancel_reason": r}, n) for r, n in sorted(s.cancelled.items())))
-    lines += _counter("bargein_generation_tokens_total", "Tokens generated.", [({}, s.generated_tokens)])
-    lines += _counter("bargein_computed_tokens_total", "Tokens whose K/V was computed.", [({}, s.computed_tokens)])
-    lines += _counter("bargein_prefix_cache_hit_tokens_total", "Prompt tokens reused from the prefix cache.",
-                      [({}, s.prefix_cache_hit_tokens)])
-    lines += _counter("bargein_engine_steps_total", "Engine steps (forwards).", [({}, s.steps)])
-    lines += _counter("bargein_preemptions_total", "Requests preempted for lack of KV blocks.",
-                      [({}, s.preemptions)])
-    lines += _gauge("bargein_kv_blocks", "KV cache blocks by state.", None, [
-        ({"state": "used"}, s.kv_blocks_used), ({"state": "cached"}, s.kv_blocks_cached),
-        ({"state": "free"}, s.kv_blocks_free), ({"state": "total"}, s.kv_blocks_total)])
-    lines += _gauge("bargein_kv_cache_usage_ratio", "Share of KV blocks referenced by live sequences.",
-                    s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
-    lines += _gauge("bargein_requests_waiting", "Requests queued (the queue length).", s.waiting)
-    lines += _gauge("bargein_requests_running", "Requests in the running batch.", s.running)
-    return lines
+class _EngineCollector(Collector):
+    """The engine's cumulative counts and current gauges, from the last snapshot taken."""
 
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
 
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-    return "{" + inner + "}"
+    def describe(self) -> list[Metric]:
+        return []  # the families depend on the snapshot; nothing to check at registration
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _counter(name: str, help: str, samples: Iterable[tuple[dict, float]]) -> list[str]:
-    lines = [f"# HELP {name} {help}", f"# TYPE {name} counter"]
-    lines += [f"{name}{_labels(labels)} {value:g}" for labels, value in samples]
-    return lines
-
-
-def _gauge(name: str, help: str, value: float | None,
-           samples: Iterable[tuple[dict, float]] | None = None) -> list[str]:
-    lines = [f"# HELP {name} {help}", f"# TYPE {name} gauge"]
-    if samples is None:
-        samples = [({}, value or 0.0)]
-    lines += [f"{name}{_labels(labels)} {v:g}" for labels, v in samples]
-    return lines
-
-
-def _summary(name: str, help: str, values: Sequence[float]) -> list[str]:
-    lines = [f"# HELP {name} {help}", f"# TYPE {name} summary"]
-    ordered = sorted(values)
-    for q in (0.5, 0.9, 0.99):
-        lines.append(f'{name}{{quantile="{q:g}"}} {quantile(ordered, q):.6g}')
-    lines += [f"{name}_sum {sum(ordered):.6g}", f"{name}_count {len(ordered)}"]
-    return lines
-
-
-def quantile(ordered: Sequence[float], q: float) -> float:
-    """The q-quantile of sorted values (nearest rank); NaN for none."""
-    if not ordered:
-        return math.nan
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        finished = CounterMetricFamily("bargein_requests_finished", "Engine requests finished, by finish reason.",
+                                       labels=["finish_reason"])
+        for reason, n in sorted(s.finished.items()):
+            finished.add_metric([reason], n)
+        cancelled = CounterMetricFamily(
+            "bargein_requests_cancelled",
+            "Engine requests cancelled, by cancel reason (user, disconnect, deadline, shutdown, error).",
+            labels=["cancel_reason"])
+        for reason, n in sorted(s.cancelled.items()):
+            cancelled.add_metric([reason], n)
+        yield finished
+        yield cancelled
+        for name, help, value in (
+                ("bargein_generation_tokens", "Tokens generated.", s.generated_tokens),
+                ("bargein_computed_tokens", "Tokens whose K/V was computed.", s.computed_tokens),
+                ("bargein_prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache.",
+                 s.prefix_cache_hit_tokens),
+                ("bargein_engine_steps", "Engine steps (forwards).", s.steps),
+                ("bargein_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions)):
+            yield CounterMetricFamily(name, help, value=value)
+        blocks = GaugeMetricFamily("bargein_kv_blocks", "KV cache blocks by state.", labels=["state"])
+        for state, n in (("used", s.kv_blocks_used), ("cached", s.kv_blocks_cached), ("free", s.kv_blocks_free),
+                         ("total", s.kv_blocks_total)):
+            blocks.add_metric([state], n)
+        yield blocks
+        yield GaugeMetricFamily("bargein_kv_cache_usage_ratio", "Share of KV blocks referenced by live sequences.",
+                                value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        yield GaugeMetricFamily("bargein_requests_waiting", "Requests queued (the queue length).", value=s.waiting)
+        yield GaugeMetricFamily("bargein_requests_running", "Requests in the running batch.", value=s.running)

@@ -1,50 +1,111 @@
-"""ASGI middleware: API key and body size, before any route runs.
+"""ASGI middleware: what every request passes before any route runs, and the last word after.
 
 Pure ASGI rather than ``BaseHTTPMiddleware``, which would wrap the receive channel and
 hide the ``http.disconnect`` message that cancels a request when its client goes away.
-The body is read here (up to the limit, 413 beyond it) and replayed to the app; after
-it, ``receive`` is the server's own, so disconnects reach the routes unchanged.
+In order, ``GuardMiddleware``:
+
+- answers ``HEAD`` as ``GET`` without the body (FastAPI routes only the GET);
+- refuses a request during the shutdown drain (503 with ``Retry-After``), so a client
+  that connects while in-flight requests are being answered hears why instead of a
+  refused connection (``serve.py`` keeps the socket open for the drain);
+- refuses ``Content-Length`` together with ``Transfer-Encoding`` (400: two framings of
+  one body are the stuff of request smuggling);
+- checks the API key (401);
+- reads the body up to ``max_body_bytes`` (413 beyond it, once the client has sent it),
+  within ``body_timeout`` seconds in all (408 and the connection closed for a body that
+  trickles in slower), and replays it to the app; after it, ``receive`` is the server's own, so disconnects reach
+  the routes unchanged;
+- answers any exception the app lets escape with one generic 500 in the OpenAI shape and
+  logs its traceback once. Not re-raising keeps uvicorn from logging it again and from
+  closing the keep-alive connection, which stays usable for the next request.
+
+``Traffic`` counts the requests being answered, so the shutdown drain knows when every
+request that arrived before it has its answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bargein.server.errors import APIError
+from bargein.server.errors import APIError, internal_error
 from bargein.server.settings import ServerSettings
 
+log = logging.getLogger("bargein.server")
+
 # The API and its self-description; the chat page's static files stay open so it can ask for the key.
-_API_PREFIXES = ("/v1", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
+API_PREFIXES = ("/v1", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+DRAIN_RETRY_AFTER_S = 5  # what a client refused during the drain is told to wait
+
+
+@dataclass
+class Traffic:
+    """Requests past the drain check and not yet answered (body still arriving included).
+
+    Owned by the event loop; the shutdown drain waits for it to reach 0.
+    """
+
+    in_flight: int = 0
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, settings: ServerSettings):
+    def __init__(self, app: ASGIApp, settings: ServerSettings, traffic: Traffic,
+                 draining: Callable[[], bool]):
         self.app = app
         self.settings = settings
+        self.traffic = traffic
+        self.draining = draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        error = self._auth_error(scope)
-        if error is None and scope["method"] in _BODY_METHODS:
-            body, error = await self._read_body(scope, receive)
-            if error is None:
-                receive = _replay(body, receive)
-        if error is not None:
-            await _send_error(error, scope, receive, send)
+        if scope["method"] == "HEAD":  # as GET, without the body: HTTP asks HEAD wherever GET works
+            scope = {**scope, "method": "GET"}
+            send = _without_body(send)
+        if self.draining():
+            await _send_error(_draining_error(), scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        started = _Started(send)
+        self.traffic.in_flight += 1
+        try:
+            error = self._header_error(scope)
+            if error is None and scope["method"] in _BODY_METHODS:
+                body, error = await self._read_body(scope, receive)
+                if error is None:
+                    receive = _replay(body, receive)
+            if error is not None:
+                await _send_error(error, scope, receive, started)
+            else:
+                await self.app(scope, receive, started)
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            if not started.response_started:
+                await _send_error(internal_error(), scope, receive, started)
+            # Else the response is cut short: uvicorn closes the connection, which is all
+            # a client can be told once the status line is out.
+        finally:
+            self.traffic.in_flight -= 1
 
-    def _auth_error(self, scope: Scope) -> APIError | None:
+    def _header_error(self, scope: Scope) -> APIError | None:
+        headers = dict(scope["headers"])
+        if b"content-length" in headers and b"transfer-encoding" in headers:
+            return APIError(400, "a request may not carry both Content-Length and Transfer-Encoding",
+                            code="conflicting_length_headers", headers={"Connection": "close"})
+        return self._auth_error(scope, headers)
+
+    def _auth_error(self, scope: Scope, headers: dict[bytes, bytes]) -> APIError | None:
         key = self.settings.api_key
         if not key or not _needs_auth(scope["path"], scope["method"]):
             return None
-        headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1")
         token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
         if token and hmac.compare_digest(token.encode(), key.encode()):
@@ -53,30 +114,74 @@ class GuardMiddleware:
         return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, APIError | None]:
+        """The whole body, or the error to answer: 413 over the limit, 408 past the deadline.
+
+        A body over the limit is still read to its end (and dropped) while the deadline
+        allows: a client busy sending it reads no response, and closing on unread data
+        resets the connection, so it would see a broken pipe instead of the 413. A body
+        that cannot end in time gets its answer with the connection closed.
+        """
         limit = self.settings.max_body_bytes
-        too_big = APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            return b"", too_big
+        declared = int(length) if length is not None and length.isdigit() else None
+        deadline = time.monotonic() + self.settings.body_timeout
         chunks, size = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                if size > limit or (declared or 0) > limit:
+                    return b"", _too_large(limit, close=True)
+                return b"", APIError(
+                    408, f"the request body did not arrive within {self.settings.body_timeout:g} s",
+                    code="request_timeout", headers={"Connection": "close"})
             if message["type"] == "http.disconnect":
                 return b"", None  # the app will see the disconnect when it reads
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                return b"", too_big
-            chunks.append(chunk)
+            if size <= limit and (declared or 0) <= limit:
+                chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks), None
+                return (b"".join(chunks), None) if size <= limit else (b"", _too_large(limit, close=False))
+
+
+def _too_large(limit: int, *, close: bool) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large",
+                    headers={"Connection": "close"} if close else None)
+
+
+def _draining_error() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another instance or later",
+                    code="shutting_down", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S), "Connection": "close"})
+
+
+class _Started:
+    """``send`` that remembers whether the response has started (then no 500 can follow)."""
+
+    def __init__(self, send: Send):
+        self._send = send
+        self.response_started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.response_started = True
+        await self._send(message)
+
+
+def _without_body(send: Send) -> Send:
+    async def head_send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return head_send
 
 
 def _needs_auth(path: str, method: str) -> bool:
     """Everything but /health and the web UI's static files (which hold no data)."""
     if path == "/health":
         return False
-    return path.startswith(_API_PREFIXES) or method not in ("GET", "HEAD")
+    return path.startswith(API_PREFIXES) or method not in ("GET", "HEAD")
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

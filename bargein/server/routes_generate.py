@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from bargein.server.context import Ctx, ServerContext
 from bargein.server.errors import APIError, not_found
 from bargein.server.generation import request_id_for
+from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ChatShape, CompletionShape
 from bargein.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -115,6 +116,7 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
 async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: Ctx) -> Response:
     received = time.monotonic()
     request_id = request_id_for(request, "chatcmpl-")
+    check_limits(body, ctx.settings)  # sizes first, before anything grows with the input
     # Validation in FIELD_ORDER (validation.py); the messages' walk grows with the input: off the loop.
     messages = await ctx.prompts.run(lambda: message_dicts(body.messages))
     check_n(body.n)
@@ -140,6 +142,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
 async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Response:
     received = time.monotonic()
     request_id = request_id_for(request, "cmpl-")
+    check_limits(body, ctx.settings)  # sizes first, before anything grows with the input
     if isinstance(body.prompt, list) and not body.prompt:
         raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
     check_n(body.n)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 
 from bargein.server.context import Ctx
+from bargein.server.metrics import CONTENT_TYPE
 
 router = APIRouter()
 debug_router = APIRouter()
@@ -21,15 +22,9 @@ async def health(ctx: Ctx) -> JSONResponse:
 
 
 @router.get("/metrics")
-async def metrics(ctx: Ctx) -> PlainTextResponse:
-    stats, latencies, steps = None, [], []
-    if ctx.engine.is_alive:
-        counters = ctx.engine.engine.counters
-        stats = await ctx.engine.stats()
-        latencies, steps = await ctx.engine.call(
-            lambda: (list(counters.cancel_latencies), list(counters.cancel_latency_steps)))
-    text = ctx.metrics.render(stats, latencies, steps, live_requests=len(ctx.registry))
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+async def metrics(ctx: Ctx) -> Response:
+    text = await ctx.metrics.scrape(ctx.engine, live_requests=len(ctx.registry))
+    return Response(text, media_type=CONTENT_TYPE)
 
 
 @debug_router.get("/debug/kv")

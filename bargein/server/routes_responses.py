@@ -31,6 +31,7 @@ from bargein.engine.request import CancelReason
 from bargein.server.context import Ctx, ServerContext
 from bargein.server.errors import APIError, not_found
 from bargein.server.generation import request_id_for
+from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ResponsesShape
 from bargein.server.responses_store import StoredResponse
@@ -111,6 +112,7 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
 async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> Response:
     received = time.monotonic()
     response_id = request_id_for(request, "resp_")
+    check_limits(body, ctx.settings)
     if body.background and not body.store:
         raise APIError(400, "background responses must be stored (store: true)", param="background",
                        code="invalid_value")

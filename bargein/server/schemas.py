@@ -11,11 +11,43 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+def _valid_unicode(value: Any) -> Any:
+    """``value`` unchanged if every string in it (nested too) is valid Unicode, else ValueError.
+
+    JSON may escape a lone surrogate (``"\\ud800"``); Python keeps it in a ``str`` that no
+    tokenizer can encode, so it is refused here with the field's name (a 400), not later.
+    """
+    bad = _find_lone_surrogate(value, "")
+    if bad is not None:
+        where, index = bad
+        inside = f" of the string at {where}" if where else ""
+        raise ValueError(f"a lone UTF-16 surrogate at character {index}{inside} is not valid Unicode "
+                         "(surrogate pairs are fine)")
+    return value
+
+
+def _find_lone_surrogate(value: Any, where: str) -> tuple[str, int] | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return where, exc.start
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _find_lone_surrogate(key, f"{where} (a key)") or _find_lone_surrogate(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    _unicode_only = field_validator("*")(_valid_unicode)
 
 
 class StreamOptions(_Body):
@@ -51,6 +83,13 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    _unicode_only = field_validator("*")(_valid_unicode)
+
+    @model_validator(mode="after")
+    def _extras_unicode_only(self) -> ChatMessage:
+        _valid_unicode(self.model_extra or {})
+        return self
 
 
 class ChatCompletionRequest(SamplingFields):

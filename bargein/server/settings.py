@@ -17,6 +17,16 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, 
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
 
+# The per-request caps: setting name -> what it limits (the CLI's --max-... flags and the README).
+LIMIT_FLAGS = {
+    "max_messages": "chat messages or Responses input items in one request",
+    "max_stop": "stop strings in one request",
+    "max_stop_chars": "characters in one stop string",
+    "max_logit_bias": "logit_bias entries in one request",
+    "max_n": "choices (n) in one request",
+}
+
+
 class SettingsError(ValueError):
     """A setting a user gave cannot be used; the message names it."""
 
@@ -40,6 +50,15 @@ class ServerSettings:
     continuation_memory_entries: int = 256  # answers remembered for token-exact continuation
     continuation_memory_tokens: int = 262_144  # total token ids those answers may hold
     tokenizer_threads: int = 2  # the pool that renders and tokenizes off the event loop
+    # Slow clients: a connection must deliver a request's headers, and then its body, in time.
+    header_timeout: float = 10.0  # seconds from a request's first byte to its last header (408)
+    body_timeout: float = 30.0  # seconds from the headers to the body's last byte (408)
+    # Per-request input caps (400 naming the field; see limits.py), checked before any tokenizing.
+    max_messages: int = 2048  # chat messages / Responses input items
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 256  # characters in one stop string
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_n: int = 16  # choices (n)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -64,6 +83,12 @@ class ServerSettings:
             raise SettingsError("continuation memory bounds must not be negative")
         if self.tokenizer_threads < 1:
             raise SettingsError(f"tokenizer threads must be at least 1, got {self.tokenizer_threads}")
+        for name in ("header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise SettingsError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+        for name in ("max_messages", "max_stop", "max_stop_chars", "max_logit_bias", "max_n"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
 
     @property
     def base_url(self) -> str:
@@ -92,6 +117,9 @@ class ServerSettings:
                                                 defaults.continuation_memory_entries),
             continuation_memory_tokens=env.int("CONTINUATION_MEMORY_TOKENS", defaults.continuation_memory_tokens),
             tokenizer_threads=env.int("TOKENIZER_THREADS", defaults.tokenizer_threads),
+            header_timeout=env.float("HEADER_TIMEOUT", defaults.header_timeout),
+            body_timeout=env.float("BODY_TIMEOUT", defaults.body_timeout),
+            **{name: env.int(name.upper(), getattr(defaults, name)) for name in LIMIT_FLAGS},
         )
 
 
