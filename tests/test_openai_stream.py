@@ -8,6 +8,7 @@ from the deltas and the final output, never from an intermediate ``text``.
 from __future__ import annotations
 
 import asyncio
+import types
 import contextlib
 import json
 
@@ -21,18 +22,30 @@ from bargein.server.openai_stream import ChatShape, CompletionShape, collect, ev
 from bargein.server.registry import RequestRegistry
 
 
+class FakeStream:
+    """Stands in for the engine's RequestStream: outputs are put straight into ``queue``."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.processor = types.SimpleNamespace(num_delivered=0)
+
+
 class FakeEngine:
-    """Just what JobRunner uses: submit (a queue per request) and abort."""
+    """Just what JobRunner uses: submit (a stream per request), next_output and abort."""
 
     def __init__(self) -> None:
         self.queues: dict[str, asyncio.Queue] = {}
         self.aborted: list[tuple[str, CancelReason]] = []
 
     def submit(self, prompt, params, *, request_id, timeout=None):
-        self.queues[request_id] = asyncio.Queue()
-        return request_id, self.queues[request_id]
+        stream = FakeStream()
+        self.queues[request_id] = stream.queue
+        return request_id, stream
 
-    def abort(self, request_id, reason=CancelReason.USER):
+    async def next_output(self, stream: FakeStream) -> RequestOutput:
+        return await stream.queue.get()
+
+    def abort(self, request_id, reason=CancelReason.USER, *, delivered=None):
         self.aborted.append((request_id, reason))
         return AbortResult.CANCELLED
 
@@ -124,3 +137,17 @@ async def test_a_consumer_that_leaves_aborts_and_the_late_final_still_reaches_th
     for _ in range(10):
         await asyncio.sleep(0)
     assert [o.token_ids for o in seen] == [(97,)]
+
+
+@pytest.mark.anyio
+async def test_a_slot_whose_outputs_cannot_be_read_ends_with_an_error_not_a_hang():
+    jobs, engine = runner()
+
+    async def broken(stream):
+        raise RuntimeError("the stream broke")
+
+    engine.next_output = broken
+    job = jobs.start("c4", "chat", [[1]], SamplingParams(max_tokens=5))
+    outs = [out async for _, out in jobs.outputs(job)]
+    assert [(o.finished, o.finish_reason) for o in outs] == [(True, FinishReason.ERROR)]
+    assert "the stream broke" in outs[0].error

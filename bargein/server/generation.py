@@ -338,7 +338,11 @@ class JobRunner:
 async def _pump(job: Job, slot: Slot, merged: asyncio.Queue) -> None:
     """Moves one slot's outputs into the job's merged queue, up to its final one."""
     while True:
-        item = await slot.queue.get()
+        try:
+            item = await slot.queue.get()
+        except Exception as exc:  # reading the output failed: end the slot, never leave the job waiting
+            log.exception("reading the outputs of %s failed", slot.engine_id)
+            item = _failed_final(slot, job.progress[slot.index], f"{type(exc).__name__}: {exc}")
         if isinstance(item, _ForcedEnd):
             item = _shutdown_final(slot, job.progress[slot.index])
         merged.put_nowait((slot, item))
@@ -353,6 +357,14 @@ def _shutdown_final(slot: Slot, progress: Progress) -> RequestOutput:
         request_id=slot.engine_id + _FORCED_SUFFIX, new_token_ids=(), token_ids=tuple(progress.token_ids),
         delta_text="", text="".join(progress.pieces), finished=True, finish_reason=FinishReason.CANCELLED,
         usage=usage, cancel_reason=CancelReason.SHUTDOWN)
+
+
+def _failed_final(slot: Slot, progress: Progress, error: str) -> RequestOutput:
+    """The final output of a slot whose outputs could not be read: an error, with what was delivered."""
+    return RequestOutput(
+        request_id=slot.engine_id + _FORCED_SUFFIX, new_token_ids=(), token_ids=tuple(progress.token_ids),
+        delta_text="", text="".join(progress.pieces), finished=True, finish_reason=FinishReason.ERROR,
+        usage=progress.last_usage or Usage(0, 0, 0), error=f"reading the answer failed: {error}")
 
 
 def _is_forced(out: RequestOutput) -> bool:
