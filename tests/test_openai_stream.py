@@ -8,9 +8,9 @@ from the deltas and the final output, never from an intermediate ``text``.
 from __future__ import annotations
 
 import asyncio
-import types
 import contextlib
 import json
+import types
 
 import pytest
 
