@@ -75,7 +75,7 @@ def load_all(ref: Path) -> None:
     config = load_config(source)
     weights = load_weights(source, config, progress=False)
     load_tokenizer(source).encode("hello")
-    LlamaStage(config, weights, native_kernels=False)  # allocates from the config (RoPE table, ...)
+    LlamaStage(config, weights)  # allocates from the config (RoPE table, ...); PyTorch kernels
 
 
 def only_loader_errors(ref: Path) -> None:
