@@ -9,9 +9,9 @@ deadline after which the request is cancelled with reason ``deadline``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 def _valid_unicode(value: Any) -> Any:
@@ -47,7 +47,16 @@ def _find_lone_surrogate(value: Any, where: str) -> tuple[str, int] | None:
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    _unicode_only = field_validator("*")(_valid_unicode)
+    #: Fields validated item by item later (off the event loop), whose 400 then names the
+    #: item (``messages.0.content``): their strings are checked there, not here.
+    unicode_checked_later: ClassVar[frozenset[str]] = frozenset()
+
+    @field_validator("*")
+    @classmethod
+    def _unicode_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name in cls.unicode_checked_later:
+            return value
+        return _valid_unicode(value)
 
 
 class StreamOptions(_Body):
@@ -96,6 +105,7 @@ class ChatCompletionRequest(SamplingFields):
     # Plain objects here, each validated as a ChatMessage off the event loop (a body of many
     # messages would otherwise hold the loop for its whole validation).
     messages: list[dict[str, Any]] = Field(min_length=1, description="ChatMessage objects")
+    unicode_checked_later: ClassVar[frozenset[str]] = frozenset({"messages"})
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int = 1
