@@ -28,6 +28,7 @@ from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ChatShape, CompletionShape
 from bargein.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from bargein.server.serving import Generation, serve
+from bargein.server.structured import compile_in_pool
 from bargein.server.validation import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -118,7 +119,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     # Validation in FIELD_ORDER (validation.py); the messages' walk grows with the input: off the loop.
     messages = await ctx.prompts.run(lambda: message_dicts(body.messages))
     check_n(body.n)
-    check_response_format(body.response_format)
+    constraint = check_response_format(body.response_format)
     use_mct = body.max_completion_tokens is not None
     max_field = "max_completion_tokens" if use_mct else "max_tokens"
     max_tokens = resolve_max_tokens(body.max_completion_tokens if use_mct else body.max_tokens, max_field,
@@ -126,7 +127,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     check_logprobs(body.logprobs, body.top_logprobs)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                             renames={"max_tokens": max_field, "logprobs": "top_logprobs"})
+                             renames={"max_tokens": max_field, "logprobs": "top_logprobs"}, constraint=constraint)
+    await compile_in_pool(ctx, constraint, "response_format")
     prompt = await ctx.prompts.chat(messages, body.tools)
     gen = Generation("chat", request_id, received, [prompt.token_ids], params, n=body.n, timeout=timeout,
                      stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
@@ -143,13 +145,15 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Re
     if isinstance(body.prompt, list) and not body.prompt:
         raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
     check_n(body.n)
+    constraint = check_response_format(body.response_format)
     num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
     if num_prompts * body.n > MAX_CHOICES:
         raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}", param="prompt", code="invalid_value")
     max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", ctx.settings, COMPLETIONS_DEFAULT_MAX_TOKENS)
     check_logprobs(body.logprobs is not None, body.logprobs, "logprobs")
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, constraint=constraint)
+    await compile_in_pool(ctx, constraint, "response_format")
     prompts = await ctx.prompts.completion(body.prompt, ctx.vocab_size)
     echoes = [await ctx.prompts.decode(p) if body.echo else "" for p in prompts]
     gen = Generation("completions", request_id, received, prompts, params, n=body.n, timeout=timeout,
