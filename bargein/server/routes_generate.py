@@ -29,6 +29,8 @@ from bargein.server.openai_stream import ChatShape, CompletionShape
 from bargein.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from bargein.server.serving import Generation, serve
 from bargein.server.structured import compile_in_pool
+from bargein.server.tools import prompt_messages as tool_messages
+from bargein.server.tools import tool_plan
 from bargein.server.validation import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -120,6 +122,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     messages = await ctx.prompts.run(lambda: message_dicts(body.messages))
     check_n(body.n)
     constraint = check_response_format(body.response_format)
+    plan = tool_plan(body.tools, body.tool_choice)
+    if plan.constraint() is not None:
+        if constraint is not None:
+            raise APIError(400, "response_format cannot be combined with a required or named tool_choice",
+                           param="tool_choice", code="invalid_value")
+        constraint = plan.constraint()
     use_mct = body.max_completion_tokens is not None
     max_field = "max_completion_tokens" if use_mct else "max_tokens"
     max_tokens = resolve_max_tokens(body.max_completion_tokens if use_mct else body.max_tokens, max_field,
@@ -128,12 +136,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              renames={"max_tokens": max_field, "logprobs": "top_logprobs"}, constraint=constraint)
-    await compile_in_pool(ctx, constraint, "response_format")
-    prompt = await ctx.prompts.chat(messages, body.tools)
+    await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "response_format")
+    messages, template_tools = tool_messages(messages, plan, ctx.tokenizer.chat_template)
+    prompt = await ctx.prompts.chat(messages, template_tools)
     gen = Generation("chat", request_id, received, [prompt.token_ids], params, n=body.n, timeout=timeout,
                      stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
     shape = ChatShape(ctx.head(request_id), ctx.tokenizer, logprobs=body.logprobs,
-                      include_usage=_include_usage(body), token_ids=body.return_token_ids)
+                      include_usage=_include_usage(body), token_ids=body.return_token_ids,
+                      tool_names={t.name for t in plan.tools} if plan.offered else None)
     return await serve(request, ctx, gen, shape)
 
 
