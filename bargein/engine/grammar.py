@@ -163,11 +163,8 @@ class _TokenTable:
 
 
 class GrammarMasks:
-    """Fills and applies the token masks of a step's constrained rows, all together."""
-
-    def __init__(self, num_threads: int = 2):
-        self._num_threads = num_threads
-        self._executor: llg.LLExecutor | None = None  # made on first use (it starts threads)
+    """Fills and applies the token masks of a step's constrained rows, all together:
+    one bitmask for the batch, one masked fill of the logits."""
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor:
         """``logits`` (B, V) with every token row i's grammar forbids set to -inf (a new
@@ -180,10 +177,12 @@ class GrammarMasks:
         grammar_vocab = rows[0][0].vocab_size
         words = (grammar_vocab + 31) // 32
         bitmask = np.zeros((len(matchers), words), dtype=np.int32)
-        if self._executor is None:
-            self._executor = llg.LLExecutor(num_threads=self._num_threads)
-        self._executor.unsafe_compute_mask_ptr([(m._m, i) for m, i in rows], bitmask.ctypes.data, words * 4,
-                                               len(matchers))
+        base, row_bytes = bitmask.ctypes.data, words * 4
+        # In this thread, one row after another (each some microseconds): llguidance's
+        # parallel executor keeps worker threads spinning, which on a small CPU slows the
+        # next forward far more than it saves here (measured: bench/bench_structured.py).
+        for matcher, i in rows:
+            matcher._m.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
         bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :min(vocab, grammar_vocab)]
         allowed = np.zeros((len(matchers), vocab), dtype=bool)  # columns past the grammar's vocab: forbidden
         allowed[:, :bits.shape[1]] = bits
