@@ -7,6 +7,7 @@
 import * as api from "./api.js";
 import { escapeHtml, renderMarkdown } from "./markdown.js";
 import * as store from "./store.js";
+import { installSchemaBox, responseFormat } from "./structured.js";
 
 const $ = (sel) => document.querySelector(sel);
 const el = {
@@ -160,7 +161,7 @@ function requestBody(conv, msg) {
   if (s.temperature !== "" && s.temperature != null) body.temperature = Number(s.temperature);
   if (s.topP !== "" && s.topP != null) body.top_p = Number(s.topP);
   if (s.maxTokens !== "" && s.maxTokens != null) body.max_tokens = Number(s.maxTokens);
-  return body;
+  return Object.assign(body, responseFormat());
 }
 
 // Ask the server for one more answer at the end of `conv`. The answer is appended at once
@@ -477,6 +478,7 @@ window.addEventListener("storage", (e) => { // another tab changed the conversat
 
 if (!current()) state.currentId = state.conversations[0]?.id ?? null;
 bindSettings();
+installSchemaBox();
 render();
 loadModel();
 setInterval(pollRequests, 1000);
