@@ -57,6 +57,7 @@ continues the conversation from it."""
 class GenerationSettings:
     max_tokens: int | None = 512
     temperature: float = 0.7
+    json_schema: str | None = None  # a JSON Schema (text) the answer must match
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,11 @@ class LocalBackend:
         from bargein import EngineError, SamplingParams
 
         self._stop = False
-        params = SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature)
+        from bargein.engine.constraint import Constraint
+
+        constraint = Constraint.json_schema(settings.json_schema) if settings.json_schema else None
+        params = SamplingParams(max_tokens=settings.max_tokens, temperature=settings.temperature,
+                                constraint=constraint)
         timer, last = _Timer(), None
         try:
             async for out in self.conv.generate(params):
@@ -241,6 +246,13 @@ class LocalBackend:
 
 
 # -- remote: a bargein server ------------------------------------------------------------------
+def _response_format(settings: GenerationSettings) -> dict[str, Any]:
+    if settings.json_schema is None:
+        return {}
+    schema = json.loads(settings.json_schema)
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}}
+
+
 class RemoteBackend:
     """The history sent in full to ``/v1/chat/completions``; the server's prefix cache reuses K/V."""
 
@@ -256,13 +268,13 @@ class RemoteBackend:
                      on_delta: OnDelta) -> AnswerResult:
         rid = self._new_id()
         events = self.client.stream_chat(messages, request_id=rid, max_tokens=settings.max_tokens,
-                                         temperature=settings.temperature)
+                                         temperature=settings.temperature, **_response_format(settings))
         return await self._consume(events, on_delta)
 
     async def answer_raw(self, prompt: str, settings: GenerationSettings, on_delta: OnDelta) -> AnswerResult:
         rid = self._new_id()
         events = self.client.stream_completion(prompt, request_id=rid, max_tokens=settings.max_tokens,
-                                               temperature=settings.temperature)
+                                               temperature=settings.temperature, **_response_format(settings))
         return await self._consume(events, on_delta)
 
     def _new_id(self) -> str:

@@ -85,7 +85,23 @@ def _settings(args: argparse.Namespace):
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     except InvalidSamplingParams as exc:
         raise CommandError(f"--{exc.field.replace('_', '-')}: {exc}", EXIT_USAGE) from None
-    return GenerationSettings(max_tokens=args.max_tokens, temperature=args.temperature)
+    return GenerationSettings(max_tokens=args.max_tokens, temperature=args.temperature,
+                              json_schema=_json_schema(getattr(args, "json_schema", None)))
+
+
+def _json_schema(path: str | None) -> str | None:
+    """The schema file's JSON text, checked: a usage error names what is wrong with it."""
+    if path is None:
+        return None
+    from bargein.engine.constraint import Constraint
+    from bargein.engine.grammar import UnsupportedGrammar, check_constraint
+
+    try:
+        text = Path(path).expanduser().read_text()
+        check_constraint(Constraint.json_schema(text))
+    except (OSError, UnsupportedGrammar) as exc:
+        raise CommandError(f"--json-schema {path}: {exc}", EXIT_USAGE) from None
+    return text
 
 
 def _backend(args: argparse.Namespace):
@@ -136,6 +152,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the message (with --raw: the exact prompt text)")
     _add_generation_arguments(p, max_tokens=256)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="a JSON Schema file: the answer is JSON that matches it (constrained token by token)")
 
 
 @_one_line_errors

@@ -433,7 +433,7 @@ def test_validation_names_the_first_wrong_field_in_the_documented_order(live_ser
 
     assert param(response_format={"type": "sound"}, max_tokens=0) == (400, "response_format.type")
     assert param(response_format={"type": "sound"}, max_tokens=1) == (400, "response_format.type")
-    assert param(response_format={"type": "json_schema"}) == (400, "response_format.type")
+    assert param(response_format={"type": "json_schema"}) == (400, "response_format.json_schema")
     assert param(n=0, response_format={"type": "sound"}) == (400, "n")
     assert param(max_tokens=0, temperature=-1) == (400, "max_tokens")
     assert param(max_completion_tokens=0, top_logprobs=99) == (400, "max_completion_tokens")

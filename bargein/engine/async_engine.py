@@ -140,7 +140,7 @@ class AsyncEngine:
     # -- requests -----------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout: float | None = None,
-               session_id: str | None = None) -> tuple[str, RequestStream]:
+               session_id: str | None = None, constraint_from: int | None = None) -> tuple[str, RequestStream]:
         """Queues a request and returns its id and stream (call from a running loop).
 
         Read the stream with ``stream(request_id, stream)``. Raises EngineError for a bad
@@ -154,7 +154,8 @@ class AsyncEngine:
         # add_request claims (and checks) the id, then registers the stream, then queues
         # the request: no other live request has the id, and no delta precedes the stream.
         self.engine.add_request(prompt, params, request_id=request_id, timeout=timeout, session_id=session_id,
-                                on_claimed=lambda rid: self._streams.__setitem__(rid, stream))
+                                on_claimed=lambda rid: self._streams.__setitem__(rid, stream),
+                                constraint_from=constraint_from)
         return request_id, stream
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

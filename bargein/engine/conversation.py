@@ -19,6 +19,12 @@ engine's scheduler holds them, and this class only calls :class:`AsyncEngine`'s 
 session methods. An answer's consumer tells the engine how many tokens it was handed
 when it stops early, and the engine cuts the session to them.
 
+A constrained answer (``params.constraint``) that was cancelled or cut by
+``max_tokens`` is continued, not restarted, by the next ``generate`` with the same
+constraint and no prompt in between: the engine replays the answer's tokens into a new
+grammar matcher, so the result is one valid answer, token for token the one an
+uninterrupted run gives (greedy). A prompt, a rewind or another constraint starts anew.
+
 A Conversation is used from one asyncio task at a time; ``cancel`` may be called from
 anywhere.
 """
@@ -32,7 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bargein.engine.async_engine import AsyncEngine
-from bargein.engine.request import CancelReason, RequestOutput
+from bargein.engine.constraint import Constraint
+from bargein.engine.request import CancelReason, FinishReason, RequestOutput
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.streams import RequestStream
 
@@ -79,12 +86,22 @@ class _Answer:
     stream: RequestStream
 
 
+@dataclass
+class _ConstrainedAnswer:
+    """The last answer, if constrained: where it began, and whether it may go on."""
+
+    constraint: Constraint
+    start: int | None = None  # the conversation's length when it began (its prompt_tokens)
+    complete: bool = False  # ended with "stop": its grammar is done
+
+
 class Conversation:
     def __init__(self, engine: AsyncEngine, session_id: str):
         self._engine = engine
         self.id = session_id
         self._answer: _Answer | None = None  # the last answer, until the engine has ended it
         self._closed = False
+        self._constrained: _ConstrainedAnswer | None = None
 
     @classmethod
     def open(cls, engine: AsyncEngine, token_ids: Sequence[int] = ()) -> Conversation:
@@ -128,6 +145,7 @@ class Conversation:
             new = [int(t) for t in text_or_tokens]
         await self._settle()
         await self._engine.append_session(self.id, new)
+        self._constrained = None
         return new
 
     async def generate(self, params: SamplingParams | None = None, *, timeout: float | None = None,
@@ -135,9 +153,22 @@ class Conversation:
         """Streams an answer onto the conversation; stopping early cancels it (C3 holds)."""
         self._check_open()
         await self._settle()
-        rid, stream = self._engine.submit((), params, request_id=request_id, timeout=timeout, session_id=self.id)
+        constraint = params.constraint if params is not None else None
+        last = self._constrained
+        resume = (constraint is not None and last is not None and last.constraint == constraint
+                  and last.start is not None and not last.complete)
+        rid, stream = self._engine.submit((), params, request_id=request_id, timeout=timeout, session_id=self.id,
+                                          constraint_from=last.start if resume else None)
         self._answer = _Answer(rid, stream)
+        if constraint is None:
+            self._constrained = None
+        elif not resume:
+            self._constrained = _ConstrainedAnswer(constraint)
         async for out in self._engine.stream(rid, stream):
+            if self._constrained is not None:
+                if self._constrained.start is None:
+                    self._constrained.start = out.usage.prompt_tokens
+                self._constrained.complete = out.finish_reason == FinishReason.STOP
             yield out
 
     def cancel(self, reason: CancelReason = CancelReason.USER) -> bool:
@@ -173,6 +204,7 @@ class Conversation:
         if not 0 <= num_tokens <= held:
             raise ValueError(f"cannot rewind {num_tokens} of {held} tokens")
         await self._engine.truncate_session(self.id, held - num_tokens)
+        self._constrained = None
 
     async def save(self, path: str | os.PathLike | None = None) -> ConversationState:
         """Captures the conversation; also writes it as JSON to ``path`` when given."""

@@ -36,6 +36,7 @@ from typing import Any
 from bargein.config import EngineConfig, ModelConfig
 from bargein.engine.blocks import BlockPool
 from bargein.engine.device import build_model, resolve_device, resolve_dtype
+from bargein.engine.grammar import Grammars
 from bargein.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -98,6 +99,7 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.pool, max_len, self.eos_token_ids)
         self.sampler = Sampler()
+        self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
         self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
         self._held: EngineMessage | None = None  # taken by wait_for_work, handled first by the next drain
@@ -130,7 +132,8 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, timeout: float | None = None,
-                    session_id: str | None = None, on_claimed: Callable[[str], Any] | None = None) -> str:
+                    session_id: str | None = None, on_claimed: Callable[[str], Any] | None = None,
+                    constraint_from: int | None = None) -> str:
         """Queues a generation; returns its id. Raises EngineError for a bad request.
 
         With ``session_id``, the prompt's tokens are appended to that conversation's
@@ -140,9 +143,19 @@ class Engine:
         ``StepOutcome`` of later steps. ``on_claimed(request_id)`` runs once the id is
         claimed (no live request has it) and before the request is queued (so before any
         of its deltas): AsyncEngine registers the request's stream there.
+
+        A ``params.constraint`` is compiled here (cached per constraint; raises
+        UnsupportedGrammar naming what cannot be enforced). ``constraint_from`` (with
+        ``session_id``) continues a constrained answer that began at that token of the
+        conversation: the tokens since are replayed into the new matcher, so a cancelled
+        constrained answer goes on exactly as it would have without the cancel (C4).
         """
         params = params or SamplingParams()
         params.validate_for_vocab(self.model_config.vocab_size)
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)
+        if constraint_from is not None and (session_id is None or params.constraint is None or constraint_from < 0):
+            raise EngineError("constraint_from needs a session_id, a constraint, and a token index >= 0")
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:
@@ -173,6 +186,7 @@ class Engine:
             prompt_len=len(token_ids), new_prompt_tokens=len(token_ids),
             owns_sequence=session_id is None,
             deadline=None if timeout is None else time.monotonic() + timeout,
+            constraint_from=constraint_from,
         )
         self._post(AddRequest(request, session_id, tuple(token_ids)))
         return request_id
@@ -300,6 +314,12 @@ class Engine:
                 self.scheduler.add(req)
             req.sampling = SamplingState.create(req.params, req.sequence.token_ids[:req.prompt_len],
                                                 self.eos_token_ids, device=self.runner.device)
+            if req.params.constraint is not None:
+                tokens = req.sequence.token_ids
+                start = req.prompt_len if req.constraint_from is None else req.constraint_from
+                if start > req.prompt_len:
+                    raise EngineError(f"constraint_from {start} is past the conversation's end ({req.prompt_len})")
+                req.sampling.grammar = self.grammars.matcher(req.params.constraint, tokens[start:req.prompt_len])
         except Exception as exc:  # a bad request must never take the loop down
             if req.request_id in self.scheduler.requests:
                 self.scheduler.finish([req.request_id], FinishReason.ERROR, error=str(exc))

@@ -177,6 +177,7 @@ class Request:
     owns_sequence: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value
+    constraint_from: int | None = None  # session token where a resumed constrained answer began
     _status: RequestStatus = RequestStatus.WAITING  # written by ``transition`` alone
     finish_reason: FinishReason | None = None
     cancel_reason: CancelReason | None = None

@@ -2,6 +2,8 @@
 
 Per row, in this order (see ``SamplingParams``):
 
+0. ``GrammarMasks.apply``: a constrained row's tokens that its grammar forbids become
+   -inf (the masks of all constrained rows are filled together, before anything else).
 1. ``adjust_logits``: mask eos and ``stop_token_ids`` while fewer than ``min_tokens``
    tokens were generated; add ``logit_bias``; apply ``repetition_penalty`` over prompt
    and output tokens (positive logits divided, negative multiplied); subtract
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bargein.engine.grammar import GrammarMasks, GrammarMatcher
 from bargein.engine.sampling import SamplingParams
 
 
@@ -42,9 +45,10 @@ from bargein.engine.sampling import SamplingParams
 class SamplingState:
     """What the sampler needs to know about one request, owned by the request.
 
-    The sampler reads ``params``, ``prompt_token_ids`` and ``output_token_ids`` and
-    advances ``generator``; it never appends to ``output_token_ids``: the caller appends
-    each token it accepts, so a token dropped by a cancel never counts for penalties.
+    The sampler reads ``params``, ``prompt_token_ids``, ``output_token_ids`` and
+    ``grammar`` (its mask) and advances ``generator``; it never appends to
+    ``output_token_ids`` nor advances ``grammar``: the caller ``accept``s each token it
+    keeps, so a token dropped by a cancel never counts for penalties or the grammar.
     """
 
     params: SamplingParams
@@ -52,6 +56,12 @@ class SamplingState:
     output_token_ids: list[int]  # tokens generated so far, appended by the caller
     generator: torch.Generator  # this request's private random stream
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # masked for min_tokens
+    grammar: GrammarMatcher | None = None  # the constrained request's matcher, made at admission
+
+    def accept(self, token_id: int) -> bool:
+        """Records a kept token; False if the request's grammar does not allow it."""
+        self.output_token_ids.append(token_id)
+        return self.grammar is None or self.grammar.accept(token_id)
 
     @classmethod
     def create(
@@ -87,7 +97,11 @@ class SampledToken:
 
 
 class Sampler:
-    """Picks one token per row of a (B, V) logits tensor; holds no state of its own."""
+    """Picks one token per row of a (B, V) logits tensor; holds no request state (the
+    grammar masks' worker threads are its only state)."""
+
+    def __init__(self) -> None:
+        self.grammar_masks = GrammarMasks()
 
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
         """Sample row i of ``logits`` for ``states[i]``, advancing its generator."""
@@ -95,11 +109,12 @@ class Sampler:
             raise ValueError(
                 f"logits must be (len(states), V) = ({len(states)}, V), got {tuple(logits.shape)}"
             )
-        logits = logits.float()
+        logits = logits.float()  # the model's distribution, for log-probabilities
+        allowed = self.grammar_masks.apply(logits, [s.grammar for s in states])
         if all(_plain_greedy(state) for state in states):
             # Fast path: nothing to adjust and nothing to report, one batched argmax.
-            return [SampledToken(t, None, ()) for t in logits.argmax(dim=-1).tolist()]
-        kept = truncate_logits(adjust_logits(logits, states), [s.params for s in states])
+            return [SampledToken(t, None, ()) for t in allowed.argmax(dim=-1).tolist()]
+        kept = truncate_logits(adjust_logits(allowed, states), [s.params for s in states])
         token_ids = (kept + _gumbel_noise(logits, states)).argmax(dim=-1)  # (B,)
         return _with_logprobs(logits, token_ids, states)
 

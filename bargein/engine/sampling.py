@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from bargein.engine.constraint import Constraint
+
 MAX_LOGPROBS = 20  # top alternatives one token may carry (the OpenAI limit)
 MAX_TEMPERATURE = 2.0  # the OpenAI range; higher is noise, not creativity
 MAX_ABS_BIAS = 100.0
@@ -64,6 +66,9 @@ class SamplingParams:
       ``n > 1`` the engine must derive one seed per choice, or the choices are identical.
     - ``skip_special_tokens``: leave special tokens out of the text.
     - ``n``: number of choices to generate for the prompt.
+    - ``constraint``: a grammar the output must match (JSON Schema, or Lark for tool
+      calls); tokens it forbids are never sampled, and end of sequence only where it is
+      complete. Not with ``min_tokens`` or ``ignore_eos`` (they would fight the grammar's end).
     """
 
     max_tokens: int | None = 256
@@ -83,6 +88,7 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -120,6 +126,13 @@ class SamplingParams:
         if self.seed is not None:
             put("seed", _int("seed", self.seed, lo=MIN_SEED, hi=MAX_SEED, none_ok=True))
         put("n", _int("n", self.n, lo=1))
+        if self.constraint is not None:
+            if not isinstance(self.constraint, Constraint):
+                raise InvalidSamplingParams("constraint", f"constraint must be a Constraint, got {self.constraint!r}")
+            for name in ("min_tokens", "ignore_eos"):
+                if getattr(self, name):
+                    raise InvalidSamplingParams(name, f"{name} cannot be combined with a grammar constraint "
+                                                      "(structured output ends where its grammar is complete)")
 
     @property
     def greedy(self) -> bool:

@@ -314,15 +314,17 @@ class Scheduler:
             token = sampled[chunk.request_id]
             reason = self._stop_reason(req, token.token_id)
             seq.token_ids.append(token.token_id)
-            if req.sampling is not None:
-                req.sampling.output_token_ids.append(token.token_id)
+            if req.sampling is not None and not req.sampling.accept(token.token_id):
+                reason = FinishReason.ERROR  # unreachable while masks hold; never a silent pass
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
             delta = self._delta(req)
             delta.new_token_ids.append(token.token_id)
             delta.new_logprobs.append(token)
             req.num_reported += 1
-            if reason is not None:
+            if reason == FinishReason.ERROR:
+                self._finish(req, reason, error="the sampled token does not match the request's grammar")
+            elif reason is not None:
                 self._finish(req, reason)
 
     def fail_step(self, plan: StepPlan, error: str) -> None:

@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from bargein.engine.constraint import Constraint
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput, TokenLogprob
 from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
 from bargein.server.errors import APIError
@@ -16,7 +17,8 @@ _PASSTHROUGH = ("top_p", "seed", "presence_penalty", "frequency_penalty", "top_k
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    renames: Mapping[str, str] | None = None) -> SamplingParams:
+                    renames: Mapping[str, str] | None = None, constraint: Constraint | None = None
+                    ) -> SamplingParams:
     """SamplingParams from a request body; an invalid value is a 400 naming the field.
 
     ``renames`` maps SamplingParams field names to the body's (``max_tokens`` ->
@@ -32,6 +34,8 @@ def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: i
         kwargs["stop"] = body.stop
     if body.logit_bias:
         kwargs["logit_bias"] = body.logit_bias
+    if constraint is not None:
+        kwargs["constraint"] = constraint
     try:
         return SamplingParams(**kwargs)
     except InvalidSamplingParams as exc:

@@ -36,6 +36,7 @@ from bargein.server.openai_format import (
 )
 from bargein.server.responses_store import StoredResponse
 from bargein.server.sse import DONE, data_event, named_event
+from bargein.server.tools import ToolCallParser
 
 
 class Shape(Protocol):
@@ -102,15 +103,28 @@ def token_id_fields(final: RequestOutput) -> dict[str, list[int]]:
 
 
 class ChatShape:
-    """``chat.completion`` and ``chat.completion.chunk``."""
+    """``chat.completion`` and ``chat.completion.chunk``.
+
+    With ``tool_names`` (tools offered), each choice's text goes through a
+    :class:`ToolCallParser`: calls come out as ``tool_calls`` (streamed: one delta per
+    call, with its id, name and whole arguments) and an answer that made a call and
+    ended by itself has ``finish_reason: "tool_calls"``.
+    """
 
     def __init__(self, head: dict[str, Any], tokenizer: Any, *, logprobs: bool, include_usage: bool,
-                 token_ids: bool = False):
+                 token_ids: bool = False, tool_names: set[str] | None = None):
         self.head = head  # id, created, model, system_fingerprint
         self.tokenizer = tokenizer
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.token_ids = token_ids  # the return_token_ids extension (non-streamed bodies)
+        self.tool_names = tool_names
+        self.parsers: dict[int, ToolCallParser] = {}  # per choice, streamed
+
+    def _finish_reason(self, out: RequestOutput, parser: ToolCallParser | None) -> str | None:
+        if parser is not None and parser.calls and out.finish_reason == FinishReason.STOP:
+            return "tool_calls"
+        return finish_reason(out)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         usage = {"usage": None} if self.include_usage else {}
@@ -126,14 +140,21 @@ class ChatShape:
 
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         lps = chat_logprobs(self.tokenizer, out.new_logprobs) if self.logprobs and out.new_logprobs else None
-        if out.delta_text or lps:
-            yield self._chunk([{"index": slot.index, "delta": {"content": out.delta_text},
+        text, calls = out.delta_text, []
+        if self.tool_names is not None:
+            parser = self.parsers.setdefault(slot.index, ToolCallParser(self.tool_names))
+            text, calls = parser.feed(out.delta_text, final=out.finished)
+        if text or lps:
+            yield self._chunk([{"index": slot.index, "delta": {"content": text},
                                 "logprobs": {"content": lps} if lps else None, "finish_reason": None}])
+        for call in calls:
+            yield self._chunk([{"index": slot.index, "delta": {"tool_calls": [{"index": call.index, **call.to_dict()}]},
+                                "logprobs": None, "finish_reason": None}])
 
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         yield self._chunk([{"index": slot.index, "delta": {}, "logprobs": None,
-                            "finish_reason": finish_reason(out), **cancel_fields(out),
-                            **(token_id_fields(out) if self.token_ids else {})}])
+                            "finish_reason": self._finish_reason(out, self.parsers.get(slot.index)),
+                            **cancel_fields(out), **(token_id_fields(out) if self.token_ids else {})}])
 
     def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         yield data_event(error_body(out.error or "generation failed"))
@@ -149,9 +170,16 @@ class ChatShape:
             final = final_or_raise(job, slot)
             progress = job.progress[slot.index]
             logprobs = {"content": chat_logprobs(self.tokenizer, progress.logprobs)} if self.logprobs else None
-            choices.append({"index": slot.index,
-                            "message": {"role": "assistant", "content": final.text, "refusal": None},
-                            "logprobs": logprobs, "finish_reason": finish_reason(final), **cancel_fields(final),
+            message: dict[str, Any] = {"role": "assistant", "content": final.text, "refusal": None}
+            parser = None
+            if self.tool_names is not None:
+                parser = ToolCallParser(self.tool_names)
+                parser.feed(final.text, final=True)
+                if parser.calls:
+                    message["content"] = parser.text or None
+                    message["tool_calls"] = [call.to_dict() for call in parser.calls]
+            choices.append({"index": slot.index, "message": message, "logprobs": logprobs,
+                            "finish_reason": self._finish_reason(final, parser), **cancel_fields(final),
                             **(token_id_fields(final) if self.token_ids else {})})
         return {**self.head, "object": "chat.completion", "choices": choices, "usage": usage_of(job)}
 

@@ -34,6 +34,7 @@ class StoredResponse:
     params: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, max_output_tokens
     metadata: dict[str, Any] = field(default_factory=dict)
     user: str | None = None
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})  # the request's text.format
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "queued"
     output_token_ids: list[int] = field(default_factory=list)
@@ -102,7 +103,7 @@ class StoredResponse:
             "max_output_tokens": self.params.get("max_output_tokens"),
             "temperature": self.params.get("temperature"), "top_p": self.params.get("top_p"),
             "parallel_tool_calls": False, "tool_choice": "auto", "tools": [], "truncation": "disabled",
-            "text": {"format": {"type": "text"}}, "store": self.store, "metadata": self.metadata,
+            "text": {"format": self.text_format}, "store": self.store, "metadata": self.metadata,
             "user": self.user, "usage": self.usage,
         }
         if self.cancel_reason is not None:

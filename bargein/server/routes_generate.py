@@ -29,6 +29,9 @@ from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ChatShape, CompletionShape
 from bargein.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from bargein.server.serving import Generation, serve
+from bargein.server.structured import compile_in_pool
+from bargein.server.tools import prompt_messages as tool_messages
+from bargein.server.tools import tool_plan
 from bargein.server.validation import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -120,7 +123,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     # Validation in FIELD_ORDER (validation.py); the messages' walk grows with the input: off the loop.
     messages = await ctx.prompts.run(lambda: message_dicts(body.messages))
     check_n(body.n)
-    check_response_format(body.response_format)
+    constraint = check_response_format(body.response_format)
+    plan = tool_plan(body.tools, body.tool_choice)
+    if plan.constraint() is not None:
+        if constraint is not None:
+            raise APIError(400, "response_format cannot be combined with a required or named tool_choice",
+                           param="tool_choice", code="invalid_value")
+        constraint = plan.constraint()
     use_mct = body.max_completion_tokens is not None
     max_field = "max_completion_tokens" if use_mct else "max_tokens"
     max_tokens = resolve_max_tokens(body.max_completion_tokens if use_mct else body.max_tokens, max_field,
@@ -128,12 +137,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     check_logprobs(body.logprobs, body.top_logprobs)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                             renames={"max_tokens": max_field, "logprobs": "top_logprobs"})
-    prompt = await ctx.prompts.chat(messages, body.tools)
+                             renames={"max_tokens": max_field, "logprobs": "top_logprobs"}, constraint=constraint)
+    await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "response_format")
+    messages, template_tools = tool_messages(messages, plan, ctx.tokenizer.chat_template)
+    prompt = await ctx.prompts.chat(messages, template_tools)
     gen = Generation("chat", request_id, received, [prompt.token_ids], params, n=body.n, timeout=timeout,
                      stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
     shape = ChatShape(ctx.head(request_id), ctx.tokenizer, logprobs=body.logprobs,
-                      include_usage=_include_usage(body), token_ids=body.return_token_ids)
+                      include_usage=_include_usage(body), token_ids=body.return_token_ids,
+                      tool_names={t.name for t in plan.tools} if plan.offered else None)
     return await serve(request, ctx, gen, shape)
 
 
@@ -146,13 +158,15 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Re
     if isinstance(body.prompt, list) and not body.prompt:
         raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
     check_n(body.n)
+    constraint = check_response_format(body.response_format)
     num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
     if num_prompts * body.n > MAX_CHOICES:
         raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}", param="prompt", code="invalid_value")
     max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", ctx.settings, COMPLETIONS_DEFAULT_MAX_TOKENS)
     check_logprobs(body.logprobs is not None, body.logprobs, "logprobs")
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, constraint=constraint)
+    await compile_in_pool(ctx, constraint, "response_format")
     prompts = await ctx.prompts.completion(body.prompt, ctx.vocab_size)
     echoes = [await ctx.prompts.decode(p) if body.echo else "" for p in prompts]
     gen = Generation("completions", request_id, received, prompts, params, n=body.n, timeout=timeout,

@@ -38,7 +38,8 @@ from bargein.server.responses_store import StoredResponse
 from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
-from bargein.server.validation import effective_timeout, resolve_max_tokens
+from bargein.server.structured import compile_in_pool
+from bargein.server.validation import check_response_format, effective_timeout, resolve_max_tokens
 
 router = APIRouter()
 CANCEL_WAIT_S = 10.0  # how long POST .../cancel waits for the final status
@@ -117,12 +118,18 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
         raise APIError(400, "background responses must be stored (store: true)", param="background",
                        code="invalid_value")
     new_turn = input_messages(body.input)  # validation in FIELD_ORDER (validation.py)
+    text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
+    constraint = check_response_format(text_format, "text.format", nested=False)
     max_tokens = resolve_max_tokens(body.max_output_tokens, "max_output_tokens", ctx.settings,
                                     ctx.settings.default_max_tokens)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"})
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"},
+                             constraint=constraint)
+    await compile_in_pool(ctx, constraint, "text.format")
     stored, prompt_text, tokens = await _build(ctx, body, new_turn)
     stored.id = response_id
+    if text_format is not None:
+        stored.text_format = text_format
     gen = Generation("responses", response_id, received, [tokens], params, timeout=timeout, stream=body.stream,
                      on_final=lambda slot, out: ctx.prompts.remember(prompt_text, out))
     shape = ResponsesShape(stored)

@@ -114,6 +114,8 @@ class ChatCompletionRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     return_token_ids: bool = Field(default=False, description="extension: prompt_token_ids and token_ids "
                                    "in each choice (streamed: in its final chunk)")
@@ -128,6 +130,7 @@ class CompletionRequest(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    response_format: dict[str, Any] | None = None  # extension (as vLLM): structured output on completions
 
 
 class ResponseRequest(SamplingFields):
@@ -139,6 +142,7 @@ class ResponseRequest(SamplingFields):
     background: bool = False
     store: bool = True
     metadata: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
 
 
 class CancelRequest(_Body):

@@ -5,8 +5,10 @@ field). Then, for every generation endpoint, in this order (``FIELD_ORDER``):
 
 1. the prompt: ``messages`` (roles, content parts) / ``prompt`` / ``input``;
 2. ``n``;
-3. ``response_format`` (``response_format.type``: ``text``; ``json_object`` and
-   ``json_schema`` are refused as not supported yet, anything else as unknown);
+3. ``response_format`` (Responses: ``text.format``): ``type`` one of ``text``,
+   ``json_object``, ``json_schema``; then ``json_schema.name``, ``json_schema.strict``,
+   ``json_schema.schema`` (a schema feature the grammar engine cannot enforce is named);
+   then ``tools`` and ``tool_choice`` (see ``server/tools.py``);
 4. ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` (at least 1, at most
    the server's ``--max-tokens-limit``);
 5. ``logprobs``, ``top_logprobs``;
@@ -21,15 +23,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from bargein.engine.constraint import Constraint
 from bargein.engine.sampling import MAX_LOGPROBS
 from bargein.server.errors import APIError
 from bargein.server.settings import ServerSettings
+from bargein.server.structured import response_format_constraint
 
 FIELD_ORDER = ("messages|prompt|input", "n", "response_format", "max_tokens", "logprobs", "timeout",
                "sampling", "context_length")
 MAX_CHOICES = 16
-RESPONSE_FORMATS = ("text",)
-UNSUPPORTED_FORMATS = ("json_object", "json_schema")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -38,18 +40,10 @@ def check_n(n: int) -> None:
         raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {n}", param="n", code="invalid_value")
 
 
-def check_response_format(value: dict[str, Any] | None) -> None:
-    if value is None:
-        return
-    kind = value.get("type")
-    if kind in RESPONSE_FORMATS:
-        return
-    if kind in UNSUPPORTED_FORMATS:
-        raise APIError(400, f"response_format.type {kind!r} is not supported by this server yet; "
-                            f"use one of {list(RESPONSE_FORMATS)}", param="response_format.type",
-                       code="unsupported_value")
-    raise APIError(400, f"response_format.type must be one of {list(RESPONSE_FORMATS + UNSUPPORTED_FORMATS)}, "
-                        f"got {kind!r}", param="response_format.type", code="invalid_value")
+def check_response_format(value: dict[str, Any] | None, param: str = "response_format",
+                          nested: bool = True) -> Constraint | None:
+    """The constraint ``response_format`` asks for (None: plain text); a 400 names the first bad field."""
+    return response_format_constraint(value, param, nested)
 
 
 def resolve_max_tokens(requested: int | None, field: str, settings: ServerSettings,

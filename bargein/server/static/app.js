@@ -9,6 +9,7 @@ import * as answers from "./answers.js";
 import * as api from "./api.js";
 import { escapeHtml, renderMarkdown } from "./markdown.js";
 import * as store from "./store.js";
+import { installSchemaBox, responseFormat } from "./structured.js";
 
 const SAVE_EVERY_MS = 300; // storage writes while an answer streams
 const PROGRESS_POLL_MS = 250; // /v1/requests polls while the prompt is read
@@ -217,7 +218,7 @@ function requestBody(conv, msg) {
   if (s.temperature !== "" && s.temperature != null) body.temperature = Number(s.temperature);
   if (s.topP !== "" && s.topP != null) body.top_p = Number(s.topP);
   if (s.maxTokens !== "" && s.maxTokens != null) body.max_tokens = Number(s.maxTokens);
-  return body;
+  return Object.assign(body, responseFormat());
 }
 
 // Ask the server for one more answer at the end of `conv` (or a new version of `into`, its
@@ -639,6 +640,7 @@ if (!current()) state.currentId = state.conversations[0]?.id ?? null;
 // Answers that were streaming when the page went away are stopped ones now.
 if (state.conversations.some((c) => c.messages.map(answers.recoverInterrupted).some(Boolean))) save();
 bindSettings();
+installSchemaBox();
 render();
 loadModel();
 setInterval(pollRequests, 1000);

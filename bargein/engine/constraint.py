@@ -1,0 +1,33 @@
+"""Constraint: what a constrained request's output must match (plain data, no torch).
+
+Carried by ``SamplingParams.constraint``; the engine compiles it with the grammar engine
+(:mod:`bargein.engine.grammar`). Hashable and compared by its text, which is also the
+key of the compiled-grammar cache.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+ANY_JSON_OBJECT = '{"type":"object"}'
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """``kind`` ``json_schema``: ``text`` is a JSON Schema (key order kept: properties are
+    generated in the order given). ``lark``: ``text`` is a Lark grammar in llguidance's
+    dialect (``%json {...}`` embeds a schema), used for tool calls."""
+
+    kind: Literal["json_schema", "lark"]
+    text: str
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
+        text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
+        return cls("json_schema", text)
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        return cls("json_schema", ANY_JSON_OBJECT)

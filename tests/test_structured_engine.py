@@ -1,0 +1,159 @@
+"""Grammar-constrained decoding in the engine: masks, end of sequence, limits, cancel + continue.
+
+A tiny random-weight model generates junk, so every check here is about the constraint:
+the output parses and validates with ``jsonschema`` (or ends with ``length`` and is a
+prefix the grammar accepts), end of sequence comes only where the grammar is complete,
+and a cancelled constrained answer continued through a Conversation equals the
+uninterrupted run token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import pytest
+
+from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.constraint import Constraint
+from bargein.engine.conversation import Conversation
+from bargein.engine.grammar import Grammars, UnsupportedGrammar, check_constraint
+from bargein.engine.request import FinishReason
+from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
+from tests.tiny_engine import EOS, ByteTokenizer, tiny_engine
+
+SHORT_STRING = {"type": "string", "maxLength": 6}
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "who": {"type": "object", "properties": {"name": SHORT_STRING}, "required": ["name"],
+                "additionalProperties": False}}, "required": ["who"], "additionalProperties": False},
+    "array": {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                                 "maximum": 9}, "maxItems": 3}},
+              "required": ["xs"], "additionalProperties": False},
+    "enum": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}}, "required": ["kind"],
+             "additionalProperties": False},
+    "bounded": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 10, "maximum": 20}},
+                "required": ["n"], "additionalProperties": False},
+    "optional": {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "null"}},
+                 "required": ["a"], "additionalProperties": False},
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_engine()
+
+
+def _check(out, schema: dict, grammars: Grammars, constraint: Constraint) -> None:
+    """Valid output, or a `length` end whose tokens the grammar still accepts."""
+    if out.finish_reason == FinishReason.STOP:
+        assert out.token_ids[-1] == EOS
+        jsonschema.validate(json.loads(out.text), schema)
+    else:
+        assert out.finish_reason == FinishReason.LENGTH
+        assert EOS not in out.token_ids
+        grammars.matcher(constraint, out.token_ids)  # raises if not a valid prefix
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_schemas_greedy_and_sampled(engine, name):
+    schema = SCHEMAS[name]
+    c = Constraint.json_schema(schema)
+    params = [SamplingParams(max_tokens=40, temperature=0, constraint=c)]
+    params += [SamplingParams(max_tokens=40, temperature=1.0, seed=seed, constraint=c) for seed in range(3)]
+    outs = engine.generate([[1, 2, 3]] * len(params), params)
+    for out in outs:
+        _check(out, schema, engine.grammars, c)
+    assert any(out.finish_reason == FinishReason.STOP for out in outs)
+
+
+def test_json_object_mixed_with_unconstrained_rows(engine):
+    c = Constraint.json_object()
+    params = [SamplingParams(max_tokens=30, temperature=0, constraint=c), SamplingParams(max_tokens=30, temperature=0)]
+    constrained, free = engine.generate([[5, 6], [5, 6]], params)
+    alone = engine.generate([[5, 6]], SamplingParams(max_tokens=30, temperature=0))[0]
+    assert free.token_ids == alone.token_ids  # a constrained neighbour changes nothing for other rows
+    assert constrained.text.startswith("{")
+    _check(constrained, {"type": "object"}, engine.grammars, c)
+
+
+def test_eos_only_where_grammar_is_complete(engine):
+    # The tiny model's unconstrained favourite is not EOS; a complete tiny grammar forces it.
+    c = Constraint.json_schema({"enum": [1]})
+    out = engine.generate([[7, 8, 9]], SamplingParams(max_tokens=10, temperature=0, constraint=c))[0]
+    assert out.token_ids == (ord("1"), EOS) and out.finish_reason == FinishReason.STOP
+
+
+def test_stop_string_and_max_tokens_with_grammar(engine):
+    schema = SCHEMAS["enum"]
+    c = Constraint.json_schema(schema)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=40, temperature=0, constraint=c, stop=['":']))[0]
+    assert out.finish_reason == FinishReason.STOP and out.text == '{"kind'
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, constraint=c))[0]
+    assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == 3
+    engine.grammars.matcher(c, out.token_ids)
+
+
+def test_unsupported_schema_names_the_feature(engine):
+    c = Constraint.json_schema({"type": "object", "properties": {"x": {"not": {"type": "string"}}}})
+    with pytest.raises(UnsupportedGrammar, match='"not"'):
+        check_constraint(c)
+    with pytest.raises(UnsupportedGrammar, match='"not"'):
+        engine.add_request([1, 2], SamplingParams(constraint=c))
+    with pytest.raises(InvalidSamplingParams) as info:
+        SamplingParams(min_tokens=2, constraint=Constraint.json_object())
+    assert info.value.field == "min_tokens"
+
+
+def test_compiled_once_per_constraint():
+    grammars = Grammars(ByteTokenizer(), 260, {EOS})
+    c = Constraint.json_schema(SCHEMAS["enum"])
+    grammars.compile(c)
+    template = grammars._compiled[c]
+    grammars.compile(Constraint.json_schema(json.dumps(SCHEMAS["enum"], separators=(",", ":"))))
+    assert grammars._compiled[c] is template and len(grammars._compiled) == 1
+
+
+def test_replay_rejects_tokens_outside_the_grammar():
+    grammars = Grammars(ByteTokenizer(), 260, {EOS})
+    with pytest.raises(UnsupportedGrammar, match="token 0"):
+        grammars.matcher(Constraint.json_object(), [ord("x")])
+
+
+@pytest.mark.parametrize("cut", [1, 4, 9])
+def test_cancelled_constrained_answer_continues_token_for_token(cut):
+    """Cancel after `cut` tokens, generate again on the conversation: one answer, equal
+    to the uninterrupted run's, and valid."""
+    schema = SCHEMAS["nested"]
+    c = Constraint.json_schema(schema)
+    params = SamplingParams(max_tokens=60, temperature=0, constraint=c)
+    prompt = [10, 20, 30, 40]
+
+    async def run():
+        engine = AsyncEngine(tiny_engine()).start()
+        try:
+            whole = Conversation.open(engine, prompt)
+            full = [t for out in [o async for o in whole.generate(params)] for t in out.new_token_ids]
+
+            conv = Conversation.open(engine, prompt)
+            got: list[int] = []
+            async for out in conv.generate(params):
+                got += out.new_token_ids
+                if len(got) >= cut:
+                    break  # the consumer stops: the engine keeps exactly what it handed
+            async for out in conv.generate(params):
+                got += out.new_token_ids
+            tokens = await conv.tokens()
+            # A prompt in between starts a new answer instead.
+            await conv.prompt([1])
+            fresh = [t for out in [o async for o in conv.generate(params)] for t in out.new_token_ids]
+            return full, got, tokens, fresh
+        finally:
+            await engine.shutdown()
+
+    full, got, tokens, fresh = asyncio.run(run())
+    assert got == full and tokens == prompt + full
+    assert full[-1] == EOS
+    jsonschema.validate(json.loads(bytes(full[:-1]).decode()), schema)
+    assert fresh[-1] == EOS and json.loads(bytes(fresh[:-1]).decode()) is not None
