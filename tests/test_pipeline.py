@@ -9,21 +9,26 @@ safetensors folder, with stage 2's weights shipped.
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 from dataclasses import dataclass
 
+import httpx
 import pytest
 import torch
 
 pytest.importorskip("ray")
 
+from bargein.cli_cluster import format_cluster  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.distributed.pipeline import PipelineRunner  # noqa: E402
-from bargein.distributed.split import PipelineSetupError, parse_stage_layers  # noqa: E402
+from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.plan import ScheduledChunk, StepPlan  # noqa: E402
 from bargein.engine.request import FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
+from bargein.server.app import create_app, finish_shutdown  # noqa: E402
+from bargein.server.settings import ServerSettings  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf, write_hf_folder  # noqa: E402
 
 SPEC = TinySpec(num_layers=6)
@@ -241,14 +246,38 @@ def test_cancel_mid_prefill_stops_every_stage(setup: Setup) -> None:
     _check_idle_accounting(engine)
 
 
-def test_bad_set_ups_fail_with_one_clear_line(setup: Setup, tmp_path) -> None:
-    if setup.name != "gguf-2":
-        pytest.skip("checked once")
-    path = write_gguf(tmp_path / "tiny.gguf", SPEC, tiny_weights(SPEC))
-    with pytest.raises(PipelineSetupError, match="7 stages were asked for, but the model has only 6 layers"):
-        Engine.from_pretrained(str(path), _config(stages=7), progress=False)
-    with pytest.raises(PipelineSetupError, match="do not cover the model's 6 layers"):
-        Engine.from_pretrained(str(path), _config(stages=2, stage_layers=((0, 2), (3, 6))), progress=False)
-    with pytest.raises(PipelineSetupError, match="end at layer 5, but the model has 6 layers"):
-        Engine.from_pretrained(str(path), _config(stages=2, stage_layers=parse_stage_layers("0-2,2-5")),
-                               progress=False)
+def test_v1_cluster_lists_the_stages_and_the_server_answers_through_the_pipeline(setup: Setup) -> None:
+    """Last for each set-up: the server's engine thread takes the engine over."""
+    async def main() -> tuple[dict, dict, dict]:
+        engine = AsyncEngine(setup.pipe)
+        app = create_app(engine, ServerSettings())
+        ctx = app.state.ctx
+        ctx.loop = asyncio.get_running_loop()
+        engine.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                answer = (await client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0,
+                    "ignore_eos": True})).json()
+                info = (await client.get("/v1/cluster")).json()
+                local = create_app(AsyncEngine(setup.local), ServerSettings())
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=local), base_url="http://l") as one:
+                    single = (await one.get("/v1/cluster")).json()
+            return answer, info, single
+        finally:
+            await finish_shutdown(ctx)
+
+    answer, info, single = asyncio.run(main())
+    assert answer["usage"]["completion_tokens"] == 5
+    assert info["pipeline"] is True and info["num_stages"] == len(setup.ranges)
+    assert [tuple(s["layers"]) for s in info["stages"]] == list(setup.ranges)
+    assert [s["weights_from"] for s in info["stages"]].count("head") == 1
+    assert all(s["plans"] > 0 and s["mean_step_ms"] > 0 for s in info["stages"])
+    assert info["head_traffic"]["weights_shipped_bytes"] == setup.stored_bytes
+    table = format_cluster(info).splitlines()
+    assert len(table) == 2 + len(setup.ranges) and table[1].split() == [
+        "STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "IDLE"]
+    assert single == {"object": "cluster", "pipeline": False, "num_stages": 1, "max_in_flight": 1,
+                      "kv_blocks": 40, "stages": [{"index": 0, "layers": [0, 6], "node_address": "local",
+                                                   "device": "cpu"}]}
+

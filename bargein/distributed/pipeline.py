@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import socket
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -35,7 +36,6 @@ from bargein.distributed.split import (
     split_by_memory,
     stage_weight_bytes,
 )
-from bargein.distributed.stage import StageCounters, StageWorker
 from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
 from bargein.engine.device import resolve_dtype
 from bargein.engine.plan import StepPlan
@@ -45,7 +45,11 @@ from bargein.loader.source import ModelSource
 try:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-except ImportError:  # the optional extra is missing: start() says so in one line
+
+    from bargein.distributed.stage import StageCounters, StageWorker
+except ModuleNotFoundError as exc:  # the optional extra is missing: start() says so in one line
+    if exc.name != "ray" and not (exc.name or "").startswith("ray."):
+        raise
     ray = None
 
 log = logging.getLogger("bargein.distributed")
@@ -81,6 +85,8 @@ def connect(address: str, num_stages: int) -> None:
     """Connects this process to Ray: "auto", "local" (start one here) or an address."""
     if ray is None:
         raise PipelineSetupError("Ray is not installed: pip install 'bargein[ray]'")
+    if address not in ("auto", "local") and not address.startswith("ray://"):
+        _check_reachable(address)  # Ray itself retries an unreachable address for minutes
     if ray.is_initialized():
         return
     try:
@@ -89,8 +95,29 @@ def connect(address: str, num_stages: int) -> None:
         else:
             ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        where = "this machine's Ray cluster (start one with `ray start --head`)" if address == "auto" else address
-        raise PipelineSetupError(f"no Ray cluster at {where}: {str(exc).splitlines()[0]}") from None
+        if address == "auto":
+            raise PipelineSetupError("no Ray cluster runs on this machine: start one with `ray start --head` "
+                                     "(or use --ray local)") from None
+        raise PipelineSetupError(f"no Ray cluster at {address}: {_first_line(exc)}") from None
+
+
+def _check_reachable(address: str, timeout: float = 3.0) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise PipelineSetupError(f"bad Ray address {address!r}: give one like HOST:6379, auto or local")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise PipelineSetupError(f"no Ray cluster at {address}: {exc.strerror or exc}") from None
+
+
+def check_layout(num_stages: int, model_config: ModelConfig, given: LayerRanges | None) -> None:
+    """The checks that need no cluster, made before connecting to one."""
+    if num_stages > model_config.num_layers:
+        raise PipelineSetupError(f"{num_stages} stages were asked for, but the model has only "
+                                 f"{model_config.num_layers} layers")
+    if given is not None:
+        check_split(given, model_config.num_layers)
 
 
 def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfig,
@@ -136,6 +163,7 @@ class PipelineRunner:
         pipe = config.pipeline
         if pipe is None:
             raise ValueError("EngineConfig.pipeline is not set")
+        check_layout(pipe.stages, model_config, pipe.stage_layers)
         connect(pipe.ray_address, pipe.stages)
         placements = place_stages(pipe.stages, model_config, config, pipe.stage_layers)
         actors: list[Any] = []

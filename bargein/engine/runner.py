@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -72,6 +72,8 @@ class Runner(Protocol):
 
     def close(self) -> None: ...
 
+    def cluster_info(self) -> dict[str, Any]: ...
+
 
 class ModelRunner:
     """Drives one or more consecutive model stages in this process (one plan in flight)."""
@@ -119,6 +121,13 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to release: the caches go with this object."""
+
+    def cluster_info(self) -> dict[str, Any]:
+        """The ``GET /v1/cluster`` body: one process, no pipeline."""
+        return {"object": "cluster", "pipeline": False, "num_stages": len(self.stages), "max_in_flight": 1,
+                "kv_blocks": self.num_blocks,
+                "stages": [{"index": i, "layers": [s.start, s.end], "node_address": "local",
+                            "device": str(self.device)} for i, s in enumerate(self.stages)]}
 
     def padded_decode(self, batch_sizes: Sequence[int], *, capture: bool) -> DecodeGraphs:
         """A :class:`DecodeGraphs` over this runner's stages and caches."""

@@ -1,7 +1,8 @@
-"""Operations: ``/health``, ``/metrics`` (Prometheus text), and ``/debug/kv`` for tests."""
+"""Operations: ``/health``, ``/metrics`` (Prometheus text), ``/v1/cluster``, and ``/debug/kv`` for tests."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -30,6 +31,15 @@ async def metrics(ctx: Ctx) -> PlainTextResponse:
             lambda: (list(counters.cancel_latencies), list(counters.cancel_latency_steps)))
     text = ctx.metrics.render(stats, latencies, steps, live_requests=len(ctx.registry))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/cluster")
+async def cluster(ctx: Ctx) -> dict[str, Any]:
+    """Where the model runs: its stages, layer ranges, nodes, memory and step times.
+
+    Read off the event loop and off the engine thread (a pipeline asks its stages).
+    """
+    return await asyncio.to_thread(ctx.engine.engine.runner.cluster_info)
 
 
 @debug_router.get("/debug/kv")
