@@ -260,6 +260,10 @@ class PipelineRunner:
     def stage_counters(self) -> list[StageCounters]:
         return ray.get([a.read_counters.remote() for a in self.actors])
 
+    def reset_counters(self) -> None:
+        ray.get([a.reset_counters.remote() for a in self.actors])
+        self.collect_wait_s = 0.0
+
     def cluster_info(self) -> dict[str, Any]:
         """Stages, layer ranges, nodes, memory, step times: the body of ``GET /v1/cluster``."""
         stages = []

@@ -149,3 +149,9 @@ class StageWorker:
 
     def read_counters(self) -> StageCounters:
         return self.counters
+
+    def reset_counters(self) -> None:
+        """Starts the counters afresh (identity and plan order kept), e.g. between benchmark runs."""
+        c = self.counters
+        self.counters = StageCounters(c.index, c.layers, c.node_id, c.weights_from, c.weights_received_bytes,
+                                      last_seq=c.last_seq)
