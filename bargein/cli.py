@@ -8,6 +8,7 @@ non-zero status, never a traceback.
     bargein serve [--model REF] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
     bargein chat [--model REF | --url URL]      bargein run "prompt" [--model REF | --url URL]
     bargein ps [--url URL]    bargein cancel ID... | --all [--url URL]    bargein bench [--quick]
+    bargein serve --ray [auto|ADDRESS|local] --pipeline-stages N    bargein cluster [--url URL]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 EXIT_FAILURE = 1  # a failure at run time: the model does not load, the port is busy
 EXIT_USAGE = 2
+EXIT_SETUP = 1  # a set-up that cannot run here (no Ray, no cluster, a bad layer split)
 
 
 class UserError(Exception):
@@ -99,10 +101,21 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     for name, what in LIMIT_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(s, name), metavar="N",
                        help=f"most {what}; more is a 400 (default: %(default)s)")
+    cluster = p.add_argument_group("several machines (needs bargein[ray])")
+    cluster.add_argument("--ray", nargs="?", const="auto", default=None, metavar="auto|ADDRESS|local",
+                         help="split the model into pipeline stages on a Ray cluster: auto (this machine's "
+                              "cluster), HOST:6379, or local (start Ray here)")
+    cluster.add_argument("--pipeline-stages", type=int, default=2, metavar="N",
+                         help="stages, one per node by memory (default: %(default)s)")
+    cluster.add_argument("--stage-layers", default=None, metavar="0-10,10-20",
+                         help="layer range of each stage (default: split by each node's memory)")
+    cluster.add_argument("--micro-batches", type=int, default=None, metavar="N",
+                         help="plans in flight at once (default: one per stage)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
+    from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig
+    from bargein.distributed.split import PipelineSetupError, parse_stage_layers
     from bargein.engine.device import resolve_device
     from bargein.server.settings import LIMIT_FLAGS, ServerSettings, SettingsError, parse_size
 
@@ -119,8 +132,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         config = EngineConfig(
             cache=CacheConfig(memory_bytes=parse_size(args.kv_memory)),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-            max_model_len=args.max_model_len, device=args.device, dtype=args.dtype)
-        resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
+            max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+            pipeline=None if args.ray is None else PipelineConfig(
+                stages=args.pipeline_stages, ray_address=args.ray, micro_batches=args.micro_batches,
+                stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers)))
+        if config.pipeline is None:  # a pipeline's stages resolve the device on their own nodes
+            resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
+    except PipelineSetupError as exc:
+        print(f"bargein: error: {exc}", file=sys.stderr)
+        return EXIT_SETUP
     except ValueError as exc:  # SettingsError and the configs' own checks
         raise UserError(str(exc)) from None
 
@@ -132,7 +152,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise UserError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
                         EXIT_FAILURE) from None
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = _load_engine(args.model, config)
+    try:
+        engine = _load_engine(args.model, config)
+    except PipelineSetupError as exc:  # nothing was left started: the runner cleans up after itself
+        print(f"bargein: error: {exc}", file=sys.stderr)
+        return EXIT_SETUP
 
     from bargein.engine.async_engine import AsyncEngine
     from bargein.server import create_app
@@ -166,10 +190,15 @@ def _load_engine(ref: str | None, config):
 
 
 def _client_commands() -> dict[str, Command]:
-    """chat, run, ps, cancel and bench, from bargein.cli_commands (which reports its own errors)."""
+    """chat, run, ps, cancel and bench, from bargein.cli_commands (which reports its own
+    errors), and cluster from bargein.cli_cluster."""
+    from bargein.cli_cluster import add_cluster_arguments, run_cluster
     from bargein.cli_commands import COMMANDS as CLIENT_COMMANDS
 
-    return {name: Command(*spec) for name, spec in CLIENT_COMMANDS.items()}
+    commands = {name: Command(*spec) for name, spec in CLIENT_COMMANDS.items()}
+    commands["cluster"] = Command("show the pipeline stages of a server's model", add_cluster_arguments,
+                                  run_cluster)
+    return commands
 
 
 COMMANDS: dict[str, Command] = {

@@ -79,6 +79,40 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 
 
+@dataclass(frozen=True)
+class PipelineConfig:
+    """A model split into pipeline stages on a Ray cluster (``bargein[ray]``).
+
+    ``ray_address``: "auto" (the cluster this machine belongs to), "local" (start a Ray
+    instance in this process), or an address ("HOST:6379", "ray://HOST:10001").
+    ``stage_layers``: the layer range of each stage, by hand; None splits the layers by
+    each stage's node memory (Ray's ``memory`` resource). ``micro_batches``: plans in
+    flight at once (1 runs the stages one after the other). ``ship_weights``: stages
+    that get their tensors from the head even if their node has the model file.
+    """
+
+    stages: int = 2
+    ray_address: str = "auto"
+    stage_layers: tuple[tuple[int, int], ...] | None = None
+    micro_batches: int | None = None  # None: one per stage
+    threads_per_stage: int = 1
+    ship_weights: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.stages < 1:
+            raise ValueError("a pipeline needs at least one stage")
+        if self.stage_layers is not None and len(self.stage_layers) != self.stages:
+            raise ValueError(f"{len(self.stage_layers)} layer ranges were given for {self.stages} stages")
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ValueError("micro_batches must be at least 1")
+        if self.threads_per_stage < 1:
+            raise ValueError("threads_per_stage must be at least 1")
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.micro_batches or self.stages
+
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Decode-only steps of these batch sizes (padded up to the next one) replay CUDA graphs.
@@ -105,6 +139,8 @@ class EngineConfig:
     # CUDA only: replay decode-only steps from CUDA graphs captured per batch size.
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = CUDA_GRAPH_BATCH_SIZES
+    # Several machines: the model split into stages on a Ray cluster (None: this process).
+    pipeline: PipelineConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -114,3 +150,4 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if not self.cuda_graph_batch_sizes or any(b <= 0 for b in self.cuda_graph_batch_sizes):
             raise ValueError("cuda_graph_batch_sizes must be positive batch sizes")
+

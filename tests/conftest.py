@@ -191,3 +191,4 @@ def listed_requests(server: ServerProcess) -> dict[str, dict]:
 def anyio_backend() -> str:
     """Async tests (``@pytest.mark.anyio``) run on asyncio."""
     return "asyncio"
+from tests.ray_cluster import ray_cluster  # noqa: F401,E402  (session fixture: one Ray cluster)

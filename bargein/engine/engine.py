@@ -46,6 +46,7 @@ from bargein.engine.messages import (
     Wake,
 )
 from bargein.engine.outputs import OutputCollector, RequestDelta, StepOutcome
+from bargein.engine.plan import StepPlan
 from bargein.engine.request import (
     AbortResult,
     CancelReason,
@@ -58,7 +59,7 @@ from bargein.engine.request import (
     Sequence as TokenSequence,
 )
 from bargein.engine.request_ids import IdInUse
-from bargein.engine.runner import ModelRunner
+from bargein.engine.runner import ModelRunner, Runner, StepFailed
 from bargein.engine.sampler import Sampler, SamplingState
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
@@ -81,20 +82,17 @@ class Engine:
     #: the server's ``/debug/kv`` reports it and its continuation tests assert the exact count.
     supports_partial_block_reuse = True
 
-    def __init__(self, stages: LlamaStage | Sequence[LlamaStage], tokenizer: Any,
+    def __init__(self, model: LlamaStage | Sequence[LlamaStage] | Runner, tokenizer: Any,
                  config: EngineConfig | None = None, *, model_name: str = "model"):
+        """``model``: the stages to run in this process, or a runner that drives them
+        elsewhere (a pipeline on a Ray cluster); the runner sizes the KV pool."""
         self.config = config or EngineConfig()
-        stages = [stages] if isinstance(stages, LlamaStage) else list(stages)
-        self.model_config: ModelConfig = stages[0].config
+        cache = self.config.cache
+        self.runner: Runner = model if isinstance(model, Runner) else self._local_runner(model)
+        self.model_config: ModelConfig = self.runner.model_config
         self.tokenizer = tokenizer
         self.model_name = model_name
-        cache = self.config.cache
-        bytes_per_block = sum(s.kv_bytes_per_block(cache.block_size) for s in stages)
-        num_blocks = cache.num_blocks or max(_MIN_BLOCKS, cache.memory_bytes // bytes_per_block)
-        self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.runner = ModelRunner(stages, num_blocks, cache.block_size,
-                                  cuda_graph_batch_sizes=self.config.cuda_graph_batch_sizes
-                                  if self.config.cuda_graphs else ())
+        self.pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.pool, max_len, self.eos_token_ids)
@@ -103,6 +101,15 @@ class Engine:
         self.counters = EngineCounters()
         self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
         self._held: EngineMessage | None = None  # taken by wait_for_work, handled first by the next drain
+
+    def _local_runner(self, stages: LlamaStage | Sequence[LlamaStage]) -> ModelRunner:
+        stages = [stages] if isinstance(stages, LlamaStage) else list(stages)
+        cache = self.config.cache
+        bytes_per_block = sum(s.kv_bytes_per_block(cache.block_size) for s in stages)
+        num_blocks = cache.num_blocks or max(_MIN_BLOCKS, cache.memory_bytes // bytes_per_block)
+        return ModelRunner(stages, num_blocks, cache.block_size,
+                           cuda_graph_batch_sizes=self.config.cuda_graph_batch_sizes
+                           if self.config.cuda_graphs else ())
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -114,6 +121,12 @@ class Engine:
         config = config or EngineConfig()
         source = resolve_model_ref(ref)
         model_config = load_config(source)
+        if config.pipeline is not None:
+            # Ray is an optional extra: imported only when a pipeline is asked for.
+            from bargein.distributed.pipeline import PipelineRunner
+
+            runner = PipelineRunner.start(source, model_config, config)
+            return cls(runner, load_tokenizer(source), config, model_name=source.name)
         device = resolve_device(config.device)
         # Each tensor goes to the device as it is read: no whole-model copy in host memory.
         weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
@@ -253,30 +266,75 @@ class Engine:
         return self.scheduler.has_work or self._held is not None or not self._inbox.empty()
 
     def step(self) -> StepOutcome:
-        """Runs one step; returns its one result: a delta for every request it changed."""
+        """Runs one step; returns its one result: a delta for every request it changed.
+
+        A step submits plans while the runner has room (one for the in-process runner,
+        one per micro-batch for a pipeline), then collects the oldest, samples its
+        tokens and applies it. A sequence is in at most one plan in flight; its next
+        token is scheduled once its plan came back.
+        """
         self._drain_inbox()
         self.scheduler.expire_deadlines()
-        plan = self.scheduler.schedule()
-        sampled: dict[str, Any] = {}
-        if not plan.is_empty:
-            started = time.perf_counter()
-            try:
-                self.runner.submit(plan)
-                result = self.runner.collect()
-                chunks = plan.sampled
-                states = [self.scheduler.requests[c.request_id].sampling for c in chunks]
-                tokens = self.sampler.sample(result.logits, states)
-            except Exception as exc:  # the loop survives; the step's requests fail, the rest go on
-                log.exception("step %d failed", plan.step)
-                self.scheduler.fail_step(plan, f"the model step failed: {type(exc).__name__}: {exc}")
-                return self._outcome()
-            sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
-            self.counters.step_durations.append(time.perf_counter() - started)
-            self.counters.steps += 1
+        submitted = self._submit_plans()
+        if submitted is not None:  # nothing to run: apply the empty plan
+            self._drain_inbox()
+            self.scheduler.expire_deadlines()
+            self.scheduler.update(submitted, {})
+            return self._outcome()
+        started = time.perf_counter()
+        try:
+            result = self.runner.collect()
+        except StepFailed as exc:  # the loop survives; the step's requests fail, the rest go on
+            log.error("step %d failed: %s", exc.plan.step, exc.error, exc_info=exc)
+            self.scheduler.fail_step(exc.plan, f"the model step failed: {exc.error}")
+            return self._outcome()
+        plan = result.plan
+        try:
+            # close_session may have ended a request of a plan still in flight: skip it.
+            rows = [i for i, c in enumerate(plan.sampled) if c.request_id in self.scheduler.requests]
+            chunks = [plan.sampled[i] for i in rows]
+            logits = result.logits if len(rows) == len(plan.sampled) else result.logits[rows]
+            states = [self.scheduler.requests[c.request_id].sampling for c in chunks]
+            tokens = self.sampler.sample(logits, states)
+        except Exception as exc:
+            log.exception("step %d failed", plan.step)
+            self.scheduler.fail_step(plan, f"the model step failed: {type(exc).__name__}: {exc}")
+            return self._outcome()
+        sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
+        self.counters.step_durations.append(time.perf_counter() - started)
+        self.counters.steps += 1
         self._drain_inbox()  # cancels that arrived during the forward (C1)
         self.scheduler.expire_deadlines()
         self.scheduler.update(plan, sampled)
         return self._outcome()
+
+    def _submit_plans(self) -> StepPlan | None:
+        """Schedules and submits plans while the runner has room. Returns the empty plan
+        when nothing is in flight (there was nothing to run), else None."""
+        runner = self.runner
+        while runner.num_in_flight < runner.max_in_flight:
+            share = self._micro_batch_seqs()
+            plan = self.scheduler.schedule() if share is None else self.scheduler.schedule(share)
+            if plan.is_empty:
+                return plan if runner.num_in_flight == 0 else None
+            try:
+                runner.submit(plan)
+            except Exception as exc:
+                log.exception("step %d could not be submitted", plan.step)
+                self.scheduler.fail_step(plan, f"the model step failed: {type(exc).__name__}: {exc}")
+        return None
+
+    def _micro_batch_seqs(self) -> int | None:
+        """Sequences per plan: all of them in one plan, or an even share per micro-batch."""
+        n = self.runner.max_in_flight
+        if n == 1:
+            return None
+        active = len(self.scheduler.running) + len(self.scheduler.waiting)
+        return max(1, -(-active // n))
+
+    def close(self) -> None:
+        """Releases the runner's resources (a pipeline's stage actors); idempotent."""
+        self.runner.close()
 
     def _outcome(self) -> StepOutcome:
         outcome = self.scheduler.take_outcome()

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from bargein.config import ModelConfig
 from bargein.engine.decode_graphs import DecodeGraphs
 from bargein.engine.plan import StepPlan
 from bargein.model.attention import AttentionMetadata
@@ -38,8 +40,45 @@ class StepResult:
     logits: torch.Tensor
 
 
+class StepFailed(Exception):
+    """A plan's forward failed; ``plan`` is that plan, ``error`` says why in one line."""
+
+    def __init__(self, plan: StepPlan, error: str):
+        super().__init__(error)
+        self.plan, self.error = plan, error
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What the engine needs of a runner: the model's shape, the KV pool's size, the
+    device its logits come on, and the plan seam.
+
+    ``submit`` may be called while ``num_in_flight < max_in_flight``; ``collect``
+    returns the oldest submitted plan's result (plans finish in submission order), or
+    raises :class:`StepFailed` naming it.
+    """
+
+    model_config: ModelConfig
+    num_blocks: int
+    device: torch.device
+    max_in_flight: int
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def submit(self, plan: StepPlan) -> None: ...
+
+    def collect(self) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+    def cluster_info(self) -> dict[str, Any]: ...
+
+
 class ModelRunner:
-    """Drives one or more consecutive model stages in this process."""
+    """Drives one or more consecutive model stages in this process (one plan in flight)."""
+
+    max_in_flight = 1
 
     def __init__(self, stages: Sequence[LlamaStage], num_blocks: int, block_size: int, *,
                  cuda_graph_batch_sizes: Sequence[int] = ()):
@@ -48,6 +87,7 @@ class ModelRunner:
         if not stages or not stages[0].is_first or not stages[-1].is_last:
             raise ValueError("the stages must cover the model from its first layer to its last")
         self.stages = list(stages)
+        self.model_config = stages[0].config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.pad_block = num_blocks  # the scratch block past the pool's ids
@@ -59,6 +99,10 @@ class ModelRunner:
             self.decode_graphs = self.padded_decode(cuda_graph_batch_sizes, capture=True)
         self._submitted: StepPlan | None = None
 
+    @property
+    def num_in_flight(self) -> int:
+        return int(self._submitted is not None)
+
     def submit(self, plan: StepPlan) -> None:
         """Hands a plan over; its result comes from ``collect``. One plan at a time here."""
         if self._submitted is not None:
@@ -66,11 +110,24 @@ class ModelRunner:
         self._submitted = plan
 
     def collect(self) -> StepResult:
-        """Runs (or waits for) the oldest submitted plan; raises what its forward raised."""
+        """Runs the submitted plan; raises StepFailed if its forward raised."""
         plan, self._submitted = self._submitted, None
         if plan is None:
             raise RuntimeError("no plan was submitted")
-        return StepResult(plan, self.execute(plan))
+        try:
+            return StepResult(plan, self.execute(plan))
+        except Exception as exc:
+            raise StepFailed(plan, f"{type(exc).__name__}: {exc}") from exc
+
+    def close(self) -> None:
+        """Nothing to release: the caches go with this object."""
+
+    def cluster_info(self) -> dict[str, Any]:
+        """The ``GET /v1/cluster`` body: one process, no pipeline."""
+        return {"object": "cluster", "pipeline": False, "num_stages": len(self.stages), "max_in_flight": 1,
+                "kv_blocks": self.num_blocks,
+                "stages": [{"index": i, "layers": [s.start, s.end], "node_address": "local",
+                            "device": str(self.device)} for i, s in enumerate(self.stages)]}
 
     def padded_decode(self, batch_sizes: Sequence[int], *, capture: bool) -> DecodeGraphs:
         """A :class:`DecodeGraphs` over this runner's stages and caches."""
@@ -87,23 +144,34 @@ class ModelRunner:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         if self.decode_graphs is not None and (logits := self.decode_graphs.run(plan)) is not None:
             return logits
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_indices: list[int] = []
-        for chunk in plan.chunks:
-            ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start_pos, chunk.context_len))
-            if chunk.sample:
-                logits_indices.append(len(ids) - 1)
-        meta = AttentionMetadata.build(
-            block_tables=[list(c.block_table) for c in plan.chunks],
-            query_lens=[len(c.token_ids) for c in plan.chunks],
-            context_lens=[c.context_len for c in plan.chunks],
-            block_size=self.block_size,
-            device=self.device,
-        )
-        x, pos, indices = (torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True)
-                           for v in (ids, positions, logits_indices))
+        x, pos, meta, indices = plan_inputs(plan, self.block_size, self.device)
         for stage, caches in zip(self.stages, self.kv_caches, strict=True):
             x = stage(x, pos, meta, caches, logits_indices=indices if stage.is_last else None)
         return x
+
+
+def plan_inputs(plan: StepPlan, block_size: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """A plan's token ids, positions, attention metadata and sampled rows, on ``device``.
+
+    Every stage of a pipeline derives the same from the same plan (plain data), so no
+    stage needs another's inputs besides the hidden states.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    logits_indices: list[int] = []
+    for chunk in plan.chunks:
+        ids.extend(chunk.token_ids)
+        positions.extend(range(chunk.start_pos, chunk.context_len))
+        if chunk.sample:
+            logits_indices.append(len(ids) - 1)
+    meta = AttentionMetadata.build(
+        block_tables=[list(c.block_table) for c in plan.chunks],
+        query_lens=[len(c.token_ids) for c in plan.chunks],
+        context_lens=[c.context_len for c in plan.chunks],
+        block_size=block_size,
+        device=device,
+    )
+    x, pos, indices = (torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
+                       for v in (ids, positions, logits_indices))
+    return x, pos, meta, indices

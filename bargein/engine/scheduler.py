@@ -214,19 +214,23 @@ class Scheduler:
         return entry[1]
 
     # -- one step -----------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, max_seqs: int | None = None) -> StepPlan:
         """Picks this step's work; the plan's requests are in flight until its ``update``.
 
         A request already in a plan in flight is not scheduled again (no sequence is in
-        two plans at once), so a runner may hold several plans.
+        two plans at once), so a runner may hold several plans. ``max_seqs`` caps the
+        plan's sequences (a pipeline splits its running sequences into micro-batches).
         """
         budget = self.config.max_num_batched_tokens
+        room = self.config.max_num_seqs if max_seqs is None else max_seqs
         chunks: list[ScheduledChunk] = []
         copies: list[tuple[int, int]] = []
         preempted = False
         busy = self.in_flight
 
         for req in list(self.running):
+            if len(chunks) >= room:
+                break
             if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in busy:
                 continue
             seq = req.sequence
@@ -240,6 +244,8 @@ class Scheduler:
                     if self._reclaim_blocks():
                         continue
                     victim = self._preemption_victim(busy)
+                    if victim is None and busy:
+                        break  # the plans in flight may end and free blocks: try again then
                     if victim is None or (victim is req and len(self.running) == 1):
                         self._finish(req, FinishReason.ERROR, error="the KV cache is too small for this sequence")
                         break
@@ -250,7 +256,8 @@ class Scheduler:
                 budget -= n
                 break
 
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and not preempted and budget > 0 and len(chunks) < room
+               and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             seq = req.sequence
             first_admission = req.status == RequestStatus.WAITING

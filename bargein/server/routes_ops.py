@@ -1,7 +1,8 @@
-"""Operations: ``/health``, ``/metrics`` (Prometheus text), and ``/debug/kv`` for tests."""
+"""Operations: ``/health``, ``/metrics`` (Prometheus text), ``/v1/cluster``, and ``/debug/kv`` for tests."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -25,6 +26,15 @@ async def health(ctx: Ctx) -> JSONResponse:
 async def metrics(ctx: Ctx) -> Response:
     text = await ctx.metrics.scrape(ctx.engine, live_requests=len(ctx.registry))
     return Response(text, media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/cluster")
+async def cluster(ctx: Ctx) -> dict[str, Any]:
+    """Where the model runs: its stages, layer ranges, nodes, memory and step times.
+
+    Read off the event loop and off the engine thread (a pipeline asks its stages).
+    """
+    return await asyncio.to_thread(ctx.engine.engine.runner.cluster_info)
 
 
 @debug_router.get("/debug/kv")

@@ -1,0 +1,57 @@
+"""``bargein cluster [--url URL]``: the stages of a server's model, from ``GET /v1/cluster``.
+
+Exit statuses as the other client commands: 0 success, 1 the server cannot be reached
+or answers with an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import httpx
+
+from bargein.cli_client import default_api_key, default_url
+
+EXIT_FAILURE = 1
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=default_url(), help="the bargein server (default: $BARGEIN_URL or %(default)s)")
+    p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
+                   help="the server's API key (default: $BARGEIN_API_KEY)")
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/") + "/v1/cluster"
+    try:
+        response = httpx.get(url, headers=headers, timeout=10)
+    except httpx.HTTPError as exc:
+        print(f"bargein: error: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    if response.status_code != 200:
+        print(f"bargein: error: {url} answered {response.status_code}: {response.text[:200]}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(format_cluster(response.json()))
+    return 0
+
+
+def format_cluster(info: dict[str, Any]) -> str:
+    """One line per stage: layers, node, memory, weights' origin, plans, mean step, idle."""
+    if not info.get("pipeline"):
+        return f"one process, {info.get('kv_blocks', '?')} KV blocks (no pipeline)"
+    traffic = info.get("head_traffic", {})
+    lines = [f"{info['num_stages']} stages, {info['max_in_flight']} micro-batches in flight, "
+             f"{info['kv_blocks']} KV blocks; head traffic {traffic.get('total', 0) / 2**20:.1f} MiB"]
+    header = ("STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "IDLE")
+    rows = []
+    for s in info["stages"]:
+        step = "-" if s.get("mean_step_ms") is None else f"{s['mean_step_ms']:.1f}ms"
+        rows.append((str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", s["node_address"],
+                     f"{s['node_memory_bytes'] / 2**30:.1f}GiB", s["weights_from"], str(s["plans"]), step,
+                     f"{100 * s['idle_fraction']:.0f}%"))
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (header, *rows)]
+    return "\n".join(lines)

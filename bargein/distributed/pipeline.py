@@ -1,0 +1,299 @@
+"""The pipeline runner: the engine's runner seam over N stage actors on a Ray cluster.
+
+``submit(plan)`` pickles the plan once and hands it to every stage, chaining the calls
+by object references (stage k's hidden states go to stage k+1 through the object store,
+never through this process); ``collect()`` waits for the oldest plan's logits. Up to
+``max_in_flight`` plans (micro-batches) are in flight; the engine's scheduler never puts
+a sequence in two of them, and every stage runs plans in submission order.
+
+Set-up (``start``) is all or nothing: it connects to Ray, places one stage per node
+(the nodes with the most memory first; several stages share a node when there are
+fewer nodes), splits the layers by node memory unless given, loads or ships each
+stage's weights, and sizes the one KV pool to the smallest stage's budget. Any problem
+raises :class:`PipelineSetupError` with one line, after killing what it started.
+
+Bytes through the head are counted: the pickled plans sent, the logits received and
+the weights shipped. Hidden states are counted by the stages that send them.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from bargein.config import EngineConfig, ModelConfig
+from bargein.distributed.split import (
+    LayerRanges,
+    PipelineSetupError,
+    check_split,
+    split_by_memory,
+    stage_weight_bytes,
+)
+from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
+from bargein.engine.device import resolve_dtype
+from bargein.engine.plan import StepPlan
+from bargein.engine.runner import StepFailed, StepResult
+from bargein.loader.source import ModelSource
+
+try:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from bargein.distributed.stage import StageCounters, StageWorker
+except ModuleNotFoundError as exc:  # the optional extra is missing: start() says so in one line
+    if exc.name != "ray" and not (exc.name or "").startswith("ray."):
+        raise
+    ray = None
+
+log = logging.getLogger("bargein.distributed")
+
+_MIN_BLOCKS = 16
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where a stage runs and what it holds."""
+
+    index: int
+    layers: tuple[int, int]
+    node_id: str
+    node_address: str
+    node_memory_bytes: int  # this stage's share of its node's memory
+
+
+@dataclass
+class HeadTraffic:
+    """Bytes that passed through the head's process (hidden states never do)."""
+
+    plan_bytes: int = 0
+    logits_bytes: int = 0
+    weights_shipped_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.plan_bytes + self.logits_bytes + self.weights_shipped_bytes
+
+
+def connect(address: str, num_stages: int) -> None:
+    """Connects this process to Ray: "auto", "local" (start one here) or an address."""
+    if ray is None:
+        raise PipelineSetupError("Ray is not installed: pip install 'bargein[ray]'")
+    if address not in ("auto", "local") and not address.startswith("ray://"):
+        _check_reachable(address)  # Ray itself retries an unreachable address for minutes
+    if ray.is_initialized():
+        return
+    try:
+        if address == "local":
+            ray.init(num_cpus=num_stages, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        if address == "auto":
+            raise PipelineSetupError("no Ray cluster runs on this machine: start one with `ray start --head` "
+                                     "(or use --ray local)") from None
+        raise PipelineSetupError(f"no Ray cluster at {address}: {_first_line(exc)}") from None
+
+
+def _check_reachable(address: str, timeout: float = 3.0) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise PipelineSetupError(f"bad Ray address {address!r}: give one like HOST:6379, auto or local")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise PipelineSetupError(f"no Ray cluster at {address}: {exc.strerror or exc}") from None
+
+
+def check_layout(num_stages: int, model_config: ModelConfig, given: LayerRanges | None) -> None:
+    """The checks that need no cluster, made before connecting to one."""
+    if num_stages > model_config.num_layers:
+        raise PipelineSetupError(f"{num_stages} stages were asked for, but the model has only "
+                                 f"{model_config.num_layers} layers")
+    if given is not None:
+        check_split(given, model_config.num_layers)
+
+
+def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfig,
+                 given: LayerRanges | None) -> list[StagePlacement]:
+    """Stage i on the i-th node by memory (cycling when stages outnumber nodes); layers
+    split in proportion to each stage's share of its node's memory unless ``given``."""
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
+    if not nodes:
+        raise PipelineSetupError("the Ray cluster has no live node with a CPU")
+    nodes.sort(key=lambda n: -n["Resources"].get("memory", 0))
+    chosen = [nodes[i % len(nodes)] for i in range(num_stages)]
+    sharing = {n["NodeID"]: sum(c["NodeID"] == n["NodeID"] for c in chosen) for n in chosen}
+    shares = [int(n["Resources"].get("memory", 0) // sharing[n["NodeID"]]) for n in chosen]
+    num_layers = model_config.num_layers
+    if num_stages > num_layers:
+        raise PipelineSetupError(f"{num_stages} stages were asked for, but the model has only {num_layers} layers")
+    ranges = check_split(given, num_layers) if given is not None else split_by_memory(num_layers, shares)
+    return [StagePlacement(i, ranges[i], n["NodeID"], n["NodeManagerAddress"], shares[i])
+            for i, n in enumerate(chosen)]
+
+
+class PipelineRunner:
+    """Drives the stage actors; see the module docstring."""
+
+    def __init__(self, actors: list[Any], placements: list[StagePlacement], model_config: ModelConfig,
+                 num_blocks: int, block_size: int, max_in_flight: int, traffic: HeadTraffic):
+        self.actors = actors
+        self.placements = placements
+        self.model_config = model_config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_in_flight = max_in_flight
+        self.device = torch.device("cpu")  # logits arrive here
+        self.traffic = traffic
+        self._in_flight: deque[tuple[StepPlan, Any, float]] = deque()
+        self._seq = 0
+        self.collect_wait_s = 0.0  # time the head spent waiting for logits
+
+    # -- set-up ------------------------------------------------------------------------
+    @classmethod
+    def start(cls, source: ModelSource, model_config: ModelConfig, config: EngineConfig) -> PipelineRunner:
+        """Starts every stage or none; raises PipelineSetupError saying why in one line."""
+        pipe = config.pipeline
+        if pipe is None:
+            raise ValueError("EngineConfig.pipeline is not set")
+        check_layout(pipe.stages, model_config, pipe.stage_layers)
+        connect(pipe.ray_address, pipe.stages)
+        placements = place_stages(pipe.stages, model_config, config, pipe.stage_layers)
+        actors: list[Any] = []
+        try:
+            return cls._start_stages(source, model_config, config, placements, actors)
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor)
+            raise
+
+    @classmethod
+    def _start_stages(cls, source: ModelSource, model_config: ModelConfig, config: EngineConfig,
+                      placements: list[StagePlacement], actors: list[Any]) -> PipelineRunner:
+        pipe = config.pipeline
+        traffic = HeadTraffic()
+        element = torch.tensor([], dtype=resolve_dtype(config.dtype, torch.device("cpu"))).element_size()
+        expected = fingerprint(source)
+        probe = ray.remote(num_cpus=0)(has_model_copy)
+        actor_class = ray.remote(num_cpus=pipe.threads_per_stage, max_restarts=0)(StageWorker)
+        for p in placements:
+            on_node = NodeAffinitySchedulingStrategy(p.node_id, soft=False)
+            needed = stage_weight_bytes(model_config, p.layers, element)
+            if needed > p.node_memory_bytes:
+                raise PipelineSetupError(
+                    f"stage {p.index} (layers {p.layers[0]}-{p.layers[1]}) needs {needed / 2**20:.0f} MiB "
+                    f"for its weights, but its node {p.node_address} offers {p.node_memory_bytes / 2**20:.0f} MiB")
+            has_copy = ray.get(probe.options(scheduling_strategy=on_node).remote(
+                str(source.path), source.kind, expected))
+            shipped = None
+            if not has_copy or p.index in pipe.ship_weights:
+                stored = read_stored(source, model_config, p.layers)
+                traffic.weights_shipped_bytes += stored.nbytes
+                shipped = ray.put(stored)
+            actors.append(actor_class.options(scheduling_strategy=on_node).remote(
+                p.index, config, model_config, source.kind, str(source.path), p.layers, shipped,
+                pipe.threads_per_stage))
+        block_size = config.cache.block_size
+        try:
+            per_block = ray.get([a.kv_bytes_per_block.remote(block_size) for a in actors])
+        except ray.exceptions.RayError as exc:
+            raise PipelineSetupError(f"a pipeline stage failed to start: {_first_line(exc)}") from None
+        num_blocks = config.cache.num_blocks
+        if num_blocks is None:
+            budgets = [min(config.cache.memory_bytes,
+                           p.node_memory_bytes - stage_weight_bytes(model_config, p.layers, element))
+                       for p in placements]
+            num_blocks = max(_MIN_BLOCKS, min(b // per for b, per in zip(budgets, per_block, strict=True)))
+        ray.get([a.allocate.remote(num_blocks, block_size) for a in actors])
+        log.info("pipeline of %d stages: %s; %d KV blocks", len(actors),
+                 ", ".join(f"layers {p.layers[0]}-{p.layers[1]} on {p.node_address}" for p in placements),
+                 num_blocks)
+        return cls(actors, placements, model_config, num_blocks, block_size, pipe.max_in_flight, traffic)
+
+    # -- the runner seam --------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def submit(self, plan: StepPlan) -> None:
+        """Hands the plan to every stage, chained by object references; returns at once."""
+        if len(self._in_flight) >= self.max_in_flight:
+            raise RuntimeError(f"{self.max_in_flight} plans are in flight: collect() one first")
+        payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        self._seq += 1
+        ref = None
+        for actor in self.actors:
+            ref = actor.run.remote(self._seq, payload, ref)
+            self.traffic.plan_bytes += len(payload)
+        self._in_flight.append((plan, ref, time.perf_counter()))
+
+    def collect(self) -> StepResult:
+        """Waits for the oldest plan's logits; raises StepFailed naming it if a stage failed."""
+        if not self._in_flight:
+            raise RuntimeError("no plan was submitted")
+        plan, ref, _ = self._in_flight.popleft()
+        waited = time.perf_counter()
+        try:
+            logits = ray.get(ref)
+        except ray.exceptions.RayError as exc:
+            raise StepFailed(plan, f"a pipeline stage failed: {_first_line(exc)}") from exc
+        finally:
+            self.collect_wait_s += time.perf_counter() - waited
+        self.traffic.logits_bytes += logits.numel() * logits.element_size()
+        return StepResult(plan, logits)
+
+    def close(self) -> None:
+        """Kills the stage actors (the Ray connection stays, for whoever made it)."""
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []
+        self._in_flight.clear()
+
+    # -- reporting ----------------------------------------------------------------------
+    def stage_counters(self) -> list[StageCounters]:
+        return ray.get([a.read_counters.remote() for a in self.actors])
+
+    def reset_counters(self) -> None:
+        ray.get([a.reset_counters.remote() for a in self.actors])
+        self.collect_wait_s = 0.0
+
+    def cluster_info(self) -> dict[str, Any]:
+        """Stages, layer ranges, nodes, memory, step times: the body of ``GET /v1/cluster``."""
+        stages = []
+        for p, c in zip(self.placements, self.stage_counters(), strict=True):
+            stages.append({
+                "index": p.index,
+                "layers": list(p.layers),
+                "node_id": p.node_id,
+                "node_address": p.node_address,
+                "node_memory_bytes": p.node_memory_bytes,
+                "weights_from": c.weights_from,
+                "weights_received_bytes": c.weights_received_bytes,
+                "plans": c.plans,
+                "tokens": c.tokens,
+                "mean_step_ms": 1000 * c.busy_s / c.plans if c.plans else None,
+                "wait_s": c.wait_s,
+                "idle_fraction": c.idle_fraction,
+                "hidden_bytes_out": c.hidden_bytes_out,
+            })
+        return {
+            "object": "cluster",
+            "pipeline": True,
+            "num_stages": len(self.placements),
+            "max_in_flight": self.max_in_flight,
+            "kv_blocks": self.num_blocks,
+            "head_traffic": asdict(self.traffic) | {"total": self.traffic.total},
+            "stages": stages,
+        }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

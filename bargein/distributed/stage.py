@@ -1,0 +1,157 @@
+"""One pipeline stage, as it runs inside its Ray actor.
+
+A stage holds a :class:`~bargein.model.llama.LlamaStage` for its layer range and the
+K/V of those layers for every block id of the head's pool: the head's scheduler is the
+one allocator, so a block id means the same on every stage. It keeps no per-request
+state: each plan (plain data, pickled once by the head) says which tokens go where.
+
+Plans run strictly in order of their sequence numbers (Ray runs one caller's calls to
+an actor in submission order; the stage checks it), so a block reused by a later plan is
+never written before an earlier plan in flight has read it.
+
+Hidden states go to the next stage through the object store: the stage ``ray.put``s
+them and returns the reference (in a list, so Ray hands the reference on instead of
+the value), so they never pass through the head's process. The last stage returns the
+float32 logits of the sampled positions only.
+
+The counters (plans executed, and which request ids at which plan step) are what tests
+and ``/v1/cluster`` read to see exactly what each stage computed.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+from bargein.config import EngineConfig, ModelConfig
+from bargein.distributed.weights import StoredWeights, materialize
+from bargein.engine.device import resolve_device, resolve_dtype
+from bargein.engine.plan import StepPlan
+from bargein.engine.runner import plan_inputs
+from bargein.kernels.ops import resolve_kernels
+from bargein.loader import load_weights
+from bargein.loader.source import ModelSource
+from bargein.model.attention import KVCache
+from bargein.model.llama import LlamaStage
+
+LOG_LENGTH = 4096  # plans remembered per stage for the executed log
+
+
+@dataclass
+class StageCounters:
+    """What one stage did: plain data, read by the head."""
+
+    index: int
+    layers: tuple[int, int]
+    node_id: str
+    weights_from: str  # "file" (read on the node) or "head" (shipped)
+    weights_received_bytes: int
+    plans: int = 0
+    tokens: int = 0
+    busy_s: float = 0.0  # computing (block copies, forward)
+    wait_s: float = 0.0  # waiting for the previous stage's hidden states
+    first_start: float | None = None
+    last_end: float | None = None
+    hidden_bytes_out: int = 0
+    last_seq: int = -1
+    executed: deque[tuple[int, tuple[str, ...]]] = field(default_factory=lambda: deque(maxlen=LOG_LENGTH))
+
+    @property
+    def span_s(self) -> float:
+        return 0.0 if self.first_start is None or self.last_end is None else self.last_end - self.first_start
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the time from its first plan to its last that the stage did not compute."""
+        span = self.span_s
+        return 0.0 if span <= 0 else max(0.0, 1.0 - self.busy_s / span)
+
+    def steps_with(self, request_id: str) -> list[int]:
+        """Plan steps (the head's numbers) this stage executed that held ``request_id``."""
+        return [step for step, ids in self.executed if request_id in ids]
+
+
+class StageWorker:
+    """The body of a stage actor (``ray.remote(StageWorker)`` in ``pipeline``)."""
+
+    def __init__(self, index: int, config: EngineConfig, model_config: ModelConfig, source_kind: str,
+                 source_path: str, layers: tuple[int, int], shipped: StoredWeights | None, threads: int):
+        torch.set_num_threads(threads)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        if shipped is not None:
+            weights = materialize(shipped, model_config, dtype, device)
+        else:
+            source = ModelSource(source_kind, Path(source_path), model_config.name)  # type: ignore[arg-type]
+            weights = load_weights(source, model_config, layer_range=layers, dtype=dtype, device=device,
+                                   progress=False)
+        max_positions = config.max_model_len or model_config.max_position_embeddings
+        kernels = resolve_kernels(device, native=config.native_kernels)
+        self.stage = LlamaStage(model_config, weights, layers, max_positions, kernels).to(device)
+        self.device = device
+        self.caches: list[KVCache] = []
+        self.block_size = 0
+        self.counters = StageCounters(index, layers, ray.get_runtime_context().get_node_id(),
+                                      "head" if shipped is not None else "file",
+                                      shipped.nbytes if shipped is not None else 0)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.stage.kv_bytes_per_block(block_size)
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        """K/V for every block id of the head's pool (block ids 0 .. num_blocks - 1)."""
+        self.caches = self.stage.make_kv_caches(num_blocks, block_size)
+        self.block_size = block_size
+
+    def run(self, seq: int, payload: bytes, inputs: list[ray.ObjectRef] | None) -> list[ray.ObjectRef] | torch.Tensor:
+        """Executes plan number ``seq`` (pickled ``StepPlan``) on this stage's layers.
+
+        ``inputs``: None for the first stage, else ``[ref]`` to the previous stage's hidden
+        states. Returns ``[ref]`` to this stage's hidden states, or (last stage) the
+        float32 logits of the plan's sampled positions.
+        """
+        c = self.counters
+        if seq <= c.last_seq:
+            raise RuntimeError(f"stage {c.index} got plan {seq} after plan {c.last_seq}: plans must run in order")
+        c.last_seq = seq
+        plan: StepPlan = pickle.loads(payload)
+        waited = time.perf_counter()
+        hidden = None if inputs is None else ray.get(inputs[0])
+        started = time.perf_counter()
+        c.wait_s += started - waited
+        if c.first_start is None:
+            c.first_start = waited
+        for src, dst in plan.block_copies:
+            for cache in self.caches:
+                cache.copy_block(src, dst)
+        x, pos, meta, indices = plan_inputs(plan, self.block_size, self.device)
+        if hidden is not None:
+            x = hidden.to(self.device)
+        out = self.stage(x, pos, meta, self.caches, logits_indices=indices if self.stage.is_last else None)
+        out = out.cpu()
+        c.plans += 1
+        c.tokens += plan.num_tokens
+        c.executed.append((plan.step, tuple(ch.request_id for ch in plan.chunks)))
+        if self.stage.is_last:
+            result: list[ray.ObjectRef] | torch.Tensor = out
+        else:
+            c.hidden_bytes_out += out.numel() * out.element_size()
+            result = [ray.put(out)]
+        c.last_end = time.perf_counter()
+        c.busy_s += c.last_end - started
+        return result
+
+    def read_counters(self) -> StageCounters:
+        return self.counters
+
+    def reset_counters(self) -> None:
+        """Starts the counters afresh (identity and plan order kept), e.g. between benchmark runs."""
+        c = self.counters
+        self.counters = StageCounters(c.index, c.layers, c.node_id, c.weights_from, c.weights_received_bytes,
+                                      last_seq=c.last_seq)

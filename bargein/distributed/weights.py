@@ -1,0 +1,121 @@
+"""A stage's weights: read from the node's own copy of the model file, or shipped by the head.
+
+Where a node has no copy of the model file (or a different one), the head reads that
+stage's tensors *in their stored form* (GGUF blocks stay quantized bytes; safetensors
+keep their dtype) and ships them through Ray's object store; the stage converts them
+exactly as the loader does. So a Q4 stage costs the wire about a seventh of its float32
+size, and a stage converts with the same code whether it read or received its weights.
+
+No Ray here: the caller does the shipping.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from bargein.config import ModelConfig
+from bargein.loader.dequant import dequantize
+from bargein.loader.errors import CorruptModelError
+from bargein.loader.gguf_file import PERMUTED_ARCHS, open_gguf, unpermute_qk
+from bargein.loader.hf_folder import _open as open_safetensors
+from bargein.loader.hf_folder import _weight_map
+from bargein.loader.names import wanted_tensors
+from bargein.loader.source import ModelSource
+
+Fingerprint = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as the file stores it: GGUF raw data and type (``ggml_type`` set), or a
+    safetensors tensor in its own dtype (``ggml_type`` None). ``shape`` is torch's."""
+
+    data: np.ndarray | torch.Tensor
+    shape: tuple[int, ...]
+    ggml_type: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if isinstance(self.data, torch.Tensor):
+            return self.data.numel() * self.data.element_size()
+        return int(self.data.nbytes)
+
+
+@dataclass(frozen=True)
+class StoredWeights:
+    """A stage's tensors in stored form, and how to convert them (the GGUF's architecture)."""
+
+    tensors: dict[str, StoredTensor]
+    gguf_arch: str | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def fingerprint(source: ModelSource) -> Fingerprint:
+    """Names and sizes of the files a model is read from: a node whose copy at the same
+    path matches reads it itself."""
+    path = Path(source.path)
+    if source.kind == "gguf":
+        return ((path.name, path.stat().st_size),)
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json"))
+    return tuple((p.name, p.stat().st_size) for p in files)
+
+
+def has_model_copy(path: str, kind: str, expected: Fingerprint) -> bool:
+    """True if this machine holds the same model files at ``path`` (run on the node)."""
+    source = ModelSource(kind, Path(path), "")  # type: ignore[arg-type]
+    try:
+        return os.path.exists(path) and fingerprint(source) == expected
+    except OSError:
+        return False
+
+
+def read_stored(source: ModelSource, config: ModelConfig, layer_range: tuple[int, int]) -> StoredWeights:
+    """The tensors layers ``layer_range`` need, as stored in the file (no conversion)."""
+    wanted = wanted_tensors(config, *layer_range)
+    if source.kind == "gguf":
+        f = open_gguf(source.path)
+        names = {canon: gguf_name for canon, (gguf_name, _) in wanted.items()}
+        if "rope_freqs.weight" in f.tensors:
+            names["rope_freq_factors"] = "rope_freqs.weight"
+        tensors = {}
+        for canon, name in names.items():
+            info = f.tensors.get(name)
+            if info is None:
+                raise CorruptModelError(f"{source.path}: tensor {name!r} is missing")
+            shape = tuple(int(d) for d in reversed(info.shape.tolist()))
+            tensors[canon] = StoredTensor(np.asarray(info.data), shape, int(info.tensor_type))
+        return StoredWeights(tensors, f.get("general.architecture"))
+    where = _weight_map(source.path)
+    tensors = {}
+    for canon, (_, hf_name) in wanted.items():
+        if hf_name not in where:
+            raise CorruptModelError(f"{source.path}: tensor {hf_name!r} is missing (for {canon})")
+        with open_safetensors(where[hf_name]) as handle:
+            t = handle.get_tensor(hf_name)
+        tensors[canon] = StoredTensor(t, tuple(t.shape))
+    return StoredWeights(tensors)
+
+
+def materialize(stored: StoredWeights, config: ModelConfig, dtype: torch.dtype,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """Canonical weights from stored form, as the loader would have produced them."""
+    weights = {}
+    for canon, t in stored.tensors.items():
+        if t.ggml_type is None:
+            w = t.data
+        else:
+            w = dequantize(t.data, GGMLQuantizationType(t.ggml_type), t.shape)
+            if stored.gguf_arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon):
+                w = unpermute_qk(w, config.num_heads if ".wq." in canon else config.num_kv_heads)
+        want = torch.float32 if canon == "rope_freq_factors" else dtype
+        weights[canon] = w.to(device=device, dtype=want)
+    return weights

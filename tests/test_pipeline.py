@@ -1,0 +1,283 @@
+"""The model split into pipeline stages on a Ray cluster (issue 12, contract C8).
+
+Every test compares against the single-process engine on the same file: logits to
+float32 rounding, greedy tokens exactly. Two set-ups share one simulated cluster
+(``tests/ray_cluster.py``): 2 stages over the GGUF (Q8_0) split automatically by node
+memory, with stage 1's weights shipped by the head; 3 stages over a bfloat16
+safetensors folder, with stage 2's weights shipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+from bargein.cli_cluster import format_cluster  # noqa: E402
+from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
+from bargein.distributed.pipeline import PipelineRunner  # noqa: E402
+from bargein.engine.async_engine import AsyncEngine  # noqa: E402
+from bargein.engine.engine import Engine  # noqa: E402
+from bargein.engine.plan import ScheduledChunk, StepPlan  # noqa: E402
+from bargein.engine.request import FinishReason  # noqa: E402
+from bargein.engine.sampling import SamplingParams  # noqa: E402
+from bargein.server.app import create_app, finish_shutdown  # noqa: E402
+from bargein.server.settings import ServerSettings  # noqa: E402
+from tests.tiny_models import TinySpec, tiny_weights, write_gguf, write_hf_folder  # noqa: E402
+
+SPEC = TinySpec(num_layers=6)
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@dataclass
+class Setup:
+    name: str
+    local: Engine
+    pipe: Engine
+    ranges: tuple[tuple[int, int], ...]
+    shipped_stage: int
+    stored_bytes: int  # what the shipped stage's tensors take as stored
+
+
+def _config(**pipeline) -> EngineConfig:
+    return EngineConfig(cache=CacheConfig(block_size=4, num_blocks=40),
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
+                        device="cpu", dtype="float32",
+                        pipeline=PipelineConfig(**pipeline) if pipeline else None)
+
+
+@pytest.fixture(scope="module", params=["gguf-2", "hf-3"])
+def setup(request, ray_cluster, tmp_path_factory) -> Setup:
+    folder = tmp_path_factory.mktemp("pipeline-model")
+    weights = tiny_weights(SPEC)
+    if request.param == "gguf-2":
+        path = write_gguf(folder / "tiny.gguf", SPEC, weights, tensor_type="Q8_0")
+        pipeline = {"stages": 2, "ship_weights": (1,)}
+        ranges = ((0, 4), (4, 6))  # nodes of 600 and 400 MB: 3.6 and 2.4 layers
+        # Q8_0: 34 bytes per 32 values for the matrices, float32 norms
+        per_layer = 4 * (2 * SPEC.hidden_size) + 34 * (
+            2 * 64 * 64 // 32 + 2 * 64 * 32 // 32 + 3 * 64 * 128 // 32)
+        stored = 2 * per_layer + 4 * SPEC.hidden_size + 34 * SPEC.vocab_size * 64 // 32
+    else:
+        path = write_hf_folder(folder / "tiny-hf", SPEC, weights, dtype=torch.bfloat16)
+        pipeline = {"stages": 3, "ship_weights": (2,)}
+        ranges = ((0, 3), (3, 5), (5, 6))  # 600, 400, 200 MB: 3, 2 and 1 layers
+        per_layer = 2 * (2 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
+        stored = per_layer + 2 * SPEC.hidden_size + 2 * SPEC.vocab_size * 64
+    local = Engine.from_pretrained(str(path), _config(), progress=False)
+    pipe = Engine.from_pretrained(str(path), _config(**pipeline), progress=False)
+    yield Setup(request.param, local, pipe, ranges, pipeline["ship_weights"][0], stored)
+    pipe.close()
+
+
+def _run(engine: Engine, ids: list[str], *, on_step=None) -> dict[str, tuple[list[int], FinishReason]]:
+    """Steps until every id finished; returns each one's tokens and finish reason."""
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    done: dict[str, tuple[list[int], FinishReason]] = {}
+    steps = 0
+    while len(done) < len(ids):
+        outcome = engine.step()
+        steps += 1
+        assert steps < 500, "the engine stopped making progress"
+        for delta in outcome.deltas:
+            if delta.request_id in tokens:
+                tokens[delta.request_id] += delta.new_token_ids
+                if delta.finished:
+                    done[delta.request_id] = (tokens[delta.request_id], delta.finish_reason)
+        if on_step is not None:
+            on_step(engine, tokens)
+    return done
+
+
+def _check_idle_accounting(engine: Engine) -> None:
+    engine.check_block_accounting()
+    assert engine.pool.num_referenced == 0, "blocks still referenced with nothing running"
+    assert not engine.scheduler.requests and not engine.runner.num_in_flight
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, SPEC.vocab_size, (n,), generator=g).tolist()
+
+
+def test_layers_follow_node_memory_and_shipped_weights_are_counted(setup: Setup) -> None:
+    runner: PipelineRunner = setup.pipe.runner
+    assert tuple(p.layers for p in runner.placements) == setup.ranges
+    counters = runner.stage_counters()
+    sources = ["head" if i == setup.shipped_stage else "file" for i in range(len(counters))]
+    assert [c.weights_from for c in counters] == sources
+    received = [c.weights_received_bytes for c in counters]
+    assert received == [setup.stored_bytes if i == setup.shipped_stage else 0 for i in range(len(counters))]
+    assert runner.traffic.weights_shipped_bytes == setup.stored_bytes
+
+
+def test_logits_equal_the_single_process_engine_and_only_plans_and_logits_pass_the_head(setup: Setup) -> None:
+    """Hand-made plans on blocks that no sequence holds (the engines are fresh)."""
+    runner: PipelineRunner = setup.pipe.runner
+    a, b, c = _prompt(11, 1), _prompt(6, 2), _prompt(9, 3)
+    prefill = StepPlan(1001, (
+        ScheduledChunk("a", tuple(a), 0, (30, 31, 32), True),
+        ScheduledChunk("b", tuple(b), 0, (33, 34), True),
+        ScheduledChunk("c", tuple(c[:5]), 0, (35, 36, 37), False),
+    ))
+    decode = StepPlan(1002, (
+        ScheduledChunk("a", (7,), 11, (30, 31, 32), True),
+        ScheduledChunk("c", tuple(c[5:]), 5, (35, 36, 37), True),
+        ScheduledChunk("b", (9,), 6, (33, 34), True),
+    ), block_copies=((34, 38),))
+    before = runner.traffic.plan_bytes, runner.traffic.logits_bytes
+    hidden_before = [c.hidden_bytes_out for c in runner.stage_counters()]
+    for plan in (prefill, decode):
+        want = setup.local.runner.execute(plan)
+        runner.submit(plan)
+        got = runner.collect().logits
+        assert got.shape == (len(plan.sampled), SPEC.vocab_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    stages = len(runner.actors)
+    sent = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in (prefill, decode))
+    assert runner.traffic.plan_bytes - before[0] == stages * sent
+    assert runner.traffic.logits_bytes - before[1] == 4 * SPEC.vocab_size * (2 + 3)
+    tokens = prefill.num_tokens + decode.num_tokens
+    hidden = [c.hidden_bytes_out - h for c, h in zip(runner.stage_counters(), hidden_before, strict=True)]
+    assert hidden == [4 * SPEC.hidden_size * tokens] * (stages - 1) + [0]
+
+
+def test_greedy_outputs_match_for_a_mixed_batch(setup: Setup) -> None:
+    """Prefix hits, chunked prefill (prompts over the 32-token budget), preemption (40
+    blocks of 4 for 6 sequences of up to 70 tokens) and a two-turn conversation."""
+    shared = _prompt(24, 10)
+    prompts = [shared + _prompt(6, 11), _prompt(45, 12), _prompt(7, 13), shared + _prompt(3, 14),
+               _prompt(60, 15)]
+    results = {}
+    for name, engine in (("local", setup.local), ("pipe", setup.pipe)):
+        hits, preemptions = engine.scheduler.num_prefix_hit_tokens, engine.scheduler.num_preemptions
+        first = engine.add_request(prompts[0], GREEDY)
+        out = _run(engine, [first])
+        ids = [engine.add_request(p, GREEDY) for p in prompts[1:]]
+        session = engine.open_session(_prompt(5, 16))
+        turn1 = engine.add_request(_prompt(4, 17), GREEDY, session_id=session)
+        out |= _run(engine, [*ids, turn1])
+        turn2 = engine.add_request(_prompt(3, 18), GREEDY, session_id=session)
+        out |= _run(engine, [turn2])
+        conversation = engine.session_tokens(session)
+        engine.close_session(session)
+        results[name] = ([out[i] for i in [first, *ids, turn1, turn2]], conversation)
+        assert engine.scheduler.num_prefix_hit_tokens > hits
+        assert engine.scheduler.num_preemptions > preemptions
+        _check_idle_accounting(engine)
+    assert results["pipe"] == results["local"]
+
+
+def _in_flight_steps(engine: Engine, request_id: str) -> set[int]:
+    return {step for step, ids in engine.scheduler._in_flight.items() if request_id in ids}
+
+
+def _check_stages_stopped(engine: Engine, request_id: str, last_step: int) -> None:
+    """Every stage computed the request in the same plans, none after ``last_step``."""
+    logs = [c.steps_with(request_id) for c in engine.runner.stage_counters()]
+    assert all(log == logs[0] for log in logs), logs
+    assert logs[0] and max(logs[0]) == last_step, (logs[0], last_step)
+
+
+def test_cancel_mid_decode_stops_every_stage_and_continuing_equals_no_cancel(setup: Setup) -> None:
+    engine = setup.pipe
+    base = _prompt(8, 20)
+    # C4 reference: the same conversation (and neighbours), never cancelled
+    plain = engine.open_session(base)
+    ref_others = [engine.add_request(_prompt(5, 21 + i), GREEDY) for i in range(3)]
+    ref = engine.add_request([], GREEDY, session_id=plain)
+    want = _run(engine, [ref, *ref_others])
+    engine.close_session(plain)
+
+    session = engine.open_session(base)
+    others = [engine.add_request(_prompt(5, 21 + i), GREEDY) for i in range(3)]
+    rid = engine.add_request([], GREEDY, session_id=session)
+    cancelled_at: dict[str, int] = {}
+
+    def cancel_after_four(engine: Engine, tokens: dict[str, list[int]]) -> None:
+        # At a step boundary with the request's fifth token in flight (two micro-batches:
+        # the other one was just collected).
+        if len(tokens[rid]) == 4 and not cancelled_at and (in_flight := _in_flight_steps(engine, rid)):
+            cancelled_at["last"] = max(in_flight)
+            engine.abort(rid)
+
+    got = _run(engine, [rid, *others], on_step=cancel_after_four)
+    tokens, reason = got[rid]
+    assert reason == FinishReason.CANCELLED and len(tokens) == 4  # the in-flight plan's token dropped
+    _check_stages_stopped(engine, rid, cancelled_at["last"])
+    assert [got[o] for o in others] == [want[o] for o in ref_others]
+    rest = engine.add_request([], SamplingParams(max_tokens=10 - len(tokens), temperature=0, ignore_eos=True),
+                              session_id=session)
+    more, _ = _run(engine, [rest])[rest]
+    assert tokens + more == want[ref][0]  # C4
+    engine.close_session(session)
+    _check_idle_accounting(engine)
+
+
+def test_cancel_mid_prefill_stops_every_stage(setup: Setup) -> None:
+    """A cancel that arrives during the forward of the first prompt chunk."""
+    engine = setup.pipe
+    rid = engine.add_request(_prompt(100, 30), GREEDY)  # 4 chunks of at most 32 tokens
+    runner = engine.runner
+    collect = runner.collect
+    seen: dict[str, int] = {}
+
+    def collect_and_cancel():
+        if not seen:  # the first chunk's plan is in flight: cancel now, from "another caller"
+            seen["last"] = max(_in_flight_steps(engine, rid))
+            engine.abort(rid)
+        return collect()
+
+    runner.collect = collect_and_cancel
+    try:
+        got = _run(engine, [rid])
+    finally:
+        del runner.collect
+    assert got[rid] == ([], FinishReason.CANCELLED)
+    _check_stages_stopped(engine, rid, seen["last"])
+    assert len(engine.runner.stage_counters()[0].steps_with(rid)) == 1  # one chunk of four
+    _check_idle_accounting(engine)
+
+
+def test_v1_cluster_lists_the_stages_and_the_server_answers_through_the_pipeline(setup: Setup) -> None:
+    """Last for each set-up: the server's engine thread takes the engine over."""
+    async def main() -> tuple[dict, dict, dict]:
+        engine = AsyncEngine(setup.pipe)
+        app = create_app(engine, ServerSettings())
+        ctx = app.state.ctx
+        ctx.loop = asyncio.get_running_loop()
+        engine.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                answer = (await client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0,
+                    "ignore_eos": True})).json()
+                info = (await client.get("/v1/cluster")).json()
+                local = create_app(AsyncEngine(setup.local), ServerSettings())
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=local), base_url="http://l") as one:
+                    single = (await one.get("/v1/cluster")).json()
+            return answer, info, single
+        finally:
+            await finish_shutdown(ctx)
+
+    answer, info, single = asyncio.run(main())
+    assert answer["usage"]["completion_tokens"] == 5
+    assert info["pipeline"] is True and info["num_stages"] == len(setup.ranges)
+    assert [tuple(s["layers"]) for s in info["stages"]] == list(setup.ranges)
+    assert [s["weights_from"] for s in info["stages"]].count("head") == 1
+    assert all(s["plans"] > 0 and s["mean_step_ms"] > 0 for s in info["stages"])
+    assert info["head_traffic"]["weights_shipped_bytes"] == setup.stored_bytes
+    table = format_cluster(info).splitlines()
+    assert len(table) == 2 + len(setup.ranges) and table[1].split() == [
+        "STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "IDLE"]
+    assert single == {"object": "cluster", "pipeline": False, "num_stages": 1, "max_in_flight": 1,
+                      "kv_blocks": 40, "stages": [{"index": 0, "layers": [0, 6], "node_address": "local",
+                                                   "device": "cpu"}]}
+

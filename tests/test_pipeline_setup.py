@@ -1,0 +1,54 @@
+"""``bargein serve --ray``: a set-up that cannot run ends with one line and exit 1,
+before anything is started; the layer split helpers. No Ray cluster needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from bargein.cli import main
+from bargein.distributed.split import (
+    PipelineSetupError,
+    check_split,
+    parse_stage_layers,
+    split_by_memory,
+)
+from tests.tiny_models import TinySpec, tiny_weights, write_gguf
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    spec = TinySpec(num_layers=6)
+    return str(write_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf", spec, tiny_weights(spec)))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--ray", "local", "--pipeline-stages", "7"], "7 stages were asked for, but the model has only 6 layers"),
+    (["--ray", "local", "--stage-layers", "0-2,3-6"], "the stage layers 0-2,3-6 do not cover the model's 6 layers in order "
+     "(a stage must start at layer 2 and hold at least one layer)"),
+    (["--ray", "local", "--stage-layers", "0-2,2-5"], "the stage layers 0-2,2-5 end at layer 5, but the model has 6 layers"),
+    (["--ray", "local", "--stage-layers", "0-2,x"], "--stage-layers: 'x' is not a range like 0-10"),
+    (["--ray", "127.0.0.1:1"], "no Ray cluster at 127.0.0.1:1: Connection refused"),
+])
+def test_a_bad_set_up_is_one_line_and_exit_1(model: str, flags: list[str], message: str, capsys) -> None:
+    assert main(["serve", "--model", model, "--port", "0", *flags]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"bargein: error: {message}"
+    assert not any("Traceback" in line for line in err)
+
+
+def test_without_ray_the_error_says_how_to_install_it(model: str, monkeypatch, capsys) -> None:
+    pipeline = pytest.importorskip("bargein.distributed.pipeline")
+    monkeypatch.setattr(pipeline, "ray", None)
+    assert main(["serve", "--model", model, "--port", "0", "--ray"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "bargein: error: Ray is not installed: pip install 'bargein[ray]'")
+
+
+def test_split_by_memory_is_proportional_with_at_least_one_layer_each() -> None:
+    assert split_by_memory(30, [2, 1]) == ((0, 20), (20, 30))
+    assert split_by_memory(6, [600, 400, 200]) == ((0, 3), (3, 5), (5, 6))
+    assert split_by_memory(4, [1000, 1, 1]) == ((0, 2), (2, 3), (3, 4))
+    assert split_by_memory(7, [1, 1]) == ((0, 4), (4, 7))
+    assert check_split(parse_stage_layers("0-10, 10-20,20-30"), 30) == ((0, 10), (10, 20), (20, 30))
+    with pytest.raises(PipelineSetupError, match="3 stages were asked for, but the model has only 2 layers"):
+        split_by_memory(2, [1, 1, 1])
