@@ -15,6 +15,11 @@ clients loop for ``--duration`` seconds, each request picking one behaviour:
   that limit: 400 ``context_length_exceeded``; while it is refused, every stream's
   longest gap is recorded), ``invalid`` (bad JSON, a lone surrogate, caps: 400).
 
+Stream gaps are counted after ``--warmup`` seconds: at the start every client connects at
+once and the first steps prefill dozens of prompts, a stall no input causes. Gaps outside
+the 4 MB prompts' windows are reported too, as the control: the huge prompts cost only
+what the longest gap during them adds over it.
+
 Every response is checked against what its behaviour must get; anything else (a 5xx, a
 wrong status, a stream without ``[DONE]``, a connection error the client did not cause)
 is an unexpected error. After the run: block accounting via ``/debug/kv`` (no block
@@ -65,6 +70,7 @@ class Tally:
     cancel_ms: list[float] = field(default_factory=list)
     huge_windows: list[tuple[float, float]] = field(default_factory=list)
     gaps_during_huge: list[float] = field(default_factory=list)
+    gaps_outside_huge: list[float] = field(default_factory=list)  # the control
     rss_mb: list[tuple[float, float, bool]] = field(default_factory=list)  # (s, MB, quiet)
 
     def bad(self, behaviour: str, detail: str) -> None:
@@ -79,6 +85,7 @@ class Soak:
         self.tally = Tally()
         self.ids = 0
         self.huge_started: dict[int, float] = {}  # huge prompts being refused: token -> start
+        self.gaps_from = 0.0  # gaps that start before this (the warm-up) are not counted
         host, port = base.removeprefix("http://").rsplit(":", 1)
         self.host, self.port = host.strip("[]"), int(port)
 
@@ -107,8 +114,9 @@ class Soak:
                 raise _Status(r.status_code, (await r.aread()).decode(errors="replace"))
             async for line in _sse_lines(r):
                 now = time.monotonic()
-                if self.overlaps_huge(last, now):
-                    self.tally.gaps_during_huge.append(now - last)
+                if last >= self.gaps_from:
+                    during = self.overlaps_huge(last, now)
+                    (self.tally.gaps_during_huge if during else self.tally.gaps_outside_huge).append(now - last)
                 last = now
                 if not line.startswith("data: "):
                     continue
@@ -327,6 +335,7 @@ async def run(base: str, args: argparse.Namespace, pid: int | None) -> dict:
         steps_before = _metric(before, "bargein_engine_steps_total")
     started = time.monotonic()
     deadline = started + args.duration
+    soak.gaps_from = started + args.warmup
     await asyncio.gather(soak.sample_rss(pid, deadline, args.rss_every),
                          *(soak.client(deadline) for _ in range(args.clients)))
     elapsed = time.monotonic() - started
@@ -359,13 +368,18 @@ async def run(base: str, args: argparse.Namespace, pid: int | None) -> dict:
         "cancel_engine_p99_ms": histogram_quantile(before, after, "bargein_cancel_latency_seconds", 0.99) * 1000,
         "huge_prompts": len(t.huge_windows),
         "longest_gap_during_huge_ms": max(t.gaps_during_huge, default=float("nan")) * 1000,
-        "longest_gap_during_huge_steps": (max(t.gaps_during_huge, default=float("nan")) * 1000 / step_ms
-                                          if step_ms == step_ms and step_ms > 0 else float("nan")),
+        "longest_gap_during_huge_steps": _steps(max(t.gaps_during_huge, default=float("nan")) * 1000, step_ms),
+        "longest_gap_outside_huge_ms": max(t.gaps_outside_huge, default=float("nan")) * 1000,
+        "longest_gap_outside_huge_steps": _steps(max(t.gaps_outside_huge, default=float("nan")) * 1000, step_ms),
         "rss_mb_samples": [[round(s), round(mb, 1), quiet] for s, mb, quiet in t.rss_mb],
         "rss_mb_first": rss[0] if rss else None, "rss_mb_last": rss[-1] if rss else None,
         "rss_second_half_quiet_spread_pct": ((max(half) - min(half)) / min(half) * 100) if len(half) > 1 else None,
         "machine": machine_info(),
     }
+
+
+def _steps(ms: float, step_ms: float) -> float:
+    return ms / step_ms if step_ms == step_ms and step_ms > 0 else float("nan")
 
 
 def _metric(text: str, name: str) -> float:
@@ -381,7 +395,8 @@ def report(result: dict) -> None:
         "requests", "unexpected_errors", "leaked_blocks", "kv_ok", "in_flight_after", "engine_steps", "step_p50_ms",
         "cancel_client_p50_ms", "cancel_client_p99_ms", "cancel_engine_p50_steps", "cancel_engine_p99_steps",
         "cancel_engine_p50_ms", "cancel_engine_p99_ms", "huge_prompts", "longest_gap_during_huge_ms",
-        "longest_gap_during_huge_steps", "rss_mb_first", "rss_mb_last", "rss_second_half_quiet_spread_pct")]
+        "longest_gap_during_huge_steps", "longest_gap_outside_huge_ms", "longest_gap_outside_huge_steps",
+        "rss_mb_first", "rss_mb_last", "rss_second_half_quiet_spread_pct")]
     print(f"soak: {result['clients']} clients for {result['duration_s']:.0f} s")
     print(format_table(rows, ["metric", "value"]))
     print("RSS (s, MB; * = a 4 MB prompt in flight):",
@@ -398,6 +413,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pid", type=int, default=None, help="with --url: the server's pid, for RSS")
     p.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=float, default=10.0,
+                   help="seconds at the start whose stream gaps are not counted (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the JSON result here")
     return p.parse_args(argv)
 
