@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     apply_threads,
     base_parser,
+    drive_to_completion,
     emit,
     format_table,
     machine_info,
@@ -75,56 +76,20 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _drain(engine: OutputCollector, ids: set[str]) -> None:
-    """Steps until every request in ids has finished."""
-    while ids:
-        for out in engine.step():
-            if out.finished:
-                ids.discard(out.request_id)
-
-
 # -- 1. throughput and time to first token ---------------------------------------------
 def bench_concurrency(engine: OutputCollector, n: int, max_tokens: int, budget_s: float) -> dict[str, Any]:
     params = _greedy(max_tokens)
     started = time.perf_counter()
     ids = [engine.add_request(_prompt(i), params) for i in range(n)]
-    first: dict[str, float] = {}
-    live = set(ids)
-    generated = 0
-    decode_tokens, decode_time = 0, 0.0
-    step_rates: list[float] = []
-    truncated = False
-    while live:
-        step_start = time.perf_counter()
-        outs = engine.step()
-        now = time.perf_counter()
-        in_decode = len(first) == n  # every request past its prompt before this step
-        step_tokens = 0
-        for out in outs:
-            step_tokens += len(out.new_token_ids)
-            if out.new_token_ids and out.request_id not in first:
-                first[out.request_id] = now - started
-            if out.finished:
-                live.discard(out.request_id)
-        generated += step_tokens
-        if in_decode and step_tokens:
-            decode_tokens += step_tokens
-            decode_time += now - step_start
-            step_rates.append(step_tokens / (now - step_start))
-        if live and now - started > budget_s:
-            truncated = True
-            for rid in live:
-                engine.engine.abort(rid)
-            _drain(engine, live)
+    run = drive_to_completion(engine.step, engine.engine.abort, set(ids), started, budget_s)
     wall = time.perf_counter() - started
-    ttft = list(first.values())
+    ttft = list(run.first.values())
     return {
-        "concurrency": n, "max_tokens": max_tokens, "generated": generated, "wall_s": wall,
-        "aggregate_tok_s": generated / wall,
-        "decode_tok_s": decode_tokens / decode_time if decode_time else float("nan"),
-        "median_step_tok_s": median(step_rates),
+        "concurrency": n, "max_tokens": max_tokens, "generated": run.generated, "wall_s": wall,
+        "aggregate_tok_s": run.generated / wall, "decode_tok_s": run.decode_tok_s,
+        "median_step_tok_s": median(tokens / seconds for tokens, seconds in run.decode_steps),
         "ttft_ms_median": median(ttft) * 1e3, "ttft_ms_p99": percentile(ttft, 99) * 1e3,
-        "truncated": truncated,
+        "truncated": run.truncated,
     }
 
 

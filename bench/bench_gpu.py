@@ -27,11 +27,21 @@ from typing import Any
 # The benchmarks share bench/common.py whether run as scripts or loaded by `bargein bench`.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-from common import base_parser, emit, format_table, machine_info, median, percentile, rnd  # noqa: E402
+from common import (  # noqa: E402
+    base_parser,
+    drive_to_completion,
+    emit,
+    format_table,
+    machine_info,
+    median,
+    percentile,
+    rnd,
+)
 
 from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from bargein.engine.device import build_model, resolve_device, resolve_dtype  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
+from bargein.engine.outputs import OutputCollector  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 
 SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -100,66 +110,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def consumer(engine: Engine) -> Any:
-    """What adds requests and steps to RequestOutputs: the engine's OutputCollector where
-    the engine sends deltas (issue 9's output split), else the engine itself."""
-    try:
-        from bargein.engine.outputs import OutputCollector
-    except ImportError:  # an engine from before the split
-        return engine
-    return OutputCollector(engine)
-
-
 def run_level(engine: Engine, prompts: list[list[int]], max_tokens: int, budget_s: float) -> dict[str, Any]:
     """All prompts at once; steps until every request finished (or the budget ran out)."""
     device = engine.runner.device
-    driver = consumer(engine)
+    driver = OutputCollector(engine)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     graphs = engine.runner.decode_graphs
     replays_before = graphs.replays if graphs is not None else 0
     _sync(device)
     started = time.perf_counter()
     live = {driver.add_request(p, params) for p in prompts}
-    first: dict[str, float] = {}
-    generated = decode_tokens = 0
-    decode_time = 0.0
-    step_ms: list[float] = []
-    truncated = False
-    while live:
-        t0 = time.perf_counter()
-        outs = driver.step()
-        now = time.perf_counter()
-        in_decode = len(first) == len(prompts)
-        tokens = 0
-        for out in outs:
-            tokens += len(out.new_token_ids)
-            if out.new_token_ids and out.request_id not in first:
-                first[out.request_id] = now - started
-            if out.finished:
-                live.discard(out.request_id)
-        generated += tokens
-        if in_decode and tokens:
-            decode_tokens += tokens
-            decode_time += now - t0
-            step_ms.append((now - t0) * 1e3)
-        if live and now - started > budget_s:
-            truncated = True
-            for rid in list(live):
-                engine.abort(rid)
-            while live:
-                live -= {o.request_id for o in driver.step() if o.finished}
+    run = drive_to_completion(driver.step, engine.abort, live, started, budget_s)
     _sync(device)
     wall = time.perf_counter() - started
     engine.check_block_accounting()
-    ttft = [t * 1e3 for t in first.values()]
+    ttft = [t * 1e3 for t in run.first.values()]
+    step_ms = [seconds * 1e3 for _, seconds in run.decode_steps]
     return {
-        "streams": len(prompts), "generated": generated, "wall_s": wall,
-        "aggregate_tok_s": generated / wall,
-        "decode_tok_s": decode_tokens / decode_time if decode_time else float("nan"),
+        "streams": len(prompts), "generated": run.generated, "wall_s": wall,
+        "aggregate_tok_s": run.generated / wall, "decode_tok_s": run.decode_tok_s,
         "step_ms_median": median(step_ms), "step_ms_p99": percentile(step_ms, 99),
         "ttft_ms_median": median(ttft),
         "graph_replays": (graphs.replays if graphs is not None else 0) - replays_before,
-        "truncated": truncated,
+        "truncated": run.truncated,
     }
 
 

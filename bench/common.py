@@ -17,8 +17,54 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+@dataclass
+class Drive:
+    """What ``drive_to_completion`` saw: tokens, time to first token, decode steps."""
+
+    generated: int = 0
+    first: dict[str, float] = field(default_factory=dict)  # request id -> seconds to its first token
+    decode_steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per decode step
+    truncated: bool = False  # the budget ran out and the rest was cancelled
+
+    @property
+    def decode_tok_s(self) -> float:
+        seconds = sum(t for _, t in self.decode_steps)
+        return sum(n for n, _ in self.decode_steps) / seconds if seconds else float("nan")
+
+
+def drive_to_completion(step: Callable[[], Iterable[Any]], abort: Callable[[str], Any], live: set[str],
+                        started: float, budget_s: float) -> Drive:
+    """Steps until every request in ``live`` finished; past ``budget_s`` (from ``started``)
+    the rest are aborted and drained. A decode step is one after every request had its
+    first token. ``step`` returns outputs with ``request_id``, ``new_token_ids``, ``finished``."""
+    result, n = Drive(), len(live)
+    while live:
+        step_start = time.perf_counter()
+        outs = step()
+        now = time.perf_counter()
+        in_decode = len(result.first) == n  # every request past its prompt before this step
+        tokens = 0
+        for out in outs:
+            tokens += len(out.new_token_ids)
+            if out.new_token_ids and out.request_id not in result.first:
+                result.first[out.request_id] = now - started
+            if out.finished:
+                live.discard(out.request_id)
+        result.generated += tokens
+        if in_decode and tokens:
+            result.decode_steps.append((tokens, now - step_start))
+        if live and now - started > budget_s:
+            result.truncated = True
+            for rid in list(live):
+                abort(rid)
+            while live:
+                live -= {out.request_id for out in step() if out.finished}
+    return result
 
 
 def median(values: Iterable[float]) -> float:

@@ -17,6 +17,7 @@ import torch
 
 from bargein.config import EngineConfig
 from bargein.engine.device import DeviceError, build_model, resolve_device, resolve_dtype
+from bargein.engine.outputs import OutputCollector
 from bargein.engine.request import FinishReason
 from bargein.engine.sampling import SamplingParams
 from bargein.model.attention import AttentionMetadata
@@ -26,16 +27,6 @@ BF16_TOL = 0.04
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
-
-
-def consumer(engine):
-    """What adds requests and steps to RequestOutputs: the OutputCollector where the engine
-    sends deltas (issue 9's output split), else the engine itself."""
-    try:
-        from bargein.engine.outputs import OutputCollector
-    except ImportError:  # an engine from before the split
-        return engine
-    return OutputCollector(engine)
 
 
 def recording(engine) -> list[torch.Tensor]:
@@ -142,7 +133,7 @@ def test_continuation_after_cancel_equals_no_cancel(dtype: str, cancel_after: in
     """C2 (nothing after the stop), C4 (greedy tokens equal, logits within the tolerance) and C5."""
     engine = tiny_engine(dtype=dtype, max_num_batched_tokens=8)  # the 20-token prompt takes 3 steps
     logs = recording(engine)
-    driver = consumer(engine)
+    driver = OutputCollector(engine)
     p, follow = prompt(20, 16), prompt(6, 17)
     session = engine.open_session()
     rid = driver.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), session_id=session)
@@ -208,7 +199,7 @@ def test_padded_decode_buckets_and_leaves_mixed_steps_to_the_plain_path() -> Non
     engine = with_padded_decode(tiny_engine(block_size=4))
     graphs = engine.runner.decode_graphs
     long_prompt = prompt(40, 3)  # 11 blocks of 4 once decoding: width bucket 16
-    driver = consumer(engine)
+    driver = OutputCollector(engine)
     a = driver.add_request(prompt(5, 2), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     driver.step()  # a's prompt: not a pure decode
     assert graphs.replays == 0
