@@ -410,3 +410,19 @@ def test_shape_mismatch_is_refused() -> None:
 
 def test_empty_batch() -> None:
     assert Sampler().sample(torch.zeros(0, V), []) == []
+
+
+def test_random_stream_is_keyed_on_seed_and_token_index() -> None:
+    """A state rebuilt from the kept tokens (a recompute after a lost stage or a preempted
+    batch) draws the same next tokens as the state that lived through them."""
+    logits = random_logits(1, seed=3)
+    lived = state(seed=11, temperature=1.5)
+    tokens = [Sampler().sample(logits, [lived])[0].token_id for _ in range(1)]
+    for _ in range(7):
+        lived.output_token_ids.append(tokens[-1])
+        tokens.append(Sampler().sample(logits, [lived])[0].token_id)
+    rebuilt = state(seed=11, temperature=1.5)
+    rebuilt.output_token_ids.extend(lived.output_token_ids[:4])
+    rebuilt.generator.manual_seed(12345)  # whatever the old generator object had drawn
+    assert Sampler().sample(logits, [rebuilt])[0].token_id == tokens[4]
+    assert len(set(tokens)) > 1  # the stream does move from token to token

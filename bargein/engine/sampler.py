@@ -16,10 +16,13 @@ Per row, in this order (see ``SamplingParams``):
    generator (the exponential-race trick, in log space). That samples exactly from
    ``softmax(kept_logits)``.
 
-Reproducibility: each non-greedy row draws exactly ``V`` uniforms per step from its
-request's ``torch.Generator`` and nothing from any shared RNG, and every operation works
-row by row, so a seeded request's tokens do not depend on what else is in the batch or
-where its row is.
+Reproducibility: before each draw, a non-greedy row's generator is re-seeded from
+``(seed, token index)`` (index = tokens the request has kept so far) and then draws
+exactly ``V`` uniforms; nothing comes from any shared RNG, and every operation works row
+by row. So a seeded request's tokens depend neither on what else is in the batch nor on
+where its row is, nor on the history of any generator object: a sequence that is
+preempted, or whose batch died with a pipeline stage or a replica, and is recomputed from
+its tokens draws the same noise for its next token as it would have without the fault.
 
 Log-probabilities are of the model's distribution, ``log_softmax`` of the raw logits
 passed to ``sample``, before bias, penalties, temperature and truncation: they say what
@@ -54,9 +57,10 @@ class SamplingState:
     params: SamplingParams
     prompt_token_ids: Sequence[int]  # for repetition_penalty
     output_token_ids: list[int]  # tokens generated so far, appended by the caller
-    generator: torch.Generator  # this request's private random stream
+    generator: torch.Generator  # this request's private random stream, re-seeded per token
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # masked for min_tokens
     grammar: GrammarMatcher | None = None  # the constrained request's matcher, made at admission
+    seed: int = 0  # the random stream's key: token i draws from stream_seed(seed, i)
 
     def accept(self, token_id: int) -> bool:
         """Records a kept token; False if the request's grammar does not allow it."""
@@ -79,7 +83,7 @@ class SamplingState:
         generator = torch.Generator(device=device)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator.manual_seed(seed)
-        return cls(params, prompt_token_ids, [], generator, frozenset(eos_token_ids))
+        return cls(params, prompt_token_ids, [], generator, frozenset(eos_token_ids), seed=seed)
 
     @property
     def masks_eos(self) -> bool:
@@ -205,6 +209,21 @@ def _plain_greedy(state: SamplingState) -> bool:
     )
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, token_index: int) -> int:
+    """The generator seed for a request's ``token_index``-th token: a 63-bit mix of both.
+
+    SplitMix64's finalizer over ``seed`` and the index, so neighbouring indices (and
+    neighbouring seeds) give unrelated streams.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (token_index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 def _gumbel_noise(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """(B, V) Gumbel noise, V draws from each non-greedy row's generator; 0 for greedy rows."""
     vocab_size = logits.shape[-1]
@@ -215,6 +234,7 @@ def _gumbel_noise(logits: torch.Tensor, states: Sequence[SamplingState]) -> torc
             rows.append(torch.zeros(vocab_size, device=logits.device))
             continue
         g = state.generator
+        g.manual_seed(stream_seed(state.seed, len(state.output_token_ids)))
         uniform = torch.rand(vocab_size, generator=g, device=g.device).to(logits.device)
         # -log(u) ~ Exp(1) and -log(Exp(1)) ~ Gumbel; clamping u keeps both finite.
         rows.append(-(-uniform.clamp_min(tiny).log()).log())
