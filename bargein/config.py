@@ -89,6 +89,15 @@ class PipelineConfig:
     each stage's node memory (Ray's ``memory`` resource). ``micro_batches``: plans in
     flight at once (1 runs the stages one after the other). ``ship_weights``: stages
     that get their tensors from the head even if their node has the model file.
+
+    A lost stage (issue 13): the head notices a stage that died or stopped answering
+    within ``heartbeat_timeout_s`` of a heartbeat (sent every ``heartbeat_interval_s``
+    while a plan is out, on its own thread in the stage, so it never queues behind
+    plans) or once a plan takes longer than ``step_timeout_s``. It re-creates the stage
+    on a node with room; if none can host it within ``recovery_timeout_s``, the
+    requests end with an error and the pipeline stays degraded until a node can.
+    ``node_resource``: stages run only on nodes that offer this custom Ray resource
+    (``ray start --resources='{"bargein": 1}'``); None: any node with a CPU.
     """
 
     stages: int = 2
@@ -97,8 +106,16 @@ class PipelineConfig:
     micro_batches: int | None = None  # None: one per stage
     threads_per_stage: int = 1
     ship_weights: tuple[int, ...] = ()
+    step_timeout_s: float = 60.0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    recovery_timeout_s: float = 30.0
+    node_resource: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("step_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "recovery_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number of seconds")
         if self.stages < 1:
             raise ValueError("a pipeline needs at least one stage")
         if self.stage_layers is not None and len(self.stage_layers) != self.stages:

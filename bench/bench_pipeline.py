@@ -155,20 +155,23 @@ class StandInStage:
         c = self.counters
         waited = time.perf_counter()
         if inputs is not None:
-            ray.get(inputs[0])
+            ray.get(inputs[0])  # (hidden states, sent at)
         started = time.perf_counter()
         if c.first_start is None:
             c.first_start = waited
         time.sleep(self.token_s * plan.num_tokens)
         c.plans += 1
-        out = (torch.zeros(len(plan.sampled), self.vocab) if self.last
-               else [ray.put(torch.zeros(plan.num_tokens, self.hidden))])
+        out = ((torch.zeros(len(plan.sampled), self.vocab), time.time()) if self.last
+               else [ray.put((torch.zeros(plan.num_tokens, self.hidden), time.time()))])
         c.last_end = time.perf_counter()
         c.busy_s += c.last_end - started
         return out
 
     def read_counters(self) -> StageCounters:
         return self.counters
+
+    def ping(self) -> tuple[str, int]:
+        return "", 0
 
     def reset_counters(self) -> None:
         c = self.counters
@@ -191,7 +194,8 @@ def stand_in(args: Any) -> list[dict[str, Any]]:
     for n in (2, 3, 4):
         actors = [actor.remote(i, i == n - 1, token_s, config.hidden_size, config.vocab_size) for i in range(n)]
         placements = [StagePlacement(i, (i, i + 1), "", "local", 0) for i in range(n)]
-        runner = PipelineRunner(actors, placements, config, 512, 16, n + 1, HeadTraffic())
+        runner = PipelineRunner(actors, placements, config, 512, 16,
+                                EngineConfig(pipeline=PipelineConfig(stages=n, micro_batches=n + 1)), HeadTraffic())
         engine = Engine(runner, _Tokens(), EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512)))
         for micro in (1, n, n + 1):
             runner.max_in_flight = micro

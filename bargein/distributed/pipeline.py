@@ -14,6 +14,16 @@ raises :class:`PipelineSetupError` with one line, after killing what it started.
 
 Bytes through the head are counted: the pickled plans sent, the logits received and
 the weights shipped. Hidden states are counted by the stages that send them.
+
+A lost stage (issue 13, see ``health``): ``collect`` notices it (a dead actor, no
+heartbeat, or a plan past its deadline), kills it, drops every plan in flight, starts
+re-creating it on a background thread, and raises ``KVLost``: the engine then drops
+every block's K/V and recomputes its sequences from their tokens once ``health()`` is
+"ok" again. A stage is re-created where Ray finds room (a free CPU, and the
+``node_resource`` if set); it reads the model file if its node has it, else fetches the
+tensors the head put in the object store. Past ``recovery_timeout_s`` the runner says
+"degraded" (the engine fails what waits) and keeps trying, so it heals by itself when
+capacity returns.
 """
 
 from __future__ import annotations
@@ -21,9 +31,10 @@ from __future__ import annotations
 import logging
 import pickle
 import socket
+import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -39,13 +50,14 @@ from bargein.distributed.split import (
 from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
 from bargein.engine.device import resolve_dtype
 from bargein.engine.plan import StepPlan
-from bargein.engine.runner import StepFailed, StepResult
+from bargein.engine.runner import KVLost, RunnerHealth, StepFailed, StepResult
 from bargein.loader.source import ModelSource
 
 try:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from bargein.distributed.health import RecoveryStats, first_not_ready, unanswered
     from bargein.distributed.stage import StageCounters, StageWorker
 except ModuleNotFoundError as exc:  # the optional extra is missing: start() says so in one line
     if exc.name != "ray" and not (exc.name or "").startswith("ray."):
@@ -124,9 +136,12 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
                  given: LayerRanges | None) -> list[StagePlacement]:
     """Stage i on the i-th node by memory (cycling when stages outnumber nodes); layers
     split in proportion to each stage's share of its node's memory unless ``given``."""
-    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
+    resource = config.pipeline.node_resource if config.pipeline else None
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
+             and (resource is None or n["Resources"].get(resource, 0) > 0)]
     if not nodes:
-        raise PipelineSetupError("the Ray cluster has no live node with a CPU")
+        offering = f" offering the resource {resource!r}" if resource else ""
+        raise PipelineSetupError(f"the Ray cluster has no live node with a CPU{offering}")
     nodes.sort(key=lambda n: -n["Resources"].get("memory", 0))
     chosen = [nodes[i % len(nodes)] for i in range(num_stages)]
     sharing = {n["NodeID"]: sum(c["NodeID"] == n["NodeID"] for c in chosen) for n in chosen}
@@ -139,27 +154,57 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
             for i, n in enumerate(chosen)]
 
 
+@dataclass(frozen=True)
+class _StageSource:
+    """What any node needs to build stage ``index``: the model file's path as nodes see
+    it, its fingerprint, and whether the head must ship the tensors regardless."""
+
+    kind: str
+    node_path: str
+    expected: Any
+    prefer_shipped: bool
+
+
 class PipelineRunner:
     """Drives the stage actors; see the module docstring."""
 
     def __init__(self, actors: list[Any], placements: list[StagePlacement], model_config: ModelConfig,
-                 num_blocks: int, block_size: int, max_in_flight: int, traffic: HeadTraffic):
+                 num_blocks: int, block_size: int, config: EngineConfig, traffic: HeadTraffic,
+                 source: ModelSource | None = None, node_path: str | None = None):
         self.actors = actors
         self.placements = placements
         self.model_config = model_config
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.max_in_flight = max_in_flight
+        self.config = config
+        self.pipe = config.pipeline
+        self.max_in_flight = self.pipe.max_in_flight
         self.device = torch.device("cpu")  # logits arrive here
         self.traffic = traffic
-        self._in_flight: deque[tuple[StepPlan, Any, float]] = deque()
+        self.source = source
+        self.node_path = node_path or (str(source.path) if source is not None else "")
+        self._in_flight: deque[tuple[StepPlan, list[Any], float]] = deque()
         self._seq = 0
         self.collect_wait_s = 0.0  # time the head spent waiting for logits
+        self.logits_transfer_s = 0.0  # of that, from the last stage's send to the logits being here
+        # Recovery state: written by the engine thread (a loss) and the recovery thread.
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._ready.set()
+        self._closing = threading.Event()
+        self._lost_at: float | None = None
+        self._lost_message: str | None = None
+        self._recovery: threading.Thread | None = None
+        self.recovery = RecoveryStats(len(actors))
 
     # -- set-up ------------------------------------------------------------------------
     @classmethod
-    def start(cls, source: ModelSource, model_config: ModelConfig, config: EngineConfig) -> PipelineRunner:
-        """Starts every stage or none; raises PipelineSetupError saying why in one line."""
+    def start(cls, source: ModelSource, model_config: ModelConfig, config: EngineConfig, *,
+              node_path: str | None = None) -> PipelineRunner:
+        """Starts every stage or none; raises PipelineSetupError saying why in one line.
+
+        ``node_path``: the model's path as the nodes should look it up (a path that
+        starts with ``~`` means each node's own home); default the head's path."""
         pipe = config.pipeline
         if pipe is None:
             raise ValueError("EngineConfig.pipeline is not set")
@@ -168,7 +213,8 @@ class PipelineRunner:
         placements = place_stages(pipe.stages, model_config, config, pipe.stage_layers)
         actors: list[Any] = []
         try:
-            return cls._start_stages(source, model_config, config, placements, actors)
+            return cls._start_stages(source, model_config, config, placements, actors,
+                                     node_path or str(source.path))
         except BaseException:
             for actor in actors:
                 ray.kill(actor)
@@ -176,13 +222,12 @@ class PipelineRunner:
 
     @classmethod
     def _start_stages(cls, source: ModelSource, model_config: ModelConfig, config: EngineConfig,
-                      placements: list[StagePlacement], actors: list[Any]) -> PipelineRunner:
+                      placements: list[StagePlacement], actors: list[Any], node_path: str) -> PipelineRunner:
         pipe = config.pipeline
         traffic = HeadTraffic()
         element = torch.tensor([], dtype=resolve_dtype(config.dtype, torch.device("cpu"))).element_size()
         expected = fingerprint(source)
         probe = ray.remote(num_cpus=0)(has_model_copy)
-        actor_class = ray.remote(num_cpus=pipe.threads_per_stage, max_restarts=0)(StageWorker)
         for p in placements:
             on_node = NodeAffinitySchedulingStrategy(p.node_id, soft=False)
             needed = stage_weight_bytes(model_config, p.layers, element)
@@ -190,16 +235,16 @@ class PipelineRunner:
                 raise PipelineSetupError(
                     f"stage {p.index} (layers {p.layers[0]}-{p.layers[1]}) needs {needed / 2**20:.0f} MiB "
                     f"for its weights, but its node {p.node_address} offers {p.node_memory_bytes / 2**20:.0f} MiB")
-            has_copy = ray.get(probe.options(scheduling_strategy=on_node).remote(
-                str(source.path), source.kind, expected))
+            has_copy = ray.get(probe.options(scheduling_strategy=on_node).remote(node_path, source.kind, expected))
             shipped = None
             if not has_copy or p.index in pipe.ship_weights:
                 stored = read_stored(source, model_config, p.layers)
                 traffic.weights_shipped_bytes += stored.nbytes
-                shipped = ray.put(stored)
-            actors.append(actor_class.options(scheduling_strategy=on_node).remote(
-                p.index, config, model_config, source.kind, str(source.path), p.layers, shipped,
-                pipe.threads_per_stage))
+                shipped = [ray.put(stored)]
+            spec = _StageSource(source.kind, node_path, expected, p.index in pipe.ship_weights)
+            actors.append(_stage_actor(config, on_node).remote(
+                p.index, config, model_config, spec.kind, spec.node_path, spec.expected, p.layers, shipped,
+                spec.prefer_shipped, pipe.threads_per_stage))
         block_size = config.cache.block_size
         try:
             per_block = ray.get([a.kv_bytes_per_block.remote(block_size) for a in actors])
@@ -215,7 +260,7 @@ class PipelineRunner:
         log.info("pipeline of %d stages: %s; %d KV blocks", len(actors),
                  ", ".join(f"layers {p.layers[0]}-{p.layers[1]} on {p.node_address}" for p in placements),
                  num_blocks)
-        return cls(actors, placements, model_config, num_blocks, block_size, pipe.max_in_flight, traffic)
+        return cls(actors, placements, model_config, num_blocks, block_size, config, traffic, source, node_path)
 
     # -- the runner seam --------------------------------------------------------------
     @property
@@ -226,31 +271,152 @@ class PipelineRunner:
         """Hands the plan to every stage, chained by object references; returns at once."""
         if len(self._in_flight) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} plans are in flight: collect() one first")
+        if not self._ready.is_set():
+            raise RuntimeError(self._lost_message or "the pipeline is recovering a lost stage")
         payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         self._seq += 1
+        refs: list[Any] = []
         ref = None
         for actor in self.actors:
             ref = actor.run.remote(self._seq, payload, ref)
+            refs.append(ref)
             self.traffic.plan_bytes += len(payload)
-        self._in_flight.append((plan, ref, time.perf_counter()))
+        self._in_flight.append((plan, refs, time.monotonic()))
 
     def collect(self) -> StepResult:
-        """Waits for the oldest plan's logits; raises StepFailed naming it if a stage failed."""
+        """Waits for the oldest plan's logits.
+
+        Raises ``KVLost`` if a stage was lost meanwhile (every plan in flight is void;
+        the stage is being re-created), or StepFailed naming the plan if a stage failed
+        on it while every stage still answers.
+        """
         if not self._in_flight:
             raise RuntimeError("no plan was submitted")
-        plan, ref, _ = self._in_flight.popleft()
+        plan, refs, submitted = self._in_flight[0]
         waited = time.perf_counter()
         try:
-            logits = ray.get(ref)
-        except ray.exceptions.RayError as exc:
-            raise StepFailed(plan, f"a pipeline stage failed: {_first_line(exc)}") from exc
+            self._wait_for(refs, submitted)
+            self._in_flight.popleft()
+            try:
+                logits, sent_at = ray.get(refs[-1])
+            except ray.exceptions.RayError as exc:
+                self._check_stages()  # a dead stage is a loss (KVLost), not this plan's failure
+                raise StepFailed(plan, f"a pipeline stage failed: {_first_line(exc)}") from exc
         finally:
             self.collect_wait_s += time.perf_counter() - waited
+        self.logits_transfer_s += max(0.0, time.time() - sent_at)
         self.traffic.logits_bytes += logits.numel() * logits.element_size()
         return StepResult(plan, logits)
 
+    def _wait_for(self, refs: list[Any], submitted: float) -> None:
+        """Waits for the plan's last stage, with a heartbeat while it takes long and
+        the step deadline; raises KVLost for a stage that died or hangs."""
+        pipe = self.pipe
+        while not ray.wait([refs[-1]], timeout=pipe.heartbeat_interval_s)[0]:
+            self._check_stages()
+            if time.monotonic() - submitted > pipe.step_timeout_s:
+                self._lose({first_not_ready(refs): f"a plan took over {pipe.step_timeout_s:g} s"})
+
+    def _check_stages(self) -> None:
+        lost = unanswered(self.actors, self.pipe.heartbeat_timeout_s)
+        if lost:
+            self._lose(lost)
+
+    def _lose(self, lost: dict[int, str]) -> None:
+        """Kills the lost stages, voids every plan in flight, starts re-creating them; raises KVLost."""
+        message = "; ".join(
+            f"pipeline stage {i} (layers {self.placements[i].layers[0]}-{self.placements[i].layers[1]}) "
+            f"on node {self.placements[i].node_address} was lost: {why}" for i, why in sorted(lost.items()))
+        log.warning("%s", message)
+        with self._lock:
+            self._in_flight.clear()
+            for i in lost:
+                ray.kill(self.actors[i], no_restart=True)
+            self.recovery.losses += 1
+            self._lost_at, self._lost_message = time.monotonic(), message
+            self._ready.clear()
+        self._recovery = threading.Thread(target=self._recover, args=(sorted(lost),), daemon=True,
+                                          name="bargein-stage-recovery")
+        self._recovery.start()
+        raise KVLost(message)
+
+    # -- recovery (its own thread) ---------------------------------------------------------
+    def _recover(self, indices: list[int]) -> None:
+        """Re-creates each lost stage where Ray finds room, retrying until it is ready or
+        the runner closes; then the pipeline is "ok" again."""
+        for i in indices:
+            while not self._closing.is_set():
+                try:
+                    actor = self._recreate(i)
+                except Exception as exc:  # e.g. the node went too; try again
+                    log.warning("re-creating pipeline stage %d failed: %s", i, _first_line(exc))
+                    self._closing.wait(1.0)
+                    continue
+                if actor is not None:
+                    break
+            if self._closing.is_set():
+                return
+        with self._lock:
+            self.recovery.recoveries += 1
+            if self._lost_at is not None:
+                self.recovery.recover_seconds.append(time.monotonic() - self._lost_at)
+            self._lost_at = self._lost_message = None
+            self._ready.set()
+        log.info("pipeline recovered: %s", ", ".join(f"stage {i} on {self.placements[i].node_address}"
+                                                       for i in indices))
+
+    def _recreate(self, i: int) -> Any:
+        """One try at stage ``i``: returns the ready actor, or None if the runner closed."""
+        p = self.placements[i]
+        prefer = i in self.pipe.ship_weights
+        # Put (not send) the stored tensors: they cross the network only if the node lacks the file.
+        shipped = [ray.put(read_stored(self.source, self.model_config, p.layers))]
+        expected = fingerprint(self.source)
+        actor = _stage_actor(self.config, None).remote(
+            i, self.config, self.model_config, self.source.kind, self.node_path, expected, p.layers, shipped,
+            prefer, self.pipe.threads_per_stage)
+        ready = actor.allocate.remote(self.num_blocks, self.block_size)
+        while not ray.wait([ready], timeout=0.5)[0]:  # pending until a node has room
+            if self._closing.is_set():
+                ray.kill(actor)
+                return None
+        try:
+            ray.get(ready)
+            counters: StageCounters = ray.get(actor.read_counters.remote())
+        except BaseException:
+            ray.kill(actor)
+            raise
+        node = next((n for n in ray.nodes() if n["NodeID"] == counters.node_id), {})
+        with self._lock:
+            self.actors[i] = actor
+            self.placements[i] = replace(p, node_id=counters.node_id,
+                                         node_address=node.get("NodeManagerAddress", "?"),
+                                         node_memory_bytes=int(node.get("Resources", {}).get("memory", 0)))
+            self.recovery.restarts[i] += 1
+            self.traffic.weights_shipped_bytes += counters.weights_received_bytes
+        return actor
+
+    # -- health ------------------------------------------------------------------------
+    def health(self) -> RunnerHealth:
+        """ok, recovering (plans wait), or degraded (past ``recovery_timeout_s``: plans fail)."""
+        with self._lock:
+            if self._lost_at is None:
+                return RunnerHealth()
+            message = self._lost_message
+            waited = time.monotonic() - self._lost_at
+        if waited <= self.pipe.recovery_timeout_s:
+            return RunnerHealth("recovering", message)
+        return RunnerHealth("degraded", f"{message}; no node could host it within "
+                                        f"{self.pipe.recovery_timeout_s:g} s")
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self._ready.wait(timeout)
+
     def close(self) -> None:
         """Kills the stage actors (the Ray connection stays, for whoever made it)."""
+        self._closing.set()
+        if self._recovery is not None:
+            self._recovery.join(timeout=5)
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
@@ -260,38 +426,80 @@ class PipelineRunner:
     def stage_counters(self) -> list[StageCounters]:
         return ray.get([a.read_counters.remote() for a in self.actors])
 
+    def _counters_or_none(self, timeout_s: float = 2.0) -> list[StageCounters | None]:
+        """Each stage's counters, None for one that does not answer (lost, being re-created)."""
+        with self._lock:
+            actors = list(self.actors)
+        refs = [a.read_counters.remote() for a in actors]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out: list[StageCounters | None] = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=0))
+            except (ray.exceptions.RayError, TimeoutError):
+                out.append(None)
+        return out
+
     def reset_counters(self) -> None:
         ray.get([a.reset_counters.remote() for a in self.actors])
         self.collect_wait_s = 0.0
+        self.logits_transfer_s = 0.0
 
     def cluster_info(self) -> dict[str, Any]:
-        """Stages, layer ranges, nodes, memory, step times: the body of ``GET /v1/cluster``."""
+        """Stages, layer ranges, nodes, memory, step and transfer times, health and
+        recoveries: the body of ``GET /v1/cluster``."""
+        health = self.health()
         stages = []
-        for p, c in zip(self.placements, self.stage_counters(), strict=True):
-            stages.append({
-                "index": p.index,
-                "layers": list(p.layers),
-                "node_id": p.node_id,
-                "node_address": p.node_address,
-                "node_memory_bytes": p.node_memory_bytes,
-                "weights_from": c.weights_from,
-                "weights_received_bytes": c.weights_received_bytes,
-                "plans": c.plans,
-                "tokens": c.tokens,
-                "mean_step_ms": 1000 * c.busy_s / c.plans if c.plans else None,
-                "wait_s": c.wait_s,
-                "idle_fraction": c.idle_fraction,
-                "hidden_bytes_out": c.hidden_bytes_out,
-            })
+        with self._lock:
+            placements = list(self.placements)
+        for p, c in zip(placements, self._counters_or_none(), strict=True):
+            entry: dict[str, Any] = {
+                "index": p.index, "layers": list(p.layers), "node_id": p.node_id,
+                "node_address": p.node_address, "node_memory_bytes": p.node_memory_bytes,
+                "state": "ok" if c is not None else "lost",
+                "restarts": self.recovery.restarts[p.index]}
+            if c is not None:
+                entry |= {
+                    "weights_from": c.weights_from,
+                    "weights_received_bytes": c.weights_received_bytes,
+                    "plans": c.plans,
+                    "tokens": c.tokens,
+                    "busy_s": c.busy_s,
+                    "mean_step_ms": 1000 * c.busy_s / c.plans if c.plans else None,
+                    "wait_s": c.wait_s,
+                    "transfer_s": c.transfer_s,
+                    "mean_transfer_ms": 1000 * c.transfer_s / c.plans if c.plans and p.index else None,
+                    "idle_fraction": c.idle_fraction,
+                    "hidden_bytes_out": c.hidden_bytes_out,
+                }
+            stages.append(entry)
         return {
             "object": "cluster",
             "pipeline": True,
-            "num_stages": len(self.placements),
+            "num_stages": len(placements),
             "max_in_flight": self.max_in_flight,
             "kv_blocks": self.num_blocks,
+            "health": health.state,
+            "health_message": health.message,
+            "recovery": self.recovery.as_dict(),
             "head_traffic": asdict(self.traffic) | {"total": self.traffic.total},
+            "logits_transfer_s": self.logits_transfer_s,
             "stages": stages,
         }
+
+
+def _stage_actor(config: EngineConfig, on_node: Any) -> Any:
+    """The stage actor class with its options: a CPU per torch thread, the node resource
+    if one is set, a health thread for the heartbeat, never restarted by Ray (the head
+    re-creates a lost stage itself, knowing its K/V is gone)."""
+    pipe = config.pipeline
+    options: dict[str, Any] = {"num_cpus": pipe.threads_per_stage, "max_restarts": 0,
+                               "concurrency_groups": {"health": 1}}
+    if pipe.node_resource is not None:
+        options["resources"] = {pipe.node_resource: 0.001}
+    if on_node is not None:
+        options["scheduling_strategy"] = on_node
+    return ray.remote(**options)(StageWorker)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -16,10 +16,20 @@ float32 logits of the sampled positions only.
 
 The counters (plans executed, and which request ids at which plan step) are what tests
 and ``/v1/cluster`` read to see exactly what each stage computed.
+
+Weights: the stage reads the model file at ``node_path`` if this node holds the same
+file there (``~`` is this node's home), else it fetches the tensors the head shipped
+(``shipped``: a reference in a list, fetched only when needed). Without either, it
+fails to start, saying so.
+
+Health: ``ping`` runs in its own concurrency group (its own thread), so the head's
+heartbeat is answered while a plan computes and never queues behind plans; a stage
+that does not answer it is dead or hung.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections import deque
@@ -30,7 +40,7 @@ import ray
 import torch
 
 from bargein.config import EngineConfig, ModelConfig
-from bargein.distributed.weights import StoredWeights, materialize
+from bargein.distributed.weights import Fingerprint, has_model_copy, materialize
 from bargein.engine.device import resolve_device, resolve_dtype
 from bargein.engine.plan import StepPlan
 from bargein.engine.runner import plan_inputs
@@ -55,7 +65,8 @@ class StageCounters:
     plans: int = 0
     tokens: int = 0
     busy_s: float = 0.0  # computing (block copies, forward)
-    wait_s: float = 0.0  # waiting for the previous stage's hidden states
+    wait_s: float = 0.0  # waiting for the previous stage's hidden states (its compute included)
+    transfer_s: float = 0.0  # of that wait, from the previous stage's put to having the tensor here
     first_start: float | None = None
     last_end: float | None = None
     hidden_bytes_out: int = 0
@@ -81,16 +92,25 @@ class StageWorker:
     """The body of a stage actor (``ray.remote(StageWorker)`` in ``pipeline``)."""
 
     def __init__(self, index: int, config: EngineConfig, model_config: ModelConfig, source_kind: str,
-                 source_path: str, layers: tuple[int, int], shipped: StoredWeights | None, threads: int):
+                 node_path: str, expected: Fingerprint, layers: tuple[int, int],
+                 shipped: list[ray.ObjectRef] | None, prefer_shipped: bool, threads: int):
         torch.set_num_threads(threads)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        if shipped is not None:
-            weights = materialize(shipped, model_config, dtype, device)
-        else:
-            source = ModelSource(source_kind, Path(source_path), model_config.name)  # type: ignore[arg-type]
+        path = os.path.expanduser(node_path)
+        own_copy = has_model_copy(path, source_kind, expected)
+        received = 0
+        if shipped is not None and (prefer_shipped or not own_copy):
+            stored = ray.get(shipped[0])
+            received = stored.nbytes
+            weights = materialize(stored, model_config, dtype, device)
+        elif own_copy:
+            source = ModelSource(source_kind, Path(path), model_config.name)  # type: ignore[arg-type]
             weights = load_weights(source, model_config, layer_range=layers, dtype=dtype, device=device,
                                    progress=False)
+        else:
+            raise RuntimeError(f"stage {index}: this node has no copy of the model at {node_path} "
+                               f"and the head shipped none")
         max_positions = config.max_model_len or model_config.max_position_embeddings
         kernels = resolve_kernels(device, native=config.native_kernels)
         self.stage = LlamaStage(model_config, weights, layers, max_positions, kernels).to(device)
@@ -98,8 +118,12 @@ class StageWorker:
         self.caches: list[KVCache] = []
         self.block_size = 0
         self.counters = StageCounters(index, layers, ray.get_runtime_context().get_node_id(),
-                                      "head" if shipped is not None else "file",
-                                      shipped.nbytes if shipped is not None else 0)
+                                      "head" if received else "file", received)
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> tuple[str, int]:
+        """The heartbeat: answered on its own thread, even while a plan computes."""
+        return self.counters.node_id, os.getpid()
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.stage.kv_bytes_per_block(block_size)
@@ -109,12 +133,14 @@ class StageWorker:
         self.caches = self.stage.make_kv_caches(num_blocks, block_size)
         self.block_size = block_size
 
-    def run(self, seq: int, payload: bytes, inputs: list[ray.ObjectRef] | None) -> list[ray.ObjectRef] | torch.Tensor:
+    def run(self, seq: int, payload: bytes,
+            inputs: list[ray.ObjectRef] | None) -> list[ray.ObjectRef] | tuple[torch.Tensor, float]:
         """Executes plan number ``seq`` (pickled ``StepPlan``) on this stage's layers.
 
         ``inputs``: None for the first stage, else ``[ref]`` to the previous stage's hidden
         states. Returns ``[ref]`` to this stage's hidden states, or (last stage) the
-        float32 logits of the plan's sampled positions.
+        float32 logits of the plan's sampled positions; either with the wall time they
+        were sent, so the receiver measures the transfer.
         """
         c = self.counters
         if seq <= c.last_seq:
@@ -122,7 +148,10 @@ class StageWorker:
         c.last_seq = seq
         plan: StepPlan = pickle.loads(payload)
         waited = time.perf_counter()
-        hidden = None if inputs is None else ray.get(inputs[0])
+        hidden = None
+        if inputs is not None:
+            hidden, sent_at = ray.get(inputs[0])
+            c.transfer_s += max(0.0, time.time() - sent_at)  # wall clocks: nodes' clocks are assumed in sync
         started = time.perf_counter()
         c.wait_s += started - waited
         if c.first_start is None:
@@ -139,10 +168,10 @@ class StageWorker:
         c.tokens += plan.num_tokens
         c.executed.append((plan.step, tuple(ch.request_id for ch in plan.chunks)))
         if self.stage.is_last:
-            result: list[ray.ObjectRef] | torch.Tensor = out
+            result: list[ray.ObjectRef] | tuple[torch.Tensor, float] = (out, time.time())
         else:
             c.hidden_bytes_out += out.numel() * out.element_size()
-            result = [ray.put(out)]
+            result = [ray.put((out, time.time()))]
         c.last_end = time.perf_counter()
         c.busy_s += c.last_end - started
         return result

@@ -70,7 +70,9 @@ def fingerprint(source: ModelSource) -> Fingerprint:
 
 
 def has_model_copy(path: str, kind: str, expected: Fingerprint) -> bool:
-    """True if this machine holds the same model files at ``path`` (run on the node)."""
+    """True if this machine holds the same model files at ``path`` (run on the node;
+    ``~`` is this node's home directory)."""
+    path = os.path.expanduser(path)
     source = ModelSource(kind, Path(path), "")  # type: ignore[arg-type]
     try:
         return os.path.exists(path) and fingerprint(source) == expected

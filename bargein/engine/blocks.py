@@ -163,6 +163,21 @@ class BlockPool:
                     counted[b] += 1
             assert counted == self._ref_counts, "reference counts differ from the block tables"
 
+    def forget_contents(self) -> int:
+        """Forgets what every block holds (their K/V was lost, e.g. with a pipeline
+        stage): cached blocks become free and no prefix matches any more. Only when no
+        block is referenced (the caller dropped every sequence's blocks first).
+        Returns the number of cached blocks forgotten."""
+        if self.num_referenced:
+            raise RuntimeError(f"{self.num_referenced} blocks are still referenced")
+        forgotten = len(self._evictable)
+        self._free.extend(reversed(self._evictable))  # oldest cached ends on top, as it would be evicted
+        self._evictable.clear()
+        self._content.clear()
+        self._hash_to_block.clear()
+        self._children.clear()
+        return forgotten
+
     # -- allocation ---------------------------------------------------------------
     def _take_block(self) -> int:
         if self._free:

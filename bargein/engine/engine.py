@@ -59,7 +59,7 @@ from bargein.engine.request import (
     Sequence as TokenSequence,
 )
 from bargein.engine.request_ids import IdInUse
-from bargein.engine.runner import ModelRunner, Runner, StepFailed
+from bargein.engine.runner import KVLost, ModelRunner, Runner, RunnerHealth, StepFailed
 from bargein.engine.sampler import Sampler, SamplingState
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
@@ -125,7 +125,9 @@ class Engine:
             # Ray is an optional extra: imported only when a pipeline is asked for.
             from bargein.distributed.pipeline import PipelineRunner
 
-            runner = PipelineRunner.start(source, model_config, config)
+            # A "~/..." reference is looked up in each node's own home directory.
+            node_path = str(ref) if ref is not None and str(ref).startswith("~") else None
+            runner = PipelineRunner.start(source, model_config, config, node_path=node_path)
             return cls(runner, load_tokenizer(source), config, model_name=source.name)
         device = resolve_device(config.device)
         # Each tensor goes to the device as it is read: no whole-model copy in host memory.
@@ -275,6 +277,8 @@ class Engine:
         """
         self._drain_inbox()
         self.scheduler.expire_deadlines()
+        if not self._runner_ready():
+            return self._outcome()
         submitted = self._submit_plans()
         if submitted is not None:  # nothing to run: apply the empty plan
             self._drain_inbox()
@@ -284,6 +288,12 @@ class Engine:
         started = time.perf_counter()
         try:
             result = self.runner.collect()
+        except KVLost as exc:  # a pause, not a loss: every sequence recomputes from its tokens
+            dropped = self.scheduler.invalidate_kv()
+            self.counters.kv_losses += 1
+            self.counters.recomputed_tokens += dropped
+            log.warning("%s; %d computed tokens dropped, every sequence recomputes from its tokens", exc, dropped)
+            return self._outcome()
         except StepFailed as exc:  # the loop survives; the step's requests fail, the rest go on
             log.error("step %d failed: %s", exc.plan.step, exc.error, exc_info=exc)
             self.scheduler.fail_step(exc.plan, f"the model step failed: {exc.error}")
@@ -307,6 +317,23 @@ class Engine:
         self.scheduler.expire_deadlines()
         self.scheduler.update(plan, sampled)
         return self._outcome()
+
+    def runner_health(self) -> RunnerHealth:
+        """The runner's health (a pipeline may be re-creating a lost stage); any thread."""
+        health = getattr(self.runner, "health", None)
+        return RunnerHealth() if health is None else health()
+
+    def _runner_ready(self) -> bool:
+        """True if plans can run now. While a lost part is re-created, requests wait
+        (cancels and deadlines still apply); once the runner gave up, they fail."""
+        health = self.runner_health()
+        if health.state == "ok":
+            return True
+        if health.state == "degraded":
+            self.scheduler.fail_all(health.message or "the model's runner is degraded")
+        if self.scheduler.has_work:
+            self.runner.wait_ready(0.05)  # not a busy loop; the inbox is drained next step
+        return False
 
     def _submit_plans(self) -> StepPlan | None:
         """Schedules and submits plans while the runner has room. Returns the empty plan

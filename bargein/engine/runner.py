@@ -48,6 +48,22 @@ class StepFailed(Exception):
         self.plan, self.error = plan, error
 
 
+class KVLost(Exception):
+    """The runner lost the K/V of every block (a pipeline stage died or hung) and every
+    plan in flight with it; it is getting ready again (see ``RunnerHealth``). The message
+    names what was lost."""
+
+
+@dataclass(frozen=True)
+class RunnerHealth:
+    """Whether a runner can run plans: "ok"; "recovering" (plans wait: a lost part is
+    being re-created); "degraded" (it could not be re-created in time: plans fail with
+    ``message`` until it is)."""
+
+    state: str = "ok"
+    message: str | None = None
+
+
 @runtime_checkable
 class Runner(Protocol):
     """What the engine needs of a runner: the model's shape, the KV pool's size, the

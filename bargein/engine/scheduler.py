@@ -347,6 +347,40 @@ class Scheduler:
             if req is not None:
                 self._finish(req, FinishReason.ERROR, error=error)
 
+    def invalidate_kv(self) -> int:
+        """Every block's K/V is gone (a pipeline stage was lost): the plans in flight are
+        void, and every sequence, running, waiting or an idle conversation, keeps its
+        tokens and recomputes them. Finishes that waited for a plan in flight apply now;
+        the prefix cache forgets every block. Returns the tokens whose K/V was dropped.
+
+        Running requests are preempted (oldest stays first in the queue), so they are
+        scheduled again as any preempted request, and no token is lost or repeated.
+        """
+        self._in_flight.clear()
+        for request_id, pending in list(self._pending_finish.items()):
+            req = self.requests.get(request_id)
+            if req is not None:
+                self._finish(req, pending.reason, cancel_reason=pending.cancel_reason, error=pending.error,
+                             delivered=pending.delivered)
+        self._pending_finish.clear()
+        dropped = 0
+        for req in reversed(list(self.running)):
+            dropped += req.sequence.num_computed
+            self._preempt(req)
+        for req in self.waiting:
+            dropped += req.sequence.num_computed
+            self._drop_kv(req.sequence)
+        for session in self.sessions.values():
+            if session.active is None:
+                dropped += session.sequence.num_computed
+                self._drop_kv(session.sequence)
+        self.pool.forget_contents()
+        return dropped
+
+    def fail_all(self, error: str) -> None:
+        """Ends every request with ``error`` (a pipeline that cannot run); none may be in flight."""
+        self.finish(list(self.requests), FinishReason.ERROR, error=error)
+
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         params = req.params
         n = req.num_output_tokens + 1  # counting this token

@@ -51,6 +51,8 @@ class EngineCounters:
     generated_tokens: int = 0
     finished: Counter = field(default_factory=Counter)
     cancelled: Counter = field(default_factory=Counter)
+    kv_losses: int = 0  # times the runner lost every block's K/V (a pipeline stage)
+    recomputed_tokens: int = 0  # computed tokens dropped by those losses, recomputed from their tokens
     # Recent samples for latency reporting (seconds); bounded so memory stays flat.
     cancel_samples: int = 0  # cancel latencies recorded, ever (the deques keep the recent ones)
     cancel_latencies: deque = field(default_factory=lambda: deque(maxlen=4096))

@@ -12,12 +12,18 @@ Two sources:
   each observed once into a histogram. So every counter and every histogram's
   ``_count``/``_sum`` only grows, and ``rate()`` is right.
 
+- a pipeline's stages (read at scrape time from its ``/v1/cluster`` snapshot, off the
+  event loop): per stage compute, wait and transfer seconds, plans and restarts; the
+  pipeline's losses, recoveries, time to recover, recomputed tokens and degraded state
+  (``_ClusterCollector``).
+
 The registry is the app's own (never prometheus_client's global default), so tests and
 benchmarks can build several apps in one process. Metric names are listed in the README.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from collections import deque
@@ -30,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from bargein.engine.stats import EngineStats
+from bargein.server.cluster import cluster_snapshot
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -141,6 +148,8 @@ class ServerMetrics:
         self._live = Gauge("bargein_http_requests_live", "HTTP requests in flight.", registry=r)
         self._engine = _EngineCollector()
         r.register(self._engine)
+        self._cluster = _ClusterCollector()
+        r.register(self._cluster)
         self.cursor = SampleCursor()
 
     def record_outcome(self, endpoint: str, outcome: str) -> None:
@@ -177,6 +186,9 @@ class ServerMetrics:
             counters = engine.engine.counters
             samples = await engine.call(lambda: self.cursor.take(counters))
             self.observe_engine(stats, samples)
+            runner = getattr(engine.engine, "runner", None)
+            if getattr(runner, "pipe", None) is not None:  # a pipeline: its stages answer off the loop
+                self._cluster.info = await asyncio.to_thread(cluster_snapshot, engine.engine)
         return self.render(live_requests)
 
 
@@ -222,3 +234,53 @@ class _EngineCollector(Collector):
                                 value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
         yield GaugeMetricFamily("bargein_requests_waiting", "Requests queued (the queue length).", value=s.waiting)
         yield GaugeMetricFamily("bargein_requests_running", "Requests in the running batch.", value=s.running)
+
+
+class _ClusterCollector(Collector):
+    """A pipeline's per-stage times and its recoveries, from the last ``/v1/cluster`` snapshot."""
+
+    def __init__(self) -> None:
+        self.info: dict[str, Any] | None = None
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        info = self.info
+        if not info or not info.get("pipeline"):
+            return
+        per_stage = (
+            ("bargein_stage_compute_seconds", "Seconds each pipeline stage spent computing plans.", "busy_s"),
+            ("bargein_stage_wait_seconds", "Seconds each stage waited for the previous stage's hidden states.",
+             "wait_s"),
+            ("bargein_stage_transfer_seconds", "Of that wait, seconds from the previous stage's send to receipt.",
+             "transfer_s"),
+            ("bargein_stage_plans", "Plans each pipeline stage executed.", "plans"))
+        for name, help, key in per_stage:
+            family = CounterMetricFamily(name, help, labels=["stage"])
+            for stage in info["stages"]:
+                if key in stage:
+                    family.add_metric([str(stage["index"])], stage[key])
+            yield family
+        restarts = CounterMetricFamily("bargein_stage_restarts", "Times each pipeline stage was re-created.",
+                                       labels=["stage"])
+        for stage in info["stages"]:
+            restarts.add_metric([str(stage["index"])], stage.get("restarts", 0))
+        yield restarts
+        recovery = info.get("recovery", {})
+        for name, help, key in (
+                ("bargein_pipeline_losses", "Times pipeline stages were found lost.", "losses"),
+                ("bargein_pipeline_recoveries", "Times every lost stage was re-created.", "recoveries"),
+                ("bargein_pipeline_recover_seconds", "Seconds from noticing lost stages to running again, summed.",
+                 "recover_seconds_total"),
+                ("bargein_pipeline_recomputed_tokens", "Computed tokens dropped with a lost stage and recomputed.",
+                 "tokens_recomputed")):
+            yield CounterMetricFamily(name, help, value=recovery.get(key, 0) or 0)
+        yield GaugeMetricFamily("bargein_pipeline_last_recover_seconds", "Time the last recovery took.",
+                                value=recovery.get("last_recover_s") or 0.0)
+        yield CounterMetricFamily("bargein_pipeline_logits_transfer_seconds",
+                                  "Seconds from the last stage's send to the head having the logits.",
+                                value=info.get("logits_transfer_s", 0.0))
+        yield GaugeMetricFamily("bargein_pipeline_degraded",
+                                "1 while a lost stage could not be re-created in time (requests fail).",
+                                value=1.0 if info.get("health") == "degraded" else 0.0)

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from bargein.server.cluster import cluster_snapshot
 from bargein.server.context import Ctx
 from bargein.server.metrics import CONTENT_TYPE
 
@@ -17,9 +18,17 @@ debug_router = APIRouter()
 
 @router.get("/health")
 async def health(ctx: Ctx) -> JSONResponse:
+    """ok (200); recovering (200: a pipeline re-creates a lost stage, requests pause);
+    degraded (503: no node could host a lost stage in time; requests fail until one can,
+    and the server heals by itself); unavailable (503: shutting down or the loop died)."""
     alive = ctx.engine.is_alive and not ctx.draining
-    body = {"status": "ok" if alive else "unavailable", "model": ctx.model_name}
-    return JSONResponse(body, status_code=200 if alive else 503)
+    if not alive:
+        return JSONResponse({"status": "unavailable", "model": ctx.model_name}, status_code=503)
+    runner = ctx.engine.engine.runner_health()
+    body: dict[str, Any] = {"status": runner.state, "model": ctx.model_name}
+    if runner.message:
+        body["message"] = runner.message
+    return JSONResponse(body, status_code=503 if runner.state == "degraded" else 200)
 
 
 @router.get("/metrics")
@@ -34,7 +43,8 @@ async def cluster(ctx: Ctx) -> dict[str, Any]:
 
     Read off the event loop and off the engine thread (a pipeline asks its stages).
     """
-    return await asyncio.to_thread(ctx.engine.engine.runner.cluster_info)
+    return await asyncio.to_thread(cluster_snapshot, ctx.engine.engine)
+
 
 
 @debug_router.get("/debug/kv")
