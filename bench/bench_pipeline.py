@@ -155,7 +155,7 @@ class StandInStage:
         c = self.counters
         waited = time.perf_counter()
         if inputs is not None:
-            ray.get(inputs[0])  # (hidden states, sent at)
+            ray.get(ray.get(inputs[0])[0])  # [ref] -> (hidden states, sent at)
         started = time.perf_counter()
         if c.first_start is None:
             c.first_start = waited

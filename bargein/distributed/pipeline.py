@@ -278,7 +278,9 @@ class PipelineRunner:
         refs: list[Any] = []
         ref = None
         for actor in self.actors:
-            ref = actor.run.remote(self._seq, payload, ref)
+            # The previous stage's reference goes in a list, so Ray does not hold this call
+            # (and the heartbeat queued after it) until that stage finished: the stage waits itself.
+            ref = actor.run.remote(self._seq, payload, None if ref is None else [ref])
             refs.append(ref)
             self.traffic.plan_bytes += len(payload)
         self._in_flight.append((plan, refs, time.monotonic()))

@@ -137,8 +137,9 @@ class StageWorker:
             inputs: list[ray.ObjectRef] | None) -> list[ray.ObjectRef] | tuple[torch.Tensor, float]:
         """Executes plan number ``seq`` (pickled ``StepPlan``) on this stage's layers.
 
-        ``inputs``: None for the first stage, else ``[ref]`` to the previous stage's hidden
-        states. Returns ``[ref]`` to this stage's hidden states, or (last stage) the
+        ``inputs``: None for the first stage, else ``[ref]`` to the previous stage's result
+        (``[ref]`` to its hidden states), waited for here, not by Ray before the call, so
+        the heartbeat is never held behind a plan. Returns ``[ref]`` to this stage's hidden states, or (last stage) the
         float32 logits of the plan's sampled positions; either with the wall time they
         were sent, so the receiver measures the transfer.
         """
@@ -150,7 +151,8 @@ class StageWorker:
         waited = time.perf_counter()
         hidden = None
         if inputs is not None:
-            hidden, sent_at = ray.get(inputs[0])
+            (hidden_ref,) = ray.get(inputs[0])  # the previous stage's result: [ref to its hidden states]
+            hidden, sent_at = ray.get(hidden_ref)
             c.transfer_s += max(0.0, time.time() - sent_at)  # wall clocks: nodes' clocks are assumed in sync
         started = time.perf_counter()
         c.wait_s += started - waited

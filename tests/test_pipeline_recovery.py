@@ -1,0 +1,277 @@
+"""A lost pipeline stage costs a pause, not a conversation (issue 13, contract C8).
+
+Each test adds its own simulated nodes to the shared cluster (``tests/ray_cluster.py``),
+each offering a resource named for the test, so its pipeline runs only there and
+killing or removing them touches no other test's stages. Timeouts are short (set by
+config). Every result is compared with the single-process engine on the same file:
+greedy tokens and a seeded sampled stream token for token, and a conversation that was
+idle during the fault continues exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+
+pytest.importorskip("ray")
+
+from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
+from bargein.engine.async_engine import AsyncEngine  # noqa: E402
+from bargein.engine.engine import Engine  # noqa: E402
+from bargein.engine.request import FinishReason  # noqa: E402
+from bargein.engine.sampling import SamplingParams  # noqa: E402
+from bargein.server.app import create_app, finish_shutdown  # noqa: E402
+from bargein.server.settings import ServerSettings  # noqa: E402
+from tests.ray_cluster import MB, OBJECT_STORE_MB  # noqa: E402
+from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
+
+SPEC = TinySpec(num_layers=4)
+GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=14, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+RECOVERY_TIMEOUT_S = 3.0
+
+
+def _config(resource: str | None = None) -> EngineConfig:
+    pipeline = None if resource is None else PipelineConfig(
+        stages=2, node_resource=resource, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5,
+        step_timeout_s=5.0, recovery_timeout_s=RECOVERY_TIMEOUT_S)
+    return EngineConfig(cache=CacheConfig(block_size=4, num_blocks=48),
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
+                        device="cpu", dtype="float32", pipeline=pipeline)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(write_gguf(tmp_path_factory.mktemp("recovery") / "tiny.gguf", SPEC, tiny_weights(SPEC)))
+
+
+@pytest.fixture(scope="module")
+def local(model: str) -> Engine:
+    return Engine.from_pretrained(model, _config(), progress=False)
+
+
+class Nodes:
+    """Nodes this test added, each offering ``resource``; removed again at the end."""
+
+    def __init__(self, cluster, resource: str):
+        self.cluster, self.resource, self.nodes = cluster, resource, []
+
+    def add(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.nodes.append(self.cluster.add_node(
+                num_cpus=1, memory=300 * MB, object_store_memory=OBJECT_STORE_MB * MB,
+                resources={self.resource: 1}))
+        self.cluster.wait_for_nodes()
+
+    def remove(self, node_id: str) -> None:
+        node = next(n for n in self.nodes if n.node_id == node_id)
+        self.nodes.remove(node)
+        self.cluster.remove_node(node, allow_graceful=False)
+
+    def remove_all(self) -> None:
+        for node in list(self.nodes):
+            self.nodes.remove(node)
+            with contextlib.suppress(Exception):
+                self.cluster.remove_node(node, allow_graceful=False)
+
+
+@pytest.fixture
+def nodes(ray_cluster) -> Iterator[Nodes]:
+    added = Nodes(ray_cluster, f"recovery-{uuid.uuid4().hex[:8]}")
+    try:
+        yield added
+    finally:
+        added.remove_all()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, SPEC.vocab_size, (n,), generator=g).tolist()
+
+
+def _run(engine: Engine, ids: list[str], on_step: Callable[[dict[str, list[int]]], None] | None = None,
+         timeout_s: float = 60.0) -> dict[str, tuple[list[int], FinishReason, str | None]]:
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    done: dict[str, tuple[list[int], FinishReason, str | None]] = {}
+    ends = time.monotonic() + timeout_s
+    while len(done) < len(ids):
+        assert time.monotonic() < ends, "the engine stopped making progress"
+        for delta in engine.step().deltas:
+            if delta.request_id in tokens:
+                tokens[delta.request_id] += delta.new_token_ids
+                if delta.finished:
+                    done[delta.request_id] = (tokens[delta.request_id], delta.finish_reason, delta.error)
+        if on_step is not None:
+            on_step(tokens)
+    return done
+
+
+def _scenario(engine: Engine, fault: Callable[[], None] | None) -> tuple[list, list[int]]:
+    """A conversation's first turn, then (with ``fault`` once the greedy stream has 4
+    tokens) a greedy, a seeded sampled and a prefix-sharing stream while the
+    conversation is idle, then the conversation's second turn."""
+    session = engine.open_session(_prompt(6, 1))
+    turn1 = engine.add_request(_prompt(3, 2), GREEDY, session_id=session)
+    out = _run(engine, [turn1])
+    shared = _prompt(9, 3)
+    ids = [engine.add_request(shared + _prompt(2, 4), GREEDY), engine.add_request(_prompt(7, 5), SAMPLED),
+           engine.add_request(shared + _prompt(3, 6), GREEDY)]
+    fired = []
+
+    def on_step(tokens: dict[str, list[int]]) -> None:
+        if fault is not None and not fired and len(tokens[ids[0]]) >= 4:
+            fired.append(True)
+            fault()
+
+    out |= _run(engine, ids, on_step)
+    assert fault is None or fired
+    turn2 = engine.add_request(_prompt(2, 7), GREEDY, session_id=session)
+    out |= _run(engine, [turn2])
+    conversation = engine.session_tokens(session)
+    engine.close_session(session)
+    return [out[i] for i in [turn1, *ids, turn2]], conversation
+
+
+def _check_idle_accounting(engine: Engine) -> None:
+    engine.check_block_accounting()
+    assert engine.pool.num_referenced == 0
+    assert not engine.scheduler.requests and not engine.runner.num_in_flight
+
+
+def _pipeline(model: str, nodes: Nodes) -> Engine:
+    return Engine.from_pretrained(model, _config(nodes.resource), progress=False)
+
+
+def test_a_stage_whose_node_dies_mid_stream_is_recreated_and_every_stream_continues_token_exact(
+        model: str, local: Engine, nodes: Nodes) -> None:
+    nodes.add(3)  # two stages and a spare
+    pipe = _pipeline(model, nodes)
+    try:
+        runner = pipe.runner
+        lost_node = runner.placements[1].node_id
+        killed_at: list[float] = []
+
+        def kill_node() -> None:
+            killed_at.append(time.monotonic())
+            nodes.remove(lost_node)
+
+        want = _scenario(local, None)
+        got = _scenario(pipe, kill_node)
+        assert got == want
+        assert all(reason != FinishReason.ERROR for _, reason, _ in got[0])
+        assert runner.recovery.losses == 1 and runner.recovery.recoveries == 1
+        assert runner.recovery.restarts == [0, 1]
+        assert runner.placements[1].node_id != lost_node
+        assert runner.placements[1].node_id in {n.node_id for n in nodes.nodes}
+        assert 0 < runner.recovery.recover_seconds[0] < 30
+        assert pipe.counters.kv_losses == 1 and pipe.counters.recomputed_tokens > 0
+        assert pipe.runner_health().state == "ok"
+        info = runner.cluster_info()
+        assert info["recovery"]["recoveries"] == 1 and [s["restarts"] for s in info["stages"]] == [0, 1]
+        assert all(s["state"] == "ok" for s in info["stages"])
+        _check_idle_accounting(pipe)
+    finally:
+        pipe.close()
+
+
+def test_a_hung_stage_is_noticed_by_its_heartbeat_and_replaced(model: str, local: Engine, nodes: Nodes) -> None:
+    nodes.add(3)
+    pipe = _pipeline(model, nodes)
+    stopped: list[int] = []
+    try:
+        runner = pipe.runner
+        import ray
+
+        _, pid = ray.get(runner.actors[0].ping.remote())
+
+        def hang() -> None:  # the stage's process stops answering anything (as a frozen machine)
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+
+        want = _scenario(local, None)
+        got = _scenario(pipe, hang)
+        assert got == want
+        assert runner.recovery.recoveries == 1 and runner.recovery.restarts == [1, 0]
+        assert pipe.counters.recomputed_tokens > 0
+        _check_idle_accounting(pipe)
+    finally:
+        pipe.close()
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_without_capacity_requests_fail_clearly_and_the_server_heals_when_a_node_returns(
+        model: str, local: Engine, nodes: Nodes) -> None:
+    nodes.add(2)  # no spare: a lost stage has nowhere to go
+    pipe = _pipeline(model, nodes)
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = local.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+
+    async def main() -> None:
+        engine = AsyncEngine(pipe)
+        app = create_app(engine, ServerSettings())
+        ctx = app.state.ctx
+        ctx.loop = asyncio.get_running_loop()
+        engine.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         timeout=60) as client:
+                ok = (await client.post("/v1/completions", json=body)).json()
+                assert ok["choices"][0]["text"] == want.text
+                lost = pipe.runner.placements[1]
+                await asyncio.to_thread(nodes.remove, lost.node_id)
+                started = time.monotonic()
+                async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as streamed:
+                    events = [line async for line in streamed.aiter_lines() if line.startswith("data: ")]
+                took = time.monotonic() - started
+                assert took < 10, took
+                # The engine ends the request with finish_reason "error"; a stream carries its message.
+                error = json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+                assert events[-1] == "data: [DONE]"
+                stage = f"pipeline stage 1 (layers {lost.layers[0]}-{lost.layers[1]}) on node {lost.node_address}"
+                assert stage in error and f"no node could host it within {RECOVERY_TIMEOUT_S:g} s" in error
+                health = await client.get("/health")
+                assert health.status_code == 503 and health.json()["status"] == "degraded"
+                assert stage in health.json()["message"]
+                started = time.monotonic()
+                again = await client.post("/v1/completions", json=body)  # degraded: fails at once
+                assert time.monotonic() - started < 2
+                assert again.status_code == 500 and stage in again.json()["error"]["message"]
+                metrics = (await client.get("/metrics")).text
+                assert "bargein_pipeline_degraded 1.0" in metrics
+
+                nodes.add(1)  # capacity returns (Ray adds nodes from the main thread only): the server heals by itself
+                ends = time.monotonic() + 60
+                while (await client.get("/health")).json()["status"] != "ok":
+                    assert time.monotonic() < ends, "the pipeline did not recover"
+                    await asyncio.sleep(0.2)
+                healed = (await client.post("/v1/completions", json=body)).json()
+                assert healed["choices"][0]["finish_reason"] == "length"
+                assert healed["choices"][0]["text"] == want.text
+                info = (await client.get("/v1/cluster")).json()
+                assert info["health"] == "ok" and info["recovery"]["recoveries"] == 1
+                assert info["recovery"]["restarts"] == [0, 1]
+                metrics = (await client.get("/metrics")).text
+                assert 'bargein_stage_restarts_total{stage="1"} 1.0' in metrics
+                assert "bargein_pipeline_recoveries_total 1.0" in metrics
+                assert "bargein_pipeline_degraded 0.0" in metrics
+        finally:
+            await finish_shutdown(ctx)
+
+    try:
+        asyncio.run(main())
+        _check_idle_accounting(pipe)
+    finally:
+        pipe.close()
