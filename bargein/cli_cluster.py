@@ -39,19 +39,38 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 
 def format_cluster(info: dict[str, Any]) -> str:
-    """One line per stage: layers, node, memory, weights' origin, plans, mean step, idle."""
+    """A summary line (health, recoveries, head traffic), then one line per stage:
+    layers, node, memory, weights' origin, plans, mean step, mean transfer in, idle,
+    restarts."""
     if not info.get("pipeline"):
         return f"one process, {info.get('kv_blocks', '?')} KV blocks (no pipeline)"
     traffic = info.get("head_traffic", {})
     lines = [f"{info['num_stages']} stages, {info['max_in_flight']} micro-batches in flight, "
              f"{info['kv_blocks']} KV blocks; head traffic {traffic.get('total', 0) / 2**20:.1f} MiB"]
-    header = ("STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "IDLE")
+    recovery = info.get("recovery", {})
+    health = info.get("health", "ok")
+    summary = f"health {health}"
+    if info.get("health_message"):
+        summary += f": {info['health_message']}"
+    summary += f"; {recovery.get('recoveries', 0)} recoveries"
+    if recovery.get("last_recover_s") is not None:
+        summary += f" (last took {recovery['last_recover_s']:.1f} s)"
+    if recovery.get("tokens_recomputed"):
+        summary += f", {recovery['tokens_recomputed']} tokens recomputed"
+    lines.append(summary)
+    header = ("STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE", "RESTARTS")
     rows = []
     for s in info["stages"]:
+        if s.get("state", "ok") != "ok":  # lost, being re-created: no counters to show
+            rows.append((str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", s["node_address"],
+                         f"{s['node_memory_bytes'] / 2**30:.1f}GiB", s["state"], "-", "-", "-", "-",
+                         str(s.get("restarts", 0))))
+            continue
         step = "-" if s.get("mean_step_ms") is None else f"{s['mean_step_ms']:.1f}ms"
+        xfer = "-" if s.get("mean_transfer_ms") is None else f"{s['mean_transfer_ms']:.2f}ms"
         rows.append((str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", s["node_address"],
-                     f"{s['node_memory_bytes'] / 2**30:.1f}GiB", s["weights_from"], str(s["plans"]), step,
-                     f"{100 * s['idle_fraction']:.0f}%"))
+                     f"{s['node_memory_bytes'] / 2**30:.1f}GiB", s["weights_from"], str(s["plans"]), step, xfer,
+                     f"{100 * s['idle_fraction']:.0f}%", str(s.get("restarts", 0))))
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (header, *rows)]
     return "\n".join(lines)

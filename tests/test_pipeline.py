@@ -248,7 +248,7 @@ def test_cancel_mid_prefill_stops_every_stage(setup: Setup) -> None:
 
 def test_v1_cluster_lists_the_stages_and_the_server_answers_through_the_pipeline(setup: Setup) -> None:
     """Last for each set-up: the server's engine thread takes the engine over."""
-    async def main() -> tuple[dict, dict, dict]:
+    async def main() -> tuple[dict, dict, dict, str]:
         engine = AsyncEngine(setup.pipe)
         app = create_app(engine, ServerSettings())
         ctx = app.state.ctx
@@ -260,23 +260,37 @@ def test_v1_cluster_lists_the_stages_and_the_server_answers_through_the_pipeline
                     "model": "tiny", "prompt": "Hello world", "max_tokens": 5, "temperature": 0,
                     "ignore_eos": True})).json()
                 info = (await client.get("/v1/cluster")).json()
+                metrics = (await client.get("/metrics")).text
                 local = create_app(AsyncEngine(setup.local), ServerSettings())
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=local), base_url="http://l") as one:
                     single = (await one.get("/v1/cluster")).json()
-            return answer, info, single
+            return answer, info, single, metrics
         finally:
             await finish_shutdown(ctx)
 
-    answer, info, single = asyncio.run(main())
+    answer, info, single, metrics = asyncio.run(main())
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("bargein_stage_") or line.startswith("bargein_pipeline_")}
+    for i in range(len(setup.ranges)):
+        assert samples[f'bargein_stage_compute_seconds_total{{stage="{i}"}}'] > 0
+        assert samples[f'bargein_stage_plans_total{{stage="{i}"}}'] > 0
+        assert samples[f'bargein_stage_restarts_total{{stage="{i}"}}'] == 0
+    assert samples['bargein_stage_transfer_seconds_total{stage="1"}'] > 0
+    assert samples["bargein_pipeline_degraded"] == 0 and samples["bargein_pipeline_recoveries_total"] == 0
     assert answer["usage"]["completion_tokens"] == 5
     assert info["pipeline"] is True and info["num_stages"] == len(setup.ranges)
     assert [tuple(s["layers"]) for s in info["stages"]] == list(setup.ranges)
     assert [s["weights_from"] for s in info["stages"]].count("head") == 1
     assert all(s["plans"] > 0 and s["mean_step_ms"] > 0 for s in info["stages"])
     assert info["head_traffic"]["weights_shipped_bytes"] == setup.stored_bytes
+    assert info["health"] == "ok" and info["recovery"]["recoveries"] == 0
+    assert all(s["transfer_s"] >= 0 and s["restarts"] == 0 for s in info["stages"])
+    assert info["stages"][0]["mean_transfer_ms"] is None  # the first stage receives no hidden states
+    assert all(s["mean_transfer_ms"] > 0 for s in info["stages"][1:])
     table = format_cluster(info).splitlines()
-    assert len(table) == 2 + len(setup.ranges) and table[1].split() == [
-        "STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "IDLE"]
+    assert len(table) == 3 + len(setup.ranges) and table[1] == "health ok; 0 recoveries"
+    assert table[2].split() == ["STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE",
+                                "RESTARTS"]
     assert single == {"object": "cluster", "pipeline": False, "num_stages": 1, "max_in_flight": 1,
                       "kv_blocks": 40, "stages": [{"index": 0, "layers": [0, 6], "node_address": "local",
                                                    "device": "cpu"}]}
