@@ -25,7 +25,7 @@ from bargein.distributed.pipeline import PipelineRunner  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.plan import ScheduledChunk, StepPlan  # noqa: E402
-from bargein.engine.request import FinishReason  # noqa: E402
+from bargein.engine.request import CancelReason, FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.app import create_app, finish_shutdown  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
@@ -243,6 +243,100 @@ def test_cancel_mid_prefill_stops_every_stage(setup: Setup) -> None:
     assert got[rid] == ([], FinishReason.CANCELLED)
     _check_stages_stopped(engine, rid, seen["last"])
     assert len(engine.runner.stage_counters()[0].steps_with(rid)) == 1  # one chunk of four
+    _check_idle_accounting(engine)
+
+
+class _IssuedPlans:
+    """Records, at the head, every plan step submitted with a given request (engine thread)."""
+
+    def __init__(self, engine: Engine, request_id: str | None = None):
+        self.runner, self.request_id, self.steps = engine.runner, request_id, []
+        submit = self.runner.submit
+
+        def recording_submit(plan: StepPlan) -> None:
+            if any(c.request_id == self.request_id for c in plan.chunks):
+                self.steps.append(plan.step)
+            submit(plan)
+
+        self.runner.submit = recording_submit
+
+    def close(self) -> None:
+        del self.runner.submit
+
+
+def test_a_deadline_cancel_reaches_every_stage(setup: Setup) -> None:
+    """The deadline passes mid-decode: the request ends cancelled (deadline) at the next
+    step boundary, and every stage computed exactly the plans the head issued before it."""
+    engine = setup.pipe
+    rid = engine.add_request(_prompt(6, 40), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
+                             timeout=0.6)
+    issued = _IssuedPlans(engine, rid)
+    expire = engine.scheduler.expire_deadlines
+    at_cancel: list[list[int]] = []
+
+    def expire_and_record(now=None):
+        expire(now)
+        if not at_cancel and (rid in engine.scheduler._pending_finish or rid not in engine.scheduler.requests):
+            at_cancel.append(list(issued.steps))  # the plans issued up to the boundary that applied it
+
+    engine.scheduler.expire_deadlines = expire_and_record
+    try:
+        tokens, reason = _run(engine, [rid])[rid]
+    finally:
+        del engine.scheduler.expire_deadlines
+        issued.close()
+    assert reason == FinishReason.CANCELLED and 0 < len(tokens) < 400
+    assert at_cancel and issued.steps == at_cancel[0], "a plan issued after the deadline held the request"
+    logs = [c.steps_with(rid) for c in engine.runner.stage_counters()]
+    assert logs == [issued.steps] * len(logs)
+    _check_idle_accounting(engine)
+
+
+def test_a_client_disconnect_reaches_every_stage(setup: Setup) -> None:
+    """The consumer of an AsyncEngine stream walks away (the server's disconnect route):
+    cancelled with reason disconnect; every stage computed exactly the plans the head
+    issued, and none was issued after the abort except one scheduled in the same boundary."""
+    engine = setup.pipe
+    issued = _IssuedPlans(engine)
+    at_abort: list[list[int]] = []
+    abort = engine.abort
+
+    def abort_and_record(request_id, reason=CancelReason.USER, **kwargs):
+        at_abort.append(list(issued.steps))
+        return abort(request_id, reason, **kwargs)
+
+    engine.abort = abort_and_record
+    finals = []
+
+    async def main() -> None:
+        async_engine = AsyncEngine(engine).start()
+        try:
+            rid, stream = async_engine.submit(_prompt(6, 41), SamplingParams(max_tokens=400, temperature=0,
+                                                                              ignore_eos=True))
+            issued.request_id = rid
+            received = 0
+            async for out in async_engine.stream(rid, stream):
+                received += len(out.new_token_ids)
+                if received >= 5:
+                    break  # as a server does when its client hangs up
+            while engine.live_request_ids():
+                await asyncio.sleep(0.01)
+            finals.append(rid)
+        finally:
+            async_engine._stopping.set()
+            engine.wake()
+            await asyncio.to_thread(async_engine._thread.join, 10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        del engine.abort
+        issued.close()
+    rid = finals[0]
+    assert engine.counters.cancelled["disconnect"] >= 1
+    assert at_abort and len(issued.steps) - len(at_abort[0]) <= 1, (issued.steps, at_abort)
+    logs = [c.steps_with(rid) for c in engine.runner.stage_counters()]
+    assert logs == [issued.steps] * len(logs)
     _check_idle_accounting(engine)
 
 
