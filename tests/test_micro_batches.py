@@ -13,7 +13,7 @@ from collections import deque
 import pytest
 
 from bargein.engine.request import FinishReason
-from bargein.engine.runner import StepResult
+from bargein.engine.runner import KVLost, RunnerHealth, StepResult
 from bargein.engine.sampling import SamplingParams
 from tests.tiny_engine import prompt, tiny_engine
 
@@ -101,3 +101,120 @@ def test_a_cancel_drops_the_token_of_the_plan_in_flight_and_no_later_plan_holds_
     assert not any(rid in ids for ids in runner.plans[plans_at_abort:])
     engine.check_block_accounting()
     assert engine.pool.num_referenced == 0
+
+
+class LosingRunner(HoldingRunner):
+    """Loses every block's K/V once (as a pipeline whose stage died): at the ``lose_at``-th
+    collect it scrambles the caches, drops the plans in flight and raises KVLost, then
+    says "recovering" for ``pause`` checks before it is "ok" again; or, with ``give_up``,
+    "degraded" until ``heal()``."""
+
+    def __init__(self, inner, n: int, lose_at: int, pause: int = 3, give_up: bool = False):
+        super().__init__(inner, n)
+        self.lose_at, self.pause, self.give_up = lose_at, pause, give_up
+        self.collects = 0
+        self.state = "ok"
+
+    def collect(self) -> StepResult:
+        self.collects += 1
+        if self.collects == self.lose_at:
+            for caches in self.inner.kv_caches:
+                for cache in caches:
+                    for t in (cache.k, cache.v):
+                        t.normal_()  # whatever is read from the old K/V now is garbage
+            self.held.clear()
+            self.state = "degraded" if self.give_up else "recovering"
+            raise KVLost("stage 1 (layers 1-2) on node n1 was lost")
+        return super().collect()
+
+    def health(self) -> RunnerHealth:
+        if self.state == "recovering":
+            self.pause -= 1
+            if self.pause <= 0:
+                self.state = "ok"
+        return RunnerHealth(self.state, None if self.state == "ok" else "stage 1 (layers 1-2) on node n1 was lost")
+
+    def wait_ready(self, timeout: float) -> bool:
+        return self.state == "ok"
+
+    def heal(self) -> None:
+        self.state = "ok"
+
+
+def _conversation(engine, params, between=None):
+    """A conversation's turn, then three streams (the conversation idle), then its next turn."""
+    session = engine.open_session(prompt(7, 20))
+    first = _generate_on(engine, [(prompt(3, 21), session)], params)
+    streams = _generate_on(engine, [(p, None) for p in (prompt(10, 22), prompt(10, 22)[:8] + prompt(5, 23),
+                                                        prompt(6, 24))], params)
+    second = _generate_on(engine, [(prompt(2, 25), session)], params)
+    tokens = engine.session_tokens(session)
+    engine.close_session(session)
+    return first, streams, second, tokens
+
+
+def _generate_on(engine, turns, params):
+    ids = [engine.add_request(p, params, session_id=s) for p, s in turns]
+    out = {i: [] for i in ids}
+    done = {}
+    while len(done) < len(ids):
+        for d in engine.step().deltas:
+            out[d.request_id] += d.new_token_ids
+            if d.finished:
+                done[d.request_id] = d.finish_reason
+    return [(out[i], done[i]) for i in ids]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_lost_kv_cache_is_recomputed_from_tokens_and_gives_the_same_tokens(sampled: bool) -> None:
+    params = (SamplingParams(max_tokens=9, temperature=0.8, seed=99, ignore_eos=True) if sampled
+              else SamplingParams(max_tokens=9, temperature=0, ignore_eos=True))
+    want = _conversation(tiny_engine(num_blocks=40, max_num_batched_tokens=16), params)
+    engine = tiny_engine(num_blocks=40, max_num_batched_tokens=16)
+    runner = engine.runner = LosingRunner(engine.runner, 2, lose_at=9)
+    got = _conversation(engine, params)
+    assert runner.collects > runner.lose_at  # the loss happened while the streams ran
+    assert got == want
+    assert engine.counters.kv_losses == 1 and engine.counters.recomputed_tokens > 0
+    engine.check_block_accounting()
+    assert engine.pool.num_referenced == 0
+
+
+def test_a_loss_forgets_every_cached_block_and_every_idle_conversation_s_kv() -> None:
+    engine = tiny_engine(num_blocks=40)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    session = engine.open_session(prompt(9, 30))
+    _generate_on(engine, [(prompt(2, 31), session)], params)
+    _generate_on(engine, [(prompt(13, 32), None)], params)  # leaves cached blocks behind
+    assert engine.pool.num_cached > 0 and engine.scheduler.sessions[session].sequence.num_computed > 0
+    rid = engine.add_request(prompt(5, 33), params)
+    engine.runner = LosingRunner(engine.runner, 1, lose_at=1, pause=1)
+    engine.step()  # its plan is lost
+    seq = engine.scheduler.requests[rid].sequence
+    assert seq.num_computed == 0 and not seq.block_table.block_ids
+    assert engine.scheduler.sessions[session].sequence.num_computed == 0
+    assert engine.pool.num_cached == 0 and engine.pool.num_free == engine.pool.num_blocks
+    engine.check_block_accounting()
+    assert engine.counters.recomputed_tokens == 9 + 2 + 4 - 1  # the idle conversation's computed tokens
+    engine.close_session(session)
+
+
+def test_a_runner_that_gives_up_fails_requests_with_its_message_and_serves_again_once_healed() -> None:
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = _generate(tiny_engine(), [prompt(5, 40)], params)
+    engine = tiny_engine()
+    runner = engine.runner = LosingRunner(engine.runner, 2, lose_at=3, give_up=True)
+    ids = [engine.add_request(p, params) for p in (prompt(5, 41), prompt(6, 42))]
+    errors = {}
+    while len(errors) < len(ids):
+        for d in engine.step().deltas:
+            if d.finished:
+                errors[d.request_id] = (d.finish_reason, d.error)
+    assert set(errors.values()) == {(FinishReason.ERROR, "stage 1 (layers 1-2) on node n1 was lost")}
+    late = engine.add_request(prompt(5, 43), params)  # still degraded: fails at once, no compute
+    collects = runner.collects
+    outcome = engine.step()
+    assert [(d.request_id, d.finish_reason) for d in outcome.deltas if d.finished] == [(late, FinishReason.ERROR)]
+    assert runner.collects == collects
+    runner.heal()
+    assert _generate(engine, [prompt(5, 40)], params) == want
