@@ -111,6 +111,12 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                          help="layer range of each stage (default: split by each node's memory)")
     cluster.add_argument("--micro-batches", type=int, default=None, metavar="N",
                          help="plans in flight at once (default: one per stage)")
+    cluster.add_argument("--stage-recovery-timeout", type=float, default=30.0, metavar="S",
+                         help="how long a lost stage may take to be re-created before its requests fail "
+                              "(default: %(default)s)")
+    cluster.add_argument("--stage-resource", default=None, metavar="NAME",
+                         help="run stages only on nodes offering this Ray resource "
+                              "(ray start --resources='{\"NAME\": 1}')")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -135,7 +141,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
             pipeline=None if args.ray is None else PipelineConfig(
                 stages=args.pipeline_stages, ray_address=args.ray, micro_batches=args.micro_batches,
-                stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers)))
+                stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),
+                recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource))
         if config.pipeline is None:  # a pipeline's stages resolve the device on their own nodes
             resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
     except PipelineSetupError as exc:
