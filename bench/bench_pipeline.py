@@ -8,7 +8,11 @@ processes sharing its cores:
    plan's time at the head minus the stages' compute, one plan in flight) in ms and as
    a share of the step; each stage's idle share with one plan in flight and with one
    micro-batch per stage.
-2. **Stand-in stages** that take a fixed time per token (``--token-ms``, sleeping, so 2
+2. **Recovery** from a killed stage (the last stage's actor is killed mid-stream, 8
+   streams, median of ``--recoveries`` runs): time until the head noticed, time to
+   re-create the stage, the pause the streams saw (kill -> next token), and the tokens
+   recomputed; every run's tokens are checked against the fault-free run.
+3. **Stand-in stages** that take a fixed time per token (``--token-ms``, sleeping, so 2
    cores don't limit them): 2, 3 and 4 stages at 32 streams, one plan in flight and one
    micro-batch per stage, against the ideal (every stage always busy: 1000 / token_ms
    tokens/s).
@@ -125,8 +129,53 @@ def real_model(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
                     r | stage_report(runner, head_s))
         for setup, results in runs.items():
             rows.append({"setup": setup, "streams": streams, **_medians(results)})
+    recovery = recover_runs(pipe, args.recoveries, args.tokens)
     pipe.close()
-    return rows, {"model": pipe.model_name, "traffic": vars(runner.traffic)}
+    return rows, {"model": pipe.model_name, "traffic": vars(runner.traffic), "recovery": recovery}
+
+
+def recover_runs(engine: Engine, runs: int, max_tokens: int) -> dict[str, Any]:
+    """Kills the last stage's actor once each run, after every stream has 4 tokens."""
+    runner: PipelineRunner = engine.runner
+    runner.max_in_flight = 2
+    params = SamplingParams(max_tokens=max(8, max_tokens), temperature=0, ignore_eos=True)
+    prompts = _prompts(8, 16, engine.model_config.vocab_size)
+
+    def generate(kill: bool) -> tuple[list[list[int]], dict[str, float]]:
+        ids = [engine.add_request(p, params) for p in prompts]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        done: set[str] = set()
+        times: dict[str, float] = {}
+        losses = engine.counters.kv_losses
+        while len(done) < len(ids):
+            outcome = engine.step()
+            now = time.perf_counter()
+            for d in outcome.deltas:
+                tokens[d.request_id] += d.new_token_ids
+                if d.new_token_ids and "killed" in times and "noticed" in times and "resumed" not in times:
+                    times["resumed"] = now
+                if d.finished:
+                    done.add(d.request_id)
+            if "killed" in times and "noticed" not in times and engine.counters.kv_losses > losses:
+                times["noticed"] = now
+            if kill and "killed" not in times and all(len(t) >= 4 for t in tokens.values()):
+                ray.kill(runner.actors[-1])  # as a process killed on its node
+                times["killed"] = time.perf_counter()
+        return [tokens[i] for i in ids], times
+
+    want, _ = generate(kill=False)
+    samples = []
+    for _ in range(runs):
+        recomputed = engine.counters.recomputed_tokens
+        got, times = generate(kill=True)
+        assert got == want, "a recovered run gave other tokens than the fault-free run"
+        samples.append({"detect_s": times["noticed"] - times["killed"],
+                        "recreate_s": runner.recovery.recover_seconds[-1],
+                        "pause_s": times["resumed"] - times["killed"],
+                        "tokens_recomputed": engine.counters.recomputed_tokens - recomputed})
+    engine.check_block_accounting()
+    return {"runs": runs, "streams": len(prompts), "same_tokens": True, **_medians(samples),
+            "samples": samples}
 
 
 def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -150,7 +199,7 @@ class StandInStage:
         self.last, self.token_s, self.hidden, self.vocab = last, token_s, hidden, vocab
         self.counters = StageCounters(index, (index, index + 1), "", "none", 0)
 
-    def run(self, seq: int, payload: bytes, inputs: list | None) -> Any:
+    def run(self, seq: int, payload: bytes, inputs: list | None, rows: Any = None) -> Any:
         plan = pickle.loads(payload)
         c = self.counters
         waited = time.perf_counter()
@@ -161,7 +210,7 @@ class StandInStage:
             c.first_start = waited
         time.sleep(self.token_s * plan.num_tokens)
         c.plans += 1
-        out = ((torch.zeros(len(plan.sampled), self.vocab), time.time()) if self.last
+        out = ((torch.zeros(len(plan.sampled), self.vocab), None, time.time()) if self.last
                else [ray.put((torch.zeros(plan.num_tokens, self.hidden), time.time()))])
         c.last_end = time.perf_counter()
         c.busy_s += c.last_end - started
@@ -193,9 +242,11 @@ def stand_in(args: Any) -> list[dict[str, Any]]:
     rows = []
     for n in (2, 3, 4):
         actors = [actor.remote(i, i == n - 1, token_s, config.hidden_size, config.vocab_size) for i in range(n)]
+        ray.get([a.read_counters.remote() for a in actors])  # started: a plan's wait is not start-up
         placements = [StagePlacement(i, (i, i + 1), "", "local", 0) for i in range(n)]
-        runner = PipelineRunner(actors, placements, config, 512, 16,
-                                EngineConfig(pipeline=PipelineConfig(stages=n, micro_batches=n + 1)), HeadTraffic())
+        # A stand-in answers the heartbeat on its one thread: allow it the time of a queue of plans.
+        pipe = PipelineConfig(stages=n, micro_batches=n + 1, heartbeat_timeout_s=60)
+        runner = PipelineRunner(actors, placements, config, 512, 16, EngineConfig(pipeline=pipe), HeadTraffic())
         engine = Engine(runner, _Tokens(), EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512)))
         for micro in (1, n, n + 1):
             runner.max_in_flight = micro
@@ -216,9 +267,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--token-ms", type=float, default=1.0, help="stand-in stage time per token")
     parser.add_argument("--stand-in-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3, help="side-by-side repeats (default: %(default)s)")
+    parser.add_argument("--recoveries", type=int, default=5, help="killed-stage runs (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.tokens, args.stand_in_tokens, args.repeats = 8, 8, 1
+        args.tokens, args.stand_in_tokens, args.repeats, args.recoveries = 8, 8, 1, 1
     apply_threads(args.threads)
     result: dict[str, Any] = {"machine": machine_info()}
     rows, info = real_model(args)  # starts Ray here (2 CPUs: one per stage)
@@ -227,8 +279,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["machine_end"] = machine_info()
     real_cols = ["setup", "streams", "tok_s", "decode_tok_s", "median_step_ms", "overhead_ms", "overhead_pct",
                  "stage_idle_pct"]
+    rec = info["recovery"]
+    recovery_cols = ["detect_s", "recreate_s", "pause_s", "tokens_recomputed"]
     emit("bench_pipeline", [("real model (tokens/s, per-step overhead, stage idle %)",
                              format_table(rows, real_cols)),
+                            (f"recovery from a killed last stage, {rec['streams']} streams, median of {rec['runs']}",
+                             format_table([{k: rec[k] for k in recovery_cols}], recovery_cols)),
                             (f"stand-in stages, {args.token_ms} ms per token per stage, 32 streams",
                              format_table(stand))], result, args.json)
     ray.shutdown()

@@ -218,3 +218,25 @@ def test_a_runner_that_gives_up_fails_requests_with_its_message_and_serves_again
     assert runner.collects == collects
     runner.heal()
     assert _generate(engine, [prompt(5, 40)], params) == want
+
+
+def test_plain_rows_sampled_where_the_logits_are_pick_the_sampler_s_tokens() -> None:
+    """A pipeline's last stage picks plain rows' tokens (``sample_rows``); they must be the
+    tokens ``Sampler.sample`` picks on the head, greedy and seeded alike."""
+    import torch
+
+    from bargein.engine.sampler import Sampler, SamplingState, row_sampling, sample_rows
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=g) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=1.3, top_k=20, seed=2), SamplingParams(temperature=0.9, top_p=0.8, seed=3),
+              SamplingParams(temperature=1.0, min_p=0.1, seed=4), SamplingParams(temperature=0.5, seed=5, logprobs=2)]
+    states = [SamplingState.create(p, [1, 2, 3]) for p in params]
+    for state, n in zip(states, range(6), strict=True):
+        state.output_token_ids.extend(range(n))  # different token indices
+    want = [t.token_id for t in Sampler().sample(logits, states)]
+    rows = [row_sampling(s) for s in states]
+    assert rows[-1] is None  # logprobs: the head samples it
+    assert sample_rows(logits[:5], rows[:5]) == want[:5]
+    assert sample_rows(logits[1:2], rows[1:2]) == want[1:2]  # alone or in a batch alike

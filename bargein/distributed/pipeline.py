@@ -2,7 +2,9 @@
 
 ``submit(plan)`` pickles the plan once and hands it to every stage, chaining the calls
 by object references (stage k's hidden states go to stage k+1 through the object store,
-never through this process); ``collect()`` waits for the oldest plan's logits. Up to
+never through this process); ``collect()`` waits for the oldest plan's logits. Plain
+sampled rows (``sampler.row_sampling``: no grammar, penalties or logprobs) are sampled
+on the last stage, which sends their token ids instead of their logits rows. Up to
 ``max_in_flight`` plans (micro-batches) are in flight; the engine's scheduler never puts
 a sequence in two of them, and every stage runs plans in submission order.
 
@@ -34,6 +36,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -51,6 +54,7 @@ from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
 from bargein.engine.device import resolve_dtype
 from bargein.engine.plan import StepPlan
 from bargein.engine.runner import KVLost, RunnerHealth, StepFailed, StepResult
+from bargein.engine.sampler import RowSampling
 from bargein.loader.source import ModelSource
 
 try:
@@ -184,6 +188,9 @@ class PipelineRunner:
         self.source = source
         self.node_path = node_path or (str(source.path) if source is not None else "")
         self._in_flight: deque[tuple[StepPlan, list[Any], float]] = deque()
+        # Set by the engine: a sampled row's RowSampling if it is plain. The last stage
+        # then picks its token and sends an integer instead of a row of logits.
+        self.row_sampling: Callable[[str], RowSampling | None] | None = None
         self._seq = 0
         self.collect_wait_s = 0.0  # time the head spent waiting for logits
         self.logits_transfer_s = 0.0  # of that, from the last stage's send to the logits being here
@@ -273,16 +280,23 @@ class PipelineRunner:
             raise RuntimeError(f"{self.max_in_flight} plans are in flight: collect() one first")
         if not self._ready.is_set():
             raise RuntimeError(self._lost_message or "the pipeline is recovering a lost stage")
+        rows = None
+        if self.row_sampling is not None:
+            rows = tuple(self.row_sampling(c.request_id) for c in plan.sampled)
+            rows = rows if any(r is not None for r in rows) else None
         payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         self._seq += 1
         refs: list[Any] = []
         ref = None
-        for actor in self.actors:
+        last = len(self.actors) - 1
+        for i, actor in enumerate(self.actors):
             # The previous stage's reference goes in a list, so Ray does not hold this call
             # (and the heartbeat queued after it) until that stage finished: the stage waits itself.
-            ref = actor.run.remote(self._seq, payload, None if ref is None else [ref])
+            ref = actor.run.remote(self._seq, payload, None if ref is None else [ref], rows if i == last else None)
             refs.append(ref)
             self.traffic.plan_bytes += len(payload)
+        if rows is not None:
+            self.traffic.plan_bytes += len(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
         self._in_flight.append((plan, refs, time.monotonic()))
 
     def collect(self) -> StepResult:
@@ -300,15 +314,15 @@ class PipelineRunner:
             self._wait_for(refs, submitted)
             self._in_flight.popleft()
             try:
-                logits, sent_at = ray.get(refs[-1])
+                logits, tokens, sent_at = ray.get(refs[-1])
             except ray.exceptions.RayError as exc:
                 self._check_stages()  # a dead stage is a loss (KVLost), not this plan's failure
                 raise StepFailed(plan, f"a pipeline stage failed: {_first_line(exc)}") from exc
         finally:
             self.collect_wait_s += time.perf_counter() - waited
         self.logits_transfer_s += max(0.0, time.time() - sent_at)
-        self.traffic.logits_bytes += logits.numel() * logits.element_size()
-        return StepResult(plan, logits)
+        self.traffic.logits_bytes += logits.numel() * logits.element_size() + 8 * len(tokens or ())
+        return StepResult(plan, logits, tokens)
 
     def _wait_for(self, refs: list[Any], submitted: float) -> None:
         """Waits for the plan's last stage, with a heartbeat while it takes long and
@@ -345,7 +359,11 @@ class PipelineRunner:
     # -- recovery (its own thread) ---------------------------------------------------------
     def _recover(self, indices: list[int]) -> None:
         """Re-creates each lost stage where Ray finds room, retrying until it is ready or
-        the runner closes; then the pipeline is "ok" again."""
+        the runner closes; then the pipeline is "ok" again. A runner built without a
+        model source (stand-in stages in a benchmark) cannot re-create: it stays degraded."""
+        if self.source is None:
+            log.error("pipeline stages %s cannot be re-created: the runner has no model source", indices)
+            return
         for i in indices:
             while not self._closing.is_set():
                 try:

@@ -44,6 +44,7 @@ from bargein.distributed.weights import Fingerprint, has_model_copy, materialize
 from bargein.engine.device import resolve_device, resolve_dtype
 from bargein.engine.plan import StepPlan
 from bargein.engine.runner import plan_inputs
+from bargein.engine.sampler import RowSampling, sample_rows
 from bargein.kernels.ops import resolve_kernels
 from bargein.loader import load_weights
 from bargein.loader.source import ModelSource
@@ -133,15 +134,17 @@ class StageWorker:
         self.caches = self.stage.make_kv_caches(num_blocks, block_size)
         self.block_size = block_size
 
-    def run(self, seq: int, payload: bytes,
-            inputs: list[ray.ObjectRef] | None) -> list[ray.ObjectRef] | tuple[torch.Tensor, float]:
+    def run(self, seq: int, payload: bytes, inputs: list[ray.ObjectRef] | None,
+            rows: tuple[RowSampling | None, ...] | None = None) -> list[ray.ObjectRef] | tuple:
         """Executes plan number ``seq`` (pickled ``StepPlan``) on this stage's layers.
 
         ``inputs``: None for the first stage, else ``[ref]`` to the previous stage's result
         (``[ref]`` to its hidden states), waited for here, not by Ray before the call, so
         the heartbeat is never held behind a plan. Returns ``[ref]`` to this stage's hidden states, or (last stage) the
-        float32 logits of the plan's sampled positions; either with the wall time they
-        were sent, so the receiver measures the transfer.
+        float32 logits of the plan's sampled positions, as ``(logits, tokens, sent at)``:
+        with ``rows`` (last stage), the plain rows' tokens are picked here (``tokens``:
+        plan row -> token id) and ``logits`` holds only the other rows. Either result
+        carries the wall time it was sent, so the receiver measures the transfer.
         """
         c = self.counters
         if seq <= c.last_seq:
@@ -170,7 +173,12 @@ class StageWorker:
         c.tokens += plan.num_tokens
         c.executed.append((plan.step, tuple(ch.request_id for ch in plan.chunks)))
         if self.stage.is_last:
-            result: list[ray.ObjectRef] | tuple[torch.Tensor, float] = (out, time.time())
+            tokens = None
+            if rows is not None:
+                plain = [i for i, r in enumerate(rows) if r is not None]
+                tokens = dict(zip(plain, sample_rows(out[plain], [rows[i] for i in plain]), strict=True))
+                out = out[[i for i, r in enumerate(rows) if r is None]]
+            result: list[ray.ObjectRef] | tuple = (out, tokens, time.time())
         else:
             c.hidden_bytes_out += out.numel() * out.element_size()
             result = [ray.put((out, time.time()))]

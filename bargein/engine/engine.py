@@ -59,8 +59,8 @@ from bargein.engine.request import (
     Sequence as TokenSequence,
 )
 from bargein.engine.request_ids import IdInUse
-from bargein.engine.runner import KVLost, ModelRunner, Runner, RunnerHealth, StepFailed
-from bargein.engine.sampler import Sampler, SamplingState
+from bargein.engine.runner import KVLost, ModelRunner, Runner, RunnerHealth, StepFailed, StepResult
+from bargein.engine.sampler import RowSampling, SampledToken, Sampler, SamplingState, row_sampling
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
 from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo
@@ -101,6 +101,8 @@ class Engine:
         self.counters = EngineCounters()
         self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
         self._held: EngineMessage | None = None  # taken by wait_for_work, handled first by the next drain
+        if hasattr(self.runner, "row_sampling"):  # a runner that samples plain rows where the logits are
+            self.runner.row_sampling = self._row_sampling
 
     def _local_runner(self, stages: LlamaStage | Sequence[LlamaStage]) -> ModelRunner:
         stages = [stages] if isinstance(stages, LlamaStage) else list(stages)
@@ -300,23 +302,42 @@ class Engine:
             return self._outcome()
         plan = result.plan
         try:
-            # close_session may have ended a request of a plan still in flight: skip it.
-            rows = [i for i, c in enumerate(plan.sampled) if c.request_id in self.scheduler.requests]
-            chunks = [plan.sampled[i] for i in rows]
-            logits = result.logits if len(rows) == len(plan.sampled) else result.logits[rows]
-            states = [self.scheduler.requests[c.request_id].sampling for c in chunks]
-            tokens = self.sampler.sample(logits, states)
+            sampled = self._sample(result)
         except Exception as exc:
             log.exception("step %d failed", plan.step)
             self.scheduler.fail_step(plan, f"the model step failed: {type(exc).__name__}: {exc}")
             return self._outcome()
-        sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
         self.counters.step_durations.append(time.perf_counter() - started)
         self.counters.steps += 1
         self._drain_inbox()  # cancels that arrived during the forward (C1)
         self.scheduler.expire_deadlines()
         self.scheduler.update(plan, sampled)
         return self._outcome()
+
+    def _sample(self, result: StepResult) -> dict[str, SampledToken]:
+        """Each live sampling chunk's token: picked by the runner (plain rows of a
+        pipeline's last stage) or sampled here from its logits row."""
+        plan = result.plan
+        chosen = result.tokens or {}
+        # close_session may have ended a request of a plan still in flight: skip it.
+        live = [i for i, c in enumerate(plan.sampled) if c.request_id in self.scheduler.requests]
+        sampled = {plan.sampled[i].request_id: SampledToken(chosen[i], None, ()) for i in live if i in chosen}
+        need = [i for i in live if i not in chosen]
+        if not need:
+            return sampled
+        logit_rows = [i for i in range(len(plan.sampled)) if i not in chosen]  # rows result.logits holds
+        where = {row: k for k, row in enumerate(logit_rows)}
+        picks = [where[i] for i in need]
+        logits = result.logits if picks == list(range(len(logit_rows))) else result.logits[picks]
+        chunks = [plan.sampled[i] for i in need]
+        states = [self.scheduler.requests[c.request_id].sampling for c in chunks]
+        tokens = self.sampler.sample(logits, states)
+        return sampled | {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
+
+    def _row_sampling(self, request_id: str) -> RowSampling | None:
+        """For a runner that picks plain rows' tokens itself (engine thread, at submit)."""
+        req = self.scheduler.requests.get(request_id)
+        return None if req is None or req.sampling is None else row_sampling(req.sampling)
 
     def runner_health(self) -> RunnerHealth:
         """The runner's health (a pipeline may be re-creating a lost stage); any thread."""

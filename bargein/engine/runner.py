@@ -34,10 +34,15 @@ from bargein.model.llama import LlamaStage
 
 @dataclass(frozen=True)
 class StepResult:
-    """A plan that ran, and float32 logits of its sampled positions (len(plan.sampled), vocab)."""
+    """A plan that ran, and float32 logits of its sampled positions (len(plan.sampled), vocab).
+
+    A runner may pick plain rows' tokens itself (``tokens``: plan row -> token id, as
+    ``sampler.sample_rows`` does); ``logits`` then holds only the other rows, in plan order.
+    """
 
     plan: StepPlan
     logits: torch.Tensor
+    tokens: dict[int, int] | None = None
 
 
 class StepFailed(Exception):

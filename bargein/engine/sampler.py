@@ -209,6 +209,47 @@ def _plain_greedy(state: SamplingState) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class RowSampling:
+    """Everything a *plain* row's token depends on besides its logits: the params that
+    truncate it and its random stream's key. Plain: no grammar, logit bias, penalties,
+    logprobs, nor eos masking now, so ``sample_rows`` picks exactly the token that
+    ``Sampler.sample`` would, anywhere (a pipeline's last stage picks it there and sends
+    one integer instead of a row of logits)."""
+
+    params: SamplingParams
+    seed: int
+    token_index: int  # tokens the request has kept so far
+
+
+def row_sampling(state: SamplingState) -> RowSampling | None:
+    """The row's ``RowSampling`` if it is plain, else None (the head samples it)."""
+    p = state.params
+    plain = (state.grammar is None and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+             and not (state.masks_eos and (state.eos_token_ids or p.stop_token_ids)))
+    return RowSampling(p, state.seed, len(state.output_token_ids)) if plain else None
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
+    """The tokens ``Sampler.sample`` picks for plain rows (same truncation, same noise)."""
+    logits = logits.float()
+    if all(r.params.greedy for r in rows):
+        return logits.argmax(dim=-1).tolist()
+    kept = truncate_logits(logits, [r.params for r in rows])
+    noise = []
+    tiny = torch.finfo(torch.float32).tiny
+    for r in rows:
+        if r.params.greedy:
+            noise.append(torch.zeros(logits.shape[-1], device=logits.device))
+            continue
+        g = torch.Generator(device=logits.device)
+        g.manual_seed(stream_seed(r.seed, r.token_index))
+        uniform = torch.rand(logits.shape[-1], generator=g, device=logits.device)
+        noise.append(-(-uniform.clamp_min(tiny).log()).log())
+    return (kept + torch.stack(noise)).argmax(dim=-1).tolist()
+
+
 _MASK64 = (1 << 64) - 1
 
 
