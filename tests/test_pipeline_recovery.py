@@ -84,13 +84,22 @@ class Nodes:
                 self.cluster.remove_node(node, allow_graceful=False)
 
 
-@pytest.fixture
-def nodes(ray_cluster) -> Iterator[Nodes]:
+@pytest.fixture(scope="module")
+def pool(ray_cluster) -> Iterator[Nodes]:
     added = Nodes(ray_cluster, f"recovery-{uuid.uuid4().hex[:8]}")
     try:
         yield added
     finally:
         added.remove_all()
+
+
+@pytest.fixture
+def nodes(pool: Nodes) -> Nodes:
+    """The module's nodes, three of them at the start of each test unless it says otherwise
+    (adding a node costs seconds: tests leave the pool as they found it where they can)."""
+    if len(pool.nodes) < 3:
+        pool.add(3 - len(pool.nodes))
+    return pool
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -155,8 +164,7 @@ def _pipeline(model: str, nodes: Nodes) -> Engine:
 
 def test_a_stage_whose_node_dies_mid_stream_is_recreated_and_every_stream_continues_token_exact(
         model: str, local: Engine, nodes: Nodes) -> None:
-    nodes.add(3)  # two stages and a spare
-    pipe = _pipeline(model, nodes)
+    pipe = _pipeline(model, nodes)  # two stages and a spare
     try:
         runner = pipe.runner
         lost_node = runner.placements[1].node_id
@@ -186,8 +194,7 @@ def test_a_stage_whose_node_dies_mid_stream_is_recreated_and_every_stream_contin
 
 
 def test_a_hung_stage_is_noticed_by_its_heartbeat_and_replaced(model: str, local: Engine, nodes: Nodes) -> None:
-    nodes.add(3)
-    pipe = _pipeline(model, nodes)
+    pipe = _pipeline(model, nodes)  # two stages and a spare
     stopped: list[int] = []
     try:
         runner = pipe.runner
@@ -214,7 +221,7 @@ def test_a_hung_stage_is_noticed_by_its_heartbeat_and_replaced(model: str, local
 
 def test_without_capacity_requests_fail_clearly_and_the_server_heals_when_a_node_returns(
         model: str, local: Engine, nodes: Nodes) -> None:
-    nodes.add(2)  # no spare: a lost stage has nowhere to go
+    nodes.remove(nodes.nodes[-1].node_id)  # no spare: a lost stage has nowhere to go
     pipe = _pipeline(model, nodes)
     body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     want = local.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
