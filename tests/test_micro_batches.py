@@ -240,3 +240,28 @@ def test_plain_rows_sampled_where_the_logits_are_pick_the_sampler_s_tokens() -> 
     assert rows[-1] is None  # logprobs: the head samples it
     assert sample_rows(logits[:5], rows[:5]) == want[:5]
     assert sample_rows(logits[1:2], rows[1:2]) == want[1:2]  # alone or in a batch alike
+
+
+def test_a_cancel_pending_when_the_kv_is_lost_ends_the_request_cancelled_with_its_tokens() -> None:
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    engine = tiny_engine()
+    runner = engine.runner = LosingRunner(engine.runner, 2, lose_at=-1, pause=1)
+    ids = [engine.add_request(p, params) for p in (prompt(6, 50), prompt(7, 51))]
+    tokens = {i: [] for i in ids}
+    done = {}
+    while len(done) < len(ids):
+        in_flight = any(c.request_id == ids[0] for p in runner.held for c in p.chunks)
+        if runner.lose_at < 0 and len(tokens[ids[0]]) >= 3 and in_flight:
+            engine.abort(ids[0])  # pending until its plan returns; the next collect loses every plan
+            runner.lose_at = runner.collects + 1
+        for d in engine.step().deltas:
+            tokens[d.request_id] += d.new_token_ids
+            if d.finished:
+                done[d.request_id] = d.finish_reason
+    assert engine.counters.kv_losses == 1
+    assert done == {ids[0]: FinishReason.CANCELLED, ids[1]: FinishReason.LENGTH}
+    want = _generate(tiny_engine(), [prompt(6, 50), prompt(7, 51)], params)
+    assert tokens[ids[1]] == want[1][0]
+    assert 3 <= len(tokens[ids[0]]) < 10 and tokens[ids[0]] == want[0][0][:len(tokens[ids[0]])]
+    engine.check_block_accounting()
+    assert engine.pool.num_referenced == 0

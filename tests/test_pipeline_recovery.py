@@ -40,10 +40,12 @@ SAMPLED = SamplingParams(max_tokens=14, temperature=0.9, top_p=0.95, seed=1234, 
 RECOVERY_TIMEOUT_S = 3.0
 
 
-def _config(resource: str | None = None) -> EngineConfig:
+def _config(resource: str | None = None, recovery_timeout_s: float = 60.0) -> EngineConfig:
+    """Short heartbeat timeouts; a long recovery timeout except where a test wants the
+    give-up (starting a stage's process takes seconds on these loaded cores)."""
     pipeline = None if resource is None else PipelineConfig(
         stages=2, node_resource=resource, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5,
-        step_timeout_s=5.0, recovery_timeout_s=RECOVERY_TIMEOUT_S)
+        step_timeout_s=5.0, recovery_timeout_s=recovery_timeout_s)
     return EngineConfig(cache=CacheConfig(block_size=4, num_blocks=48),
                         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
                         device="cpu", dtype="float32", pipeline=pipeline)
@@ -76,6 +78,15 @@ class Nodes:
         node = next(n for n in self.nodes if n.node_id == node_id)
         self.nodes.remove(node)
         self.cluster.remove_node(node, allow_graceful=False)
+
+    def wait_gone(self, node_id: str, timeout_s: float = 60.0) -> None:
+        """Until Ray's node table no longer lists the node as alive."""
+        import ray
+
+        ends = time.monotonic() + timeout_s
+        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            assert time.monotonic() < ends, "Ray still lists a removed node as alive"
+            time.sleep(0.2)
 
     def remove_all(self) -> None:
         for node in list(self.nodes):
@@ -158,8 +169,8 @@ def _check_idle_accounting(engine: Engine) -> None:
     assert not engine.scheduler.requests and not engine.runner.num_in_flight
 
 
-def _pipeline(model: str, nodes: Nodes) -> Engine:
-    return Engine.from_pretrained(model, _config(nodes.resource), progress=False)
+def _pipeline(model: str, nodes: Nodes, recovery_timeout_s: float = 60.0) -> Engine:
+    return Engine.from_pretrained(model, _config(nodes.resource, recovery_timeout_s), progress=False)
 
 
 def test_a_stage_whose_node_dies_mid_stream_is_recreated_and_every_stream_continues_token_exact(
@@ -221,8 +232,10 @@ def test_a_hung_stage_is_noticed_by_its_heartbeat_and_replaced(model: str, local
 
 def test_without_capacity_requests_fail_clearly_and_the_server_heals_when_a_node_returns(
         model: str, local: Engine, nodes: Nodes) -> None:
-    nodes.remove(nodes.nodes[-1].node_id)  # no spare: a lost stage has nowhere to go
-    pipe = _pipeline(model, nodes)
+    spare = nodes.nodes[-1].node_id
+    nodes.remove(spare)  # no spare: a lost stage has nowhere to go
+    nodes.wait_gone(spare)
+    pipe = _pipeline(model, nodes, RECOVERY_TIMEOUT_S)
     body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     want = local.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
 

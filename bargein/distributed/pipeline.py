@@ -242,7 +242,11 @@ class PipelineRunner:
                 raise PipelineSetupError(
                     f"stage {p.index} (layers {p.layers[0]}-{p.layers[1]}) needs {needed / 2**20:.0f} MiB "
                     f"for its weights, but its node {p.node_address} offers {p.node_memory_bytes / 2**20:.0f} MiB")
-            has_copy = ray.get(probe.options(scheduling_strategy=on_node).remote(node_path, source.kind, expected))
+            try:
+                has_copy = ray.get(probe.options(scheduling_strategy=on_node).remote(node_path, source.kind, expected))
+            except ray.exceptions.RayError as exc:  # e.g. the node went away since Ray listed it
+                raise PipelineSetupError(f"node {p.node_address} (for stage {p.index}) did not answer: "
+                                         f"{_first_line(exc)}") from None
             shipped = None
             if not has_copy or p.index in pipe.ship_weights:
                 stored = read_stored(source, model_config, p.layers)
