@@ -62,3 +62,8 @@ def first_not_ready(refs: Sequence[Any]) -> int:
         if not ready:
             return i
     return len(refs) - 1
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

@@ -37,7 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ from bargein.distributed.split import (
 from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
 from bargein.engine.device import resolve_dtype
 from bargein.engine.plan import StepPlan
-from bargein.engine.runner import KVLost, RunnerHealth, StepFailed, StepResult
+from bargein.engine.runner import StepFailed, StepResult
 from bargein.engine.sampler import RowSampling
 from bargein.loader.source import ModelSource
 
@@ -61,12 +61,14 @@ try:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from bargein.distributed.health import RecoveryStats, first_not_ready, unanswered
-    from bargein.distributed.stage import StageCounters, StageWorker
+    from bargein.distributed.health import RecoveryStats, first_line
+    from bargein.distributed.recovery import StageRecovery
+    from bargein.distributed.stage import StageCounters, stage_actor
 except ModuleNotFoundError as exc:  # the optional extra is missing: start() says so in one line
     if exc.name != "ray" and not (exc.name or "").startswith("ray."):
         raise
     ray = None
+    StageRecovery = object  # type: ignore[misc,assignment]  # nothing runs without Ray: start() refuses
 
 log = logging.getLogger("bargein.distributed")
 
@@ -114,7 +116,7 @@ def connect(address: str, num_stages: int) -> None:
         if address == "auto":
             raise PipelineSetupError("no Ray cluster runs on this machine: start one with `ray start --head` "
                                      "(or use --ray local)") from None
-        raise PipelineSetupError(f"no Ray cluster at {address}: {_first_line(exc)}") from None
+        raise PipelineSetupError(f"no Ray cluster at {address}: {first_line(exc)}") from None
 
 
 def _check_reachable(address: str, timeout: float = 3.0) -> None:
@@ -169,8 +171,8 @@ class _StageSource:
     prefer_shipped: bool
 
 
-class PipelineRunner:
-    """Drives the stage actors; see the module docstring."""
+class PipelineRunner(StageRecovery):
+    """Drives the stage actors; see the module docstring (and ``recovery`` for a lost stage)."""
 
     def __init__(self, actors: list[Any], placements: list[StagePlacement], model_config: ModelConfig,
                  num_blocks: int, block_size: int, config: EngineConfig, traffic: HeadTraffic,
@@ -246,21 +248,21 @@ class PipelineRunner:
                 has_copy = ray.get(probe.options(scheduling_strategy=on_node).remote(node_path, source.kind, expected))
             except ray.exceptions.RayError as exc:  # e.g. the node went away since Ray listed it
                 raise PipelineSetupError(f"node {p.node_address} (for stage {p.index}) did not answer: "
-                                         f"{_first_line(exc)}") from None
+                                         f"{first_line(exc)}") from None
             shipped = None
             if not has_copy or p.index in pipe.ship_weights:
                 stored = read_stored(source, model_config, p.layers)
                 traffic.weights_shipped_bytes += stored.nbytes
                 shipped = [ray.put(stored)]
             spec = _StageSource(source.kind, node_path, expected, p.index in pipe.ship_weights)
-            actors.append(_stage_actor(config, on_node).remote(
+            actors.append(stage_actor(config, on_node).remote(
                 p.index, config, model_config, spec.kind, spec.node_path, spec.expected, p.layers, shipped,
                 spec.prefer_shipped, pipe.threads_per_stage))
         block_size = config.cache.block_size
         try:
             per_block = ray.get([a.kv_bytes_per_block.remote(block_size) for a in actors])
         except ray.exceptions.RayError as exc:
-            raise PipelineSetupError(f"a pipeline stage failed to start: {_first_line(exc)}") from None
+            raise PipelineSetupError(f"a pipeline stage failed to start: {first_line(exc)}") from None
         num_blocks = config.cache.num_blocks
         if num_blocks is None:
             budgets = [min(config.cache.memory_bytes,
@@ -321,120 +323,12 @@ class PipelineRunner:
                 logits, tokens, sent_at = ray.get(refs[-1])
             except ray.exceptions.RayError as exc:
                 self._check_stages()  # a dead stage is a loss (KVLost), not this plan's failure
-                raise StepFailed(plan, f"a pipeline stage failed: {_first_line(exc)}") from exc
+                raise StepFailed(plan, f"a pipeline stage failed: {first_line(exc)}") from exc
         finally:
             self.collect_wait_s += time.perf_counter() - waited
         self.logits_transfer_s += max(0.0, time.time() - sent_at)
         self.traffic.logits_bytes += logits.numel() * logits.element_size() + 8 * len(tokens or ())
         return StepResult(plan, logits, tokens)
-
-    def _wait_for(self, refs: list[Any], submitted: float) -> None:
-        """Waits for the plan's last stage, with a heartbeat while it takes long and
-        the step deadline; raises KVLost for a stage that died or hangs."""
-        pipe = self.pipe
-        while not ray.wait([refs[-1]], timeout=pipe.heartbeat_interval_s)[0]:
-            self._check_stages()
-            if time.monotonic() - submitted > pipe.step_timeout_s:
-                self._lose({first_not_ready(refs): f"a plan took over {pipe.step_timeout_s:g} s"})
-
-    def _check_stages(self) -> None:
-        lost = unanswered(self.actors, self.pipe.heartbeat_timeout_s)
-        if lost:
-            self._lose(lost)
-
-    def _lose(self, lost: dict[int, str]) -> None:
-        """Kills the lost stages, voids every plan in flight, starts re-creating them; raises KVLost."""
-        message = "; ".join(
-            f"pipeline stage {i} (layers {self.placements[i].layers[0]}-{self.placements[i].layers[1]}) "
-            f"on node {self.placements[i].node_address} was lost: {why}" for i, why in sorted(lost.items()))
-        log.warning("%s", message)
-        with self._lock:
-            self._in_flight.clear()
-            for i in lost:
-                ray.kill(self.actors[i], no_restart=True)
-            self.recovery.losses += 1
-            self._lost_at, self._lost_message = time.monotonic(), message
-            self._ready.clear()
-        self._recovery = threading.Thread(target=self._recover, args=(sorted(lost),), daemon=True,
-                                          name="bargein-stage-recovery")
-        self._recovery.start()
-        raise KVLost(message)
-
-    # -- recovery (its own thread) ---------------------------------------------------------
-    def _recover(self, indices: list[int]) -> None:
-        """Re-creates each lost stage where Ray finds room, retrying until it is ready or
-        the runner closes; then the pipeline is "ok" again. A runner built without a
-        model source (stand-in stages in a benchmark) cannot re-create: it stays degraded."""
-        if self.source is None:
-            log.error("pipeline stages %s cannot be re-created: the runner has no model source", indices)
-            return
-        for i in indices:
-            while not self._closing.is_set():
-                try:
-                    actor = self._recreate(i)
-                except Exception as exc:  # e.g. the node went too; try again
-                    log.warning("re-creating pipeline stage %d failed: %s", i, _first_line(exc))
-                    self._closing.wait(1.0)
-                    continue
-                if actor is not None:
-                    break
-            if self._closing.is_set():
-                return
-        with self._lock:
-            self.recovery.recoveries += 1
-            if self._lost_at is not None:
-                self.recovery.recover_seconds.append(time.monotonic() - self._lost_at)
-            self._lost_at = self._lost_message = None
-            self._ready.set()
-        log.info("pipeline recovered: %s", ", ".join(f"stage {i} on {self.placements[i].node_address}"
-                                                       for i in indices))
-
-    def _recreate(self, i: int) -> Any:
-        """One try at stage ``i``: returns the ready actor, or None if the runner closed."""
-        p = self.placements[i]
-        prefer = i in self.pipe.ship_weights
-        # Put (not send) the stored tensors: they cross the network only if the node lacks the file.
-        shipped = [ray.put(read_stored(self.source, self.model_config, p.layers))]
-        expected = fingerprint(self.source)
-        actor = _stage_actor(self.config, None).remote(
-            i, self.config, self.model_config, self.source.kind, self.node_path, expected, p.layers, shipped,
-            prefer, self.pipe.threads_per_stage)
-        ready = actor.allocate.remote(self.num_blocks, self.block_size)
-        while not ray.wait([ready], timeout=0.5)[0]:  # pending until a node has room
-            if self._closing.is_set():
-                ray.kill(actor)
-                return None
-        try:
-            ray.get(ready)
-            counters: StageCounters = ray.get(actor.read_counters.remote())
-        except BaseException:
-            ray.kill(actor)
-            raise
-        node = next((n for n in ray.nodes() if n["NodeID"] == counters.node_id), {})
-        with self._lock:
-            self.actors[i] = actor
-            self.placements[i] = replace(p, node_id=counters.node_id,
-                                         node_address=node.get("NodeManagerAddress", "?"),
-                                         node_memory_bytes=int(node.get("Resources", {}).get("memory", 0)))
-            self.recovery.restarts[i] += 1
-            self.traffic.weights_shipped_bytes += counters.weights_received_bytes
-        return actor
-
-    # -- health ------------------------------------------------------------------------
-    def health(self) -> RunnerHealth:
-        """ok, recovering (plans wait), or degraded (past ``recovery_timeout_s``: plans fail)."""
-        with self._lock:
-            if self._lost_at is None:
-                return RunnerHealth()
-            message = self._lost_message
-            waited = time.monotonic() - self._lost_at
-        if waited <= self.pipe.recovery_timeout_s:
-            return RunnerHealth("recovering", message)
-        return RunnerHealth("degraded", f"{message}; no node could host it within "
-                                        f"{self.pipe.recovery_timeout_s:g} s")
-
-    def wait_ready(self, timeout: float) -> bool:
-        return self._ready.wait(timeout)
 
     def close(self) -> None:
         """Kills the stage actors (the Ray connection stays, for whoever made it)."""
@@ -510,22 +404,3 @@ class PipelineRunner:
             "logits_transfer_s": self.logits_transfer_s,
             "stages": stages,
         }
-
-
-def _stage_actor(config: EngineConfig, on_node: Any) -> Any:
-    """The stage actor class with its options: a CPU per torch thread, the node resource
-    if one is set, a health thread for the heartbeat, never restarted by Ray (the head
-    re-creates a lost stage itself, knowing its K/V is gone)."""
-    pipe = config.pipeline
-    options: dict[str, Any] = {"num_cpus": pipe.threads_per_stage, "max_restarts": 0,
-                               "concurrency_groups": {"health": 1}}
-    if pipe.node_resource is not None:
-        options["resources"] = {pipe.node_resource: 0.001}
-    if on_node is not None:
-        options["scheduling_strategy"] = on_node
-    return ray.remote(**options)(StageWorker)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__

@@ -35,6 +35,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch
@@ -194,3 +195,17 @@ class StageWorker:
         c = self.counters
         self.counters = StageCounters(c.index, c.layers, c.node_id, c.weights_from, c.weights_received_bytes,
                                       last_seq=c.last_seq)
+
+
+def stage_actor(config: EngineConfig, on_node: Any) -> Any:
+    """The stage actor class with its options: a CPU per torch thread, the node resource
+    if one is set, a health thread for the heartbeat, never restarted by Ray (the head
+    re-creates a lost stage itself, knowing its K/V is gone)."""
+    pipe = config.pipeline
+    options: dict[str, Any] = {"num_cpus": pipe.threads_per_stage, "max_restarts": 0,
+                               "concurrency_groups": {"health": 1}}
+    if pipe.node_resource is not None:
+        options["resources"] = {pipe.node_resource: 0.001}
+    if on_node is not None:
+        options["scheduling_strategy"] = on_node
+    return ray.remote(**options)(StageWorker)
