@@ -25,6 +25,7 @@ takes no lock at all, so it is safe in a signal handler.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import time
@@ -63,7 +64,7 @@ from bargein.engine.runner import ModelRunner, Runner, StepFailed
 from bargein.engine.sampler import Sampler, SamplingState
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
-from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo
+from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord
 from bargein.model.llama import LlamaStage
 
 log = logging.getLogger("bargein.engine")
@@ -301,12 +302,17 @@ class Engine:
             self.scheduler.fail_step(plan, f"the model step failed: {type(exc).__name__}: {exc}")
             return self._outcome()
         sampled = {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
-        self.counters.step_durations.append(time.perf_counter() - started)
+        forward_s = time.perf_counter() - started
+        self.counters.step_durations.append(forward_s)
         self.counters.steps += 1
         self._drain_inbox()  # cancels that arrived during the forward (C1)
         self.scheduler.expire_deadlines()
         self.scheduler.update(plan, sampled)
-        return self._outcome()
+        outcome = self._outcome()
+        self.counters.recent_steps.append(StepRecord(
+            self.counters.steps, time.monotonic(), forward_s, len(plan.chunks), plan.num_tokens,
+            sum(1 for c in plan.chunks if len(c.token_ids) == 1)))
+        return outcome
 
     def _submit_plans(self) -> StepPlan | None:
         """Schedules and submits plans while the runner has room. Returns the empty plan
@@ -483,6 +489,20 @@ class Engine:
             finished=dict(self.counters.finished),
             cancelled=dict(self.counters.cancelled),
         )
+
+    def steps_after(self, index: int) -> list[StepRecord]:
+        """The recent steps whose index is above ``index``, oldest first (engine thread).
+
+        At most ``STEP_HISTORY`` are kept: a reader that polls less often loses the
+        oldest (it can tell from the first index it gets).
+        """
+        recent = self.counters.recent_steps
+        if not recent:
+            return []
+        # By the records' own indexes: between a step's forward and its record (the inbox
+        # is drained there), ``counters.steps`` is one ahead of the last record.
+        skip = max(0, len(recent) - (recent[-1].index - index))
+        return list(itertools.islice(recent, skip, None))
 
     def list_requests(self) -> list[RequestInfo]:
         """Queued and running requests, oldest first (engine thread)."""
