@@ -11,6 +11,8 @@ clients loop for ``--duration`` seconds, each request picking one behaviour:
   ``POST /v1/chat/cancel``, ``POST /v1/requests/cancel {"ids"}``, and a background
   Responses request cancelled with ``POST /v1/responses/{id}/cancel``;
 - ``slow_headers`` / ``slow_body``: bytes trickled slower than the server's timeouts (408);
+- ``fresh_prompt``: a chat of ~300 random words that no prefix cache holds, so its prompt
+  is computed beside the running streams' decodes (every other prompt here is a cache hit);
 - ``too_large`` (over ``--max-body``: 413), ``huge_prompt`` (a 4 MB chat message under
   that limit: 400 ``context_length_exceeded``; while it is refused, every stream's
   longest gap is recorded), ``invalid`` (bad JSON, a lone surrogate, caps: 400).
@@ -57,8 +59,10 @@ from step_trace import StepTrace  # noqa: E402
 BEHAVIOURS = {  # behaviour -> weight
     "complete": 6, "stream": 6, "disconnect": 4, "abandon": 2, "deadline": 2,
     "cancel_by_id": 3, "cancel_chat": 2, "cancel_many": 2, "cancel_response": 2,
-    "slow_headers": 1, "slow_body": 1, "too_large": 1, "huge_prompt": 1, "invalid": 2,
+    "slow_headers": 1, "slow_body": 1, "too_large": 1, "huge_prompt": 1, "invalid": 2, "fresh_prompt": 1,
 }
+WORDS = ("harbor", "lantern", "copper", "meadow", "glacier", "violin", "orchard", "thunder", "pebble", "saddle",
+         "quartz", "falcon", "tapestry", "cinder", "marble", "willow", "compass", "ember", "juniper", "anvil")
 PROMPTS = ["Tell me a story about a lighthouse.", "List three colors.", "Why is the sky blue?",
            "Write a haiku about rain.", "Count from one to twenty."]
 ENDLESS = {"ignore_eos": True, "max_tokens": 4000}
@@ -262,6 +266,15 @@ class Soak:
             self.tally.huge_windows.append((started, time.monotonic()))
         _expect(r, 400)
         return "huge_prompt"
+
+    async def fresh_prompt(self, http: httpx.AsyncClient) -> str:
+        """A prompt of ~300 random words no cache holds: prefilled beside the running streams."""
+        text = " ".join(self.rng.choice(WORDS) for _ in range(300))
+        r = await http.post(f"{self.base}/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": text}],
+                                  "max_tokens": self.rng.randint(1, 4)})
+        _expect(r, 200)
+        return "fresh_prompt"
 
     async def invalid(self, http: httpx.AsyncClient) -> str:
         kind = self.rng.choice(["json", "surrogate", "temperature", "stop"])
@@ -507,6 +520,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=float, default=10.0,
                    help="seconds at the start whose stream gaps are not counted (default: %(default)s)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the server it starts (repeat: --server-arg=--flag --server-arg=N)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the JSON result here")
     p.add_argument("--dump", default=None, metavar="PATH",
                    help="write the raw series (stream waits, 4 MB windows, client lag, steps) as JSON, to study")
@@ -519,7 +534,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.url is None:
         from tests.conftest import ServerProcess  # the tests' way of running bargein serve
 
-        server = ServerProcess(("--debug-endpoints", *SERVER_ARGS)).start().wait_ready()
+        server = ServerProcess(("--debug-endpoints", *SERVER_ARGS, *args.server_arg)).start().wait_ready()
     try:
         base = args.url or server.base_url
         pid = args.pid if server is None else server.proc.pid
