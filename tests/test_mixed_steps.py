@@ -14,7 +14,14 @@ from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
 from bargein.engine.outputs import OutputCollector
 from bargein.engine.sampling import SamplingParams
-from tests.tiny_engine import TINY, ByteTokenizer, prompt, reference_greedy, target_device, tiny_weights
+from tests.tiny_engine import (
+    TINY,
+    ByteTokenizer,
+    prompt,
+    reference_greedy,
+    target_device,
+    tiny_weights,
+)
 
 BUDGET = 64
 
@@ -36,7 +43,7 @@ def greedy(n: int) -> SamplingParams:
 def test_a_long_prompt_beside_decodes_comes_in_chunks_of_the_cap_and_no_stream_misses_a_step(cap):
     engine = capped_engine(cap)
     consumer = OutputCollector(engine)
-    decoders = {consumer.add_request(prompt(5, seed=i), greedy(40)): prompt(5, seed=i) for i in range(3)}
+    decoders = {consumer.add_request(prompt(5, seed=i), greedy(16)): prompt(5, seed=i) for i in range(3)}
     while engine.counters.generated_tokens < 3:  # every decoder has its first token
         consumer.step()
     long_prompt = prompt(50, seed=9)
@@ -60,7 +67,7 @@ def test_a_long_prompt_beside_decodes_comes_in_chunks_of_the_cap_and_no_stream_m
             tokens[out.request_id] += list(out.new_token_ids)
     # Chunking changes no token: each answer is the dense reference's.
     for rid, p in decoders.items():
-        assert tokens[rid] == reference_greedy(p, 40)[1:]
+        assert tokens[rid] == reference_greedy(p, 16)[1:]
     assert tokens[long_id] == reference_greedy(long_prompt, 3)
     engine.check_block_accounting()
 
@@ -75,23 +82,33 @@ def test_without_decodes_a_prompt_takes_the_whole_budget():
     assert out and list(out[0].new_token_ids) == reference_greedy(long_prompt, 1)
 
 
-def test_prompts_waiting_behind_a_capped_prompt_keep_their_order():
-    """Two prompts beside a decode: the first is prefilled cap by cap, the second waits
-    (holding no blocks) until the first is done, then goes the same way."""
+def test_prompts_wait_in_order_behind_a_capped_prompt_and_a_cached_one_passes():
+    """Beside a decode, the first of two long prompts is prefilled cap by cap and the second
+    waits its turn (holding no blocks); a prompt that is a cache hit but for its last token
+    costs a decode's share and is not held behind them."""
     engine = capped_engine(8)
     consumer = OutputCollector(engine)
+    cached = prompt(12, seed=4)
+    consumer.add_request(cached, greedy(1))  # now in the prefix cache
+    while consumer.pending:
+        consumer.step()
     consumer.add_request(prompt(5, seed=1), greedy(30))
-    while engine.counters.generated_tokens < 1:
+    while engine.counters.generated_tokens < 2:
         consumer.step()
     a = consumer.add_request(prompt(20, seed=2), greedy(1))
     b = consumer.add_request(prompt(20, seed=3), greedy(1))
+    c = consumer.add_request(cached, greedy(1))
+    added_at = engine.counters.steps
     firsts: dict[str, int] = {}
-    while len(firsts) < 2:
+    while len(firsts) < 3:
         for out in consumer.step():
-            if out.request_id in (a, b) and out.new_token_ids:
+            if out.request_id in (a, b, c) and out.new_token_ids:
                 firsts.setdefault(out.request_id, engine.counters.steps)
-        assert all(s.tokens - s.decodes <= 8 for s in list(engine.counters.recent_steps)[-1:])
-    assert firsts[a] < firsts[b]
+        last = engine.counters.recent_steps[-1]
+        assert last.tokens - last.decodes <= 8, last
+    assert firsts[c] == added_at + 1  # the cache hit: in the first step, past both prompts
+    assert firsts[a] == added_at + 3  # 20 tokens, 8 a step
+    assert firsts[b] == added_at + 5  # 4 of its tokens beside a's last 4, then 8, then 8
     while consumer.pending:
         consumer.step()
     engine.check_block_accounting()

@@ -268,19 +268,24 @@ class Scheduler:
                 budget -= n
                 break
 
-        while (self.waiting and not preempted and budget > 0 and len(chunks) < room
+        i = 0  # the waiting request to admit next: the oldest, or one past prompts with no room
+        while (i < len(self.waiting) and not preempted and budget > 0 and len(chunks) < room
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[i]
             seq = req.sequence
             first_admission = req.status == RequestStatus.WAITING
             # A request waits without blocks (they may have been reclaimed): match again.
             matched = not seq.block_table.block_ids
             copies_hit = self._match_prefix(seq) if matched else []
             n = _take(seq.num_pending, budget, prompt_room)
-            if n == 0:  # no room for its prompt beside the decodes: it waits, and those after it
+            if n == 0:
+                # No room for its prompt beside the decodes: it waits (without the hits, as
+                # it was), and so does every prompt after it; one with a single token to
+                # compute (a cache hit) costs a decode's share and may pass.
                 if matched:
-                    self._drop_kv(seq)  # as it was: waiting, without the hits
-                break
+                    self._drop_kv(seq)
+                i += 1
+                continue
             try:
                 copies_new = self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)
             except OutOfBlocks:
@@ -288,12 +293,12 @@ class Scheduler:
                 if self._reclaim_blocks():
                     continue
                 if not self.running and not chunks:
-                    self.waiting.popleft()
+                    del self.waiting[i]
                     self._finish(req, FinishReason.ERROR, error="the KV cache is too small for this prompt")
                     continue
                 break
             copies += copies_hit + copies_new
-            self.waiting.popleft()
+            del self.waiting[i]
             if first_admission:
                 req.cached_tokens = seq.num_computed
                 self.num_prefix_hit_tokens += seq.num_computed
