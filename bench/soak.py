@@ -18,9 +18,16 @@ clients loop for ``--duration`` seconds, each request picking one behaviour:
   longest gap is recorded), ``invalid`` (bad JSON, a lone surrogate, caps: 400).
 
 Stream gaps are counted after ``--warmup`` seconds: at the start every client connects at
-once and the first steps prefill dozens of prompts, a stall no input causes. Gaps outside
-the 4 MB prompts' windows are reported too, as the control: the huge prompts cost only
-what the longest gap during them adds over it.
+once and the first steps prefill dozens of prompts, a stall no input causes. A gap is
+measured in engine steps: those that ended between the stream's two chunks, read from
+``/debug/steps`` (``step_trace.py``; the server and this client share the machine's
+monotonic clock). Streams ask for logprobs, so every token makes a chunk. One step is a
+token every step; ms and ms over the median step period are reported beside (a long
+step is one step, however long). A stream's wait for its first token (queueing, its own
+prompt) is reported apart from its gaps. Gaps outside the 4 MB prompts' windows are the
+control: the huge prompts cost what the gaps during them add over it. The server's own
+stalls (``/debug/stalls``: event-loop lag, collector pauses) and this client's loop lag
+are reported too, so a gap can be told from a stall on either side.
 
 Every response is checked against what its behaviour must get; anything else (a 5xx, a
 wrong status, a stream without ``[DONE]``, a connection error the client did not cause)
