@@ -55,19 +55,19 @@ class StepTrace:
 
     async def poll(self, http: httpx.AsyncClient, base: str) -> None:
         before = time.monotonic()
-        body = (await http.get(f"{base}/debug/steps", params={"after": self.last_index})).json()
+        body = await _get_json(http, f"{base}/debug/steps", {"after": self.last_index})
         after = time.monotonic()
         same = before - CLOCK_SLACK_S <= body["now"] <= after + CLOCK_SLACK_S
         self.same_clock = same if self.same_clock is None else self.same_clock and same
         self.add(body["steps"])
-        stalls = (await http.get(f"{base}/debug/stalls", params={"after": self.stalls_after})).json()
+        stalls = await _get_json(http, f"{base}/debug/stalls", {"after": self.stalls_after})
         self.loop_lags += stalls["loop_lags"]
         self.gc_pauses += stalls["gc_pauses"]
         self.stalls_after = max([self.stalls_after] + [x[0] for x in stalls["loop_lags"] + stalls["gc_pauses"]])
 
     async def start(self, http: httpx.AsyncClient, base: str) -> None:
         """Skips the steps so far: the trace holds the steps after this call."""
-        body = (await http.get(f"{base}/debug/steps", params={"after": 2**62})).json()
+        body = await _get_json(http, f"{base}/debug/steps", {"after": 2**62})
         self.last_index, self.stalls_after = body["steps_total"], body["now"]
 
     async def follow(self, http: httpx.AsyncClient, base: str, stop: asyncio.Event, every: float = 1.0) -> None:
@@ -109,3 +109,17 @@ class StepTrace:
             "mixed_prompt_tokens_p50": percentile([p for _, p in mixed], 50),
             "mixed_prompt_tokens_max": max((p for _, p in mixed), default=0),
         }
+
+
+async def _get_json(http: httpx.AsyncClient, url: str, params: dict, attempts: int = 3) -> dict:
+    """A GET that survives a kept-alive connection the server closed as it was reused
+    (its idle timeout racing the request): the reads are idempotent, so try again."""
+    for attempt in range(attempts):
+        try:
+            r = await http.get(url, params=params)
+            r.raise_for_status()
+            return r.json()
+        except httpx.TransportError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
