@@ -53,6 +53,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         max_model_len = env.int("MAX_MODEL_LEN", None)
         max_num_seqs = env.int("MAX_NUM_SEQS", 64)
         max_batched = env.int("MAX_NUM_BATCHED_TOKENS", 512)
+        max_mixed_prefill = env.int("MAX_MIXED_PREFILL_TOKENS", None)
         device = env.str("DEVICE", "auto")
         dtype = env.str("DTYPE", "auto")
     except SettingsError as exc:
@@ -77,6 +78,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences in one batch (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=max_batched, metavar="N",
                    help="tokens in one step; long prompts are computed in chunks of this size (default: %(default)s)")
+    p.add_argument("--max-mixed-prefill-tokens", type=int, default=max_mixed_prefill, metavar="N",
+                   help="prompt tokens a step may carry beside running streams' decodes; smaller keeps their "
+                        "inter-token latency near one decode step where a step's time grows with its tokens "
+                        "(a CPU), larger gets new prompts their first token sooner (default: up to "
+                        "--max-num-batched-tokens)")
     p.add_argument("--device", default=device, metavar="DEVICE",
                    help="auto (CUDA where available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"],
@@ -137,7 +143,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
         config = EngineConfig(
             cache=CacheConfig(memory_bytes=parse_size(args.kv_memory)),
-            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                      max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
             pipeline=None if args.ray is None else PipelineConfig(
                 stages=args.pipeline_stages, ray_address=args.ray, micro_batches=args.micro_batches,

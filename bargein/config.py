@@ -73,10 +73,16 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # sequences in one forward
     max_num_batched_tokens: int = 512  # tokens in one forward (prefill chunks + decodes)
+    # Prompt tokens (chunks of more than one token) a step may carry beside decodes; None:
+    # up to max_num_batched_tokens. Where a forward's time grows with its tokens (a CPU),
+    # a big prompt chunk makes every running stream wait several decode steps' time.
+    max_mixed_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens <= 0:
+            raise ValueError("max_mixed_prefill_tokens must be positive")
 
 
 @dataclass(frozen=True)

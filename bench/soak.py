@@ -11,14 +11,23 @@ clients loop for ``--duration`` seconds, each request picking one behaviour:
   ``POST /v1/chat/cancel``, ``POST /v1/requests/cancel {"ids"}``, and a background
   Responses request cancelled with ``POST /v1/responses/{id}/cancel``;
 - ``slow_headers`` / ``slow_body``: bytes trickled slower than the server's timeouts (408);
+- ``fresh_prompt``: a chat of ~300 random words that no prefix cache holds, so its prompt
+  is computed beside the running streams' decodes (every other prompt here is a cache hit);
 - ``too_large`` (over ``--max-body``: 413), ``huge_prompt`` (a 4 MB chat message under
   that limit: 400 ``context_length_exceeded``; while it is refused, every stream's
   longest gap is recorded), ``invalid`` (bad JSON, a lone surrogate, caps: 400).
 
 Stream gaps are counted after ``--warmup`` seconds: at the start every client connects at
-once and the first steps prefill dozens of prompts, a stall no input causes. Gaps outside
-the 4 MB prompts' windows are reported too, as the control: the huge prompts cost only
-what the longest gap during them adds over it.
+once and the first steps prefill dozens of prompts, a stall no input causes. A gap is
+measured in engine steps: those that ended between the stream's two chunks, read from
+``/debug/steps`` (``step_trace.py``; the server and this client share the machine's
+monotonic clock). Streams ask for logprobs, so every token makes a chunk. One step is a
+token every step; ms and ms over the median step period are reported beside (a long
+step is one step, however long). A stream's wait for its first token (queueing, its own
+prompt) is reported apart from its gaps. Gaps outside the 4 MB prompts' windows are the
+control: the huge prompts cost what the gaps during them add over it. The server's own
+stalls (``/debug/stalls``: event-loop lag, collector pauses) and this client's loop lag
+are reported too, so a gap can be told from a stall on either side.
 
 Every response is checked against what its behaviour must get; anything else (a 5xx, a
 wrong status, a stream without ``[DONE]``, a connection error the client did not cause)
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import random
@@ -51,15 +61,19 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import format_table, histogram_quantile, machine_info, percentile, rnd  # noqa: E402
+from step_trace import StepTrace  # noqa: E402
 
 BEHAVIOURS = {  # behaviour -> weight
     "complete": 6, "stream": 6, "disconnect": 4, "abandon": 2, "deadline": 2,
     "cancel_by_id": 3, "cancel_chat": 2, "cancel_many": 2, "cancel_response": 2,
-    "slow_headers": 1, "slow_body": 1, "too_large": 1, "huge_prompt": 1, "invalid": 2,
+    "slow_headers": 1, "slow_body": 1, "too_large": 1, "huge_prompt": 1, "invalid": 2, "fresh_prompt": 1,
 }
+WORDS = ("harbor", "lantern", "copper", "meadow", "glacier", "violin", "orchard", "thunder", "pebble", "saddle",
+         "quartz", "falcon", "tapestry", "cinder", "marble", "willow", "compass", "ember", "juniper", "anvil")
 PROMPTS = ["Tell me a story about a lighthouse.", "List three colors.", "Why is the sky blue?",
            "Write a haiku about rain.", "Count from one to twenty."]
 ENDLESS = {"ignore_eos": True, "max_tokens": 4000}
+LAG_TICK_S = 0.02
 SERVER_ARGS = ("--header-timeout", "5", "--body-timeout", "10", "--max-body", "4MiB")
 
 
@@ -69,8 +83,9 @@ class Tally:
     unexpected: list[str] = field(default_factory=list)
     cancel_ms: list[float] = field(default_factory=list)
     huge_windows: list[tuple[float, float]] = field(default_factory=list)
-    gaps_during_huge: list[float] = field(default_factory=list)
-    gaps_outside_huge: list[float] = field(default_factory=list)  # the control
+    gaps: list[tuple[float, float]] = field(default_factory=list)  # (start, end) token -> token
+    first_waits: list[tuple[float, float]] = field(default_factory=list)  # (start, end) opening -> first token
+    client_lag: list[tuple[float, float]] = field(default_factory=list)  # (at, s): this process's loop lag
     rss_mb: list[tuple[float, float, bool]] = field(default_factory=list)  # (s, MB, quiet)
 
     def bad(self, behaviour: str, detail: str) -> None:
@@ -88,6 +103,11 @@ class Soak:
         self.gaps_from = 0.0  # gaps that start before this (the warm-up) are not counted
         host, port = base.removeprefix("http://").rsplit(":", 1)
         self.host, self.port = host.strip("[]"), int(port)
+        # The big bodies are built once: encoding 4 MB on this loop for every request would
+        # stall every stream this client reads (a gap the server did not cause).
+        text = "lorem ipsum " * (4_000_000 // 12 - 100)  # ~4 MB, under the 4 MiB body limit
+        self.huge_body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
+        self.too_large_body = json.dumps(self.chat(max_tokens=1)).encode() + b" " * (4 * 1024**2 + 10)
 
     def overlaps_huge(self, start: float, end: float) -> bool:
         """Whether [start, end] overlaps the time a huge prompt was being refused."""
@@ -107,28 +127,39 @@ class Soak:
                      after_chunks=None, stop_after: int | None = None) -> tuple[list[dict], bool]:
         """Reads a stream; calls ``after_chunks`` once after a few chunks; returns (chunks, saw [DONE])."""
         chunks, done = [], False
-        last = time.monotonic()
-        async with http.stream("POST", f"{self.base}/v1/chat/completions", json={**body, "stream": True},
-                               headers={"X-Request-Id": rid}) as r:
-            if r.status_code != 200:
-                raise _Status(r.status_code, (await r.aread()).decode(errors="replace"))
-            async for line in _sse_lines(r):
-                now = time.monotonic()
-                if last >= self.gaps_from:
-                    during = self.overlaps_huge(last, now)
-                    (self.tally.gaps_during_huge if during else self.tally.gaps_outside_huge).append(now - last)
-                last = now
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                chunks.append(json.loads(line[6:]))
-                if stop_after is not None and len(chunks) >= stop_after:
-                    return chunks, False  # hang up
-                if after_chunks is not None and len(chunks) == 3:
-                    await after_chunks()
+        arrivals: list[float] = []  # when each data line came: the opening, the first token, ...
+        # With logprobs every token makes a chunk (a token without text, such as a special
+        # token an ignore_eos stream samples, would otherwise make none: a gap no stall caused).
+        body = {**body, "stream": True, "logprobs": True}
+        try:
+            async with http.stream("POST", f"{self.base}/v1/chat/completions", json=body,
+                                   headers={"X-Request-Id": rid}) as r:
+                if r.status_code != 200:
+                    raise _Status(r.status_code, (await r.aread()).decode(errors="replace"))
+                async for line in _sse_lines(r):
+                    if not line.startswith("data: "):
+                        continue
+                    arrivals.append(time.monotonic())
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    chunks.append(json.loads(line[6:]))
+                    if stop_after is not None and len(chunks) >= stop_after:
+                        return chunks, False  # hang up
+                    if after_chunks is not None and len(chunks) == 3:
+                        await after_chunks()
+        finally:
+            self.record_gaps(arrivals)
         return chunks, done
+
+    def record_gaps(self, arrivals: list[float]) -> None:
+        """Files a stream's waits after the warm-up: opening -> first token (the first-token
+        wait, which queueing and the prompt's own prefill make long), then token -> token
+        (the gaps). Sorted into during / outside the 4 MB prompts' windows after the run."""
+        t = self.tally
+        for i, (start, end) in enumerate(zip(arrivals, arrivals[1:], strict=False)):
+            if start >= self.gaps_from:
+                (t.first_waits if i == 0 else t.gaps).append((start, end))
 
     # -- behaviours ----------------------------------------------------------------------
     async def complete(self, http: httpx.AsyncClient) -> str:
@@ -226,24 +257,31 @@ class Soak:
         return behaviour
 
     async def too_large(self, http: httpx.AsyncClient) -> str:
-        body = json.dumps(self.chat(max_tokens=1)).encode() + b" " * (4 * 1024**2 + 10)
-        r = await http.post(f"{self.base}/v1/chat/completions", content=body,
+        r = await http.post(f"{self.base}/v1/chat/completions", content=self.too_large_body,
                             headers={"content-type": "application/json"})
         _expect(r, 413)
         return "too_large"
 
     async def huge_prompt(self, http: httpx.AsyncClient) -> str:
-        text = "lorem ipsum " * (4_000_000 // 12 - 100)  # ~4 MB, under the 4 MiB body limit
         token = self.ids = self.ids + 1
         self.huge_started[token] = started = time.monotonic()
         try:
-            r = await http.post(f"{self.base}/v1/chat/completions",
-                                json={"messages": [{"role": "user", "content": text}], "max_tokens": 1})
+            r = await http.post(f"{self.base}/v1/chat/completions", content=self.huge_body,
+                                headers={"content-type": "application/json"})
         finally:
             del self.huge_started[token]
             self.tally.huge_windows.append((started, time.monotonic()))
         _expect(r, 400)
         return "huge_prompt"
+
+    async def fresh_prompt(self, http: httpx.AsyncClient) -> str:
+        """A prompt of ~300 random words no cache holds: prefilled beside the running streams."""
+        text = " ".join(self.rng.choice(WORDS) for _ in range(300))
+        r = await http.post(f"{self.base}/v1/chat/completions",
+                            json={"messages": [{"role": "user", "content": text}],
+                                  "max_tokens": self.rng.randint(1, 4)})
+        _expect(r, 200)
+        return "fresh_prompt"
 
     async def invalid(self, http: httpx.AsyncClient) -> str:
         kind = self.rng.choice(["json", "surrogate", "temperature", "stop"])
@@ -276,6 +314,14 @@ class Soak:
                     self.tally.bad(behaviour, str(exc))
                 except Exception as exc:  # a connection error, a broken event...: counted, the soak goes on
                     self.tally.bad(behaviour, f"{type(exc).__name__}: {exc}")
+
+    async def watch_lag(self, deadline: float, every: float = LAG_TICK_S) -> None:
+        """This process's own event-loop lag (a sleep's overshoot): a stall the client made,
+        which a stream would show as a gap the server did not cause."""
+        while time.monotonic() < deadline:
+            before = time.monotonic()
+            await asyncio.sleep(every)
+            self.tally.client_lag.append((before, time.monotonic() - before - every))
 
     async def sample_rss(self, pid: int | None, deadline: float, every: float) -> None:
         started = time.monotonic()
@@ -330,35 +376,48 @@ def rss_mb(pid: int) -> float:
 
 async def run(base: str, args: argparse.Namespace, pid: int | None) -> dict:
     soak = Soak(base, args, random.Random(args.seed))
+    trace, stop_trace = StepTrace(), asyncio.Event()
     async with httpx.AsyncClient(timeout=30) as http:
         before = (await http.get(f"{base}/metrics")).text
         steps_before = _metric(before, "bargein_engine_steps_total")
-    started = time.monotonic()
-    deadline = started + args.duration
-    soak.gaps_from = started + args.warmup
-    await asyncio.gather(soak.sample_rss(pid, deadline, args.rss_every),
-                         *(soak.client(deadline) for _ in range(args.clients)))
-    elapsed = time.monotonic() - started
-    async with httpx.AsyncClient(timeout=30) as http:
+        await trace.start(http, base)  # the steps before are not this run's
+        started = time.monotonic()
+        deadline = started + args.duration
+        soak.gaps_from = started + args.warmup
+        follow = asyncio.ensure_future(trace.follow(http, base, stop_trace))
+        await asyncio.gather(soak.sample_rss(pid, deadline, args.rss_every), soak.watch_lag(deadline),
+                             *(soak.client(deadline) for _ in range(args.clients)))
+        elapsed = time.monotonic() - started
         for _ in range(600):  # disconnects and abandons settle within a step each
             kv = (await http.get(f"{base}/debug/kv")).json()
             if not (kv["running"] or kv["waiting"] or kv["engine_live_requests"] or kv["live_requests"]):
                 break
             await asyncio.sleep(0.1)
+        stop_trace.set()
+        await follow
         after = (await http.get(f"{base}/metrics")).text
         listed = (await http.get(f"{base}/v1/requests")).json()["data"]
     t = soak.tally
+    if args.dump:
+        Path(args.dump).write_text(json.dumps({
+            "started": started, "gaps_from": soak.gaps_from, "gaps": t.gaps, "first_waits": t.first_waits,
+            "huge_windows": t.huge_windows, "client_lag": t.client_lag, "server_loop_lags": trace.loop_lags,
+            "server_gc_pauses": trace.gc_pauses,
+            "steps": list(zip(trace.ended, trace.forward_s, trace.tokens, trace.decodes, strict=True))}))
     steps = _metric(after, "bargein_engine_steps_total") - steps_before
     step_ms = histogram_quantile(before, after, "bargein_step_duration_seconds", 0.5) * 1000
     rss = [mb for _, mb, _ in t.rss_mb]
     half = [mb for s, mb, quiet in t.rss_mb if s >= elapsed / 2 and quiet]
+    windows = _merged(t.huge_windows)
+    period_ms = trace.period_s(soak.gaps_from) * 1000
+    lag_during = [lag for at, lag in t.client_lag if _inside(windows, at, at + LAG_TICK_S + lag)]
     return {
         "clients": args.clients, "duration_s": elapsed, "requests": sum(t.outcomes.values()),
         "outcomes": dict(sorted(t.outcomes.items())), "unexpected_errors": t.outcomes.get("unexpected", 0),
         "unexpected_samples": t.unexpected,
         "leaked_blocks": kv["kv_blocks_used"], "kv_ok": kv["ok"], "kv_error": kv["error"],
         "in_flight_after": len(listed) + kv["engine_live_requests"] + kv["running"] + kv["waiting"],
-        "engine_steps": steps, "step_p50_ms": step_ms,
+        "engine_steps": steps, "step_p50_ms": step_ms, "step_period_p50_ms": period_ms,
         "cancel_client_p50_ms": percentile(t.cancel_ms, 50), "cancel_client_p99_ms": percentile(t.cancel_ms, 99),
         "cancel_engine_p50_steps": histogram_quantile(before, after, "bargein_cancel_latency_steps", 0.5,
                                                       interpolate=False),
@@ -367,10 +426,13 @@ async def run(base: str, args: argparse.Namespace, pid: int | None) -> dict:
         "cancel_engine_p50_ms": histogram_quantile(before, after, "bargein_cancel_latency_seconds", 0.5) * 1000,
         "cancel_engine_p99_ms": histogram_quantile(before, after, "bargein_cancel_latency_seconds", 0.99) * 1000,
         "huge_prompts": len(t.huge_windows),
-        "longest_gap_during_huge_ms": max(t.gaps_during_huge, default=float("nan")) * 1000,
-        "longest_gap_during_huge_steps": _steps(max(t.gaps_during_huge, default=float("nan")) * 1000, step_ms),
-        "longest_gap_outside_huge_ms": max(t.gaps_outside_huge, default=float("nan")) * 1000,
-        "longest_gap_outside_huge_steps": _steps(max(t.gaps_outside_huge, default=float("nan")) * 1000, step_ms),
+        **_waits("gap", t.gaps, windows, trace, period_ms),
+        **_waits("first_token_wait", t.first_waits, windows, trace, period_ms),
+        "client_lag_max_ms": max((lag for _, lag in t.client_lag), default=float("nan")) * 1000,
+        "client_lag_during_huge_max_ms": max(lag_during, default=float("nan")) * 1000,
+        **_stalls("server_loop_lag", trace.loop_lags, windows, soak.gaps_from),
+        **_stalls("server_gc_pause", trace.gc_pauses, windows, soak.gaps_from),
+        "steps": trace.summary(soak.gaps_from),
         "rss_mb_samples": [[round(s), round(mb, 1), quiet] for s, mb, quiet in t.rss_mb],
         "rss_mb_first": rss[0] if rss else None, "rss_mb_last": rss[-1] if rss else None,
         "rss_second_half_quiet_spread_pct": ((max(half) - min(half)) / min(half) * 100) if len(half) > 1 else None,
@@ -378,8 +440,49 @@ async def run(base: str, args: argparse.Namespace, pid: int | None) -> dict:
     }
 
 
-def _steps(ms: float, step_ms: float) -> float:
-    return ms / step_ms if step_ms == step_ms and step_ms > 0 else float("nan")
+def _waits(name: str, waits: list[tuple[float, float]], windows: list[tuple[float, float]], trace: StepTrace,
+           period_ms: float) -> dict:
+    """The longest waits during the 4 MB prompts' windows and outside them (the control):
+    in ms, in steps that ended during the wait (the measure, see step_trace.py), and in ms
+    over the median step period (which also counts a long step as several)."""
+    out = {}
+    for where, inside in (("during_huge", True), ("outside_huge", False)):
+        group = [(a, b) for a, b in waits if _inside(windows, a, b) == inside]
+        ms = [(b - a) * 1000 for a, b in group]
+        steps = [trace.steps_between(a, b) for a, b in group] if trace.same_clock else []
+        out |= {f"{name}s_{where}": len(group),
+                f"longest_{name}_{where}_ms": max(ms, default=float("nan")),
+                f"longest_{name}_{where}_steps": max(steps, default=float("nan")),
+                f"{name}_{where}_p99_steps": percentile(steps, 99),
+                f"longest_{name}_{where}_periods": max(ms, default=float("nan")) / period_ms
+                if period_ms > 0 else float("nan")}
+    return out
+
+
+def _stalls(name: str, stalls: list[list[float]], windows: list[tuple[float, float]], start: float) -> dict:
+    """The longest server stall (over 10 ms) after the warm-up, during the 4 MB windows and outside."""
+    out = {}
+    for where, inside in (("during_huge", True), ("outside_huge", False)):
+        ms = [s[1] * 1000 for s in stalls if s[0] >= start and _inside(windows, s[0] - s[1], s[0]) == inside]
+        out |= {f"{name}_{where}_max_ms": max(ms, default=0.0), f"{name}s_{where}": len(ms)}
+    return out
+
+
+def _merged(windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping windows joined, sorted by start."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(windows):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _inside(merged: list[tuple[float, float]], start: float, end: float) -> bool:
+    """Whether [start, end] overlaps one of the merged windows."""
+    i = bisect.bisect_left(merged, (end, float("inf"))) - 1  # the last window starting before end
+    return i >= 0 and merged[i][1] > start
 
 
 def _metric(text: str, name: str) -> float:
@@ -391,12 +494,21 @@ def _metric(text: str, name: str) -> float:
 
 def report(result: dict) -> None:
     rows = [{"metric": f"outcome: {k}", "value": v} for k, v in result["outcomes"].items()]
-    rows += [{"metric": k, "value": result[k]} for k in (
-        "requests", "unexpected_errors", "leaked_blocks", "kv_ok", "in_flight_after", "engine_steps", "step_p50_ms",
-        "cancel_client_p50_ms", "cancel_client_p99_ms", "cancel_engine_p50_steps", "cancel_engine_p99_steps",
-        "cancel_engine_p50_ms", "cancel_engine_p99_ms", "huge_prompts", "longest_gap_during_huge_ms",
-        "longest_gap_during_huge_steps", "longest_gap_outside_huge_ms", "longest_gap_outside_huge_steps",
-        "rss_mb_first", "rss_mb_last", "rss_second_half_quiet_spread_pct")]
+    keys = ["requests", "unexpected_errors", "leaked_blocks", "kv_ok", "in_flight_after", "engine_steps",
+            "step_p50_ms", "step_period_p50_ms", "cancel_client_p50_ms", "cancel_client_p99_ms",
+            "cancel_engine_p50_steps", "cancel_engine_p99_steps", "cancel_engine_p50_ms", "cancel_engine_p99_ms",
+            "huge_prompts"]
+    for name in ("gap", "first_token_wait"):
+        for where in ("during_huge", "outside_huge"):
+            keys += [f"{name}s_{where}", f"longest_{name}_{where}_steps", f"{name}_{where}_p99_steps",
+                     f"longest_{name}_{where}_ms", f"longest_{name}_{where}_periods"]
+    keys += ["client_lag_max_ms", "client_lag_during_huge_max_ms"]
+    keys += [f"{n}{k}" for n in ("server_loop_lag", "server_gc_pause")
+             for k in ("_during_huge_max_ms", "s_during_huge", "_outside_huge_max_ms", "s_outside_huge")]
+    keys += ["rss_mb_first", "rss_mb_last",
+             "rss_second_half_quiet_spread_pct"]
+    rows += [{"metric": k, "value": result[k]} for k in keys]
+    rows += [{"metric": f"steps: {k}", "value": v} for k, v in result["steps"].items()]
     print(f"soak: {result['clients']} clients for {result['duration_s']:.0f} s")
     print(format_table(rows, ["metric", "value"]))
     print("RSS (s, MB; * = a 4 MB prompt in flight):",
@@ -415,7 +527,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=float, default=10.0,
                    help="seconds at the start whose stream gaps are not counted (default: %(default)s)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the server it starts (repeat: --server-arg=--flag --server-arg=N)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the JSON result here")
+    p.add_argument("--dump", default=None, metavar="PATH",
+                   help="write the raw series (stream waits, 4 MB windows, client lag, steps) as JSON, to study")
     return p.parse_args(argv)
 
 
@@ -425,7 +541,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.url is None:
         from tests.conftest import ServerProcess  # the tests' way of running bargein serve
 
-        server = ServerProcess(("--debug-endpoints", *SERVER_ARGS)).start().wait_ready()
+        server = ServerProcess(("--debug-endpoints", *SERVER_ARGS, *args.server_arg)).start().wait_ready()
     try:
         base = args.url or server.base_url
         pid = args.pid if server is None else server.proc.pid

@@ -9,9 +9,11 @@ headers, slow bytes).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -167,6 +169,70 @@ async def test_many_slow_clients_do_not_delay_a_normal_request(server):
     assert took < TIMEOUT_S  # served while all fifty still hold their connections
     replies = await asyncio.wait_for(asyncio.gather(*slow_clients), 30)
     assert all(reply.startswith(b"HTTP/1.1 408 ") for reply in replies)
+
+
+HUGE_BODY = json.dumps({"messages": [{"role": "user", "content": "lorem ipsum " * 330_000}],
+                        "max_tokens": 1}).encode()  # 3.96 MB, under the 4 MiB body limit
+
+
+def _steps_ended(server) -> list[float]:
+    """When each recent engine step ended (the server's time.monotonic(), our clock too)."""
+    body = httpx.get(f"{server.base_url}/debug/steps", timeout=10).json()
+    assert body["fields"][:2] == ["index", "ended"]
+    indexes = [row[0] for row in body["steps"]]
+    assert indexes == list(range(indexes[0], indexes[0] + len(indexes))), "each step once, in order"
+    return [row[1] for row in body["steps"]]
+
+
+def test_a_stream_misses_no_step_while_4mb_inputs_are_refused(server):
+    """Counted in engine steps, not ms (robust on a loaded machine): while three 4 MB
+    chat bodies are refused at once, a stream's chunks keep coming with at most 2 steps
+    ending between two of them (one step plus the delivery's jitter), and no chunk holds
+    more than 2 tokens. With logprobs every token makes a chunk, so a gap is a stall,
+    never a token without text."""
+    arrivals: list[tuple[float, int]] = []  # (when, tokens in the chunk)
+
+    def read() -> None:
+        body = {"messages": HELLO, "max_tokens": 120, "ignore_eos": True, "stream": True, "logprobs": True}
+        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    arrivals.append((time.monotonic(), len((choice.get("logprobs") or {}).get("content") or [])))
+
+    def refuse() -> None:
+        r = httpx.post(f"{server.base_url}/v1/chat/completions", content=HUGE_BODY, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    wait_until(lambda: len(arrivals) >= 10)
+    window_start = time.monotonic()
+    senders = [threading.Thread(target=refuse) for _ in range(3)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join()
+    window_end = time.monotonic()
+    wait_until(lambda: len(arrivals) >= 10 + 5 and arrivals[-1][0] > window_end + 0.2)
+    reader.join()
+    ended = _steps_ended(server)
+    tokens = [(when, n) for when, n in arrivals if n]  # from the first token on
+    assert sum(n for _, n in tokens) == 120
+    # The server held no token back: a stream's tokens that wait for the event loop are
+    # merged into one chunk, so a chunk of k tokens is k steps without one.
+    merged = [n for when, n in tokens if window_start < when < window_end + 0.5]
+    assert merged and max(merged) <= 2, tokens
+    during = []
+    for i, ((a, _), (b, _)) in enumerate(zip(tokens, tokens[1:], strict=False)):
+        if a < window_end and b > window_start:
+            steps = bisect.bisect_right(ended, b) - bisect.bisect_right(ended, a)
+            # A stall of this test process (not the server) reads k steps' chunks at once:
+            # one gap, then a burst of separate one-token chunks.
+            burst = sum(1 for when, _ in tokens[i + 1:] if when - b < 0.005)
+            during.append((round(b - a, 3), steps if burst < steps - 1 else 1))
+    assert during and max(steps for _, steps in during) <= 2, during
 
 
 def _metric_samples(server) -> dict[tuple[str, tuple], tuple[str, float]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -140,3 +142,11 @@ def test_graceful_shutdown_answers_in_flight_streams(strict):
     assert chunks[-1]["usage"]["completion_tokens"] >= 3
     assert strict.proc.wait(30) == 0
     assert "cancelled (shutdown)" in strict.log()
+
+
+def test_a_mixed_prefill_cap_below_one_is_a_usage_error():
+    """``--max-mixed-prefill-tokens`` must be positive: one error line, status 2, before any model loads."""
+    result = subprocess.run([sys.executable, "-m", "bargein.cli", "serve", "--port", "0",
+                             "--max-mixed-prefill-tokens", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "max_mixed_prefill_tokens must be positive" in result.stderr

@@ -25,6 +25,7 @@ takes no lock at all, so it is safe in a signal handler.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import queue
 import time
@@ -63,7 +64,7 @@ from bargein.engine.runner import KVLost, ModelRunner, Runner, RunnerHealth, Ste
 from bargein.engine.sampler import RowSampling, SampledToken, Sampler, SamplingState, row_sampling
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
-from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo
+from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord
 from bargein.model.llama import LlamaStage
 
 log = logging.getLogger("bargein.engine")
@@ -307,12 +308,17 @@ class Engine:
             log.exception("step %d failed", plan.step)
             self.scheduler.fail_step(plan, f"the model step failed: {type(exc).__name__}: {exc}")
             return self._outcome()
-        self.counters.step_durations.append(time.perf_counter() - started)
+        forward_s = time.perf_counter() - started
+        self.counters.step_durations.append(forward_s)
         self.counters.steps += 1
         self._drain_inbox()  # cancels that arrived during the forward (C1)
         self.scheduler.expire_deadlines()
         self.scheduler.update(plan, sampled)
-        return self._outcome()
+        outcome = self._outcome()
+        self.counters.recent_steps.append(StepRecord(
+            self.counters.steps, time.monotonic(), forward_s, len(plan.chunks), plan.num_tokens,
+            sum(1 for c in plan.chunks if len(c.token_ids) == 1)))
+        return outcome
 
     def _sample(self, result: StepResult) -> dict[str, SampledToken]:
         """Each live sampling chunk's token: picked by the runner (plain rows of a
@@ -531,6 +537,20 @@ class Engine:
             finished=dict(self.counters.finished),
             cancelled=dict(self.counters.cancelled),
         )
+
+    def steps_after(self, index: int) -> list[StepRecord]:
+        """The recent steps whose index is above ``index``, oldest first (engine thread).
+
+        At most ``STEP_HISTORY`` are kept: a reader that polls less often loses the
+        oldest (it can tell from the first index it gets).
+        """
+        recent = self.counters.recent_steps
+        if not recent:
+            return []
+        # By the records' own indexes: between a step's forward and its record (the inbox
+        # is drained there), ``counters.steps`` is one ahead of the last record.
+        skip = max(0, len(recent) - (recent[-1].index - index))
+        return list(itertools.islice(recent, skip, None))
 
     def list_requests(self) -> list[RequestInfo]:
         """Queued and running requests, oldest first (engine thread)."""

@@ -34,6 +34,8 @@ This module imports no torch; it is driven by one thread (the engine's).
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -55,6 +57,13 @@ from bargein.engine.request import (
     transition,
 )
 from bargein.engine.request_ids import RequestIds
+
+
+def _take(pending: int, budget: int, prompt_room: float) -> int:
+    """Tokens of a sequence's ``pending`` to compute in this step: within the step's token
+    budget, and for a prompt (more than one token pending) within the room left for prompts."""
+    n = min(pending, budget)
+    return n if pending == 1 else int(min(n, max(prompt_room, 0)))
 
 
 class SessionBusy(Exception):
@@ -227,6 +236,7 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted = False
         busy = self.in_flight
+        prompt_room = self._prompt_room(busy, room)
 
         for req in list(self.running):
             if len(chunks) >= room:
@@ -234,7 +244,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in busy:
                 continue
             seq = req.sequence
-            n = min(seq.num_pending, budget)
+            n = _take(seq.num_pending, budget, prompt_room)
             if n == 0:
                 continue
             while req.status == RequestStatus.RUNNING:
@@ -252,18 +262,30 @@ class Scheduler:
                     self._preempt(victim)
                     preempted = True
                     continue
+                if seq.num_pending > 1:
+                    prompt_room -= n
                 chunks.append(self._chunk(req, n))
                 budget -= n
                 break
 
-        while (self.waiting and not preempted and budget > 0 and len(chunks) < room
+        i = 0  # the waiting request to admit next: the oldest, or one past prompts with no room
+        while (i < len(self.waiting) and not preempted and budget > 0 and len(chunks) < room
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self.waiting[i]
             seq = req.sequence
             first_admission = req.status == RequestStatus.WAITING
             # A request waits without blocks (they may have been reclaimed): match again.
-            copies_hit = self._match_prefix(seq) if not seq.block_table.block_ids else []
-            n = min(seq.num_pending, budget)
+            matched = not seq.block_table.block_ids
+            copies_hit = self._match_prefix(seq) if matched else []
+            n = _take(seq.num_pending, budget, prompt_room)
+            if n == 0:
+                # No room for its prompt beside the decodes: it waits (without the hits, as
+                # it was), and so does every prompt after it; one with a single token to
+                # compute (a cache hit) costs a decode's share and may pass.
+                if matched:
+                    self._drop_kv(seq)
+                i += 1
+                continue
             try:
                 copies_new = self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)
             except OutOfBlocks:
@@ -271,16 +293,18 @@ class Scheduler:
                 if self._reclaim_blocks():
                     continue
                 if not self.running and not chunks:
-                    self.waiting.popleft()
+                    del self.waiting[i]
                     self._finish(req, FinishReason.ERROR, error="the KV cache is too small for this prompt")
                     continue
                 break
             copies += copies_hit + copies_new
-            self.waiting.popleft()
+            del self.waiting[i]
             if first_admission:
                 req.cached_tokens = seq.num_computed
                 self.num_prefix_hit_tokens += seq.num_computed
             self._transition(req, RequestEvent.SCHEDULE)
+            if seq.num_pending > 1:
+                prompt_room -= n
             self.running.append(req)
             chunks.append(self._chunk(req, n))
             budget -= n
@@ -289,6 +313,16 @@ class Scheduler:
         if chunks:
             self._in_flight[self._step] = frozenset(c.request_id for c in chunks)
         return StepPlan(self._step, tuple(chunks), tuple(copies))
+
+    def _prompt_room(self, busy: frozenset[str], room: int) -> float:
+        """Prompt tokens this step may carry: ``max_mixed_prefill_tokens`` when it will carry
+        a decode (a running sequence with one token to compute), else no cap of its own."""
+        cap = self.config.max_mixed_prefill_tokens
+        if cap is None:
+            return math.inf
+        schedulable = (r for r in self.running if r.status == RequestStatus.RUNNING and r.request_id not in busy)
+        has_decode = any(r.sequence.num_pending == 1 for r in itertools.islice(schedulable, room))
+        return cap if has_decode else math.inf
 
     def update(self, plan: StepPlan, sampled: dict[str, Any]) -> None:
         """Applies a plan whose forward finished; the changes go into the step's outcome.

@@ -43,6 +43,28 @@ class RequestInfo:
     session_id: str | None
 
 
+STEP_HISTORY = 8192  # recent steps kept in ``EngineCounters.recent_steps``
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step, as ``/debug/steps`` reports it (plain data, for measuring).
+
+    ``index`` is the engine's running step count after this step (1, 2, ...; steps that
+    ran nothing are not counted); ``ended`` is ``time.monotonic()`` when its outputs were
+    ready to hand to the streams, so a client on the same machine can count the steps
+    that ended between two chunks it read. ``decodes`` counts the sequences that computed
+    one token, ``tokens`` every token of the forward (decodes plus prompt chunks).
+    """
+
+    index: int
+    ended: float
+    forward_s: float
+    seqs: int
+    tokens: int
+    decodes: int
+
+
 @dataclass
 class EngineCounters:
     """Mutable tallies, owned by the engine thread."""
@@ -58,3 +80,4 @@ class EngineCounters:
     cancel_latencies: deque = field(default_factory=lambda: deque(maxlen=4096))
     cancel_latency_steps: deque = field(default_factory=lambda: deque(maxlen=4096))
     step_durations: deque = field(default_factory=lambda: deque(maxlen=4096))
+    recent_steps: deque = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))  # StepRecord

@@ -45,7 +45,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx.loop = asyncio.get_running_loop()
         engine.start()
+        if settings.debug_endpoints:
+            ctx.stalls.start()
         yield
+        ctx.stalls.stop()
         await finish_shutdown(ctx)
 
     app = FastAPI(title="bargein", summary="An OpenAI-compatible server where every request can be stopped.",

@@ -26,6 +26,7 @@ from bargein.server.prompts import PromptBuilder, max_token_bytes
 from bargein.server.registry import RequestRegistry
 from bargein.server.responses_store import ResponseStore
 from bargein.server.settings import ServerSettings
+from bargein.server.stalls import StallWatch
 
 
 def bargein_version() -> str:
@@ -46,6 +47,7 @@ class ServerContext:
     shutdown_started: bool = False  # begin_shutdown ran (in-flight requests were cancelled)
     loop: asyncio.AbstractEventLoop | None = None  # the serving loop, once the app started
     background_tasks: set[asyncio.Task] = field(default_factory=set)  # background responses
+    stalls: StallWatch = field(default_factory=StallWatch)  # started with the debug endpoints
     jobs: JobRunner = field(init=False)
     responses: ResponseStore = field(init=False)
     memory: PromptMemory = field(init=False)

@@ -1,13 +1,17 @@
-"""Operations: ``/health``, ``/metrics`` (Prometheus text), ``/v1/cluster``, and ``/debug/kv`` for tests."""
+"""Operations: ``/health``, ``/metrics`` (Prometheus text), ``/v1/cluster``, and ``/debug/kv`` and
+``/debug/steps`` and ``/debug/stalls`` for tests and benchmarks."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import time
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from bargein.engine.stats import STEP_HISTORY
 from bargein.server.cluster import cluster_snapshot
 from bargein.server.context import Ctx
 from bargein.server.metrics import CONTENT_TYPE
@@ -64,3 +68,25 @@ async def debug_kv(ctx: Ctx) -> dict[str, Any]:
             "block_size": stats.block_size,
             "supports_partial_block_reuse": bool(getattr(engine, "supports_partial_block_reuse", False)),
             "continuation_memory": {"entries": len(ctx.memory), "tokens": ctx.memory.num_tokens}}
+
+
+@debug_router.get("/debug/steps")
+async def debug_steps(ctx: Ctx, after: int = 0) -> dict[str, Any]:
+    """The engine's recent steps with an index above ``after``, oldest first: for measuring.
+
+    ``ended`` is the server's ``time.monotonic()`` (``now`` too), comparable with a
+    client's on the same machine; ``kept`` is how many recent steps the engine holds,
+    so a reader polling at least that often misses none.
+    """
+    engine = ctx.engine.engine
+    records = await ctx.engine.call(functools.partial(engine.steps_after, after))
+    return {"now": time.monotonic(), "steps_total": engine.counters.steps, "kept": STEP_HISTORY,
+            "fields": ["index", "ended", "forward_s", "seqs", "tokens", "decodes"],
+            "steps": [[r.index, r.ended, r.forward_s, r.seqs, r.tokens, r.decodes] for r in records]}
+
+
+@debug_router.get("/debug/stalls")
+async def debug_stalls(ctx: Ctx, after: float = 0.0) -> dict[str, Any]:
+    """Event-loop lags and collector pauses over 10 ms that ended after ``after`` (the
+    server's ``time.monotonic()``): ``[ended at, seconds]`` and ``[ended at, seconds, generation]``."""
+    return {"now": time.monotonic(), **ctx.stalls.since(after)}
