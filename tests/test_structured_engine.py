@@ -14,11 +14,12 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.constraint import Constraint
 from bargein.engine.conversation import Conversation
-from bargein.engine.grammar import Grammars, UnsupportedGrammar, check_constraint
+from bargein.engine.grammar import GrammarMasks, Grammars, UnsupportedGrammar, check_constraint
 from bargein.engine.request import FinishReason
 from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
 from tests.tiny_engine import EOS, ByteTokenizer, tiny_engine
@@ -119,6 +120,24 @@ def test_replay_rejects_tokens_outside_the_grammar():
     grammars = Grammars(ByteTokenizer(), 260, {EOS})
     with pytest.raises(UnsupportedGrammar, match="token 0"):
         grammars.matcher(Constraint.json_object(), [ord("x")])
+
+
+def test_masks_forbid_exactly_what_the_grammar_forbids():
+    # Logits wider than the grammar's vocabulary (as when a model pads its embedding):
+    # the extra columns are forbidden in constrained rows, untouched in the free row.
+    grammars = Grammars(ByteTokenizer(), 264, {EOS})
+    c = Constraint.json_schema(SCHEMAS["enum"])
+    at_start, mid_word = grammars.matcher(c), grammars.matcher(c, [ord(ch) for ch in '{"kind":"'])
+    logits = torch.randn(3, 264)
+    masked = GrammarMasks().apply(logits, [at_start, None, mid_word])
+    for row, matcher in ((0, at_start), (2, mid_word)):
+        allowed = {t for t in range(260) if matcher._m.deep_copy().consume_token(t)}
+        assert {t for t in range(264) if masked[row, t] > float("-inf")} == allowed
+        assert torch.equal(masked[row, sorted(allowed)], logits[row, sorted(allowed)])
+    assert {t for t in range(264) if masked[2, t] > float("-inf")} == {ord(ch) for ch in "cdb"}
+    assert torch.equal(masked[1], logits[1])
+    masked_all = GrammarMasks().apply(logits[[0, 2]], [at_start, mid_word])  # every row constrained
+    assert torch.equal(masked_all, masked[[0, 2]])
 
 
 @pytest.mark.parametrize("cut", [1, 4, 9])
