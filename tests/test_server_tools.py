@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from bargein.server.tools import ToolCallParser
+from bargein.server.tools import ArgumentsDelta, CallEnd, CallStart, ToolCallParser
 
 MODEL = "SmolLM2-135M-Instruct"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
@@ -55,20 +55,25 @@ def test_forced_and_required_calls_streamed_equal_plain(client):
         plain = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice_arg,
                                                max_tokens=60, temperature=0)
         calls: dict[int, dict] = {}
-        finish, content = None, ""
+        finish, content, pieces = None, "", []
         for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice_arg,
                                                     max_tokens=60, temperature=0, stream=True):
             for ch in chunk.choices:
                 content += ch.delta.content or ""
                 for d in ch.delta.tool_calls or ():
-                    entry = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
-                    entry["name"] += d.function.name or ""
-                    entry["arguments"] += d.function.arguments or ""
+                    if d.index not in calls:  # the first delta of a call: id, type, name, no arguments yet
+                        assert d.id.startswith("call_") and d.type == "function" and d.function.arguments == ""
+                        calls[d.index] = {"name": d.function.name, "arguments": ""}
+                    else:  # then the arguments, piece by piece as generated
+                        assert d.id is None and d.function.name is None
+                        pieces.append(d.function.arguments)
+                        calls[d.index]["arguments"] += d.function.arguments
                 finish = ch.finish_reason or finish
         [expected] = plain.choices[0].message.tool_calls
         assert finish == "tool_calls" and content == ""
         assert [(c["name"], c["arguments"]) for c in calls.values()] == [
             (expected.function.name, expected.function.arguments)]
+        assert len(pieces) > 2 and all(pieces)  # streamed incrementally, not in one delta
 
 
 @pytest.mark.slow
@@ -106,23 +111,59 @@ def test_tool_errors_are_400s(client):
 
 
 # -- the parser (auto mode reads the model's own text) ------------------------------------------------
-TEXT = ('Let me check. <tool_call>{"name":"get_time","arguments":{"zone":"UTC"}}</tool_call>'
-        '<tool_call>{"name":"nope","arguments":{}}</tool_call> <tool_ca')
+TEXT = ('Let me check. <tool_call>{"name":"get_time","arguments":{"zone":"U\\"}C"}}</tool_call>'
+        '<tool_call>{"name":"nope","arguments":{}}</tool_call> <tool_call>{"arguments":{"zone":"CET"},'
+        '"name":"get_time"}</tool_call>, <tool_ca')
+
+
+def _replay(events) -> tuple[str, list[tuple[int, str, str]]]:
+    """Content and (index, name, arguments) per call, rebuilt from a parser's events."""
+    content, calls = "", {}
+    for e in events:
+        if isinstance(e, str):
+            content += e
+        elif isinstance(e, CallStart):
+            calls[e.call.index] = [e.call.name, ""]
+        elif isinstance(e, ArgumentsDelta):
+            calls[e.index][1] += e.text
+    return content, [(i, name, args) for i, (name, args) in calls.items()]
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, 11, len(TEXT)])
 def test_parser_is_independent_of_how_text_is_split(step):
     parser = ToolCallParser({"get_time"})
     pieces = [TEXT[i:i + step] for i in range(0, len(TEXT), step)]
-    calls = []
+    events = []
     for i, piece in enumerate(pieces):
-        calls += parser.feed(piece, final=i == len(pieces) - 1)[1]
-    assert [(c.name, c.arguments, c.index) for c in calls] == [("get_time", '{"zone":"UTC"}', 0)]
+        events += parser.feed(piece, final=i == len(pieces) - 1)[1]
+    content, calls = _replay(events)
+    assert calls == [(0, "get_time", '{"zone":"U\\"}C"}'), (1, "get_time", '{"zone":"CET"}')]
+    assert [(c.index, c.name, c.arguments, c.done) for c in parser.calls] == [(i, n, a, True) for i, n, a in calls]
+    assert sum(isinstance(e, CallEnd) for e in events) == 2
     # An unknown function is content, and so is an unfinished tag at the end.
-    assert parser.text == 'Let me check. <tool_call>{"name":"nope","arguments":{}}</tool_call> <tool_ca'
+    assert content == parser.text == ('Let me check. <tool_call>{"name":"nope","arguments":{}}</tool_call> , '
+                                      '<tool_ca')
+
+
+def test_parser_streams_arguments_before_the_call_closes():
+    parser = ToolCallParser({"f"})
+    assert parser.feed('Hi <tool_call>{"name":') == ("Hi ", ["Hi "])
+    _, [start] = parser.feed('"f","arguments":')
+    assert isinstance(start, CallStart) and start.call.name == "f" and start.call.id.startswith("call_")
+    assert parser.feed(' {"x":"a}') == ("", [ArgumentsDelta(0, '{"x":"a}')])
+    assert parser.feed('b"}}</tool') == ("", [ArgumentsDelta(0, 'b"}')])
+    assert parser.feed('_call> ok', final=True) == (" ok", [CallEnd(0), " ok"])
+    assert parser.calls[0].arguments == '{"x":"a}b"}' and parser.text == "Hi  ok"
+
+
+def test_parser_keeps_a_call_cut_short():
+    parser = ToolCallParser({"f"})
+    _, events = parser.feed('<tool_call>{"name":"f","arguments":{"x":[1,', final=True)
+    assert _replay(events) == ("", [(0, "f", '{"x":[1,')]) and not parser.calls[0].done
 
 
 def test_parser_keeps_arguments_verbatim():
     parser = ToolCallParser({"f"})
-    _, [call] = parser.feed('<tool_call>{"name":"f","arguments":{"x":1.50,"y":[1, 2]}}</tool_call>', final=True)
+    parser.feed('<tool_call>{"name":"f","arguments":{"x":1.50,"y":[1, 2]}}</tool_call>', final=True)
+    [call] = parser.calls
     assert call.arguments == '{"x":1.50,"y":[1, 2]}' and parser.text == ""

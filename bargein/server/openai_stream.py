@@ -36,7 +36,7 @@ from bargein.server.openai_format import (
 )
 from bargein.server.responses_store import StoredResponse
 from bargein.server.sse import DONE, data_event, named_event
-from bargein.server.tools import ToolCallParser
+from bargein.server.tools import ArgumentsDelta, CallStart, ToolCallParser
 
 
 class Shape(Protocol):
@@ -106,8 +106,9 @@ class ChatShape:
     """``chat.completion`` and ``chat.completion.chunk``.
 
     With ``tool_names`` (tools offered), each choice's text goes through a
-    :class:`ToolCallParser`: calls come out as ``tool_calls`` (streamed: one delta per
-    call, with its id, name and whole arguments) and an answer that made a call and
+    :class:`ToolCallParser`: calls come out as ``tool_calls`` (streamed as OpenAI does:
+    a delta with the call's index, id, type and name and empty arguments, then deltas
+    with argument pieces as they are generated) and an answer that made a call and
     ended by itself has ``finish_reason: "tool_calls"``.
     """
 
@@ -140,16 +141,29 @@ class ChatShape:
 
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         lps = chat_logprobs(self.tokenizer, out.new_logprobs) if self.logprobs and out.new_logprobs else None
-        text, calls = out.delta_text, []
-        if self.tool_names is not None:
-            parser = self.parsers.setdefault(slot.index, ToolCallParser(self.tool_names))
-            text, calls = parser.feed(out.delta_text, final=out.finished)
-        if text or lps:
-            yield self._chunk([{"index": slot.index, "delta": {"content": text},
-                                "logprobs": {"content": lps} if lps else None, "finish_reason": None}])
-        for call in calls:
-            yield self._chunk([{"index": slot.index, "delta": {"tool_calls": [{"index": call.index, **call.to_dict()}]},
-                                "logprobs": None, "finish_reason": None}])
+        if self.tool_names is None:
+            if out.delta_text or lps:
+                yield self._delta(slot, {"content": out.delta_text}, lps)
+            return
+        parser = self.parsers.setdefault(slot.index, ToolCallParser(self.tool_names))
+        _, events = parser.feed(out.delta_text, final=out.finished)
+        if lps and not any(isinstance(e, str) for e in events):
+            yield self._delta(slot, {"content": ""}, lps)
+        for event in events:
+            if isinstance(event, str):
+                yield self._delta(slot, {"content": event}, lps)
+                lps = None  # this output's logprobs go with its first content piece
+            elif isinstance(event, CallStart):
+                call = event.call
+                yield self._delta(slot, {"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                                         "function": {"name": call.name, "arguments": ""}}]})
+            elif isinstance(event, ArgumentsDelta):
+                yield self._delta(slot, {"tool_calls": [{"index": event.index,
+                                                         "function": {"arguments": event.text}}]})
+
+    def _delta(self, slot: Slot, delta: dict[str, Any], lps: list[dict[str, Any]] | None = None) -> str:
+        return self._chunk([{"index": slot.index, "delta": delta, "logprobs": {"content": lps} if lps else None,
+                             "finish_reason": None}])
 
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         yield self._chunk([{"index": slot.index, "delta": {}, "logprobs": None,
