@@ -110,6 +110,86 @@ def test_tool_errors_are_400s(client):
     assert info.value.body["param"] == "tool_choice"
 
 
+# -- the Responses API ---------------------------------------------------------------------------------
+RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+                    "parameters": t["function"]["parameters"]} for t in TOOLS]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("check_kv")
+def test_responses_forced_call_streamed_equals_not_streamed(client):
+    forced = {"type": "function", "name": "get_weather"}
+    plain = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=RESPONSES_TOOLS,
+                                    tool_choice=forced, max_output_tokens=60, temperature=0)
+    assert plain.status == "completed"
+    [call] = plain.output  # no message item: the answer is the call alone
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert client.responses.retrieve(plain.id).output[0].arguments == call.arguments
+
+    kinds, pieces, final = [], [], None
+    with client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=RESPONSES_TOOLS,
+                                 tool_choice=forced, max_output_tokens=60, temperature=0, stream=True) as stream:
+        for event in stream:  # parsed into the SDK's typed events: their shapes are the API's
+            kinds.append(event.type)
+            if event.type == "response.output_item.added":
+                assert event.item.type == "function_call" and event.item.arguments == ""
+                assert event.item.name == "get_weather" and event.output_index == 0
+            elif event.type == "response.function_call_arguments.delta":
+                pieces.append(event.delta)
+            elif event.type == "response.function_call_arguments.done":
+                assert event.arguments == "".join(pieces)
+            elif event.type == "response.completed":
+                final = event.response
+    assert len(pieces) > 2 and "".join(pieces) == call.arguments  # streamed as generated, the same answer
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    assert "response.output_text.delta" not in kinds
+    [streamed] = final.output
+    assert (streamed.type, streamed.name, streamed.arguments) == ("function_call", "get_weather", call.arguments)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("check_kv")
+def test_responses_tool_result_round_trip(client):
+    first = client.responses.create(model=MODEL, input="What time is it?", tools=RESPONSES_TOOLS,
+                                    tool_choice="required", max_output_tokens=40, temperature=0)
+    [call] = first.output
+    assert call.type == "function_call" and call.name in SCHEMAS
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"answer": 12})}
+    # Continued from the stored response: its prompt and the call's tokens are reused exactly.
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input=[result],
+                                     tools=RESPONSES_TOOLS, tool_choice="none", max_output_tokens=8, temperature=0)
+    assert second.output[0].type == "message" and second.output_text
+    previous = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= previous - 1
+    # The same history sent whole (the call echoed back as an input item) renders the same prompt.
+    whole = client.responses.create(
+        model=MODEL, tools=RESPONSES_TOOLS, tool_choice="none", max_output_tokens=8, temperature=0,
+        input=[{"role": "user", "content": "What time is it?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               result])
+    assert whole.usage.input_tokens == second.usage.input_tokens and whole.output_text == second.output_text
+
+
+@pytest.mark.slow
+def test_responses_tool_errors_are_400s(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="hi", tools=RESPONSES_TOOLS, max_output_tokens=5,
+                                tool_choice={"type": "function", "name": "nope"})
+    assert info.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}], max_output_tokens=5)
+    assert info.value.body["param"] == "tools.0"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=[{"type": "function_call_output", "output": "x"}],
+                                max_output_tokens=5)
+    assert info.value.body["param"] == "input.0.call_id"
+
+
 # -- the parser (auto mode reads the model's own text) ------------------------------------------------
 TEXT = ('Let me check. <tool_call>{"name":"get_time","arguments":{"zone":"U\\"}C"}}</tool_call>'
         '<tool_call>{"name":"nope","arguments":{}}</tool_call> <tool_call>{"arguments":{"zone":"CET"},'

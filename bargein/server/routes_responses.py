@@ -39,6 +39,8 @@ from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
 from bargein.server.structured import compile_in_pool
+from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan
+from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.validation import check_response_format, effective_timeout, resolve_max_tokens
 
 router = APIRouter()
@@ -47,15 +49,34 @@ _INPUT_ROLES = {"user", "assistant", "system", "developer"}
 
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as chat messages. Besides messages: ``function_call`` items (a call the
+    model made, sent back) join the assistant message before them as ``tool_calls``, and
+    a ``function_call_output`` item is a ``role: "tool"`` message."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    messages = []
+    messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         kind = item.get("type", "message")
+        if kind == "function_call":
+            call = {"id": _field(item, "call_id", i), "type": "function",
+                    "function": {"name": _field(item, "name", i), "arguments": _field(item, "arguments", i)}}
+            if messages and messages[-1]["role"] == "assistant":
+                last = messages[-1]
+                last["tool_calls"] = [*last.get("tool_calls", []), call]
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", i),
+                             "content": output if isinstance(output, str) else content_text(
+                                 output, f"input.{i}.output")})
+            continue
         role = item.get("role")
         if kind != "message" or role not in _INPUT_ROLES:
-            raise APIError(400, f"input[{i}] must be a message with role in {sorted(_INPUT_ROLES)} "
-                                f"(got type {kind!r}, role {role!r})", param=f"input.{i}", code="invalid_value")
+            raise APIError(400, f"input[{i}] must be a message with role in {sorted(_INPUT_ROLES)}, a function_call "
+                                f"or a function_call_output (got type {kind!r}, role {role!r})",
+                           param=f"input.{i}", code="invalid_value")
         content = item.get("content")
         if not isinstance(content, str | list | type(None)):
             raise APIError(400, f"input[{i}].content must be a string or a list of parts",
@@ -65,6 +86,30 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
         raise APIError(400, "input is empty", param="input", code="invalid_value")
     return messages
+
+
+def _field(item: dict[str, Any], name: str, i: int) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise APIError(400, f"input[{i}].{name} must be a string", param=f"input.{i}.{name}", code="invalid_value")
+    return value
+
+
+def chat_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None
+               ) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """The Responses API's flat function tools (``{"type": "function", "name", ...}``) and
+    ``tool_choice`` (``{"type": "function", "name"}``) in the chat completions' shape."""
+    out = None
+    if tools is not None:
+        out = []
+        for tool in tools:
+            if isinstance(tool, dict) and tool.get("type") == "function" and "function" not in tool:
+                fields = ("name", "description", "parameters", "strict")
+                tool = {"type": "function", "function": {k: tool[k] for k in fields if k in tool}}
+            out.append(tool)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and "function" not in tool_choice:
+        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
+    return out, tool_choice
 
 
 def _previous(ctx: ServerContext, previous_id: str) -> StoredResponse:
@@ -80,12 +125,13 @@ def _previous(ctx: ServerContext, previous_id: str) -> StoredResponse:
 def _previous_known(ctx: ServerContext, prev: StoredResponse) -> Callable[[], list[KnownText]]:
     """The previous response's exact (text -> ids), computed in the tokenizer pool."""
     def known() -> list[KnownText]:
-        prompt_text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True)
+        prompt_text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True,
+                                                        tools=prev.template_tools)
         return [ctx.prompts.known_answer(prompt_text, prev.prompt_token_ids, prev.output_token_ids)]
     return known
 
 
-async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[str, Any]]
+async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[str, Any]], plan: ToolPlan
                  ) -> tuple[StoredResponse, str, list[int]]:
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     prev = _previous(ctx, body.previous_response_id) if body.previous_response_id else None
@@ -96,13 +142,17 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
         answer_text = await ctx.prompts.decode(ctx.prompts.strip_eos(prev.output_token_ids), skip_special_tokens=False)
         conversation = prev.conversation + [{"role": "assistant", "content": answer_text}] + new_turn
         more_known = _previous_known(ctx, prev)
-    prompt_messages = system + conversation
-    prompt = await ctx.prompts.chat(prompt_messages, param="input", more_known=more_known)
+    # The tools section (or the template's own rendering of tools) goes with every turn,
+    # so a follow-up with the same tools renders the previous prompt as its prefix.
+    prompt_messages, template_tools = tool_messages(system + conversation, plan, ctx.tokenizer.chat_template)
+    prompt = await ctx.prompts.chat(prompt_messages, template_tools, param="input", more_known=more_known)
     stored = StoredResponse(
         id="", model=ctx.model_name, prompt_messages=prompt_messages, conversation=conversation,
         prompt_token_ids=prompt.token_ids, instructions=body.instructions,
         previous_response_id=body.previous_response_id, background=body.background, store=body.store,
-        metadata=body.metadata or {}, user=body.user,
+        metadata=body.metadata or {}, user=body.user, template_tools=template_tools,
+        tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        calls=ToolCallParser({t.name for t in plan.tools}) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
@@ -120,13 +170,19 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
     new_turn = input_messages(body.input)  # validation in FIELD_ORDER (validation.py)
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
     constraint = check_response_format(text_format, "text.format", nested=False)
+    plan = tool_plan(*chat_tools(body.tools, body.tool_choice))
+    if plan.constraint() is not None:
+        if constraint is not None:
+            raise APIError(400, "text.format cannot be combined with a required or named tool_choice",
+                           param="tool_choice", code="invalid_value")
+        constraint = plan.constraint()
     max_tokens = resolve_max_tokens(body.max_output_tokens, "max_output_tokens", ctx.settings,
                                     ctx.settings.default_max_tokens)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"},
                              constraint=constraint)
-    await compile_in_pool(ctx, constraint, "text.format")
-    stored, prompt_text, tokens = await _build(ctx, body, new_turn)
+    await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "text.format")
+    stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan)
     stored.id = response_id
     if text_format is not None:
         stored.text_format = text_format
