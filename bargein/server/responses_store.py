@@ -27,7 +27,7 @@ class StoredResponse:
     model: str
     prompt_messages: list[dict[str, Any]]  # what the prompt was rendered from, instructions included
     conversation: list[dict[str, Any]]  # the same without the instructions (carried to follow-ups)
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # a continued answer's earlier part included (from answer_start on)
     instructions: str | None = None
     previous_response_id: str | None = None
     background: bool = False
@@ -41,6 +41,8 @@ class StoredResponse:
     tool_choice: Any = "auto"
     calls: ToolCallParser | None = None  # with tools offered: the answer's text -> content and function calls
     order: list[int | None] = field(default_factory=list)  # output items as they appeared: None message, i call i
+    answer_start: int | None = None  # continuing an answer: where in prompt_token_ids that answer began
+    return_token_ids: bool = False  # the extension: the exact prompt and output token ids in the object
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "queued"
     output_token_ids: list[int] = field(default_factory=list)
@@ -54,6 +56,17 @@ class StoredResponse:
     @property
     def message_id(self) -> str:
         return "msg_" + self.id.removeprefix("resp_")
+
+    @property
+    def answer_token_ids(self) -> list[int]:
+        """The whole answer: a continued answer's earlier part (in the prompt), then the output."""
+        start = len(self.prompt_token_ids) if self.answer_start is None else self.answer_start
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
+    @property
+    def question_token_ids(self) -> list[int]:
+        """The prompt up to where the answer began (the rendered conversation)."""
+        return self.prompt_token_ids[:self.answer_start]
 
     @property
     def is_final(self) -> bool:
@@ -142,6 +155,8 @@ class StoredResponse:
         }
         if self.cancel_reason is not None:
             body["cancel_reason"] = self.cancel_reason.value
+        if self.return_token_ids:
+            body["prompt_token_ids"], body["token_ids"] = list(self.prompt_token_ids), list(self.output_token_ids)
         return body
 
 

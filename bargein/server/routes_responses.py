@@ -26,7 +26,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from bargein.engine.constraint import Constraint
 from bargein.engine.continuation import KnownText
+from bargein.engine.grammar import UnsupportedGrammar
 from bargein.engine.request import CancelReason
 from bargein.server.context import Ctx, ServerContext
 from bargein.server.errors import APIError, not_found
@@ -34,6 +36,7 @@ from bargein.server.generation import request_id_for
 from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ResponsesShape
+from bargein.server.prompts import check_prompt_length
 from bargein.server.responses_store import StoredResponse
 from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
@@ -127,7 +130,7 @@ def _previous_known(ctx: ServerContext, prev: StoredResponse) -> Callable[[], li
     def known() -> list[KnownText]:
         prompt_text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True,
                                                         tools=prev.template_tools)
-        return [ctx.prompts.known_answer(prompt_text, prev.prompt_token_ids, prev.output_token_ids)]
+        return [ctx.prompts.known_answer(prompt_text, prev.question_token_ids, prev.answer_token_ids)]
     return known
 
 
@@ -139,7 +142,7 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
         conversation = new_turn
         more_known = None
     else:
-        answer_text = await ctx.prompts.decode(ctx.prompts.strip_eos(prev.output_token_ids), skip_special_tokens=False)
+        answer_text = await ctx.prompts.decode(ctx.prompts.strip_eos(prev.answer_token_ids), skip_special_tokens=False)
         conversation = prev.conversation + [{"role": "assistant", "content": answer_text}] + new_turn
         more_known = _previous_known(ctx, prev)
     # The tools section (or the template's own rendering of tools) goes with every turn,
@@ -159,6 +162,53 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
     return stored, prompt.text, prompt.token_ids
 
 
+def _continuable(ctx: ServerContext, body: ResponseRequest) -> StoredResponse | None:
+    """The previous response whose answer this request continues in place (an empty
+    ``input`` with ``previous_response_id``), or None for a new turn."""
+    if body.previous_response_id is None or body.input not in ("", []):
+        return None
+    prev = _previous(ctx, body.previous_response_id)
+    if prev.status not in ("cancelled", "incomplete"):
+        raise APIError(400, f"response {prev.id!r} is {prev.status}: only a cancelled or incomplete answer can be "
+                            "continued (send an input for a new turn)", param="input", code="invalid_value")
+    return prev
+
+
+async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResponse, plan: ToolPlan,
+                     constraint: Constraint | None) -> tuple[StoredResponse, str, list[int], int]:
+    """The same answer, going on: the prompt is the previous prompt and answer token for
+    token (so the prefix cache covers both), and a constrained answer's grammar state is
+    rebuilt from the answer so far (replayed from ``answer_start``)."""
+    start = len(prev.prompt_token_ids) if prev.answer_start is None else prev.answer_start
+    tokens = prev.prompt_token_ids + prev.output_token_ids
+    check_prompt_length(len(tokens), ctx.prompts.max_model_len, "previous_response_id")
+    grammars = ctx.engine.engine.grammars
+
+    def work() -> str:
+        if constraint is not None:
+            grammars.matcher(constraint, tokens[start:])  # raises if the answer so far is not of this format
+        text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True,
+                                                 tools=prev.template_tools)
+        return text + ctx.tokenizer.decode(tokens[start:], skip_special_tokens=False)
+
+    try:
+        prompt_text = await ctx.prompts.run(work)
+    except UnsupportedGrammar as exc:
+        raise APIError(400, f"the answer of {prev.id!r} cannot be continued under this format: {exc}",
+                       param="previous_response_id", code="invalid_value") from None
+    stored = StoredResponse(
+        id="", model=ctx.model_name, prompt_messages=prev.prompt_messages, conversation=prev.conversation,
+        prompt_token_ids=tokens, answer_start=start, instructions=prev.instructions,
+        previous_response_id=prev.id, background=body.background, store=body.store,
+        metadata=body.metadata or {}, user=body.user, template_tools=prev.template_tools,
+        tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        calls=ToolCallParser({t.name for t in plan.tools}) if plan.offered else None,
+        params={"temperature": 1.0 if body.temperature is None else body.temperature,
+                "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
+    )
+    return stored, prompt_text, tokens, start
+
+
 @openai_route(router, "POST", "/responses")
 async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> Response:
     received = time.monotonic()
@@ -167,7 +217,12 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
     if body.background and not body.store:
         raise APIError(400, "background responses must be stored (store: true)", param="background",
                        code="invalid_value")
-    new_turn = input_messages(body.input)  # validation in FIELD_ORDER (validation.py)
+    prev = _continuable(ctx, body)
+    if prev is not None and body.text is None and body.tools is None:
+        # The answer goes on under its own format and tools (so a constrained one stays so).
+        body = body.model_copy(update={"text": {"format": prev.text_format}, "tools": prev.tools or None,
+                                       "tool_choice": prev.tool_choice if prev.tools else None})
+    new_turn = input_messages(body.input) if prev is None else []  # validation in FIELD_ORDER (validation.py)
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
     constraint = check_response_format(text_format, "text.format", nested=False)
     plan = tool_plan(*chat_tools(body.tools, body.tool_choice))
@@ -182,12 +237,17 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
     params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"},
                              constraint=constraint)
     await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "text.format")
-    stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan)
-    stored.id = response_id
+    constraint_from = None
+    if prev is None:
+        stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan)
+    else:
+        stored, prompt_text, tokens, answer_start = await _continued(ctx, body, prev, plan, constraint)
+        constraint_from = answer_start if constraint is not None else None
+    stored.id, stored.return_token_ids = response_id, body.return_token_ids
     if text_format is not None:
         stored.text_format = text_format
     gen = Generation("responses", response_id, received, [tokens], params, timeout=timeout, stream=body.stream,
-                     on_final=lambda slot, out: ctx.prompts.remember(prompt_text, out))
+                     on_final=lambda slot, out: ctx.prompts.remember(prompt_text, out), constraint_from=constraint_from)
     shape = ResponsesShape(stored)
     if body.background:
         serve_in_background(ctx, gen, shape)
