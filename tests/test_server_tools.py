@@ -4,11 +4,16 @@ a tool result round trip, the 400s, and the parser of the tool-call syntax."""
 from __future__ import annotations
 
 import json
+import typing
 
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 
+from bargein.engine.request import FinishReason, RequestOutput, Usage
+from bargein.server.openai_stream import ResponsesShape
+from bargein.server.responses_store import StoredResponse
 from bargein.server.tools import ArgumentsDelta, CallEnd, CallStart, ToolCallParser
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -188,6 +193,40 @@ def test_responses_tool_errors_are_400s(client):
         client.responses.create(model=MODEL, input=[{"type": "function_call_output", "output": "x"}],
                                 max_output_tokens=5)
     assert info.value.body["param"] == "input.0.call_id"
+
+
+def test_responses_auto_events_open_items_as_they_appear():
+    """Text, then a call the model wrote (auto): the message item opens with the text, the
+    call's item when its name is written; every event validates strictly as the SDK's type."""
+    event_types = {t.model_fields["type"].annotation.__args__[0]: t
+                   for t in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+    stored = StoredResponse(id="resp_1", model="m", prompt_messages=[], conversation=[], prompt_token_ids=[1],
+                            calls=ToolCallParser({"get_time"}), tools=RESPONSES_TOOLS)
+    shape = ResponsesShape(stored)
+    pieces = ["Sure. ", '<tool_call>{"name":"get_time","argu', 'ments":{"zone":', '"UTC"}}</tool_call>']
+    events = list(shape.opening([]))
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = RequestOutput("r", (i,), tuple(range(4)) if last else (), piece, "".join(pieces) if last else "",
+                            last, FinishReason.STOP if last else None, Usage(1, i + 1, 0))
+        shape.observe(None, out)
+        events += shape.content(None, out)
+        if last:
+            events += shape.final(None, out)
+    events += shape.closing({})
+    kinds = []
+    for event in events:
+        data = json.loads(event.split("data: ", 1)[1])
+        event_types[data["type"]].model_validate(data, strict=True)
+        kinds.append((data["type"].removeprefix("response."), data.get("output_index")))
+    assert kinds == [("created", None), ("in_progress", None), ("output_item.added", 0), ("content_part.added", 0),
+                     ("output_text.delta", 0), ("output_item.added", 1), ("function_call_arguments.delta", 1),
+                     ("function_call_arguments.delta", 1), ("function_call_arguments.done", 1),
+                     ("output_item.done", 1), ("output_text.done", 0), ("content_part.done", 0),
+                     ("output_item.done", 0), ("completed", None)]
+    body = Response.model_validate(stored.to_dict())
+    message, call = body.output
+    assert message.content[0].text == "Sure. " and (call.name, call.arguments) == ("get_time", '{"zone":"UTC"}')
 
 
 # -- the parser (auto mode reads the model's own text) ------------------------------------------------
