@@ -176,3 +176,29 @@ def test_cancelled_constrained_answer_continues_token_for_token(cut):
     assert full[-1] == EOS
     jsonschema.validate(json.loads(bytes(full[:-1]).decode()), schema)
     assert fresh[-1] == EOS and json.loads(bytes(fresh[:-1]).decode()) is not None
+
+
+def test_constraint_from_continues_an_answer_held_in_the_prompt(engine):
+    """Without a session (the server's continuation): the answer so far is the prompt's
+    tail, replayed into the grammar from ``constraint_from``; the rest equals the
+    uninterrupted run's, and a wrong start is an error of that request alone."""
+    from bargein.engine.outputs import OutputCollector
+
+    c = Constraint.json_schema(SCHEMAS["nested"])
+    params = SamplingParams(max_tokens=60, temperature=0, constraint=c)
+    prompt = [10, 20, 30, 40]
+    whole = engine.generate([prompt], params)[0]
+    assert whole.finish_reason == FinishReason.STOP
+    for cut in (1, 5):
+        collector = OutputCollector(engine)
+        rid = collector.add_request(prompt + list(whole.token_ids[:cut]), params, constraint_from=len(prompt))
+        rest = []
+        while collector.pending:
+            rest += [o for o in collector.step() if o.request_id == rid and o.finished]
+        assert list(whole.token_ids[:cut]) + list(rest[0].token_ids) == list(whole.token_ids)
+    collector = OutputCollector(engine)
+    rid = collector.add_request(prompt + list(whole.token_ids[:3]), params, constraint_from=1)  # 20 is no JSON
+    finals = []
+    while collector.pending:
+        finals += [o for o in collector.step() if o.request_id == rid and o.finished]
+    assert finals[0].finish_reason == FinishReason.ERROR and "token 0" in finals[0].error
