@@ -37,7 +37,7 @@ class FakeEngine:
         self.queues: dict[str, asyncio.Queue] = {}
         self.aborted: list[tuple[str, CancelReason]] = []
 
-    def submit(self, prompt, params, *, request_id, timeout=None):
+    def submit(self, prompt, params, *, request_id, timeout=None, constraint_from=None):
         stream = FakeStream()
         self.queues[request_id] = stream.queue
         return request_id, stream

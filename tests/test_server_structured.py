@@ -139,3 +139,73 @@ def test_unsupported_schema_is_a_400_naming_it(live_server, client):
     r = httpx.post(f"{live_server.base_url}/v1/chat/completions",
                    json={"messages": ASK, "response_format": {"type": "json_object"}, "min_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+
+
+# -- cancel, then continue the same answer through the Responses API ------------------------------------
+PET_FORMAT = {"type": "json_schema", "name": "pet", "schema": SCHEMAS["nested"], "strict": True}
+
+
+def _create(client, **kwargs):
+    return client.responses.create(model=MODEL, temperature=0, extra_body={"return_token_ids": True}, **kwargs)
+
+
+def _continue_to_the_end(client, first) -> tuple[list[int], str, list]:
+    """Continues ``first``'s answer (empty input) until it completes; its ids, text and the responses."""
+    ids, text, chain = list(first.model_extra["token_ids"]), first.output_text, [first]
+    while chain[-1].status != "completed":
+        prev = chain[-1]
+        nxt = _create(client, previous_response_id=prev.id, input=[], max_output_tokens=80)
+        # The prompt is the previous prompt and answer, token for token (the cache covers it).
+        assert nxt.model_extra["prompt_token_ids"] == prev.model_extra["prompt_token_ids"] + prev.model_extra[
+            "token_ids"]
+        assert nxt.usage.input_tokens_details.cached_tokens >= (nxt.usage.input_tokens - 1) // 16 * 16
+        assert nxt.text.format.type == "json_schema"  # the format carries over
+        ids += nxt.model_extra["token_ids"]
+        text += nxt.output_text
+        chain.append(nxt)
+    return ids, text, chain
+
+
+def test_cancelled_constrained_answer_continues_token_for_token(client, live_server):
+    whole = _create(client, input="Describe a pet's owner as JSON.", max_output_tokens=80, text={"format": PET_FORMAT})
+    assert whole.status == "completed"
+    jsonschema.validate(json.loads(whole.output_text), SCHEMAS["nested"])
+    expected = whole.model_extra["token_ids"]
+
+    # Cut by max_output_tokens, then continued (twice) to the end.
+    cut = _create(client, input="Describe a pet's owner as JSON.", max_output_tokens=4, text={"format": PET_FORMAT})
+    assert cut.status == "incomplete" and cut.model_extra["token_ids"] == expected[:4]
+    ids, text, chain = _continue_to_the_end(client, cut)
+    assert ids == expected and text == whole.output_text and len(chain) >= 2
+
+    # Cancelled mid-stream by id, then continued.
+    deltas, response_id = 0, None
+    with client.responses.create(model=MODEL, input="Describe a pet's owner as JSON.", max_output_tokens=80,
+                                 temperature=0, text={"format": PET_FORMAT}, stream=True) as stream:
+        for event in stream:
+            if event.type == "response.created":
+                response_id = event.response.id
+            elif event.type == "response.output_text.delta":
+                deltas += 1
+                if deltas == 3:
+                    httpx.post(f"{live_server.base_url}/v1/responses/{response_id}/cancel", timeout=30)
+    cancelled = client.responses.retrieve(response_id)
+    assert cancelled.status == "cancelled", "the answer finished before the cancel landed"
+    # retrieve has no return_token_ids: the partial answer's ids are the uninterrupted run's prefix
+    partial = len(cancelled.output_text)
+    assert whole.output_text.startswith(cancelled.output_text) and 0 < partial < len(whole.output_text)
+    nxt = _create(client, previous_response_id=response_id, input=[], max_output_tokens=80)
+    assert nxt.status == "completed"
+    assert cancelled.output_text + nxt.output_text == whole.output_text
+    done = len(nxt.model_extra["prompt_token_ids"]) - len(cut.model_extra["prompt_token_ids"])
+    assert expected[:done] + nxt.model_extra["token_ids"] == expected  # token for token
+    assert nxt.model_extra["prompt_token_ids"][-done:] == expected[:done]
+    jsonschema.validate(json.loads(cancelled.output_text + nxt.output_text), SCHEMAS["nested"])
+
+    # A completed answer is not continued in place; a new turn starts a new constrained answer.
+    with pytest.raises(openai.BadRequestError) as info:
+        _create(client, previous_response_id=nxt.id, input=[], max_output_tokens=5)
+    assert info.value.body["param"] == "input"
+    again = _create(client, previous_response_id=nxt.id, input="Another one.", max_output_tokens=80,
+                    text={"format": PET_FORMAT})
+    assert again.status in ("completed", "incomplete") and again.output_text.startswith("{")

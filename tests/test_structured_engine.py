@@ -14,11 +14,12 @@ import json
 
 import jsonschema
 import pytest
+import torch
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.constraint import Constraint
 from bargein.engine.conversation import Conversation
-from bargein.engine.grammar import Grammars, UnsupportedGrammar, check_constraint
+from bargein.engine.grammar import GrammarMasks, Grammars, UnsupportedGrammar, check_constraint
 from bargein.engine.request import FinishReason
 from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
 from tests.tiny_engine import EOS, ByteTokenizer, tiny_engine
@@ -121,6 +122,24 @@ def test_replay_rejects_tokens_outside_the_grammar():
         grammars.matcher(Constraint.json_object(), [ord("x")])
 
 
+def test_masks_forbid_exactly_what_the_grammar_forbids():
+    # Logits wider than the grammar's vocabulary (as when a model pads its embedding):
+    # the extra columns are forbidden in constrained rows, untouched in the free row.
+    grammars = Grammars(ByteTokenizer(), 264, {EOS})
+    c = Constraint.json_schema(SCHEMAS["enum"])
+    at_start, mid_word = grammars.matcher(c), grammars.matcher(c, [ord(ch) for ch in '{"kind":"'])
+    logits = torch.randn(3, 264)
+    masked = GrammarMasks().apply(logits, [at_start, None, mid_word])
+    for row, matcher in ((0, at_start), (2, mid_word)):
+        allowed = {t for t in range(260) if matcher._m.deep_copy().consume_token(t)}
+        assert {t for t in range(264) if masked[row, t] > float("-inf")} == allowed
+        assert torch.equal(masked[row, sorted(allowed)], logits[row, sorted(allowed)])
+    assert {t for t in range(264) if masked[2, t] > float("-inf")} == {ord(ch) for ch in "cdb"}
+    assert torch.equal(masked[1], logits[1])
+    masked_all = GrammarMasks().apply(logits[[0, 2]], [at_start, mid_word])  # every row constrained
+    assert torch.equal(masked_all, masked[[0, 2]])
+
+
 @pytest.mark.parametrize("cut", [1, 4, 9])
 def test_cancelled_constrained_answer_continues_token_for_token(cut):
     """Cancel after `cut` tokens, generate again on the conversation: one answer, equal
@@ -157,3 +176,29 @@ def test_cancelled_constrained_answer_continues_token_for_token(cut):
     assert full[-1] == EOS
     jsonschema.validate(json.loads(bytes(full[:-1]).decode()), schema)
     assert fresh[-1] == EOS and json.loads(bytes(fresh[:-1]).decode()) is not None
+
+
+def test_constraint_from_continues_an_answer_held_in_the_prompt(engine):
+    """Without a session (the server's continuation): the answer so far is the prompt's
+    tail, replayed into the grammar from ``constraint_from``; the rest equals the
+    uninterrupted run's, and a wrong start is an error of that request alone."""
+    from bargein.engine.outputs import OutputCollector
+
+    c = Constraint.json_schema(SCHEMAS["nested"])
+    params = SamplingParams(max_tokens=60, temperature=0, constraint=c)
+    prompt = [10, 20, 30, 40]
+    whole = engine.generate([prompt], params)[0]
+    assert whole.finish_reason == FinishReason.STOP
+    for cut in (1, 5):
+        collector = OutputCollector(engine)
+        rid = collector.add_request(prompt + list(whole.token_ids[:cut]), params, constraint_from=len(prompt))
+        rest = []
+        while collector.pending:
+            rest += [o for o in collector.step() if o.request_id == rid and o.finished]
+        assert list(whole.token_ids[:cut]) + list(rest[0].token_ids) == list(whole.token_ids)
+    collector = OutputCollector(engine)
+    rid = collector.add_request(prompt + list(whole.token_ids[:3]), params, constraint_from=1)  # 20 is no JSON
+    finals = []
+    while collector.pending:
+        finals += [o for o in collector.step() if o.request_id == rid and o.finished]
+    assert finals[0].finish_reason == FinishReason.ERROR and "token 0" in finals[0].error

@@ -163,17 +163,18 @@ class Engine:
         of its deltas): AsyncEngine registers the request's stream there.
 
         A ``params.constraint`` is compiled here (cached per constraint; raises
-        UnsupportedGrammar naming what cannot be enforced). ``constraint_from`` (with
-        ``session_id``) continues a constrained answer that began at that token of the
-        conversation: the tokens since are replayed into the new matcher, so a cancelled
-        constrained answer goes on exactly as it would have without the cancel (C4).
+        UnsupportedGrammar naming what cannot be enforced). ``constraint_from`` continues
+        a constrained answer that began at that token of the prompt (of the conversation,
+        with ``session_id``): the tokens since are replayed into the new matcher, so a
+        cancelled constrained answer goes on exactly as it would have without the cancel
+        (C4).
         """
         params = params or SamplingParams()
         params.validate_for_vocab(self.model_config.vocab_size)
         if params.constraint is not None:
             self.grammars.compile(params.constraint)
-        if constraint_from is not None and (session_id is None or params.constraint is None or constraint_from < 0):
-            raise EngineError("constraint_from needs a session_id, a constraint, and a token index >= 0")
+        if constraint_from is not None and (params.constraint is None or constraint_from < 0):
+            raise EngineError("constraint_from needs a constraint and a token index >= 0")
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
         if bad:

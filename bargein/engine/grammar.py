@@ -174,22 +174,30 @@ class GrammarMasks:
         if not rows:
             return logits
         vocab = logits.shape[-1]
-        grammar_vocab = rows[0][0].vocab_size
-        words = (grammar_vocab + 31) // 32
-        bitmask = np.zeros((len(matchers), words), dtype=np.int32)
+        grammar_vocab = min(rows[0][0].vocab_size, vocab)
+        words = (rows[0][0].vocab_size + 31) // 32
+        bitmask = np.zeros((len(rows), words), dtype=np.int32)
         base, row_bytes = bitmask.ctypes.data, words * 4
         # In this thread, one row after another (each some microseconds): llguidance's
         # parallel executor keeps worker threads spinning, which on a small CPU slows the
         # next forward far more than it saves here (measured: bench/bench_structured.py).
-        for matcher, i in rows:
-            matcher._m.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :min(vocab, grammar_vocab)]
-        allowed = np.zeros((len(matchers), vocab), dtype=bool)  # columns past the grammar's vocab: forbidden
-        allowed[:, :bits.shape[1]] = bits
-        unconstrained = [i for i, m in enumerate(matchers) if m is None]
-        allowed[unconstrained] = True
-        forbid = torch.from_numpy(~allowed).to(logits.device)
-        return logits.masked_fill(forbid, float("-inf"))
+        for k, (matcher, _) in enumerate(rows):
+            matcher._m.unsafe_compute_mask_ptr(base + k * row_bytes, row_bytes)
+        # Bits -> one bool per token (0/1 bytes viewed as bool, no copy), then one
+        # torch.where: two passes over the constrained rows (measured 2x faster than
+        # building a separate "forbidden" array for every row of the batch).
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(bits).view(torch.bool)[:, :grammar_vocab]
+        if grammar_vocab < vocab:  # columns past the grammar's vocab: forbidden
+            allowed = torch.cat([allowed, allowed.new_zeros(len(rows), vocab - grammar_vocab)], dim=1)
+        allowed = allowed.to(logits.device)
+        forbidden = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+        if len(rows) == len(matchers):
+            return torch.where(allowed, logits, forbidden)
+        index = torch.tensor([i for _, i in rows], device=logits.device)
+        out = logits.clone()
+        out[index] = torch.where(allowed, logits[index], forbidden)
+        return out
 
 
 def _first_line(message: str) -> str:

@@ -206,7 +206,8 @@ class JobRunner:
 
     def start(self, request_id: str, endpoint: str, prompts: Sequence[Sequence[int]],
               params: SamplingParams, *, n: int = 1, timeout: float | None = None,
-              received: float | None = None, on_final: FinalHook | None = None) -> Job:
+              received: float | None = None, on_final: FinalHook | None = None,
+              constraint_from: int | None = None) -> Job:
         """Submits every (prompt, choice) to the engine and registers the job.
 
         Raises APIError; on failure nothing stays submitted.
@@ -218,7 +219,8 @@ class JobRunner:
                 for j in range(n):
                     index = p * n + j
                     rid, stream = self.engine.submit(list(prompt), _choice_params(params, j, n),
-                                                     request_id=engine_id_for(request_id, index), timeout=timeout)
+                                                     request_id=engine_id_for(request_id, index), timeout=timeout,
+                                                     constraint_from=constraint_from)
                     slots.append(Slot(rid, SlotOutputs(self.engine, stream), index, p))
         except Exception as exc:
             for slot in slots:

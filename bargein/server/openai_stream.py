@@ -36,7 +36,14 @@ from bargein.server.openai_format import (
 )
 from bargein.server.responses_store import StoredResponse
 from bargein.server.sse import DONE, data_event, named_event
-from bargein.server.tools import ToolCallParser
+from bargein.server.tools import (
+    ArgumentsDelta,
+    CallEnd,
+    CallStart,
+    ToolCall,
+    ToolCallParser,
+    ToolEvent,
+)
 
 
 class Shape(Protocol):
@@ -106,8 +113,9 @@ class ChatShape:
     """``chat.completion`` and ``chat.completion.chunk``.
 
     With ``tool_names`` (tools offered), each choice's text goes through a
-    :class:`ToolCallParser`: calls come out as ``tool_calls`` (streamed: one delta per
-    call, with its id, name and whole arguments) and an answer that made a call and
+    :class:`ToolCallParser`: calls come out as ``tool_calls`` (streamed as OpenAI does:
+    a delta with the call's index, id, type and name and empty arguments, then deltas
+    with argument pieces as they are generated) and an answer that made a call and
     ended by itself has ``finish_reason: "tool_calls"``.
     """
 
@@ -140,16 +148,29 @@ class ChatShape:
 
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         lps = chat_logprobs(self.tokenizer, out.new_logprobs) if self.logprobs and out.new_logprobs else None
-        text, calls = out.delta_text, []
-        if self.tool_names is not None:
-            parser = self.parsers.setdefault(slot.index, ToolCallParser(self.tool_names))
-            text, calls = parser.feed(out.delta_text, final=out.finished)
-        if text or lps:
-            yield self._chunk([{"index": slot.index, "delta": {"content": text},
-                                "logprobs": {"content": lps} if lps else None, "finish_reason": None}])
-        for call in calls:
-            yield self._chunk([{"index": slot.index, "delta": {"tool_calls": [{"index": call.index, **call.to_dict()}]},
-                                "logprobs": None, "finish_reason": None}])
+        if self.tool_names is None:
+            if out.delta_text or lps:
+                yield self._delta(slot, {"content": out.delta_text}, lps)
+            return
+        parser = self.parsers.setdefault(slot.index, ToolCallParser(self.tool_names))
+        _, events = parser.feed(out.delta_text, final=out.finished)
+        if lps and not any(isinstance(e, str) for e in events):
+            yield self._delta(slot, {"content": ""}, lps)
+        for event in events:
+            if isinstance(event, str):
+                yield self._delta(slot, {"content": event}, lps)
+                lps = None  # this output's logprobs go with its first content piece
+            elif isinstance(event, CallStart):
+                call = event.call
+                yield self._delta(slot, {"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
+                                                         "function": {"name": call.name, "arguments": ""}}]})
+            elif isinstance(event, ArgumentsDelta):
+                yield self._delta(slot, {"tool_calls": [{"index": event.index,
+                                                         "function": {"arguments": event.text}}]})
+
+    def _delta(self, slot: Slot, delta: dict[str, Any], lps: list[dict[str, Any]] | None = None) -> str:
+        return self._chunk([{"index": slot.index, "delta": delta, "logprobs": {"content": lps} if lps else None,
+                             "finish_reason": None}])
 
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         yield self._chunk([{"index": slot.index, "delta": {}, "logprobs": None,
@@ -253,41 +274,94 @@ class CompletionShape:
 
 
 class ResponsesShape:
-    """The Responses API: one stored response, updated by every output; its events."""
+    """The Responses API: one stored response, updated by every output; its events.
+
+    Without tools the one output item, the message, opens with the response. With tools
+    offered (``stored.calls``), items open as they appear: the message with the answer's
+    first text, each function call once its name is written (``output_item.added``),
+    whose arguments then stream as ``response.function_call_arguments.delta`` and end
+    with ``.done`` and ``output_item.done`` at its closing tag.
+    """
 
     def __init__(self, stored: StoredResponse):
         self.stored = stored
         self.seq = 0
-        self.where = {"item_id": stored.message_id, "output_index": 0}
+        self.events: list[ToolEvent] = []  # what the last output added (stored.apply)
+        self.message_open = False
 
     def _event(self, kind: str, **payload: Any) -> str:
         self.seq += 1
         return named_event(kind, {"type": kind, "sequence_number": self.seq - 1, **payload})
 
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.stored.message_id, "output_index": self._index(None)}
+
+    def _index(self, item: int | None) -> int:
+        return self.stored.order.index(item) if self.stored.calls is not None else 0
+
     def observe(self, slot: Slot, out: RequestOutput) -> None:
-        self.stored.apply(out)
+        self.events = self.stored.apply(out)
 
     def opening(self, slots: list[Slot]) -> Iterable[str]:
         stored = self.stored
         stored.status = "in_progress"
         yield self._event("response.created", response=stored.to_dict())
         yield self._event("response.in_progress", response=stored.to_dict())
-        item = {**stored.message_item(), "status": "in_progress", "content": []}
-        yield self._event("response.output_item.added", output_index=0, item=item)
-        yield self._event("response.content_part.added", **self.where, content_index=0,
+        if stored.calls is None:
+            yield from self._open_message()
+
+    def _open_message(self) -> Iterable[str]:
+        self.message_open = True
+        item = {**self.stored.message_item(), "status": "in_progress", "content": []}
+        yield self._event("response.output_item.added", output_index=self._index(None), item=item)
+        yield self._event("response.content_part.added", **self._where(), content_index=0,
                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
 
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
-        if out.delta_text:
-            yield self._event("response.output_text.delta", **self.where, content_index=0, delta=out.delta_text,
-                              logprobs=[])
+        calls = self.stored.calls
+        for event in self.events:
+            if isinstance(event, str):
+                if not self.message_open:
+                    yield from self._open_message()
+                yield self._event("response.output_text.delta", **self._where(), content_index=0, delta=event,
+                                  logprobs=[])
+            elif isinstance(event, CallStart):
+                item = {**self.stored.function_call_item(event.call), "arguments": "", "status": "in_progress"}
+                yield self._event("response.output_item.added", output_index=self._index(event.call.index),
+                                  item=item)
+            elif isinstance(event, ArgumentsDelta):
+                call = calls.calls[event.index]
+                yield self._event("response.function_call_arguments.delta", **self._call_where(call),
+                                  delta=event.text)
+            elif isinstance(event, CallEnd):
+                yield from self._close_call(calls.calls[event.index])
+
+    def _call_where(self, call: ToolCall) -> dict[str, Any]:
+        return {"item_id": self.stored.function_call_item(call)["id"], "output_index": self._index(call.index)}
+
+    def _close_call(self, call: ToolCall) -> Iterable[str]:
+        item = self.stored.function_call_item(call)
+        yield self._event("response.function_call_arguments.done", **self._call_where(call), name=call.name,
+                          arguments=call.arguments)
+        yield self._event("response.output_item.done", output_index=self._index(call.index), item=item)
 
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
-        item = self.stored.message_item()
-        yield self._event("response.output_text.done", **self.where, content_index=0, text=self.stored.text,
+        stored = self.stored
+        if stored.calls is not None:
+            for call in stored.calls.calls:
+                if not call.done:  # cut inside its arguments (length, cancel): closed as incomplete
+                    yield from self._close_call(call)
+            if not stored.order:  # no text and no call: the (empty) message, as without tools
+                stored.order.append(None)
+            if None not in stored.order:
+                return
+            if not self.message_open:
+                yield from self._open_message()
+        item = stored.message_item()
+        yield self._event("response.output_text.done", **self._where(), content_index=0, text=stored.text,
                           logprobs=[])
-        yield self._event("response.content_part.done", **self.where, content_index=0, part=item["content"][0])
-        yield self._event("response.output_item.done", output_index=0, item=item)
+        yield self._event("response.content_part.done", **self._where(), content_index=0, part=item["content"][0])
+        yield self._event("response.output_item.done", output_index=self._index(None), item=item)
 
     def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         return ()  # the failure is in the stored response, sent with response.failed

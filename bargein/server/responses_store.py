@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput
+from bargein.server.tools import CallStart, ToolCall, ToolCallParser, ToolEvent
 
 FINAL_STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
 
@@ -26,7 +27,7 @@ class StoredResponse:
     model: str
     prompt_messages: list[dict[str, Any]]  # what the prompt was rendered from, instructions included
     conversation: list[dict[str, Any]]  # the same without the instructions (carried to follow-ups)
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # a continued answer's earlier part included (from answer_start on)
     instructions: str | None = None
     previous_response_id: str | None = None
     background: bool = False
@@ -35,6 +36,13 @@ class StoredResponse:
     metadata: dict[str, Any] = field(default_factory=dict)
     user: str | None = None
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})  # the request's text.format
+    template_tools: list[dict[str, Any]] | None = None  # tools the chat template rendered itself
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the request's tools and tool_choice, echoed
+    tool_choice: Any = "auto"
+    calls: ToolCallParser | None = None  # with tools offered: the answer's text -> content and function calls
+    order: list[int | None] = field(default_factory=list)  # output items as they appeared: None message, i call i
+    answer_start: int | None = None  # continuing an answer: where in prompt_token_ids that answer began
+    return_token_ids: bool = False  # the extension: the exact prompt and output token ids in the object
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "queued"
     output_token_ids: list[int] = field(default_factory=list)
@@ -50,20 +58,45 @@ class StoredResponse:
         return "msg_" + self.id.removeprefix("resp_")
 
     @property
+    def answer_token_ids(self) -> list[int]:
+        """The whole answer: a continued answer's earlier part (in the prompt), then the output."""
+        start = len(self.prompt_token_ids) if self.answer_start is None else self.answer_start
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
+    @property
+    def question_token_ids(self) -> list[int]:
+        """The prompt up to where the answer began (the rendered conversation)."""
+        return self.prompt_token_ids[:self.answer_start]
+
+    @property
     def is_final(self) -> bool:
         return self.status in FINAL_STATUSES
 
-    def apply(self, out: RequestOutput) -> None:
-        """Takes in one engine output: deltas as they come, the cumulative fields at the end."""
+    def apply(self, out: RequestOutput) -> list[ToolEvent]:
+        """Takes in one engine output: deltas as they come, the cumulative fields at the end.
+        Returns what it added, in order: content text, and with tools offered the function
+        calls' events."""
+        events: list[ToolEvent] = [out.delta_text] if out.delta_text else []
+        if self.calls is not None:
+            _, events = self.calls.feed(out.delta_text, final=out.finished)
+            self.text = self.calls.text
+            for event in events:
+                if isinstance(event, CallStart):
+                    self.order.append(event.call.index)
+                elif isinstance(event, str) and None not in self.order:
+                    self.order.append(None)
         if out.finished:
-            self.text, self.output_token_ids = out.text, list(out.token_ids)
+            if self.calls is None:
+                self.text = out.text
+            self.output_token_ids = list(out.token_ids)
         else:
-            self.text += out.delta_text
+            if self.calls is None:
+                self.text += out.delta_text
             self.output_token_ids.extend(out.new_token_ids)
         if self.status == "queued" and (out.new_token_ids or out.finished):
             self.status = "in_progress"
         if not out.finished:
-            return
+            return events
         self.prompt_token_ids = list(out.prompt_token_ids) or self.prompt_token_ids
         u = out.usage
         # cache_write_tokens: the prompt tokens computed here, whose K/V the prefix cache keeps
@@ -80,6 +113,7 @@ class StoredResponse:
         else:
             self.status, self.error = "failed", out.error or "generation failed"
         self.done.set()
+        return events
 
     def fail(self, message: str) -> None:
         if not self.is_final:
@@ -92,22 +126,37 @@ class StoredResponse:
                 "role": "assistant",
                 "content": [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}]}
 
+    def function_call_item(self, call: ToolCall) -> dict[str, Any]:
+        status = "completed" if call.done else ("in_progress" if not self.is_final else "incomplete")
+        return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+                "name": call.name, "arguments": call.arguments, "status": status}
+
+    def output(self) -> list[dict[str, Any]]:
+        """The output items: the message; with tools offered, the message (if the answer
+        has text) and the function calls, in the order they appeared."""
+        if self.calls is None or not self.order:
+            return [self.message_item()] if self.text or self.is_final else []
+        return [self.message_item() if i is None else self.function_call_item(self.calls.calls[i])
+                for i in self.order]
+
     def to_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
             "background": self.background, "model": self.model,
-            "output": [self.message_item()] if self.text or self.is_final else [],
+            "output": self.output(),
             "error": {"code": "server_error", "message": self.error} if self.error else None,
             "incomplete_details": _incomplete(self),
             "instructions": self.instructions, "previous_response_id": self.previous_response_id,
             "max_output_tokens": self.params.get("max_output_tokens"),
             "temperature": self.params.get("temperature"), "top_p": self.params.get("top_p"),
-            "parallel_tool_calls": False, "tool_choice": "auto", "tools": [], "truncation": "disabled",
+            "parallel_tool_calls": False, "tool_choice": self.tool_choice, "tools": self.tools, "truncation": "disabled",
             "text": {"format": self.text_format}, "store": self.store, "metadata": self.metadata,
             "user": self.user, "usage": self.usage,
         }
         if self.cancel_reason is not None:
             body["cancel_reason"] = self.cancel_reason.value
+        if self.return_token_ids:
+            body["prompt_token_ids"], body["token_ids"] = list(self.prompt_token_ids), list(self.output_token_ids)
         return body
 
 

@@ -26,7 +26,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from bargein.engine.constraint import Constraint
 from bargein.engine.continuation import KnownText
+from bargein.engine.grammar import UnsupportedGrammar
 from bargein.engine.request import CancelReason
 from bargein.server.context import Ctx, ServerContext
 from bargein.server.errors import APIError, not_found
@@ -34,11 +36,14 @@ from bargein.server.generation import request_id_for
 from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ResponsesShape
+from bargein.server.prompts import check_prompt_length
 from bargein.server.responses_store import StoredResponse
 from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
 from bargein.server.structured import compile_in_pool
+from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan
+from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.validation import check_response_format, effective_timeout, resolve_max_tokens
 
 router = APIRouter()
@@ -47,15 +52,34 @@ _INPUT_ROLES = {"user", "assistant", "system", "developer"}
 
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The input as chat messages. Besides messages: ``function_call`` items (a call the
+    model made, sent back) join the assistant message before them as ``tool_calls``, and
+    a ``function_call_output`` item is a ``role: "tool"`` message."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    messages = []
+    messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         kind = item.get("type", "message")
+        if kind == "function_call":
+            call = {"id": _field(item, "call_id", i), "type": "function",
+                    "function": {"name": _field(item, "name", i), "arguments": _field(item, "arguments", i)}}
+            if messages and messages[-1]["role"] == "assistant":
+                last = messages[-1]
+                last["tool_calls"] = [*last.get("tool_calls", []), call]
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", i),
+                             "content": output if isinstance(output, str) else content_text(
+                                 output, f"input.{i}.output")})
+            continue
         role = item.get("role")
         if kind != "message" or role not in _INPUT_ROLES:
-            raise APIError(400, f"input[{i}] must be a message with role in {sorted(_INPUT_ROLES)} "
-                                f"(got type {kind!r}, role {role!r})", param=f"input.{i}", code="invalid_value")
+            raise APIError(400, f"input[{i}] must be a message with role in {sorted(_INPUT_ROLES)}, a function_call "
+                                f"or a function_call_output (got type {kind!r}, role {role!r})",
+                           param=f"input.{i}", code="invalid_value")
         content = item.get("content")
         if not isinstance(content, str | list | type(None)):
             raise APIError(400, f"input[{i}].content must be a string or a list of parts",
@@ -65,6 +89,30 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not messages:
         raise APIError(400, "input is empty", param="input", code="invalid_value")
     return messages
+
+
+def _field(item: dict[str, Any], name: str, i: int) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise APIError(400, f"input[{i}].{name} must be a string", param=f"input.{i}.{name}", code="invalid_value")
+    return value
+
+
+def chat_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None
+               ) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any] | None]:
+    """The Responses API's flat function tools (``{"type": "function", "name", ...}``) and
+    ``tool_choice`` (``{"type": "function", "name"}``) in the chat completions' shape."""
+    out = None
+    if tools is not None:
+        out = []
+        for tool in tools:
+            if isinstance(tool, dict) and tool.get("type") == "function" and "function" not in tool:
+                fields = ("name", "description", "parameters", "strict")
+                tool = {"type": "function", "function": {k: tool[k] for k in fields if k in tool}}
+            out.append(tool)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and "function" not in tool_choice:
+        tool_choice = {"type": "function", "function": {"name": tool_choice.get("name")}}
+    return out, tool_choice
 
 
 def _previous(ctx: ServerContext, previous_id: str) -> StoredResponse:
@@ -80,12 +128,13 @@ def _previous(ctx: ServerContext, previous_id: str) -> StoredResponse:
 def _previous_known(ctx: ServerContext, prev: StoredResponse) -> Callable[[], list[KnownText]]:
     """The previous response's exact (text -> ids), computed in the tokenizer pool."""
     def known() -> list[KnownText]:
-        prompt_text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True)
-        return [ctx.prompts.known_answer(prompt_text, prev.prompt_token_ids, prev.output_token_ids)]
+        prompt_text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True,
+                                                        tools=prev.template_tools)
+        return [ctx.prompts.known_answer(prompt_text, prev.question_token_ids, prev.answer_token_ids)]
     return known
 
 
-async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[str, Any]]
+async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[str, Any]], plan: ToolPlan
                  ) -> tuple[StoredResponse, str, list[int]]:
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     prev = _previous(ctx, body.previous_response_id) if body.previous_response_id else None
@@ -93,20 +142,71 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
         conversation = new_turn
         more_known = None
     else:
-        answer_text = await ctx.prompts.decode(ctx.prompts.strip_eos(prev.output_token_ids), skip_special_tokens=False)
+        answer_text = await ctx.prompts.decode(ctx.prompts.strip_eos(prev.answer_token_ids), skip_special_tokens=False)
         conversation = prev.conversation + [{"role": "assistant", "content": answer_text}] + new_turn
         more_known = _previous_known(ctx, prev)
-    prompt_messages = system + conversation
-    prompt = await ctx.prompts.chat(prompt_messages, param="input", more_known=more_known)
+    # The tools section (or the template's own rendering of tools) goes with every turn,
+    # so a follow-up with the same tools renders the previous prompt as its prefix.
+    prompt_messages, template_tools = tool_messages(system + conversation, plan, ctx.tokenizer.chat_template)
+    prompt = await ctx.prompts.chat(prompt_messages, template_tools, param="input", more_known=more_known)
     stored = StoredResponse(
         id="", model=ctx.model_name, prompt_messages=prompt_messages, conversation=conversation,
         prompt_token_ids=prompt.token_ids, instructions=body.instructions,
         previous_response_id=body.previous_response_id, background=body.background, store=body.store,
-        metadata=body.metadata or {}, user=body.user,
+        metadata=body.metadata or {}, user=body.user, template_tools=template_tools,
+        tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        calls=ToolCallParser({t.name for t in plan.tools}) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
     return stored, prompt.text, prompt.token_ids
+
+
+def _continuable(ctx: ServerContext, body: ResponseRequest) -> StoredResponse | None:
+    """The previous response whose answer this request continues in place (an empty
+    ``input`` with ``previous_response_id``), or None for a new turn."""
+    if body.previous_response_id is None or body.input not in ("", []):
+        return None
+    prev = _previous(ctx, body.previous_response_id)
+    if prev.status not in ("cancelled", "incomplete"):
+        raise APIError(400, f"response {prev.id!r} is {prev.status}: only a cancelled or incomplete answer can be "
+                            "continued (send an input for a new turn)", param="input", code="invalid_value")
+    return prev
+
+
+async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResponse, plan: ToolPlan,
+                     constraint: Constraint | None) -> tuple[StoredResponse, str, list[int], int]:
+    """The same answer, going on: the prompt is the previous prompt and answer token for
+    token (so the prefix cache covers both), and a constrained answer's grammar state is
+    rebuilt from the answer so far (replayed from ``answer_start``)."""
+    start = len(prev.prompt_token_ids) if prev.answer_start is None else prev.answer_start
+    tokens = prev.prompt_token_ids + prev.output_token_ids
+    check_prompt_length(len(tokens), ctx.prompts.max_model_len, "previous_response_id")
+    grammars = ctx.engine.engine.grammars
+
+    def work() -> str:
+        if constraint is not None:
+            grammars.matcher(constraint, tokens[start:])  # raises if the answer so far is not of this format
+        text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True,
+                                                 tools=prev.template_tools)
+        return text + ctx.tokenizer.decode(tokens[start:], skip_special_tokens=False)
+
+    try:
+        prompt_text = await ctx.prompts.run(work)
+    except UnsupportedGrammar as exc:
+        raise APIError(400, f"the answer of {prev.id!r} cannot be continued under this format: {exc}",
+                       param="previous_response_id", code="invalid_value") from None
+    stored = StoredResponse(
+        id="", model=ctx.model_name, prompt_messages=prev.prompt_messages, conversation=prev.conversation,
+        prompt_token_ids=tokens, answer_start=start, instructions=prev.instructions,
+        previous_response_id=prev.id, background=body.background, store=body.store,
+        metadata=body.metadata or {}, user=body.user, template_tools=prev.template_tools,
+        tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        calls=ToolCallParser({t.name for t in plan.tools}) if plan.offered else None,
+        params={"temperature": 1.0 if body.temperature is None else body.temperature,
+                "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
+    )
+    return stored, prompt_text, tokens, start
 
 
 @openai_route(router, "POST", "/responses")
@@ -117,21 +217,37 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
     if body.background and not body.store:
         raise APIError(400, "background responses must be stored (store: true)", param="background",
                        code="invalid_value")
-    new_turn = input_messages(body.input)  # validation in FIELD_ORDER (validation.py)
+    prev = _continuable(ctx, body)
+    if prev is not None and body.text is None and body.tools is None:
+        # The answer goes on under its own format and tools (so a constrained one stays so).
+        body = body.model_copy(update={"text": {"format": prev.text_format}, "tools": prev.tools or None,
+                                       "tool_choice": prev.tool_choice if prev.tools else None})
+    new_turn = input_messages(body.input) if prev is None else []  # validation in FIELD_ORDER (validation.py)
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
     constraint = check_response_format(text_format, "text.format", nested=False)
+    plan = tool_plan(*chat_tools(body.tools, body.tool_choice))
+    if plan.constraint() is not None:
+        if constraint is not None:
+            raise APIError(400, "text.format cannot be combined with a required or named tool_choice",
+                           param="tool_choice", code="invalid_value")
+        constraint = plan.constraint()
     max_tokens = resolve_max_tokens(body.max_output_tokens, "max_output_tokens", ctx.settings,
                                     ctx.settings.default_max_tokens)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"},
                              constraint=constraint)
-    await compile_in_pool(ctx, constraint, "text.format")
-    stored, prompt_text, tokens = await _build(ctx, body, new_turn)
-    stored.id = response_id
+    await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "text.format")
+    constraint_from = None
+    if prev is None:
+        stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan)
+    else:
+        stored, prompt_text, tokens, answer_start = await _continued(ctx, body, prev, plan, constraint)
+        constraint_from = answer_start if constraint is not None else None
+    stored.id, stored.return_token_ids = response_id, body.return_token_ids
     if text_format is not None:
         stored.text_format = text_format
     gen = Generation("responses", response_id, received, [tokens], params, timeout=timeout, stream=body.stream,
-                     on_final=lambda slot, out: ctx.prompts.remember(prompt_text, out))
+                     on_final=lambda slot, out: ctx.prompts.remember(prompt_text, out), constraint_from=constraint_from)
     shape = ResponsesShape(stored)
     if body.background:
         serve_in_background(ctx, gen, shape)

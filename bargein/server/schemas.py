@@ -143,6 +143,10 @@ class ResponseRequest(SamplingFields):
     store: bool = True
     metadata: dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    tools: list[dict[str, Any]] | None = None  # function tools: {"type": "function", "name", "parameters", ...}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    return_token_ids: bool = False  # extension: prompt_token_ids and token_ids in the response object
 
 
 class CancelRequest(_Body):

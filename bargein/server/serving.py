@@ -39,11 +39,12 @@ class Generation:
     timeout: float | None = None
     stream: bool = False
     on_final: FinalHook | None = None  # sees every choice's final output (the prompt memory)
+    constraint_from: int | None = None  # prompt token where a continued constrained answer began
 
 
 def start(ctx: ServerContext, gen: Generation) -> Job:
     return ctx.jobs.start(gen.request_id, gen.endpoint, gen.prompts, gen.params, n=gen.n, timeout=gen.timeout,
-                          received=gen.received, on_final=gen.on_final)
+                          received=gen.received, on_final=gen.on_final, constraint_from=gen.constraint_from)
 
 
 async def serve(request: Request, ctx: ServerContext, gen: Generation, shape: Shape,

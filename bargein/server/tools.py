@@ -14,8 +14,8 @@ is ``<tool_call>{"name":"f","arguments":{...}}</tool_call>`` in the answer's tex
   function (exactly one call to it). The last two constrain the answer with a grammar:
   the call syntax around the function's parameter schema.
 - Output: :class:`ToolCallParser` turns the answer's text deltas into content and
-  complete calls (a call is reported once its closing tag arrives, with all its
-  arguments in one delta); text that only looks like a call is content.
+  calls: a call's id and name as soon as its head is written, then its arguments piece
+  by piece as they are generated; text that only looks like a call is content.
 """
 
 from __future__ import annotations
@@ -159,54 +159,142 @@ def _with_calls_in_content(message: dict[str, Any]) -> dict[str, Any]:
 class ToolCall:
     index: int
     name: str
-    arguments: str  # the JSON text as the model wrote it
+    arguments: str  # the JSON text as the model wrote it (so far, while the call streams)
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    done: bool = False  # its closing tag arrived
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+@dataclass(frozen=True)
+class CallStart:
+    """A call begins: its id and name are known, its arguments not yet."""
+
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class ArgumentsDelta:
+    """The next piece of call ``index``'s arguments text, as generated."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallEnd:
+    """Call ``index``'s closing tag arrived: its arguments are complete."""
+
+    index: int
+
+
+ToolEvent = str | CallStart | ArgumentsDelta | CallEnd  # a str is content text
+
+# The head of a call written name first: from it on, the call streams. Anything else
+# (arguments first, an unknown name) is held until the closing tag and judged whole.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+
+
 class ToolCallParser:
-    """Splits an answer's text, delta by delta, into content and complete tool calls."""
+    """Splits an answer's text, delta by delta, into content and tool calls, in order.
+
+    A call written ``<tool_call>{"name":"f","arguments":...`` with a known ``f`` starts
+    as soon as that head has arrived (:class:`CallStart`), its arguments follow as they
+    are generated (:class:`ArgumentsDelta`, verbatim, up to the end of the arguments
+    value), and :class:`CallEnd` comes with the closing tag. Once started, a call stays a
+    call: an answer cut inside it (``length``, a cancel) keeps it with the arguments so
+    far. Text that only looks like a call (an unknown name, no closing tag, not JSON) is
+    content. The result does not depend on how the text is split into deltas, so a
+    stream and a non-streamed body of the same answer agree.
+    """
 
     def __init__(self, names: set[str]):
         self.names = names
         self.calls: list[ToolCall] = []
         self.content: list[str] = []
         self._held = ""  # text that may still become (or is inside) a call
-        self._inside = False
+        self._state = "content"  # content | head (after OPEN) | arguments | tail (after the arguments)
+        self._scan = _ValueScanner()
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """New content and calls completed by ``text``; ``final`` flushes what is held."""
-        buf, out, calls = self._held + text, [], []
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolEvent]]:
+        """The content and the events ``text`` completes (content included, in order);
+        ``final`` flushes what is held."""
+        buf, events = self._held + text, []
         while True:
-            if not self._inside:
+            if self._state == "content":
                 at = buf.find(OPEN)
                 if at < 0:
                     keep = 0 if final else _partial_suffix(buf, OPEN)
-                    out.append(buf[:len(buf) - keep])
+                    events.append(buf[:len(buf) - keep])
                     buf = buf[len(buf) - keep:]
                     break
-                out.append(buf[:at])
-                buf, self._inside = buf[at:], True
-            end = buf.find(CLOSE)
+                events.append(buf[:at])
+                buf, self._state = buf[at:], "head"
+            if self._state == "head":
+                call = self._start(buf[len(OPEN):])
+                if call is not None:
+                    head = _HEAD.match(buf, len(OPEN))
+                    assert head is not None
+                    events.append(CallStart(call))
+                    buf, self._state, self._scan = buf[head.end():], "arguments", _ValueScanner()
+                    continue
+                end = buf.find(CLOSE)
+                if end < 0:
+                    if final:
+                        events.append(buf)
+                        buf = ""
+                    break
+                whole = buf[:end + len(CLOSE)]
+                call = self._parse(whole[len(OPEN):-len(CLOSE)])
+                if call is None:
+                    events.append(whole)
+                else:
+                    self.calls.append(call)
+                    events += [CallStart(ToolCall(call.index, call.name, "", call.id)),
+                               ArgumentsDelta(call.index, call.arguments), CallEnd(call.index)]
+                    call.done = True
+                buf, self._state = buf[len(whole):], "content"
+                continue
+            call = self.calls[-1]
+            if self._state == "arguments":
+                used = self._scan.feed(buf)
+                piece = buf[:used]
+                if not call.arguments:
+                    piece = piece.lstrip()
+                if piece:
+                    call.arguments += piece
+                    events.append(ArgumentsDelta(call.index, piece))
+                buf = buf[used:]
+                if not self._scan.ended:
+                    break
+                self._state = "tail"
+            end = buf.find(CLOSE)  # the tail: the closing brace, then the tag
             if end < 0:
-                if final:
-                    out.append(buf)
-                    buf = ""
                 break
-            whole = buf[:end + len(CLOSE)]
-            call = self._parse(whole[len(OPEN):-len(CLOSE)])
-            if call is None:
-                out.append(whole)
-            else:
-                calls.append(call)
-            buf, self._inside = buf[len(whole):], False
+            buf, self._state, call.done = buf[end + len(CLOSE):], "content", True
+            events.append(CallEnd(call.index))
         self._held = buf
-        content = "".join(out)
+        events = [e for e in events if e != ""]
+        content = "".join(e for e in events if isinstance(e, str))
         self.content.append(content)
-        self.calls += calls
-        return content, calls
+        return content, events
+
+    def _start(self, after_open: str) -> ToolCall | None:
+        """The call whose head ``after_open`` begins with, if that head is complete and
+        names a known function."""
+        head = _HEAD.match(after_open)
+        if head is None:
+            return None
+        try:
+            name = json.loads(head.group(1))
+        except json.JSONDecodeError:
+            return None
+        if name not in self.names:
+            return None
+        call = ToolCall(len(self.calls), name, "")
+        self.calls.append(call)
+        return call
 
     def _parse(self, body: str) -> ToolCall | None:
         try:
@@ -221,6 +309,53 @@ class ToolCallParser:
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+
+class _ValueScanner:
+    """Finds where one JSON value ends in text that arrives in pieces (strings and
+    nesting aware; a bare scalar ends before ``,``, ``}`` or white space)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.started = False
+        self.in_string = False
+        self.escape = False
+        self.ended = False
+
+    def feed(self, text: str) -> int:
+        """How many characters of ``text`` belong to the value (all, unless it ends in it)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return self._end(i + 1)
+                continue
+            if not self.started:
+                if ch.isspace():
+                    continue
+                self.started = True
+            if ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                if self.depth == 0:  # a bare scalar ended at the enclosing object's brace
+                    return self._end(i)
+                self.depth -= 1
+                if self.depth == 0:
+                    return self._end(i + 1)
+            elif self.depth == 0 and (ch == "," or ch.isspace()):
+                return self._end(i)
+        return len(text)
+
+    def _end(self, used: int) -> int:
+        self.ended = True
+        return used
 
 
 def _raw_arguments(body: str, arguments: dict[str, Any]) -> str:
