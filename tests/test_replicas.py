@@ -246,3 +246,28 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
     again = run(collect(replicas, PROMPTS[0], GREEDY))[1]
     assert again == list(single.generate([PROMPTS[0]], GREEDY)[0].token_ids)
     replicas.check_block_accounting()
+
+
+def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster):
+    """One replica that Ray may not restart: killed mid-stream, its request ends with
+    finish_reason "error" naming the loss, after the tokens already delivered."""
+    group = ReplicaSet.launch(build_replica_engine, 1, ReplicaOptions(num_cpus=0, max_restarts=0,
+                                                                      call_timeout_s=5.0))
+    try:
+        async def main():
+            rid, stream = group.submit([4, 4, 4, 4, 4], ENDLESS)
+            tokens, out = [], await group.next_output(stream)
+            tokens += out.new_token_ids
+            ray.kill(group.actors[0], no_restart=True)
+            while not out.finished:
+                out = await group.next_output(stream)
+                tokens += out.new_token_ids
+            return tokens, out
+
+        tokens, out = run(main())
+        assert out.finish_reason == FinishReason.ERROR
+        assert "no replica is left" in out.error and "replica 0 was lost" in out.error
+        assert out.token_ids == tuple(tokens) and len(tokens) < ENDLESS.max_tokens
+        assert group.lost == [1] and not group.router.is_up(0)
+    finally:
+        group.close()

@@ -352,7 +352,7 @@ class ReplicaSet:
         self.abort_all(CancelReason.SHUTDOWN)
 
     def call_soon(self, fn: Callable[[], T]) -> Future:
-        """Runs ``fn`` in a thread (the merged views make Ray calls), under the head's lock."""
+        """Runs ``fn`` in a thread of its own (the merged views wait on Ray calls)."""
         future: Future = Future()
 
         def run() -> None:
