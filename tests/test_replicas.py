@@ -10,6 +10,7 @@ tokens exactly.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import httpx
@@ -35,14 +36,41 @@ PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(6 + 3 * i)] for i in range(5)]
 
 
 def build_replica_engine() -> Engine:
-    """Runs on each replica's node (pickled by reference): the tiny engine, one torch thread."""
+    """Runs on each replica's node (pickled by reference): the tiny engine, one torch thread,
+    whose forward hangs for a request named ``hang-*`` once it has 3 tokens (not resumed)."""
     torch.set_num_threads(1)
-    return tiny_engine(num_blocks=96, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine = tiny_engine(num_blocks=96, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine.runner = _HangingRunner(engine)
+    return engine
+
+
+class _HangingRunner:
+    """The engine's runner, except that a plan with a ``hang-*`` request at 3 output tokens
+    (not a resumed one) never returns: a hung forward, while the actor still answers."""
+
+    def __init__(self, engine: Engine):
+        self._engine, self._inner, self._plan = engine, engine.runner, None
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def submit(self, plan) -> None:
+        self._plan = plan
+        self._inner.submit(plan)
+
+    def collect(self):
+        for chunk in self._plan.sampled:
+            req = self._engine.scheduler.requests.get(chunk.request_id)
+            if chunk.request_id.startswith("hang-") and req is not None and req.output_offset == 0 \
+                    and req.num_output_tokens >= 3:
+                threading.Event().wait()
+        return self._inner.collect()
 
 
 @pytest.fixture(scope="module")
 def replicas(ray_cluster) -> ReplicaSet:
-    group = ReplicaSet.launch(build_replica_engine, 2, ReplicaOptions(num_cpus=1, call_timeout_s=5.0))
+    group = ReplicaSet.launch(build_replica_engine, 2, ReplicaOptions(num_cpus=1, call_timeout_s=5.0,
+                                                                              hang_timeout_s=3.0))
     yield group
     group.close()
 
@@ -245,6 +273,31 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
     wait_for(lambda: replicas.router.is_up(victim), timeout=60)
     again = run(collect(replicas, PROMPTS[0], GREEDY))[1]
     assert again == list(single.generate([PROMPTS[0]], GREEDY)[0].token_ids)
+    replicas.check_block_accounting()
+
+
+def test_a_hung_replica_is_replaced_and_its_stream_finishes_with_the_same_tokens(replicas, single):
+    """A forward that never returns (the actor still answers polls): no step finishes for
+    hang_timeout_s while the replica holds a request, so it is replaced like a lost one."""
+    prompt = [31, 41, 59, 26, 53, 58, 97]
+    expected = list(single.generate([prompt], GREEDY)[0].token_ids)
+
+    async def main():
+        rid, stream = replicas.submit(prompt, GREEDY, request_id="hang-1")
+        victim = replicas._live[rid].replica
+        tokens, out = [], None
+        while out is None or not out.finished:
+            out = await replicas.next_output(stream)
+            tokens += out.new_token_ids
+        return victim, tokens, out
+
+    lost_before = list(replicas.lost)
+    started = time.monotonic()
+    victim, tokens, out = run(main())
+    assert tokens == expected and out.finish_reason == FinishReason.LENGTH
+    assert replicas.lost[victim] == lost_before[victim] + 1
+    assert time.monotonic() - started < 30
+    wait_for(lambda: replicas.router.is_up(victim), timeout=60)
     replicas.check_block_accounting()
 
 

@@ -81,3 +81,13 @@ def test_tombstones_expire():
     assert "a" in stones and "b" not in stones
     stones.discard("a")
     assert "a" not in stones
+
+
+def test_serve_refuses_replica_flags_that_cannot_work(capsys):
+    from bargein.cli import main
+
+    for argv, message in ((["--replicas", "2"], "--replicas needs a Ray cluster"),
+                          (["--ray", "local", "--replicas", "0"], "--replicas must be at least 1"),
+                          (["--ray", "local", "--replicas", "2", "--pipeline-stages", "2"], "not supported yet")):
+        assert main(["serve", "--port", "0", *argv]) == 1
+        assert message in capsys.readouterr().err

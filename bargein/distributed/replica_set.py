@@ -82,6 +82,7 @@ class ReplicaOptions:
     max_restarts: int = -1  # Ray re-creates a lost replica (forever by default)
     call_timeout_s: float = 10.0  # a poll (or ping) not answered by then: the replica is lost
     start_timeout_s: float = 300.0  # loading the model on every replica
+    hang_timeout_s: float = 60.0  # busy, yet no step finished for that long: the replica is hung
     routing: str = "affine"
     max_imbalance: int = 8
 
@@ -102,6 +103,21 @@ class _Live:
     cached_tokens: int | None = None  # from the first replica's usage
     outcome: CancelReason | str | None = None  # claimed by a cancel or by the consumer's end
     resumes: int = 0
+
+
+@dataclass
+class _Progress:
+    """A poller's view of whether its replica's engine is still stepping."""
+
+    steps: int = -1
+    since: float = field(default_factory=time.monotonic)
+
+    def stalled(self, steps: int, busy: bool, timeout_s: float) -> bool:
+        now = time.monotonic()
+        if steps != self.steps or not busy:
+            self.steps, self.since = steps, now
+            return False
+        return now - self.since > timeout_s
 
 
 class HeadView:
@@ -148,8 +164,10 @@ class HeadView:
 class ReplicaSet:
     """N replicas behind one AsyncEngine-like facade (see the module doc)."""
 
-    def __init__(self, actors: list[Any], facts: ModelFacts, options: ReplicaOptions):
+    def __init__(self, actors: list[Any], facts: ModelFacts, options: ReplicaOptions,
+                 started: Sequence[float] | None = None):
         self.actors = actors
+        self._incarnation = list(started or [0.0] * len(actors))  # each replica's start time
         self.options = options
         self.facts = facts
         self.engine = HeadView(self, facts)
@@ -188,13 +206,13 @@ class ReplicaSet:
                                  max_task_retries=0, max_concurrency=64)(ReplicaWorker)
         actors = [actor_class.remote(i, build, options.threads) for i in range(num_replicas)]
         try:
-            ready, _ = ray.wait([a.ping.remote() for a in actors], num_returns=num_replicas,
-                                timeout=options.start_timeout_s)
+            pings = [a.ping.remote() for a in actors]
+            ready, _ = ray.wait(pings, num_returns=num_replicas, timeout=options.start_timeout_s)
             if len(ready) < num_replicas:
                 raise PipelineSetupError(f"only {len(ready)} of {num_replicas} replicas started within "
                                          f"{options.start_timeout_s:.0f} s (too few CPUs or too little memory "
                                          f"on the cluster?)")
-            ray.get(ready)
+            started = ray.get(pings)
             facts = ray.get(actors[0].describe.remote())
         except PipelineSetupError:
             _kill(actors)
@@ -202,7 +220,7 @@ class ReplicaSet:
         except Exception as exc:
             _kill(actors)
             raise PipelineSetupError(f"a replica failed to start: {str(exc).strip().splitlines()[-1]}") from None
-        return cls(actors, facts, options)
+        return cls(actors, facts, options, started)
 
     # -- the AsyncEngine interface ------------------------------------------------------
     @property
@@ -222,7 +240,8 @@ class ReplicaSet:
 
     @property
     def is_alive(self) -> bool:
-        return not self._stopping.is_set()
+        """Accepting work: not shutting down, and at least one replica up (``/health``)."""
+        return not self._stopping.is_set() and bool(self._up())
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout: float | None = None,
@@ -461,22 +480,32 @@ class ReplicaSet:
     def _poll_loop(self, index: int) -> None:
         actor = self.actors[index]
         timeout = POLL_S + self.options.call_timeout_s
+        progress = _Progress()
         while not self._stopping.is_set():
             try:
                 batch = ray.get(actor.poll.remote(POLL_S), timeout=timeout)
             except (RayActorError, GetTimeoutError) as exc:
                 if self._stopping.is_set():
                     return
-                self._lose(index, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}")
-                if isinstance(exc, GetTimeoutError):  # hung: have Ray replace it
+                if isinstance(exc, GetTimeoutError):  # the actor stopped answering: have Ray replace it
                     ray.kill(actor, no_restart=False)
+                self._lose(index, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}")
                 self._await_restart(index)
+                progress = _Progress()
                 continue
             except Exception:
                 log.exception("replica %d: polling failed", index)
                 time.sleep(POLL_S)
                 continue
             self._deliver(index, batch)
+            busy = any(rec.replica == index for rec in list(self._live.values()))
+            if progress.stalled(batch.steps, busy, self.options.hang_timeout_s):
+                # Its actor answers, but its engine has not finished a step for that long
+                # while it holds requests: a hung forward. Replace it like a lost one.
+                ray.kill(actor, no_restart=False)
+                self._lose(index, f"no step finished in {self.options.hang_timeout_s:g} s")
+                self._await_restart(index)
+                progress = _Progress()
 
     def _deliver(self, index: int, batch: ReplicaBatch) -> None:
         counters = self.engine.counters
@@ -563,11 +592,12 @@ class ReplicaSet:
         self.actors[route.replica].submit.remote(rec.request_id, tokens, resumed, timeout, produced)
 
     def _await_restart(self, index: int) -> None:
-        """Pings the lost replica until Ray has restarted it, then routes to it again."""
+        """Pings the lost replica until Ray has restarted it (a new incarnation answers),
+        then routes to it again."""
         actor = self.actors[index]
         while not self._stopping.is_set():
             try:
-                ray.get(actor.ping.remote(), timeout=self.options.call_timeout_s)
+                started = ray.get(actor.ping.remote(), timeout=self.options.call_timeout_s)
             except (RayActorError, GetTimeoutError):
                 time.sleep(POLL_S)
                 continue
@@ -575,6 +605,10 @@ class ReplicaSet:
                 log.exception("replica %d: ping failed", index)
                 time.sleep(POLL_S)
                 continue
+            if started == self._incarnation[index]:  # the old one, not yet gone (a hung one being killed)
+                time.sleep(POLL_S)
+                continue
+            self._incarnation[index] = started
             with self._lock:
                 self.restarted[index] += 1
                 self.router.mark_up(index)

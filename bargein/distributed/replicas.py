@@ -163,8 +163,9 @@ class ReplicaWorker:
         self._wake()
 
     # -- the head's calls (the actor's event loop) -------------------------------------
-    async def ping(self) -> int:
-        return self.index
+    async def ping(self) -> float:
+        """This incarnation's start time: a restarted replica answers a new one."""
+        return self.started
 
     async def describe(self) -> ModelFacts:
         e = self.engine
