@@ -203,6 +203,33 @@ def test_a_cancel_that_beats_its_dispatch_drops_the_late_dispatch(replicas):
     assert "late-1" not in ray.get(actor.live_request_ids.remote())
 
 
+def test_a_failover_that_races_a_cancel_drops_its_dispatch(replicas):
+    """The head's side of the race: a request whose replica is lost after its cancel was
+    claimed (the abort went to the dead replica) is not dispatched again; it ends cancelled."""
+    async def main():
+        rid, stream = replicas.submit([8, 6, 7, 5, 3, 0, 9], ENDLESS)
+        await replicas.next_output(stream)
+        rec = replicas._live[rid]
+        submitted = {i: c.submitted for i, c in owner_counters(replicas).items()}
+        dropped = replicas.dropped_late
+        with replicas._lock:  # as _lose does, after the cancel claimed the request
+            rec.outcome = CancelReason.USER
+            replicas.tombstones.add(rid)
+            replicas._resubmit(rec, "a test")
+        out = await replicas.next_output(stream)
+        while not out.finished:
+            out = await replicas.next_output(stream)
+        replicas.actors[rec.replica].abort.remote(rid, CancelReason.USER, None)  # what abort() sent
+        return rid, out, submitted, dropped
+
+    rid, out, submitted, dropped = run(main())
+    assert out.finish_reason == FinishReason.CANCELLED and out.cancel_reason == CancelReason.USER
+    assert replicas.dropped_late == dropped + 1 and rid not in replicas._live
+    assert {i: c.submitted for i, c in owner_counters(replicas).items()} == submitted  # nothing dispatched
+    wait_for(lambda: not any(replicas._gather("live_request_ids").values()))
+    replicas.check_block_accounting()
+
+
 def test_v1_requests_merges_replicas_and_v1_cluster_and_metrics_show_them(replicas):
     async def main():
         app = create_app(replicas, ServerSettings())

@@ -530,7 +530,8 @@ class ReplicaSet:
     @staticmethod
     def _translate(rec: _Live, delta: RequestDelta) -> None:
         """Makes a resumed replica's delta read as the original request's."""
-        rec.output.extend(delta.new_token_ids)
+        if rec.outcome is None:  # after a cancel or a stop, ``output`` is what was delivered
+            rec.output.extend(delta.new_token_ids)
         if delta.prompt_token_ids is not None:
             if rec.prompt_sent:
                 delta.prompt_token_ids = None
