@@ -91,3 +91,20 @@ def test_serve_refuses_replica_flags_that_cannot_work(capsys):
                           (["--ray", "local", "--replicas", "2", "--pipeline-stages", "2"], "not supported yet")):
         assert main(["serve", "--port", "0", *argv]) == 1
         assert message in capsys.readouterr().err
+
+
+def test_a_conversation_moves_when_its_replica_lacks_kv_room():
+    router = Router(num_replicas=2, block_size=4, capacity_blocks=100)
+    history = list(range(20))
+    home = router.choose(history).replica
+    router.finished(home, history)
+    away = 1 - home
+    router.update_memory(home, 3)
+    router.update_memory(away, 50)
+    stays = router.choose(history + [1, 2, 3, 4], reserve_tokens=4)  # 2 new blocks: room enough
+    assert stays.replica == home and stays.moved_from is None
+    router.finished(home, history)
+    moved = router.choose(history + [1, 2, 3, 4], reserve_tokens=32)  # 9 blocks: only the other has them
+    assert moved.replica == away and moved.moved_from == home and moved.matched_tokens == 0
+    router.update_memory(away, 5)  # nobody has the room: it stays with its cache
+    assert router.choose(history, reserve_tokens=64).replica == home

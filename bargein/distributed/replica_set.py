@@ -263,7 +263,7 @@ class ReplicaSet:
         with self._lock:
             if request_id in self._live:
                 raise EngineError(f"request id {request_id!r} is in use")
-            route = self.router.choose(tokens)
+            route = self.router.choose(tokens, reserve_tokens=params.max_tokens or 0)
             if route is None:
                 raise EngineDeadError("no replica is up")
             self._recent.pop(request_id, None)
@@ -509,6 +509,7 @@ class ReplicaSet:
 
     def _deliver(self, index: int, batch: ReplicaBatch) -> None:
         counters = self.engine.counters
+        self.router.update_memory(index, batch.available_blocks)
         with self._lock:
             counters.steps += len(batch.step_durations)
             counters.step_durations.extend(batch.step_durations)
@@ -575,7 +576,7 @@ class ReplicaSet:
                                cancel_reason=CancelReason.DEADLINE)
         if end is None:
             tokens = rec.prompt + rec.output
-            route: Route | None = self.router.choose(tokens)
+            route: Route | None = self.router.choose(tokens, reserve_tokens=max(0, (params.max_tokens or 0) - produced))
             if route is None:
                 end = RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.ERROR,
                                    error=f"no replica is left to run it: {why}")

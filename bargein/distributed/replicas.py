@@ -65,6 +65,7 @@ class ReplicaBatch:
     replica: int
     deltas: list[RequestDelta] = field(default_factory=list)
     steps: int = 0  # the replica's step count so far
+    available_blocks: int = 0  # KV blocks an allocation could take after the last step
     step_durations: list[float] = field(default_factory=list)
     cancel_latencies: list[float] = field(default_factory=list)
     cancel_latency_steps: list[int] = field(default_factory=list)
@@ -106,7 +107,7 @@ class ReplicaWorker:
         self.counters = ReplicaCounters()
         self._tombstones = Tombstones()
         self._outbox: dict[str, RequestDelta] = {}  # by request id, merged; dicts keep arrival order
-        self._samples = ReplicaBatch(index)
+        self._samples = ReplicaBatch(index, available_blocks=self.engine.pool.num_available)
         self._lock = threading.Lock()  # the step thread vs the actor's loop; never held across a wait
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Event | None = None
@@ -140,6 +141,7 @@ class ReplicaWorker:
             if counters.steps > s.steps:
                 s.step_durations.append(counters.step_durations[-1])
             s.steps = counters.steps
+            s.available_blocks = self.engine.pool.num_available
             new_cancels = counters.cancel_samples - self._cancel_seen
             if new_cancels > 0:
                 s.cancel_latencies.extend(list(counters.cancel_latencies)[-new_cancels:])
@@ -210,15 +212,20 @@ class ReplicaWorker:
             self._ready.clear()
             with self._lock:
                 if self._outbox or self._samples.step_durations:
-                    batch, self._samples = self._samples, ReplicaBatch(self.index, steps=self._samples.steps)
+                    batch, self._samples = self._samples, self._idle_batch()
                     batch.deltas, self._outbox = list(self._outbox.values()), {}
                     self.counters.deltas_sent += len(batch.deltas)
                     return batch
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return ReplicaBatch(self.index, steps=self._samples.steps)
+                with self._lock:
+                    return self._idle_batch()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ready.wait(), remaining)
+
+    def _idle_batch(self) -> ReplicaBatch:
+        """A batch with no samples yet, carrying the current step count and KV room (lock held)."""
+        return ReplicaBatch(self.index, steps=self._samples.steps, available_blocks=self._samples.available_blocks)
 
     async def _in_engine(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.wrap_future(self.engine.call_soon(fn))

@@ -12,7 +12,9 @@ continuations stay put without the router knowing about conversations.
 ``choose(tokens)`` picks the replica with the longest matched prefix; with no match, the
 least loaded (live requests). A conversation *moves* off its replica when that replica
 carries ``max_imbalance`` more live requests than the least loaded one (its cache is then
-worth less than the queue), and the move is counted and logged. A replica that is down
+worth less than the queue), or when it has fewer KV blocks to allocate (free plus
+evictable, as its last batch reported) than the request needs beyond its cached prefix
+(prompt and ``max_tokens``) while another has them; moves are counted and logged. A replica that is down
 is never chosen; its index is cleared, since its K/V died with it.
 
 :class:`Tombstones` remembers cancelled ids for a while, so a dispatch that comes after
@@ -125,6 +127,7 @@ class ReplicaRouting:
     matched_tokens: int = 0  # predicted prefix hits
     moved_in: int = 0
     moved_out: int = 0
+    available_blocks: int | None = None  # KV blocks it can allocate (last report), None: not known yet
 
     @property
     def hit_rate(self) -> float:
@@ -151,10 +154,12 @@ class Router:
         self.replicas = [ReplicaRouting() for _ in range(self.num_replicas)]
         self._indexes = [PrefixIndex(self.capacity_blocks) for _ in range(self.num_replicas)]
 
-    def choose(self, tokens: Sequence[int], *, exclude: frozenset[int] = frozenset()) -> Route | None:
+    def choose(self, tokens: Sequence[int], *, exclude: frozenset[int] = frozenset(),
+               reserve_tokens: int = 0) -> Route | None:
         """The replica for a request with these prompt tokens, counted as dispatched there.
 
-        None when no replica is up (outside ``exclude``).
+        ``reserve_tokens``: room the answer will want (its ``max_tokens``), for the memory
+        check. None when no replica is up (outside ``exclude``).
         """
         hashes = block_hashes(tokens, self.block_size)
         with self._lock:
@@ -163,7 +168,7 @@ class Router:
                 return None
             least = min(up, key=lambda i: (self.replicas[i].load, i))
             matches = {i: self._indexes[i].match(hashes) for i in up}
-            moved_from = None
+            moved_from, why = None, ""
             if self.policy == "round_robin":
                 chosen = up[self._next % len(up)]
                 self._next += 1
@@ -172,15 +177,32 @@ class Router:
             else:
                 best = max(up, key=lambda i: (matches[i], -self.replicas[i].load, -i))
                 chosen = best if matches[best] else least
-                if matches[best] and self.replicas[best].load - self.replicas[least].load >= self.max_imbalance:
-                    chosen, moved_from = least, best
+                if matches[best]:
+                    moved_from, chosen, why = self._move(best, least, up, len(tokens), matches, reserve_tokens)
             route = Route(chosen, matches[chosen] * self.block_size, moved_from)
             self._count(route, len(tokens))
             self._indexes[chosen].insert(hashes)
         if moved_from is not None:
-            log.info("a conversation moves from replica %d to replica %d (load %d vs %d)", moved_from, chosen,
-                     self.replicas[moved_from].load, self.replicas[chosen].load)
+            log.info("a conversation moves from replica %d to replica %d (%s)", moved_from, chosen, why)
         return route
+
+    def _move(self, best: int, least: int, up: list[int], num_tokens: int, matches: dict[int, int],
+              reserve_tokens: int) -> tuple[int | None, int, str]:
+        """Whether a request leaves the replica that holds its prefix: (moved_from, chosen, why)."""
+        r = self.replicas
+        if r[best].load - r[least].load >= self.max_imbalance:
+            return best, least, f"load {r[best].load} vs {r[least].load}"
+        need = -(-(num_tokens - matches[best] * self.block_size + reserve_tokens) // self.block_size)
+        room = r[best].available_blocks
+        if room is not None and room < need:
+            roomiest = max(up, key=lambda i: (r[i].available_blocks or 0, -r[i].load))
+            if roomiest != best and (r[roomiest].available_blocks or 0) >= need:
+                return best, roomiest, f"memory: {room} KV blocks left there, {need} needed"
+        return None, best, ""
+
+    def update_memory(self, replica: int, available_blocks: int) -> None:
+        """A replica's KV blocks an allocation could take now (free plus evictable), from its last batch."""
+        self.replicas[replica].available_blocks = available_blocks
 
     def _count(self, route: Route, prompt_tokens: int) -> None:
         r = self.replicas[route.replica]
@@ -227,5 +249,6 @@ class Router:
         with self._lock:
             return [{"up": r.up, "load": r.load, "routed": r.routed, "prompt_tokens": r.prompt_tokens,
                      "predicted_hit_tokens": r.matched_tokens, "predicted_hit_rate": round(r.hit_rate, 4),
-                     "moved_in": r.moved_in, "moved_out": r.moved_out, "index_blocks": len(self._indexes[i])}
+                     "moved_in": r.moved_in, "moved_out": r.moved_out, "index_blocks": len(self._indexes[i]),
+                     "available_blocks": r.available_blocks}
                     for i, r in enumerate(self.replicas)]
