@@ -70,7 +70,7 @@ class _HangingRunner:
 @pytest.fixture(scope="module")
 def replicas(ray_cluster) -> ReplicaSet:
     group = ReplicaSet.launch(build_replica_engine, 2, ReplicaOptions(num_cpus=1, call_timeout_s=5.0,
-                                                                              hang_timeout_s=3.0))
+                                                                              hang_timeout_s=4.0))
     yield group
     group.close()
 
