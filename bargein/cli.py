@@ -9,6 +9,7 @@ non-zero status, never a traceback.
     bargein chat [--model REF | --url URL]      bargein run "prompt" [--model REF | --url URL]
     bargein ps [--url URL]    bargein cancel ID... | --all [--url URL]    bargein bench [--quick]
     bargein serve --ray [auto|ADDRESS|local] --pipeline-stages N    bargein cluster [--url URL]
+    bargein serve --ray [auto|ADDRESS|local] --replicas N
 """
 
 from __future__ import annotations
@@ -111,8 +112,12 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     cluster.add_argument("--ray", nargs="?", const="auto", default=None, metavar="auto|ADDRESS|local",
                          help="split the model into pipeline stages on a Ray cluster: auto (this machine's "
                               "cluster), HOST:6379, or local (start Ray here)")
-    cluster.add_argument("--pipeline-stages", type=int, default=2, metavar="N",
-                         help="stages, one per node by memory (default: %(default)s)")
+    cluster.add_argument("--pipeline-stages", type=int, default=None, metavar="N",
+                         help="stages, one per node by memory (default: 2)")
+    cluster.add_argument("--replicas", type=int, default=None, metavar="N",
+                         help="run N whole-model engine replicas on the Ray cluster behind this server "
+                              "(conversations stay on the replica that holds their cache) instead of "
+                              "pipeline stages")
     cluster.add_argument("--stage-layers", default=None, metavar="0-10,10-20",
                          help="layer range of each stage (default: split by each node's memory)")
     cluster.add_argument("--micro-batches", type=int, default=None, metavar="N",
@@ -146,11 +151,12 @@ def _run_serve(args: argparse.Namespace) -> int:
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
-            pipeline=None if args.ray is None else PipelineConfig(
-                stages=args.pipeline_stages, ray_address=args.ray, micro_batches=args.micro_batches,
+            pipeline=None if args.ray is None or args.replicas is not None else PipelineConfig(
+                stages=args.pipeline_stages or 2, ray_address=args.ray, micro_batches=args.micro_batches,
                 stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),
                 recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource))
-        if config.pipeline is None:  # a pipeline's stages resolve the device on their own nodes
+        _check_replica_flags(args)
+        if config.pipeline is None and args.replicas is None:  # the stages/replicas resolve it on their nodes
             resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
     except PipelineSetupError as exc:
         print(f"bargein: error: {exc}", file=sys.stderr)
@@ -167,7 +173,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                         EXIT_FAILURE) from None
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = _load_engine(args.model, config)
+        engine = _load_engine(args.model, config) if args.replicas is None else \
+            _launch_replicas(args.model, config, args.ray, args.replicas)
     except PipelineSetupError as exc:  # nothing was left started: the runner cleans up after itself
         print(f"bargein: error: {exc}", file=sys.stderr)
         return EXIT_SETUP
@@ -182,9 +189,42 @@ def _run_serve(args: argparse.Namespace) -> int:
     def announce() -> None:
         print(f"bargein: serving {engine.model_name} at {url} (chat UI at {url}/)", flush=True)
 
-    app = create_app(AsyncEngine(engine), settings)
+    app = create_app(engine if args.replicas is not None else AsyncEngine(engine), settings)
     run_server(app, settings, sock, on_started=announce)
     return 0
+
+
+def _check_replica_flags(args: argparse.Namespace) -> None:
+    from bargein.distributed.split import PipelineSetupError
+
+    if args.replicas is None:
+        return
+    if args.ray is None:
+        raise PipelineSetupError("--replicas needs a Ray cluster: add --ray [auto|ADDRESS|local]")
+    if args.replicas < 1:
+        raise PipelineSetupError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.pipeline_stages is not None or args.stage_layers is not None:
+        raise PipelineSetupError("--replicas with --pipeline-stages (replicas that are pipelines) is not "
+                                 "supported yet: use one or the other")
+
+
+def _launch_replicas(ref: str | None, config, address: str, num_replicas: int):
+    """N engine replicas on the Ray cluster, each loading ``ref`` from the same path on its node."""
+    from bargein.distributed.pipeline import connect
+    from bargein.distributed.replica_set import ReplicaSet, local_builder
+    from bargein.loader import LoaderError, resolve_model_ref
+
+    try:
+        source = resolve_model_ref(ref)  # fails fast here for a bad reference
+    except (LoaderError, FileNotFoundError) as exc:
+        raise UserError(str(exc), EXIT_FAILURE) from None
+    connect(address, num_replicas)
+    print(f"bargein: starting {num_replicas} replicas of {source.name} on Ray", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    replicas = ReplicaSet.launch(local_builder(str(source.path), config), num_replicas)
+    print(f"bargein: {num_replicas} replicas ready in {time.perf_counter() - started:.1f} s", file=sys.stderr,
+          flush=True)
+    return replicas
 
 
 def _load_engine(ref: str | None, config):
@@ -210,7 +250,7 @@ def _client_commands() -> dict[str, Command]:
     from bargein.cli_commands import COMMANDS as CLIENT_COMMANDS
 
     commands = {name: Command(*spec) for name, spec in CLIENT_COMMANDS.items()}
-    commands["cluster"] = Command("show the pipeline stages of a server's model", add_cluster_arguments,
+    commands["cluster"] = Command("show the pipeline stages or replicas of a server's model", add_cluster_arguments,
                                   run_cluster)
     return commands
 

@@ -1,4 +1,4 @@
-"""``bargein cluster [--url URL]``: the stages of a server's model, from ``GET /v1/cluster``.
+"""``bargein cluster [--url URL]``: the stages or replicas of a server's model, from ``GET /v1/cluster``.
 
 Exit statuses as the other client commands: 0 success, 1 the server cannot be reached
 or answers with an error.
@@ -42,6 +42,8 @@ def format_cluster(info: dict[str, Any]) -> str:
     """A summary line (health, recoveries, head traffic), then one line per stage:
     layers, node, memory, weights' origin, plans, mean step, mean transfer in, idle,
     restarts."""
+    if info.get("replicas"):
+        return format_replicas(info)
     if not info.get("pipeline"):
         return f"one process, {info.get('kv_blocks', '?')} KV blocks (no pipeline)"
     traffic = info.get("head_traffic", {})
@@ -73,4 +75,19 @@ def format_cluster(info: dict[str, Any]) -> str:
                      f"{100 * s['idle_fraction']:.0f}%", str(s.get("restarts", 0))))
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (header, *rows)]
+    return "\n".join(lines)
+
+
+def format_replicas(info: dict[str, Any]) -> str:
+    """One line per engine replica: up, node, load, routed, cache hit rates, losses."""
+    lines = [f"{info['num_replicas']} replicas ({info['routing']} routing), {info['kv_blocks']} KV blocks each; "
+             f"{info.get('resubmitted', 0)} requests resubmitted after a loss"]
+    header = ("REPLICA", "UP", "NODE", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
+    rows = []
+    for r in info["replicas"]:
+        rows.append((str(r["index"]), "yes" if r["up"] else "no", str(r.get("node_id", "?"))[:12], str(r["load"]),
+                     str(r["routed"]), f"{100 * r.get('cache_hit_rate', 0.0):.0f}%",
+                     f"{100 * r['predicted_hit_rate']:.0f}%", f"{r['moved_out']}", f"{r['lost']}"))
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in (header, *rows)]
     return "\n".join(lines)

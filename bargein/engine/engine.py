@@ -151,7 +151,7 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, timeout: float | None = None,
                     session_id: str | None = None, on_claimed: Callable[[str], Any] | None = None,
-                    constraint_from: int | None = None) -> str:
+                    constraint_from: int | None = None, output_offset: int = 0) -> str:
         """Queues a generation; returns its id. Raises EngineError for a bad request.
 
         With ``session_id``, the prompt's tokens are appended to that conversation's
@@ -168,6 +168,10 @@ class Engine:
         with ``session_id``): the tokens since are replayed into the new matcher, so a
         cancelled constrained answer goes on exactly as it would have without the cancel
         (C4).
+
+        ``output_offset`` resumes an answer begun elsewhere (a replica that was lost): the
+        prompt's last ``output_offset`` tokens are that answer's earlier output, so seeded
+        sampling draws token i from the same random stream as the original request did.
         """
         params = params or SamplingParams()
         params.validate_for_vocab(self.model_config.vocab_size)
@@ -188,6 +192,8 @@ class Engine:
                 raise EngineError(str(exc)) from None
         if timeout is not None and not timeout > 0:
             raise EngineError("timeout must be a positive number of seconds")
+        if not 0 <= output_offset <= len(token_ids) or (output_offset and session_id is not None):
+            raise EngineError(f"output_offset must be within the prompt (0..{len(token_ids)}), without a session")
         request_id = request_id or self.new_request_id()
         try:
             self.scheduler.ids.claim(request_id)
@@ -205,7 +211,7 @@ class Engine:
             prompt_len=len(token_ids), new_prompt_tokens=len(token_ids),
             owns_sequence=session_id is None,
             deadline=None if timeout is None else time.monotonic() + timeout,
-            constraint_from=constraint_from,
+            constraint_from=constraint_from, output_offset=output_offset,
         )
         self._post(AddRequest(request, session_id, tuple(token_ids)))
         return request_id
@@ -426,7 +432,8 @@ class Engine:
             else:
                 self.scheduler.add(req)
             req.sampling = SamplingState.create(req.params, req.sequence.token_ids[:req.prompt_len],
-                                                self.eos_token_ids, device=self.runner.device)
+                                                self.eos_token_ids, device=self.runner.device,
+                                                output_offset=req.output_offset)
             if req.params.constraint is not None:
                 tokens = req.sequence.token_ids
                 start = req.prompt_len if req.constraint_from is None else req.constraint_from

@@ -61,6 +61,23 @@ class SamplingState:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)  # masked for min_tokens
     grammar: GrammarMatcher | None = None  # the constrained request's matcher, made at admission
     seed: int = 0  # the random stream's key: token i draws from stream_seed(seed, i)
+    # Output tokens generated before this request's prompt ended: a request resumed from its
+    # tokens elsewhere (a lost replica) carries its earlier output as the prompt's tail. They
+    # count as output for the random stream's index and for presence/frequency penalties,
+    # so the resumed request draws exactly what the original would have.
+    output_offset: int = 0
+
+    @property
+    def token_index(self) -> int:
+        """The index of the next token in the whole answer (earlier output included)."""
+        return self.output_offset + len(self.output_token_ids)
+
+    @property
+    def penalised_output(self) -> list[int]:
+        """The answer's tokens so far, those resumed in the prompt included."""
+        if not self.output_offset:
+            return self.output_token_ids
+        return [*self.prompt_token_ids[len(self.prompt_token_ids) - self.output_offset:], *self.output_token_ids]
 
     def accept(self, token_id: int) -> bool:
         """Records a kept token; False if the request's grammar does not allow it."""
@@ -74,16 +91,21 @@ class SamplingState:
         prompt_token_ids: Sequence[int],
         eos_token_ids: Iterable[int] = (),
         device: torch.device | str = "cpu",
+        output_offset: int = 0,
     ) -> SamplingState:
         """A fresh state whose generator is seeded from ``params.seed``, else at random.
 
         ``device`` is where the generator draws; draw where the logits live to avoid a
-        copy per step.
+        copy per step. ``output_offset``: how many of the prompt's last tokens are an
+        earlier part of this answer (a resumed request).
         """
         generator = torch.Generator(device=device)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         generator.manual_seed(seed)
-        return cls(params, prompt_token_ids, [], generator, frozenset(eos_token_ids), seed=seed)
+        if not 0 <= output_offset <= len(prompt_token_ids):
+            raise ValueError(f"output_offset {output_offset} is outside the prompt (0..{len(prompt_token_ids)})")
+        return cls(params, prompt_token_ids, [], generator, frozenset(eos_token_ids), seed=seed,
+                   output_offset=output_offset)
 
     @property
     def masks_eos(self) -> bool:
@@ -275,7 +297,7 @@ def _gumbel_noise(logits: torch.Tensor, states: Sequence[SamplingState]) -> torc
             rows.append(torch.zeros(vocab_size, device=logits.device))
             continue
         g = state.generator
-        g.manual_seed(stream_seed(state.seed, len(state.output_token_ids)))
+        g.manual_seed(stream_seed(state.seed, state.token_index))
         uniform = torch.rand(vocab_size, generator=g, device=g.device).to(logits.device)
         # -log(u) ~ Exp(1) and -log(Exp(1)) ~ Gumbel; clamping u keeps both finite.
         rows.append(-(-uniform.clamp_min(tiny).log()).log())
@@ -323,7 +345,7 @@ def _repetition_penalty(logits: torch.Tensor, states: Sequence[SamplingState]) -
 def _presence_frequency_penalty(
     logits: torch.Tensor, states: Sequence[SamplingState]
 ) -> torch.Tensor:
-    rows, cols = _flat_indices((row, state.output_token_ids) for row, state in enumerate(states))
+    rows, cols = _flat_indices((row, state.penalised_output) for row, state in enumerate(states))
     counts = torch.zeros_like(logits)
     counts.index_put_(
         (_index(rows, logits), _index(cols, logits)),

@@ -1,4 +1,5 @@
-"""``create_app(engine, settings)``: the FastAPI application around one AsyncEngine.
+"""``create_app(engine, settings)``: the FastAPI application around one AsyncEngine
+(or a ``ReplicaSet``: N engine replicas on Ray behind the same interface).
 
 Shutdown in two phases. On SIGINT/SIGTERM, ``request_shutdown`` (the signal handler's
 part) only sets the draining flag and schedules ``begin_shutdown`` on the event loop: a
@@ -40,6 +41,9 @@ FORCE_FINISH_AT = 0.9  # of the shutdown timeout: when the server ends what the 
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     ctx = ServerContext(engine, settings)
+    register_metrics = getattr(engine, "register_metrics", None)  # replicas: per-replica series
+    if register_metrics is not None:
+        register_metrics(ctx.metrics.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

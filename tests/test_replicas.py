@@ -1,0 +1,353 @@
+"""N engine replicas on a Ray cluster behind one facade (issue 17).
+
+One :class:`ReplicaSet` of 2 tiny-engine replicas (one CPU, one torch thread each) on the
+shared simulated cluster serves every test of this module; the kill test comes last and
+leaves the set whole again (Ray restarts the replica). Each test compares against a
+single in-process engine on the same weights: greedy tokens exactly, seeded sampled
+tokens exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("ray")
+
+import ray  # noqa: E402
+
+from bargein.cli_cluster import format_cluster  # noqa: E402
+from bargein.distributed.replica_set import ReplicaOptions, ReplicaSet  # noqa: E402
+from bargein.engine.engine import Engine  # noqa: E402
+from bargein.engine.request import AbortResult, CancelReason, FinishReason  # noqa: E402
+from bargein.engine.sampling import SamplingParams  # noqa: E402
+from bargein.server.app import create_app  # noqa: E402
+from bargein.server.settings import ServerSettings  # noqa: E402
+from tests.tiny_engine import tiny_engine  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+ENDLESS = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(6 + 3 * i)] for i in range(5)]
+
+
+def build_replica_engine() -> Engine:
+    """Runs on each replica's node (pickled by reference): the tiny engine, one torch thread,
+    whose forward hangs for a request named ``hang-*`` once it has 3 tokens (not resumed)."""
+    torch.set_num_threads(1)
+    engine = tiny_engine(num_blocks=96, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine.runner = _HangingRunner(engine)
+    return engine
+
+
+class _HangingRunner:
+    """The engine's runner, except that a plan with a ``hang-*`` request at 3 output tokens
+    (not a resumed one) never returns: a hung forward, while the actor still answers."""
+
+    def __init__(self, engine: Engine):
+        self._engine, self._inner, self._plan = engine, engine.runner, None
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def submit(self, plan) -> None:
+        self._plan = plan
+        self._inner.submit(plan)
+
+    def collect(self):
+        for chunk in self._plan.sampled:
+            req = self._engine.scheduler.requests.get(chunk.request_id)
+            if chunk.request_id.startswith("hang-") and req is not None and req.output_offset == 0 \
+                    and req.num_output_tokens >= 3:
+                threading.Event().wait()
+        return self._inner.collect()
+
+
+@pytest.fixture(scope="module")
+def replicas(ray_cluster) -> ReplicaSet:
+    group = ReplicaSet.launch(build_replica_engine, 2, ReplicaOptions(num_cpus=1, call_timeout_s=5.0,
+                                                                              hang_timeout_s=4.0))
+    yield group
+    group.close()
+
+
+@pytest.fixture(scope="module")
+def single() -> Engine:
+    return build_replica_engine()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(group: ReplicaSet, prompt, params, **kwargs):
+    rid, stream = group.submit(prompt, params, **kwargs)
+    tokens, out = [], None
+    while True:
+        out = await group.next_output(stream)
+        tokens += out.new_token_ids
+        if out.finished:
+            return rid, tokens, out
+
+
+def owner_counters(group: ReplicaSet) -> dict[int, dict]:
+    return {i: info.counters for i, info in group.replica_infos().items()}
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def test_greedy_outputs_equal_the_single_engine_and_spread_over_replicas(replicas, single):
+    expected = [out.token_ids for out in single.generate(PROMPTS, GREEDY)]
+
+    async def main():
+        return await asyncio.gather(*(collect(replicas, p, GREEDY) for p in PROMPTS))
+
+    results = run(main())
+    assert [list(tokens) for _, tokens, _ in results] == [list(e) for e in expected]
+    assert all(out.finish_reason == FinishReason.LENGTH and out.usage.completion_tokens == 12
+               for _, _, out in results)
+    routed = [r["routed"] for r in replicas.router.snapshot()]
+    assert all(n > 0 for n in routed), routed  # new prompts with no match go to the least loaded
+    replicas.check_block_accounting()
+
+
+def test_continuation_after_a_cancel_lands_on_the_same_replica_token_exact(replicas, single):
+    """Cancel mid-answer (the consumer was handed k tokens), then continue the conversation
+    with prompt + those k tokens + a new turn: it goes to the replica that holds the K/V,
+    reuses it (cached_tokens), and answers exactly as the single engine does."""
+    prompt = [11, 22, 33, 44, 55, 66, 77, 88, 99, 10]
+
+    async def main():
+        rid, stream = replicas.submit(prompt, ENDLESS)
+        got = []
+        while len(got) < 9:
+            out = await replicas.next_output(stream)
+            got += out.new_token_ids
+        owner = replicas._live[rid].replica
+        assert replicas.abort(rid, CancelReason.USER, delivered=9) == AbortResult.CANCELLED
+        while not out.finished:
+            out = await replicas.next_output(stream)
+        assert out.finish_reason == FinishReason.CANCELLED
+        follow = prompt + got[:9] + [5, 6, 7, 8, 9]
+        before = replicas.router.snapshot()[owner]["routed"]
+        _, tokens, final = await collect(replicas, follow, GREEDY)
+        assert replicas.router.snapshot()[owner]["routed"] == before + 1, "the continuation changed replica"
+        return got[:9], follow, tokens, final
+
+    delivered, follow, tokens, final = run(main())
+    assert delivered == list(single.generate([prompt], GREEDY)[0].token_ids[:9])
+    assert tokens == list(single.generate([follow], GREEDY)[0].token_ids)
+    # Everything before the new turn was cached, the partly filled last block included (C7).
+    assert final.usage.cached_tokens == len(prompt) + 9
+    replicas.check_block_accounting()
+
+
+def test_every_cancel_route_reaches_only_the_owning_replica(replicas):
+    """By id (user), by the consumer leaving (disconnect), by deadline and by shutdown of
+    a job (the server's abort_all): each stops the request on its replica, counted there,
+    and the other replica receives no abort at all."""
+    async def cancel_by(route: str) -> tuple[int, str]:
+        if route == "deadline":
+            rid, stream = replicas.submit([3, 1, 4, 1, 5], ENDLESS, timeout=0.4)
+        else:
+            rid, stream = replicas.submit([2, 7, 1, 8, 2, 8, route.__len__()], ENDLESS)
+        owner = replicas._live[rid].replica
+        out = await replicas.next_output(stream)
+        if route == "user":
+            replicas.abort(rid, CancelReason.USER)
+        elif route == "disconnect":
+            gen = replicas.stream(rid, stream)
+            await gen.__anext__()
+            await gen.aclose()  # the consumer left: aborted with reason disconnect
+        elif route == "shutdown":
+            assert rid in replicas.abort_all(CancelReason.SHUTDOWN)
+        while not out.finished:
+            out = await replicas.next_output(stream)
+        assert out.finish_reason == FinishReason.CANCELLED and out.cancel_reason.value == route
+        return owner, rid
+
+    for route in ("user", "disconnect", "deadline", "shutdown"):
+        before = {i: (dict(c.aborts), info.stats.cancelled.get(route, 0))
+                  for i, info in replicas.replica_infos().items() for c in [info.counters]}
+        owner, rid = run(cancel_by(route))
+        after = {i: (dict(info.counters.aborts), info.stats.cancelled.get(route, 0))
+                 for i, info in replicas.replica_infos().items()}
+        other = 1 - owner
+        assert after[owner][1] == before[owner][1] + 1, route  # the owner's engine cancelled it
+        assert after[other] == before[other], route  # no broadcast: the other saw nothing
+        if route != "deadline":  # a deadline is the replica's own timer: no abort call travels
+            assert after[owner][0].get(route, 0) == before[owner][0].get(route, 0) + 1
+    replicas.check_block_accounting()
+
+
+def test_a_cancel_that_beats_its_dispatch_drops_the_late_dispatch(replicas):
+    """The replica's tombstone: an abort for an id it has not seen, then the dispatch."""
+    actor = replicas.actors[0]
+    dropped = ray.get(actor.info.remote()).counters.dropped_late
+    assert ray.get(actor.abort.remote("late-1", CancelReason.USER, None)) == AbortResult.NOT_FOUND
+    ray.get(actor.submit.remote("late-1", [1, 2, 3], ENDLESS, None, 0))
+    info = ray.get(actor.info.remote())
+    assert info.counters.dropped_late == dropped + 1
+    assert "late-1" not in ray.get(actor.live_request_ids.remote())
+
+
+def test_a_failover_that_races_a_cancel_drops_its_dispatch(replicas):
+    """The head's side of the race: a request whose replica is lost after its cancel was
+    claimed (the abort went to the dead replica) is not dispatched again; it ends cancelled."""
+    async def main():
+        rid, stream = replicas.submit([8, 6, 7, 5, 3, 0, 9], ENDLESS)
+        await replicas.next_output(stream)
+        rec = replicas._live[rid]
+        submitted = {i: c.submitted for i, c in owner_counters(replicas).items()}
+        dropped = replicas.dropped_late
+        with replicas._lock:  # as _lose does, after the cancel claimed the request
+            rec.outcome = CancelReason.USER
+            replicas.tombstones.add(rid)
+            replicas._resubmit(rec, "a test")
+        out = await replicas.next_output(stream)
+        while not out.finished:
+            out = await replicas.next_output(stream)
+        replicas.actors[rec.replica].abort.remote(rid, CancelReason.USER, None)  # what abort() sent
+        return rid, out, submitted, dropped
+
+    rid, out, submitted, dropped = run(main())
+    assert out.finish_reason == FinishReason.CANCELLED and out.cancel_reason == CancelReason.USER
+    assert replicas.dropped_late == dropped + 1 and rid not in replicas._live
+    assert {i: c.submitted for i, c in owner_counters(replicas).items()} == submitted  # nothing dispatched
+    wait_for(lambda: not any(replicas._gather("live_request_ids").values()))
+    replicas.check_block_accounting()
+
+
+def test_v1_requests_merges_replicas_and_v1_cluster_and_metrics_show_them(replicas):
+    async def main():
+        app = create_app(replicas, ServerSettings())
+        ctx = app.state.ctx
+        ctx.loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            tasks = [asyncio.ensure_future(client.post("/v1/completions", json={
+                "model": "tiny", "prompt": f"{i} a long one", "max_tokens": 400, "temperature": 0, "ignore_eos": True},
+                                                       headers={"X-Request-Id": f"merge-{i}"})) for i in range(3)]
+            for _ in range(400):
+                listed = (await client.get("/v1/requests")).json()["data"]
+                if len(listed) == 3 and all(item.get("completion_tokens", 0) > 0 for item in listed):
+                    break
+                await asyncio.sleep(0.05)
+            owners = {replicas._live[f"merge-{i}#0"].replica for i in range(3)}
+            cluster = (await client.get("/v1/cluster")).json()
+            for i in range(3):
+                assert (await client.post(f"/v1/requests/merge-{i}/cancel")).json()["status"] == "cancelled"
+            answers = [(await t).json() for t in tasks]
+            metrics = (await client.get("/metrics")).text
+        return listed, owners, cluster, answers, metrics
+
+    listed, owners, cluster, answers, metrics = run(main())
+    assert sorted(item["id"] for item in listed) == ["merge-0", "merge-1", "merge-2"]
+    assert owners == {0, 1}  # they ran on both replicas, and the list has all three
+    assert all(a["choices"][0]["finish_reason"] == "cancelled" for a in answers)
+    assert cluster["num_replicas"] == 2 and len(cluster["replicas"]) == 2
+    assert all(r["up"] and r["routed"] > 0 and "cache_hit_rate" in r for r in cluster["replicas"])
+    text = format_cluster(cluster)
+    assert "2 replicas" in text and "REPLICA" in text
+    assert 'bargein_replica_routed_total{replica="0"}' in metrics and 'bargein_replica_up{replica="1"} 1.0' in metrics
+    replicas.check_block_accounting()
+
+
+def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(replicas, single):
+    """Kill the replica that runs a greedy and a seeded sampled request mid-stream: both
+    finish with the single engine's tokens (resubmitted from their tokens), and Ray's
+    restart of the replica puts it back in the set."""
+    sampled = SamplingParams(max_tokens=40, temperature=1.1, top_p=0.9, seed=77, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    # A shared prefix of two blocks: the router puts the second where the first runs.
+    prompts = ([9, 8, 7, 6, 5, 4, 3, 2, 1], [9, 8, 7, 6, 5, 4, 3, 2, 50, 51])
+    expected = [list(o.token_ids) for o in single.generate(list(prompts), [greedy, sampled])]
+
+    async def main():
+        streams = [replicas.submit(p, params) for p, params in zip(prompts, (greedy, sampled), strict=True)]
+        victim = replicas._live[streams[0][0]].replica
+        assert replicas._live[streams[1][0]].replica == victim
+        tokens = [[], []]
+        outs = [None, None]
+        while min(len(t) for t in tokens) < 8:
+            for k, (_, stream) in enumerate(streams):
+                if len(tokens[k]) < 8:
+                    outs[k] = await replicas.next_output(stream)
+                    tokens[k] += outs[k].new_token_ids
+        ray.kill(replicas.actors[victim], no_restart=False)
+        for k, (_, stream) in enumerate(streams):
+            while not outs[k].finished:
+                outs[k] = await replicas.next_output(stream)
+                tokens[k] += outs[k].new_token_ids
+        return victim, tokens, outs
+
+    victim, tokens, outs = run(main())
+    assert tokens == expected
+    assert [o.finish_reason for o in outs] == [FinishReason.LENGTH, FinishReason.LENGTH]
+    assert all(o.usage.completion_tokens == 40 for o in outs)
+    assert replicas.lost[victim] == 1 and replicas.resubmitted >= 2
+    wait_for(lambda: replicas.router.is_up(victim), timeout=60)
+    again = run(collect(replicas, PROMPTS[0], GREEDY))[1]
+    assert again == list(single.generate([PROMPTS[0]], GREEDY)[0].token_ids)
+    replicas.check_block_accounting()
+
+
+def test_a_hung_replica_is_replaced_and_its_stream_finishes_with_the_same_tokens(replicas, single):
+    """A forward that never returns (the actor still answers polls): no step finishes for
+    hang_timeout_s while the replica holds a request, so it is replaced like a lost one."""
+    prompt = [31, 41, 59, 26, 53, 58, 97]
+    expected = list(single.generate([prompt], GREEDY)[0].token_ids)
+
+    async def main():
+        rid, stream = replicas.submit(prompt, GREEDY, request_id="hang-1")
+        victim = replicas._live[rid].replica
+        tokens, out = [], None
+        while out is None or not out.finished:
+            out = await replicas.next_output(stream)
+            tokens += out.new_token_ids
+        return victim, tokens, out
+
+    lost_before = list(replicas.lost)
+    started = time.monotonic()
+    victim, tokens, out = run(main())
+    assert tokens == expected and out.finish_reason == FinishReason.LENGTH
+    assert replicas.lost[victim] == lost_before[victim] + 1
+    assert time.monotonic() - started < 30
+    wait_for(lambda: replicas.router.is_up(victim), timeout=60)
+    replicas.check_block_accounting()
+
+
+def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster):
+    """One replica that Ray may not restart: killed mid-stream, its request ends with
+    finish_reason "error" naming the loss, after the tokens already delivered."""
+    group = ReplicaSet.launch(build_replica_engine, 1, ReplicaOptions(num_cpus=0, max_restarts=0,
+                                                                      call_timeout_s=5.0))
+    try:
+        async def main():
+            rid, stream = group.submit([4, 4, 4, 4, 4], ENDLESS)
+            tokens, out = [], await group.next_output(stream)
+            tokens += out.new_token_ids
+            ray.kill(group.actors[0], no_restart=True)
+            while not out.finished:
+                out = await group.next_output(stream)
+                tokens += out.new_token_ids
+            return tokens, out
+
+        tokens, out = run(main())
+        assert out.finish_reason == FinishReason.ERROR
+        assert "no replica is left" in out.error and "replica 0 was lost" in out.error
+        assert out.token_ids == tuple(tokens) and len(tokens) < ENDLESS.max_tokens
+        assert group.lost == [1] and not group.router.is_up(0)
+    finally:
+        group.close()
