@@ -110,7 +110,7 @@ class SamplingState:
     @property
     def masks_eos(self) -> bool:
         """Whether eos and ``stop_token_ids`` are masked now (``min_tokens`` not reached)."""
-        return len(self.output_token_ids) < self.params.min_tokens
+        return self.token_index < self.params.min_tokens
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ def row_sampling(state: SamplingState) -> RowSampling | None:
     plain = (state.grammar is None and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
              and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
              and not (state.masks_eos and (state.eos_token_ids or p.stop_token_ids)))
-    return RowSampling(p, state.seed, len(state.output_token_ids)) if plain else None
+    return RowSampling(p, state.seed, state.token_index) if plain else None
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
@@ -259,16 +259,8 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
     if all(r.params.greedy for r in rows):
         return logits.argmax(dim=-1).tolist()
     kept = truncate_logits(logits, [r.params for r in rows])
-    noise = []
-    tiny = torch.finfo(torch.float32).tiny
-    for r in rows:
-        if r.params.greedy:
-            noise.append(torch.zeros(logits.shape[-1], device=logits.device))
-            continue
-        g = torch.Generator(device=logits.device)
-        g.manual_seed(stream_seed(r.seed, r.token_index))
-        uniform = torch.rand(logits.shape[-1], generator=g, device=logits.device)
-        noise.append(-(-uniform.clamp_min(tiny).log()).log())
+    generator = torch.Generator(device=logits.device)
+    noise = [_row_noise(r.params.greedy, generator, r.seed, r.token_index, logits) for r in rows]
     return (kept + torch.stack(noise)).argmax(dim=-1).tolist()
 
 
@@ -289,19 +281,20 @@ def stream_seed(seed: int, token_index: int) -> int:
 
 def _gumbel_noise(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """(B, V) Gumbel noise, V draws from each non-greedy row's generator; 0 for greedy rows."""
+    return torch.stack([_row_noise(s.params.greedy, s.generator, s.seed, s.token_index, logits) for s in states])
+
+
+def _row_noise(greedy: bool, generator: torch.Generator, seed: int, token_index: int,
+               logits: torch.Tensor) -> torch.Tensor:
+    """One row's (V,) Gumbel noise for its ``token_index``-th token: ``generator`` is
+    re-seeded from ``(seed, token_index)`` and draws V uniforms; zeros for a greedy row."""
     vocab_size = logits.shape[-1]
-    tiny = torch.finfo(torch.float32).tiny
-    rows = []
-    for state in states:
-        if state.params.greedy:
-            rows.append(torch.zeros(vocab_size, device=logits.device))
-            continue
-        g = state.generator
-        g.manual_seed(stream_seed(state.seed, state.token_index))
-        uniform = torch.rand(vocab_size, generator=g, device=g.device).to(logits.device)
-        # -log(u) ~ Exp(1) and -log(Exp(1)) ~ Gumbel; clamping u keeps both finite.
-        rows.append(-(-uniform.clamp_min(tiny).log()).log())
-    return torch.stack(rows)
+    if greedy:
+        return torch.zeros(vocab_size, device=logits.device)
+    generator.manual_seed(stream_seed(seed, token_index))
+    uniform = torch.rand(vocab_size, generator=generator, device=generator.device).to(logits.device)
+    # -log(u) ~ Exp(1) and -log(Exp(1)) ~ Gumbel; clamping u keeps both finite.
+    return -(-uniform.clamp_min(torch.finfo(torch.float32).tiny).log()).log()
 
 
 def _with_logprobs(
