@@ -1,0 +1,283 @@
+/*
+ * y = x @ W.T with the activations quantized to 8 bits, for the `fast` precision.
+ *
+ * W (n, k) is held in blocks of 32 along k (see block_matmul.c for the layout):
+ *   4-bit: W[j, 32b + i] = scale[j, b] * q + min[j, b], q in 0..15;
+ *   8-bit: W[j, 32b + i] = scale[j, b] * q, q in -127..127.
+ * Each row of x is quantized block by block as llama.cpp's q8 does: d = max|x| / 127,
+ * xq = round(x / d) in -127..127, and for 4-bit weights also xs = d * sum(xq). Then
+ *
+ *   y[r, j] = sum_b scale[j, b] d[r, b] <q_j,b, xq_r,b> + sum_b min[j, b] xs[r, b],
+ *
+ * where <., .> is an exact integer dot product over the block's 32 values.
+ *
+ * Batch and thread invariance. Every output element is computed by one thread, in one
+ * fixed order that depends on nothing but k: the integer dot of a block is formed in
+ * eight 32-bit lanes (lane l holds elements 4l..4l+3, exactly what vpdpbusd and
+ * maddubs + madd produce), each lane is scaled into its own float accumulator with one
+ * fused multiply-add per block, the lanes are summed in a fixed tree at the end, and the
+ * min term is added block by block. Rows are grouped only to reuse a weight block across
+ * them, and work is split over output columns, never over k; so row r of an m-row call
+ * equals a 1-row call of that row, for any thread count, bit for bit. The instruction
+ * sets (AVX-512 VNNI on 256-bit registers, AVX2, plain C) compute the very same lanes
+ * and the same float operations, so they agree bit for bit too.
+ *
+ * The instruction set is chosen at run time from the CPU (isa < 0), or forced (tests):
+ * 0 plain C, 1 AVX2, 2 AVX-512 VNNI. Returns 0, -1 when scratch memory could not be had,
+ * -2 when the forced instruction set is not available here.
+ */
+#include "parallel.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define BARGEIN_X86 1
+#endif
+
+#define BLOCK 32
+#define LANES 8
+#define COLUMN_TILE 16 /* output columns whose weight rows are reused by every row group */
+#define ROWS 8 /* activation rows per pass over a weight block (one vector of their scales) */
+
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
+
+typedef struct {
+    const int8_t *xq;     /* (m, k) quantized activations */
+    const float *xd, *xs; /* (nb, mp): block scales, and d * sum(xq), rows padded to mp */
+    const uint8_t *qs;
+    const float *scales, *mins;
+    float *y;
+    int64_t m, mp, k, n;
+    int bits;
+} qjob_t;
+
+typedef struct {
+    const float *x;
+    int8_t *xq;
+    float *xd, *xs;
+    int64_t m, mp, k;
+} quant_job_t;
+
+/* The eight lanes into one number, in the order hsum256 (simd.h) adds them. */
+static inline float sum_lanes(const float a[LANES]) {
+    const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+    return (s0 + s2) + (s1 + s3);
+}
+
+/* Rows [m * index / count, m * (index + 1) / count) of x into blocks of int8. */
+static void quantize_rows(void *arg, int index, int count) {
+    const quant_job_t *job = (const quant_job_t *)arg;
+    const int64_t nb = job->k / BLOCK;
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *x = job->x + r * job->k + b * BLOCK;
+            int8_t *q = job->xq + r * job->k + b * BLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(x[i]));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < BLOCK; i++) {
+                const int v = (int)rintf(x[i] * inv); /* |v| <= 127: x[i] * inv rounds to at most 127 */
+                q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+                sum += q[i];
+            }
+            job->xd[b * job->mp + r] = d;
+            job->xs[b * job->mp + r] = d * (float)sum;
+        }
+    }
+}
+
+/* ---- plain C ------------------------------------------------------------------------ */
+
+static void block_values(const qjob_t *job, int64_t j, int64_t b, int w[BLOCK]) {
+    const int64_t nb = job->k / BLOCK;
+    if (job->bits == 4) {
+        const uint8_t *q = job->qs + (j * nb + b) * (BLOCK / 2);
+        for (int i = 0; i < BLOCK / 2; i++) {
+            w[i] = q[i] & 0x0F;
+            w[i + BLOCK / 2] = q[i] >> 4;
+        }
+    } else {
+        const int8_t *q = (const int8_t *)job->qs + (j * nb + b) * BLOCK;
+        for (int i = 0; i < BLOCK; i++) w[i] = q[i];
+    }
+}
+
+static void column_c(const qjob_t *job, int64_t j, int64_t r0, int count) {
+    const int64_t nb = job->k / BLOCK, k = job->k;
+    float acc[ROWS][LANES] = {{0}}, mins[ROWS] = {0};
+    int w[BLOCK];
+    for (int64_t b = 0; b < nb; b++) {
+        block_values(job, j, b, w);
+        const float dw = job->scales[j * nb + b];
+        for (int r = 0; r < count; r++) {
+            const int8_t *x = job->xq + (r0 + r) * k + b * BLOCK;
+            const float d = dw * job->xd[b * job->mp + r0 + r];
+            for (int l = 0; l < LANES; l++) {
+                int lane = 0;
+                for (int i = 4 * l; i < 4 * l + 4; i++) lane += w[i] * x[i];
+                acc[r][l] = fmaf(d, (float)lane, acc[r][l]);
+            }
+            if (job->bits == 4) mins[r] += job->mins[j * nb + b] * job->xs[b * job->mp + r0 + r];
+        }
+    }
+    for (int r = 0; r < count; r++) job->y[(r0 + r) * job->n + j] = sum_lanes(acc[r]) + mins[r];
+}
+
+/* ---- x86: AVX2, and AVX-512 VNNI on 256-bit registers ------------------------------- */
+
+#ifdef BARGEIN_X86
+#define TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define TARGET_VNNI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni")))
+
+/* One column for rows [r0, r0 + count): the same arithmetic as column_c. DOT(w, x)
+ * yields the eight int32 lanes of an unsigned-by-signed byte dot product. The eight rows'
+ * block scales and min terms are formed in one vector (xd and xs hold rows side by side),
+ * with a separate multiply and add as column_c rounds them. */
+#define COLUMN_BODY(DOT)                                                                          \
+    const int64_t nb = job->k / BLOCK, k = job->k, mp = job->mp;                                  \
+    /* Named accumulators, not an array: the compiler keeps them in registers. */                 \
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
+    __m256 min_acc = a0;                                                                          \
+    float d[ROWS] __attribute__((aligned(32)));                                                   \
+    for (int64_t b = 0; b < nb; b++) {                                                            \
+        __m256i w, sign = _mm256_setzero_si256();                                                 \
+        if (bits == 4) {                                                                          \
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(job->qs + (j * nb + b) * (BLOCK / 2))); \
+            const __m128i mask = _mm_set1_epi8(0x0F);                                             \
+            w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask)); \
+            min_acc = _mm256_add_ps(min_acc, _mm256_mul_ps(_mm256_set1_ps(job->mins[j * nb + b]),  \
+                                                           _mm256_loadu_ps(job->xs + b * mp + r0))); \
+        } else { /* signed weights: |w| times x with w's sign */                                 \
+            sign = _mm256_loadu_si256((const __m256i *)(job->qs + (j * nb + b) * BLOCK));         \
+            w = _mm256_sign_epi8(sign, sign);                                                     \
+        }                                                                                         \
+        _mm256_store_ps(d, _mm256_mul_ps(_mm256_set1_ps(job->scales[j * nb + b]),                \
+                                         _mm256_loadu_ps(job->xd + b * mp + r0)));                \
+        const int8_t *xb = job->xq + r0 * k + b * BLOCK;                                          \
+        switch (count) {                                                                          \
+        case 8: ROW(DOT, a7, 7); /* fall through */                                               \
+        case 7: ROW(DOT, a6, 6); /* fall through */                                               \
+        case 6: ROW(DOT, a5, 5); /* fall through */                                               \
+        case 5: ROW(DOT, a4, 4); /* fall through */                                               \
+        case 4: ROW(DOT, a3, 3); /* fall through */                                               \
+        case 3: ROW(DOT, a2, 2); /* fall through */                                               \
+        case 2: ROW(DOT, a1, 1); /* fall through */                                               \
+        default: ROW(DOT, a0, 0);                                                                 \
+        }                                                                                         \
+    }                                                                                             \
+    float lanes[ROWS][LANES], mins[ROWS];                                                         \
+    _mm256_storeu_ps(mins, min_acc);                                                              \
+    _mm256_storeu_ps(lanes[0], a0); _mm256_storeu_ps(lanes[1], a1);                               \
+    _mm256_storeu_ps(lanes[2], a2); _mm256_storeu_ps(lanes[3], a3);                               \
+    _mm256_storeu_ps(lanes[4], a4); _mm256_storeu_ps(lanes[5], a5);                               \
+    _mm256_storeu_ps(lanes[6], a6); _mm256_storeu_ps(lanes[7], a7);                               \
+    for (int r = 0; r < count; r++)                                                               \
+        job->y[(r0 + r) * job->n + j] = sum_lanes(lanes[r]) + (bits == 4 ? mins[r] : 0.0f);
+
+/* Row r of the group: acc += (scale * d_r) * <w, x_r>, lane by lane. */
+#define ROW(DOT, acc, r)                                                                          \
+    do {                                                                                          \
+        __m256i x = _mm256_loadu_si256((const __m256i *)(xb + (r) * k));                          \
+        if (bits == 8) x = _mm256_sign_epi8(x, sign);                                             \
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(d + (r)), _mm256_cvtepi32_ps(DOT(w, x)), acc);  \
+    } while (0)
+
+#define DOT_AVX2(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))
+#define DOT_VNNI(w, x) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (w), (x))
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void column_avx2_bits(const qjob_t *job, int bits,
+                                                                                int64_t j, int64_t r0, int count) {
+    COLUMN_BODY(DOT_AVX2)
+}
+
+static inline TARGET_VNNI __attribute__((always_inline)) void column_vnni_bits(const qjob_t *job, int bits,
+                                                                                int64_t j, int64_t r0, int count) {
+    COLUMN_BODY(DOT_VNNI)
+}
+
+/* bits, and a full group's row count, as constants in each copy: no block pays for a
+ * branch, and a full group's accumulators stay in registers. */
+#define DISPATCH(FN)                                         \
+    if (job->bits == 4) {                                    \
+        if (count == ROWS) FN(job, 4, j, r0, ROWS);          \
+        else FN(job, 4, j, r0, count);                       \
+    } else {                                                 \
+        if (count == ROWS) FN(job, 8, j, r0, ROWS);          \
+        else FN(job, 8, j, r0, count);                       \
+    }
+
+static TARGET_AVX2 void column_avx2(const qjob_t *job, int64_t j, int64_t r0, int count) { DISPATCH(column_avx2_bits) }
+
+static TARGET_VNNI void column_vnni(const qjob_t *job, int64_t j, int64_t r0, int count) { DISPATCH(column_vnni_bits) }
+#endif /* BARGEIN_X86 */
+
+/* 1 where this CPU (and its operating system) runs the instruction set, else 0. */
+int bargein_q8_isa_available(int isa) {
+    if (isa == ISA_C) return 1;
+#ifdef BARGEIN_X86
+    __builtin_cpu_init();
+    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == ISA_VNNI)
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+    return 0;
+}
+
+typedef void (*column_fn)(const qjob_t *, int64_t, int64_t, int);
+
+typedef struct {
+    const qjob_t *job;
+    column_fn column;
+} run_t;
+
+/* Output columns [n * index / count, n * (index + 1) / count), every row. Columns go in
+ * tiles whose weights stay in the first-level cache while every row group passes over
+ * them, so that the activations are read from further out once per tile, not per column.
+ * The order of the work changes no value. */
+static void run_columns(void *arg, int index, int count) {
+    const run_t *run = (const run_t *)arg;
+    const qjob_t *job = run->job;
+    const int64_t end = job->n * (index + 1) / count;
+    for (int64_t j0 = job->n * index / count; j0 < end; j0 += COLUMN_TILE) {
+        const int64_t j1 = j0 + COLUMN_TILE < end ? j0 + COLUMN_TILE : end;
+        for (int64_t r0 = 0; r0 < job->m; r0 += ROWS)
+            for (int64_t j = j0; j < j1; j++) run->column(job, j, r0, job->m - r0 < ROWS ? (int)(job->m - r0) : ROWS);
+    }
+}
+
+int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
+                            const float *mins, int bits, int64_t n, float *y, int num_threads, int isa) {
+    if (isa < 0) isa = bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2);
+    if (!bargein_q8_isa_available(isa)) return -2;
+    const int64_t nb = k / BLOCK, mp = (m + ROWS - 1) / ROWS * ROWS;
+    const size_t cells = (size_t)(mp * nb > 0 ? mp * nb : 1);
+    int8_t *xq = malloc((size_t)(m * k > 0 ? m * k : 1));
+    float *xd = calloc(cells, sizeof(float)), *xs = calloc(cells, sizeof(float)); /* padding rows: 0 */
+    if (!xq || !xd || !xs) {
+        free(xq);
+        free(xd);
+        free(xs);
+        return -1;
+    }
+    quant_job_t quant = {x, xq, xd, xs, m, mp, k};
+    /* Rows are independent: quantizing them on several threads changes no value. */
+    const int64_t quant_threads = m / 16 < num_threads ? m / 16 : num_threads;
+    bargein_parallel_run(quantize_rows, &quant, quant_threads > 1 ? (int)quant_threads : 1);
+    qjob_t job = {xq, xd, xs, qs, scales, mins, y, m, mp, k, n, bits};
+    run_t run = {&job, column_c};
+#ifdef BARGEIN_X86
+    if (isa == ISA_AVX2) run.column = column_avx2;
+    if (isa == ISA_VNNI) run.column = column_vnni;
+#endif
+    if (num_threads > n) num_threads = (int)n;
+    bargein_parallel_run(run_columns, &run, num_threads);
+    free(xq);
+    free(xd);
+    free(xs);
+    return 0;
+}
