@@ -56,6 +56,7 @@ class NativeKernels:
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
+        self._library = library
         self._decode = library.bargein_paged_decode_attention
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
