@@ -205,7 +205,12 @@ def test_fast_without_native_kernels_runs_exact_and_says_so(monkeypatch, caplog)
         kernels = resolve_kernels("cpu", precision="fast")
     assert kernels.native is None and not kernels.fast and kernels.precision == "exact"
     assert [r.getMessage() for r in caplog.records] == [
-        "precision 'fast' needs the native CPU kernels and the native kernels are unavailable (see above); "
-        "running 'exact' (float32)"]
+        "precision 'fast' needs the native CPU kernels and a float32 model, but the native kernels are "
+        "unavailable (see above); running 'exact'"]
+    monkeypatch.undo()
+    if KERNELS is not None:
+        assert resolve_kernels("cpu", precision="fast").fast
+        assert not resolve_kernels("cpu", precision="fast", dtype=torch.bfloat16).fast
+        assert not resolve_kernels("cpu", precision="fast", native=False).fast
     with pytest.raises(ValueError, match="precision must be one of exact, fast"):
         resolve_kernels("cpu", precision="quick")

@@ -92,7 +92,7 @@ class StageWorker:
             weights = load_weights(source, model_config, layer_range=layers, dtype=dtype, device=device,
                                    progress=False)
         max_positions = config.max_model_len or model_config.max_position_embeddings
-        kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision)
+        kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
         self.stage = LlamaStage(model_config, weights, layers, max_positions, kernels).to(device)
         self.device = device
         self.caches: list[KVCache] = []

@@ -141,23 +141,24 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 TORCH_KERNELS = KernelSet()
 
 
-def resolve_kernels(device: torch.device | str, *, native: bool = True, precision: str = "exact") -> KernelSet:
+def resolve_kernels(device: torch.device | str, *, native: bool = True, precision: str = "exact",
+                    dtype: torch.dtype = torch.float32) -> KernelSet:
     """The kernels for a model on ``device``: native ones on the CPU where asked for and
     available (built on first use, else None with one logged reason), PyTorch's elsewhere.
 
-    ``precision="fast"`` needs the native kernels on the CPU; without them the set is
-    ``exact``, with one warning saying so.
+    ``precision="fast"`` needs the native kernels and a float32 model on the CPU; without
+    them the set is ``exact``, with one warning saying why.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
-    kernels = TORCH_KERNELS
-    if native and torch.device(device).type == "cpu":
-        kernels = KernelSet(load_native_kernels())
+    on_cpu = torch.device(device).type == "cpu"
+    kernels = KernelSet(load_native_kernels()) if native and on_cpu else TORCH_KERNELS
     if precision == "fast":
-        if kernels.native is None:
-            why = "the device is not the CPU" if torch.device(device).type != "cpu" else \
-                "native kernels are off" if not native else "the native kernels are unavailable (see above)"
-            log.warning("precision 'fast' needs the native CPU kernels and %s; running 'exact' (float32)", why)
-        else:
-            kernels = KernelSet(kernels.native, fast=True)
+        why = ("the device is not the CPU" if not on_cpu else "native kernels are off" if not native
+               else "the native kernels are unavailable (see above)" if kernels.native is None
+               else f"the model's dtype is {str(dtype).removeprefix('torch.')}, not float32"
+               if dtype != torch.float32 else None)
+        if why is None:
+            return KernelSet(kernels.native, fast=True)
+        log.warning("precision 'fast' needs the native CPU kernels and a float32 model, but %s; running 'exact'", why)
     return kernels
