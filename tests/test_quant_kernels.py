@@ -214,3 +214,26 @@ def test_fast_without_native_kernels_runs_exact_and_says_so(monkeypatch, caplog)
         assert not resolve_kernels("cpu", precision="fast", native=False).fast
     with pytest.raises(ValueError, match="precision must be one of exact, fast"):
         resolve_kernels("cpu", precision="quick")
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", THREADS)
+def test_rope_store_rotates_as_torch_does_and_writes_float16_as_torch_rounds(threads: int) -> None:
+    from bargein.model.rope import apply_rotary
+
+    g = torch.Generator().manual_seed(3)
+    t, h, kvh, d = 37, 6, 2, 16
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g) * 3
+    qkv[0, -1] = 70000.0  # past float16's range: inf, as torch rounds it
+    angles = torch.rand(t, 1, d, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(60, generator=g)[:t]
+    k_cache, v_cache = (torch.zeros(15, 4, kvh, d, dtype=torch.float16) for _ in range(2))
+    q = KERNELS.rope_store_f16(qkv, cos.view(t, d), sin.view(t, d), slots, k_cache, v_cache, h, threads)
+    q_want, k_want = apply_rotary(qkv[:, :h * d].view(t, h, d), qkv[:, h * d:(h + kvh) * d].view(t, kvh, d), cos, sin)
+    assert torch.equal(q, q_want)
+    assert torch.equal(k_cache.view(-1, kvh, d)[slots], k_want.half())
+    assert torch.equal(v_cache.view(-1, kvh, d)[slots], qkv[:, (h + kvh) * d:].view(t, kvh, d).half())
+    with pytest.raises(NativeKernelError, match="outside the cache"):
+        KERNELS.rope_store_f16(qkv[:1].contiguous(), cos[:1].view(1, d), sin[:1].view(1, d), torch.tensor([60]),
+                               k_cache, v_cache, h, 1)

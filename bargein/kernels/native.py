@@ -75,6 +75,9 @@ class NativeKernels:
         self._attention_f16.restype = _INT
         self._attention_f16.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _INT, _INT, _INT, _INT,
                                         ctypes.c_float, _INT]
+        self._rope_store = library.bargein_rope_store_f16
+        self._rope_store.restype = None
+        self._rope_store.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT]
         self._rms_norm = library.bargein_rms_norm
         self._rms_norm.restype = None
         self._rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float, _INT]
@@ -132,6 +135,29 @@ class NativeKernels:
         y = torch.empty((x.shape[0], x.shape[1] // 2), dtype=torch.float32)
         self._silu_mul(x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1] // 2, num_threads)
         return y
+
+    def rope_store_f16(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_threads: int) -> torch.Tensor:
+        """Rotates each token's query and key of qkv (T, (H + 2 KVH) D) by its angles cos, sin
+        (T, D), writes key and value to the float16 caches at ``slot_mapping`` (T,) and
+        returns the queries (T, H, D) float32. Token by token, by the same code."""
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        t = qkv.shape[0]
+        _check_rows(qkv, (num_heads + 2 * num_kv_heads) * head_dim)
+        if any(a.dtype != torch.float32 or not a.is_contiguous() or a.shape[0] != t or a.numel() != t * head_dim
+               for a in (cos, sin)):
+            raise NativeKernelError("cos and sin must be contiguous float32, one row of head_dim per token")
+        if any(c.dtype != torch.float16 or not c.is_contiguous() or c.device.type != "cpu" for c in (k_cache, v_cache)) \
+                or v_cache.shape != k_cache.shape:
+            raise NativeKernelError("the caches must be contiguous float16 CPU tensors of one shape")
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (t,) or not slot_mapping.is_contiguous():
+            raise NativeKernelError("one int64 slot per token is needed")
+        if t and not 0 <= int(slot_mapping.min()) <= int(slot_mapping.max()) < num_blocks * block_size:
+            raise NativeKernelError("a slot lies outside the cache")
+        q = torch.empty((t, num_heads, head_dim), dtype=torch.float32)
+        self._rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), k_cache.data_ptr(),
+                         v_cache.data_ptr(), q.data_ptr(), t, num_heads, num_kv_heads, head_dim, num_threads)
+        return q
 
     def paged_attention_f16(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_seq: torch.Tensor, query_ctx: torch.Tensor,

@@ -97,13 +97,17 @@ class KernelSet:
         """The K/V cache's dtype this set asks for (float16 in ``fast``), or None: the model's."""
         return torch.float16 if self.fast else None
 
-    def token_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def token_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, token_seq: torch.Tensor,
                         token_context: torch.Tensor) -> torch.Tensor:
-        """``fast``: every query (T, H, D) on its own over its float16 keys (attention_f16.c)."""
+        """``fast``: RoPE on the fused qkv (T, (H + 2 KVH) D), K/V stored as float16, then every
+        query on its own over its keys (attention_f16.c); returns (T, H, D)."""
         assert self.native is not None and self.fast
-        return self.native.paged_attention_f16(q.contiguous(), k_cache, v_cache, block_tables, token_seq,
-                                               token_context, q.shape[-1] ** -0.5, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        q = self.native.rope_store_f16(qkv.contiguous(), cos, sin, slot_mapping, k_cache, v_cache, num_heads, threads)
+        return self.native.paged_attention_f16(q, k_cache, v_cache, block_tables, token_seq, token_context,
+                                               q.shape[-1] ** -0.5, threads)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,

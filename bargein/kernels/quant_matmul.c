@@ -15,8 +15,10 @@
  * fixed order that depends on nothing but k: the integer dot of a block is formed in
  * eight 32-bit lanes (lane l holds elements 4l..4l+3, exactly what vpdpbusd and
  * maddubs + madd produce), each lane is scaled into its own float accumulator with one
- * fused multiply-add per block, the lanes are summed in a fixed tree at the end, and the
- * min term is added block by block. Rows are grouped only to reuse a weight block across
+ * fused multiply-add per block (by d = scale * d_x, one rounded product), the min term
+ * min * xs of block b goes (a product, then a sum) to lane b % 8 of a second set of eight,
+ * and each set of lanes is summed in a fixed tree at the end, the first set plus the
+ * second. Rows are grouped only to reuse a weight block across
  * them, and work is split over output columns, never over k; so row r of an m-row call
  * equals a 1-row call of that row, for any thread count, bit for bit. The instruction
  * sets (AVX-512 VNNI on 256-bit registers, AVX2, plain C) compute the very same lanes
@@ -39,18 +41,19 @@
 
 #define BLOCK 32
 #define LANES 8
+#define CHUNK 8        /* blocks whose scales are formed in one vector */
 #define COLUMN_TILE 16 /* output columns whose weight rows are reused by every row group */
-#define ROWS 8 /* activation rows per pass over a weight block (one vector of their scales) */
+#define ROWS 8         /* activation rows per pass over a weight block */
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
 
 typedef struct {
     const int8_t *xq;     /* (m, k) quantized activations */
-    const float *xd, *xs; /* (nb, mp): block scales, and d * sum(xq), rows padded to mp */
+    const float *xd, *xs; /* (m, nb): block scales d_x, and d_x * sum(xq) */
     const uint8_t *qs;
     const float *scales, *mins;
     float *y;
-    int64_t m, mp, k, n;
+    int64_t m, k, n;
     int bits;
 } qjob_t;
 
@@ -58,7 +61,7 @@ typedef struct {
     const float *x;
     int8_t *xq;
     float *xd, *xs;
-    int64_t m, mp, k;
+    int64_t m, k;
 } quant_job_t;
 
 /* The eight lanes into one number, in the order hsum256 (simd.h) adds them. */
@@ -84,8 +87,8 @@ static void quantize_rows(void *arg, int index, int count) {
                 q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
                 sum += q[i];
             }
-            job->xd[b * job->mp + r] = d;
-            job->xs[b * job->mp + r] = d * (float)sum;
+            job->xd[r * nb + b] = d;
+            job->xs[r * nb + b] = d * (float)sum;
         }
     }
 }
@@ -108,23 +111,28 @@ static void block_values(const qjob_t *job, int64_t j, int64_t b, int w[BLOCK]) 
 
 static void column_c(const qjob_t *job, int64_t j, int64_t r0, int count) {
     const int64_t nb = job->k / BLOCK, k = job->k;
-    float acc[ROWS][LANES] = {{0}}, mins[ROWS] = {0};
+    float acc[ROWS][LANES] = {{0}}, mins[ROWS][LANES] = {{0}};
     int w[BLOCK];
     for (int64_t b = 0; b < nb; b++) {
         block_values(job, j, b, w);
         const float dw = job->scales[j * nb + b];
         for (int r = 0; r < count; r++) {
-            const int8_t *x = job->xq + (r0 + r) * k + b * BLOCK;
-            const float d = dw * job->xd[b * job->mp + r0 + r];
+            const int64_t row = r0 + r;
+            const int8_t *x = job->xq + row * k + b * BLOCK;
+            const float d = dw * job->xd[row * nb + b];
             for (int l = 0; l < LANES; l++) {
                 int lane = 0;
                 for (int i = 4 * l; i < 4 * l + 4; i++) lane += w[i] * x[i];
                 acc[r][l] = fmaf(d, (float)lane, acc[r][l]);
             }
-            if (job->bits == 4) mins[r] += job->mins[j * nb + b] * job->xs[b * job->mp + r0 + r];
+            if (job->bits == 4) {
+                const float term = job->mins[j * nb + b] * job->xs[row * nb + b];
+                mins[r][b % LANES] += term;
+            }
         }
     }
-    for (int r = 0; r < count; r++) job->y[(r0 + r) * job->n + j] = sum_lanes(acc[r]) + mins[r];
+    for (int r = 0; r < count; r++)
+        job->y[(r0 + r) * job->n + j] = sum_lanes(acc[r]) + (job->bits == 4 ? sum_lanes(mins[r]) : 0.0f);
 }
 
 /* ---- x86: AVX2, and AVX-512 VNNI on 256-bit registers ------------------------------- */
@@ -134,56 +142,73 @@ static void column_c(const qjob_t *job, int64_t j, int64_t r0, int count) {
 #define TARGET_VNNI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni")))
 
 /* One column for rows [r0, r0 + count): the same arithmetic as column_c. DOT(w, x)
- * yields the eight int32 lanes of an unsigned-by-signed byte dot product. The eight rows'
- * block scales and min terms are formed in one vector (xd and xs hold rows side by side),
- * with a separate multiply and add as column_c rounds them. */
+ * yields the eight int32 lanes of an unsigned-by-signed byte dot product. Blocks go in
+ * chunks of eight, whose eight scales d (per row) and min terms are formed in vectors,
+ * each lane exactly as column_c forms it. */
 #define COLUMN_BODY(DOT)                                                                          \
-    const int64_t nb = job->k / BLOCK, k = job->k, mp = job->mp;                                  \
+    const int64_t nb = job->k / BLOCK, k = job->k;                                                \
     /* Named accumulators, not an array: the compiler keeps them in registers. */                 \
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-    __m256 min_acc = a0;                                                                          \
-    float d[ROWS] __attribute__((aligned(32)));                                                   \
-    for (int64_t b = 0; b < nb; b++) {                                                            \
-        __m256i w, sign = _mm256_setzero_si256();                                                 \
-        if (bits == 4) {                                                                          \
-            const __m128i packed = _mm_loadu_si128((const __m128i *)(job->qs + (j * nb + b) * (BLOCK / 2))); \
-            const __m128i mask = _mm_set1_epi8(0x0F);                                             \
-            w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask)); \
-            min_acc = _mm256_add_ps(min_acc, _mm256_mul_ps(_mm256_set1_ps(job->mins[j * nb + b]),  \
-                                                           _mm256_loadu_ps(job->xs + b * mp + r0))); \
-        } else { /* signed weights: |w| times x with w's sign */                                 \
-            sign = _mm256_loadu_si256((const __m256i *)(job->qs + (j * nb + b) * BLOCK));         \
-            w = _mm256_sign_epi8(sign, sign);                                                     \
+    float d[ROWS][CHUNK] __attribute__((aligned(32)));                                            \
+    float mins[ROWS][LANES] __attribute__((aligned(32))) = {{0}};                                 \
+    const float *scales = job->scales + j * nb, *wmins = bits == 4 ? job->mins + j * nb : 0;      \
+    for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {                                                  \
+        const int n_blocks = nb - b0 < CHUNK ? (int)(nb - b0) : CHUNK;                            \
+        for (int r = 0; r < count; r++) {                                                         \
+            const float *xd = job->xd + (r0 + r) * nb + b0, *xs = job->xs + (r0 + r) * nb + b0;   \
+            if (n_blocks == CHUNK) {                                                              \
+                _mm256_store_ps(d[r], _mm256_mul_ps(_mm256_loadu_ps(scales + b0), _mm256_loadu_ps(xd))); \
+                if (bits == 4)                                                                    \
+                    _mm256_store_ps(mins[r], _mm256_add_ps(_mm256_load_ps(mins[r]),               \
+                                    _mm256_mul_ps(_mm256_loadu_ps(wmins + b0), _mm256_loadu_ps(xs)))); \
+            } else {                                                                              \
+                for (int i = 0; i < n_blocks; i++) {                                              \
+                    d[r][i] = scales[b0 + i] * xd[i];                                             \
+                    if (bits == 4) {                                                              \
+                        const float term = wmins[b0 + i] * xs[i];                                 \
+                        mins[r][i] += term;                                                       \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
         }                                                                                         \
-        _mm256_store_ps(d, _mm256_mul_ps(_mm256_set1_ps(job->scales[j * nb + b]),                \
-                                         _mm256_loadu_ps(job->xd + b * mp + r0)));                \
-        const int8_t *xb = job->xq + r0 * k + b * BLOCK;                                          \
-        switch (count) {                                                                          \
-        case 8: ROW(DOT, a7, 7); /* fall through */                                               \
-        case 7: ROW(DOT, a6, 6); /* fall through */                                               \
-        case 6: ROW(DOT, a5, 5); /* fall through */                                               \
-        case 5: ROW(DOT, a4, 4); /* fall through */                                               \
-        case 4: ROW(DOT, a3, 3); /* fall through */                                               \
-        case 3: ROW(DOT, a2, 2); /* fall through */                                               \
-        case 2: ROW(DOT, a1, 1); /* fall through */                                               \
-        default: ROW(DOT, a0, 0);                                                                 \
+        for (int i = 0; i < n_blocks; i++) {                                                      \
+            const int64_t b = b0 + i;                                                             \
+            __m256i w, sign = _mm256_setzero_si256();                                             \
+            if (bits == 4) {                                                                      \
+                const __m128i packed = _mm_loadu_si128((const __m128i *)(job->qs + (j * nb + b) * (BLOCK / 2))); \
+                const __m128i mask = _mm_set1_epi8(0x0F);                                         \
+                w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask)); \
+            } else { /* signed weights: |w| times x with w's sign */                             \
+                sign = _mm256_loadu_si256((const __m256i *)(job->qs + (j * nb + b) * BLOCK));     \
+                w = _mm256_sign_epi8(sign, sign);                                                 \
+            }                                                                                     \
+            const int8_t *xb = job->xq + r0 * k + b * BLOCK;                                      \
+            switch (count) {                                                                      \
+            case 8: ROW(DOT, a7, 7); /* fall through */                                           \
+            case 7: ROW(DOT, a6, 6); /* fall through */                                           \
+            case 6: ROW(DOT, a5, 5); /* fall through */                                           \
+            case 5: ROW(DOT, a4, 4); /* fall through */                                           \
+            case 4: ROW(DOT, a3, 3); /* fall through */                                           \
+            case 3: ROW(DOT, a2, 2); /* fall through */                                           \
+            case 2: ROW(DOT, a1, 1); /* fall through */                                           \
+            default: ROW(DOT, a0, 0);                                                             \
+            }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    float lanes[ROWS][LANES], mins[ROWS];                                                         \
-    _mm256_storeu_ps(mins, min_acc);                                                              \
+    float lanes[ROWS][LANES];                                                                     \
     _mm256_storeu_ps(lanes[0], a0); _mm256_storeu_ps(lanes[1], a1);                               \
     _mm256_storeu_ps(lanes[2], a2); _mm256_storeu_ps(lanes[3], a3);                               \
     _mm256_storeu_ps(lanes[4], a4); _mm256_storeu_ps(lanes[5], a5);                               \
     _mm256_storeu_ps(lanes[6], a6); _mm256_storeu_ps(lanes[7], a7);                               \
     for (int r = 0; r < count; r++)                                                               \
-        job->y[(r0 + r) * job->n + j] = sum_lanes(lanes[r]) + (bits == 4 ? mins[r] : 0.0f);
+        job->y[(r0 + r) * job->n + j] = sum_lanes(lanes[r]) + (bits == 4 ? sum_lanes(mins[r]) : 0.0f);
 
-/* Row r of the group: acc += (scale * d_r) * <w, x_r>, lane by lane. */
+/* Row r of the group: acc += d_r * <w, x_r>, lane by lane. */
 #define ROW(DOT, acc, r)                                                                          \
     do {                                                                                          \
         __m256i x = _mm256_loadu_si256((const __m256i *)(xb + (r) * k));                          \
         if (bits == 8) x = _mm256_sign_epi8(x, sign);                                             \
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(d + (r)), _mm256_cvtepi32_ps(DOT(w, x)), acc);  \
+        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&d[r][i]), _mm256_cvtepi32_ps(DOT(w, x)), acc); \
     } while (0)
 
 #define DOT_AVX2(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))
@@ -254,21 +279,21 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
                             const float *mins, int bits, int64_t n, float *y, int num_threads, int isa) {
     if (isa < 0) isa = bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2);
     if (!bargein_q8_isa_available(isa)) return -2;
-    const int64_t nb = k / BLOCK, mp = (m + ROWS - 1) / ROWS * ROWS;
-    const size_t cells = (size_t)(mp * nb > 0 ? mp * nb : 1);
+    const int64_t nb = k / BLOCK;
+    const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
     int8_t *xq = malloc((size_t)(m * k > 0 ? m * k : 1));
-    float *xd = calloc(cells, sizeof(float)), *xs = calloc(cells, sizeof(float)); /* padding rows: 0 */
+    float *xd = malloc(sizeof(float) * cells), *xs = malloc(sizeof(float) * cells);
     if (!xq || !xd || !xs) {
         free(xq);
         free(xd);
         free(xs);
         return -1;
     }
-    quant_job_t quant = {x, xq, xd, xs, m, mp, k};
+    quant_job_t quant = {x, xq, xd, xs, m, k};
     /* Rows are independent: quantizing them on several threads changes no value. */
     const int64_t quant_threads = m / 16 < num_threads ? m / 16 : num_threads;
     bargein_parallel_run(quantize_rows, &quant, quant_threads > 1 ? (int)quant_threads : 1);
-    qjob_t job = {xq, xd, xs, qs, scales, mins, y, m, mp, k, n, bits};
+    qjob_t job = {xq, xd, xs, qs, scales, mins, y, m, k, n, bits};
     run_t run = {&job, column_c};
 #ifdef BARGEIN_X86
     if (isa == ISA_AVX2) run.column = column_avx2;

@@ -137,6 +137,17 @@ class AttentionMetadata:
         )
 
 
+def fast_paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, cache: KVCache,
+                         meta: AttentionMetadata, kernels: KernelSet) -> torch.Tensor:
+    """The fast precision's attention for the fused, not yet rotated qkv (T, (H + 2 KVH) D):
+    rotates q and k, writes K/V (float16) and attends each token on its own; (T, H, D)."""
+    if meta.token_seq is None or meta.token_context is None:
+        raise ValueError("the fast precision's attention needs AttentionMetadata.build's per-token fields")
+    return kernels.token_attention(qkv, cos.view(qkv.shape[0], -1), sin.view(qkv.shape[0], -1), num_heads,
+                                   cache.k, cache.v, meta.slot_mapping, meta.block_tables, meta.token_seq,
+                                   meta.token_context)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                     meta: AttentionMetadata, kernels: KernelSet = TORCH_KERNELS) -> torch.Tensor:
     """Writes k, v (T, KVH, D) into the cache, then attends q (T, H, D); returns (T, H, D).
@@ -144,12 +155,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     Decodes go through ``kernels`` (native or PyTorch: the same to float32 rounding).
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    cache.k.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k.to(cache.k.dtype)
-    cache.v.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v.to(cache.v.dtype)
-    if kernels.fast:
-        if meta.token_seq is None or meta.token_context is None:
-            raise ValueError("the fast precision's attention needs AttentionMetadata.build's per-token fields")
-        return kernels.token_attention(q, cache.k, cache.v, meta.block_tables, meta.token_seq, meta.token_context)
+    cache.k.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
+    cache.v.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
     out = torch.empty_like(q)
     if meta.decode_token_index.numel():
         out[meta.decode_token_index] = kernels.decode_attention(

@@ -20,7 +20,12 @@ from torch import nn
 
 from bargein.config import ModelConfig
 from bargein.kernels.ops import TORCH_KERNELS, KernelSet
-from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
+from bargein.model.attention import (
+    AttentionMetadata,
+    KVCache,
+    fast_paged_attention,
+    paged_attention,
+)
 from bargein.model.linear import Linear
 from bargein.model.rope import RotaryEmbedding, apply_rotary
 
@@ -61,6 +66,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.wqkv(x)  # (T, q_size + 2 * kv_size)
+        if self.kernels.fast:  # RoPE, the K/V write and attention in two native calls, token by token
+            out = fast_paged_attention(qkv, *rotary, self.num_heads, cache, meta, self.kernels)
+            return self.wo(out.view(t, q_size))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
