@@ -237,3 +237,44 @@ def test_rope_store_rotates_as_torch_does_and_writes_float16_as_torch_rounds(thr
     with pytest.raises(NativeKernelError, match="outside the cache"):
         KERNELS.rope_store_f16(qkv[:1].contiguous(), cos[:1].view(1, d), sin[:1].view(1, d), torch.tensor([60]),
                                k_cache, v_cache, h, 1)
+
+
+@needs_kernels
+def test_a_portable_build_without_vector_extensions_agrees(tmp_path, monkeypatch) -> None:
+    """The library built with no -march (as on a CPU without AVX): the int8 matmul gives the
+    same bits, the other fast kernels the same values to float rounding, and the portable
+    half conversions round as torch does."""
+    import ctypes
+    import shutil
+
+    from bargein.kernels import native
+
+    compiler = native._compiler()
+    if compiler is None or shutil.which(compiler) is None:
+        pytest.skip("no compiler")
+    monkeypatch.setattr(native, "_VARIANTS", ((),))
+    path = native.build_library(compiler, tmp_path)
+    portable = NativeKernels(ctypes.CDLL(str(path)), path)
+    assert [n for n in Q8_ISAS if portable.q8_isa_available(n)] == [n for n in Q8_ISAS if KERNELS.q8_isa_available(n)]
+    g = torch.Generator().manual_seed(11)
+    for weight in (q4_weight(19, 96, g), q8_weight(9, 64, g)):
+        x = torch.randn(5, weight.shape[1], generator=g)
+        assert torch.equal(portable.q8_block_matmul(x, weight, 2, "c"), KERNELS.q8_block_matmul(x, weight, 2))
+    x, w = torch.randn(6, 40, generator=g), torch.randn(40, generator=g)
+    assert torch.allclose(portable.rms_norm(x, w, 1e-6, 1), KERNELS.rms_norm(x, w, 1e-6, 1), rtol=1e-6, atol=1e-6)
+    gu = torch.randn(6, 48, generator=g) * 8
+    assert torch.allclose(portable.silu_mul(gu, 1), KERNELS.silu_mul(gu, 1), rtol=1e-6, atol=1e-6)
+    t, h, kvh, d = 9, 4, 2, 16
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g) * 2
+    qkv[0, h * d:h * d + 6] = torch.tensor([70000.0, 65519.0, 65520.0, 3e-8, -2.9e-8, 1e-5])  # the edges of float16
+    cos, sin = torch.rand(t, d, generator=g), torch.rand(t, d, generator=g)
+    caches = [[torch.zeros(4, 4, kvh, d, dtype=torch.float16) for _ in range(2)] for _ in range(2)]
+    slots = torch.arange(t)
+    outs = [kern.rope_store_f16(qkv, cos, sin, slots, kc, vc, h, 1) for kern, (kc, vc) in zip((portable, KERNELS), caches,
+                                                                                             strict=True)]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    tables, seq, ctx = torch.tensor([[0, 1, 2]]), torch.zeros(t, dtype=torch.int64), torch.arange(1, t + 1)
+    got = [kern.paged_attention_f16(outs[0], kc, vc, tables, seq, ctx, d ** -0.5, 1)
+           for kern, (kc, vc) in zip((portable, KERNELS), caches, strict=True)]
+    assert torch.allclose(got[0], got[1], rtol=1e-5, atol=1e-6)
