@@ -64,6 +64,9 @@ class KernelSet:
         blocks = recover_blocks(weight)
         if blocks is None and self.fast:
             blocks = quantize_8bit(weight)
+            if blocks is None:
+                log.warning("fast precision: a %s weight is not made of whole blocks of 32 values; its matmul "
+                            "runs in float32 and is not guaranteed batch-invariant", tuple(weight.shape))
         return blocks
 
     def block_linear(self, x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor | None:
