@@ -14,8 +14,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bargein.config import CacheConfig, EngineConfig
 from bargein.engine.blocks import BlockTable
+from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
+from bargein.loader import load_config, load_tokenizer, load_weights, resolve_model_ref
 from bargein.model.attention import AttentionMetadata
 
 TEXT = Path(__file__).with_name("data") / "public_domain.txt"
@@ -31,6 +34,20 @@ class Scores:
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll.mean().item())
+
+
+def bundled_engines(precisions: tuple[str, ...], max_positions: int = 1024) -> list[Engine]:
+    """Engines over the bundled model, one per precision, from a single read of the file."""
+    source = resolve_model_ref(None)
+    model_config = load_config(source)
+    weights = load_weights(source, model_config, progress=False)
+    tokenizer = load_tokenizer(source)
+    engines = []
+    for precision in precisions:
+        config = EngineConfig(precision=precision, cache=CacheConfig(memory_bytes=32 * 1024**2))
+        model = build_model(model_config, dict(weights), config, max_positions=max_positions)
+        engines.append(Engine(model, tokenizer, config, model_name=source.name))
+    return engines
 
 
 def text_ids(engine: Engine, num_tokens: int) -> list[int]:

@@ -11,25 +11,16 @@ from __future__ import annotations
 
 import pytest
 
-from bargein.config import CacheConfig, EngineConfig
-from bargein.engine.engine import Engine
-from tests.perplexity import score, text_ids
+from tests.perplexity import bundled_engines, score, text_ids
 
 pytestmark = pytest.mark.slow
 NUM_TOKENS = 2048
 
 
-def engine(precision: str) -> Engine:
-    return Engine.from_pretrained(None, EngineConfig(precision=precision, cache=CacheConfig(memory_bytes=32 * 1024**2)),
-                                  progress=False)
-
-
 def test_fast_perplexity_is_within_one_percent_of_exact() -> None:
-    exact_engine = engine("exact")
+    exact_engine, fast_engine = bundled_engines(("exact", "fast"))
     ids = text_ids(exact_engine, NUM_TOKENS)
     exact = score(exact_engine, ids)
-    del exact_engine
-    fast_engine = engine("fast")
     if not fast_engine.runner.stages[0].kernels.fast:
         pytest.skip("no native kernels here: fast runs as exact")
     fast = score(fast_engine, ids)
