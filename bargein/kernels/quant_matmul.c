@@ -39,6 +39,10 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define BARGEIN_X86 1
+/* Compilers old enough to lack the AVX-512 VNNI target (GCC < 9) build without that path. */
+#if defined(__clang__) ? __clang_major__ >= 7 : __GNUC__ >= 9
+#define BARGEIN_VNNI 1
+#endif
 #endif
 
 #define BLOCK 32
@@ -336,10 +340,12 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void column_avx2_bits(c
     COLUMN_BODY_AVX2
 }
 
+#ifdef BARGEIN_VNNI
 static inline TARGET_VNNI __attribute__((always_inline)) void column_vnni_bits(const qjob_t *job, int bits,
                                                                                 int64_t j, int64_t r0, int count) {
     COLUMN_BODY_VNNI
 }
+#endif
 
 /* bits, and a full group's row count, as constants in each copy: no block pays for a
  * branch, and a full group's accumulators stay in registers. */
@@ -356,9 +362,11 @@ static TARGET_AVX2 void column_avx2(const qjob_t *job, int64_t j, int64_t r0, in
     DISPATCH(column_avx2_bits, ROWS_AVX2)
 }
 
+#ifdef BARGEIN_VNNI
 static TARGET_VNNI void column_vnni(const qjob_t *job, int64_t j, int64_t r0, int count) {
     DISPATCH(column_vnni_bits, ROWS)
 }
+#endif
 #endif /* BARGEIN_X86 */
 
 /* 1 where this CPU (and its operating system) runs the instruction set, else 0. */
@@ -367,11 +375,13 @@ int bargein_q8_isa_available(int isa) {
 #ifdef BARGEIN_X86
     __builtin_cpu_init();
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#ifdef BARGEIN_VNNI
     if (isa == ISA_VNNI)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
                __builtin_cpu_supports("avx512vnni");
+#endif
 #endif
     return 0;
 }
@@ -424,7 +434,9 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     run_t run = {&job, column_c, ROWS};
 #ifdef BARGEIN_X86
     if (isa == ISA_AVX2) run = (run_t){&job, column_avx2, ROWS_AVX2};
+#ifdef BARGEIN_VNNI
     if (isa == ISA_VNNI) run = (run_t){&job, column_vnni, ROWS};
+#endif
 #endif
     if (num_threads > n) num_threads = (int)n;
     bargein_parallel_run(run_columns, &run, num_threads);
