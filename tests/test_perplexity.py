@@ -4,9 +4,8 @@
 Address and Second Inaugural, the Declaration of Independence), scored in eight windows
 of 256 tokens by both modes (about 4,000 token-forwards: under a minute on 2 cores, more
 when the machine is shared, hence the longer timeout). Tolerance: fast's perplexity
-within 1% of exact's, and the
-two agree on the most likely next token at 90% of positions or more. Run with ``-s`` to
-see the numbers.
+within 1% of exact's, and the two agree on the most likely next token at 90% of
+positions or more. Run with ``-s`` to see the numbers.
 """
 
 from __future__ import annotations
