@@ -44,6 +44,7 @@ class Command:
 
 # -- serve ----------------------------------------------------------------------------------
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from bargein.cli_common import add_precision_argument
     from bargein.server.settings import LIMIT_FLAGS, EnvReader, ServerSettings, SettingsError
 
     try:
@@ -88,6 +89,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (CUDA where available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache: auto is bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
+    add_precision_argument(p)
     p.add_argument("--max-body", default=str(s.max_body_bytes), metavar="SIZE",
                    help="largest request body, e.g. 4MiB (default: %(default)s bytes)")
     p.add_argument("--default-max-tokens", type=int, default=s.default_max_tokens, metavar="N",
@@ -150,7 +152,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             cache=CacheConfig(memory_bytes=parse_size(args.kv_memory)),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
-            max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+            max_model_len=args.max_model_len, device=args.device, dtype=args.dtype, precision=args.precision,
             pipeline=None if args.ray is None or args.replicas is not None else PipelineConfig(
                 stages=args.pipeline_stages or 2, ray_address=args.ray, micro_batches=args.micro_batches,
                 stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),

@@ -25,7 +25,7 @@ from typing import Any
 
 # Not bargein.cli_client (httpx) here: building the parser for `--help` must stay cheap;
 # the commands that talk to a server import the client when they run.
-from bargein.cli_common import ClientError, default_api_key, default_url
+from bargein.cli_common import ClientError, add_precision_argument, default_api_key, default_url
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -70,6 +70,7 @@ def _add_generation_arguments(p: argparse.ArgumentParser, max_tokens: int) -> No
                        help="ask a bargein server instead, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
                    help="the server's API key, with --url (default: $BARGEIN_API_KEY)")
+    add_precision_argument(p)
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
                    help="tokens per answer at most (default: %(default)s)")
@@ -113,16 +114,17 @@ def _backend(args: argparse.Namespace):
 
         client = BargeinClient(args.url, args.api_key)
         return RemoteBackend(client, client.model_name())
-    return LocalBackend(_load_async_engine(args.model))
+    return LocalBackend(_load_async_engine(args.model, args.precision))
 
 
-def _load_async_engine(ref: str | None):
+def _load_async_engine(ref: str | None, precision: str):
     from bargein import AsyncEngine, Engine
+    from bargein.config import EngineConfig
     from bargein.loader import LoaderError
 
     print(f"bargein: loading {ref or 'the bundled SmolLM2-135M-Instruct'}", file=sys.stderr, flush=True)
     try:
-        engine = Engine.from_pretrained(ref, progress=sys.stderr.isatty())
+        engine = Engine.from_pretrained(ref, EngineConfig(precision=precision), progress=sys.stderr.isatty())
     except (LoaderError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
     return AsyncEngine(engine).start()

@@ -7,6 +7,7 @@ itself is imported only when a command talks to a server.
 
 from __future__ import annotations
 
+import argparse
 import os
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -18,6 +19,16 @@ def default_url() -> str:
 
 def default_api_key() -> str | None:
     return os.environ.get("BARGEIN_API_KEY") or None
+
+
+def add_precision_argument(p: argparse.ArgumentParser) -> None:
+    """``--precision exact|fast`` (default: the engine's)."""
+    from bargein.config import PRECISIONS, EngineConfig
+
+    p.add_argument("--precision", default=EngineConfig.precision, choices=PRECISIONS,
+                   help="exact: float32 with float32 K/V, the reference's numbers; fast: int8 activations on the "
+                        "4-/8-bit weights and float16 K/V, every token's result independent of the batch "
+                        "(CPU with a C compiler; otherwise exact) (default: %(default)s)")
 
 
 def server_root(url: str) -> str:

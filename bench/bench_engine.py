@@ -449,6 +449,8 @@ def bench_before_after(before: str, levels: tuple[int, ...], seconds: float, rou
 # -- main ----------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--precision", choices=["exact", "fast"], default=EngineConfig.precision,
+                        help="the engine's precision mode (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (default 256; quick 16)")
     parser.add_argument("--level-budget", type=float, default=None,
                         help="seconds one concurrency level may run (default 120; quick 5)")
@@ -468,7 +470,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cancels = args.cancels or (8 if quick else 24)
     levels = (1, 4, 16, 32)
 
-    load_s, engine = timed(lambda: Engine.from_pretrained(args.model, progress=False))
+    config = EngineConfig(precision=args.precision)
+    load_s, engine = timed(lambda: Engine.from_pretrained(args.model, config, progress=False))
     info = machine_info()
     print(f"loaded {engine.model_name} in {load_s:.1f}s; torch threads {info['torch_threads']}, "
           f"load average {info.get('loadavg_1m')}", flush=True)
@@ -500,7 +503,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cont: list[dict[str, Any]] = []
     if "continue" in sections_wanted:
         cold = Engine(engine.runner.stages, engine.tokenizer,
-                      EngineConfig(cache=CacheConfig(memory_bytes=96 * 1024**2)), model_name=engine.model_name)
+                      EngineConfig(cache=CacheConfig(memory_bytes=96 * 1024**2), precision=args.precision),
+                      model_name=engine.model_name)
         cont = [bench_continue(engine, cold, prompt_tokens, cancel_after=8 if quick else 16)]
         if not quick:  # the mid-prefill case costs two more long prefills
             cont.append(bench_continue(engine, cold, prompt_tokens, cancel_after=None))
@@ -509,6 +513,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     llama = (bench_llama_cpp(engine, args.model, info["torch_threads"], levels, max_tokens, budget)
              if "llama" in sections_wanted else [])
     info["loadavg_1m_end"] = machine_info().get("loadavg_1m")
+    for row in throughput:  # same-run ratios: ours over llama.cpp's aggregate tokens/s
+        theirs = next((r for r in llama if r.get("concurrency") == row["concurrency"]), None)
+        if theirs is not None:
+            row["vs_llama_cpp"] = row["aggregate_tok_s"] / theirs["aggregate_tok_s"]
 
     targets: dict[str, Any] = {}
     at32 = next((r for r in throughput if r["concurrency"] == 32), None)
@@ -530,7 +538,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             targets[f"tok_s_after_vs_before_{row['streams']}_streams"] = {
                 "target": 1.0, "measured": row["after_vs_before"], "met": row["after_vs_before"] >= 1.0}
     result = {
-        "benchmark": "engine", "model": engine.model_name, "quick": quick, "load_s": load_s,
+        "benchmark": "engine", "model": engine.model_name, "precision": args.precision, "quick": quick,
+        "load_s": load_s,
         "throughput": throughput, "cancel": cancel, "continue_after_cancel": cont, "llama_cpp": llama,
         "output_cost": output_cost, "before_after": compare,
         "targets": targets, "machine": info, "seconds": time.perf_counter() - started + load_s,
@@ -544,7 +553,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"Throughput ({max_tokens} greedy tokens per request, ignore_eos; decode_tok_s = steps with every "
             "request decoding; median_step_tok_s = median over those steps)",
             format_table(throughput, ["concurrency", "generated", "wall_s", "aggregate_tok_s", "decode_tok_s",
-                                      "median_step_tok_s", "ttft_ms_median", "ttft_ms_p99", "truncated"])))
+                                      "median_step_tok_s", "ttft_ms_median", "ttft_ms_p99", "truncated",
+                                      "vs_llama_cpp"])))
     if cancel:
         cancel_rows = [
             {"measured by": "abort() -> cancelled output (here)", "median_ms": cancel["latency_ms_median"],
@@ -578,7 +588,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          "(each tree in its own process; the level is kept full)",
                          format_table(compare["summary"])))
     sections.append(("Targets (issues 3 and 9)", format_table(target_rows)))
-    emit(f"bargein engine benchmark ({engine.model_name})", sections, result, args.json)
+    emit(f"bargein engine benchmark ({engine.model_name}, precision {args.precision})", sections, result, args.json)
     return result
 
 

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import apply_threads, base_parser, emit, format_table, machine_info, median, timed  # noqa: E402
 
 from bargein import Engine
+from bargein.config import EngineConfig
 from bargein.engine.plan import ScheduledChunk, StepPlan
 
 
@@ -209,8 +210,35 @@ def _row(name: str, batch: int, context: int, tokens_per_forward: int, times: li
     return row
 
 
+def bench_llama_cpp_prefill(engine: Engine, model_ref: str | None, prompt_len: int, threads: int,
+                            repeats: int) -> dict[str, Any] | None:
+    """llama.cpp evaluating the same prompt in one call (``Llama.eval`` of prompt_len
+    tokens on a fresh context), where llama-cpp-python is installed; else None."""
+    try:
+        import llama_cpp  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    from bargein.loader import resolve_model_ref
+
+    llm = llama_cpp.Llama(str(resolve_model_ref(model_ref).path), n_ctx=2 * prompt_len, n_batch=prompt_len,
+                          n_ubatch=prompt_len, n_threads=threads, n_threads_batch=threads, verbose=False)
+    ids = PlanMaker(engine).prefill(prompt_len).chunks[0].token_ids
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        t0 = time.perf_counter()
+        llm.eval(list(ids))
+        times.append(time.perf_counter() - t0)
+    t = median(times[1:])
+    return {"case": f"llama.cpp prefill {prompt_len}", "batch": 1, "context": prompt_len, "forward_ms": t * 1e3,
+            "tok_s": prompt_len / t, "repeats": repeats, "llama_cpp_version": getattr(llama_cpp, "__version__", "?")}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--precision", choices=["exact", "fast"], default=EngineConfig.precision,
+                        help="the engine's precision mode (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--context", type=int, default=256, help="context length of the decode cases")
     parser.add_argument("--case-budget", type=float, default=None,
@@ -222,7 +250,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     prefill_repeats, decode_steps = (2, 4) if quick else (3, 16)
     budget = args.case_budget or (8.0 if quick else 30.0)
 
-    load_s, engine = timed(lambda: Engine.from_pretrained(args.model, progress=False))
+    load_s, engine = timed(lambda: Engine.from_pretrained(args.model, EngineConfig(precision=args.precision),
+                                                          progress=False))
     dense = None if args.no_dense else DenseModel(engine, args.model)
     info = machine_info()
     print(f"loaded {engine.model_name} in {load_s:.1f}s; torch threads {info['torch_threads']}, "
@@ -235,6 +264,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for batch in (1, 8, 32):
         rows.append(bench_decode(engine, dense, batch, args.context, decode_steps, budget))
         print(f"  {rows[-1]['case']}: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
+    llama = bench_llama_cpp_prefill(engine, args.model, args.prompt_len, info["torch_threads"], prefill_repeats)
+    if llama is not None:
+        print(f"  {llama['case']}: {llama['tok_s']:.0f} tok/s", flush=True)
+        rows[0]["vs_llama_cpp"] = rows[0]["tok_s"] / llama["tok_s"]
 
     orientation = {"prefill 512": 1000.0, "decode x1": 35.0, "decode x32": 450.0}
     for row in rows:
@@ -246,18 +279,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": engine.model_name,
         "quick": quick,
         "load_s": load_s,
+        "precision": args.precision,
         "prefill_tok_s": rows[0]["tok_s"],
         "decode_tok_s": {str(r["batch"]): r["tok_s"] for r in rows[1:]},
         "cases": rows,
+        "llama_cpp_prefill": llama,
         "machine": info,
         "seconds": time.perf_counter() - started + load_s,
     }
     columns = ["case", "batch", "context", "forward_ms", "tok_s", "target_tok_s"]
     if dense is not None:
         columns += ["dense_tok_s", "vs_dense"]
-    emit(f"bargein model benchmark ({engine.model_name}, load {load_s:.1f}s)",
+    if llama is not None:
+        columns.append("vs_llama_cpp")
+    emit(f"bargein model benchmark ({engine.model_name}, precision {args.precision}, load {load_s:.1f}s)",
          [("Runner forward (median over repeats; vs_dense = our speed / plain PyTorch speed, "
-           "measured interleaved)", format_table(rows, columns))],
+           "measured interleaved; vs_llama_cpp = our prefill speed / llama.cpp's in this run)",
+           format_table(rows + ([llama] if llama else []), columns))],
          result, args.json)
     return result
 

@@ -146,8 +146,8 @@ def test_engine_answers_are_the_same_with_and_without_native_kernels(tmp_path: P
     spec = TinySpec()
     path = write_gguf(tmp_path / "tiny-q4_1.gguf", spec, tiny_weights(spec), tensor_type="Q4_1")
     cache = CacheConfig(block_size=4, num_blocks=64)
-    native = Engine.from_pretrained(str(path), EngineConfig(cache=cache), progress=False)
-    plain = Engine.from_pretrained(str(path), EngineConfig(cache=cache, native_kernels=False), progress=False)
+    native = Engine.from_pretrained(str(path), EngineConfig(cache=cache, precision="exact"), progress=False)
+    plain = Engine.from_pretrained(str(path), EngineConfig(cache=cache, native_kernels=False, precision="exact"), progress=False)
     assert native.runner.stages[0].layers[0].feed_forward.w13.blocks is not None
     assert plain.runner.stages[0].layers[0].feed_forward.w13.blocks is None
     prompts = [[5, 17, 42], [99, 3, 250, 7, 61], [8]]

@@ -67,6 +67,26 @@ def test_user_mistakes_are_one_line(capsys, tmp_path):
     assert exit_info.value.code == 2
 
 
+def test_precision_flag_reaches_the_engine_config_and_is_checked(capsys, monkeypatch):
+    import bargein
+
+    seen = []
+
+    def fake_from_pretrained(ref, config=None, **kwargs):
+        seen.append(config.precision)
+        raise FileNotFoundError("no model in this test")
+
+    monkeypatch.setattr(bargein.Engine, "from_pretrained", staticmethod(fake_from_pretrained))
+    for precision in ("exact", "fast"):
+        status, _, err = cli(capsys, "run", "hi", "--precision", precision)
+        assert status == 2 and "no model in this test" in err
+    assert seen == ["exact", "fast"]
+    for command in (("run", "hi"), ("serve",)):
+        with pytest.raises(SystemExit) as exit_info:
+            cli(capsys, *command, "--precision", "quick")
+        assert exit_info.value.code == 2 and "invalid choice: 'quick'" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_missing_model_is_one_line_in_a_real_process(tmp_path):
     result = bargein("chat", "--model", str(tmp_path / "nope"))

@@ -36,13 +36,15 @@ TOKENS = st.lists(st.integers(0, 255), min_size=1, max_size=12)
 
 class ConversationMachine(RuleBasedStateMachine):
     conversations = Bundle("conversations")
+    precision = "exact"
 
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
         # A small pool, so preemption and reclaiming idle conversations happen too, and
         # two slots, so answers started together wait for one.
-        core = tiny_engine(num_blocks=24, block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+        core = tiny_engine(num_blocks=24, block_size=4, max_num_batched_tokens=8, max_num_seqs=2,
+                           precision=self.precision)
         self.transitions: list[tuple] = []
         core.scheduler.on_transition = self.transitions.append  # called in the engine thread
         self.engine = AsyncEngine(core).start()
@@ -212,3 +214,17 @@ ConversationMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_conversations = ConversationMachine.TestCase
+
+
+class FastConversationMachine(ConversationMachine):
+    """The same machine in the fast precision (C3 and C5 do not depend on the arithmetic,
+    but its K/V is float16 and its kernels other: fewer examples, the same rules)."""
+
+    precision = "fast"
+
+
+FastConversationMachine.TestCase.settings = settings(
+    max_examples=6, stateful_step_count=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+test_conversations_fast = FastConversationMachine.TestCase

@@ -104,7 +104,7 @@ def test_engine_parts_live_on_the_configured_device() -> None:
 def test_build_model_moves_each_weight_and_keeps_rope_factors_float32() -> None:
     weights = dict(tiny_weights())
     weights["rope_freq_factors"] = torch.ones(TINY.head_dim // 2)
-    model = build_model(TINY, weights, EngineConfig(device=target_device(), dtype="bfloat16"))
+    model = build_model(TINY, weights, EngineConfig(device=target_device(), dtype="bfloat16", precision="exact"))
     assert model.dtype == torch.bfloat16 and model.device.type == resolve_device(target_device()).type
     assert weights["rope_freq_factors"].dtype == torch.float32
     assert weights["layers.0.wq.weight"].dtype == torch.bfloat16  # converted in place, one by one
@@ -114,8 +114,8 @@ def test_build_model_moves_each_weight_and_keeps_rope_factors_float32() -> None:
 
 def test_bf16_logits_and_greedy_tokens_within_tolerance_of_fp32() -> None:
     """Teacher-forced: the fp32 answer fed to both, every position compared."""
-    config32 = EngineConfig(device=target_device(), dtype="float32")
-    config16 = EngineConfig(device=target_device(), dtype="bfloat16")
+    config32 = EngineConfig(device=target_device(), dtype="float32", precision="exact")
+    config16 = EngineConfig(device=target_device(), dtype="bfloat16", precision="exact")
     fp32, bf16 = build_model(TINY, dict(tiny_weights()), config32), build_model(TINY, dict(tiny_weights()), config16)
     engine = tiny_engine(dtype="float32")
     for n in (3, 9, 30):

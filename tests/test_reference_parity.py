@@ -40,7 +40,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_pretrained(None, EngineConfig(cache=CacheConfig(memory_bytes=64 * 1024**2)), progress=False)
+    return Engine.from_pretrained(None, EngineConfig(cache=CacheConfig(memory_bytes=64 * 1024**2), precision="exact"), progress=False)
 
 
 def chat_ids(engine: Engine, messages) -> list[int]:

@@ -23,7 +23,7 @@ from tests.tiny_models import (
 
 SPEC = TinySpec()
 TOKENS = [5, 17, 42, 99, 3, 250, 7, 61, 8, 120, 33]
-CONFIG = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32))
+CONFIG = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32), precision="exact")
 
 
 def _logits(engine: Engine, tokens: list[int]) -> torch.Tensor:

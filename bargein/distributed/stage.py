@@ -114,7 +114,7 @@ class StageWorker:
             raise RuntimeError(f"stage {index}: this node has no copy of the model at {node_path} "
                                f"and the head shipped none")
         max_positions = config.max_model_len or model_config.max_position_embeddings
-        kernels = resolve_kernels(device, native=config.native_kernels)
+        kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
         self.stage = LlamaStage(model_config, weights, layers, max_positions, kernels).to(device)
         self.device = device
         self.caches: list[KVCache] = []

@@ -59,5 +59,5 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, torch.Te
         want = torch.float32 if name == "rope_freq_factors" else dtype
         if tensor.device != device or tensor.dtype != want:
             weights[name] = tensor.to(device=device, dtype=want)
-    kernels = resolve_kernels(device, native=config.native_kernels)
+    kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
     return LlamaStage(model_config, weights, max_positions=max_positions, kernels=kernels).to(device)

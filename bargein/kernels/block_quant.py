@@ -56,6 +56,22 @@ class BlockWeight:
         return (self.qs.float() * self.scales.unsqueeze(-1)).view(n, k)
 
 
+def quantize_8bit(weight: torch.Tensor) -> BlockWeight | None:
+    """``weight`` rounded to 8-bit blocks (llama.cpp's Q8_0: scale = max|w| / 127, one per 32
+    values), for the ``fast`` precision; None when its rows are not made of whole blocks.
+
+    Unlike :func:`recover_blocks` this approximates: each value moves by at most half its
+    block's scale.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK or weight.numel() == 0:
+        return None
+    blocks = weight.detach().reshape(weight.shape[0], -1, BLOCK)
+    scales = blocks.abs().amax(-1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
+    q = (blocks / safe).round_().clamp_(-127, 127).to(torch.int8)
+    return BlockWeight(8, q, scales.contiguous(), None)
+
+
 def recover_blocks(weight: torch.Tensor) -> BlockWeight | None:
     """The 4-bit, else the 8-bit, block form of ``weight``, if it has one exactly; else None."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % BLOCK or weight.numel() == 0:

@@ -32,13 +32,19 @@ from bargein.kernels.block_quant import BlockWeight
 
 log = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c", "block_matmul.c", "parallel.c"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "decode_attention.c", "block_matmul.c", "quant_matmul.c", "attention_f16.c", "rowwise.c", "parallel.c"))
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "simd.h"))
-_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread")
+# -ffp-contract=off: a multiply and an add stay two roundings unless the source asks for a
+# fused one, so the `fast` kernels' instruction-set paths round alike (see quant_matmul.c).
+_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
 # Tried in order until one builds: -march=native is missing on some compilers and CPUs,
 # OpenMP on some compilers (then parallel.c uses a thread pool of its own).
 _VARIANTS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
 _P = ctypes.c_void_p
+_I64, _INT = ctypes.c_int64, ctypes.c_int
+# The int8 matmul's instruction sets, by the number quant_matmul.c knows them by.
+Q8_ISAS = {"c": 0, "avx2": 1, "vnni": 2}
 
 
 class NativeKernelError(RuntimeError):
@@ -50,6 +56,7 @@ class NativeKernels:
 
     def __init__(self, library: ctypes.CDLL, path: Path):
         self.path = path
+        self._library = library
         self._decode = library.bargein_paged_decode_attention
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_P, _P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
@@ -58,14 +65,136 @@ class NativeKernels:
         self._matmul.restype = ctypes.c_int
         self._matmul.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P, ctypes.c_int, ctypes.c_int64, _P,
                                  ctypes.c_int]
+        self._q8_matmul = library.bargein_q8_block_matmul
+        self._q8_matmul.restype = _INT
+        self._q8_matmul.argtypes = [_P, _I64, _I64, _P, _P, _P, _INT, _I64, _P, _INT, _INT]
+        self._q8_isa_available = library.bargein_q8_isa_available
+        self._q8_isa_available.restype = _INT
+        self._q8_isa_available.argtypes = [_INT]
+        self._attention_f16 = library.bargein_paged_attention_f16
+        self._attention_f16.restype = _INT
+        self._attention_f16.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _INT, _INT, _INT, _INT,
+                                        ctypes.c_float, _INT]
+        self._rope_store = library.bargein_rope_store_f16
+        self._rope_store.restype = None
+        self._rope_store.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT]
+        self._rms_norm = library.bargein_rms_norm
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [_P, _P, _P, _I64, _I64, ctypes.c_float, _INT]
+        self._silu_mul = library.bargein_silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_P, _P, _I64, _I64, _INT]
+        self.q8_isa = self._chosen_q8_isa()
+
+    def _chosen_q8_isa(self) -> int:
+        """The int8 instruction set to use here, or the one ``BARGEIN_Q8_ISA`` (c, avx2, vnni) names."""
+        forced = os.environ.get("BARGEIN_Q8_ISA", "").strip().lower()
+        if forced:
+            if forced not in Q8_ISAS or not self.q8_isa_available(forced):
+                raise NativeKernelError(f"BARGEIN_Q8_ISA={forced!r}: choose one of "
+                                        f"{', '.join(n for n in Q8_ISAS if self.q8_isa_available(n))}")
+            return Q8_ISAS[forced]
+        # AVX2 before VNNI: faster on the Zen 4 measured (see quant_matmul.c); VNNI when forced.
+        return next(Q8_ISAS[n] for n in ("avx2", "c") if self.q8_isa_available(n))
+
+    def q8_isa_available(self, name: str) -> bool:
+        """Whether this CPU runs the int8 matmul's ``name`` path (c, avx2 or vnni)."""
+        return bool(self._q8_isa_available(Q8_ISAS[name]))
+
+    def q8_block_matmul(self, x: torch.Tensor, weight: BlockWeight, num_threads: int,
+                        isa: str | None = None) -> torch.Tensor:
+        """``x @ W.T`` with x quantized to int8 per block of 32 (see quant_matmul.c).
+
+        x (m, k) contiguous float32 on the CPU. Row r of the result depends on row r of x
+        and the weight only: not on m, the thread count or ``isa`` (default: the best here).
+        """
+        n, k = weight.shape
+        _check_rows(x, k)
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        mins = weight.mins.data_ptr() if weight.mins is not None else None
+        status = self._q8_matmul(x.data_ptr(), x.shape[0], k, weight.qs.data_ptr(), weight.scales.data_ptr(), mins,
+                                 weight.bits, n, y.data_ptr(), num_threads,
+                                 self.q8_isa if isa is None else Q8_ISAS[isa])
+        if status == -2:
+            raise NativeKernelError(f"this CPU has no {isa} instructions")
+        if status:
+            raise NativeKernelError("the int8 matmul kernel could not allocate its scratch memory")
+        return y
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int) -> torch.Tensor:
+        """RMS norm of each row of x (m, n) times weight (n,); each row by the same code."""
+        _check_rows(x, weight.shape[0])
+        if weight.dtype != torch.float32 or not weight.is_contiguous():
+            raise NativeKernelError("the norm weight must be a contiguous float32 tensor")
+        y = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], eps, num_threads)
+        return y
+
+    def silu_mul(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """``silu(a) * b`` for x (m, 2n) = [a | b]; returns (m, n); each row by the same code."""
+        _check_rows(x, x.shape[1] if x.dim() == 2 and x.shape[1] % 2 == 0 else -1)
+        y = torch.empty((x.shape[0], x.shape[1] // 2), dtype=torch.float32)
+        self._silu_mul(x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1] // 2, num_threads)
+        return y
+
+    def rope_store_f16(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_threads: int) -> torch.Tensor:
+        """Rotates each token's query and key of qkv (T, (H + 2 KVH) D) by its angles cos, sin
+        (T, D), writes key and value to the float16 caches at ``slot_mapping`` (T,) and
+        returns the queries (T, H, D) float32. Token by token, by the same code."""
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        t = qkv.shape[0]
+        _check_rows(qkv, (num_heads + 2 * num_kv_heads) * head_dim)
+        if any(a.dtype != torch.float32 or not a.is_contiguous() or a.shape[0] != t or a.numel() != t * head_dim
+               for a in (cos, sin)):
+            raise NativeKernelError("cos and sin must be contiguous float32, one row of head_dim per token")
+        if any(c.dtype != torch.float16 or not c.is_contiguous() or c.device.type != "cpu" for c in (k_cache, v_cache)) \
+                or v_cache.shape != k_cache.shape:
+            raise NativeKernelError("the caches must be contiguous float16 CPU tensors of one shape")
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (t,) or not slot_mapping.is_contiguous():
+            raise NativeKernelError("one int64 slot per token is needed")
+        if t and not 0 <= int(slot_mapping.min()) <= int(slot_mapping.max()) < num_blocks * block_size:
+            raise NativeKernelError("a slot lies outside the cache")
+        q = torch.empty((t, num_heads, head_dim), dtype=torch.float32)
+        self._rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slot_mapping.data_ptr(), k_cache.data_ptr(),
+                         v_cache.data_ptr(), q.data_ptr(), t, num_heads, num_kv_heads, head_dim, num_threads)
+        return q
+
+    def paged_attention_f16(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_seq: torch.Tensor, query_ctx: torch.Tensor,
+                            scale: float, num_threads: int) -> torch.Tensor:
+        """Each query (T, H, D) float32 over its sequence's first ``query_ctx`` positions of the
+        float16 caches (num_blocks, block_size, KVH, D), found through ``block_tables[query_seq]``.
+
+        The caller guarantees what is too costly to check per layer: every ``query_ctx`` is at
+        least 1 and within the table row (``AttentionMetadata.build`` checks this once per step).
+        A query's result depends on nothing but its own inputs (see attention_f16.c).
+        """
+        num_queries, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        if q.dtype != torch.float32 or not q.is_contiguous() or q.device.type != "cpu":
+            raise NativeKernelError("q must be a contiguous float32 CPU tensor")
+        if any(c.dtype != torch.float16 or not c.is_contiguous() or c.device.type != "cpu" for c in (k_cache, v_cache)):
+            raise NativeKernelError("the caches must be contiguous float16 CPU tensors")
+        if v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+            raise NativeKernelError(f"shapes do not fit: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}")
+        index = (block_tables, query_seq, query_ctx)
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index) \
+                or query_seq.shape != (num_queries,) or query_ctx.shape != (num_queries,):
+            raise NativeKernelError("one int64 sequence index and context length per query are needed")
+        out = torch.empty_like(q)
+        status = self._attention_f16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                                     block_tables.shape[1], query_seq.data_ptr(), query_ctx.data_ptr(),
+                                     out.data_ptr(), num_queries, num_heads, num_kv_heads, head_dim, block_size,
+                                     scale, num_threads)
+        if status:
+            raise NativeKernelError("the float16 attention kernel could not allocate its scratch memory")
+        return out
 
     def block_matmul(self, x: torch.Tensor, weight: BlockWeight, num_threads: int) -> torch.Tensor:
         """``x @ W.T`` for x (m, k) contiguous float32 on the CPU and W block-quantized (n, k)."""
         n, k = weight.shape
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() != 2:
-            raise NativeKernelError("x must be a contiguous 2-D float32 CPU tensor")
-        if x.shape[1] != k:
-            raise NativeKernelError(f"x has {x.shape[1]} columns; the weight takes {k}")
+        _check_rows(x, k)
         y = torch.empty((x.shape[0], n), dtype=torch.float32)
         mins = weight.mins.data_ptr() if weight.mins is not None else None
         status = self._matmul(x.data_ptr(), x.shape[0], k, weight.qs.data_ptr(), weight.scales.data_ptr(), mins,
@@ -104,6 +233,13 @@ class NativeKernels:
         if status:
             raise NativeKernelError("the decode attention kernel could not allocate its scratch memory")
         return out
+
+
+def _check_rows(x: torch.Tensor, k: int) -> None:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous() or x.dim() != 2:
+        raise NativeKernelError("x must be a contiguous 2-D float32 CPU tensor")
+    if x.shape[1] != k:
+        raise NativeKernelError(f"x has {x.shape[1]} columns; {k} are needed")
 
 
 def cache_dir() -> Path:

@@ -8,17 +8,30 @@ where the tensors fit its contract (float32 on the CPU) and PyTorch's otherwise.
 
 CUDA (or any device but the CPU) always gets PyTorch's paths: the native kernels are
 CPU code.
+
+Precision. ``exact`` computes in float32 from the stored weights, as the reference does.
+``fast`` (CPU with native kernels only) quantizes activations to int8 per block of 32 for
+the weights held in 4-/8-bit blocks (quant_matmul.c), keeps K/V in float16, and runs the
+norms, the gated activation and attention through native row-wise kernels, so that a
+token's result depends on nothing but its own row: not on how many rows share the
+forward, nor on the thread count. Without the native kernels (no C compiler) or off the
+CPU, ``fast`` runs as ``exact`` after one logged warning.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from bargein.kernels.block_quant import BlockWeight, recover_blocks
+from bargein.config import PRECISIONS
+from bargein.kernels.block_quant import BlockWeight, quantize_8bit, recover_blocks
 from bargein.kernels.native import NativeKernels, load_native_kernels
+
+log = logging.getLogger(__name__)
+
 
 # Forwards of at most this many rows read block-quantized weights through the native
 # matmul; beyond it the packed float32 matmul wins (see bargein.model.linear).
@@ -27,22 +40,77 @@ BLOCK_KERNEL_MAX_ROWS = 12
 
 @dataclass(frozen=True)
 class KernelSet:
-    """Operations with a native and a PyTorch path. ``native`` is None for PyTorch only."""
+    """Operations with a native and a PyTorch path. ``native`` is None for PyTorch only.
+
+    ``fast`` is set only together with ``native`` (see :func:`resolve_kernels`).
+    """
 
     native: NativeKernels | None = None
+    fast: bool = False
+
+    @property
+    def precision(self) -> str:
+        return "fast" if self.fast else "exact"
 
     def block_form(self, weight: torch.Tensor) -> BlockWeight | None:
-        """The compact Q4/Q8 form of ``weight`` worth keeping for :meth:`block_linear`, or None."""
+        """The compact Q4/Q8 form of ``weight`` worth keeping for :meth:`block_linear`, or None.
+
+        ``exact`` keeps only a form that rebuilds the weight exactly; ``fast`` also
+        quantizes any other weight to 8-bit blocks (llama.cpp's Q8_0), so that every
+        matmul of the fast forward runs the batch-invariant int8 kernel.
+        """
         if self.native is None or weight.device.type != "cpu":
             return None
-        return recover_blocks(weight)
+        blocks = recover_blocks(weight)
+        if blocks is None and self.fast:
+            blocks = quantize_8bit(weight)
+            if blocks is None:
+                log.warning("fast precision: a %s weight is not made of whole blocks of 32 values; its matmul "
+                            "runs in float32 and is not guaranteed batch-invariant", tuple(weight.shape))
+        return blocks
 
     def block_linear(self, x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor | None:
-        """``x @ W.T`` from the block form, where the native kernel is the faster path; else None."""
-        if self.native is None or x.shape[0] > BLOCK_KERNEL_MAX_ROWS or x.dtype != torch.float32 \
-                or x.device.type != "cpu" or x.dim() != 2:
+        """``x @ W.T`` from the block form, where the native kernel is the path to take; else None.
+
+        ``fast``: always, with int8 activations. ``exact``: for at most
+        :data:`BLOCK_KERNEL_MAX_ROWS` rows, where reading the compact weight wins.
+        """
+        if self.native is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+            return None
+        if self.fast:
+            return self.native.q8_block_matmul(x.contiguous(), blocks, torch.get_num_threads())
+        if x.shape[0] > BLOCK_KERNEL_MAX_ROWS:
             return None
         return self.native.block_matmul(x.contiguous(), blocks, torch.get_num_threads())
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """The row-wise native RMS norm in ``fast`` (float32 CPU rows); else None."""
+        if not self.fast or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+            return None
+        return self.native.rms_norm(x.contiguous(), weight, eps, torch.get_num_threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of x = [gate | up] by the row-wise native kernel in ``fast``; else None."""
+        if not self.fast or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.dim() != 2:
+            return None
+        return self.native.silu_mul(gate_up.contiguous(), torch.get_num_threads())
+
+    @property
+    def kv_dtype(self) -> torch.dtype | None:
+        """The K/V cache's dtype this set asks for (float16 in ``fast``), or None: the model's."""
+        return torch.float16 if self.fast else None
+
+    def token_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        block_tables: torch.Tensor, token_seq: torch.Tensor,
+                        token_context: torch.Tensor) -> torch.Tensor:
+        """``fast``: RoPE on the fused qkv (T, (H + 2 KVH) D), K/V stored as float16, then every
+        query on its own over its keys (attention_f16.c); returns (T, H, D)."""
+        assert self.native is not None and self.fast
+        threads = torch.get_num_threads()
+        q = self.native.rope_store_f16(qkv.contiguous(), cos, sin, slot_mapping, k_cache, v_cache, num_heads, threads)
+        return self.native.paged_attention_f16(q, k_cache, v_cache, block_tables, token_seq, token_context,
+                                               q.shape[-1] ** -0.5, threads)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -80,9 +148,24 @@ def gathered_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 TORCH_KERNELS = KernelSet()
 
 
-def resolve_kernels(device: torch.device | str, *, native: bool = True) -> KernelSet:
+def resolve_kernels(device: torch.device | str, *, native: bool = True, precision: str = "exact",
+                    dtype: torch.dtype = torch.float32) -> KernelSet:
     """The kernels for a model on ``device``: native ones on the CPU where asked for and
-    available (built on first use, else None with one logged reason), PyTorch's elsewhere."""
-    if not native or torch.device(device).type != "cpu":
-        return TORCH_KERNELS
-    return KernelSet(load_native_kernels())
+    available (built on first use, else None with one logged reason), PyTorch's elsewhere.
+
+    ``precision="fast"`` needs the native kernels and a float32 model on the CPU; without
+    them the set is ``exact``, with one warning saying why.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    kernels = KernelSet(load_native_kernels()) if native and on_cpu else TORCH_KERNELS
+    if precision == "fast":
+        why = ("the device is not the CPU" if not on_cpu else "native kernels are off" if not native
+               else "the native kernels are unavailable (see above)" if kernels.native is None
+               else f"the model's dtype is {str(dtype).removeprefix('torch.')}, not float32"
+               if dtype != torch.float32 else None)
+        if why is None:
+            return KernelSet(kernels.native, fast=True)
+        log.warning("precision 'fast' needs the native CPU kernels and a float32 model, but %s; running 'exact'", why)
+    return kernels

@@ -12,11 +12,15 @@ single token (decodes) are attended in one batch through the model's
 where it fits (float32 on the CPU), else by PyTorch over a padded gather of their
 blocks (any device and dtype). Longer ones (prompt chunks) are attended one at a time, since
 padding a 500-token chunk to the batch would waste more than the loop costs.
+
+In the ``fast`` precision (float16 caches) every token, of a prompt chunk or a decode,
+attends on its own through one native kernel, so that its result never depends on what
+else shares the forward (see ``bargein/kernels/attention_f16.c``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +66,10 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # (Bd,) int64
     decode_mask: torch.Tensor  # (Bd, 1, 1, nb * block_size) float: 0 where a key is visible, -inf past it
     block_size: int
+    # Per token: its sequence (row of block_tables) and how many positions it sees (its
+    # position + 1). Built by ``build``; the fast precision's attention reads them.
+    token_seq: torch.Tensor | None = field(default=None)  # (T,) int64
+    token_context: torch.Tensor | None = field(default=None)  # (T,) int64
 
     @property
     def num_tokens(self) -> int:
@@ -80,16 +88,20 @@ class AttentionMetadata:
               block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
         """Derives the slot mapping and decode grouping from per-sequence block tables."""
         slots: list[int] = []
+        token_seq: list[int] = []
+        token_ctx: list[int] = []
         decode_index: list[int] = []
         decode_tables: list[list[int]] = []
         decode_ctx: list[int] = []
         start = 0
-        for table, q_len, ctx in zip(block_tables, query_lens, context_lens, strict=True):
+        for seq, (table, q_len, ctx) in enumerate(zip(block_tables, query_lens, context_lens, strict=True)):
             if not 1 <= q_len <= ctx <= len(table) * block_size:
                 raise ValueError(f"a sequence of {ctx} tokens ({q_len} new) cannot use a table of "
                                  f"{len(table)} blocks of {block_size}")
             for pos in range(ctx - q_len, ctx):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
+            token_seq.extend([seq] * q_len)
+            token_ctx.extend(range(ctx - q_len + 1, ctx + 1))
             if q_len == 1:
                 decode_index.append(start)
                 decode_tables.append(table[: (ctx + block_size - 1) // block_size])
@@ -120,7 +132,20 @@ class AttentionMetadata:
             decode_context_lens=as_tensor(decode_ctx),
             decode_mask=mask[:, None, None, :],
             block_size=block_size,
+            token_seq=as_tensor(token_seq),
+            token_context=as_tensor(token_ctx),
         )
+
+
+def fast_paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, cache: KVCache,
+                         meta: AttentionMetadata, kernels: KernelSet) -> torch.Tensor:
+    """The fast precision's attention for the fused, not yet rotated qkv (T, (H + 2 KVH) D):
+    rotates q and k, writes K/V (float16) and attends each token on its own; (T, H, D)."""
+    if meta.token_seq is None or meta.token_context is None:
+        raise ValueError("the fast precision's attention needs AttentionMetadata.build's per-token fields")
+    return kernels.token_attention(qkv, cos.view(qkv.shape[0], -1), sin.view(qkv.shape[0], -1), num_heads,
+                                   cache.k, cache.v, meta.slot_mapping, meta.block_tables, meta.token_seq,
+                                   meta.token_context)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,

@@ -13,6 +13,9 @@ forwards of at most :data:`~bargein.kernels.ops.BLOCK_KERNEL_MAX_ROWS` rows read
 sequences is bound by reading the weights, which are then 3.6-5.3x fewer bytes (measured
 on 2 AVX2 cores over every linear of SmolLM2-135M, against the packed float32 matmul:
 2.5x as fast at 1 row, 1.7x at 8, 1.16x at 12, even at 16 and 0.72x at 32 rows).
+
+In the ``fast`` precision every forward, of any number of rows, reads the block form with
+int8 activations (see :mod:`bargein.kernels.ops`), so no float32 copy is kept beside it.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed: torch.Tensor | None = None
         self.weight: nn.Parameter | None = nn.Parameter(weight, requires_grad=False)
-        if pack and _onednn_available(weight):
+        if kernels.fast and self.blocks is not None:
+            self.weight = None  # the fast forward reads the blocks only, for any number of rows
+        elif pack and _onednn_available(weight):
             self.packed = _try_pack(weight, self.bias)
             if self.packed is not None:
                 self.weight = None  # the packed copy is all the forward needs
@@ -55,7 +60,7 @@ class Linear(nn.Module):
         if self.packed is not None and x.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.weight is None:
-            raise RuntimeError("this layer was packed for float32 CPU inputs only")
+            raise RuntimeError("this layer holds its weight for float32 CPU inputs only")
         return F.linear(x, self.weight, self.bias)
 
 

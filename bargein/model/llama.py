@@ -20,7 +20,12 @@ from torch import nn
 
 from bargein.config import ModelConfig
 from bargein.kernels.ops import TORCH_KERNELS, KernelSet
-from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
+from bargein.model.attention import (
+    AttentionMetadata,
+    KVCache,
+    fast_paged_attention,
+    paged_attention,
+)
 from bargein.model.linear import Linear
 from bargein.model.rope import RotaryEmbedding, apply_rotary
 
@@ -28,13 +33,16 @@ Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the forward's tokens
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    def __init__(self, weight: torch.Tensor, eps: float, kernels: KernelSet = TORCH_KERNELS):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
         self.shape = (weight.shape[0],)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self.kernels.rms_norm(x, self.weight, self.eps)) is not None:
+            return y  # fast: each row by the same native code, whatever the batch
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         # Normalise in fp32 whatever the model's dtype, then scale, as the reference does.
@@ -58,6 +66,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.wqkv(x)  # (T, q_size + 2 * kv_size)
+        if self.kernels.fast:  # RoPE, the K/V write and attention in two native calls, token by token
+            out = fast_paged_attention(qkv, *rotary, self.num_heads, cache, meta, self.kernels)
+            return self.wo(out.view(t, q_size))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
@@ -72,9 +83,13 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = Linear(torch.cat([w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"]]), kernels=kernels)
         self.w2 = Linear(w[f"{prefix}.w2.weight"], kernels=kernels)
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate_up = self.w13(x)  # (T, 2 * intermediate)
+        if (h := self.kernels.silu_mul(gate_up)) is not None:
+            return self.w2(h)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -83,9 +98,9 @@ class TransformerBlock(nn.Module):
                  kernels: KernelSet):
         super().__init__()
         prefix = f"layers.{layer}"
-        self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm.weight"], config.rms_norm_eps)
+        self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm.weight"], config.rms_norm_eps, kernels)
         self.attention = Attention(config, w, prefix, kernels)
-        self.ffn_norm = RMSNorm(w[f"{prefix}.ffn_norm.weight"], config.rms_norm_eps)
+        self.ffn_norm = RMSNorm(w[f"{prefix}.ffn_norm.weight"], config.rms_norm_eps, kernels)
         self.feed_forward = FeedForward(w, prefix, kernels)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -119,11 +134,12 @@ class LlamaStage(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config, weights, i, kernels) for i in range(start, end))
         self.norm = self.lm_head = None
         if self.is_last:
-            self.norm = RMSNorm(weights["norm.weight"], config.rms_norm_eps)
+            self.norm = RMSNorm(weights["norm.weight"], config.rms_norm_eps, kernels)
             head = weights["embed.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
             self.lm_head = Linear(head, kernels=kernels)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings,
                                     weights.get("rope_freq_factors"))
+        self.kernels = kernels
 
     @property
     def num_layers(self) -> int:
@@ -141,10 +157,15 @@ class LlamaStage(nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The K/V cache's dtype: float16 in the fast precision, the model's dtype otherwise."""
+        return self.kernels.kv_dtype or self.dtype
+
     def make_kv_caches(self, num_blocks: int, block_size: int) -> list[KVCache]:
         device = self.device
         return [KVCache.empty(num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim,
-                              self.dtype, device) for _ in range(self.num_layers)]
+                              self.kv_dtype, device) for _ in range(self.num_layers)]
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -161,5 +182,5 @@ class LlamaStage(nn.Module):
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Memory one block of this stage's K/V takes, over all its layers."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.num_layers * block_size * self.config.num_kv_heads * self.config.head_dim * elem

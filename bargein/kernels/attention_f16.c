@@ -1,0 +1,285 @@
+/*
+ * Paged attention over a float16 KV cache, for the `fast` precision: every query token of
+ * a forward (prompt chunks and decodes alike) attends on its own, by the same code.
+ *
+ * Contract (checked by the Python caller, bargein/kernels/native.py):
+ *   q            (num_queries, num_heads, head_dim) float32, contiguous
+ *   k_cache      (num_blocks, block_size, num_kv_heads, head_dim) float16 bits; v_cache alike
+ *   block_tables (num_seqs, table_width) int64; row i names sequence i's blocks in order
+ *   query_seq    (num_queries,) int64: the block-table row of each query
+ *   query_ctx    (num_queries,) int64: a query at position p attends to positions 0..p, so p + 1
+ *   out          (num_queries, num_heads, head_dim) float32, written in full
+ * Query head h reads KV head h / (num_heads / num_kv_heads).
+ *
+ * Why one kernel for every query: a token's output then depends only on its query, its
+ * context length and the cached keys and values, never on how many other queries share
+ * the call, how the threads share them out, or whether the token came in a prompt chunk
+ * or as a decode. A decode step and a prefill of the same tokens write and read the same
+ * K/V and get the same numbers, bit for bit, which the cancellation contract (C4) needs
+ * in this mode. Queries are shared out among threads whole.
+ *
+ * Returns 0, or -1 when scratch memory could not be had.
+ *
+ * bargein_rope_store_f16 prepares what the attention reads, one token at a time by the
+ * same code (so a token's K/V never depends on its neighbours): it rotates the token's
+ * query and key by its RoPE angles ("rotate half" layout, cos and sin given per token),
+ * writes the query out as float32 and the key and value into the caches as float16,
+ * rounded to nearest even (as torch's conversion rounds).
+ */
+#include "parallel.h"
+#include "simd.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const float *q;
+    const uint16_t *k_cache, *v_cache;
+    const int64_t *block_tables, *query_seq, *query_ctx;
+    float *out;
+    int64_t num_queries, table_width, max_context;
+    int num_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+    const int64_t *tile_starts; /* tile i: queries [tile_starts[i], tile_starts[i + 1]) */
+    int64_t num_tiles;
+    atomic_llong next; /* the next tile a thread may take */
+} f16_batch_t;
+
+#define QUERY_TILE 8 /* queries of one sequence sharing each widened key and value row */
+
+/* IEEE half to float, exactly, for machines without F16C. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        exp = 113;
+        while (!(mant & 0x400)) {
+            mant <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Float to IEEE half, rounded to nearest even, for machines without F16C. */
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000);
+    const uint32_t abs = x & 0x7FFFFFFFu;
+    if (abs >= 0x7F800000u) return sign | 0x7C00 | (abs > 0x7F800000u ? 0x200 : 0); /* inf, nan */
+    if (abs >= 0x477FF000u) return sign | 0x7C00;                                   /* rounds past 65504 */
+    if (abs < 0x38800000u) {                                                        /* below 2^-14: subnormal */
+        if (abs < 0x33000000u) return sign;                                         /* below half of 2^-24 */
+        const uint32_t mant = (abs & 0x7FFFFF) | 0x800000, shift = 126 - (abs >> 23);
+        uint32_t h = mant >> shift;
+        const uint32_t rest = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1))) h++;
+        return sign | (uint16_t)h;
+    }
+    uint32_t h = ((abs >> 13) - (112u << 10));
+    const uint32_t rest = abs & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;
+    return sign | (uint16_t)h;
+}
+
+/* n halves to floats (conversion is exact, so any path gives the same values). */
+static inline void widen_row(const uint16_t *src, float *dst, int n) {
+    int i = 0;
+#if defined(BARGEIN_AVX2) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = half_to_float(src[i]);
+}
+
+/* <a, b> over n floats in a fixed order: eight lanes, then the lanes' tree. */
+static inline float dot(const float *a, const float *b, int n) {
+    int i = 0;
+    float total = 0.0f;
+#ifdef BARGEIN_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    total = hsum256(acc);
+#endif
+    for (; i < n; i++) total += a[i] * b[i];
+    return total;
+}
+
+/* Turns a row of scores into exp(s - max) in place; returns 1 / their sum. */
+static float softmax_row(float *s, int64_t ctx) {
+    float m = s[0];
+    for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+    int64_t t = 0;
+#ifdef BARGEIN_AVX2
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; t + 8 <= ctx; t += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+        _mm256_storeu_ps(s + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hsum256(vsum);
+#endif
+    for (; t < ctx; t++) {
+        s[t] = expf(s[t] - m);
+        sum += s[t];
+    }
+    return 1.0f / sum;
+}
+
+/* A tile of up to QUERY_TILE consecutive queries of one sequence, each attended exactly as
+ * it would be alone: the tile only shares the widening of each key and value row to
+ * float32 among the queries that see it. scores is (tile, heads, max_context) scratch,
+ * acc (tile, heads, head_dim). */
+static void attend_tile(const f16_batch_t *b, int64_t first, int n, float *scores, float *row, float *acc) {
+    const int n_heads = b->num_heads, n_kv = b->num_kv_heads, d_len = b->head_dim, group = n_heads / n_kv;
+    const int64_t row_len = (int64_t)n_kv * d_len, cap = b->max_context, per_q = (int64_t)n_heads * d_len;
+    const int64_t *table = b->block_tables + b->query_seq[first] * b->table_width;
+    int64_t longest = 0;
+    for (int i = 0; i < n; i++) longest = b->query_ctx[first + i] > longest ? b->query_ctx[first + i] : longest;
+    for (int64_t t = 0; t < longest; t++) {
+        const int64_t slot = table[t / b->block_size] * b->block_size + t % b->block_size;
+        widen_row(b->k_cache + slot * row_len, row, (int)row_len);
+        for (int i = 0; i < n; i++) {
+            const int64_t ctx = b->query_ctx[first + i];
+            if (t >= ctx) continue;
+            const float *q = b->q + (first + i) * per_q;
+            float *s = scores + (int64_t)i * n_heads * cap;
+            for (int h = 0; h < n_heads; h++)
+                s[(int64_t)h * ctx + t] = dot(q + (int64_t)h * d_len, row + (int64_t)(h / group) * d_len, d_len) * b->scale;
+        }
+    }
+    float inv[QUERY_TILE][n_heads];
+    for (int i = 0; i < n; i++) {
+        const int64_t ctx = b->query_ctx[first + i];
+        for (int h = 0; h < n_heads; h++) inv[i][h] = softmax_row(scores + (int64_t)i * n_heads * cap + (int64_t)h * ctx, ctx);
+    }
+    for (int64_t i = 0; i < n * per_q; i++) acc[i] = 0.0f;
+    for (int64_t t = 0; t < longest; t++) {
+        const int64_t slot = table[t / b->block_size] * b->block_size + t % b->block_size;
+        widen_row(b->v_cache + slot * row_len, row, (int)row_len);
+        for (int i = 0; i < n; i++) {
+            const int64_t ctx = b->query_ctx[first + i];
+            if (t >= ctx) continue;
+            const float *s = scores + (int64_t)i * n_heads * cap;
+            for (int h = 0; h < n_heads; h++) {
+                const float *v = row + (int64_t)(h / group) * d_len, w = s[(int64_t)h * ctx + t];
+                float *a = acc + i * per_q + (int64_t)h * d_len;
+                int d = 0;
+#ifdef BARGEIN_AVX2
+                const __m256 vw = _mm256_set1_ps(w);
+                for (; d + 8 <= d_len; d += 8)
+                    _mm256_storeu_ps(a + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + d), _mm256_loadu_ps(a + d)));
+#endif
+                for (; d < d_len; d++) a[d] += w * v[d];
+            }
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        float *out = b->out + (first + i) * per_q;
+        for (int h = 0; h < n_heads; h++)
+            for (int d = 0; d < d_len; d++)
+                out[(int64_t)h * d_len + d] = acc[i * per_q + (int64_t)h * d_len + d] * inv[i][h];
+    }
+}
+
+/* Takes tiles until none is left; one short of scratch memory takes none. */
+static void run_worker(void *arg, int index, int count) {
+    (void)index;
+    (void)count;
+    f16_batch_t *b = (f16_batch_t *)arg;
+    const int64_t cap = b->max_context > 0 ? b->max_context : 1;
+    float *scores = malloc(sizeof(float) * QUERY_TILE * (size_t)b->num_heads * (size_t)cap);
+    float *row = malloc(sizeof(float) * (size_t)b->num_kv_heads * (size_t)b->head_dim);
+    float *acc = malloc(sizeof(float) * QUERY_TILE * (size_t)b->num_heads * (size_t)b->head_dim);
+    if (scores && row && acc)
+        for (int64_t tile; (tile = atomic_fetch_add(&b->next, 1)) < b->num_tiles;)
+            attend_tile(b, b->tile_starts[tile], (int)(b->tile_starts[tile + 1] - b->tile_starts[tile]), scores, row,
+                        acc);
+    free(scores);
+    free(row);
+    free(acc);
+}
+
+int bargein_paged_attention_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                const int64_t *block_tables, int64_t table_width, const int64_t *query_seq,
+                                const int64_t *query_ctx, float *out, int64_t num_queries, int num_heads,
+                                int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+    int64_t *tile_starts = malloc(sizeof(int64_t) * (size_t)(num_queries + 1));
+    if (!tile_starts) return -1;
+    int64_t num_tiles = 0;
+    for (int64_t i = 0; i < num_queries; i++)
+        if (i == 0 || query_seq[i] != query_seq[i - 1] || i - tile_starts[num_tiles - 1] == QUERY_TILE)
+            tile_starts[num_tiles++] = i;
+    tile_starts[num_tiles] = num_queries;
+    if (num_threads > num_tiles) num_threads = (int)num_tiles;
+    f16_batch_t batch = {q, k_cache, v_cache, block_tables, query_seq, query_ctx, out, num_queries, table_width, 0,
+                         num_heads, num_kv_heads, head_dim, block_size, scale, tile_starts, num_tiles, 0};
+    for (int64_t i = 0; i < num_queries; i++)
+        batch.max_context = query_ctx[i] > batch.max_context ? query_ctx[i] : batch.max_context;
+    bargein_parallel_run(run_worker, &batch, num_threads);
+    const int failed = atomic_load(&batch.next) < num_tiles;
+    free(tile_starts);
+    return failed ? -1 : 0;
+}
+
+typedef struct {
+    const float *qkv, *cos, *sin;
+    const int64_t *slots;
+    uint16_t *k_cache, *v_cache;
+    float *q_out;
+    int64_t num_tokens;
+    int num_heads, num_kv_heads, head_dim;
+} rope_job_t;
+
+/* x rotated by the angles: out[i] = x[i] cos[i] - x[i + half] sin[i] (first half),
+ * x[i] cos[i] + x[i - half] sin[i] (second half), each a product, a product and a sum. */
+static inline void rotate(const float *x, const float *cos, const float *sin, int d, float *out) {
+    const int half = d / 2;
+    for (int i = 0; i < half; i++) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+    for (int i = half; i < d; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+static void store_halves(const float *src, uint16_t *dst, int n) {
+    int i = 0;
+#if defined(BARGEIN_AVX2) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) dst[i] = float_to_half(src[i]);
+}
+
+static void rope_store_tokens(void *arg, int index, int count) {
+    const rope_job_t *job = (const rope_job_t *)arg;
+    const int d = job->head_dim, h = job->num_heads, kvh = job->num_kv_heads;
+    const int64_t width = (int64_t)(h + 2 * kvh) * d, kv_row = (int64_t)kvh * d;
+    float key[kv_row > 0 ? kv_row : 1];
+    for (int64_t t = job->num_tokens * index / count; t < job->num_tokens * (index + 1) / count; t++) {
+        const float *row = job->qkv + t * width, *cos = job->cos + t * d, *sin = job->sin + t * d;
+        for (int i = 0; i < h; i++) rotate(row + (int64_t)i * d, cos, sin, d, job->q_out + (t * h + i) * d);
+        for (int i = 0; i < kvh; i++) rotate(row + (int64_t)(h + i) * d, cos, sin, d, key + (int64_t)i * d);
+        store_halves(key, job->k_cache + job->slots[t] * kv_row, (int)kv_row);
+        store_halves(row + (int64_t)(h + kvh) * d, job->v_cache + job->slots[t] * kv_row, (int)kv_row);
+    }
+}
+
+void bargein_rope_store_f16(const float *qkv, const float *cos, const float *sin, const int64_t *slots,
+                            uint16_t *k_cache, uint16_t *v_cache, float *q_out, int64_t num_tokens, int num_heads,
+                            int num_kv_heads, int head_dim, int num_threads) {
+    rope_job_t job = {qkv, cos, sin, slots, k_cache, v_cache, q_out, num_tokens, num_heads, num_kv_heads, head_dim};
+    const int64_t useful = num_tokens / 16 > 1 ? num_tokens / 16 : 1;
+    bargein_parallel_run(rope_store_tokens, &job, (int)(useful < num_threads ? useful : num_threads));
+}

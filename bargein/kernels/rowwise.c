@@ -1,0 +1,86 @@
+/*
+ * Row-wise operations of the `fast` precision whose every row is computed by the same
+ * code in the same order, whatever the number of rows or threads (PyTorch's reductions
+ * and vectorised transcendental functions may split a row differently with the shape).
+ *
+ *   rms norm:  y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, x and y (m, n)
+ *   silu mul:  y[r, i] = silu(a[r, i]) * b[r, i], a and b the two halves of x[r] (m, 2n),
+ *              y (m, n): the gate and up projections fused in one matmul output
+ *
+ * Rows are shared out among threads whole. Float32, contiguous.
+ */
+#include "parallel.h"
+#include "simd.h"
+
+#include <math.h>
+#include <stdint.h>
+
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t m, n;
+    float eps;
+} rows_t;
+
+static void rms_norm_rows(void *arg, int index, int count) {
+    const rows_t *job = (const rows_t *)arg;
+    const int64_t n = job->n;
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        const float *x = job->x + r * n;
+        float *y = job->y + r * n;
+        int64_t i = 0;
+        float sum = 0.0f;
+#ifdef BARGEIN_AVX2
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        sum = hsum256(acc);
+#endif
+        for (; i < n; i++) sum += x[i] * x[i];
+        const float inv = 1.0f / sqrtf(sum / (float)n + job->eps);
+        for (i = 0; i < n; i++) y[i] = x[i] * inv * job->w[i];
+    }
+}
+
+static inline float silu(float a) { return a / (1.0f + expf(-a)); }
+
+static void silu_mul_rows(void *arg, int index, int count) {
+    const rows_t *job = (const rows_t *)arg;
+    const int64_t n = job->n;
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        const float *a = job->x + r * 2 * n, *b = a + n;
+        float *y = job->y + r * n;
+        int64_t i = 0;
+#ifdef BARGEIN_AVX2
+        /* silu(a) = a / (1 + e^-a) for a >= 0, a e^a / (1 + e^a) below: exp of -|a| only. */
+        const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 va = _mm256_loadu_ps(a + i);
+            const __m256 e = exp256(_mm256_or_ps(va, sign)); /* e^-|a| */
+            const __m256 neg = _mm256_cmp_ps(va, _mm256_setzero_ps(), _CMP_LT_OQ);
+            const __m256 num = _mm256_blendv_ps(va, _mm256_mul_ps(va, e), neg);
+            const __m256 s = _mm256_div_ps(num, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(b + i)));
+        }
+#endif
+        for (; i < n; i++) y[i] = silu(a[i]) * b[i];
+    }
+}
+
+static int row_threads(int64_t m, int num_threads) {
+    /* A row is a few microseconds of work: waking threads pays only for many rows. */
+    const int64_t useful = m / 8;
+    return (int)(useful < num_threads ? (useful > 1 ? useful : 1) : num_threads);
+}
+
+void bargein_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t n, float eps, int num_threads) {
+    rows_t job = {x, w, y, m, n, eps};
+    bargein_parallel_run(rms_norm_rows, &job, row_threads(m, num_threads));
+}
+
+void bargein_silu_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads) {
+    rows_t job = {x, 0, y, m, n, 0.0f};
+    bargein_parallel_run(silu_mul_rows, &job, row_threads(m, num_threads));
+}

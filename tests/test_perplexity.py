@@ -1,0 +1,35 @@
+"""The fast precision's quality on the bundled model: perplexity within 1% of exact's.
+
+2,048 tokens of public-domain text (tests/data/public_domain.txt: Lincoln's Gettysburg
+Address and Second Inaugural, the Declaration of Independence), scored in eight windows
+of 256 tokens by both modes (about 4,000 token-forwards: under a minute on 2 cores, more
+when the machine is shared, hence the longer timeout). Tolerance: fast's perplexity
+within 1% of exact's, and the two agree on the most likely next token at 90% of
+positions or more. Run with ``-s`` to see the numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.perplexity import bundled_engines, score, text_ids
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+NUM_TOKENS = 2048
+WINDOW = 256
+
+
+def test_fast_perplexity_is_within_one_percent_of_exact() -> None:
+    exact_engine, fast_engine = bundled_engines(("exact", "fast"))
+    ids = text_ids(exact_engine, NUM_TOKENS)
+    exact = score(exact_engine, ids, WINDOW)
+    if not fast_engine.runner.stages[0].kernels.fast:
+        pytest.skip("no native kernels here: fast runs as exact")
+    fast = score(fast_engine, ids, WINDOW)
+    agreement = (fast.top1 == exact.top1).double().mean().item()
+    ratio = fast.perplexity / exact.perplexity
+    print(f"\nperplexity over {len(exact.nll)} tokens in windows of {WINDOW}: exact {exact.perplexity:.4f}, fast {fast.perplexity:.4f} "
+          f"(ratio {ratio:.5f}); top-1 agreement {agreement:.4f}")
+    assert 5 < exact.perplexity < 100  # the text is English the model knows: not noise, not memorised
+    assert abs(ratio - 1) <= 0.01
+    assert agreement >= 0.90
