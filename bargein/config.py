@@ -136,6 +136,11 @@ class EngineConfig:
     # Our C kernels (bargein/kernels), built on first use where a C compiler is found;
     # float32 CPU only. False, or BARGEIN_NATIVE_KERNELS=0, keeps to PyTorch's own.
     native_kernels: bool = True
+    # Weights a GGUF holds in Q4_1/Q8_0 blocks are read from those blocks by every forward
+    # (the native block matmul; float32 arithmetic). True also keeps a float32 copy of each
+    # (oneDNN-packed), which forwards of more than a few rows read instead: faster batches
+    # and prefill, at 4-6x the weights' memory.
+    fp32_weights: bool = False
     # CUDA only: replay decode-only steps from CUDA graphs captured per batch size.
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = CUDA_GRAPH_BATCH_SIZES

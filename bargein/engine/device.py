@@ -14,7 +14,9 @@ from collections.abc import MutableMapping
 import torch
 
 from bargein.config import EngineConfig, ModelConfig
+from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.ops import resolve_kernels
+from bargein.model.block_weights import Weight
 from bargein.model.llama import LlamaStage
 
 
@@ -44,20 +46,29 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def build_model(model_config: ModelConfig, weights: MutableMapping[str, torch.Tensor], config: EngineConfig,
+def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight], config: EngineConfig,
                 *, max_positions: int | None = None) -> LlamaStage:
     """The whole model on ``config``'s device and dtype, with its kernels resolved once.
 
-    Tensors not yet there are moved one at a time and dropped from ``weights`` as they
-    go, so a CPU copy of the whole model never sits beside the device copy.
+    Weights held in blocks (a GGUF's Q4_1/Q8_0, see ``load_weights(blocks=True)``) stay
+    in blocks where the native kernels read them (a float32 CPU model), with a float32 copy
+    only if ``config.fp32_weights``; elsewhere each is dequantized to the model's dtype.
+    Tensors not yet where they belong are moved one at a time, and every weight is dropped
+    from ``weights`` as the model takes it, so no second copy of the model sits in memory.
     """
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    kernels = resolve_kernels(device, native=config.native_kernels)
+    reads_blocks = kernels.native is not None and device.type == "cpu" and dtype == torch.float32
     for name in list(weights):
         tensor = weights[name]
         # RoPE frequency factors stay float32: they set the angles, not the activations.
         want = torch.float32 if name == "rope_freq_factors" else dtype
-        if tensor.device != device or tensor.dtype != want:
+        if isinstance(tensor, BlockWeight):
+            if not reads_blocks:
+                weights[name] = tensor.dequantize().to(device=device, dtype=want)
+        elif tensor.device != device or tensor.dtype != want:
             weights[name] = tensor.to(device=device, dtype=want)
-    kernels = resolve_kernels(device, native=config.native_kernels)
-    return LlamaStage(model_config, weights, max_positions=max_positions, kernels=kernels).to(device)
+    model = LlamaStage(model_config, weights, max_positions=max_positions, kernels=kernels,
+                       fp32_weights=config.fp32_weights, consume=True)
+    return model.to(device)

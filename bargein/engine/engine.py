@@ -129,8 +129,10 @@ class Engine:
             return cls(runner, load_tokenizer(source), config, model_name=source.name)
         device = resolve_device(config.device)
         # Each tensor goes to the device as it is read: no whole-model copy in host memory.
+        # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model
+        # dequantizes them where nothing reads blocks).
         weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
-                               progress=progress)
+                               progress=progress, blocks=device.type == "cpu")
         max_len = config.max_model_len or model_config.max_position_embeddings
         model = build_model(model_config, weights, config, max_positions=max_len)
         return cls(model, load_tokenizer(source), config, model_name=source.name)

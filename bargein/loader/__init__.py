@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from bargein.config import ModelConfig
+from bargein.kernels.block_quant import BlockWeight
 from bargein.loader.errors import (
     ChatTemplateError,
     CorruptModelError,
@@ -109,8 +110,13 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: bool = True,
-) -> dict[str, torch.Tensor]:
+    blocks: bool = False,
+) -> dict[str, torch.Tensor | BlockWeight]:
     """Canonical weights for layers [start, end) (all layers when None), as ``dtype`` on ``device``.
+
+    With ``blocks``, a GGUF's Q4_1 and Q8_0 matrices come back as they are stored, as
+    :class:`~bargein.kernels.block_quant.BlockWeight` on the CPU (``dtype`` and ``device``
+    do not apply to them), read straight from the file's bytes; nothing else changes.
 
     Each tensor is read, converted and moved to ``device`` before the next is read, so
     host memory holds one tensor at a time, never a float32 copy of the whole model
@@ -121,11 +127,14 @@ def load_weights(
     end == num_layers. ``rope_freq_factors`` is included when the file has it. A tqdm bar
     on stderr shows progress unless ``progress`` is False.
     """
-    load = load_gguf_weights if source.kind == "gguf" else load_hf_weights
     check_layer_range(config, layer_range)  # the caller's mistake (ValueError), not the file's
     with _malformed_is_corrupt(source, "weights"):
-        weights = load(source.path, config, layer_range=layer_range, dtype=dtype, device=torch.device(device),
-                       progress=progress)
+        if source.kind == "gguf":
+            weights = load_gguf_weights(source.path, config, layer_range=layer_range, dtype=dtype,
+                                        device=torch.device(device), progress=progress, blocks=blocks)
+        else:
+            weights = dict(load_hf_weights(source.path, config, layer_range=layer_range, dtype=dtype,
+                                           device=torch.device(device), progress=progress))
     for name, tensor in weights.items():
         shape = expected_shape(config, name)
         if shape is not None and tuple(tensor.shape) != shape:

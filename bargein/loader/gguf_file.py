@@ -1,6 +1,11 @@
 """GGUF files: config from metadata, canonical weights from tensors.
 
-Reading goes through gguf.GGUFReader; dequantization through bargein.loader.dequant.
+Metadata is parsed by gguf.GGUFReader (over a memory map); tensor bytes are read with
+``os.pread``, one tensor at a time, into memory of our own: pages of a memory map that were
+read stay in the process's resident set (and its peak) for as long as the map lives, pages
+read through the page cache do not. Q4_1 and Q8_0 matrices can come back as they are stored,
+in blocks (:class:`~bargein.kernels.block_quant.BlockWeight`, no float32 pass); everything
+else is dequantized through bargein.loader.dequant, tensor by tensor.
 llama.cpp stores Q/K of the ``llama`` architecture in an interleaved RoPE layout; it is
 put back into the Hugging Face "rotate_half" layout here, so the model sees one layout.
 """
@@ -8,6 +13,7 @@ put back into the Hugging Face "rotate_half" layout here, so the model sees one 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +25,15 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, R
 from tqdm import tqdm
 
 from bargein.config import ModelConfig
+from bargein.kernels.block_quant import BLOCK, BlockWeight
 from bargein.loader.dequant import SUPPORTED_TYPES, dequantize
 from bargein.loader.errors import CorruptModelError, UnsupportedModelError
 from bargein.loader.names import check_layer_range, wanted_tensors
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
+# The types whose blocks BlockWeight holds as they are: (bits, bytes before the quants).
+# Q4_1: d (f16), m (f16), 16 bytes of nibbles; Q8_0: d (f16), 32 int8.
+BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # Architectures whose Q/K llama.cpp's converter permuted (qwen2 keeps the HF layout).
 PERMUTED_ARCHS = ("llama",)
 
@@ -91,8 +101,8 @@ class GGUFFile:
             return None
         return [float(field.parts[i][0]) for i in field.data]
 
-    def tensor(self, name: str, shape_hint: str = "") -> torch.Tensor:
-        """Dequantized float32 tensor in torch shape (GGUF lists dims innermost first)."""
+    def info(self, name: str, shape_hint: str = "") -> ReaderTensor:
+        """A tensor's header, checked: present, of a type we read, all its bytes in the file."""
         info = self.tensors.get(name)
         if info is None:
             raise CorruptModelError(f"{self.path}: tensor {name!r} is missing{shape_hint}")
@@ -102,13 +112,61 @@ class GGUFFile:
                 f"{self.path}: tensor {name!r} has type {qtype.name}, which bargein cannot "
                 f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
             )
-        shape = tuple(int(d) for d in reversed(info.shape.tolist()))
         if info.data.nbytes != int(info.n_bytes):
             raise CorruptModelError(
                 f"{self.path}: tensor {name!r} is truncated ({info.data.nbytes} of "
                 f"{int(info.n_bytes)} bytes present)"
             )
-        return dequantize(info.data, qtype, shape)
+        return info
+
+    def raw(self, info: ReaderTensor) -> np.ndarray:
+        """The tensor's bytes, read (not mapped) into a new uint8 array."""
+        out = np.empty(int(info.n_bytes), dtype=np.uint8)
+        view, done = memoryview(out), 0
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while done < out.nbytes:
+                got = os.preadv(fd, [view[done:]], int(info.data_offset) + done)
+                if got <= 0:
+                    raise CorruptModelError(f"{self.path}: tensor {info.name!r} is truncated")
+                done += got
+        finally:
+            os.close(fd)
+        return out
+
+    def tensor(self, name: str, shape_hint: str = "") -> torch.Tensor:
+        """Dequantized float32 tensor in torch shape (GGUF lists dims innermost first)."""
+        info = self.info(name, shape_hint)
+        qtype = GGMLQuantizationType(info.tensor_type)
+        raw = self.raw(info)
+        if qtype == GGMLQuantizationType.F32:
+            raw = raw.view(np.float32)
+        elif qtype == GGMLQuantizationType.F16:
+            raw = raw.view(np.float16)
+        return dequantize(raw, qtype, _torch_shape(info))
+
+    def blocks(self, name: str) -> BlockWeight | None:
+        """A Q4_1 or Q8_0 matrix as its stored blocks (None for any other type or shape).
+
+        ``BlockWeight.dequantize()`` of the answer equals :meth:`tensor` bit for bit: both
+        compute ``d * q + m`` (``d * q``) in float32 from the same float16 d and m.
+        """
+        info = self.info(name)
+        bits = BLOCK_TYPES.get(GGMLQuantizationType(info.tensor_type))
+        shape = _torch_shape(info)
+        if bits is None or len(shape) != 2 or shape[1] % BLOCK:
+            return None
+        rows, num_blocks = shape[0], shape[1] // BLOCK
+        raw = torch.from_numpy(self.raw(info)).view(rows, num_blocks, -1)
+        scales = raw[..., 0:2].contiguous().view(torch.float16).float().view(rows, num_blocks)
+        if bits == 4:
+            mins = raw[..., 2:4].contiguous().view(torch.float16).float().view(rows, num_blocks)
+            return BlockWeight(4, raw[..., 4:].contiguous(), scales, mins)
+        return BlockWeight(8, raw[..., 2:].contiguous().view(torch.int8), scales, None)
+
+
+def _torch_shape(info: ReaderTensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(info.shape.tolist()))
 
 
 def _check_array_of(field: ReaderField, item: GGUFValueType, path: Path) -> None:
@@ -173,11 +231,24 @@ def read_gguf_config(path: Path, name: str) -> ModelConfig:
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Invert llama.cpp's ``w.reshape(n, 2, d // n // 2, *rest).swapaxes(1, 2)``.
 
-    Works for weights (out, in) and biases (out,): rows of each head go from interleaved
-    pairs (x0, y0, x1, y1, ...) back to halves (x0, x1, ..., y0, y1, ...).
+    Works for weights (out, in), biases (out,) and any tensor with one row per output
+    (a BlockWeight's parts): rows of each head go from interleaved pairs (x0, y0, x1, y1,
+    ...) back to halves (x0, x1, ..., y0, y1, ...).
     """
     rest = w.shape[1:]
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def unpermute_qk_blocks(w: BlockWeight, n_heads: int) -> BlockWeight:
+    """:func:`unpermute_qk` of a block-held weight: blocks run along a row, so moving whole
+    rows (quants, scales and mins alike) is the same permutation."""
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else unpermute_qk(t, n_heads).contiguous()
+
+    return BlockWeight(w.bits, rows(w.qs), rows(w.scales), rows(w.mins))
+
+
+Weight = torch.Tensor | BlockWeight
 
 
 def load_gguf_weights(
@@ -188,9 +259,11 @@ def load_gguf_weights(
     dtype: torch.dtype,
     device: torch.device,
     progress: bool,
-) -> dict[str, torch.Tensor]:
+    blocks: bool = False,
+) -> dict[str, Weight]:
     """Canonical tensors for layers [start, end) (see bargein.loader.names), each moved to
-    ``device`` as soon as it is dequantized."""
+    ``device`` as soon as it is read. With ``blocks``, Q4_1/Q8_0 matrices stay in their
+    stored blocks (BlockWeight, on the CPU) and are never widened to float32."""
     f = open_gguf(path)
     start, end = check_layer_range(config, layer_range)
     wanted = {
@@ -199,12 +272,19 @@ def load_gguf_weights(
     if "rope_freqs.weight" in f.tensors:
         wanted["rope_freq_factors"] = "rope_freqs.weight"
     arch = f.get("general.architecture")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     for canon, gguf_name in _progress(wanted.items(), len(wanted), config.name, progress):
+        heads = config.num_heads if ".wq." in canon else config.num_kv_heads
+        permuted = arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon)
+        held = f.blocks(gguf_name) if blocks else None
+        if held is not None:
+            weights[canon] = unpermute_qk_blocks(held, heads) if permuted else held
+            continue
         w = f.tensor(gguf_name)
-        if arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon):
-            w = unpermute_qk(w, config.num_heads if ".wq." in canon else config.num_kv_heads)
+        if permuted:
+            w = unpermute_qk(w, heads)
         weights[canon] = w.to(device=device, dtype=torch.float32 if canon == "rope_freq_factors" else dtype)
+        del w  # before the next tensor is read
     return weights
 
 
