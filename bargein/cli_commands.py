@@ -70,6 +70,9 @@ def _add_generation_arguments(p: argparse.ArgumentParser, max_tokens: int) -> No
                        help="ask a bargein server instead, e.g. http://127.0.0.1:8000 (or .../v1)")
     p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
                    help="the server's API key, with --url (default: $BARGEIN_API_KEY)")
+    p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
+                   help="with a model run here: its KV cache holds N tokens, rounded up to whole blocks "
+                        "(default: as many as 512MiB hold)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
                    help="tokens per answer at most (default: %(default)s)")
@@ -113,16 +116,20 @@ def _backend(args: argparse.Namespace):
 
         client = BargeinClient(args.url, args.api_key)
         return RemoteBackend(client, client.model_name())
-    return LocalBackend(_load_async_engine(args.model))
+    return LocalBackend(_load_async_engine(args.model, args.kv_tokens))
 
 
-def _load_async_engine(ref: str | None):
-    from bargein import AsyncEngine, Engine
+def _load_async_engine(ref: str | None, kv_tokens: int | None = None):
+    from bargein import AsyncEngine, CacheConfig, Engine, EngineConfig
     from bargein.loader import LoaderError
 
+    try:
+        config = EngineConfig(cache=CacheConfig(kv_tokens=kv_tokens))
+    except ValueError as exc:
+        raise CommandError(f"--kv-tokens: {exc}", EXIT_USAGE) from None
     print(f"bargein: loading {ref or 'the bundled SmolLM2-135M-Instruct'}", file=sys.stderr, flush=True)
     try:
-        engine = Engine.from_pretrained(ref, progress=sys.stderr.isatty())
+        engine = Engine.from_pretrained(ref, config, progress=sys.stderr.isatty())
     except (LoaderError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
     return AsyncEngine(engine).start()

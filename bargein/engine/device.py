@@ -9,6 +9,8 @@ module's constructor.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 from collections.abc import MutableMapping
 
 import torch
@@ -71,4 +73,14 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
             weights[name] = tensor.to(device=device, dtype=want)
     model = LlamaStage(model_config, weights, max_positions=max_positions, kernels=kernels,
                        fp32_weights=config.fp32_weights, consume=True)
+    release_free_heap()
     return model.to(device)
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). Loading frees many short-lived buffers between long-lived ones (each tensor's
+    raw bytes, the parts of fused weights); glibc keeps that memory mapped, and on
+    SmolLM2-135M it was ~40 MB that would otherwise sit under the KV cache allocated next."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+        ctypes.CDLL(None).malloc_trim(0)

@@ -106,7 +106,7 @@ class Engine:
         stages = [stages] if isinstance(stages, LlamaStage) else list(stages)
         cache = self.config.cache
         bytes_per_block = sum(s.kv_bytes_per_block(cache.block_size) for s in stages)
-        num_blocks = cache.num_blocks or max(_MIN_BLOCKS, cache.memory_bytes // bytes_per_block)
+        num_blocks = cache.counted_blocks or max(_MIN_BLOCKS, cache.memory_bytes // bytes_per_block)
         return ModelRunner(stages, num_blocks, cache.block_size,
                            cuda_graph_batch_sizes=self.config.cuda_graph_batch_sizes
                            if self.config.cuda_graphs else ())
@@ -116,7 +116,13 @@ class Engine:
     def from_pretrained(cls, ref: str | None = None, config: EngineConfig | None = None, *,
                         progress: bool = True) -> Engine:
         """Loads a model reference: None (the bundled SmolLM2), a .gguf file or an HF folder."""
-        from bargein.loader import load_config, load_tokenizer, load_weights, resolve_model_ref
+        from bargein.loader import (
+            close_model_files,
+            load_config,
+            load_tokenizer,
+            load_weights,
+            resolve_model_ref,
+        )
 
         config = config or EngineConfig()
         source = resolve_model_ref(ref)
@@ -135,7 +141,9 @@ class Engine:
                                progress=progress, blocks=device.type == "cpu")
         max_len = config.max_model_len or model_config.max_position_embeddings
         model = build_model(model_config, weights, config, max_positions=max_len)
-        return cls(model, load_tokenizer(source), config, model_name=source.name)
+        tokenizer = load_tokenizer(source)
+        close_model_files()
+        return cls(model, tokenizer, config, model_name=source.name)
 
     @property
     def max_model_len(self) -> int:

@@ -29,7 +29,7 @@ from bargein.loader.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from bargein.loader.gguf_file import load_gguf_weights, read_gguf_config
+from bargein.loader.gguf_file import close_gguf_files, load_gguf_weights, read_gguf_config
 from bargein.loader.hf_folder import load_hf_weights, read_hf_config
 from bargein.loader.names import check_layer_range, expected_shape
 from bargein.loader.source import ModelSource, resolve_model_ref
@@ -44,6 +44,7 @@ __all__ = [
     "ModelSource",
     "Tokenizer",
     "UnsupportedModelError",
+    "close_model_files",
     "load_config",
     "load_tokenizer",
     "load_weights",
@@ -93,6 +94,12 @@ def _check_sizes(config: ModelConfig, source: ModelSource) -> None:
         raise UnsupportedModelError(
             f"{source.path}: a context of {config.max_position_embeddings} positions is more than "
             f"bargein supports ({MAX_POSITIONS})")
+
+
+def close_model_files() -> None:
+    """Drop what is kept of opened model files between the loads of config, weights and
+    tokenizer (a GGUF's parsed metadata); call it once all three are loaded."""
+    close_gguf_files()
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:

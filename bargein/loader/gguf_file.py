@@ -1,9 +1,9 @@
 """GGUF files: config from metadata, canonical weights from tensors.
 
-Metadata is parsed by gguf.GGUFReader (over a memory map); tensor bytes are read with
-``os.pread``, one tensor at a time, into memory of our own: pages of a memory map that were
-read stay in the process's resident set (and its peak) for as long as the map lives, pages
-read through the page cache do not. Q4_1 and Q8_0 matrices can come back as they are stored,
+Metadata is parsed by bargein.loader.gguf_parse (plain Python values, no memory map);
+tensor bytes are read with ``os.pread``, one tensor at a time, into memory of our own:
+pages of a memory map that were read stay in the process's resident set (and its peak) for
+as long as the map lives, pages read through the page cache do not. Q4_1 and Q8_0 matrices can come back as they are stored,
 in blocks (:class:`~bargein.kernels.block_quant.BlockWeight`, no float32 pass); everything
 else is dequantized through bargein.loader.dequant, tensor by tensor.
 llama.cpp stores Q/K of the ``llama`` architecture in an interleaved RoPE layout; it is
@@ -13,7 +13,7 @@ put back into the Hugging Face "rotate_half" layout here, so the model sees one 
 from __future__ import annotations
 
 import functools
-import os
+import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +21,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
+from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BLOCK, BlockWeight
 from bargein.loader.dequant import SUPPORTED_TYPES, dequantize
-from bargein.loader.errors import CorruptModelError, UnsupportedModelError
+from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
+from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
 from bargein.loader.names import check_layer_range, wanted_tensors
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
@@ -38,112 +39,86 @@ BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 PERMUTED_ARCHS = ("llama",)
 
 
-class _Reader(GGUFReader):
-    """GGUFReader that slices a plain ndarray view instead of the np.memmap subclass.
-
-    Same data, same mapping; it avoids memmap's per-slice bookkeeping, which made
-    parsing the 100k tokenizer strings of a small model take seconds.
-    """
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
-        plain = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self._plain = self.data.view(np.ndarray)
-        dt = np.dtype(dtype)
-        count = int(count)
-        arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
-        order = self.byte_order if override_order is None else override_order
-        return arr.view(arr.dtype.newbyteorder(order))
-
-
 class GGUFFile:
-    """An opened GGUF file: metadata fields and tensors by name."""
+    """An opened GGUF file: metadata fields and tensors by name (see bargein.loader.gguf_parse)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.reader = _Reader(path)
-        except Exception as exc:  # gguf raises ValueError/IndexError/... on malformed files
+            parsed = parse_gguf(path)
+        except LoaderError:
+            raise
+        except (ValueError, OverflowError, struct.error) as exc:  # a string that is not UTF-8, say
             raise CorruptModelError(f"{path}: not a readable GGUF file ({exc})") from exc
-        self.tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
+        self.fields: dict[str, Any] = parsed.fields
+        self.tensors: dict[str, TensorInfo] = parsed.tensors
 
     def has(self, key: str) -> bool:
-        return key in self.reader.fields
+        return key in self.fields
 
     def get(self, key: str, default: Any = None) -> Any:
         """A scalar, string or (small) array metadata value; ``default`` when absent."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        if key not in self.fields:
+            return default
+        value = self.fields[key]
+        if isinstance(value, StringArray):
+            return [item.decode("utf-8") for item in value.items]
+        if isinstance(value, np.ndarray):
+            return value.tolist()
+        return value
 
     def require(self, key: str) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
+        if key not in self.fields:
             raise CorruptModelError(f"{self.path}: metadata key {key!r} is missing")
-        return field.contents()
+        return self.get(key)
 
     def strings(self, key: str) -> list[str] | None:
-        """A string-array field, decoded fast (tokenizer vocabularies are large)."""
-        field = self.reader.fields.get(key)
-        if field is None:
+        """A string-array field, decoded (invalid UTF-8 replaced, as in a byte-level vocabulary)."""
+        value = self.fields.get(key)
+        if value is None:
             return None
-        _check_array_of(field, GGUFValueType.STRING, self.path)
-        return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        if not isinstance(value, StringArray):
+            raise CorruptModelError(f"{self.path}: metadata {key!r} is not an array of STRING")
+        return [item.decode("utf-8", errors="replace") for item in value.items]
 
     def ints(self, key: str) -> list[int] | None:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return None
-        return [int(field.parts[i][0]) for i in field.data]
+        return self._numbers(key, int)
 
     def floats(self, key: str) -> list[float] | None:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return None
-        return [float(field.parts[i][0]) for i in field.data]
+        return self._numbers(key, float)
 
-    def info(self, name: str, shape_hint: str = "") -> ReaderTensor:
-        """A tensor's header, checked: present, of a type we read, all its bytes in the file."""
+    def _numbers(self, key: str, kind: type) -> list[Any] | None:
+        value = self.fields.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, np.ndarray):
+            raise CorruptModelError(f"{self.path}: metadata {key!r} is not a numeric array")
+        return [kind(v) for v in value.tolist()]
+
+    def info(self, name: str, shape_hint: str = "") -> TensorInfo:
+        """A tensor's table entry, checked: present, of a type we read, all its bytes in the file."""
         info = self.tensors.get(name)
         if info is None:
             raise CorruptModelError(f"{self.path}: tensor {name!r} is missing{shape_hint}")
-        qtype = GGMLQuantizationType(info.tensor_type)
+        try:
+            qtype = GGMLQuantizationType(info.tensor_type)
+        except ValueError:
+            raise UnsupportedModelError(f"{self.path}: tensor {name!r} has unknown type {info.tensor_type}") from None
         if qtype not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
                 f"{self.path}: tensor {name!r} has type {qtype.name}, which bargein cannot "
                 f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
             )
-        if info.data.nbytes != int(info.n_bytes):
+        if info.present != info.n_bytes:
             raise CorruptModelError(
-                f"{self.path}: tensor {name!r} is truncated ({info.data.nbytes} of "
-                f"{int(info.n_bytes)} bytes present)"
+                f"{self.path}: tensor {name!r} is truncated ({info.present} of {info.n_bytes} bytes present)"
             )
         return info
-
-    def raw(self, info: ReaderTensor) -> np.ndarray:
-        """The tensor's bytes, read (not mapped) into a new uint8 array."""
-        out = np.empty(int(info.n_bytes), dtype=np.uint8)
-        view, done = memoryview(out), 0
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            while done < out.nbytes:
-                got = os.preadv(fd, [view[done:]], int(info.data_offset) + done)
-                if got <= 0:
-                    raise CorruptModelError(f"{self.path}: tensor {info.name!r} is truncated")
-                done += got
-        finally:
-            os.close(fd)
-        return out
 
     def tensor(self, name: str, shape_hint: str = "") -> torch.Tensor:
         """Dequantized float32 tensor in torch shape (GGUF lists dims innermost first)."""
         info = self.info(name, shape_hint)
-        qtype = GGMLQuantizationType(info.tensor_type)
-        raw = self.raw(info)
-        if qtype == GGMLQuantizationType.F32:
-            raw = raw.view(np.float32)
-        elif qtype == GGMLQuantizationType.F16:
-            raw = raw.view(np.float16)
-        return dequantize(raw, qtype, _torch_shape(info))
+        return dequantize(info.data, GGMLQuantizationType(info.tensor_type), info.torch_shape)
 
     def blocks(self, name: str) -> BlockWeight | None:
         """A Q4_1 or Q8_0 matrix as its stored blocks (None for any other type or shape).
@@ -153,25 +128,16 @@ class GGUFFile:
         """
         info = self.info(name)
         bits = BLOCK_TYPES.get(GGMLQuantizationType(info.tensor_type))
-        shape = _torch_shape(info)
+        shape = info.torch_shape
         if bits is None or len(shape) != 2 or shape[1] % BLOCK:
             return None
         rows, num_blocks = shape[0], shape[1] // BLOCK
-        raw = torch.from_numpy(self.raw(info)).view(rows, num_blocks, -1)
+        raw = torch.from_numpy(info.read()).view(rows, num_blocks, -1)
         scales = raw[..., 0:2].contiguous().view(torch.float16).float().view(rows, num_blocks)
         if bits == 4:
             mins = raw[..., 2:4].contiguous().view(torch.float16).float().view(rows, num_blocks)
             return BlockWeight(4, raw[..., 4:].contiguous(), scales, mins)
         return BlockWeight(8, raw[..., 2:].contiguous().view(torch.int8), scales, None)
-
-
-def _torch_shape(info: ReaderTensor) -> tuple[int, ...]:
-    return tuple(int(d) for d in reversed(info.shape.tolist()))
-
-
-def _check_array_of(field: ReaderField, item: GGUFValueType, path: Path) -> None:
-    if field.types[:1] != [GGUFValueType.ARRAY] or field.types[1:2] != [item]:
-        raise CorruptModelError(f"{path}: metadata {field.name!r} is not an array of {item.name}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -183,6 +149,12 @@ def open_gguf(path: Path) -> GGUFFile:
     """Open (or reuse) a GGUF file; config, weights and tokenizer all read the same one."""
     stat = path.stat()
     return _open_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+def close_gguf_files() -> None:
+    """Forget the files :func:`open_gguf` keeps (their metadata: the vocabulary, merges, ...)
+    once everything is read from them."""
+    _open_cached.cache_clear()
 
 
 def read_gguf_config(path: Path, name: str) -> ModelConfig:
