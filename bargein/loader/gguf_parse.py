@@ -158,7 +158,7 @@ def parse_gguf(path: Path) -> ParsedGGUF:
 
 def _parse(c: _Cursor) -> ParsedGGUF:
     if bytes(c.need(4, "the magic")) != MAGIC:
-        raise CorruptModelError(f"{c.path}: not a GGUF file (bad magic)")
+        raise CorruptModelError(f"{c.path}: not a readable GGUF file (no GGUF magic)")
     version = c.unpack("<I", "the version")
     if version not in (2, 3):
         if version & 0xFFFF == 0 and version >> 16 in (2, 3):
