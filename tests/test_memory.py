@@ -250,3 +250,12 @@ def test_loader_peak_is_the_blocks_not_float32(tmp_path: Path) -> None:
     # The blocks, plus one tensor in flight and allocator slack; the float32 model would not fit.
     assert m["grown"] < m["held"] + 4 * 2**20, m
     assert m["grown"] < m["dense"] / 2, m
+
+
+def test_ggml_type_table_matches_the_gguf_package() -> None:
+    from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for qtype in GGMLQuantizationType:
+        theirs = gguf.GGMLQuantizationType[qtype.name]
+        assert theirs.value == qtype.value
+        assert gguf.GGML_QUANT_SIZES[theirs] == GGML_QUANT_SIZES[qtype]

@@ -35,7 +35,7 @@ from typing import Any
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.engine.blocks import BlockPool
-from bargein.engine.device import build_model, resolve_device, resolve_dtype
+from bargein.engine.device import build_model, release_free_heap, resolve_device, resolve_dtype
 from bargein.engine.grammar import Grammars
 from bargein.engine.messages import (
     AbortRequest,
@@ -140,9 +140,12 @@ class Engine:
         weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
                                progress=progress, blocks=device.type == "cpu")
         max_len = config.max_model_len or model_config.max_position_embeddings
+        if config.cache.counted_blocks is not None:  # no sequence outgrows the pool: no position past it
+            max_len = min(max_len, config.cache.counted_blocks * config.cache.block_size)
         model = build_model(model_config, weights, config, max_positions=max_len)
         tokenizer = load_tokenizer(source)
         close_model_files()
+        release_free_heap()  # what parsing the file and building the tokenizer left behind
         return cls(model, tokenizer, config, model_name=source.name)
 
     @property

@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BLOCK, BlockWeight
 from bargein.loader.dequant import SUPPORTED_TYPES, dequantize
 from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
+from bargein.loader.ggml_types import GGMLQuantizationType
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
 from bargein.loader.names import check_layer_range, wanted_tensors
 

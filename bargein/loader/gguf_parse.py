@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from bargein.loader.errors import CorruptModelError, UnsupportedModelError
+from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
