@@ -48,7 +48,7 @@ if args["threads"]:
     torch.set_num_threads(args["threads"])
 from bargein import CacheConfig, Engine, EngineConfig, SamplingParams
 started = time.perf_counter()
-config = EngineConfig(cache=CacheConfig(kv_tokens=args["kv_tokens"]), fp32_weights=args["fp32_weights"])
+config = EngineConfig(cache=CacheConfig(kv_tokens=args["kv_tokens"]), **args["config"])
 engine = Engine.from_pretrained(args["model"], config, progress=False)
 load_s = time.perf_counter() - started
 loaded = peak()
@@ -116,19 +116,27 @@ def _prompt(model: str | None) -> tuple[list[int], str]:
     return ids, str(source.path) if source.kind == "gguf" else ""
 
 
+# bargein's variants measured by default: name -> EngineConfig fields.
+VARIANTS: dict[str, dict[str, Any]] = {"bargein": {}, "bargein (fp32_weights)": {"fp32_weights": True}}
+
+
 def measure_rss(model: str | None = None, kv_tokens: int = 2048, *, threads: int | None = None,
-                modes: tuple[bool, ...] = (False, True)) -> list[dict[str, Any]]:
-    """One row per engine (bargein for each ``fp32_weights`` in ``modes``, then llama.cpp
-    where llama_cpp imports), each with its peak, its import floor and the difference, MB."""
+                variants: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One row per engine (bargein for each of ``variants``, EngineConfig fields by name,
+    then llama.cpp where llama_cpp imports), each with its peak, its import floor and the
+    difference, in MB."""
     prompt, gguf_path = _prompt(model)
     rows = []
     torch_floor = _run(_FLOOR, "torch")["peak_mb"]
-    for fp32_weights in modes:
-        args = {"model": model, "kv_tokens": kv_tokens, "fp32_weights": fp32_weights, "threads": threads,
+    for name, config in (VARIANTS if variants is None else variants).items():
+        args = {"model": model, "kv_tokens": kv_tokens, "config": config, "threads": threads,
                 "prompt": prompt, "answer": ANSWER_TOKENS}
-        got = _run(_BARGEIN, json.dumps(args))
-        rows.append({"engine": "bargein" + (" (fp32_weights)" if fp32_weights else ""), **got,
-                     "floor_mb": torch_floor, "floor": "import torch",
+        try:
+            got = _run(_BARGEIN, json.dumps(args))
+        except RuntimeError as exc:
+            rows.append({"engine": name, "skipped": str(exc)})
+            continue
+        rows.append({"engine": name, **got, "floor_mb": torch_floor, "floor": "import torch",
                      "above_floor_mb": got["peak_mb"] - torch_floor})
     try:
         llama_floor = _run(_FLOOR, "llama_cpp")["peak_mb"]
@@ -144,27 +152,36 @@ def measure_rss(model: str | None = None, kv_tokens: int = 2048, *, threads: int
                  "above_floor_mb": got["peak_mb"] - llama_floor})
     llama = rows[-1]["above_floor_mb"]
     for row in rows[:-1]:
-        row["above_floor_vs_llama_cpp"] = row["above_floor_mb"] / llama
+        if "above_floor_mb" in row:
+            row["above_floor_vs_llama_cpp"] = row["above_floor_mb"] / llama
     return rows
 
 
-RSS_COLUMNS = ["engine", "kv_tokens", "peak_mb", "floor", "floor_mb", "above_floor_mb", "above_floor_vs_llama_cpp",
+RSS_COLUMNS = ["engine", "skipped", "kv_tokens", "peak_mb", "floor", "floor_mb", "above_floor_mb", "above_floor_vs_llama_cpp",
                "after_load_mb", "load_s"]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from common import base_parser, emit, format_table
+    from common import base_parser, emit
 
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--kv-tokens", type=int, default=2048, help="KV capacity of both (default %(default)s)")
     args = parser.parse_args(argv)
     rows = measure_rss(args.model, args.kv_tokens, threads=args.threads)
     result = {"benchmark": "rss", "kv_tokens": args.kv_tokens, "rss": rows}
-    emit("Peak RSS, fresh processes", [(f"Peak RSS after load + one request ({PROMPT_TOKENS} prompt + "
-                                        f"{ANSWER_TOKENS} tokens), KV capacity {args.kv_tokens} tokens",
-                                        format_table(rows, RSS_COLUMNS))], result, args.json)
+    emit("Peak RSS, fresh processes", [rss_section(rows, args.kv_tokens)], result, args.json)
     return result
+
+
+def rss_section(rows: list[dict[str, Any]], kv_tokens: int) -> tuple[str, str]:
+    """The table's title and text, for a benchmark's report."""
+    from common import format_table
+
+    columns = [c for c in RSS_COLUMNS if any(c in r for r in rows)]
+    return (f"Peak RSS after load + one request ({PROMPT_TOKENS} prompt + {ANSWER_TOKENS} tokens), KV capacity "
+            f"{kv_tokens} tokens, each in a fresh process; above_floor = peak - the import floor's peak, MB",
+            format_table(rows, columns))
 
 
 if __name__ == "__main__":
