@@ -35,7 +35,13 @@ from typing import Any
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.engine.blocks import BlockPool
-from bargein.engine.device import build_model, release_free_heap, resolve_device, resolve_dtype
+from bargein.engine.device import (
+    build_model,
+    one_torch_thread,
+    release_free_heap,
+    resolve_device,
+    resolve_dtype,
+)
 from bargein.engine.grammar import Grammars
 from bargein.engine.messages import (
     AbortRequest,
@@ -134,19 +140,20 @@ class Engine:
             runner = PipelineRunner.start(source, model_config, config)
             return cls(runner, load_tokenizer(source), config, model_name=source.name)
         device = resolve_device(config.device)
-        # Each tensor goes to the device as it is read: no whole-model copy in host memory.
-        # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model
-        # dequantizes them where nothing reads blocks).
-        weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
-                               progress=progress, blocks=device.type == "cpu")
         max_len = config.max_model_len or model_config.max_position_embeddings
         if config.cache.counted_blocks is not None:  # no sequence outgrows the pool: no position past it
             max_len = min(max_len, config.cache.counted_blocks * config.cache.block_size)
-        model = build_model(model_config, weights, config, max_positions=max_len)
-        tokenizer = load_tokenizer(source)
-        close_model_files()
-        release_free_heap()  # what parsing the file and building the tokenizer left behind
-        return cls(model, tokenizer, config, model_name=source.name)
+        with one_torch_thread():
+            # Each tensor goes to the device as it is read: no whole-model copy in host memory.
+            # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model
+            # dequantizes them where nothing reads blocks).
+            weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
+                                   progress=progress, blocks=device.type == "cpu")
+            model = build_model(model_config, weights, config, max_positions=max_len)
+            tokenizer = load_tokenizer(source)
+            close_model_files()
+            release_free_heap()  # what parsing the file and building the tokenizer left behind
+            return cls(model, tokenizer, config, model_name=source.name)
 
     @property
     def max_model_len(self) -> int:

@@ -4,8 +4,9 @@ gguf.GGUFReader keeps every metadata array item as a numpy view of a memory map;
 49k-token vocabulary and its merges that is a quarter of a million small arrays (about
 75 MB and most of a second, measured on SmolLM2-135M). Here metadata values become plain
 Python values (string arrays a list of bytes, decoded when asked for) and numeric arrays
-one numpy array each; the file is read once, front to back, up to the tensor data, which
-is left to :meth:`TensorInfo.read` (``os.pread``, one tensor at a time).
+one numpy array each; the header is read once, front to back, through a memory map closed
+at the end; the tensor data is left to :meth:`TensorInfo.read` (``os.pread``, one tensor
+at a time).
 
 Every count and length is checked against the bytes left before anything is allocated
 from it, so a corrupt header is a :class:`CorruptModelError`, never a huge allocation.
@@ -14,6 +15,7 @@ Little-endian files of GGUF versions 2 and 3 are read (what llama.cpp writes).
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -27,7 +29,6 @@ from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
-_HEADER_CHUNK = 1 << 20  # bytes read ahead while parsing the header
 
 # GGUF value types -> struct format of one item (8: string, 9: array)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -97,33 +98,51 @@ class ParsedGGUF:
 
 
 class _Cursor:
-    """Reads the file front to back through a growing buffer; every read is bounds-checked."""
+    """Reads the file front to back over a memory map; every read is bounds-checked. The map
+    is closed when parsing ends, so the header's pages leave the resident set with it."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.file = open(path, "rb")  # noqa: SIM115 - closed by parse_gguf
-        self.size = os.fstat(self.file.fileno()).st_size
-        self.buf = b""
-        self.start = 0  # file offset of buf[0]
-        self.pos = 0  # file offset of the next byte
+        with open(path, "rb") as f:
+            self.size = os.fstat(f.fileno()).st_size
+            if self.size == 0:
+                raise CorruptModelError(f"{path}: not a readable GGUF file (empty)")
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.pos = 0
 
-    def need(self, n: int, what: str) -> memoryview:
+    def close(self) -> None:
+        self.map.close()
+
+    def need(self, n: int, what: str) -> bytes:
         if n < 0 or self.pos + n > self.size:
             raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-        end = self.pos + n
-        if end > self.start + len(self.buf):
-            keep = self.buf[self.pos - self.start:]
-            self.buf = keep + self.file.read(max(n - len(keep), _HEADER_CHUNK))
-            self.start = self.pos
-        view = memoryview(self.buf)[self.pos - self.start:end - self.start]
-        self.pos = end
-        return view
+        start = self.pos
+        self.pos += n
+        return self.map[start:self.pos]
 
     def unpack(self, fmt: str, what: str) -> Any:
         return struct.unpack(fmt, self.need(struct.calcsize(fmt), what))[0]
 
     def string(self, what: str) -> bytes:
-        return bytes(self.need(self.unpack("<Q", what), what))
+        return self.need(self.unpack("<Q", what), what)
+
+    def strings(self, count: int, what: str) -> list[bytes]:
+        """``count`` strings in a row: the hot loop of a vocabulary, kept to local names."""
+        if count * 8 > self.size - self.pos:
+            raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
+        data, pos, size, items = self.map, self.pos, self.size, []
+        length_at = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
+            (n,) = length_at(data, pos)
+            pos += 8
+            if pos + n > size:
+                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
+            items.append(data[pos:pos + n])
+            pos += n
+        self.pos = pos
+        return items
 
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALARS:
@@ -135,11 +154,11 @@ class _Cursor:
         item, count = self.unpack("<I", what), self.unpack("<Q", what)
         if item in _NUMPY:
             width = np.dtype(_NUMPY[item]).itemsize
+            if count * width > self.size - self.pos:
+                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
             return np.frombuffer(self.need(count * width, what), dtype=_NUMPY[item]).copy()
         if item == STRING:
-            if count * 8 > self.size - self.pos:
-                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-            return StringArray([self.string(what) for _ in range(count)])
+            return StringArray(self.strings(count, what))
         if item == ARRAY:  # arrays of arrays: no key llama.cpp writes; read and kept as a list
             if count > self.size - self.pos:
                 raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
@@ -153,7 +172,7 @@ def parse_gguf(path: Path) -> ParsedGGUF:
     try:
         return _parse(cursor)
     finally:
-        cursor.file.close()
+        cursor.close()
 
 
 def _parse(c: _Cursor) -> ParsedGGUF:
