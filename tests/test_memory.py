@@ -259,3 +259,21 @@ def test_ggml_type_table_matches_the_gguf_package() -> None:
         theirs = gguf.GGMLQuantizationType[qtype.name]
         assert theirs.value == qtype.value
         assert gguf.GGML_QUANT_SIZES[theirs] == GGML_QUANT_SIZES[qtype]
+
+
+def test_large_zero_buffers_are_zero_and_resident_only_as_written() -> None:
+    from bargein.model import zeroed
+
+    def resident_mb() -> float:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+    before = resident_mb()
+    cache = zeroed.zeros((1024, 16, 16, 64), torch.float32, "cpu")  # 64 MiB
+    assert cache.shape == (1024, 16, 16, 64) and cache.is_contiguous()
+    assert resident_mb() - before < 16  # mapped, not yet resident
+    assert not cache.any()  # reading maps the shared zero page: still zero, still not resident
+    cache[:512] = 1.0
+    assert resident_mb() - before > 28  # half written: half resident
+    assert int(cache.sum()) == 512 * 16 * 16 * 64
+    small = zeroed.zeros((4, 4), torch.float32, "cpu")
+    assert not small.any()
