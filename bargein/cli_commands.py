@@ -30,7 +30,7 @@ from bargein.cli_common import ClientError, default_api_key, default_url
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-BENCHMARKS = ("model", "engine")
+BENCHMARKS = ("model", "engine", "startup")
 
 
 class CommandError(Exception):
@@ -289,7 +289,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 @_one_line_errors
 def run_bench(args: argparse.Namespace) -> int:
-    """Runs bench/bench_model.py and bench/bench_engine.py in turn; each prints its own table."""
+    """Runs bench/bench_model.py, bench_engine.py and bench_startup.py in turn; each prints its own table."""
     folder = bench_dir()
     names = args.only or list(BENCHMARKS)
     paths = {name: folder / f"bench_{name}.py" for name in names}
