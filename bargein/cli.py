@@ -52,6 +52,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         env = EnvReader(os.environ)
         model = env.str("MODEL", None)
         kv_memory = env.str("KV_MEMORY", "512MiB")
+        kv_tokens = env.int("KV_TOKENS", None)
         max_model_len = env.int("MAX_MODEL_LEN", None)
         max_num_seqs = env.int("MAX_NUM_SEQS", 64)
         max_batched = env.int("MAX_NUM_BATCHED_TOKENS", 512)
@@ -72,8 +73,12 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="cancel any request after S seconds (reason: deadline)")
     p.add_argument("--max-queue", type=int, default=s.max_queue, metavar="N",
                    help="answer 429 when N requests are already in flight")
-    p.add_argument("--kv-memory", default=kv_memory, metavar="SIZE",
-                   help="memory for the KV cache, e.g. 512MiB or 2GB (default: %(default)s)")
+    p.add_argument("--kv-memory", default=None, metavar="SIZE",
+                   help=f"memory for the KV cache, e.g. 512MiB or 2GB (default: {kv_memory})")
+    p.add_argument("--kv-tokens", type=int, default=kv_tokens, metavar="N",
+                   help="size the KV cache by tokens instead: N token slots over all sequences, rounded up to "
+                        "whole blocks of 16 (wins over $BARGEIN_KV_MEMORY; with --kv-memory it is an error)")
+    p.set_defaults(kv_memory_default=kv_memory)
     p.add_argument("--max-model-len", type=int, default=max_model_len, metavar="N",
                    help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, metavar="N",
@@ -148,8 +153,11 @@ def _run_serve(args: argparse.Namespace) -> int:
             **{name: getattr(args, name) for name in LIMIT_FLAGS})
         if args.max_model_len is not None and args.max_model_len < 2:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+        if args.kv_memory is not None and args.kv_tokens is not None:
+            raise SettingsError("--kv-memory and --kv-tokens both size the KV cache; give one of them")
         config = EngineConfig(
-            cache=CacheConfig(memory_bytes=parse_size(args.kv_memory)),
+            cache=CacheConfig(memory_bytes=parse_size(args.kv_memory or args.kv_memory_default),
+                              kv_tokens=args.kv_tokens),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype, precision=args.precision,

@@ -30,7 +30,7 @@ from bargein.cli_common import ClientError, add_precision_argument, default_api_
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-BENCHMARKS = ("model", "engine")
+BENCHMARKS = ("model", "engine", "startup")
 
 
 class CommandError(Exception):
@@ -71,6 +71,9 @@ def _add_generation_arguments(p: argparse.ArgumentParser, max_tokens: int) -> No
     p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
                    help="the server's API key, with --url (default: $BARGEIN_API_KEY)")
     add_precision_argument(p)
+    p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
+                   help="with a model run here: its KV cache holds N tokens, rounded up to whole blocks "
+                        "(default: as many as 512MiB hold)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     p.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
                    help="tokens per answer at most (default: %(default)s)")
@@ -114,17 +117,20 @@ def _backend(args: argparse.Namespace):
 
         client = BargeinClient(args.url, args.api_key)
         return RemoteBackend(client, client.model_name())
-    return LocalBackend(_load_async_engine(args.model, args.precision))
+    return LocalBackend(_load_async_engine(args.model, args.precision, args.kv_tokens))
 
 
-def _load_async_engine(ref: str | None, precision: str):
-    from bargein import AsyncEngine, Engine
-    from bargein.config import EngineConfig
+def _load_async_engine(ref: str | None, precision: str, kv_tokens: int | None = None):
+    from bargein import AsyncEngine, CacheConfig, Engine, EngineConfig
     from bargein.loader import LoaderError
 
+    try:
+        config = EngineConfig(cache=CacheConfig(kv_tokens=kv_tokens), precision=precision)
+    except ValueError as exc:
+        raise CommandError(f"--kv-tokens: {exc}", EXIT_USAGE) from None
     print(f"bargein: loading {ref or 'the bundled SmolLM2-135M-Instruct'}", file=sys.stderr, flush=True)
     try:
-        engine = Engine.from_pretrained(ref, EngineConfig(precision=precision), progress=sys.stderr.isatty())
+        engine = Engine.from_pretrained(ref, config, progress=sys.stderr.isatty())
     except (LoaderError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
     return AsyncEngine(engine).start()
@@ -284,7 +290,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 @_one_line_errors
 def run_bench(args: argparse.Namespace) -> int:
-    """Runs bench/bench_model.py and bench/bench_engine.py in turn; each prints its own table."""
+    """Runs bench/bench_model.py, bench_engine.py and bench_startup.py in turn; each prints its own table."""
     folder = bench_dir()
     names = args.only or list(BENCHMARKS)
     paths = {name: folder / f"bench_{name}.py" for name in names}

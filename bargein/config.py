@@ -52,12 +52,16 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV cache: ``num_blocks`` blocks of ``block_size`` token slots.
 
-    ``num_blocks`` is None to size the pool from ``memory_bytes``.
+    Sized by one of: ``num_blocks``; ``kv_tokens`` (that many token slots, rounded up to
+    whole blocks); else ``memory_bytes`` (as many blocks as fit). A count wins over the
+    byte budget, which then has no effect; ``num_blocks`` and ``kv_tokens`` together are
+    refused.
     """
 
     block_size: int = 16
     memory_bytes: int = 512 * 1024**2
     num_blocks: int | None = None
+    kv_tokens: int | None = None
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -65,6 +69,18 @@ class CacheConfig:
             raise ValueError("block_size must be positive")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
+        if self.kv_tokens is not None and self.kv_tokens <= 0:
+            raise ValueError(f"kv_tokens must be positive, got {self.kv_tokens}")
+        if self.num_blocks is not None and self.kv_tokens is not None:
+            raise ValueError("give num_blocks or kv_tokens, not both: each sets the KV cache's size")
+
+    @property
+    def counted_blocks(self) -> int | None:
+        """The pool's size in blocks where a count sets it (``num_blocks``, or ``kv_tokens``
+        rounded up to whole blocks); None where ``memory_bytes`` does."""
+        if self.kv_tokens is not None:
+            return -(-self.kv_tokens // self.block_size)
+        return self.num_blocks
 
 
 @dataclass(frozen=True)
@@ -166,6 +182,11 @@ class EngineConfig:
     # result independent of the batch and thread count. See bargein.kernels.ops. The
     # default, since its perplexity is within 1% of exact's (+0.3%, tests/test_perplexity.py).
     precision: str = "fast"
+    # Weights a GGUF holds in Q4_1/Q8_0 blocks are read from those blocks by every forward.
+    # True also keeps a float32 copy of each (oneDNN-packed), which forwards of more than a
+    # few rows read instead in ``exact``: faster batches and prefill, at 4-6x the weights'
+    # memory. None: True in ``exact``, False in ``fast`` (which never reads a float32 copy).
+    fp32_weights: bool | None = None
     # CUDA only: replay decode-only steps from CUDA graphs captured per batch size.
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = CUDA_GRAPH_BATCH_SIZES

@@ -62,6 +62,7 @@ from common import (  # noqa: E402
     timed,
 )
 from engine_level import prompt_text as _prompt  # noqa: E402
+from rss import measure_rss, rss_section  # noqa: E402
 
 from bargein import Engine, SamplingParams
 from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -459,8 +460,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="another checkout whose engine to compare throughput with (1 and 32 streams)")
     parser.add_argument("--compare-seconds", type=float, default=25.0, help="seconds per level and round (--before)")
     parser.add_argument("--compare-rounds", type=int, default=3, help="rounds of the before/after comparison")
-    parser.add_argument("--sections", default="throughput,cancel,continue,llama,output,compare",
+    parser.add_argument("--sections", default="rss,throughput,cancel,continue,llama,output,compare",
                         help="which parts to run (comma-separated)")
+    parser.add_argument("--kv-tokens", type=int, default=2048, help="KV capacity of the RSS runs (default %(default)s)")
     args = parser.parse_args(argv)
     sections_wanted = set(args.sections.split(","))
     apply_threads(args.threads)
@@ -470,6 +472,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cancels = args.cancels or (8 if quick else 24)
     levels = (1, 4, 16, 32)
 
+    rss_rows = measure_rss(args.model, args.kv_tokens, threads=args.threads) if "rss" in sections_wanted else []
     config = EngineConfig(precision=args.precision)
     load_s, engine = timed(lambda: Engine.from_pretrained(args.model, config, progress=False))
     info = machine_info()
@@ -533,6 +536,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if output_cost:
         ratio = output_cost[-1]["total_us_per_token"] / output_cost[0]["total_us_per_token"]
         targets["output_cost_at_2000_vs_20"] = {"target": 1.1, "measured": ratio, "met": ratio <= 1.1}
+    rss_vs_llama = next((r["above_floor_vs_llama_cpp"] for r in rss_rows if "above_floor_vs_llama_cpp" in r), None)
+    if rss_vs_llama is not None:  # the first row is the default configuration
+        targets["rss_above_floor_vs_llama_cpp"] = {"target": 1.5, "measured": rss_vs_llama,
+                                                   "met": rss_vs_llama <= 1.5}
     if compare is not None:
         for row in compare["summary"]:
             targets[f"tok_s_after_vs_before_{row['streams']}_streams"] = {
@@ -541,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "engine", "model": engine.model_name, "precision": args.precision, "quick": quick,
         "load_s": load_s,
         "throughput": throughput, "cancel": cancel, "continue_after_cancel": cont, "llama_cpp": llama,
-        "output_cost": output_cost, "before_after": compare,
+        "output_cost": output_cost, "before_after": compare, "rss": rss_rows,
         "targets": targets, "machine": info, "seconds": time.perf_counter() - started + load_s,
     }
 
@@ -587,7 +594,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          f"{compare['rounds']} interleaved rounds of {compare['seconds_per_level']:.0f} s per level "
                          "(each tree in its own process; the level is kept full)",
                          format_table(compare["summary"])))
-    sections.append(("Targets (issues 3 and 9)", format_table(target_rows)))
+    if rss_rows:
+        sections.append(rss_section(rss_rows, args.kv_tokens))
+    sections.append(("Targets (issues 3, 9 and 11)", format_table(target_rows)))
     emit(f"bargein engine benchmark ({engine.model_name}, precision {args.precision})", sections, result, args.json)
     return result
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 # The benchmarks share bench/common.py whether run as scripts or loaded by `bargein bench`.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import apply_threads, base_parser, emit, format_table, machine_info, median, timed  # noqa: E402
+from rss import measure_rss, rss_section  # noqa: E402
 
 from bargein import Engine
 from bargein.config import EngineConfig
@@ -244,12 +245,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--case-budget", type=float, default=None,
                         help="seconds one case may take before it stops repeating (default 30; quick 8)")
     parser.add_argument("--no-dense", action="store_true", help="skip the plain PyTorch yardstick")
+    parser.add_argument("--kv-tokens", type=int, default=2048, help="KV capacity of the RSS runs (default %(default)s)")
+    parser.add_argument("--no-rss", action="store_true", help="skip the peak RSS runs (fresh processes)")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     quick = args.quick
     prefill_repeats, decode_steps = (2, 4) if quick else (3, 16)
     budget = args.case_budget or (8.0 if quick else 30.0)
 
+    rss_rows = [] if args.no_rss else measure_rss(args.model, args.kv_tokens, threads=args.threads)
     load_s, engine = timed(lambda: Engine.from_pretrained(args.model, EngineConfig(precision=args.precision),
                                                           progress=False))
     dense = None if args.no_dense else DenseModel(engine, args.model)
@@ -284,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "decode_tok_s": {str(r["batch"]): r["tok_s"] for r in rows[1:]},
         "cases": rows,
         "llama_cpp_prefill": llama,
+        "rss": rss_rows,
         "machine": info,
         "seconds": time.perf_counter() - started + load_s,
     }
@@ -295,7 +300,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     emit(f"bargein model benchmark ({engine.model_name}, precision {args.precision}, load {load_s:.1f}s)",
          [("Runner forward (median over repeats; vs_dense = our speed / plain PyTorch speed, "
            "measured interleaved; vs_llama_cpp = our prefill speed / llama.cpp's in this run)",
-           format_table(rows + ([llama] if llama else []), columns))],
+           format_table(rows + ([llama] if llama else []), columns))]
+         + ([rss_section(rss_rows, args.kv_tokens)] if rss_rows else []),
          result, args.json)
     return result
 

@@ -102,7 +102,7 @@ def test_bench_without_the_bench_folder_says_so(capsys, monkeypatch, tmp_path):
 
 
 def test_bench_runs_each_benchmark_main(capsys, monkeypatch, tmp_path):
-    for name in ("model", "engine"):
+    for name in ("model", "engine", "startup"):
         (tmp_path / f"bench_{name}.py").write_text(
             "def main(argv):\n"
             f"    print('{name} table', argv)\n"

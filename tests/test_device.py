@@ -101,13 +101,27 @@ def test_engine_parts_live_on_the_configured_device() -> None:
     assert len(out.token_ids) == 3  # sampled with a generator on the device
 
 
+class _TakenWeights(dict):
+    """Records the dtype of each weight as the model takes (pops) it."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self.taken: dict[str, torch.dtype] = {}
+
+    def pop(self, name, *default):
+        value = super().pop(name, *default)
+        self.taken[name] = value.dtype
+        return value
+
+
 def test_build_model_moves_each_weight_and_keeps_rope_factors_float32() -> None:
-    weights = dict(tiny_weights())
+    weights = _TakenWeights(tiny_weights())
     weights["rope_freq_factors"] = torch.ones(TINY.head_dim // 2)
     model = build_model(TINY, weights, EngineConfig(device=target_device(), dtype="bfloat16", precision="exact"))
     assert model.dtype == torch.bfloat16 and model.device.type == resolve_device(target_device()).type
-    assert weights["rope_freq_factors"].dtype == torch.float32
-    assert weights["layers.0.wq.weight"].dtype == torch.bfloat16  # converted in place, one by one
+    assert not weights  # every weight was taken by the model: no second copy left behind
+    assert weights.taken["rope_freq_factors"] == torch.float32
+    assert weights.taken["layers.0.wq.weight"] == torch.bfloat16  # converted in place, one by one
 
 
 # -- precision -------------------------------------------------------------------------------

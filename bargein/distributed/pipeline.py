@@ -263,7 +263,7 @@ class PipelineRunner(StageRecovery):
             per_block = ray.get([a.kv_bytes_per_block.remote(block_size) for a in actors])
         except ray.exceptions.RayError as exc:
             raise PipelineSetupError(f"a pipeline stage failed to start: {first_line(exc)}") from None
-        num_blocks = config.cache.num_blocks
+        num_blocks = config.cache.counted_blocks
         if num_blocks is None:
             budgets = [min(config.cache.memory_bytes,
                            p.node_memory_bytes - stage_weight_bytes(model_config, p.layers, element))

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 from bargein.config import ModelConfig
 from bargein.loader.dequant import dequantize
 from bargein.loader.errors import CorruptModelError
+from bargein.loader.ggml_types import GGMLQuantizationType
 from bargein.loader.gguf_file import PERMUTED_ARCHS, open_gguf, unpermute_qk
 from bargein.loader.hf_folder import _open as open_safetensors
 from bargein.loader.hf_folder import _weight_map

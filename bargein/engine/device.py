@@ -9,12 +9,16 @@ module's constructor.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import contextlib
+import ctypes
+from collections.abc import Iterator, MutableMapping
 
 import torch
 
 from bargein.config import EngineConfig, ModelConfig
+from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.ops import resolve_kernels
+from bargein.model.block_weights import Weight
 from bargein.model.llama import LlamaStage
 
 
@@ -44,20 +48,55 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def build_model(model_config: ModelConfig, weights: MutableMapping[str, torch.Tensor], config: EngineConfig,
+def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight], config: EngineConfig,
                 *, max_positions: int | None = None) -> LlamaStage:
     """The whole model on ``config``'s device and dtype, with its kernels resolved once.
 
-    Tensors not yet there are moved one at a time and dropped from ``weights`` as they
-    go, so a CPU copy of the whole model never sits beside the device copy.
+    Weights held in blocks (a GGUF's Q4_1/Q8_0, see ``load_weights(blocks=True)``) stay
+    in blocks where the native kernels read them (a float32 CPU model), with a float32 copy
+    only if ``config.fp32_weights`` (by default: in ``exact``, never in ``fast``); elsewhere each
+    is dequantized to the model's dtype.
+    Tensors not yet where they belong are moved one at a time, and every weight is dropped
+    from ``weights`` as the model takes it, so no second copy of the model sits in memory.
     """
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
+    reads_blocks = kernels.native is not None and device.type == "cpu" and dtype == torch.float32
     for name in list(weights):
         tensor = weights[name]
         # RoPE frequency factors stay float32: they set the angles, not the activations.
         want = torch.float32 if name == "rope_freq_factors" else dtype
-        if tensor.device != device or tensor.dtype != want:
+        if isinstance(tensor, BlockWeight):
+            if not reads_blocks:
+                weights[name] = tensor.dequantize().to(device=device, dtype=want)
+        elif tensor.device != device or tensor.dtype != want:
             weights[name] = tensor.to(device=device, dtype=want)
-    kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
-    return LlamaStage(model_config, weights, max_positions=max_positions, kernels=kernels).to(device)
+    fp32_weights = config.fp32_weights if config.fp32_weights is not None else not kernels.fast
+    model = LlamaStage(model_config, weights, max_positions=max_positions, kernels=kernels,
+                       fp32_weights=fp32_weights, consume=True)
+    release_free_heap()
+    return model.to(device)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Torch's intra-op threads set to 1 for the block: loading runs thousands of small
+    copies and cats, which gain nothing from a second thread but pay an OpenMP barrier each;
+    on a busy 2-core machine those barriers made loading SmolLM2 take 2-10 s instead of
+    0.3-1.4 s (measured side by side)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). Loading frees many short-lived buffers between long-lived ones (each tensor's
+    raw bytes, the parts of fused weights); glibc keeps that memory mapped, and on
+    SmolLM2-135M it was ~40 MB that would otherwise sit under the KV cache allocated next."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+        ctypes.CDLL(None).malloc_trim(0)

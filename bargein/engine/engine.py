@@ -36,7 +36,13 @@ from typing import Any
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.engine.blocks import BlockPool
-from bargein.engine.device import build_model, resolve_device, resolve_dtype
+from bargein.engine.device import (
+    build_model,
+    one_torch_thread,
+    release_free_heap,
+    resolve_device,
+    resolve_dtype,
+)
 from bargein.engine.grammar import Grammars
 from bargein.engine.messages import (
     AbortRequest,
@@ -109,7 +115,7 @@ class Engine:
         stages = [stages] if isinstance(stages, LlamaStage) else list(stages)
         cache = self.config.cache
         bytes_per_block = sum(s.kv_bytes_per_block(cache.block_size) for s in stages)
-        num_blocks = cache.num_blocks or max(_MIN_BLOCKS, cache.memory_bytes // bytes_per_block)
+        num_blocks = cache.counted_blocks or max(_MIN_BLOCKS, cache.memory_bytes // bytes_per_block)
         return ModelRunner(stages, num_blocks, cache.block_size,
                            cuda_graph_batch_sizes=self.config.cuda_graph_batch_sizes
                            if self.config.cuda_graphs else ())
@@ -119,7 +125,13 @@ class Engine:
     def from_pretrained(cls, ref: str | None = None, config: EngineConfig | None = None, *,
                         progress: bool = True) -> Engine:
         """Loads a model reference: None (the bundled SmolLM2), a .gguf file or an HF folder."""
-        from bargein.loader import load_config, load_tokenizer, load_weights, resolve_model_ref
+        from bargein.loader import (
+            close_model_files,
+            load_config,
+            load_tokenizer,
+            load_weights,
+            resolve_model_ref,
+        )
 
         config = config or EngineConfig()
         source = resolve_model_ref(ref)
@@ -133,12 +145,20 @@ class Engine:
             runner = PipelineRunner.start(source, model_config, config, node_path=node_path)
             return cls(runner, load_tokenizer(source), config, model_name=source.name)
         device = resolve_device(config.device)
-        # Each tensor goes to the device as it is read: no whole-model copy in host memory.
-        weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
-                               progress=progress)
         max_len = config.max_model_len or model_config.max_position_embeddings
-        model = build_model(model_config, weights, config, max_positions=max_len)
-        return cls(model, load_tokenizer(source), config, model_name=source.name)
+        if config.cache.counted_blocks is not None:  # no sequence outgrows the pool: no position past it
+            max_len = min(max_len, config.cache.counted_blocks * config.cache.block_size)
+        with one_torch_thread():
+            # Each tensor goes to the device as it is read: no whole-model copy in host memory.
+            # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model
+            # dequantizes them where nothing reads blocks).
+            weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
+                                   progress=progress, blocks=device.type == "cpu")
+            model = build_model(model_config, weights, config, max_positions=max_len)
+            tokenizer = load_tokenizer(source)
+            close_model_files()
+            release_free_heap()  # what parsing the file and building the tokenizer left behind
+            return cls(model, tokenizer, config, model_name=source.name)
 
     @property
     def max_model_len(self) -> int:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from bargein.config import ModelConfig
+from bargein.kernels.block_quant import BlockWeight
 from bargein.loader.errors import (
     ChatTemplateError,
     CorruptModelError,
@@ -28,7 +29,7 @@ from bargein.loader.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from bargein.loader.gguf_file import load_gguf_weights, read_gguf_config
+from bargein.loader.gguf_file import close_gguf_files, load_gguf_weights, read_gguf_config
 from bargein.loader.hf_folder import load_hf_weights, read_hf_config
 from bargein.loader.names import check_layer_range, expected_shape
 from bargein.loader.source import ModelSource, resolve_model_ref
@@ -43,6 +44,7 @@ __all__ = [
     "ModelSource",
     "Tokenizer",
     "UnsupportedModelError",
+    "close_model_files",
     "load_config",
     "load_tokenizer",
     "load_weights",
@@ -94,6 +96,12 @@ def _check_sizes(config: ModelConfig, source: ModelSource) -> None:
             f"bargein supports ({MAX_POSITIONS})")
 
 
+def close_model_files() -> None:
+    """Drop what is kept of opened model files between the loads of config, weights and
+    tokenizer (a GGUF's parsed metadata); call it once all three are loaded."""
+    close_gguf_files()
+
+
 def load_tokenizer(source: ModelSource) -> Tokenizer:
     """The tokenizer of ``source`` (GGUF metadata or the folder's tokenizer.json)."""
     # The tokenizers library raises plain Exception for an inconsistent vocabulary or merges.
@@ -109,8 +117,13 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: bool = True,
-) -> dict[str, torch.Tensor]:
+    blocks: bool = False,
+) -> dict[str, torch.Tensor | BlockWeight]:
     """Canonical weights for layers [start, end) (all layers when None), as ``dtype`` on ``device``.
+
+    With ``blocks``, a GGUF's Q4_1 and Q8_0 matrices come back as they are stored, as
+    :class:`~bargein.kernels.block_quant.BlockWeight` on the CPU (``dtype`` and ``device``
+    do not apply to them), read straight from the file's bytes; nothing else changes.
 
     Each tensor is read, converted and moved to ``device`` before the next is read, so
     host memory holds one tensor at a time, never a float32 copy of the whole model
@@ -121,11 +134,14 @@ def load_weights(
     end == num_layers. ``rope_freq_factors`` is included when the file has it. A tqdm bar
     on stderr shows progress unless ``progress`` is False.
     """
-    load = load_gguf_weights if source.kind == "gguf" else load_hf_weights
     check_layer_range(config, layer_range)  # the caller's mistake (ValueError), not the file's
     with _malformed_is_corrupt(source, "weights"):
-        weights = load(source.path, config, layer_range=layer_range, dtype=dtype, device=torch.device(device),
-                       progress=progress)
+        if source.kind == "gguf":
+            weights = load_gguf_weights(source.path, config, layer_range=layer_range, dtype=dtype,
+                                        device=torch.device(device), progress=progress, blocks=blocks)
+        else:
+            weights = dict(load_hf_weights(source.path, config, layer_range=layer_range, dtype=dtype,
+                                           device=torch.device(device), progress=progress))
     for name, tensor in weights.items():
         shape = expected_shape(config, name)
         if shape is not None and tuple(tensor.shape) != shape:

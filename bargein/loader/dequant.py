@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QK_K = 256
 Dequantizer = Callable[[torch.Tensor], torch.Tensor]
@@ -131,7 +132,7 @@ def dequantize(
 ) -> torch.Tensor:
     """Raw GGUF tensor data -> float32 torch tensor of torch ``shape`` (row-major).
 
-    ``raw`` is what gguf.GGUFReader gives: typed elements for F32/F16, bytes otherwise.
+    ``raw`` is what the file holds: typed elements for F32/F16, bytes otherwise.
     The caller checks ``qtype in SUPPORTED_TYPES``.
     """
     numel = int(np.prod(shape))

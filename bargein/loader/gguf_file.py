@@ -1,6 +1,11 @@
 """GGUF files: config from metadata, canonical weights from tensors.
 
-Reading goes through gguf.GGUFReader; dequantization through bargein.loader.dequant.
+Metadata is parsed by bargein.loader.gguf_parse (plain Python values, no memory map);
+tensor bytes are read with ``os.pread``, one tensor at a time, into memory of our own:
+pages of a memory map that were read stay in the process's resident set (and its peak) for
+as long as the map lives, pages read through the page cache do not. Q4_1 and Q8_0 matrices can come back as they are stored,
+in blocks (:class:`~bargein.kernels.block_quant.BlockWeight`, no float32 pass); everything
+else is dequantized through bargein.loader.dequant, tensor by tensor.
 llama.cpp stores Q/K of the ``llama`` architecture in an interleaved RoPE layout; it is
 put back into the Hugging Face "rotate_half" layout here, so the model sees one layout.
 """
@@ -8,6 +13,7 @@ put back into the Hugging Face "rotate_half" layout here, so the model sees one 
 from __future__ import annotations
 
 import functools
+import struct
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,105 +21,123 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField, ReaderTensor
 from tqdm import tqdm
 
 from bargein.config import ModelConfig
+from bargein.kernels.block_quant import BLOCK, BlockWeight
 from bargein.loader.dequant import SUPPORTED_TYPES, dequantize
-from bargein.loader.errors import CorruptModelError, UnsupportedModelError
+from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
+from bargein.loader.ggml_types import GGMLQuantizationType
+from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
 from bargein.loader.names import check_layer_range, wanted_tensors
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
+# The types whose blocks BlockWeight holds as they are: (bits, bytes before the quants).
+# Q4_1: d (f16), m (f16), 16 bytes of nibbles; Q8_0: d (f16), 32 int8.
+BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # Architectures whose Q/K llama.cpp's converter permuted (qwen2 keeps the HF layout).
 PERMUTED_ARCHS = ("llama",)
 
 
-class _Reader(GGUFReader):
-    """GGUFReader that slices a plain ndarray view instead of the np.memmap subclass.
-
-    Same data, same mapping; it avoids memmap's per-slice bookkeeping, which made
-    parsing the 100k tokenizer strings of a small model take seconds.
-    """
-
-    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
-        plain = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self._plain = self.data.view(np.ndarray)
-        dt = np.dtype(dtype)
-        count = int(count)
-        arr = plain[offset : offset + dt.itemsize * count].view(dt)[:count]
-        order = self.byte_order if override_order is None else override_order
-        return arr.view(arr.dtype.newbyteorder(order))
-
-
 class GGUFFile:
-    """An opened GGUF file: metadata fields and tensors by name."""
+    """An opened GGUF file: metadata fields and tensors by name (see bargein.loader.gguf_parse)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.reader = _Reader(path)
-        except Exception as exc:  # gguf raises ValueError/IndexError/... on malformed files
+            parsed = parse_gguf(path)
+        except LoaderError:
+            raise
+        except (ValueError, OverflowError, struct.error) as exc:  # a string that is not UTF-8, say
             raise CorruptModelError(f"{path}: not a readable GGUF file ({exc})") from exc
-        self.tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
+        self.fields: dict[str, Any] = parsed.fields
+        self.tensors: dict[str, TensorInfo] = parsed.tensors
 
     def has(self, key: str) -> bool:
-        return key in self.reader.fields
+        return key in self.fields
 
     def get(self, key: str, default: Any = None) -> Any:
         """A scalar, string or (small) array metadata value; ``default`` when absent."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        if key not in self.fields:
+            return default
+        value = self.fields[key]
+        if isinstance(value, StringArray):
+            return [item.decode("utf-8") for item in value.items]
+        if isinstance(value, np.ndarray):
+            return value.tolist()
+        return value
 
     def require(self, key: str) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
+        if key not in self.fields:
             raise CorruptModelError(f"{self.path}: metadata key {key!r} is missing")
-        return field.contents()
+        return self.get(key)
 
     def strings(self, key: str) -> list[str] | None:
-        """A string-array field, decoded fast (tokenizer vocabularies are large)."""
-        field = self.reader.fields.get(key)
-        if field is None:
+        """A string-array field, decoded (invalid UTF-8 replaced, as in a byte-level vocabulary)."""
+        value = self.fields.get(key)
+        if value is None:
             return None
-        _check_array_of(field, GGUFValueType.STRING, self.path)
-        return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        if not isinstance(value, StringArray):
+            raise CorruptModelError(f"{self.path}: metadata {key!r} is not an array of STRING")
+        return [item.decode("utf-8", errors="replace") for item in value.items]
 
     def ints(self, key: str) -> list[int] | None:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return None
-        return [int(field.parts[i][0]) for i in field.data]
+        return self._numbers(key, int)
 
     def floats(self, key: str) -> list[float] | None:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return None
-        return [float(field.parts[i][0]) for i in field.data]
+        return self._numbers(key, float)
 
-    def tensor(self, name: str, shape_hint: str = "") -> torch.Tensor:
-        """Dequantized float32 tensor in torch shape (GGUF lists dims innermost first)."""
+    def _numbers(self, key: str, kind: type) -> list[Any] | None:
+        value = self.fields.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, np.ndarray):
+            raise CorruptModelError(f"{self.path}: metadata {key!r} is not a numeric array")
+        return [kind(v) for v in value.tolist()]
+
+    def info(self, name: str, shape_hint: str = "") -> TensorInfo:
+        """A tensor's table entry, checked: present, of a type we read, all its bytes in the file."""
         info = self.tensors.get(name)
         if info is None:
             raise CorruptModelError(f"{self.path}: tensor {name!r} is missing{shape_hint}")
-        qtype = GGMLQuantizationType(info.tensor_type)
+        try:
+            qtype = GGMLQuantizationType(info.tensor_type)
+        except ValueError:
+            raise UnsupportedModelError(f"{self.path}: tensor {name!r} has unknown type {info.tensor_type}") from None
         if qtype not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
                 f"{self.path}: tensor {name!r} has type {qtype.name}, which bargein cannot "
                 f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
             )
-        shape = tuple(int(d) for d in reversed(info.shape.tolist()))
-        if info.data.nbytes != int(info.n_bytes):
+        if info.present != info.n_bytes:
             raise CorruptModelError(
-                f"{self.path}: tensor {name!r} is truncated ({info.data.nbytes} of "
-                f"{int(info.n_bytes)} bytes present)"
+                f"{self.path}: tensor {name!r} is truncated ({info.present} of {info.n_bytes} bytes present)"
             )
-        return dequantize(info.data, qtype, shape)
+        return info
 
+    def tensor(self, name: str, shape_hint: str = "") -> torch.Tensor:
+        """Dequantized float32 tensor in torch shape (GGUF lists dims innermost first)."""
+        info = self.info(name, shape_hint)
+        return dequantize(info.data, GGMLQuantizationType(info.tensor_type), info.torch_shape)
 
-def _check_array_of(field: ReaderField, item: GGUFValueType, path: Path) -> None:
-    if field.types[:1] != [GGUFValueType.ARRAY] or field.types[1:2] != [item]:
-        raise CorruptModelError(f"{path}: metadata {field.name!r} is not an array of {item.name}")
+    def blocks(self, name: str) -> BlockWeight | None:
+        """A Q4_1 or Q8_0 matrix as its stored blocks (None for any other type or shape).
+
+        ``BlockWeight.dequantize()`` of the answer equals :meth:`tensor` bit for bit: both
+        compute ``d * q + m`` (``d * q``) in float32 from the same float16 d and m.
+        """
+        info = self.info(name)
+        bits = BLOCK_TYPES.get(GGMLQuantizationType(info.tensor_type))
+        shape = info.torch_shape
+        if bits is None or len(shape) != 2 or shape[1] % BLOCK:
+            return None
+        rows, num_blocks = shape[0], shape[1] // BLOCK
+        raw = torch.from_numpy(info.read()).view(rows, num_blocks, -1)
+        scales = raw[..., 0:2].contiguous().view(torch.float16).float().view(rows, num_blocks)
+        if bits == 4:
+            mins = raw[..., 2:4].contiguous().view(torch.float16).float().view(rows, num_blocks)
+            return BlockWeight(4, raw[..., 4:].contiguous(), scales, mins)
+        return BlockWeight(8, raw[..., 2:].contiguous().view(torch.int8), scales, None)
 
 
 @functools.lru_cache(maxsize=4)
@@ -125,6 +149,12 @@ def open_gguf(path: Path) -> GGUFFile:
     """Open (or reuse) a GGUF file; config, weights and tokenizer all read the same one."""
     stat = path.stat()
     return _open_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+def close_gguf_files() -> None:
+    """Forget the files :func:`open_gguf` keeps (their metadata: the vocabulary, merges, ...)
+    once everything is read from them."""
+    _open_cached.cache_clear()
 
 
 def read_gguf_config(path: Path, name: str) -> ModelConfig:
@@ -173,11 +203,24 @@ def read_gguf_config(path: Path, name: str) -> ModelConfig:
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Invert llama.cpp's ``w.reshape(n, 2, d // n // 2, *rest).swapaxes(1, 2)``.
 
-    Works for weights (out, in) and biases (out,): rows of each head go from interleaved
-    pairs (x0, y0, x1, y1, ...) back to halves (x0, x1, ..., y0, y1, ...).
+    Works for weights (out, in), biases (out,) and any tensor with one row per output
+    (a BlockWeight's parts): rows of each head go from interleaved pairs (x0, y0, x1, y1,
+    ...) back to halves (x0, x1, ..., y0, y1, ...).
     """
     rest = w.shape[1:]
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def unpermute_qk_blocks(w: BlockWeight, n_heads: int) -> BlockWeight:
+    """:func:`unpermute_qk` of a block-held weight: blocks run along a row, so moving whole
+    rows (quants, scales and mins alike) is the same permutation."""
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else unpermute_qk(t, n_heads).contiguous()
+
+    return BlockWeight(w.bits, rows(w.qs), rows(w.scales), rows(w.mins))
+
+
+Weight = torch.Tensor | BlockWeight
 
 
 def load_gguf_weights(
@@ -188,9 +231,11 @@ def load_gguf_weights(
     dtype: torch.dtype,
     device: torch.device,
     progress: bool,
-) -> dict[str, torch.Tensor]:
+    blocks: bool = False,
+) -> dict[str, Weight]:
     """Canonical tensors for layers [start, end) (see bargein.loader.names), each moved to
-    ``device`` as soon as it is dequantized."""
+    ``device`` as soon as it is read. With ``blocks``, Q4_1/Q8_0 matrices stay in their
+    stored blocks (BlockWeight, on the CPU) and are never widened to float32."""
     f = open_gguf(path)
     start, end = check_layer_range(config, layer_range)
     wanted = {
@@ -199,12 +244,19 @@ def load_gguf_weights(
     if "rope_freqs.weight" in f.tensors:
         wanted["rope_freq_factors"] = "rope_freqs.weight"
     arch = f.get("general.architecture")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Weight] = {}
     for canon, gguf_name in _progress(wanted.items(), len(wanted), config.name, progress):
+        heads = config.num_heads if ".wq." in canon else config.num_kv_heads
+        permuted = arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon)
+        held = f.blocks(gguf_name) if blocks else None
+        if held is not None:
+            weights[canon] = unpermute_qk_blocks(held, heads) if permuted else held
+            continue
         w = f.tensor(gguf_name)
-        if arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon):
-            w = unpermute_qk(w, config.num_heads if ".wq." in canon else config.num_kv_heads)
+        if permuted:
+            w = unpermute_qk(w, heads)
         weights[canon] = w.to(device=device, dtype=torch.float32 if canon == "rope_freq_factors" else dtype)
+        del w  # before the next tensor is read
     return weights
 
 

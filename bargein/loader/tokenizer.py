@@ -8,7 +8,6 @@ the file marks as control become special tokens, so ``<|im_start|>`` stays one t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from collections.abc import Iterable, Sequence
@@ -86,6 +85,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 _BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
+_BYTE_CHARS = frozenset(_BYTE_OF_CHAR)
 
 
 @dataclass
@@ -154,12 +154,12 @@ class Tokenizer:
 
     @functools.cached_property
     def max_piece_bytes(self) -> int:
-        """The most bytes of text one token stands for (special tokens included)."""
-        longest = 1
-        for token_id in range(self.vocab_size):
-            with contextlib.suppress(ValueError):  # an id the vocabulary skips
-                longest = max(longest, len(self.token_bytes(token_id, skip_special_tokens=False)))
-        return longest
+        """The most bytes of text one token stands for (special tokens included).
+
+        From the vocabulary in one pass (the lengths :meth:`token_bytes` gives, without
+        asking the backend token by token: ~1 s less at a 49k vocabulary's start-up)."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(self._bytes_of(piece, token_id)) for piece, token_id in vocab.items()), default=1) or 1
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -182,10 +182,13 @@ class Tokenizer:
         piece = self.backend.id_to_token(token_id)
         if piece is None:
             raise ValueError(f"token id {token_id} is out of range (vocab size {self.vocab_size})")
+        return self._bytes_of(piece, token_id)
+
+    def _bytes_of(self, piece: str, token_id: int) -> bytes:
         if token_id in self._added_ids:
             return piece.encode("utf-8")
         if self.byte_level:
-            if all(c in _BYTE_OF_CHAR for c in piece):
+            if _BYTE_CHARS.issuperset(piece):
                 return bytes(_BYTE_OF_CHAR[c] for c in piece)
             return piece.encode("utf-8")
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):

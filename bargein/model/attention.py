@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from bargein.kernels.ops import TORCH_KERNELS, KernelSet
+from bargein.model import zeroed
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class KVCache:
     def empty(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype, device: torch.device | str) -> KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        return cls(zeroed.zeros(shape, dtype, device), zeroed.zeros(shape, dtype, device))
 
     def copy_block(self, src: int, dst: int) -> None:
         self.k[dst].copy_(self.k[src])

@@ -16,6 +16,10 @@ on 2 AVX2 cores over every linear of SmolLM2-135M, against the packed float32 ma
 
 In the ``fast`` precision every forward, of any number of rows, reads the block form with
 int8 activations (see :mod:`bargein.kernels.ops`), so no float32 copy is kept beside it.
+In ``exact``, a layer built :meth:`Linear.from_blocks` (a GGUF's stored blocks) holds no
+float32 copy unless asked to (``keep_fp32``, the default for exact): then every forward,
+of any number of rows, reads the blocks with float32 activations, and the weights take
+their quantized size in memory instead of 4 bytes a value.
 """
 
 from __future__ import annotations
@@ -38,27 +42,56 @@ def _onednn_available(weight: torch.Tensor) -> bool:
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` for x of shape (T, in_features)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True,
-                 kernels: KernelSet = TORCH_KERNELS):
+    def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, *, pack: bool = True,
+                 kernels: KernelSet = TORCH_KERNELS, blocks: BlockWeight | None = None):
+        """``weight`` dense (its block form is looked for, given native kernels), or None
+        with ``blocks`` given: see :meth:`from_blocks`."""
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        if weight is None and (blocks is None or kernels.native is None):
+            raise ValueError("a Linear without a dense weight needs blocks and the native kernels to read them")
+        self.out_features, self.in_features = weight.shape if weight is not None else blocks.shape
         self.kernels = kernels
-        self.blocks: BlockWeight | None = kernels.block_form(weight)
+        self.blocks: BlockWeight | None = blocks if blocks is not None else kernels.block_form(weight)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed: torch.Tensor | None = None
-        self.weight: nn.Parameter | None = nn.Parameter(weight, requires_grad=False)
+        self.weight: nn.Parameter | None = None if weight is None else nn.Parameter(weight, requires_grad=False)
         if kernels.fast and self.blocks is not None:
             self.weight = None  # the fast forward reads the blocks only, for any number of rows
-        elif pack and _onednn_available(weight):
+        elif weight is not None and pack and _onednn_available(weight):
             self.packed = _try_pack(weight, self.bias)
             if self.packed is not None:
                 self.weight = None  # the packed copy is all the forward needs
+
+    @classmethod
+    def from_blocks(cls, blocks: BlockWeight, bias: torch.Tensor | None = None, *, keep_fp32: bool,
+                    kernels: KernelSet) -> Linear:
+        """A layer over a block-held weight (float32 CPU model).
+
+        Without ``keep_fp32`` the blocks are all it holds, and every forward reads them
+        through the native block matmul. With ``keep_fp32``, or without native kernels
+        (nothing could read the blocks), the weight is dequantized once, here, and held
+        as a dense layer would hold it; the blocks are kept beside it only where the
+        native kernels read them for few rows.
+        """
+        if (keep_fp32 and not kernels.fast) or kernels.native is None:
+            return cls(blocks.dequantize(), bias, kernels=kernels,
+                       blocks=blocks if kernels.native is not None else None)
+        return cls(None, bias, kernels=kernels, blocks=blocks)
+
+    @property
+    def holds_dense(self) -> bool:
+        """Whether a float32 (plain or packed) copy of the weight is held."""
+        return self.weight is not None or self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.blocks is not None and (y := self.kernels.block_linear(x, self.blocks)) is not None:
             return y if self.bias is None else y + self.bias
         if self.packed is not None and x.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.weight is None and self.packed is None and self.kernels.native is not None:
+            # Blocks only: they are read for any number of rows.
+            y = self.kernels.native.block_matmul(x.contiguous(), self.blocks, torch.get_num_threads())
+            return y if self.bias is None else y + self.bias
         if self.weight is None:
             raise RuntimeError("this layer holds its weight for float32 CPU inputs only")
         return F.linear(x, self.weight, self.bias)

@@ -7,18 +7,21 @@ previous one's hidden states.
 
 Weights arrive in canonical names (see ``bargein.loader``) and are fused here, at
 construction: Q, K and V into one matrix and gate/up into another, so that each layer
-runs two large matmuls instead of five small ones.
+runs two large matmuls instead of five small ones. A weight may arrive dense or held in
+blocks (:mod:`bargein.model.block_weights`); blocks stay blocks, and only
+``fp32_weights`` adds a float32 copy beside them (see :meth:`Linear.from_blocks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from bargein.config import ModelConfig
+from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.ops import TORCH_KERNELS, KernelSet
 from bargein.model.attention import (
     AttentionMetadata,
@@ -26,10 +29,18 @@ from bargein.model.attention import (
     fast_paged_attention,
     paged_attention,
 )
+from bargein.model.block_weights import TokenEmbedding, Weight, cat_rows, dense
 from bargein.model.linear import Linear
 from bargein.model.rope import RotaryEmbedding, apply_rotary
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the forward's tokens
+Take = Callable[[str], Weight]  # a canonical weight by name (see LlamaStage's ``consume``)
+
+
+def _linear(weight: Weight, bias: torch.Tensor | None, kernels: KernelSet, fp32_weights: bool) -> Linear:
+    if isinstance(weight, BlockWeight):
+        return Linear.from_blocks(weight, bias, keep_fp32=fp32_weights, kernels=kernels)
+    return Linear(weight, bias, kernels=kernels)
 
 
 class RMSNorm(nn.Module):
@@ -50,17 +61,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], prefix: str,
-                 kernels: KernelSet):
+    def __init__(self, config: ModelConfig, take: Take, prefix: str, kernels: KernelSet, fp32_weights: bool):
         super().__init__()
         self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        wqkv = torch.cat([w[f"{prefix}.wq.weight"], w[f"{prefix}.wk.weight"], w[f"{prefix}.wv.weight"]])
+        wqkv = cat_rows([take(f"{prefix}.wq.weight"), take(f"{prefix}.wk.weight"), take(f"{prefix}.wv.weight")])
         bqkv = None
         if config.attention_bias:
-            bqkv = torch.cat([w[f"{prefix}.wq.bias"], w[f"{prefix}.wk.bias"], w[f"{prefix}.wv.bias"]])
-        self.wqkv = Linear(wqkv, bqkv, kernels=kernels)
-        self.wo = Linear(w[f"{prefix}.wo.weight"], kernels=kernels)
+            bqkv = torch.cat([dense(take(f"{prefix}.{n}.bias")) for n in ("wq", "wk", "wv")])
+        self.wqkv = _linear(wqkv, bqkv, kernels, fp32_weights)
+        self.wo = _linear(take(f"{prefix}.wo.weight"), None, kernels, fp32_weights)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -79,10 +89,11 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, w: Mapping[str, torch.Tensor], prefix: str, kernels: KernelSet):
+    def __init__(self, take: Take, prefix: str, kernels: KernelSet, fp32_weights: bool):
         super().__init__()
-        self.w13 = Linear(torch.cat([w[f"{prefix}.w1.weight"], w[f"{prefix}.w3.weight"]]), kernels=kernels)
-        self.w2 = Linear(w[f"{prefix}.w2.weight"], kernels=kernels)
+        w13 = cat_rows([take(f"{prefix}.w1.weight"), take(f"{prefix}.w3.weight")])
+        self.w13 = _linear(w13, None, kernels, fp32_weights)
+        self.w2 = _linear(take(f"{prefix}.w2.weight"), None, kernels, fp32_weights)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,14 +105,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelConfig, w: Mapping[str, torch.Tensor], layer: int,
-                 kernels: KernelSet):
+    def __init__(self, config: ModelConfig, take: Take, layer: int, kernels: KernelSet, fp32_weights: bool):
         super().__init__()
         prefix = f"layers.{layer}"
-        self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm.weight"], config.rms_norm_eps, kernels)
-        self.attention = Attention(config, w, prefix, kernels)
-        self.ffn_norm = RMSNorm(w[f"{prefix}.ffn_norm.weight"], config.rms_norm_eps, kernels)
-        self.feed_forward = FeedForward(w, prefix, kernels)
+        self.attn_norm = RMSNorm(dense(take(f"{prefix}.attn_norm.weight")), config.rms_norm_eps, kernels)
+        self.attention = Attention(config, take, prefix, kernels, fp32_weights)
+        self.ffn_norm = RMSNorm(dense(take(f"{prefix}.ffn_norm.weight")), config.rms_norm_eps, kernels)
+        self.feed_forward = FeedForward(take, prefix, kernels, fp32_weights)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         h = x + self.attention(self.attn_norm(x), rotary, cache, meta)
@@ -119,26 +129,38 @@ class LlamaStage(nn.Module):
     ``kernels`` (resolved once by whoever builds the model, see
     :func:`bargein.kernels.ops.resolve_kernels`) picks native or PyTorch operations;
     the constructor itself never builds or loads a kernel library.
+
+    ``weights`` may hold BlockWeights (for a float32 CPU model only: nothing else reads
+    them); ``fp32_weights`` also keeps a float32 copy of each (faster for many rows, 4-6x
+    the memory). With ``consume``, each weight is popped from ``weights`` (then a
+    MutableMapping) as it is used, so that the parts of a fused weight are freed as soon as
+    the fused copy exists and the whole model never sits in memory twice.
     """
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor],
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  layer_range: tuple[int, int] | None = None, max_positions: int | None = None,
-                 kernels: KernelSet = TORCH_KERNELS):
+                 kernels: KernelSet = TORCH_KERNELS, *, fp32_weights: bool = False, consume: bool = False):
         super().__init__()
         start, end = layer_range or (0, config.num_layers)
         if not 0 <= start < end <= config.num_layers:
             raise ValueError(f"layer range [{start}, {end}) is not within [0, {config.num_layers})")
+        if consume and not isinstance(weights, MutableMapping):
+            raise TypeError("consume=True needs a mutable mapping of weights")
+        take: Take = weights.pop if consume else weights.__getitem__  # type: ignore[attr-defined]
         self.config, self.start, self.end = config, start, end
         self.is_first, self.is_last = start == 0, end == config.num_layers
-        self.embed = nn.Parameter(weights["embed.weight"], requires_grad=False) if self.is_first else None
-        self.layers = nn.ModuleList(TransformerBlock(config, weights, i, kernels) for i in range(start, end))
+        tied = self.is_last and config.tie_word_embeddings
+        embed = take("embed.weight") if self.is_first or tied else None
+        self.embed = TokenEmbedding(embed) if self.is_first else None
+        self.layers = nn.ModuleList(TransformerBlock(config, take, i, kernels, fp32_weights)
+                                    for i in range(start, end))
         self.norm = self.lm_head = None
         if self.is_last:
-            self.norm = RMSNorm(weights["norm.weight"], config.rms_norm_eps, kernels)
-            head = weights["embed.weight"] if config.tie_word_embeddings else weights["lm_head.weight"]
-            self.lm_head = Linear(head, kernels=kernels)
-        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings,
-                                    weights.get("rope_freq_factors"))
+            self.norm = RMSNorm(dense(take("norm.weight")), config.rms_norm_eps, kernels)
+            head = embed if tied else take("lm_head.weight")
+            self.lm_head = _linear(head, None, kernels, fp32_weights)
+        freq_factors = take("rope_freq_factors") if "rope_freq_factors" in weights else None
+        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, freq_factors)
         self.kernels = kernels
 
     @property
@@ -170,7 +192,7 @@ class LlamaStage(nn.Module):
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        x = F.embedding(inputs, self.embed) if self.is_first else inputs  # (T, hidden)
+        x = self.embed(inputs) if self.is_first else inputs  # (T, hidden)
         rotary = self.rope.angles(positions, x.dtype)  # shared by every layer
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rotary, cache, meta)

@@ -37,6 +37,9 @@ class ChatPrompt:
 
 def max_token_bytes(tokenizer: Any) -> int:
     """The most bytes one token stands for (special tokens as their text)."""
+    known = getattr(tokenizer, "max_piece_bytes", None)  # bargein's Tokenizer knows it from its vocabulary
+    if isinstance(known, int):
+        return known
     return max((len(tokenizer.token_bytes(t, skip_special_tokens=False)) for t in range(tokenizer.vocab_size)),
                default=1) or 1
 

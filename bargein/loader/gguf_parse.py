@@ -1,0 +1,224 @@
+"""The GGUF container, parsed lean: header, metadata and tensor table; no tensor data.
+
+gguf.GGUFReader keeps every metadata array item as a numpy view of a memory map; for a
+49k-token vocabulary and its merges that is a quarter of a million small arrays (about
+75 MB and most of a second, measured on SmolLM2-135M). Here metadata values become plain
+Python values (string arrays a list of bytes, decoded when asked for) and numeric arrays
+one numpy array each; the header is read once, front to back, through a memory map closed
+at the end; the tensor data is left to :meth:`TensorInfo.read` (``os.pread``, one tensor
+at a time).
+
+Every count and length is checked against the bytes left before anything is allocated
+from it, so a corrupt header is a :class:`CorruptModelError`, never a huge allocation.
+Little-endian files of GGUF versions 2 and 3 are read (what llama.cpp writes).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bargein.loader.errors import CorruptModelError, UnsupportedModelError
+from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+
+MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# GGUF value types -> struct format of one item (8: string, 9: array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
+          7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+STRING, ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class StringArray:
+    """A metadata array of strings, kept as bytes (decoded by whoever reads them)."""
+
+    items: list[bytes]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor table. ``shape`` lists dims as GGUF does, innermost first."""
+
+    path: Path
+    name: str
+    shape: np.ndarray
+    tensor_type: int
+    data_offset: int  # absolute, in the file
+    n_bytes: int
+    present: int  # bytes of it the file holds (n_bytes unless truncated)
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self.shape.tolist()))
+
+    def read(self) -> np.ndarray:
+        """The tensor's bytes, read (not mapped) into a new uint8 array."""
+        if self.present != self.n_bytes:
+            raise CorruptModelError(f"{self.path}: tensor {self.name!r} is truncated ({self.present} of "
+                                    f"{self.n_bytes} bytes present)")
+        out = np.empty(self.n_bytes, dtype=np.uint8)
+        view, done = memoryview(out), 0
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while done < self.n_bytes:
+                got = os.preadv(fd, [view[done:]], self.data_offset + done)
+                if got <= 0:
+                    raise CorruptModelError(f"{self.path}: tensor {self.name!r} is truncated")
+                done += got
+        finally:
+            os.close(fd)
+        return out
+
+    @property
+    def data(self) -> np.ndarray:
+        """The stored elements as numpy gives them for the type (float32/float16 for F32/F16,
+        bytes for block types), read from the file now."""
+        raw = self.read()
+        if self.tensor_type == GGMLQuantizationType.F32:
+            return raw.view(np.float32)
+        if self.tensor_type == GGMLQuantizationType.F16:
+            return raw.view(np.float16)
+        return raw
+
+
+@dataclass
+class ParsedGGUF:
+    fields: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    data_offset: int
+
+
+class _Cursor:
+    """Reads the file front to back over a memory map; every read is bounds-checked. The map
+    is closed when parsing ends, so the header's pages leave the resident set with it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with open(path, "rb") as f:
+            self.size = os.fstat(f.fileno()).st_size
+            if self.size == 0:
+                raise CorruptModelError(f"{path}: not a readable GGUF file (empty)")
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.pos = 0
+
+    def close(self) -> None:
+        self.map.close()
+
+    def need(self, n: int, what: str) -> bytes:
+        if n < 0 or self.pos + n > self.size:
+            raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
+        start = self.pos
+        self.pos += n
+        return self.map[start:self.pos]
+
+    def unpack(self, fmt: str, what: str) -> Any:
+        return struct.unpack(fmt, self.need(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> bytes:
+        return self.need(self.unpack("<Q", what), what)
+
+    def strings(self, count: int, what: str) -> list[bytes]:
+        """``count`` strings in a row: the hot loop of a vocabulary, kept to local names."""
+        if count * 8 > self.size - self.pos:
+            raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
+        data, pos, size, items = self.map, self.pos, self.size, []
+        length_at = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > size:
+                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
+            (n,) = length_at(data, pos)
+            pos += 8
+            if pos + n > size:
+                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
+            items.append(data[pos:pos + n])
+            pos += n
+        self.pos = pos
+        return items
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype], what)
+        if vtype == STRING:
+            return self.string(what).decode("utf-8")
+        if vtype != ARRAY:
+            raise CorruptModelError(f"{self.path}: {what} has unknown value type {vtype}")
+        item, count = self.unpack("<I", what), self.unpack("<Q", what)
+        if item in _NUMPY:
+            width = np.dtype(_NUMPY[item]).itemsize
+            if count * width > self.size - self.pos:
+                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
+            return np.frombuffer(self.need(count * width, what), dtype=_NUMPY[item]).copy()
+        if item == STRING:
+            return StringArray(self.strings(count, what))
+        if item == ARRAY:  # arrays of arrays: no key llama.cpp writes; read and kept as a list
+            if count > self.size - self.pos:
+                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
+            return [self.value(ARRAY, what) for _ in range(count)]
+        raise CorruptModelError(f"{self.path}: {what} has unknown item type {item}")
+
+
+def parse_gguf(path: Path) -> ParsedGGUF:
+    """Header, metadata and tensor table of a GGUF file (raises CorruptModelError if malformed)."""
+    cursor = _Cursor(path)
+    try:
+        return _parse(cursor)
+    finally:
+        cursor.close()
+
+
+def _parse(c: _Cursor) -> ParsedGGUF:
+    if bytes(c.need(4, "the magic")) != MAGIC:
+        raise CorruptModelError(f"{c.path}: not a readable GGUF file (no GGUF magic)")
+    version = c.unpack("<I", "the version")
+    if version not in (2, 3):
+        if version & 0xFFFF == 0 and version >> 16 in (2, 3):
+            raise UnsupportedModelError(f"{c.path}: big-endian GGUF files are not supported")
+        raise UnsupportedModelError(f"{c.path}: GGUF version {version} is not supported (2 and 3 are)")
+    n_tensors, n_fields = c.unpack("<Q", "the tensor count"), c.unpack("<Q", "the field count")
+    if n_fields > c.size or n_tensors > c.size:
+        raise CorruptModelError(f"{c.path}: the header's counts are larger than the file")
+    fields: dict[str, Any] = {}
+    for _ in range(n_fields):
+        key = c.string("a metadata key").decode("utf-8", errors="replace")
+        fields[key] = c.value(c.unpack("<I", f"metadata {key!r}"), f"metadata {key!r}")
+    table = []
+    for _ in range(n_tensors):
+        name = c.string("a tensor name").decode("utf-8", errors="replace")
+        n_dims = c.unpack("<I", f"tensor {name!r}")
+        if n_dims > 8:
+            raise CorruptModelError(f"{c.path}: tensor {name!r} has {n_dims} dimensions")
+        dims = np.frombuffer(c.need(8 * n_dims, f"tensor {name!r}"), dtype="<u8").copy()
+        table.append((name, dims, c.unpack("<I", f"tensor {name!r}"), c.unpack("<Q", f"tensor {name!r}")))
+    alignment = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+        raise CorruptModelError(f"{c.path}: general.alignment must be a power of two, got {alignment!r}")
+    data_offset = -(-c.pos // alignment) * alignment
+    tensors = {}
+    for name, dims, qtype, offset in table:
+        n_bytes = _tensor_bytes(c.path, name, dims, qtype)
+        start = data_offset + offset
+        present = max(0, min(n_bytes, c.size - start))
+        tensors[name] = TensorInfo(c.path, name, dims, qtype, start, n_bytes, present)
+    return ParsedGGUF(fields, tensors, data_offset)
+
+
+def _tensor_bytes(path: Path, name: str, dims: np.ndarray, qtype: int) -> int:
+    numel = 1
+    for d in dims.tolist():
+        numel *= int(d)
+    try:
+        block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    except (ValueError, KeyError):
+        return 0  # a type we do not know: refused by name when the tensor is asked for
+    if numel % block_elems:
+        raise CorruptModelError(f"{path}: tensor {name!r} has {numel} values, not whole blocks of {block_elems}")
+    return numel // block_elems * block_bytes
