@@ -120,11 +120,15 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 @needs_native
-@pytest.mark.parametrize("fp32_weights", [False, True])
-def test_default_mode_holds_no_float32_copy_of_a_block_weight(files, fp32_weights: bool) -> None:
+@pytest.mark.parametrize(("precision", "fp32_weights", "copies"), [
+    ("fast", None, False), ("fast", True, False),  # fast reads only blocks, whatever is asked
+    ("exact", None, True), ("exact", False, False), ("exact", True, True)])
+def test_default_mode_holds_no_float32_copy_of_a_block_weight(files, precision: str, fp32_weights: bool | None,
+                                                              copies: bool) -> None:
     config, weights = load(files["Q4_1"], blocks=True)
     stored = {n: w.nbytes if isinstance(w, BlockWeight) else w.numel() * 4 for n, w in weights.items()}
-    model = build_model(config, weights, EngineConfig(device="cpu", fp32_weights=fp32_weights))
+    model = build_model(config, weights, EngineConfig(device="cpu", precision=precision, fp32_weights=fp32_weights))
+    fp32_weights = copies
     assert not weights  # all taken by the model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * SPEC.num_layers + 1 and all(m.blocks is not None for m in linears)
