@@ -6,6 +6,7 @@ Counted in tokens and steps (the engine's own step records), never in ms."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -30,7 +31,8 @@ def capped_engine(cap: int | None) -> Engine:
     config = EngineConfig(
         cache=CacheConfig(block_size=4, num_blocks=128),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=BUDGET, max_mixed_prefill_tokens=cap),
-        device=target_device(), dtype="float32")
+        device=target_device(), dtype="float32",
+        precision=os.environ.get("BARGEIN_TEST_PRECISION", "exact"))  # exact: compared with the dense reference
     model = build_model(TINY, dict(tiny_weights(0)), config, max_positions=TINY.max_position_embeddings)
     return Engine(model, ByteTokenizer(), config, model_name="tiny")
 

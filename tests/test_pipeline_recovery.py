@@ -220,7 +220,11 @@ def test_a_hung_stage_is_noticed_by_its_heartbeat_and_replaced(model: str, local
         want = _scenario(local, None)
         got = _scenario(pipe, hang)
         assert got == want
-        assert runner.recovery.recoveries == 1 and runner.recovery.restarts == [1, 0]
+        # Stage 0 is replaced once. Stage 1 may be replaced too: its plan in flight waits on
+        # hidden states from the frozen process, and on a loaded machine that wait can
+        # outlast the per-plan deadline before Ray reports the killed owner.
+        assert runner.recovery.restarts[0] == 1 and runner.recovery.restarts[1] in (0, 1)
+        assert runner.recovery.recoveries == sum(runner.recovery.restarts)
         assert pipe.counters.recomputed_tokens > 0
         _check_idle_accounting(pipe)
     finally:
