@@ -49,7 +49,7 @@ from bargein.distributed.replicas import (
 )
 from bargein.distributed.router import Route, Router, Tombstones
 from bargein.distributed.split import PipelineSetupError
-from bargein.engine.async_engine import EngineDeadError
+from bargein.engine.async_engine import EngineDeadError, stream_outputs
 from bargein.engine.engine import EngineError
 from bargein.engine.outputs import OutputProcessor, RequestDelta, end_found_by_consumer
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
@@ -302,17 +302,8 @@ class ReplicaSet:
 
     async def stream(self, request_id: str, stream: RequestStream, *,
                      exit_reason: CancelReason = CancelReason.DISCONNECT) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                out = await self.next_output(stream)
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id, exit_reason, delivered=stream.processor.num_delivered)
+        async for out in stream_outputs(self, request_id, stream, exit_reason):
+            yield out
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, timeout: float | None = None,

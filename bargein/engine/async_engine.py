@@ -176,17 +176,8 @@ class AsyncEngine:
     async def stream(self, request_id: str, stream: RequestStream, *,
                      exit_reason: CancelReason = CancelReason.DISCONNECT) -> AsyncIterator[RequestOutput]:
         """A submitted request's outputs (RequestOutput contract: deltas, cumulative at the end)."""
-        finished = False
-        try:
-            while True:
-                out = await self.next_output(stream)
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.engine.abort(request_id, exit_reason, delivered=stream.processor.num_delivered)
+        async for out in stream_outputs(self, request_id, stream, exit_reason):
+            yield out
 
     async def next_output(self, stream: RequestStream) -> RequestOutput:
         """The next output of a submitted request, read through its stream's processor.
@@ -253,3 +244,22 @@ class AsyncEngine:
 
     async def close_session(self, session_id: str) -> None:
         await self.call(functools.partial(self.engine.close_session, session_id))
+
+
+async def stream_outputs(owner: Any, request_id: str, stream: RequestStream,
+                         exit_reason: CancelReason) -> AsyncIterator[RequestOutput]:
+    """Yields ``owner.next_output(stream)`` until the request finishes; a consumer that
+    leaves first aborts it with ``exit_reason`` and ``delivered=`` what it was handed, so
+    the sequence keeps exactly those tokens (C3). ``owner``: an AsyncEngine or anything
+    with its ``next_output`` and ``abort`` (the replica set)."""
+    finished = False
+    try:
+        while True:
+            out = await owner.next_output(stream)
+            finished = out.finished
+            yield out
+            if finished:
+                return
+    finally:
+        if not finished:
+            owner.abort(request_id, exit_reason, delivered=stream.processor.num_delivered)
