@@ -60,7 +60,7 @@
 #define BLOCK 32
 #define PAIR_BYTES 64 /* two blocks of quantized activations, laid out as described above */
 #define GROUP 8       /* output columns computed together, one to a float lane */
-#define ROWS_VNNI 4   /* rows sharing each unpacked weight pair: VNNI has 32 vector registers */
+#define ROWS_VNNI 6   /* rows sharing each unpacked weight pair: VNNI has 32 vector registers */
 #define ROWS_AVX2 2   /* AVX2 has 16 */
 #define PREFETCH_GROUPS 2 /* how far ahead a one-row pass fetches weights */
 
@@ -283,6 +283,16 @@ static TARGET_AVX2 void build_panels_avx2(const qjob_t *job, int64_t j0, float *
                : _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(Aa, _mm256_sign_epi8(XA, A)), ones),       \
                                   _mm256_madd_epi16(_mm256_maddubs_epi16(Ba, _mm256_sign_epi8(XB, B)), ones)))
 
+/* Four columns' lanes into one sum per column and block: [a0+a2, b0+b2, a1+a3, b1+b3]
+ * per 128-bit half, then [c0, c1, c2, c3] (horizontal adds, but one micro-op apiece). */
+#ifndef SUM_HADD
+#define SUM_PAIRS32(a, b) _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+#define SUM_PAIRS64(a, b) _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+#else
+#define SUM_PAIRS32(a, b) _mm256_hadd_epi32(a, b)
+#define SUM_PAIRS64(a, b) _mm256_hadd_epi32(a, b)
+#endif
+
 /* One pair of blocks (b = 2 pr, and b + 1 when TWO) for the group's eight columns and
  * rows r0 .. r0 + ROWS_N - 1: D per column and block, then the float steps, block b first. */
 #define PAIR_STEP(TWO)                                                                 \
@@ -307,10 +317,10 @@ static TARGET_AVX2 void build_panels_avx2(const qjob_t *job, int64_t j0, float *
                     }                                                                             \
                 }                                                                                 \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)                          \
-                    s[r][cp] = _mm256_hadd_epi32(t[r][0], t[r][1]);                               \
+                    s[r][cp] = SUM_PAIRS32(t[r][0], t[r][1]);                               \
             }                                                                                     \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)                              \
-                h[r][half] = _mm256_hadd_epi32(s[r][0], s[r][1]);                                 \
+                h[r][half] = SUM_PAIRS64(s[r][0], s[r][1]);                                 \
         }                                                                                         \
         const int64_t b = 2 * pr;                                                                 \
         const __m256 sw0 = _mm256_loadu_ps(ts + b * GROUP), mn0 = _mm256_loadu_ps(tm + b * GROUP); \
@@ -412,6 +422,10 @@ static TARGET_AVX2 void group_avx2(const qjob_t *job, const float *panels, int64
 #ifdef BARGEIN_VNNI
 #define VNNI_ROWS(BITS)                                                                           \
     switch (rows) {                                                                               \
+    case 8: group_vnni_bits(job, panels, BITS, j0, r0, 8); break;                                 \
+    case 7: group_vnni_bits(job, panels, BITS, j0, r0, 7); break;                                 \
+    case 6: group_vnni_bits(job, panels, BITS, j0, r0, 6); break;                                 \
+    case 5: group_vnni_bits(job, panels, BITS, j0, r0, 5); break;                                 \
     case 4: group_vnni_bits(job, panels, BITS, j0, r0, 4); break;                                 \
     case 3: group_vnni_bits(job, panels, BITS, j0, r0, 3); break;                                 \
     case 2: group_vnni_bits(job, panels, BITS, j0, r0, 2); break;                                 \
