@@ -71,6 +71,32 @@ def cold_copies(weight: BlockWeight, total_mb: float) -> list[BlockWeight]:
                         None if weight.mins is None else weight.mins.clone()) for _ in range(count)]
 
 
+def measure(kernels: Any, isa: str | None, weight: BlockWeight, packed: torch.Tensor,
+            copies: list[BlockWeight] | None, m: int, budget: float) -> dict[str, float]:
+    """One shape at ``m`` rows: both matmuls' medians (and the cold one-row figure with ``copies``)."""
+    x = torch.randn(m, weight.shape[1], generator=torch.Generator().manual_seed(m))
+
+    def q8(threads: int) -> torch.Tensor:
+        return kernels.q8_block_matmul(x, weight, threads, isa)
+
+    def fp32() -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    q8_cpu, q8_wall1 = median_times(lambda: q8(1), budget, 1)
+    fp_cpu, fp_wall1 = median_times(fp32, budget, 1)
+    _, q8_wall2 = median_times(lambda: q8(2), budget, 2)
+    _, fp_wall2 = median_times(fp32, budget, 2)
+    row = {"q8_cpu_ms": q8_cpu * 1e3, "fp32_cpu_ms": fp_cpu * 1e3, "fp32/q8": fp_cpu / q8_cpu}
+    if copies is not None:
+        turn = iter(range(10**9))
+        cold = median_times(lambda: kernels.q8_block_matmul(x, copies[next(turn) % len(copies)], 1, isa), budget, 1)
+        row["q8_cold_cpu_ms"] = cold[0] * 1e3
+        row["q8_cold_GB_s"] = weight.nbytes / cold[0] / 1e9
+    row.update({"q8_wall_ms_1t": q8_wall1 * 1e3, "q8_wall_ms_2t": q8_wall2 * 1e3,
+                "fp32_wall_ms_1t": fp_wall1 * 1e3, "fp32_wall_ms_2t": fp_wall2 * 1e3})
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--isa", choices=sorted(Q8_ISAS), default=None, help="force the int8 instruction set")
@@ -93,27 +119,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             n, k = weight.shape
             packed = _try_pack(weight.dequantize(), None)
             copies = cold_copies(weight, args.cold_mb)
-            turn = iter(range(10**9))
             for m in rows_list:
                 if name == "lm_head" and m > LM_HEAD_ROWS:
                     continue
-                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-                q8 = lambda t, x=x: kernels.q8_block_matmul(x, weight, t, args.isa)  # noqa: E731
-                fp32 = lambda x=x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
-                row: dict[str, Any] = {"shape": f"{name} {k}->{n}", "rows": m}
-                q8_cpu, q8_wall1 = median_times(lambda: q8(1), budget, 1)
-                fp_cpu, fp_wall1 = median_times(fp32, budget, 1)
-                _, q8_wall2 = median_times(lambda: q8(2), budget, 2)
-                _, fp_wall2 = median_times(fp32, budget, 2)
-                row.update({"q8_cpu_ms": q8_cpu * 1e3, "fp32_cpu_ms": fp_cpu * 1e3,
-                            "fp32/q8": fp_cpu / q8_cpu})
-                if m == 1:
-                    cold = lambda x=x: kernels.q8_block_matmul(x, copies[next(turn) % len(copies)], 1,  # noqa: E731
-                                                               args.isa)
-                    row["q8_cold_cpu_ms"] = median_times(cold, budget, 1)[0] * 1e3
-                    row["q8_cold_GB_s"] = weight.nbytes / (row["q8_cold_cpu_ms"] / 1e3) / 1e9
-                row.update({"q8_wall_ms_1t": q8_wall1 * 1e3, "q8_wall_ms_2t": q8_wall2 * 1e3,
-                            "fp32_wall_ms_1t": fp_wall1 * 1e3, "fp32_wall_ms_2t": fp_wall2 * 1e3})
+                row = {"shape": f"{name} {k}->{n}", "rows": m}
+                row.update(measure(kernels, args.isa, weight, packed, copies if m == 1 else None, m, budget))
                 table.append(row)
                 print(row, file=sys.stderr, flush=True)
     finally:
