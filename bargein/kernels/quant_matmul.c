@@ -62,6 +62,9 @@
 #define GROUP 8       /* output columns computed together, one to a float lane */
 #define ROWS_VNNI 6   /* rows sharing each unpacked weight pair: VNNI has 32 vector registers */
 #define ROWS_AVX2 2   /* AVX2 has 16 */
+#define GEMM_ROWS 6   /* rows per pass of the many-row VNNI path */
+#define GEMM_MIN_ROWS_Q4 8  /* from here on VNNI repacks each tile of sixteen columns (measured) */
+#define GEMM_MIN_ROWS_Q8 16 /* 8-bit tiles cost twice the repacking */
 #define PREFETCH_GROUPS 2 /* how far ahead a one-row pass fetches weights */
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
@@ -73,7 +76,8 @@ typedef struct {
     const uint8_t *qs;
     const float *scales, *mins;
     float *y;
-    float *panels; /* per thread: 2 * nb * GROUP floats (scales, then mins, block-major) */
+    float *panels; /* per thread: 4 * nb * GROUP floats (scales, then mins, block-major; twice) */
+    void *tiles;   /* per thread: 16 * nb 32-byte vectors, the many-row path's repacked tile */
     int64_t m, k, n, nb, pairs;
     int bits;
 } qjob_t;
@@ -297,7 +301,7 @@ static TARGET_AVX2 void build_panels_avx2(const qjob_t *job, int64_t j0, float *
  * rows r0 .. r0 + ROWS_N - 1: D per column and block, then the float steps, block b first. */
 #define PAIR_STEP(TWO)                                                                 \
     {                                                                                             \
-        if (ROWS_N == 1) /* one row outruns what the prefetcher guesses of 8 streams */            \
+        if (r0 == 0) /* the first pass outruns what the prefetcher guesses of 8 streams */          \
             for (int64_t line = pr * ahead_step; line < (pr + 1) * ahead_step && line < ahead_bytes;\
                  line += 64)                                                                       \
                 _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);                           \
@@ -422,8 +426,6 @@ static TARGET_AVX2 void group_avx2(const qjob_t *job, const float *panels, int64
 #ifdef BARGEIN_VNNI
 #define VNNI_ROWS(BITS)                                                                           \
     switch (rows) {                                                                               \
-    case 8: group_vnni_bits(job, panels, BITS, j0, r0, 8); break;                                 \
-    case 7: group_vnni_bits(job, panels, BITS, j0, r0, 7); break;                                 \
     case 6: group_vnni_bits(job, panels, BITS, j0, r0, 6); break;                                 \
     case 5: group_vnni_bits(job, panels, BITS, j0, r0, 5); break;                                 \
     case 4: group_vnni_bits(job, panels, BITS, j0, r0, 4); break;                                 \
@@ -439,6 +441,134 @@ static TARGET_VNNI void group_vnni(const qjob_t *job, const float *panels, int64
     }
 }
 #endif
+
+/* ---- VNNI for many rows: a column-interleaved tile, no horizontal sums --------------- */
+
+#ifdef BARGEIN_VNNI
+/* Eight rows of eight 32-bit values, transposed in place. */
+static inline TARGET_VNNI __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* Columns j0 .. j0 + 15's quants as unsigned bytes (4 bits: q; 8 bits: q + 128), in
+ * 32-byte vectors tile[(b * 8 + g) * 2 + v]: lane c holds elements 4g .. 4g + 3 of block
+ * b of column j0 + 8v + c (the last column's where that is n or more). */
+static TARGET_VNNI void repack_tile(const qjob_t *job, int64_t j0, __m256i *tile) {
+    const int64_t nb = job->nb, n = job->n, bytes = (job->bits == 4 ? BLOCK / 2 : BLOCK) * nb;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), offset = _mm256_set1_epi8((char)0x80);
+    for (int v = 0; v < 2; v++) {
+        const uint8_t *src[GROUP];
+        for (int c = 0; c < GROUP; c++) src[c] = job->qs + (j0 + 8 * v + c < n ? j0 + 8 * v + c : n - 1) * bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i *out = tile + b * 16 + v;
+            if (job->bits == 4) { /* dwords 0-3 of 16 bytes: low nibbles groups 0-3, high 4-7 */
+                __m256 r[8];
+                for (int c = 0; c < GROUP; c++)
+                    r[c] = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadu_si128((const __m128i *)(src[c] + b * 16))));
+                transpose8(r);
+                for (int g = 0; g < 4; g++) {
+                    const __m256i q = _mm256_castps_si256(r[g]);
+                    out[2 * g] = _mm256_and_si256(q, nibble);
+                    out[2 * (g + 4)] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
+                }
+            } else {
+                __m256 r[8];
+                for (int c = 0; c < GROUP; c++) r[c] = _mm256_loadu_ps((const float *)(src[c] + b * BLOCK));
+                transpose8(r);
+                for (int g = 0; g < 8; g++) out[2 * g] = _mm256_xor_si256(_mm256_castps_si256(r[g]), offset);
+            }
+        }
+    }
+}
+
+/* Rows r0 .. r0 + ROWS_N - 1 of the tile's sixteen columns: per block, D by eight
+ * vpdpbusd of four-byte groups (8 bits: from -128 * sum(xq), undoing the offset), then
+ * the float steps of the header, columns in lanes. */
+static inline TARGET_VNNI __attribute__((always_inline)) void gemm_rows(const qjob_t *job, const __m256i *tile,
+                                                                        const float *panels, int bits, int64_t j0,
+                                                                        int64_t r0, const int ROWS_N) {
+    const int64_t nb = job->nb, n = job->n, row_bytes = job->pairs * PAIR_BYTES;
+    const float *ts[2] = {panels, panels + 2 * nb * GROUP}, *tm[2] = {panels + nb * GROUP, panels + 3 * nb * GROUP};
+    const int8_t *x = job->xq + r0 * row_bytes;
+    __m256 acc[GEMM_ROWS][2];
+    for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i dot[GEMM_ROWS][2];
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+            dot[r][0] = bits == 8 ? _mm256_set1_epi32(-job->xc[(r0 + r) * nb + b]) : _mm256_setzero_si256();
+            dot[r][1] = dot[r][0];
+        }
+        const int8_t *xb = x + (b / 2) * PAIR_BYTES + (b % 2) * (BLOCK / 2);
+        const __m256i *wb = tile + b * 16;
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
+            const __m256i w0 = _mm256_loadu_si256(wb + 2 * g), w1 = _mm256_loadu_si256(wb + 2 * g + 1);
+            const int at = g < 4 ? 4 * g : BLOCK + 4 * (g - 4);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                int32_t four;
+                memcpy(&four, xb + r * row_bytes + at, 4);
+                const __m256i xv = _mm256_set1_epi32(four);
+                dot[r][0] = _mm256_dpbusd_epi32(dot[r][0], w0, xv);
+                dot[r][1] = _mm256_dpbusd_epi32(dot[r][1], w1, xv);
+            }
+        }
+        _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+            const __m256 sw = _mm256_loadu_ps(ts[v] + b * GROUP), mn = _mm256_loadu_ps(tm[v] + b * GROUP);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                const int64_t cell = (r0 + r) * nb + b;
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][v]), _mm256_mul_ps(sw, _mm256_set1_ps(job->xd[cell])),
+                                            acc[r][v]);
+                if (bits == 4) acc[r][v] = _mm256_fmadd_ps(mn, _mm256_set1_ps(job->xs[cell]), acc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS_N; r++)
+        for (int v = 0; v < 2; v++) {
+            const int64_t j = j0 + 8 * v;
+            if (j >= n) break;
+            float *out = job->y + (r0 + r) * n + j;
+            if (j + GROUP <= n) {
+                _mm256_storeu_ps(out, acc[r][v]);
+            } else {
+                float lanes[GROUP];
+                _mm256_storeu_ps(lanes, acc[r][v]);
+                for (int c = 0; c < n - j; c++) out[c] = lanes[c];
+            }
+        }
+}
+
+#define GEMM_ROWS_CASES(BITS)                                                                     \
+    switch (rows) {                                                                               \
+    case 6: gemm_rows(job, tile, panels, BITS, j0, r0, 6); break;                                 \
+    case 5: gemm_rows(job, tile, panels, BITS, j0, r0, 5); break;                                 \
+    case 4: gemm_rows(job, tile, panels, BITS, j0, r0, 4); break;                                 \
+    case 3: gemm_rows(job, tile, panels, BITS, j0, r0, 3); break;                                 \
+    case 2: gemm_rows(job, tile, panels, BITS, j0, r0, 2); break;                                 \
+    default: gemm_rows(job, tile, panels, BITS, j0, r0, 1);                                       \
+    }
+static TARGET_VNNI void gemm_vnni(const qjob_t *job, const __m256i *tile, const float *panels, int64_t j0, int64_t r0,
+                                  int rows) {
+    if (job->bits == 4) {
+        GEMM_ROWS_CASES(4)
+    } else {
+        GEMM_ROWS_CASES(8)
+    }
+}
+#endif /* BARGEIN_VNNI */
 #endif /* BARGEIN_X86 */
 
 /* 1 where this CPU (and its operating system) runs the instruction set, else 0. */
@@ -465,15 +595,17 @@ typedef struct {
     const qjob_t *job;
     group_fn group; /* NULL: plain C */
     int rows;       /* the group function's rows at a time, at most */
+    int gemm;       /* VNNI with many rows: tiles of sixteen columns, repacked */
 } run_t;
 
-/* Output columns [n * index / count, n * (index + 1) / count) in whole groups of eight,
- * every row; a group's weights stay in the first-level cache while every row passes
- * over them. The order of the work changes no value. */
+/* Output columns [n * index / count, n * (index + 1) / count) in whole groups of eight
+ * (tiles of sixteen for the many-row path), every row; a group's weights stay in the
+ * first-level cache while every row passes over them. The order of the work changes
+ * no value. */
 static void run_groups(void *arg, int index, int count) {
     const run_t *run = (const run_t *)arg;
     const qjob_t *job = run->job;
-    const int64_t groups = (job->n + GROUP - 1) / GROUP;
+    const int64_t width = run->gemm ? 2 * GROUP : GROUP, groups = (job->n + width - 1) / width;
     const int64_t g0 = groups * index / count, g1 = groups * (index + 1) / count;
     if (run->group == NULL) {
         for (int64_t j = g0 * GROUP; j < g1 * GROUP && j < job->n; j++)
@@ -481,7 +613,26 @@ static void run_groups(void *arg, int index, int count) {
         return;
     }
 #ifdef BARGEIN_X86
-    float *panels = job->panels + (int64_t)index * 2 * job->nb * GROUP;
+    float *panels = job->panels + (int64_t)index * 4 * job->nb * GROUP;
+#ifdef BARGEIN_VNNI
+    if (run->gemm) {
+        __m256i *tile = (__m256i *)job->tiles + (int64_t)index * 16 * job->nb;
+        for (int64_t g = g0; g < g1; g++) {
+            const int64_t j0 = g * width;
+            build_panels_avx2(job, j0, panels);
+            build_panels_avx2(job, j0 + GROUP < job->n ? j0 + GROUP : job->n - 1, panels + 2 * job->nb * GROUP);
+            repack_tile(job, j0, tile);
+            /* the next tile's weights, fetched while the rows pass over this one */
+            const int64_t bytes = (job->bits == 4 ? BLOCK / 2 : BLOCK) * job->nb;
+            const int64_t next = (j0 + width < job->n ? j0 + width : job->n) * bytes;
+            const int64_t stop = (j0 + 2 * width < job->n ? j0 + 2 * width : job->n) * bytes;
+            for (int64_t at = next; at < stop; at += 64) _mm_prefetch((const char *)(job->qs + at), _MM_HINT_T0);
+            for (int64_t r0 = 0; r0 < job->m; r0 += GEMM_ROWS)
+                gemm_vnni(job, tile, panels, j0, r0, job->m - r0 < GEMM_ROWS ? (int)(job->m - r0) : GEMM_ROWS);
+        }
+        return;
+    }
+#endif
     for (int64_t g = g0; g < g1; g++) {
         build_panels_avx2(job, g * GROUP, panels);
         for (int64_t r0 = 0; r0 < job->m; r0 += run->rows)
@@ -498,13 +649,16 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     const int64_t nb = k / BLOCK, pairs = (nb + 1) / 2, groups = (n + GROUP - 1) / GROUP;
     if (num_threads > groups) num_threads = (int)groups;
     if (num_threads < 1) num_threads = 1;
-    const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
+    const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1), blocks = (size_t)(nb > 0 ? nb : 1);
+    const int gemm = isa == ISA_VNNI && m >= (bits == 4 ? GEMM_MIN_ROWS_Q4 : GEMM_MIN_ROWS_Q8);
+    if (gemm && num_threads > (n + 2 * GROUP - 1) / (2 * GROUP)) num_threads = (int)((n + 2 * GROUP - 1) / (2 * GROUP));
     int8_t *xq = malloc((size_t)(m * pairs > 0 ? m * pairs * PAIR_BYTES : 1));
     float *xd = malloc(sizeof(float) * cells), *xs = malloc(sizeof(float) * cells);
     int32_t *xc = malloc(sizeof(int32_t) * cells);
-    float *panels = malloc(sizeof(float) * (size_t)(2 * num_threads * (nb > 0 ? nb : 1) * GROUP));
+    float *panels = malloc(sizeof(float) * 4 * GROUP * blocks * (size_t)num_threads);
+    void *tiles = gemm ? aligned_alloc(64, 512 * blocks * (size_t)num_threads) : NULL;
     int status = 0;
-    if (!xq || !xd || !xs || !xc || !panels) {
+    if (!xq || !xd || !xs || !xc || !panels || (gemm && !tiles)) {
         status = -1;
         goto done;
     }
@@ -516,12 +670,12 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     if (isa != ISA_C) quantize = quantize_rows_avx2;
 #endif
     bargein_parallel_run(quantize, &quant, quant_threads > 1 ? (int)quant_threads : 1);
-    qjob_t job = {xq, xd, xs, xc, qs, scales, mins, y, panels, m, k, n, nb, pairs, bits};
-    run_t run = {&job, NULL, 1};
+    qjob_t job = {xq, xd, xs, xc, qs, scales, mins, y, panels, tiles, m, k, n, nb, pairs, bits};
+    run_t run = {&job, NULL, 1, 0};
 #ifdef BARGEIN_X86
-    if (isa == ISA_AVX2) run = (run_t){&job, group_avx2, ROWS_AVX2};
+    if (isa == ISA_AVX2) run = (run_t){&job, group_avx2, ROWS_AVX2, 0};
 #ifdef BARGEIN_VNNI
-    if (isa == ISA_VNNI) run = (run_t){&job, group_vnni, ROWS_VNNI};
+    if (isa == ISA_VNNI) run = (run_t){&job, group_vnni, ROWS_VNNI, gemm};
 #endif
 #endif
     bargein_parallel_run(run_groups, &run, num_threads);
@@ -531,5 +685,6 @@ done:
     free(xs);
     free(xc);
     free(panels);
+    free(tiles);
     return status;
 }
