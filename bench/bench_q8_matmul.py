@@ -103,12 +103,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget", type=float, default=0.15, help="seconds of repeats per figure")
     parser.add_argument("--cold-mb", type=float, default=96.0, help="weight copies for the cold one-row figure")
     parser.add_argument("--shapes", default=None, help="comma-separated subset of qkv,wo,gate_up,down,lm_head")
+    parser.add_argument("--rows", default=None, help="comma-separated row counts (default: 1,4,8,16,32,128,512)")
     args = parser.parse_args(argv)
     kernels = load_native_kernels()
     if kernels is None:
         raise SystemExit("the native kernels are unavailable here (no C compiler?)")
     budget = 0.03 if args.quick else args.budget
-    rows_list = (1, 32) if args.quick else ROWS
+    rows_list = tuple(int(r) for r in args.rows.split(",")) if args.rows else (1, 32) if args.quick else ROWS
     weights = shapes(args.model)
     if args.shapes:
         weights = {k: v for k, v in weights.items() if k in args.shapes.split(",")}

@@ -304,7 +304,7 @@ static TARGET_AVX2 void build_panels_avx2(const qjob_t *job, int64_t j0, float *
         if (r0 == 0) /* the first pass outruns what the prefetcher guesses of 8 streams */          \
             for (int64_t line = pr * ahead_step; line < (pr + 1) * ahead_step && line < ahead_bytes;\
                  line += 64)                                                                       \
-                _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);                           \
+                _mm_prefetch((const char *)(ahead + line), _MM_HINT_T1);                           \
         __m256i h[ROWS_MAX][2];                                                                   \
         _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                            \
             __m256i s[ROWS_MAX][2];                                                               \
