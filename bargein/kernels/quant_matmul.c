@@ -21,20 +21,30 @@
  * k: rows are grouped only so that a weight block, once unpacked, serves several rows;
  * columns go eight at a time, one to a float lane; work is split over output columns,
  * never over k. So row r of an m-row call equals a 1-row call of that row, for any
- * thread count, bit for bit, and the instruction sets (AVX-512 VNNI on 256-bit
- * registers, AVX2, plain C) agree bit for bit too. (D_b is exact in float: |D_b| <= 32 *
- * 127 * 127 < 2^24.)
+ * thread count, bit for bit, and every path (AVX-512 VNNI on 256-bit registers, its
+ * many-row variant, AVX2, plain C) gives the same bits. (D_b is exact in float: |D_b| <=
+ * 32 * 127 * 127 < 2^24.) An earlier version summed each block in eight float lanes,
+ * even and odd blocks apart, with a tree at the end: results differ from it in the last
+ * bits; fast's perplexity stays within 1% of exact's (tests/test_perplexity.py).
  *
  * How the vector paths get there. A row's quantized blocks are stored in pairs, each pair
  * (b, b + 1) as 64 bytes [x_b 0..15 | x_b+1 0..15 | x_b 16..31 | x_b+1 16..31], the two
  * halves of a 256-bit register each, which is exactly where one 32-byte load of the two
- * blocks' 4-bit quants puts low and high nibbles. Two byte dot products (vpdpbusd, or
- * maddubs + madd) give per column eight int32 lanes, four for each block of the pair;
- * horizontal adds over four columns and a lane shuffle turn eight columns' registers
- * into D_b and D_b+1 with one column per lane, and the float steps above run on eight
- * columns at once, their scales and mins gathered once per column group into block-major
- * panels. 8-bit weights: VNNI multiplies unsigned by signed bytes, so it takes q + 128
- * and subtracts 128 * sum(xq) (exact, in int32); AVX2 takes |q| and moves q's sign onto x.
+ * blocks' 4-bit quants puts low and high nibbles.
+ * - Few rows: two byte dot products (vpdpbusd, or maddubs + madd) give per column eight
+ *   int32 lanes, four for each block of the pair; unpack-and-add steps over four columns
+ *   and a lane shuffle turn eight columns' registers into D_b and D_b+1 with one column
+ *   per lane, and the float steps run on eight columns at once, their scales and mins
+ *   gathered once per column group into block-major panels. Weights two groups ahead are
+ *   prefetched: eight interleaved column streams are more than the hardware prefetcher
+ *   follows at one row's speed.
+ * - Many rows (VNNI; from GEMM_MIN_ROWS_*): each tile of sixteen columns is repacked once
+ *   per call so that a 32-byte vector holds four consecutive quants of eight columns;
+ *   a row's four matching activation bytes, broadcast, meet it in one vpdpbusd, and eight
+ *   of them make D_b for eight columns with no horizontal sums. Six rows by sixteen
+ *   columns of accumulators stay in registers.
+ * 8-bit weights: VNNI multiplies unsigned by signed bytes, so it takes q + 128 and
+ * subtracts 128 * sum(xq) (exact, in int32); AVX2 takes |q| and moves q's sign onto x.
  *
  * The instruction set is chosen at run time from the CPU (isa < 0: VNNI where present,
  * else AVX2, else plain C), or forced (tests): 0 plain C, 1 AVX2, 2 AVX-512 VNNI.
