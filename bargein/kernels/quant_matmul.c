@@ -636,7 +636,7 @@ static void run_groups(void *arg, int index, int count) {
             const int64_t bytes = (job->bits == 4 ? BLOCK / 2 : BLOCK) * job->nb;
             const int64_t next = (j0 + width < job->n ? j0 + width : job->n) * bytes;
             const int64_t stop = (j0 + 2 * width < job->n ? j0 + 2 * width : job->n) * bytes;
-            for (int64_t at = next; at < stop; at += 64) _mm_prefetch((const char *)(job->qs + at), _MM_HINT_T0);
+            for (int64_t at = next; at < stop; at += 64) _mm_prefetch((const char *)(job->qs + at), _MM_HINT_T1);
             for (int64_t r0 = 0; r0 < job->m; r0 += GEMM_ROWS)
                 gemm_vnni(job, tile, panels, j0, r0, job->m - r0 < GEMM_ROWS ? (int)(job->m - r0) : GEMM_ROWS);
         }
