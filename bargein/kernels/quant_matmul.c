@@ -38,11 +38,13 @@
  *   gathered once per column group into block-major panels. Weights two groups ahead are
  *   prefetched: eight interleaved column streams are more than the hardware prefetcher
  *   follows at one row's speed.
- * - Many rows (VNNI; from GEMM_MIN_ROWS_*): each tile of sixteen columns is repacked once
- *   per call so that a 32-byte vector holds four consecutive quants of eight columns;
- *   a row's four matching activation bytes, broadcast, meet it in one vpdpbusd, and eight
- *   of them make D_b for eight columns with no horizontal sums. Six rows by sixteen
- *   columns of accumulators stay in registers.
+ * - Many rows (VNNI from GEMM_MIN_ROWS_Q4/Q8; AVX2 from GEMM_MIN_ROWS_AVX2, 4-bit weights
+ *   only): each tile of sixteen columns is repacked once per call so that a 32-byte
+ *   vector holds four consecutive quants of eight columns; a row's four matching
+ *   activation bytes, broadcast, meet it in one vpdpbusd (AVX2: maddubs, summed in int16
+ *   lanes, then one madd), and eight of them make D_b for eight columns with no
+ *   horizontal sums. Six (AVX2: three) rows by sixteen columns of accumulators stay in
+ *   registers.
  * 8-bit weights: VNNI multiplies unsigned by signed bytes, so it takes q + 128 and
  * subtracts 128 * sum(xq) (exact, in int32); AVX2 takes |q| and moves q's sign onto x.
  *
@@ -73,8 +75,10 @@
 #define ROWS_VNNI 6   /* rows sharing each unpacked weight pair: VNNI has 32 vector registers */
 #define ROWS_AVX2 2   /* AVX2 has 16 */
 #define GEMM_ROWS 6   /* rows per pass of the many-row VNNI path */
+#define GEMM_ROWS_AVX2 3 /* and of AVX2's (4-bit weights only): sixteen registers */
 #define GEMM_MIN_ROWS_Q4 8  /* from here on VNNI repacks each tile of sixteen columns (measured) */
 #define GEMM_MIN_ROWS_Q8 16 /* 8-bit tiles cost twice the repacking */
+#define GEMM_MIN_ROWS_AVX2 8
 #define PREFETCH_GROUPS 2 /* how far ahead a one-row pass fetches weights */
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
@@ -454,9 +458,8 @@ static TARGET_VNNI void group_vnni(const qjob_t *job, const float *panels, int64
 
 /* ---- VNNI for many rows: a column-interleaved tile, no horizontal sums --------------- */
 
-#ifdef BARGEIN_VNNI
 /* Eight rows of eight 32-bit values, transposed in place. */
-static inline TARGET_VNNI __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+static inline TARGET_AVX2 __attribute__((always_inline)) void transpose8(__m256 r[8]) {
     const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
     const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
     const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -478,7 +481,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void transpose8(__m256 
 /* Columns j0 .. j0 + 15's quants as unsigned bytes (4 bits: q; 8 bits: q + 128), in
  * 32-byte vectors tile[(b * 8 + g) * 2 + v]: lane c holds elements 4g .. 4g + 3 of block
  * b of column j0 + 8v + c (the last column's where that is n or more). */
-static TARGET_VNNI void repack_tile(const qjob_t *job, int64_t j0, __m256i *tile) {
+static TARGET_AVX2 void repack_tile(const qjob_t *job, int64_t j0, __m256i *tile) {
     const int64_t nb = job->nb, n = job->n, bytes = (job->bits == 4 ? BLOCK / 2 : BLOCK) * nb;
     const __m256i nibble = _mm256_set1_epi8(0x0F), offset = _mm256_set1_epi8((char)0x80);
     for (int v = 0; v < 2; v++) {
@@ -506,6 +509,71 @@ static TARGET_VNNI void repack_tile(const qjob_t *job, int64_t j0, __m256i *tile
     }
 }
 
+/* AVX2, 4-bit weights: gemm_rows with maddubs for vpdpbusd. A column's eight maddubs of
+ * a block add up in int16 lanes without overflow (at most 8 * 2 * 15 * 127 = 30480), and
+ * one madd against ones makes D. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void gemm_rows_avx2(const qjob_t *job, const __m256i *tile,
+                                                                             const float *panels, int64_t j0,
+                                                                             int64_t r0, const int ROWS_N) {
+    const int64_t nb = job->nb, n = job->n, row_bytes = job->pairs * PAIR_BYTES;
+    const float *ts[2] = {panels, panels + 2 * nb * GROUP}, *tm[2] = {panels + nb * GROUP, panels + 3 * nb * GROUP};
+    const int8_t *x = job->xq + r0 * row_bytes;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[GEMM_ROWS_AVX2][2];
+    for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i dot[GEMM_ROWS_AVX2][2];
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+        const int8_t *xb = x + (b / 2) * PAIR_BYTES + (b % 2) * (BLOCK / 2);
+        const __m256i *wb = tile + b * 16;
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
+            const __m256i w0 = _mm256_loadu_si256(wb + 2 * g), w1 = _mm256_loadu_si256(wb + 2 * g + 1);
+            const int at = g < 4 ? 4 * g : BLOCK + 4 * (g - 4);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                int32_t four;
+                memcpy(&four, xb + r * row_bytes + at, 4);
+                const __m256i xv = _mm256_set1_epi32(four);
+                dot[r][0] = _mm256_add_epi16(dot[r][0], _mm256_maddubs_epi16(w0, xv));
+                dot[r][1] = _mm256_add_epi16(dot[r][1], _mm256_maddubs_epi16(w1, xv));
+            }
+        }
+        _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+            const __m256 sw = _mm256_loadu_ps(ts[v] + b * GROUP), mn = _mm256_loadu_ps(tm[v] + b * GROUP);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                const int64_t cell = (r0 + r) * nb + b;
+                const __m256i d = _mm256_madd_epi16(dot[r][v], ones);
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sw, _mm256_set1_ps(job->xd[cell])),
+                                            acc[r][v]);
+                acc[r][v] = _mm256_fmadd_ps(mn, _mm256_set1_ps(job->xs[cell]), acc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS_N; r++)
+        for (int v = 0; v < 2; v++) {
+            const int64_t j = j0 + 8 * v;
+            if (j >= n) break;
+            float *out = job->y + (r0 + r) * n + j;
+            if (j + GROUP <= n) {
+                _mm256_storeu_ps(out, acc[r][v]);
+            } else {
+                float lanes[GROUP];
+                _mm256_storeu_ps(lanes, acc[r][v]);
+                for (int c = 0; c < n - j; c++) out[c] = lanes[c];
+            }
+        }
+}
+
+static TARGET_AVX2 void gemm_avx2(const qjob_t *job, const void *tiles, const float *panels, int64_t j0, int64_t r0,
+                                  int rows) {
+    const __m256i *tile = (const __m256i *)tiles;
+    switch (rows) {
+    case 3: gemm_rows_avx2(job, tile, panels, j0, r0, 3); break;
+    case 2: gemm_rows_avx2(job, tile, panels, j0, r0, 2); break;
+    default: gemm_rows_avx2(job, tile, panels, j0, r0, 1);
+    }
+}
+
+#ifdef BARGEIN_VNNI
 /* Rows r0 .. r0 + ROWS_N - 1 of the tile's sixteen columns: per block, D by eight
  * vpdpbusd of four-byte groups (8 bits: from -128 * sum(xq), undoing the offset), then
  * the float steps of the header, columns in lanes. */
@@ -570,8 +638,9 @@ static inline TARGET_VNNI __attribute__((always_inline)) void gemm_rows(const qj
     case 2: gemm_rows(job, tile, panels, BITS, j0, r0, 2); break;                                 \
     default: gemm_rows(job, tile, panels, BITS, j0, r0, 1);                                       \
     }
-static TARGET_VNNI void gemm_vnni(const qjob_t *job, const __m256i *tile, const float *panels, int64_t j0, int64_t r0,
+static TARGET_VNNI void gemm_vnni(const qjob_t *job, const void *tiles, const float *panels, int64_t j0, int64_t r0,
                                   int rows) {
+    const __m256i *tile = (const __m256i *)tiles;
     if (job->bits == 4) {
         GEMM_ROWS_CASES(4)
     } else {
@@ -605,7 +674,9 @@ typedef struct {
     const qjob_t *job;
     group_fn group; /* NULL: plain C */
     int rows;       /* the group function's rows at a time, at most */
-    int gemm;       /* VNNI with many rows: tiles of sixteen columns, repacked */
+    /* many rows: tiles of sixteen columns, repacked, by this function (else NULL) */
+    void (*gemm)(const qjob_t *, const void *, const float *, int64_t, int64_t, int);
+    int gemm_rows;
 } run_t;
 
 /* Output columns [n * index / count, n * (index + 1) / count) in whole groups of eight
@@ -624,7 +695,6 @@ static void run_groups(void *arg, int index, int count) {
     }
 #ifdef BARGEIN_X86
     float *panels = job->panels + (int64_t)index * 4 * job->nb * GROUP;
-#ifdef BARGEIN_VNNI
     if (run->gemm) {
         __m256i *tile = (__m256i *)job->tiles + (int64_t)index * 16 * job->nb;
         for (int64_t g = g0; g < g1; g++) {
@@ -637,12 +707,11 @@ static void run_groups(void *arg, int index, int count) {
             const int64_t next = (j0 + width < job->n ? j0 + width : job->n) * bytes;
             const int64_t stop = (j0 + 2 * width < job->n ? j0 + 2 * width : job->n) * bytes;
             for (int64_t at = next; at < stop; at += 64) _mm_prefetch((const char *)(job->qs + at), _MM_HINT_T1);
-            for (int64_t r0 = 0; r0 < job->m; r0 += GEMM_ROWS)
-                gemm_vnni(job, tile, panels, j0, r0, job->m - r0 < GEMM_ROWS ? (int)(job->m - r0) : GEMM_ROWS);
+            for (int64_t r0 = 0; r0 < job->m; r0 += run->gemm_rows)
+                run->gemm(job, tile, panels, j0, r0, job->m - r0 < run->gemm_rows ? (int)(job->m - r0) : run->gemm_rows);
         }
         return;
     }
-#endif
     for (int64_t g = g0; g < g1; g++) {
         build_panels_avx2(job, g * GROUP, panels);
         for (int64_t r0 = 0; r0 < job->m; r0 += run->rows)
@@ -660,7 +729,9 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     if (num_threads > groups) num_threads = (int)groups;
     if (num_threads < 1) num_threads = 1;
     const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1), blocks = (size_t)(nb > 0 ? nb : 1);
-    const int gemm = isa == ISA_VNNI && m >= (bits == 4 ? GEMM_MIN_ROWS_Q4 : GEMM_MIN_ROWS_Q8);
+    /* many rows: VNNI for both widths, AVX2 for 4 bits (8-bit maddubs sums cannot share int16 lanes) */
+    const int gemm = (isa == ISA_VNNI && m >= (bits == 4 ? GEMM_MIN_ROWS_Q4 : GEMM_MIN_ROWS_Q8)) ||
+                     (isa == ISA_AVX2 && bits == 4 && m >= GEMM_MIN_ROWS_AVX2);
     if (gemm && num_threads > (n + 2 * GROUP - 1) / (2 * GROUP)) num_threads = (int)((n + 2 * GROUP - 1) / (2 * GROUP));
     int8_t *xq = malloc((size_t)(m * pairs > 0 ? m * pairs * PAIR_BYTES : 1));
     float *xd = malloc(sizeof(float) * cells), *xs = malloc(sizeof(float) * cells);
@@ -681,11 +752,11 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
 #endif
     bargein_parallel_run(quantize, &quant, quant_threads > 1 ? (int)quant_threads : 1);
     qjob_t job = {xq, xd, xs, xc, qs, scales, mins, y, panels, tiles, m, k, n, nb, pairs, bits};
-    run_t run = {&job, NULL, 1, 0};
+    run_t run = {&job, NULL, 1, NULL, 0};
 #ifdef BARGEIN_X86
-    if (isa == ISA_AVX2) run = (run_t){&job, group_avx2, ROWS_AVX2, 0};
+    if (isa == ISA_AVX2) run = (run_t){&job, group_avx2, ROWS_AVX2, gemm ? gemm_avx2 : NULL, GEMM_ROWS_AVX2};
 #ifdef BARGEIN_VNNI
-    if (isa == ISA_VNNI) run = (run_t){&job, group_vnni, ROWS_VNNI, gemm};
+    if (isa == ISA_VNNI) run = (run_t){&job, group_vnni, ROWS_VNNI, gemm ? gemm_vnni : NULL, GEMM_ROWS};
 #endif
 #endif
     bargein_parallel_run(run_groups, &run, num_threads);
