@@ -9,7 +9,9 @@ machine lacks are skipped, by name, so a run says which were checked.
 from __future__ import annotations
 
 import logging
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,21 +86,80 @@ def test_int8_matmul_is_within_its_quantization_bound_of_float64(isa: str, kind:
 
 @needs_kernels
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_int8_matmul_rows_threads_and_instruction_sets_agree_bit_for_bit(kind: str) -> None:
+@pytest.mark.parametrize(("n", "k"), [(45, 576), (13, 96), (8, 32)])  # partial column groups, an odd block count
+def test_int8_matmul_rows_threads_and_instruction_sets_agree_bit_for_bit(kind: str, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(7)
-    weight = WEIGHTS[kind](45, 576, g)
-    x = torch.randn(21, 576, generator=g)
+    weight = WEIGHTS[kind](n, k, g)
+    x = torch.randn(21, k, generator=g)
     isas = [name for name in Q8_ISAS if KERNELS.q8_isa_available(name)]
     results = [KERNELS.q8_block_matmul(x, weight, t, isa) for isa in isas for t in THREADS]
     for other in results[1:]:
         assert torch.equal(other, results[0])
-    for r in (0, 7, 8, 20):  # alone, and within every group of eight rows
-        for t in THREADS:
-            alone = KERNELS.q8_block_matmul(x[r:r + 1].contiguous(), weight, t)
-            assert torch.equal(alone[0], results[0][r])
+    for r in (0, 5, 6, 7, 8, 20):  # alone, and at every place within the row groups (2 for AVX2, 6 for VNNI)
+        for isa in isas:
+            for t in THREADS:
+                alone = KERNELS.q8_block_matmul(x[r:r + 1].contiguous(), weight, t, isa)
+                assert torch.equal(alone[0], results[0][r])
     for start, stop in ((3, 12), (5, 6), (8, 21)):
         part = KERNELS.q8_block_matmul(x[start:stop].contiguous(), weight, 2)
         assert torch.equal(part, results[0][start:stop])
+
+
+def _round_f32(value: Fraction) -> float:
+    """``value`` rounded once to the nearest float32 (ties to even), as an fma rounds."""
+    guess = np.float32(float(value))  # within one float32 step: float() may round once already
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))]
+    best = min(candidates, key=lambda c: (abs(Fraction(float(c)) - value), int(c.view(np.int32)) & 1))
+    return float(best)
+
+
+def _fma_f32(a: float, b: float, c: float) -> float:
+    return _round_f32(Fraction(a) * Fraction(b) + Fraction(c))
+
+
+def spec_q8_matmul(x: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    """quant_matmul.c's documented arithmetic, step by step, each fma rounded exactly once."""
+    f32 = np.float32
+    m, k = x.shape
+    n, nb = weight.shape[0], k // BLOCK
+    if weight.bits == 4:
+        q = torch.cat([weight.qs & 0x0F, weight.qs >> 4], dim=-1).long()
+    else:
+        q = weight.qs.long()
+    y = torch.empty(m, n)
+    for r in range(m):
+        xq, xd, xs = [], [], []
+        for b in range(nb):
+            block = x[r, b * BLOCK:(b + 1) * BLOCK].numpy()
+            d = f32(np.abs(block).max()) / f32(127)
+            inv = f32(1) / d if d > 0 else f32(0)
+            v = np.clip(np.rint(block * inv), -127, 127).astype(np.int64)
+            xq.append(torch.from_numpy(v))
+            xd.append(d)
+            xs.append(d * f32(int(v.sum())))
+        for j in range(n):
+            acc = 0.0
+            for b in range(nb):
+                dot = int((q[j, b] * xq[b]).sum())
+                acc = _fma_f32(float(dot), float(f32(weight.scales[j, b].item()) * xd[b]), acc)
+                if weight.bits == 4:
+                    acc = _fma_f32(weight.mins[j, b].item(), float(xs[b]), acc)
+            y[r, j] = acc
+    return y
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_int8_matmul_follows_its_documented_arithmetic_to_the_bit(isa: str, kind: str) -> None:
+    """The order of operations quant_matmul.c states (one fma chain per output, blocks in
+    order, the min term after each block), which other kernels calling it may rely on."""
+    g = torch.Generator().manual_seed(5)
+    weight = WEIGHTS[kind](10, 96, g)
+    x = torch.randn(17, 96, generator=g) * 2  # 17 rows: VNNI's many-row path too
+    x[1, 32:64] = 0
+    x[2, :8] = torch.tensor([0.5, -0.5, 1.5, 2.5, -2.5, 127.0, -127.0, 63.5])  # x / d exactly half-way cases
+    assert torch.equal(KERNELS.q8_block_matmul(x, weight, 2, isa), spec_q8_matmul(x, weight))
 
 
 @needs_kernels

@@ -94,8 +94,9 @@ class NativeKernels:
                 raise NativeKernelError(f"BARGEIN_Q8_ISA={forced!r}: choose one of "
                                         f"{', '.join(n for n in Q8_ISAS if self.q8_isa_available(n))}")
             return Q8_ISAS[forced]
-        # AVX2 before VNNI: faster on the Zen 4 measured (see quant_matmul.c); VNNI when forced.
-        return next(Q8_ISAS[n] for n in ("avx2", "c") if self.q8_isa_available(n))
+        # VNNI before AVX2: one vpdpbusd for maddubs + madd, and twice the registers (on the
+        # Zen 4 measured, 1.1-1.3x AVX2's speed from 1 to 512 rows: bench/bench_q8_matmul.py).
+        return next(Q8_ISAS[n] for n in ("vnni", "avx2", "c") if self.q8_isa_available(n))
 
     def q8_isa_available(self, name: str) -> bool:
         """Whether this CPU runs the int8 matmul's ``name`` path (c, avx2 or vnni)."""

@@ -5,36 +5,60 @@
  *   4-bit: W[j, 32b + i] = scale[j, b] * q + min[j, b], q in 0..15;
  *   8-bit: W[j, 32b + i] = scale[j, b] * q, q in -127..127.
  * Each row of x is quantized block by block as llama.cpp's q8 does: d = max|x| / 127,
- * xq = round(x / d) in -127..127, and for 4-bit weights also xs = d * sum(xq). Then
+ * xq = round(x / d) in -127..127, and for 4-bit weights also xs = d * sum(xq).
  *
- *   y[r, j] = sum_b scale[j, b] d[r, b] <q_j,b, xq_r,b> + sum_b min[j, b] xs[r, b],
+ * The arithmetic, which every path follows exactly. For output y[r, j], with
+ * D_b = <q_j,b, xq_r,b> the block's exact integer dot product (32 products summed in
+ * int32; the order does not matter, no sum can overflow):
  *
- * where <., .> is an exact integer dot product over the block's 32 values.
+ *   acc = 0
+ *   for b = 0, 1, ..., k/32 - 1:
+ *       acc = fma((float)D_b, scale[j, b] * d[r, b], acc)   (the product rounded first)
+ *       4-bit only: acc = fma(min[j, b], xs[r, b], acc)
+ *   y[r, j] = acc
  *
- * Batch and thread invariance. Every output element is computed by one thread, in one
- * fixed order that depends on nothing but k: the integer dot of a block is formed in
- * eight 32-bit lanes (lane l holds elements 4l..4l+3, exactly what vpdpbusd and
- * maddubs + madd produce), each lane is scaled into its own float accumulator with one
- * fused multiply-add per block (by d = scale * d_x, one rounded product), even blocks
- * into one set of eight accumulators and odd blocks into another (a 512-bit register
- * holds both), the min term min * xs of block b goes (a product, then a sum) to lane
- * b % 8 of a third set, and at the end the even and odd sets are added lane by lane and
- * summed in a fixed tree, plus the min set's tree. Rows are grouped only to reuse a weight block across
- * them, and work is split over output columns, never over k; so row r of an m-row call
- * equals a 1-row call of that row, for any thread count, bit for bit. The instruction
- * sets (AVX-512 VNNI, AVX2, plain C) compute the very same lanes
- * and the same float operations, so they agree bit for bit too.
+ * Batch and thread invariance. That sequence depends on nothing but row r, column j and
+ * k: rows are grouped only so that a weight block, once unpacked, serves several rows;
+ * columns go eight at a time, one to a float lane; work is split over output columns,
+ * never over k. So row r of an m-row call equals a 1-row call of that row, for any
+ * thread count, bit for bit, and every path (AVX-512 VNNI on 256-bit registers, its
+ * many-row variant, AVX2, plain C) gives the same bits. (D_b is exact in float: |D_b| <=
+ * 32 * 127 * 127 < 2^24.) An earlier version summed each block in eight float lanes,
+ * even and odd blocks apart, with a tree at the end: results differ from it in the last
+ * bits; fast's perplexity stays within 1% of exact's (tests/test_perplexity.py).
  *
- * The instruction set is chosen at run time from the CPU (isa < 0: AVX2 where present, it
- * measured faster than the 512-bit VNNI path on Zen 4; else plain C), or forced (tests):
- * 0 plain C, 1 AVX2, 2 AVX-512 VNNI. Returns 0, -1 when scratch memory could not be had,
- * -2 when the forced instruction set is not available here.
+ * How the vector paths get there. A row's quantized blocks are stored in pairs, each pair
+ * (b, b + 1) as 64 bytes [x_b 0..15 | x_b+1 0..15 | x_b 16..31 | x_b+1 16..31], the two
+ * halves of a 256-bit register each, which is exactly where one 32-byte load of the two
+ * blocks' 4-bit quants puts low and high nibbles.
+ * - Few rows: two byte dot products (vpdpbusd, or maddubs + madd) give per column eight
+ *   int32 lanes, four for each block of the pair; unpack-and-add steps over four columns
+ *   and a lane shuffle turn eight columns' registers into D_b and D_b+1 with one column
+ *   per lane, and the float steps run on eight columns at once, their scales and mins
+ *   gathered once per column group into block-major panels. Weights two groups ahead are
+ *   prefetched: eight interleaved column streams are more than the hardware prefetcher
+ *   follows at one row's speed.
+ * - Many rows (VNNI from GEMM_MIN_ROWS_Q4/Q8; AVX2 from GEMM_MIN_ROWS_AVX2, 4-bit weights
+ *   only): each tile of sixteen columns is repacked once per call so that a 32-byte
+ *   vector holds four consecutive quants of eight columns; a row's four matching
+ *   activation bytes, broadcast, meet it in one vpdpbusd (AVX2: maddubs, summed in int16
+ *   lanes, then one madd), and eight of them make D_b for eight columns with no
+ *   horizontal sums. Six (AVX2: three) rows by sixteen columns of accumulators stay in
+ *   registers.
+ * 8-bit weights: VNNI multiplies unsigned by signed bytes, so it takes q + 128 and
+ * subtracts 128 * sum(xq) (exact, in int32); AVX2 takes |q| and moves q's sign onto x.
+ *
+ * The instruction set is chosen at run time from the CPU (isa < 0: VNNI where present,
+ * else AVX2, else plain C), or forced (tests): 0 plain C, 1 AVX2, 2 AVX-512 VNNI.
+ * Returns 0, -1 when scratch memory could not be had, -2 when the forced instruction set
+ * is not available here.
  */
 #include "parallel.h"
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -46,21 +70,29 @@
 #endif
 
 #define BLOCK 32
-#define LANES 8
-#define CHUNK 8        /* blocks whose scales are formed in one vector */
-#define COLUMN_TILE 16 /* output columns whose weight rows are reused by every row group */
-#define ROWS 8         /* activation rows per pass over a weight block, at most */
-#define ROWS_AVX2 4    /* two accumulators a row: eight fill AVX2's sixteen registers with the rest */
+#define PAIR_BYTES 64 /* two blocks of quantized activations, laid out as described above */
+#define GROUP 8       /* output columns computed together, one to a float lane */
+#define ROWS_VNNI 6   /* rows sharing each unpacked weight pair: VNNI has 32 vector registers */
+#define ROWS_AVX2 2   /* AVX2 has 16 */
+#define GEMM_ROWS 6   /* rows per pass of the many-row VNNI path */
+#define GEMM_ROWS_AVX2 3 /* and of AVX2's (4-bit weights only): sixteen registers */
+#define GEMM_MIN_ROWS_Q4 8  /* from here on VNNI repacks each tile of sixteen columns (measured) */
+#define GEMM_MIN_ROWS_Q8 16 /* 8-bit tiles cost twice the repacking */
+#define GEMM_MIN_ROWS_AVX2 8
+#define PREFETCH_GROUPS 2 /* how far ahead a one-row pass fetches weights */
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
 
 typedef struct {
-    const int8_t *xq;     /* (m, k) quantized activations */
-    const float *xd, *xs; /* (m, nb): block scales d_x, and d_x * sum(xq) */
+    const int8_t *xq;     /* (m, pairs * PAIR_BYTES) quantized activations, in pairs of blocks */
+    const float *xd, *xs; /* (m, nb): block scales d, and d * sum(xq) */
+    const int32_t *xc;    /* (m, nb): 128 * sum(xq), what VNNI's 8-bit offset adds */
     const uint8_t *qs;
     const float *scales, *mins;
     float *y;
-    int64_t m, k, n;
+    float *panels; /* per thread: 4 * nb * GROUP floats (scales, then mins, block-major; twice) */
+    void *tiles;   /* per thread: 16 * nb 32-byte vectors, the many-row path's repacked tile */
+    int64_t m, k, n, nb, pairs;
     int bits;
 } qjob_t;
 
@@ -68,81 +100,66 @@ typedef struct {
     const float *x;
     int8_t *xq;
     float *xd, *xs;
-    int64_t m, k;
+    int32_t *xc;
+    int64_t m, k, nb, pairs;
 } quant_job_t;
 
-/* The eight lanes into one number, in the order hsum256 (simd.h) adds them. */
-static inline float sum_lanes(const float a[LANES]) {
-    const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
-    return (s0 + s2) + (s1 + s3);
-}
-
-/* Rows [m * index / count, m * (index + 1) / count) of x into blocks of int8. */
+/* Rows [m * index / count, m * (index + 1) / count) of x into int8 blocks, stored in pairs. */
 static void quantize_rows(void *arg, int index, int count) {
     const quant_job_t *job = (const quant_job_t *)arg;
-    const int64_t nb = job->k / BLOCK;
+    const int64_t nb = job->nb;
     for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        int8_t *row = job->xq + r * job->pairs * PAIR_BYTES;
         for (int64_t b = 0; b < nb; b++) {
             const float *x = job->x + r * job->k + b * BLOCK;
-            int8_t *q = job->xq + r * job->k + b * BLOCK;
+            int8_t *lo = row + (b / 2) * PAIR_BYTES + (b % 2) * (BLOCK / 2), *hi = lo + BLOCK;
             float amax = 0.0f;
             for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(x[i]));
             const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
             int sum = 0;
             for (int i = 0; i < BLOCK; i++) {
                 const int v = (int)rintf(x[i] * inv); /* |v| <= 127: x[i] * inv rounds to at most 127 */
-                q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
-                sum += q[i];
+                const int8_t q = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+                if (i < BLOCK / 2) lo[i] = q;
+                else hi[i - BLOCK / 2] = q;
+                sum += q;
             }
             job->xd[r * nb + b] = d;
             job->xs[r * nb + b] = d * (float)sum;
+            job->xc[r * nb + b] = 128 * sum;
+        }
+        if (nb % 2) { /* the last pair's missing block: zeros, which add nothing to any lane */
+            memset(row + (nb / 2) * PAIR_BYTES + BLOCK / 2, 0, BLOCK / 2);
+            memset(row + (nb / 2) * PAIR_BYTES + BLOCK + BLOCK / 2, 0, BLOCK / 2);
         }
     }
 }
 
 /* ---- plain C ------------------------------------------------------------------------ */
 
-static void block_values(const qjob_t *job, int64_t j, int64_t b, int w[BLOCK]) {
-    const int64_t nb = job->k / BLOCK;
+static int32_t block_dot_c(const qjob_t *job, int64_t r, int64_t j, int64_t b) {
+    const int8_t *lo = job->xq + r * job->pairs * PAIR_BYTES + (b / 2) * PAIR_BYTES + (b % 2) * (BLOCK / 2);
+    const int8_t *hi = lo + BLOCK;
+    int32_t sum = 0;
     if (job->bits == 4) {
-        const uint8_t *q = job->qs + (j * nb + b) * (BLOCK / 2);
-        for (int i = 0; i < BLOCK / 2; i++) {
-            w[i] = q[i] & 0x0F;
-            w[i + BLOCK / 2] = q[i] >> 4;
-        }
+        const uint8_t *q = job->qs + (j * job->nb + b) * (BLOCK / 2);
+        for (int i = 0; i < BLOCK / 2; i++) sum += (q[i] & 0x0F) * lo[i] + (q[i] >> 4) * hi[i];
     } else {
-        const int8_t *q = (const int8_t *)job->qs + (j * nb + b) * BLOCK;
-        for (int i = 0; i < BLOCK; i++) w[i] = q[i];
+        const int8_t *q = (const int8_t *)job->qs + (j * job->nb + b) * BLOCK;
+        for (int i = 0; i < BLOCK / 2; i++) sum += q[i] * lo[i] + q[i + BLOCK / 2] * hi[i];
     }
+    return sum;
 }
 
-static void column_c(const qjob_t *job, int64_t j, int64_t r0, int count) {
-    const int64_t nb = job->k / BLOCK, k = job->k;
-    float acc[ROWS][2][LANES] = {{{0}}}, mins[ROWS][LANES] = {{0}};
-    int w[BLOCK];
+static float output_c(const qjob_t *job, int64_t r, int64_t j) {
+    const int64_t nb = job->nb;
+    float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        block_values(job, j, b, w);
-        const float dw = job->scales[j * nb + b];
-        for (int r = 0; r < count; r++) {
-            const int64_t row = r0 + r;
-            const int8_t *x = job->xq + row * k + b * BLOCK;
-            const float d = dw * job->xd[row * nb + b];
-            for (int l = 0; l < LANES; l++) {
-                int lane = 0;
-                for (int i = 4 * l; i < 4 * l + 4; i++) lane += w[i] * x[i];
-                acc[r][b & 1][l] = fmaf(d, (float)lane, acc[r][b & 1][l]);
-            }
-            if (job->bits == 4) {
-                const float term = job->mins[j * nb + b] * job->xs[row * nb + b];
-                mins[r][b % LANES] += term;
-            }
-        }
+        const float d = job->scales[j * nb + b] * job->xd[r * nb + b];
+        acc = fmaf((float)block_dot_c(job, r, j, b), d, acc);
+        if (job->bits == 4) acc = fmaf(job->mins[j * nb + b], job->xs[r * nb + b], acc);
     }
-    for (int r = 0; r < count; r++) {
-        float both[LANES];
-        for (int l = 0; l < LANES; l++) both[l] = acc[r][0][l] + acc[r][1][l];
-        job->y[(r0 + r) * job->n + j] = sum_lanes(both) + (job->bits == 4 ? sum_lanes(mins[r]) : 0.0f);
-    }
+    return acc;
 }
 
 /* ---- x86: AVX2, and AVX-512 VNNI on 256-bit registers ------------------------------- */
@@ -151,222 +168,486 @@ static void column_c(const qjob_t *job, int64_t j, int64_t r0, int count) {
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define TARGET_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 
-/* One column for rows [r0, r0 + count): the same arithmetic as column_c. DOT(w, x)
- * yields the eight int32 lanes of an unsigned-by-signed byte dot product. Blocks go in
- * chunks of eight, whose eight scales d (per row) and min terms are formed in vectors,
- * each lane exactly as column_c forms it. */
-/* The eight scales d (per row) and min terms of blocks [b0, b0 + n_blocks), each lane as
- * column_c forms it: in one vector for a full chunk, one by one for the last. */
-#define CHUNK_SETUP                                                                               \
-    const int n_blocks = nb - b0 < CHUNK ? (int)(nb - b0) : CHUNK;                                \
-    for (int r = 0; r < count; r++) {                                                             \
-        const float *xd = job->xd + (r0 + r) * nb + b0, *xs = job->xs + (r0 + r) * nb + b0;       \
-        if (n_blocks == CHUNK) {                                                                  \
-            _mm256_store_ps(d[r], _mm256_mul_ps(_mm256_loadu_ps(scales + b0), _mm256_loadu_ps(xd))); \
-            if (bits == 4)                                                                        \
-                _mm256_store_ps(mins[r], _mm256_add_ps(_mm256_load_ps(mins[r]),                   \
-                                _mm256_mul_ps(_mm256_loadu_ps(wmins + b0), _mm256_loadu_ps(xs)))); \
-        } else {                                                                                  \
-            for (int i = 0; i < n_blocks; i++) {                                                  \
-                d[r][i] = scales[b0 + i] * xd[i];                                                 \
-                if (bits == 4) {                                                                  \
-                    const float term = wmins[b0 + i] * xs[i];                                     \
-                    mins[r][i] += term;                                                           \
-                }                                                                                 \
-            }                                                                                     \
+/* quantize_rows with vectors: the same operations, lane by lane (rintf and
+ * _MM_FROUND_TO_NEAREST_INT both round half to even), so the same bytes and sums. */
+static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
+    const quant_job_t *job = (const quant_job_t *)arg;
+    const int64_t nb = job->nb;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        int8_t *row = job->xq + r * job->pairs * PAIR_BYTES;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *x = job->x + r * job->k + b * BLOCK;
+            int8_t *lo = row + (b / 2) * PAIR_BYTES + (b % 2) * (BLOCK / 2), *hi = lo + BLOCK;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+            __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m256 scale = _mm256_set1_ps(inv);
+            __m256i q[4], sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(v[i], scale),
+                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rounded), top), bottom);
+                sum = _mm256_add_epi32(sum, q[i]);
+            }
+            for (int half = 0; half < 2; half++) {
+                const __m256i a = q[2 * half], c = q[2 * half + 1];
+                const __m128i a16 = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+                const __m128i c16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+                _mm_storeu_si128((__m128i *)(half ? hi : lo), _mm_packs_epi16(a16, c16));
+            }
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            const int total = _mm_cvtsi128_si32(s4);
+            job->xd[r * nb + b] = d;
+            job->xs[r * nb + b] = d * (float)total;
+            job->xc[r * nb + b] = 128 * total;
+        }
+        if (nb % 2) {
+            memset(row + (nb / 2) * PAIR_BYTES + BLOCK / 2, 0, BLOCK / 2);
+            memset(row + (nb / 2) * PAIR_BYTES + BLOCK + BLOCK / 2, 0, BLOCK / 2);
+        }
+    }
+}
+
+/* The group's scales and mins (8-bit: scales only), block-major: panel[b * GROUP + c] is
+ * column j0 + c's (the last column's where j0 + c >= n, computed and not stored). */
+#define BUILD_PANELS                                                                              \
+    const int64_t nb = job->nb;                                                                   \
+    const float *srcs[2] = {job->scales, job->mins};                                              \
+    for (int which = 0; which < (job->bits == 4 ? 2 : 1); which++) {                              \
+        const float *src[GROUP];                                                                  \
+        float *panel = panels + which * nb * GROUP;                                               \
+        for (int c = 0; c < GROUP; c++) src[c] = srcs[which] + (j0 + c < job->n ? j0 + c : job->n - 1) * nb; \
+        const int64_t j_ahead = j0 + PREFETCH_GROUPS * GROUP, ahead_end = job->n * nb;             \
+        for (int64_t i = j_ahead * nb; i < (j_ahead + GROUP) * nb && i < ahead_end; i += 16)      \
+            _mm_prefetch((const char *)(srcs[which] + i), _MM_HINT_T0);                           \
+        int64_t b = 0;                                                                            \
+        for (; b + 8 <= nb; b += 8) { /* eight blocks of eight columns: an 8 x 8 transpose */     \
+            __m256 r0 = _mm256_loadu_ps(src[0] + b), r1 = _mm256_loadu_ps(src[1] + b);            \
+            __m256 r2 = _mm256_loadu_ps(src[2] + b), r3 = _mm256_loadu_ps(src[3] + b);            \
+            __m256 r4 = _mm256_loadu_ps(src[4] + b), r5 = _mm256_loadu_ps(src[5] + b);            \
+            __m256 r6 = _mm256_loadu_ps(src[6] + b), r7 = _mm256_loadu_ps(src[7] + b);            \
+            const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);        \
+            const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);        \
+            const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);        \
+            const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);        \
+            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE); \
+            const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE); \
+            const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE); \
+            const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE); \
+            float *out = panel + b * GROUP;                                                       \
+            _mm256_storeu_ps(out + 0 * GROUP, _mm256_permute2f128_ps(u0, u4, 0x20));              \
+            _mm256_storeu_ps(out + 1 * GROUP, _mm256_permute2f128_ps(u1, u5, 0x20));              \
+            _mm256_storeu_ps(out + 2 * GROUP, _mm256_permute2f128_ps(u2, u6, 0x20));              \
+            _mm256_storeu_ps(out + 3 * GROUP, _mm256_permute2f128_ps(u3, u7, 0x20));              \
+            _mm256_storeu_ps(out + 4 * GROUP, _mm256_permute2f128_ps(u0, u4, 0x31));              \
+            _mm256_storeu_ps(out + 5 * GROUP, _mm256_permute2f128_ps(u1, u5, 0x31));              \
+            _mm256_storeu_ps(out + 6 * GROUP, _mm256_permute2f128_ps(u2, u6, 0x31));              \
+            _mm256_storeu_ps(out + 7 * GROUP, _mm256_permute2f128_ps(u3, u7, 0x31));              \
         }                                                                                         \
+        for (; b < nb; b++)                                                                       \
+            for (int c = 0; c < GROUP; c++) panel[b * GROUP + c] = src[c][b];                     \
     }
 
-/* Block b's 32 weights as unsigned bytes into w (for 8 bits: |q|, with q's sign in sign). */
-#define LOAD_BLOCK256(b)                                                                          \
+static TARGET_AVX2 void build_panels_avx2(const qjob_t *job, int64_t j0, float *panels) { BUILD_PANELS }
+
+/* Column c's pair pr as two registers A, B of unsigned-or-signed bytes lined up with the
+ * activations' pair layout: 4 bits, one load (the nibbles fall into place); 8 bits, the
+ * halves of two blocks. TWO = 0: the last, lone block (its partner's half is zero). */
+#define LOAD_PAIR(c, TWO)                                                                         \
+    __m256i A, B;                                                                                 \
     if (bits == 4) {                                                                              \
-        const __m128i packed = _mm_loadu_si128((const __m128i *)(job->qs + (j * nb + (b)) * (BLOCK / 2))); \
-        const __m128i mask = _mm_set1_epi8(0x0F);                                                 \
-        w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask)); \
+        const uint8_t *p = w[c] + pr * BLOCK;                                                     \
+        const __m256i q = (TWO) ? _mm256_loadu_si256((const __m256i *)p)                          \
+                                : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128((const __m128i *)p)); \
+        A = _mm256_and_si256(q, nibble);                                                          \
+        B = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);                                    \
     } else {                                                                                      \
-        sign = _mm256_loadu_si256((const __m256i *)(job->qs + (j * nb + (b)) * BLOCK));           \
-        w = _mm256_sign_epi8(sign, sign);                                                         \
+        const uint8_t *p = w[c] + pr * 2 * BLOCK;                                                 \
+        const __m128i z = _mm_setzero_si128();                                                    \
+        A = _mm256_set_m128i((TWO) ? _mm_loadu_si128((const __m128i *)(p + BLOCK)) : z,           \
+                             _mm_loadu_si128((const __m128i *)p));                                \
+        B = _mm256_set_m128i((TWO) ? _mm_loadu_si128((const __m128i *)(p + BLOCK + 16)) : z,      \
+                             _mm_loadu_si128((const __m128i *)(p + 16)));                         \
     }
 
-/* One column for rows [r0, r0 + count), count <= ROWS_AVX2: the arithmetic of column_c. */
-#define COLUMN_BODY_AVX2                                                                          \
-    const int64_t nb = job->k / BLOCK, k = job->k;                                                \
-    /* Named accumulators, not an array: the compiler keeps them in registers. */                 \
-    __m256 e0 = _mm256_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0; \
-    float d[ROWS][CHUNK] __attribute__((aligned(32)));                                            \
-    float mins[ROWS][LANES] __attribute__((aligned(32))) = {{0}};                                 \
-    const float *scales = job->scales + j * nb, *wmins = bits == 4 ? job->mins + j * nb : 0;      \
-    for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {                                                  \
-        CHUNK_SETUP                                                                               \
-        for (int i = 0; i < n_blocks; i++) {                                                      \
-            const int64_t b = b0 + i;                                                             \
-            __m256i w, sign = _mm256_setzero_si256();                                             \
-            LOAD_BLOCK256(b)                                                                      \
-            const int8_t *xb = job->xq + r0 * k + b * BLOCK;                                      \
-            if (b & 1) {                                                                          \
-                switch (count) {                                                                  \
-                case 4: ROW256(o3, 3); /* fall through */                                         \
-                case 3: ROW256(o2, 2); /* fall through */                                         \
-                case 2: ROW256(o1, 1); /* fall through */                                         \
-                default: ROW256(o0, 0);                                                           \
-                }                                                                                 \
-            } else {                                                                              \
-                switch (count) {                                                                  \
-                case 4: ROW256(e3, 3); /* fall through */                                         \
-                case 3: ROW256(e2, 2); /* fall through */                                         \
-                case 2: ROW256(e1, 1); /* fall through */                                         \
-                default: ROW256(e0, 0);                                                           \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-    }                                                                                             \
-    float lanes[ROWS_AVX2][LANES];                                                                \
-    _mm256_storeu_ps(lanes[0], _mm256_add_ps(e0, o0));                                            \
-    _mm256_storeu_ps(lanes[1], _mm256_add_ps(e1, o1));                                            \
-    _mm256_storeu_ps(lanes[2], _mm256_add_ps(e2, o2));                                            \
-    _mm256_storeu_ps(lanes[3], _mm256_add_ps(e3, o3));                                            \
-    for (int r = 0; r < count; r++)                                                               \
-        job->y[(r0 + r) * job->n + j] = sum_lanes(lanes[r]) + (bits == 4 ? sum_lanes(mins[r]) : 0.0f);
+/* VNNI: per row, t = <A, XA> + <B, XB> in eight lanes; 8-bit weights offset by 128. */
+#define PREP_VNNI                                                                                 \
+    if (bits == 8) {                                                                              \
+        A = _mm256_xor_si256(A, offset);                                                          \
+        B = _mm256_xor_si256(B, offset);                                                          \
+    }
+#define DOT_VNNI(XA, XB) _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), A, XA), B, XB)
 
-/* Row r: acc += d_r * <w, x_r>, lane by lane (maddubs + madd: the lanes vpdpbusd forms). */
-#define ROW256(acc, r)                                                                            \
-    do {                                                                                          \
-        __m256i x = _mm256_loadu_si256((const __m256i *)(xb + (r) * k));                          \
-        if (bits == 8) x = _mm256_sign_epi8(x, sign);                                             \
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));  \
-        acc = _mm256_fmadd_ps(_mm256_broadcast_ss(&d[r][i]), _mm256_cvtepi32_ps(dot), acc);       \
-    } while (0)
+/* AVX2: maddubs + madd. 4 bits: the two 16-bit products add without saturating (at most
+ * 4 * 15 * 127); 8 bits: |w| against x with w's sign, each maddubs at most 2 * 127 * 127. */
+#define PREP_AVX2                                                                                 \
+    __m256i Aa = A, Ba = B;                                                                       \
+    if (bits == 8) {                                                                              \
+        Aa = _mm256_abs_epi8(A);                                                                  \
+        Ba = _mm256_abs_epi8(B);                                                                  \
+    }
+#define DOT_AVX2(XA, XB)                                                                          \
+    (bits == 4 ? _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(A, XA), _mm256_maddubs_epi16(B, XB)), ones) \
+               : _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(Aa, _mm256_sign_epi8(XA, A)), ones),       \
+                                  _mm256_madd_epi16(_mm256_maddubs_epi16(Ba, _mm256_sign_epi8(XB, B)), ones)))
 
-/* One column for rows [r0, r0 + count), count <= ROWS, two blocks at a time in 512-bit
- * registers: lanes 0-7 hold the even block's accumulators, 8-15 the odd one's. dd holds
- * each pair's scales spread as [d_b x 8, d_b+1 x 8], formed once per chunk of blocks. */
-#define COLUMN_BODY_VNNI                                                                          \
-    const int64_t nb = job->k / BLOCK, k = job->k;                                                \
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0; \
-    float d[ROWS][CHUNK] __attribute__((aligned(32)));                                            \
-    float dd[ROWS][CHUNK / 2][16] __attribute__((aligned(64)));                                   \
-    float mins[ROWS][LANES] __attribute__((aligned(32))) = {{0}};                                 \
-    const float *scales = job->scales + j * nb, *wmins = bits == 4 ? job->mins + j * nb : 0;      \
-    const __m512i spread[CHUNK / 2] = {                                                           \
-        _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),                         \
-        _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2),                         \
-        _mm512_set_epi32(5, 5, 5, 5, 5, 5, 5, 5, 4, 4, 4, 4, 4, 4, 4, 4),                         \
-        _mm512_set_epi32(7, 7, 7, 7, 7, 7, 7, 7, 6, 6, 6, 6, 6, 6, 6, 6)};                        \
-    for (int64_t b0 = 0; b0 < nb; b0 += CHUNK) {                                                  \
-        CHUNK_SETUP                                                                               \
-        for (int r = 0; r < count; r++) {                                                         \
-            const __m512 dv = _mm512_castps256_ps512(_mm256_load_ps(d[r]));                       \
-            for (int p = 0; p < n_blocks / 2; p++)                                                \
-                _mm512_store_ps(dd[r][p], _mm512_permutexvar_ps(spread[p], dv));                  \
-        }                                                                                         \
-        int i = 0;                                                                                \
-        for (; i + 2 <= n_blocks; i += 2) {                                                       \
-            const int64_t b = b0 + i;                                                             \
-            __m512i w;                                                                            \
-            __mmask64 flip = 0;                                                                   \
-            if (bits == 4) {                                                                      \
-                const __m256i packed = _mm256_loadu_si256((const __m256i *)(job->qs + (j * nb + b) * (BLOCK / 2))); \
-                const __m256i mask = _mm256_set1_epi8(0x0F);                                      \
-                const __m512i both = _mm512_inserti64x4(                                          \
-                    _mm512_castsi256_si512(_mm256_and_si256(packed, mask)),                       \
-                    _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), 1); /* lo b, lo b+1, hi b, hi b+1 */ \
-                w = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));                    \
-            } else {                                                                              \
-                const __m512i q = _mm512_loadu_si512((const void *)(job->qs + (j * nb + b) * BLOCK)); \
-                w = _mm512_abs_epi8(q);                                                           \
-                flip = _mm512_movepi8_mask(q);                                                    \
+/* Four columns' lanes into one sum per column and block: [a0+a2, b0+b2, a1+a3, b1+b3]
+ * per 128-bit half, then [c0, c1, c2, c3] (horizontal adds, but one micro-op apiece). */
+#ifndef SUM_HADD
+#define SUM_PAIRS32(a, b) _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+#define SUM_PAIRS64(a, b) _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+#else
+#define SUM_PAIRS32(a, b) _mm256_hadd_epi32(a, b)
+#define SUM_PAIRS64(a, b) _mm256_hadd_epi32(a, b)
+#endif
+
+/* One pair of blocks (b = 2 pr, and b + 1 when TWO) for the group's eight columns and
+ * rows r0 .. r0 + ROWS_N - 1: D per column and block, then the float steps, block b first. */
+#define PAIR_STEP(TWO)                                                                 \
+    {                                                                                             \
+        if (r0 == 0) /* the first pass outruns what the prefetcher guesses of 8 streams */          \
+            for (int64_t line = pr * ahead_step; line < (pr + 1) * ahead_step && line < ahead_bytes;\
+                 line += 64)                                                                       \
+                _mm_prefetch((const char *)(ahead + line), _MM_HINT_T1);                           \
+        __m256i h[ROWS_MAX][2];                                                                   \
+        _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                            \
+            __m256i s[ROWS_MAX][2];                                                               \
+            _Pragma("GCC unroll 2") for (int cp = 0; cp < 2; cp++) {                              \
+                __m256i t[ROWS_MAX][2];                                                           \
+                _Pragma("GCC unroll 2") for (int cc = 0; cc < 2; cc++) {                          \
+                    LOAD_PAIR(half * 4 + cp * 2 + cc, TWO)                                        \
+                    PREP                                                                          \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                    \
+                        const int8_t *xr = x + r * row_bytes + pr * PAIR_BYTES;                   \
+                        const __m256i XA = _mm256_loadu_si256((const __m256i *)xr);               \
+                        const __m256i XB = _mm256_loadu_si256((const __m256i *)(xr + BLOCK));     \
+                        t[r][cc] = DOT(XA, XB);                                                   \
+                    }                                                                             \
+                }                                                                                 \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)                          \
+                    s[r][cp] = SUM_PAIRS32(t[r][0], t[r][1]);                               \
             }                                                                                     \
-            const int8_t *xb = job->xq + r0 * k + b * BLOCK;                                      \
-            const int p = i / 2;                                                                  \
-            switch (count) {                                                                      \
-            case 8: ROW512(a7, 7); /* fall through */                                             \
-            case 7: ROW512(a6, 6); /* fall through */                                             \
-            case 6: ROW512(a5, 5); /* fall through */                                             \
-            case 5: ROW512(a4, 4); /* fall through */                                             \
-            case 4: ROW512(a3, 3); /* fall through */                                             \
-            case 3: ROW512(a2, 2); /* fall through */                                             \
-            case 2: ROW512(a1, 1); /* fall through */                                             \
-            default: ROW512(a0, 0);                                                               \
-            }                                                                                     \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)                              \
+                h[r][half] = SUM_PAIRS64(s[r][0], s[r][1]);                                 \
         }                                                                                         \
-        if (i < n_blocks) { /* a last, even block alone: into the even half */                   \
-            const int64_t b = b0 + i;                                                             \
-            __m256i w, sign = _mm256_setzero_si256();                                             \
-            LOAD_BLOCK256(b)                                                                      \
-            const int8_t *xb = job->xq + r0 * k + b * BLOCK;                                      \
-            switch (count) {                                                                      \
-            case 8: LONE256(a7, 7); /* fall through */                                            \
-            case 7: LONE256(a6, 6); /* fall through */                                            \
-            case 6: LONE256(a5, 5); /* fall through */                                            \
-            case 5: LONE256(a4, 4); /* fall through */                                            \
-            case 4: LONE256(a3, 3); /* fall through */                                            \
-            case 3: LONE256(a2, 2); /* fall through */                                            \
-            case 2: LONE256(a1, 1); /* fall through */                                            \
-            default: LONE256(a0, 0);                                                              \
+        const int64_t b = 2 * pr;                                                                 \
+        const __m256 sw0 = _mm256_loadu_ps(ts + b * GROUP), mn0 = _mm256_loadu_ps(tm + b * GROUP); \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                \
+            const int64_t cell = (r0 + r) * nb + b;                                               \
+            __m256i d0 = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x20);                       \
+            if (bits == 8 && OFFSET) d0 = _mm256_sub_epi32(d0, _mm256_set1_epi32(job->xc[cell])); \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(sw0, _mm256_set1_ps(job->xd[cell])), acc[r]); \
+            if (bits == 4) acc[r] = _mm256_fmadd_ps(mn0, _mm256_set1_ps(job->xs[cell]), acc[r]);  \
+        }                                                                                         \
+        if (TWO) {                                                                                \
+            const __m256 sw1 = _mm256_loadu_ps(ts + (b + 1) * GROUP);                             \
+            const __m256 mn1 = _mm256_loadu_ps(tm + (b + 1) * GROUP);                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                            \
+                const int64_t cell = (r0 + r) * nb + b + 1;                                       \
+                __m256i d1 = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x31);                   \
+                if (bits == 8 && OFFSET) d1 = _mm256_sub_epi32(d1, _mm256_set1_epi32(job->xc[cell])); \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(sw1, _mm256_set1_ps(job->xd[cell])), acc[r]); \
+                if (bits == 4) acc[r] = _mm256_fmadd_ps(mn1, _mm256_set1_ps(job->xs[cell]), acc[r]); \
             }                                                                                     \
         }                                                                                         \
-    }                                                                                             \
-    float lanes[ROWS][LANES];                                                                     \
-    const __m512 acc_all[ROWS] = {a0, a1, a2, a3, a4, a5, a6, a7};                                \
-    for (int r = 0; r < count; r++) {                                                             \
-        _mm256_storeu_ps(lanes[r], _mm256_add_ps(_mm512_castps512_ps256(acc_all[r]),              \
-                                                 _mm512_extractf32x8_ps(acc_all[r], 1)));         \
-        job->y[(r0 + r) * job->n + j] = sum_lanes(lanes[r]) + (bits == 4 ? sum_lanes(mins[r]) : 0.0f); \
     }
 
-/* Row r, a last block alone: its even half gets d_b * <w, x_r>, the odd half stays. */
-#define LONE256(acc, r)                                                                           \
-    do {                                                                                          \
-        __m256i x = _mm256_loadu_si256((const __m256i *)(xb + (r) * k));                          \
-        if (bits == 8) x = _mm256_sign_epi8(x, sign);                                             \
-        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);                    \
-        const __m256 even = _mm256_fmadd_ps(_mm256_broadcast_ss(&d[r][i]), _mm256_cvtepi32_ps(dot), \
-                                            _mm512_castps512_ps256(acc));                         \
-        acc = _mm512_insertf32x8(acc, even, 0);                                                   \
-    } while (0)
+/* Columns j0 .. j0 + 7 (those below n stored) for rows r0 .. r0 + ROWS_N - 1. */
+#define GROUP_BODY                                                                     \
+    const int64_t nb = job->nb, n = job->n, row_bytes = job->pairs * PAIR_BYTES;                  \
+    const int64_t bytes = (bits == 4 ? BLOCK / 2 : BLOCK) * nb; /* one column's quants */         \
+    const uint8_t *w[GROUP];                                                                      \
+    for (int c = 0; c < GROUP; c++) w[c] = job->qs + (j0 + c < n ? j0 + c : n - 1) * bytes;       \
+    const int8_t *x = job->xq + r0 * row_bytes;                                                   \
+    /* the weights PREFETCH_GROUPS groups on, a slice per pair */                                  \
+    const int64_t j_ahead = j0 + PREFETCH_GROUPS * GROUP < n ? j0 + PREFETCH_GROUPS * GROUP : n;   \
+    const uint8_t *ahead = job->qs + j_ahead * bytes;                                              \
+    const int64_t ahead_bytes = (n - j_ahead < GROUP ? n - j_ahead : GROUP) * bytes;               \
+    const int64_t ahead_step = ((ahead_bytes / ((nb + 1) / 2) + 63) / 64) * 64;                    \
+    const float *ts = panels, *tm = panels + nb * GROUP;                                          \
+    const __m256i nibble = _mm256_set1_epi8(0x0F), offset = _mm256_set1_epi8((char)0x80);         \
+    const __m256i ones = _mm256_set1_epi16(1);                                                    \
+    (void)offset;                                                                                 \
+    (void)ones;                                                                                   \
+    __m256 acc[ROWS_MAX];                                                                         \
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();                                \
+    int64_t pr = 0;                                                                               \
+    for (; pr < nb / 2; pr++) PAIR_STEP(1)                                             \
+    if (nb % 2) PAIR_STEP(0)                                                           \
+    for (int r = 0; r < ROWS_N; r++) {                                                            \
+        float *out = job->y + (r0 + r) * n + j0;                                                  \
+        if (j0 + GROUP <= n) {                                                                    \
+            _mm256_storeu_ps(out, acc[r]);                                                        \
+        } else {                                                                                  \
+            float lanes[GROUP];                                                                   \
+            _mm256_storeu_ps(lanes, acc[r]);                                                      \
+            for (int c = 0; c < n - j0; c++) out[c] = lanes[c];                                   \
+        }                                                                                         \
+    }
 
-/* Row r, a pair of blocks: acc += [d_b | d_b+1] * <w, x_r> lane by lane; for 8 bits, x
- * takes w's sign (negated where w < 0) and w is |w|. */
-#define ROW512(acc, r)                                                                            \
-    do {                                                                                          \
-        __m512i x = _mm512_loadu_si512((const void *)(xb + (r) * k));                            \
-        if (bits == 8) x = _mm512_mask_sub_epi8(x, flip, _mm512_setzero_si512(), x);              \
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);                    \
-        acc = _mm512_fmadd_ps(_mm512_load_ps(dd[r][p]), _mm512_cvtepi32_ps(dot), acc);            \
-    } while (0)
+#define ROWS_MAX ROWS_AVX2
+#define OFFSET 0
+#define PREP PREP_AVX2
+#define DOT DOT_AVX2
+static inline TARGET_AVX2 __attribute__((always_inline)) void group_avx2_bits(const qjob_t *job, const float *panels,
+                                                                               int bits, int64_t j0, int64_t r0,
+                                                                               const int ROWS_N) {
+    GROUP_BODY
+}
+#undef ROWS_MAX
+#undef OFFSET
+#undef PREP
+#undef DOT
 
-static inline TARGET_AVX2 __attribute__((always_inline)) void column_avx2_bits(const qjob_t *job, int bits,
-                                                                                int64_t j, int64_t r0, int count) {
-    COLUMN_BODY_AVX2
+#ifdef BARGEIN_VNNI
+#define ROWS_MAX ROWS_VNNI
+#define OFFSET 1
+#define PREP PREP_VNNI
+#define DOT DOT_VNNI
+static inline TARGET_VNNI __attribute__((always_inline)) void group_vnni_bits(const qjob_t *job, const float *panels,
+                                                                               int bits, int64_t j0, int64_t r0,
+                                                                               const int ROWS_N) {
+    GROUP_BODY
+}
+#undef ROWS_MAX
+#undef OFFSET
+#undef PREP
+#undef DOT
+#endif
+
+/* bits and the row count as constants in each copy: no block pays for a branch, and the
+ * accumulators stay in registers. */
+static TARGET_AVX2 void group_avx2(const qjob_t *job, const float *panels, int64_t j0, int64_t r0, int rows) {
+    if (job->bits == 4) {
+        if (rows == 2) group_avx2_bits(job, panels, 4, j0, r0, 2);
+        else group_avx2_bits(job, panels, 4, j0, r0, 1);
+    } else {
+        if (rows == 2) group_avx2_bits(job, panels, 8, j0, r0, 2);
+        else group_avx2_bits(job, panels, 8, j0, r0, 1);
+    }
 }
 
 #ifdef BARGEIN_VNNI
-static inline TARGET_VNNI __attribute__((always_inline)) void column_vnni_bits(const qjob_t *job, int bits,
-                                                                                int64_t j, int64_t r0, int count) {
-    COLUMN_BODY_VNNI
+#define VNNI_ROWS(BITS)                                                                           \
+    switch (rows) {                                                                               \
+    case 6: group_vnni_bits(job, panels, BITS, j0, r0, 6); break;                                 \
+    case 5: group_vnni_bits(job, panels, BITS, j0, r0, 5); break;                                 \
+    case 4: group_vnni_bits(job, panels, BITS, j0, r0, 4); break;                                 \
+    case 3: group_vnni_bits(job, panels, BITS, j0, r0, 3); break;                                 \
+    case 2: group_vnni_bits(job, panels, BITS, j0, r0, 2); break;                                 \
+    default: group_vnni_bits(job, panels, BITS, j0, r0, 1);                                       \
+    }
+static TARGET_VNNI void group_vnni(const qjob_t *job, const float *panels, int64_t j0, int64_t r0, int rows) {
+    if (job->bits == 4) {
+        VNNI_ROWS(4)
+    } else {
+        VNNI_ROWS(8)
+    }
 }
 #endif
 
-/* bits, and a full group's row count, as constants in each copy: no block pays for a
- * branch, and a full group's accumulators stay in registers. */
-#define DISPATCH(FN, FULL)                                   \
-    if (job->bits == 4) {                                    \
-        if (count == FULL) FN(job, 4, j, r0, FULL);          \
-        else FN(job, 4, j, r0, count);                       \
-    } else {                                                 \
-        if (count == FULL) FN(job, 8, j, r0, FULL);          \
-        else FN(job, 8, j, r0, count);                       \
-    }
+/* ---- VNNI for many rows: a column-interleaved tile, no horizontal sums --------------- */
 
-static TARGET_AVX2 void column_avx2(const qjob_t *job, int64_t j, int64_t r0, int count) {
-    DISPATCH(column_avx2_bits, ROWS_AVX2)
+/* Eight rows of eight 32-bit values, transposed in place. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* Columns j0 .. j0 + 15's quants as unsigned bytes (4 bits: q; 8 bits: q + 128), in
+ * 32-byte vectors tile[(b * 8 + g) * 2 + v]: lane c holds elements 4g .. 4g + 3 of block
+ * b of column j0 + 8v + c (the last column's where that is n or more). */
+static TARGET_AVX2 void repack_tile(const qjob_t *job, int64_t j0, __m256i *tile) {
+    const int64_t nb = job->nb, n = job->n, bytes = (job->bits == 4 ? BLOCK / 2 : BLOCK) * nb;
+    const __m256i nibble = _mm256_set1_epi8(0x0F), offset = _mm256_set1_epi8((char)0x80);
+    for (int v = 0; v < 2; v++) {
+        const uint8_t *src[GROUP];
+        for (int c = 0; c < GROUP; c++) src[c] = job->qs + (j0 + 8 * v + c < n ? j0 + 8 * v + c : n - 1) * bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            __m256i *out = tile + b * 16 + v;
+            if (job->bits == 4) { /* dwords 0-3 of 16 bytes: low nibbles groups 0-3, high 4-7 */
+                __m256 r[8];
+                for (int c = 0; c < GROUP; c++)
+                    r[c] = _mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadu_si128((const __m128i *)(src[c] + b * 16))));
+                transpose8(r);
+                for (int g = 0; g < 4; g++) {
+                    const __m256i q = _mm256_castps_si256(r[g]);
+                    out[2 * g] = _mm256_and_si256(q, nibble);
+                    out[2 * (g + 4)] = _mm256_and_si256(_mm256_srli_epi16(q, 4), nibble);
+                }
+            } else {
+                __m256 r[8];
+                for (int c = 0; c < GROUP; c++) r[c] = _mm256_loadu_ps((const float *)(src[c] + b * BLOCK));
+                transpose8(r);
+                for (int g = 0; g < 8; g++) out[2 * g] = _mm256_xor_si256(_mm256_castps_si256(r[g]), offset);
+            }
+        }
+    }
+}
+
+/* AVX2, 4-bit weights: gemm_rows with maddubs for vpdpbusd. A column's eight maddubs of
+ * a block add up in int16 lanes without overflow (at most 8 * 2 * 15 * 127 = 30480), and
+ * one madd against ones makes D. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void gemm_rows_avx2(const qjob_t *job, const __m256i *tile,
+                                                                             const float *panels, int64_t j0,
+                                                                             int64_t r0, const int ROWS_N) {
+    const int64_t nb = job->nb, n = job->n, row_bytes = job->pairs * PAIR_BYTES;
+    const float *ts[2] = {panels, panels + 2 * nb * GROUP}, *tm[2] = {panels + nb * GROUP, panels + 3 * nb * GROUP};
+    const int8_t *x = job->xq + r0 * row_bytes;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[GEMM_ROWS_AVX2][2];
+    for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i dot[GEMM_ROWS_AVX2][2];
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+        const int8_t *xb = x + (b / 2) * PAIR_BYTES + (b % 2) * (BLOCK / 2);
+        const __m256i *wb = tile + b * 16;
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
+            const __m256i w0 = _mm256_loadu_si256(wb + 2 * g), w1 = _mm256_loadu_si256(wb + 2 * g + 1);
+            const int at = g < 4 ? 4 * g : BLOCK + 4 * (g - 4);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                int32_t four;
+                memcpy(&four, xb + r * row_bytes + at, 4);
+                const __m256i xv = _mm256_set1_epi32(four);
+                dot[r][0] = _mm256_add_epi16(dot[r][0], _mm256_maddubs_epi16(w0, xv));
+                dot[r][1] = _mm256_add_epi16(dot[r][1], _mm256_maddubs_epi16(w1, xv));
+            }
+        }
+        _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+            const __m256 sw = _mm256_loadu_ps(ts[v] + b * GROUP), mn = _mm256_loadu_ps(tm[v] + b * GROUP);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                const int64_t cell = (r0 + r) * nb + b;
+                const __m256i d = _mm256_madd_epi16(dot[r][v], ones);
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(sw, _mm256_set1_ps(job->xd[cell])),
+                                            acc[r][v]);
+                acc[r][v] = _mm256_fmadd_ps(mn, _mm256_set1_ps(job->xs[cell]), acc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS_N; r++)
+        for (int v = 0; v < 2; v++) {
+            const int64_t j = j0 + 8 * v;
+            if (j >= n) break;
+            float *out = job->y + (r0 + r) * n + j;
+            if (j + GROUP <= n) {
+                _mm256_storeu_ps(out, acc[r][v]);
+            } else {
+                float lanes[GROUP];
+                _mm256_storeu_ps(lanes, acc[r][v]);
+                for (int c = 0; c < n - j; c++) out[c] = lanes[c];
+            }
+        }
+}
+
+static TARGET_AVX2 void gemm_avx2(const qjob_t *job, const void *tiles, const float *panels, int64_t j0, int64_t r0,
+                                  int rows) {
+    const __m256i *tile = (const __m256i *)tiles;
+    switch (rows) {
+    case 3: gemm_rows_avx2(job, tile, panels, j0, r0, 3); break;
+    case 2: gemm_rows_avx2(job, tile, panels, j0, r0, 2); break;
+    default: gemm_rows_avx2(job, tile, panels, j0, r0, 1);
+    }
 }
 
 #ifdef BARGEIN_VNNI
-static TARGET_VNNI void column_vnni(const qjob_t *job, int64_t j, int64_t r0, int count) {
-    DISPATCH(column_vnni_bits, ROWS)
+/* Rows r0 .. r0 + ROWS_N - 1 of the tile's sixteen columns: per block, D by eight
+ * vpdpbusd of four-byte groups (8 bits: from -128 * sum(xq), undoing the offset), then
+ * the float steps of the header, columns in lanes. */
+static inline TARGET_VNNI __attribute__((always_inline)) void gemm_rows(const qjob_t *job, const __m256i *tile,
+                                                                        const float *panels, int bits, int64_t j0,
+                                                                        int64_t r0, const int ROWS_N) {
+    const int64_t nb = job->nb, n = job->n, row_bytes = job->pairs * PAIR_BYTES;
+    const float *ts[2] = {panels, panels + 2 * nb * GROUP}, *tm[2] = {panels + nb * GROUP, panels + 3 * nb * GROUP};
+    const int8_t *x = job->xq + r0 * row_bytes;
+    __m256 acc[GEMM_ROWS][2];
+    for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i dot[GEMM_ROWS][2];
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+            dot[r][0] = bits == 8 ? _mm256_set1_epi32(-job->xc[(r0 + r) * nb + b]) : _mm256_setzero_si256();
+            dot[r][1] = dot[r][0];
+        }
+        const int8_t *xb = x + (b / 2) * PAIR_BYTES + (b % 2) * (BLOCK / 2);
+        const __m256i *wb = tile + b * 16;
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
+            const __m256i w0 = _mm256_loadu_si256(wb + 2 * g), w1 = _mm256_loadu_si256(wb + 2 * g + 1);
+            const int at = g < 4 ? 4 * g : BLOCK + 4 * (g - 4);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                int32_t four;
+                memcpy(&four, xb + r * row_bytes + at, 4);
+                const __m256i xv = _mm256_set1_epi32(four);
+                dot[r][0] = _mm256_dpbusd_epi32(dot[r][0], w0, xv);
+                dot[r][1] = _mm256_dpbusd_epi32(dot[r][1], w1, xv);
+            }
+        }
+        _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+            const __m256 sw = _mm256_loadu_ps(ts[v] + b * GROUP), mn = _mm256_loadu_ps(tm[v] + b * GROUP);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                const int64_t cell = (r0 + r) * nb + b;
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][v]), _mm256_mul_ps(sw, _mm256_set1_ps(job->xd[cell])),
+                                            acc[r][v]);
+                if (bits == 4) acc[r][v] = _mm256_fmadd_ps(mn, _mm256_set1_ps(job->xs[cell]), acc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS_N; r++)
+        for (int v = 0; v < 2; v++) {
+            const int64_t j = j0 + 8 * v;
+            if (j >= n) break;
+            float *out = job->y + (r0 + r) * n + j;
+            if (j + GROUP <= n) {
+                _mm256_storeu_ps(out, acc[r][v]);
+            } else {
+                float lanes[GROUP];
+                _mm256_storeu_ps(lanes, acc[r][v]);
+                for (int c = 0; c < n - j; c++) out[c] = lanes[c];
+            }
+        }
 }
-#endif
+
+#define GEMM_ROWS_CASES(BITS)                                                                     \
+    switch (rows) {                                                                               \
+    case 6: gemm_rows(job, tile, panels, BITS, j0, r0, 6); break;                                 \
+    case 5: gemm_rows(job, tile, panels, BITS, j0, r0, 5); break;                                 \
+    case 4: gemm_rows(job, tile, panels, BITS, j0, r0, 4); break;                                 \
+    case 3: gemm_rows(job, tile, panels, BITS, j0, r0, 3); break;                                 \
+    case 2: gemm_rows(job, tile, panels, BITS, j0, r0, 2); break;                                 \
+    default: gemm_rows(job, tile, panels, BITS, j0, r0, 1);                                       \
+    }
+static TARGET_VNNI void gemm_vnni(const qjob_t *job, const void *tiles, const float *panels, int64_t j0, int64_t r0,
+                                  int rows) {
+    const __m256i *tile = (const __m256i *)tiles;
+    if (job->bits == 4) {
+        GEMM_ROWS_CASES(4)
+    } else {
+        GEMM_ROWS_CASES(8)
+    }
+}
+#endif /* BARGEIN_VNNI */
 #endif /* BARGEIN_X86 */
 
 /* 1 where this CPU (and its operating system) runs the instruction set, else 0. */
@@ -386,62 +667,105 @@ int bargein_q8_isa_available(int isa) {
     return 0;
 }
 
-typedef void (*column_fn)(const qjob_t *, int64_t, int64_t, int);
+
+typedef void (*group_fn)(const qjob_t *, const float *, int64_t, int64_t, int);
 
 typedef struct {
     const qjob_t *job;
-    column_fn column;
-    int rows; /* the column function's row group, at most */
+    group_fn group; /* NULL: plain C */
+    int rows;       /* the group function's rows at a time, at most */
+    /* many rows: tiles of sixteen columns, repacked, by this function (else NULL) */
+    void (*gemm)(const qjob_t *, const void *, const float *, int64_t, int64_t, int);
+    int gemm_rows;
 } run_t;
 
-/* Output columns [n * index / count, n * (index + 1) / count), every row. Columns go in
- * tiles whose weights stay in the first-level cache while every row group passes over
- * them, so that the activations are read from further out once per tile, not per column.
- * The order of the work changes no value. */
-static void run_columns(void *arg, int index, int count) {
+/* Output columns [n * index / count, n * (index + 1) / count) in whole groups of eight
+ * (tiles of sixteen for the many-row path), every row; a group's weights stay in the
+ * first-level cache while every row passes over them. The order of the work changes
+ * no value. */
+static void run_groups(void *arg, int index, int count) {
     const run_t *run = (const run_t *)arg;
     const qjob_t *job = run->job;
-    const int64_t end = job->n * (index + 1) / count;
-    for (int64_t j0 = job->n * index / count; j0 < end; j0 += COLUMN_TILE) {
-        const int64_t j1 = j0 + COLUMN_TILE < end ? j0 + COLUMN_TILE : end;
-        for (int64_t r0 = 0; r0 < job->m; r0 += run->rows)
-            for (int64_t j = j0; j < j1; j++)
-                run->column(job, j, r0, job->m - r0 < run->rows ? (int)(job->m - r0) : run->rows);
+    const int64_t width = run->gemm ? 2 * GROUP : GROUP, groups = (job->n + width - 1) / width;
+    const int64_t g0 = groups * index / count, g1 = groups * (index + 1) / count;
+    if (run->group == NULL) {
+        for (int64_t j = g0 * GROUP; j < g1 * GROUP && j < job->n; j++)
+            for (int64_t r = 0; r < job->m; r++) job->y[r * job->n + j] = output_c(job, r, j);
+        return;
     }
+#ifdef BARGEIN_X86
+    float *panels = job->panels + (int64_t)index * 4 * job->nb * GROUP;
+    if (run->gemm) {
+        __m256i *tile = (__m256i *)job->tiles + (int64_t)index * 16 * job->nb;
+        for (int64_t g = g0; g < g1; g++) {
+            const int64_t j0 = g * width;
+            build_panels_avx2(job, j0, panels);
+            build_panels_avx2(job, j0 + GROUP < job->n ? j0 + GROUP : job->n - 1, panels + 2 * job->nb * GROUP);
+            repack_tile(job, j0, tile);
+            /* the next tile's weights, fetched while the rows pass over this one */
+            const int64_t bytes = (job->bits == 4 ? BLOCK / 2 : BLOCK) * job->nb;
+            const int64_t next = (j0 + width < job->n ? j0 + width : job->n) * bytes;
+            const int64_t stop = (j0 + 2 * width < job->n ? j0 + 2 * width : job->n) * bytes;
+            for (int64_t at = next; at < stop; at += 64) _mm_prefetch((const char *)(job->qs + at), _MM_HINT_T1);
+            for (int64_t r0 = 0; r0 < job->m; r0 += run->gemm_rows)
+                run->gemm(job, tile, panels, j0, r0, job->m - r0 < run->gemm_rows ? (int)(job->m - r0) : run->gemm_rows);
+        }
+        return;
+    }
+    for (int64_t g = g0; g < g1; g++) {
+        build_panels_avx2(job, g * GROUP, panels);
+        for (int64_t r0 = 0; r0 < job->m; r0 += run->rows)
+            run->group(job, panels, g * GROUP, r0, job->m - r0 < run->rows ? (int)(job->m - r0) : run->rows);
+    }
+#endif
 }
 
 int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
                             const float *mins, int bits, int64_t n, float *y, int num_threads, int isa) {
-    /* AVX2 first: on Zen 4 (2-core EPYC, 1 thread) it measured 0.15 ms against VNNI's 0.17
-     * for one row x 576 -> 3072, and 30 ms against 34 for 512 rows; VNNI stays a forced choice. */
-    if (isa < 0) isa = bargein_q8_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
+    if (isa < 0)
+        isa = bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
     if (!bargein_q8_isa_available(isa)) return -2;
-    const int64_t nb = k / BLOCK;
-    const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
-    int8_t *xq = malloc((size_t)(m * k > 0 ? m * k : 1));
+    const int64_t nb = k / BLOCK, pairs = (nb + 1) / 2, groups = (n + GROUP - 1) / GROUP;
+    if (num_threads > groups) num_threads = (int)groups;
+    if (num_threads < 1) num_threads = 1;
+    const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1), blocks = (size_t)(nb > 0 ? nb : 1);
+    /* many rows: VNNI for both widths, AVX2 for 4 bits (8-bit maddubs sums cannot share int16 lanes) */
+    const int gemm = (isa == ISA_VNNI && m >= (bits == 4 ? GEMM_MIN_ROWS_Q4 : GEMM_MIN_ROWS_Q8)) ||
+                     (isa == ISA_AVX2 && bits == 4 && m >= GEMM_MIN_ROWS_AVX2);
+    if (gemm && num_threads > (n + 2 * GROUP - 1) / (2 * GROUP)) num_threads = (int)((n + 2 * GROUP - 1) / (2 * GROUP));
+    int8_t *xq = malloc((size_t)(m * pairs > 0 ? m * pairs * PAIR_BYTES : 1));
     float *xd = malloc(sizeof(float) * cells), *xs = malloc(sizeof(float) * cells);
-    if (!xq || !xd || !xs) {
-        free(xq);
-        free(xd);
-        free(xs);
-        return -1;
+    int32_t *xc = malloc(sizeof(int32_t) * cells);
+    float *panels = malloc(sizeof(float) * 4 * GROUP * blocks * (size_t)num_threads);
+    void *tiles = gemm ? aligned_alloc(64, 512 * blocks * (size_t)num_threads) : NULL;
+    int status = 0;
+    if (!xq || !xd || !xs || !xc || !panels || (gemm && !tiles)) {
+        status = -1;
+        goto done;
     }
-    quant_job_t quant = {x, xq, xd, xs, m, k};
+    quant_job_t quant = {x, xq, xd, xs, xc, m, k, nb, pairs};
     /* Rows are independent: quantizing them on several threads changes no value. */
     const int64_t quant_threads = m / 16 < num_threads ? m / 16 : num_threads;
-    bargein_parallel_run(quantize_rows, &quant, quant_threads > 1 ? (int)quant_threads : 1);
-    qjob_t job = {xq, xd, xs, qs, scales, mins, y, m, k, n, bits};
-    run_t run = {&job, column_c, ROWS};
+    bargein_task_fn quantize = quantize_rows;
 #ifdef BARGEIN_X86
-    if (isa == ISA_AVX2) run = (run_t){&job, column_avx2, ROWS_AVX2};
+    if (isa != ISA_C) quantize = quantize_rows_avx2;
+#endif
+    bargein_parallel_run(quantize, &quant, quant_threads > 1 ? (int)quant_threads : 1);
+    qjob_t job = {xq, xd, xs, xc, qs, scales, mins, y, panels, tiles, m, k, n, nb, pairs, bits};
+    run_t run = {&job, NULL, 1, NULL, 0};
+#ifdef BARGEIN_X86
+    if (isa == ISA_AVX2) run = (run_t){&job, group_avx2, ROWS_AVX2, gemm ? gemm_avx2 : NULL, GEMM_ROWS_AVX2};
 #ifdef BARGEIN_VNNI
-    if (isa == ISA_VNNI) run = (run_t){&job, column_vnni, ROWS};
+    if (isa == ISA_VNNI) run = (run_t){&job, group_vnni, ROWS_VNNI, gemm ? gemm_vnni : NULL, GEMM_ROWS};
 #endif
 #endif
-    if (num_threads > n) num_threads = (int)n;
-    bargein_parallel_run(run_columns, &run, num_threads);
+    bargein_parallel_run(run_groups, &run, num_threads);
+done:
     free(xq);
     free(xd);
     free(xs);
-    return 0;
+    free(xc);
+    free(panels);
+    free(tiles);
+    return status;
 }
