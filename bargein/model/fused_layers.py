@@ -1,0 +1,124 @@
+"""The fast precision's decoder layers run as one native call (``bargein/kernels/fast_forward.c``).
+
+In ``fast`` every operation of a layer is already a native kernel; called one by one from
+Python, a decode step of a 30-layer model still spends milliseconds in some fifteen ctypes
+calls, tensor allocations and module dispatches per layer. :class:`FusedLayers` describes
+a stage's layers to the C side once, when the model is built (weights' blocks, norms,
+biases: pointers in a ctypes array), and each forward then makes a single call that runs
+them all, with the very kernels the per-operation path calls, in the same order, so that
+the hidden states and the K/V written are bit for bit the same (tests/test_fused_forward.py).
+
+The caches are the caller's (the runner's); their pointers are written into the array
+when a forward brings caches other than the last ones, and the array keeps those
+:class:`KVCache` objects alive while it points at them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from bargein.config import ModelConfig
+from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.native import FastLayer, FastShape, NativeKernels, Q8Weight
+from bargein.model.attention import AttentionMetadata, KVCache
+
+
+class FusedLayers:
+    """A range of decoder layers, ready for ``NativeKernels.fast_layers``. Build with :meth:`build`."""
+
+    def __init__(self, native: NativeKernels, config: ModelConfig, layers: ctypes.Array[FastLayer],
+                 keep: list[object]):
+        self.native = native
+        self.config = config
+        self._layers = layers
+        self._keep = keep  # the tensors the array points into
+        self._caches: tuple[KVCache, ...] = ()
+        self._shape = FastShape(hidden=config.hidden_size, intermediate=config.intermediate_size, num_slots=0,
+                                num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                                head_dim=config.head_dim, block_size=0, eps=config.rms_norm_eps,
+                                scale=config.head_dim ** -0.5)
+
+    @classmethod
+    def build(cls, config: ModelConfig, blocks: Sequence[torch.nn.Module], native: NativeKernels
+              ) -> FusedLayers | None:
+        """The fused form of ``blocks`` (TransformerBlocks of a fast model), or None where a
+        layer does not fit the C side's contract (a weight not held in blocks, a bias where
+        the fused call takes none, a tensor not float32 and contiguous): then the model
+        keeps running its layers one operation at a time."""
+        keep: list[object] = []
+        array = (FastLayer * len(blocks))()
+        for slot, block in zip(array, blocks, strict=True):
+            attention, ffn = block.attention, block.feed_forward
+            weights = [_q8(lin.blocks, keep) if _blocks_only(lin) else None
+                       for lin in (attention.wqkv, attention.wo, ffn.w13, ffn.w2)]
+            norms = [block.attn_norm.weight, block.ffn_norm.weight]
+            bias = attention.wqkv.bias
+            c = config
+            q_width, qkv_width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+            shapes = [(qkv_width, c.hidden_size), (c.hidden_size, q_width), (2 * c.intermediate_size, c.hidden_size),
+                      (c.hidden_size, c.intermediate_size)]
+            if any(w is None or (w.n, w.k) != shape for w, shape in zip(weights, shapes, strict=True)) \
+                    or not all(_float32(t) for t in norms) \
+                    or any(lin.bias is not None for lin in (attention.wo, ffn.w13, ffn.w2)) \
+                    or (bias is not None and not _float32(bias)):
+                return None
+            keep += [*norms, bias]
+            slot.attn_norm, slot.ffn_norm = norms[0].data_ptr(), norms[1].data_ptr()
+            slot.qkv_bias = bias.data_ptr() if bias is not None else None
+            slot.wqkv, slot.wo, slot.w13, slot.w2 = weights
+        return cls(native, config, array, keep)
+
+    def __call__(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                 kv_caches: Sequence[KVCache]) -> torch.Tensor:
+        """The hidden states after every layer, for x (T, hidden); x itself is left as it was."""
+        if meta.token_seq is None or meta.token_context is None:
+            raise ValueError("the fast precision's attention needs AttentionMetadata.build's per-token fields")
+        self._bind(kv_caches)
+        out = x.contiguous().clone()
+        t = out.shape[0]
+        cos, sin = rotary
+        self.native.fast_layers(self._layers, self._shape, out, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping,
+                                meta.block_tables, meta.token_seq, meta.token_context, torch.get_num_threads())
+        return out
+
+    def _bind(self, kv_caches: Sequence[KVCache]) -> None:
+        """Points the layers at these caches, unless they are the ones already bound."""
+        if len(kv_caches) == len(self._caches) and all(a is b for a, b in zip(kv_caches, self._caches, strict=True)):
+            return
+        if len(kv_caches) != len(self._layers):
+            raise ValueError(f"{len(self._layers)} layers need as many caches; got {len(kv_caches)}")
+        first = kv_caches[0].k
+        c = self.config
+        for cache in kv_caches:
+            for tensor in (cache.k, cache.v):
+                if tensor.dtype != torch.float16 or not tensor.is_contiguous() or tensor.device.type != "cpu" \
+                        or tensor.shape != first.shape or tensor.shape[2:] != (c.num_kv_heads, c.head_dim):
+                    raise ValueError("the fused fast forward needs contiguous float16 CPU caches of one shape "
+                                     f"(blocks, block size, {c.num_kv_heads}, {c.head_dim})")
+        for slot, cache in zip(self._layers, kv_caches, strict=True):
+            slot.k_cache, slot.v_cache = cache.k.data_ptr(), cache.v.data_ptr()
+        self._shape.num_slots = first.shape[0] * first.shape[1]
+        self._shape.block_size = first.shape[1]
+        self._caches = tuple(kv_caches)
+
+
+def _blocks_only(linear: torch.nn.Module) -> bool:
+    """Whether the fast forward of this Linear reads its blocks (and nothing else)."""
+    return linear.blocks is not None and linear.weight is None and linear.packed is None
+
+
+def _float32(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.float32 and tensor.is_contiguous() and tensor.device.type == "cpu"
+
+
+def _q8(blocks: BlockWeight, keep: list[object]) -> Q8Weight | None:
+    if not (blocks.qs.is_contiguous() and _float32(blocks.scales)
+            and (blocks.mins is None or _float32(blocks.mins))):
+        return None
+    keep.append(blocks)
+    n, k = blocks.shape
+    return Q8Weight(qs=blocks.qs.data_ptr(), scales=blocks.scales.data_ptr(),
+                    mins=blocks.mins.data_ptr() if blocks.mins is not None else None, n=n, k=k, bits=blocks.bits)
