@@ -1,7 +1,8 @@
 """The fast precision's fused layer call (bargein/kernels/fast_forward.c) against the
 per-operation path it replaces: the same logits and the same K/V, bit for bit, for any
 mix of prompt chunks and decodes, at 1 and 2 threads, on 4- and 8-bit weights, with and
-without q/k/v biases, and for a pipeline stage in the middle of the model."""
+without q/k/v biases, with a tied or separate LM head, for any logits rows, and for a
+pipeline stage in the middle of the model."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ FAST = resolve_kernels("cpu", precision="fast")
 pytestmark = pytest.mark.skipif(not FAST.fast, reason="no native kernels here: fast runs as exact")
 BLOCK = 4
 BIASED = dataclasses.replace(TINY, num_layers=3, attention_bias=True)
+TIED = dataclasses.replace(TINY, tie_word_embeddings=True)
 
 
 def q4_blocks(rows: int, cols: int, seed: int) -> BlockWeight:
@@ -59,6 +61,7 @@ def stage_pair(config: ModelConfig, layer_range: tuple[int, int] | None = None) 
     fused = LlamaStage(config, w, layer_range, kernels=FAST)
     per_op = LlamaStage(config, w, layer_range, kernels=FAST, fuse_layers=False)
     assert fused.fused is not None and per_op.fused is None
+    assert fused.fused.has_head == fused.is_last
     return fused, per_op
 
 
@@ -81,14 +84,18 @@ STEPS = [
 
 
 def run(stage: LlamaStage, caches: list[KVCache], steps: list[tuple[int, list[int], int]],
-        inputs: torch.Tensor | None = None) -> torch.Tensor:
+        inputs: torch.Tensor | None = None, rows: str = "all") -> torch.Tensor:
+    """One forward; logits of every row, of each sequence's last row ("last") or of all
+    rows by default (None: the stage's own default)."""
     ids = torch.tensor([t for _, new, _ in steps for t in new])
     positions = torch.tensor([done + i for _, new, done in steps for i in range(len(new))])
     meta = AttentionMetadata.build(block_tables=[TABLES[s] for s, _, _ in steps],
                                    query_lens=[len(new) for _, new, _ in steps],
                                    context_lens=[done + len(new) for _, new, done in steps], block_size=BLOCK)
     x = ids if inputs is None else inputs
-    return stage(x, positions, meta, caches, torch.arange(len(ids)) if stage.is_last else None)
+    ends = torch.tensor([len(new) for _, new, _ in steps]).cumsum(0) - 1
+    indices = {"all": torch.arange(len(ids)), "last": ends, None: None}[rows]
+    return stage(x, positions, meta, caches, indices if stage.is_last else None)
 
 
 def assert_same_caches(a: list[KVCache], b: list[KVCache]) -> None:
@@ -97,7 +104,7 @@ def assert_same_caches(a: list[KVCache], b: list[KVCache]) -> None:
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-@pytest.mark.parametrize("config", [TINY, BIASED], ids=["llama", "qkv-bias"])
+@pytest.mark.parametrize("config", [TINY, BIASED, TIED], ids=["llama", "qkv-bias", "tied-head"])
 def test_the_fused_layers_give_the_per_operation_bits(config: ModelConfig, num_threads: int) -> None:
     fused, per_op = stage_pair(config)
     before = torch.get_num_threads()
@@ -111,6 +118,16 @@ def test_the_fused_layers_give_the_per_operation_bits(config: ModelConfig, num_t
     finally:
         torch.set_num_threads(before)
     assert caches_fused[0].k.abs().sum() > 0  # something was written
+
+
+@pytest.mark.parametrize("rows", ["last", None])
+def test_the_fused_head_computes_the_rows_asked_for(rows: str | None) -> None:
+    fused, per_op = stage_pair(TINY)
+    caches_fused, caches_per_op = fused.make_kv_caches(40, BLOCK), per_op.make_kv_caches(40, BLOCK)
+    for steps in STEPS:
+        got, want = run(fused, caches_fused, steps, rows=rows), run(per_op, caches_per_op, steps, rows=rows)
+        assert got.shape == (len(steps) if rows == "last" else sum(len(n) for _, n, _ in steps), TINY.vocab_size)
+        assert torch.equal(got, want)
 
 
 def test_a_middle_stage_is_fused_and_leaves_its_input_alone() -> None:
@@ -145,6 +162,18 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written() -> Non
     with pytest.raises(RuntimeError, match="slot lies outside the cache"):
         fused(torch.tensor(A[:6]), torch.arange(6), meta, caches)
     assert all(c.k.abs().sum() == 0 and c.v.abs().sum() == 0 for c in caches)
+
+
+def test_positions_past_the_rope_tables_and_rows_past_the_forward_are_refused() -> None:
+    fused, _ = stage_pair(TINY)
+    caches = fused.make_kv_caches(40, BLOCK)
+    far = TINY.max_position_embeddings
+    meta = AttentionMetadata.build(block_tables=[TABLES[0]], query_lens=[1], context_lens=[1], block_size=BLOCK)
+    with pytest.raises(RuntimeError, match="position lies outside the RoPE tables"):
+        fused(torch.tensor([1]), torch.tensor([far]), meta, caches)
+    with pytest.raises(RuntimeError, match="logits row is not a row of the forward"):
+        fused(torch.tensor([1]), torch.tensor([0]), meta, caches, torch.tensor([1]))
+    assert all(c.k.abs().sum() == 0 for c in caches)
 
 
 def test_a_model_that_does_not_fit_the_fused_call_runs_per_operation() -> None:

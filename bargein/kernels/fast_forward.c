@@ -18,18 +18,25 @@
  * rows and threads, and an add of two floats rounds alike in C and in PyTorch. What the
  * call saves is Python: some fifteen ctypes calls and tensor allocations per layer.
  *
+ * The last stage of a model may hand its head too (bargein_fast_head_t): the final norm and
+ * the LM head then run on the rows asked for, as LlamaStage.forward runs them
+ * (rms_norm of the gathered rows, then the int8 matmul), and write their logits.
+ *
  * Contract (the Python caller, bargein/model/fused_layers.py, prepares it):
  *   layers[i]     the i-th layer's weights and caches (see bargein_fast_layer_t)
  *   x             (m, hidden) float32, contiguous; the input, overwritten with the output
- *   cos, sin      (m, head_dim) float32: each token's RoPE angles
+ *   positions     (m,) int64: each token's position, a row of the RoPE tables
  *   slots         (m,) int64: the cache slot each token's K/V goes to
  *   block_tables, table_width, token_seq, token_ctx: as bargein_paged_attention_f16 takes
  *                 them (each token's context at least 1 and within its table row)
- * Returns 0; -1 when scratch memory could not be had; -3 when a slot lies outside a cache
- * (checked once, before anything is written).
+ *   head          NULL, or the head and the rows of x to compute logits for
+ * Returns 0; -1 when scratch memory could not be had; -3 when a slot lies outside a cache,
+ * -4 when a position lies outside the RoPE tables, -5 when a logits row is not a row of x
+ * (all checked before anything is written).
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* The exported kernels of the other files in this folder. */
 int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
@@ -59,12 +66,24 @@ typedef struct {
     uint16_t *k_cache, *v_cache;
 } bargein_fast_layer_t;
 
-/* The shapes every layer shares. */
+/* The shapes every layer shares, and the RoPE tables (num_positions, head_dim) float32. */
 typedef struct {
     int64_t hidden, intermediate, num_slots;
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float eps, scale;
+    const float *cos_table, *sin_table;
+    int64_t num_positions;
 } bargein_fast_shape_t;
+
+/* The final norm and LM head, and where their logits go: (num_rows, weight.n) float32 for
+ * rows `rows` of the layers' output. */
+typedef struct {
+    const float *norm;
+    bargein_q8_weight_t weight;
+    const int64_t *rows;
+    int64_t num_rows;
+    float *logits;
+} bargein_fast_head_t;
 
 static int matmul(const float *x, int64_t m, const bargein_q8_weight_t *w, float *y, int threads, int isa) {
     return bargein_q8_block_matmul(x, m, w->k, w->qs, w->scales, w->mins, (int)w->bits, w->n, y, threads, isa);
@@ -74,12 +93,32 @@ static void add_into(float *x, const float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = x[i] + y[i];
 }
 
+static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hidden, float eps, int threads,
+                    int isa) {
+    const int64_t r = head->num_rows > 0 ? head->num_rows : 1;
+    float *rows = malloc(sizeof(float) * (size_t)(r * hidden)), *normed = malloc(sizeof(float) * (size_t)(r * hidden));
+    int status = -1;
+    if (rows && normed) {
+        for (int64_t i = 0; i < head->num_rows; i++)
+            memcpy(rows + i * hidden, x + head->rows[i] * hidden, sizeof(float) * (size_t)hidden);
+        bargein_rms_norm(rows, head->norm, normed, head->num_rows, hidden, eps, threads);
+        status = matmul(normed, head->num_rows, &head->weight, head->logits, threads, isa);
+    }
+    free(rows);
+    free(normed);
+    return status;
+}
+
 int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, const bargein_fast_shape_t *shape,
-                        float *x, int64_t m, const float *cos, const float *sin, const int64_t *slots,
+                        float *x, int64_t m, const int64_t *positions, const int64_t *slots,
                         const int64_t *block_tables, int64_t table_width, const int64_t *token_seq,
-                        const int64_t *token_ctx, int num_threads, int isa) {
-    for (int64_t t = 0; t < m; t++)
+                        const int64_t *token_ctx, const bargein_fast_head_t *head, int num_threads, int isa) {
+    for (int64_t t = 0; t < m; t++) {
         if (slots[t] < 0 || slots[t] >= shape->num_slots) return -3;
+        if (positions[t] < 0 || positions[t] >= shape->num_positions) return -4;
+    }
+    for (int64_t i = 0; head && i < head->num_rows; i++)
+        if (head->rows[i] < 0 || head->rows[i] >= m) return -5;
     const int64_t hidden = shape->hidden, heads = shape->num_heads, kv_heads = shape->num_kv_heads;
     const int64_t d = shape->head_dim, q_width = heads * d, qkv_width = (heads + 2 * kv_heads) * d;
     const int64_t inter = shape->intermediate, rows = m > 0 ? m : 1;
@@ -90,7 +129,12 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
     float *proj = malloc(sizeof(float) * (size_t)(rows * hidden));
     float *gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * inter));
     float *act = malloc(sizeof(float) * (size_t)(rows * inter));
-    int status = (normed && qkv && q && attn && proj && gate_up && act) ? 0 : -1;
+    float *cos = malloc(sizeof(float) * (size_t)(rows * d)), *sin = malloc(sizeof(float) * (size_t)(rows * d));
+    int status = (normed && qkv && q && attn && proj && gate_up && act && cos && sin) ? 0 : -1;
+    for (int64_t t = 0; t < m && status == 0; t++) { /* each token's angles, shared by every layer */
+        memcpy(cos + t * d, shape->cos_table + positions[t] * d, sizeof(float) * (size_t)d);
+        memcpy(sin + t * d, shape->sin_table + positions[t] * d, sizeof(float) * (size_t)d);
+    }
     for (int i = 0; i < num_layers && status == 0; i++) {
         const bargein_fast_layer_t *layer = &layers[i];
         bargein_rms_norm(x, layer->attn_norm, normed, m, hidden, shape->eps, num_threads);
@@ -112,6 +156,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
         if ((status = matmul(act, m, &layer->w2, proj, num_threads, isa))) break;
         add_into(x, proj, m * hidden);
     }
+    if (status == 0 && head) status = run_head(head, x, hidden, shape->eps, num_threads, isa);
     free(normed);
     free(qkv);
     free(q);
@@ -119,5 +164,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
     free(proj);
     free(gate_up);
     free(act);
+    free(cos);
+    free(sin);
     return status;
 }

@@ -62,11 +62,18 @@ class FastLayer(ctypes.Structure):
 
 
 class FastShape(ctypes.Structure):
-    """The shapes the layers of a fused fast forward share (fast_forward.c's bargein_fast_shape_t)."""
+    """The shapes and RoPE tables the layers of a fused fast forward share (fast_forward.c's
+    bargein_fast_shape_t)."""
 
     _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_slots", _I64), ("num_heads", _I64),
                 ("num_kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("cos_table", _P), ("sin_table", _P), ("num_positions", _I64)]
+
+
+class FastHead(ctypes.Structure):
+    """The final norm and LM head of a fused fast forward (fast_forward.c's bargein_fast_head_t)."""
+
+    _fields_ = [("norm", _P), ("weight", Q8Weight), ("rows", _P), ("num_rows", _I64), ("logits", _P)]
 
 
 class NativeKernelError(RuntimeError):
@@ -108,7 +115,7 @@ class NativeKernels:
         self._silu_mul.argtypes = [_P, _P, _I64, _I64, _INT]
         self._fast_layers = library.bargein_fast_layers
         self._fast_layers.restype = _INT
-        self._fast_layers.argtypes = [_P, _INT, _P, _P, _I64, _P, _P, _P, _P, _I64, _P, _P, _INT, _INT]
+        self._fast_layers.argtypes = [_P, _INT, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _INT, _INT]
         self.q8_isa = self._chosen_q8_isa()
 
     def _chosen_q8_isa(self) -> int:
@@ -216,31 +223,33 @@ class NativeKernels:
             raise NativeKernelError("the float16 attention kernel could not allocate its scratch memory")
         return out
 
-    def fast_layers(self, layers: ctypes.Array[FastLayer], shape: FastShape, x: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, token_seq: torch.Tensor,
-                    token_ctx: torch.Tensor, num_threads: int) -> None:
-        """Runs the fast forward of every layer in ``layers`` on x (m, hidden), in place (see
-        fast_forward.c): bit for bit what the per-operation kernels above compute in turn.
+    def fast_layers(self, layers: ctypes.Array[FastLayer], shape: FastShape, x: torch.Tensor,
+                    positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                    token_seq: torch.Tensor, token_ctx: torch.Tensor, head: FastHead | None,
+                    num_threads: int) -> None:
+        """Runs the fast forward of every layer in ``layers`` on x (m, hidden), in place, then
+        ``head`` if given (it writes its logits) (see fast_forward.c): bit for bit what the
+        per-operation kernels above compute in turn.
 
-        ``layers`` and ``shape`` are prepared once (bargein.model.fused_layers), so this checks
-        only what changes per call: the tensors' layout. The caller guarantees what the
-        attention kernel's caller does (every context at least 1 and within its table row);
-        slots are checked here, in C, before anything is written.
+        ``layers``, ``shape`` and ``head`` are prepared by the caller
+        (bargein.model.fused_layers), so this checks only the per-call tensors' layout. The
+        caller guarantees what the attention kernel's caller does (every context at least 1
+        and within its table row); slots, positions and logits rows are checked in C,
+        before anything is written.
         """
         m = x.shape[0]
         _check_rows(x, shape.hidden)
-        if any(a.dtype != torch.float32 or not a.is_contiguous() or a.numel() != m * shape.head_dim
-               for a in (cos, sin)):
-            raise NativeKernelError("cos and sin must be contiguous float32, one row of head_dim per token")
-        if any(t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (m,) for t in (slots, token_seq, token_ctx)) \
+        if any(t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (m,)
+               for t in (positions, slots, token_seq, token_ctx)) \
                 or block_tables.dtype != torch.int64 or not block_tables.is_contiguous() or block_tables.dim() != 2:
-            raise NativeKernelError("one int64 slot, sequence and context per token and int64 block tables are needed")
+            raise NativeKernelError("one int64 position, slot, sequence and context per token and int64 block "
+                                    "tables are needed")
         status = self._fast_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), m,
-                                   cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
-                                   block_tables.shape[1], token_seq.data_ptr(), token_ctx.data_ptr(), num_threads,
-                                   self.q8_isa)
-        if status == -3:
-            raise NativeKernelError("a slot lies outside the cache")
+                                   positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                                   block_tables.shape[1], token_seq.data_ptr(), token_ctx.data_ptr(),
+                                   None if head is None else ctypes.addressof(head), num_threads, self.q8_isa)
+        if status in _FAST_LAYER_ERRORS:
+            raise NativeKernelError(_FAST_LAYER_ERRORS[status])
         if status:
             raise NativeKernelError("the fused fast forward could not allocate its scratch memory")
 
@@ -286,6 +295,10 @@ class NativeKernels:
         if status:
             raise NativeKernelError("the decode attention kernel could not allocate its scratch memory")
         return out
+
+
+_FAST_LAYER_ERRORS = {-3: "a slot lies outside the cache", -4: "a position lies outside the RoPE tables",
+                      -5: "a logits row is not a row of the forward"}
 
 
 def _check_rows(x: torch.Tensor, k: int) -> None:

@@ -4,9 +4,10 @@ In ``fast`` every operation of a layer is already a native kernel; called one by
 Python, a decode step of a 30-layer model still spends milliseconds in some fifteen ctypes
 calls, tensor allocations and module dispatches per layer. :class:`FusedLayers` describes
 a stage's layers to the C side once, when the model is built (weights' blocks, norms,
-biases: pointers in a ctypes array), and each forward then makes a single call that runs
-them all, with the very kernels the per-operation path calls, in the same order, so that
-the hidden states and the K/V written are bit for bit the same (tests/test_fused_forward.py).
+biases, RoPE tables: pointers in ctypes structures), and each forward then makes a single
+call that runs them all, and the last stage's final norm and LM head, with the very
+kernels the per-operation path calls, in the same order, so that the logits, hidden states
+and K/V written are bit for bit the same (tests/test_fused_forward.py).
 
 The caches are the caller's (the runner's); their pointers are written into the array
 when a forward brings caches other than the last ones, and the array keeps those
@@ -22,7 +23,7 @@ import torch
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BlockWeight
-from bargein.kernels.native import FastLayer, FastShape, NativeKernels, Q8Weight
+from bargein.kernels.native import FastHead, FastLayer, FastShape, NativeKernels, Q8Weight
 from bargein.model.attention import AttentionMetadata, KVCache
 
 
@@ -30,24 +31,38 @@ class FusedLayers:
     """A range of decoder layers, ready for ``NativeKernels.fast_layers``. Build with :meth:`build`."""
 
     def __init__(self, native: NativeKernels, config: ModelConfig, layers: ctypes.Array[FastLayer],
-                 keep: list[object]):
+                 rope: tuple[torch.Tensor, torch.Tensor], head: FastHead | None, keep: list[object]):
         self.native = native
         self.config = config
         self._layers = layers
-        self._keep = keep  # the tensors the array points into
+        self._head = head
+        self.vocab_size = head.weight.n if head is not None else 0
+        self._keep = [*keep, *rope]  # the tensors the structures point into
         self._caches: tuple[KVCache, ...] = ()
+        cos, sin = rope
         self._shape = FastShape(hidden=config.hidden_size, intermediate=config.intermediate_size, num_slots=0,
                                 num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                                 head_dim=config.head_dim, block_size=0, eps=config.rms_norm_eps,
-                                scale=config.head_dim ** -0.5)
+                                scale=config.head_dim ** -0.5, cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
+                                num_positions=cos.shape[0])
+
+    @property
+    def has_head(self) -> bool:
+        """Whether the call ends with the final norm and LM head (returns logits)."""
+        return self._head is not None
 
     @classmethod
-    def build(cls, config: ModelConfig, blocks: Sequence[torch.nn.Module], native: NativeKernels
+    def build(cls, config: ModelConfig, blocks: Sequence[torch.nn.Module], rope: tuple[torch.Tensor, torch.Tensor],
+              native: NativeKernels, head: tuple[torch.nn.Module, torch.nn.Module] | None = None
               ) -> FusedLayers | None:
-        """The fused form of ``blocks`` (TransformerBlocks of a fast model), or None where a
-        layer does not fit the C side's contract (a weight not held in blocks, a bias where
-        the fused call takes none, a tensor not float32 and contiguous): then the model
-        keeps running its layers one operation at a time."""
+        """The fused form of ``blocks`` (TransformerBlocks of a fast model), with ``rope``'s
+        cos and sin tables (positions, head_dim) and, for the last stage, ``head`` (the
+        final RMSNorm and the LM head's Linear); None where a layer does not fit the C
+        side's contract (a weight not held in blocks, a bias where the fused call takes
+        none, a tensor not float32 and contiguous): then the model keeps running its layers
+        one operation at a time. A head that does not fit is left to the caller."""
+        if not all(_float32(t) and t.shape == (t.shape[0], config.head_dim) for t in rope):
+            return None
         keep: list[object] = []
         array = (FastLayer * len(blocks))()
         for slot, block in zip(array, blocks, strict=True):
@@ -69,20 +84,37 @@ class FusedLayers:
             slot.attn_norm, slot.ffn_norm = norms[0].data_ptr(), norms[1].data_ptr()
             slot.qkv_bias = bias.data_ptr() if bias is not None else None
             slot.wqkv, slot.wo, slot.w13, slot.w2 = weights
-        return cls(native, config, array, keep)
+        fused_head = None
+        if head is not None:
+            norm, lm_head = head
+            weight = _q8(lm_head.blocks, keep) if _blocks_only(lm_head) and lm_head.bias is None else None
+            if weight is not None and weight.k == config.hidden_size and _float32(norm.weight):
+                keep.append(norm.weight)
+                fused_head = FastHead(norm=norm.weight.data_ptr(), weight=weight)
+        return cls(native, config, array, rope, fused_head, keep)
 
-    def __call__(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                 kv_caches: Sequence[KVCache]) -> torch.Tensor:
-        """The hidden states after every layer, for x (T, hidden); x itself is left as it was."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """For x (T, hidden): float32 logits (N, vocab) of rows ``logits_indices`` (all rows
+        if None) where the call has the head, else the hidden states after every layer
+        (T, hidden). x itself is left as it was."""
         if meta.token_seq is None or meta.token_context is None:
             raise ValueError("the fast precision's attention needs AttentionMetadata.build's per-token fields")
         self._bind(kv_caches)
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
         out = x.contiguous().clone()
-        t = out.shape[0]
-        cos, sin = rotary
-        self.native.fast_layers(self._layers, self._shape, out, cos.view(t, -1), sin.view(t, -1), meta.slot_mapping,
-                                meta.block_tables, meta.token_seq, meta.token_context, torch.get_num_threads())
-        return out
+        head = self._head
+        logits = None
+        if head is not None:
+            rows = logits_indices if logits_indices is not None else torch.arange(out.shape[0])
+            if rows.dtype != torch.int64 or not rows.is_contiguous() or rows.dim() != 1:
+                rows = rows.to(torch.int64).contiguous().view(-1)
+            logits = torch.empty((rows.shape[0], self.vocab_size), dtype=torch.float32)
+            head.rows, head.num_rows, head.logits = rows.data_ptr(), rows.shape[0], logits.data_ptr()
+        self.native.fast_layers(self._layers, self._shape, out, positions, meta.slot_mapping, meta.block_tables,
+                                meta.token_seq, meta.token_context, head, torch.get_num_threads())
+        return out if logits is None else logits
 
     def _bind(self, kv_caches: Sequence[KVCache]) -> None:
         """Points the layers at these caches, unless they are the ones already bound."""

@@ -169,7 +169,8 @@ class LlamaStage(nn.Module):
         freq_factors = take("rope_freq_factors") if "rope_freq_factors" in weights else None
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, freq_factors)
         self.kernels = kernels
-        self.fused = (FusedLayers.build(config, list(self.layers), kernels.native)
+        self.fused = (FusedLayers.build(config, list(self.layers), (self.rope.cos, self.rope.sin), kernels.native,
+                                        (self.norm, self.lm_head) if self.is_last else None)
                       if fuse_layers and kernels.fast and kernels.native is not None else None)
 
     @property
@@ -202,10 +203,12 @@ class LlamaStage(nn.Module):
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(inputs) if self.is_first else inputs  # (T, hidden)
-        rotary = self.rope.angles(positions, x.dtype)  # shared by every layer
         if self.fused is not None and x.device.type == "cpu":
-            x = self.fused(x, rotary, meta, kv_caches)
+            x = self.fused(x, positions, meta, kv_caches, logits_indices)  # one native call
+            if self.fused.has_head:
+                return x  # the logits
         else:
+            rotary = self.rope.angles(positions, x.dtype)  # shared by every layer
             for layer, cache in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, rotary, cache, meta)
         if not self.is_last:
