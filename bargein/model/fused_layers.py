@@ -17,6 +17,7 @@ when a forward brings caches other than the last ones, and the array keeps those
 from __future__ import annotations
 
 import ctypes
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -103,7 +104,7 @@ class FusedLayers:
         self._bind(kv_caches)
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
-        out = x.contiguous().clone()
+        out = x.clone(memory_format=torch.contiguous_format)
         head = self._head
         logits = None
         if head is not None:
@@ -118,7 +119,7 @@ class FusedLayers:
 
     def _bind(self, kv_caches: Sequence[KVCache]) -> None:
         """Points the layers at these caches, unless they are the ones already bound."""
-        if len(kv_caches) == len(self._caches) and all(a is b for a, b in zip(kv_caches, self._caches, strict=True)):
+        if len(kv_caches) == len(self._caches) and all(map(operator.is_, kv_caches, self._caches)):
             return
         if len(kv_caches) != len(self._layers):
             raise ValueError(f"{len(self._layers)} layers need as many caches; got {len(kv_caches)}")
