@@ -1,8 +1,8 @@
 """The fast precision's fused layer call (bargein/kernels/fast_forward.c) against the
 per-operation path it replaces: the same logits and the same K/V, bit for bit, for any
 mix of prompt chunks and decodes, at 1 and 2 threads, on 4- and 8-bit weights, with and
-without q/k/v biases, with a tied or separate LM head, for any logits rows, and for a
-pipeline stage in the middle of the model."""
+without q/k/v biases, with a tied or separate LM head, an embedding held dense or in
+4-/8-bit blocks, for any logits rows, and for a pipeline stage in the middle of the model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bargein.config import ModelConfig
-from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.block_quant import BlockWeight, quantize_8bit
 from bargein.kernels.ops import resolve_kernels
 from bargein.model.attention import AttentionMetadata, KVCache
 from bargein.model.llama import LlamaStage
@@ -33,14 +33,17 @@ def q4_blocks(rows: int, cols: int, seed: int) -> BlockWeight:
     return BlockWeight(4, qs, scales, -8 * scales + 0.001 * torch.randn(rows, cols // 32, generator=g))
 
 
-def weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor | BlockWeight]:
-    """Random weights: layer 0's linears held in Q4_1 blocks, the others dense (fast quantizes
-    them to 8-bit blocks); q/k/v biases where the config has them."""
+def weights(config: ModelConfig, seed: int, embed: str) -> dict[str, torch.Tensor | BlockWeight]:
+    """Random weights: the embedding dense, "q4" or "q8"; layer 0's linears held in Q4_1
+    blocks, the others dense (fast quantizes them to 8-bit blocks); q/k/v biases where the
+    config has them."""
     g = torch.Generator().manual_seed(seed)
     h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_heads * d, config.num_kv_heads * d
     shapes = {"wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q), "w1": (f, h), "w3": (f, h), "w2": (h, f)}
-    w: dict[str, torch.Tensor | BlockWeight] = {"embed.weight": torch.randn(config.vocab_size, h, generator=g),
+    table = torch.randn(config.vocab_size, h, generator=g)
+    held = {"dense": table, "q4": q4_blocks(config.vocab_size, h, seed), "q8": quantize_8bit(table)}[embed]
+    w: dict[str, torch.Tensor | BlockWeight] = {"embed.weight": held,
                                                 "norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
                                                 "lm_head.weight": torch.randn(config.vocab_size, h, generator=g) / 8}
     for i in range(config.num_layers):
@@ -55,13 +58,14 @@ def weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor | BlockWei
     return w
 
 
-def stage_pair(config: ModelConfig, layer_range: tuple[int, int] | None = None) -> tuple[LlamaStage, LlamaStage]:
+def stage_pair(config: ModelConfig, layer_range: tuple[int, int] | None = None,
+               embed: str = "q4") -> tuple[LlamaStage, LlamaStage]:
     """The same weights as a fused stage and a per-operation one."""
-    w = weights(config, 0)
+    w = weights(config, 0, embed)
     fused = LlamaStage(config, w, layer_range, kernels=FAST)
     per_op = LlamaStage(config, w, layer_range, kernels=FAST, fuse_layers=False)
     assert fused.fused is not None and per_op.fused is None
-    assert fused.fused.has_head == fused.is_last
+    assert fused.fused.has_head == fused.is_last and fused.fused.has_embed == fused.is_first
     return fused, per_op
 
 
@@ -104,9 +108,10 @@ def assert_same_caches(a: list[KVCache], b: list[KVCache]) -> None:
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-@pytest.mark.parametrize("config", [TINY, BIASED, TIED], ids=["llama", "qkv-bias", "tied-head"])
-def test_the_fused_layers_give_the_per_operation_bits(config: ModelConfig, num_threads: int) -> None:
-    fused, per_op = stage_pair(config)
+@pytest.mark.parametrize(("config", "embed"), [(TINY, "q4"), (BIASED, "q8"), (TIED, "dense")],
+                         ids=["llama-q4-embed", "qkv-bias-q8-embed", "tied-head-dense-embed"])
+def test_the_fused_layers_give_the_per_operation_bits(config: ModelConfig, embed: str, num_threads: int) -> None:
+    fused, per_op = stage_pair(config, embed=embed)
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -173,6 +178,8 @@ def test_positions_past_the_rope_tables_and_rows_past_the_forward_are_refused() 
         fused(torch.tensor([1]), torch.tensor([far]), meta, caches)
     with pytest.raises(RuntimeError, match="logits row is not a row of the forward"):
         fused(torch.tensor([1]), torch.tensor([0]), meta, caches, torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="token id is not in the vocabulary"):
+        fused(torch.tensor([TINY.vocab_size]), torch.tensor([0]), meta, caches)
     assert all(c.k.abs().sum() == 0 for c in caches)
 
 

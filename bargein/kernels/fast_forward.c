@@ -18,21 +18,25 @@
  * rows and threads, and an add of two floats rounds alike in C and in PyTorch. What the
  * call saves is Python: some fifteen ctypes calls and tensor allocations per layer.
  *
- * The last stage of a model may hand its head too (bargein_fast_head_t): the final norm and
+ * The first stage of a model may hand its token embedding (bargein_fast_embed_t): the
+ * rows of the forward's token ids are then looked up here, widened from their blocks as
+ * BlockWeight.dequantize widens them (q * scale, then + min: two roundings), or copied
+ * from a float32 table. The last stage of a model may hand its head too (bargein_fast_head_t): the final norm and
  * the LM head then run on the rows asked for, as LlamaStage.forward runs them
  * (rms_norm of the gathered rows, then the int8 matmul), and write their logits.
  *
  * Contract (the Python caller, bargein/model/fused_layers.py, prepares it):
  *   layers[i]     the i-th layer's weights and caches (see bargein_fast_layer_t)
- *   x             (m, hidden) float32, contiguous; the input, overwritten with the output
+ *   x             (m, hidden) float32, contiguous; the input (or written from embed), overwritten
+ *                 with the output
  *   positions     (m,) int64: each token's position, a row of the RoPE tables
  *   slots         (m,) int64: the cache slot each token's K/V goes to
  *   block_tables, table_width, token_seq, token_ctx: as bargein_paged_attention_f16 takes
  *                 them (each token's context at least 1 and within its table row)
  *   head          NULL, or the head and the rows of x to compute logits for
  * Returns 0; -1 when scratch memory could not be had; -3 when a slot lies outside a cache,
- * -4 when a position lies outside the RoPE tables, -5 when a logits row is not a row of x
- * (all checked before anything is written).
+ * -4 when a position lies outside the RoPE tables, -5 when a logits row is not a row of x,
+ * -6 when a token id is not a row of the embedding (all checked before anything is written).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -85,6 +89,44 @@ typedef struct {
     float *logits;
 } bargein_fast_head_t;
 
+/* The token embedding: a float32 table (vocab, hidden), or blocks (dense NULL), and the ids
+ * (m,) whose rows become x. */
+typedef struct {
+    const float *dense;
+    bargein_q8_weight_t blocks;
+    const int64_t *ids;
+    int64_t vocab;
+} bargein_fast_embed_t;
+
+static void embed_rows(const bargein_fast_embed_t *e, float *x, int64_t m, int64_t hidden) {
+    const bargein_q8_weight_t *w = &e->blocks;
+    const int64_t nb = hidden / 32;
+    for (int64_t t = 0; t < m; t++) {
+        float *row = x + t * hidden;
+        const int64_t id = e->ids[t];
+        if (e->dense) {
+            memcpy(row, e->dense + id * hidden, sizeof(float) * (size_t)hidden);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const float scale = w->scales[id * nb + b];
+            float *out = row + b * 32;
+            if (w->bits == 4) {
+                const uint8_t *q = w->qs + (id * nb + b) * 16;
+                const float min = w->mins[id * nb + b];
+                for (int i = 0; i < 16; i++) {
+                    const float lo = (float)(q[i] & 0x0F) * scale, hi = (float)(q[i] >> 4) * scale;
+                    out[i] = lo + min;
+                    out[i + 16] = hi + min;
+                }
+            } else {
+                const int8_t *q = (const int8_t *)w->qs + (id * nb + b) * 32;
+                for (int i = 0; i < 32; i++) out[i] = (float)q[i] * scale;
+            }
+        }
+    }
+}
+
 static int matmul(const float *x, int64_t m, const bargein_q8_weight_t *w, float *y, int threads, int isa) {
     return bargein_q8_block_matmul(x, m, w->k, w->qs, w->scales, w->mins, (int)w->bits, w->n, y, threads, isa);
 }
@@ -112,13 +154,16 @@ static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hid
 int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, const bargein_fast_shape_t *shape,
                         float *x, int64_t m, const int64_t *positions, const int64_t *slots,
                         const int64_t *block_tables, int64_t table_width, const int64_t *token_seq,
-                        const int64_t *token_ctx, const bargein_fast_head_t *head, int num_threads, int isa) {
+                        const int64_t *token_ctx, const bargein_fast_embed_t *embed, const bargein_fast_head_t *head,
+                        int num_threads, int isa) {
     for (int64_t t = 0; t < m; t++) {
         if (slots[t] < 0 || slots[t] >= shape->num_slots) return -3;
         if (positions[t] < 0 || positions[t] >= shape->num_positions) return -4;
     }
     for (int64_t i = 0; head && i < head->num_rows; i++)
         if (head->rows[i] < 0 || head->rows[i] >= m) return -5;
+    for (int64_t t = 0; embed && t < m; t++)
+        if (embed->ids[t] < 0 || embed->ids[t] >= embed->vocab) return -6;
     const int64_t hidden = shape->hidden, heads = shape->num_heads, kv_heads = shape->num_kv_heads;
     const int64_t d = shape->head_dim, q_width = heads * d, qkv_width = (heads + 2 * kv_heads) * d;
     const int64_t inter = shape->intermediate, rows = m > 0 ? m : 1;
@@ -131,6 +176,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
     float *act = malloc(sizeof(float) * (size_t)(rows * inter));
     float *cos = malloc(sizeof(float) * (size_t)(rows * d)), *sin = malloc(sizeof(float) * (size_t)(rows * d));
     int status = (normed && qkv && q && attn && proj && gate_up && act && cos && sin) ? 0 : -1;
+    if (status == 0 && embed) embed_rows(embed, x, m, hidden);
     for (int64_t t = 0; t < m && status == 0; t++) { /* each token's angles, shared by every layer */
         memcpy(cos + t * d, shape->cos_table + positions[t] * d, sizeof(float) * (size_t)d);
         memcpy(sin + t * d, shape->sin_table + positions[t] * d, sizeof(float) * (size_t)d);

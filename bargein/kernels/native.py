@@ -70,6 +70,12 @@ class FastShape(ctypes.Structure):
                 ("scale", ctypes.c_float), ("cos_table", _P), ("sin_table", _P), ("num_positions", _I64)]
 
 
+class FastEmbed(ctypes.Structure):
+    """The token embedding of a fused fast forward (fast_forward.c's bargein_fast_embed_t)."""
+
+    _fields_ = [("dense", _P), ("blocks", Q8Weight), ("ids", _P), ("vocab", _I64)]
+
+
 class FastHead(ctypes.Structure):
     """The final norm and LM head of a fused fast forward (fast_forward.c's bargein_fast_head_t)."""
 
@@ -115,7 +121,7 @@ class NativeKernels:
         self._silu_mul.argtypes = [_P, _P, _I64, _I64, _INT]
         self._fast_layers = library.bargein_fast_layers
         self._fast_layers.restype = _INT
-        self._fast_layers.argtypes = [_P, _INT, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _INT, _INT]
+        self._fast_layers.argtypes = [_P, _INT, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _INT, _INT]
         self.q8_isa = self._chosen_q8_isa()
 
     def _chosen_q8_isa(self) -> int:
@@ -225,17 +231,18 @@ class NativeKernels:
 
     def fast_layers(self, layers: ctypes.Array[FastLayer], shape: FastShape, x: torch.Tensor,
                     positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                    token_seq: torch.Tensor, token_ctx: torch.Tensor, head: FastHead | None,
-                    num_threads: int) -> None:
-        """Runs the fast forward of every layer in ``layers`` on x (m, hidden), in place, then
-        ``head`` if given (it writes its logits) (see fast_forward.c): bit for bit what the
+                    token_seq: torch.Tensor, token_ctx: torch.Tensor, embed: FastEmbed | None,
+                    head: FastHead | None, num_threads: int) -> None:
+        """Runs the fast forward of every layer in ``layers`` on x (m, hidden), in place (x
+        first written from ``embed``'s rows of its token ids if given), then ``head`` if
+        given (it writes its logits) (see fast_forward.c): bit for bit what the
         per-operation kernels above compute in turn.
 
-        ``layers``, ``shape`` and ``head`` are prepared by the caller
+        ``layers``, ``shape``, ``embed`` and ``head`` are prepared by the caller
         (bargein.model.fused_layers), so this checks only the per-call tensors' layout. The
         caller guarantees what the attention kernel's caller does (every context at least 1
-        and within its table row); slots, positions and logits rows are checked in C,
-        before anything is written.
+        and within its table row); slots, positions, token ids and logits rows are checked
+        in C, before anything is written.
         """
         m = x.shape[0]
         _check_rows(x, shape.hidden)
@@ -247,6 +254,7 @@ class NativeKernels:
         status = self._fast_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), m,
                                    positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                                    block_tables.shape[1], token_seq.data_ptr(), token_ctx.data_ptr(),
+                                   None if embed is None else ctypes.addressof(embed),
                                    None if head is None else ctypes.addressof(head), num_threads, self.q8_isa)
         if status in _FAST_LAYER_ERRORS:
             raise NativeKernelError(_FAST_LAYER_ERRORS[status])
@@ -298,7 +306,7 @@ class NativeKernels:
 
 
 _FAST_LAYER_ERRORS = {-3: "a slot lies outside the cache", -4: "a position lies outside the RoPE tables",
-                      -5: "a logits row is not a row of the forward"}
+                      -5: "a logits row is not a row of the forward", -6: "a token id is not in the vocabulary"}
 
 
 def _check_rows(x: torch.Tensor, k: int) -> None:

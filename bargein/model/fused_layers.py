@@ -5,7 +5,8 @@ Python, a decode step of a 30-layer model still spends milliseconds in some fift
 calls, tensor allocations and module dispatches per layer. :class:`FusedLayers` describes
 a stage's layers to the C side once, when the model is built (weights' blocks, norms,
 biases, RoPE tables: pointers in ctypes structures), and each forward then makes a single
-call that runs them all, and the last stage's final norm and LM head, with the very
+call that runs them all, with the first stage's embedding lookup and the last stage's
+final norm and LM head, with the very
 kernels the per-operation path calls, in the same order, so that the logits, hidden states
 and K/V written are bit for bit the same (tests/test_fused_forward.py).
 
@@ -24,7 +25,14 @@ import torch
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BlockWeight
-from bargein.kernels.native import FastHead, FastLayer, FastShape, NativeKernels, Q8Weight
+from bargein.kernels.native import (
+    FastEmbed,
+    FastHead,
+    FastLayer,
+    FastShape,
+    NativeKernels,
+    Q8Weight,
+)
 from bargein.model.attention import AttentionMetadata, KVCache
 
 
@@ -32,10 +40,12 @@ class FusedLayers:
     """A range of decoder layers, ready for ``NativeKernels.fast_layers``. Build with :meth:`build`."""
 
     def __init__(self, native: NativeKernels, config: ModelConfig, layers: ctypes.Array[FastLayer],
-                 rope: tuple[torch.Tensor, torch.Tensor], head: FastHead | None, keep: list[object]):
+                 rope: tuple[torch.Tensor, torch.Tensor], embed: FastEmbed | None, head: FastHead | None,
+                 keep: list[object]):
         self.native = native
         self.config = config
         self._layers = layers
+        self._embed = embed
         self._head = head
         self.vocab_size = head.weight.n if head is not None else 0
         self._keep = [*keep, *rope]  # the tensors the structures point into
@@ -48,20 +58,27 @@ class FusedLayers:
                                 num_positions=cos.shape[0])
 
     @property
+    def has_embed(self) -> bool:
+        """Whether the call starts from token ids (looks up the embedding itself)."""
+        return self._embed is not None
+
+    @property
     def has_head(self) -> bool:
         """Whether the call ends with the final norm and LM head (returns logits)."""
         return self._head is not None
 
     @classmethod
     def build(cls, config: ModelConfig, blocks: Sequence[torch.nn.Module], rope: tuple[torch.Tensor, torch.Tensor],
-              native: NativeKernels, head: tuple[torch.nn.Module, torch.nn.Module] | None = None
-              ) -> FusedLayers | None:
+              native: NativeKernels, embed: torch.nn.Module | None = None,
+              head: tuple[torch.nn.Module, torch.nn.Module] | None = None) -> FusedLayers | None:
         """The fused form of ``blocks`` (TransformerBlocks of a fast model), with ``rope``'s
-        cos and sin tables (positions, head_dim) and, for the last stage, ``head`` (the
-        final RMSNorm and the LM head's Linear); None where a layer does not fit the C
-        side's contract (a weight not held in blocks, a bias where the fused call takes
-        none, a tensor not float32 and contiguous): then the model keeps running its layers
-        one operation at a time. A head that does not fit is left to the caller."""
+        cos and sin tables (positions, head_dim), for the first stage its ``embed``
+        (TokenEmbedding) and for the last ``head`` (the final RMSNorm and the LM head's
+        Linear); None where a layer does not fit the C side's contract (a weight not held
+        in blocks, a bias where the fused call takes none, a tensor not float32 and
+        contiguous): then the model keeps running its layers one operation at a time. An
+        embedding or head that does not fit is left to the caller (see ``has_embed``,
+        ``has_head``)."""
         if not all(_float32(t) and t.shape == (t.shape[0], config.head_dim) for t in rope):
             return None
         keep: list[object] = []
@@ -92,19 +109,36 @@ class FusedLayers:
             if weight is not None and weight.k == config.hidden_size and _float32(norm.weight):
                 keep.append(norm.weight)
                 fused_head = FastHead(norm=norm.weight.data_ptr(), weight=weight)
-        return cls(native, config, array, rope, fused_head, keep)
+        fused_embed = None
+        if embed is not None:
+            table = embed.blocks if embed.blocks is not None else embed.weight
+            if isinstance(table, BlockWeight):
+                weight = _q8(table, keep)
+                if weight is not None and weight.k == config.hidden_size:
+                    fused_embed = FastEmbed(blocks=weight, vocab=weight.n)
+            elif _float32(table) and table.dim() == 2 and table.shape[1] == config.hidden_size:
+                keep.append(table)
+                fused_embed = FastEmbed(dense=table.data_ptr(), vocab=table.shape[0])
+        return cls(native, config, array, rope, fused_embed, fused_head, keep)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """For x (T, hidden): float32 logits (N, vocab) of rows ``logits_indices`` (all rows
-        if None) where the call has the head, else the hidden states after every layer
-        (T, hidden). x itself is left as it was."""
+        """For x token ids (T,) where the call has the embedding, else hidden states
+        (T, hidden): float32 logits (N, vocab) of rows ``logits_indices`` (all rows if None)
+        where the call has the head, else the hidden states after every layer (T, hidden).
+        x itself is left as it was."""
         if meta.token_seq is None or meta.token_context is None:
             raise ValueError("the fast precision's attention needs AttentionMetadata.build's per-token fields")
         self._bind(kv_caches)
         if positions.dtype != torch.int64 or not positions.is_contiguous():
             positions = positions.to(torch.int64).contiguous()
-        out = x.clone(memory_format=torch.contiguous_format)
+        embed = self._embed
+        if embed is not None:
+            ids = x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
+            out = torch.empty((ids.shape[0], self.config.hidden_size), dtype=torch.float32)
+            embed.ids = ids.data_ptr()
+        else:
+            out = x.clone(memory_format=torch.contiguous_format)
         head = self._head
         logits = None
         if head is not None:
@@ -114,7 +148,7 @@ class FusedLayers:
             logits = torch.empty((rows.shape[0], self.vocab_size), dtype=torch.float32)
             head.rows, head.num_rows, head.logits = rows.data_ptr(), rows.shape[0], logits.data_ptr()
         self.native.fast_layers(self._layers, self._shape, out, positions, meta.slot_mapping, meta.block_tables,
-                                meta.token_seq, meta.token_context, head, torch.get_num_threads())
+                                meta.token_seq, meta.token_context, embed, head, torch.get_num_threads())
         return out if logits is None else logits
 
     def _bind(self, kv_caches: Sequence[KVCache]) -> None:

@@ -170,7 +170,7 @@ class LlamaStage(nn.Module):
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, freq_factors)
         self.kernels = kernels
         self.fused = (FusedLayers.build(config, list(self.layers), (self.rope.cos, self.rope.sin), kernels.native,
-                                        (self.norm, self.lm_head) if self.is_last else None)
+                                        self.embed, (self.norm, self.lm_head) if self.is_last else None)
                       if fuse_layers and kernels.fast and kernels.native is not None else None)
 
     @property
@@ -202,12 +202,14 @@ class LlamaStage(nn.Module):
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(inputs) if self.is_first else inputs  # (T, hidden)
-        if self.fused is not None and x.device.type == "cpu":
-            x = self.fused(x, positions, meta, kv_caches, logits_indices)  # one native call
-            if self.fused.has_head:
+        fused = self.fused
+        if fused is not None and inputs.device.type == "cpu":  # one native call
+            x = self.embed(inputs) if self.is_first and not fused.has_embed else inputs
+            x = fused(x, positions, meta, kv_caches, logits_indices)
+            if fused.has_head:
                 return x  # the logits
         else:
+            x = self.embed(inputs) if self.is_first else inputs  # (T, hidden)
             rotary = self.rope.angles(positions, x.dtype)  # shared by every layer
             for layer, cache in zip(self.layers, kv_caches, strict=True):
                 x = layer(x, rotary, cache, meta)
