@@ -7,6 +7,7 @@ without q/k/v biases, with a tied or separate LM head, an embedding held dense o
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -186,3 +187,24 @@ def test_positions_past_the_rope_tables_and_rows_past_the_forward_are_refused() 
 def test_a_model_that_does_not_fit_the_fused_call_runs_per_operation() -> None:
     exact = LlamaStage(TINY, dict(tiny_weights(0)), kernels=resolve_kernels("cpu", precision="exact"))
     assert exact.fused is None
+
+
+def test_two_threads_sharing_a_stage_each_get_their_own_caches_bits() -> None:
+    """Two engines may share one model: each call's caches and rows are its own."""
+    fused, per_op = stage_pair(TINY)
+    reference = per_op.make_kv_caches(40, BLOCK)
+    want = [run(per_op, reference, steps) for steps in STEPS]
+    results: dict[int, list[torch.Tensor]] = {}
+    caches = {i: fused.make_kv_caches(40, BLOCK) for i in range(2)}
+
+    def worker(i: int) -> None:
+        results[i] = [run(fused, caches[i], steps) for steps in STEPS for _ in range(3)][::3]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(2):
+        assert all(torch.equal(g, w) for g, w in zip(results[i], want, strict=True))
+        assert_same_caches(caches[i], reference)

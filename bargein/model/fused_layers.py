@@ -12,13 +12,15 @@ and K/V written are bit for bit the same (tests/test_fused_forward.py).
 
 The caches are the caller's (the runner's); their pointers are written into the array
 when a forward brings caches other than the last ones, and the array keeps those
-:class:`KVCache` objects alive while it points at them.
+:class:`KVCache` objects alive while it points at them. Calls are serialised by a lock,
+since the structures carry each call's pointers.
 """
 
 from __future__ import annotations
 
 import ctypes
 import operator
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -50,6 +52,9 @@ class FusedLayers:
         self.vocab_size = head.weight.n if head is not None else 0
         self._keep = [*keep, *rope]  # the tensors the structures point into
         self._caches: tuple[KVCache, ...] = ()
+        # The structures hold per-call pointers (caches, ids, logits): one call at a time,
+        # should two engines share this model (the kernels share one thread pool anyway).
+        self._lock = threading.Lock()
         cos, sin = rope
         self._shape = FastShape(hidden=config.hidden_size, intermediate=config.intermediate_size, num_slots=0,
                                 num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
@@ -129,26 +134,27 @@ class FusedLayers:
         x itself is left as it was."""
         if meta.token_seq is None or meta.token_context is None:
             raise ValueError("the fast precision's attention needs AttentionMetadata.build's per-token fields")
-        self._bind(kv_caches)
-        if positions.dtype != torch.int64 or not positions.is_contiguous():
-            positions = positions.to(torch.int64).contiguous()
-        embed = self._embed
-        if embed is not None:
-            ids = x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
-            out = torch.empty((ids.shape[0], self.config.hidden_size), dtype=torch.float32)
-            embed.ids = ids.data_ptr()
-        else:
-            out = x.clone(memory_format=torch.contiguous_format)
-        head = self._head
-        logits = None
-        if head is not None:
-            rows = logits_indices if logits_indices is not None else torch.arange(out.shape[0])
-            if rows.dtype != torch.int64 or not rows.is_contiguous() or rows.dim() != 1:
-                rows = rows.to(torch.int64).contiguous().view(-1)
-            logits = torch.empty((rows.shape[0], self.vocab_size), dtype=torch.float32)
-            head.rows, head.num_rows, head.logits = rows.data_ptr(), rows.shape[0], logits.data_ptr()
-        self.native.fast_layers(self._layers, self._shape, out, positions, meta.slot_mapping, meta.block_tables,
-                                meta.token_seq, meta.token_context, embed, head, torch.get_num_threads())
+        with self._lock:
+            self._bind(kv_caches)
+            if positions.dtype != torch.int64 or not positions.is_contiguous():
+                positions = positions.to(torch.int64).contiguous()
+            embed = self._embed
+            if embed is not None:
+                ids = x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
+                out = torch.empty((ids.shape[0], self.config.hidden_size), dtype=torch.float32)
+                embed.ids = ids.data_ptr()
+            else:
+                out = x.clone(memory_format=torch.contiguous_format)
+            head = self._head
+            logits = None
+            if head is not None:
+                rows = logits_indices if logits_indices is not None else torch.arange(out.shape[0])
+                if rows.dtype != torch.int64 or not rows.is_contiguous() or rows.dim() != 1:
+                    rows = rows.to(torch.int64).contiguous().view(-1)
+                logits = torch.empty((rows.shape[0], self.vocab_size), dtype=torch.float32)
+                head.rows, head.num_rows, head.logits = rows.data_ptr(), rows.shape[0], logits.data_ptr()
+            self.native.fast_layers(self._layers, self._shape, out, positions, meta.slot_mapping, meta.block_tables,
+                                    meta.token_seq, meta.token_context, embed, head, torch.get_num_threads())
         return out if logits is None else logits
 
     def _bind(self, kv_caches: Sequence[KVCache]) -> None:
