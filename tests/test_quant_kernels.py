@@ -180,7 +180,7 @@ def f16_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
 
 
 @needs_kernels
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (6, 2, 12), (4, 4, 8)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 128), (4, 2, 16), (6, 2, 12), (4, 4, 8)])
 @pytest.mark.parametrize("threads", THREADS)
 def test_f16_attention_matches_float64_and_each_query_stands_alone(num_heads: int, num_kv_heads: int,
                                                                    head_dim: int, threads: int) -> None:

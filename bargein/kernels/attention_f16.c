@@ -201,6 +201,47 @@ static void attend_tile(const f16_batch_t *b, int64_t first, int n, int h0, int 
     }
 }
 
+#if defined(BARGEIN_AVX2) && defined(__F16C__)
+#define ONE_QUERY_PATH 1
+static inline __m256 load_halves(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* A tile of one query (a decode), for head_dim a multiple of 64: the very arithmetic of
+ * attend_tile for it (each score one fused multiply-add chain over the head, summed by
+ * hsum256, times the scale; the same softmax; each output value one chain of fused
+ * multiply-adds over the positions in order, times 1 / sum), in another loop order: head
+ * by head, the query and 64 output values held in registers and the keys and values
+ * widened as they are read. So the bits are attend_tile's, at a fraction of its loads
+ * and stores. scores is max_context scratch. */
+static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *scores) {
+    const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim, bs = b->block_size;
+    const int64_t row_len = (int64_t)b->num_kv_heads * d_len, per_q = (int64_t)n_heads * d_len;
+    const int64_t *table = b->block_tables + b->query_seq[qi] * b->table_width;
+    const int64_t ctx = b->query_ctx[qi];
+    for (int h = h0; h < h1; h++) {
+        const float *q = b->q + qi * per_q + (int64_t)h * d_len;
+        const int64_t off = (int64_t)(h / group) * d_len;
+        for (int64_t t = 0; t < ctx; t++) {
+            const uint16_t *k = b->k_cache + (table[t / bs] * bs + t % bs) * row_len + off;
+            __m256 acc = _mm256_setzero_ps();
+            for (int d = 0; d < d_len; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_halves(k + d), acc);
+            scores[t] = hsum256(acc) * b->scale;
+        }
+        const __m256 inv = _mm256_set1_ps(softmax_row(scores, ctx));
+        float *out = b->out + qi * per_q + (int64_t)h * d_len;
+        for (int d0 = 0; d0 < d_len; d0 += 64) {
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < ctx; t++) {
+                const uint16_t *v = b->v_cache + (table[t / bs] * bs + t % bs) * row_len + off + d0;
+                const __m256 w = _mm256_set1_ps(scores[t]);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, load_halves(v + 8 * j), a[j]);
+            }
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(a[j], inv));
+        }
+    }
+}
+#endif
+
 /* Takes work items (a tile and a share of its heads) until none is left; one short of
  * scratch memory takes none. */
 static void run_worker(void *arg, int index, int count) {
@@ -214,10 +255,16 @@ static void run_worker(void *arg, int index, int count) {
     const int parts = b->head_parts, heads = b->num_heads;
     if (scores && row && acc)
         for (int64_t item; (item = atomic_fetch_add(&b->next, 1)) < b->num_tiles * parts;) {
-            const int64_t tile = item / parts;
-            const int part = (int)(item % parts);
-            attend_tile(b, b->tile_starts[tile], (int)(b->tile_starts[tile + 1] - b->tile_starts[tile]),
-                        heads * part / parts, heads * (part + 1) / parts, scores, row, acc);
+            const int64_t tile = item / parts, first = b->tile_starts[tile];
+            const int part = (int)(item % parts), n = (int)(b->tile_starts[tile + 1] - first);
+            const int h0 = heads * part / parts, h1 = heads * (part + 1) / parts;
+#ifdef ONE_QUERY_PATH
+            if (n == 1 && b->head_dim % 64 == 0) {
+                attend_one(b, first, h0, h1, scores);
+                continue;
+            }
+#endif
+            attend_tile(b, first, n, h0, h1, scores, row, acc);
         }
     free(scores);
     free(row);
