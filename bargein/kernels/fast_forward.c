@@ -34,7 +34,8 @@
  *   block_tables, table_width, token_seq, token_ctx: as bargein_paged_attention_f16 takes
  *                 them (each token's context at least 1 and within its table row)
  *   head          NULL, or the head and the rows of x to compute logits for
- * Returns 0; -1 when scratch memory could not be had; -3 when a slot lies outside a cache,
+ * Returns 0; -1 when scratch memory could not be had; -2 when the int8 matmul's `isa` is not
+ * this CPU's; -3 when a slot lies outside a cache,
  * -4 when a position lies outside the RoPE tables, -5 when a logits row is not a row of x,
  * -6 when a token id is not a row of the embedding (all checked before anything is written).
  */

@@ -305,7 +305,8 @@ class NativeKernels:
         return out
 
 
-_FAST_LAYER_ERRORS = {-3: "a slot lies outside the cache", -4: "a position lies outside the RoPE tables",
+_FAST_LAYER_ERRORS = {-2: "this CPU lacks the int8 matmul's chosen instruction set",
+                      -3: "a slot lies outside the cache", -4: "a position lies outside the RoPE tables",
                       -5: "a logits row is not a row of the forward", -6: "a token id is not in the vocabulary"}
 
 
