@@ -8,6 +8,7 @@ machine lacks are skipped, by name, so a run says which were checked.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from fractions import Fraction
 
@@ -240,7 +241,7 @@ def f16_case(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, 
 
 
 @needs_kernels
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 16), (6, 2, 12), (4, 4, 8)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 128), (4, 2, 16), (6, 2, 12), (4, 4, 8)])
 @pytest.mark.parametrize("threads", THREADS)
 def test_f16_attention_matches_float64_and_each_query_stands_alone(num_heads: int, num_kv_heads: int,
                                                                    head_dim: int, threads: int) -> None:
@@ -254,9 +255,11 @@ def test_f16_attention_matches_float64_and_each_query_stands_alone(num_heads: in
         values = vc.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)
         want = F.scaled_dot_product_attention(q[t].double().unsqueeze(1), keys, values).squeeze(1)
         assert torch.allclose(got[t].double(), want, rtol=1e-4, atol=1e-5)
-    for t in (0, 12, 13, q.shape[0] - 1):  # a query alone gets the bits it got among all
+    # A query alone gets the bits it got among all, also where its heads are shared out
+    # among the threads (fewer queries than threads).
+    for t, alone_threads in itertools.product((0, 12, 13, q.shape[0] - 1), sorted({1, threads})):
         alone = KERNELS.paged_attention_f16(q[t:t + 1].contiguous(), kc, vc, tables, seq[t:t + 1].contiguous(),
-                                            ctx[t:t + 1].contiguous(), head_dim ** -0.5, 1)
+                                            ctx[t:t + 1].contiguous(), head_dim ** -0.5, alone_threads)
         assert torch.equal(alone[0], got[t])
 
 

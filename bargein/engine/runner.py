@@ -119,6 +119,8 @@ class ModelRunner:
         if cuda_graph_batch_sizes and self.device.type == "cuda":
             self.decode_graphs = self.padded_decode(cuda_graph_batch_sizes, capture=True)
         self._submitted: StepPlan | None = None
+        # The fast precision attends token by token and reads no decode batch: not built.
+        self._decode_batch = any(not s.kernels.fast for s in self.stages)
 
     @property
     def num_in_flight(self) -> int:
@@ -165,15 +167,16 @@ class ModelRunner:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
         if self.decode_graphs is not None and (logits := self.decode_graphs.run(plan)) is not None:
             return logits
-        x, pos, meta, indices = plan_inputs(plan, self.block_size, self.device)
+        x, pos, meta, indices = plan_inputs(plan, self.block_size, self.device, decode_batch=self._decode_batch)
         for stage, caches in zip(self.stages, self.kv_caches, strict=True):
             x = stage(x, pos, meta, caches, logits_indices=indices if stage.is_last else None)
         return x
 
 
-def plan_inputs(plan: StepPlan, block_size: int, device: torch.device
+def plan_inputs(plan: StepPlan, block_size: int, device: torch.device, *, decode_batch: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-    """A plan's token ids, positions, attention metadata and sampled rows, on ``device``.
+    """A plan's token ids, positions, attention metadata and sampled rows, on ``device``
+    (``decode_batch``: see ``AttentionMetadata.build``).
 
     Every stage of a pipeline derives the same from the same plan (plain data), so no
     stage needs another's inputs besides the hidden states.
@@ -192,7 +195,9 @@ def plan_inputs(plan: StepPlan, block_size: int, device: torch.device
         context_lens=[c.context_len for c in plan.chunks],
         block_size=block_size,
         device=device,
+        decode_batch=decode_batch,
     )
-    x, pos, indices = (torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
-                       for v in (ids, positions, logits_indices))
+    # One tensor, one copy to the device; the three are views of it.
+    x, pos, indices = torch.tensor(ids + positions + logits_indices, dtype=torch.int64).to(
+        device, non_blocking=True).split([len(ids), len(positions), len(logits_indices)])
     return x, pos, meta, indices

@@ -16,7 +16,8 @@
  * the call, how the threads share them out, or whether the token came in a prompt chunk
  * or as a decode. A decode step and a prefill of the same tokens write and read the same
  * K/V and get the same numbers, bit for bit, which the cancellation contract (C4) needs
- * in this mode. Queries are shared out among threads whole.
+ * in this mode. Queries are shared out among threads whole, and when there are fewer
+ * tiles of queries than threads, so are their heads (each head by the same code).
  *
  * Returns 0, or -1 when scratch memory could not be had.
  *
@@ -45,7 +46,8 @@ typedef struct {
     float scale;
     const int64_t *tile_starts; /* tile i: queries [tile_starts[i], tile_starts[i + 1]) */
     int64_t num_tiles;
-    atomic_llong next; /* the next tile a thread may take */
+    int head_parts;    /* each tile's query heads are split into this many work items */
+    atomic_llong next; /* the next work item a thread may take */
 } f16_batch_t;
 
 #define QUERY_TILE 8 /* queries of one sequence sharing each widened key and value row */
@@ -141,41 +143,44 @@ static float softmax_row(float *s, int64_t ctx) {
 }
 
 /* A tile of up to QUERY_TILE consecutive queries of one sequence, each attended exactly as
- * it would be alone: the tile only shares the widening of each key and value row to
- * float32 among the queries that see it. scores is (tile, heads, max_context) scratch,
- * acc (tile, heads, head_dim). */
-static void attend_tile(const f16_batch_t *b, int64_t first, int n, float *scores, float *row, float *acc) {
+ * it would be alone, over query heads [h0, h1): the tile only shares the
+ * widening of each key and value row to float32 among the queries that see it, and a head's
+ * numbers never depend on which other heads the call covers. scores is (tile, heads,
+ * max_context) scratch, acc (tile, heads, head_dim). */
+static void attend_tile(const f16_batch_t *b, int64_t first, int n, int h0, int h1, float *scores, float *row,
+                        float *acc) {
     const int n_heads = b->num_heads, n_kv = b->num_kv_heads, d_len = b->head_dim, group = n_heads / n_kv;
+    const int kv0 = h0 / group, width = ((h1 - 1) / group + 1 - kv0) * d_len; /* the KV heads they read */
     const int64_t row_len = (int64_t)n_kv * d_len, cap = b->max_context, per_q = (int64_t)n_heads * d_len;
     const int64_t *table = b->block_tables + b->query_seq[first] * b->table_width;
     int64_t longest = 0;
     for (int i = 0; i < n; i++) longest = b->query_ctx[first + i] > longest ? b->query_ctx[first + i] : longest;
     for (int64_t t = 0; t < longest; t++) {
         const int64_t slot = table[t / b->block_size] * b->block_size + t % b->block_size;
-        widen_row(b->k_cache + slot * row_len, row, (int)row_len);
+        widen_row(b->k_cache + slot * row_len + (int64_t)kv0 * d_len, row + (int64_t)kv0 * d_len, width);
         for (int i = 0; i < n; i++) {
             const int64_t ctx = b->query_ctx[first + i];
             if (t >= ctx) continue;
             const float *q = b->q + (first + i) * per_q;
             float *s = scores + (int64_t)i * n_heads * cap;
-            for (int h = 0; h < n_heads; h++)
+            for (int h = h0; h < h1; h++)
                 s[(int64_t)h * ctx + t] = dot(q + (int64_t)h * d_len, row + (int64_t)(h / group) * d_len, d_len) * b->scale;
         }
     }
     float inv[QUERY_TILE][n_heads];
     for (int i = 0; i < n; i++) {
         const int64_t ctx = b->query_ctx[first + i];
-        for (int h = 0; h < n_heads; h++) inv[i][h] = softmax_row(scores + (int64_t)i * n_heads * cap + (int64_t)h * ctx, ctx);
+        for (int h = h0; h < h1; h++) inv[i][h] = softmax_row(scores + (int64_t)i * n_heads * cap + (int64_t)h * ctx, ctx);
     }
     for (int64_t i = 0; i < n * per_q; i++) acc[i] = 0.0f;
     for (int64_t t = 0; t < longest; t++) {
         const int64_t slot = table[t / b->block_size] * b->block_size + t % b->block_size;
-        widen_row(b->v_cache + slot * row_len, row, (int)row_len);
+        widen_row(b->v_cache + slot * row_len + (int64_t)kv0 * d_len, row + (int64_t)kv0 * d_len, width);
         for (int i = 0; i < n; i++) {
             const int64_t ctx = b->query_ctx[first + i];
             if (t >= ctx) continue;
             const float *s = scores + (int64_t)i * n_heads * cap;
-            for (int h = 0; h < n_heads; h++) {
+            for (int h = h0; h < h1; h++) {
                 const float *v = row + (int64_t)(h / group) * d_len, w = s[(int64_t)h * ctx + t];
                 float *a = acc + i * per_q + (int64_t)h * d_len;
                 int d = 0;
@@ -190,13 +195,55 @@ static void attend_tile(const f16_batch_t *b, int64_t first, int n, float *score
     }
     for (int i = 0; i < n; i++) {
         float *out = b->out + (first + i) * per_q;
-        for (int h = 0; h < n_heads; h++)
+        for (int h = h0; h < h1; h++)
             for (int d = 0; d < d_len; d++)
                 out[(int64_t)h * d_len + d] = acc[i * per_q + (int64_t)h * d_len + d] * inv[i][h];
     }
 }
 
-/* Takes tiles until none is left; one short of scratch memory takes none. */
+#if defined(BARGEIN_AVX2) && defined(__F16C__)
+#define ONE_QUERY_PATH 1
+static inline __m256 load_halves(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* A tile of one query (a decode), for head_dim a multiple of 64: the very arithmetic of
+ * attend_tile for it (each score one fused multiply-add chain over the head, summed by
+ * hsum256, times the scale; the same softmax; each output value one chain of fused
+ * multiply-adds over the positions in order, times 1 / sum), in another loop order: head
+ * by head, the query and 64 output values held in registers and the keys and values
+ * widened as they are read. So the bits are attend_tile's, at a fraction of its loads
+ * and stores. scores is max_context scratch. */
+static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *scores) {
+    const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim, bs = b->block_size;
+    const int64_t row_len = (int64_t)b->num_kv_heads * d_len, per_q = (int64_t)n_heads * d_len;
+    const int64_t *table = b->block_tables + b->query_seq[qi] * b->table_width;
+    const int64_t ctx = b->query_ctx[qi];
+    for (int h = h0; h < h1; h++) {
+        const float *q = b->q + qi * per_q + (int64_t)h * d_len;
+        const int64_t off = (int64_t)(h / group) * d_len;
+        for (int64_t t = 0; t < ctx; t++) {
+            const uint16_t *k = b->k_cache + (table[t / bs] * bs + t % bs) * row_len + off;
+            __m256 acc = _mm256_setzero_ps();
+            for (int d = 0; d < d_len; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_halves(k + d), acc);
+            scores[t] = hsum256(acc) * b->scale;
+        }
+        const __m256 inv = _mm256_set1_ps(softmax_row(scores, ctx));
+        float *out = b->out + qi * per_q + (int64_t)h * d_len;
+        for (int d0 = 0; d0 < d_len; d0 += 64) {
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < ctx; t++) {
+                const uint16_t *v = b->v_cache + (table[t / bs] * bs + t % bs) * row_len + off + d0;
+                const __m256 w = _mm256_set1_ps(scores[t]);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, load_halves(v + 8 * j), a[j]);
+            }
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(a[j], inv));
+        }
+    }
+}
+#endif
+
+/* Takes work items (a tile and a share of its heads) until none is left; one short of
+ * scratch memory takes none. */
 static void run_worker(void *arg, int index, int count) {
     (void)index;
     (void)count;
@@ -205,10 +252,20 @@ static void run_worker(void *arg, int index, int count) {
     float *scores = malloc(sizeof(float) * QUERY_TILE * (size_t)b->num_heads * (size_t)cap);
     float *row = malloc(sizeof(float) * (size_t)b->num_kv_heads * (size_t)b->head_dim);
     float *acc = malloc(sizeof(float) * QUERY_TILE * (size_t)b->num_heads * (size_t)b->head_dim);
+    const int parts = b->head_parts, heads = b->num_heads;
     if (scores && row && acc)
-        for (int64_t tile; (tile = atomic_fetch_add(&b->next, 1)) < b->num_tiles;)
-            attend_tile(b, b->tile_starts[tile], (int)(b->tile_starts[tile + 1] - b->tile_starts[tile]), scores, row,
-                        acc);
+        for (int64_t item; (item = atomic_fetch_add(&b->next, 1)) < b->num_tiles * parts;) {
+            const int64_t tile = item / parts, first = b->tile_starts[tile];
+            const int part = (int)(item % parts), n = (int)(b->tile_starts[tile + 1] - first);
+            const int h0 = heads * part / parts, h1 = heads * (part + 1) / parts;
+#ifdef ONE_QUERY_PATH
+            if (n == 1 && b->head_dim % 64 == 0) {
+                attend_one(b, first, h0, h1, scores);
+                continue;
+            }
+#endif
+            attend_tile(b, first, n, h0, h1, scores, row, acc);
+        }
     free(scores);
     free(row);
     free(acc);
@@ -225,13 +282,15 @@ int bargein_paged_attention_f16(const float *q, const uint16_t *k_cache, const u
         if (i == 0 || query_seq[i] != query_seq[i - 1] || i - tile_starts[num_tiles - 1] == QUERY_TILE)
             tile_starts[num_tiles++] = i;
     tile_starts[num_tiles] = num_queries;
-    if (num_threads > num_tiles) num_threads = (int)num_tiles;
+    /* Fewer tiles than threads (one decoding sequence): the tiles' heads are shared out too. */
+    const int head_parts = num_tiles >= num_threads ? 1 : (num_heads < num_threads ? num_heads : num_threads);
+    if (num_threads > num_tiles * head_parts) num_threads = (int)(num_tiles * head_parts);
     f16_batch_t batch = {q, k_cache, v_cache, block_tables, query_seq, query_ctx, out, num_queries, table_width, 0,
-                         num_heads, num_kv_heads, head_dim, block_size, scale, tile_starts, num_tiles, 0};
+                         num_heads, num_kv_heads, head_dim, block_size, scale, tile_starts, num_tiles, head_parts, 0};
     for (int64_t i = 0; i < num_queries; i++)
         batch.max_context = query_ctx[i] > batch.max_context ? query_ctx[i] : batch.max_context;
     bargein_parallel_run(run_worker, &batch, num_threads);
-    const int failed = atomic_load(&batch.next) < num_tiles;
+    const int failed = atomic_load(&batch.next) < num_tiles * head_parts;
     free(tile_starts);
     return failed ? -1 : 0;
 }

@@ -33,7 +33,8 @@ from bargein.kernels.block_quant import BlockWeight
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in (
-    "decode_attention.c", "block_matmul.c", "quant_matmul.c", "attention_f16.c", "rowwise.c", "parallel.c"))
+    "decode_attention.c", "block_matmul.c", "quant_matmul.c", "attention_f16.c", "rowwise.c", "parallel.c",
+    "fast_forward.c"))
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "simd.h"))
 # -ffp-contract=off: a multiply and an add stay two roundings unless the source asks for a
 # fused one, so the `fast` kernels' instruction-set paths round alike (see quant_matmul.c).
@@ -45,6 +46,40 @@ _P = ctypes.c_void_p
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 # The int8 matmul's instruction sets, by the number quant_matmul.c knows them by.
 Q8_ISAS = {"c": 0, "avx2": 1, "vnni": 2}
+
+
+class Q8Weight(ctypes.Structure):
+    """A block-held weight as the int8 matmul reads it (fast_forward.c's bargein_q8_weight_t)."""
+
+    _fields_ = [("qs", _P), ("scales", _P), ("mins", _P), ("n", _I64), ("k", _I64), ("bits", _I64)]
+
+
+class FastLayer(ctypes.Structure):
+    """One decoder layer of the fused fast forward (fast_forward.c's bargein_fast_layer_t)."""
+
+    _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv_bias", _P), ("wqkv", Q8Weight), ("wo", Q8Weight),
+                ("w13", Q8Weight), ("w2", Q8Weight), ("k_cache", _P), ("v_cache", _P)]
+
+
+class FastShape(ctypes.Structure):
+    """The shapes and RoPE tables the layers of a fused fast forward share (fast_forward.c's
+    bargein_fast_shape_t)."""
+
+    _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_slots", _I64), ("num_heads", _I64),
+                ("num_kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("cos_table", _P), ("sin_table", _P), ("num_positions", _I64)]
+
+
+class FastEmbed(ctypes.Structure):
+    """The token embedding of a fused fast forward (fast_forward.c's bargein_fast_embed_t)."""
+
+    _fields_ = [("dense", _P), ("blocks", Q8Weight), ("ids", _P), ("vocab", _I64)]
+
+
+class FastHead(ctypes.Structure):
+    """The final norm and LM head of a fused fast forward (fast_forward.c's bargein_fast_head_t)."""
+
+    _fields_ = [("norm", _P), ("weight", Q8Weight), ("rows", _P), ("num_rows", _I64), ("logits", _P)]
 
 
 class NativeKernelError(RuntimeError):
@@ -84,6 +119,9 @@ class NativeKernels:
         self._silu_mul = library.bargein_silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [_P, _P, _I64, _I64, _INT]
+        self._fast_layers = library.bargein_fast_layers
+        self._fast_layers.restype = _INT
+        self._fast_layers.argtypes = [_P, _INT, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _INT, _INT]
         self.q8_isa = self._chosen_q8_isa()
 
     def _chosen_q8_isa(self) -> int:
@@ -192,6 +230,38 @@ class NativeKernels:
             raise NativeKernelError("the float16 attention kernel could not allocate its scratch memory")
         return out
 
+    def fast_layers(self, layers: ctypes.Array[FastLayer], shape: FastShape, x: torch.Tensor,
+                    positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
+                    token_seq: torch.Tensor, token_ctx: torch.Tensor, embed: FastEmbed | None,
+                    head: FastHead | None, num_threads: int) -> None:
+        """Runs the fast forward of every layer in ``layers`` on x (m, hidden), in place (x
+        first written from ``embed``'s rows of its token ids if given), then ``head`` if
+        given (it writes its logits) (see fast_forward.c): bit for bit what the
+        per-operation kernels above compute in turn.
+
+        ``layers``, ``shape``, ``embed`` and ``head`` are prepared by the caller
+        (bargein.model.fused_layers), so this checks only the per-call tensors' layout. The
+        caller guarantees what the attention kernel's caller does (every context at least 1
+        and within its table row); slots, positions, token ids and logits rows are checked
+        in C, before anything is written.
+        """
+        m = x.shape[0]
+        _check_rows(x, shape.hidden)
+        if any(t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (m,)
+               for t in (positions, slots, token_seq, token_ctx)) \
+                or block_tables.dtype != torch.int64 or not block_tables.is_contiguous() or block_tables.dim() != 2:
+            raise NativeKernelError("one int64 position, slot, sequence and context per token and int64 block "
+                                    "tables are needed")
+        status = self._fast_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), m,
+                                   positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                                   block_tables.shape[1], token_seq.data_ptr(), token_ctx.data_ptr(),
+                                   None if embed is None else ctypes.addressof(embed),
+                                   None if head is None else ctypes.addressof(head), num_threads, self.q8_isa)
+        if status in _FAST_LAYER_ERRORS:
+            raise NativeKernelError(_FAST_LAYER_ERRORS[status])
+        if status:
+            raise NativeKernelError("the fused fast forward could not allocate its scratch memory")
+
     def block_matmul(self, x: torch.Tensor, weight: BlockWeight, num_threads: int) -> torch.Tensor:
         """``x @ W.T`` for x (m, k) contiguous float32 on the CPU and W block-quantized (n, k)."""
         n, k = weight.shape
@@ -234,6 +304,11 @@ class NativeKernels:
         if status:
             raise NativeKernelError("the decode attention kernel could not allocate its scratch memory")
         return out
+
+
+_FAST_LAYER_ERRORS = {-2: "this CPU lacks the int8 matmul's chosen instruction set",
+                      -3: "a slot lies outside the cache", -4: "a position lies outside the RoPE tables",
+                      -5: "a logits row is not a row of the forward", -6: "a token id is not in the vocabulary"}
 
 
 def _check_rows(x: torch.Tensor, k: int) -> None:

@@ -62,10 +62,11 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int64
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
-    decode_token_index: torch.Tensor  # (Bd,) int64: the token index of each decode in the forward
-    decode_block_tables: torch.Tensor  # (Bd, nb) int64: the decodes' blocks, padded with block 0
-    decode_context_lens: torch.Tensor  # (Bd,) int64
-    decode_mask: torch.Tensor  # (Bd, 1, 1, nb * block_size) float: 0 where a key is visible, -inf past it
+    # The decodes' batch (None when built without it: the fast precision never reads it).
+    decode_token_index: torch.Tensor | None  # (Bd,) int64: the token index of each decode in the forward
+    decode_block_tables: torch.Tensor | None  # (Bd, nb) int64: the decodes' blocks, padded with block 0
+    decode_context_lens: torch.Tensor | None  # (Bd,) int64
+    decode_mask: torch.Tensor | None  # (Bd, 1, 1, nb * block_size) float: 0 where a key is visible, -inf past it
     block_size: int
     # Per token: its sequence (row of block_tables) and how many positions it sees (its
     # position + 1). Built by ``build``; the fast precision's attention reads them.
@@ -86,8 +87,13 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, *, block_tables: list[list[int]], query_lens: list[int], context_lens: list[int],
-              block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
-        """Derives the slot mapping and decode grouping from per-sequence block tables."""
+              block_size: int, device: torch.device | str = "cpu", decode_batch: bool = True) -> AttentionMetadata:
+        """Derives the slot mapping and decode grouping from per-sequence block tables.
+
+        ``decode_batch=False`` leaves the decode fields None: the fast precision attends
+        token by token from the per-token fields and never reads them, and on a decode
+        step their tensors cost more than the rest of the metadata.
+        """
         slots: list[int] = []
         token_seq: list[int] = []
         token_ctx: list[int] = []
@@ -103,38 +109,45 @@ class AttentionMetadata:
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
             token_seq.extend([seq] * q_len)
             token_ctx.extend(range(ctx - q_len + 1, ctx + 1))
-            if q_len == 1:
+            if q_len == 1 and decode_batch:
                 decode_index.append(start)
                 decode_tables.append(table[: (ctx + block_size - 1) // block_size])
                 decode_ctx.append(ctx)
             start += q_len
         width = max((len(t) for t in block_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
-        # Decodes attend in one padded batch; the gather indices and the mask are the
-        # same for every layer, so they are built once here (as a float mask, which the
-        # CPU attention kernel takes without converting it per call).
         decode_width = max((len(t) for t in decode_tables), default=0)
-        decode_ids = [t + [0] * (decode_width - len(t)) for t in decode_tables]
-        key_pos = torch.arange(decode_width * block_size, device=device)
-        visible = key_pos.unsqueeze(0) < torch.tensor(decode_ctx, dtype=torch.int64, device=device).unsqueeze(1)
-        mask = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill(~visible, float("-inf"))
-
-        def as_tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        # Every integer goes to the device in one tensor, of which the fields are views: a
+        # decode step spends more on creating small tensors than on anything else here.
+        flat = slots + token_seq + token_ctx + decode_index + decode_ctx
+        for table in block_tables:
+            flat += table
+            flat += [0] * (width - len(table))
+        for table in decode_tables:
+            flat += table
+            flat += [0] * (decode_width - len(table))
+        t, b, bd = len(slots), len(block_tables), len(decode_index)
+        parts = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True).split(
+            [t, t, t, bd, bd, b * width, bd * decode_width])
+        decode_ctx_t = parts[4]
+        mask = None
+        if decode_batch:
+            # Decodes attend in one padded batch; the mask is the same for every layer, so it
+            # is built once here (as a float mask, which the CPU attention kernel takes
+            # without converting it per call).
+            key_pos = torch.arange(decode_width * block_size, device=device)
+            mask = torch.where(key_pos.unsqueeze(0) < decode_ctx_t.unsqueeze(1), 0.0, float("-inf"))[:, None, None, :]
         return cls(
-            slot_mapping=as_tensor(slots),
-            block_tables=as_tensor(padded) if padded else torch.zeros((0, 0), dtype=torch.int64, device=device),
+            slot_mapping=parts[0],
+            block_tables=parts[5].view(b, width),
             query_lens=tuple(query_lens),
             context_lens=tuple(context_lens),
-            decode_token_index=as_tensor(decode_index),
-            decode_block_tables=as_tensor(decode_ids) if decode_ids else torch.zeros((0, 0), dtype=torch.int64,
-                                                                                   device=device),
-            decode_context_lens=as_tensor(decode_ctx),
-            decode_mask=mask[:, None, None, :],
+            decode_token_index=parts[3] if decode_batch else None,
+            decode_block_tables=parts[6].view(bd, decode_width) if decode_batch else None,
+            decode_context_lens=decode_ctx_t if decode_batch else None,
+            decode_mask=mask,
             block_size=block_size,
-            token_seq=as_tensor(token_seq),
-            token_context=as_tensor(token_ctx),
+            token_seq=parts[1],
+            token_context=parts[2],
         )
 
 
@@ -155,6 +168,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
 
     Decodes go through ``kernels`` (native or PyTorch: the same to float32 rounding).
     """
+    if meta.decode_token_index is None:
+        raise ValueError("this attention needs AttentionMetadata.build's decode batch (decode_batch=True)")
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     cache.k.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
     cache.v.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v

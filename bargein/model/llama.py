@@ -30,6 +30,7 @@ from bargein.model.attention import (
     paged_attention,
 )
 from bargein.model.block_weights import TokenEmbedding, Weight, cat_rows, dense
+from bargein.model.fused_layers import FusedLayers
 from bargein.model.linear import Linear
 from bargein.model.rope import RotaryEmbedding, apply_rotary
 
@@ -135,11 +136,17 @@ class LlamaStage(nn.Module):
     the memory). With ``consume``, each weight is popped from ``weights`` (then a
     MutableMapping) as it is used, so that the parts of a fused weight are freed as soon as
     the fused copy exists and the whole model never sits in memory twice.
+
+    In the ``fast`` precision the layers run as one native call per forward
+    (:class:`~bargein.model.fused_layers.FusedLayers`), bit for bit the per-operation path;
+    ``fuse_layers=False`` keeps the per-operation path (the reference the fused one is
+    tested against).
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, Weight],
                  layer_range: tuple[int, int] | None = None, max_positions: int | None = None,
-                 kernels: KernelSet = TORCH_KERNELS, *, fp32_weights: bool = False, consume: bool = False):
+                 kernels: KernelSet = TORCH_KERNELS, *, fp32_weights: bool = False, consume: bool = False,
+                 fuse_layers: bool = True):
         super().__init__()
         start, end = layer_range or (0, config.num_layers)
         if not 0 <= start < end <= config.num_layers:
@@ -162,6 +169,9 @@ class LlamaStage(nn.Module):
         freq_factors = take("rope_freq_factors") if "rope_freq_factors" in weights else None
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, freq_factors)
         self.kernels = kernels
+        self.fused = (FusedLayers.build(config, list(self.layers), (self.rope.cos, self.rope.sin), kernels.native,
+                                        self.embed, (self.norm, self.lm_head) if self.is_last else None)
+                      if fuse_layers and kernels.fast and kernels.native is not None else None)
 
     @property
     def num_layers(self) -> int:
@@ -192,10 +202,17 @@ class LlamaStage(nn.Module):
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(inputs) if self.is_first else inputs  # (T, hidden)
-        rotary = self.rope.angles(positions, x.dtype)  # shared by every layer
-        for layer, cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rotary, cache, meta)
+        fused = self.fused
+        if fused is not None and inputs.device.type == "cpu":  # one native call
+            x = self.embed(inputs) if self.is_first and not fused.has_embed else inputs
+            x = fused(x, positions, meta, kv_caches, logits_indices)
+            if fused.has_head:
+                return x  # the logits
+        else:
+            x = self.embed(inputs) if self.is_first else inputs  # (T, hidden)
+            rotary = self.rope.angles(positions, x.dtype)  # shared by every layer
+            for layer, cache in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, rotary, cache, meta)
         if not self.is_last:
             return x
         if logits_indices is not None:

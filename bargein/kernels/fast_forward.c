@@ -1,0 +1,217 @@
+/*
+ * The `fast` precision's decoder layers, a whole range of them in one call.
+ *
+ * Each layer is exactly the sequence of kernels the per-operation path calls from Python
+ * (bargein/model/llama.py with a fast KernelSet), in the same order, on the same inputs:
+ *
+ *   h    = rms_norm(x, attn_norm)                       bargein_rms_norm
+ *   qkv  = h @ Wqkv.T (+ bias)                           bargein_q8_block_matmul, then one add
+ *   q    = rope(qkv); K, V -> float16 caches             bargein_rope_store_f16
+ *   a    = attention(q, caches)                          bargein_paged_attention_f16
+ *   x    = x + a @ Wo.T                                  bargein_q8_block_matmul, then one add
+ *   h    = rms_norm(x, ffn_norm)                         bargein_rms_norm
+ *   g    = silu(h @ W1.T) * (h @ W3.T)                   bargein_q8_block_matmul, bargein_silu_mul
+ *   x    = x + g @ W2.T                                  bargein_q8_block_matmul, then one add
+ *
+ * so its results (the hidden states and the K/V written) are bit for bit those of the
+ * per-operation path: every kernel computes a row by the same code whatever the number of
+ * rows and threads, and an add of two floats rounds alike in C and in PyTorch. What the
+ * call saves is Python: some fifteen ctypes calls and tensor allocations per layer.
+ *
+ * The first stage of a model may hand its token embedding (bargein_fast_embed_t): the
+ * rows of the forward's token ids are then looked up here, widened from their blocks as
+ * BlockWeight.dequantize widens them (q * scale, then + min: two roundings), or copied
+ * from a float32 table. The last stage of a model may hand its head too (bargein_fast_head_t): the final norm and
+ * the LM head then run on the rows asked for, as LlamaStage.forward runs them
+ * (rms_norm of the gathered rows, then the int8 matmul), and write their logits.
+ *
+ * Contract (the Python caller, bargein/model/fused_layers.py, prepares it):
+ *   layers[i]     the i-th layer's weights and caches (see bargein_fast_layer_t)
+ *   x             (m, hidden) float32, contiguous; the input (or written from embed), overwritten
+ *                 with the output
+ *   positions     (m,) int64: each token's position, a row of the RoPE tables
+ *   slots         (m,) int64: the cache slot each token's K/V goes to
+ *   block_tables, table_width, token_seq, token_ctx: as bargein_paged_attention_f16 takes
+ *                 them (each token's context at least 1 and within its table row)
+ *   head          NULL, or the head and the rows of x to compute logits for
+ * Returns 0; -1 when scratch memory could not be had; -2 when the int8 matmul's `isa` is not
+ * this CPU's; -3 when a slot lies outside a cache,
+ * -4 when a position lies outside the RoPE tables, -5 when a logits row is not a row of x,
+ * -6 when a token id is not a row of the embedding (all checked before anything is written).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The exported kernels of the other files in this folder. */
+int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
+                            const float *mins, int bits, int64_t n, float *y, int num_threads, int isa);
+void bargein_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t n, float eps, int num_threads);
+void bargein_silu_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads);
+void bargein_rope_store_f16(const float *qkv, const float *cos, const float *sin, const int64_t *slots,
+                            uint16_t *k_cache, uint16_t *v_cache, float *q_out, int64_t num_tokens, int num_heads,
+                            int num_kv_heads, int head_dim, int num_threads);
+int bargein_paged_attention_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                const int64_t *block_tables, int64_t table_width, const int64_t *query_seq,
+                                const int64_t *query_ctx, float *out, int64_t num_queries, int num_heads,
+                                int num_kv_heads, int head_dim, int block_size, float scale, int num_threads);
+
+/* A weight held in blocks, as bargein_q8_block_matmul reads it: (n, k), mins NULL for Q8_0. */
+typedef struct {
+    const uint8_t *qs;
+    const float *scales, *mins;
+    int64_t n, k, bits;
+} bargein_q8_weight_t;
+
+/* One decoder layer: its norms' weights (hidden,), the fused projections, the qkv bias
+ * (NULL if none) and its caches (num_slots, num_kv_heads, head_dim) float16. */
+typedef struct {
+    const float *attn_norm, *ffn_norm, *qkv_bias;
+    bargein_q8_weight_t wqkv, wo, w13, w2;
+    uint16_t *k_cache, *v_cache;
+} bargein_fast_layer_t;
+
+/* The shapes every layer shares, and the RoPE tables (num_positions, head_dim) float32. */
+typedef struct {
+    int64_t hidden, intermediate, num_slots;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float eps, scale;
+    const float *cos_table, *sin_table;
+    int64_t num_positions;
+} bargein_fast_shape_t;
+
+/* The final norm and LM head, and where their logits go: (num_rows, weight.n) float32 for
+ * rows `rows` of the layers' output. */
+typedef struct {
+    const float *norm;
+    bargein_q8_weight_t weight;
+    const int64_t *rows;
+    int64_t num_rows;
+    float *logits;
+} bargein_fast_head_t;
+
+/* The token embedding: a float32 table (vocab, hidden), or blocks (dense NULL), and the ids
+ * (m,) whose rows become x. */
+typedef struct {
+    const float *dense;
+    bargein_q8_weight_t blocks;
+    const int64_t *ids;
+    int64_t vocab;
+} bargein_fast_embed_t;
+
+static void embed_rows(const bargein_fast_embed_t *e, float *x, int64_t m, int64_t hidden) {
+    const bargein_q8_weight_t *w = &e->blocks;
+    const int64_t nb = hidden / 32;
+    for (int64_t t = 0; t < m; t++) {
+        float *row = x + t * hidden;
+        const int64_t id = e->ids[t];
+        if (e->dense) {
+            memcpy(row, e->dense + id * hidden, sizeof(float) * (size_t)hidden);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const float scale = w->scales[id * nb + b];
+            float *out = row + b * 32;
+            if (w->bits == 4) {
+                const uint8_t *q = w->qs + (id * nb + b) * 16;
+                const float min = w->mins[id * nb + b];
+                for (int i = 0; i < 16; i++) {
+                    const float lo = (float)(q[i] & 0x0F) * scale, hi = (float)(q[i] >> 4) * scale;
+                    out[i] = lo + min;
+                    out[i + 16] = hi + min;
+                }
+            } else {
+                const int8_t *q = (const int8_t *)w->qs + (id * nb + b) * 32;
+                for (int i = 0; i < 32; i++) out[i] = (float)q[i] * scale;
+            }
+        }
+    }
+}
+
+static int matmul(const float *x, int64_t m, const bargein_q8_weight_t *w, float *y, int threads, int isa) {
+    return bargein_q8_block_matmul(x, m, w->k, w->qs, w->scales, w->mins, (int)w->bits, w->n, y, threads, isa);
+}
+
+static void add_into(float *x, const float *y, int64_t count) {
+    for (int64_t i = 0; i < count; i++) x[i] = x[i] + y[i];
+}
+
+static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hidden, float eps, int threads,
+                    int isa) {
+    const int64_t r = head->num_rows > 0 ? head->num_rows : 1;
+    float *rows = malloc(sizeof(float) * (size_t)(r * hidden)), *normed = malloc(sizeof(float) * (size_t)(r * hidden));
+    int status = -1;
+    if (rows && normed) {
+        for (int64_t i = 0; i < head->num_rows; i++)
+            memcpy(rows + i * hidden, x + head->rows[i] * hidden, sizeof(float) * (size_t)hidden);
+        bargein_rms_norm(rows, head->norm, normed, head->num_rows, hidden, eps, threads);
+        status = matmul(normed, head->num_rows, &head->weight, head->logits, threads, isa);
+    }
+    free(rows);
+    free(normed);
+    return status;
+}
+
+int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, const bargein_fast_shape_t *shape,
+                        float *x, int64_t m, const int64_t *positions, const int64_t *slots,
+                        const int64_t *block_tables, int64_t table_width, const int64_t *token_seq,
+                        const int64_t *token_ctx, const bargein_fast_embed_t *embed, const bargein_fast_head_t *head,
+                        int num_threads, int isa) {
+    for (int64_t t = 0; t < m; t++) {
+        if (slots[t] < 0 || slots[t] >= shape->num_slots) return -3;
+        if (positions[t] < 0 || positions[t] >= shape->num_positions) return -4;
+    }
+    for (int64_t i = 0; head && i < head->num_rows; i++)
+        if (head->rows[i] < 0 || head->rows[i] >= m) return -5;
+    for (int64_t t = 0; embed && t < m; t++)
+        if (embed->ids[t] < 0 || embed->ids[t] >= embed->vocab) return -6;
+    const int64_t hidden = shape->hidden, heads = shape->num_heads, kv_heads = shape->num_kv_heads;
+    const int64_t d = shape->head_dim, q_width = heads * d, qkv_width = (heads + 2 * kv_heads) * d;
+    const int64_t inter = shape->intermediate, rows = m > 0 ? m : 1;
+    float *normed = malloc(sizeof(float) * (size_t)(rows * hidden));
+    float *qkv = malloc(sizeof(float) * (size_t)(rows * qkv_width));
+    float *q = malloc(sizeof(float) * (size_t)(rows * q_width));
+    float *attn = malloc(sizeof(float) * (size_t)(rows * q_width));
+    float *proj = malloc(sizeof(float) * (size_t)(rows * hidden));
+    float *gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * inter));
+    float *act = malloc(sizeof(float) * (size_t)(rows * inter));
+    float *cos = malloc(sizeof(float) * (size_t)(rows * d)), *sin = malloc(sizeof(float) * (size_t)(rows * d));
+    int status = (normed && qkv && q && attn && proj && gate_up && act && cos && sin) ? 0 : -1;
+    if (status == 0 && embed) embed_rows(embed, x, m, hidden);
+    for (int64_t t = 0; t < m && status == 0; t++) { /* each token's angles, shared by every layer */
+        memcpy(cos + t * d, shape->cos_table + positions[t] * d, sizeof(float) * (size_t)d);
+        memcpy(sin + t * d, shape->sin_table + positions[t] * d, sizeof(float) * (size_t)d);
+    }
+    for (int i = 0; i < num_layers && status == 0; i++) {
+        const bargein_fast_layer_t *layer = &layers[i];
+        bargein_rms_norm(x, layer->attn_norm, normed, m, hidden, shape->eps, num_threads);
+        if ((status = matmul(normed, m, &layer->wqkv, qkv, num_threads, isa))) break;
+        if (layer->qkv_bias)
+            for (int64_t t = 0; t < m; t++)
+                for (int64_t j = 0; j < qkv_width; j++) qkv[t * qkv_width + j] += layer->qkv_bias[j];
+        bargein_rope_store_f16(qkv, cos, sin, slots, layer->k_cache, layer->v_cache, q, m, (int)heads, (int)kv_heads,
+                               (int)d, num_threads);
+        if ((status = bargein_paged_attention_f16(q, layer->k_cache, layer->v_cache, block_tables, table_width,
+                                                  token_seq, token_ctx, attn, m, (int)heads, (int)kv_heads, (int)d,
+                                                  (int)shape->block_size, shape->scale, num_threads)))
+            break;
+        if ((status = matmul(attn, m, &layer->wo, proj, num_threads, isa))) break;
+        add_into(x, proj, m * hidden);
+        bargein_rms_norm(x, layer->ffn_norm, normed, m, hidden, shape->eps, num_threads);
+        if ((status = matmul(normed, m, &layer->w13, gate_up, num_threads, isa))) break;
+        bargein_silu_mul(gate_up, act, m, inter, num_threads);
+        if ((status = matmul(act, m, &layer->w2, proj, num_threads, isa))) break;
+        add_into(x, proj, m * hidden);
+    }
+    if (status == 0 && head) status = run_head(head, x, hidden, shape->eps, num_threads, isa);
+    free(normed);
+    free(qkv);
+    free(q);
+    free(attn);
+    free(proj);
+    free(gate_up);
+    free(act);
+    free(cos);
+    free(sin);
+    return status;
+}
