@@ -19,14 +19,19 @@ import contextlib
 import gc
 import logging
 import os
+import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from importlib import import_module
+from typing import Any, Generic, TypeVar
 
 EXIT_FAILURE = 1  # a failure at run time: the model does not load, the port is busy
 EXIT_USAGE = 2
 EXIT_SETUP = 1  # a set-up that cannot run here (no Ray, no cluster, a bad layer split)
+T = TypeVar("T")
 
 
 class UserError(Exception):
@@ -157,21 +162,60 @@ def collection_paused() -> Iterator[None]:
             gc.enable()
 
 
+class InBackground(Generic[T]):
+    """``fn()`` run on a daemon thread of its own; :meth:`result` waits for it and returns its
+    value or raises its exception in the caller's thread. Daemon: a Ctrl-C while waiting
+    ends the process without waiting for ``fn`` to finish."""
+
+    def __init__(self, fn: Callable[[], T], name: str):
+        self._fn = fn
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as exc:  # handed to the waiting thread, which raises it
+            self._error = exc
+
+    def result(self) -> T:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """A server ready to run: the app, its settings, the bound socket, the serving line."""
+
+    app: Any
+    settings: Any
+    sock: socket.socket
+    announce: Callable[[], None]
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     with collection_paused():
-        started = _start_serving(args)
-    if isinstance(started, int):
-        return started
+        ready = _start_serving(args)
+    if isinstance(ready, int):
+        return ready
     from bargein.server.serve import run_server
 
-    app, settings, sock, announce = started
-    run_server(app, settings, sock, on_started=announce)
+    run_server(ready.app, ready.settings, ready.sock, on_started=ready.announce)
     return 0
 
 
-def _start_serving(args: argparse.Namespace):
+def _start_serving(args: argparse.Namespace) -> _Ready | int:
     """Everything before the server runs: settings, the socket, the engine, the app; or an
-    exit status."""
+    exit status.
+
+    A local model loads on a thread of its own while this one imports the server (FastAPI,
+    pydantic, uvicorn: ~0.3 s), since reading the weights and most of building the model
+    run outside the GIL; the app is made, and the serving line printed, only once the
+    engine is loaded. Ray set-ups load in order."""
     from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig
     from bargein.distributed.split import PipelineSetupError, parse_stage_layers
     from bargein.engine.device import resolve_device
@@ -208,7 +252,7 @@ def _start_serving(args: argparse.Namespace):
     except ValueError as exc:  # SettingsError and the configs' own checks
         raise UserError(str(exc)) from None
 
-    from bargein.server.serve import bind_socket
+    from bargein.server.listen import bind_socket
 
     try:
         sock = bind_socket(settings.host, settings.port)
@@ -217,8 +261,15 @@ def _start_serving(args: argparse.Namespace):
                         EXIT_FAILURE) from None
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = _load_engine(args.model, config) if args.replicas is None else \
-            _launch_replicas(args.model, config, args.ray, args.replicas)
+        if args.replicas is not None:
+            engine = _launch_replicas(args.model, config, args.ray, args.replicas)
+        elif config.pipeline is not None:
+            engine = _load_engine(args.model, config)
+        else:
+            import_module("bargein.engine.engine")  # here, so the loading thread imports next to nothing
+            loading = InBackground(lambda: _load_engine(args.model, config), "bargein-load")
+            import_module("bargein.server.serve")  # meanwhile: the server, FastAPI and uvicorn
+            engine = loading.result()
     except PipelineSetupError as exc:  # nothing was left started: the runner cleans up after itself
         print(f"bargein: error: {exc}", file=sys.stderr)
         return EXIT_SETUP
@@ -233,7 +284,7 @@ def _start_serving(args: argparse.Namespace):
         print(f"bargein: serving {engine.model_name} at {url} (chat UI at {url}/)", flush=True)
 
     app = create_app(engine if args.replicas is not None else AsyncEngine(engine), settings)
-    return app, settings, sock, announce
+    return _Ready(app, settings, sock, announce)
 
 
 def _check_replica_flags(args: argparse.Namespace) -> None:

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -127,3 +128,22 @@ def test_collection_is_paused_inside_and_restored_after_even_on_failure() -> Non
         gc.enable()
     assert main(["serve", "--port", "0", "--model", "/no/such/model.gguf"]) == 1
     assert gc.isenabled()
+
+
+def test_in_background_returns_the_value_or_raises_the_error_in_the_waiting_thread() -> None:
+    from bargein.cli import InBackground
+
+    ran_on: list[threading.Thread] = []
+
+    def work() -> int:
+        ran_on.append(threading.current_thread())
+        return 42
+
+    assert InBackground(work, "t").result() == 42
+    assert ran_on[0] is not threading.current_thread() and ran_on[0].daemon
+
+    def fail() -> int:
+        raise ValueError("no model here")
+
+    with pytest.raises(ValueError, match="no model here"):
+        InBackground(fail, "t").result()

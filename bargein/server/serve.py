@@ -82,21 +82,6 @@ class BargeinServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket, bound before the model loads so a busy port fails fast (OSError)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def run_server(app: FastAPI, settings: ServerSettings, sock: socket.socket, *,
                on_started: Callable[[], None] | None = None) -> None:
     """Serves ``app`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown."""
