@@ -8,6 +8,7 @@ import gc
 import subprocess
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -147,3 +148,23 @@ def test_in_background_returns_the_value_or_raises_the_error_in_the_waiting_thre
 
     with pytest.raises(ValueError, match="no model here"):
         InBackground(fail, "t").result()
+
+
+def test_settle_heap_collects_the_garbage_and_freezes_what_lives() -> None:
+    from bargein.cli import collection_paused, settle_heap
+
+    class Node:
+        pass
+
+    garbage, alive = Node(), Node()
+    garbage.self = garbage  # a cycle: only the collector frees it
+    gone = weakref.ref(garbage)
+    del garbage
+    try:
+        with collection_paused():
+            settle_heap()
+            assert gone() is None
+            assert not any(o is alive for o in gc.get_objects())  # frozen: in no generation the collector walks
+    finally:
+        gc.unfreeze()
+    assert any(o is alive for o in gc.get_objects())
