@@ -175,8 +175,9 @@ def settle_heap() -> None:
 
 class InBackground(Generic[T]):
     """``fn()`` run on a daemon thread of its own; :meth:`result` waits for it and returns its
-    value or raises its exception in the caller's thread. Daemon: a Ctrl-C while waiting
-    ends the process without waiting for ``fn`` to finish."""
+    value or raises its exception in the caller's thread. Daemon: a process that ends
+    early (an error, a Ctrl-C) does not wait for ``fn``, so ``fn`` must be safe to stop
+    anywhere (Python code, not a torch operation)."""
 
     def __init__(self, fn: Callable[[], T], name: str):
         self._fn = fn
@@ -224,10 +225,12 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
     """Everything before the server runs: settings, the socket, the engine, the app; or an
     exit status.
 
-    A local model loads on a thread of its own while this one imports the server (FastAPI,
-    pydantic, uvicorn: ~0.3 s), since reading the weights and most of building the model
-    run outside the GIL; the app is made, and the serving line printed, only once the
-    engine is loaded. Ray set-ups load in order."""
+    A local model loads while a thread of its own imports the server (FastAPI, pydantic,
+    uvicorn: ~0.3 s): reading the weights and most of building the model run outside the
+    GIL. The load stays on this thread, where a Ctrl-C interrupts it (on a daemon thread it
+    could not be, and the exit met torch mid-operation: "terminate called"); the import
+    thread is pure Python. The app is made, and the serving line printed, only once both
+    are done. Ray set-ups load in order."""
     from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig
     from bargein.distributed.split import PipelineSetupError, parse_stage_layers
     from bargein.engine.device import resolve_device
@@ -278,10 +281,10 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
         elif config.pipeline is not None:
             engine = _load_engine(args.model, config)
         else:
-            import_module("bargein.engine.engine")  # here, so the loading thread imports next to nothing
-            loading = InBackground(lambda: _load_engine(args.model, config), "bargein-load")
-            import_module("bargein.server.serve")  # meanwhile: the server, FastAPI and uvicorn
-            engine = loading.result()
+            import_module("bargein.engine.engine")  # before the thread: loading then imports next to nothing
+            importing = InBackground(lambda: import_module("bargein.server.serve"), "bargein-import")
+            engine = _load_engine(args.model, config)
+            importing.result()
     except PipelineSetupError as exc:  # nothing was left started: the runner cleans up after itself
         print(f"bargein: error: {exc}", file=sys.stderr)
         return EXIT_SETUP
