@@ -19,7 +19,8 @@ import uvicorn
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.server import create_app
-from bargein.server.serve import BargeinServer, bind_socket
+from bargein.server.listen import bind_socket
+from bargein.server.serve import BargeinServer
 from bargein.server.settings import ServerSettings
 from tests.tiny_engine import tiny_engine
 

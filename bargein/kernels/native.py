@@ -8,7 +8,9 @@ source next to this module does it in one pass over the cache.
 The library is built with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``),
 with ``-O3 -march=native``, into a cache folder keyed by the source, the compiler and
 the CPU, so that it is built once per machine (about a second) and shared by every
-process. Where no compiler is found, the build fails, or ``BARGEIN_NATIVE_KERNELS=0``
+process. The compiler enters the key as the file it resolves to, with that file's size
+and modification time (an upgrade or another compiler changes them), so that a start
+with the library built runs no compiler at all. Where no compiler is found, the build fails, or ``BARGEIN_NATIVE_KERNELS=0``
 is set, :func:`load_native_kernels` returns None and callers use PyTorch instead: the
 kernels make bargein faster, never possible.
 """
@@ -343,16 +345,31 @@ def _cpu_signature() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
+def _compiler_identity(compiler: str) -> str:
+    """The compiler as the file it resolves to, with its size and modification time: what
+    changes when it is upgraded or another one is chosen, read without running it (running
+    ``cc --version`` on every start cost a process start). Raises OSError if it is gone."""
+    path = os.path.realpath(shutil.which(compiler) or compiler)
+    stat = os.stat(path)
+    return f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+
+
+def library_path(compiler: str, target_dir: Path) -> Path:
+    """Where the library built by ``compiler`` from today's sources, flags and CPU lives in
+    ``target_dir`` (it may not be built yet). Raises OSError when a source or the
+    compiler cannot be read."""
+    source = b"\0".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
+    key = hashlib.sha256(b"\0".join([source, repr((_VARIANTS, _FLAGS)).encode(), _compiler_identity(compiler).encode(),
+                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
+    return target_dir / f"bargein_kernels_{key}.so"
+
+
 def build_library(compiler: str, target_dir: Path) -> Path:
     """Compiles the kernels (or finds them already built); returns the library's path.
 
     Raises OSError or subprocess.CalledProcessError when the build fails.
     """
-    source = b"\0".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(b"\0".join([source, repr((_VARIANTS, _FLAGS)).encode(), version.encode(),
-                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
-    path = target_dir / f"bargein_kernels_{key}.so"
+    path = library_path(compiler, target_dir)
     if path.exists():
         return path
     target_dir.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import signal
 import socket
 import threading
@@ -82,24 +81,12 @@ class BargeinServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening socket, bound before the model loads so a busy port fails fast (OSError)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
 def run_server(app: FastAPI, settings: ServerSettings, sock: socket.socket, *,
                on_started: Callable[[], None] | None = None) -> None:
-    """Serves ``app`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown."""
+    """Serves ``app`` on ``sock`` until SIGINT/SIGTERM; returns after a graceful shutdown.
+
+    Freezing the heap that lives as long as the server (``gc.freeze``) is the caller's:
+    the CLI does it while the collector is still paused from start-up."""
     level = settings.log_level.lower()
     protocol = functools.partial(HeaderTimeoutProtocol, header_timeout=settings.header_timeout)
     config = uvicorn.Config(app, log_level=level, access_log=level in ("debug", "trace"), lifespan="on",
@@ -107,9 +94,4 @@ def run_server(app: FastAPI, settings: ServerSettings, sock: socket.socket, *,
                             timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout)))
     server = BargeinServer(config, on_exit_signal=lambda: request_shutdown(app), on_started=on_started,
                            traffic=app.state.traffic, drain_timeout=settings.shutdown_timeout)
-    # What exists now (the model, the tokenizer, the app: ~200k objects) lives as long as the
-    # server. Frozen, the collector no longer walks it in every full collection, a pause
-    # that stops every thread, the engine's and the event loop's (~300 ms on 2 cores).
-    gc.collect()
-    gc.freeze()
     server.run(sockets=[sock])
