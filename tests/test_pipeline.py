@@ -17,11 +17,12 @@ import httpx
 import pytest
 import torch
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
 from bargein.cli_cluster import format_cluster  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.distributed.pipeline import PipelineRunner  # noqa: E402
+from bargein.distributed.stage import held_weights  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.plan import ScheduledChunk, StepPlan  # noqa: E402
@@ -115,6 +116,22 @@ def test_layers_follow_node_memory_and_shipped_weights_are_counted(setup: Setup)
     received = [c.weights_received_bytes for c in counters]
     assert received == [setup.stored_bytes if i == setup.shipped_stage else 0 for i in range(len(counters))]
     assert runner.traffic.weights_shipped_bytes == setup.stored_bytes
+
+
+def test_every_stage_holds_the_single_engine_s_weights_bit_for_bit(setup: Setup) -> None:
+    """Read from the node's file or shipped by the head, a stage's weights are the single
+    engine's: a GGUF's Q8_0 matrices as the file's blocks (never through float32), the rest
+    converted alike."""
+    local = held_weights(setup.local.runner.stages[0])
+    held = [ray.get(a.read_weights.remote()) for a in setup.pipe.runner.actors]
+    assert set().union(*held) == set(local)
+    for stage in held:
+        for name, tensor in stage.items():
+            assert tensor.dtype == local[name].dtype and torch.equal(tensor, local[name]), name
+    if setup.name == "gguf-2":  # every matrix of the layers and the tied head/embedding, as stored
+        blocks = {name.rsplit(".blocks.", 1)[0] for stage in held for name in stage if ".blocks." in name}
+        assert len(blocks) == 4 * SPEC.num_layers + 2
+        assert all(stage[n].dtype == torch.int8 for stage in held for n in stage if n.endswith(".blocks.qs"))
 
 
 def test_logits_equal_the_single_process_engine_and_only_plans_and_logits_pass_the_head(setup: Setup) -> None:

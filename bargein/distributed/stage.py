@@ -17,10 +17,12 @@ float32 logits of the sampled positions only.
 The counters (plans executed, and which request ids at which plan step) are what tests
 and ``/v1/cluster`` read to see exactly what each stage computed.
 
-Weights: the stage reads the model file at ``node_path`` if this node holds the same
-file there (``~`` is this node's home), else it fetches the tensors the head shipped
-(``shipped``: a reference in a list, fetched only when needed). Without either, it
-fails to start, saying so.
+Weights: the stage reads its own layers from the model file at ``node_path`` if this
+node holds the same file there (``~`` is this node's home), else it fetches the tensors
+the head shipped (``shipped``: a reference in a list, fetched only when needed, stored
+form). Either way a GGUF's Q4_1/Q8_0 matrices stay in their stored blocks and the stage
+is built as the single-process engine builds its model (``build_model``), so it holds
+the same weights bit for bit. Without either source, it fails to start, saying so.
 
 Health: ``ping`` runs in its own concurrency group (its own thread), so the head's
 heartbeat is answered while a plan computes and never queues behind plans; a stage
@@ -42,12 +44,12 @@ import torch
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.weights import Fingerprint, has_model_copy, materialize
-from bargein.engine.device import resolve_device, resolve_dtype
+from bargein.engine.device import build_model, one_torch_thread, resolve_device, resolve_dtype
 from bargein.engine.plan import StepPlan
 from bargein.engine.runner import plan_inputs
 from bargein.engine.sampler import RowSampling, sample_rows
-from bargein.kernels.ops import resolve_kernels
-from bargein.loader import load_weights
+from bargein.kernels.block_quant import BlockWeight
+from bargein.loader import close_model_files, load_weights
 from bargein.loader.source import ModelSource
 from bargein.model.attention import KVCache
 from bargein.model.llama import LlamaStage
@@ -74,6 +76,8 @@ class StageCounters:
     hidden_bytes_out: int = 0
     last_seq: int = -1
     executed: deque[tuple[int, tuple[str, ...]]] = field(default_factory=lambda: deque(maxlen=LOG_LENGTH))
+    # Per plan, wall clock (time.time): (plan step, call entered, input here, done): where idle time goes.
+    timeline: deque[tuple[int, float, float, float]] = field(default_factory=lambda: deque(maxlen=LOG_LENGTH))
 
     @property
     def span_s(self) -> float:
@@ -101,21 +105,24 @@ class StageWorker:
         dtype = resolve_dtype(config.dtype, device)
         path = os.path.expanduser(node_path)
         own_copy = has_model_copy(path, source_kind, expected)
+        blocks = device.type == "cpu"  # a GGUF's Q4_1/Q8_0 stay in their stored blocks, as in one process
         received = 0
-        if shipped is not None and (prefer_shipped or not own_copy):
-            stored = ray.get(shipped[0])
-            received = stored.nbytes
-            weights = materialize(stored, model_config, dtype, device)
-        elif own_copy:
-            source = ModelSource(source_kind, Path(path), model_config.name)  # type: ignore[arg-type]
-            weights = load_weights(source, model_config, layer_range=layers, dtype=dtype, device=device,
-                                   progress=False)
-        else:
-            raise RuntimeError(f"stage {index}: this node has no copy of the model at {node_path} "
-                               f"and the head shipped none")
-        max_positions = config.max_model_len or model_config.max_position_embeddings
-        kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
-        self.stage = LlamaStage(model_config, weights, layers, max_positions, kernels).to(device)
+        with one_torch_thread():
+            if shipped is not None and (prefer_shipped or not own_copy):
+                stored = ray.get(shipped[0])
+                received = stored.nbytes
+                weights = materialize(stored, model_config, dtype, device, blocks=blocks)
+                del stored
+            elif own_copy:
+                source = ModelSource(source_kind, Path(path), model_config.name)  # type: ignore[arg-type]
+                weights = load_weights(source, model_config, layer_range=layers, dtype=dtype, device=device,
+                                       progress=False, blocks=blocks)
+                close_model_files()
+            else:
+                raise RuntimeError(f"stage {index}: this node has no copy of the model at {node_path} "
+                                   f"and the head shipped none")
+            max_positions = config.max_model_len or model_config.max_position_embeddings
+            self.stage = build_model(model_config, weights, config, max_positions=max_positions, layer_range=layers)
         self.device = device
         self.caches: list[KVCache] = []
         self.block_size = 0
@@ -147,6 +154,7 @@ class StageWorker:
         plan row -> token id) and ``logits`` holds only the other rows. Either result
         carries the wall time it was sent, so the receiver measures the transfer.
         """
+        entered = time.time()
         c = self.counters
         if seq <= c.last_seq:
             raise RuntimeError(f"stage {c.index} got plan {seq} after plan {c.last_seq}: plans must run in order")
@@ -159,6 +167,7 @@ class StageWorker:
             hidden, sent_at = ray.get(hidden_ref)
             c.transfer_s += max(0.0, time.time() - sent_at)  # wall clocks: nodes' clocks are assumed in sync
         started = time.perf_counter()
+        input_at = time.time()
         c.wait_s += started - waited
         if c.first_start is None:
             c.first_start = waited
@@ -185,16 +194,40 @@ class StageWorker:
             result = [ray.put((out, time.time()))]
         c.last_end = time.perf_counter()
         c.busy_s += c.last_end - started
+        c.timeline.append((plan.step, entered, input_at, time.time()))
         return result
 
     def read_counters(self) -> StageCounters:
         return self.counters
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        """What the stage holds as weights (see :func:`held_weights`), for tests to compare."""
+        return held_weights(self.stage)
 
     def reset_counters(self) -> None:
         """Starts the counters afresh (identity and plan order kept), e.g. between benchmark runs."""
         c = self.counters
         self.counters = StageCounters(c.index, c.layers, c.node_id, c.weights_from, c.weights_received_bytes,
                                       last_seq=c.last_seq)
+
+
+def held_weights(stage: LlamaStage) -> dict[str, torch.Tensor]:
+    """Every tensor a stage computes from, by name with global layer numbers: parameters
+    and buffers, and each block-held weight's parts (``<module>.blocks.qs`` / ``scales`` /
+    ``mins``). Two stages that hold equal tensors under equal names compute the same."""
+    def global_name(name: str) -> str:
+        if not name.startswith("layers."):
+            return name
+        _, index, rest = name.split(".", 2)
+        return f"layers.{stage.start + int(index)}.{rest}"
+
+    out = {global_name(name): t for name, t in stage.state_dict().items()}
+    for name, module in stage.named_modules():
+        blocks = getattr(module, "blocks", None)
+        if isinstance(blocks, BlockWeight):
+            parts = {"qs": blocks.qs, "scales": blocks.scales, "mins": blocks.mins}
+            out |= {global_name(f"{name}.blocks.{k}"): v for k, v in parts.items() if v is not None}
+    return out
 
 
 def stage_actor(config: EngineConfig, on_node: Any) -> Any:
