@@ -301,9 +301,12 @@ class PipelineRunner(StageRecovery):
         ref = None
         last = len(self.actors) - 1
         for i, actor in enumerate(self.actors):
-            # The previous stage's reference goes in a list, so Ray does not hold this call
-            # (and the heartbeat queued after it) until that stage finished: the stage waits itself.
-            ref = actor.run.remote(self._seq, payload, None if ref is None else [ref], rows if i == last else None)
+            if ref is not None:
+                # The previous stage's reference goes in a list, so Ray does not hold this call
+                # (and the heartbeat queued after it) until that stage finished: the stage
+                # fetches it itself, on its inputs thread, while earlier plans compute.
+                actor.fetch.remote(self._seq, [ref])
+            ref = actor.run.remote(self._seq, payload, ref is not None, rows if i == last else None)
             refs.append(ref)
             self.traffic.plan_bytes += len(payload)
         if rows is not None:

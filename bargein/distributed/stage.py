@@ -11,7 +11,9 @@ never written before an earlier plan in flight has read it.
 
 Hidden states go to the next stage through the object store: the stage ``ray.put``s
 them and returns the reference (in a list, so Ray hands the reference on instead of
-the value), so they never pass through the head's process. The last stage returns the
+the value), so they never pass through the head's process. The next stage fetches them
+on its own inputs thread (``fetch``, sent by the head with each plan), so a plan's
+transfer overlaps the compute of the plans before it. The last stage returns the
 float32 logits of the sampled positions only.
 
 The counters (plans executed, and which request ids at which plan step) are what tests
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -94,6 +97,32 @@ class StageCounters:
         return [step for step, ids in self.executed if request_id in ids]
 
 
+class PrefetchedInputs:
+    """Hidden states fetched ahead of their plans (the inputs thread puts, the plan
+    thread takes): plan seq -> (tensor, transfer seconds), or the error fetching it."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[torch.Tensor, float] | BaseException] = {}
+        self._arrived = threading.Condition()
+
+    def put(self, seq: int, item: tuple[torch.Tensor, float] | BaseException) -> None:
+        with self._arrived:
+            self._items[seq] = item
+            self._arrived.notify_all()
+
+    def take(self, seq: int) -> tuple[torch.Tensor, float]:
+        """Waits for plan ``seq``'s input; raises the error fetching it. Inputs of earlier
+        plans that never ran (voided by a lost stage) are dropped."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: seq in self._items)
+            item = self._items.pop(seq)
+            for old in [k for k in self._items if k < seq]:
+                del self._items[old]
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
 class StageWorker:
     """The body of a stage actor (``ray.remote(StageWorker)`` in ``pipeline``)."""
 
@@ -126,6 +155,7 @@ class StageWorker:
         self.device = device
         self.caches: list[KVCache] = []
         self.block_size = 0
+        self.inputs = PrefetchedInputs()
         self.counters = StageCounters(index, layers, ray.get_runtime_context().get_node_id(),
                                       "head" if received else "file", received)
 
@@ -142,13 +172,26 @@ class StageWorker:
         self.caches = self.stage.make_kv_caches(num_blocks, block_size)
         self.block_size = block_size
 
-    def run(self, seq: int, payload: bytes, inputs: list[ray.ObjectRef] | None,
+    @ray.method(concurrency_group="inputs")
+    def fetch(self, seq: int, inputs: list[ray.ObjectRef]) -> None:
+        """Fetches plan ``seq``'s input ahead of its ``run``: ``inputs`` is ``[ref]`` to the
+        previous stage's result (``[ref]`` to its hidden states). Runs on the stage's inputs
+        thread, in plan order, so the transfer overlaps the plans this stage computes before
+        it; ``run`` takes the tensor (or the error, raised there)."""
+        try:
+            (hidden_ref,) = ray.get(inputs[0])
+            hidden, sent_at = ray.get(hidden_ref)
+            self.inputs.put(seq, (hidden, max(0.0, time.time() - sent_at)))  # nodes' clocks assumed in sync
+        except BaseException as exc:  # the previous stage failed on this plan, or died
+            self.inputs.put(seq, exc)
+
+    def run(self, seq: int, payload: bytes, fetched: bool,
             rows: tuple[RowSampling | None, ...] | None = None) -> list[ray.ObjectRef] | tuple:
         """Executes plan number ``seq`` (pickled ``StepPlan``) on this stage's layers.
 
-        ``inputs``: None for the first stage, else ``[ref]`` to the previous stage's result
-        (``[ref]`` to its hidden states), waited for here, not by Ray before the call, so
-        the heartbeat is never held behind a plan. Returns ``[ref]`` to this stage's hidden states, or (last stage) the
+        ``fetched``: False for the first stage; else the head sent ``fetch(seq, ...)`` too,
+        whose hidden states are waited for here (not by Ray before the call, so the
+        heartbeat is never held behind a plan). Returns ``[ref]`` to this stage's hidden states, or (last stage) the
         float32 logits of the plan's sampled positions, as ``(logits, tokens, sent at)``:
         with ``rows`` (last stage), the plain rows' tokens are picked here (``tokens``:
         plan row -> token id) and ``logits`` holds only the other rows. Either result
@@ -162,10 +205,9 @@ class StageWorker:
         plan: StepPlan = pickle.loads(payload)
         waited = time.perf_counter()
         hidden = None
-        if inputs is not None:
-            (hidden_ref,) = ray.get(inputs[0])  # the previous stage's result: [ref to its hidden states]
-            hidden, sent_at = ray.get(hidden_ref)
-            c.transfer_s += max(0.0, time.time() - sent_at)  # wall clocks: nodes' clocks are assumed in sync
+        if fetched:
+            hidden, transfer_s = self.inputs.take(seq)
+            c.transfer_s += transfer_s
         started = time.perf_counter()
         input_at = time.time()
         c.wait_s += started - waited
@@ -232,11 +274,12 @@ def held_weights(stage: LlamaStage) -> dict[str, torch.Tensor]:
 
 def stage_actor(config: EngineConfig, on_node: Any) -> Any:
     """The stage actor class with its options: a CPU per torch thread, the node resource
-    if one is set, a health thread for the heartbeat, never restarted by Ray (the head
+    if one is set, a health thread for the heartbeat and an inputs thread that fetches the
+    next plans' hidden states while one computes, never restarted by Ray (the head
     re-creates a lost stage itself, knowing its K/V is gone)."""
     pipe = config.pipeline
     options: dict[str, Any] = {"num_cpus": pipe.threads_per_stage, "max_restarts": 0,
-                               "concurrency_groups": {"health": 1}}
+                               "concurrency_groups": {"health": 1, "inputs": 1}}
     if pipe.node_resource is not None:
         options["resources"] = {pipe.node_resource: 0.001}
     if on_node is not None:
