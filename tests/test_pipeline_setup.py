@@ -65,3 +65,26 @@ def test_the_last_stage_s_lm_head_counts_as_work_in_the_split() -> None:
     assert split_by_memory(30, [1, 1, 1], 6.0) == ((0, 12), (12, 24), (24, 30))
     assert split_by_memory(30, [2, 1], 6.0) == ((0, 24), (24, 30))  # 24 and 6 + 6
     assert split_by_memory(4, [1, 1], 9.0) == ((0, 3), (3, 4))  # every stage keeps a layer
+
+
+def test_prefetched_inputs_wait_for_their_plan_raise_its_error_and_drop_voided_ones() -> None:
+    pytest.importorskip("ray")
+    import threading
+
+    import torch
+
+    from bargein.distributed.stage import PrefetchedInputs
+
+    inputs = PrefetchedInputs()
+    hidden = torch.ones(2, 3)
+    later = threading.Timer(0.05, inputs.put, args=(7, (hidden, 0.25)))
+    later.start()
+    got, transfer_s = inputs.take(7)  # waits for the inputs thread
+    assert got is hidden and transfer_s == 0.25
+    inputs.put(8, (hidden, 0.0))  # a plan voided before it ran
+    inputs.put(9, RuntimeError("stage 0 failed on plan 9"))
+    inputs.put(10, (hidden, 0.0))
+    with pytest.raises(RuntimeError, match="stage 0 failed on plan 9"):
+        inputs.take(9)
+    assert inputs.take(10)[0] is hidden
+    assert len(inputs) == 0  # plan 8's input was dropped with plan 9's take

@@ -58,6 +58,7 @@ from bargein.model.attention import KVCache
 from bargein.model.llama import LlamaStage
 
 LOG_LENGTH = 4096  # plans remembered per stage for the executed log
+TIMELINE_LENGTH = 1024  # plans remembered per stage for the timeline (a benchmark's run)
 
 
 @dataclass
@@ -80,7 +81,7 @@ class StageCounters:
     last_seq: int = -1
     executed: deque[tuple[int, tuple[str, ...]]] = field(default_factory=lambda: deque(maxlen=LOG_LENGTH))
     # Per plan, wall clock (time.time): (plan step, call entered, input here, done): where idle time goes.
-    timeline: deque[tuple[int, float, float, float]] = field(default_factory=lambda: deque(maxlen=LOG_LENGTH))
+    timeline: deque[tuple[int, float, float, float]] = field(default_factory=lambda: deque(maxlen=TIMELINE_LENGTH))
 
     @property
     def span_s(self) -> float:
@@ -121,6 +122,10 @@ class PrefetchedInputs:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def __len__(self) -> int:
+        with self._arrived:
+            return len(self._items)
 
 
 class StageWorker:
