@@ -74,7 +74,7 @@ class StageCounters:
     tokens: int = 0
     busy_s: float = 0.0  # computing (block copies, forward)
     wait_s: float = 0.0  # waiting for the previous stage's hidden states (its compute included)
-    transfer_s: float = 0.0  # of that wait, from the previous stage's put to having the tensor here
+    transfer_s: float = 0.0  # previous stage's put -> tensor here (fetched ahead: overlaps compute or wait)
     first_start: float | None = None
     last_end: float | None = None
     hidden_bytes_out: int = 0
