@@ -6,8 +6,11 @@ processes sharing its cores:
 1. **Real model** (the bundled SmolLM2 unless ``--model``): 2 stages x 1 torch thread
    against 1 process x 2 threads, at 1 and 32 streams: tokens/s; per-step overhead (a
    plan's time at the head minus the stages' compute, one plan in flight) in ms and as
-   a share of the step; each stage's idle share with one plan in flight and with one
-   micro-batch per stage.
+   a share of the step; each stage's idle share with one plan in flight, with one
+   micro-batch per stage and with one more; and, with micro-batches, where the first
+   stage's wait for its next plan goes (per plan, medians: the last stage's result
+   reaching the head, the head's own work from collecting one plan to submitting the
+   next, and that plan reaching the first stage).
 2. **Recovery** from a killed stage (the last stage's actor is killed mid-stream, 8
    streams, median of ``--recoveries`` runs): time until the head noticed, time to
    re-create the stage, the pause the streams saw (kill -> next token), and the tokens
@@ -42,7 +45,7 @@ from bargein.config import (  # noqa: E402
     SchedulerConfig,
 )
 from bargein.distributed.pipeline import HeadTraffic, PipelineRunner, StagePlacement  # noqa: E402
-from bargein.distributed.stage import StageCounters  # noqa: E402
+from bargein.distributed.stage import PrefetchedInputs, StageCounters  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 
@@ -86,12 +89,58 @@ def run_streams(engine: Engine, streams: int, max_tokens: int, prompt_len: int =
             "median_step_ms": 1000 * median(step_times) if step_times else None}
 
 
+class HeadTimeline:
+    """Wall-clock times (``time.time``, as the stages' timelines) of the runner's submits
+    and collects, recorded by wrapping them."""
+
+    def __init__(self, runner: PipelineRunner):
+        self.events: list[tuple[str, int, float, float]] = []  # (kind, plan step, start, end)
+        submit, collect = runner.submit, runner.collect
+
+        def timed_submit(plan: Any) -> None:
+            start = time.time()
+            submit(plan)
+            self.events.append(("submit", plan.step, start, time.time()))
+
+        def timed_collect() -> Any:
+            start = time.time()
+            result = collect()
+            self.events.append(("collect", result.plan.step, start, time.time()))
+            return result
+
+        runner.submit, runner.collect = timed_submit, timed_collect  # type: ignore[method-assign]
+
+    def breakdown(self, counters: list[StageCounters]) -> dict[str, Any]:
+        """Medians per plan, in ms: ``s0_wait`` (the first stage from one plan's end to the
+        next plan's arrival), ``return`` (the last stage done -> the head has the result),
+        ``head`` (collect returned -> the next submit starts: sampling, applying, planning,
+        pickling) and ``dispatch`` (submit starts -> the first stage runs it, where that
+        stage was idle)."""
+        first, last = ({step: (entered, done) for step, entered, _, done in c.timeline}
+                       for c in (counters[0], counters[-1]))
+        order = sorted(first.values())
+        s0_wait = [b[0] - a[1] for a, b in zip(order, order[1:], strict=False) if b[0] > a[1]]
+        returned, head, dispatch = [], [], []
+        for i, (kind, step, start, end) in enumerate(self.events):
+            if kind == "collect" and step in last:
+                returned.append(end - last[step][1])
+                nxt = next((e for e in self.events[i + 1:] if e[0] == "submit"), None)
+                if nxt is not None:
+                    head.append(nxt[2] - end)
+            if kind == "submit" and step in first:
+                earlier = [d for e, d in first.values() if e < first[step][0]]
+                if not earlier or max(earlier) < start:  # the stage was idle when it was sent
+                    dispatch.append(first[step][0] - start)
+        return {f"{k}_ms": 1000 * median(v) if v else None
+                for k, v in (("s0_wait", s0_wait), ("return", returned), ("head", head), ("dispatch", dispatch))}
+
+
 def stage_report(runner: PipelineRunner, plans_head_s: float | None = None) -> dict[str, Any]:
     counters = runner.stage_counters()
     idle = [c.idle_fraction for c in counters]
     plans = counters[0].plans
     busy_per_plan = sum(c.busy_s for c in counters) / plans if plans else 0.0
-    report: dict[str, Any] = {"stage_idle_pct": [100 * i for i in idle], "plans": plans,
+    report: dict[str, Any] = {"stage_idle_pct": [round(100 * i, 1) for i in idle], "plans": plans,
                               "stage_busy_ms_per_plan": 1000 * busy_per_plan}
     if plans_head_s is not None and plans:
         per_plan = plans_head_s / plans
@@ -116,22 +165,27 @@ def real_model(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     pipe = Engine.from_pretrained(args.model, EngineConfig(**base, pipeline=PipelineConfig(
         stages=2, ray_address="local", threads_per_stage=1)), progress=False)
     runner: PipelineRunner = pipe.runner
+    timeline = HeadTimeline(runner)
     for streams in (1, 32):
         runs: dict[str, list[dict[str, Any]]] = {}
         for _ in range(args.repeats):
-            for micro in (1, 2):
+            for micro in (1, 2, 3):
                 runner.max_in_flight = micro
                 run_streams(pipe, streams, 2)
                 runner.reset_counters()
+                timeline.events.clear()
                 r = run_streams(pipe, streams, args.tokens)
                 head_s = r["wall_s"] if micro == 1 else None  # one plan at a time: wall = sum of plan times
-                runs.setdefault(f"2 stages x 1 thread, {micro} in flight", []).append(
-                    r | stage_report(runner, head_s))
+                report = r | stage_report(runner, head_s)
+                if micro > 1:
+                    report |= timeline.breakdown(runner.stage_counters())
+                runs.setdefault(f"2 stages x 1 thread, {micro} in flight", []).append(report)
         for setup, results in runs.items():
             rows.append({"setup": setup, "streams": streams, **_medians(results)})
     recovery = recover_runs(pipe, args.recoveries, args.tokens)
     pipe.close()
-    return rows, {"model": pipe.model_name, "traffic": vars(runner.traffic), "recovery": recovery}
+    return rows, {"model": pipe.model_name, "layers": [list(p.layers) for p in runner.placements],
+                  "traffic": vars(runner.traffic), "recovery": recovery}
 
 
 def recover_runs(engine: Engine, runs: int, max_tokens: int) -> dict[str, Any]:
@@ -185,7 +239,7 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in results]
         if isinstance(value, list):
             out[key] = [median(v) for v in zip(*values, strict=True)]
-        elif value is None:
+        elif any(v is None for v in values):
             out[key] = None
         else:
             out[key] = median(values)
@@ -198,14 +252,22 @@ class StandInStage:
     def __init__(self, index: int, last: bool, token_s: float, hidden: int, vocab: int):
         self.last, self.token_s, self.hidden, self.vocab = last, token_s, hidden, vocab
         self.counters = StageCounters(index, (index, index + 1), "", "none", 0)
+        self.inputs = PrefetchedInputs()
 
-    def run(self, seq: int, payload: bytes, inputs: list | None, rows: Any = None) -> Any:
+    @ray.method(concurrency_group="inputs")
+    def fetch(self, seq: int, inputs: list) -> None:
+        hidden, sent_at = ray.get(ray.get(inputs[0])[0])  # [ref] -> (hidden states, sent at)
+        self.inputs.put(seq, (hidden, time.time() - sent_at))
+
+    def run(self, seq: int, payload: bytes, fetched: bool, rows: Any = None) -> Any:
+        entered = time.time()
         plan = pickle.loads(payload)
         c = self.counters
         waited = time.perf_counter()
-        if inputs is not None:
-            ray.get(ray.get(inputs[0])[0])  # [ref] -> (hidden states, sent at)
+        if fetched:
+            self.inputs.take(seq)
         started = time.perf_counter()
+        input_at = time.time()
         if c.first_start is None:
             c.first_start = waited
         time.sleep(self.token_s * plan.num_tokens)
@@ -214,6 +276,7 @@ class StandInStage:
                else [ray.put((torch.zeros(plan.num_tokens, self.hidden), time.time()))])
         c.last_end = time.perf_counter()
         c.busy_s += c.last_end - started
+        c.timeline.append((plan.step, entered, input_at, time.time()))
         return out
 
     def read_counters(self) -> StageCounters:
@@ -237,7 +300,7 @@ class _Tokens:
 def stand_in(args: Any) -> list[dict[str, Any]]:
     config = ModelConfig(vocab_size=256, hidden_size=576, intermediate_size=1536, num_layers=4, num_heads=9,
                          num_kv_heads=3, head_dim=64, max_position_embeddings=2048)
-    actor = ray.remote(num_cpus=0)(StandInStage)
+    actor = ray.remote(num_cpus=0, concurrency_groups={"inputs": 1})(StandInStage)
     token_s = args.token_ms / 1000
     rows = []
     for n in (2, 3, 4):
@@ -248,15 +311,19 @@ def stand_in(args: Any) -> list[dict[str, Any]]:
         pipe = PipelineConfig(stages=n, micro_batches=n + 1, heartbeat_timeout_s=60)
         runner = PipelineRunner(actors, placements, config, 512, 16, EngineConfig(pipeline=pipe), HeadTraffic())
         engine = Engine(runner, _Tokens(), EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512)))
+        timeline = HeadTimeline(runner)
         for micro in (1, n, n + 1):
             runner.max_in_flight = micro
             run_streams(engine, 32, 2, prompt_len=4)
             runner.reset_counters()
+            timeline.events.clear()
             r = run_streams(engine, 32, args.stand_in_tokens, prompt_len=4)
             ideal = 1000 / args.token_ms  # every stage always busy
+            counters = runner.stage_counters()
             rows.append({"stages": n, "in_flight": micro, "tok_s": r["tok_s"], "decode_tok_s": r["decode_tok_s"],
                          "ideal_tok_s": ideal, "of_ideal_pct": 100 * (r["decode_tok_s"] or 0) / ideal,
-                         "stage_idle_pct": [100 * c.idle_fraction for c in runner.stage_counters()]})
+                         "stage_idle_pct": [round(100 * c.idle_fraction, 1) for c in counters],
+                         **(timeline.breakdown(counters) if micro > 1 else {})})
         runner.close()
     return rows
 
@@ -278,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result |= {"real_model": rows, **info, "stand_in": stand, "token_ms": args.token_ms}
     result["machine_end"] = machine_info()
     real_cols = ["setup", "streams", "tok_s", "decode_tok_s", "median_step_ms", "overhead_ms", "overhead_pct",
-                 "stage_idle_pct"]
+                 "stage_idle_pct", "s0_wait_ms", "return_ms", "head_ms", "dispatch_ms"]
     rec = info["recovery"]
     recovery_cols = ["detect_s", "recreate_s", "pause_s", "tokens_recomputed"]
     emit("bench_pipeline", [("real model (tokens/s, per-step overhead, stage idle %)",

@@ -17,15 +17,17 @@ import httpx
 import pytest
 import torch
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 
 from bargein.cli_cluster import format_cluster  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.distributed.pipeline import PipelineRunner  # noqa: E402
+from bargein.distributed.stage import held_weights  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.plan import ScheduledChunk, StepPlan  # noqa: E402
 from bargein.engine.request import CancelReason, FinishReason  # noqa: E402
+from bargein.engine.runner import StepFailed  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.app import create_app, finish_shutdown  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
@@ -117,6 +119,22 @@ def test_layers_follow_node_memory_and_shipped_weights_are_counted(setup: Setup)
     assert runner.traffic.weights_shipped_bytes == setup.stored_bytes
 
 
+def test_every_stage_holds_the_single_engine_s_weights_bit_for_bit(setup: Setup) -> None:
+    """Read from the node's file or shipped by the head, a stage's weights are the single
+    engine's: a GGUF's Q8_0 matrices as the file's blocks (never through float32), the rest
+    converted alike."""
+    local = held_weights(setup.local.runner.stages[0])
+    held = [ray.get(a.read_weights.remote()) for a in setup.pipe.runner.actors]
+    assert set().union(*held) == set(local)
+    for stage in held:
+        for name, tensor in stage.items():
+            assert tensor.dtype == local[name].dtype and torch.equal(tensor, local[name]), name
+    if setup.name == "gguf-2":  # every matrix of the layers and the tied head/embedding, as stored
+        blocks = {name.rsplit(".blocks.", 1)[0] for stage in held for name in stage if ".blocks." in name}
+        assert len(blocks) == 4 * SPEC.num_layers + 2
+        assert all(stage[n].dtype == torch.int8 for stage in held for n in stage if n.endswith(".blocks.qs"))
+
+
 def test_logits_equal_the_single_process_engine_and_only_plans_and_logits_pass_the_head(setup: Setup) -> None:
     """Hand-made plans on blocks that no sequence holds (the engines are fresh)."""
     runner: PipelineRunner = setup.pipe.runner
@@ -147,6 +165,25 @@ def test_logits_equal_the_single_process_engine_and_only_plans_and_logits_pass_t
     tokens = prefill.num_tokens + decode.num_tokens
     hidden = [c.hidden_bytes_out - h for c, h in zip(runner.stage_counters(), hidden_before, strict=True)]
     assert hidden == [4 * SPEC.hidden_size * tokens] * (stages - 1) + [0]
+
+
+def test_a_plan_that_fails_on_a_stage_fails_alone_and_the_next_plan_runs_on_every_stage(setup: Setup) -> None:
+    """Stage 0 fails on a plan (a block id outside the pool): the stages after it get the
+    error instead of hidden states, ``collect`` raises StepFailed naming the plan, no stage
+    is lost, and the next plan runs in order on every stage with the single engine's logits."""
+    runner: PipelineRunner = setup.pipe.runner
+    bad = StepPlan(2001, (ScheduledChunk("x", (5, 6), 0, (10_000,), True),))
+    good = StepPlan(2002, (ScheduledChunk("y", tuple(_prompt(7, 40)), 0, (30, 31), True),))
+    runner.submit(bad)
+    runner.submit(good)
+    with pytest.raises(StepFailed) as failed:
+        runner.collect()
+    assert failed.value.plan is bad
+    got = runner.collect()
+    assert got.plan is good
+    torch.testing.assert_close(got.logits, setup.local.runner.execute(good), rtol=1e-5, atol=1e-5)
+    assert runner.recovery.losses == 0 and runner.health().state == "ok"
+    assert [c.steps_with("y")[-1:] for c in runner.stage_counters()] == [[2002]] * len(runner.actors)
 
 
 def test_greedy_outputs_match_for_a_mixed_batch(setup: Setup) -> None:

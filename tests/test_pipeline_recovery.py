@@ -234,6 +234,44 @@ def test_a_hung_stage_is_noticed_by_its_heartbeat_and_replaced(model: str, local
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_plan_past_its_deadline_loses_its_stage_which_is_recreated_and_streams_continue_token_exact(
+        model: str, local: Engine, nodes: Nodes, caplog) -> None:
+    """Stage 1 takes longer than ``step_timeout_s`` over one plan while it answers every
+    heartbeat (its health thread is free): the head treats it as hung, as the README says,
+    kills and re-creates it, and every sequence recomputes from its tokens."""
+    pipe = _pipeline(model, nodes)
+    try:
+        runner = pipe.runner
+        deadline = runner.pipe.step_timeout_s
+
+        def slow_next_plan(worker, seconds: float) -> None:  # runs in the stage, in plan order
+            forward = worker.stage.forward
+
+            def slow(*args, **kwargs):
+                time.sleep(seconds)  # the heartbeat is answered meanwhile, on its own thread
+                return forward(*args, **kwargs)
+
+            worker.stage.forward = slow
+
+        def slow_stage() -> None:
+            runner.actors[1].__ray_call__.remote(slow_next_plan, 10 * deadline)
+
+        want = _scenario(local, None)
+        with caplog.at_level("WARNING", logger="bargein.distributed"):
+            got = _scenario(pipe, slow_stage)
+        assert got == want
+        assert all(reason != FinishReason.ERROR for _, reason, _ in got[0])
+        lost = [r.getMessage() for r in caplog.records if "was lost" in r.getMessage()]
+        assert lost and f"pipeline stage 1 (layers {runner.placements[1].layers[0]}-" in lost[0]
+        assert lost[0].endswith(f"a plan took over {deadline:g} s")
+        assert runner.recovery.restarts[1] >= 1 and runner.recovery.recoveries == runner.recovery.losses
+        assert pipe.counters.kv_losses == runner.recovery.losses and pipe.counters.recomputed_tokens > 0
+        assert pipe.runner_health().state == "ok"
+        _check_idle_accounting(pipe)
+    finally:
+        pipe.close()
+
+
 def test_without_capacity_requests_fail_clearly_and_the_server_heals_when_a_node_returns(
         model: str, local: Engine, nodes: Nodes) -> None:
     spare = nodes.nodes[-1].node_id

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from bargein.cli import main
+from bargein.config import ModelConfig
 from bargein.distributed.split import (
     PipelineSetupError,
     check_split,
+    head_layers,
     parse_stage_layers,
     split_by_memory,
 )
@@ -52,3 +54,37 @@ def test_split_by_memory_is_proportional_with_at_least_one_layer_each() -> None:
     assert check_split(parse_stage_layers("0-10, 10-20,20-30"), 30) == ((0, 10), (10, 20), (20, 30))
     with pytest.raises(PipelineSetupError, match="3 stages were asked for, but the model has only 2 layers"):
         split_by_memory(2, [1, 1, 1])
+
+
+def test_the_last_stage_s_lm_head_counts_as_work_in_the_split() -> None:
+    smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64)
+    # (49152 x 576) over 4/3 of a layer's (576 x (2 x 576 + 2 x 192) + 3 x 576 x 1536) multiply-adds
+    assert head_layers(smollm2) == pytest.approx(6.0, abs=0.01)
+    assert split_by_memory(30, [1, 1], head_layers(smollm2)) == ((0, 18), (18, 30))  # 18 and 12 + 6
+    assert split_by_memory(30, [1, 1, 1], 6.0) == ((0, 12), (12, 24), (24, 30))
+    assert split_by_memory(30, [2, 1], 6.0) == ((0, 24), (24, 30))  # 24 and 6 + 6
+    assert split_by_memory(4, [1, 1], 9.0) == ((0, 3), (3, 4))  # every stage keeps a layer
+
+
+def test_prefetched_inputs_wait_for_their_plan_raise_its_error_and_drop_voided_ones() -> None:
+    pytest.importorskip("ray")
+    import threading
+
+    import torch
+
+    from bargein.distributed.stage import PrefetchedInputs
+
+    inputs = PrefetchedInputs()
+    hidden = torch.ones(2, 3)
+    later = threading.Timer(0.05, inputs.put, args=(7, (hidden, 0.25)))
+    later.start()
+    got, transfer_s = inputs.take(7)  # waits for the inputs thread
+    assert got is hidden and transfer_s == 0.25
+    inputs.put(8, (hidden, 0.0))  # a plan voided before it ran
+    inputs.put(9, RuntimeError("stage 0 failed on plan 9"))
+    inputs.put(10, (hidden, 0.0))
+    with pytest.raises(RuntimeError, match="stage 0 failed on plan 9"):
+        inputs.take(9)
+    assert inputs.take(10)[0] is hidden
+    assert len(inputs) == 0  # plan 8's input was dropped with plan 9's take

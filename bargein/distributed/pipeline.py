@@ -47,6 +47,7 @@ from bargein.distributed.split import (
     LayerRanges,
     PipelineSetupError,
     check_split,
+    head_layers,
     split_by_memory,
     stage_weight_bytes,
 )
@@ -109,7 +110,9 @@ def connect(address: str, num_stages: int) -> None:
         return
     try:
         if address == "local":
-            ray.init(num_cpus=num_stages, include_dashboard=False, log_to_driver=False)
+            # address="local": a new instance even where a cluster runs on this machine
+            # (Ray would otherwise join that one, and refuse num_cpus for it).
+            ray.init(address="local", num_cpus=num_stages, include_dashboard=False, log_to_driver=False)
         else:
             ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -141,7 +144,8 @@ def check_layout(num_stages: int, model_config: ModelConfig, given: LayerRanges 
 def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfig,
                  given: LayerRanges | None) -> list[StagePlacement]:
     """Stage i on the i-th node by memory (cycling when stages outnumber nodes); layers
-    split in proportion to each stage's share of its node's memory unless ``given``."""
+    split so that each stage's work (the last one's LM head included) is in proportion
+    to its share of its node's memory, unless ``given``."""
     resource = config.pipeline.node_resource if config.pipeline else None
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
              and (resource is None or n["Resources"].get(resource, 0) > 0)]
@@ -155,7 +159,8 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
     num_layers = model_config.num_layers
     if num_stages > num_layers:
         raise PipelineSetupError(f"{num_stages} stages were asked for, but the model has only {num_layers} layers")
-    ranges = check_split(given, num_layers) if given is not None else split_by_memory(num_layers, shares)
+    ranges = check_split(given, num_layers) if given is not None else split_by_memory(num_layers, shares,
+                                                                                       head_layers(model_config))
     return [StagePlacement(i, ranges[i], n["NodeID"], n["NodeManagerAddress"], shares[i])
             for i, n in enumerate(chosen)]
 
@@ -296,9 +301,12 @@ class PipelineRunner(StageRecovery):
         ref = None
         last = len(self.actors) - 1
         for i, actor in enumerate(self.actors):
-            # The previous stage's reference goes in a list, so Ray does not hold this call
-            # (and the heartbeat queued after it) until that stage finished: the stage waits itself.
-            ref = actor.run.remote(self._seq, payload, None if ref is None else [ref], rows if i == last else None)
+            if ref is not None:
+                # The previous stage's reference goes in a list, so Ray does not hold this call
+                # (and the heartbeat queued after it) until that stage finished: the stage
+                # fetches it itself, on its inputs thread, while earlier plans compute.
+                actor.fetch.remote(self._seq, [ref])
+            ref = actor.run.remote(self._seq, payload, ref is not None, rows if i == last else None)
             refs.append(ref)
             self.traffic.plan_bytes += len(payload)
         if rows is not None:

@@ -11,16 +11,20 @@ never written before an earlier plan in flight has read it.
 
 Hidden states go to the next stage through the object store: the stage ``ray.put``s
 them and returns the reference (in a list, so Ray hands the reference on instead of
-the value), so they never pass through the head's process. The last stage returns the
+the value), so they never pass through the head's process. The next stage fetches them
+on its own inputs thread (``fetch``, sent by the head with each plan), so a plan's
+transfer overlaps the compute of the plans before it. The last stage returns the
 float32 logits of the sampled positions only.
 
 The counters (plans executed, and which request ids at which plan step) are what tests
 and ``/v1/cluster`` read to see exactly what each stage computed.
 
-Weights: the stage reads the model file at ``node_path`` if this node holds the same
-file there (``~`` is this node's home), else it fetches the tensors the head shipped
-(``shipped``: a reference in a list, fetched only when needed). Without either, it
-fails to start, saying so.
+Weights: the stage reads its own layers from the model file at ``node_path`` if this
+node holds the same file there (``~`` is this node's home), else it fetches the tensors
+the head shipped (``shipped``: a reference in a list, fetched only when needed, stored
+form). Either way a GGUF's Q4_1/Q8_0 matrices stay in their stored blocks and the stage
+is built as the single-process engine builds its model (``build_model``), so it holds
+the same weights bit for bit. Without either source, it fails to start, saying so.
 
 Health: ``ping`` runs in its own concurrency group (its own thread), so the head's
 heartbeat is answered while a plan computes and never queues behind plans; a stage
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,17 +47,18 @@ import torch
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.weights import Fingerprint, has_model_copy, materialize
-from bargein.engine.device import resolve_device, resolve_dtype
+from bargein.engine.device import build_model, one_torch_thread, resolve_device, resolve_dtype
 from bargein.engine.plan import StepPlan
 from bargein.engine.runner import plan_inputs
 from bargein.engine.sampler import RowSampling, sample_rows
-from bargein.kernels.ops import resolve_kernels
-from bargein.loader import load_weights
+from bargein.kernels.block_quant import BlockWeight
+from bargein.loader import close_model_files, load_weights
 from bargein.loader.source import ModelSource
 from bargein.model.attention import KVCache
 from bargein.model.llama import LlamaStage
 
 LOG_LENGTH = 4096  # plans remembered per stage for the executed log
+TIMELINE_LENGTH = 1024  # plans remembered per stage for the timeline (a benchmark's run)
 
 
 @dataclass
@@ -68,12 +74,14 @@ class StageCounters:
     tokens: int = 0
     busy_s: float = 0.0  # computing (block copies, forward)
     wait_s: float = 0.0  # waiting for the previous stage's hidden states (its compute included)
-    transfer_s: float = 0.0  # of that wait, from the previous stage's put to having the tensor here
+    transfer_s: float = 0.0  # previous stage's put -> tensor here (fetched ahead: overlaps compute or wait)
     first_start: float | None = None
     last_end: float | None = None
     hidden_bytes_out: int = 0
     last_seq: int = -1
     executed: deque[tuple[int, tuple[str, ...]]] = field(default_factory=lambda: deque(maxlen=LOG_LENGTH))
+    # Per plan, wall clock (time.time): (plan step, call entered, input here, done): where idle time goes.
+    timeline: deque[tuple[int, float, float, float]] = field(default_factory=lambda: deque(maxlen=TIMELINE_LENGTH))
 
     @property
     def span_s(self) -> float:
@@ -90,6 +98,36 @@ class StageCounters:
         return [step for step, ids in self.executed if request_id in ids]
 
 
+class PrefetchedInputs:
+    """Hidden states fetched ahead of their plans (the inputs thread puts, the plan
+    thread takes): plan seq -> (tensor, transfer seconds), or the error fetching it."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[torch.Tensor, float] | BaseException] = {}
+        self._arrived = threading.Condition()
+
+    def put(self, seq: int, item: tuple[torch.Tensor, float] | BaseException) -> None:
+        with self._arrived:
+            self._items[seq] = item
+            self._arrived.notify_all()
+
+    def take(self, seq: int) -> tuple[torch.Tensor, float]:
+        """Waits for plan ``seq``'s input; raises the error fetching it. Inputs of earlier
+        plans that never ran (voided by a lost stage) are dropped."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: seq in self._items)
+            item = self._items.pop(seq)
+            for old in [k for k in self._items if k < seq]:
+                del self._items[old]
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __len__(self) -> int:
+        with self._arrived:
+            return len(self._items)
+
+
 class StageWorker:
     """The body of a stage actor (``ray.remote(StageWorker)`` in ``pipeline``)."""
 
@@ -101,24 +139,28 @@ class StageWorker:
         dtype = resolve_dtype(config.dtype, device)
         path = os.path.expanduser(node_path)
         own_copy = has_model_copy(path, source_kind, expected)
+        blocks = device.type == "cpu"  # a GGUF's Q4_1/Q8_0 stay in their stored blocks, as in one process
         received = 0
-        if shipped is not None and (prefer_shipped or not own_copy):
-            stored = ray.get(shipped[0])
-            received = stored.nbytes
-            weights = materialize(stored, model_config, dtype, device)
-        elif own_copy:
-            source = ModelSource(source_kind, Path(path), model_config.name)  # type: ignore[arg-type]
-            weights = load_weights(source, model_config, layer_range=layers, dtype=dtype, device=device,
-                                   progress=False)
-        else:
-            raise RuntimeError(f"stage {index}: this node has no copy of the model at {node_path} "
-                               f"and the head shipped none")
-        max_positions = config.max_model_len or model_config.max_position_embeddings
-        kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
-        self.stage = LlamaStage(model_config, weights, layers, max_positions, kernels).to(device)
+        with one_torch_thread():
+            if shipped is not None and (prefer_shipped or not own_copy):
+                stored = ray.get(shipped[0])
+                received = stored.nbytes
+                weights = materialize(stored, model_config, dtype, device, blocks=blocks)
+                del stored
+            elif own_copy:
+                source = ModelSource(source_kind, Path(path), model_config.name)  # type: ignore[arg-type]
+                weights = load_weights(source, model_config, layer_range=layers, dtype=dtype, device=device,
+                                       progress=False, blocks=blocks)
+                close_model_files()
+            else:
+                raise RuntimeError(f"stage {index}: this node has no copy of the model at {node_path} "
+                                   f"and the head shipped none")
+            max_positions = config.max_model_len or model_config.max_position_embeddings
+            self.stage = build_model(model_config, weights, config, max_positions=max_positions, layer_range=layers)
         self.device = device
         self.caches: list[KVCache] = []
         self.block_size = 0
+        self.inputs = PrefetchedInputs()
         self.counters = StageCounters(index, layers, ray.get_runtime_context().get_node_id(),
                                       "head" if received else "file", received)
 
@@ -135,18 +177,32 @@ class StageWorker:
         self.caches = self.stage.make_kv_caches(num_blocks, block_size)
         self.block_size = block_size
 
-    def run(self, seq: int, payload: bytes, inputs: list[ray.ObjectRef] | None,
+    @ray.method(concurrency_group="inputs")
+    def fetch(self, seq: int, inputs: list[ray.ObjectRef]) -> None:
+        """Fetches plan ``seq``'s input ahead of its ``run``: ``inputs`` is ``[ref]`` to the
+        previous stage's result (``[ref]`` to its hidden states). Runs on the stage's inputs
+        thread, in plan order, so the transfer overlaps the plans this stage computes before
+        it; ``run`` takes the tensor (or the error, raised there)."""
+        try:
+            (hidden_ref,) = ray.get(inputs[0])
+            hidden, sent_at = ray.get(hidden_ref)
+            self.inputs.put(seq, (hidden, max(0.0, time.time() - sent_at)))  # nodes' clocks assumed in sync
+        except BaseException as exc:  # the previous stage failed on this plan, or died
+            self.inputs.put(seq, exc)
+
+    def run(self, seq: int, payload: bytes, fetched: bool,
             rows: tuple[RowSampling | None, ...] | None = None) -> list[ray.ObjectRef] | tuple:
         """Executes plan number ``seq`` (pickled ``StepPlan``) on this stage's layers.
 
-        ``inputs``: None for the first stage, else ``[ref]`` to the previous stage's result
-        (``[ref]`` to its hidden states), waited for here, not by Ray before the call, so
-        the heartbeat is never held behind a plan. Returns ``[ref]`` to this stage's hidden states, or (last stage) the
+        ``fetched``: False for the first stage; else the head sent ``fetch(seq, ...)`` too,
+        whose hidden states are waited for here (not by Ray before the call, so the
+        heartbeat is never held behind a plan). Returns ``[ref]`` to this stage's hidden states, or (last stage) the
         float32 logits of the plan's sampled positions, as ``(logits, tokens, sent at)``:
         with ``rows`` (last stage), the plain rows' tokens are picked here (``tokens``:
         plan row -> token id) and ``logits`` holds only the other rows. Either result
         carries the wall time it was sent, so the receiver measures the transfer.
         """
+        entered = time.time()
         c = self.counters
         if seq <= c.last_seq:
             raise RuntimeError(f"stage {c.index} got plan {seq} after plan {c.last_seq}: plans must run in order")
@@ -154,11 +210,11 @@ class StageWorker:
         plan: StepPlan = pickle.loads(payload)
         waited = time.perf_counter()
         hidden = None
-        if inputs is not None:
-            (hidden_ref,) = ray.get(inputs[0])  # the previous stage's result: [ref to its hidden states]
-            hidden, sent_at = ray.get(hidden_ref)
-            c.transfer_s += max(0.0, time.time() - sent_at)  # wall clocks: nodes' clocks are assumed in sync
+        if fetched:
+            hidden, transfer_s = self.inputs.take(seq)
+            c.transfer_s += transfer_s
         started = time.perf_counter()
+        input_at = time.time()
         c.wait_s += started - waited
         if c.first_start is None:
             c.first_start = waited
@@ -185,10 +241,15 @@ class StageWorker:
             result = [ray.put((out, time.time()))]
         c.last_end = time.perf_counter()
         c.busy_s += c.last_end - started
+        c.timeline.append((plan.step, entered, input_at, time.time()))
         return result
 
     def read_counters(self) -> StageCounters:
         return self.counters
+
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        """What the stage holds as weights (see :func:`held_weights`), for tests to compare."""
+        return held_weights(self.stage)
 
     def reset_counters(self) -> None:
         """Starts the counters afresh (identity and plan order kept), e.g. between benchmark runs."""
@@ -197,13 +258,33 @@ class StageWorker:
                                       last_seq=c.last_seq)
 
 
+def held_weights(stage: LlamaStage) -> dict[str, torch.Tensor]:
+    """Every tensor a stage computes from, by name with global layer numbers: parameters
+    and buffers, and each block-held weight's parts (``<module>.blocks.qs`` / ``scales`` /
+    ``mins``). Two stages that hold equal tensors under equal names compute the same."""
+    def global_name(name: str) -> str:
+        if not name.startswith("layers."):
+            return name
+        _, index, rest = name.split(".", 2)
+        return f"layers.{stage.start + int(index)}.{rest}"
+
+    out = {global_name(name): t for name, t in stage.state_dict().items()}
+    for name, module in stage.named_modules():
+        blocks = getattr(module, "blocks", None)
+        if isinstance(blocks, BlockWeight):
+            parts = {"qs": blocks.qs, "scales": blocks.scales, "mins": blocks.mins}
+            out |= {global_name(f"{name}.blocks.{k}"): v for k, v in parts.items() if v is not None}
+    return out
+
+
 def stage_actor(config: EngineConfig, on_node: Any) -> Any:
     """The stage actor class with its options: a CPU per torch thread, the node resource
-    if one is set, a health thread for the heartbeat, never restarted by Ray (the head
+    if one is set, a health thread for the heartbeat and an inputs thread that fetches the
+    next plans' hidden states while one computes, never restarted by Ray (the head
     re-creates a lost stage itself, knowing its K/V is gone)."""
     pipe = config.pipeline
     options: dict[str, Any] = {"num_cpus": pipe.threads_per_stage, "max_restarts": 0,
-                               "concurrency_groups": {"health": 1}}
+                               "concurrency_groups": {"health": 1, "inputs": 1}}
     if pipe.node_resource is not None:
         options["resources"] = {pipe.node_resource: 0.001}
     if on_node is not None:

@@ -3,8 +3,10 @@
 Where a node has no copy of the model file (or a different one), the head reads that
 stage's tensors *in their stored form* (GGUF blocks stay quantized bytes; safetensors
 keep their dtype) and ships them through Ray's object store; the stage converts them
-exactly as the loader does. So a Q4 stage costs the wire about a seventh of its float32
-size, and a stage converts with the same code whether it read or received its weights.
+exactly as the loader does: a Q4_1/Q8_0 matrix becomes a BlockWeight over the shipped
+bytes (the blocks the single-process engine reads from the file), anything else is
+dequantized. So a Q4 stage costs the wire about a seventh of its float32 size, and a
+stage holds the same weights whether it read or received them.
 
 No Ray here: the caller does the shipping.
 """
@@ -19,16 +21,25 @@ import numpy as np
 import torch
 
 from bargein.config import ModelConfig
+from bargein.kernels.block_quant import BlockWeight
 from bargein.loader.dequant import dequantize
 from bargein.loader.errors import CorruptModelError
 from bargein.loader.ggml_types import GGMLQuantizationType
-from bargein.loader.gguf_file import PERMUTED_ARCHS, open_gguf, unpermute_qk
+from bargein.loader.gguf_file import (
+    PERMUTED_ARCHS,
+    holds_blocks,
+    open_gguf,
+    stored_blocks,
+    unpermute_qk,
+    unpermute_qk_blocks,
+)
 from bargein.loader.hf_folder import _open as open_safetensors
 from bargein.loader.hf_folder import _weight_map
 from bargein.loader.names import wanted_tensors
 from bargein.loader.source import ModelSource
 
 Fingerprint = tuple[tuple[str, int], ...]
+Weight = torch.Tensor | BlockWeight
 
 
 @dataclass(frozen=True)
@@ -108,16 +119,26 @@ def read_stored(source: ModelSource, config: ModelConfig, layer_range: tuple[int
 
 
 def materialize(stored: StoredWeights, config: ModelConfig, dtype: torch.dtype,
-                device: torch.device) -> dict[str, torch.Tensor]:
-    """Canonical weights from stored form, as the loader would have produced them."""
-    weights = {}
-    for canon, t in stored.tensors.items():
+                device: torch.device, *, blocks: bool = False) -> dict[str, Weight]:
+    """Canonical weights from stored form, as the loader would have produced them from the
+    file (``load_weights`` with the same ``blocks``): with ``blocks``, a GGUF's Q4_1/Q8_0
+    matrices become BlockWeights over the shipped bytes, never widened to float32."""
+    weights: dict[str, Weight] = {}
+    for canon in list(stored.tensors):
+        t = stored.tensors[canon]
+        permuted = stored.gguf_arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon)
+        heads = config.num_heads if ".wq." in canon else config.num_kv_heads
+        if t.ggml_type is not None and blocks and holds_blocks(t.ggml_type, t.shape):
+            raw = np.asarray(t.data)  # read-only when Ray maps it from the object store: copy it then
+            held = stored_blocks(raw if raw.flags.writeable else raw.copy(), t.ggml_type, t.shape)
+            weights[canon] = unpermute_qk_blocks(held, heads) if permuted else held
+            continue
         if t.ggml_type is None:
             w = t.data
         else:
             w = dequantize(t.data, GGMLQuantizationType(t.ggml_type), t.shape)
-            if stored.gguf_arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon):
-                w = unpermute_qk(w, config.num_heads if ".wq." in canon else config.num_kv_heads)
+            if permuted:
+                w = unpermute_qk(w, heads)
         want = torch.float32 if canon == "rope_freq_factors" else dtype
         weights[canon] = w.to(device=device, dtype=want)
     return weights

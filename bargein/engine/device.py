@@ -49,8 +49,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight], config: EngineConfig,
-                *, max_positions: int | None = None) -> LlamaStage:
-    """The whole model on ``config``'s device and dtype, with its kernels resolved once.
+                *, max_positions: int | None = None, layer_range: tuple[int, int] | None = None) -> LlamaStage:
+    """The model (layers ``layer_range``, default all: a pipeline stage holds a range) on
+    ``config``'s device and dtype, with its kernels resolved once.
 
     Weights held in blocks (a GGUF's Q4_1/Q8_0, see ``load_weights(blocks=True)``) stay
     in blocks where the native kernels read them (a float32 CPU model), with a float32 copy
@@ -73,7 +74,7 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
         elif tensor.device != device or tensor.dtype != want:
             weights[name] = tensor.to(device=device, dtype=want)
     fp32_weights = config.fp32_weights if config.fp32_weights is not None else not kernels.fast
-    model = LlamaStage(model_config, weights, max_positions=max_positions, kernels=kernels,
+    model = LlamaStage(model_config, weights, layer_range, max_positions=max_positions, kernels=kernels,
                        fp32_weights=fp32_weights, consume=True)
     release_free_heap()
     return model.to(device)

@@ -127,17 +127,27 @@ class GGUFFile:
         compute ``d * q + m`` (``d * q``) in float32 from the same float16 d and m.
         """
         info = self.info(name)
-        bits = BLOCK_TYPES.get(GGMLQuantizationType(info.tensor_type))
-        shape = info.torch_shape
-        if bits is None or len(shape) != 2 or shape[1] % BLOCK:
+        if not holds_blocks(info.tensor_type, info.torch_shape):
             return None
-        rows, num_blocks = shape[0], shape[1] // BLOCK
-        raw = torch.from_numpy(info.read()).view(rows, num_blocks, -1)
-        scales = raw[..., 0:2].contiguous().view(torch.float16).float().view(rows, num_blocks)
-        if bits == 4:
-            mins = raw[..., 2:4].contiguous().view(torch.float16).float().view(rows, num_blocks)
-            return BlockWeight(4, raw[..., 4:].contiguous(), scales, mins)
-        return BlockWeight(8, raw[..., 2:].contiguous().view(torch.int8), scales, None)
+        return stored_blocks(info.read(), info.tensor_type, info.torch_shape)
+
+
+def holds_blocks(ggml_type: int, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of this type and (torch) shape can be held as a BlockWeight."""
+    return GGMLQuantizationType(ggml_type) in BLOCK_TYPES and len(shape) == 2 and shape[1] % BLOCK == 0
+
+
+def stored_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> BlockWeight:
+    """A Q4_1 or Q8_0 matrix's stored bytes (uint8, as in the file) as a BlockWeight
+    (see :func:`holds_blocks`); the quants are the file's bytes, never widened."""
+    bits = BLOCK_TYPES[GGMLQuantizationType(ggml_type)]
+    rows, num_blocks = shape[0], shape[1] // BLOCK
+    data = torch.from_numpy(raw).view(rows, num_blocks, -1)
+    scales = data[..., 0:2].contiguous().view(torch.float16).float().view(rows, num_blocks)
+    if bits == 4:
+        mins = data[..., 2:4].contiguous().view(torch.float16).float().view(rows, num_blocks)
+        return BlockWeight(4, data[..., 4:].contiguous(), scales, mins)
+    return BlockWeight(8, data[..., 2:].contiguous().view(torch.int8), scales, None)
 
 
 @functools.lru_cache(maxsize=4)
