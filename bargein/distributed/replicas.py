@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from bargein.distributed.router import Tombstones
+from bargein.engine.blocks import KeyChanges
 from bargein.engine.engine import Engine, EngineError
 from bargein.engine.outputs import RequestDelta, StepOutcome
 from bargein.engine.request import AbortResult, CancelReason, FinishReason
@@ -69,6 +71,7 @@ class ReplicaBatch:
     step_durations: list[float] = field(default_factory=list)
     cancel_latencies: list[float] = field(default_factory=list)
     cancel_latency_steps: list[int] = field(default_factory=list)
+    cache: KeyChanges = field(default_factory=KeyChanges)  # prefix-cache keys registered/evicted since
 
 
 @dataclass
@@ -103,6 +106,7 @@ class ReplicaWorker:
         torch.set_num_threads(threads)
         self.index = index
         self.engine = build()
+        self.engine.pool.track_key_changes()  # reported with each batch: the router's index follows it
         self.started = time.time()
         self.counters = ReplicaCounters()
         self._tombstones = Tombstones()
@@ -141,6 +145,7 @@ class ReplicaWorker:
             if counters.steps > s.steps:
                 s.step_durations.append(counters.step_durations[-1])
             s.steps = counters.steps
+            s.cache.merge(self.engine.pool.drain_key_changes())
             s.available_blocks = self.engine.pool.num_available
             new_cancels = counters.cancel_samples - self._cancel_seen
             if new_cancels > 0:
@@ -176,8 +181,12 @@ class ReplicaWorker:
                           bool(getattr(e, "supports_partial_block_reuse", False)))
 
     async def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                     timeout: float | None = None, output_offset: int = 0) -> None:
-        """Queues a request; a refusal or a cancel that came first ends it with a final delta."""
+                     timeout: float | None = None, output_offset: int = 0, *, session_id: str | None = None,
+                     constraint_from: int | None = None) -> None:
+        """Queues a request; a refusal or a cancel that came first ends it with a final delta.
+
+        ``constraint_from``: where in the prompt a constrained answer began (a resumed or
+        continued one: the tokens since are replayed into the grammar matcher)."""
         if request_id in self._tombstones:
             self._tombstones.discard(request_id)
             self.counters.dropped_late += 1
@@ -187,7 +196,8 @@ class ReplicaWorker:
         self.counters.resumed += output_offset > 0
         try:
             self.engine.add_request(list(prompt), params, request_id=request_id, timeout=timeout,
-                                    output_offset=output_offset)
+                                    output_offset=output_offset, session_id=session_id,
+                                    constraint_from=constraint_from)
         except (EngineError, ValueError) as exc:
             self.counters.rejected += 1
             self._push_final(request_id, FinishReason.ERROR, None, str(exc))
@@ -211,7 +221,7 @@ class ReplicaWorker:
         while True:
             self._ready.clear()
             with self._lock:
-                if self._outbox or self._samples.step_durations:
+                if self._outbox or self._samples.step_durations or self._samples.cache:
                     batch, self._samples = self._samples, self._idle_batch()
                     batch.deltas, self._outbox = list(self._outbox.values()), {}
                     self.counters.deltas_sent += len(batch.deltas)
@@ -235,6 +245,25 @@ class ReplicaWorker:
 
     async def list_requests(self) -> list[RequestInfo]:
         return await self._in_engine(self.engine.list_requests)
+
+    # -- conversation handles (engine sessions), in the engine's ordered inbox ---------------
+    async def open_session(self, token_ids: Sequence[int], session_id: str) -> None:
+        await self._in_engine(functools.partial(self.engine.open_session, list(token_ids), session_id))
+
+    async def append_session(self, session_id: str, token_ids: Sequence[int]) -> None:
+        await self._in_engine(functools.partial(self.engine.append_session_tokens, session_id, list(token_ids)))
+
+    async def session_tokens(self, session_id: str) -> list[int]:
+        return await self._in_engine(functools.partial(self.engine.session_tokens, session_id))
+
+    async def fork_session(self, session_id: str) -> str:
+        return await self._in_engine(functools.partial(self.engine.fork_session, session_id))
+
+    async def truncate_session(self, session_id: str, num_tokens: int) -> None:
+        await self._in_engine(functools.partial(self.engine.truncate_session, session_id, num_tokens))
+
+    async def close_session(self, session_id: str) -> None:
+        await self._in_engine(functools.partial(self.engine.close_session, session_id))
 
     async def live_request_ids(self) -> list[str]:
         return self.engine.live_request_ids()
