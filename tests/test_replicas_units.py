@@ -5,7 +5,11 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
+
+from bargein.distributed.replica_build import plan_stage_nodes
 from bargein.distributed.router import PrefixIndex, Router, Tombstones, block_hashes
+from bargein.distributed.split import PipelineSetupError
 from bargein.engine.blocks import KeyChanges
 from bargein.engine.sampling import SamplingParams
 from tests.tiny_engine import tiny_engine
@@ -149,7 +153,7 @@ def test_serve_refuses_replica_flags_that_cannot_work(capsys):
 
     for argv, message in ((["--replicas", "2"], "--replicas needs a Ray cluster"),
                           (["--ray", "local", "--replicas", "0"], "--replicas must be at least 1"),
-                          (["--ray", "local", "--replicas", "2", "--pipeline-stages", "2"], "not supported yet")):
+                          ):
         assert main(["serve", "--port", "0", *argv]) == 1
         assert message in capsys.readouterr().err
 
@@ -171,3 +175,18 @@ def test_a_conversation_moves_when_its_replica_lacks_kv_room():
     assert moved.replica == away and moved.moved_from == home and moved.matched_tokens == 0
     router.update_memory(away, 5)  # nobody has the room: it stays with its cache
     assert router.choose(history, reserve_tokens=64).replica == home
+
+
+def _node(name: str, cpus: int, memory: int) -> dict:
+    return {"NodeID": name, "Resources": {"CPU": cpus, "memory": memory}}
+
+
+def test_stage_plan_fits_every_stage_on_a_cpu_and_spreads_each_replica():
+    nodes = [_node("a", 2, 900), _node("b", 1, 500), _node("c", 1, 300)]
+    plans = plan_stage_nodes(2, 2, nodes)
+    assert plans == [("a", "b"), ("a", "c")]  # every replica's stages on distinct nodes, no CPU used twice
+    assert plan_stage_nodes(1, 4, nodes) == [("a", "b", "c", "a")]  # more stages than nodes: spread, then share
+    with pytest.raises(PipelineSetupError, match="3 replicas of 2 pipeline stages need 6 CPUs .* offer 4"):
+        plan_stage_nodes(3, 2, nodes)
+    with pytest.raises(PipelineSetupError, match="need 4 CPUs \\(2 per stage\\), .* offer 2"):
+        plan_stage_nodes(1, 2, nodes, threads_per_stage=2)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -86,6 +85,9 @@ class ReplicaOptions:
     hang_timeout_s: float = 60.0  # busy, yet no step finished for that long: the replica is hung
     routing: str = "affine"
     max_imbalance: int = 8
+    stages_per_replica: int = 1  # each replica a pipeline of this many stages (recorded for /v1/cluster)
+    resources: dict[str, float] | None = None  # custom Ray resources each replica takes (placement)
+    on_head_node: bool = False  # run the replicas on this process's node (pipeline heads; stages go out)
 
 
 @dataclass
@@ -215,6 +217,9 @@ class ReplicaSet:
         self.restarted: list[int] = [0] * len(actors)
         self.resubmitted = 0
         self.dropped_late = 0
+        self.builds: Any = None  # launch_replicas' builders (their shipped weights stay referenced)
+        self.weights_shipped_bytes = 0  # the model put in the object store for nodes without its file
+        self.nodes_without_file: tuple[str, ...] = ()
         self._pollers = [threading.Thread(target=self._poll_loop, args=(i,), name=f"bargein-poll-{i}", daemon=True)
                          for i in range(len(actors))]
         for t in self._pollers:
@@ -222,20 +227,38 @@ class ReplicaSet:
 
     # -- set-up ---------------------------------------------------------------------
     @classmethod
-    def launch(cls, build: EngineBuilder, num_replicas: int, options: ReplicaOptions | None = None) -> ReplicaSet:
+    def launch(cls, build: EngineBuilder | Sequence[EngineBuilder], num_replicas: int,
+               options: ReplicaOptions | None = None) -> ReplicaSet:
         """Starts ``num_replicas`` actors (Ray must be connected) and waits until all have loaded.
 
-        All or nothing: on any failure the actors started are killed and
-        PipelineSetupError says why in one line.
+        ``build``: one builder for every replica, or one per replica (pipelines whose
+        stages go to different nodes). All or nothing: on any failure the actors started
+        (and, owned by them, their stages) are killed and PipelineSetupError says why in
+        one line.
         """
         options = options or ReplicaOptions()
         if ray is None:
             raise PipelineSetupError("Ray is not installed: pip install 'bargein[ray]'")
         if num_replicas < 1:
             raise PipelineSetupError("--replicas must be at least 1")
+        builds = list(build) if isinstance(build, Sequence) else [build] * num_replicas
+        if len(builds) != num_replicas:
+            raise ValueError(f"{len(builds)} builders were given for {num_replicas} replicas")
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if options.num_cpus * num_replicas > cpus:
+            raise PipelineSetupError(f"{num_replicas} replicas need {options.num_cpus * num_replicas:g} CPUs "
+                                     f"({options.num_cpus:g} each), but the cluster has {cpus:g}")
+        placement: dict[str, Any] = {}
+        if options.resources:
+            placement["resources"] = dict(options.resources)
+        if options.on_head_node:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False)
         actor_class = ray.remote(num_cpus=options.num_cpus, max_restarts=options.max_restarts,
-                                 max_task_retries=0, max_concurrency=64)(ReplicaWorker)
-        actors = [actor_class.remote(i, build, options.threads) for i in range(num_replicas)]
+                                 max_task_retries=0, max_concurrency=64, **placement)(ReplicaWorker)
+        actors = [actor_class.remote(i, b, options.threads) for i, b in enumerate(builds)]
         try:
             pings = [a.ping.remote() for a in actors]
             ready, _ = ray.wait(pings, num_returns=num_replicas, timeout=options.start_timeout_s)
@@ -250,7 +273,7 @@ class ReplicaSet:
             raise
         except Exception as exc:
             _kill(actors)
-            raise PipelineSetupError(f"a replica failed to start: {str(exc).strip().splitlines()[-1]}") from None
+            raise PipelineSetupError(f"a replica failed to start: {_cause(exc)}") from None
         return cls(actors, facts, options, started)
 
     # -- the AsyncEngine interface ------------------------------------------------------
@@ -567,11 +590,18 @@ class ReplicaSet:
                              cache_hit_rate=round(s.prefix_cache_hit_tokens / computed, 4) if computed else 0.0,
                              steps=s.steps, generated_tokens=s.generated_tokens,
                              submitted=info.counters.submitted, resumed=info.counters.resumed,
-                             aborts=dict(info.counters.aborts), dropped_late=info.counters.dropped_late)
+                             aborts=dict(info.counters.aborts), dropped_late=info.counters.dropped_late,
+                             evictions=info.evictions, weights_from=info.weights_from,
+                             weights_received_bytes=info.weights_received_bytes)
+                if info.pipeline is not None:
+                    entry.update(stages=info.pipeline["stages"], pipeline_health=info.pipeline.get("health"))
             replicas.append(entry)
-        return {"pipeline": False, "replicas": replicas, "num_replicas": len(self.actors),
+        return {"object": "cluster", "pipeline": False, "replicas": replicas, "num_replicas": len(self.actors),
+                "stages_per_replica": self.options.stages_per_replica,
                 "routing": self.options.routing, "kv_blocks": self.facts.num_blocks,
-                "resubmitted": self.resubmitted, "dropped_late": self.dropped_late}
+                "resubmitted": self.resubmitted, "dropped_late": self.dropped_late,
+                "weights_shipped_bytes": self.weights_shipped_bytes,
+                "nodes_without_file": list(self.nodes_without_file)}
 
     def register_metrics(self, registry: Any) -> None:
         """Adds per-replica series (``replica`` label) to the server's Prometheus registry."""
@@ -771,14 +801,52 @@ def merge_stats(parts: Sequence[EngineStats], block_size: int) -> EngineStats:
                        **{name: total(name) for name in numeric})
 
 
+def _cause(exc: BaseException) -> str:
+    """The last line of a replica's failure that says something (Ray wraps the cause)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 def _kill(actors: list[Any]) -> None:
     for actor in actors:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(actor, no_restart=True)
 
 
-def local_builder(ref: str | None, config: Any) -> EngineBuilder:
-    """The builder of a replica that loads ``ref`` on its node (the same path on every node)."""
-    from bargein.engine.engine import Engine
+def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
+                    options: ReplicaOptions | None = None, *, ship: bool | None = None) -> ReplicaSet:
+    """Connects to Ray and starts ``num_replicas`` replicas of the model at ``ref``.
 
-    return functools.partial(Engine.from_pretrained, ref, config, progress=False)
+    Whole-model replicas go where Ray finds a CPU (``options.resources`` narrows it); a
+    node without the model file gets the weights the head shipped (see
+    :mod:`~bargein.distributed.replica_build`). With ``config.pipeline`` set, each
+    replica is a pipeline: its head on this node, its stages on the nodes planned for it
+    so that all N x M stages fit (PipelineSetupError, one line, when they do not).
+    """
+    from bargein.distributed.pipeline import connect
+    from bargein.distributed.replica_build import plan_stage_nodes, replica_model, with_stage_nodes
+
+    options = options or ReplicaOptions()
+    pipe = config.pipeline
+    connect(address, num_replicas * (pipe.stages if pipe else 1))
+    wanted = dict(options.resources or {})
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
+             and all(n["Resources"].get(k, 0) >= v for k, v in wanted.items())]
+    if not nodes:
+        raise PipelineSetupError("the Ray cluster has no live node with a CPU" +
+                                 (f" offering {', '.join(wanted)}" if wanted else ""))
+    builds: EngineBuilder | list[EngineBuilder]
+    if pipe is not None:
+        stage_nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
+                       and (pipe.node_resource is None or n["Resources"].get(pipe.node_resource, 0) > 0)]
+        plans = plan_stage_nodes(num_replicas, pipe.stages, stage_nodes, pipe.threads_per_stage)
+        model, shipping = replica_model(ref, config, nodes)
+        builds = [with_stage_nodes(model, plan) for plan in plans]
+        options = replace(options, num_cpus=0, on_head_node=True, stages_per_replica=pipe.stages)
+    else:
+        builds, shipping = replica_model(ref, config, nodes, ship=ship)
+    group = ReplicaSet.launch(builds, num_replicas, options)
+    group.builds = builds  # holds the shipped weights' reference: a restarted replica fetches them again
+    group.weights_shipped_bytes = shipping.shipped_bytes
+    group.nodes_without_file = shipping.nodes_without_file
+    return group

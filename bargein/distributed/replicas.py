@@ -97,6 +97,10 @@ class ReplicaInfo:
     started: float  # time.time() when this incarnation started
     stats: EngineStats
     counters: ReplicaCounters
+    evictions: int = 0  # cached KV blocks its pool evicted
+    weights_from: str | None = None  # "file", "head" (shipped) or "stages" (a pipeline's, per stage)
+    weights_received_bytes: int = 0
+    pipeline: dict[str, Any] | None = None  # a replica that is a pipeline: its stages (its /v1/cluster)
 
 
 class ReplicaWorker:
@@ -105,7 +109,10 @@ class ReplicaWorker:
     def __init__(self, index: int, build: EngineBuilder, threads: int = 1):
         torch.set_num_threads(threads)
         self.index = index
-        self.engine = build()
+        # A ReplicaModel says where its weights came from; any other builder is taken as is.
+        built = build.build() if hasattr(build, "build") else (build(), None)
+        self.engine: Engine = built[0]
+        self.weights_origin = built[1]
         self.engine.pool.track_key_changes()  # reported with each batch: the router's index follows it
         self.started = time.time()
         self.counters = ReplicaCounters()
@@ -265,6 +272,11 @@ class ReplicaWorker:
     async def close_session(self, session_id: str) -> None:
         await self._in_engine(functools.partial(self.engine.close_session, session_id))
 
+    async def stage_steps_with(self, request_id: str) -> list[list[int]]:
+        """A pipeline replica: for each stage, the plan steps it executed that held the request."""
+        counters = await asyncio.to_thread(self.engine.runner.stage_counters)
+        return [c.steps_with(request_id) for c in counters]
+
     async def live_request_ids(self) -> list[str]:
         return self.engine.live_request_ids()
 
@@ -275,8 +287,14 @@ class ReplicaWorker:
         import ray
 
         stats = await self.stats()
+        runner_info = getattr(self.engine.runner, "cluster_info", None)
+        pipeline = await asyncio.to_thread(runner_info) if runner_info is not None else None
         return ReplicaInfo(self.index, ray.get_runtime_context().get_node_id(), os.getpid(), self.started, stats,
-                           self.counters)
+                           self.counters, evictions=self.engine.pool.evictions,
+                           pipeline=pipeline if pipeline and pipeline.get("pipeline") else None,
+                           weights_from=None if self.weights_origin is None else self.weights_origin.source,
+                           weights_received_bytes=0 if self.weights_origin is None
+                           else self.weights_origin.received_bytes)
 
     async def shutdown(self, timeout: float = 10.0) -> int:
         """Cancels everything (reason ``shutdown``), waits for the engine to answer, stops stepping."""
