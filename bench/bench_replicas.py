@@ -45,7 +45,7 @@ from bargein.engine.plan import StepPlan  # noqa: E402
 from bargein.engine.runner import StepResult  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 
-SMALL_KV_BLOCKS = 96  # 384 tokens per replica: about a third of the multi-turn workload's conversations
+SMALL_KV_BLOCKS = 48  # 192 tokens per replica: a fraction of the conversations it holds (evictions)
 NEW_TURN_TOKENS = 12  # a user turn's new tokens: the part of a continuation no cache can hold
 STAND_IN = ModelConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
@@ -259,14 +259,16 @@ def throughput(args: Any) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser("engine replicas on Ray: router overhead, prefix-hit rate by policy, scaling")
     parser.add_argument("--step-ms", type=float, default=40.0, help="stand-in replica time per step")
+    parser.add_argument("--only", choices=("router", "hits", "scaling"), default=None,
+                        help="run one of the three measurements")
     args = parser.parse_args(argv)
     root = str(Path(__file__).resolve().parent.parent)  # the replicas import bargein and tests from here
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     result: dict[str, Any] = {"machine": machine_info()}
-    overhead = router_overhead(args)
-    hits = hit_rates(args)
-    scaling = throughput(args)
+    overhead = router_overhead(args) if args.only in (None, "router") else {}
+    hits = hit_rates(args) if args.only in (None, "hits") else []
+    scaling = throughput(args) if args.only in (None, "scaling") else []
     result |= {"router": overhead, "hit_rates": hits, "scaling": scaling, "step_ms": args.step_ms,
                "machine_end": machine_info()}
     emit("bench_replicas", [
