@@ -45,7 +45,8 @@ from bargein.engine.plan import StepPlan  # noqa: E402
 from bargein.engine.runner import StepResult  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 
-SMALL_KV_BLOCKS = 48  # 192 tokens per replica: a fraction of the conversations it holds (evictions)
+SMALL_KV_BLOCKS = 128  # 512 tokens per replica: about half of the conversations it holds (evictions)
+TINY_KV_BLOCKS = 48  # 192 tokens per replica: the cache thrashes
 NEW_TURN_TOKENS = 12  # a user turn's new tokens: the part of a continuation no cache can hold
 STAND_IN = ModelConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
@@ -174,20 +175,27 @@ def router_overhead(args: Any) -> dict[str, Any]:
 
 # -- 2. prefix-hit rate by policy -------------------------------------------------------------
 def hit_rates(args: Any) -> list[dict[str, Any]]:
-    """Each policy on 3 replicas with room for everything; then affine routing on 3
-    replicas whose KV pools hold about a third of the workload (evictions): the router's
-    predicted hit rate must stay the replicas' actual one, since its index follows their
-    reported evictions."""
+    """Each policy on 3 replicas with room for everything; then replicas whose KV pools
+    hold about half of their conversations (evictions), and a third that thrashes. Each
+    row also checks the router's index against the replicas' caches once all is done
+    (``index_vs_cache_diff``: keys in one and not the other; 0 when the reports keep it
+    exact)."""
     conversations, turns = (7, 3) if args.quick else (19, 4)
     rows = []
     for k, (policy, blocks) in enumerate((("affine", 1024), ("round_robin", 1024), ("least_loaded", 1024),
-                                          ("affine", SMALL_KV_BLOCKS))):
+                                          ("affine", SMALL_KV_BLOCKS), ("round_robin", SMALL_KV_BLOCKS),
+                                          ("affine", TINY_KV_BLOCKS))):
         group = ReplicaSet.launch(functools.partial(tiny_model_engine, blocks), 3,
                                   ReplicaOptions(num_cpus=0.5, routing=policy))
         try:
-            row = asyncio.run(_conversations(group, policy, conversations, turns, seed=1000 * (k + 1) % 4000))
+            row = asyncio.run(_conversations(group, policy, conversations, turns, seed=1000 * (k % 3 + 1)))
             row["kv_blocks"] = blocks
             row["evictions"] = sum(info.evictions for info in group.replica_infos().values())
+            # The index against the caches, once every output (and cache report) is in.
+            time.sleep(1.0)
+            truth = group._gather("registered_keys")
+            row["index_vs_cache_diff"] = sum(len(keys ^ group.router.held_keys(i)) for i, keys in truth.items())
+            row["index_blocks"] = sum(len(keys) for keys in truth.values())
             rows.append(row)
         finally:
             group.close()

@@ -251,6 +251,8 @@ def test_v1_requests_merges_replicas_and_v1_cluster_and_metrics_show_them(replic
                 await asyncio.sleep(0.05)
             owners = {replicas._live[f"merge-{i}#0"].replica for i in range(3)}
             cluster = (await client.get("/v1/cluster")).json()
+            health = await client.get("/health")
+            assert health.status_code == 200 and health.json()["status"] == "ok"
             for i in range(3):
                 assert (await client.post(f"/v1/requests/merge-{i}/cancel")).json()["status"] == "cancelled"
             answers = [(await t).json() for t in tasks]

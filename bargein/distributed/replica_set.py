@@ -53,6 +53,7 @@ from bargein.engine.engine import EngineError
 from bargein.engine.grammar import Grammars
 from bargein.engine.outputs import OutputProcessor, RequestDelta, end_found_by_consumer
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
+from bargein.engine.runner import RunnerHealth
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo
 from bargein.engine.streams import RequestStream
@@ -187,6 +188,15 @@ class HeadView:
 
     def cluster_info(self) -> dict[str, Any]:
         return self._set.cluster_info()
+
+    def runner_health(self) -> RunnerHealth:
+        """``/health``: ok while every replica is up; "recovering" (requests still run on
+        the others) while some are being restarted. None up: the set is not alive, which
+        ``/health`` reports as unavailable before asking this."""
+        down = [i for i in range(len(self._set.actors)) if not self._set.router.is_up(i)]
+        if not down:
+            return RunnerHealth()
+        return RunnerHealth("recovering", f"replica {', '.join(map(str, down))} lost, being restarted")
 
     def new_request_id(self) -> str:
         import uuid

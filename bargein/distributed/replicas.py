@@ -272,6 +272,10 @@ class ReplicaWorker:
     async def close_session(self, session_id: str) -> None:
         await self._in_engine(functools.partial(self.engine.close_session, session_id))
 
+    async def registered_keys(self) -> set[bytes]:
+        """The prefix cache's full-block keys now (to check the router's index against)."""
+        return await self._in_engine(self.engine.pool.registered_keys)
+
     async def stage_steps_with(self, request_id: str) -> list[list[int]]:
         """A pipeline replica: for each stage, the plan steps it executed that held the request."""
         counters = await asyncio.to_thread(self.engine.runner.stage_counters)

@@ -68,6 +68,10 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._held)
 
+    @property
+    def held(self) -> set[BlockHash]:
+        return self._held
+
     def apply(self, changes: KeyChanges) -> None:
         """The replica's cache changes, in the order it made them (net per key)."""
         if changes.reset:
@@ -275,6 +279,11 @@ class Router:
 
     def is_up(self, replica: int) -> bool:
         return self.replicas[replica].up
+
+    def held_keys(self, replica: int) -> set[BlockHash]:
+        """The keys the index holds as reported by ``replica`` (expected ones left out)."""
+        with self._lock:
+            return set(self._indexes[replica].held)
 
     def index_size(self, replica: int) -> int:
         return len(self._indexes[replica])

@@ -138,6 +138,10 @@ class BlockPool:
         changes, self.key_changes = self.key_changes, KeyChanges()
         return changes
 
+    def registered_keys(self) -> set[BlockHash]:
+        """The keys of every full block a prefix can hit now (what key changes track)."""
+        return set(self._hash_to_block)
+
     # -- accounting ---------------------------------------------------------------
     @property
     def num_free(self) -> int:
