@@ -28,7 +28,7 @@ from bargein.distributed.replica_set import ReplicaOptions, ReplicaSet  # noqa: 
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.constraint import Constraint  # noqa: E402
 from bargein.engine.conversation import Conversation  # noqa: E402
-from bargein.engine.engine import Engine  # noqa: E402
+from bargein.engine.engine import Engine, EngineError  # noqa: E402
 from bargein.engine.request import AbortResult, CancelReason, FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.app import create_app  # noqa: E402
@@ -340,6 +340,8 @@ def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(rep
         fork = await conv.fork()
         await fork.rewind(len(last) + 2)
         forked = [o async for o in fork.generate(five)][-1]
+        with pytest.raises(EngineError, match="the conversation is"):  # refused whole: nothing appended
+            replicas.submit([1] * (replicas.facts.max_model_len - 1), GREEDY, session_id=conv.id)
         mirror = list(replicas._sessions[conv.id].tokens)
         tokens = await conv.tokens()
         await fork.close()
@@ -490,5 +492,6 @@ def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster)
         assert "no replica is left" in out.error and "replica 0 was lost" in out.error
         assert out.token_ids == tuple(tokens) and len(tokens) < ENDLESS.max_tokens
         assert group.lost == [1] and not group.router.is_up(0)
+        assert not group.is_alive and group.engine.runner_health().state == "recovering"
     finally:
         group.close()

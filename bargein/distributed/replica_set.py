@@ -331,6 +331,13 @@ class ReplicaSet:
             if session is not None:
                 if any(r.session == session_id for r in self._live.values()):
                     raise EngineError(f"conversation {session_id} is already generating")
+                length = len(session.tokens) + len(tokens)
+                if not session.tokens and not tokens:
+                    raise EngineError("the conversation is empty: prompt it first")
+                if length >= self.facts.max_model_len:  # checked here so the head's copy never runs ahead
+                    raise EngineError(f"the conversation is {length} tokens, but the context holds "
+                                      f"{self.facts.max_model_len} (room is needed for at least one "
+                                      f"generated token)")
                 route = self.router.assign(session.replica, len(session.tokens) + len(tokens))
             else:
                 route = self.router.choose(tokens, reserve_tokens=params.max_tokens or 0)
