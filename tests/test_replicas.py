@@ -33,6 +33,7 @@ from bargein.engine.request import AbortResult, CancelReason, FinishReason  # no
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.app import create_app  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
+from bargein.server.tools import tool_plan  # noqa: E402
 from tests.tiny_engine import tiny_engine  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -276,7 +277,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-def test_constrained_output_through_the_server_equals_one_engine(replicas):
+def test_constrained_output_through_the_server_equals_one_engine(replicas, single):
     """response_format json_schema and a tool call through the replica set answer exactly
     as one in-process engine on the same weights does (greedy and seeded sampling), and
     an unsupported schema is a 400 before any replica sees it."""
@@ -311,6 +312,13 @@ def test_constrained_output_through_the_server_equals_one_engine(replicas):
         if answer["choices"][0]["finish_reason"] == "stop":
             jsonschema.validate(json.loads(answer["choices"][0]["text"]), SCHEMA)
     assert refused.status_code == 400 and '"not"' in refused.json()["error"]["message"]
+    # A required tool call (the lark grammar the chat route builds for tools) through the set.
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    call = SamplingParams(max_tokens=48, temperature=0, constraint=tool_plan(tools, "required").constraint())
+    prompt = [60, 61, 62, 63, 64]
+    _, tokens, out = run(collect(replicas, prompt, call))
+    assert tokens == list(single.generate([prompt], call)[0].token_ids) and out.token_ids == tuple(tokens)
     replicas.check_block_accounting()
 
 
