@@ -24,6 +24,14 @@ identically), ``max_tokens``/``min_tokens`` reduced by what was produced and the
 the deadline. Only when no replica is up do they end with ``finish_reason`` "error". The
 poller then pings until Ray has restarted the actor (``max_restarts``) and adds the
 replica back with an empty prefix index.
+
+Constrained requests carry their constraint to the replica (the head compiles it first,
+to refuse a bad one); a resumed one gets ``constraint_from`` so the replica's matcher
+replays the answer so far. Conversation handles (engine sessions) are pinned to one
+replica; the head keeps a copy of each one's tokens so that a lost replica's
+conversations are opened again elsewhere (their answer in flight ends with an error).
+``launch_replicas`` is the set-up: whole-model replicas (weights shipped to nodes
+without the file) or replicas that are pipelines (stages planned over the cluster).
 """
 
 from __future__ import annotations
