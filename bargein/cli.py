@@ -254,7 +254,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype, precision=args.precision,
-            pipeline=None if args.ray is None or args.replicas is not None else PipelineConfig(
+            pipeline=None if args.ray is None or (args.replicas is not None and args.pipeline_stages is None
+                                                   and args.stage_layers is None) else PipelineConfig(
                 stages=args.pipeline_stages or 2, ray_address=args.ray, micro_batches=args.micro_batches,
                 stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),
                 recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource))
@@ -311,25 +312,23 @@ def _check_replica_flags(args: argparse.Namespace) -> None:
         raise PipelineSetupError("--replicas needs a Ray cluster: add --ray [auto|ADDRESS|local]")
     if args.replicas < 1:
         raise PipelineSetupError(f"--replicas must be at least 1, got {args.replicas}")
-    if args.pipeline_stages is not None or args.stage_layers is not None:
-        raise PipelineSetupError("--replicas with --pipeline-stages (replicas that are pipelines) is not "
-                                 "supported yet: use one or the other")
 
 
 def _launch_replicas(ref: str | None, config, address: str, num_replicas: int):
-    """N engine replicas on the Ray cluster, each loading ``ref`` from the same path on its node."""
-    from bargein.distributed.pipeline import connect
-    from bargein.distributed.replica_set import ReplicaSet, local_builder
+    """N engine replicas on the Ray cluster (each a pipeline when ``config.pipeline`` is
+    set); a node without the model file gets the weights shipped from here."""
+    from bargein.distributed.replica_set import launch_replicas
     from bargein.loader import LoaderError, resolve_model_ref
 
     try:
         source = resolve_model_ref(ref)  # fails fast here for a bad reference
     except (LoaderError, FileNotFoundError) as exc:
         raise UserError(str(exc), EXIT_FAILURE) from None
-    connect(address, num_replicas)
-    print(f"bargein: starting {num_replicas} replicas of {source.name} on Ray", file=sys.stderr, flush=True)
+    stages = f" as pipelines of {config.pipeline.stages} stages" if config.pipeline else ""
+    print(f"bargein: starting {num_replicas} replicas of {source.name}{stages} on Ray", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    replicas = ReplicaSet.launch(local_builder(str(source.path), config), num_replicas)
+    replicas = launch_replicas(str(source.path) if ref is None or not str(ref).startswith("~") else str(ref),
+                               config, address, num_replicas)
     print(f"bargein: {num_replicas} replicas ready in {time.perf_counter() - started:.1f} s", file=sys.stderr,
           flush=True)
     return replicas

@@ -81,7 +81,8 @@ def format_cluster(info: dict[str, Any]) -> str:
 
 
 def format_replicas(info: dict[str, Any]) -> str:
-    """One line per engine replica: up, node, load, routed, cache hit rates, losses."""
+    """One line per engine replica: up, node, load, routed, cache hit rates, losses; then
+    the stages of replicas that are pipelines."""
     lines = [f"{info['num_replicas']} replicas ({info['routing']} routing), {info['kv_blocks']} KV blocks each; "
              f"{info.get('resubmitted', 0)} requests resubmitted after a loss"]
     header = ("REPLICA", "UP", "NODE", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
@@ -92,4 +93,8 @@ def format_replicas(info: dict[str, Any]) -> str:
                      f"{100 * r['predicted_hit_rate']:.0f}%", f"{r['moved_out']}", f"{r['lost']}"))
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in (header, *rows)]
+    for r in info["replicas"]:  # a replica that is a pipeline: its stages, one line each
+        for s in r.get("stages", ()):
+            lines.append(f"  replica {r['index']} stage {s['index']}: layers {s['layers'][0]}-{s['layers'][1]} on "
+                         f"{s.get('node_address', '?')}, {s.get('state', 'ok')}, weights {s.get('weights_from', '-')}")
     return "\n".join(lines)

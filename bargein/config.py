@@ -120,6 +120,8 @@ class PipelineConfig:
     requests end with an error and the pipeline stays degraded until a node can.
     ``node_resource``: stages run only on nodes that offer this custom Ray resource
     (``ray start --resources='{"bargein": 1}'``); None: any node with a CPU.
+    ``node_ids``: the Ray node of each stage, given (replicas that are pipelines: the
+    replica set plans every replica's stages at once); None: by memory, as above.
     """
 
     stages: int = 2
@@ -133,8 +135,11 @@ class PipelineConfig:
     heartbeat_timeout_s: float = 3.0
     recovery_timeout_s: float = 30.0
     node_resource: str | None = None
+    node_ids: tuple[str, ...] | None = None  # stage i on Ray node node_ids[i] (a replica set's plan)
 
     def __post_init__(self) -> None:
+        if self.node_ids is not None and len(self.node_ids) != self.stages:
+            raise ValueError(f"{len(self.node_ids)} nodes were given for {self.stages} stages")
         for name in ("step_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "recovery_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be a positive number of seconds")

@@ -20,6 +20,7 @@ Three measurements, on a local Ray instance started here:
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import sys
@@ -38,11 +39,14 @@ from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from bargein.distributed.replica_set import ReplicaOptions, ReplicaSet  # noqa: E402
 from bargein.distributed.router import Router  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
+from bargein.engine.blocks import KeyChanges  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.plan import StepPlan  # noqa: E402
 from bargein.engine.runner import StepResult  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 
+SMALL_KV_BLOCKS = 128  # 512 tokens per replica: about half of the conversations it holds (evictions)
+TINY_KV_BLOCKS = 48  # 192 tokens per replica: the cache thrashes
 NEW_TURN_TOKENS = 12  # a user turn's new tokens: the part of a continuation no cache can hold
 STAND_IN = ModelConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
@@ -106,11 +110,11 @@ def stand_in_engine(step_s: float, max_num_seqs: int) -> Engine:
     return Engine(StandInRunner(step_s), _Bytes(), config, model_name="stand-in")
 
 
-def tiny_model_engine() -> Engine:
+def tiny_model_engine(num_blocks: int = 1024) -> Engine:
     from tests.tiny_engine import tiny_engine
 
     torch.set_num_threads(1)
-    return tiny_engine(num_blocks=1024, block_size=4, max_num_seqs=16, max_num_batched_tokens=256)
+    return tiny_engine(num_blocks=num_blocks, block_size=4, max_num_seqs=16, max_num_batched_tokens=256)
 
 
 async def one(group: Any, prompt: list[int], params: SamplingParams) -> Any:
@@ -124,15 +128,22 @@ async def one(group: Any, prompt: list[int], params: SamplingParams) -> Any:
 # -- 1. router overhead ---------------------------------------------------------------------
 def router_overhead(args: Any) -> dict[str, Any]:
     rng = random.Random(0)
-    router = Router(num_replicas=4, block_size=16, capacity_blocks=4096)
+    router = Router(num_replicas=4, block_size=16)
     prompts = [[rng.randrange(256) for _ in range(2048)] for _ in range(64)]
-    for p in prompts:
-        router.finished(router.choose(p).replica, p)
-    samples = []
+    for p in prompts:  # each replica reports the prompts it computed
+        route = router.choose(p)
+        router.apply(route.replica, KeyChanges(keys=dict.fromkeys(route.hashes, True)))
+        router.finished(route)
+    samples, applied = [], []
     for p in prompts * 4:
         started = time.perf_counter()
-        router.finished(router.choose(p + [1, 2, 3]).replica, p)
+        route = router.choose(p + [1, 2, 3])
+        router.finished(route)
         samples.append(time.perf_counter() - started)
+        report = KeyChanges(keys=dict.fromkeys(route.hashes[-8:], True))  # a step's worth of new blocks
+        started = time.perf_counter()
+        router.apply(route.replica, report)
+        applied.append(time.perf_counter() - started)
     choose_ms = 1000 * median(samples)
 
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -157,22 +168,37 @@ def router_overhead(args: Any) -> dict[str, Any]:
     l_submit, l_total = asyncio.run(round_trips(local, n))
     group.close()
     asyncio.run(local.shutdown())
-    return {"choose_2k_prompt_ms": choose_ms, "submit_ms": 1000 * median(r_submit),
+    return {"choose_2k_prompt_ms": choose_ms, "apply_8_keys_ms": 1000 * median(applied), "submit_ms": 1000 * median(r_submit),
             "round_trip_ms": 1000 * median(r_total), "local_round_trip_ms": 1000 * median(l_total),
             "overhead_ms": 1000 * (median(r_total) - median(l_total)), "requests": n}
 
 
 # -- 2. prefix-hit rate by policy -------------------------------------------------------------
 def hit_rates(args: Any) -> list[dict[str, Any]]:
+    """Each policy on 3 replicas with room for everything; then replicas whose KV pools
+    hold about half of their conversations (evictions), and a third that thrashes. Each
+    row also checks the router's index against the replicas' caches once all is done
+    (``index_vs_cache_diff``: keys in one and not the other; 0 when the reports keep it
+    exact)."""
     conversations, turns = (7, 3) if args.quick else (19, 4)
-    group = ReplicaSet.launch(tiny_model_engine, 3, ReplicaOptions(num_cpus=0.5))
     rows = []
-    try:
-        for k, policy in enumerate(("affine", "round_robin", "least_loaded")):
-            group.router.policy = policy
-            rows.append(asyncio.run(_conversations(group, policy, conversations, turns, seed=1000 * (k + 1))))
-    finally:
-        group.close()
+    for k, (policy, blocks) in enumerate((("affine", 1024), ("round_robin", 1024), ("least_loaded", 1024),
+                                          ("affine", SMALL_KV_BLOCKS), ("round_robin", SMALL_KV_BLOCKS),
+                                          ("affine", TINY_KV_BLOCKS))):
+        group = ReplicaSet.launch(functools.partial(tiny_model_engine, blocks), 3,
+                                  ReplicaOptions(num_cpus=0.5, routing=policy))
+        try:
+            row = asyncio.run(_conversations(group, policy, conversations, turns, seed=1000 * (k % 3 + 1)))
+            row["kv_blocks"] = blocks
+            row["evictions"] = sum(info.evictions for info in group.replica_infos().values())
+            # The index against the caches, once every output (and cache report) is in.
+            time.sleep(1.0)
+            truth = group._gather("registered_keys")
+            row["index_vs_cache_diff"] = sum(len(keys ^ group.router.held_keys(i)) for i, keys in truth.items())
+            row["index_blocks"] = sum(len(keys) for keys in truth.values())
+            rows.append(row)
+        finally:
+            group.close()
     return rows
 
 
@@ -201,7 +227,10 @@ async def _conversations(group: ReplicaSet, policy: str, conversations: int, tur
             history = history + list(out.token_ids) + [rng.randrange(32, 127) for _ in range(NEW_TURN_TOKENS)]
 
     await asyncio.gather(*(conversation(c) for c in range(conversations)))
+    routing = group.router.snapshot()
+    predicted = sum(r["predicted_hit_tokens"] for r in routing) / sum(r["prompt_tokens"] for r in routing)
     return {"policy": policy, "conversations": conversations, "turns": turns,
+            "predicted_hit_rate_all_turns": predicted,
             "ended_by_stop_pct": 100 * totals["stopped"] / totals["answers"],
             "hit_rate_after_first_turn": totals["later_cached"] / totals["later_prompt"],
             "ceiling": totals["later_possible"] / totals["later_prompt"],  # all but the new turn's tokens
@@ -238,14 +267,16 @@ def throughput(args: Any) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser("engine replicas on Ray: router overhead, prefix-hit rate by policy, scaling")
     parser.add_argument("--step-ms", type=float, default=40.0, help="stand-in replica time per step")
+    parser.add_argument("--only", choices=("router", "hits", "scaling"), default=None,
+                        help="run one of the three measurements")
     args = parser.parse_args(argv)
     root = str(Path(__file__).resolve().parent.parent)  # the replicas import bargein and tests from here
     os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     result: dict[str, Any] = {"machine": machine_info()}
-    overhead = router_overhead(args)
-    hits = hit_rates(args)
-    scaling = throughput(args)
+    overhead = router_overhead(args) if args.only in (None, "router") else {}
+    hits = hit_rates(args) if args.only in (None, "hits") else []
+    scaling = throughput(args) if args.only in (None, "scaling") else []
     result |= {"router": overhead, "hit_rates": hits, "scaling": scaling, "step_ms": args.step_ms,
                "machine_end": machine_info()}
     emit("bench_replicas", [

@@ -10,10 +10,12 @@ tokens exactly.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
 import httpx
+import jsonschema
 import pytest
 import torch
 
@@ -23,11 +25,15 @@ import ray  # noqa: E402
 
 from bargein.cli_cluster import format_cluster  # noqa: E402
 from bargein.distributed.replica_set import ReplicaOptions, ReplicaSet  # noqa: E402
-from bargein.engine.engine import Engine  # noqa: E402
+from bargein.engine.async_engine import AsyncEngine  # noqa: E402
+from bargein.engine.constraint import Constraint  # noqa: E402
+from bargein.engine.conversation import Conversation  # noqa: E402
+from bargein.engine.engine import Engine, EngineError  # noqa: E402
 from bargein.engine.request import AbortResult, CancelReason, FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.app import create_app  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
+from bargein.server.tools import tool_plan  # noqa: E402
 from tests.tiny_engine import tiny_engine  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -246,6 +252,8 @@ def test_v1_requests_merges_replicas_and_v1_cluster_and_metrics_show_them(replic
                 await asyncio.sleep(0.05)
             owners = {replicas._live[f"merge-{i}#0"].replica for i in range(3)}
             cluster = (await client.get("/v1/cluster")).json()
+            health = await client.get("/health")
+            assert health.status_code == 200 and health.json()["status"] == "ok"
             for i in range(3):
                 assert (await client.post(f"/v1/requests/merge-{i}/cancel")).json()["status"] == "cancelled"
             answers = [(await t).json() for t in tasks]
@@ -264,43 +272,186 @@ def test_v1_requests_merges_replicas_and_v1_cluster_and_metrics_show_them(replic
     replicas.check_block_accounting()
 
 
-def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(replicas, single):
-    """Kill the replica that runs a greedy and a seeded sampled request mid-stream: both
-    finish with the single engine's tokens (resubmitted from their tokens), and Ray's
-    restart of the replica puts it back in the set."""
-    sampled = SamplingParams(max_tokens=40, temperature=1.1, top_p=0.9, seed=77, ignore_eos=True)
-    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    # A shared prefix of two blocks: the router puts the second where the first runs.
-    prompts = ([9, 8, 7, 6, 5, 4, 3, 2, 1], [9, 8, 7, 6, 5, 4, 3, 2, 50, 51])
-    expected = [list(o.token_ids) for o in single.generate(list(prompts), [greedy, sampled])]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                          "age": {"type": "integer", "minimum": 1, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_constrained_output_through_the_server_equals_one_engine(replicas, single):
+    """response_format json_schema and a tool call through the replica set answer exactly
+    as one in-process engine on the same weights does (greedy and seeded sampling), and
+    an unsupported schema is a 400 before any replica sees it."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    bodies = [{"model": "tiny", "prompt": "a person:", "max_tokens": 40, "response_format": fmt, **sampling}
+              for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 11})]
+    bodies.append({"model": "tiny", "prompt": "x", "max_tokens": 40, "temperature": 0,
+                   "response_format": {"type": "json_object"}})
+    bad = {"model": "tiny", "prompt": "x", "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "b", "schema": {
+            "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}}
+
+    async def answers(engine):
+        app = create_app(engine, ServerSettings())
+        app.state.ctx.loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            out = [(await client.post("/v1/completions", json=b)).json() for b in bodies]
+            refused = await client.post("/v1/completions", json=bad)
+        return out, refused
 
     async def main():
-        streams = [replicas.submit(p, params) for p, params in zip(prompts, (greedy, sampled), strict=True)]
+        local = AsyncEngine(build_replica_engine()).start()
+        try:
+            return await answers(replicas), await answers(local)
+        finally:
+            await local.shutdown()
+
+    (got, refused), (expected, _) = run(main())
+    assert [a["choices"][0]["text"] for a in got] == [a["choices"][0]["text"] for a in expected]
+    assert [a["choices"][0]["finish_reason"] for a in got] == [a["choices"][0]["finish_reason"] for a in expected]
+    for answer in got[:2]:
+        if answer["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(answer["choices"][0]["text"]), SCHEMA)
+    assert refused.status_code == 400 and '"not"' in refused.json()["error"]["message"]
+    # A required tool call (the lark grammar the chat route builds for tools) through the set.
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}]
+    call = SamplingParams(max_tokens=48, temperature=0, constraint=tool_plan(tools, "required").constraint())
+    prompt = [60, 61, 62, 63, 64]
+    _, tokens, out = run(collect(replicas, prompt, call))
+    assert tokens == list(single.generate([prompt], call)[0].token_ids) and out.token_ids == tuple(tokens)
+    replicas.check_block_accounting()
+
+
+def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(replicas, single):
+    """A Conversation over the replica set: every turn runs on the replica that holds its
+    K/V (one replica receives all of them), continuation after a finished answer and
+    after a cancel is token-exact with the single engine, the K/V is reused (cached
+    tokens), and fork and rewind work there too."""
+    prompt, more, last = [12, 34, 56, 78, 90, 21, 43], [5, 4, 3, 2, 1], [7, 7, 8]
+    five = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+    async def main():
+        before = {i: c.submitted for i, c in owner_counters(replicas).items()}
+        conv = Conversation.open(replicas, prompt)
+        home = replicas._sessions[conv.id].replica
+        first = [o async for o in conv.generate(five)][-1]
+        await conv.prompt(more)
+        second = [o async for o in conv.generate(GREEDY)][-1]
+        got = []
+        async for out in conv.generate(ENDLESS):  # the consumer leaves after 4 tokens: cut there (C3)
+            got += out.new_token_ids
+            if len(got) >= 4:
+                break
+        held = await conv.tokens()
+        await conv.prompt(last)
+        third = [o async for o in conv.generate(GREEDY)][-1]
+        fork = await conv.fork()
+        await fork.rewind(len(last) + 2)
+        forked = [o async for o in fork.generate(five)][-1]
+        with pytest.raises(EngineError, match="the conversation is"):  # refused whole: nothing appended
+            replicas.submit([1] * (replicas.facts.max_model_len - 1), GREEDY, session_id=conv.id)
+        mirror = list(replicas._sessions[conv.id].tokens)
+        tokens = await conv.tokens()
+        await fork.close()
+        await conv.close()
+        after = {i: c.submitted for i, c in owner_counters(replicas).items()}
+        return home, before, after, first, second, got[:4], held, third, forked, mirror, tokens
+
+    home, before, after, first, second, got, held, third, forked, mirror, tokens = run(main())
+    assert {i: after[i] - before[i] for i in after} == {home: 5, 1 - home: 0}  # every turn on its replica
+    expect = list(single.generate([prompt], five)[0].token_ids)
+    assert list(first.token_ids) == expect
+    history = prompt + expect + more
+    assert list(second.token_ids) == list(single.generate([history], GREEDY)[0].token_ids)
+    # The first answer's last token had no K/V yet: everything before it was reused.
+    assert second.usage.cached_tokens == len(prompt) + len(expect) - 1
+    history += list(second.token_ids)
+    assert held == history + got
+    history += got + last
+    assert list(third.token_ids) == list(single.generate([history], GREEDY)[0].token_ids)
+    assert len(held) - 1 <= third.usage.cached_tokens <= len(held)
+    history += list(third.token_ids)
+    rewound = history[:len(history) - len(last) - 2]
+    assert list(forked.token_ids) == list(single.generate([rewound], five)[0].token_ids)
+    assert tokens == mirror == history  # the head's mirror (for failover) is the replica's truth
+    assert not replicas._sessions
+    replicas.check_block_accounting()
+
+
+def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(replicas, single):
+    """Kill the replica that runs a greedy, a seeded sampled and a constrained request
+    mid-stream: all finish with the single engine's tokens (resubmitted from their tokens;
+    the grammar replays the answer so far), ``/v1/requests`` shows a resumed request as
+    its client sent it, and Ray's restart of the replica puts it back in the set.
+
+    A conversation handle there is re-opened on the other replica from the head's copy
+    of its tokens: its answer in flight ends with an error saying so, it holds exactly
+    the prompt and the tokens delivered, and it goes on token-exact."""
+    sampled = SamplingParams(max_tokens=40, temperature=1.1, top_p=0.9, seed=77, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    constrained = SamplingParams(max_tokens=40, temperature=0, constraint=Constraint.json_schema(SCHEMA))
+    # A shared prefix of two blocks: the router puts the others where the first runs.
+    prompts = ([9, 8, 7, 6, 5, 4, 3, 2, 1], [9, 8, 7, 6, 5, 4, 3, 2, 50, 51], [9, 8, 7, 6, 5, 4, 3, 2, 60],
+               [9, 8, 7, 6, 5, 4, 3, 2, 70, 71, 72])
+    params = (greedy, sampled, constrained, ENDLESS)
+    expected = [list(o.token_ids) for o in single.generate(list(prompts[:3]), list(params[:3]))]
+    conversation = [9, 8, 7, 6, 5, 4, 3, 2, 80]
+
+    async def main():
+        streams = [replicas.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+        session = replicas.open_session(conversation)
+        streams.append(replicas.submit((), ENDLESS, session_id=session))
         victim = replicas._live[streams[0][0]].replica
-        assert replicas._live[streams[1][0]].replica == victim
-        tokens = [[], []]
-        outs = [None, None]
-        while min(len(t) for t in tokens) < 8:
+        assert all(replicas._live[rid].replica == victim for rid, _ in streams)
+        tokens = [[] for _ in streams]
+        outs = [None for _ in streams]
+        while min(len(t) for t in tokens) < 6:
             for k, (_, stream) in enumerate(streams):
-                if len(tokens[k]) < 8:
+                if len(tokens[k]) < 6:
                     outs[k] = await replicas.next_output(stream)
                     tokens[k] += outs[k].new_token_ids
         ray.kill(replicas.actors[victim], no_restart=False)
+        endless_id, endless = streams[3]
+        while replicas._live[endless_id].resumes == 0 or len(tokens[3]) <= replicas._live[endless_id].offset:
+            outs[3] = await replicas.next_output(endless)
+            tokens[3] += outs[3].new_token_ids
+        resumed = replicas._live[endless_id]
+        listed = {info.request_id: info for info in replicas.list_requests()}[endless_id]
+        sent = (len(resumed.prompt), resumed.offset)
+        replicas.abort(endless_id)
         for k, (_, stream) in enumerate(streams):
             while not outs[k].finished:
                 outs[k] = await replicas.next_output(stream)
                 tokens[k] += outs[k].new_token_ids
-        return victim, tokens, outs
+        conv = Conversation(replicas, session)
+        held = await conv.tokens()
+        moved_to = replicas._sessions[session].replica
+        await conv.prompt([1, 2, 3])
+        went_on = [o async for o in conv.generate(GREEDY)][-1]
+        await conv.close()
+        return victim, tokens, outs, listed, sent, (held, moved_to, went_on)
 
-    victim, tokens, outs = run(main())
-    assert tokens == expected
-    assert [o.finish_reason for o in outs] == [FinishReason.LENGTH, FinishReason.LENGTH]
-    assert all(o.usage.completion_tokens == 40 for o in outs)
-    assert replicas.lost[victim] == 1 and replicas.resubmitted >= 2
+    victim, tokens, outs, listed, (prompt_len, offset), (held, moved_to, went_on) = run(main())
+    assert tokens[:3] == expected
+    assert [o.finish_reason for o in outs[:2]] == [FinishReason.LENGTH, FinishReason.LENGTH]
+    assert outs[2].finish_reason == expected_finish(single, prompts[2], constrained)
+    assert all(o.usage.completion_tokens == 40 for o in outs[:2])
+    # As sent: the original prompt (not prompt + partial answer), the whole answer so far.
+    assert offset >= 6 and listed.prompt_tokens == prompt_len == len(prompts[3])
+    assert listed.completion_tokens >= offset and listed.prompt_computed <= prompt_len
+    assert outs[3].finish_reason == FinishReason.CANCELLED
+    assert outs[4].finish_reason == FinishReason.ERROR and "the conversation keeps" in outs[4].error
+    assert held == conversation + tokens[4] and len(tokens[4]) >= 6 and moved_to == 1 - victim
+    assert list(went_on.token_ids) == list(single.generate([held + [1, 2, 3]], GREEDY)[0].token_ids)
+    assert replicas.lost[victim] == 1 and replicas.resubmitted >= 4
     wait_for(lambda: replicas.router.is_up(victim), timeout=60)
     again = run(collect(replicas, PROMPTS[0], GREEDY))[1]
     assert again == list(single.generate([PROMPTS[0]], GREEDY)[0].token_ids)
     replicas.check_block_accounting()
+
+
+def expected_finish(engine: Engine, prompt, params) -> FinishReason:
+    return engine.generate([prompt], params)[0].finish_reason
 
 
 def test_a_hung_replica_is_replaced_and_its_stream_finishes_with_the_same_tokens(replicas, single):
@@ -349,5 +500,6 @@ def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster)
         assert "no replica is left" in out.error and "replica 0 was lost" in out.error
         assert out.token_ids == tuple(tokens) and len(tokens) < ENDLESS.max_tokens
         assert group.lost == [1] and not group.router.is_up(0)
+        assert not group.is_alive and group.engine.runner_health().state == "recovering"
     finally:
         group.close()

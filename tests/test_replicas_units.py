@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
+import pytest
+
+from bargein.distributed.replica_build import plan_stage_nodes
 from bargein.distributed.router import PrefixIndex, Router, Tombstones, block_hashes
+from bargein.distributed.split import PipelineSetupError
+from bargein.engine.blocks import KeyChanges
 from bargein.engine.sampling import SamplingParams
 from tests.tiny_engine import tiny_engine
 
@@ -38,24 +44,72 @@ def test_a_request_resumed_from_its_tokens_draws_the_same_sampled_tokens():
     engine.check_block_accounting()
 
 
-def test_prefix_index_matches_leading_blocks_and_forgets_least_recently_used():
-    index = PrefixIndex(capacity_blocks=3)
+def test_prefix_index_follows_reported_keys_and_expected_prompts():
+    index = PrefixIndex()
     tokens = list(range(12))
-    index.insert(block_hashes(tokens, 4))
+    hashes = block_hashes(tokens, 4)
+    index.apply(KeyChanges(keys={h: True for h in hashes}))
     assert index.match(block_hashes(tokens + [99, 98, 97, 96], 4)) == 3
     assert index.match(block_hashes([0, 1, 2, 3, 7, 7, 7, 7], 4)) == 1
     assert index.match(block_hashes([1, 2, 3, 4], 4)) == 0
-    index.insert(block_hashes([50, 51, 52, 53], 4))  # over capacity: the least recent block goes,
-    assert len(index) == 3  # and a sequence's last block is its least recent
-    assert index.match(block_hashes(tokens, 4)) == 2
+    index.apply(KeyChanges(keys={hashes[1]: False}))  # evicted: the match stops there
+    assert index.match(hashes) == 1
+    other = block_hashes([50, 51, 52, 53, 54, 55, 56, 57], 4)
+    index.expect(other)  # dispatched there, not computed yet
+    index.expect(other[:1])
+    assert index.match(other) == 2
+    index.unexpect(other)
+    assert index.match(other) == 1
+    index.unexpect(other[:1])
+    assert index.match(other) == 0
+    index.apply(KeyChanges(reset=True))
+    assert index.match(hashes) == 0 and len(index) == 0
+
+
+def test_a_replica_s_reported_key_changes_keep_the_index_equal_to_its_cache():
+    """A small pool under churn (evictions, partial reuse, cancels, truncation by stop):
+    the changes drained after every step, applied to an index, give exactly the set of
+    keys the pool has registered, step after step."""
+    engine = tiny_engine(num_blocks=12, block_size=4, max_num_seqs=3, max_num_batched_tokens=32)
+    engine.pool.track_key_changes()
+    index = PrefixIndex()
+    rng = random.Random(5)
+    bases = [[rng.randrange(1, 250) for _ in range(9)] for _ in range(3)]
+    evictions_before = engine.pool.evictions
+    for turn in range(24):
+        prompt = rng.choice(bases) + [rng.randrange(1, 250) for _ in range(rng.randrange(0, 7))]
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 9), temperature=0,
+                                                        ignore_eos=True))
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+            if turn % 5 == 0 and steps == 2:
+                engine.abort(rid)
+            index.apply(engine.pool.drain_key_changes())
+            assert index._held == set(engine.pool._hash_to_block)
+    assert engine.pool.evictions > evictions_before  # the pool was small enough to evict
+    engine.check_block_accounting()
+
+
+def test_key_changes_merge_in_order():
+    a, b = b"a" * 16, b"b" * 16
+    changes = KeyChanges(keys={a: True})
+    changes.merge(KeyChanges(keys={a: False, b: True}))
+    assert changes.keys == {a: False, b: True} and not changes.reset
+    changes.merge(KeyChanges(reset=True, keys={b: True}))
+    assert changes.reset and changes.keys == {b: True}
+    assert not KeyChanges()
 
 
 def test_router_keeps_conversations_on_their_replica_and_moves_them_under_load():
-    router = Router(num_replicas=2, block_size=4, capacity_blocks=100, max_imbalance=3)
+    router = Router(num_replicas=2, block_size=4, max_imbalance=3)
     first = router.choose(list(range(10)))
     other = router.choose([200, 201, 202, 203, 204])  # no match: the least loaded (the other one)
     assert other.replica != first.replica and other.matched_tokens == 0
-    router.finished(first.replica, list(range(10)) + [70, 71, 72])
+    # The replica computed and reported the prompt and answer; the request ended.
+    router.apply(first.replica, KeyChanges(keys={h: True for h in block_hashes(list(range(10)) + [70, 71, 72], 4)}))
+    router.finished(first)
     follow = router.choose(list(range(10)) + [70, 71, 72, 9, 9, 9])
     assert follow.replica == first.replica and follow.matched_tokens == 12
     for _ in range(3):  # load the conversation's replica
@@ -67,8 +121,19 @@ def test_router_keeps_conversations_on_their_replica_and_moves_them_under_load()
     assert router.choose([1], exclude=frozenset({other.replica})) is None
 
 
+def test_router_forgets_what_a_replica_evicted():
+    router = Router(num_replicas=2, block_size=4)
+    history = list(range(16))
+    home = router.choose(history)
+    router.apply(home.replica, KeyChanges(keys={h: True for h in block_hashes(history, 4)}))
+    router.finished(home)
+    assert router.choose(history, count=False).matched_tokens == 16
+    router.apply(home.replica, KeyChanges(keys={block_hashes(history, 4)[0]: False}))  # evicted
+    assert router.choose(history, count=False).matched_tokens == 0
+
+
 def test_round_robin_ignores_the_cache():
-    router = Router(num_replicas=3, block_size=4, capacity_blocks=100, policy="round_robin")
+    router = Router(num_replicas=3, block_size=4, policy="round_robin")
     assert [router.choose(list(range(8))).replica for _ in range(4)] == [0, 1, 2, 0]
 
 
@@ -88,23 +153,40 @@ def test_serve_refuses_replica_flags_that_cannot_work(capsys):
 
     for argv, message in ((["--replicas", "2"], "--replicas needs a Ray cluster"),
                           (["--ray", "local", "--replicas", "0"], "--replicas must be at least 1"),
-                          (["--ray", "local", "--replicas", "2", "--pipeline-stages", "2"], "not supported yet")):
+                          ):
         assert main(["serve", "--port", "0", *argv]) == 1
         assert message in capsys.readouterr().err
 
 
 def test_a_conversation_moves_when_its_replica_lacks_kv_room():
-    router = Router(num_replicas=2, block_size=4, capacity_blocks=100)
+    router = Router(num_replicas=2, block_size=4)
     history = list(range(20))
-    home = router.choose(history).replica
-    router.finished(home, history)
+    first = router.choose(history)
+    home = first.replica
+    router.apply(home, KeyChanges(keys={h: True for h in block_hashes(history, 4)}))
+    router.finished(first)
     away = 1 - home
     router.update_memory(home, 3)
     router.update_memory(away, 50)
     stays = router.choose(history + [1, 2, 3, 4], reserve_tokens=4)  # 2 new blocks: room enough
     assert stays.replica == home and stays.moved_from is None
-    router.finished(home, history)
+    router.finished(stays)
     moved = router.choose(history + [1, 2, 3, 4], reserve_tokens=32)  # 9 blocks: only the other has them
     assert moved.replica == away and moved.moved_from == home and moved.matched_tokens == 0
     router.update_memory(away, 5)  # nobody has the room: it stays with its cache
     assert router.choose(history, reserve_tokens=64).replica == home
+
+
+def _node(name: str, cpus: int, memory: int) -> dict:
+    return {"NodeID": name, "Resources": {"CPU": cpus, "memory": memory}}
+
+
+def test_stage_plan_fits_every_stage_on_a_cpu_and_spreads_each_replica():
+    nodes = [_node("a", 2, 900), _node("b", 1, 500), _node("c", 1, 300)]
+    plans = plan_stage_nodes(2, 2, nodes)
+    assert plans == [("a", "b"), ("a", "c")]  # every replica's stages on distinct nodes, no CPU used twice
+    assert plan_stage_nodes(1, 4, nodes) == [("a", "b", "c", "a")]  # more stages than nodes: spread, then share
+    with pytest.raises(PipelineSetupError, match="3 replicas of 2 pipeline stages need 6 CPUs .* offer 4"):
+        plan_stage_nodes(3, 2, nodes)
+    with pytest.raises(PipelineSetupError, match="need 4 CPUs \\(2 per stage\\), .* offer 2"):
+        plan_stage_nodes(1, 2, nodes, threads_per_stage=2)

@@ -154,6 +154,12 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
         raise PipelineSetupError(f"the Ray cluster has no live node with a CPU{offering}")
     nodes.sort(key=lambda n: -n["Resources"].get("memory", 0))
     chosen = [nodes[i % len(nodes)] for i in range(num_stages)]
+    if config.pipeline is not None and config.pipeline.node_ids is not None:  # placed by a replica set
+        by_id = {n["NodeID"]: n for n in nodes}
+        missing = [n for n in config.pipeline.node_ids if n not in by_id]
+        if missing:
+            raise PipelineSetupError(f"node {missing[0][:12]} given for a stage is not a live node with a CPU")
+        chosen = [by_id[n] for n in config.pipeline.node_ids]
     sharing = {n["NodeID"]: sum(c["NodeID"] == n["NodeID"] for c in chosen) for n in chosen}
     shares = [int(n["Resources"].get("memory", 0) // sharing[n["NodeID"]]) for n in chosen]
     num_layers = model_config.num_layers

@@ -24,13 +24,20 @@ identically), ``max_tokens``/``min_tokens`` reduced by what was produced and the
 the deadline. Only when no replica is up do they end with ``finish_reason`` "error". The
 poller then pings until Ray has restarted the actor (``max_restarts``) and adds the
 replica back with an empty prefix index.
+
+Constrained requests carry their constraint to the replica (the head compiles it first,
+to refuse a bad one); a resumed one gets ``constraint_from`` so the replica's matcher
+replays the answer so far. Conversation handles (engine sessions) are pinned to one
+replica; the head keeps a copy of each one's tokens so that a lost replica's
+conversations are opened again elsewhere (their answer in flight ends with an error).
+``launch_replicas`` is the set-up: whole-model replicas (weights shipped to nodes
+without the file) or replicas that are pipelines (stages planned over the cluster).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -51,8 +58,10 @@ from bargein.distributed.router import Route, Router, Tombstones
 from bargein.distributed.split import PipelineSetupError
 from bargein.engine.async_engine import EngineDeadError, stream_outputs
 from bargein.engine.engine import EngineError
+from bargein.engine.grammar import Grammars
 from bargein.engine.outputs import OutputProcessor, RequestDelta, end_found_by_consumer
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
+from bargein.engine.runner import RunnerHealth
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo
 from bargein.engine.streams import RequestStream
@@ -85,6 +94,9 @@ class ReplicaOptions:
     hang_timeout_s: float = 60.0  # busy, yet no step finished for that long: the replica is hung
     routing: str = "affine"
     max_imbalance: int = 8
+    stages_per_replica: int = 1  # each replica a pipeline of this many stages (recorded for /v1/cluster)
+    resources: dict[str, float] | None = None  # custom Ray resources each replica takes (placement)
+    on_head_node: bool = False  # run the replicas on this process's node (pipeline heads; stages go out)
 
 
 @dataclass
@@ -93,16 +105,43 @@ class _Live:
 
     request_id: str
     stream: RequestStream
-    prompt: list[int]
+    prompt: list[int]  # the original prompt (a conversation's turn: its new tokens only)
     params: SamplingParams
     deadline: float | None
-    replica: int
+    route: Route  # where it runs now (the router's record)
+    constraint_from: int | None = None  # where a continued constrained answer began in the prompt
+    session: str | None = None  # the conversation handle it extends
+    session_base: int = 0  # the conversation's length where this answer begins
+    arrival: float = field(default_factory=time.monotonic)
     output: list[int] = field(default_factory=list)  # tokens received (the whole answer)
     offset: int = 0  # output tokens the current replica got in its prompt (resumed)
     prompt_sent: bool = False  # the stream had the first delta (with prompt_token_ids)
     cached_tokens: int | None = None  # from the first replica's usage
     outcome: CancelReason | str | None = None  # claimed by a cancel or by the consumer's end
     resumes: int = 0
+
+    @property
+    def replica(self) -> int:
+        return self.route.replica
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """A finished request, remembered so a late cancel answers "already finished" and
+    still cuts a conversation to what its consumer was handed."""
+
+    replica: int
+    session: str | None = None
+    session_base: int = 0
+
+
+@dataclass
+class _Session:
+    """A conversation handle: the replica that holds its K/V, and its tokens as the head
+    last knew them (so a lost replica's conversations are re-opened elsewhere)."""
+
+    replica: int
+    tokens: list[int]
 
 
 @dataclass
@@ -136,6 +175,9 @@ class HeadView:
         self.supports_partial_block_reuse = facts.supports_partial_block_reuse
         self.counters = EngineCounters()  # filled from the replicas' batches (for /metrics)
         self.runner = self  # ``runner.cluster_info`` is what /v1/cluster reads
+        # The server compiles and checks constraints here (a 400 before any replica sees
+        # them); each replica compiles its own for the matcher that runs with the request.
+        self.grammars = Grammars(facts.tokenizer, facts.model_config.vocab_size, facts.eos_token_ids)
 
     def finish(self, request_id: str, reason: FinishReason, *, delivered: int) -> CancelReason | None:
         return self._set.finish(request_id, reason, delivered=delivered)
@@ -155,6 +197,15 @@ class HeadView:
     def cluster_info(self) -> dict[str, Any]:
         return self._set.cluster_info()
 
+    def runner_health(self) -> RunnerHealth:
+        """``/health``: ok while every replica is up; "recovering" (requests still run on
+        the others) while some are being restarted. None up: the set is not alive, which
+        ``/health`` reports as unavailable before asking this."""
+        down = [i for i in range(len(self._set.actors)) if not self._set.router.is_up(i)]
+        if not down:
+            return RunnerHealth()
+        return RunnerHealth("recovering", f"replica {', '.join(map(str, down))} lost, being restarted")
+
     def new_request_id(self) -> str:
         import uuid
 
@@ -171,11 +222,11 @@ class ReplicaSet:
         self.options = options
         self.facts = facts
         self.engine = HeadView(self, facts)
-        self.router = Router(len(actors), facts.block_size, facts.num_blocks, options.routing,
-                             options.max_imbalance)
+        self.router = Router(len(actors), facts.block_size, options.routing, options.max_imbalance)
         self.tombstones = Tombstones()
         self._live: dict[str, _Live] = {}
-        self._recent: OrderedDict[str, int] = OrderedDict()  # finished id -> its replica
+        self._recent: OrderedDict[str, _Finished] = OrderedDict()
+        self._sessions: dict[str, _Session] = {}
         self._lock = threading.RLock()  # records vs pollers; never held across a Ray call's wait
         self._stopping = threading.Event()
         self._closed = False
@@ -184,6 +235,9 @@ class ReplicaSet:
         self.restarted: list[int] = [0] * len(actors)
         self.resubmitted = 0
         self.dropped_late = 0
+        self.builds: Any = None  # launch_replicas' builders (their shipped weights stay referenced)
+        self.weights_shipped_bytes = 0  # the model put in the object store for nodes without its file
+        self.nodes_without_file: tuple[str, ...] = ()
         self._pollers = [threading.Thread(target=self._poll_loop, args=(i,), name=f"bargein-poll-{i}", daemon=True)
                          for i in range(len(actors))]
         for t in self._pollers:
@@ -191,20 +245,38 @@ class ReplicaSet:
 
     # -- set-up ---------------------------------------------------------------------
     @classmethod
-    def launch(cls, build: EngineBuilder, num_replicas: int, options: ReplicaOptions | None = None) -> ReplicaSet:
+    def launch(cls, build: EngineBuilder | Sequence[EngineBuilder], num_replicas: int,
+               options: ReplicaOptions | None = None) -> ReplicaSet:
         """Starts ``num_replicas`` actors (Ray must be connected) and waits until all have loaded.
 
-        All or nothing: on any failure the actors started are killed and
-        PipelineSetupError says why in one line.
+        ``build``: one builder for every replica, or one per replica (pipelines whose
+        stages go to different nodes). All or nothing: on any failure the actors started
+        (and, owned by them, their stages) are killed and PipelineSetupError says why in
+        one line.
         """
         options = options or ReplicaOptions()
         if ray is None:
             raise PipelineSetupError("Ray is not installed: pip install 'bargein[ray]'")
         if num_replicas < 1:
             raise PipelineSetupError("--replicas must be at least 1")
+        builds = list(build) if isinstance(build, Sequence) else [build] * num_replicas
+        if len(builds) != num_replicas:
+            raise ValueError(f"{len(builds)} builders were given for {num_replicas} replicas")
+        cpus = ray.cluster_resources().get("CPU", 0)
+        if options.num_cpus * num_replicas > cpus:
+            raise PipelineSetupError(f"{num_replicas} replicas need {options.num_cpus * num_replicas:g} CPUs "
+                                     f"({options.num_cpus:g} each), but the cluster has {cpus:g}")
+        placement: dict[str, Any] = {}
+        if options.resources:
+            placement["resources"] = dict(options.resources)
+        if options.on_head_node:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                ray.get_runtime_context().get_node_id(), soft=False)
         actor_class = ray.remote(num_cpus=options.num_cpus, max_restarts=options.max_restarts,
-                                 max_task_retries=0, max_concurrency=64)(ReplicaWorker)
-        actors = [actor_class.remote(i, build, options.threads) for i in range(num_replicas)]
+                                 max_task_retries=0, max_concurrency=64, **placement)(ReplicaWorker)
+        actors = [actor_class.remote(i, b, options.threads) for i, b in enumerate(builds)]
         try:
             pings = [a.ping.remote() for a in actors]
             ready, _ = ray.wait(pings, num_returns=num_replicas, timeout=options.start_timeout_s)
@@ -219,7 +291,7 @@ class ReplicaSet:
             raise
         except Exception as exc:
             _kill(actors)
-            raise PipelineSetupError(f"a replica failed to start: {str(exc).strip().splitlines()[-1]}") from None
+            raise PipelineSetupError(f"a replica failed to start: {_cause(exc)}") from None
         return cls(actors, facts, options, started)
 
     # -- the AsyncEngine interface ------------------------------------------------------
@@ -251,35 +323,55 @@ class ReplicaSet:
         The checks a replica would make on arrival are made here first (EngineError), so
         a bad request is refused before any replica sees it.
         """
-        if session_id is not None or constraint_from is not None:
-            raise EngineError("engine sessions are not available with replicas")
         if self._stopping.is_set():
             raise EngineDeadError("the engine is shutting down")
         params = params or SamplingParams()
-        tokens = self._check(prompt, params, timeout)
+        tokens = self._check(prompt, params, timeout, session=session_id is not None)
+        if constraint_from is not None and (params.constraint is None or constraint_from < 0):
+            raise EngineError("constraint_from needs a constraint and a token index >= 0")
         request_id = request_id or self.engine.new_request_id()
         stream = RequestStream(request_id, asyncio.get_running_loop(),
                                OutputProcessor(request_id, params, self.facts.tokenizer))
         with self._lock:
             if request_id in self._live:
                 raise EngineError(f"request id {request_id!r} is in use")
-            route = self.router.choose(tokens, reserve_tokens=params.max_tokens or 0)
+            session = None if session_id is None else self._session(session_id)
+            if session is not None:
+                if any(r.session == session_id for r in self._live.values()):
+                    raise EngineError(f"conversation {session_id} is already generating")
+                length = len(session.tokens) + len(tokens)
+                if not session.tokens and not tokens:
+                    raise EngineError("the conversation is empty: prompt it first")
+                if length >= self.facts.max_model_len:  # checked here so the head's copy never runs ahead
+                    raise EngineError(f"the conversation is {length} tokens, but the context holds "
+                                      f"{self.facts.max_model_len} (room is needed for at least one "
+                                      f"generated token)")
+                route = self.router.assign(session.replica, len(session.tokens) + len(tokens))
+            else:
+                route = self.router.choose(tokens, reserve_tokens=params.max_tokens or 0)
             if route is None:
                 raise EngineDeadError("no replica is up")
             self._recent.pop(request_id, None)
             self.tombstones.discard(request_id)  # a reused id starts clean
-            rec = _Live(request_id, stream, tokens, params,
-                        None if timeout is None else time.monotonic() + timeout, route.replica)
+            rec = _Live(request_id, stream, tokens, params, None if timeout is None else time.monotonic() + timeout,
+                        route, constraint_from, session_id)
+            if session is not None:
+                session.tokens += tokens
+                rec.session_base = len(session.tokens)
             self._live[request_id] = rec
-        self.actors[route.replica].submit.remote(request_id, tokens, params, timeout, 0)
+        self.actors[route.replica].submit.remote(request_id, tokens, params, timeout, 0, session_id=session_id,
+                                                 constraint_from=constraint_from)
         return request_id, stream
 
-    def _check(self, prompt: str | Sequence[int], params: SamplingParams, timeout: float | None) -> list[int]:
+    def _check(self, prompt: str | Sequence[int], params: SamplingParams, timeout: float | None, *,
+               session: bool = False) -> list[int]:
         facts = self.facts
         params.validate_for_vocab(facts.model_config.vocab_size)
-        tokens = facts.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) \
+        if params.constraint is not None:
+            self.engine.grammars.compile(params.constraint)  # UnsupportedGrammar, as one engine raises it
+        tokens = facts.tokenizer.encode(prompt, add_special_tokens=not session) if isinstance(prompt, str) \
             else [int(t) for t in prompt]
-        if not tokens:
+        if not tokens and not session:
             raise EngineError("the prompt is empty")
         bad = [t for t in tokens if not 0 <= t < facts.model_config.vocab_size]
         if bad:
@@ -289,8 +381,6 @@ class ReplicaSet:
                               f"(room is needed for at least one generated token)")
         if timeout is not None and not timeout > 0:
             raise EngineError("timeout must be a positive number of seconds")
-        if params.constraint is not None:
-            raise EngineError("constrained output (response_format, tools) is not available with replicas yet")
         return tokens
 
     async def next_output(self, stream: RequestStream) -> RequestOutput:
@@ -312,6 +402,61 @@ class ReplicaSet:
         async for out in self.stream(request_id, stream, exit_reason=exit_reason):
             yield out
 
+    # -- conversation handles (engine sessions) -------------------------------------------
+    # A conversation lives on one replica, which holds its K/V; every turn goes there. The
+    # head mirrors its tokens (prompts appended, answers as delivered, forks, rewinds) so
+    # that a lost replica's conversations are opened again on another one.
+    def _session(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise EngineError(f"no conversation {session_id!r}")
+        if session.replica < 0:
+            raise EngineError(f"conversation {session_id!r} was lost with its replica and no replica is left")
+        return session
+
+    def open_session(self, token_ids: Sequence[int] = ()) -> str:
+        """Opens a conversation on the replica with the best prefix match (else the least
+        loaded); returns its id at once (the open reaches the replica before any later call)."""
+        tokens = [int(t) for t in token_ids]
+        session_id = self.engine.new_request_id().replace("req-", "conv-")
+        with self._lock:
+            route = self.router.choose(tokens, count=False)
+            if route is None:
+                raise EngineDeadError("no replica is up")
+            self._sessions[session_id] = _Session(route.replica, tokens)
+            self.actors[route.replica].open_session.remote(tokens, session_id)
+        return session_id
+
+    async def _on_session(self, session_id: str, method: str, *args: Any) -> Any:
+        return await getattr(self.actors[self._session(session_id).replica], method).remote(session_id, *args)
+
+    async def append_session(self, session_id: str, token_ids: Sequence[int]) -> None:
+        tokens = [int(t) for t in token_ids]
+        await self._on_session(session_id, "append_session", tokens)
+        self._session(session_id).tokens += tokens
+
+    async def session_tokens(self, session_id: str) -> list[int]:
+        """The tokens as the replica holds them (the head's mirror is for failover only)."""
+        return await self._on_session(session_id, "session_tokens")
+
+    async def fork_session(self, session_id: str) -> str:
+        """A new conversation on the same replica, sharing the K/V blocks (copy on write)."""
+        new_id = await self._on_session(session_id, "fork_session")
+        with self._lock:
+            parent = self._session(session_id)
+            self._sessions[new_id] = _Session(parent.replica, list(parent.tokens))
+        return new_id
+
+    async def truncate_session(self, session_id: str, num_tokens: int) -> None:
+        await self._on_session(session_id, "truncate_session", num_tokens)
+        del self._session(session_id).tokens[num_tokens:]
+
+    async def close_session(self, session_id: str) -> None:
+        session = self._sessions.get(session_id)
+        if session is not None and session.replica >= 0:
+            await self._on_session(session_id, "close_session")
+        self._sessions.pop(session_id, None)
+
     def abort(self, request_id: str, reason: CancelReason = CancelReason.USER, *,
               delivered: int | None = None) -> AbortResult:
         """Sends the cancel to the replica that runs the request, and only there (C6: never raises).
@@ -323,11 +468,14 @@ class ReplicaSet:
             reason = CancelReason(reason)
             rec = self._live.get(request_id)
             if rec is None:
-                replica = self._recent.get(request_id)
-                if replica is None:
+                done = self._recent.get(request_id)
+                if done is None:
                     return AbortResult.NOT_FOUND
                 if delivered is not None:  # the replica keeps only what the consumer was handed (C3)
-                    self.actors[replica].abort.remote(request_id, reason, delivered)
+                    self.actors[done.replica].abort.remote(request_id, reason, delivered)
+                    session = self._sessions.get(done.session) if done.session else None
+                    if session is not None:
+                        del session.tokens[done.session_base + delivered:]
                 return AbortResult.ALREADY_FINISHED
             if rec.outcome is None:
                 rec.outcome = reason
@@ -427,8 +575,20 @@ class ReplicaSet:
         return merge_stats(list(stats.values()), self.facts.block_size)
 
     def list_requests(self) -> list[RequestInfo]:
-        infos = [info for part in self._gather("list_requests").values() for info in part]
+        """Every replica's queued and running requests, oldest first, each as its client
+        sent it: a request resumed after a loss shows its original prompt, its whole
+        answer so far and its age since the client sent it, not the resubmission's."""
+        infos = [self._as_sent(info) for part in self._gather("list_requests").values() for info in part]
         return sorted(infos, key=lambda info: -info.age_s)
+
+    def _as_sent(self, info: RequestInfo) -> RequestInfo:
+        rec = self._live.get(info.request_id)
+        if rec is None or not rec.resumes:
+            return info
+        prompt = len(rec.prompt)
+        return replace(info, prompt_tokens=prompt, prompt_computed=min(info.prompt_computed, prompt),
+                       completion_tokens=rec.offset + info.completion_tokens,
+                       age_s=time.monotonic() - rec.arrival)
 
     def check_block_accounting(self) -> None:
         for i in self._up():
@@ -455,11 +615,18 @@ class ReplicaSet:
                              cache_hit_rate=round(s.prefix_cache_hit_tokens / computed, 4) if computed else 0.0,
                              steps=s.steps, generated_tokens=s.generated_tokens,
                              submitted=info.counters.submitted, resumed=info.counters.resumed,
-                             aborts=dict(info.counters.aborts), dropped_late=info.counters.dropped_late)
+                             aborts=dict(info.counters.aborts), dropped_late=info.counters.dropped_late,
+                             evictions=info.evictions, weights_from=info.weights_from,
+                             weights_received_bytes=info.weights_received_bytes)
+                if info.pipeline is not None:
+                    entry.update(stages=info.pipeline["stages"], pipeline_health=info.pipeline.get("health"))
             replicas.append(entry)
-        return {"pipeline": False, "replicas": replicas, "num_replicas": len(self.actors),
+        return {"object": "cluster", "pipeline": False, "replicas": replicas, "num_replicas": len(self.actors),
+                "stages_per_replica": self.options.stages_per_replica,
                 "routing": self.options.routing, "kv_blocks": self.facts.num_blocks,
-                "resubmitted": self.resubmitted, "dropped_late": self.dropped_late}
+                "resubmitted": self.resubmitted, "dropped_late": self.dropped_late,
+                "weights_shipped_bytes": self.weights_shipped_bytes,
+                "nodes_without_file": list(self.nodes_without_file)}
 
     def register_metrics(self, registry: Any) -> None:
         """Adds per-replica series (``replica`` label) to the server's Prometheus registry."""
@@ -501,6 +668,7 @@ class ReplicaSet:
     def _deliver(self, index: int, batch: ReplicaBatch) -> None:
         counters = self.engine.counters
         self.router.update_memory(index, batch.available_blocks)
+        self.router.apply(index, batch.cache)  # before the deltas: a finished request's blocks are known
         with self._lock:
             counters.steps += len(batch.step_durations)
             counters.step_durations.extend(batch.step_durations)
@@ -514,8 +682,8 @@ class ReplicaSet:
                 self._translate(rec, delta)
                 if delta.finished:
                     del self._live[rec.request_id]
-                    self._remember(rec.request_id, index)
-                    self.router.finished(index, rec.prompt + rec.output)
+                    self._remember(rec, index)
+                    self.router.finished(rec.route)
                     counters.generated_tokens += len(rec.output)
                 rec.stream.push(delta)
 
@@ -534,8 +702,12 @@ class ReplicaSet:
             if rec.resumes:
                 delta.usage = Usage(len(rec.prompt), rec.offset + delta.usage.completion_tokens, rec.cached_tokens)
 
-    def _remember(self, request_id: str, replica: int) -> None:
-        self._recent[request_id] = replica
+    def _remember(self, rec: _Live, replica: int) -> None:
+        """Under the lock: ``rec`` ended on ``replica``; its conversation (if any) holds its answer."""
+        self._recent[rec.request_id] = _Finished(replica, rec.session, rec.session_base)
+        session = self._sessions.get(rec.session) if rec.session else None
+        if session is not None:
+            session.tokens[rec.session_base:] = rec.output
         while len(self._recent) > RECENT_FINISHED:
             self._recent.popitem(last=False)
 
@@ -549,6 +721,21 @@ class ReplicaSet:
             orphans = [rec for rec in self._live.values() if rec.replica == index]
             for rec in orphans:
                 self._resubmit(rec, f"replica {index} was lost ({why})")
+            for session_id, session in self._sessions.items():
+                if session.replica == index:
+                    self._reopen(session_id, session)
+
+    def _reopen(self, session_id: str, session: _Session) -> None:
+        """Under the lock: a conversation whose replica was lost is opened again elsewhere
+        from its tokens (its K/V is recomputed with its next answer)."""
+        route = self.router.choose(session.tokens, count=False)
+        if route is None:
+            log.warning("conversation %s has no replica left; it fails at its next use", session_id)
+            session.replica = -1
+            return
+        session.replica = route.replica
+        log.info("conversation %s moves to replica %d (%d tokens)", session_id, route.replica, len(session.tokens))
+        self.actors[route.replica].open_session.remote(list(session.tokens), session_id)
 
     def _resubmit(self, rec: _Live, why: str) -> None:
         """Under the lock: dispatches ``rec`` again, or ends it (cancelled, done, expired, nowhere to go)."""
@@ -565,6 +752,12 @@ class ReplicaSet:
         elif rec.deadline is not None and rec.deadline <= time.monotonic():
             end = RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.CANCELLED,
                                cancel_reason=CancelReason.DEADLINE)
+        elif rec.session is not None:
+            # An engine session cannot resume an answer mid-way (its random stream would
+            # restart); the conversation keeps what was delivered and is re-opened elsewhere.
+            end = RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.ERROR,
+                               error=f"{why}; the conversation keeps the {produced} tokens delivered: "
+                                     f"generate again to go on")
         if end is None:
             tokens = rec.prompt + rec.output
             route: Route | None = self.router.choose(tokens, reserve_tokens=max(0, (params.max_tokens or 0) - produced))
@@ -573,16 +766,21 @@ class ReplicaSet:
                                    error=f"no replica is left to run it: {why}")
         if end is not None:
             del self._live[rec.request_id]
+            self._remember(rec, rec.replica)
             rec.stream.push(end)
             return
         assert route is not None
-        rec.replica, rec.offset, rec.resumes = route.replica, produced, rec.resumes + 1
+        rec.route, rec.offset, rec.resumes = route, produced, rec.resumes + 1
         self.resubmitted += 1
         resumed = replace(params, max_tokens=None if params.max_tokens is None else params.max_tokens - produced,
                           min_tokens=max(0, params.min_tokens - produced))
         timeout = None if rec.deadline is None else rec.deadline - time.monotonic()
         log.info("request %s resumes on replica %d after %d tokens", rec.request_id, route.replica, produced)
-        self.actors[route.replica].submit.remote(rec.request_id, tokens, resumed, timeout, produced)
+        # A constrained answer's matcher replays the answer so far (from where it began).
+        constraint_from = None if params.constraint is None else \
+            (len(rec.prompt) if rec.constraint_from is None else rec.constraint_from)
+        self.actors[route.replica].submit.remote(rec.request_id, tokens, resumed, timeout, produced,
+                                                 constraint_from=constraint_from)
 
     def _await_restart(self, index: int) -> None:
         """Pings the lost replica until Ray has restarted it (a new incarnation answers),
@@ -628,14 +826,52 @@ def merge_stats(parts: Sequence[EngineStats], block_size: int) -> EngineStats:
                        **{name: total(name) for name in numeric})
 
 
+def _cause(exc: BaseException) -> str:
+    """The last line of a replica's failure that says something (Ray wraps the cause)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 def _kill(actors: list[Any]) -> None:
     for actor in actors:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(actor, no_restart=True)
 
 
-def local_builder(ref: str | None, config: Any) -> EngineBuilder:
-    """The builder of a replica that loads ``ref`` on its node (the same path on every node)."""
-    from bargein.engine.engine import Engine
+def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
+                    options: ReplicaOptions | None = None, *, ship: bool | None = None) -> ReplicaSet:
+    """Connects to Ray and starts ``num_replicas`` replicas of the model at ``ref``.
 
-    return functools.partial(Engine.from_pretrained, ref, config, progress=False)
+    Whole-model replicas go where Ray finds a CPU (``options.resources`` narrows it); a
+    node without the model file gets the weights the head shipped (see
+    :mod:`~bargein.distributed.replica_build`). With ``config.pipeline`` set, each
+    replica is a pipeline: its head on this node, its stages on the nodes planned for it
+    so that all N x M stages fit (PipelineSetupError, one line, when they do not).
+    """
+    from bargein.distributed.pipeline import connect
+    from bargein.distributed.replica_build import plan_stage_nodes, replica_model, with_stage_nodes
+
+    options = options or ReplicaOptions()
+    pipe = config.pipeline
+    connect(address, num_replicas * (pipe.stages if pipe else 1))
+    wanted = dict(options.resources or {})
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
+             and all(n["Resources"].get(k, 0) >= v for k, v in wanted.items())]
+    if not nodes:
+        raise PipelineSetupError("the Ray cluster has no live node with a CPU" +
+                                 (f" offering {', '.join(wanted)}" if wanted else ""))
+    builds: EngineBuilder | list[EngineBuilder]
+    if pipe is not None:
+        stage_nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
+                       and (pipe.node_resource is None or n["Resources"].get(pipe.node_resource, 0) > 0)]
+        plans = plan_stage_nodes(num_replicas, pipe.stages, stage_nodes, pipe.threads_per_stage)
+        model, shipping = replica_model(ref, config, nodes)
+        builds = [with_stage_nodes(model, plan) for plan in plans]
+        options = replace(options, num_cpus=0, on_head_node=True, stages_per_replica=pipe.stages)
+    else:
+        builds, shipping = replica_model(ref, config, nodes, ship=ship)
+    group = ReplicaSet.launch(builds, num_replicas, options)
+    group.builds = builds  # holds the shipped weights' reference: a restarted replica fetches them again
+    group.weights_shipped_bytes = shipping.shipped_bytes
+    group.nodes_without_file = shipping.nodes_without_file
+    return group

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from bargein.distributed.router import Tombstones
+from bargein.engine.blocks import KeyChanges
 from bargein.engine.engine import Engine, EngineError
 from bargein.engine.outputs import RequestDelta, StepOutcome
 from bargein.engine.request import AbortResult, CancelReason, FinishReason
@@ -69,6 +71,7 @@ class ReplicaBatch:
     step_durations: list[float] = field(default_factory=list)
     cancel_latencies: list[float] = field(default_factory=list)
     cancel_latency_steps: list[int] = field(default_factory=list)
+    cache: KeyChanges = field(default_factory=KeyChanges)  # prefix-cache keys registered/evicted since
 
 
 @dataclass
@@ -94,6 +97,10 @@ class ReplicaInfo:
     started: float  # time.time() when this incarnation started
     stats: EngineStats
     counters: ReplicaCounters
+    evictions: int = 0  # cached KV blocks its pool evicted
+    weights_from: str | None = None  # "file", "head" (shipped) or "stages" (a pipeline's, per stage)
+    weights_received_bytes: int = 0
+    pipeline: dict[str, Any] | None = None  # a replica that is a pipeline: its stages (its /v1/cluster)
 
 
 class ReplicaWorker:
@@ -102,7 +109,11 @@ class ReplicaWorker:
     def __init__(self, index: int, build: EngineBuilder, threads: int = 1):
         torch.set_num_threads(threads)
         self.index = index
-        self.engine = build()
+        # A ReplicaModel says where its weights came from; any other builder is taken as is.
+        built = build.build() if hasattr(build, "build") else (build(), None)
+        self.engine: Engine = built[0]
+        self.weights_origin = built[1]
+        self.engine.pool.track_key_changes()  # reported with each batch: the router's index follows it
         self.started = time.time()
         self.counters = ReplicaCounters()
         self._tombstones = Tombstones()
@@ -141,6 +152,7 @@ class ReplicaWorker:
             if counters.steps > s.steps:
                 s.step_durations.append(counters.step_durations[-1])
             s.steps = counters.steps
+            s.cache.merge(self.engine.pool.drain_key_changes())
             s.available_blocks = self.engine.pool.num_available
             new_cancels = counters.cancel_samples - self._cancel_seen
             if new_cancels > 0:
@@ -176,8 +188,12 @@ class ReplicaWorker:
                           bool(getattr(e, "supports_partial_block_reuse", False)))
 
     async def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                     timeout: float | None = None, output_offset: int = 0) -> None:
-        """Queues a request; a refusal or a cancel that came first ends it with a final delta."""
+                     timeout: float | None = None, output_offset: int = 0, *, session_id: str | None = None,
+                     constraint_from: int | None = None) -> None:
+        """Queues a request; a refusal or a cancel that came first ends it with a final delta.
+
+        ``constraint_from``: where in the prompt a constrained answer began (a resumed or
+        continued one: the tokens since are replayed into the grammar matcher)."""
         if request_id in self._tombstones:
             self._tombstones.discard(request_id)
             self.counters.dropped_late += 1
@@ -187,7 +203,8 @@ class ReplicaWorker:
         self.counters.resumed += output_offset > 0
         try:
             self.engine.add_request(list(prompt), params, request_id=request_id, timeout=timeout,
-                                    output_offset=output_offset)
+                                    output_offset=output_offset, session_id=session_id,
+                                    constraint_from=constraint_from)
         except (EngineError, ValueError) as exc:
             self.counters.rejected += 1
             self._push_final(request_id, FinishReason.ERROR, None, str(exc))
@@ -211,7 +228,7 @@ class ReplicaWorker:
         while True:
             self._ready.clear()
             with self._lock:
-                if self._outbox or self._samples.step_durations:
+                if self._outbox or self._samples.step_durations or self._samples.cache:
                     batch, self._samples = self._samples, self._idle_batch()
                     batch.deltas, self._outbox = list(self._outbox.values()), {}
                     self.counters.deltas_sent += len(batch.deltas)
@@ -236,6 +253,34 @@ class ReplicaWorker:
     async def list_requests(self) -> list[RequestInfo]:
         return await self._in_engine(self.engine.list_requests)
 
+    # -- conversation handles (engine sessions), in the engine's ordered inbox ---------------
+    async def open_session(self, token_ids: Sequence[int], session_id: str) -> None:
+        await self._in_engine(functools.partial(self.engine.open_session, list(token_ids), session_id))
+
+    async def append_session(self, session_id: str, token_ids: Sequence[int]) -> None:
+        await self._in_engine(functools.partial(self.engine.append_session_tokens, session_id, list(token_ids)))
+
+    async def session_tokens(self, session_id: str) -> list[int]:
+        return await self._in_engine(functools.partial(self.engine.session_tokens, session_id))
+
+    async def fork_session(self, session_id: str) -> str:
+        return await self._in_engine(functools.partial(self.engine.fork_session, session_id))
+
+    async def truncate_session(self, session_id: str, num_tokens: int) -> None:
+        await self._in_engine(functools.partial(self.engine.truncate_session, session_id, num_tokens))
+
+    async def close_session(self, session_id: str) -> None:
+        await self._in_engine(functools.partial(self.engine.close_session, session_id))
+
+    async def registered_keys(self) -> set[bytes]:
+        """The prefix cache's full-block keys now (to check the router's index against)."""
+        return await self._in_engine(self.engine.pool.registered_keys)
+
+    async def stage_steps_with(self, request_id: str) -> list[list[int]]:
+        """A pipeline replica: for each stage, the plan steps it executed that held the request."""
+        counters = await asyncio.to_thread(self.engine.runner.stage_counters)
+        return [c.steps_with(request_id) for c in counters]
+
     async def live_request_ids(self) -> list[str]:
         return self.engine.live_request_ids()
 
@@ -246,8 +291,14 @@ class ReplicaWorker:
         import ray
 
         stats = await self.stats()
+        runner_info = getattr(self.engine.runner, "cluster_info", None)
+        pipeline = await asyncio.to_thread(runner_info) if runner_info is not None else None
         return ReplicaInfo(self.index, ray.get_runtime_context().get_node_id(), os.getpid(), self.started, stats,
-                           self.counters)
+                           self.counters, evictions=self.engine.pool.evictions,
+                           pipeline=pipeline if pipeline and pipeline.get("pipeline") else None,
+                           weights_from=None if self.weights_origin is None else self.weights_origin.source,
+                           weights_received_bytes=0 if self.weights_origin is None
+                           else self.weights_origin.received_bytes)
 
     async def shutdown(self, timeout: float = 10.0) -> int:
         """Cancels everything (reason ``shutdown``), waits for the engine to answer, stops stepping."""

@@ -1,13 +1,16 @@
 """Which replica runs a request: conversation-affine routing over a per-replica prefix index.
 
 The router is the head's one picture of where K/V lives. For every replica it keeps a
-:class:`PrefixIndex`: the chained hashes of the full blocks of every sequence sent
-there (at dispatch: the prompt; at the end: prompt plus the answer the client got),
-least recently used first, capped at the replica's number of KV blocks so it forgets
-roughly when the replica's prefix cache does. A chat continuation's prompt (the earlier
-prompt, the answer, the new turn; token-exact through the prompt memory) starts with
-the blocks of its previous turn, so it matches the replica that holds them; that is how
-continuations stay put without the router knowing about conversations.
+:class:`PrefixIndex`: the keys of the full blocks in that replica's prefix cache, as
+the replica reports them (every block registered or evicted, net per key, batched with
+each poll's outputs: no Ray call of its own), so the index follows the cache exactly
+and never predicts a hit on an evicted block. The keys are the pool's own chained
+BLAKE2b hashes, which the router computes from a prompt the same way. Blocks of prompts
+dispatched there and not finished yet count as held too (the replica is computing
+them). A chat continuation's prompt (the earlier prompt, the answer, the new turn;
+token-exact through the prompt memory) starts with the blocks of its previous turn, so
+it matches the replica that holds them; that is how continuations stay put without the
+router knowing about conversations.
 
 ``choose(tokens)`` picks the replica with the longest matched prefix; with no match, the
 least loaded (live requests). A conversation *moves* off its replica when that replica
@@ -15,7 +18,8 @@ carries ``max_imbalance`` more live requests than the least loaded one (its cach
 worth less than the queue), or when it has fewer KV blocks to allocate (free plus
 evictable, as its last batch reported) than the request needs beyond its cached prefix
 (prompt and ``max_tokens``) while another has them; moves are counted and logged. A replica that is down
-is never chosen; its index is cleared, since its K/V died with it.
+is never chosen; its index is cleared, since its K/V died with it (a restarted replica
+reports from empty).
 
 :class:`Tombstones` remembers cancelled ids for a while, so a dispatch that comes after
 the cancel (a failover resubmission racing it) is dropped instead of run.
@@ -29,52 +33,74 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from bargein.engine.blocks import BlockHash, KeyChanges, chain_hash
 
 log = logging.getLogger("bargein.distributed")
 
 POLICIES = ("affine", "round_robin", "least_loaded")
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of ``tokens``: hash i covers tokens [0, (i+1)*block_size)."""
-    hashes, prev = [], 0
+def block_hashes(tokens: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The keys a replica's block pool gives the full blocks of ``tokens`` (hash i covers
+    tokens [0, (i+1)*block_size)): the same chained BLAKE2b, so reported keys compare."""
+    hashes: list[BlockHash] = []
+    prev: BlockHash | None = None
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        prev = hash((prev, tuple(tokens[start:start + block_size])))
+        prev = chain_hash(prev, tokens[start:start + block_size])
         hashes.append(prev)
     return hashes
 
 
 class PrefixIndex:
-    """One replica's cached prefixes as block hashes, least recently used first, bounded."""
+    """One replica's cached full blocks: the keys it reported (``apply``), plus the blocks
+    of prompts dispatched there and not finished yet (``expect``), which it is about to
+    compute and which a request sharing them should wait for there rather than recompute
+    elsewhere."""
 
-    def __init__(self, capacity_blocks: int):
-        self.capacity = max(1, capacity_blocks)
-        self._hashes: OrderedDict[int, None] = OrderedDict()
+    def __init__(self) -> None:
+        self._held: set[BlockHash] = set()
+        self._expected: Counter[BlockHash] = Counter()
 
     def __len__(self) -> int:
-        return len(self._hashes)
+        return len(self._held)
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Records a sequence's blocks as just used; its last block is forgotten first (a
-        prefix's later blocks are worth nothing without its earlier ones)."""
-        for h in reversed(hashes):
-            self._hashes[h] = None
-            self._hashes.move_to_end(h)
-        while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
+    @property
+    def held(self) -> set[BlockHash]:
+        return self._held
 
-    def match(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks are held, stopping at the first that is not."""
+    def apply(self, changes: KeyChanges) -> None:
+        """The replica's cache changes, in the order it made them (net per key)."""
+        if changes.reset:
+            self._held.clear()
+        for key, held in changes.keys.items():
+            if held:
+                self._held.add(key)
+            else:
+                self._held.discard(key)
+
+    def expect(self, hashes: Sequence[BlockHash]) -> None:
+        self._expected.update(hashes)
+
+    def unexpect(self, hashes: Sequence[BlockHash]) -> None:
+        self._expected.subtract(hashes)
+        for h in hashes:
+            if self._expected[h] <= 0:
+                del self._expected[h]
+
+    def match(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks are held or expected, stopping at the first that is not."""
         for i, h in enumerate(hashes):
-            if h not in self._hashes:
+            if h not in self._held and h not in self._expected:
                 return i
         return len(hashes)
 
     def clear(self) -> None:
-        self._hashes.clear()
+        self._held.clear()
+        self._expected.clear()
 
 
 class Tombstones:
@@ -109,11 +135,13 @@ class Tombstones:
 
 @dataclass(frozen=True)
 class Route:
-    """Where a request goes, and why."""
+    """Where a request goes, and why. Hand it back to ``Router.finished`` when the request
+    leaves that replica (its expected blocks are then known from the replica's reports)."""
 
     replica: int
     matched_tokens: int  # prompt tokens the chosen replica is expected to hold
     moved_from: int | None = None  # the replica that held the longer prefix, when load moved it
+    hashes: tuple[BlockHash, ...] = ()  # the prompt's full blocks, expected there until it ends
 
 
 @dataclass
@@ -140,7 +168,6 @@ class Router:
 
     num_replicas: int
     block_size: int
-    capacity_blocks: int
     policy: str = "affine"
     max_imbalance: int = 8
     replicas: list[ReplicaRouting] = field(init=False)
@@ -152,16 +179,17 @@ class Router:
         if self.policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         self.replicas = [ReplicaRouting() for _ in range(self.num_replicas)]
-        self._indexes = [PrefixIndex(self.capacity_blocks) for _ in range(self.num_replicas)]
+        self._indexes = [PrefixIndex() for _ in range(self.num_replicas)]
 
     def choose(self, tokens: Sequence[int], *, exclude: frozenset[int] = frozenset(),
-               reserve_tokens: int = 0) -> Route | None:
-        """The replica for a request with these prompt tokens, counted as dispatched there.
+               reserve_tokens: int = 0, count: bool = True) -> Route | None:
+        """The replica for a request with these prompt tokens, counted as dispatched there
+        (unless ``count`` is False: a conversation handle being placed, not a request).
 
         ``reserve_tokens``: room the answer will want (its ``max_tokens``), for the memory
         check. None when no replica is up (outside ``exclude``).
         """
-        hashes = block_hashes(tokens, self.block_size)
+        hashes = tuple(block_hashes(tokens, self.block_size))
         with self._lock:
             up = [i for i, r in enumerate(self.replicas) if r.up and i not in exclude]
             if not up:
@@ -179,9 +207,10 @@ class Router:
                 chosen = best if matches[best] else least
                 if matches[best]:
                     moved_from, chosen, why = self._move(best, least, up, len(tokens), matches, reserve_tokens)
-            route = Route(chosen, matches[chosen] * self.block_size, moved_from)
-            self._count(route, len(tokens))
-            self._indexes[chosen].insert(hashes)
+            route = Route(chosen, matches[chosen] * self.block_size, moved_from, hashes if count else ())
+            if count:
+                self._count(route, len(tokens))
+                self._indexes[chosen].expect(hashes)
         if moved_from is not None:
             log.info("a conversation moves from replica %d to replica %d (%s)", moved_from, chosen, why)
         return route
@@ -214,20 +243,29 @@ class Router:
             r.moved_in += 1
             self.replicas[route.moved_from].moved_out += 1
 
-    def finished(self, replica: int, tokens: Sequence[int]) -> None:
-        """A request ended there; its replica keeps these tokens' K/V (prompt and delivered answer)."""
-        hashes = block_hashes(tokens, self.block_size)
+    def assign(self, replica: int, num_tokens: int) -> Route:
+        """A request that must run on ``replica`` (a conversation handle's turn), counted there."""
+        route = Route(replica, 0)
         with self._lock:
-            r = self.replicas[replica]
-            r.load = max(0, r.load - 1)
-            if r.up:
-                self._indexes[replica].insert(hashes)
+            self._count(route, num_tokens)
+        return route
 
-    def released(self, replica: int) -> None:
-        """A request left the replica without its K/V being worth remembering (it was lost or moved)."""
+    def finished(self, route: Route) -> None:
+        """The request routed by ``route`` left its replica (ended, or moved on after a
+        loss). What the replica keeps of it, it reports itself (``apply``)."""
         with self._lock:
-            r = self.replicas[replica]
+            r = self.replicas[route.replica]
             r.load = max(0, r.load - 1)
+            self._indexes[route.replica].unexpect(route.hashes)
+
+    def apply(self, replica: int, changes: KeyChanges) -> None:
+        """A replica's prefix-cache changes (full blocks registered or evicted), as reported
+        with its outputs."""
+        if not changes:
+            return
+        with self._lock:
+            if self.replicas[replica].up:
+                self._indexes[replica].apply(changes)
 
     def mark_down(self, replica: int) -> None:
         with self._lock:
@@ -241,6 +279,11 @@ class Router:
 
     def is_up(self, replica: int) -> bool:
         return self.replicas[replica].up
+
+    def held_keys(self, replica: int) -> set[BlockHash]:
+        """The keys the index holds as reported by ``replica`` (expected ones left out)."""
+        with self._lock:
+            return set(self._indexes[replica].held)
 
     def index_size(self, replica: int) -> int:
         return len(self._indexes[replica])

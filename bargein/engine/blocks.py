@@ -64,6 +64,25 @@ class _Content:
 
 
 @dataclass
+class KeyChanges:
+    """Full-block keys registered or dropped since the last drain, net (key -> registered
+    now). ``reset``: every key was dropped first (``forget_contents``). A replica reports
+    these with its outputs, so the head's prefix index follows its cache exactly."""
+
+    reset: bool = False
+    keys: dict[BlockHash, bool] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return self.reset or bool(self.keys)
+
+    def merge(self, later: KeyChanges) -> None:
+        """Folds in the changes that came after these."""
+        if later.reset:
+            self.reset, self.keys = True, {}
+        self.keys.update(later.keys)
+
+
+@dataclass
 class BlockTable:
     """A sequence's blocks, in position order, and how many leading ones are registered.
 
@@ -106,6 +125,22 @@ class BlockPool:
         self.prefix_hit_blocks = 0  # counters, for stats
         self.prefix_query_blocks = 0
         self.evictions = 0
+        # Off unless someone drains it (a replica reporting its cache to the router).
+        self.key_changes: KeyChanges | None = None
+
+    def track_key_changes(self) -> None:
+        """Starts recording registered and dropped full-block keys (see ``drain_key_changes``)."""
+        self.key_changes = KeyChanges()
+
+    def drain_key_changes(self) -> KeyChanges:
+        """The changes since the last drain (tracking must be on)."""
+        assert self.key_changes is not None, "track_key_changes() first"
+        changes, self.key_changes = self.key_changes, KeyChanges()
+        return changes
+
+    def registered_keys(self) -> set[BlockHash]:
+        """The keys of every full block a prefix can hit now (what key changes track)."""
+        return set(self._hash_to_block)
 
     # -- accounting ---------------------------------------------------------------
     @property
@@ -176,6 +211,8 @@ class BlockPool:
         self._content.clear()
         self._hash_to_block.clear()
         self._children.clear()
+        if self.key_changes is not None:
+            self.key_changes.reset, self.key_changes.keys = True, {}
         return forgotten
 
     # -- allocation ---------------------------------------------------------------
@@ -195,6 +232,8 @@ class BlockPool:
         self._content[block] = content
         if content.key is not None:
             self._hash_to_block[content.key] = block
+            if self.key_changes is not None:
+                self.key_changes.keys[content.key] = True
         self._children.setdefault(content.parent, {})[block] = None
 
     def _unregister(self, block: int) -> None:
@@ -203,6 +242,8 @@ class BlockPool:
             return
         if content.key is not None and self._hash_to_block.get(content.key) == block:
             del self._hash_to_block[content.key]
+            if self.key_changes is not None:
+                self.key_changes.keys[content.key] = False
         siblings = self._children.get(content.parent)
         if siblings is not None:
             siblings.pop(block, None)
