@@ -338,7 +338,9 @@ def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(rep
         await conv.prompt(more)
         second = [o async for o in conv.generate(GREEDY)][-1]
         got = []
-        async for out in conv.generate(ENDLESS):  # the consumer leaves after 4 tokens: cut there (C3)
+        # The consumer leaves after 4 or more tokens (one output carries several when the
+        # replica's steps outrun the polls): the conversation keeps every token handed (C3).
+        async for out in conv.generate(ENDLESS):
             got += out.new_token_ids
             if len(got) >= 4:
                 break
@@ -355,7 +357,7 @@ def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(rep
         await fork.close()
         await conv.close()
         after = {i: c.submitted for i, c in owner_counters(replicas).items()}
-        return home, before, after, first, second, got[:4], held, third, forked, mirror, tokens
+        return home, before, after, first, second, got, held, third, forked, mirror, tokens
 
     home, before, after, first, second, got, held, third, forked, mirror, tokens = run(main())
     assert {i: after[i] - before[i] for i in after} == {home: 5, 1 - home: 0}  # every turn on its replica
