@@ -7,7 +7,7 @@ source next to this module does it in one pass over the cache.
 
 The library is built with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``),
 with ``-O3 -march=native``, into a cache folder keyed by the source, the compiler and
-the CPU, so that it is built once per machine (about a second) and shared by every
+the CPU, so that it is built once per machine (a few seconds) and shared by every
 process. The compiler enters the key as the file it resolves to, with that file's size
 and modification time (an upgrade or another compiler changes them), so that a start
 with the library built runs no compiler at all. Where no compiler is found, the build fails, or ``BARGEIN_NATIVE_KERNELS=0``
