@@ -29,7 +29,10 @@ Constrained requests carry their constraint to the replica (the head compiles it
 to refuse a bad one); a resumed one gets ``constraint_from`` so the replica's matcher
 replays the answer so far. Conversation handles (engine sessions) are pinned to one
 replica; the head keeps a copy of each one's tokens so that a lost replica's
-conversations are opened again elsewhere (their answer in flight ends with an error).
+conversations are opened again elsewhere. An answer in flight there resumes too: its
+conversation is opened holding the answer so far, and the answer is resubmitted as a
+session request with no new prompt tokens and ``output_offset`` = the tokens produced,
+so it continues with the same tokens and the conversation ends as prompt + whole answer.
 ``launch_replicas`` is the set-up: whole-model replicas (weights shipped to nodes
 without the file) or replicas that are pipelines (stages planned over the cluster).
 """
@@ -133,6 +136,7 @@ class _Finished:
     replica: int
     session: str | None = None
     session_base: int = 0
+    offset: int = 0  # output tokens the last replica got in its prompt (a resumed request)
 
 
 @dataclass
@@ -472,7 +476,7 @@ class ReplicaSet:
                 if done is None:
                     return AbortResult.NOT_FOUND
                 if delivered is not None:  # the replica keeps only what the consumer was handed (C3)
-                    self.actors[done.replica].abort.remote(request_id, reason, delivered)
+                    self.actors[done.replica].abort.remote(request_id, reason, max(0, delivered - done.offset))
                     session = self._sessions.get(done.session) if done.session else None
                     if session is not None:
                         del session.tokens[done.session_base + delivered:]
@@ -699,12 +703,13 @@ class ReplicaSet:
         if delta.usage is not None:
             if rec.cached_tokens is None:
                 rec.cached_tokens = delta.usage.cached_tokens
-            if rec.resumes:
-                delta.usage = Usage(len(rec.prompt), rec.offset + delta.usage.completion_tokens, rec.cached_tokens)
+            if rec.resumes:  # a conversation's prompt is all of it, as its first replica counted
+                prompt_tokens = rec.session_base if rec.session is not None else len(rec.prompt)
+                delta.usage = Usage(prompt_tokens, rec.offset + delta.usage.completion_tokens, rec.cached_tokens)
 
     def _remember(self, rec: _Live, replica: int) -> None:
         """Under the lock: ``rec`` ended on ``replica``; its conversation (if any) holds its answer."""
-        self._recent[rec.request_id] = _Finished(replica, rec.session, rec.session_base)
+        self._recent[rec.request_id] = _Finished(replica, rec.session, rec.session_base, rec.offset)
         session = self._sessions.get(rec.session) if rec.session else None
         if session is not None:
             session.tokens[rec.session_base:] = rec.output
@@ -752,14 +757,14 @@ class ReplicaSet:
         elif rec.deadline is not None and rec.deadline <= time.monotonic():
             end = RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.CANCELLED,
                                cancel_reason=CancelReason.DEADLINE)
-        elif rec.session is not None:
-            # An engine session cannot resume an answer mid-way (its random stream would
-            # restart); the conversation keeps what was delivered and is re-opened elsewhere.
+        elif rec.session is not None and rec.session not in self._sessions:
             end = RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.ERROR,
-                               error=f"{why}; the conversation keeps the {produced} tokens delivered: "
-                                     f"generate again to go on")
+                               error=f"{why}; its conversation was closed")
         if end is None:
-            tokens = rec.prompt + rec.output
+            # A conversation's answer resumes from the conversation: its tokens before the
+            # answer (the head's copy) plus the answer so far.
+            tokens = (self._sessions[rec.session].tokens[:rec.session_base] if rec.session is not None
+                      else rec.prompt) + rec.output
             route: Route | None = self.router.choose(tokens, reserve_tokens=max(0, (params.max_tokens or 0) - produced))
             if route is None:
                 end = RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.ERROR,
@@ -777,10 +782,23 @@ class ReplicaSet:
         timeout = None if rec.deadline is None else rec.deadline - time.monotonic()
         log.info("request %s resumes on replica %d after %d tokens", rec.request_id, route.replica, produced)
         # A constrained answer's matcher replays the answer so far (from where it began).
+        begins = rec.session_base if rec.session is not None else len(rec.prompt)
         constraint_from = None if params.constraint is None else \
-            (len(rec.prompt) if rec.constraint_from is None else rec.constraint_from)
-        self.actors[route.replica].submit.remote(rec.request_id, tokens, resumed, timeout, produced,
-                                                 constraint_from=constraint_from)
+            (begins if rec.constraint_from is None else rec.constraint_from)
+        actor = self.actors[route.replica]
+        if rec.session is None:
+            actor.submit.remote(rec.request_id, tokens, resumed, timeout, produced, constraint_from=constraint_from)
+            return
+        # The conversation moves with its answer: opened there holding the answer so far
+        # (the same actor's ordered inbox runs the open before the submit), the answer goes
+        # on as a session request with no new prompt tokens.
+        session = self._sessions[rec.session]
+        session.replica = route.replica
+        log.info("conversation %s moves to replica %d with its answer (%d tokens)", rec.session, route.replica,
+                 len(tokens))
+        actor.open_session.remote(tokens, rec.session)
+        actor.submit.remote(rec.request_id, [], resumed, timeout, produced, session_id=rec.session,
+                            constraint_from=constraint_from)
 
     def _await_restart(self, index: int) -> None:
         """Pings the lost replica until Ray has restarted it (a new incarnation answers),
