@@ -400,9 +400,9 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
                [9, 8, 7, 6, 5, 4, 3, 2, 70, 71, 72])
     params = (greedy, sampled, constrained, ENDLESS)
     expected = [list(o.token_ids) for o in single.generate(list(prompts[:3]), list(params[:3]))]
-    conversations = ([9, 8, 7, 6, 5, 4, 3, 2, 80], [9, 8, 7, 6, 5, 4, 3, 2, 81, 82])
-    conv_params = (greedy, sampled)
-    expected += [list(o.token_ids) for o in single.generate(list(conversations), list(conv_params))]
+    conversations = ([9, 8, 7, 6, 5, 4, 3, 2, 80], [9, 8, 7, 6, 5, 4, 3, 2, 81, 82], [9, 8, 7, 6, 5, 4, 3, 2, 83])
+    conv_params = (greedy, sampled, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    expected += [list(o.token_ids) for o in single.generate(list(conversations[:2]), list(conv_params[:2]))]
 
     async def main():
         streams = [replicas.submit(p, q) for p, q in zip(prompts, params, strict=True)]
@@ -426,6 +426,13 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
         listed = {info.request_id: info for info in replicas.list_requests()}[endless_id]
         sent = (len(resumed.prompt), resumed.offset)
         replicas.abort(endless_id)
+        # The third conversation's consumer, once its answer has resumed, says it was handed
+        # only 3 tokens (fewer than the new replica got in its prompt): both copies keep 3.
+        cut_id, cut = streams[6]
+        while cut_id in replicas._live and replicas._live[cut_id].resumes == 0:
+            outs[6] = await replicas.next_output(cut)
+            tokens[6] += outs[6].new_token_ids
+        replicas.abort(cut_id, delivered=3)
         for k, (_, stream) in enumerate(streams):
             while not outs[k].finished:
                 outs[k] = await replicas.next_output(stream)
@@ -450,7 +457,7 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
     assert offset >= 6 and listed.prompt_tokens == prompt_len == len(prompts[3])
     assert listed.completion_tokens >= offset and listed.prompt_computed <= prompt_len
     assert outs[3].finish_reason == FinishReason.CANCELLED
-    for k, (conversation, (held, mirror, moved_to, went_on)) in enumerate(zip(conversations, after, strict=True)):
+    for k, (conversation, (held, mirror, moved_to, went_on)) in enumerate(zip(conversations[:2], after[:2], strict=True)):
         # The stream paused at the loss and went on with the uninterrupted answer's tokens.
         assert tokens[4 + k] == expected[3 + k] and outs[4 + k].finish_reason == FinishReason.LENGTH
         assert outs[4 + k].usage.prompt_tokens == len(conversation)
@@ -458,7 +465,10 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
         assert held == mirror == conversation + expected[3 + k] and moved_to == 1 - victim
         assert list(went_on.token_ids) == list(single.generate([held + [1, 2, 3]], GREEDY)[0].token_ids)
         assert len(held) - 1 <= went_on.usage.cached_tokens <= len(held)  # its K/V went on with it
-    assert replicas.lost[victim] == 1 and replicas.resubmitted >= 6
+    held, mirror, moved_to, went_on = after[2]
+    assert held == mirror == conversations[2] + tokens[6][:3] and moved_to == 1 - victim
+    assert list(went_on.token_ids) == list(single.generate([held + [1, 2, 3]], GREEDY)[0].token_ids)
+    assert replicas.lost[victim] == 1 and replicas.resubmitted >= 7
     wait_for(lambda: replicas.router.is_up(victim), timeout=60)
     again = run(collect(replicas, PROMPTS[0], GREEDY))[1]
     assert again == list(single.generate([PROMPTS[0]], GREEDY)[0].token_ids)

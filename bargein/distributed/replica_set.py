@@ -477,6 +477,8 @@ class ReplicaSet:
                     return AbortResult.NOT_FOUND
                 if delivered is not None:  # the replica keeps only what the consumer was handed (C3)
                     self.actors[done.replica].abort.remote(request_id, reason, max(0, delivered - done.offset))
+                    self._cut_resumed_conversation(done.replica, done.session, done.session_base + delivered,
+                                                   delivered < done.offset)
                     session = self._sessions.get(done.session) if done.session else None
                     if session is not None:
                         del session.tokens[done.session_base + delivered:]
@@ -687,6 +689,8 @@ class ReplicaSet:
                 if delta.finished:
                     del self._live[rec.request_id]
                     self._remember(rec, index)
+                    self._cut_resumed_conversation(index, rec.session, rec.session_base + len(rec.output),
+                                                   len(rec.output) < rec.offset)
                     self.router.finished(rec.route)
                     counters.generated_tokens += len(rec.output)
                 rec.stream.push(delta)
@@ -715,6 +719,15 @@ class ReplicaSet:
             session.tokens[rec.session_base:] = rec.output
         while len(self._recent) > RECENT_FINISHED:
             self._recent.popitem(last=False)
+
+    def _cut_resumed_conversation(self, replica: int, session_id: str | None, length: int, short: bool) -> None:
+        """A resumed conversation answer kept fewer tokens than its replica got in its
+        prompt (a cancel handed the consumer less than was produced before the loss): the
+        replica's conversation is cut to the head's copy (sent after the request's end,
+        so the conversation is idle there, and before any later turn's submit)."""
+        session = self._sessions.get(session_id) if session_id is not None else None
+        if short and session is not None and session.replica == replica:
+            self.actors[replica].truncate_session.remote(session_id, length)
 
     # -- faults ------------------------------------------------------------------------
     def _lose(self, index: int, why: str) -> None:
