@@ -803,15 +803,14 @@ class ReplicaSet:
             actor.submit.remote(rec.request_id, tokens, resumed, timeout, produced, constraint_from=constraint_from)
             return
         # The conversation moves with its answer: opened there holding the answer so far
-        # (the same actor's ordered inbox runs the open before the submit), the answer goes
-        # on as a session request with no new prompt tokens.
+        # (by the submit itself: two actor calls are not ordered), the answer goes on as a
+        # session request with no new prompt tokens.
         session = self._sessions[rec.session]
         session.replica = route.replica
         log.info("conversation %s moves to replica %d with its answer (%d tokens)", rec.session, route.replica,
                  len(tokens))
-        actor.open_session.remote(tokens, rec.session)
         actor.submit.remote(rec.request_id, [], resumed, timeout, produced, session_id=rec.session,
-                            constraint_from=constraint_from)
+                            constraint_from=constraint_from, open_tokens=tokens)
 
     def _await_restart(self, index: int) -> None:
         """Pings the lost replica until Ray has restarted it (a new incarnation answers),
