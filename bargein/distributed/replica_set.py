@@ -146,6 +146,9 @@ class _Session:
 
     replica: int
     tokens: list[int]
+    # Not yet opened on ``replica``: the next call there opens it first, in the same actor
+    # call or awaited before it (two calls to an async actor are not ordered).
+    unopened: bool = True
 
 
 @dataclass
@@ -359,12 +362,15 @@ class ReplicaSet:
             self.tombstones.discard(request_id)  # a reused id starts clean
             rec = _Live(request_id, stream, tokens, params, None if timeout is None else time.monotonic() + timeout,
                         route, constraint_from, session_id)
+            open_tokens = None
             if session is not None:
+                if session.unopened:
+                    open_tokens, session.unopened = list(session.tokens), False
                 session.tokens += tokens
                 rec.session_base = len(session.tokens)
             self._live[request_id] = rec
         self.actors[route.replica].submit.remote(request_id, tokens, params, timeout, 0, session_id=session_id,
-                                                 constraint_from=constraint_from)
+                                                 constraint_from=constraint_from, open_tokens=open_tokens)
         return request_id, stream
 
     def _check(self, prompt: str | Sequence[int], params: SamplingParams, timeout: float | None, *,
@@ -420,7 +426,7 @@ class ReplicaSet:
 
     def open_session(self, token_ids: Sequence[int] = ()) -> str:
         """Opens a conversation on the replica with the best prefix match (else the least
-        loaded); returns its id at once (the open reaches the replica before any later call)."""
+        loaded); returns its id at once (the replica opens it with the first call there)."""
         tokens = [int(t) for t in token_ids]
         session_id = self.engine.new_request_id().replace("req-", "conv-")
         with self._lock:
@@ -428,11 +434,16 @@ class ReplicaSet:
             if route is None:
                 raise EngineDeadError("no replica is up")
             self._sessions[session_id] = _Session(route.replica, tokens)
-            self.actors[route.replica].open_session.remote(tokens, session_id)
         return session_id
 
     async def _on_session(self, session_id: str, method: str, *args: Any) -> Any:
-        return await getattr(self.actors[self._session(session_id).replica], method).remote(session_id, *args)
+        with self._lock:
+            session = self._session(session_id)
+            actor, opening = self.actors[session.replica], session.unopened
+            tokens, session.unopened = list(session.tokens), False
+        if opening:
+            await actor.open_session.remote(tokens, session_id)
+        return await getattr(actor, method).remote(session_id, *args)
 
     async def append_session(self, session_id: str, token_ids: Sequence[int]) -> None:
         tokens = [int(t) for t in token_ids]
@@ -448,7 +459,7 @@ class ReplicaSet:
         new_id = await self._on_session(session_id, "fork_session")
         with self._lock:
             parent = self._session(session_id)
-            self._sessions[new_id] = _Session(parent.replica, list(parent.tokens))
+            self._sessions[new_id] = _Session(parent.replica, list(parent.tokens), unopened=False)
         return new_id
 
     async def truncate_session(self, session_id: str, num_tokens: int) -> None:
@@ -457,7 +468,7 @@ class ReplicaSet:
 
     async def close_session(self, session_id: str) -> None:
         session = self._sessions.get(session_id)
-        if session is not None and session.replica >= 0:
+        if session is not None and session.replica >= 0 and not session.unopened:
             await self._on_session(session_id, "close_session")
         self._sessions.pop(session_id, None)
 
@@ -751,9 +762,8 @@ class ReplicaSet:
             log.warning("conversation %s has no replica left; it fails at its next use", session_id)
             session.replica = -1
             return
-        session.replica = route.replica
+        session.replica, session.unopened = route.replica, True  # opened there by its next call
         log.info("conversation %s moves to replica %d (%d tokens)", session_id, route.replica, len(session.tokens))
-        self.actors[route.replica].open_session.remote(list(session.tokens), session_id)
 
     def _resubmit(self, rec: _Live, why: str) -> None:
         """Under the lock: dispatches ``rec`` again, or ends it (cancelled, done, expired, nowhere to go)."""
@@ -806,7 +816,7 @@ class ReplicaSet:
         # (by the submit itself: two actor calls are not ordered), the answer goes on as a
         # session request with no new prompt tokens.
         session = self._sessions[rec.session]
-        session.replica = route.replica
+        session.replica, session.unopened = route.replica, False
         log.info("conversation %s moves to replica %d with its answer (%d tokens)", rec.session, route.replica,
                  len(tokens))
         actor.submit.remote(rec.request_id, [], resumed, timeout, produced, session_id=rec.session,
