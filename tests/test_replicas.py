@@ -503,22 +503,31 @@ def test_a_hung_replica_is_replaced_and_its_stream_finishes_with_the_same_tokens
 
 
 def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster):
-    """One replica that Ray may not restart: killed mid-stream, its request ends with
-    finish_reason "error" naming the loss, after the tokens already delivered."""
+    """One replica that Ray may not restart: killed mid-stream, its request and a
+    conversation's answer end with finish_reason "error" naming the loss, after the tokens
+    already delivered; the conversation then says it was lost."""
     group = ReplicaSet.launch(build_replica_engine, 1, ReplicaOptions(num_cpus=0, max_restarts=0,
                                                                       call_timeout_s=5.0))
     try:
         async def main():
             rid, stream = group.submit([4, 4, 4, 4, 4], ENDLESS)
+            conv = Conversation.open(group, [6, 6, 6, 6])
+            _, answer = group.submit((), ENDLESS, session_id=conv.id)
             tokens, out = [], await group.next_output(stream)
             tokens += out.new_token_ids
+            answered = await group.next_output(answer)
             ray.kill(group.actors[0], no_restart=True)
             while not out.finished:
                 out = await group.next_output(stream)
                 tokens += out.new_token_ids
-            return tokens, out
+            while not answered.finished:
+                answered = await group.next_output(answer)
+            with pytest.raises(EngineError, match="was lost with its replica and no replica is left"):
+                await conv.tokens()
+            return tokens, out, answered
 
-        tokens, out = run(main())
+        tokens, out, answered = run(main())
+        assert answered.finish_reason == FinishReason.ERROR and "no replica is left" in answered.error
         assert out.finish_reason == FinishReason.ERROR
         assert "no replica is left" in out.error and "replica 0 was lost" in out.error
         assert out.token_ids == tuple(tokens) and len(tokens) < ENDLESS.max_tokens
