@@ -386,9 +386,12 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
     the grammar replays the answer so far), ``/v1/requests`` shows a resumed request as
     its client sent it, and Ray's restart of the replica puts it back in the set.
 
-    A conversation handle there is re-opened on the other replica from the head's copy
-    of its tokens: its answer in flight ends with an error saying so, it holds exactly
-    the prompt and the tokens delivered, and it goes on token-exact."""
+    Two conversation handles there, one generating a greedy and one a seeded sampled
+    answer, move to the other replica with their answers: each conversation is opened
+    there from the head's copy of its tokens plus the answer so far, and the answer goes
+    on as a session request with ``output_offset``, so the stream pauses and continues
+    with the single engine's tokens; afterwards the conversation holds exactly prompt +
+    whole answer and its next turn is token-exact, reusing its K/V."""
     sampled = SamplingParams(max_tokens=40, temperature=1.1, top_p=0.9, seed=77, ignore_eos=True)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=40, temperature=0, constraint=Constraint.json_schema(SCHEMA))
@@ -397,12 +400,14 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
                [9, 8, 7, 6, 5, 4, 3, 2, 70, 71, 72])
     params = (greedy, sampled, constrained, ENDLESS)
     expected = [list(o.token_ids) for o in single.generate(list(prompts[:3]), list(params[:3]))]
-    conversation = [9, 8, 7, 6, 5, 4, 3, 2, 80]
+    conversations = ([9, 8, 7, 6, 5, 4, 3, 2, 80], [9, 8, 7, 6, 5, 4, 3, 2, 81, 82], [9, 8, 7, 6, 5, 4, 3, 2, 83])
+    conv_params = (greedy, sampled, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    expected += [list(o.token_ids) for o in single.generate(list(conversations[:2]), list(conv_params[:2]))]
 
     async def main():
         streams = [replicas.submit(p, q) for p, q in zip(prompts, params, strict=True)]
-        session = replicas.open_session(conversation)
-        streams.append(replicas.submit((), ENDLESS, session_id=session))
+        sessions = [replicas.open_session(c) for c in conversations]
+        streams += [replicas.submit((), q, session_id=s) for s, q in zip(sessions, conv_params, strict=True)]
         victim = replicas._live[streams[0][0]].replica
         assert all(replicas._live[rid].replica == victim for rid, _ in streams)
         tokens = [[] for _ in streams]
@@ -421,20 +426,28 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
         listed = {info.request_id: info for info in replicas.list_requests()}[endless_id]
         sent = (len(resumed.prompt), resumed.offset)
         replicas.abort(endless_id)
+        # The third conversation's consumer, once its answer has resumed, says it was handed
+        # only 3 tokens (fewer than the new replica got in its prompt): both copies keep 3.
+        cut_id, cut = streams[6]
+        assert replicas._live[cut_id].offset > 3  # resubmitted at the loss, with the answer so far
+        replicas.abort(cut_id, delivered=3)
         for k, (_, stream) in enumerate(streams):
             while not outs[k].finished:
                 outs[k] = await replicas.next_output(stream)
                 tokens[k] += outs[k].new_token_ids
-        conv = Conversation(replicas, session)
-        held = await conv.tokens()
-        moved_to = replicas._sessions[session].replica
-        await conv.prompt([1, 2, 3])
-        went_on = [o async for o in conv.generate(GREEDY)][-1]
-        await conv.close()
-        return victim, tokens, outs, listed, sent, (held, moved_to, went_on)
+        after = []
+        for session in sessions:
+            conv = Conversation(replicas, session)
+            held, mirror = await conv.tokens(), list(replicas._sessions[session].tokens)
+            moved_to = replicas._sessions[session].replica
+            await conv.prompt([1, 2, 3])
+            went_on = [o async for o in conv.generate(GREEDY)][-1]
+            await conv.close()
+            after.append((held, mirror, moved_to, went_on))
+        return victim, tokens, outs, listed, sent, after
 
-    victim, tokens, outs, listed, (prompt_len, offset), (held, moved_to, went_on) = run(main())
-    assert tokens[:3] == expected
+    victim, tokens, outs, listed, (prompt_len, offset), after = run(main())
+    assert tokens[:3] == expected[:3]
     assert [o.finish_reason for o in outs[:2]] == [FinishReason.LENGTH, FinishReason.LENGTH]
     assert outs[2].finish_reason == expected_finish(single, prompts[2], constrained)
     assert all(o.usage.completion_tokens == 40 for o in outs[:2])
@@ -442,10 +455,18 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
     assert offset >= 6 and listed.prompt_tokens == prompt_len == len(prompts[3])
     assert listed.completion_tokens >= offset and listed.prompt_computed <= prompt_len
     assert outs[3].finish_reason == FinishReason.CANCELLED
-    assert outs[4].finish_reason == FinishReason.ERROR and "the conversation keeps" in outs[4].error
-    assert held == conversation + tokens[4] and len(tokens[4]) >= 6 and moved_to == 1 - victim
+    for k, (conversation, (held, mirror, moved_to, went_on)) in enumerate(zip(conversations[:2], after[:2], strict=True)):
+        # The stream paused at the loss and went on with the uninterrupted answer's tokens.
+        assert tokens[4 + k] == expected[3 + k] and outs[4 + k].finish_reason == FinishReason.LENGTH
+        assert outs[4 + k].usage.prompt_tokens == len(conversation)
+        assert outs[4 + k].usage.completion_tokens == 40
+        assert held == mirror == conversation + expected[3 + k] and moved_to == 1 - victim
+        assert list(went_on.token_ids) == list(single.generate([held + [1, 2, 3]], GREEDY)[0].token_ids)
+        assert len(held) - 1 <= went_on.usage.cached_tokens <= len(held)  # its K/V went on with it
+    held, mirror, moved_to, went_on = after[2]
+    assert held == mirror == conversations[2] + tokens[6][:3] and moved_to == 1 - victim
     assert list(went_on.token_ids) == list(single.generate([held + [1, 2, 3]], GREEDY)[0].token_ids)
-    assert replicas.lost[victim] == 1 and replicas.resubmitted >= 4
+    assert replicas.lost[victim] == 1 and replicas.resubmitted >= 7
     wait_for(lambda: replicas.router.is_up(victim), timeout=60)
     again = run(collect(replicas, PROMPTS[0], GREEDY))[1]
     assert again == list(single.generate([PROMPTS[0]], GREEDY)[0].token_ids)
@@ -482,22 +503,31 @@ def test_a_hung_replica_is_replaced_and_its_stream_finishes_with_the_same_tokens
 
 
 def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster):
-    """One replica that Ray may not restart: killed mid-stream, its request ends with
-    finish_reason "error" naming the loss, after the tokens already delivered."""
+    """One replica that Ray may not restart: killed mid-stream, its request and a
+    conversation's answer end with finish_reason "error" naming the loss, after the tokens
+    already delivered; the conversation then says it was lost."""
     group = ReplicaSet.launch(build_replica_engine, 1, ReplicaOptions(num_cpus=0, max_restarts=0,
                                                                       call_timeout_s=5.0))
     try:
         async def main():
             rid, stream = group.submit([4, 4, 4, 4, 4], ENDLESS)
+            conv = Conversation.open(group, [6, 6, 6, 6])
+            _, answer = group.submit((), ENDLESS, session_id=conv.id)
             tokens, out = [], await group.next_output(stream)
             tokens += out.new_token_ids
+            answered = await group.next_output(answer)
             ray.kill(group.actors[0], no_restart=True)
             while not out.finished:
                 out = await group.next_output(stream)
                 tokens += out.new_token_ids
-            return tokens, out
+            while not answered.finished:
+                answered = await group.next_output(answer)
+            with pytest.raises(EngineError, match="was lost with its replica and no replica is left"):
+                await conv.tokens()
+            return tokens, out, answered
 
-        tokens, out = run(main())
+        tokens, out, answered = run(main())
+        assert answered.finish_reason == FinishReason.ERROR and "no replica is left" in answered.error
         assert out.finish_reason == FinishReason.ERROR
         assert "no replica is left" in out.error and "replica 0 was lost" in out.error
         assert out.token_ids == tuple(tokens) and len(tokens) < ENDLESS.max_tokens

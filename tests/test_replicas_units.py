@@ -11,6 +11,9 @@ from bargein.distributed.replica_build import plan_stage_nodes
 from bargein.distributed.router import PrefixIndex, Router, Tombstones, block_hashes
 from bargein.distributed.split import PipelineSetupError
 from bargein.engine.blocks import KeyChanges
+from bargein.engine.engine import EngineError
+from bargein.engine.request import FinishReason
+from bargein.engine.sampler import SamplingState
 from bargein.engine.sampling import SamplingParams
 from tests.tiny_engine import tiny_engine
 
@@ -42,6 +45,59 @@ def test_a_request_resumed_from_its_tokens_draws_the_same_sampled_tokens():
     # Without the offset the stream restarts at index 0: a different answer (what the offset is for).
     assert _run(engine, PROMPT + whole[:7], replace(params, max_tokens=9)) != whole[7:]
     engine.check_block_accounting()
+
+
+def _run_session(engine, session, new_tokens, params, output_offset=0):
+    rid = engine.add_request(new_tokens, params, session_id=session, output_offset=output_offset)
+    tokens, last = [], None
+    while engine.has_work:
+        for delta in engine.step().deltas:
+            if delta.request_id == rid:
+                tokens += delta.new_token_ids
+                last = delta if delta.finished else last
+    return tokens, last
+
+
+def test_a_conversation_answer_resumed_with_output_offset_draws_the_same_sampled_tokens():
+    """A conversation opened with prompt + the first k tokens of an answer, then a session
+    request with no new tokens and output_offset=k, goes on with the uninterrupted answer's
+    seeded tokens, and the conversation ends as prompt + whole answer. The answer so far
+    may also come as the request's new prompt tokens. An offset past the conversation's
+    end fails the request and leaves the conversation as it was; a negative one is refused."""
+    engine = tiny_engine()
+    params = SamplingParams(max_tokens=14, temperature=1.3, top_p=0.95, seed=4321, ignore_eos=True,
+                            frequency_penalty=0.7, presence_penalty=0.3)
+    session = engine.open_session(PROMPT)
+    whole, _ = _run_session(engine, session, [], params)
+    assert len(whole) == 14 and engine.session_tokens(session) == PROMPT + whole
+    for k in (1, 6):
+        moved = engine.open_session(PROMPT + whole[:k])
+        rest, last = _run_session(engine, moved, [], replace(params, max_tokens=14 - k), output_offset=k)
+        assert rest == whole[k:] and last.finish_reason == FinishReason.LENGTH
+        assert engine.session_tokens(moved) == PROMPT + whole
+        engine.close_session(moved)
+    appended = engine.open_session(PROMPT[:3])
+    rest, _ = _run_session(engine, appended, PROMPT[3:] + whole[:6], replace(params, max_tokens=8), output_offset=6)
+    assert rest == whole[6:] and engine.session_tokens(appended) == PROMPT + whole
+    # Past the end (the conversation's 8 tokens + 2 new ones): an error, nothing appended.
+    short = engine.open_session(PROMPT)
+    rest, last = _run_session(engine, short, [1, 2], params, output_offset=11)
+    assert rest == [] and last.finish_reason == FinishReason.ERROR and "output_offset 11" in last.error
+    assert engine.session_tokens(short) == PROMPT
+    with pytest.raises(EngineError, match="output_offset"):
+        engine.add_request([], params, session_id=short, output_offset=-1)
+    engine.check_block_accounting()
+
+
+def test_a_resumed_request_s_min_tokens_counts_its_own_output():
+    """A resumed request's params carry the rest of min_tokens (the head subtracts what was
+    produced): eos stays masked for that many of its own tokens, whatever its offset."""
+    params = SamplingParams(max_tokens=10, min_tokens=3)
+    state = SamplingState.create(params, PROMPT, eos_token_ids=[0], output_offset=5)
+    for token in (11, 12, 13):
+        assert state.masks_eos and state.token_index == 5 + len(state.output_token_ids)
+        state.accept(token)
+    assert not state.masks_eos
 
 
 def test_prefix_index_follows_reported_keys_and_expected_prompts():

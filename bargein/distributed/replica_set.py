@@ -29,7 +29,10 @@ Constrained requests carry their constraint to the replica (the head compiles it
 to refuse a bad one); a resumed one gets ``constraint_from`` so the replica's matcher
 replays the answer so far. Conversation handles (engine sessions) are pinned to one
 replica; the head keeps a copy of each one's tokens so that a lost replica's
-conversations are opened again elsewhere (their answer in flight ends with an error).
+conversations are opened again elsewhere. An answer in flight there resumes too: its
+conversation is opened holding the answer so far, and the answer is resubmitted as a
+session request with no new prompt tokens and ``output_offset`` = the tokens produced,
+so it continues with the same tokens and the conversation ends as prompt + whole answer.
 ``launch_replicas`` is the set-up: whole-model replicas (weights shipped to nodes
 without the file) or replicas that are pipelines (stages planned over the cluster).
 """
@@ -133,6 +136,7 @@ class _Finished:
     replica: int
     session: str | None = None
     session_base: int = 0
+    offset: int = 0  # output tokens the last replica got in its prompt (a resumed request)
 
 
 @dataclass
@@ -142,6 +146,9 @@ class _Session:
 
     replica: int
     tokens: list[int]
+    # Not yet opened on ``replica``: the next call there opens it first, in the same actor
+    # call or awaited before it (two calls to an async actor are not ordered).
+    unopened: bool = True
 
 
 @dataclass
@@ -355,12 +362,15 @@ class ReplicaSet:
             self.tombstones.discard(request_id)  # a reused id starts clean
             rec = _Live(request_id, stream, tokens, params, None if timeout is None else time.monotonic() + timeout,
                         route, constraint_from, session_id)
+            open_tokens = None
             if session is not None:
+                if session.unopened:
+                    open_tokens, session.unopened = list(session.tokens), False
                 session.tokens += tokens
                 rec.session_base = len(session.tokens)
             self._live[request_id] = rec
         self.actors[route.replica].submit.remote(request_id, tokens, params, timeout, 0, session_id=session_id,
-                                                 constraint_from=constraint_from)
+                                                 constraint_from=constraint_from, open_tokens=open_tokens)
         return request_id, stream
 
     def _check(self, prompt: str | Sequence[int], params: SamplingParams, timeout: float | None, *,
@@ -416,7 +426,7 @@ class ReplicaSet:
 
     def open_session(self, token_ids: Sequence[int] = ()) -> str:
         """Opens a conversation on the replica with the best prefix match (else the least
-        loaded); returns its id at once (the open reaches the replica before any later call)."""
+        loaded); returns its id at once (the replica opens it with the first call there)."""
         tokens = [int(t) for t in token_ids]
         session_id = self.engine.new_request_id().replace("req-", "conv-")
         with self._lock:
@@ -424,11 +434,16 @@ class ReplicaSet:
             if route is None:
                 raise EngineDeadError("no replica is up")
             self._sessions[session_id] = _Session(route.replica, tokens)
-            self.actors[route.replica].open_session.remote(tokens, session_id)
         return session_id
 
     async def _on_session(self, session_id: str, method: str, *args: Any) -> Any:
-        return await getattr(self.actors[self._session(session_id).replica], method).remote(session_id, *args)
+        with self._lock:
+            session = self._session(session_id)
+            actor, opening = self.actors[session.replica], session.unopened
+            tokens, session.unopened = list(session.tokens), False
+        if opening:
+            await actor.open_session.remote(tokens, session_id)
+        return await getattr(actor, method).remote(session_id, *args)
 
     async def append_session(self, session_id: str, token_ids: Sequence[int]) -> None:
         tokens = [int(t) for t in token_ids]
@@ -444,7 +459,7 @@ class ReplicaSet:
         new_id = await self._on_session(session_id, "fork_session")
         with self._lock:
             parent = self._session(session_id)
-            self._sessions[new_id] = _Session(parent.replica, list(parent.tokens))
+            self._sessions[new_id] = _Session(parent.replica, list(parent.tokens), unopened=False)
         return new_id
 
     async def truncate_session(self, session_id: str, num_tokens: int) -> None:
@@ -453,7 +468,7 @@ class ReplicaSet:
 
     async def close_session(self, session_id: str) -> None:
         session = self._sessions.get(session_id)
-        if session is not None and session.replica >= 0:
+        if session is not None and session.replica >= 0 and not session.unopened:
             await self._on_session(session_id, "close_session")
         self._sessions.pop(session_id, None)
 
@@ -472,7 +487,9 @@ class ReplicaSet:
                 if done is None:
                     return AbortResult.NOT_FOUND
                 if delivered is not None:  # the replica keeps only what the consumer was handed (C3)
-                    self.actors[done.replica].abort.remote(request_id, reason, delivered)
+                    self.actors[done.replica].abort.remote(request_id, reason, max(0, delivered - done.offset))
+                    self._cut_resumed_conversation(done.replica, done.session, done.session_base + delivered,
+                                                   delivered < done.offset)
                     session = self._sessions.get(done.session) if done.session else None
                     if session is not None:
                         del session.tokens[done.session_base + delivered:]
@@ -683,6 +700,8 @@ class ReplicaSet:
                 if delta.finished:
                     del self._live[rec.request_id]
                     self._remember(rec, index)
+                    self._cut_resumed_conversation(index, rec.session, rec.session_base + len(rec.output),
+                                                   len(rec.output) < rec.offset)
                     self.router.finished(rec.route)
                     counters.generated_tokens += len(rec.output)
                 rec.stream.push(delta)
@@ -699,17 +718,27 @@ class ReplicaSet:
         if delta.usage is not None:
             if rec.cached_tokens is None:
                 rec.cached_tokens = delta.usage.cached_tokens
-            if rec.resumes:
-                delta.usage = Usage(len(rec.prompt), rec.offset + delta.usage.completion_tokens, rec.cached_tokens)
+            if rec.resumes:  # a conversation's prompt is all of it, as its first replica counted
+                prompt_tokens = rec.session_base if rec.session is not None else len(rec.prompt)
+                delta.usage = Usage(prompt_tokens, rec.offset + delta.usage.completion_tokens, rec.cached_tokens)
 
     def _remember(self, rec: _Live, replica: int) -> None:
         """Under the lock: ``rec`` ended on ``replica``; its conversation (if any) holds its answer."""
-        self._recent[rec.request_id] = _Finished(replica, rec.session, rec.session_base)
+        self._recent[rec.request_id] = _Finished(replica, rec.session, rec.session_base, rec.offset)
         session = self._sessions.get(rec.session) if rec.session else None
         if session is not None:
             session.tokens[rec.session_base:] = rec.output
         while len(self._recent) > RECENT_FINISHED:
             self._recent.popitem(last=False)
+
+    def _cut_resumed_conversation(self, replica: int, session_id: str | None, length: int, short: bool) -> None:
+        """A resumed conversation answer kept fewer tokens than its replica got in its
+        prompt (a cancel handed the consumer less than was produced before the loss): the
+        replica's conversation is cut to the head's copy (sent after the request's end,
+        so the conversation is idle there, and before any later turn's submit)."""
+        session = self._sessions.get(session_id) if session_id is not None else None
+        if short and session is not None and session.replica == replica:
+            self.actors[replica].truncate_session.remote(session_id, length)
 
     # -- faults ------------------------------------------------------------------------
     def _lose(self, index: int, why: str) -> None:
@@ -733,9 +762,8 @@ class ReplicaSet:
             log.warning("conversation %s has no replica left; it fails at its next use", session_id)
             session.replica = -1
             return
-        session.replica = route.replica
+        session.replica, session.unopened = route.replica, True  # opened there by its next call
         log.info("conversation %s moves to replica %d (%d tokens)", session_id, route.replica, len(session.tokens))
-        self.actors[route.replica].open_session.remote(list(session.tokens), session_id)
 
     def _resubmit(self, rec: _Live, why: str) -> None:
         """Under the lock: dispatches ``rec`` again, or ends it (cancelled, done, expired, nowhere to go)."""
@@ -752,14 +780,14 @@ class ReplicaSet:
         elif rec.deadline is not None and rec.deadline <= time.monotonic():
             end = RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.CANCELLED,
                                cancel_reason=CancelReason.DEADLINE)
-        elif rec.session is not None:
-            # An engine session cannot resume an answer mid-way (its random stream would
-            # restart); the conversation keeps what was delivered and is re-opened elsewhere.
+        elif rec.session is not None and rec.session not in self._sessions:
             end = RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.ERROR,
-                               error=f"{why}; the conversation keeps the {produced} tokens delivered: "
-                                     f"generate again to go on")
+                               error=f"{why}; its conversation was closed")
         if end is None:
-            tokens = rec.prompt + rec.output
+            # A conversation's answer resumes from the conversation: its tokens before the
+            # answer (the head's copy) plus the answer so far.
+            tokens = (self._sessions[rec.session].tokens[:rec.session_base] if rec.session is not None
+                      else rec.prompt) + rec.output
             route: Route | None = self.router.choose(tokens, reserve_tokens=max(0, (params.max_tokens or 0) - produced))
             if route is None:
                 end = RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.ERROR,
@@ -777,10 +805,22 @@ class ReplicaSet:
         timeout = None if rec.deadline is None else rec.deadline - time.monotonic()
         log.info("request %s resumes on replica %d after %d tokens", rec.request_id, route.replica, produced)
         # A constrained answer's matcher replays the answer so far (from where it began).
+        begins = rec.session_base if rec.session is not None else len(rec.prompt)
         constraint_from = None if params.constraint is None else \
-            (len(rec.prompt) if rec.constraint_from is None else rec.constraint_from)
-        self.actors[route.replica].submit.remote(rec.request_id, tokens, resumed, timeout, produced,
-                                                 constraint_from=constraint_from)
+            (begins if rec.constraint_from is None else rec.constraint_from)
+        actor = self.actors[route.replica]
+        if rec.session is None:
+            actor.submit.remote(rec.request_id, tokens, resumed, timeout, produced, constraint_from=constraint_from)
+            return
+        # The conversation moves with its answer: opened there holding the answer so far
+        # (by the submit itself: two actor calls are not ordered), the answer goes on as a
+        # session request with no new prompt tokens.
+        session = self._sessions[rec.session]
+        session.replica, session.unopened = route.replica, False
+        log.info("conversation %s moves to replica %d with its answer (%d tokens)", rec.session, route.replica,
+                 len(tokens))
+        actor.submit.remote(rec.request_id, [], resumed, timeout, produced, session_id=rec.session,
+                            constraint_from=constraint_from, open_tokens=tokens)
 
     def _await_restart(self, index: int) -> None:
         """Pings the lost replica until Ray has restarted it (a new incarnation answers),

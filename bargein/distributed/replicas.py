@@ -189,11 +189,17 @@ class ReplicaWorker:
 
     async def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                      timeout: float | None = None, output_offset: int = 0, *, session_id: str | None = None,
-                     constraint_from: int | None = None) -> None:
+                     constraint_from: int | None = None, open_tokens: Sequence[int] | None = None) -> None:
         """Queues a request; a refusal or a cancel that came first ends it with a final delta.
+
+        ``open_tokens``: first open conversation ``session_id`` here with these tokens (a
+        conversation moving with its answer after a loss), in the engine's ordered inbox
+        before the request (separate actor calls are not ordered on an async actor).
 
         ``constraint_from``: where in the prompt a constrained answer began (a resumed or
         continued one: the tokens since are replayed into the grammar matcher)."""
+        if open_tokens is not None and session_id is not None:
+            self.engine.call_soon(functools.partial(self.engine.open_session, list(open_tokens), session_id))
         if request_id in self._tombstones:
             self._tombstones.discard(request_id)
             self.counters.dropped_late += 1

@@ -192,6 +192,11 @@ class Engine:
         ``output_offset`` resumes an answer begun elsewhere (a replica that was lost): the
         prompt's last ``output_offset`` tokens are that answer's earlier output, so seeded
         sampling draws token i from the same random stream as the original request did.
+        With ``session_id`` they are the conversation's last tokens (the new prompt tokens
+        after its existing ones): a conversation's answer resumed on another replica, whose
+        earlier output was opened into the conversation. Its range is checked when the
+        engine thread adds the request (the conversation's length is known there); out of
+        range, the request ends with an error and the conversation is unchanged.
         """
         params = params or SamplingParams()
         params.validate_for_vocab(self.model_config.vocab_size)
@@ -212,8 +217,8 @@ class Engine:
                 raise EngineError(str(exc)) from None
         if timeout is not None and not timeout > 0:
             raise EngineError("timeout must be a positive number of seconds")
-        if not 0 <= output_offset <= len(token_ids) or (output_offset and session_id is not None):
-            raise EngineError(f"output_offset must be within the prompt (0..{len(token_ids)}), without a session")
+        if output_offset < 0 or (session_id is None and output_offset > len(token_ids)):
+            raise EngineError(f"output_offset must be within the prompt (0..{len(token_ids)})")
         request_id = request_id or self.new_request_id()
         try:
             self.scheduler.ids.claim(request_id)
@@ -448,6 +453,11 @@ class Engine:
         req = message.request
         try:
             if message.session_id is not None:
+                length = self.scheduler.idle_session(message.session_id).sequence.num_tokens \
+                    + len(message.new_token_ids)
+                if req.output_offset > length:
+                    raise EngineError(f"output_offset {req.output_offset} is past the conversation's "
+                                      f"end ({length} tokens)")
                 self.scheduler.start_session_request(req, message.new_token_ids)
             else:
                 self.scheduler.add(req)

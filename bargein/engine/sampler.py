@@ -64,7 +64,8 @@ class SamplingState:
     # Output tokens generated before this request's prompt ended: a request resumed from its
     # tokens elsewhere (a lost replica) carries its earlier output as the prompt's tail. They
     # count as output for the random stream's index and for presence/frequency penalties,
-    # so the resumed request draws exactly what the original would have.
+    # so the resumed request draws exactly what the original would have (its params carry
+    # the rest of min_tokens/max_tokens, counted in its own output).
     output_offset: int = 0
 
     @property
@@ -109,8 +110,11 @@ class SamplingState:
 
     @property
     def masks_eos(self) -> bool:
-        """Whether eos and ``stop_token_ids`` are masked now (``min_tokens`` not reached)."""
-        return self.token_index < self.params.min_tokens
+        """Whether eos and ``stop_token_ids`` are masked now (``min_tokens`` not reached).
+
+        Counted in this request's own output, as the scheduler's stop check counts it: a
+        resumed request's ``params`` hold what is left of ``min_tokens``/``max_tokens``."""
+        return len(self.output_token_ids) < self.params.min_tokens
 
 
 @dataclass(frozen=True)
