@@ -9,8 +9,6 @@ and those are the only weight bytes that pass through the head.
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerC
 from bargein.distributed.split import stage_weight_bytes  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
-from tests.ray_cluster import MB, OBJECT_STORE_MB  # noqa: E402
+from tests.ray_cluster import add_nodes_with_and_without_the_file  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
 
 SPEC = TinySpec(num_layers=4)
@@ -34,23 +32,16 @@ def _config(resource: str | None = None) -> EngineConfig:
 
 
 def test_a_node_without_the_model_file_gets_its_layers_from_the_head(ray_cluster, tmp_path, monkeypatch) -> None:
-    with_file, without_file = tmp_path / "home-a", tmp_path / "home-b"
-    for home in (with_file, without_file):
-        (home / "models").mkdir(parents=True)
-    path = write_gguf(with_file / "models" / "tiny.gguf", SPEC, tiny_weights(SPEC))
-    monkeypatch.setenv("HOME", str(with_file))  # the head's home
-    resource = f"weights-{uuid.uuid4().hex[:8]}"
-    added = {home: ray_cluster.add_node(num_cpus=1, memory=300 * MB, object_store_memory=OBJECT_STORE_MB * MB,
-                                        resources={resource: 1}, env_vars={"HOME": str(home)})
-             for home in (with_file, without_file)}
-    ray_cluster.wait_for_nodes()
+    homes = add_nodes_with_and_without_the_file(ray_cluster, tmp_path, monkeypatch,
+                                                lambda p: write_gguf(p, SPEC, tiny_weights(SPEC)), "weights")
+    path, resource = homes.path, homes.resource
     pipe = None
     try:
         pipe = Engine.from_pretrained("~/models/tiny.gguf", _config(resource), progress=False)
         runner = pipe.runner
-        lacking = added[without_file].node_id
+        lacking = homes.without_file.node_id
         counters = runner.stage_counters()
-        assert {c.node_id for c in counters} == {n.node_id for n in added.values()}
+        assert {c.node_id for c in counters} == {n.node_id for n in homes.nodes}
         assert [c.weights_from for c in counters] == ["head" if c.node_id == lacking else "file" for c in counters]
         shipped = next(p for p in runner.placements if p.node_id == lacking)
         stored = stage_weight_bytes(pipe.model_config, shipped.layers, 4)  # an F32 file: stored as loaded
@@ -69,5 +60,5 @@ def test_a_node_without_the_model_file_gets_its_layers_from_the_head(ray_cluster
     finally:
         if pipe is not None:
             pipe.close()
-        for node in added.values():
+        for node in homes.nodes:
             ray_cluster.remove_node(node, allow_graceful=False)

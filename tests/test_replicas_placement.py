@@ -15,7 +15,6 @@ Both add simulated nodes to the shared cluster for their own test and remove the
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import httpx
 import pytest
@@ -35,7 +34,7 @@ from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.loader import load_config, resolve_model_ref  # noqa: E402
 from bargein.server.app import create_app  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
-from tests.ray_cluster import MB, OBJECT_STORE_MB  # noqa: E402
+from tests.ray_cluster import MB, OBJECT_STORE_MB, add_nodes_with_and_without_the_file  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
 
 SPEC = TinySpec(num_layers=4)
@@ -125,16 +124,10 @@ def test_replicas_that_are_pipelines(ray_cluster, tmp_path, capsys):
 
 def test_a_replica_on_a_node_without_the_model_file_gets_the_weights_from_the_head(ray_cluster, tmp_path,
                                                                                      monkeypatch):
-    with_file, without_file = tmp_path / "home-a", tmp_path / "home-b"
-    for home in (with_file, without_file):
-        (home / "models").mkdir(parents=True)
-    path = write_gguf(with_file / "models" / "tiny.gguf", SPEC, tiny_weights(SPEC), tensor_type="Q8_0")
-    monkeypatch.setenv("HOME", str(with_file))  # the head's home
-    resource = f"replica-{uuid.uuid4().hex[:8]}"
-    added = {home: ray_cluster.add_node(num_cpus=1, memory=300 * MB, object_store_memory=OBJECT_STORE_MB * MB,
-                                        resources={resource: 1}, env_vars={"HOME": str(home)})
-             for home in (with_file, without_file)}
-    ray_cluster.wait_for_nodes()
+    homes = add_nodes_with_and_without_the_file(
+        ray_cluster, tmp_path, monkeypatch, lambda p: write_gguf(p, SPEC, tiny_weights(SPEC), tensor_type="Q8_0"),
+        "replica")
+    path, resource = homes.path, homes.resource
     group = None
     try:
         group = launch_replicas("~/models/tiny.gguf", _config(), ray_cluster.address, 2,
@@ -144,10 +137,10 @@ def test_a_replica_on_a_node_without_the_model_file_gets_the_weights_from_the_he
         stored = read_stored(source, model_config, (0, model_config.num_layers)).nbytes
         assert stored < stage_weight_bytes(model_config, (0, model_config.num_layers), 4) / 3  # Q8_0 bytes
         infos = group.replica_infos()
-        lacking = added[without_file].node_id
-        assert {i.node_id for i in infos.values()} == {n.node_id for n in added.values()}
+        lacking = homes.without_file.node_id
+        assert {i.node_id for i in infos.values()} == {n.node_id for n in homes.nodes}
         assert {i.node_id: (i.weights_from, i.weights_received_bytes) for i in infos.values()} == {
-            added[with_file].node_id: ("file", 0), lacking: ("head", stored)}
+            homes.with_file.node_id: ("file", 0), lacking: ("head", stored)}
         assert group.weights_shipped_bytes == stored and len(group.nodes_without_file) == 1
 
         local = Engine.from_pretrained(str(path), _config(), progress=False)
@@ -164,5 +157,5 @@ def test_a_replica_on_a_node_without_the_model_file_gets_the_weights_from_the_he
     finally:
         if group is not None:
             group.close()
-        for node in added.values():
+        for node in homes.nodes:
             ray_cluster.remove_node(node)
