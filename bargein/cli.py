@@ -15,23 +15,19 @@ non-zero status, never a traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import logging
 import os
 import socket
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import import_module
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 EXIT_FAILURE = 1  # a failure at run time: the model does not load, the port is busy
 EXIT_USAGE = 2
 EXIT_SETUP = 1  # a set-up that cannot run here (no Ray, no cluster, a bad layer split)
-T = TypeVar("T")
 
 
 class UserError(Exception):
@@ -144,61 +140,6 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                               "(ray start --resources='{\"NAME\": 1}')")
 
 
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """The cyclic garbage collector off inside, back as it was after.
-
-    Start-up builds a quarter of a million objects that live as long as the server (torch's
-    and the server's modules, the vocabulary, the model) and little cyclic garbage; the
-    collector, run every few hundred allocations, walks that growing heap again and again:
-    ~0.3 CPU seconds of a start-up (measured: serve on SmolLM2-135M)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def settle_heap() -> None:
-    """One full collection, then what survives frozen.
-
-    What exists once the server is built (the modules, the model, the tokenizer, the app)
-    lives as long as the server. Frozen, the collector no longer walks it in every full
-    collection, a pause that stops every thread, the engine's and the event loop's (~300 ms
-    on 2 cores). Called while :func:`collection_paused`: with the collector back on first,
-    its first automatic collection would walk all of it once more (~0.2 CPU-s)."""
-    gc.collect()
-    gc.freeze()
-
-
-class InBackground(Generic[T]):
-    """``fn()`` run on a daemon thread of its own; :meth:`result` waits for it and returns its
-    value or raises its exception in the caller's thread. Daemon: a process that ends
-    early (an error, a Ctrl-C) does not wait for ``fn``, so ``fn`` must be safe to stop
-    anywhere (Python code, not a torch operation)."""
-
-    def __init__(self, fn: Callable[[], T], name: str):
-        self._fn = fn
-        self._value: T | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._value = self._fn()
-        except BaseException as exc:  # handed to the waiting thread, which raises it
-            self._error = exc
-
-    def result(self) -> T:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value  # type: ignore[return-value]
-
-
 @dataclass(frozen=True)
 class _Ready:
     """A server ready to run: the app, its settings, the bound socket, the serving line."""
@@ -210,6 +151,8 @@ class _Ready:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from bargein.startup import collection_paused, settle_heap
+
     with collection_paused():
         ready = _start_serving(args)
         if isinstance(ready, int):
@@ -282,6 +225,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
         elif config.pipeline is not None:
             engine = _load_engine(args.model, config)
         else:
+            from bargein.startup import InBackground
+
             import_module("bargein.engine.engine")  # before the thread: loading then imports next to nothing
             importing = InBackground(lambda: import_module("bargein.server.serve"), "bargein-import")
             engine = _load_engine(args.model, config)

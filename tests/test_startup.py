@@ -113,7 +113,8 @@ def test_serve_imports_no_http_client() -> None:
 
 
 def test_collection_is_paused_inside_and_restored_after_even_on_failure() -> None:
-    from bargein.cli import collection_paused, main
+    from bargein.cli import main
+    from bargein.startup import collection_paused
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError), collection_paused():
@@ -132,7 +133,7 @@ def test_collection_is_paused_inside_and_restored_after_even_on_failure() -> Non
 
 
 def test_in_background_returns_the_value_or_raises_the_error_in_the_waiting_thread() -> None:
-    from bargein.cli import InBackground
+    from bargein.startup import InBackground
 
     ran_on: list[threading.Thread] = []
 
@@ -151,7 +152,7 @@ def test_in_background_returns_the_value_or_raises_the_error_in_the_waiting_thre
 
 
 def test_settle_heap_collects_the_garbage_and_freezes_what_lives() -> None:
-    from bargein.cli import collection_paused, settle_heap
+    from bargein.startup import collection_paused, settle_heap
 
     class Node:
         pass

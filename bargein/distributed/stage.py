@@ -221,7 +221,8 @@ class StageWorker:
         for src, dst in plan.block_copies:
             for cache in self.caches:
                 cache.copy_block(src, dst)
-        x, pos, meta, indices = plan_inputs(plan, self.block_size, self.device)
+        x, pos, meta, indices = plan_inputs(plan, self.block_size, self.device,
+                                            decode_batch=self.stage.reads_decode_batch)
         if hidden is not None:
             x = hidden.to(self.device)
         out = self.stage(x, pos, meta, self.caches, logits_indices=indices if self.stage.is_last else None)

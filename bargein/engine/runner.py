@@ -119,8 +119,7 @@ class ModelRunner:
         if cuda_graph_batch_sizes and self.device.type == "cuda":
             self.decode_graphs = self.padded_decode(cuda_graph_batch_sizes, capture=True)
         self._submitted: StepPlan | None = None
-        # The fast precision attends token by token and reads no decode batch: not built.
-        self._decode_batch = any(not s.kernels.fast for s in self.stages)
+        self._decode_batch = any(s.reads_decode_batch for s in self.stages)
 
     @property
     def num_in_flight(self) -> int:

@@ -190,6 +190,12 @@ class LlamaStage(nn.Module):
         return self.config.vocab_size
 
     @property
+    def reads_decode_batch(self) -> bool:
+        """Whether this stage's attention reads AttentionMetadata's decode batch: the
+        ``fast`` precision attends token by token and never does, so it is not built."""
+        return not self.kernels.fast
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """The K/V cache's dtype: float16 in the fast precision, the model's dtype otherwise."""
         return self.kernels.kv_dtype or self.dtype
