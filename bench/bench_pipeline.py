@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 from common import apply_threads, base_parser, emit, format_table, machine_info, median  # noqa: E402
@@ -254,17 +255,19 @@ class StandInStage:
         self.counters = StageCounters(index, (index, index + 1), "", "none", 0)
         self.inputs = PrefetchedInputs()
 
+    def connect_next(self, handles: list) -> None:
+        self.next_stage = handles[0] if handles else None
+
     @ray.method(concurrency_group="inputs")
-    def fetch(self, seq: int, inputs: list) -> None:
-        hidden, sent_at = ray.get(ray.get(inputs[0])[0])  # [ref] -> (hidden states, sent at)
+    def receive(self, seq: int, hidden: Any, sent_at: float, error: str | None = None) -> None:
         self.inputs.put(seq, (hidden, time.time() - sent_at))
 
-    def run(self, seq: int, payload: bytes, fetched: bool, rows: Any = None) -> Any:
+    def run(self, seq: int, payload: bytes, receives: bool, rows: Any = None) -> Any:
         entered = time.time()
         plan = pickle.loads(payload)
         c = self.counters
         waited = time.perf_counter()
-        if fetched:
+        if receives:
             self.inputs.take(seq)
         started = time.perf_counter()
         input_at = time.time()
@@ -272,10 +275,11 @@ class StandInStage:
             c.first_start = waited
         time.sleep(self.token_s * plan.num_tokens)
         c.plans += 1
-        out = ((torch.zeros(len(plan.sampled), self.vocab), None, time.time()) if self.last
-               else [ray.put((torch.zeros(plan.num_tokens, self.hidden), time.time()))])
+        out = (np.zeros((len(plan.sampled), self.vocab), np.float32), None, time.time()) if self.last else None
         c.last_end = time.perf_counter()
         c.busy_s += c.last_end - started
+        if not self.last:
+            self.next_stage.receive.remote(seq, np.zeros((plan.num_tokens, self.hidden), np.float32), time.time())
         c.timeline.append((plan.step, entered, input_at, time.time()))
         return out
 
@@ -305,7 +309,7 @@ def stand_in(args: Any) -> list[dict[str, Any]]:
     rows = []
     for n in (2, 3, 4):
         actors = [actor.remote(i, i == n - 1, token_s, config.hidden_size, config.vocab_size) for i in range(n)]
-        ray.get([a.read_counters.remote() for a in actors])  # started: a plan's wait is not start-up
+        ray.get([a.connect_next.remote(actors[i + 1:i + 2]) for i, a in enumerate(actors)])  # started, too
         placements = [StagePlacement(i, (i, i + 1), "", "local", 0) for i in range(n)]
         # A stand-in answers the heartbeat on its one thread: allow it the time of a queue of plans.
         pipe = PipelineConfig(stages=n, micro_batches=n + 1, heartbeat_timeout_s=60)

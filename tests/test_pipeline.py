@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -284,15 +285,18 @@ def test_cancel_mid_prefill_stops_every_stage(setup: Setup) -> None:
 
 
 class _IssuedPlans:
-    """Records, at the head, every plan step submitted with a given request (engine thread)."""
+    """Records, at the head, every plan step submitted with a given request (engine thread);
+    ``pace_s``: a pause before each submit, so a test's timing does not hang on how fast
+    the stages are."""
 
-    def __init__(self, engine: Engine, request_id: str | None = None):
+    def __init__(self, engine: Engine, request_id: str | None = None, pace_s: float = 0.0):
         self.runner, self.request_id, self.steps = engine.runner, request_id, []
         submit = self.runner.submit
 
         def recording_submit(plan: StepPlan) -> None:
             if any(c.request_id == self.request_id for c in plan.chunks):
                 self.steps.append(plan.step)
+            time.sleep(pace_s)
             submit(plan)
 
         self.runner.submit = recording_submit
@@ -307,7 +311,7 @@ def test_a_deadline_cancel_reaches_every_stage(setup: Setup) -> None:
     engine = setup.pipe
     rid = engine.add_request(_prompt(6, 40), SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
                              timeout=0.6)
-    issued = _IssuedPlans(engine, rid)
+    issued = _IssuedPlans(engine, rid, pace_s=0.005)  # 400 tokens take over 2 s: the deadline passes mid-decode
     expire = engine.scheduler.expire_deadlines
     at_cancel: list[list[int]] = []
 

@@ -75,8 +75,12 @@ class Nodes:
         self.cluster.wait_for_nodes()
 
     def remove(self, node_id: str) -> None:
+        """The node dies, with every process on it. ``remove_node`` kills a simulated node's
+        raylet, but its worker processes (a stage's actor) outlive it for a while and go
+        on answering calls that reach them directly; a real node's death takes them at once."""
         node = next(n for n in self.nodes if n.node_id == node_id)
         self.nodes.remove(node)
+        _kill_children(node.all_processes["raylet"][0].process.pid)
         self.cluster.remove_node(node, allow_graceful=False)
 
     def wait_gone(self, node_id: str, timeout_s: float = 60.0) -> None:
@@ -93,6 +97,23 @@ class Nodes:
             self.nodes.remove(node)
             with contextlib.suppress(Exception):
                 self.cluster.remove_node(node, allow_graceful=False)
+
+
+def _kill_children(pid: int) -> None:
+    """SIGKILLs every process below ``pid`` (read from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    below, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - below
+        below |= frontier
+    for child in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

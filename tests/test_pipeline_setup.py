@@ -88,3 +88,31 @@ def test_prefetched_inputs_wait_for_their_plan_raise_its_error_and_drop_voided_o
         inputs.take(9)
     assert inputs.take(10)[0] is hidden
     assert len(inputs) == 0  # plan 8's input was dropped with plan 9's take
+
+
+def test_voided_plans_fail_at_once_whether_waiting_or_not_yet_taken_and_late_inputs_are_dropped() -> None:
+    """A lost stage voids every plan in flight: a surviving stage waiting for such a plan's
+    hidden states (which will never come) fails it at once, and inputs of voided plans that
+    arrive late are not kept; plans after the void are taken as usual."""
+    pytest.importorskip("ray")
+    import threading
+
+    import torch
+
+    from bargein.distributed.stage import PlanVoided, PrefetchedInputs
+
+    inputs = PrefetchedInputs()
+    hidden = torch.ones(2, 3)
+    inputs.put(4, (hidden, 0.0))
+    later = threading.Timer(0.05, inputs.void_through, args=(6,))
+    later.start()
+    with pytest.raises(PlanVoided, match="plan 5 was given up"):
+        inputs.take(5)  # was waiting: woken by the void
+    assert len(inputs) == 0  # plan 4's input went with the void
+    inputs.put(6, (hidden, 0.0))  # arrives after the void: dropped
+    assert len(inputs) == 0
+    with pytest.raises(PlanVoided):
+        inputs.take(6)
+    inputs.void_through(3)  # an older void moves nothing back
+    inputs.put(7, (hidden, 0.5))
+    assert inputs.take(7) == (hidden, 0.5)

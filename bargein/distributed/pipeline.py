@@ -1,8 +1,8 @@
 """The pipeline runner: the engine's runner seam over N stage actors on a Ray cluster.
 
-``submit(plan)`` pickles the plan once and hands it to every stage, chaining the calls
-by object references (stage k's hidden states go to stage k+1 through the object store,
-never through this process); ``collect()`` waits for the oldest plan's logits. Plain
+``submit(plan)`` pickles the plan once and hands it to every stage (stage k sends its
+hidden states to stage k+1 itself, never through this process; see ``stage``);
+``collect()`` waits for the oldest plan's logits. Plain
 sampled rows (``sampler.row_sampling``: no grammar, penalties or logprobs) are sampled
 on the last stage, which sends their token ids instead of their logits rows. Up to
 ``max_in_flight`` plans (micro-batches) are in flight; the engine's scheduler never puts
@@ -281,6 +281,7 @@ class PipelineRunner(StageRecovery):
                        for p in placements]
             num_blocks = max(_MIN_BLOCKS, min(b // per for b, per in zip(budgets, per_block, strict=True)))
         ray.get([a.allocate.remote(num_blocks, block_size) for a in actors])
+        ray.get([a.connect_next.remote(actors[i + 1:i + 2]) for i, a in enumerate(actors)])
         log.info("pipeline of %d stages: %s; %d KV blocks", len(actors),
                  ", ".join(f"layers {p.layers[0]}-{p.layers[1]} on {p.node_address}" for p in placements),
                  num_blocks)
@@ -292,32 +293,29 @@ class PipelineRunner(StageRecovery):
         return len(self._in_flight)
 
     def submit(self, plan: StepPlan) -> None:
-        """Hands the plan to every stage, chained by object references; returns at once."""
+        """Hands the plan to every stage (the first one first: it starts while the others
+        are sent); returns at once."""
         if len(self._in_flight) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} plans are in flight: collect() one first")
         if not self._ready.is_set():
             raise RuntimeError(self._lost_message or "the pipeline is recovering a lost stage")
-        rows = None
-        if self.row_sampling is not None:
-            rows = tuple(self.row_sampling(c.request_id) for c in plan.sampled)
-            rows = rows if any(r is not None for r in rows) else None
         payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         self._seq += 1
-        refs: list[Any] = []
-        ref = None
         last = len(self.actors) - 1
+        refs = []
         for i, actor in enumerate(self.actors):
-            if ref is not None:
-                # The previous stage's reference goes in a list, so Ray does not hold this call
-                # (and the heartbeat queued after it) until that stage finished: the stage
-                # fetches it itself, on its inputs thread, while earlier plans compute.
-                actor.fetch.remote(self._seq, [ref])
-            ref = actor.run.remote(self._seq, payload, ref is not None, rows if i == last else None)
-            refs.append(ref)
-            self.traffic.plan_bytes += len(payload)
-        if rows is not None:
-            self.traffic.plan_bytes += len(pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL))
+            rows = self._rows_payload(plan) if i == last else None
+            refs.append(actor.run.remote(self._seq, payload, i > 0, rows))
+            self.traffic.plan_bytes += len(payload) + len(rows or b"")
         self._in_flight.append((plan, refs, time.monotonic()))
+
+    def _rows_payload(self, plan: StepPlan) -> bytes | None:
+        """The plan's sampled rows' RowSampling (None for a row the head samples), pickled
+        for the last stage; None if it samples none."""
+        if self.row_sampling is None:
+            return None
+        rows = tuple(self.row_sampling(c.request_id) for c in plan.sampled)
+        return pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL) if any(r is not None for r in rows) else None
 
     def collect(self) -> StepResult:
         """Waits for the oldest plan's logits.
@@ -341,6 +339,10 @@ class PipelineRunner(StageRecovery):
         finally:
             self.collect_wait_s += time.perf_counter() - waited
         self.logits_transfer_s += max(0.0, time.time() - sent_at)
+        if logits is None:  # every row's token was picked on the last stage
+            logits = torch.empty(0, self.model_config.vocab_size)
+        else:  # Ray may hand over a read-only buffer; the sampler may write in place
+            logits = torch.from_numpy(logits if logits.flags.writeable else logits.copy())
         self.traffic.logits_bytes += logits.numel() * logits.element_size() + 8 * len(tokens or ())
         return StepResult(plan, logits, tokens)
 

@@ -64,6 +64,9 @@ class StageRecovery:
             self._in_flight.clear()
             for i in lost:
                 ray.kill(self.actors[i], no_restart=True)
+            for i, actor in enumerate(self.actors):
+                if i not in lost:  # its runs of those plans, waiting or queued, fail at once
+                    actor.void_through.remote(self._seq)
             self.recovery.losses += 1
             self._lost_at, self._lost_message = time.monotonic(), message
             self._ready.clear()
@@ -119,6 +122,12 @@ class StageRecovery:
         try:
             ray.get(ready)
             counters: StageCounters = ray.get(actor.read_counters.remote())
+            with self._lock:
+                actors = list(self.actors)
+            links = [actor.connect_next.remote(actors[i + 1:i + 2])]
+            if i > 0:  # the stage before sends its hidden states to the new actor from its next plan on
+                links.append(actors[i - 1].connect_next.remote([actor]))
+            ray.get(links)
         except BaseException:
             ray.kill(actor)
             raise

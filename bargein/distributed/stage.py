@@ -9,12 +9,20 @@ Plans run strictly in order of their sequence numbers (Ray runs one caller's cal
 an actor in submission order; the stage checks it), so a block reused by a later plan is
 never written before an earlier plan in flight has read it.
 
-Hidden states go to the next stage through the object store: the stage ``ray.put``s
-them and returns the reference (in a list, so Ray hands the reference on instead of
-the value), so they never pass through the head's process. The next stage fetches them
-on its own inputs thread (``fetch``, sent by the head with each plan), so a plan's
-transfer overlaps the compute of the plans before it. The last stage returns the
-float32 logits of the sampled positions only.
+Hidden states go straight to the next stage, never through the head's process: the
+stage calls the next stage's ``receive`` with them (Ray sends a small array inline in
+that call, worker to worker, and a larger one through the object store as a reference).
+``receive`` runs on the next stage's own inputs thread, so a plan's transfer overlaps
+the compute of the plans before it; that stage's ``run`` of the plan, sent by the head,
+takes the array when it arrives. One hop per stage boundary: the head is not asked for
+anything on the way. The last stage returns the float32 logits of the sampled positions
+only.
+
+A stage that fails on a plan sends the error on instead of hidden states, so every later
+stage fails that plan too and the head hears of it from the last one. When the head
+gives up the plans in flight (a lost stage), it tells the surviving stages
+(``void_through``): a plan they wait for or have queued fails at once instead of waiting
+for hidden states that will never come.
 
 The counters (plans executed, and which request ids at which plan step) are what tests
 and ``/v1/cluster`` read to see exactly what each stage computed.
@@ -42,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
@@ -74,7 +83,7 @@ class StageCounters:
     tokens: int = 0
     busy_s: float = 0.0  # computing (block copies, forward)
     wait_s: float = 0.0  # waiting for the previous stage's hidden states (its compute included)
-    transfer_s: float = 0.0  # previous stage's put -> tensor here (fetched ahead: overlaps compute or wait)
+    transfer_s: float = 0.0  # previous stage's send -> tensor here (arrives ahead: overlaps compute or wait)
     first_start: float | None = None
     last_end: float | None = None
     hidden_bytes_out: int = 0
@@ -98,24 +107,42 @@ class StageCounters:
         return [step for step, ids in self.executed if request_id in ids]
 
 
+class PlanVoided(RuntimeError):
+    """The head gave up this plan (a stage was lost): it is not computed."""
+
+
 class PrefetchedInputs:
-    """Hidden states fetched ahead of their plans (the inputs thread puts, the plan
-    thread takes): plan seq -> (tensor, transfer seconds), or the error fetching it."""
+    """Hidden states that arrived ahead of their plans (the inputs thread puts, the plan
+    thread takes): plan seq -> (tensor, transfer seconds), or the error the previous
+    stage sent instead. Plans up to ``voided`` were given up by the head: their inputs
+    are dropped and taking one raises :class:`PlanVoided`."""
 
     def __init__(self) -> None:
         self._items: dict[int, tuple[torch.Tensor, float] | BaseException] = {}
         self._arrived = threading.Condition()
+        self.voided = 0
 
     def put(self, seq: int, item: tuple[torch.Tensor, float] | BaseException) -> None:
         with self._arrived:
-            self._items[seq] = item
+            if seq > self.voided:
+                self._items[seq] = item
+                self._arrived.notify_all()
+
+    def void_through(self, seq: int) -> None:
+        """Gives up plans up to ``seq``: a take waiting for one raises; later puts are dropped."""
+        with self._arrived:
+            self.voided = max(self.voided, seq)
+            for old in [k for k in self._items if k <= self.voided]:
+                del self._items[old]
             self._arrived.notify_all()
 
     def take(self, seq: int) -> tuple[torch.Tensor, float]:
-        """Waits for plan ``seq``'s input; raises the error fetching it. Inputs of earlier
-        plans that never ran (voided by a lost stage) are dropped."""
+        """Waits for plan ``seq``'s input; raises the error sent instead, or PlanVoided.
+        Inputs of earlier plans that never ran are dropped."""
         with self._arrived:
-            self._arrived.wait_for(lambda: seq in self._items)
+            self._arrived.wait_for(lambda: seq in self._items or seq <= self.voided)
+            if seq <= self.voided:
+                raise PlanVoided(f"plan {seq} was given up by the head")
             item = self._items.pop(seq)
             for old in [k for k in self._items if k < seq]:
                 del self._items[old]
@@ -161,6 +188,7 @@ class StageWorker:
         self.caches: list[KVCache] = []
         self.block_size = 0
         self.inputs = PrefetchedInputs()
+        self.next_stage: Any = None  # the next stage's actor handle; None for the last stage
         self.counters = StageCounters(index, layers, ray.get_runtime_context().get_node_id(),
                                       "head" if received else "file", received)
 
@@ -177,47 +205,88 @@ class StageWorker:
         self.caches = self.stage.make_kv_caches(num_blocks, block_size)
         self.block_size = block_size
 
-    @ray.method(concurrency_group="inputs")
-    def fetch(self, seq: int, inputs: list[ray.ObjectRef]) -> None:
-        """Fetches plan ``seq``'s input ahead of its ``run``: ``inputs`` is ``[ref]`` to the
-        previous stage's result (``[ref]`` to its hidden states). Runs on the stage's inputs
-        thread, in plan order, so the transfer overlaps the plans this stage computes before
-        it; ``run`` takes the tensor (or the error, raised there)."""
-        try:
-            (hidden_ref,) = ray.get(inputs[0])
-            hidden, sent_at = ray.get(hidden_ref)
-            self.inputs.put(seq, (hidden, max(0.0, time.time() - sent_at)))  # nodes' clocks assumed in sync
-        except BaseException as exc:  # the previous stage failed on this plan, or died
-            self.inputs.put(seq, exc)
+    def connect_next(self, handles: list[Any]) -> None:
+        """Where this stage sends its hidden states: ``[handle]`` of the next stage's
+        actor (in a list, so Ray passes the handle), ``[]`` for the last stage. Called
+        by the head at set-up and when the next stage was re-created; it runs in plan
+        order, so no later plan's hidden states go to the old actor."""
+        self.next_stage = handles[0] if handles else None
 
-    def run(self, seq: int, payload: bytes, fetched: bool,
-            rows: tuple[RowSampling | None, ...] | None = None) -> list[ray.ObjectRef] | tuple:
+    @ray.method(concurrency_group="inputs")
+    def receive(self, seq: int, hidden: np.ndarray | None, sent_at: float, error: str | None = None) -> None:
+        """Plan ``seq``'s input from the previous stage (its hidden states, or the error it
+        failed with), on this stage's inputs thread: it arrives while earlier plans
+        compute, and ``run`` takes it."""
+        if error is not None:
+            self.inputs.put(seq, RuntimeError(error))
+        else:  # a copy: Ray may hand over a read-only buffer, and the forward owns its input
+            self.inputs.put(seq, (torch.from_numpy(np.array(hidden)), max(0.0, time.time() - sent_at)))
+
+    @ray.method(concurrency_group="inputs")
+    def void_through(self, seq: int) -> None:
+        """The head gave up plans up to ``seq``: one waiting for its input, or queued, fails at once."""
+        self.inputs.void_through(seq)
+
+    def run(self, seq: int, payload: bytes, receives: bool, rows_payload: bytes | None = None) -> tuple | None:
         """Executes plan number ``seq`` (pickled ``StepPlan``) on this stage's layers.
 
-        ``fetched``: False for the first stage; else the head sent ``fetch(seq, ...)`` too,
-        whose hidden states are waited for here (not by Ray before the call, so the
-        heartbeat is never held behind a plan). Returns ``[ref]`` to this stage's hidden states, or (last stage) the
-        float32 logits of the plan's sampled positions, as ``(logits, tokens, sent at)``:
-        with ``rows`` (last stage), the plain rows' tokens are picked here (``tokens``:
-        plan row -> token id) and ``logits`` holds only the other rows. Either result
-        carries the wall time it was sent, so the receiver measures the transfer.
+        ``receives``: False for the first stage; else the previous stage sends this plan's
+        hidden states to ``receive``, and they are waited for here (not by Ray before the
+        call, so the heartbeat is never held behind a plan). A stage before the last sends
+        its hidden states (or, if it fails, the error) to the next stage and returns None.
+        The last stage returns the float32 logits of the plan's sampled positions, as
+        ``(logits, tokens, sent at)`` with ``logits`` a NumPy array (Ray sends one far
+        faster than a tensor): with ``rows_payload`` (the pickled RowSampling of each
+        sampled row, None for a row the head samples), the plain rows' tokens are picked
+        here (``tokens``: plan row -> token id), ``logits`` holds only the other rows, and
+        is None if there are none.
         """
         entered = time.time()
         c = self.counters
         if seq <= c.last_seq:
             raise RuntimeError(f"stage {c.index} got plan {seq} after plan {c.last_seq}: plans must run in order")
         c.last_seq = seq
-        plan: StepPlan = pickle.loads(payload)
-        waited = time.perf_counter()
-        hidden = None
-        if fetched:
-            hidden, transfer_s = self.inputs.take(seq)
-            c.transfer_s += transfer_s
-        started = time.perf_counter()
-        input_at = time.time()
-        c.wait_s += started - waited
-        if c.first_start is None:
-            c.first_start = waited
+        try:
+            if seq <= self.inputs.voided:
+                raise PlanVoided(f"plan {seq} was given up by the head")
+            plan: StepPlan = pickle.loads(payload)
+            waited = time.perf_counter()
+            hidden = None
+            if receives:
+                hidden, transfer_s = self.inputs.take(seq)
+                c.transfer_s += transfer_s
+            started = time.perf_counter()
+            input_at = time.time()
+            c.wait_s += started - waited
+            if c.first_start is None:
+                c.first_start = waited
+            out = self._forward(plan, hidden)
+        except BaseException as exc:
+            if self.next_stage is not None and not isinstance(exc, PlanVoided):
+                self.next_stage.receive.remote(seq, None, time.time(),
+                                               f"stage {c.index} failed on plan {seq}: {type(exc).__name__}: {exc}")
+            raise
+        c.plans += 1
+        c.tokens += plan.num_tokens
+        c.executed.append((plan.step, tuple(ch.request_id for ch in plan.chunks)))
+        result: tuple | None = None
+        if self.stage.is_last:
+            tokens = None
+            if rows_payload is not None:
+                rows: tuple[RowSampling | None, ...] = pickle.loads(rows_payload)
+                plain = [i for i, r in enumerate(rows) if r is not None]
+                tokens = dict(zip(plain, sample_rows(out[plain], [rows[i] for i in plain]), strict=True))
+                out = out[[i for i, r in enumerate(rows) if r is None]]
+            result = (out.numpy() if len(out) else None, tokens, time.time())
+        c.last_end = time.perf_counter()
+        c.busy_s += c.last_end - started
+        if not self.stage.is_last:
+            c.hidden_bytes_out += out.numel() * out.element_size()
+            self.next_stage.receive.remote(seq, out.numpy(), time.time())
+        c.timeline.append((plan.step, entered, input_at, time.time()))
+        return result
+
+    def _forward(self, plan: StepPlan, hidden: torch.Tensor | None) -> torch.Tensor:
         for src, dst in plan.block_copies:
             for cache in self.caches:
                 cache.copy_block(src, dst)
@@ -226,24 +295,7 @@ class StageWorker:
         if hidden is not None:
             x = hidden.to(self.device)
         out = self.stage(x, pos, meta, self.caches, logits_indices=indices if self.stage.is_last else None)
-        out = out.cpu()
-        c.plans += 1
-        c.tokens += plan.num_tokens
-        c.executed.append((plan.step, tuple(ch.request_id for ch in plan.chunks)))
-        if self.stage.is_last:
-            tokens = None
-            if rows is not None:
-                plain = [i for i, r in enumerate(rows) if r is not None]
-                tokens = dict(zip(plain, sample_rows(out[plain], [rows[i] for i in plain]), strict=True))
-                out = out[[i for i, r in enumerate(rows) if r is None]]
-            result: list[ray.ObjectRef] | tuple = (out, tokens, time.time())
-        else:
-            c.hidden_bytes_out += out.numel() * out.element_size()
-            result = [ray.put((out, time.time()))]
-        c.last_end = time.perf_counter()
-        c.busy_s += c.last_end - started
-        c.timeline.append((plan.step, entered, input_at, time.time()))
-        return result
+        return out.cpu()
 
     def read_counters(self) -> StageCounters:
         return self.counters
@@ -280,8 +332,8 @@ def held_weights(stage: LlamaStage) -> dict[str, torch.Tensor]:
 
 def stage_actor(config: EngineConfig, on_node: Any) -> Any:
     """The stage actor class with its options: a CPU per torch thread, the node resource
-    if one is set, a health thread for the heartbeat and an inputs thread that fetches the
-    next plans' hidden states while one computes, never restarted by Ray (the head
+    if one is set, a health thread for the heartbeat and an inputs thread that takes in
+    the next plans' hidden states while one computes, never restarted by Ray (the head
     re-creates a lost stage itself, knowing its K/V is gone)."""
     pipe = config.pipeline
     options: dict[str, Any] = {"num_cpus": pipe.threads_per_stage, "max_restarts": 0,
