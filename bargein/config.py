@@ -101,6 +101,9 @@ class SchedulerConfig:
             raise ValueError("max_mixed_prefill_tokens must be positive")
 
 
+PIPELINE_TRANSPORTS = ("auto", "calls")
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """A model split into pipeline stages on a Ray cluster (``bargein[ray]``).
@@ -122,6 +125,9 @@ class PipelineConfig:
     (``ray start --resources='{"bargein": 1}'``); None: any node with a CPU.
     ``node_ids``: the Ray node of each stage, given (replicas that are pipelines: the
     replica set plans every replica's stages at once); None: by memory, as above.
+    ``transport``: how plans and hidden states move (``bargein.distributed.transport``):
+    "auto" is a Ray compiled graph where every stage runs on the head's node and actor
+    calls elsewhere; "calls" is actor calls everywhere.
     """
 
     stages: int = 2
@@ -136,8 +142,11 @@ class PipelineConfig:
     recovery_timeout_s: float = 30.0
     node_resource: str | None = None
     node_ids: tuple[str, ...] | None = None  # stage i on Ray node node_ids[i] (a replica set's plan)
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.transport not in PIPELINE_TRANSPORTS:
+            raise ValueError(f"transport must be one of {', '.join(PIPELINE_TRANSPORTS)}; got {self.transport!r}")
         if self.node_ids is not None and len(self.node_ids) != self.stages:
             raise ValueError(f"{len(self.node_ids)} nodes were given for {self.stages} stages")
         for name in ("step_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "recovery_timeout_s"):

@@ -1,7 +1,10 @@
 """Pipeline stages on Ray (issue 12): what splitting the model over processes costs and gains.
 
 Runs on this machine only (``ray.init`` with ``--ray local`` semantics), so "nodes" are
-processes sharing its cores:
+processes sharing its cores. Every pipeline runs twice, once per transport (see
+``bargein.distributed.transport``): ``graph`` (a Ray compiled graph, what ``auto``
+picks with every stage on the head's node, as here) and ``calls`` (actor calls, what
+``auto`` picks across nodes):
 
 1. **Real model** (the bundled SmolLM2 unless ``--model``): 2 stages x 1 torch thread
    against 1 process x 2 threads, at 1 and 32 streams: tokens/s; per-step overhead (a
@@ -26,6 +29,7 @@ Prints tables, then one JSON object on the last line. Run as a script:
 
 from __future__ import annotations
 
+import copy
 import pickle
 import sys
 import time
@@ -163,30 +167,33 @@ def real_model(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         results = [run_streams(single, streams, args.tokens) for _ in range(args.repeats)]
         rows.append({"setup": "1 process x 2 threads", "streams": streams, **_medians(results)})
     del single
-    pipe = Engine.from_pretrained(args.model, EngineConfig(**base, pipeline=PipelineConfig(
-        stages=2, ray_address="local", threads_per_stage=1)), progress=False)
-    runner: PipelineRunner = pipe.runner
-    timeline = HeadTimeline(runner)
-    for streams in (1, 32):
-        runs: dict[str, list[dict[str, Any]]] = {}
-        for _ in range(args.repeats):
-            for micro in (1, 2, 3):
-                runner.max_in_flight = micro
-                run_streams(pipe, streams, 2)
-                runner.reset_counters()
-                timeline.events.clear()
-                r = run_streams(pipe, streams, args.tokens)
-                head_s = r["wall_s"] if micro == 1 else None  # one plan at a time: wall = sum of plan times
-                report = r | stage_report(runner, head_s)
-                if micro > 1:
-                    report |= timeline.breakdown(runner.stage_counters())
-                runs.setdefault(f"2 stages x 1 thread, {micro} in flight", []).append(report)
-        for setup, results in runs.items():
-            rows.append({"setup": setup, "streams": streams, **_medians(results)})
-    recovery = recover_runs(pipe, args.recoveries, args.tokens)
-    pipe.close()
-    return rows, {"model": pipe.model_name, "layers": [list(p.layers) for p in runner.placements],
-                  "traffic": vars(runner.traffic), "recovery": recovery}
+    recoveries, layers, traffic = {}, None, None
+    for transport in ("auto", "calls"):
+        pipe = Engine.from_pretrained(args.model, EngineConfig(**base, pipeline=PipelineConfig(
+            stages=2, ray_address="local", threads_per_stage=1, transport=transport)), progress=False)
+        runner: PipelineRunner = pipe.runner
+        kind = runner.transport.kind  # "auto" on one node: a compiled graph
+        timeline = HeadTimeline(runner)
+        for streams in (1, 32):
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for _ in range(args.repeats):
+                for micro in (1, 2, 3):
+                    runner.max_in_flight = micro
+                    run_streams(pipe, streams, 2)
+                    runner.reset_counters()
+                    timeline.events.clear()
+                    r = run_streams(pipe, streams, args.tokens)
+                    head_s = r["wall_s"] if micro == 1 else None  # one plan at a time: wall = sum of plan times
+                    report = r | stage_report(runner, head_s)
+                    if micro > 1:
+                        report |= timeline.breakdown(runner.stage_counters())
+                    runs.setdefault(f"2 stages x 1 thread, {kind}, {micro} in flight", []).append(report)
+            for setup, results in runs.items():
+                rows.append({"setup": setup, "streams": streams, **_medians(results)})
+        recoveries[kind] = recover_runs(pipe, args.recoveries, args.tokens)
+        layers, traffic = [list(p.layers) for p in runner.placements], vars(runner.traffic)
+        pipe.close()
+    return rows, {"model": pipe.model_name, "layers": layers, "traffic": traffic, "recovery": recoveries}
 
 
 def recover_runs(engine: Engine, runs: int, max_tokens: int) -> dict[str, Any]:
@@ -248,12 +255,14 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class StandInStage:
-    """A stage that sleeps ``token_s`` per token of each plan; same interface as StageWorker."""
+    """A stage that sleeps ``token_s`` per token of each plan; same interface as
+    StageWorker, for both transports."""
 
     def __init__(self, index: int, last: bool, token_s: float, hidden: int, vocab: int):
         self.last, self.token_s, self.hidden, self.vocab = last, token_s, hidden, vocab
         self.counters = StageCounters(index, (index, index + 1), "", "none", 0)
         self.inputs = PrefetchedInputs()
+        self.next_stage: Any = None
 
     def connect_next(self, handles: list) -> None:
         self.next_stage = handles[0] if handles else None
@@ -262,32 +271,46 @@ class StandInStage:
     def receive(self, seq: int, hidden: Any, sent_at: float, error: str | None = None) -> None:
         self.inputs.put(seq, (hidden, time.time() - sent_at))
 
+    @ray.method(concurrency_group="inputs")
+    def void_through(self, seq: int) -> None:
+        self.inputs.void_through(seq)
+
     def run(self, seq: int, payload: bytes, receives: bool, rows: Any = None) -> Any:
         entered = time.time()
-        plan = pickle.loads(payload)
-        c = self.counters
-        waited = time.perf_counter()
         if receives:
             self.inputs.take(seq)
+        out = self._execute(payload, entered)
+        if self.last:
+            return out
+        self.next_stage.receive.remote(seq, *out)
+        return None
+
+    def step(self, inputs: tuple, previous: Any = None) -> Any:
+        return self._execute(inputs[1], time.time())
+
+    def _execute(self, payload: bytes, entered: float) -> Any:
         started = time.perf_counter()
-        input_at = time.time()
-        if c.first_start is None:
-            c.first_start = waited
+        plan = pickle.loads(payload)
+        c = self.counters
         time.sleep(self.token_s * plan.num_tokens)
         c.plans += 1
-        out = (np.zeros((len(plan.sampled), self.vocab), np.float32), None, time.time()) if self.last else None
-        c.last_end = time.perf_counter()
-        c.busy_s += c.last_end - started
-        if not self.last:
-            self.next_stage.receive.remote(seq, np.zeros((plan.num_tokens, self.hidden), np.float32), time.time())
-        c.timeline.append((plan.step, entered, input_at, time.time()))
-        return out
+        ended = time.perf_counter()
+        c.busy_s += ended - started
+        c.first_start = started if c.first_start is None else c.first_start
+        c.last_end = ended
+        c.timeline.append((plan.step, entered, entered, time.time()))
+        if self.last:
+            return np.zeros((len(plan.sampled), self.vocab), np.float32), None, time.time()
+        return np.zeros((plan.num_tokens, self.hidden), np.float32), time.time()
 
     def read_counters(self) -> StageCounters:
-        return self.counters
+        return copy.deepcopy(self.counters)
 
     def ping(self) -> tuple[str, int]:
         return "", 0
+
+    def progress(self) -> int:
+        return 0
 
     def reset_counters(self) -> None:
         c = self.counters
@@ -306,29 +329,32 @@ def stand_in(args: Any) -> list[dict[str, Any]]:
                          num_kv_heads=3, head_dim=64, max_position_embeddings=2048)
     actor = ray.remote(num_cpus=0, concurrency_groups={"inputs": 1})(StandInStage)
     token_s = args.token_ms / 1000
+    here = ray.get_runtime_context().get_node_id()
     rows = []
-    for n in (2, 3, 4):
-        actors = [actor.remote(i, i == n - 1, token_s, config.hidden_size, config.vocab_size) for i in range(n)]
-        ray.get([a.connect_next.remote(actors[i + 1:i + 2]) for i, a in enumerate(actors)])  # started, too
-        placements = [StagePlacement(i, (i, i + 1), "", "local", 0) for i in range(n)]
-        # A stand-in answers the heartbeat on its one thread: allow it the time of a queue of plans.
-        pipe = PipelineConfig(stages=n, micro_batches=n + 1, heartbeat_timeout_s=60)
-        runner = PipelineRunner(actors, placements, config, 512, 16, EngineConfig(pipeline=pipe), HeadTraffic())
-        engine = Engine(runner, _Tokens(), EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512)))
-        timeline = HeadTimeline(runner)
-        for micro in (1, n, n + 1):
-            runner.max_in_flight = micro
-            run_streams(engine, 32, 2, prompt_len=4)
-            runner.reset_counters()
-            timeline.events.clear()
-            r = run_streams(engine, 32, args.stand_in_tokens, prompt_len=4)
-            ideal = 1000 / args.token_ms  # every stage always busy
-            counters = runner.stage_counters()
-            rows.append({"stages": n, "in_flight": micro, "tok_s": r["tok_s"], "decode_tok_s": r["decode_tok_s"],
-                         "ideal_tok_s": ideal, "of_ideal_pct": 100 * (r["decode_tok_s"] or 0) / ideal,
-                         "stage_idle_pct": [round(100 * c.idle_fraction, 1) for c in counters],
-                         **(timeline.breakdown(counters) if micro > 1 else {})})
-        runner.close()
+    for transport in ("auto", "calls"):
+        for n in (2, 3, 4):
+            actors = [actor.remote(i, i == n - 1, token_s, config.hidden_size, config.vocab_size) for i in range(n)]
+            ray.get([a.read_counters.remote() for a in actors])  # started: a plan's wait is not start-up
+            placements = [StagePlacement(i, (i, i + 1), here, "local", 0) for i in range(n)]
+            # A stand-in answers the heartbeat on its one thread: allow it the time of a queue of plans.
+            pipe = PipelineConfig(stages=n, micro_batches=n + 1, heartbeat_timeout_s=60, transport=transport)
+            runner = PipelineRunner(actors, placements, config, 512, 16, EngineConfig(pipeline=pipe), HeadTraffic())
+            engine = Engine(runner, _Tokens(), EngineConfig(cache=CacheConfig(block_size=16, num_blocks=512)))
+            timeline = HeadTimeline(runner)
+            for micro in (1, n, n + 1):
+                runner.max_in_flight = micro
+                run_streams(engine, 32, 2, prompt_len=4)
+                runner.reset_counters()
+                timeline.events.clear()
+                r = run_streams(engine, 32, args.stand_in_tokens, prompt_len=4)
+                ideal = 1000 / args.token_ms  # every stage always busy
+                counters = runner.stage_counters()
+                rows.append({"transport": runner.transport.kind, "stages": n, "in_flight": micro,
+                             "tok_s": r["tok_s"], "decode_tok_s": r["decode_tok_s"], "ideal_tok_s": ideal,
+                             "of_ideal_pct": 100 * (r["decode_tok_s"] or 0) / ideal,
+                             "stage_idle_pct": [round(100 * c.idle_fraction, 1) for c in counters],
+                             **(timeline.breakdown(counters) if micro > 1 else {})})
+            runner.close()
     return rows
 
 
@@ -350,12 +376,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["machine_end"] = machine_info()
     real_cols = ["setup", "streams", "tok_s", "decode_tok_s", "median_step_ms", "overhead_ms", "overhead_pct",
                  "stage_idle_pct", "s0_wait_ms", "return_ms", "head_ms", "dispatch_ms"]
-    rec = info["recovery"]
-    recovery_cols = ["detect_s", "recreate_s", "pause_s", "tokens_recomputed"]
+    recs = info["recovery"]
+    any_rec = next(iter(recs.values()))
+    recovery_cols = ["transport", "detect_s", "recreate_s", "pause_s", "tokens_recomputed"]
     emit("bench_pipeline", [("real model (tokens/s, per-step overhead, stage idle %)",
                              format_table(rows, real_cols)),
-                            (f"recovery from a killed last stage, {rec['streams']} streams, median of {rec['runs']}",
-                             format_table([{k: rec[k] for k in recovery_cols}], recovery_cols)),
+                            (f"recovery from a killed last stage, {any_rec['streams']} streams, "
+                             f"median of {any_rec['runs']}",
+                             format_table([{"transport": k} | {c: r[c] for c in recovery_cols[1:]}
+                                           for k, r in recs.items()], recovery_cols)),
                             (f"stand-in stages, {args.token_ms} ms per token per stage, 32 streams",
                              format_table(stand))], result, args.json)
     ray.shutdown()

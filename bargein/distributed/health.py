@@ -3,9 +3,9 @@
 A stage is lost when its actor died (its process or its node went away) or when it
 stops answering: the heartbeat (``StageWorker.ping``, answered on the stage's own
 health thread, so it never waits behind plans) gets no answer within its timeout. The
-runner sends it while a plan takes longer than a heartbeat interval; a plan that
-exceeds the step deadline while every stage answers marks the stage that holds it
-(the first whose output is not ready) as hung.
+runner's watchdog sends it while a plan takes longer than a heartbeat interval; a
+plan that exceeds the step deadline while every stage answers marks the stage that
+holds it (the first that has not finished it) as hung.
 """
 
 from __future__ import annotations
@@ -53,15 +53,6 @@ def unanswered(actors: Sequence[Any], timeout_s: float) -> dict[int, str]:
         except ray.exceptions.RayError as exc:
             lost[i] = f"its actor died ({type(exc).__name__})"
     return lost
-
-
-def first_not_ready(refs: Sequence[Any]) -> int:
-    """The first stage whose output of a plan is not ready (the one holding it up)."""
-    for i, ref in enumerate(refs):
-        ready, _ = ray.wait([ref], timeout=0)
-        if not ready:
-            return i
-    return len(refs) - 1
 
 
 def first_line(exc: BaseException) -> str:

@@ -1,8 +1,9 @@
 """The pipeline runner: the engine's runner seam over N stage actors on a Ray cluster.
 
-``submit(plan)`` pickles the plan once and hands it to every stage (stage k sends its
-hidden states to stage k+1 itself, never through this process; see ``stage``);
-``collect()`` waits for the oldest plan's logits. Plain
+``submit(plan)`` pickles the plan once and hands it to the stages through the
+pipeline's transport (``transport``: a Ray compiled graph where every stage runs on
+this node, actor calls across nodes); stage k's hidden states go to stage k+1 without
+passing through this process. ``collect()`` waits for the oldest plan's logits. Plain
 sampled rows (``sampler.row_sampling``: no grammar, penalties or logprobs) are sampled
 on the last stage, which sends their token ids instead of their logits rows. Up to
 ``max_in_flight`` plans (micro-batches) are in flight; the engine's scheduler never puts
@@ -11,21 +12,23 @@ a sequence in two of them, and every stage runs plans in submission order.
 Set-up (``start``) is all or nothing: it connects to Ray, places one stage per node
 (the nodes with the most memory first; several stages share a node when there are
 fewer nodes), splits the layers by node memory unless given, loads or ships each
-stage's weights, and sizes the one KV pool to the smallest stage's budget. Any problem
-raises :class:`PipelineSetupError` with one line, after killing what it started.
+stage's weights, sizes the one KV pool to the smallest stage's budget and opens the
+transport. Any problem raises :class:`PipelineSetupError` with one line, after killing
+what it started.
 
-Bytes through the head are counted: the pickled plans sent, the logits received and
-the weights shipped. Hidden states are counted by the stages that send them.
+Bytes through the head are counted: the pickled plans sent (once per stage), the logits
+received and the weights shipped. Hidden states are counted by the stages that send them.
 
-A lost stage (issue 13, see ``health``): ``collect`` notices it (a dead actor, no
-heartbeat, or a plan past its deadline), kills it, drops every plan in flight, starts
-re-creating it on a background thread, and raises ``KVLost``: the engine then drops
-every block's K/V and recomputes its sequences from their tokens once ``health()`` is
-"ok" again. A stage is re-created where Ray finds room (a free CPU, and the
-``node_resource`` if set); it reads the model file if its node has it, else fetches the
-tensors the head put in the object store. Past ``recovery_timeout_s`` the runner says
-"degraded" (the engine fails what waits) and keeps trying, so it heals by itself when
-capacity returns.
+A lost stage (issue 13, see ``recovery`` and ``health``): a watchdog thread pings the
+stages while a plan is out and kills one that does not answer; ``collect`` then finds
+the loss (or a stage that died by itself), drops every plan in flight, starts
+re-creating the stage on a background thread, and raises ``KVLost``: the engine then
+drops every block's K/V and recomputes its sequences from their tokens once
+``health()`` is "ok" again. A stage is re-created where Ray finds room (a free CPU, and
+the ``node_resource`` if set); it reads the model file if its node has it, else fetches
+the tensors the head put in the object store; then the transport is opened afresh. Past
+``recovery_timeout_s`` the runner says "degraded" (the engine fails what waits) and
+keeps trying, so it heals by itself when capacity returns.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ try:
     from bargein.distributed.health import RecoveryStats, first_line
     from bargein.distributed.recovery import StageRecovery
     from bargein.distributed.stage import StageCounters, stage_actor
+    from bargein.distributed.transport import ActorCalls, CompiledGraph, open_transport
 except ModuleNotFoundError as exc:  # the optional extra is missing: start() says so in one line
     if exc.name != "ray" and not (exc.name or "").startswith("ray."):
         raise
@@ -74,6 +78,7 @@ except ModuleNotFoundError as exc:  # the optional extra is missing: start() say
 log = logging.getLogger("bargein.distributed")
 
 _MIN_BLOCKS = 16
+_MIN_CAPACITY = 4  # plans a compiled graph can hold, at least (its channels keep a buffer per plan)
 
 
 @dataclass(frozen=True)
@@ -195,12 +200,15 @@ class PipelineRunner(StageRecovery):
         self.block_size = block_size
         self.config = config
         self.pipe = config.pipeline
-        self.max_in_flight = self.pipe.max_in_flight
+        # A compiled graph holds this many plans at most; max_in_flight may be changed up to it.
+        self.capacity = max(_MIN_CAPACITY, self.pipe.max_in_flight)
+        self._max_in_flight = self.pipe.max_in_flight
         self.device = torch.device("cpu")  # logits arrive here
         self.traffic = traffic
         self.source = source
         self.node_path = node_path or (str(source.path) if source is not None else "")
-        self._in_flight: deque[tuple[StepPlan, list[Any], float]] = deque()
+        # (plan, the transport's handle on its result or the error submitting it, submitted at, seq)
+        self._in_flight: deque[tuple[StepPlan, Any, float, int]] = deque()
         # Set by the engine: a sampled row's RowSampling if it is plain. The last stage
         # then picks its token and sends an integer instead of a row of logits.
         self.row_sampling: Callable[[str], RowSampling | None] | None = None
@@ -216,6 +224,11 @@ class PipelineRunner(StageRecovery):
         self._lost_message: str | None = None
         self._recovery: threading.Thread | None = None
         self.recovery = RecoveryStats(len(actors))
+        self._found_lost: dict[int, str] = {}  # stages the watchdog killed, with why
+        self._oldest_submitted: float | None = None  # the oldest plan in flight (for the watchdog)
+        self.transport = self._open_transport()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="bargein-stage-watchdog")
+        self._watchdog.start()
 
     # -- set-up ------------------------------------------------------------------------
     @classmethod
@@ -281,7 +294,6 @@ class PipelineRunner(StageRecovery):
                        for p in placements]
             num_blocks = max(_MIN_BLOCKS, min(b // per for b, per in zip(budgets, per_block, strict=True)))
         ray.get([a.allocate.remote(num_blocks, block_size) for a in actors])
-        ray.get([a.connect_next.remote(actors[i + 1:i + 2]) for i, a in enumerate(actors)])
         log.info("pipeline of %d stages: %s; %d KV blocks", len(actors),
                  ", ".join(f"layers {p.layers[0]}-{p.layers[1]} on {p.node_address}" for p in placements),
                  num_blocks)
@@ -292,22 +304,35 @@ class PipelineRunner(StageRecovery):
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def max_in_flight(self) -> int:
+        return self._max_in_flight
+
+    @max_in_flight.setter
+    def max_in_flight(self, n: int) -> None:
+        if not 1 <= n <= self.capacity:
+            raise ValueError(f"max_in_flight must be between 1 and the pipeline's capacity {self.capacity}")
+        self._max_in_flight = n
+
     def submit(self, plan: StepPlan) -> None:
-        """Hands the plan to every stage (the first one first: it starts while the others
-        are sent); returns at once."""
+        """Hands the plan to the stages; returns at once. A transport that broke (a stage
+        just died) is reported by ``collect``, as a loss."""
         if len(self._in_flight) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} plans are in flight: collect() one first")
         if not self._ready.is_set():
             raise RuntimeError(self._lost_message or "the pipeline is recovering a lost stage")
         payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        rows = self._rows_payload(plan)
         self._seq += 1
-        last = len(self.actors) - 1
-        refs = []
-        for i, actor in enumerate(self.actors):
-            rows = self._rows_payload(plan) if i == last else None
-            refs.append(actor.run.remote(self._seq, payload, i > 0, rows))
-            self.traffic.plan_bytes += len(payload) + len(rows or b"")
-        self._in_flight.append((plan, refs, time.monotonic()))
+        try:
+            handle: Any = self.transport.submit(self._seq, payload, rows)
+        except Exception as exc:
+            handle = exc
+        self.traffic.plan_bytes += len(payload) * len(self.actors) + len(rows or b"")
+        with self._lock:
+            self._in_flight.append((plan, handle, time.monotonic(), self._seq))
+            if self._oldest_submitted is None:
+                self._oldest_submitted = self._in_flight[0][2]
 
     def _rows_payload(self, plan: StepPlan) -> bytes | None:
         """The plan's sampled rows' RowSampling (None for a row the head samples), pickled
@@ -326,31 +351,42 @@ class PipelineRunner(StageRecovery):
         """
         if not self._in_flight:
             raise RuntimeError("no plan was submitted")
-        plan, refs, submitted = self._in_flight[0]
+        plan, handle, submitted, seq = self._in_flight[0]
         waited = time.perf_counter()
         try:
-            self._wait_for(refs, submitted)
-            self._in_flight.popleft()
-            try:
-                logits, tokens, sent_at = ray.get(refs[-1])
-            except ray.exceptions.RayError as exc:
-                self._check_stages()  # a dead stage is a loss (KVLost), not this plan's failure
-                raise StepFailed(plan, f"a pipeline stage failed: {first_line(exc)}") from exc
+            logits, tokens, sent_at = self._wait_for(plan, handle, seq, submitted)
+        except StepFailed:
+            self._done_with_oldest()
+            raise
         finally:
             self.collect_wait_s += time.perf_counter() - waited
+        self._done_with_oldest()
         self.logits_transfer_s += max(0.0, time.time() - sent_at)
         if logits is None:  # every row's token was picked on the last stage
             logits = torch.empty(0, self.model_config.vocab_size)
         else:  # Ray may hand over a read-only buffer; the sampler may write in place
-            logits = torch.from_numpy(logits if logits.flags.writeable else logits.copy())
+            logits = torch.from_numpy(logits.copy())
         self.traffic.logits_bytes += logits.numel() * logits.element_size() + 8 * len(tokens or ())
         return StepResult(plan, logits, tokens)
 
+    def _done_with_oldest(self) -> None:
+        with self._lock:
+            self._in_flight.popleft()
+            self._oldest_submitted = self._in_flight[0][2] if self._in_flight else None
+
+    def _open_transport(self) -> ActorCalls | CompiledGraph:
+        return open_transport(self.pipe.transport, self.actors, [p.node_id for p in self.placements],
+                              self.capacity, self.pipe.step_timeout_s)
+
     def close(self) -> None:
-        """Kills the stage actors (the Ray connection stays, for whoever made it)."""
+        """Closes the transport and kills the stage actors (the Ray connection stays, for
+        whoever made it)."""
         self._closing.set()
         if self._recovery is not None:
             self._recovery.join(timeout=5)
+        self._watchdog.join(timeout=5)
+        if self.transport is not None:
+            self.transport.close()
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
@@ -412,6 +448,7 @@ class PipelineRunner(StageRecovery):
             "pipeline": True,
             "num_stages": len(placements),
             "max_in_flight": self.max_in_flight,
+            "transport": self.transport.kind if self.transport is not None else None,
             "kv_blocks": self.num_blocks,
             "health": health.state,
             "health_message": health.message,

@@ -2,12 +2,16 @@
 
 ``StageRecovery`` is mixed into :class:`~bargein.distributed.pipeline.PipelineRunner`
 and works on its state: ``actors``, ``placements``, ``pipe`` (the PipelineConfig),
-``traffic``, ``recovery`` (RecoveryStats), the plans ``_in_flight``, and the recovery
-fields guarded by ``_lock``. The engine thread notices a loss (``_wait_for``,
-``_check_stages``) and calls ``_lose``, which kills the lost stages, voids every plan
-in flight, starts ``_recover`` on a thread and raises ``KVLost``. The recovery thread
-re-creates each lost stage where Ray finds room and sets ``_ready``; until then
-``health()`` says "recovering", and "degraded" once ``recovery_timeout_s`` has passed.
+``transport`` (how plans reach the actors), ``traffic``, ``recovery`` (RecoveryStats),
+the plans ``_in_flight``, and the recovery fields guarded by ``_lock``. A watchdog
+thread (``_watch``) pings the stages while a plan is out and kills one that does not
+answer in time, which ends the wait for its result with an error; the engine thread,
+waiting for a result (``_wait_for``), then finds the loss (or a stage that died by
+itself) and calls ``_lose``, which voids every plan in flight, starts ``_recover`` on a
+thread and raises ``KVLost``. The recovery thread closes the broken transport,
+re-creates each lost stage where Ray finds room, opens a new transport and sets
+``_ready``; until then ``health()`` says "recovering", and "degraded" once
+``recovery_timeout_s`` has passed.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from typing import Any
 
 import ray
 
-from bargein.distributed.health import first_line, first_not_ready, unanswered
+from bargein.distributed.health import first_line, unanswered
 from bargein.distributed.stage import StageCounters, stage_actor
 from bargein.distributed.weights import fingerprint, read_stored
-from bargein.engine.runner import KVLost, RunnerHealth
+from bargein.engine.runner import KVLost, RunnerHealth, StepFailed
 
 log = logging.getLogger("bargein.distributed")
 
@@ -39,70 +43,141 @@ class StageRecovery:
     _lost_at: float | None
     _lost_message: str | None
     _recovery: threading.Thread | None
+    _found_lost: dict[int, str]
+    _oldest_submitted: float | None
+    transport: Any
+    _seq: int
 
-    def _wait_for(self, refs: list[Any], submitted: float) -> None:
-        """Waits for the plan's last stage, with a heartbeat while it takes long and
-        the step deadline; raises KVLost for a stage that died or hangs."""
+    def _wait_for(self, plan: Any, handle: Any, seq: int, submitted: float) -> tuple:
+        """The plan's result, waited for until the step deadline (the watchdog meanwhile
+        kills a stage that stopped answering, which ends the wait). Raises KVLost for a
+        lost stage or a plan past its deadline, StepFailed for a plan a stage failed on
+        while every stage still answers."""
         pipe = self.pipe
-        while not ray.wait([refs[-1]], timeout=pipe.heartbeat_interval_s)[0]:
-            self._check_stages()
-            if time.monotonic() - submitted > pipe.step_timeout_s:
-                self._lose({first_not_ready(refs): f"a plan took over {pipe.step_timeout_s:g} s"})
-
-    def _check_stages(self) -> None:
-        lost = unanswered(self.actors, self.pipe.heartbeat_timeout_s)
+        error: BaseException
+        if isinstance(handle, BaseException):  # handing the plan over failed
+            error = handle
+        else:
+            remaining = pipe.step_timeout_s - (time.monotonic() - submitted)
+            try:
+                return self.transport.wait(handle, remaining)
+            except TimeoutError:
+                self._lose({self._holding(seq): f"a plan took over {pipe.step_timeout_s:g} s"})
+            except Exception as exc:
+                error = exc
+        with self._lock:
+            lost = dict(self._found_lost)
+        lost = lost or unanswered(self.actors, pipe.heartbeat_timeout_s)
         if lost:
             self._lose(lost)
+        if isinstance(error, ray.exceptions.RayTaskError):  # a stage failed on this plan
+            raise StepFailed(plan, f"a pipeline stage failed: {first_line(error)}") from error
+        self._lose({}, f"the pipeline's {self.transport.kind} transport broke ({first_line(error)})")
+        raise AssertionError("unreachable")  # _lose raises
 
-    def _lose(self, lost: dict[int, str]) -> None:
-        """Kills the lost stages, voids every plan in flight, starts re-creating them; raises KVLost."""
+    def _holding(self, seq: int) -> int:
+        """The first stage that has not finished plan ``seq`` (the one holding it up)."""
+        with self._lock:
+            actors = list(self.actors)
+        progress = [a.progress.remote() for a in actors]
+        for i, ref in enumerate(progress):
+            try:
+                if ray.get(ref, timeout=self.pipe.heartbeat_timeout_s) < seq:
+                    return i
+            except (ray.exceptions.RayError, TimeoutError):
+                return i
+        return len(actors) - 1
+
+    def _watch(self) -> None:
+        """The watchdog (its own thread): while a plan has been out for over a heartbeat
+        interval, pings every stage each interval; kills the ones that do not answer
+        within ``heartbeat_timeout_s`` (dead, hung or frozen), noting why for ``_wait_for``."""
+        pipe = self.pipe
+        while not self._closing.wait(pipe.heartbeat_interval_s):
+            with self._lock:
+                oldest, actors = self._oldest_submitted, list(self.actors)
+            if oldest is None or time.monotonic() - oldest < pipe.heartbeat_interval_s:
+                continue
+            lost = unanswered(actors, pipe.heartbeat_timeout_s)
+            if not lost:
+                continue
+            with self._lock:
+                if self._oldest_submitted is None or self.actors != actors:
+                    continue  # the plans were given up meanwhile, or stages replaced
+                self._found_lost.update(lost)
+                for i in lost:
+                    ray.kill(actors[i], no_restart=True)
+            log.warning("pipeline stages %s stopped answering; killed", sorted(lost))
+
+    def _lose(self, lost: dict[int, str], why: str | None = None) -> None:
+        """Kills the lost stages, voids every plan in flight, starts re-creating them and
+        opening a new transport (``why``: the loss when no stage was lost, only the
+        transport); raises KVLost."""
         message = "; ".join(
             f"pipeline stage {i} (layers {self.placements[i].layers[0]}-{self.placements[i].layers[1]}) "
-            f"on node {self.placements[i].node_address} was lost: {why}" for i, why in sorted(lost.items()))
+            f"on node {self.placements[i].node_address} was lost: {why}" for i, why in sorted(lost.items())) \
+            or why or "the pipeline was lost"
         log.warning("%s", message)
         with self._lock:
             self._in_flight.clear()
+            self._oldest_submitted = None
+            self._found_lost.clear()
             for i in lost:
                 ray.kill(self.actors[i], no_restart=True)
-            for i, actor in enumerate(self.actors):
-                if i not in lost:  # its runs of those plans, waiting or queued, fail at once
-                    actor.void_through.remote(self._seq)
+            broken, self.transport = self.transport, None
+            broken.abandon(self._seq, set(lost))
             self.recovery.losses += 1
             self._lost_at, self._lost_message = time.monotonic(), message
             self._ready.clear()
-        self._recovery = threading.Thread(target=self._recover, args=(sorted(lost),), daemon=True,
+        self._recovery = threading.Thread(target=self._recover, args=(sorted(lost), broken), daemon=True,
                                           name="bargein-stage-recovery")
         self._recovery.start()
         raise KVLost(message)
 
     # -- recovery (its own thread) ---------------------------------------------------------
-    def _recover(self, indices: list[int]) -> None:
-        """Re-creates each lost stage where Ray finds room, retrying until it is ready or
-        the runner closes; then the pipeline is "ok" again. A runner built without a
-        model source (stand-in stages in a benchmark) cannot re-create: it stays degraded."""
-        if self.source is None:
+    def _recover(self, indices: list[int], broken: Any) -> None:
+        """Closes the broken transport, re-creates each lost stage where Ray finds room
+        (retrying until it is ready or the runner closes) and opens a new transport over
+        the stages; then the pipeline is "ok" again. A runner built without a model
+        source (stand-in stages in a benchmark) cannot re-create: it stays degraded."""
+        broken.close()
+        if indices and self.source is None:
             log.error("pipeline stages %s cannot be re-created: the runner has no model source", indices)
             return
-        for i in indices:
-            while not self._closing.is_set():
-                try:
-                    actor = self._recreate(i)
-                except Exception as exc:  # e.g. the node went too; try again
-                    log.warning("re-creating pipeline stage %d failed: %s", i, first_line(exc))
-                    self._closing.wait(1.0)
-                    continue
-                if actor is not None:
-                    break
+        while not self._closing.is_set():
+            for i in indices:
+                while not self._closing.is_set():
+                    try:
+                        actor = self._recreate(i)
+                    except Exception as exc:  # e.g. the node went too; try again
+                        log.warning("re-creating pipeline stage %d failed: %s", i, first_line(exc))
+                        self._closing.wait(1.0)
+                        continue
+                    if actor is not None:
+                        break
             if self._closing.is_set():
                 return
+            try:
+                transport = self._open_transport()
+                break
+            except Exception as exc:  # a stage died meanwhile: re-create it too
+                log.warning("opening the pipeline's transport failed: %s", first_line(exc))
+                indices = sorted(unanswered(self.actors, self.pipe.heartbeat_timeout_s))
+                for i in indices:
+                    ray.kill(self.actors[i], no_restart=True)
+                if not indices:
+                    self._closing.wait(1.0)
+        else:
+            return
         with self._lock:
+            self.transport = transport
             self.recovery.recoveries += 1
             if self._lost_at is not None:
                 self.recovery.recover_seconds.append(time.monotonic() - self._lost_at)
             self._lost_at = self._lost_message = None
             self._ready.set()
         log.info("pipeline recovered: %s", ", ".join(f"stage {i} on {self.placements[i].node_address}"
-                                                       for i in indices))
+                                                       for i in indices) or f"{transport.kind} transport opened afresh")
 
     def _recreate(self, i: int) -> Any:
         """One try at stage ``i``: returns the ready actor, or None if the runner closed."""
@@ -122,12 +197,6 @@ class StageRecovery:
         try:
             ray.get(ready)
             counters: StageCounters = ray.get(actor.read_counters.remote())
-            with self._lock:
-                actors = list(self.actors)
-            links = [actor.connect_next.remote(actors[i + 1:i + 2])]
-            if i > 0:  # the stage before sends its hidden states to the new actor from its next plan on
-                links.append(actors[i - 1].connect_next.remote([actor]))
-            ray.get(links)
         except BaseException:
             ray.kill(actor)
             raise

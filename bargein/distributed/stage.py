@@ -5,24 +5,28 @@ K/V of those layers for every block id of the head's pool: the head's scheduler 
 one allocator, so a block id means the same on every stage. It keeps no per-request
 state: each plan (plain data, pickled once by the head) says which tokens go where.
 
-Plans run strictly in order of their sequence numbers (Ray runs one caller's calls to
-an actor in submission order; the stage checks it), so a block reused by a later plan is
-never written before an earlier plan in flight has read it.
+Plans run strictly in order of their sequence numbers (the stage checks it), so a block
+reused by a later plan is never written before an earlier plan in flight has read it.
+Hidden states go from stage to stage, never through the head's process, by one of two
+transports (the head picks, see ``transport``):
 
-Hidden states go straight to the next stage, never through the head's process: the
-stage calls the next stage's ``receive`` with them (Ray sends a small array inline in
-that call, worker to worker, and a larger one through the object store as a reference).
-``receive`` runs on the next stage's own inputs thread, so a plan's transfer overlaps
-the compute of the plans before it; that stage's ``run`` of the plan, sent by the head,
-takes the array when it arrives. One hop per stage boundary: the head is not asked for
-anything on the way. The last stage returns the float32 logits of the sampled positions
-only.
+- ``graph``: the stages form one Ray compiled graph (``step``); its channels carry the
+  plan from the head to every stage, stage k's output to stage k+1 and the last
+  stage's output back, through shared memory: tens of microseconds a hop. Ray runs
+  each stage's part on a thread of its own, one plan after another. Used where every
+  stage runs on the head's node.
+- ``calls``: the head calls every stage's ``run`` with the plan; a stage calls the next
+  stage's ``receive`` with its hidden states (Ray sends a small array inline in that
+  call, worker to worker, and a larger one through the object store). ``receive`` runs
+  on the stage's own inputs thread, so a plan's transfer overlaps the compute of the
+  plans before it. An actor call costs a millisecond or more a hop; used across nodes.
 
-A stage that fails on a plan sends the error on instead of hidden states, so every later
-stage fails that plan too and the head hears of it from the last one. When the head
-gives up the plans in flight (a lost stage), it tells the surviving stages
-(``void_through``): a plan they wait for or have queued fails at once instead of waiting
-for hidden states that will never come.
+The last stage returns the float32 logits of the sampled positions only. A stage that
+fails on a plan passes the error on instead of hidden states, so the head hears of it
+from the last stage. When the head gives up the plans in flight (a lost stage), it tells
+the surviving stages of a ``calls`` pipeline (``void_through``): a plan they wait for or
+have queued fails at once instead of waiting for hidden states that will never come (a
+``graph`` is torn down instead).
 
 The counters (plans executed, and which request ids at which plan step) are what tests
 and ``/v1/cluster`` read to see exactly what each stage computed.
@@ -36,11 +40,13 @@ the same weights bit for bit. Without either source, it fails to start, saying s
 
 Health: ``ping`` runs in its own concurrency group (its own thread), so the head's
 heartbeat is answered while a plan computes and never queues behind plans; a stage
-that does not answer it is dead or hung.
+that does not answer it is dead or hung. Other calls (counters, weights) may run beside
+a plan (a graph's thread); the counters are guarded by a lock.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import threading
@@ -81,13 +87,13 @@ class StageCounters:
     weights_received_bytes: int
     plans: int = 0
     tokens: int = 0
-    busy_s: float = 0.0  # computing (block copies, forward)
-    wait_s: float = 0.0  # waiting for the previous stage's hidden states (its compute included)
-    transfer_s: float = 0.0  # previous stage's send -> tensor here (arrives ahead: overlaps compute or wait)
+    busy_s: float = 0.0  # computing (the plan, block copies, forward, picking tokens)
+    wait_s: float = 0.0  # between plans: waiting for the next plan or its hidden states
+    transfer_s: float = 0.0  # previous stage's send -> here (arrives ahead where the stage was busy)
     first_start: float | None = None
     last_end: float | None = None
     hidden_bytes_out: int = 0
-    last_seq: int = -1
+    last_seq: int = -1  # the last plan it finished
     executed: deque[tuple[int, tuple[str, ...]]] = field(default_factory=lambda: deque(maxlen=LOG_LENGTH))
     # Per plan, wall clock (time.time): (plan step, call entered, input here, done): where idle time goes.
     timeline: deque[tuple[int, float, float, float]] = field(default_factory=lambda: deque(maxlen=TIMELINE_LENGTH))
@@ -189,6 +195,8 @@ class StageWorker:
         self.block_size = 0
         self.inputs = PrefetchedInputs()
         self.next_stage: Any = None  # the next stage's actor handle; None for the last stage
+        self._last_started = -1  # plans must come in order
+        self._counting = threading.Lock()  # plans (a graph's thread) write the counters; other calls read them
         self.counters = StageCounters(index, layers, ray.get_runtime_context().get_node_id(),
                                       "head" if received else "file", received)
 
@@ -227,64 +235,107 @@ class StageWorker:
         """The head gave up plans up to ``seq``: one waiting for its input, or queued, fails at once."""
         self.inputs.void_through(seq)
 
+    @ray.method(concurrency_group="health")
+    def progress(self) -> int:
+        """The last plan (sequence number) this stage finished: the head finds which stage
+        holds a plan past its deadline."""
+        return self.counters.last_seq
+
     def run(self, seq: int, payload: bytes, receives: bool, rows_payload: bytes | None = None) -> tuple | None:
-        """Executes plan number ``seq`` (pickled ``StepPlan``) on this stage's layers.
+        """Executes plan number ``seq`` (pickled ``StepPlan``), sent by an actor call
+        (the ``calls`` transport).
 
         ``receives``: False for the first stage; else the previous stage sends this plan's
         hidden states to ``receive``, and they are waited for here (not by Ray before the
         call, so the heartbeat is never held behind a plan). A stage before the last sends
-        its hidden states (or, if it fails, the error) to the next stage and returns None.
-        The last stage returns the float32 logits of the plan's sampled positions, as
-        ``(logits, tokens, sent at)`` with ``logits`` a NumPy array (Ray sends one far
-        faster than a tensor): with ``rows_payload`` (the pickled RowSampling of each
-        sampled row, None for a row the head samples), the plain rows' tokens are picked
-        here (``tokens``: plan row -> token id), ``logits`` holds only the other rows, and
-        is None if there are none.
+        its hidden states (or, if it fails, the error) to the next stage and returns None;
+        the last stage returns what :meth:`_execute` says.
         """
         entered = time.time()
-        c = self.counters
-        if seq <= c.last_seq:
-            raise RuntimeError(f"stage {c.index} got plan {seq} after plan {c.last_seq}: plans must run in order")
-        c.last_seq = seq
+        hidden = None
         try:
+            self._check_order(seq)
             if seq <= self.inputs.voided:
                 raise PlanVoided(f"plan {seq} was given up by the head")
-            plan: StepPlan = pickle.loads(payload)
-            waited = time.perf_counter()
-            hidden = None
             if receives:
                 hidden, transfer_s = self.inputs.take(seq)
-                c.transfer_s += transfer_s
-            started = time.perf_counter()
-            input_at = time.time()
-            c.wait_s += started - waited
-            if c.first_start is None:
-                c.first_start = waited
-            out = self._forward(plan, hidden)
+                with self._counting:
+                    self.counters.transfer_s += transfer_s
+            out = self._execute(seq, payload, rows_payload, hidden, entered)
         except BaseException as exc:
             if self.next_stage is not None and not isinstance(exc, PlanVoided):
-                self.next_stage.receive.remote(seq, None, time.time(),
-                                               f"stage {c.index} failed on plan {seq}: {type(exc).__name__}: {exc}")
+                self.next_stage.receive.remote(seq, None, time.time(), _failure(self.counters, seq, exc))
             raise
-        c.plans += 1
-        c.tokens += plan.num_tokens
-        c.executed.append((plan.step, tuple(ch.request_id for ch in plan.chunks)))
-        result: tuple | None = None
         if self.stage.is_last:
-            tokens = None
-            if rows_payload is not None:
-                rows: tuple[RowSampling | None, ...] = pickle.loads(rows_payload)
-                plain = [i for i, r in enumerate(rows) if r is not None]
-                tokens = dict(zip(plain, sample_rows(out[plain], [rows[i] for i in plain]), strict=True))
-                out = out[[i for i, r in enumerate(rows) if r is None]]
-            result = (out.numpy() if len(out) else None, tokens, time.time())
-        c.last_end = time.perf_counter()
-        c.busy_s += c.last_end - started
-        if not self.stage.is_last:
-            c.hidden_bytes_out += out.numel() * out.element_size()
-            self.next_stage.receive.remote(seq, out.numpy(), time.time())
-        c.timeline.append((plan.step, entered, input_at, time.time()))
-        return result
+            return out
+        self.next_stage.receive.remote(seq, out[0], out[1])
+        return None
+
+    def step(self, inputs: tuple[int, bytes, bytes | None], previous: tuple[np.ndarray, float] | None = None
+             ) -> tuple:
+        """Executes a plan in the pipeline's compiled graph (the ``graph`` transport, see
+        ``graph``): ``inputs`` is the head's ``(seq, pickled StepPlan, rows_payload)``,
+        ``previous`` the previous stage's output (None for the first stage). Returns what
+        :meth:`_execute` says; the graph carries it to the next stage or the head."""
+        entered = time.time()
+        seq, payload, rows_payload = inputs
+        hidden = None
+        try:
+            self._check_order(seq)
+            if previous is not None:  # a copy: the channel's buffer is read-only, the forward owns its input
+                hidden = torch.from_numpy(np.array(previous[0]))
+                with self._counting:
+                    self.counters.transfer_s += max(0.0, entered - previous[1])  # nodes' clocks assumed in sync
+            return self._execute(seq, payload, rows_payload, hidden, entered)
+        except Exception as exc:
+            raise RuntimeError(_failure(self.counters, seq, exc)) from exc
+
+    def _check_order(self, seq: int) -> None:
+        if seq <= self._last_started:
+            raise RuntimeError(f"got plan {seq} after plan {self._last_started}: plans must run in order")
+        self._last_started = seq
+
+    def _execute(self, seq: int, payload: bytes, rows_payload: bytes | None, hidden: torch.Tensor | None,
+                 entered: float) -> tuple:
+        """Runs plan ``seq`` on this stage's layers (``hidden``: the previous stage's output,
+        here; None for the first stage) and counts it.
+
+        A stage before the last returns ``(hidden states, sent at)``; the last returns the
+        float32 logits of the plan's sampled positions, as ``(logits, tokens, sent at)``:
+        with ``rows_payload`` (the pickled RowSampling of each sampled row, None for a row
+        the head samples), the plain rows' tokens are picked here (``tokens``: plan row ->
+        token id), ``logits`` holds only the other rows, and is None if there are none.
+        Arrays go as NumPy: Ray sends one far faster than a tensor.
+        """
+        started = time.perf_counter()
+        input_at = time.time()
+        plan: StepPlan = pickle.loads(payload)
+        out = self._forward(plan, hidden)
+        tokens = None
+        if self.stage.is_last and rows_payload is not None:
+            rows: tuple[RowSampling | None, ...] = pickle.loads(rows_payload)
+            plain = [i for i, r in enumerate(rows) if r is not None]
+            tokens = dict(zip(plain, sample_rows(out[plain], [rows[i] for i in plain]), strict=True))
+            out = out[[i for i, r in enumerate(rows) if r is None]]
+        ended = time.perf_counter()
+        with self._counting:
+            c = self.counters
+            c.last_seq = seq
+            c.plans += 1
+            c.tokens += plan.num_tokens
+            c.busy_s += ended - started
+            if c.first_start is None:
+                c.first_start = started
+            else:
+                c.wait_s += max(0.0, started - (c.last_end or started))
+            c.last_end = ended
+            if not self.stage.is_last:
+                c.hidden_bytes_out += out.numel() * out.element_size()
+            c.executed.append((plan.step, tuple(ch.request_id for ch in plan.chunks)))
+            c.timeline.append((plan.step, entered, input_at, time.time()))
+        if self.stage.is_last:
+            return (out.numpy() if len(out) else None, tokens, time.time())
+        return (out.numpy(), time.time())
 
     def _forward(self, plan: StepPlan, hidden: torch.Tensor | None) -> torch.Tensor:
         for src, dst in plan.block_copies:
@@ -298,7 +349,8 @@ class StageWorker:
         return out.cpu()
 
     def read_counters(self) -> StageCounters:
-        return self.counters
+        with self._counting:
+            return copy.deepcopy(self.counters)
 
     def read_weights(self) -> dict[str, torch.Tensor]:
         """What the stage holds as weights (see :func:`held_weights`), for tests to compare."""
@@ -306,9 +358,15 @@ class StageWorker:
 
     def reset_counters(self) -> None:
         """Starts the counters afresh (identity and plan order kept), e.g. between benchmark runs."""
-        c = self.counters
-        self.counters = StageCounters(c.index, c.layers, c.node_id, c.weights_from, c.weights_received_bytes,
-                                      last_seq=c.last_seq)
+        with self._counting:
+            c = self.counters
+            self.counters = StageCounters(c.index, c.layers, c.node_id, c.weights_from, c.weights_received_bytes,
+                                          last_seq=c.last_seq)
+
+
+def _failure(counters: StageCounters, seq: int, exc: BaseException) -> str:
+    return (f"pipeline stage {counters.index} (layers {counters.layers[0]}-{counters.layers[1]}) failed on "
+            f"plan {seq}: {type(exc).__name__}: {exc}")
 
 
 def held_weights(stage: LlamaStage) -> dict[str, torch.Tensor]:

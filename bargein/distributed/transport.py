@@ -1,0 +1,113 @@
+"""How plans reach a pipeline's stages and results come back: two transports over Ray.
+
+``CompiledGraph`` (``graph``): the stages form one Ray compiled graph. The head's input
+``(seq, pickled plan, pickled rows)`` goes to every stage's ``step``; stage k's output is
+stage k+1's second argument; the last stage's output is the graph's. Ray compiles it
+once into shared-memory channels and a loop on each stage's own thread, so a plan
+crosses a hop in tens of microseconds where an actor call takes a millisecond or more
+(``bench/bench_pipeline.py`` runs both). Used only where every stage runs on the head's
+node: across nodes Ray 2.60's graph channels gained nothing measurable here, hung with
+three stages and three plans in flight, and crashed a raylet in about half of the
+teardowns (a 30-line script reproduces each).
+
+``ActorCalls`` (``calls``): the head calls every stage's ``run``; a stage calls the next
+stage's ``receive`` with its hidden states (see ``stage``). Used across nodes.
+
+Both give the same results in the same order. ``wait`` raises ``TimeoutError`` past the
+deadline, a ``ray.exceptions.RayTaskError`` for a plan a stage failed on, and any other
+error where a stage died or the transport broke (the runner then finds out which).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+from ray.dag import InputNode
+
+log = logging.getLogger("bargein.distributed")
+
+class ActorCalls:
+    """Plans by actor calls; hidden states by calls from stage to stage."""
+
+    kind = "calls"
+
+    def __init__(self, actors: list[Any]):
+        self.actors = list(actors)
+        ray.get([a.connect_next.remote(self.actors[i + 1:i + 2]) for i, a in enumerate(self.actors)])
+
+    def submit(self, seq: int, payload: bytes, rows: bytes | None) -> list[Any]:
+        """The first stage's call goes first: it starts while the others are sent."""
+        last = len(self.actors) - 1
+        return [actor.run.remote(seq, payload, i > 0, rows if i == last else None)
+                for i, actor in enumerate(self.actors)]
+
+    def wait(self, refs: list[Any], timeout_s: float) -> tuple:
+        """The last stage's result; a stage's error as soon as any stage raises it."""
+        ends = time.monotonic() + timeout_s
+        pending = list(refs)
+        while True:
+            ready, _ = ray.wait(pending, num_returns=1, timeout=max(0.0, ends - time.monotonic()))
+            if not ready:
+                raise TimeoutError
+            value = ray.get(ready[0])
+            if ready[0] == refs[-1]:
+                return value
+            pending.remove(ready[0])
+
+    def abandon(self, through_seq: int, lost: set[int]) -> None:
+        """The plans up to ``through_seq`` are given up: the surviving stages fail the ones
+        they wait for or have queued at once."""
+        for i, actor in enumerate(self.actors):
+            if i not in lost:
+                actor.void_through.remote(through_seq)
+
+    def close(self) -> None:
+        pass
+
+
+class CompiledGraph:
+    """Plans, hidden states and results through one compiled graph of the stages."""
+
+    kind = "graph"
+
+    def __init__(self, actors: list[Any], capacity: int, submit_timeout_s: float):
+        """``capacity``: plans in flight the graph holds (its channels keep a buffer per
+        plan); writing a plan waits up to ``submit_timeout_s`` for room."""
+        with InputNode() as plan:
+            out = None
+            for actor in actors:
+                out = actor.step.bind(plan) if out is None else actor.step.bind(plan, out)
+        self.graph = out.experimental_compile(_max_inflight_executions=capacity, _submit_timeout=submit_timeout_s)
+
+    def submit(self, seq: int, payload: bytes, rows: bytes | None) -> Any:
+        return self.graph.execute((seq, payload, rows))
+
+    def wait(self, ref: Any, timeout_s: float) -> tuple:
+        try:
+            return ref.get(timeout=max(timeout_s, 0.001))
+        except ray.exceptions.RayChannelTimeoutError:
+            raise TimeoutError from None
+
+    def abandon(self, through_seq: int, lost: set[int]) -> None:
+        pass  # the graph is torn down (``close``) before a new one is compiled
+
+    def close(self) -> None:
+        """Stops the graph's loops on the stages and frees its channels; a graph already
+        broken by a dead stage is torn down as far as it goes, without raising."""
+        try:
+            self.graph.teardown()
+        except Exception as exc:  # e.g. an actor of it died: Ray has torn down what it could
+            log.debug("tearing down the pipeline's graph: %s", exc)
+
+
+def open_transport(kind: str, actors: list[Any], node_ids: list[str], capacity: int,
+                   submit_timeout_s: float) -> ActorCalls | CompiledGraph:
+    """``kind`` "auto": a compiled graph where every stage runs on this (the head's) node,
+    else actor calls; "calls": actor calls."""
+    here = ray.get_runtime_context().get_node_id()
+    if kind == "auto" and all(n == here for n in node_ids):
+        return CompiledGraph(actors, capacity, submit_timeout_s)
+    return ActorCalls(actors)
