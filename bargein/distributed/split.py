@@ -100,7 +100,7 @@ LAYER_MATRICES = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight
 
 @dataclass(frozen=True)
 class MatrixWidths:
-    """Bytes per value a stage reads of each weight matrix, per row it computes.
+    """Bytes per value of each weight matrix as a stage reads it: the matrix's cost in the split.
 
     ``stored``: canonical name (``layers.{i}.wq.weight``, ``embed.weight``, ...) -> bytes
     per value of the matrices a stage computes from as the file stores them (a GGUF's
