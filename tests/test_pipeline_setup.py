@@ -3,11 +3,15 @@ before anything is started; the layer split helpers. No Ray cluster needed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bargein.cli import main
-from bargein.config import ModelConfig
+from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.split import (
+    LAYER_MATRICES,
+    MatrixWidths,
     PipelineSetupError,
     check_split,
     head_layers,
@@ -56,15 +60,78 @@ def test_split_by_memory_is_proportional_with_at_least_one_layer_each() -> None:
         split_by_memory(2, [1, 1, 1])
 
 
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+# The bundled GGUF: every layer matrix Q4_1 (20 bytes per 32 values), the tied head Q8_0 (34 per 32).
+SMOLLM2_BLOCKS = {f"layers.{i}.{m}": 20 / 32 for i in range(30) for m in LAYER_MATRICES} | {"embed.weight": 34 / 32}
+
+
 def test_the_last_stage_s_lm_head_counts_as_work_in_the_split() -> None:
-    smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                          num_kv_heads=3, head_dim=64)
-    # (49152 x 576) over 4/3 of a layer's (576 x (2 x 576 + 2 x 192) + 3 x 576 x 1536) multiply-adds
-    assert head_layers(smollm2) == pytest.approx(6.0, abs=0.01)
-    assert split_by_memory(30, [1, 1], head_layers(smollm2)) == ((0, 18), (18, 30))  # 18 and 12 + 6
+    # A layer's matrices: 576 x (2 x 576 + 2 x 192) + 3 x 576 x 1536 = 3,538,944 values; the
+    # head 49152 x 576 = 28,311,552 values, 8 times as many. A layer's other work adds a third.
+    # exact, or a dense model at any one width: the ratio of values, 8 / (4/3) = 6.0.
+    for dense in (MatrixWidths(), MatrixWidths(dense=2.0)):  # float32 copies; bf16 safetensors
+        assert head_layers(SMOLLM2, dense) == pytest.approx(6.0)
+        assert split_by_memory(30, [1, 1], head_layers(SMOLLM2, dense)) == ((0, 18), (18, 30))  # 18 and 12 + 6
     assert split_by_memory(30, [1, 1, 1], 6.0) == ((0, 12), (12, 24), (24, 30))
     assert split_by_memory(30, [2, 1], 6.0) == ((0, 24), (24, 30))  # 24 and 6 + 6
     assert split_by_memory(4, [1, 1], 9.0) == ((0, 3), (3, 4))  # every stage keeps a layer
+
+    # fast reads the blocks: a layer 3,538,944 x 0.625 = 2,211,840 bytes, the head
+    # 28,311,552 x 1.0625 = 30,081,024 bytes: 13.6 layers' matrices, over 4/3 = 10.2.
+    fast = MatrixWidths(SMOLLM2_BLOCKS)
+    assert head_layers(SMOLLM2, fast) == pytest.approx(10.2)
+    # 40.2 layers' work, 20.1 each: 20.1 and 20.1 - 10.2 = 9.9 layers; floors 20 + 9, the
+    # 30th layer to the larger remainder (0.9).
+    assert split_by_memory(30, [1, 1], 10.2) == ((0, 20), (20, 30))
+    # 13.4 each: 13.4, 13.4, 3.2; floors 13 + 13 + 3, the 30th to the first 0.4.
+    assert split_by_memory(30, [1, 1, 1], 10.2) == ((0, 14), (14, 27), (27, 30))
+    # memory 2:1: 26.8 and 13.4 - 10.2 = 3.2; floors 26 + 3, the 30th to the 0.8.
+    assert split_by_memory(30, [2, 1], 10.2) == ((0, 27), (27, 30))
+    # memory 1:2: 13.4 and 26.8 - 10.2 = 16.6; floors 13 + 16, the 30th to the 0.6.
+    assert split_by_memory(30, [1, 2], 10.2) == ((0, 13), (13, 30))
+
+    # Untied, the head is lm_head.weight: Q8_0 there prices as the tied one; dense float32
+    # there (the embedding Q8_0) it is 28,311,552 x 4 / 2,211,840 = 51.2 layers' matrices, 38.4.
+    untied = replace(SMOLLM2, tie_word_embeddings=False)
+    layers_q4_1 = {k: v for k, v in SMOLLM2_BLOCKS.items() if k.startswith("layers.")}
+    assert head_layers(untied, MatrixWidths(layers_q4_1 | {"lm_head.weight": 34 / 32})) == pytest.approx(10.2)
+    assert head_layers(untied, MatrixWidths(layers_q4_1 | {"embed.weight": 34 / 32})) == pytest.approx(38.4)
+    # Layers of two widths price as their average: half Q4_1, half Q8_0 is 0.84375 bytes a
+    # value, 2,985,984 bytes a layer; 30,081,024 / 2,985,984 = 272/27, over 4/3 = 68/9.
+    mixed = {k: (20 / 32 if int(k.split(".")[1]) < 15 else 34 / 32) for k in layers_q4_1}
+    assert head_layers(SMOLLM2, MatrixWidths(mixed | {"embed.weight": 34 / 32})) == pytest.approx(68 / 9)
+
+
+def test_stage_widths_come_from_the_gguf_tensor_table_where_stages_read_blocks(tmp_path) -> None:
+    pytest.importorskip("gguf")
+    import gguf
+    from gguf.quants import quantize
+
+    from bargein.distributed.widths import stage_widths, stages_read_blocks
+    from bargein.loader.source import ModelSource
+    from tests.tiny_models import tiny_config
+
+    spec = TinySpec(num_layers=3)
+    weights = tiny_weights(spec)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    embed = (quantize(weights["embed.weight"].numpy(), q8), q8)
+    path = write_gguf(tmp_path / "q4_1.gguf", spec, weights, tensor_type="Q4_1", skip=("token_embd.weight",),
+                      extra_tensors={"token_embd.weight": embed})
+    config = tiny_config(spec)
+    source = ModelSource("gguf", path, "tiny")
+    cpu_fast = EngineConfig(device="cpu", precision="fast")
+    expected = {f"layers.{i}.{m}": 0.625 for i in range(3) for m in LAYER_MATRICES} | {"embed.weight": 1.0625}
+    assert stage_widths(source, config, cpu_fast) == MatrixWidths(expected)  # norms are no matrices
+    f32 = ModelSource("gguf", write_gguf(tmp_path / "f32.gguf", spec, weights), "tiny")
+    assert stage_widths(f32, config, cpu_fast) == MatrixWidths()  # nothing held in blocks
+    assert stage_widths(source, config, replace(cpu_fast, precision="exact")) == MatrixWidths()
+    # A safetensors folder is dense: nothing is read (this one does not even exist).
+    assert stage_widths(ModelSource("hf", tmp_path / "absent", "tiny"), config, cpu_fast) == MatrixWidths()
+    assert stages_read_blocks(cpu_fast)
+    for other in (dict(precision="exact"), dict(dtype="bfloat16"), dict(native_kernels=False),
+                  dict(device="cuda")):
+        assert not stages_read_blocks(replace(cpu_fast, **other))
 
 
 def test_prefetched_inputs_wait_for_their_plan_raise_its_error_and_drop_voided_ones() -> None:

@@ -48,6 +48,7 @@ import torch
 from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.split import (
     LayerRanges,
+    MatrixWidths,
     PipelineSetupError,
     check_split,
     head_layers,
@@ -55,6 +56,7 @@ from bargein.distributed.split import (
     stage_weight_bytes,
 )
 from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
+from bargein.distributed.widths import stage_widths
 from bargein.engine.device import resolve_dtype
 from bargein.engine.plan import StepPlan
 from bargein.engine.runner import StepFailed, StepResult
@@ -147,10 +149,11 @@ def check_layout(num_stages: int, model_config: ModelConfig, given: LayerRanges 
 
 
 def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfig,
-                 given: LayerRanges | None) -> list[StagePlacement]:
+                 given: LayerRanges | None, widths: MatrixWidths) -> list[StagePlacement]:
     """Stage i on the i-th node by memory (cycling when stages outnumber nodes); layers
-    split so that each stage's work (the last one's LM head included) is in proportion
-    to its share of its node's memory, unless ``given``."""
+    split so that each stage's work (the last one's LM head included, priced by the bytes
+    stages read per value of each matrix, ``widths``) is in proportion to its share of its
+    node's memory, unless ``given``."""
     resource = config.pipeline.node_resource if config.pipeline else None
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
              and (resource is None or n["Resources"].get(resource, 0) > 0)]
@@ -171,7 +174,7 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
     if num_stages > num_layers:
         raise PipelineSetupError(f"{num_stages} stages were asked for, but the model has only {num_layers} layers")
     ranges = check_split(given, num_layers) if given is not None else split_by_memory(num_layers, shares,
-                                                                                       head_layers(model_config))
+                                                                                       head_layers(model_config, widths))
     return [StagePlacement(i, ranges[i], n["NodeID"], n["NodeManagerAddress"], shares[i])
             for i, n in enumerate(chosen)]
 
@@ -243,7 +246,8 @@ class PipelineRunner(StageRecovery):
             raise ValueError("EngineConfig.pipeline is not set")
         check_layout(pipe.stages, model_config, pipe.stage_layers)
         connect(pipe.ray_address, pipe.stages)
-        placements = place_stages(pipe.stages, model_config, config, pipe.stage_layers)
+        placements = place_stages(pipe.stages, model_config, config, pipe.stage_layers,
+                                  stage_widths(source, model_config, config))
         actors: list[Any] = []
         try:
             return cls._start_stages(source, model_config, config, placements, actors,

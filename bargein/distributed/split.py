@@ -1,19 +1,27 @@
 """Which layers each pipeline stage holds: parsed by hand, or split by node memory.
 
-Pure functions, no Ray: a split is a tuple of half-open layer ranges that cover
-``[0, num_layers)`` in order, each non-empty.
+Pure functions, no Ray, no file reads: a split is a tuple of half-open layer ranges
+that cover ``[0, num_layers)`` in order, each non-empty.
 
 The automatic split gives each stage work in proportion to its node's memory (the
 measure of a node's size Ray reports), and the last stage's work includes the LM head:
-a (vocabulary x hidden) matmul per sampled row, worth 6 of SmolLM2's 30 layers. Split
-by layer count alone, two equal nodes measured 37 and 52 ms per 16-row step, and the
-first stage idled a third of the time waiting for the second.
+a (vocabulary x hidden) matmul per sampled row. A matrix costs the bytes the stage
+reads for it per row (:class:`MatrixWidths`: a GGUF's Q4_1 and Q8_0 blocks in ``fast``,
+dense values otherwise). For the bundled SmolLM2-135M (30 layers; layer matrices Q4_1
+at 0.625 bytes a value, the tied head Q8_0 at 1.0625) the head is worth 10.2 layers in
+``fast`` and 6.0 in ``exact``, which reads float32 copies of every matrix. Measured
+(2 stages of 1 thread, ``fast``, one machine; each stage's compute per plan, ms, stage
+0 / stage 1): layers 0-18 / 18-30 (the head counted as 6 layers) took 3.77 / 5.17 at
+1 stream and 26.4 / 33.2 at 32; 0-20 / 20-30 (as 10.2) took 4.07 / 4.37 and 28.6 / 28.5;
+0-21 / 21-30 took 4.22 / 4.56 and 30.4 / 28.7. Split by layer count alone, two equal
+nodes (earlier, float32 weights) measured 37 and 52 ms per 16-row step.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from bargein.config import ModelConfig
 from bargein.loader.names import expected_shape, wanted_tensors
@@ -79,17 +87,44 @@ def split_by_memory(num_layers: int, memories: Sequence[float], head_layers: flo
 
 
 # A layer's work besides its matrices (attention, norms, RoPE, the K/V write) as a share of
-# its matrices' multiply-adds: measured on SmolLM2 at 16 decode rows and 1 thread, a layer
-# took 2.56 ms and the LM head 15.2 ms, 6 layers' worth where its multiply-adds are 8.
+# its matrices' cost. First measured on SmolLM2 with float32 weights (16 decode rows, 1
+# thread: a layer 2.56 ms, the LM head 15.2 ms, 6 layers' worth where its multiply-adds
+# are 8). Checked again in ``fast`` (the module docstring's runs): a layer's matrices read
+# 2.2 MB of Q4_1 blocks, the head 30.1 MB of Q8_0, 13.6 times as much; over 4/3 that is
+# 10.2 layers, and 0-20 / 20-30 was the balanced split at 1 and at 32 streams.
 _LAYER_OTHER_WORK = 1 / 3
 
+# A layer's matrices (canonical suffixes, see bargein.loader.names).
+LAYER_MATRICES = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "w1.weight", "w2.weight", "w3.weight")
 
-def head_layers(config: ModelConfig) -> float:
-    """The LM head's work per row in layers' worth: its multiply-adds over one layer's
-    (Q, K, V, O and the three feed-forward matrices, plus the rest of a layer's work)."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    layer = (h * (2 * q + 2 * kv) + 3 * h * config.intermediate_size) * (1 + _LAYER_OTHER_WORK)
-    return config.vocab_size * h / layer
+
+@dataclass(frozen=True)
+class MatrixWidths:
+    """Bytes per value of each weight matrix as a stage reads it: the matrix's cost in the split.
+
+    ``stored``: canonical name (``layers.{i}.wq.weight``, ``embed.weight``, ...) -> bytes
+    per value of the matrices a stage computes from as the file stores them (a GGUF's
+    Q4_1 blocks: 0.625, Q8_0: 1.0625). Every other matrix is read dense, ``dense`` bytes
+    a value; with ``stored`` empty only the matrices' sizes matter (multiply-adds).
+    """
+
+    stored: Mapping[str, float] = field(default_factory=dict)
+    dense: float = 4.0
+
+    def of(self, name: str) -> float:
+        return self.stored.get(name, self.dense)
+
+
+def head_layers(config: ModelConfig, widths: MatrixWidths = MatrixWidths()) -> float:
+    """The LM head's work per row in layers' worth: the bytes the stage reads for it over
+    those of an average layer's matrices (Q, K, V, O and the three feed-forward ones),
+    times 1 + ``_LAYER_OTHER_WORK`` for the rest of a layer's work. The head is
+    ``embed.weight`` when tied to the embedding, else ``lm_head.weight``."""
+    layer_bytes = sum(math.prod(expected_shape(config, f"layers.{i}.{m}") or ()) * widths.of(f"layers.{i}.{m}")
+                      for i in range(config.num_layers) for m in LAYER_MATRICES) / config.num_layers
+    head = "embed.weight" if config.tie_word_embeddings else "lm_head.weight"
+    head_bytes = config.vocab_size * config.hidden_size * widths.of(head)
+    return head_bytes / (layer_bytes * (1 + _LAYER_OTHER_WORK))
 
 
 def stage_weight_bytes(config: ModelConfig, layer_range: tuple[int, int], element_size: int) -> int:
