@@ -132,6 +132,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                          help="layer range of each stage (default: split by each node's memory)")
     cluster.add_argument("--micro-batches", type=int, default=None, metavar="N",
                          help="plans in flight at once (default: one per stage)")
+    cluster.add_argument("--pipeline-transport", choices=("auto", "graph", "calls"), default="auto",
+                         help="how plans and hidden states move between stages: a Ray compiled graph (stages "
+                              "on this node only), actor calls, or auto: the graph where every stage runs on "
+                              "this node with cores to spare (default: %(default)s)")
     cluster.add_argument("--stage-recovery-timeout", type=float, default=30.0, metavar="S",
                          help="how long a lost stage may take to be re-created before its requests fail "
                               "(default: %(default)s)")
@@ -201,7 +205,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
                                                    and args.stage_layers is None) else PipelineConfig(
                 stages=args.pipeline_stages or 2, ray_address=args.ray, micro_batches=args.micro_batches,
                 stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),
-                recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource))
+                recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource,
+                transport=args.pipeline_transport))
         _check_replica_flags(args)
         if config.pipeline is None and args.replicas is None:  # the stages/replicas resolve it on their nodes
             resolve_device(config.device)  # before the port and the model: a missing GPU fails fast

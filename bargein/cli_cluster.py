@@ -49,7 +49,8 @@ def format_cluster(info: dict[str, Any]) -> str:
     if not info.get("pipeline"):
         return f"one process, {info.get('kv_blocks', '?')} KV blocks (no pipeline)"
     traffic = info.get("head_traffic", {})
-    lines = [f"{info['num_stages']} stages, {info['max_in_flight']} micro-batches in flight, "
+    lines = [f"{info['num_stages']} stages ({info.get('transport') or '?'} transport), "
+             f"{info['max_in_flight']} micro-batches in flight, "
              f"{info['kv_blocks']} KV blocks; head traffic {traffic.get('total', 0) / 2**20:.1f} MiB"]
     recovery = info.get("recovery", {})
     health = info.get("health", "ok")

@@ -101,7 +101,7 @@ class SchedulerConfig:
             raise ValueError("max_mixed_prefill_tokens must be positive")
 
 
-PIPELINE_TRANSPORTS = ("auto", "calls")
+PIPELINE_TRANSPORTS = ("auto", "graph", "calls")
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,8 @@ class PipelineConfig:
     ``node_ids``: the Ray node of each stage, given (replicas that are pipelines: the
     replica set plans every replica's stages at once); None: by memory, as above.
     ``transport``: how plans and hidden states move (``bargein.distributed.transport``):
-    "auto" is a Ray compiled graph where every stage runs on the head's node and actor
-    calls elsewhere; "calls" is actor calls everywhere.
+    "auto" is a Ray compiled graph where every stage runs on the head's node and it has
+    cores to spare, actor calls elsewhere; "graph" (one node only) and "calls" force one.
     """
 
     stages: int = 2

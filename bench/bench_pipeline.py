@@ -2,9 +2,10 @@
 
 Runs on this machine only (``ray.init`` with ``--ray local`` semantics), so "nodes" are
 processes sharing its cores. Every pipeline runs twice, once per transport (see
-``bargein.distributed.transport``): ``graph`` (a Ray compiled graph, what ``auto``
-picks with every stage on the head's node, as here) and ``calls`` (actor calls, what
-``auto`` picks across nodes):
+``bargein.distributed.transport``): ``graph`` (a Ray compiled graph: what ``auto``
+picks where every stage runs on the head's node with cores to spare for the readers
+that poll its channels; forced here) and ``calls`` (actor calls: what ``auto`` picks
+across nodes, and here, where 2 cores have none to spare):
 
 1. **Real model** (the bundled SmolLM2 unless ``--model``): 2 stages x 1 torch thread
    against 1 process x 2 threads, at 1 and 32 streams: tokens/s; per-step overhead (a
@@ -168,11 +169,11 @@ def real_model(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         rows.append({"setup": "1 process x 2 threads", "streams": streams, **_medians(results)})
     del single
     recoveries, layers, traffic = {}, None, None
-    for transport in ("auto", "calls"):
+    for transport in ("graph", "calls"):
         pipe = Engine.from_pretrained(args.model, EngineConfig(**base, pipeline=PipelineConfig(
             stages=2, ray_address="local", threads_per_stage=1, transport=transport)), progress=False)
         runner: PipelineRunner = pipe.runner
-        kind = runner.transport.kind  # "auto" on one node: a compiled graph
+        kind = runner.transport.kind
         timeline = HeadTimeline(runner)
         for streams in (1, 32):
             runs: dict[str, list[dict[str, Any]]] = {}
@@ -331,7 +332,7 @@ def stand_in(args: Any) -> list[dict[str, Any]]:
     token_s = args.token_ms / 1000
     here = ray.get_runtime_context().get_node_id()
     rows = []
-    for transport in ("auto", "calls"):
+    for transport in ("graph", "calls"):
         for n in (2, 3, 4):
             actors = [actor.remote(i, i == n - 1, token_s, config.hidden_size, config.vocab_size) for i in range(n)]
             ray.get([a.read_counters.remote() for a in actors])  # started: a plan's wait is not start-up

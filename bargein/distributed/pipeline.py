@@ -2,8 +2,8 @@
 
 ``submit(plan)`` pickles the plan once and hands it to the stages through the
 pipeline's transport (``transport``: a Ray compiled graph where every stage runs on
-this node, actor calls across nodes); stage k's hidden states go to stage k+1 without
-passing through this process. ``collect()`` waits for the oldest plan's logits. Plain
+this node with cores to spare, actor calls elsewhere); stage k's hidden states go to
+stage k+1 without passing through this process. ``collect()`` waits for the oldest plan's logits. Plain
 sampled rows (``sampler.row_sampling``: no grammar, penalties or logprobs) are sampled
 on the last stage, which sends their token ids instead of their logits rows. Up to
 ``max_in_flight`` plans (micro-batches) are in flight; the engine's scheduler never puts
@@ -378,9 +378,11 @@ class PipelineRunner(StageRecovery):
             self._in_flight.popleft()
             self._oldest_submitted = self._in_flight[0][2] if self._in_flight else None
 
-    def _open_transport(self) -> ActorCalls | CompiledGraph:
+    def _open_transport(self, strict: bool = True) -> ActorCalls | CompiledGraph:
+        """``strict``: at start, a forced graph across nodes is refused; after a recovery
+        it falls back to actor calls."""
         return open_transport(self.pipe.transport, self.actors, [p.node_id for p in self.placements],
-                              self.capacity, self.pipe.step_timeout_s)
+                              self.pipe.threads_per_stage, self.capacity, self.pipe.step_timeout_s, strict=strict)
 
     def close(self) -> None:
         """Closes the transport and kills the stage actors (the Ray connection stays, for

@@ -158,7 +158,7 @@ class StageRecovery:
             if self._closing.is_set():
                 return
             try:
-                transport = self._open_transport()
+                transport = self._open_transport(strict=False)
                 break
             except Exception as exc:  # a stage died meanwhile: re-create it too
                 log.warning("opening the pipeline's transport failed: %s", first_line(exc))

@@ -5,13 +5,15 @@
 stage k+1's second argument; the last stage's output is the graph's. Ray compiles it
 once into shared-memory channels and a loop on each stage's own thread, so a plan
 crosses a hop in tens of microseconds where an actor call takes a millisecond or more
-(``bench/bench_pipeline.py`` runs both). Used only where every stage runs on the head's
-node: across nodes Ray 2.60's graph channels gained nothing measurable here, hung with
-three stages and three plans in flight, and crashed a raylet in about half of the
-teardowns (a 30-line script reproduces each).
+(``bench/bench_pipeline.py`` runs both). But a channel's reader polls until its data is
+there, taking a core while it waits, so a graph is used only where every stage runs on
+the head's node and that node has cores to spare for the pollers (``pick_transport``).
+Across nodes Ray 2.60's graph channels gained nothing measurable here, hung with three
+stages and three plans in flight, and crashed a raylet in about half of the teardowns
+(a 30-line script reproduces each).
 
 ``ActorCalls`` (``calls``): the head calls every stage's ``run``; a stage calls the next
-stage's ``receive`` with its hidden states (see ``stage``). Used across nodes.
+stage's ``receive`` with its hidden states (see ``stage``). Used elsewhere.
 
 Both give the same results in the same order. ``wait`` raises ``TimeoutError`` past the
 deadline, a ``ray.exceptions.RayTaskError`` for a plan a stage failed on, and any other
@@ -26,6 +28,8 @@ from typing import Any
 
 import ray
 from ray.dag import InputNode
+
+from bargein.distributed.split import PipelineSetupError
 
 log = logging.getLogger("bargein.distributed")
 
@@ -103,11 +107,40 @@ class CompiledGraph:
             log.debug("tearing down the pipeline's graph: %s", exc)
 
 
-def open_transport(kind: str, actors: list[Any], node_ids: list[str], capacity: int,
-                   submit_timeout_s: float) -> ActorCalls | CompiledGraph:
-    """``kind`` "auto": a compiled graph where every stage runs on this (the head's) node,
-    else actor calls; "calls": actor calls."""
+def pick_transport(kind: str, node_ids: list[str], head_node: str, head_node_cpus: float, stage_threads: int,
+                   *, strict: bool = True) -> str:
+    """"graph" or "calls" for a pipeline whose stage i runs on ``node_ids[i]``.
+
+    "auto": a compiled graph where every stage runs on the head's node and the node has a
+    CPU for each stage's threads plus one for each reader that polls a channel (a stage's
+    graph thread waiting for its input, and the head waiting for results: Ray's reads
+    spin until the data is there); else actor calls, which wait without spinning. On 2
+    cores, 2 one-thread stages with two plans in flight ran 1.7x slower per plan under a
+    graph than over actor calls (bench/bench_pipeline.py). "graph" and "calls" force one;
+    "graph" needs every stage on the head's node: refused at start (``strict``), and
+    actor calls after a stage was re-created elsewhere.
+    """
+    one_node = all(n == head_node for n in node_ids)
+    if kind == "graph":
+        if one_node:
+            return "graph"
+        if strict:
+            raise PipelineSetupError("the graph transport needs every pipeline stage on the head's node; "
+                                     "use --pipeline-transport auto or calls across nodes")
+        log.warning("a pipeline stage runs off the head's node: actor calls instead of a compiled graph")
+        return "calls"
+    if kind == "calls" or not one_node:
+        return "calls"
+    stages = len(node_ids)
+    return "graph" if head_node_cpus >= stages * stage_threads + stages + 1 else "calls"
+
+
+def open_transport(kind: str, actors: list[Any], node_ids: list[str], stage_threads: int, capacity: int,
+                   submit_timeout_s: float, *, strict: bool = True) -> ActorCalls | CompiledGraph:
+    """The transport ``pick_transport`` picks, over ``actors``, opened."""
     here = ray.get_runtime_context().get_node_id()
-    if kind == "auto" and all(n == here for n in node_ids):
+    node = next((n for n in ray.nodes() if n["NodeID"] == here), {})
+    cpus = float(node.get("Resources", {}).get("CPU", 0))
+    if pick_transport(kind, node_ids, here, cpus, stage_threads, strict=strict) == "graph":
         return CompiledGraph(actors, capacity, submit_timeout_s)
     return ActorCalls(actors)
