@@ -31,6 +31,7 @@ Prints tables, then one JSON object on the last line. Run as a script:
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import sys
 import time
@@ -287,7 +288,13 @@ class StandInStage:
         return None
 
     def step(self, inputs: tuple, previous: Any = None) -> Any:
-        return self._execute(inputs[1], time.time())
+        out = self._execute(inputs[1], time.time())
+        if self.last:
+            os.write(self.doorbell, b"r")
+        return out
+
+    def ring_on(self, path: str) -> None:
+        self.doorbell = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
 
     def _execute(self, payload: bytes, entered: float) -> Any:
         started = time.perf_counter()

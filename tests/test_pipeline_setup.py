@@ -185,17 +185,16 @@ def test_voided_plans_fail_at_once_whether_waiting_or_not_yet_taken_and_late_inp
     assert inputs.take(7) == (hidden, 0.5)
 
 
-def test_auto_picks_a_compiled_graph_only_on_the_head_s_node_with_cores_for_its_pollers() -> None:
+def test_auto_picks_a_compiled_graph_only_on_the_head_s_node_with_a_core_per_stage_thread() -> None:
     from bargein.distributed.split import PipelineSetupError
     from bargein.distributed.transport import pick_transport
 
-    # 2 one-thread stages need 2 CPUs, plus 3 for the readers that poll (2 stages, the head).
-    assert pick_transport("auto", ["h", "h"], "h", 5, 1) == "graph"
-    assert pick_transport("auto", ["h", "h"], "h", 4, 1) == "calls"
-    assert pick_transport("auto", ["h", "h", "h"], "h", 10, 2) == "graph"  # 6 + 4
+    assert pick_transport("auto", ["h", "h"], "h", 2, 1) == "graph"
+    assert pick_transport("auto", ["h", "h"], "h", 3, 2) == "calls"  # 4 stage threads on 3 CPUs
+    assert pick_transport("auto", ["h", "h", "h"], "h", 6, 2) == "graph"
     assert pick_transport("auto", ["h", "n"], "h", 64, 1) == "calls"  # across nodes: actor calls
     assert pick_transport("calls", ["h", "h"], "h", 64, 1) == "calls"
-    assert pick_transport("graph", ["h", "h"], "h", 2, 1) == "graph"  # forced: the cores are the user's call
+    assert pick_transport("graph", ["h", "h"], "h", 1, 1) == "graph"  # forced: the cores are the user's call
     with pytest.raises(PipelineSetupError, match="needs every pipeline stage on the head's node"):
         pick_transport("graph", ["h", "n"], "h", 64, 1)
     assert pick_transport("graph", ["h", "n"], "h", 64, 1, strict=False) == "calls"  # a stage re-created elsewhere

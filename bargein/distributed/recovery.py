@@ -107,6 +107,8 @@ class StageRecovery:
                 self._found_lost.update(lost)
                 for i in lost:
                     ray.kill(actors[i], no_restart=True)
+                if self.transport is not None:
+                    self.transport.wake()  # the engine thread may be waiting for a ring that will not come
             log.warning("pipeline stages %s stopped answering; killed", sorted(lost))
 
     def _lose(self, lost: dict[int, str], why: str | None = None) -> None:

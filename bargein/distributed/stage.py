@@ -46,6 +46,7 @@ a plan (a graph's thread); the counters are guarded by a lock.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -196,6 +197,7 @@ class StageWorker:
         self.inputs = PrefetchedInputs()
         self.next_stage: Any = None  # the next stage's actor handle; None for the last stage
         self._last_started = -1  # plans must come in order
+        self._doorbell: int | None = None  # the head's doorbell (graph transport)
         self._counting = threading.Lock()  # plans (a graph's thread) write the counters; other calls read them
         self.counters = StageCounters(index, layers, ray.get_runtime_context().get_node_id(),
                                       "head" if received else "file", received)
@@ -286,9 +288,25 @@ class StageWorker:
                 hidden = torch.from_numpy(np.array(previous[0]))
                 with self._counting:
                     self.counters.transfer_s += max(0.0, entered - previous[1])  # nodes' clocks assumed in sync
-            return self._execute(seq, payload, rows_payload, hidden, entered)
+            out = self._execute(seq, payload, rows_payload, hidden, entered)
         except Exception as exc:
+            self._ring()  # the graph carries the error to the head, which is waiting for a ring
             raise RuntimeError(_failure(self.counters, seq, exc)) from exc
+        if self.stage.is_last:
+            self._ring()
+        return out
+
+    def ring_on(self, path: str) -> None:
+        """The head's doorbell for a graph (a FIFO on this node, see ``transport``): rung
+        when the last stage finished a plan, or any stage failed one."""
+        if self._doorbell is not None:
+            os.close(self._doorbell)
+        self._doorbell = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+
+    def _ring(self) -> None:
+        if self._doorbell is not None:
+            with contextlib.suppress(OSError):  # the head closed it: the graph is being torn down
+                os.write(self._doorbell, b"r")
 
     def _check_order(self, seq: int) -> None:
         if seq <= self._last_started:

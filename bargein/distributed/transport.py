@@ -5,9 +5,10 @@
 stage k+1's second argument; the last stage's output is the graph's. Ray compiles it
 once into shared-memory channels and a loop on each stage's own thread, so a plan
 crosses a hop in tens of microseconds where an actor call takes a millisecond or more
-(``bench/bench_pipeline.py`` runs both). But a channel's reader polls until its data is
-there, taking a core while it waits, so a graph is used only where every stage runs on
-the head's node and that node has cores to spare for the pollers (``pick_transport``).
+(``bench/bench_pipeline.py`` runs both). A channel's reader polls until its data is
+there, taking a core while it waits; the head therefore waits on a doorbell before it
+reads, and a graph is used only where every stage runs on the head's node with a core
+per stage thread (``pick_transport``).
 Across nodes Ray 2.60's graph channels gained nothing measurable here, hung with three
 stages and three plans in flight, and crashed a raylet in about half of the teardowns
 (a 30-line script reproduces each).
@@ -22,7 +23,12 @@ error where a stage died or the transport broke (the runner then finds out which
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import select
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -61,6 +67,9 @@ class ActorCalls:
                 return value
             pending.remove(ready[0])
 
+    def wake(self) -> None:
+        pass  # a killed stage's calls fail by themselves
+
     def abandon(self, through_seq: int, lost: set[int]) -> None:
         """The plans up to ``through_seq`` are given up: the surviving stages fail the ones
         they wait for or have queued at once."""
@@ -73,27 +82,60 @@ class ActorCalls:
 
 
 class CompiledGraph:
-    """Plans, hidden states and results through one compiled graph of the stages."""
+    """Plans, hidden states and results through one compiled graph of the stages.
+
+    Ray's channel read polls until its data is there, so the head does not read a result
+    before it is done: it waits, without spinning, on a doorbell (a FIFO on this node,
+    where every stage runs) that the last stage rings when it finished a plan, a stage
+    rings when it failed one, and the watchdog rings when it killed a stage; then it
+    reads. One ring per plan; a stray one only makes the head read (and poll) early.
+    """
 
     kind = "graph"
 
     def __init__(self, actors: list[Any], capacity: int, submit_timeout_s: float):
         """``capacity``: plans in flight the graph holds (its channels keep a buffer per
         plan); writing a plan waits up to ``submit_timeout_s`` for room."""
-        with InputNode() as plan:
-            out = None
-            for actor in actors:
-                out = actor.step.bind(plan) if out is None else actor.step.bind(plan, out)
-        self.graph = out.experimental_compile(_max_inflight_executions=capacity, _submit_timeout=submit_timeout_s)
+        self._folder = tempfile.mkdtemp(prefix="bargein-doorbell-")
+        path = os.path.join(self._folder, "ring")
+        os.mkfifo(path, 0o600)
+        self._bell = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        self._ringer = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        self._rings = 0  # rung, not yet waited for
+        try:
+            ray.get([actor.ring_on.remote(path) for actor in actors])
+            with InputNode() as plan:
+                out = None
+                for actor in actors:
+                    out = actor.step.bind(plan) if out is None else actor.step.bind(plan, out)
+            self.graph = out.experimental_compile(_max_inflight_executions=capacity,
+                                                  _submit_timeout=submit_timeout_s)
+        except BaseException:
+            self._close_bell()
+            raise
 
     def submit(self, seq: int, payload: bytes, rows: bytes | None) -> Any:
         return self.graph.execute((seq, payload, rows))
 
     def wait(self, ref: Any, timeout_s: float) -> tuple:
+        ends = time.monotonic() + timeout_s
+        while self._rings == 0:
+            remaining = ends - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            if select.select([self._bell], [], [], remaining)[0]:
+                with contextlib.suppress(BlockingIOError):
+                    self._rings += len(os.read(self._bell, 4096))
+        self._rings -= 1
         try:
-            return ref.get(timeout=max(timeout_s, 0.001))
+            return ref.get(timeout=max(ends - time.monotonic(), 0.001))
         except ray.exceptions.RayChannelTimeoutError:
             raise TimeoutError from None
+
+    def wake(self) -> None:
+        """Rings the doorbell from the head (the watchdog killed a stage)."""
+        with contextlib.suppress(OSError):
+            os.write(self._ringer, b"w")
 
     def abandon(self, through_seq: int, lost: set[int]) -> None:
         pass  # the graph is torn down (``close``) before a new one is compiled
@@ -105,6 +147,13 @@ class CompiledGraph:
             self.graph.teardown()
         except Exception as exc:  # e.g. an actor of it died: Ray has torn down what it could
             log.debug("tearing down the pipeline's graph: %s", exc)
+        self._close_bell()
+
+    def _close_bell(self) -> None:
+        for fd in (self._bell, self._ringer):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def pick_transport(kind: str, node_ids: list[str], head_node: str, head_node_cpus: float, stage_threads: int,
@@ -112,13 +161,11 @@ def pick_transport(kind: str, node_ids: list[str], head_node: str, head_node_cpu
     """"graph" or "calls" for a pipeline whose stage i runs on ``node_ids[i]``.
 
     "auto": a compiled graph where every stage runs on the head's node and the node has a
-    CPU for each stage's threads plus one for each reader that polls a channel (a stage's
-    graph thread waiting for its input, and the head waiting for results: Ray's reads
-    spin until the data is there); else actor calls, which wait without spinning. On 2
-    cores, 2 one-thread stages with two plans in flight ran 1.7x slower per plan under a
-    graph than over actor calls (bench/bench_pipeline.py). "graph" and "calls" force one;
-    "graph" needs every stage on the head's node: refused at start (``strict``), and
-    actor calls after a stage was re-created elsewhere.
+    CPU for each stage's threads (a stage's graph thread polls its channel while it waits
+    for input, which must not take a core another stage computes on; the head waits on
+    its doorbell instead); else actor calls. "graph" and "calls" force one; "graph" needs
+    every stage on the head's node: refused at start (``strict``), and actor calls after a
+    stage was re-created elsewhere.
     """
     one_node = all(n == head_node for n in node_ids)
     if kind == "graph":
@@ -131,8 +178,7 @@ def pick_transport(kind: str, node_ids: list[str], head_node: str, head_node_cpu
         return "calls"
     if kind == "calls" or not one_node:
         return "calls"
-    stages = len(node_ids)
-    return "graph" if head_node_cpus >= stages * stage_threads + stages + 1 else "calls"
+    return "graph" if head_node_cpus >= len(node_ids) * stage_threads else "calls"
 
 
 def open_transport(kind: str, actors: list[Any], node_ids: list[str], stage_threads: int, capacity: int,
