@@ -39,6 +39,8 @@ from bargein.distributed.split import PipelineSetupError
 
 log = logging.getLogger("bargein.distributed")
 
+_BROKEN_CHECK_S = 0.05  # while waiting for a ring, how often the head checks that the graph still stands
+
 class ActorCalls:
     """Plans by actor calls; hidden states by calls from stage to stage."""
 
@@ -123,9 +125,11 @@ class CompiledGraph:
             remaining = ends - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError
-            if select.select([self._bell], [], [], remaining)[0]:
+            if select.select([self._bell], [], [], min(remaining, _BROKEN_CHECK_S))[0]:
                 with contextlib.suppress(BlockingIOError):
                     self._rings += len(os.read(self._bell, 4096))
+            elif self.graph.is_teardown:  # Ray tore it down (a stage died): reading says why
+                self._rings += 1
         self._rings -= 1
         try:
             return ref.get(timeout=max(ends - time.monotonic(), 0.001))
