@@ -288,17 +288,14 @@ class StageWorker:
                 hidden = torch.from_numpy(np.array(previous[0]))
                 with self._counting:
                     self.counters.transfer_s += max(0.0, entered - previous[1])  # nodes' clocks assumed in sync
-            out = self._execute(seq, payload, rows_payload, hidden, entered)
+            return self._execute(seq, payload, rows_payload, hidden, entered)
         except Exception as exc:
             self._ring()  # the graph carries the error to the head, which is waiting for a ring
             raise RuntimeError(_failure(self.counters, seq, exc)) from exc
-        if self.stage.is_last:
-            self._ring()
-        return out
 
     def ring_on(self, path: str) -> None:
         """The head's doorbell for a graph (a FIFO on this node, see ``transport``): rung
-        when the last stage finished a plan, or any stage failed one."""
+        when the last stage finished a plan's forward, or any stage failed one."""
         if self._doorbell is not None:
             os.close(self._doorbell)
         self._doorbell = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
@@ -329,6 +326,8 @@ class StageWorker:
         input_at = time.time()
         plan: StepPlan = pickle.loads(payload)
         out = self._forward(plan, hidden)
+        if self.stage.is_last:  # the head wakes while the tokens are picked and the result is sent
+            self._ring()
         tokens = None
         if self.stage.is_last and rows_payload is not None:
             rows: tuple[RowSampling | None, ...] = pickle.loads(rows_payload)

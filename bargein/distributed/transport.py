@@ -88,8 +88,8 @@ class CompiledGraph:
 
     Ray's channel read polls until its data is there, so the head does not read a result
     before it is done: it waits, without spinning, on a doorbell (a FIFO on this node,
-    where every stage runs) that the last stage rings when it finished a plan, a stage
-    rings when it failed one, and the watchdog rings when it killed a stage; then it
+    where every stage runs) that the last stage rings when it finished a plan's forward
+    (the head wakes while the tokens are picked and sent), a stage rings when it failed one, and the watchdog rings when it killed a stage; then it
     reads. One ring per plan; a stray one only makes the head read (and poll) early.
     """
 

@@ -356,18 +356,19 @@ class Engine:
         """Each live sampling chunk's token: picked by the runner (plain rows of a
         pipeline's last stage) or sampled here from its logits row."""
         plan = result.plan
+        rows = plan.sampled  # a property that builds a tuple: once, not per row
         chosen = result.tokens or {}
         # close_session may have ended a request of a plan still in flight: skip it.
-        live = [i for i, c in enumerate(plan.sampled) if c.request_id in self.scheduler.requests]
-        sampled = {plan.sampled[i].request_id: SampledToken(chosen[i], None, ()) for i in live if i in chosen}
+        live = [i for i, c in enumerate(rows) if c.request_id in self.scheduler.requests]
+        sampled = {rows[i].request_id: SampledToken(chosen[i], None, ()) for i in live if i in chosen}
         need = [i for i in live if i not in chosen]
         if not need:
             return sampled
-        logit_rows = [i for i in range(len(plan.sampled)) if i not in chosen]  # rows result.logits holds
+        logit_rows = [i for i in range(len(rows)) if i not in chosen]  # rows result.logits holds
         where = {row: k for k, row in enumerate(logit_rows)}
         picks = [where[i] for i in need]
         logits = result.logits if picks == list(range(len(logit_rows))) else result.logits[picks]
-        chunks = [plan.sampled[i] for i in need]
+        chunks = [rows[i] for i in need]
         states = [self.scheduler.requests[c.request_id].sampling for c in chunks]
         tokens = self.sampler.sample(logits, states)
         return sampled | {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
