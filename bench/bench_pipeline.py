@@ -3,9 +3,8 @@
 Runs on this machine only (``ray.init`` with ``--ray local`` semantics), so "nodes" are
 processes sharing its cores. Every pipeline runs twice, once per transport (see
 ``bargein.distributed.transport``): ``graph`` (a Ray compiled graph: what ``auto``
-picks where every stage runs on the head's node with cores to spare for the readers
-that poll its channels; forced here) and ``calls`` (actor calls: what ``auto`` picks
-across nodes, and here, where 2 cores have none to spare):
+picks where every stage runs on the head's node with a core per stage thread, as here)
+and ``calls`` (actor calls: what ``auto`` picks across nodes):
 
 1. **Real model** (the bundled SmolLM2 unless ``--model``): 2 stages x 1 torch thread
    against 1 process x 2 threads, at 1 and 32 streams: tokens/s; per-step overhead (a
