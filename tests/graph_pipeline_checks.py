@@ -24,10 +24,9 @@ ray = pytest.importorskip("ray")
 
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
-from bargein.engine.plan import ScheduledChunk, StepPlan  # noqa: E402
 from bargein.engine.request import FinishReason  # noqa: E402
-from bargein.engine.runner import StepFailed  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
+from tests.pipeline_plans import check_a_failing_plan_fails_alone  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
 
 SPEC = TinySpec(num_layers=6)
@@ -138,19 +137,7 @@ def test_in_a_graph_a_plan_that_fails_on_a_stage_fails_alone(graph: Engine, loca
     """Stage 0 fails on a plan (a block id outside the pool): the error travels down the
     graph, ``collect`` raises StepFailed naming the plan and the stage, and the next plan
     (already in flight) runs on every stage with the single engine's logits."""
-    runner = graph.runner
-    bad = StepPlan(2001, (ScheduledChunk("x", (5, 6), 0, (10_000,), True),))
-    good = StepPlan(2002, (ScheduledChunk("y", tuple(_prompt(7, 40)), 0, (30, 31), True),))
-    runner.submit(bad)
-    runner.submit(good)
-    with pytest.raises(StepFailed) as failed:
-        runner.collect()
-    assert failed.value.plan is bad and "pipeline stage 0 (layers 0-" in failed.value.error
-    got = runner.collect()
-    assert got.plan is good
-    torch.testing.assert_close(got.logits, local.runner.execute(good), rtol=1e-5, atol=1e-5)
-    assert runner.recovery.losses == 0 and runner.health().state == "ok"
-    assert [c.steps_with("y")[-1:] for c in runner.stage_counters()] == [[2002], [2002]]
+    check_a_failing_plan_fails_alone(graph.runner, local.runner, _prompt(7, 40))
 
 
 def test_in_a_graph_a_cancel_stops_every_stage_and_continuing_equals_no_cancel(graph: Engine) -> None:

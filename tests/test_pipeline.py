@@ -28,10 +28,10 @@ from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.plan import ScheduledChunk, StepPlan  # noqa: E402
 from bargein.engine.request import CancelReason, FinishReason  # noqa: E402
-from bargein.engine.runner import StepFailed  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.app import create_app, finish_shutdown  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
+from tests.pipeline_plans import check_a_failing_plan_fails_alone  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf, write_hf_folder  # noqa: E402
 
 SPEC = TinySpec(num_layers=6)
@@ -172,19 +172,7 @@ def test_a_plan_that_fails_on_a_stage_fails_alone_and_the_next_plan_runs_on_ever
     """Stage 0 fails on a plan (a block id outside the pool): the stages after it get the
     error instead of hidden states, ``collect`` raises StepFailed naming the plan, no stage
     is lost, and the next plan runs in order on every stage with the single engine's logits."""
-    runner: PipelineRunner = setup.pipe.runner
-    bad = StepPlan(2001, (ScheduledChunk("x", (5, 6), 0, (10_000,), True),))
-    good = StepPlan(2002, (ScheduledChunk("y", tuple(_prompt(7, 40)), 0, (30, 31), True),))
-    runner.submit(bad)
-    runner.submit(good)
-    with pytest.raises(StepFailed) as failed:
-        runner.collect()
-    assert failed.value.plan is bad
-    got = runner.collect()
-    assert got.plan is good
-    torch.testing.assert_close(got.logits, setup.local.runner.execute(good), rtol=1e-5, atol=1e-5)
-    assert runner.recovery.losses == 0 and runner.health().state == "ok"
-    assert [c.steps_with("y")[-1:] for c in runner.stage_counters()] == [[2002]] * len(runner.actors)
+    check_a_failing_plan_fails_alone(setup.pipe.runner, setup.local.runner, _prompt(7, 40))
 
 
 def test_greedy_outputs_match_for_a_mixed_batch(setup: Setup) -> None:
