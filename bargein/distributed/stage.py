@@ -264,10 +264,13 @@ class StageWorker:
                 with self._counting:
                     self.counters.transfer_s += transfer_s
             out = self._execute(seq, payload, rows_payload, hidden, entered)
-        except BaseException as exc:
-            if self.next_stage is not None and not isinstance(exc, PlanVoided):
-                self.next_stage.receive.remote(seq, None, time.time(), _failure(self.counters, seq, exc))
+        except PlanVoided:
             raise
+        except Exception as exc:
+            failure = _failure(self.counters, seq, exc) if not _names_a_stage(exc) else str(exc)
+            if self.next_stage is not None:
+                self.next_stage.receive.remote(seq, None, time.time(), failure)
+            raise RuntimeError(failure) from exc
         if self.stage.is_last:
             return out
         self.next_stage.receive.remote(seq, out[0], out[1])
@@ -379,6 +382,11 @@ class StageWorker:
             c = self.counters
             self.counters = StageCounters(c.index, c.layers, c.node_id, c.weights_from, c.weights_received_bytes,
                                           last_seq=c.last_seq)
+
+
+def _names_a_stage(exc: BaseException) -> bool:
+    """An error that came from an earlier stage, already saying which."""
+    return str(exc).startswith("pipeline stage ")
 
 
 def _failure(counters: StageCounters, seq: int, exc: BaseException) -> str:
