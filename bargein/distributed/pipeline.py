@@ -228,7 +228,6 @@ class PipelineRunner(StageRecovery):
         self._recovery: threading.Thread | None = None
         self.recovery = RecoveryStats(len(actors))
         self._found_lost: dict[int, str] = {}  # stages the watchdog killed, with why
-        self._oldest_submitted: float | None = None  # the oldest plan in flight (for the watchdog)
         self.transport = self._open_transport()
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name="bargein-stage-watchdog")
         self._watchdog.start()
@@ -333,10 +332,8 @@ class PipelineRunner(StageRecovery):
         except Exception as exc:
             handle = exc
         self.traffic.plan_bytes += len(payload) * len(self.actors) + len(rows or b"")
-        with self._lock:
+        with self._lock:  # the watchdog reads the oldest plan's age
             self._in_flight.append((plan, handle, time.monotonic(), self._seq))
-            if self._oldest_submitted is None:
-                self._oldest_submitted = self._in_flight[0][2]
 
     def _rows_payload(self, plan: StepPlan) -> bytes | None:
         """The plan's sampled rows' RowSampling (None for a row the head samples), pickled
@@ -376,7 +373,6 @@ class PipelineRunner(StageRecovery):
     def _done_with_oldest(self) -> None:
         with self._lock:
             self._in_flight.popleft()
-            self._oldest_submitted = self._in_flight[0][2] if self._in_flight else None
 
     def _open_transport(self, strict: bool = True) -> ActorCalls | CompiledGraph:
         """``strict``: at start, a forced graph across nodes is refused; after a recovery

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 import ray
 
@@ -44,7 +44,6 @@ class StageRecovery:
     _lost_message: str | None
     _recovery: threading.Thread | None
     _found_lost: dict[int, str]
-    _oldest_submitted: float | None
     transport: Any
     _seq: int
 
@@ -73,7 +72,6 @@ class StageRecovery:
         if isinstance(error, ray.exceptions.RayTaskError):  # a stage failed on this plan
             raise StepFailed(plan, f"a pipeline stage failed: {first_line(error)}") from error
         self._lose({}, f"the pipeline's {self.transport.kind} transport broke ({first_line(error)})")
-        raise AssertionError("unreachable")  # _lose raises
 
     def _holding(self, seq: int) -> int:
         """The first stage that has not finished plan ``seq`` (the one holding it up)."""
@@ -95,14 +93,14 @@ class StageRecovery:
         pipe = self.pipe
         while not self._closing.wait(pipe.heartbeat_interval_s):
             with self._lock:
-                oldest, actors = self._oldest_submitted, list(self.actors)
+                oldest, actors = self._oldest_submitted(), list(self.actors)
             if oldest is None or time.monotonic() - oldest < pipe.heartbeat_interval_s:
                 continue
             lost = unanswered(actors, pipe.heartbeat_timeout_s)
             if not lost:
                 continue
             with self._lock:
-                if self._oldest_submitted is None or self.actors != actors:
+                if not self._in_flight or self.actors != actors:
                     continue  # the plans were given up meanwhile, or stages replaced
                 self._found_lost.update(lost)
                 for i in lost:
@@ -111,18 +109,21 @@ class StageRecovery:
                     self.transport.wake()  # the engine thread may be waiting for a ring that will not come
             log.warning("pipeline stages %s stopped answering; killed", sorted(lost))
 
-    def _lose(self, lost: dict[int, str], why: str | None = None) -> None:
+    def _oldest_submitted(self) -> float | None:
+        """When the oldest plan in flight was submitted (under ``_lock``)."""
+        return self._in_flight[0][2] if self._in_flight else None
+
+    def _lose(self, lost: dict[int, str], why: str | None = None) -> NoReturn:
         """Kills the lost stages, voids every plan in flight, starts re-creating them and
         opening a new transport (``why``: the loss when no stage was lost, only the
         transport); raises KVLost."""
         message = "; ".join(
             f"pipeline stage {i} (layers {self.placements[i].layers[0]}-{self.placements[i].layers[1]}) "
-            f"on node {self.placements[i].node_address} was lost: {why}" for i, why in sorted(lost.items())) \
+            f"on node {self.placements[i].node_address} was lost: {reason}" for i, reason in sorted(lost.items())) \
             or why or "the pipeline was lost"
         log.warning("%s", message)
         with self._lock:
             self._in_flight.clear()
-            self._oldest_submitted = None
             self._found_lost.clear()
             for i in lost:
                 ray.kill(self.actors[i], no_restart=True)

@@ -118,6 +118,10 @@ class PlanVoided(RuntimeError):
     """The head gave up this plan (a stage was lost): it is not computed."""
 
 
+class EarlierStageFailed(RuntimeError):
+    """An earlier stage failed on this plan; the message says which and why."""
+
+
 class PrefetchedInputs:
     """Hidden states that arrived ahead of their plans (the inputs thread puts, the plan
     thread takes): plan seq -> (tensor, transfer seconds), or the error the previous
@@ -228,9 +232,9 @@ class StageWorker:
         failed with), on this stage's inputs thread: it arrives while earlier plans
         compute, and ``run`` takes it."""
         if error is not None:
-            self.inputs.put(seq, RuntimeError(error))
-        else:  # a copy: Ray may hand over a read-only buffer, and the forward owns its input
-            self.inputs.put(seq, (torch.from_numpy(np.array(hidden)), max(0.0, time.time() - sent_at)))
+            self.inputs.put(seq, EarlierStageFailed(error))
+        else:
+            self.inputs.put(seq, (_own_copy(hidden), max(0.0, time.time() - sent_at)))
 
     @ray.method(concurrency_group="inputs")
     def void_through(self, seq: int) -> None:
@@ -267,7 +271,7 @@ class StageWorker:
         except PlanVoided:
             raise
         except Exception as exc:
-            failure = _failure(self.counters, seq, exc) if not _names_a_stage(exc) else str(exc)
+            failure = str(exc) if isinstance(exc, EarlierStageFailed) else _failure(self.counters, seq, exc)
             if self.next_stage is not None:
                 self.next_stage.receive.remote(seq, None, time.time(), failure)
             raise RuntimeError(failure) from exc
@@ -279,7 +283,7 @@ class StageWorker:
     def step(self, inputs: tuple[int, bytes, bytes | None], previous: tuple[np.ndarray, float] | None = None
              ) -> tuple:
         """Executes a plan in the pipeline's compiled graph (the ``graph`` transport, see
-        ``graph``): ``inputs`` is the head's ``(seq, pickled StepPlan, rows_payload)``,
+        ``transport``): ``inputs`` is the head's ``(seq, pickled StepPlan, rows_payload)``,
         ``previous`` the previous stage's output (None for the first stage). Returns what
         :meth:`_execute` says; the graph carries it to the next stage or the head."""
         entered = time.time()
@@ -287,8 +291,8 @@ class StageWorker:
         hidden = None
         try:
             self._check_order(seq)
-            if previous is not None:  # a copy: the channel's buffer is read-only, the forward owns its input
-                hidden = torch.from_numpy(np.array(previous[0]))
+            if previous is not None:
+                hidden = _own_copy(previous[0])
                 with self._counting:
                     self.counters.transfer_s += max(0.0, entered - previous[1])  # nodes' clocks assumed in sync
             return self._execute(seq, payload, rows_payload, hidden, entered)
@@ -384,9 +388,10 @@ class StageWorker:
                                           last_seq=c.last_seq)
 
 
-def _names_a_stage(exc: BaseException) -> bool:
-    """An error that came from an earlier stage, already saying which."""
-    return str(exc).startswith("pipeline stage ")
+def _own_copy(hidden: np.ndarray) -> torch.Tensor:
+    """The previous stage's hidden states as a tensor of this stage's own: Ray hands over
+    a read-only buffer (a channel's, or the call's), and the forward owns its input."""
+    return torch.from_numpy(np.array(hidden))
 
 
 def _failure(counters: StageCounters, seq: int, exc: BaseException) -> str:
