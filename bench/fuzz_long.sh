@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 EXAMPLES="${EXAMPLES:-200}"
 PY="${PY:-.venv/bin/python}"
 BARGEIN_API_FUZZ_EXAMPLES="$EXAMPLES" BARGEIN_FUZZ_EXAMPLES="$EXAMPLES" \
-    "$PY" -m pytest -q -p no:cacheprovider --timeout 3600 tests/test_api_fuzz.py tests/test_loader_fuzz.py "$@"
+    "$PY" -m pytest -q -p no:cacheprovider --timeout 3600 tests/server/test_api_fuzz.py tests/model/test_loader_fuzz.py "$@"

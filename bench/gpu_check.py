@@ -8,7 +8,7 @@
 and safetensors), loads it through bargein's loader straight onto the device, and
 compares greedy answers of a batch of prompts with this machine's own CPU in float32:
 CUDA float32 must give the same tokens; CUDA bfloat16 is compared teacher-forced (the
-CPU's answer fed to both) against the tolerance stated in tests/test_device.py: every
+CPU's answer fed to both) against the tolerance stated in tests/engine/test_device.py: every
 logit within ``BF16_TOL`` x the row's largest |logit| of the CPU's, and the same argmax
 wherever the CPU's best token leads by more than twice that. CUDA graphs on and off are
 compared the same way.
@@ -45,7 +45,7 @@ from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.kernels.ops import gathered_decode_attention  # noqa: E402
 from bargein.model.attention import AttentionMetadata  # noqa: E402
 
-BF16_TOL = 0.04  # the tolerance stated in tests/test_device.py
+BF16_TOL = 0.04  # the tolerance stated in tests/engine/test_device.py
 PARITY_MODEL = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=8,
                            num_kv_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
                            name="parity-tiny")

@@ -62,8 +62,8 @@ main() {
     fi
     stage parity 55 "$PY" bench/gpu_check.py parity --device "$DEVICE" --json "$OUT/parity.json"
     stage contract 110 env BARGEIN_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider -rfE --timeout 60 \
-        --durations=5 tests/test_device.py tests/test_engine.py tests/test_async_engine.py \
-        tests/test_conversation_state_machine.py
+        --durations=5 tests/engine/test_device.py tests/engine/test_engine.py tests/engine/test_async_engine.py \
+        tests/engine/test_conversation_state_machine.py
     # 12 runs (3 levels x graphs on/off x warm-up + timed), each cut at 8 s: always inside the box.
     stage bench 130 "$PY" bench/bench_gpu.py --device "$DEVICE" "${bench_args[@]}" --graphs both --level-budget 8 \
         --json "$OUT/bench_gpu.json"

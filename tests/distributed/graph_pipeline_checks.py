@@ -1,7 +1,7 @@
 """Pipelines whose stages all run on the head's node: the compiled-graph transport.
 
-Run by ``tests/test_pipeline_graph.py`` in a process of its own (``python -m pytest
-tests/graph_pipeline_checks.py``): the transport is a Ray compiled graph only where
+Run by ``tests/distributed/test_pipeline_graph.py`` in a process of its own (``python -m pytest
+tests/distributed/graph_pipeline_checks.py``): the transport is a Ray compiled graph only where
 every stage shares the head's node (with CPUs to spare), and the session's shared
 cluster gives the head's node one CPU, so these tests start a one-node Ray instance of
 their own.

@@ -13,8 +13,8 @@ from bargein import cli_commands
 from bargein.cli_client import _parse_sse_line
 from bargein.cli_commands import format_requests
 from tests.conftest import REPO
-from tests.test_cli_chat import STOP_TIMEOUT_S
-from tests.test_cli_server import bargein, cli
+from tests.cli.test_cli_chat import STOP_TIMEOUT_S
+from tests.cli.test_cli_server import bargein, cli
 
 COMMANDS = ("chat", "run", "ps", "cancel", "bench")
 

@@ -20,7 +20,7 @@ import pexpect
 import pytest
 
 from tests.conftest import REPO, listed_requests, wait_until
-from tests.test_cli_chat import send_and_stop, spawn_cli, stats
+from tests.cli.test_cli_chat import send_and_stop, spawn_cli, stats
 
 pytestmark = pytest.mark.slow
 CLI_TIMEOUT_S = 120

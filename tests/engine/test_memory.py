@@ -221,7 +221,7 @@ def test_engine_pool_has_the_asked_tokens() -> None:
 
 
 def test_serve_refuses_both_kv_sizes() -> None:
-    from tests.test_server_cli import assert_one_line_error, serve
+    from tests.cli.test_server_cli import assert_one_line_error, serve
 
     assert_one_line_error(serve("--kv-memory", "1GiB", "--kv-tokens", "2048", "--port", "0"),
                           "--kv-memory and --kv-tokens")

@@ -72,7 +72,7 @@ def _write_byte_level_gguf(path) -> list[str]:
 
 
 def test_max_piece_bytes_equals_token_by_token_for_every_kind_of_piece(tmp_path) -> None:
-    from tests.test_tokenizer import _write_sentencepiece_gguf
+    from tests.model.test_tokenizer import _write_sentencepiece_gguf
 
     _write_sentencepiece_gguf(tmp_path / "sp.gguf")
     _write_byte_level_gguf(tmp_path / "bl.gguf")

@@ -22,8 +22,8 @@ import openai
 import pytest
 
 from tests.conftest import wait_until
-from tests.test_server_limits import ARGS as LIMITS_ARGS
-from tests.test_server_limits import KEY as LIMITS_KEY
+from tests.server.test_server_limits import ARGS as LIMITS_ARGS
+from tests.server.test_server_limits import KEY as LIMITS_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("check_kv")]
 

@@ -6,7 +6,7 @@ import json
 
 import jsonschema
 
-from tests.test_webui import Chat, browser, chat, server_url  # noqa: F401  (fixtures)
+from tests.web.test_webui import Chat, browser, chat, server_url  # noqa: F401  (fixtures)
 
 SCHEMA = {"type": "object", "properties": {"greeting": {"type": "string", "maxLength": 20}},
           "required": ["greeting"], "additionalProperties": False}

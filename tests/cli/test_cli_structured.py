@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from tests.test_cli_server import bargein
+from tests.cli.test_cli_server import bargein
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "country": {"enum": ["France", "Spain"]}},

@@ -15,7 +15,7 @@ from bargein.kernels.native import NativeKernelError, build_library, load_native
 from bargein.kernels.ops import KernelSet, resolve_kernels
 from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
 from tests.dense_reference import random_weights
-from tests.test_model import CONFIGS, PagedRunner, tokens
+from tests.model.test_model import CONFIGS, PagedRunner, tokens
 
 KERNELS = load_native_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here; the fallback is tested below")

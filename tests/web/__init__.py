@@ -1,0 +1,1 @@
+"""Tests of the web chat (bargein/server/static) in a real browser."""
