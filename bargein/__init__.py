@@ -24,14 +24,16 @@ _EXPORTS = {
     "FinishReason": "bargein.engine.request", "RequestOutput": "bargein.engine.request",
     "Usage": "bargein.engine.request", "InvalidSamplingParams": "bargein.engine.sampling",
     "SamplingParams": "bargein.engine.sampling", "OutputCollector": "bargein.engine.outputs",
+    "build_engine": "bargein.build",
 }
 __all__ = [
     "AbortResult", "AsyncEngine", "CacheConfig", "CancelReason", "Conversation", "ConversationState",
     "Engine", "EngineConfig", "EngineError", "FinishReason", "InvalidSamplingParams", "ModelConfig",
-    "OutputCollector", "RequestOutput", "SamplingParams", "SchedulerConfig", "Usage",
+    "OutputCollector", "RequestOutput", "SamplingParams", "SchedulerConfig", "Usage", "build_engine",
 ]
 
 if TYPE_CHECKING:
+    from bargein.build import build_engine
     from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from bargein.engine.async_engine import AsyncEngine
     from bargein.engine.conversation import Conversation, ConversationState

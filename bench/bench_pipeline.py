@@ -43,6 +43,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from common import apply_threads, base_parser, emit, format_table, machine_info, median  # noqa: E402
 
+from bargein.build import build_engine  # noqa: E402
 from bargein.config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
@@ -170,7 +171,7 @@ def real_model(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     del single
     recoveries, layers, traffic = {}, None, None
     for transport in ("graph", "calls"):
-        pipe = Engine.from_pretrained(args.model, EngineConfig(**base, pipeline=PipelineConfig(
+        pipe = build_engine(args.model, EngineConfig(**base, pipeline=PipelineConfig(
             stages=2, ray_address="local", threads_per_stage=1, transport=transport)), progress=False)
         runner: PipelineRunner = pipe.runner
         kind = runner.transport.kind

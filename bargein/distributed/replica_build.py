@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bargein.config import EngineConfig, ModelConfig
+from bargein.distributed.engines import pipeline_engine
 from bargein.distributed.split import PipelineSetupError
 from bargein.distributed.weights import (
     Fingerprint,
@@ -65,7 +66,7 @@ class ReplicaModel:
     def build(self) -> tuple[Engine, WeightsOrigin]:
         path = os.path.expanduser(self.node_path)
         if self.config.pipeline is not None:
-            return Engine.from_pretrained(self.node_path, self.config, progress=False), WeightsOrigin("stages")
+            return pipeline_engine(self.node_path, self.config), WeightsOrigin("stages")
         own_copy = has_model_copy(path, self.kind, self.expected)
         if own_copy and not (self.prefer_shipped and self.shipped):
             return Engine.from_pretrained(path, self.config, progress=False), WeightsOrigin("file")

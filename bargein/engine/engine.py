@@ -124,7 +124,9 @@ class Engine:
     @classmethod
     def from_pretrained(cls, ref: str | None = None, config: EngineConfig | None = None, *,
                         progress: bool = True) -> Engine:
-        """Loads a model reference: None (the bundled SmolLM2), a .gguf file or an HF folder."""
+        """Loads a model reference into this process: None (the bundled SmolLM2), a .gguf
+        file or an HF folder. A pipeline on Ray (``config.pipeline``) is built by
+        :func:`bargein.build.build_engine`, which knows the runners of the layers above."""
         from bargein.loader import (
             close_model_files,
             load_config,
@@ -134,16 +136,11 @@ class Engine:
         )
 
         config = config or EngineConfig()
+        if config.pipeline is not None:
+            raise EngineError("a pipeline of stages is built by bargein.build_engine(ref, config), "
+                              "not Engine.from_pretrained")
         source = resolve_model_ref(ref)
         model_config = load_config(source)
-        if config.pipeline is not None:
-            # Ray is an optional extra: imported only when a pipeline is asked for.
-            from bargein.distributed.pipeline import PipelineRunner
-
-            # A "~/..." reference is looked up in each node's own home directory.
-            node_path = str(ref) if ref is not None and str(ref).startswith("~") else None
-            runner = PipelineRunner.start(source, model_config, config, node_path=node_path)
-            return cls(runner, load_tokenizer(source), config, model_name=source.name)
         device = resolve_device(config.device)
         max_len = config.max_model_len or model_config.max_position_embeddings
         if config.cache.counted_blocks is not None:  # no sequence outgrows the pool: no position past it

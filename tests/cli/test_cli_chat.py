@@ -20,7 +20,8 @@ import pexpect
 import pytest
 
 from bargein import AsyncEngine
-from bargein.cli_chat import GenerationSettings, LocalBackend, read_chat_file
+from bargein.cli.backends import GenerationSettings, LocalBackend
+from bargein.cli.repl import read_chat_file
 from tests.conftest import REPO
 from tests.tiny_engine import ByteTokenizer, tiny_engine
 

@@ -12,10 +12,11 @@ import uuid
 
 import pytest
 
-from bargein.cli_chat import ChatREPL, GenerationSettings, RemoteBackend
-from bargein.cli_client import BargeinClient, server_root
-from bargein.cli_commands import format_requests
-from bargein.cli_progress import progress_text, with_progress
+from bargein.cli.backends import GenerationSettings, RemoteBackend
+from bargein.cli.client import BargeinClient, server_root
+from bargein.cli.progress import progress_text, with_progress
+from bargein.cli.repl import ChatREPL
+from bargein.cli.requests import format_requests
 from tests.conftest import GUARDED_KEY
 from tests.tiny_engine import prompt, tiny_engine
 

@@ -9,12 +9,13 @@ import time
 import pexpect
 import pytest
 
-from bargein import cli_commands
-from bargein.cli_client import _parse_sse_line
-from bargein.cli_commands import format_requests
-from tests.conftest import REPO
+from bargein.cli import bench as cli_bench
+from bargein.cli.client import _parse_sse_line
+from bargein.cli.errors import ClientError
+from bargein.cli.requests import format_requests
 from tests.cli.test_cli_chat import STOP_TIMEOUT_S
 from tests.cli.test_cli_server import bargein, cli
+from tests.conftest import REPO
 
 COMMANDS = ("chat", "run", "ps", "cancel", "bench")
 
@@ -96,7 +97,7 @@ def test_a_missing_model_is_one_line_in_a_real_process(tmp_path):
 
 
 def test_bench_without_the_bench_folder_says_so(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli_commands, "bench_dir", lambda: tmp_path / "bench")
+    monkeypatch.setattr(cli_bench, "bench_dir", lambda: tmp_path / "bench")
     status, _, err = cli(capsys, "bench", "--quick")
     assert status == 1 and "source checkout" in err and len(err.strip().splitlines()) == 1
 
@@ -107,7 +108,7 @@ def test_bench_runs_each_benchmark_main(capsys, monkeypatch, tmp_path):
             "def main(argv):\n"
             f"    print('{name} table', argv)\n"
             "    return {}\n")
-    monkeypatch.setattr(cli_commands, "bench_dir", lambda: tmp_path)
+    monkeypatch.setattr(cli_bench, "bench_dir", lambda: tmp_path)
     status, out, err = cli(capsys, "bench", "--quick", "--threads", "2")
     assert status == 0, err
     assert "model table ['--quick', '--threads', '2']" in out
@@ -117,7 +118,7 @@ def test_bench_runs_each_benchmark_main(capsys, monkeypatch, tmp_path):
 
 
 def test_bench_folder_is_found_in_the_source_tree():
-    assert (cli_commands.bench_dir() / "bench_model.py").is_file()
+    assert (cli_bench.bench_dir() / "bench_model.py").is_file()
 
 
 def test_ps_table():
@@ -141,5 +142,5 @@ def test_stream_lines():
     event = _parse_sse_line('data: {"choices":[{"text":"x","finish_reason":"cancelled"}]}', "text")
     assert (event.delta, event.finish_reason) == ("x", "cancelled")
     assert _parse_sse_line('data: {"choices":[],"usage":{"total_tokens":5}}', "delta").usage == {"total_tokens": 5}
-    with pytest.raises(cli_commands.ClientError, match="boom"):
+    with pytest.raises(ClientError, match="boom"):
         _parse_sse_line('data: {"error":{"message":"boom"}}', "delta")

@@ -19,8 +19,8 @@ import httpx
 import pexpect
 import pytest
 
-from tests.conftest import REPO, listed_requests, wait_until
 from tests.cli.test_cli_chat import send_and_stop, spawn_cli, stats
+from tests.conftest import REPO, listed_requests, wait_until
 
 pytestmark = pytest.mark.slow
 CLI_TIMEOUT_S = 120

@@ -35,7 +35,7 @@ def test_bad_size():
 
 
 def test_missing_model():
-    assert_one_line_error(serve("--model", "/nonexistent/model.gguf", "--port", "0"), "nonexistent", status=1)
+    assert_one_line_error(serve("--model", "/nonexistent/model.gguf", "--port", "0"), "nonexistent", status=2)
 
 
 def test_bad_environment_variable():

@@ -22,6 +22,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from bargein.build import build_engine  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.request import FinishReason  # noqa: E402
@@ -111,7 +112,7 @@ def _check_idle(engine: Engine) -> None:
 def test_each_transport_gives_the_single_engine_s_tokens(model: str, local: Engine, stages: int, transport: str,
                                                          kind: str) -> None:
     """One plan per stage in flight (three with three stages), on one node."""
-    pipe = Engine.from_pretrained(model, _config(stages=stages, transport=transport), progress=False)
+    pipe = build_engine(model, _config(stages=stages, transport=transport), progress=False)
     try:
         assert pipe.runner.transport.kind == kind
         assert pipe.runner.cluster_info()["transport"] == kind
@@ -127,7 +128,7 @@ def test_each_transport_gives_the_single_engine_s_tokens(model: str, local: Engi
 
 @pytest.fixture(scope="module")
 def graph(model: str) -> Iterator[Engine]:
-    pipe = Engine.from_pretrained(model, _config(stages=2), progress=False)
+    pipe = build_engine(model, _config(stages=2), progress=False)
     assert pipe.runner.transport.kind == "graph"
     yield pipe
     pipe.close()
@@ -175,7 +176,7 @@ def test_in_a_graph_a_lost_stage_is_recreated_and_every_stream_continues_token_e
     (SIGSTOP: the watchdog's heartbeat goes unanswered and it kills it), mid-stream. The
     graph is torn down, the stage re-created on this node and a new graph compiled; every
     sequence recomputes from its tokens and the results equal the fault-free run's."""
-    pipe = Engine.from_pretrained(model, _config(stages=2), progress=False)
+    pipe = build_engine(model, _config(stages=2), progress=False)
     runner = pipe.runner
     stopped: list[int] = []
     try:

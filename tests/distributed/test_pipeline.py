@@ -20,7 +20,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from bargein.cli_cluster import format_cluster  # noqa: E402
+from bargein.build import build_engine  # noqa: E402
+from bargein.cli.cluster import format_cluster  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.distributed.pipeline import PipelineRunner  # noqa: E402
 from bargein.distributed.stage import held_weights  # noqa: E402
@@ -74,7 +75,7 @@ def setup(request, ray_cluster, tmp_path_factory) -> Setup:
         per_layer = 2 * (2 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)
         stored = per_layer + 2 * SPEC.hidden_size + 2 * SPEC.vocab_size * 64
     local = Engine.from_pretrained(str(path), _config(), progress=False)
-    pipe = Engine.from_pretrained(str(path), _config(**pipeline), progress=False)
+    pipe = build_engine(str(path), _config(**pipeline), progress=False)
     yield Setup(request.param, local, pipe, ranges, pipeline["ship_weights"][0], stored)
     pipe.close()
 

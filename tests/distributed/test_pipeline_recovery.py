@@ -24,6 +24,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from bargein.build import build_engine  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
@@ -190,7 +191,7 @@ def _check_idle_accounting(engine: Engine) -> None:
 
 
 def _pipeline(model: str, nodes: Nodes, recovery_timeout_s: float = 60.0) -> Engine:
-    return Engine.from_pretrained(model, _config(nodes.resource, recovery_timeout_s), progress=False)
+    return build_engine(model, _config(nodes.resource, recovery_timeout_s), progress=False)
 
 
 def test_a_stage_whose_node_dies_mid_stream_is_recreated_and_every_stream_continues_token_exact(

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("ray")
 
+from bargein.build import build_engine  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.distributed.split import stage_weight_bytes  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
@@ -37,7 +38,7 @@ def test_a_node_without_the_model_file_gets_its_layers_from_the_head(ray_cluster
     path, resource = homes.path, homes.resource
     pipe = None
     try:
-        pipe = Engine.from_pretrained("~/models/tiny.gguf", _config(resource), progress=False)
+        pipe = build_engine("~/models/tiny.gguf", _config(resource), progress=False)
         runner = pipe.runner
         lacking = homes.without_file.node_id
         counters = runner.stage_counters()

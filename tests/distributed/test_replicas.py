@@ -23,7 +23,7 @@ pytest.importorskip("ray")
 
 import ray  # noqa: E402
 
-from bargein.cli_cluster import format_cluster  # noqa: E402
+from bargein.cli.cluster import format_cluster  # noqa: E402
 from bargein.distributed.replica_set import ReplicaOptions, ReplicaSet  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.constraint import Constraint  # noqa: E402

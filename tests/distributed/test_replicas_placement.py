@@ -23,7 +23,7 @@ pytest.importorskip("ray")
 
 import ray  # noqa: E402
 
-from bargein.cli_cluster import format_cluster  # noqa: E402
+from bargein.cli.cluster import format_cluster  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.distributed.replica_set import ReplicaOptions, ReplicaSet, launch_replicas  # noqa: E402
 from bargein.distributed.split import PipelineSetupError, stage_weight_bytes  # noqa: E402

@@ -128,7 +128,7 @@ def test_collection_is_paused_inside_and_restored_after_even_on_failure() -> Non
         assert not gc.isenabled()  # left as it was found
     finally:
         gc.enable()
-    assert main(["serve", "--port", "0", "--model", "/no/such/model.gguf"]) == 1
+    assert main(["serve", "--port", "0", "--model", "/no/such/model.gguf"]) == 2  # a missing model: usage
     assert gc.isenabled()
 
 

@@ -1,7 +1,7 @@
-"""What the client commands share without importing an HTTP library: defaults, URLs, errors.
+"""What the commands share without importing an HTTP library or torch: defaults, URLs, flags.
 
 ``bargein ps --help`` builds every command's arguments, so this module (and not
-``bargein.cli_client``, which imports httpx) is what argument parsing needs; the client
+``bargein.cli.client``, which imports httpx) is what argument parsing needs; the client
 itself is imported only when a command talks to a server.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -40,5 +42,19 @@ def server_root(url: str) -> str:
     return root
 
 
-class ClientError(Exception):
-    """A failure talking to the server, as one line a user can act on."""
+def add_server_arguments(p: argparse.ArgumentParser, url_help: str = "the bargein server; a base URL ending in /v1 is "
+                         "fine (default: $BARGEIN_URL or %(default)s)") -> None:
+    """``--url`` and ``--api-key`` of the commands that only talk to a server."""
+    p.add_argument("--url", default=default_url(), help=url_help)
+    p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
+                   help="the server's API key (default: $BARGEIN_API_KEY)")
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``bargein`` subcommand: its help line, what adds its arguments, what runs it
+    (returning the exit status or raising :class:`~bargein.cli.errors.CliError`)."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]

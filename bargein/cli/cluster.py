@@ -7,20 +7,16 @@ or answers with an error.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-# Not httpx here (nor bargein.cli_client, which imports it): `bargein serve` builds every
+# Not httpx here (nor bargein.cli.client, which imports it): `bargein serve` builds every
 # command's arguments, and httpx with what it pulls in is ~0.1 s of its start-up.
-from bargein.cli_common import default_api_key, default_url
-
-EXIT_FAILURE = 1
+from bargein.cli.common import Command, add_server_arguments
+from bargein.cli.errors import ClientError
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=default_url(), help="the bargein server (default: $BARGEIN_URL or %(default)s)")
-    p.add_argument("--api-key", default=default_api_key(), metavar="KEY",
-                   help="the server's API key (default: $BARGEIN_API_KEY)")
+    add_server_arguments(p, url_help="the bargein server (default: $BARGEIN_URL or %(default)s)")
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -31,11 +27,9 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         response = httpx.get(url, headers=headers, timeout=10)
     except httpx.HTTPError as exc:
-        print(f"bargein: error: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        raise ClientError(f"cannot reach {args.url}: {exc}") from None
     if response.status_code != 200:
-        print(f"bargein: error: {url} answered {response.status_code}: {response.text[:200]}", file=sys.stderr)
-        return EXIT_FAILURE
+        raise ClientError(f"{url} answered {response.status_code}: {response.text[:200]}")
     print(format_cluster(response.json()))
     return 0
 
@@ -99,3 +93,6 @@ def format_replicas(info: dict[str, Any]) -> str:
             lines.append(f"  replica {r['index']} stage {s['index']}: layers {s['layers'][0]}-{s['layers'][1]} on "
                          f"{s.get('node_address', '?')}, {s.get('state', 'ok')}, weights {s.get('weights_from', '-')}")
     return "\n".join(lines)
+
+
+COMMAND = Command("show the pipeline stages or replicas of a server's model", add_cluster_arguments, run_cluster)

@@ -1,15 +1,9 @@
-"""The ``bargein`` command.
+"""``bargein serve``: the OpenAI-compatible server and the web chat, over one engine, a
+pipeline of stages or engine replicas on Ray.
 
-Subcommands are registered in ``COMMANDS``: each has a function that adds its arguments
-and one that runs it and returns the exit status. A mistake a user can make (a bad flag
-value, a missing model, a busy port) ends with one ``bargein: error: ...`` line and a
-non-zero status, never a traceback.
-
-    bargein serve [--model REF] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
-    bargein chat [--model REF | --url URL]      bargein run "prompt" [--model REF | --url URL]
-    bargein ps [--url URL]    bargein cancel ID... | --all [--url URL]    bargein bench [--quick]
-    bargein serve --ray [auto|ADDRESS|local] --pipeline-stages N    bargein cluster [--url URL]
-    bargein serve --ray [auto|ADDRESS|local] --replicas N
+Exit statuses: 0 after a clean shutdown; 1 a model that does not load, a busy port, a
+set-up that cannot run here (no Ray, a bad layer split); 2 a bad flag or variable, or a
+model that is not there.
 """
 
 from __future__ import annotations
@@ -18,36 +12,16 @@ import argparse
 import logging
 import os
 import socket
-import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 
-EXIT_FAILURE = 1  # a failure at run time: the model does not load, the port is busy
-EXIT_USAGE = 2
-EXIT_SETUP = 1  # a set-up that cannot run here (no Ray, no cluster, a bad layer split)
+from bargein.cli.common import Command, add_precision_argument
+from bargein.cli.errors import EXIT_FAILURE, EXIT_SETUP, EXIT_USAGE, CliError
 
 
-class UserError(Exception):
-    """A mistake the user can fix; printed as one line, exits with ``status``."""
-
-    def __init__(self, message: str, status: int = EXIT_USAGE):
-        super().__init__(message)
-        self.status = status
-
-
-@dataclass(frozen=True)
-class Command:
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace], int]
-
-
-# -- serve ----------------------------------------------------------------------------------
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from bargein.cli_common import add_precision_argument
     from bargein.server.settings import LIMIT_FLAGS, EnvReader, ServerSettings, SettingsError
 
     try:
@@ -63,7 +37,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         device = env.str("DEVICE", "auto")
         dtype = env.str("DTYPE", "auto")
     except SettingsError as exc:
-        raise UserError(str(exc)) from None
+        raise CliError(str(exc), EXIT_USAGE) from None
     s = env_settings
     p.add_argument("--model", default=model, metavar="REF",
                    help="a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct)")
@@ -159,8 +133,6 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     with collection_paused():
         ready = _start_serving(args)
-        if isinstance(ready, int):
-            return ready
         settle_heap()
     from bargein.server.serve import run_server
 
@@ -168,9 +140,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start_serving(args: argparse.Namespace) -> _Ready | int:
-    """Everything before the server runs: settings, the socket, the engine, the app; or an
-    exit status.
+def _start_serving(args: argparse.Namespace) -> _Ready:
+    """Everything before the server runs: settings, the socket, the engine, the app; a
+    CliError for what cannot start.
 
     A local model loads while a thread of its own imports the server (FastAPI, pydantic,
     uvicorn: ~0.3 s): reading the weights and most of building the model run outside the
@@ -178,6 +150,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
     could not be, and the exit met torch mid-operation: "terminate called"); the import
     thread is pure Python. The app is made, and the serving line printed, only once both
     are done. Ray set-ups load in order."""
+    from bargein.cli.model import launch_replicas, load_engine
     from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig
     from bargein.distributed.split import PipelineSetupError, parse_stage_layers
     from bargein.engine.device import resolve_device
@@ -211,34 +184,32 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
         if config.pipeline is None and args.replicas is None:  # the stages/replicas resolve it on their nodes
             resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
     except PipelineSetupError as exc:
-        print(f"bargein: error: {exc}", file=sys.stderr)
-        return EXIT_SETUP
+        raise CliError(str(exc), EXIT_SETUP) from None
     except ValueError as exc:  # SettingsError and the configs' own checks
-        raise UserError(str(exc)) from None
+        raise CliError(str(exc), EXIT_USAGE) from None
 
     from bargein.server.listen import bind_socket
 
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:
-        raise UserError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
-                        EXIT_FAILURE) from None
+        raise CliError(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
+                       EXIT_FAILURE) from None
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.replicas is not None:
-            engine = _launch_replicas(args.model, config, args.ray, args.replicas)
+            engine = launch_replicas(args.model, config, args.ray, args.replicas)
         elif config.pipeline is not None:
-            engine = _load_engine(args.model, config)
+            engine = load_engine(args.model, config, report=True)
         else:
             from bargein.startup import InBackground
 
             import_module("bargein.engine.engine")  # before the thread: loading then imports next to nothing
             importing = InBackground(lambda: import_module("bargein.server.serve"), "bargein-import")
-            engine = _load_engine(args.model, config)
+            engine = load_engine(args.model, config, report=True)
             importing.result()
     except PipelineSetupError as exc:  # nothing was left started: the runner cleans up after itself
-        print(f"bargein: error: {exc}", file=sys.stderr)
-        return EXIT_SETUP
+        raise CliError(str(exc), EXIT_SETUP) from None
 
     from bargein.engine.async_engine import AsyncEngine
     from bargein.server import create_app
@@ -254,92 +225,12 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
 
 
 def _check_replica_flags(args: argparse.Namespace) -> None:
-    from bargein.distributed.split import PipelineSetupError
-
     if args.replicas is None:
         return
     if args.ray is None:
-        raise PipelineSetupError("--replicas needs a Ray cluster: add --ray [auto|ADDRESS|local]")
+        raise CliError("--replicas needs a Ray cluster: add --ray [auto|ADDRESS|local]", EXIT_SETUP)
     if args.replicas < 1:
-        raise PipelineSetupError(f"--replicas must be at least 1, got {args.replicas}")
+        raise CliError(f"--replicas must be at least 1, got {args.replicas}", EXIT_SETUP)
 
 
-def _launch_replicas(ref: str | None, config, address: str, num_replicas: int):
-    """N engine replicas on the Ray cluster (each a pipeline when ``config.pipeline`` is
-    set); a node without the model file gets the weights shipped from here."""
-    from bargein.distributed.replica_set import launch_replicas
-    from bargein.loader import LoaderError, resolve_model_ref
-
-    try:
-        source = resolve_model_ref(ref)  # fails fast here for a bad reference
-    except (LoaderError, FileNotFoundError) as exc:
-        raise UserError(str(exc), EXIT_FAILURE) from None
-    stages = f" as pipelines of {config.pipeline.stages} stages" if config.pipeline else ""
-    print(f"bargein: starting {num_replicas} replicas of {source.name}{stages} on Ray", file=sys.stderr, flush=True)
-    started = time.perf_counter()
-    replicas = launch_replicas(str(source.path) if ref is None or not str(ref).startswith("~") else str(ref),
-                               config, address, num_replicas)
-    print(f"bargein: {num_replicas} replicas ready in {time.perf_counter() - started:.1f} s", file=sys.stderr,
-          flush=True)
-    return replicas
-
-
-def _load_engine(ref: str | None, config):
-    from bargein.engine.device import DeviceError
-    from bargein.engine.engine import Engine
-    from bargein.loader import LoaderError
-
-    print(f"bargein: loading {ref or 'the bundled SmolLM2-135M-Instruct'}", file=sys.stderr, flush=True)
-    started = time.perf_counter()
-    try:
-        # A progress bar only on a terminal: in a log file each redraw would be another line.
-        engine = Engine.from_pretrained(ref, config, progress=sys.stderr.isatty())
-    except (LoaderError, DeviceError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
-        raise UserError(str(exc), EXIT_FAILURE) from None
-    print(f"bargein: loaded {engine.model_name} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-    return engine
-
-
-def _client_commands() -> dict[str, Command]:
-    """chat, run, ps, cancel and bench, from bargein.cli_commands (which reports its own
-    errors), and cluster from bargein.cli_cluster."""
-    from bargein.cli_cluster import add_cluster_arguments, run_cluster
-    from bargein.cli_commands import COMMANDS as CLIENT_COMMANDS
-
-    commands = {name: Command(*spec) for name, spec in CLIENT_COMMANDS.items()}
-    commands["cluster"] = Command("show the pipeline stages or replicas of a server's model", add_cluster_arguments,
-                                  run_cluster)
-    return commands
-
-
-COMMANDS: dict[str, Command] = {
-    "serve": Command("run the OpenAI-compatible server and the web chat", _add_serve_arguments, _run_serve),
-    **_client_commands(),
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bargein", description="An LLM engine where every generation can be "
-                                     "stopped at any moment and continued exactly.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, command in COMMANDS.items():
-        p = sub.add_parser(name, help=command.help, description=command.help)
-        command.add_arguments(p)
-        p.set_defaults(run=command.run)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return args.run(args)
-    except UserError as exc:
-        print(f"bargein: error: {exc}", file=sys.stderr)
-        return exc.status
-    except KeyboardInterrupt:
-        print("bargein: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+COMMAND = Command("run the OpenAI-compatible server and the web chat", _add_serve_arguments, _run_serve)

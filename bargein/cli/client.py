@@ -19,11 +19,11 @@ from typing import Any
 
 import httpx
 
-from bargein.cli_common import DEFAULT_URL as DEFAULT_URL
-from bargein.cli_common import ClientError as ClientError
-from bargein.cli_common import default_api_key as default_api_key
-from bargein.cli_common import default_url as default_url
-from bargein.cli_common import server_root as server_root
+from bargein.cli.common import DEFAULT_URL as DEFAULT_URL
+from bargein.cli.common import default_api_key as default_api_key
+from bargein.cli.common import default_url as default_url
+from bargein.cli.common import server_root as server_root
+from bargein.cli.errors import ClientError as ClientError
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 600.0  # a long prompt on a slow machine may take minutes before its first token
