@@ -39,7 +39,7 @@ def build_replicas(ref: str, config: EngineConfig, address: str, num_replicas: i
                    ship: bool | None = None) -> Any:
     """``num_replicas`` whole engines (each a pipeline where ``config.pipeline`` is set) on
     the Ray cluster at ``address``, behind one replica set (see
-    :func:`bargein.distributed.replica_set.launch_replicas`)."""
-    from bargein.distributed.replica_set import launch_replicas
+    :func:`bargein.distributed.replicas.launch_replicas`)."""
+    from bargein.distributed.replicas import launch_replicas
 
     return launch_replicas(ref, config, address, num_replicas, options, ship=ship)

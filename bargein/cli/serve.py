@@ -152,7 +152,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
     are done. Ray set-ups load in order."""
     from bargein.cli.model import launch_replicas, load_engine
     from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig
-    from bargein.distributed.split import PipelineSetupError, parse_stage_layers
+    from bargein.distributed.errors import PipelineSetupError
+    from bargein.distributed.split import parse_stage_layers
     from bargein.engine.device import resolve_device
     from bargein.server.settings import LIMIT_FLAGS, ServerSettings, SettingsError, parse_size
 

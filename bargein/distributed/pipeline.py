@@ -46,10 +46,10 @@ from typing import Any
 import torch
 
 from bargein.config import EngineConfig, ModelConfig
+from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.split import (
     LayerRanges,
     MatrixWidths,
-    PipelineSetupError,
     check_split,
     head_layers,
     split_by_memory,

@@ -24,13 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from bargein.config import ModelConfig
+from bargein.distributed.errors import PipelineSetupError
 from bargein.loader.names import expected_shape, wanted_tensors
 
 LayerRanges = tuple[tuple[int, int], ...]
 
 
-class PipelineSetupError(Exception):
-    """A pipeline that cannot be set up as asked; the message says why in one line."""
 
 
 def parse_stage_layers(text: str) -> LayerRanges:

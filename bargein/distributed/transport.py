@@ -35,7 +35,7 @@ from typing import Any
 import ray
 from ray.dag import InputNode
 
-from bargein.distributed.split import PipelineSetupError
+from bargein.distributed.errors import PipelineSetupError
 
 log = logging.getLogger("bargein.distributed")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -81,3 +82,22 @@ class EngineCounters:
     cancel_latency_steps: deque = field(default_factory=lambda: deque(maxlen=4096))
     step_durations: deque = field(default_factory=lambda: deque(maxlen=4096))
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))  # StepRecord
+
+
+def merge_stats(parts: Sequence[EngineStats], block_size: int) -> EngineStats:
+    """Several engines' snapshots (a replica set's) as one: counts and gauges summed."""
+    def total(name: str) -> int:
+        return sum(getattr(s, name) for s in parts)
+
+    def tally(name: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in parts:
+            for k, v in getattr(s, name).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    numeric = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_used", "running", "waiting",
+               "conversations", "steps", "prefix_cache_hit_tokens", "prefix_cache_hit_blocks",
+               "prefix_cache_query_blocks", "computed_tokens", "generated_tokens", "preemptions")
+    return EngineStats(block_size=block_size, finished=tally("finished"), cancelled=tally("cancelled"),
+                       **{name: total(name) for name in numeric})

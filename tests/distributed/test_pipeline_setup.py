@@ -9,10 +9,10 @@ import pytest
 
 from bargein.cli import main
 from bargein.config import EngineConfig, ModelConfig
+from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.split import (
     LAYER_MATRICES,
     MatrixWidths,
-    PipelineSetupError,
     check_split,
     head_layers,
     parse_stage_layers,
@@ -186,7 +186,7 @@ def test_voided_plans_fail_at_once_whether_waiting_or_not_yet_taken_and_late_inp
 
 
 def test_auto_picks_a_compiled_graph_only_on_the_head_s_node_with_a_core_per_stage_thread() -> None:
-    from bargein.distributed.split import PipelineSetupError
+    from bargein.distributed.errors import PipelineSetupError
     from bargein.distributed.transport import pick_transport
 
     assert pick_transport("auto", ["h", "h"], "h", 2, 1) == "graph"

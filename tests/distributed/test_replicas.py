@@ -24,7 +24,7 @@ pytest.importorskip("ray")
 import ray  # noqa: E402
 
 from bargein.cli.cluster import format_cluster  # noqa: E402
-from bargein.distributed.replica_set import ReplicaOptions, ReplicaSet  # noqa: E402
+from bargein.distributed.replicas import ReplicaOptions, ReplicaSet, start_replicas  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.constraint import Constraint  # noqa: E402
 from bargein.engine.conversation import Conversation  # noqa: E402
@@ -75,7 +75,7 @@ class _HangingRunner:
 
 @pytest.fixture(scope="module")
 def replicas(ray_cluster) -> ReplicaSet:
-    group = ReplicaSet.launch(build_replica_engine, 2, ReplicaOptions(num_cpus=1, call_timeout_s=5.0,
+    group = start_replicas(build_replica_engine, 2, ReplicaOptions(num_cpus=1, call_timeout_s=5.0,
                                                                               hang_timeout_s=4.0))
     yield group
     group.close()
@@ -141,7 +141,7 @@ def test_continuation_after_a_cancel_lands_on_the_same_replica_token_exact(repli
         while len(got) < 9:
             out = await replicas.next_output(stream)
             got += out.new_token_ids
-        owner = replicas._live[rid].replica
+        owner = replicas.records.live[rid].replica
         assert replicas.abort(rid, CancelReason.USER, delivered=9) == AbortResult.CANCELLED
         while not out.finished:
             out = await replicas.next_output(stream)
@@ -169,7 +169,7 @@ def test_every_cancel_route_reaches_only_the_owning_replica(replicas):
             rid, stream = replicas.submit([3, 1, 4, 1, 5], ENDLESS, timeout=0.4)
         else:
             rid, stream = replicas.submit([2, 7, 1, 8, 2, 8, route.__len__()], ENDLESS)
-        owner = replicas._live[rid].replica
+        owner = replicas.records.live[rid].replica
         out = await replicas.next_output(stream)
         if route == "user":
             replicas.abort(rid, CancelReason.USER)
@@ -215,10 +215,10 @@ def test_a_failover_that_races_a_cancel_drops_its_dispatch(replicas):
     async def main():
         rid, stream = replicas.submit([8, 6, 7, 5, 3, 0, 9], ENDLESS)
         await replicas.next_output(stream)
-        rec = replicas._live[rid]
+        rec = replicas.records.live[rid]
         submitted = {i: c.submitted for i, c in owner_counters(replicas).items()}
         dropped = replicas.dropped_late
-        with replicas._lock:  # as _lose does, after the cancel claimed the request
+        with replicas.records.lock:  # as _lose does, after the cancel claimed the request
             rec.outcome = CancelReason.USER
             replicas.tombstones.add(rid)
             replicas._resubmit(rec, "a test")
@@ -230,7 +230,7 @@ def test_a_failover_that_races_a_cancel_drops_its_dispatch(replicas):
 
     rid, out, submitted, dropped = run(main())
     assert out.finish_reason == FinishReason.CANCELLED and out.cancel_reason == CancelReason.USER
-    assert replicas.dropped_late == dropped + 1 and rid not in replicas._live
+    assert replicas.dropped_late == dropped + 1 and rid not in replicas.records.live
     assert {i: c.submitted for i, c in owner_counters(replicas).items()} == submitted  # nothing dispatched
     wait_for(lambda: not any(replicas._gather("live_request_ids").values()))
     replicas.check_block_accounting()
@@ -250,7 +250,7 @@ def test_v1_requests_merges_replicas_and_v1_cluster_and_metrics_show_them(replic
                 if len(listed) == 3 and all(item.get("completion_tokens", 0) > 0 for item in listed):
                     break
                 await asyncio.sleep(0.05)
-            owners = {replicas._live[f"merge-{i}#0"].replica for i in range(3)}
+            owners = {replicas.records.live[f"merge-{i}#0"].replica for i in range(3)}
             cluster = (await client.get("/v1/cluster")).json()
             health = await client.get("/health")
             assert health.status_code == 200 and health.json()["status"] == "ok"
@@ -333,7 +333,7 @@ def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(rep
     async def main():
         before = {i: c.submitted for i, c in owner_counters(replicas).items()}
         conv = Conversation.open(replicas, prompt)
-        home = replicas._sessions[conv.id].replica
+        home = replicas.records.conversations[conv.id].replica
         first = [o async for o in conv.generate(five)][-1]
         await conv.prompt(more)
         second = [o async for o in conv.generate(GREEDY)][-1]
@@ -352,7 +352,7 @@ def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(rep
         forked = [o async for o in fork.generate(five)][-1]
         with pytest.raises(EngineError, match="the conversation is"):  # refused whole: nothing appended
             replicas.submit([1] * (replicas.facts.max_model_len - 1), GREEDY, session_id=conv.id)
-        mirror = list(replicas._sessions[conv.id].tokens)
+        mirror = list(replicas.records.conversations[conv.id].tokens)
         tokens = await conv.tokens()
         await fork.close()
         await conv.close()
@@ -376,7 +376,7 @@ def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(rep
     rewound = history[:len(history) - len(last) - 2]
     assert list(forked.token_ids) == list(single.generate([rewound], five)[0].token_ids)
     assert tokens == mirror == history  # the head's mirror (for failover) is the replica's truth
-    assert not replicas._sessions
+    assert not replicas.records.conversations
     replicas.check_block_accounting()
 
 
@@ -408,8 +408,8 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
         streams = [replicas.submit(p, q) for p, q in zip(prompts, params, strict=True)]
         sessions = [replicas.open_session(c) for c in conversations]
         streams += [replicas.submit((), q, session_id=s) for s, q in zip(sessions, conv_params, strict=True)]
-        victim = replicas._live[streams[0][0]].replica
-        assert all(replicas._live[rid].replica == victim for rid, _ in streams)
+        victim = replicas.records.live[streams[0][0]].replica
+        assert all(replicas.records.live[rid].replica == victim for rid, _ in streams)
         tokens = [[] for _ in streams]
         outs = [None for _ in streams]
         while min(len(t) for t in tokens) < 6:
@@ -419,17 +419,17 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
                     tokens[k] += outs[k].new_token_ids
         ray.kill(replicas.actors[victim], no_restart=False)
         endless_id, endless = streams[3]
-        while replicas._live[endless_id].resumes == 0 or len(tokens[3]) <= replicas._live[endless_id].offset:
+        while replicas.records.live[endless_id].resumes == 0 or len(tokens[3]) <= replicas.records.live[endless_id].offset:
             outs[3] = await replicas.next_output(endless)
             tokens[3] += outs[3].new_token_ids
-        resumed = replicas._live[endless_id]
+        resumed = replicas.records.live[endless_id]
         listed = {info.request_id: info for info in replicas.list_requests()}[endless_id]
         sent = (len(resumed.prompt), resumed.offset)
         replicas.abort(endless_id)
         # The third conversation's consumer, once its answer has resumed, says it was handed
         # only 3 tokens (fewer than the new replica got in its prompt): both copies keep 3.
         cut_id, cut = streams[6]
-        assert replicas._live[cut_id].offset > 3  # resubmitted at the loss, with the answer so far
+        assert replicas.records.live[cut_id].offset > 3  # resubmitted at the loss, with the answer so far
         replicas.abort(cut_id, delivered=3)
         for k, (_, stream) in enumerate(streams):
             while not outs[k].finished:
@@ -438,8 +438,8 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
         after = []
         for session in sessions:
             conv = Conversation(replicas, session)
-            held, mirror = await conv.tokens(), list(replicas._sessions[session].tokens)
-            moved_to = replicas._sessions[session].replica
+            held, mirror = await conv.tokens(), list(replicas.records.conversations[session].tokens)
+            moved_to = replicas.records.conversations[session].replica
             await conv.prompt([1, 2, 3])
             went_on = [o async for o in conv.generate(GREEDY)][-1]
             await conv.close()
@@ -485,7 +485,7 @@ def test_a_hung_replica_is_replaced_and_its_stream_finishes_with_the_same_tokens
 
     async def main():
         rid, stream = replicas.submit(prompt, GREEDY, request_id="hang-1")
-        victim = replicas._live[rid].replica
+        victim = replicas.records.live[rid].replica
         tokens, out = [], None
         while out is None or not out.finished:
             out = await replicas.next_output(stream)
@@ -506,7 +506,7 @@ def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster)
     """One replica that Ray may not restart: killed mid-stream, its request and a
     conversation's answer end with finish_reason "error" naming the loss, after the tokens
     already delivered; the conversation then says it was lost."""
-    group = ReplicaSet.launch(build_replica_engine, 1, ReplicaOptions(num_cpus=0, max_restarts=0,
+    group = start_replicas(build_replica_engine, 1, ReplicaOptions(num_cpus=0, max_restarts=0,
                                                                       call_timeout_s=5.0))
     try:
         async def main():

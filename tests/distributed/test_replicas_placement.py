@@ -25,8 +25,9 @@ import ray  # noqa: E402
 
 from bargein.cli.cluster import format_cluster  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
-from bargein.distributed.replica_set import ReplicaOptions, ReplicaSet, launch_replicas  # noqa: E402
-from bargein.distributed.split import PipelineSetupError, stage_weight_bytes  # noqa: E402
+from bargein.distributed.errors import PipelineSetupError  # noqa: E402
+from bargein.distributed.replicas import ReplicaOptions, ReplicaSet, launch_replicas  # noqa: E402
+from bargein.distributed.split import stage_weight_bytes  # noqa: E402
 from bargein.distributed.weights import read_stored  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.request import CancelReason, FinishReason  # noqa: E402
@@ -85,7 +86,7 @@ def test_replicas_that_are_pipelines(ray_cluster, tmp_path, capsys):
         async def main_():
             results = await asyncio.gather(*(_collect(group, p, GREEDY) for p in PROMPTS))
             rid, stream = group.submit([9, 9, 8, 8, 7, 7], ENDLESS)
-            owner = group._live[rid].replica
+            owner = group.records.live[rid].replica
             out = await group.next_output(stream)
             group.abort(rid, CancelReason.USER)
             while not out.finished:

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from bargein.distributed.replica_build import plan_stage_nodes
+from bargein.distributed.errors import PipelineSetupError
+from bargein.distributed.replicas.placement import plan_stage_nodes
 from bargein.distributed.router import PrefixIndex, Router, Tombstones, block_hashes
-from bargein.distributed.split import PipelineSetupError
 from bargein.engine.blocks import KeyChanges
 from bargein.engine.engine import EngineError
 from bargein.engine.request import FinishReason

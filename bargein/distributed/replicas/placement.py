@@ -25,7 +25,7 @@ from typing import Any
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.engines import pipeline_engine
-from bargein.distributed.split import PipelineSetupError
+from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.weights import (
     Fingerprint,
     fingerprint,

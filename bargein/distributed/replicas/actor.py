@@ -317,3 +317,12 @@ class ReplicaWorker:
         self._stopping.set()
         self.engine.wake()
         return left
+
+
+def kill(actors: list[Any]) -> None:
+    """Ends replica actors for good (no restart); ones already gone are skipped."""
+    import ray
+
+    for actor in actors:
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(actor, no_restart=True)

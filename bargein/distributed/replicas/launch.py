@@ -1,0 +1,118 @@
+"""Starting a replica set: Ray connected, the replica actors placed and loaded, all or nothing.
+
+Whole-model replicas go where Ray finds a CPU (``options.resources`` narrows it); a node
+without the model file gets the weights the head shipped (see
+:mod:`~bargein.distributed.replicas.placement`). With ``config.pipeline`` set, each
+replica is a pipeline: its head on this node, its stages on the nodes planned for it so
+that all N x M stages fit (PipelineSetupError, one line, when they do not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from bargein.distributed.errors import PipelineSetupError
+from bargein.distributed.replicas.actor import EngineBuilder, ReplicaWorker, kill
+from bargein.distributed.replicas.facade import ReplicaSet
+from bargein.distributed.replicas.options import ReplicaOptions
+
+try:
+    import ray
+except ModuleNotFoundError as exc:  # the optional extra is missing: start_replicas says so in one line
+    if exc.name != "ray" and not (exc.name or "").startswith("ray."):
+        raise
+    ray = None
+
+
+def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas: int,
+                   options: ReplicaOptions | None = None) -> ReplicaSet:
+    """Starts ``num_replicas`` actors (Ray must be connected) and waits until all have loaded.
+
+    ``build``: one builder for every replica, or one per replica (pipelines whose stages
+    go to different nodes). All or nothing: on any failure the actors started (and, owned
+    by them, their stages) are killed and PipelineSetupError says why in one line.
+    """
+    options = options or ReplicaOptions()
+    if ray is None:
+        raise PipelineSetupError("Ray is not installed: pip install 'bargein[ray]'")
+    if num_replicas < 1:
+        raise PipelineSetupError("--replicas must be at least 1")
+    builds = list(build) if isinstance(build, Sequence) else [build] * num_replicas
+    if len(builds) != num_replicas:
+        raise ValueError(f"{len(builds)} builders were given for {num_replicas} replicas")
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if options.num_cpus * num_replicas > cpus:
+        raise PipelineSetupError(f"{num_replicas} replicas need {options.num_cpus * num_replicas:g} CPUs "
+                                 f"({options.num_cpus:g} each), but the cluster has {cpus:g}")
+    placement: dict[str, Any] = {}
+    if options.resources:
+        placement["resources"] = dict(options.resources)
+    if options.on_head_node:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)
+    actor_class = ray.remote(num_cpus=options.num_cpus, max_restarts=options.max_restarts,
+                             max_task_retries=0, max_concurrency=64, **placement)(ReplicaWorker)
+    actors = [actor_class.remote(i, b, options.threads) for i, b in enumerate(builds)]
+    try:
+        pings = [a.ping.remote() for a in actors]
+        ready, _ = ray.wait(pings, num_returns=num_replicas, timeout=options.start_timeout_s)
+        if len(ready) < num_replicas:
+            raise PipelineSetupError(f"only {len(ready)} of {num_replicas} replicas started within "
+                                     f"{options.start_timeout_s:.0f} s (too few CPUs or too little memory "
+                                     f"on the cluster?)")
+        started = ray.get(pings)
+        facts = ray.get(actors[0].describe.remote())
+    except PipelineSetupError:
+        kill(actors)
+        raise
+    except Exception as exc:
+        kill(actors)
+        raise PipelineSetupError(f"a replica failed to start: {_cause(exc)}") from None
+    return ReplicaSet(actors, facts, options, started)
+
+
+def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
+                    options: ReplicaOptions | None = None, *, ship: bool | None = None) -> ReplicaSet:
+    """Connects to Ray and starts ``num_replicas`` replicas of the model at ``ref`` (see the module doc)."""
+    from bargein.distributed.pipeline import connect
+    from bargein.distributed.replicas.placement import (
+        plan_stage_nodes,
+        replica_model,
+        with_stage_nodes,
+    )
+
+    options = options or ReplicaOptions()
+    pipe = config.pipeline
+    connect(address, num_replicas * (pipe.stages if pipe else 1))
+    wanted = dict(options.resources or {})
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
+             and all(n["Resources"].get(k, 0) >= v for k, v in wanted.items())]
+    if not nodes:
+        raise PipelineSetupError("the Ray cluster has no live node with a CPU" +
+                                 (f" offering {', '.join(wanted)}" if wanted else ""))
+    builds: EngineBuilder | list[EngineBuilder]
+    if pipe is not None:
+        stage_nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
+                       and (pipe.node_resource is None or n["Resources"].get(pipe.node_resource, 0) > 0)]
+        plans = plan_stage_nodes(num_replicas, pipe.stages, stage_nodes, pipe.threads_per_stage)
+        model, shipping = replica_model(ref, config, nodes)
+        builds = [with_stage_nodes(model, plan) for plan in plans]
+        options = replace(options, num_cpus=0, on_head_node=True, stages_per_replica=pipe.stages)
+    else:
+        builds, shipping = replica_model(ref, config, nodes, ship=ship)
+    group = start_replicas(builds, num_replicas, options)
+    group.builds = builds  # holds the shipped weights' reference: a restarted replica fetches them again
+    group.weights_shipped_bytes = shipping.shipped_bytes
+    group.nodes_without_file = shipping.nodes_without_file
+    return group
+
+
+def _cause(exc: BaseException) -> str:
+    """The last line of a replica's failure that says something (Ray wraps the cause)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
