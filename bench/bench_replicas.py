@@ -42,7 +42,7 @@ from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.blocks import KeyChanges  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.plan import StepPlan  # noqa: E402
-from bargein.engine.runner import StepResult  # noqa: E402
+from bargein.engine.runner import RunnerHealth, RunnerInfo, StepResult  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 
 SMALL_KV_BLOCKS = 128  # 512 tokens per replica: about half of the conversations it holds (evictions)
@@ -81,8 +81,16 @@ class StandInRunner:
     def close(self) -> None:
         pass
 
-    def cluster_info(self) -> dict[str, Any]:
-        return {}
+    row_sampling = None
+
+    def health(self) -> RunnerHealth:
+        return RunnerHealth()
+
+    def wait_ready(self, timeout: float) -> bool:
+        return True
+
+    def describe(self) -> RunnerInfo:
+        return RunnerInfo(self.num_blocks, self.max_in_flight, ())
 
 
 class _Bytes:

@@ -17,10 +17,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from bargein.cli.client import BargeinClient, ClientError, StreamEvent
 from bargein.engine.continuation import KnownText, continue_text
+
+if TYPE_CHECKING:  # the engine (torch) loads only for local chat
+    from bargein.engine.client import EngineClient
 
 
 @dataclass(frozen=True)
@@ -98,16 +101,16 @@ class _Timer:
 class LocalBackend:
     """One engine Conversation that follows the REPL's history token-exactly."""
 
-    def __init__(self, async_engine: Any):
-        self.ae = async_engine
-        self.tokenizer = async_engine.engine.tokenizer
-        self.model_name = async_engine.engine.model_name
+    def __init__(self, client: EngineClient):
+        self.ae = client
+        self.tokenizer = client.tokenizer
+        self.model_name = client.describe().model_name
         self.where = "locally"
         from bargein.engine.conversation import (
             Conversation,  # the engine (torch) loads only for local chat
         )
 
-        self.conv = Conversation.open(async_engine)
+        self.conv = Conversation.open(client)
         self._stop = False
         self._num_tokens = 0  # as of the last turn, for the status line
 
@@ -188,7 +191,7 @@ class LocalBackend:
 
     async def prompt_progress(self) -> tuple[int, int] | None:
         """(computed, total) prompt tokens of this conversation's request in flight, if any."""
-        for info in await self.ae.call(self.ae.engine.list_requests):
+        for info in await self.ae.requests():
             if info.session_id == self.conv.id:
                 return info.prompt_computed, info.prompt_tokens
         return None

@@ -59,7 +59,16 @@ from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
 from bargein.distributed.widths import stage_widths
 from bargein.engine.device import resolve_dtype
 from bargein.engine.plan import StepPlan
-from bargein.engine.runner import StepFailed, StepResult
+from bargein.engine.runner import (
+    PipelineInfo,
+    RecoveryInfo,
+    RunnerInfo,
+    StageInfo,
+    StageWork,
+    StepFailed,
+    StepResult,
+    TrafficInfo,
+)
 from bargein.engine.sampler import RowSampling
 from bargein.loader.source import ModelSource
 
@@ -417,45 +426,23 @@ class PipelineRunner(StageRecovery):
         self.collect_wait_s = 0.0
         self.logits_transfer_s = 0.0
 
-    def cluster_info(self) -> dict[str, Any]:
+    def describe(self) -> RunnerInfo:
         """Stages, layer ranges, nodes, memory, step and transfer times, health and
-        recoveries: the body of ``GET /v1/cluster``."""
+        recoveries (``GET /v1/cluster`` is formatted from it). A stage that does not
+        answer (lost, being re-created) has no ``work``."""
         health = self.health()
-        stages = []
         with self._lock:
             placements = list(self.placements)
-        for p, c in zip(placements, self._counters_or_none(), strict=True):
-            entry: dict[str, Any] = {
-                "index": p.index, "layers": list(p.layers), "node_id": p.node_id,
-                "node_address": p.node_address, "node_memory_bytes": p.node_memory_bytes,
-                "state": "ok" if c is not None else "lost",
-                "restarts": self.recovery.restarts[p.index]}
-            if c is not None:
-                entry |= {
-                    "weights_from": c.weights_from,
-                    "weights_received_bytes": c.weights_received_bytes,
-                    "plans": c.plans,
-                    "tokens": c.tokens,
-                    "busy_s": c.busy_s,
-                    "mean_step_ms": 1000 * c.busy_s / c.plans if c.plans else None,
-                    "wait_s": c.wait_s,
-                    "transfer_s": c.transfer_s,
-                    "mean_transfer_ms": 1000 * c.transfer_s / c.plans if c.plans and p.index else None,
-                    "idle_fraction": c.idle_fraction,
-                    "hidden_bytes_out": c.hidden_bytes_out,
-                }
-            stages.append(entry)
-        return {
-            "object": "cluster",
-            "pipeline": True,
-            "num_stages": len(placements),
-            "max_in_flight": self.max_in_flight,
-            "transport": self.transport.kind if self.transport is not None else None,
-            "kv_blocks": self.num_blocks,
-            "health": health.state,
-            "health_message": health.message,
-            "recovery": self.recovery.as_dict(),
-            "head_traffic": asdict(self.traffic) | {"total": self.traffic.total},
-            "logits_transfer_s": self.logits_transfer_s,
-            "stages": stages,
-        }
+        stages = tuple(
+            StageInfo(p.index, tuple(p.layers), p.node_address, node_id=p.node_id,
+                      node_memory_bytes=p.node_memory_bytes, restarts=self.recovery.restarts[p.index],
+                      work=None if c is None else StageWork(
+                          c.weights_from, c.weights_received_bytes, c.plans, c.tokens, c.busy_s, c.wait_s,
+                          c.transfer_s, c.idle_fraction, c.hidden_bytes_out))
+            for p, c in zip(placements, self._counters_or_none(), strict=True))
+        r = self.recovery
+        pipeline = PipelineInfo(
+            transport=self.transport.kind if self.transport is not None else None, health=health,
+            recovery=RecoveryInfo(r.losses, r.recoveries, tuple(r.restarts), tuple(r.recover_seconds)),
+            head_traffic=TrafficInfo(**asdict(self.traffic)), logits_transfer_s=self.logits_transfer_s)
+        return RunnerInfo(self.num_blocks, self.max_in_flight, stages, pipeline)

@@ -7,10 +7,11 @@ them into :class:`RequestOutput` (text, stop strings, logprobs) off the engine t
 The model's forward runs outside the event loop, so the loop stays responsive and a
 cancel from any coroutine or thread lands at the next step boundary.
 
-Conversations use the typed session methods here (``open_session``,
-``append_session``, ``generate(..., session_id=...)``, ``fork_session``,
-``truncate_session``, ``session_tokens``, ``close_session``); every one goes through
-the engine's ordered inbox, so they apply in the order they were called.
+It implements :class:`~bargein.engine.client.EngineClient`, the interface the server,
+``Conversation`` and the CLI use. Conversations: ``open_conversation`` and the typed
+messages of :mod:`bargein.engine.messages` (``conversation(message)``), answers with
+``submit(..., conversation_id=...)``; every one goes through the engine's ordered inbox,
+so they apply in the order they were sent.
 
 A request is cancelled (contract C1-C2) when: its consuming task is cancelled or the
 consumer stops iterating (reason ``disconnect`` by default), ``abort(request_id)`` is
@@ -29,11 +30,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from bargein.engine.client import EngineInfo
 from bargein.engine.engine import Engine
+from bargein.engine.grammar import Grammars
+from bargein.engine.messages import ConversationMessage, OpenConversation
 from bargein.engine.outputs import OutputProcessor, RequestDelta, StepOutcome, end_found_by_consumer
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput
+from bargein.engine.runner import RunnerHealth, RunnerInfo
 from bargein.engine.sampling import SamplingParams
-from bargein.engine.stats import EngineStats
+from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord
 from bargein.engine.streams import RequestStream
 
 log = logging.getLogger("bargein.engine")
@@ -57,6 +62,24 @@ class AsyncEngine:
     @classmethod
     def from_pretrained(cls, ref: str | None = None, **kwargs: object) -> AsyncEngine:
         return cls(Engine.from_pretrained(ref, **kwargs))  # type: ignore[arg-type]
+
+    @property
+    def grammars(self) -> Grammars:
+        return self.engine.grammars
+
+    @property
+    def counters(self) -> EngineCounters:
+        return self.engine.counters
+
+    def describe(self) -> EngineInfo:
+        e = self.engine
+        pipe = e.config.pipeline
+        return EngineInfo(e.model_name, e.max_model_len, e.model_config.vocab_size, frozenset(e.eos_token_ids),
+                          e.pool.block_size, e.pool.num_blocks, e.config.precision,
+                          pipeline_stages=0 if pipe is None else pipe.stages)
+
+    def new_request_id(self) -> str:
+        return self.engine.new_request_id()
 
     @property
     def tokenizer(self) -> Any:
@@ -140,7 +163,7 @@ class AsyncEngine:
     # -- requests -----------------------------------------------------------------
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout: float | None = None,
-               session_id: str | None = None, constraint_from: int | None = None) -> tuple[str, RequestStream]:
+               conversation_id: str | None = None, constraint_from: int | None = None) -> tuple[str, RequestStream]:
         """Queues a request and returns its id and stream (call from a running loop).
 
         Read the stream with ``stream(request_id, stream)``. Raises EngineError for a bad
@@ -153,14 +176,14 @@ class AsyncEngine:
                                OutputProcessor(request_id, params, self.engine.tokenizer))
         # add_request claims (and checks) the id, then registers the stream, then queues
         # the request: no other live request has the id, and no delta precedes the stream.
-        self.engine.add_request(prompt, params, request_id=request_id, timeout=timeout, session_id=session_id,
+        self.engine.add_request(prompt, params, request_id=request_id, timeout=timeout, session_id=conversation_id,
                                 on_claimed=lambda rid: self._streams.__setitem__(rid, stream),
                                 constraint_from=constraint_from)
         return request_id, stream
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, timeout: float | None = None,
-                       session_id: str | None = None,
+                       conversation_id: str | None = None,
                        exit_reason: CancelReason = CancelReason.DISCONNECT) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; the last one has ``finished`` set.
 
@@ -169,7 +192,7 @@ class AsyncEngine:
         consumer was handed.
         """
         request_id, stream = self.submit(prompt, params, request_id=request_id, timeout=timeout,
-                                         session_id=session_id)
+                                         conversation_id=conversation_id)
         async for out in self.stream(request_id, stream, exit_reason=exit_reason):
             yield out
 
@@ -221,37 +244,52 @@ class AsyncEngine:
     async def stats(self) -> EngineStats:
         return await self.call(self.engine.stats)
 
-    # -- sessions (conversations' sequences) ------------------------------------------
-    def open_session(self, token_ids: Sequence[int] = ()) -> str:
-        """Opens a session; returns its id at once. The open is queued in the ordered
-        inbox, so everything sent for this session afterwards sees it."""
-        session_id = self.engine.new_request_id().replace("req-", "conv-")
-        self.call_soon(functools.partial(self.engine.open_session, [int(t) for t in token_ids], session_id))
-        return session_id
+    def finish(self, request_id: str, reason: FinishReason, *, delivered: int) -> CancelReason | None:
+        """Ends a request for a reason its consumer found (a stop string), keeping ``delivered``."""
+        return self.engine.finish(request_id, reason, delivered=delivered)
 
-    async def append_session(self, session_id: str, token_ids: Sequence[int]) -> None:
-        """Appends prompt tokens (computed with the next answer). EngineError if too long."""
-        await self.call(functools.partial(self.engine.append_session_tokens, session_id, list(token_ids)))
+    # -- conversations ------------------------------------------------------------------
+    def open_conversation(self, token_ids: Sequence[int] = ()) -> str:
+        """Opens a conversation; returns its id at once. The open is queued in the ordered
+        inbox, so everything sent for this conversation afterwards sees it."""
+        conversation_id = self.engine.new_request_id().replace("req-", "conv-")
+        self.call_soon(functools.partial(self.engine.conversation,
+                                         OpenConversation(conversation_id, tuple(int(t) for t in token_ids))))
+        return conversation_id
 
-    async def session_tokens(self, session_id: str) -> list[int]:
-        return await self.call(functools.partial(self.engine.session_tokens, session_id))
+    async def conversation(self, message: ConversationMessage) -> Any:
+        """Applies a conversation message on the engine thread; returns its answer."""
+        return await self.call(functools.partial(self.engine.conversation, message))
 
-    async def fork_session(self, session_id: str) -> str:
-        return await self.call(functools.partial(self.engine.fork_session, session_id))
+    # -- reports --------------------------------------------------------------------------
+    async def requests(self) -> list[RequestInfo]:
+        return await self.call(self.engine.list_requests)
 
-    async def truncate_session(self, session_id: str, num_tokens: int) -> None:
-        await self.call(functools.partial(self.engine.truncate_session, session_id, num_tokens))
+    def live_request_ids(self) -> list[str]:
+        return self.engine.live_request_ids()
 
-    async def close_session(self, session_id: str) -> None:
-        await self.call(functools.partial(self.engine.close_session, session_id))
+    def health(self) -> RunnerHealth:
+        return self.engine.runner_health()
+
+    def cluster(self) -> RunnerInfo:
+        """The runner's stages (a pipeline asks them: call off the loop)."""
+        return self.engine.runner.describe()
+
+    async def check_block_accounting(self) -> None:
+        await self.call(self.engine.check_block_accounting)
+
+    async def steps_after(self, index: int) -> list[StepRecord]:
+        return await self.call(functools.partial(self.engine.steps_after, index))
+
+    def register_metrics(self, registry: Any) -> None:
+        """Nothing beyond the server's own series: one engine."""
 
 
 async def stream_outputs(owner: Any, request_id: str, stream: RequestStream,
                          exit_reason: CancelReason) -> AsyncIterator[RequestOutput]:
     """Yields ``owner.next_output(stream)`` until the request finishes; a consumer that
     leaves first aborts it with ``exit_reason`` and ``delivered=`` what it was handed, so
-    the sequence keeps exactly those tokens (C3). ``owner``: an AsyncEngine or anything
-    with its ``next_output`` and ``abort`` (the replica set)."""
+    the sequence keeps exactly those tokens (C3). ``owner``: an EngineClient."""
     finished = False
     try:
         while True:

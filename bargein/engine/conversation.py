@@ -14,10 +14,12 @@ mid-answer, or the consumer simply stopping) the conversation can at once be pro
 generated, forked, rewound, saved or closed; K/V computed before the stop is kept, and
 whatever is not computed yet is computed with the next prompt.
 
-A Conversation is a handle on an engine session and keeps no copy of its tokens: the
-engine's scheduler holds them, and this class only calls :class:`AsyncEngine`'s typed
-session methods. An answer's consumer tells the engine how many tokens it was handed
-when it stops early, and the engine cuts the session to them.
+A Conversation is a handle on an engine's conversation and keeps no copy of its tokens:
+the engine's scheduler holds them, and this class only sends the typed conversation
+messages of :mod:`bargein.engine.messages` through an
+:class:`~bargein.engine.client.EngineClient` (one engine, or replicas). An answer's
+consumer tells the engine how many tokens it was handed when it stops early, and the
+engine cuts the conversation to them.
 
 A constrained answer (``params.constraint``) that was cancelled or cut by
 ``max_tokens`` is continued, not restarted, by the next ``generate`` with the same
@@ -37,8 +39,16 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.admission import encode_prompt
+from bargein.engine.client import EngineClient
 from bargein.engine.constraint import Constraint
+from bargein.engine.messages import (
+    AppendToConversation,
+    CloseConversation,
+    ConversationTokens,
+    ForkConversation,
+    RewindConversation,
+)
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.streams import RequestStream
@@ -96,25 +106,26 @@ class _ConstrainedAnswer:
 
 
 class Conversation:
-    def __init__(self, engine: AsyncEngine, session_id: str):
+    def __init__(self, engine: EngineClient, conversation_id: str):
         self._engine = engine
-        self.id = session_id
+        self.id = conversation_id
         self._answer: _Answer | None = None  # the last answer, until the engine has ended it
         self._closed = False
         self._constrained: _ConstrainedAnswer | None = None
 
     @classmethod
-    def open(cls, engine: AsyncEngine, token_ids: Sequence[int] = ()) -> Conversation:
+    def open(cls, engine: EngineClient, token_ids: Sequence[int] = ()) -> Conversation:
         """A new conversation holding ``token_ids`` (computed with the first answer)."""
-        return cls(engine, engine.open_session(token_ids))
+        return cls(engine, engine.open_conversation(token_ids))
 
     @classmethod
-    def load(cls, engine: AsyncEngine, state: ConversationState | str | os.PathLike) -> Conversation:
+    def load(cls, engine: EngineClient, state: ConversationState | str | os.PathLike) -> Conversation:
         """A conversation from ``save()``'s state or the file it wrote (K/V reused if still cached)."""
         loaded = load_state(state)
-        if loaded.model and loaded.model != engine.model_name:
+        model_name = engine.describe().model_name
+        if loaded.model and loaded.model != model_name:
             raise ValueError(f"the conversation was saved with model {loaded.model!r}, "
-                             f"not {engine.model_name!r}")
+                             f"not {model_name!r}")
         return cls.open(engine, loaded.token_ids)
 
     # -- state --------------------------------------------------------------------
@@ -122,7 +133,7 @@ class Conversation:
         """Exactly the prompts given plus the tokens handed, as the engine holds them."""
         self._check_open()
         await self._settle()
-        return await self._engine.session_tokens(self.id)
+        return await self._engine.conversation(ConversationTokens(self.id))
 
     @property
     def is_generating(self) -> bool:
@@ -140,11 +151,11 @@ class Conversation:
         """
         self._check_open()
         if isinstance(text_or_tokens, str):
-            new = self._engine.tokenizer.encode(text_or_tokens, add_special_tokens=False)
+            new = encode_prompt(self._engine.tokenizer, text_or_tokens, in_conversation=True)
         else:
             new = [int(t) for t in text_or_tokens]
         await self._settle()
-        await self._engine.append_session(self.id, new)
+        await self._engine.conversation(AppendToConversation(self.id, tuple(new)))
         self._constrained = None
         return new
 
@@ -157,7 +168,7 @@ class Conversation:
         last = self._constrained
         resume = (constraint is not None and last is not None and last.constraint == constraint
                   and last.start is not None and not last.complete)
-        rid, stream = self._engine.submit((), params, request_id=request_id, timeout=timeout, session_id=self.id,
+        rid, stream = self._engine.submit((), params, request_id=request_id, timeout=timeout, conversation_id=self.id,
                                           constraint_from=last.start if resume else None)
         self._answer = _Answer(rid, stream)
         if constraint is None:
@@ -196,19 +207,19 @@ class Conversation:
         """A new conversation with the same tokens, sharing K/V blocks (copy on write)."""
         self._check_open()
         await self._settle()
-        return Conversation(self._engine, await self._engine.fork_session(self.id))
+        return Conversation(self._engine, await self._engine.conversation(ForkConversation(self.id)))
 
     async def rewind(self, num_tokens: int) -> None:
         """Drops the last ``num_tokens`` tokens (their K/V too)."""
         held = len(await self.tokens())
         if not 0 <= num_tokens <= held:
             raise ValueError(f"cannot rewind {num_tokens} of {held} tokens")
-        await self._engine.truncate_session(self.id, held - num_tokens)
+        await self._engine.conversation(RewindConversation(self.id, held - num_tokens))
         self._constrained = None
 
     async def save(self, path: str | os.PathLike | None = None) -> ConversationState:
         """Captures the conversation; also writes it as JSON to ``path`` when given."""
-        state = ConversationState(tuple(await self.tokens()), self._engine.model_name)
+        state = ConversationState(tuple(await self.tokens()), self._engine.describe().model_name)
         if path is not None:
             Path(path).write_text(state.to_json())
         return state
@@ -219,7 +230,7 @@ class Conversation:
             return
         await self._settle()
         self._closed = True
-        await self._engine.close_session(self.id)
+        await self._engine.conversation(CloseConversation(self.id))
 
 
 def load_state(state_or_path: ConversationState | str | os.PathLike) -> ConversationState:

@@ -25,7 +25,6 @@ takes no lock at all, so it is safe in a signal handler.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import queue
 import time
@@ -35,14 +34,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from bargein.config import EngineConfig, ModelConfig
+from bargein.engine import reports
+from bargein.engine.admission import Admitted, EngineError, admit, encode_prompt
 from bargein.engine.blocks import BlockPool
-from bargein.engine.device import (
-    build_model,
-    one_torch_thread,
-    release_free_heap,
-    resolve_device,
-    resolve_dtype,
-)
+from bargein.engine.conversations import EngineConversations
 from bargein.engine.grammar import Grammars
 from bargein.engine.messages import (
     AbortRequest,
@@ -60,7 +55,6 @@ from bargein.engine.request import (
     FinishReason,
     Request,
     RequestOutput,
-    RequestStatus,
 )
 from bargein.engine.request import (
     Sequence as TokenSequence,
@@ -78,16 +72,8 @@ log = logging.getLogger("bargein.engine")
 _MIN_BLOCKS = 16
 
 
-class EngineError(Exception):
-    """A request the engine refuses (bad prompt, id in use); the message says why."""
-
-
-class Engine:
+class Engine(EngineConversations):
     """A model, its KV cache, a scheduler and a sampler, stepped by one thread."""
-
-    #: A prefix hit covers every matching token, a partly filled last block included (C7);
-    #: the server's ``/debug/kv`` reports it and its continuation tests assert the exact count.
-    supports_partial_block_reuse = True
 
     def __init__(self, model: LlamaStage | Sequence[LlamaStage] | Runner, tokenizer: Any,
                  config: EngineConfig | None = None, *, model_name: str = "model"):
@@ -108,8 +94,7 @@ class Engine:
         self.counters = EngineCounters()
         self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
         self._held: EngineMessage | None = None  # taken by wait_for_work, handled first by the next drain
-        if hasattr(self.runner, "row_sampling"):  # a runner that samples plain rows where the logits are
-            self.runner.row_sampling = self._row_sampling
+        self.runner.row_sampling = self._row_sampling  # for a runner that samples plain rows itself
 
     def _local_runner(self, stages: LlamaStage | Sequence[LlamaStage]) -> ModelRunner:
         stages = [stages] if isinstance(stages, LlamaStage) else list(stages)
@@ -127,35 +112,9 @@ class Engine:
         """Loads a model reference into this process: None (the bundled SmolLM2), a .gguf
         file or an HF folder. A pipeline on Ray (``config.pipeline``) is built by
         :func:`bargein.build.build_engine`, which knows the runners of the layers above."""
-        from bargein.loader import (
-            close_model_files,
-            load_config,
-            load_tokenizer,
-            load_weights,
-            resolve_model_ref,
-        )
+        from bargein.engine.load import load_in_process
 
-        config = config or EngineConfig()
-        if config.pipeline is not None:
-            raise EngineError("a pipeline of stages is built by bargein.build_engine(ref, config), "
-                              "not Engine.from_pretrained")
-        source = resolve_model_ref(ref)
-        model_config = load_config(source)
-        device = resolve_device(config.device)
-        max_len = config.max_model_len or model_config.max_position_embeddings
-        if config.cache.counted_blocks is not None:  # no sequence outgrows the pool: no position past it
-            max_len = min(max_len, config.cache.counted_blocks * config.cache.block_size)
-        with one_torch_thread():
-            # Each tensor goes to the device as it is read: no whole-model copy in host memory.
-            # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model
-            # dequantizes them where nothing reads blocks).
-            weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
-                                   progress=progress, blocks=device.type == "cpu")
-            model = build_model(model_config, weights, config, max_positions=max_len)
-            tokenizer = load_tokenizer(source)
-            close_model_files()
-            release_free_heap()  # what parsing the file and building the tokenizer left behind
-            return cls(model, tokenizer, config, model_name=source.name)
+        return load_in_process(cls, ref, config, progress=progress)
 
     @property
     def max_model_len(self) -> int:
@@ -169,53 +128,34 @@ class Engine:
                     request_id: str | None = None, timeout: float | None = None,
                     session_id: str | None = None, on_claimed: Callable[[str], Any] | None = None,
                     constraint_from: int | None = None, output_offset: int = 0) -> str:
-        """Queues a generation; returns its id. Raises EngineError for a bad request.
+        """Queues a generation (checked by ``admission.admit``); returns its id. Raises
+        EngineError for a bad request.
 
-        With ``session_id``, the prompt's tokens are appended to that conversation's
-        sequence and the answer generated onto it; the sequence keeps its K/V after.
-        ``timeout`` (seconds) sets a deadline, after which the request is cancelled
-        with reason ``deadline``. The request's outputs come as deltas in the
-        ``StepOutcome`` of later steps. ``on_claimed(request_id)`` runs once the id is
-        claimed (no live request has it) and before the request is queued (so before any
-        of its deltas): AsyncEngine registers the request's stream there.
+        With ``session_id``, the prompt's tokens are appended to that conversation and the
+        answer generated onto it; the sequence keeps its K/V after. ``timeout`` (seconds)
+        sets a deadline (reason ``deadline``). Outputs come as deltas in the ``StepOutcome``
+        of later steps. ``on_claimed(request_id)`` runs once the id is claimed and before
+        the request is queued (AsyncEngine registers the request's stream there).
 
-        A ``params.constraint`` is compiled here (cached per constraint; raises
-        UnsupportedGrammar naming what cannot be enforced). ``constraint_from`` continues
-        a constrained answer that began at that token of the prompt (of the conversation,
-        with ``session_id``): the tokens since are replayed into the new matcher, so a
-        cancelled constrained answer goes on exactly as it would have without the cancel
-        (C4).
-
-        ``output_offset`` resumes an answer begun elsewhere (a replica that was lost): the
-        prompt's last ``output_offset`` tokens are that answer's earlier output, so seeded
-        sampling draws token i from the same random stream as the original request did.
-        With ``session_id`` they are the conversation's last tokens (the new prompt tokens
-        after its existing ones): a conversation's answer resumed on another replica, whose
-        earlier output was opened into the conversation. Its range is checked when the
-        engine thread adds the request (the conversation's length is known there); out of
-        range, the request ends with an error and the conversation is unchanged.
+        ``constraint_from`` continues a constrained answer that began at that token of the
+        prompt (of the conversation): the tokens since are replayed into a new matcher, so a
+        cancelled constrained answer goes on as it would have without the cancel (C4).
+        ``output_offset`` resumes an answer begun on a lost replica: the prompt's (the
+        conversation's) last ``output_offset`` tokens are its earlier output, so seeded
+        sampling draws token i from the original stream; out of the conversation's range,
+        the request ends with an error and the conversation is unchanged.
         """
-        params = params or SamplingParams()
-        params.validate_for_vocab(self.model_config.vocab_size)
-        if params.constraint is not None:
-            self.grammars.compile(params.constraint)
-        if constraint_from is not None and (params.constraint is None or constraint_from < 0):
-            raise EngineError("constraint_from needs a constraint and a token index >= 0")
-        token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
-        if session_id is None:
-            if not token_ids:
-                raise EngineError("the prompt is empty")
-            try:
-                self.scheduler.check_length(len(token_ids))
-            except ValueError as exc:
-                raise EngineError(str(exc)) from None
-        if timeout is not None and not timeout > 0:
-            raise EngineError("timeout must be a positive number of seconds")
-        if output_offset < 0 or (session_id is None and output_offset > len(token_ids)):
-            raise EngineError(f"output_offset must be within the prompt (0..{len(token_ids)})")
+        admitted = admit(prompt, params, tokenizer=self.tokenizer, grammars=self.grammars,
+                         vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+                         timeout=timeout, conversation_id=session_id, constraint_from=constraint_from,
+                         output_offset=output_offset)
+        return self.add_admitted(admitted, request_id=request_id, on_claimed=on_claimed)
+
+    def add_admitted(self, admitted: Admitted, *, request_id: str | None = None,
+                     on_claimed: Callable[[str], Any] | None = None) -> str:
+        """Queues a request that passed ``admit`` (see ``add_request``); returns its id."""
+        token_ids, params, timeout = list(admitted.token_ids), admitted.params, admitted.timeout
+        session_id = admitted.conversation_id
         request_id = request_id or self.new_request_id()
         try:
             self.scheduler.ids.claim(request_id)
@@ -233,7 +173,7 @@ class Engine:
             prompt_len=len(token_ids), new_prompt_tokens=len(token_ids),
             owns_sequence=session_id is None,
             deadline=None if timeout is None else time.monotonic() + timeout,
-            constraint_from=constraint_from, output_offset=output_offset,
+            constraint_from=admitted.constraint_from, output_offset=admitted.output_offset,
         )
         self._post(AddRequest(request, session_id, tuple(token_ids)))
         return request_id
@@ -292,7 +232,8 @@ class Engine:
         self._inbox.put(message)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
+        """A prompt of its own as tokens (``admission.encode_prompt``: the one tokenization)."""
+        return encode_prompt(self.tokenizer, text, in_conversation=False)
 
     # -- the engine's thread ------------------------------------------------------
     @property
@@ -377,8 +318,7 @@ class Engine:
 
     def runner_health(self) -> RunnerHealth:
         """The runner's health (a pipeline may be re-creating a lost stage); any thread."""
-        health = getattr(self.runner, "health", None)
-        return RunnerHealth() if health is None else health()
+        return self.runner.health()
 
     def _runner_ready(self) -> bool:
         """True if plans can run now. While a lost part is re-created, requests wait
@@ -524,101 +464,18 @@ class Engine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
-    # -- conversations' sequences (engine thread) ----------------------------------
-    def open_session(self, token_ids: Iterable[int] = (), session_id: str | None = None) -> str:
-        session_id = session_id or f"conv-{uuid.uuid4().hex[:16]}"
-        with _as_engine_error():
-            self.scheduler.open_session(session_id, token_ids)
-        return session_id
-
-    def session_tokens(self, session_id: str) -> list[int]:
-        return list(self.scheduler.session(session_id).sequence.token_ids)
-
-    def append_session_tokens(self, session_id: str, token_ids: Sequence[int]) -> None:
-        with _as_engine_error():
-            self.scheduler.append_to_session(session_id, token_ids)
-
-    def fork_session(self, session_id: str) -> str:
-        new_id = f"conv-{uuid.uuid4().hex[:16]}"
-        self.scheduler.fork_session(session_id, new_id)
-        return new_id
-
-    def truncate_session(self, session_id: str, num_tokens: int) -> None:
-        self.scheduler.truncate_session(session_id, num_tokens)
-
-    def close_session(self, session_id: str) -> None:
-        """Closes a conversation, cancelling its request if one is generating (its last
-        delta comes in the next step's outcome, with everything else that finished)."""
-        self.scheduler.close_session(session_id)
-
-    # -- reporting ------------------------------------------------------------------
+    # -- reporting (engine thread) ----------------------------------------------------
     def stats(self) -> EngineStats:
-        pool = self.pool
-        return EngineStats(
-            kv_blocks_total=pool.num_blocks,
-            kv_blocks_free=pool.num_free,
-            kv_blocks_cached=pool.num_cached,
-            kv_blocks_used=pool.num_referenced,
-            block_size=pool.block_size,
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            conversations=len(self.scheduler.sessions),
-            steps=self.counters.steps,
-            prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
-            prefix_cache_hit_blocks=pool.prefix_hit_blocks,
-            prefix_cache_query_blocks=pool.prefix_query_blocks,
-            computed_tokens=self.scheduler.num_computed_tokens,
-            generated_tokens=self.counters.generated_tokens,
-            preemptions=self.scheduler.num_preemptions,
-            finished=dict(self.counters.finished),
-            cancelled=dict(self.counters.cancelled),
-        )
+        return reports.engine_stats(self.scheduler, self.pool, self.counters)
 
     def steps_after(self, index: int) -> list[StepRecord]:
-        """The recent steps whose index is above ``index``, oldest first (engine thread).
-
-        At most ``STEP_HISTORY`` are kept: a reader that polls less often loses the
-        oldest (it can tell from the first index it gets).
-        """
-        recent = self.counters.recent_steps
-        if not recent:
-            return []
-        # By the records' own indexes: between a step's forward and its record (the inbox
-        # is drained there), ``counters.steps`` is one ahead of the last record.
-        skip = max(0, len(recent) - (recent[-1].index - index))
-        return list(itertools.islice(recent, skip, None))
+        """The recent steps whose index is above ``index``, oldest first (see ``reports``)."""
+        return reports.steps_after(self.counters, index)
 
     def list_requests(self) -> list[RequestInfo]:
-        """Queued and running requests, oldest first (engine thread)."""
-        now = time.monotonic()
-        names = {RequestStatus.WAITING: "queued", RequestStatus.RUNNING: "running",
-                 RequestStatus.PREEMPTED: "preempted"}
-        infos = []
-        for req in sorted(self.scheduler.requests.values(), key=lambda r: r.arrival_time):
-            infos.append(RequestInfo(
-                request_id=req.request_id,
-                status=names.get(req.status, req.status.name.lower()),
-                prompt_tokens=req.prompt_len,
-                prompt_computed=min(req.sequence.num_computed, req.prompt_len),
-                completion_tokens=req.num_output_tokens,
-                age_s=now - req.arrival_time,
-                deadline_s=None if req.deadline is None else max(0.0, req.deadline - now),
-                session_id=None if req.owns_sequence else req.sequence.seq_id,
-            ))
-        return infos
+        """Queued and running requests, oldest first."""
+        return reports.request_infos(self.scheduler)
 
     def check_block_accounting(self) -> None:
         """Asserts contract C5 against every live block table (for tests and debugging)."""
         self.pool.check_invariants(self.scheduler.live_block_tables())
-
-
-class _as_engine_error:
-    """Turns a scheduler's refusal (ValueError: too long, already exists) into EngineError."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
-        if isinstance(exc, ValueError) and not isinstance(exc, EngineError):
-            raise EngineError(str(exc)) from None
-        return False

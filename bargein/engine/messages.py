@@ -57,3 +57,58 @@ class CallInEngine:
 
 
 EngineMessage = AddRequest | AbortRequest | FinishRequest | CallInEngine | Wake
+
+
+# -- conversation operations ------------------------------------------------------------
+# One message per operation: the engine client (AsyncEngine, the replica set and its
+# actors) forwards a message unchanged, through the inbox and across Ray, to the engine
+# thread, which applies it (``Engine.conversation``). A conversation's answers are
+# requests submitted with its id; what is here changes or reads it between answers.
+@dataclass(frozen=True)
+class OpenConversation:
+    """Open a conversation holding ``token_ids`` (computed with its first answer)."""
+
+    conversation_id: str
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AppendToConversation:
+    """Append prompt tokens (computed with the next answer); EngineError if too long."""
+
+    conversation_id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ConversationTokens:
+    """Read the conversation's tokens: its prompts plus the tokens handed of its answers."""
+
+    conversation_id: str
+
+
+@dataclass(frozen=True)
+class ForkConversation:
+    """Open a new conversation with the same tokens, sharing K/V blocks (copy on write);
+    answers the new id."""
+
+    conversation_id: str
+
+
+@dataclass(frozen=True)
+class RewindConversation:
+    """Keep the first ``num_tokens`` tokens (and their K/V)."""
+
+    conversation_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class CloseConversation:
+    """Cancel its answer, if any, and release its blocks (to the prefix cache)."""
+
+    conversation_id: str
+
+
+ConversationMessage = (OpenConversation | AppendToConversation | ConversationTokens | ForkConversation | RewindConversation
+                       | CloseConversation)

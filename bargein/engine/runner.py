@@ -19,7 +19,7 @@ writes to and no sequence ever owns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -69,20 +69,102 @@ class RunnerHealth:
     message: str | None = None
 
 
+@dataclass(frozen=True)
+class StageWork:
+    """What a stage running elsewhere has done (a pipeline stage's counters)."""
+
+    weights_from: str  # "file" (its node's copy) or "head" (shipped)
+    weights_received_bytes: int
+    plans: int
+    tokens: int
+    busy_s: float
+    wait_s: float
+    transfer_s: float  # receiving hidden states from the previous stage
+    idle_fraction: float
+    hidden_bytes_out: int
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One model stage of a runner: its layers and where it runs."""
+
+    index: int
+    layers: tuple[int, int]  # [start, end)
+    node_address: str = "local"
+    device: str | None = None  # a stage in this process
+    node_id: str | None = None  # a stage on a Ray node (a pipeline's)
+    node_memory_bytes: int | None = None
+    restarts: int = 0
+    work: StageWork | None = None  # a pipeline stage's counters; None while it is lost
+
+
+@dataclass(frozen=True)
+class RecoveryInfo:
+    """A pipeline's lost stages and their re-creation."""
+
+    losses: int = 0  # times one or more stages were found lost
+    recoveries: int = 0  # times every lost stage was re-created
+    restarts: tuple[int, ...] = ()  # per stage
+    recover_seconds: tuple[float, ...] = ()  # each recovery: loss noticed -> stages ready again
+
+
+@dataclass(frozen=True)
+class TrafficInfo:
+    """Bytes that passed through the head's process (hidden states never do)."""
+
+    plan_bytes: int = 0
+    logits_bytes: int = 0
+    weights_shipped_bytes: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.plan_bytes + self.logits_bytes + self.weights_shipped_bytes
+
+
+@dataclass(frozen=True)
+class PipelineInfo:
+    """What only a pipeline of stages has: its transport, health, recoveries and traffic."""
+
+    transport: str | None  # "graph" | "calls"
+    health: RunnerHealth
+    recovery: RecoveryInfo
+    head_traffic: TrafficInfo
+    logits_transfer_s: float
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    """A runner described in plain data (``GET /v1/cluster`` is formatted from it)."""
+
+    kv_blocks: int
+    max_in_flight: int
+    stages: tuple[StageInfo, ...]
+    pipeline: PipelineInfo | None = None  # None: every stage runs in this process
+
+
+RowSamplingFn = Callable[[str], Any]  # request id -> RowSampling | None (bargein.engine.sampler)
+
+
 @runtime_checkable
 class Runner(Protocol):
     """What the engine needs of a runner: the model's shape, the KV pool's size, the
-    device its logits come on, and the plan seam.
+    device its logits come on, the plan seam, its health and a description.
 
     ``submit`` may be called while ``num_in_flight < max_in_flight``; ``collect``
     returns the oldest submitted plan's result (plans finish in submission order), or
-    raises :class:`StepFailed` naming it.
+    raises :class:`StepFailed` naming it, or :class:`KVLost` (every plan in flight and
+    every block's K/V gone; ``health()`` then says whether it is recovering).
+    ``health`` may be called from any thread; ``wait_ready(timeout)`` blocks until the
+    runner can run plans again (True) or the timeout passes (False). ``row_sampling``,
+    set by the engine, lets a runner that samples plain rows where the logits are (a
+    pipeline's last stage) ask for a request's sampling; a runner may ignore it.
     """
 
     model_config: ModelConfig
     num_blocks: int
     device: torch.device
     max_in_flight: int
+    row_sampling: RowSamplingFn | None
 
     @property
     def num_in_flight(self) -> int: ...
@@ -91,15 +173,20 @@ class Runner(Protocol):
 
     def collect(self) -> StepResult: ...
 
-    def close(self) -> None: ...
+    def health(self) -> RunnerHealth: ...
 
-    def cluster_info(self) -> dict[str, Any]: ...
+    def wait_ready(self, timeout: float) -> bool: ...
+
+    def describe(self) -> RunnerInfo: ...
+
+    def close(self) -> None: ...
 
 
 class ModelRunner:
     """Drives one or more consecutive model stages in this process (one plan in flight)."""
 
     max_in_flight = 1
+    row_sampling: RowSamplingFn | None = None  # every row's logits are returned: nothing to ask
 
     def __init__(self, stages: Sequence[LlamaStage], num_blocks: int, block_size: int, *,
                  cuda_graph_batch_sizes: Sequence[int] = ()):
@@ -144,12 +231,18 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to release: the caches go with this object."""
 
-    def cluster_info(self) -> dict[str, Any]:
-        """The ``GET /v1/cluster`` body: one process, no pipeline."""
-        return {"object": "cluster", "pipeline": False, "num_stages": len(self.stages), "max_in_flight": 1,
-                "kv_blocks": self.num_blocks,
-                "stages": [{"index": i, "layers": [s.start, s.end], "node_address": "local",
-                            "device": str(self.device)} for i, s in enumerate(self.stages)]}
+    def health(self) -> RunnerHealth:
+        """Always ok: nothing here can be lost but the process itself."""
+        return RunnerHealth()
+
+    def wait_ready(self, timeout: float) -> bool:
+        return True
+
+    def describe(self) -> RunnerInfo:
+        """One process, no pipeline."""
+        return RunnerInfo(self.num_blocks, self.max_in_flight,
+                          tuple(StageInfo(i, (s.start, s.end), device=str(self.device))
+                                for i, s in enumerate(self.stages)))
 
     def padded_decode(self, batch_sizes: Sequence[int], *, capture: bool) -> DecodeGraphs:
         """A :class:`DecodeGraphs` over this runner's stages and caches."""

@@ -26,10 +26,8 @@ dropped, so nothing sampled after the cancel reaches the caller. ``finish`` may 
 to them (after a stop string, or a consumer that walked away), so a conversation holds
 exactly what its caller saw.
 
-Conversations keep a *session*: a sequence that outlives its requests, with its
-blocks, so the next turn computes only the new tokens.
-
-This module imports no torch; it is driven by one thread (the engine's).
+Conversations (``conversations.py``) keep a sequence that outlives its requests, with
+its blocks. This module imports no torch; it is driven by one thread (the engine's).
 """
 
 from __future__ import annotations
@@ -43,7 +41,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from bargein.config import SchedulerConfig
+from bargein.engine.admission import check_length
 from bargein.engine.blocks import BlockPool, BlockTable, OutOfBlocks
+from bargein.engine.conversations import SchedulerConversations, Session
 from bargein.engine.outputs import RequestDelta, StepOutcome
 from bargein.engine.plan import ScheduledChunk, StepPlan
 from bargein.engine.request import (
@@ -66,35 +66,6 @@ def _take(pending: int, budget: int, prompt_room: float) -> int:
     return n if pending == 1 else int(min(n, max(prompt_room, 0)))
 
 
-class SessionBusy(Exception):
-    """A conversation was changed while a request is generating on it."""
-
-
-class UnknownSession(KeyError):
-    """No conversation with that id (never opened, or closed)."""
-
-    def __str__(self) -> str:
-        return f"no conversation {self.args[0]!r} (it was never opened, or is closed)"
-
-
-class TooLong(ValueError):
-    """A prompt or conversation that cannot fit the context."""
-
-
-@dataclass
-class Session:
-    """A conversation's sequence between requests. ``active`` is the request on it, if any.
-
-    ``last_request`` (id, prompt length) names the request that generated last, so a
-    consumer's late "I was handed n tokens" can still cut the sequence to them.
-    """
-
-    sequence: Sequence
-    active: Request | None = None
-    last_used: float = 0.0
-    last_request: tuple[str, int] | None = None
-
-
 @dataclass(frozen=True)
 class _Finish:
     """A finish waiting for the plan in flight to come back."""
@@ -108,7 +79,9 @@ class _Finish:
 Transition = tuple[str, RequestStatus, RequestEvent, RequestStatus]
 
 
-class Scheduler:
+class Scheduler(SchedulerConversations):
+    """See the module doc; its conversations' operations are in ``conversations``."""
+
     def __init__(self, config: SchedulerConfig, pool: BlockPool, max_model_len: int,
                  eos_token_ids: frozenset[int]):
         self.config = config
@@ -137,13 +110,8 @@ class Scheduler:
             self.on_transition((req.request_id, old, event, new))
 
     def check_length(self, num_tokens: int, what: str = "the prompt") -> None:
-        """Raises TooLong unless ``num_tokens`` leaves room for one generated token.
-
-        The one length check; pure, so any thread may call it.
-        """
-        if num_tokens >= self.max_model_len:
-            raise TooLong(f"{what} is {num_tokens} tokens, but the context holds {self.max_model_len} "
-                          f"(room is needed for at least one generated token)")
+        """``admission.check_length`` against this scheduler's context; any thread."""
+        check_length(num_tokens, self.max_model_len, what)
 
     def add(self, request: Request) -> None:
         """Queues a request whose id was claimed in ``ids``; raises ValueError if it can never fit."""
@@ -523,87 +491,6 @@ class Scheduler:
         del seq.token_ids[num_tokens:]
         seq.num_computed = min(seq.num_computed, num_tokens)
         self.pool.truncate(seq.block_table, num_tokens)
-
-    def _cut_idle_session(self, request_id: str, delivered: int) -> None:
-        for session in self.sessions.values():
-            if session.active is None and session.last_request and session.last_request[0] == request_id:
-                self._cut(session.sequence, session.last_request[1] + delivered)
-                return
-
-    # -- sessions (conversations) ----------------------------------------------------
-    def open_session(self, seq_id: str, token_ids: Iterable[int] = ()) -> Sequence:
-        if seq_id in self.sessions:
-            raise ValueError(f"session {seq_id!r} already exists")
-        seq = Sequence(seq_id, list(token_ids))
-        if seq.token_ids:
-            self.check_length(seq.num_tokens, "the conversation")
-        self.sessions[seq_id] = Session(seq, last_used=time.monotonic())
-        return seq
-
-    def session(self, seq_id: str) -> Session:
-        try:
-            return self.sessions[seq_id]
-        except KeyError:
-            raise UnknownSession(seq_id) from None
-
-    def idle_session(self, seq_id: str) -> Session:
-        session = self.session(seq_id)
-        if session.active is not None:
-            raise SessionBusy(f"conversation {seq_id!r} is generating (request {session.active.request_id!r})")
-        return session
-
-    def append_to_session(self, seq_id: str, token_ids: Iterable[int]) -> None:
-        """Appends prompt tokens to an idle session (computed with its next request)."""
-        seq = self.idle_session(seq_id).sequence
-        new = [int(t) for t in token_ids]
-        self.check_length(seq.num_tokens + len(new), "the conversation")
-        seq.token_ids.extend(new)
-
-    def start_session_request(self, request: Request, new_tokens: Iterable[int] = ()) -> None:
-        """Appends ``new_tokens`` to the request's (idle) session and queues the request,
-        which generates onto the session's sequence. Raises, changing nothing, if it can't."""
-        session = self.idle_session(request.sequence.seq_id)
-        seq = session.sequence
-        new = [int(t) for t in new_tokens]
-        if not seq.token_ids and not new:
-            raise ValueError("the conversation is empty: prompt it first")
-        self.check_length(seq.num_tokens + len(new), "the conversation")
-        seq.token_ids.extend(new)
-        request.sequence = seq
-        request.prompt_len = seq.num_tokens
-        self.add(request)
-        session.active = request
-
-    def fork_session(self, seq_id: str, new_id: str) -> Sequence:
-        """A new session with the same tokens, sharing every block (copy on write)."""
-        src = self.idle_session(seq_id).sequence
-        if new_id in self.sessions:
-            raise ValueError(f"session {new_id!r} already exists")
-        seq = Sequence(new_id, list(src.token_ids), src.num_computed, self.pool.fork(src.block_table))
-        self.sessions[new_id] = Session(seq, last_used=time.monotonic())
-        return seq
-
-    def truncate_session(self, seq_id: str, num_tokens: int) -> None:
-        """Keeps the first ``num_tokens`` tokens (and their K/V) of an idle session."""
-        seq = self.idle_session(seq_id).sequence
-        if not 0 <= num_tokens <= seq.num_tokens:
-            raise ValueError(f"cannot keep {num_tokens} of {seq.num_tokens} tokens")
-        self._cut(seq, num_tokens)
-
-    def close_session(self, seq_id: str) -> None:
-        """Ends the session's request (cancelled, reported in the step's outcome) and
-        releases its blocks (to the prefix cache). Unknown ids are ignored."""
-        session = self.sessions.get(seq_id)
-        if session is None:
-            return
-        if session.active is not None:
-            req = session.active
-            self._pending_finish.pop(req.request_id, None)
-            # Ended now even if its plan is in flight: update() skips requests it no longer knows.
-            self._finish(req, FinishReason.CANCELLED, cancel_reason=CancelReason.USER)
-        seq = session.sequence
-        self.pool.release(seq.block_table, seq.token_ids, seq.num_computed)
-        del self.sessions[seq_id]
 
     def live_block_tables(self) -> list[BlockTable]:
         """Every block table that holds references: for the C5 accounting check."""

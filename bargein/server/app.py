@@ -1,5 +1,6 @@
-"""``create_app(engine, settings)``: the FastAPI application around one AsyncEngine
-(or a ``ReplicaSet``: N engine replicas on Ray behind the same interface).
+"""``create_app(engine, settings)``: the FastAPI application around one
+:class:`~bargein.engine.client.EngineClient` (an AsyncEngine, or a ``ReplicaSet``: N engine
+replicas on Ray behind the same interface).
 
 Shutdown in two phases. On SIGINT/SIGTERM, ``request_shutdown`` (the signal handler's
 part) only sets the draining flag and schedules ``begin_shutdown`` on the event loop: a
@@ -25,7 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.routing import Match, Mount
 from starlette.types import Scope
 
-from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.client import EngineClient
 from bargein.engine.request import CancelReason
 from bargein.server import routes_generate, routes_ops, routes_requests, routes_responses
 from bargein.server.context import ServerContext
@@ -38,12 +39,10 @@ STATIC_DIR = Path(__file__).parent / "static"
 FORCE_FINISH_AT = 0.9  # of the shutdown timeout: when the server ends what the engine has not
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     ctx = ServerContext(engine, settings)
-    register_metrics = getattr(engine, "register_metrics", None)  # replicas: per-replica series
-    if register_metrics is not None:
-        register_metrics(ctx.metrics.registry)
+    engine.register_metrics(ctx.metrics.registry)  # replicas: per-replica series
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

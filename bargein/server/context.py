@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.client import EngineClient, EngineInfo
 from bargein.server.generation import JobRunner
 from bargein.server.metrics import ServerMetrics
 from bargein.server.openai_format import system_fingerprint
@@ -38,7 +38,7 @@ def bargein_version() -> str:
 
 @dataclass
 class ServerContext:
-    engine: AsyncEngine
+    engine: EngineClient
     settings: ServerSettings
     registry: RequestRegistry = field(default_factory=RequestRegistry)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
@@ -54,36 +54,36 @@ class ServerContext:
     pool: ThreadPoolExecutor = field(init=False)  # rendering and tokenizing, off the event loop
     prompts: PromptBuilder = field(init=False)
     fingerprint: str = field(init=False)
+    model: EngineInfo = field(init=False)  # the engine client's describe(), once
 
     def __post_init__(self) -> None:
         s = self.settings
-        core = self.engine.engine
+        core = self.model = self.engine.describe()
         self.jobs = JobRunner(self.engine, self.registry, self.metrics, max_queue=s.max_queue,
                               draining=lambda: self.draining)
         self.responses = ResponseStore(s.max_stored_responses)
         self.memory = PromptMemory(s.continuation_memory_entries, s.continuation_memory_tokens)
         self.pool = ThreadPoolExecutor(s.tokenizer_threads, thread_name_prefix="bargein-tokenize")
-        self.prompts = PromptBuilder(core.tokenizer, self.pool, self.memory, max_model_len=core.max_model_len,
-                                     eos_token_ids=frozenset(core.eos_token_ids),
-                                     token_bytes_bound=max_token_bytes(core.tokenizer))
-        precision = getattr(core.config, "precision", None) or core.config.dtype
-        self.fingerprint = system_fingerprint(bargein_version(), core.model_name, str(precision))
+        tokenizer = self.engine.tokenizer
+        self.prompts = PromptBuilder(tokenizer, self.pool, self.memory, max_model_len=core.max_model_len,
+                                     eos_token_ids=core.eos_token_ids, token_bytes_bound=max_token_bytes(tokenizer))
+        self.fingerprint = system_fingerprint(bargein_version(), core.model_name, core.precision)
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def model_name(self) -> str:
-        return self.engine.engine.model_name
+        return self.model.model_name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.model.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.engine.model_config.vocab_size
+        return self.model.vocab_size
 
     def head(self, request_id: str) -> dict[str, Any]:
         """The fields every response and chunk of a request starts with."""

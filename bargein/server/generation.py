@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.client import EngineClient
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput, TokenLogprob, Usage
 from bargein.engine.sampling import MAX_SEED, SamplingParams
 from bargein.engine.streams import RequestStream
@@ -57,7 +57,7 @@ class SlotOutputs:
     progress is kept and handed to the next ``get``.
     """
 
-    def __init__(self, engine: AsyncEngine, stream: RequestStream):
+    def __init__(self, engine: EngineClient, stream: RequestStream):
         self._engine = engine
         self.stream = stream
         self._reading: asyncio.Future[RequestOutput] | None = None
@@ -179,7 +179,7 @@ class JobRunner:
     requests, the metrics, the queue limit and a ``draining`` check (shutdown began).
     """
 
-    def __init__(self, engine: AsyncEngine, registry: RequestRegistry, metrics: ServerMetrics, *,
+    def __init__(self, engine: EngineClient, registry: RequestRegistry, metrics: ServerMetrics, *,
                  max_queue: int | None, draining: Callable[[], bool]):
         self.engine = engine
         self.registry = registry

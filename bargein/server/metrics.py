@@ -93,7 +93,7 @@ class SampleCursor:
 
     The engine keeps the recent samples in bounded deques plus running totals
     (``steps``, ``cancel_samples``); what arrived since the last scrape is the tail of the
-    deque of that length. ``take`` must run on the engine thread (``AsyncEngine.call``),
+    deque of that length. ``take`` must run on the engine thread (``EngineClient.call``),
     between steps, where the deques and totals agree.
     """
 
@@ -178,17 +178,16 @@ class ServerMetrics:
     async def scrape(self, engine: Any, live_requests: int) -> bytes:
         """Reads the engine's snapshot and new samples (between steps), then renders.
 
-        ``engine`` is the app's ``AsyncEngine``; when it is not alive, the last snapshot is
+        ``engine`` is the app's ``EngineClient``; when it is not alive, the last snapshot is
         rendered, so counters never go back.
         """
         if engine.is_alive:
             stats = await engine.stats()
-            counters = engine.engine.counters
+            counters = engine.counters
             samples = await engine.call(lambda: self.cursor.take(counters))
             self.observe_engine(stats, samples)
-            runner = getattr(engine.engine, "runner", None)
-            if getattr(runner, "pipe", None) is not None:  # a pipeline: its stages answer off the loop
-                self._cluster.info = await asyncio.to_thread(cluster_snapshot, engine.engine)
+            if engine.describe().pipeline_stages:  # a pipeline: its stages answer off the loop
+                self._cluster.info = await asyncio.to_thread(cluster_snapshot, engine)
         return self.render(live_requests)
 
 

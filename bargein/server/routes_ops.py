@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from typing import Any
 
@@ -28,7 +27,7 @@ async def health(ctx: Ctx) -> JSONResponse:
     alive = ctx.engine.is_alive and not ctx.draining
     if not alive:
         return JSONResponse({"status": "unavailable", "model": ctx.model_name}, status_code=503)
-    runner = ctx.engine.engine.runner_health()
+    runner = ctx.engine.health()
     body: dict[str, Any] = {"status": runner.state, "model": ctx.model_name}
     if runner.message:
         body["message"] = runner.message
@@ -47,16 +46,16 @@ async def cluster(ctx: Ctx) -> dict[str, Any]:
 
     Read off the event loop and off the engine thread (a pipeline asks its stages).
     """
-    return await asyncio.to_thread(cluster_snapshot, ctx.engine.engine)
+    return await asyncio.to_thread(cluster_snapshot, ctx.engine)
 
 
 
 @debug_router.get("/debug/kv")
 async def debug_kv(ctx: Ctx) -> dict[str, Any]:
     """The engine's KV block accounting, checked against every live block table (C5)."""
-    engine = ctx.engine.engine
+    engine = ctx.engine
     try:
-        await ctx.engine.call(engine.check_block_accounting)
+        await engine.check_block_accounting()
         ok, error = True, None
     except AssertionError as exc:
         ok, error = False, str(exc) or "block accounting is inconsistent"
@@ -66,7 +65,7 @@ async def debug_kv(ctx: Ctx) -> dict[str, Any]:
             "kv_blocks_used": stats.kv_blocks_used, "running": stats.running, "waiting": stats.waiting,
             "live_requests": len(ctx.registry), "engine_live_requests": len(engine.live_request_ids()),
             "block_size": stats.block_size,
-            "supports_partial_block_reuse": bool(getattr(engine, "supports_partial_block_reuse", False)),
+            "supports_partial_block_reuse": engine.describe().supports_partial_block_reuse,
             "continuation_memory": {"entries": len(ctx.memory), "tokens": ctx.memory.num_tokens}}
 
 
@@ -78,8 +77,8 @@ async def debug_steps(ctx: Ctx, after: int = 0) -> dict[str, Any]:
     client's on the same machine; ``kept`` is how many recent steps the engine holds,
     so a reader polling at least that often misses none.
     """
-    engine = ctx.engine.engine
-    records = await ctx.engine.call(functools.partial(engine.steps_after, after))
+    engine = ctx.engine
+    records = await engine.steps_after(after)
     return {"now": time.monotonic(), "steps_total": engine.counters.steps, "kept": STEP_HISTORY,
             "fields": ["index", "ended", "forward_s", "seqs", "tokens", "decodes"],
             "steps": [[r.index, r.ended, r.forward_s, r.seqs, r.tokens, r.decodes] for r in records]}

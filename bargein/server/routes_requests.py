@@ -44,7 +44,7 @@ async def cancel_many(body: CancelManyRequest, ctx: Ctx) -> dict[str, Any]:
         ids = ctx.registry.live_ids()
         results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER) for i in ids}
         # requests made through another surface of the same engine (a conversation): by engine id
-        others = [i for i in ctx.engine.engine.live_request_ids() if ctx.registry.owner(i) is None]
+        others = [i for i in ctx.engine.live_request_ids() if ctx.registry.owner(i) is None]
         results.update({i: ctx.engine.abort(i, CancelReason.USER) for i in others})
     elif body.ids is not None:
         results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER) for i in body.ids}
@@ -58,5 +58,5 @@ async def cancel_many(body: CancelManyRequest, ctx: Ctx) -> dict[str, Any]:
 
 @router.get("/v1/requests")
 async def list_requests(ctx: Ctx) -> dict[str, Any]:
-    infos = await ctx.engine.call(ctx.engine.engine.list_requests)
+    infos = await ctx.engine.requests()
     return {"object": "list", "data": [s.as_dict() for s in ctx.registry.summarize(infos)]}

@@ -182,7 +182,7 @@ async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResp
     start = len(prev.prompt_token_ids) if prev.answer_start is None else prev.answer_start
     tokens = prev.prompt_token_ids + prev.output_token_ids
     check_prompt_length(len(tokens), ctx.prompts.max_model_len, "previous_response_id")
-    grammars = ctx.engine.engine.grammars
+    grammars = ctx.engine.grammars
 
     def work() -> str:
         if constraint is not None:

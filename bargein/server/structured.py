@@ -76,7 +76,7 @@ async def compile_in_pool(ctx: Any, constraint: Constraint | None, param: str) -
     engine's token table, ~0.5 s), so submitting it never stalls the event loop."""
     if constraint is None:
         return
-    grammars = ctx.engine.engine.grammars
+    grammars = ctx.engine.grammars
     try:
         await ctx.prompts.run(lambda: grammars.compile(constraint))
     except UnsupportedGrammar as exc:

@@ -27,6 +27,7 @@ from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerC
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.request import FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
+from bargein.server.cluster import runner_body  # noqa: E402
 from tests.pipeline_plans import check_a_failing_plan_fails_alone  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
 
@@ -115,7 +116,7 @@ def test_each_transport_gives_the_single_engine_s_tokens(model: str, local: Engi
     pipe = build_engine(model, _config(stages=stages, transport=transport), progress=False)
     try:
         assert pipe.runner.transport.kind == kind
-        assert pipe.runner.cluster_info()["transport"] == kind
+        assert runner_body(pipe.runner.describe())["transport"] == kind
         assert pipe.runner.max_in_flight == stages
         assert _mixed_batch(pipe) == _mixed_batch(local)
         counters = pipe.runner.stage_counters()

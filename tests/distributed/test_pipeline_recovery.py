@@ -31,6 +31,7 @@ from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.request import FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.app import create_app, finish_shutdown  # noqa: E402
+from bargein.server.cluster import runner_body  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
 from tests.ray_cluster import MB, OBJECT_STORE_MB  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
@@ -217,7 +218,7 @@ def test_a_stage_whose_node_dies_mid_stream_is_recreated_and_every_stream_contin
         assert 0 < runner.recovery.recover_seconds[0] < 30
         assert pipe.counters.kv_losses == 1 and pipe.counters.recomputed_tokens > 0
         assert pipe.runner_health().state == "ok"
-        info = runner.cluster_info()
+        info = runner_body(runner.describe())
         assert info["recovery"]["recoveries"] == 1 and [s["restarts"] for s in info["stages"]] == [0, 1]
         assert all(s["state"] == "ok" for s in info["stages"])
         _check_idle_accounting(pipe)

@@ -126,7 +126,7 @@ def test_greedy_outputs_equal_the_single_engine_and_spread_over_replicas(replica
                for _, _, out in results)
     routed = [r["routed"] for r in replicas.router.snapshot()]
     assert all(n > 0 for n in routed), routed  # new prompts with no match go to the least loaded
-    replicas.check_block_accounting()
+    run(replicas.check_block_accounting())
 
 
 def test_continuation_after_a_cancel_lands_on_the_same_replica_token_exact(replicas, single):
@@ -157,7 +157,7 @@ def test_continuation_after_a_cancel_lands_on_the_same_replica_token_exact(repli
     assert tokens == list(single.generate([follow], GREEDY)[0].token_ids)
     # Everything before the new turn was cached, the partly filled last block included (C7).
     assert final.usage.cached_tokens == len(prompt) + 9
-    replicas.check_block_accounting()
+    run(replicas.check_block_accounting())
 
 
 def test_every_cancel_route_reaches_only_the_owning_replica(replicas):
@@ -195,7 +195,7 @@ def test_every_cancel_route_reaches_only_the_owning_replica(replicas):
         assert after[other] == before[other], route  # no broadcast: the other saw nothing
         if route != "deadline":  # a deadline is the replica's own timer: no abort call travels
             assert after[owner][0].get(route, 0) == before[owner][0].get(route, 0) + 1
-    replicas.check_block_accounting()
+    run(replicas.check_block_accounting())
 
 
 def test_a_cancel_that_beats_its_dispatch_drops_the_late_dispatch(replicas):
@@ -233,7 +233,7 @@ def test_a_failover_that_races_a_cancel_drops_its_dispatch(replicas):
     assert replicas.dropped_late == dropped + 1 and rid not in replicas.records.live
     assert {i: c.submitted for i, c in owner_counters(replicas).items()} == submitted  # nothing dispatched
     wait_for(lambda: not any(replicas._gather("live_request_ids").values()))
-    replicas.check_block_accounting()
+    run(replicas.check_block_accounting())
 
 
 def test_v1_requests_merges_replicas_and_v1_cluster_and_metrics_show_them(replicas):
@@ -269,7 +269,7 @@ def test_v1_requests_merges_replicas_and_v1_cluster_and_metrics_show_them(replic
     text = format_cluster(cluster)
     assert "2 replicas" in text and "REPLICA" in text
     assert 'bargein_replica_routed_total{replica="0"}' in metrics and 'bargein_replica_up{replica="1"} 1.0' in metrics
-    replicas.check_block_accounting()
+    run(replicas.check_block_accounting())
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
@@ -319,7 +319,7 @@ def test_constrained_output_through_the_server_equals_one_engine(replicas, singl
     prompt = [60, 61, 62, 63, 64]
     _, tokens, out = run(collect(replicas, prompt, call))
     assert tokens == list(single.generate([prompt], call)[0].token_ids) and out.token_ids == tuple(tokens)
-    replicas.check_block_accounting()
+    run(replicas.check_block_accounting())
 
 
 def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(replicas, single):
@@ -351,7 +351,7 @@ def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(rep
         await fork.rewind(len(last) + 2)
         forked = [o async for o in fork.generate(five)][-1]
         with pytest.raises(EngineError, match="the conversation is"):  # refused whole: nothing appended
-            replicas.submit([1] * (replicas.facts.max_model_len - 1), GREEDY, session_id=conv.id)
+            replicas.submit([1] * (replicas.facts.max_model_len - 1), GREEDY, conversation_id=conv.id)
         mirror = list(replicas.records.conversations[conv.id].tokens)
         tokens = await conv.tokens()
         await fork.close()
@@ -377,7 +377,7 @@ def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(rep
     assert list(forked.token_ids) == list(single.generate([rewound], five)[0].token_ids)
     assert tokens == mirror == history  # the head's mirror (for failover) is the replica's truth
     assert not replicas.records.conversations
-    replicas.check_block_accounting()
+    run(replicas.check_block_accounting())
 
 
 def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(replicas, single):
@@ -406,8 +406,8 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
 
     async def main():
         streams = [replicas.submit(p, q) for p, q in zip(prompts, params, strict=True)]
-        sessions = [replicas.open_session(c) for c in conversations]
-        streams += [replicas.submit((), q, session_id=s) for s, q in zip(sessions, conv_params, strict=True)]
+        sessions = [replicas.open_conversation(c) for c in conversations]
+        streams += [replicas.submit((), q, conversation_id=s) for s, q in zip(sessions, conv_params, strict=True)]
         victim = replicas.records.live[streams[0][0]].replica
         assert all(replicas.records.live[rid].replica == victim for rid, _ in streams)
         tokens = [[] for _ in streams]
@@ -470,7 +470,7 @@ def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(rep
     wait_for(lambda: replicas.router.is_up(victim), timeout=60)
     again = run(collect(replicas, PROMPTS[0], GREEDY))[1]
     assert again == list(single.generate([PROMPTS[0]], GREEDY)[0].token_ids)
-    replicas.check_block_accounting()
+    run(replicas.check_block_accounting())
 
 
 def expected_finish(engine: Engine, prompt, params) -> FinishReason:
@@ -499,7 +499,7 @@ def test_a_hung_replica_is_replaced_and_its_stream_finishes_with_the_same_tokens
     assert replicas.lost[victim] == lost_before[victim] + 1
     assert time.monotonic() - started < 30
     wait_for(lambda: replicas.router.is_up(victim), timeout=60)
-    replicas.check_block_accounting()
+    run(replicas.check_block_accounting())
 
 
 def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster):
@@ -512,7 +512,7 @@ def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster)
         async def main():
             rid, stream = group.submit([4, 4, 4, 4, 4], ENDLESS)
             conv = Conversation.open(group, [6, 6, 6, 6])
-            _, answer = group.submit((), ENDLESS, session_id=conv.id)
+            _, answer = group.submit((), ENDLESS, conversation_id=conv.id)
             tokens, out = [], await group.next_output(stream)
             tokens += out.new_token_ids
             answered = await group.next_output(answer)
@@ -532,6 +532,6 @@ def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster)
         assert "no replica is left" in out.error and "replica 0 was lost" in out.error
         assert out.token_ids == tuple(tokens) and len(tokens) < ENDLESS.max_tokens
         assert group.lost == [1] and not group.router.is_up(0)
-        assert not group.is_alive and group.engine.runner_health().state == "recovering"
+        assert not group.is_alive and group.health().state == "recovering"
     finally:
         group.close()

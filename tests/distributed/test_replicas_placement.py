@@ -34,6 +34,7 @@ from bargein.engine.request import CancelReason, FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.loader import load_config, resolve_model_ref  # noqa: E402
 from bargein.server.app import create_app  # noqa: E402
+from bargein.server.cluster import cluster_snapshot  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
 from tests.ray_cluster import MB, OBJECT_STORE_MB, add_nodes_with_and_without_the_file  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
@@ -116,7 +117,7 @@ def test_replicas_that_are_pipelines(ray_cluster, tmp_path, capsys):
         assert all(r["weights_from"] == "stages" for r in cluster["replicas"])
         text = format_cluster(cluster)
         assert "replica 0 stage 1: layers" in text and "replica 1 stage 0: layers" in text
-        group.check_block_accounting()
+        asyncio.run(group.check_block_accounting())
     finally:
         if group is not None:
             group.close()
@@ -153,8 +154,8 @@ def test_a_replica_on_a_node_without_the_model_file_gets_the_weights_from_the_he
         results = asyncio.run(main_())
         assert [tokens for _, tokens, _ in results] == expected
         assert all(r["routed"] > 0 for r in group.router.snapshot())  # both replicas answered
-        assert group.cluster_info()["weights_shipped_bytes"] == stored
-        group.check_block_accounting()
+        assert cluster_snapshot(group)["weights_shipped_bytes"] == stored
+        asyncio.run(group.check_block_accounting())
     finally:
         if group is not None:
             group.close()

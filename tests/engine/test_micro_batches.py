@@ -44,6 +44,17 @@ class HoldingRunner:
         plan = self.held.popleft()
         return StepResult(plan, self.inner.execute(plan))
 
+    row_sampling = None
+
+    def health(self) -> RunnerHealth:
+        return RunnerHealth()
+
+    def wait_ready(self, timeout: float) -> bool:
+        return True
+
+    def describe(self):
+        return self.inner.describe()
+
     def close(self) -> None:
         pass
 

@@ -33,11 +33,13 @@ from typing import Any
 import torch
 
 from bargein.distributed.router import Tombstones
+from bargein.engine.admission import Admitted
 from bargein.engine.blocks import KeyChanges
 from bargein.engine.engine import Engine, EngineError
+from bargein.engine.messages import ConversationMessage, OpenConversation
 from bargein.engine.outputs import RequestDelta, StepOutcome
 from bargein.engine.request import AbortResult, CancelReason, FinishReason
-from bargein.engine.sampling import SamplingParams
+from bargein.engine.runner import RunnerInfo
 from bargein.engine.stats import EngineStats, RequestInfo
 
 log = logging.getLogger("bargein.distributed")
@@ -57,7 +59,6 @@ class ModelFacts:
     eos_token_ids: frozenset[int]
     block_size: int
     num_blocks: int
-    supports_partial_block_reuse: bool
 
 
 @dataclass
@@ -100,7 +101,7 @@ class ReplicaInfo:
     evictions: int = 0  # cached KV blocks its pool evicted
     weights_from: str | None = None  # "file", "head" (shipped) or "stages" (a pipeline's, per stage)
     weights_received_bytes: int = 0
-    pipeline: dict[str, Any] | None = None  # a replica that is a pipeline: its stages (its /v1/cluster)
+    pipeline: RunnerInfo | None = None  # a replica that is a pipeline: its stages
 
 
 class ReplicaWorker:
@@ -184,33 +185,29 @@ class ReplicaWorker:
     async def describe(self) -> ModelFacts:
         e = self.engine
         return ModelFacts(e.model_name, e.tokenizer, e.model_config, e.config, e.max_model_len,
-                          frozenset(e.eos_token_ids), e.pool.block_size, e.pool.num_blocks,
-                          bool(getattr(e, "supports_partial_block_reuse", False)))
+                          frozenset(e.eos_token_ids), e.pool.block_size, e.pool.num_blocks)
 
-    async def submit(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                     timeout: float | None = None, output_offset: int = 0, *, session_id: str | None = None,
-                     constraint_from: int | None = None, open_tokens: Sequence[int] | None = None) -> None:
-        """Queues a request; a refusal or a cancel that came first ends it with a final delta.
+    async def submit(self, request_id: str, admitted: Admitted, *,
+                     open_tokens: Sequence[int] | None = None) -> None:
+        """Queues a request the head admitted; a refusal or a cancel that came first ends
+        it with a final delta.
 
-        ``open_tokens``: first open conversation ``session_id`` here with these tokens (a
+        ``open_tokens``: first open the request's conversation here with these tokens (a
         conversation moving with its answer after a loss), in the engine's ordered inbox
-        before the request (separate actor calls are not ordered on an async actor).
-
-        ``constraint_from``: where in the prompt a constrained answer began (a resumed or
-        continued one: the tokens since are replayed into the grammar matcher)."""
-        if open_tokens is not None and session_id is not None:
-            self.engine.call_soon(functools.partial(self.engine.open_session, list(open_tokens), session_id))
+        before the request (separate actor calls are not ordered on an async actor)."""
+        conversation_id = admitted.conversation_id
+        if open_tokens is not None and conversation_id is not None:
+            self.engine.call_soon(functools.partial(
+                self.engine.conversation, OpenConversation(conversation_id, tuple(open_tokens))))
         if request_id in self._tombstones:
             self._tombstones.discard(request_id)
             self.counters.dropped_late += 1
             self._push_final(request_id, FinishReason.CANCELLED, CancelReason.USER)
             return
         self.counters.submitted += 1
-        self.counters.resumed += output_offset > 0
+        self.counters.resumed += admitted.output_offset > 0
         try:
-            self.engine.add_request(list(prompt), params, request_id=request_id, timeout=timeout,
-                                    output_offset=output_offset, session_id=session_id,
-                                    constraint_from=constraint_from)
+            self.engine.add_admitted(admitted, request_id=request_id)
         except (EngineError, ValueError) as exc:
             self.counters.rejected += 1
             self._push_final(request_id, FinishReason.ERROR, None, str(exc))
@@ -259,24 +256,9 @@ class ReplicaWorker:
     async def list_requests(self) -> list[RequestInfo]:
         return await self._in_engine(self.engine.list_requests)
 
-    # -- conversation handles (engine sessions), in the engine's ordered inbox ---------------
-    async def open_session(self, token_ids: Sequence[int], session_id: str) -> None:
-        await self._in_engine(functools.partial(self.engine.open_session, list(token_ids), session_id))
-
-    async def append_session(self, session_id: str, token_ids: Sequence[int]) -> None:
-        await self._in_engine(functools.partial(self.engine.append_session_tokens, session_id, list(token_ids)))
-
-    async def session_tokens(self, session_id: str) -> list[int]:
-        return await self._in_engine(functools.partial(self.engine.session_tokens, session_id))
-
-    async def fork_session(self, session_id: str) -> str:
-        return await self._in_engine(functools.partial(self.engine.fork_session, session_id))
-
-    async def truncate_session(self, session_id: str, num_tokens: int) -> None:
-        await self._in_engine(functools.partial(self.engine.truncate_session, session_id, num_tokens))
-
-    async def close_session(self, session_id: str) -> None:
-        await self._in_engine(functools.partial(self.engine.close_session, session_id))
+    async def conversation(self, message: ConversationMessage) -> Any:
+        """A conversation message, applied in the engine's ordered inbox; returns its answer."""
+        return await self._in_engine(functools.partial(self.engine.conversation, message))
 
     async def registered_keys(self) -> set[bytes]:
         """The prefix cache's full-block keys now (to check the router's index against)."""
@@ -297,11 +279,10 @@ class ReplicaWorker:
         import ray
 
         stats = await self.stats()
-        runner_info = getattr(self.engine.runner, "cluster_info", None)
-        pipeline = await asyncio.to_thread(runner_info) if runner_info is not None else None
+        runner = await asyncio.to_thread(self.engine.runner.describe)  # a pipeline asks its stages
         return ReplicaInfo(self.index, ray.get_runtime_context().get_node_id(), os.getpid(), self.started, stats,
                            self.counters, evictions=self.engine.pool.evictions,
-                           pipeline=pipeline if pipeline and pipeline.get("pipeline") else None,
+                           pipeline=runner if runner.pipeline is not None else None,
                            weights_from=None if self.weights_origin is None else self.weights_origin.source,
                            weights_received_bytes=0 if self.weights_origin is None
                            else self.weights_origin.received_bytes)

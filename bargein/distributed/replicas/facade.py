@@ -1,8 +1,8 @@
-"""ReplicaSet: N engine replicas on a Ray cluster behind the AsyncEngine interface.
+"""ReplicaSet: N engine replicas on a Ray cluster behind the EngineClient interface.
 
-The server takes it in place of its local :class:`~bargein.engine.async_engine.AsyncEngine`
-(``submit``, ``next_output``, ``abort``, ``abort_all``, ``stats``, ``call``, ``shutdown``),
-so every route, the job runner and the prompt memory work unchanged.
+It implements :class:`~bargein.engine.client.EngineClient`, as the local
+:class:`~bargein.engine.async_engine.AsyncEngine` does, so the server, ``Conversation`` and
+the CLI use it unchanged.
 
 The facade routes and dispatches; the rest is a file each: the head's records
 (:mod:`.records`, one lock), the poller threads that bring deltas in and find lost or hung
@@ -28,18 +28,24 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from bargein.distributed.replicas.actor import ModelFacts, ReplicaBatch, ReplicaInfo, kill
+from bargein.distributed.replicas.conversations import ReplicaConversations
 from bargein.distributed.replicas.failover import End, as_sent, decide, translate
-from bargein.distributed.replicas.head_view import HeadView
 from bargein.distributed.replicas.options import ReplicaOptions
 from bargein.distributed.replicas.poller import Poller, PollerHooks
 from bargein.distributed.replicas.records import DONE, ConversationRecord, LiveRequest, RecordStore
 from bargein.distributed.router import Route, Router, Tombstones
+from bargein.engine.admission import Admitted, EngineError, admit, check_length
 from bargein.engine.async_engine import EngineDeadError, stream_outputs
-from bargein.engine.engine import EngineError
+from bargein.engine.client import EngineInfo, ReplicaSetInfo
+from bargein.engine.grammar import Grammars
+from bargein.engine.messages import (
+    RewindConversation,
+)
 from bargein.engine.outputs import OutputProcessor, RequestDelta, end_found_by_consumer
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput
+from bargein.engine.runner import RunnerHealth
 from bargein.engine.sampling import SamplingParams
-from bargein.engine.stats import EngineStats, RequestInfo, merge_stats
+from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord, merge_stats
 from bargein.engine.streams import RequestStream
 
 try:
@@ -54,7 +60,7 @@ log = logging.getLogger("bargein.distributed")
 T = TypeVar("T")
 
 
-class ReplicaSet:
+class ReplicaSet(ReplicaConversations):
     """N replicas behind one AsyncEngine-like facade (see the module doc)."""
 
     def __init__(self, actors: list[Any], facts: ModelFacts, options: ReplicaOptions,
@@ -62,7 +68,10 @@ class ReplicaSet:
         self.actors = actors
         self.options = options
         self.facts = facts
-        self.engine = HeadView(self, facts)
+        self.counters = EngineCounters()  # filled from the replicas' batches (for /metrics)
+        # Constraints are compiled and checked here (a 400 before any replica sees them);
+        # each replica compiles its own for the matcher that runs with the request.
+        self.grammars = Grammars(facts.tokenizer, facts.model_config.vocab_size, facts.eos_token_ids)
         self.router = Router(len(actors), facts.block_size, options.routing, options.max_imbalance)
         self.tombstones = Tombstones()
         self.records = RecordStore()
@@ -83,10 +92,15 @@ class ReplicaSet:
                         for i, (actor, started_at) in enumerate(zip(actors, started or [0.0] * len(actors),
                                                                     strict=True))]
 
-    # -- the AsyncEngine interface ------------------------------------------------------
+    # -- the EngineClient interface ------------------------------------------------------
     @property
     def tokenizer(self) -> Any:
         return self.facts.tokenizer
+
+    def describe(self) -> EngineInfo:
+        f = self.facts
+        return EngineInfo(f.model_name, f.max_model_len, f.model_config.vocab_size, f.eos_token_ids, f.block_size,
+                          f.num_blocks, f.config.precision, pipeline_stages=0, replicas=len(self.actors))
 
     @property
     def model_name(self) -> str:
@@ -106,19 +120,20 @@ class ReplicaSet:
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                request_id: str | None = None, timeout: float | None = None,
-               session_id: str | None = None, constraint_from: int | None = None) -> tuple[str, RequestStream]:
+               conversation_id: str | None = None, constraint_from: int | None = None) -> tuple[str, RequestStream]:
         """Routes and dispatches a request; returns its id and stream (call from a running loop).
 
-        The checks a replica would make on arrival are made here first (EngineError), so
-        a bad request is refused before any replica sees it.
+        Admitted here (``admit``: EngineError), so a bad request is refused before any
+        replica sees it; the replica queues the admitted request as it is.
         """
         if self._stopping.is_set():
             raise EngineDeadError("the engine is shutting down")
-        params = params or SamplingParams()
-        tokens = self._check(prompt, params, timeout, session=session_id is not None)
-        if constraint_from is not None and (params.constraint is None or constraint_from < 0):
-            raise EngineError("constraint_from needs a constraint and a token index >= 0")
-        request_id = request_id or self.engine.new_request_id()
+        f = self.facts
+        admitted = admit(prompt, params, tokenizer=f.tokenizer, grammars=self.grammars,
+                         vocab_size=f.model_config.vocab_size, max_model_len=f.max_model_len, timeout=timeout,
+                         conversation_id=conversation_id, constraint_from=constraint_from)
+        params, tokens, session_id = admitted.params, list(admitted.token_ids), conversation_id
+        request_id = request_id or self.new_request_id()
         stream = RequestStream(request_id, asyncio.get_running_loop(),
                                OutputProcessor(request_id, params, self.facts.tokenizer))
         with self.records.lock:
@@ -131,10 +146,7 @@ class ReplicaSet:
                 length = len(session.tokens) + len(tokens)
                 if not session.tokens and not tokens:
                     raise EngineError("the conversation is empty: prompt it first")
-                if length >= self.facts.max_model_len:  # checked here so the head's copy never runs ahead
-                    raise EngineError(f"the conversation is {length} tokens, but the context holds "
-                                      f"{self.facts.max_model_len} (room is needed for at least one "
-                                      f"generated token)")
+                check_length(length, f.max_model_len, "the conversation")  # the head's copy never runs ahead
                 route = self.router.assign(session.replica, len(session.tokens) + len(tokens))
             else:
                 route = self.router.choose(tokens, reserve_tokens=params.max_tokens or 0)
@@ -151,34 +163,13 @@ class ReplicaSet:
                 session.tokens += tokens
                 rec.conversation_base = len(session.tokens)
             self.records.live[request_id] = rec
-        self.actors[route.replica].submit.remote(request_id, tokens, params, timeout, 0, session_id=session_id,
-                                                 constraint_from=constraint_from, open_tokens=open_tokens)
+        self.actors[route.replica].submit.remote(request_id, admitted, open_tokens=open_tokens)
         return request_id, stream
-
-    def _check(self, prompt: str | Sequence[int], params: SamplingParams, timeout: float | None, *,
-               session: bool = False) -> list[int]:
-        facts = self.facts
-        params.validate_for_vocab(facts.model_config.vocab_size)
-        if params.constraint is not None:
-            self.engine.grammars.compile(params.constraint)  # UnsupportedGrammar, as one engine raises it
-        tokens = facts.tokenizer.encode(prompt, add_special_tokens=not session) if isinstance(prompt, str) \
-            else [int(t) for t in prompt]
-        if not tokens and not session:
-            raise EngineError("the prompt is empty")
-        bad = [t for t in tokens if not 0 <= t < facts.model_config.vocab_size]
-        if bad:
-            raise EngineError(f"token id {bad[0]} is outside the vocabulary (0..{facts.model_config.vocab_size - 1})")
-        if len(tokens) >= facts.max_model_len:
-            raise EngineError(f"the prompt is {len(tokens)} tokens, but the context holds {facts.max_model_len} "
-                              f"(room is needed for at least one generated token)")
-        if timeout is not None and not timeout > 0:
-            raise EngineError("timeout must be a positive number of seconds")
-        return tokens
 
     async def next_output(self, stream: RequestStream) -> RequestOutput:
         processor = stream.processor
         while True:
-            out = end_found_by_consumer(self.engine, processor.process(await stream.next_delta()))
+            out = end_found_by_consumer(self, processor.process(await stream.next_delta()))
             if out is not None:
                 return out
 
@@ -193,58 +184,6 @@ class ReplicaSet:
         request_id, stream = self.submit(prompt, params, request_id=request_id, timeout=timeout)
         async for out in self.stream(request_id, stream, exit_reason=exit_reason):
             yield out
-
-    # -- conversation handles (engine sessions) -------------------------------------------
-    # A conversation lives on one replica, which holds its K/V; every turn goes there. The
-    # head mirrors its tokens (prompts appended, answers as delivered, forks, rewinds) so
-    # that a lost replica's conversations are opened again on another one.
-    def open_session(self, token_ids: Sequence[int] = ()) -> str:
-        """Opens a conversation on the replica with the best prefix match (else the least
-        loaded); returns its id at once (the replica opens it with the first call there)."""
-        tokens = [int(t) for t in token_ids]
-        session_id = self.engine.new_request_id().replace("req-", "conv-")
-        with self.records.lock:
-            route = self.router.choose(tokens, count=False)
-            if route is None:
-                raise EngineDeadError("no replica is up")
-            self.records.conversations[session_id] = ConversationRecord(route.replica, tokens)
-        return session_id
-
-    async def _on_session(self, session_id: str, method: str, *args: Any) -> Any:
-        with self.records.lock:
-            session = self.records.conversation(session_id)
-            actor, opening = self.actors[session.replica], session.unopened
-            tokens, session.unopened = list(session.tokens), False
-        if opening:
-            await actor.open_session.remote(tokens, session_id)
-        return await getattr(actor, method).remote(session_id, *args)
-
-    async def append_session(self, session_id: str, token_ids: Sequence[int]) -> None:
-        tokens = [int(t) for t in token_ids]
-        await self._on_session(session_id, "append_session", tokens)
-        self.records.conversation(session_id).tokens += tokens
-
-    async def session_tokens(self, session_id: str) -> list[int]:
-        """The tokens as the replica holds them (the head's mirror is for failover only)."""
-        return await self._on_session(session_id, "session_tokens")
-
-    async def fork_session(self, session_id: str) -> str:
-        """A new conversation on the same replica, sharing the K/V blocks (copy on write)."""
-        new_id = await self._on_session(session_id, "fork_session")
-        with self.records.lock:
-            parent = self.records.conversation(session_id)
-            self.records.conversations[new_id] = ConversationRecord(parent.replica, list(parent.tokens), unopened=False)
-        return new_id
-
-    async def truncate_session(self, session_id: str, num_tokens: int) -> None:
-        await self._on_session(session_id, "truncate_session", num_tokens)
-        del self.records.conversation(session_id).tokens[num_tokens:]
-
-    async def close_session(self, session_id: str) -> None:
-        session = self.records.conversations.get(session_id)
-        if session is not None and session.replica >= 0 and not session.unopened:
-            await self._on_session(session_id, "close_session")
-        self.records.conversations.pop(session_id, None)
 
     def abort(self, request_id: str, reason: CancelReason = CancelReason.USER, *,
               delivered: int | None = None) -> AbortResult:
@@ -374,19 +313,40 @@ class ReplicaSet:
                  for part in self._gather("list_requests").values() for info in part]
         return sorted(infos, key=lambda info: -info.age_s)
 
-    def check_block_accounting(self) -> None:
+    async def requests(self) -> list[RequestInfo]:
+        return await asyncio.to_thread(self.list_requests)
+
+    def live_request_ids(self) -> list[str]:
+        return list(self.records.live)
+
+    def health(self) -> RunnerHealth:
+        """ok while every replica is up; "recovering" (requests still run on the others)
+        while some are being restarted. None up: the set is not alive, which ``/health``
+        reports as unavailable before asking this."""
+        down = [i for i in range(len(self.actors)) if not self.router.is_up(i)]
+        if not down:
+            return RunnerHealth()
+        return RunnerHealth("recovering", f"replica {', '.join(map(str, down))} lost, being restarted")
+
+    async def check_block_accounting(self) -> None:
+        """Contract C5 on every replica that is up (AssertionError names what is wrong)."""
         for i in self._up():
-            ray.get(self.actors[i].check_block_accounting.remote(), timeout=self.options.call_timeout_s)
+            await asyncio.wait_for(self.actors[i].check_block_accounting.remote(), self.options.call_timeout_s)
+
+    async def steps_after(self, index: int) -> list[StepRecord]:
+        """The head runs no steps: each replica keeps its own."""
+        return []
 
     def replica_infos(self) -> dict[int, ReplicaInfo]:
         infos = self._gather("info")
         self.replica_stats.update({i: info.stats for i, info in infos.items()})
         return infos
 
-    def cluster_info(self) -> dict[str, Any]:
-        from bargein.distributed.replicas.cluster import cluster_info
+    def cluster(self) -> ReplicaSetInfo:
+        """Each replica's routing, load, cache and losses (asks every replica: off the loop)."""
+        from bargein.distributed.replicas.cluster import describe
 
-        return cluster_info(self)
+        return describe(self)
 
     def register_metrics(self, registry: Any) -> None:
         """Adds per-replica series (``replica`` label) to the server's Prometheus registry."""
@@ -395,7 +355,7 @@ class ReplicaSet:
         registry.register(ReplicaCollector(self))
 
     def _deliver(self, index: int, batch: ReplicaBatch) -> None:
-        counters = self.engine.counters
+        counters = self.counters
         self.router.update_memory(index, batch.available_blocks)
         self.router.apply(index, batch.cache)  # before the deltas: a finished request's blocks are known
         with self.records.lock:
@@ -425,7 +385,7 @@ class ReplicaSet:
         so the conversation is idle there, and before any later turn's submit)."""
         session = self.records.conversations.get(session_id) if session_id is not None else None
         if short and session is not None and session.replica == replica:
-            self.actors[replica].truncate_session.remote(session_id, length)
+            self.actors[replica].conversation.remote(RewindConversation(session_id, length))
 
     # -- faults ------------------------------------------------------------------------
     def _lose(self, index: int, why: str) -> None:
@@ -476,8 +436,8 @@ class ReplicaSet:
                  choice.output_offset)
         actor = self.actors[route.replica]
         if rec.conversation is None:
-            actor.submit.remote(rec.request_id, choice.tokens, choice.params, choice.timeout, choice.output_offset,
-                                constraint_from=choice.constraint_from)
+            actor.submit.remote(rec.request_id, Admitted(tuple(choice.tokens), choice.params, choice.timeout,
+                                                         None, choice.constraint_from, choice.output_offset))
             return
         # The conversation moves with its answer: opened there holding the answer so far
         # (by the submit itself: two actor calls are not ordered), the answer goes on as a
@@ -486,8 +446,8 @@ class ReplicaSet:
         conversation.replica, conversation.unopened = route.replica, False
         log.info("conversation %s moves to replica %d with its answer (%d tokens)", rec.conversation,
                  route.replica, len(choice.tokens))
-        actor.submit.remote(rec.request_id, [], choice.params, choice.timeout, choice.output_offset,
-                            session_id=rec.conversation, constraint_from=choice.constraint_from,
+        actor.submit.remote(rec.request_id, Admitted((), choice.params, choice.timeout, rec.conversation,
+                                                     choice.constraint_from, choice.output_offset),
                             open_tokens=choice.tokens)
 
     def _back(self, index: int) -> None:

@@ -1,0 +1,57 @@
+"""Loading a model into this process: ``Engine.from_pretrained``'s work.
+
+Each tensor goes to the device as it is read (no whole-model copy in host memory); on the
+CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks. A pipeline of stages on Ray is
+built by :func:`bargein.build.build_engine`, a layer above the engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from bargein.config import EngineConfig
+from bargein.engine.admission import EngineError
+from bargein.engine.device import (
+    build_model,
+    one_torch_thread,
+    release_free_heap,
+    resolve_device,
+    resolve_dtype,
+)
+
+if TYPE_CHECKING:
+    from bargein.engine.engine import Engine
+
+
+def load_in_process(engine_class: type[Engine], ref: str | None, config: EngineConfig | None, *,
+                    progress: bool = True) -> Any:
+    """An ``engine_class`` over the model at ``ref`` (None: the bundled SmolLM2), run here."""
+    from bargein.loader import (
+        close_model_files,
+        load_config,
+        load_tokenizer,
+        load_weights,
+        resolve_model_ref,
+    )
+
+    config = config or EngineConfig()
+    if config.pipeline is not None:
+        raise EngineError("a pipeline of stages is built by bargein.build_engine(ref, config), "
+                          "not Engine.from_pretrained")
+    source = resolve_model_ref(ref)
+    model_config = load_config(source)
+    device = resolve_device(config.device)
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    if config.cache.counted_blocks is not None:  # no sequence outgrows the pool: no position past it
+        max_len = min(max_len, config.cache.counted_blocks * config.cache.block_size)
+    with one_torch_thread():
+        # Each tensor goes to the device as it is read: no whole-model copy in host memory.
+        # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model
+        # dequantizes them where nothing reads blocks).
+        weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
+                               progress=progress, blocks=device.type == "cpu")
+        model = build_model(model_config, weights, config, max_positions=max_len)
+        tokenizer = load_tokenizer(source)
+        close_model_files()
+        release_free_heap()  # what parsing the file and building the tokenizer left behind
+        return engine_class(model, tokenizer, config, model_name=source.name)

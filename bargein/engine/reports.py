@@ -1,0 +1,70 @@
+"""What an engine reports about itself, read on its thread: a stats snapshot, its recent
+steps, and its queued and running requests (``GET /v1/requests``)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from bargein.engine.blocks import BlockPool
+from bargein.engine.request import RequestStatus
+from bargein.engine.scheduler import Scheduler
+from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord
+
+
+def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters) -> EngineStats:
+    return EngineStats(
+        kv_blocks_total=pool.num_blocks,
+        kv_blocks_free=pool.num_free,
+        kv_blocks_cached=pool.num_cached,
+        kv_blocks_used=pool.num_referenced,
+        block_size=pool.block_size,
+        running=len(scheduler.running),
+        waiting=len(scheduler.waiting),
+        conversations=len(scheduler.sessions),
+        steps=counters.steps,
+        prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
+        prefix_cache_hit_blocks=pool.prefix_hit_blocks,
+        prefix_cache_query_blocks=pool.prefix_query_blocks,
+        computed_tokens=scheduler.num_computed_tokens,
+        generated_tokens=counters.generated_tokens,
+        preemptions=scheduler.num_preemptions,
+        finished=dict(counters.finished),
+        cancelled=dict(counters.cancelled),
+    )
+
+
+def steps_after(counters: EngineCounters, index: int) -> list[StepRecord]:
+    """The recent steps whose index is above ``index``, oldest first.
+
+    At most ``STEP_HISTORY`` are kept: a reader that polls less often loses the oldest (it
+    can tell from the first index it gets).
+    """
+    recent = counters.recent_steps
+    if not recent:
+        return []
+    # By the records' own indexes: between a step's forward and its record (the inbox is
+    # drained there), ``counters.steps`` is one ahead of the last record.
+    skip = max(0, len(recent) - (recent[-1].index - index))
+    return list(itertools.islice(recent, skip, None))
+
+
+def request_infos(scheduler: Scheduler) -> list[RequestInfo]:
+    """Queued and running requests, oldest first. ``session_id`` is the wire name of the
+    conversation a request generates onto."""
+    now = time.monotonic()
+    names = {RequestStatus.WAITING: "queued", RequestStatus.RUNNING: "running",
+             RequestStatus.PREEMPTED: "preempted"}
+    infos = []
+    for req in sorted(scheduler.requests.values(), key=lambda r: r.arrival_time):
+        infos.append(RequestInfo(
+            request_id=req.request_id,
+            status=names.get(req.status, req.status.name.lower()),
+            prompt_tokens=req.prompt_len,
+            prompt_computed=min(req.sequence.num_computed, req.prompt_len),
+            completion_tokens=req.num_output_tokens,
+            age_s=now - req.arrival_time,
+            deadline_s=None if req.deadline is None else max(0.0, req.deadline - now),
+            session_id=None if req.owns_sequence else req.sequence.seq_id,
+        ))
+    return infos
