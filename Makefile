@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test lint layers bench clean
 
 $(VENV)/.stamp-runtime: pyproject.toml scripts/bootstrap.sh
 	scripts/bootstrap.sh
@@ -18,10 +18,15 @@ serve: $(VENV)/.stamp-runtime
 	$(VENV)/bin/bargein serve $(ARGS)
 
 test: $(VENV)/.stamp-test
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q $(ARGS)
 
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check bargein tests bench
+
+# The import layers of pyproject.toml's [tool.importlinter] (also the first step of `make test`).
+layers: $(VENV)/.stamp-test
+	$(VENV)/bin/lint-imports
 
 bench: $(VENV)/.stamp-runtime
 	$(VENV)/bin/bargein bench
