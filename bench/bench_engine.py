@@ -230,9 +230,9 @@ def bench_continue(engine: Engine, cold: Engine, prompt_tokens: int, cancel_afte
     """Prompt a conversation, cancel it (after ``cancel_after`` tokens, or None: mid-prefill), continue it."""
     salt = "decode" if cancel_after is not None else "prefill"
     prompt = _long_prompt(engine, prompt_tokens, salt)
-    sid = engine.open_session()
+    sid = engine.open_conversation()
     warm, cool = OutputCollector(engine), OutputCollector(cold)
-    rid = warm.add_request(prompt, _greedy(4 * (cancel_after or 1) + 64), session_id=sid)
+    rid = warm.add_request(prompt, _greedy(4 * (cancel_after or 1) + 64), conversation_id=sid)
     delivered = 0
     if cancel_after is None:
         warm.step()  # the first prompt chunk is computed, the rest is still pending
@@ -241,13 +241,13 @@ def bench_continue(engine: Engine, cold: Engine, prompt_tokens: int, cancel_afte
             delivered += sum(len(o.new_token_ids) for o in warm.step() if o.request_id == rid)
     engine.abort(rid)
     cancelled = _run_to_end(warm, rid)
-    conv_tokens = engine.session_tokens(sid)
+    conv_tokens = engine.conversation_tokens(sid)
     follow = engine.tokenizer.encode("\nUser: Go on, and summarise the vote.\nAssistant:", add_special_tokens=False)
 
     before = engine.stats().computed_tokens
-    seconds, out = timed(lambda: _run_to_end(warm, warm.add_request(follow, _greedy(1), session_id=sid)))
+    seconds, out = timed(lambda: _run_to_end(warm, warm.add_request(follow, _greedy(1), conversation_id=sid)))
     computed = engine.stats().computed_tokens - before
-    engine.close_session(sid)
+    engine.close_conversation(sid)
 
     full = conv_tokens + follow
     cold_before = cold.stats().computed_tokens

@@ -176,7 +176,7 @@ class AsyncEngine:
                                OutputProcessor(request_id, params, self.engine.tokenizer))
         # add_request claims (and checks) the id, then registers the stream, then queues
         # the request: no other live request has the id, and no delta precedes the stream.
-        self.engine.add_request(prompt, params, request_id=request_id, timeout=timeout, session_id=conversation_id,
+        self.engine.add_request(prompt, params, request_id=request_id, timeout=timeout, conversation_id=conversation_id,
                                 on_claimed=lambda rid: self._streams.__setitem__(rid, stream),
                                 constraint_from=constraint_from)
         return request_id, stream

@@ -38,11 +38,11 @@ if TYPE_CHECKING:
     from bargein.engine.scheduler import Scheduler
 
 
-class SessionBusy(Exception):
+class ConversationGenerating(Exception):
     """A conversation was changed while a request is generating on it."""
 
 
-class UnknownSession(KeyError):
+class UnknownConversation(KeyError):
     """No conversation with that id (never opened, or closed)."""
 
     def __str__(self) -> str:
@@ -50,7 +50,7 @@ class UnknownSession(KeyError):
 
 
 @dataclass
-class Session:
+class HeldConversation:
     """A conversation's sequence between requests. ``active`` is the request on it, if any.
 
     ``last_request`` (id, prompt length) names the request that generated last, so a
@@ -66,49 +66,49 @@ class Session:
 class SchedulerConversations:
     """The scheduler's conversation operations (mixed into :class:`Scheduler`)."""
 
-    sessions: dict[str, Session]
+    conversations: dict[str, HeldConversation]
     pool: BlockPool
 
-    def _cut_idle_session(self, request_id: str, delivered: int) -> None:
-        for session in self.sessions.values():
-            if session.active is None and session.last_request and session.last_request[0] == request_id:
-                self._cut(session.sequence, session.last_request[1] + delivered)
+    def _cut_idle_conversation(self, request_id: str, delivered: int) -> None:
+        for conversation in self.conversations.values():
+            if conversation.active is None and conversation.last_request and conversation.last_request[0] == request_id:
+                self._cut(conversation.sequence, conversation.last_request[1] + delivered)
                 return
 
-    # -- sessions (conversations) ----------------------------------------------------
-    def open_session(self, seq_id: str, token_ids: Iterable[int] = ()) -> Sequence:
-        if seq_id in self.sessions:
-            raise ValueError(f"session {seq_id!r} already exists")
+    # -- conversations ----------------------------------------------------
+    def open_conversation(self, seq_id: str, token_ids: Iterable[int] = ()) -> Sequence:
+        if seq_id in self.conversations:
+            raise ValueError(f"conversation {seq_id!r} already exists")
         seq = Sequence(seq_id, list(token_ids))
         if seq.token_ids:
             self.check_length(seq.num_tokens, "the conversation")
-        self.sessions[seq_id] = Session(seq, last_used=time.monotonic())
+        self.conversations[seq_id] = HeldConversation(seq, last_used=time.monotonic())
         return seq
 
-    def session(self, seq_id: str) -> Session:
+    def conversation(self, seq_id: str) -> HeldConversation:
         try:
-            return self.sessions[seq_id]
+            return self.conversations[seq_id]
         except KeyError:
-            raise UnknownSession(seq_id) from None
+            raise UnknownConversation(seq_id) from None
 
-    def idle_session(self, seq_id: str) -> Session:
-        session = self.session(seq_id)
-        if session.active is not None:
-            raise SessionBusy(f"conversation {seq_id!r} is generating (request {session.active.request_id!r})")
-        return session
+    def idle_conversation(self, seq_id: str) -> HeldConversation:
+        conversation = self.conversation(seq_id)
+        if conversation.active is not None:
+            raise ConversationGenerating(f"conversation {seq_id!r} is generating (request {conversation.active.request_id!r})")
+        return conversation
 
-    def append_to_session(self, seq_id: str, token_ids: Iterable[int]) -> None:
-        """Appends prompt tokens to an idle session (computed with its next request)."""
-        seq = self.idle_session(seq_id).sequence
+    def append_to_conversation(self, seq_id: str, token_ids: Iterable[int]) -> None:
+        """Appends prompt tokens to an idle conversation (computed with its next request)."""
+        seq = self.idle_conversation(seq_id).sequence
         new = [int(t) for t in token_ids]
         self.check_length(seq.num_tokens + len(new), "the conversation")
         seq.token_ids.extend(new)
 
-    def start_session_request(self, request: Request, new_tokens: Iterable[int] = ()) -> None:
-        """Appends ``new_tokens`` to the request's (idle) session and queues the request,
-        which generates onto the session's sequence. Raises, changing nothing, if it can't."""
-        session = self.idle_session(request.sequence.seq_id)
-        seq = session.sequence
+    def start_conversation_request(self, request: Request, new_tokens: Iterable[int] = ()) -> None:
+        """Appends ``new_tokens`` to the request's (idle) conversation and queues the request,
+        which generates onto the conversation's sequence. Raises, changing nothing, if it can't."""
+        conversation = self.idle_conversation(request.sequence.seq_id)
+        seq = conversation.sequence
         new = [int(t) for t in new_tokens]
         if not seq.token_ids and not new:
             raise ValueError("the conversation is empty: prompt it first")
@@ -117,38 +117,38 @@ class SchedulerConversations:
         request.sequence = seq
         request.prompt_len = seq.num_tokens
         self.add(request)
-        session.active = request
+        conversation.active = request
 
-    def fork_session(self, seq_id: str, new_id: str) -> Sequence:
-        """A new session with the same tokens, sharing every block (copy on write)."""
-        src = self.idle_session(seq_id).sequence
-        if new_id in self.sessions:
-            raise ValueError(f"session {new_id!r} already exists")
+    def fork_conversation(self, seq_id: str, new_id: str) -> Sequence:
+        """A new conversation with the same tokens, sharing every block (copy on write)."""
+        src = self.idle_conversation(seq_id).sequence
+        if new_id in self.conversations:
+            raise ValueError(f"conversation {new_id!r} already exists")
         seq = Sequence(new_id, list(src.token_ids), src.num_computed, self.pool.fork(src.block_table))
-        self.sessions[new_id] = Session(seq, last_used=time.monotonic())
+        self.conversations[new_id] = HeldConversation(seq, last_used=time.monotonic())
         return seq
 
-    def truncate_session(self, seq_id: str, num_tokens: int) -> None:
-        """Keeps the first ``num_tokens`` tokens (and their K/V) of an idle session."""
-        seq = self.idle_session(seq_id).sequence
+    def rewind_conversation(self, seq_id: str, num_tokens: int) -> None:
+        """Keeps the first ``num_tokens`` tokens (and their K/V) of an idle conversation."""
+        seq = self.idle_conversation(seq_id).sequence
         if not 0 <= num_tokens <= seq.num_tokens:
             raise ValueError(f"cannot keep {num_tokens} of {seq.num_tokens} tokens")
         self._cut(seq, num_tokens)
 
-    def close_session(self, seq_id: str) -> None:
-        """Ends the session's request (cancelled, reported in the step's outcome) and
+    def close_conversation(self, seq_id: str) -> None:
+        """Ends the conversation's request (cancelled, reported in the step's outcome) and
         releases its blocks (to the prefix cache). Unknown ids are ignored."""
-        session = self.sessions.get(seq_id)
-        if session is None:
+        conversation = self.conversations.get(seq_id)
+        if conversation is None:
             return
-        if session.active is not None:
-            req = session.active
+        if conversation.active is not None:
+            req = conversation.active
             self._pending_finish.pop(req.request_id, None)
             # Ended now even if its plan is in flight: update() skips requests it no longer knows.
             self._finish(req, FinishReason.CANCELLED, cancel_reason=CancelReason.USER)
-        seq = session.sequence
+        seq = conversation.sequence
         self.pool.release(seq.block_table, seq.token_ids, seq.num_computed)
-        del self.sessions[seq_id]
+        del self.conversations[seq_id]
 
 
 
@@ -161,44 +161,44 @@ class EngineConversations:
         """Applies a conversation message (see :mod:`bargein.engine.messages`); returns its answer."""
         match message:
             case OpenConversation(conversation_id, token_ids):
-                return self.open_session(token_ids, conversation_id)
+                return self.open_conversation(token_ids, conversation_id)
             case AppendToConversation(conversation_id, token_ids):
-                return self.append_session_tokens(conversation_id, token_ids)
+                return self.append_to_conversation(conversation_id, token_ids)
             case ConversationTokens(conversation_id):
-                return self.session_tokens(conversation_id)
+                return self.conversation_tokens(conversation_id)
             case ForkConversation(conversation_id):
-                return self.fork_session(conversation_id)
+                return self.fork_conversation(conversation_id)
             case RewindConversation(conversation_id, num_tokens):
-                return self.truncate_session(conversation_id, num_tokens)
+                return self.rewind_conversation(conversation_id, num_tokens)
             case CloseConversation(conversation_id):
-                return self.close_session(conversation_id)
+                return self.close_conversation(conversation_id)
         raise TypeError(f"not a conversation message: {message!r}")
 
-    def open_session(self, token_ids: Iterable[int] = (), session_id: str | None = None) -> str:
-        session_id = session_id or f"conv-{uuid.uuid4().hex[:16]}"
+    def open_conversation(self, token_ids: Iterable[int] = (), conversation_id: str | None = None) -> str:
+        conversation_id = conversation_id or f"conv-{uuid.uuid4().hex[:16]}"
         with _as_engine_error():
-            self.scheduler.open_session(session_id, token_ids)
-        return session_id
+            self.scheduler.open_conversation(conversation_id, token_ids)
+        return conversation_id
 
-    def session_tokens(self, session_id: str) -> list[int]:
-        return list(self.scheduler.session(session_id).sequence.token_ids)
+    def conversation_tokens(self, conversation_id: str) -> list[int]:
+        return list(self.scheduler.conversation(conversation_id).sequence.token_ids)
 
-    def append_session_tokens(self, session_id: str, token_ids: Seq[int]) -> None:
+    def append_to_conversation(self, conversation_id: str, token_ids: Seq[int]) -> None:
         with _as_engine_error():
-            self.scheduler.append_to_session(session_id, token_ids)
+            self.scheduler.append_to_conversation(conversation_id, token_ids)
 
-    def fork_session(self, session_id: str) -> str:
+    def fork_conversation(self, conversation_id: str) -> str:
         new_id = f"conv-{uuid.uuid4().hex[:16]}"
-        self.scheduler.fork_session(session_id, new_id)
+        self.scheduler.fork_conversation(conversation_id, new_id)
         return new_id
 
-    def truncate_session(self, session_id: str, num_tokens: int) -> None:
-        self.scheduler.truncate_session(session_id, num_tokens)
+    def rewind_conversation(self, conversation_id: str, num_tokens: int) -> None:
+        self.scheduler.rewind_conversation(conversation_id, num_tokens)
 
-    def close_session(self, session_id: str) -> None:
+    def close_conversation(self, conversation_id: str) -> None:
         """Closes a conversation, cancelling its request if one is generating (its last
         delta comes in the next step's outcome, with everything else that finished)."""
-        self.scheduler.close_session(session_id)
+        self.scheduler.close_conversation(conversation_id)
 
 
 class _as_engine_error:

@@ -15,7 +15,7 @@ per request it changed, a delta (new token ids, raw logprobs, the finish, usage
 counts). Turning deltas into text and outputs is the consumer's job
 (:mod:`bargein.engine.outputs`), off the engine thread.
 
-Threads: ``step`` and the session methods belong to one thread (the engine's owner:
+Threads: ``step`` and the conversation methods belong to one thread (the engine's owner:
 the caller of a plain Engine, or AsyncEngine's loop thread). ``add_request``,
 ``abort``, ``finish`` and ``call_soon`` may be called from any thread; they go through
 the ordered inbox (a ``queue.SimpleQueue``, whose ``put`` is reentrant). ``abort``
@@ -126,12 +126,12 @@ class Engine(EngineConversations):
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, timeout: float | None = None,
-                    session_id: str | None = None, on_claimed: Callable[[str], Any] | None = None,
+                    conversation_id: str | None = None, on_claimed: Callable[[str], Any] | None = None,
                     constraint_from: int | None = None, output_offset: int = 0) -> str:
         """Queues a generation (checked by ``admission.admit``); returns its id. Raises
         EngineError for a bad request.
 
-        With ``session_id``, the prompt's tokens are appended to that conversation and the
+        With ``conversation_id``, the prompt's tokens are appended to that conversation and the
         answer generated onto it; the sequence keeps its K/V after. ``timeout`` (seconds)
         sets a deadline (reason ``deadline``). Outputs come as deltas in the ``StepOutcome``
         of later steps. ``on_claimed(request_id)`` runs once the id is claimed and before
@@ -147,7 +147,7 @@ class Engine(EngineConversations):
         """
         admitted = admit(prompt, params, tokenizer=self.tokenizer, grammars=self.grammars,
                          vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
-                         timeout=timeout, conversation_id=session_id, constraint_from=constraint_from,
+                         timeout=timeout, conversation_id=conversation_id, constraint_from=constraint_from,
                          output_offset=output_offset)
         return self.add_admitted(admitted, request_id=request_id, on_claimed=on_claimed)
 
@@ -155,7 +155,7 @@ class Engine(EngineConversations):
                      on_claimed: Callable[[str], Any] | None = None) -> str:
         """Queues a request that passed ``admit`` (see ``add_request``); returns its id."""
         token_ids, params, timeout = list(admitted.token_ids), admitted.params, admitted.timeout
-        session_id = admitted.conversation_id
+        conversation_id = admitted.conversation_id
         request_id = request_id or self.new_request_id()
         try:
             self.scheduler.ids.claim(request_id)
@@ -167,15 +167,15 @@ class Engine(EngineConversations):
             except BaseException:
                 self.scheduler.ids.forget(request_id)
                 raise
-        sequence = TokenSequence(request_id if session_id is None else session_id, list(token_ids))
+        sequence = TokenSequence(request_id if conversation_id is None else conversation_id, list(token_ids))
         request = Request(
             request_id=request_id, sequence=sequence, params=params,
             prompt_len=len(token_ids), new_prompt_tokens=len(token_ids),
-            owns_sequence=session_id is None,
+            owns_sequence=conversation_id is None,
             deadline=None if timeout is None else time.monotonic() + timeout,
             constraint_from=admitted.constraint_from, output_offset=admitted.output_offset,
         )
-        self._post(AddRequest(request, session_id, tuple(token_ids)))
+        self._post(AddRequest(request, conversation_id, tuple(token_ids)))
         return request_id
 
     def abort(self, request_id: str, reason: CancelReason = CancelReason.USER, *,
@@ -296,7 +296,7 @@ class Engine(EngineConversations):
         plan = result.plan
         rows = plan.sampled  # a property that builds a tuple: once, not per row
         chosen = result.tokens or {}
-        # close_session may have ended a request of a plan still in flight: skip it.
+        # close_conversation may have ended a request of a plan still in flight: skip it.
         live = [i for i, c in enumerate(rows) if c.request_id in self.scheduler.requests]
         sampled = {rows[i].request_id: SampledToken(chosen[i], None, ()) for i in live if i in chosen}
         need = [i for i in live if i not in chosen]
@@ -390,13 +390,13 @@ class Engine(EngineConversations):
         """Queues a new request; any failure fails that request alone (the loop goes on)."""
         req = message.request
         try:
-            if message.session_id is not None:
-                length = self.scheduler.idle_session(message.session_id).sequence.num_tokens \
+            if message.conversation_id is not None:
+                length = self.scheduler.idle_conversation(message.conversation_id).sequence.num_tokens \
                     + len(message.new_token_ids)
                 if req.output_offset > length:
                     raise EngineError(f"output_offset {req.output_offset} is past the conversation's "
                                       f"end ({length} tokens)")
-                self.scheduler.start_session_request(req, message.new_token_ids)
+                self.scheduler.start_conversation_request(req, message.new_token_ids)
             else:
                 self.scheduler.add(req)
             req.sampling = SamplingState.create(req.params, req.sequence.token_ids[:req.prompt_len],

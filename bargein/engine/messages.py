@@ -18,8 +18,8 @@ from bargein.engine.request import CancelReason, FinishReason, Request
 @dataclass(frozen=True)
 class AddRequest:
     request: Request
-    session_id: str | None = None  # generate onto this conversation's sequence
-    new_token_ids: tuple[int, ...] = ()  # appended to the session's sequence first
+    conversation_id: str | None = None  # generate onto this conversation's sequence
+    new_token_ids: tuple[int, ...] = ()  # appended to the conversation's sequence first
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters
         block_size=pool.block_size,
         running=len(scheduler.running),
         waiting=len(scheduler.waiting),
-        conversations=len(scheduler.sessions),
+        conversations=len(scheduler.conversations),
         steps=counters.steps,
         prefix_cache_hit_tokens=scheduler.num_prefix_hit_tokens,
         prefix_cache_hit_blocks=pool.prefix_hit_blocks,

@@ -177,7 +177,7 @@ class Request:
     owns_sequence: bool = True
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value
-    constraint_from: int | None = None  # session token where a resumed constrained answer began
+    constraint_from: int | None = None  # conversation token where a resumed constrained answer began
     output_offset: int = 0  # the prompt's last tokens that are earlier output (a resumed request)
     _status: RequestStatus = RequestStatus.WAITING  # written by ``transition`` alone
     finish_reason: FinishReason | None = None

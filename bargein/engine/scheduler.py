@@ -43,7 +43,7 @@ from typing import Any
 from bargein.config import SchedulerConfig
 from bargein.engine.admission import check_length
 from bargein.engine.blocks import BlockPool, BlockTable, OutOfBlocks
-from bargein.engine.conversations import SchedulerConversations, Session
+from bargein.engine.conversations import HeldConversation, SchedulerConversations
 from bargein.engine.outputs import RequestDelta, StepOutcome
 from bargein.engine.plan import ScheduledChunk, StepPlan
 from bargein.engine.request import (
@@ -92,14 +92,14 @@ class Scheduler(SchedulerConversations):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.sessions: dict[str, Session] = {}
+        self.conversations: dict[str, HeldConversation] = {}
         self._in_flight: dict[int, frozenset[str]] = {}  # plan step -> its requests
         self._pending_finish: dict[str, _Finish] = {}  # finishes of requests in flight
         self._changed: dict[str, tuple[Request, RequestDelta]] = {}  # this step's deltas
         self._step = 0
         self.on_transition: Callable[[Transition], Any] | None = None  # a hook for tests and tracing
         self.num_preemptions = 0
-        self.num_reclaimed_sessions = 0
+        self.num_reclaimed_conversations = 0
         self.num_computed_tokens = 0  # tokens computed by forwards, ever (counters for tests and stats)
         self.num_prefix_hit_tokens = 0
 
@@ -144,7 +144,7 @@ class Scheduler(SchedulerConversations):
             req = self.requests.get(request_id)
             if req is None:
                 if delivered is not None:
-                    self._cut_idle_session(request_id, delivered)
+                    self._cut_idle_conversation(request_id, delivered)
                 continue
             if self._is_in_flight(request_id):
                 earlier = self._pending_finish.get(request_id)
@@ -372,10 +372,10 @@ class Scheduler(SchedulerConversations):
         for req in self.waiting:
             dropped += req.sequence.num_computed
             self._drop_kv(req.sequence)
-        for session in self.sessions.values():
-            if session.active is None:
-                dropped += session.sequence.num_computed
-                self._drop_kv(session.sequence)
+        for conversation in self.conversations.values():
+            if conversation.active is None:
+                dropped += conversation.sequence.num_computed
+                self._drop_kv(conversation.sequence)
         self.pool.forget_contents()
         return dropped
 
@@ -438,12 +438,12 @@ class Scheduler(SchedulerConversations):
             if req.sequence.block_table.block_ids:
                 self._drop_kv(req.sequence)
                 return True
-        idle = [s for s in self.sessions.values() if s.active is None and s.sequence.block_table.block_ids]
+        idle = [s for s in self.conversations.values() if s.active is None and s.sequence.block_table.block_ids]
         if not idle:
             return False
         victim = min(idle, key=lambda s: s.last_used)
         self._drop_kv(victim.sequence)
-        self.num_reclaimed_sessions += 1
+        self.num_reclaimed_conversations += 1
         return True
 
     def _finish(self, req: Request, reason: FinishReason, *, cancel_reason: CancelReason | None = None,
@@ -470,10 +470,10 @@ class Scheduler(SchedulerConversations):
             seq = req.sequence
             self.pool.release(seq.block_table, seq.token_ids, seq.num_computed)
         else:
-            session = self.sessions[req.sequence.seq_id]
-            session.active = None
-            session.last_used = time.monotonic()
-            session.last_request = (req.request_id, req.prompt_len)
+            conversation = self.conversations[req.sequence.seq_id]
+            conversation.active = None
+            conversation.last_used = time.monotonic()
+            conversation.last_request = (req.request_id, req.prompt_len)
         self._record_finish(req)
 
     def _record_finish(self, req: Request) -> None:
@@ -495,5 +495,5 @@ class Scheduler(SchedulerConversations):
     def live_block_tables(self) -> list[BlockTable]:
         """Every block table that holds references: for the C5 accounting check."""
         tables = {id(r.sequence): r.sequence.block_table for r in self.requests.values()}
-        tables |= {id(s.sequence): s.sequence.block_table for s in self.sessions.values()}
+        tables |= {id(s.sequence): s.sequence.block_table for s in self.conversations.values()}
         return list(tables.values())

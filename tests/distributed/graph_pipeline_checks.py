@@ -92,13 +92,13 @@ def _mixed_batch(engine: Engine, on_step: Callable[[dict[str, list[int]]], None]
     out = _run(engine, [first])
     ids = [engine.add_request(p, GREEDY) for p in (_prompt(45, 12), shared + _prompt(3, 14), _prompt(60, 15))]
     ids.append(engine.add_request(_prompt(7, 13), SAMPLED))
-    session = engine.open_session(_prompt(5, 16))
-    turn1 = engine.add_request(_prompt(4, 17), GREEDY, session_id=session)
+    session = engine.open_conversation(_prompt(5, 16))
+    turn1 = engine.add_request(_prompt(4, 17), GREEDY, conversation_id=session)
     out |= _run(engine, [*ids, turn1], on_step)
-    turn2 = engine.add_request(_prompt(3, 18), GREEDY, session_id=session)
+    turn2 = engine.add_request(_prompt(3, 18), GREEDY, conversation_id=session)
     out |= _run(engine, [turn2])
-    conversation = engine.session_tokens(session)
-    engine.close_session(session)
+    conversation = engine.conversation_tokens(session)
+    engine.close_conversation(session)
     return [[out[i] for i in [first, *ids, turn1, turn2]], conversation]
 
 
@@ -144,13 +144,13 @@ def test_in_a_graph_a_plan_that_fails_on_a_stage_fails_alone(graph: Engine, loca
 
 def test_in_a_graph_a_cancel_stops_every_stage_and_continuing_equals_no_cancel(graph: Engine) -> None:
     base = _prompt(8, 20)
-    plain = graph.open_session(base)
-    ref = graph.add_request([], GREEDY, session_id=plain)
+    plain = graph.open_conversation(base)
+    ref = graph.add_request([], GREEDY, conversation_id=plain)
     want = _run(graph, [ref])[ref][0]
-    graph.close_session(plain)
+    graph.close_conversation(plain)
 
-    session = graph.open_session(base)
-    rid = graph.add_request([], GREEDY, session_id=session)
+    session = graph.open_conversation(base)
+    rid = graph.add_request([], GREEDY, conversation_id=session)
     in_flight: list[int] = []
 
     def cancel_after_four(tokens: dict[str, list[int]]) -> None:
@@ -163,10 +163,10 @@ def test_in_a_graph_a_cancel_stops_every_stage_and_continuing_equals_no_cancel(g
     logs = [c.steps_with(rid) for c in graph.runner.stage_counters()]
     assert logs[0] == logs[1] and max(logs[0]) == max(in_flight, default=max(logs[0]))
     rest = graph.add_request([], SamplingParams(max_tokens=10 - len(tokens), temperature=0, ignore_eos=True),
-                             session_id=session)
+                             conversation_id=session)
     more, _ = _run(graph, [rest])[rest]
     assert tokens + more == want  # C4
-    graph.close_session(session)
+    graph.close_conversation(session)
     _check_idle(graph)
 
 

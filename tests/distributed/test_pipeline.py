@@ -188,13 +188,13 @@ def test_greedy_outputs_match_for_a_mixed_batch(setup: Setup) -> None:
         first = engine.add_request(prompts[0], GREEDY)
         out = _run(engine, [first])
         ids = [engine.add_request(p, GREEDY) for p in prompts[1:]]
-        session = engine.open_session(_prompt(5, 16))
-        turn1 = engine.add_request(_prompt(4, 17), GREEDY, session_id=session)
+        session = engine.open_conversation(_prompt(5, 16))
+        turn1 = engine.add_request(_prompt(4, 17), GREEDY, conversation_id=session)
         out |= _run(engine, [*ids, turn1])
-        turn2 = engine.add_request(_prompt(3, 18), GREEDY, session_id=session)
+        turn2 = engine.add_request(_prompt(3, 18), GREEDY, conversation_id=session)
         out |= _run(engine, [turn2])
-        conversation = engine.session_tokens(session)
-        engine.close_session(session)
+        conversation = engine.conversation_tokens(session)
+        engine.close_conversation(session)
         results[name] = ([out[i] for i in [first, *ids, turn1, turn2]], conversation)
         assert engine.scheduler.num_prefix_hit_tokens > hits
         assert engine.scheduler.num_preemptions > preemptions
@@ -217,15 +217,15 @@ def test_cancel_mid_decode_stops_every_stage_and_continuing_equals_no_cancel(set
     engine = setup.pipe
     base = _prompt(8, 20)
     # C4 reference: the same conversation (and neighbours), never cancelled
-    plain = engine.open_session(base)
+    plain = engine.open_conversation(base)
     ref_others = [engine.add_request(_prompt(5, 21 + i), GREEDY) for i in range(3)]
-    ref = engine.add_request([], GREEDY, session_id=plain)
+    ref = engine.add_request([], GREEDY, conversation_id=plain)
     want = _run(engine, [ref, *ref_others])
-    engine.close_session(plain)
+    engine.close_conversation(plain)
 
-    session = engine.open_session(base)
+    session = engine.open_conversation(base)
     others = [engine.add_request(_prompt(5, 21 + i), GREEDY) for i in range(3)]
-    rid = engine.add_request([], GREEDY, session_id=session)
+    rid = engine.add_request([], GREEDY, conversation_id=session)
     cancelled_at: dict[str, int] = {}
 
     def cancel_after_four(engine: Engine, tokens: dict[str, list[int]]) -> None:
@@ -241,10 +241,10 @@ def test_cancel_mid_decode_stops_every_stage_and_continuing_equals_no_cancel(set
     _check_stages_stopped(engine, rid, cancelled_at["last"])
     assert [got[o] for o in others] == [want[o] for o in ref_others]
     rest = engine.add_request([], SamplingParams(max_tokens=10 - len(tokens), temperature=0, ignore_eos=True),
-                              session_id=session)
+                              conversation_id=session)
     more, _ = _run(engine, [rest])[rest]
     assert tokens + more == want[ref][0]  # C4
-    engine.close_session(session)
+    engine.close_conversation(session)
     _check_idle_accounting(engine)
 
 

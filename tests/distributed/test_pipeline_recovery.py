@@ -163,8 +163,8 @@ def _scenario(engine: Engine, fault: Callable[[], None] | None) -> tuple[list, l
     """A conversation's first turn, then (with ``fault`` once the greedy stream has 4
     tokens) a greedy, a seeded sampled and a prefix-sharing stream while the
     conversation is idle, then the conversation's second turn."""
-    session = engine.open_session(_prompt(6, 1))
-    turn1 = engine.add_request(_prompt(3, 2), GREEDY, session_id=session)
+    session = engine.open_conversation(_prompt(6, 1))
+    turn1 = engine.add_request(_prompt(3, 2), GREEDY, conversation_id=session)
     out = _run(engine, [turn1])
     shared = _prompt(9, 3)
     ids = [engine.add_request(shared + _prompt(2, 4), GREEDY), engine.add_request(_prompt(7, 5), SAMPLED),
@@ -178,10 +178,10 @@ def _scenario(engine: Engine, fault: Callable[[], None] | None) -> tuple[list, l
 
     out |= _run(engine, ids, on_step)
     assert fault is None or fired
-    turn2 = engine.add_request(_prompt(2, 7), GREEDY, session_id=session)
+    turn2 = engine.add_request(_prompt(2, 7), GREEDY, conversation_id=session)
     out |= _run(engine, [turn2])
-    conversation = engine.session_tokens(session)
-    engine.close_session(session)
+    conversation = engine.conversation_tokens(session)
+    engine.close_conversation(session)
     return [out[i] for i in [turn1, *ids, turn2]], conversation
 
 

@@ -48,7 +48,7 @@ def test_a_request_resumed_from_its_tokens_draws_the_same_sampled_tokens():
 
 
 def _run_session(engine, session, new_tokens, params, output_offset=0):
-    rid = engine.add_request(new_tokens, params, session_id=session, output_offset=output_offset)
+    rid = engine.add_request(new_tokens, params, conversation_id=session, output_offset=output_offset)
     tokens, last = [], None
     while engine.has_work:
         for delta in engine.step().deltas:
@@ -67,25 +67,25 @@ def test_a_conversation_answer_resumed_with_output_offset_draws_the_same_sampled
     engine = tiny_engine()
     params = SamplingParams(max_tokens=14, temperature=1.3, top_p=0.95, seed=4321, ignore_eos=True,
                             frequency_penalty=0.7, presence_penalty=0.3)
-    session = engine.open_session(PROMPT)
+    session = engine.open_conversation(PROMPT)
     whole, _ = _run_session(engine, session, [], params)
-    assert len(whole) == 14 and engine.session_tokens(session) == PROMPT + whole
+    assert len(whole) == 14 and engine.conversation_tokens(session) == PROMPT + whole
     for k in (1, 6):
-        moved = engine.open_session(PROMPT + whole[:k])
+        moved = engine.open_conversation(PROMPT + whole[:k])
         rest, last = _run_session(engine, moved, [], replace(params, max_tokens=14 - k), output_offset=k)
         assert rest == whole[k:] and last.finish_reason == FinishReason.LENGTH
-        assert engine.session_tokens(moved) == PROMPT + whole
-        engine.close_session(moved)
-    appended = engine.open_session(PROMPT[:3])
+        assert engine.conversation_tokens(moved) == PROMPT + whole
+        engine.close_conversation(moved)
+    appended = engine.open_conversation(PROMPT[:3])
     rest, _ = _run_session(engine, appended, PROMPT[3:] + whole[:6], replace(params, max_tokens=8), output_offset=6)
-    assert rest == whole[6:] and engine.session_tokens(appended) == PROMPT + whole
+    assert rest == whole[6:] and engine.conversation_tokens(appended) == PROMPT + whole
     # Past the end (the conversation's 8 tokens + 2 new ones): an error, nothing appended.
-    short = engine.open_session(PROMPT)
+    short = engine.open_conversation(PROMPT)
     rest, last = _run_session(engine, short, [1, 2], params, output_offset=11)
     assert rest == [] and last.finish_reason == FinishReason.ERROR and "output_offset 11" in last.error
-    assert engine.session_tokens(short) == PROMPT
+    assert engine.conversation_tokens(short) == PROMPT
     with pytest.raises(EngineError, match="output_offset"):
-        engine.add_request([], params, session_id=short, output_offset=-1)
+        engine.add_request([], params, conversation_id=short, output_offset=-1)
     engine.check_block_accounting()
 
 

@@ -44,12 +44,12 @@ def test_a_text_prompt_has_special_tokens_alone_and_none_in_a_conversation():
 def test_the_engine_and_the_replica_set_tokenize_a_conversation_turn_alike():
     engine = tiny_engine()
     engine.tokenizer = BosTokenizer()
-    conv = engine.open_session([1, 2, 3])
-    engine.add_request("hi", SamplingParams(max_tokens=1), session_id=conv)
+    conv = engine.open_conversation([1, 2, 3])
+    engine.add_request("hi", SamplingParams(max_tokens=1), conversation_id=conv)
     while engine.has_work:
         engine.step()
     # the replica set's head admits with the same function: (104, 105) appended, no BOS
-    assert engine.session_tokens(conv)[:5] == [1, 2, 3, 104, 105]
+    assert engine.conversation_tokens(conv)[:5] == [1, 2, 3, 104, 105]
     engine.check_block_accounting()
 
 

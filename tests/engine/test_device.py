@@ -149,8 +149,8 @@ def test_continuation_after_cancel_equals_no_cancel(dtype: str, cancel_after: in
     logs = recording(engine)
     driver = OutputCollector(engine)
     p, follow = prompt(20, 16), prompt(6, 17)
-    session = engine.open_session()
-    rid = driver.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), session_id=session)
+    session = engine.open_conversation()
+    rid = driver.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), conversation_id=session)
     delivered: list[int] = []
     steps = 0
     while len(delivered) < cancel_after or (cancel_after == 0 and steps < 1):
@@ -160,9 +160,9 @@ def test_continuation_after_cancel_equals_no_cancel(dtype: str, cancel_after: in
     engine.abort(rid)
     (final,) = driver.step()
     assert final.finish_reason == FinishReason.CANCELLED and list(final.token_ids) == delivered
-    assert len(delivered) == cancel_after and engine.session_tokens(session) == p + delivered
+    assert len(delivered) == cancel_after and engine.conversation_tokens(session) == p + delivered
     first = len(logs)
-    rid2 = driver.add_request(follow, GREEDY, session_id=session)
+    rid2 = driver.add_request(follow, GREEDY, conversation_id=session)
     continued: list[int] = []
     finished = False
     while not finished:
@@ -179,7 +179,7 @@ def test_continuation_after_cancel_equals_no_cancel(dtype: str, cancel_after: in
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     else:
         assert_close_to_fp32(got, want)
-    engine.close_session(session)
+    engine.close_conversation(session)
     engine.check_block_accounting()
     assert engine.pool.num_referenced == 0
 

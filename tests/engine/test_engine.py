@@ -196,8 +196,8 @@ def test_continuing_after_a_cancel_equals_no_cancel_and_the_reference(cancel_aft
     compared with an engine that never cancelled (the float64 reference is exact's)."""
     engine = tiny_engine(max_num_batched_tokens=8, precision=precision)  # the 20-token prompt takes 3 steps
     p, follow_up = prompt(20, 16), prompt(6, 17)
-    session = engine.open_session()
-    rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), session_id=session)
+    session = engine.open_conversation()
+    rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), conversation_id=session)
     delivered: list[int] = []
     steps = 0
     while len(delivered) < cancel_after or (cancel_after == 0 and steps < 1):
@@ -206,12 +206,12 @@ def test_continuing_after_a_cancel_equals_no_cancel_and_the_reference(cancel_aft
         steps += 1
     engine.abort(rid)
     collector(engine).step()
-    assert engine.session_tokens(session) == p + delivered
+    assert engine.conversation_tokens(session) == p + delivered
     if cancel_after == 0:
-        assert delivered == [] and 0 < engine.scheduler.session(session).sequence.num_computed < len(p)
+        assert delivered == [] and 0 < engine.scheduler.conversation(session).sequence.num_computed < len(p)
     computed_before = engine.scheduler.num_computed_tokens
-    held = engine.scheduler.session(session).sequence.num_computed
-    rid2 = collector(engine).add_request(follow_up, GREEDY, session_id=session)
+    held = engine.scheduler.conversation(session).sequence.num_computed
+    rid2 = collector(engine).add_request(follow_up, GREEDY, conversation_id=session)
     outs = run_until_finished(engine, rid2)
     continued = list(outs[-1].token_ids)
     if precision == "exact":
@@ -223,7 +223,7 @@ def test_continuing_after_a_cancel_equals_no_cancel_and_the_reference(cancel_aft
     # The same tokens with no cancel anywhere give the same answer.
     (fresh,) = tiny_engine(precision=precision).generate([p + delivered + follow_up], GREEDY)
     assert list(fresh.token_ids) == continued
-    engine.close_session(session)
+    engine.close_conversation(session)
     engine.check_block_accounting()
     assert engine.pool.num_referenced == 0
 
@@ -287,14 +287,14 @@ def test_preemption_under_a_small_pool_finishes_everything_correctly(precision: 
 
 def test_idle_conversation_blocks_are_reclaimed_under_pressure_and_recomputed() -> None:
     engine = tiny_engine(num_blocks=10, block_size=4)
-    session = engine.open_session()
+    session = engine.open_conversation()
     p = prompt(20, 30)
-    run_until_finished(engine, collector(engine).add_request(p, GREEDY, session_id=session))
-    assert engine.scheduler.session(session).sequence.block_table.block_ids
+    run_until_finished(engine, collector(engine).add_request(p, GREEDY, conversation_id=session))
+    assert engine.scheduler.conversation(session).sequence.block_table.block_ids
     (other,) = engine.generate([prompt(24, 31)], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    assert engine.scheduler.num_reclaimed_sessions >= 1
-    tokens = engine.session_tokens(session)
-    outs = run_until_finished(engine, collector(engine).add_request([5], GREEDY, session_id=session))
+    assert engine.scheduler.num_reclaimed_conversations >= 1
+    tokens = engine.conversation_tokens(session)
+    outs = run_until_finished(engine, collector(engine).add_request([5], GREEDY, conversation_id=session))
     assert list(outs[-1].token_ids) == reference_greedy(tokens + [5], 8)
     engine.check_block_accounting()
 
@@ -309,11 +309,11 @@ def test_a_request_larger_than_the_pool_gets_a_clear_error() -> None:
 
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on() -> None:
     engine = tiny_engine()
-    session = engine.open_session()
+    session = engine.open_conversation()
     p = prompt(9, 34)
-    rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), session_id=session)
+    rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), conversation_id=session)
     collector(engine).step()
-    delivered = list(engine.session_tokens(session)[len(p):])
+    delivered = list(engine.conversation_tokens(session)[len(p):])
     execute = engine.runner.execute
 
     def broken(plan):
@@ -325,9 +325,9 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on() -> None:
     assert engine.abort(rid) == AbortResult.ALREADY_FINISHED
     engine.runner.execute = execute
     # The conversation holds exactly what was delivered and continues exactly.
-    assert engine.session_tokens(session) == p + delivered
-    outs = run_until_finished(engine, collector(engine).add_request([7], GREEDY, session_id=session))
+    assert engine.conversation_tokens(session) == p + delivered
+    outs = run_until_finished(engine, collector(engine).add_request([7], GREEDY, conversation_id=session))
     assert list(outs[-1].token_ids) == reference_greedy(p + delivered + [7], 8)
-    engine.close_session(session)
+    engine.close_conversation(session)
     engine.check_block_accounting()
     assert engine.pool.num_referenced == 0

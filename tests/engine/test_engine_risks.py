@@ -43,17 +43,17 @@ def test_waiting_conversation_request_does_not_pin_blocks_a_running_one_needs() 
     """One slot, 8 blocks of 4: a conversation holding 5 blocks waits behind a plain
     request that needs 7. Its blocks are taken back; both answers come out exact."""
     engine = tiny_engine(num_blocks=8, block_size=4, max_num_seqs=1)
-    session = engine.open_session()
+    session = engine.open_conversation()
     p = prompt(20, 62)
     first = engine.add_request(p, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                               session_id=session)
+                               conversation_id=session)
     while first in engine.live_request_ids():
         engine.step()
-    assert len(engine.scheduler.session(session).sequence.block_table.block_ids) == 5
+    assert len(engine.scheduler.conversation(session).sequence.block_table.block_ids) == 5
     q = prompt(10, 63)
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     plain = engine.add_request(q, params)
-    conv = engine.add_request([7], params, session_id=session)  # waits: one slot
+    conv = engine.add_request([7], params, conversation_id=session)  # waits: one slot
     final = {}
     for _ in range(200):
         result = engine.step()
@@ -64,7 +64,7 @@ def test_waiting_conversation_request_does_not_pin_blocks_a_running_one_needs() 
             break
     assert final[plain].finish_reason == FinishReason.LENGTH, final[plain].error
     assert final[conv].finish_reason == FinishReason.LENGTH, final[conv].error
-    held = engine.session_tokens(session)
+    held = engine.conversation_tokens(session)
     answer = held[len(p) + 2:]
     assert len(held) == engine.max_model_len == 32  # the context (the pool) is full
     assert answer == reference_greedy(held[:len(p) + 2], len(answer))
@@ -76,10 +76,10 @@ def test_closing_a_conversation_mid_step_loses_no_other_final_output() -> None:
     cache is too small) and a conversation closed in the same step (a call from another
     thread, run after the forward): both get their last output."""
     engine = tiny_engine()
-    session = engine.open_session(prompt(20, 64))
+    session = engine.open_conversation(prompt(20, 64))
     plain = engine.add_request(prompt(10, 65), SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
     conv = engine.add_request([7], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
-                              session_id=session)
+                              conversation_id=session)
     scheduler = engine.scheduler
     schedule = scheduler.schedule
     closed = []
@@ -92,7 +92,7 @@ def test_closing_a_conversation_mid_step_loses_no_other_final_output() -> None:
                 end(plain, FinishReason.ERROR, error="simulated")
             else:
                 scheduler.finish([plain], FinishReason.ERROR, error="simulated")
-            closed.append(engine.call_soon(lambda: engine.close_session(session)))
+            closed.append(engine.call_soon(lambda: engine.close_conversation(session)))
         return plan
 
     scheduler.schedule = schedule_fail_and_close

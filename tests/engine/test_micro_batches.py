@@ -154,18 +154,18 @@ class LosingRunner(HoldingRunner):
 
 def _conversation(engine, params, between=None):
     """A conversation's turn, then three streams (the conversation idle), then its next turn."""
-    session = engine.open_session(prompt(7, 20))
+    session = engine.open_conversation(prompt(7, 20))
     first = _generate_on(engine, [(prompt(3, 21), session)], params)
     streams = _generate_on(engine, [(p, None) for p in (prompt(10, 22), prompt(10, 22)[:8] + prompt(5, 23),
                                                         prompt(6, 24))], params)
     second = _generate_on(engine, [(prompt(2, 25), session)], params)
-    tokens = engine.session_tokens(session)
-    engine.close_session(session)
+    tokens = engine.conversation_tokens(session)
+    engine.close_conversation(session)
     return first, streams, second, tokens
 
 
 def _generate_on(engine, turns, params):
-    ids = [engine.add_request(p, params, session_id=s) for p, s in turns]
+    ids = [engine.add_request(p, params, conversation_id=s) for p, s in turns]
     out = {i: [] for i in ids}
     done = {}
     while len(done) < len(ids):
@@ -194,20 +194,20 @@ def test_a_lost_kv_cache_is_recomputed_from_tokens_and_gives_the_same_tokens(sam
 def test_a_loss_forgets_every_cached_block_and_every_idle_conversation_s_kv() -> None:
     engine = tiny_engine(num_blocks=40)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    session = engine.open_session(prompt(9, 30))
+    session = engine.open_conversation(prompt(9, 30))
     _generate_on(engine, [(prompt(2, 31), session)], params)
     _generate_on(engine, [(prompt(13, 32), None)], params)  # leaves cached blocks behind
-    assert engine.pool.num_cached > 0 and engine.scheduler.sessions[session].sequence.num_computed > 0
+    assert engine.pool.num_cached > 0 and engine.scheduler.conversations[session].sequence.num_computed > 0
     rid = engine.add_request(prompt(5, 33), params)
     engine.runner = LosingRunner(engine.runner, 1, lose_at=1, pause=1)
     engine.step()  # its plan is lost
     seq = engine.scheduler.requests[rid].sequence
     assert seq.num_computed == 0 and not seq.block_table.block_ids
-    assert engine.scheduler.sessions[session].sequence.num_computed == 0
+    assert engine.scheduler.conversations[session].sequence.num_computed == 0
     assert engine.pool.num_cached == 0 and engine.pool.num_free == engine.pool.num_blocks
     engine.check_block_accounting()
     assert engine.counters.recomputed_tokens == 9 + 2 + 4 - 1  # the idle conversation's computed tokens
-    engine.close_session(session)
+    engine.close_conversation(session)
 
 
 def test_a_runner_that_gives_up_fails_requests_with_its_message_and_serves_again_once_healed() -> None:

@@ -132,22 +132,22 @@ class ReplicaSet(ReplicaConversations):
         admitted = admit(prompt, params, tokenizer=f.tokenizer, grammars=self.grammars,
                          vocab_size=f.model_config.vocab_size, max_model_len=f.max_model_len, timeout=timeout,
                          conversation_id=conversation_id, constraint_from=constraint_from)
-        params, tokens, session_id = admitted.params, list(admitted.token_ids), conversation_id
+        params, tokens = admitted.params, list(admitted.token_ids)
         request_id = request_id or self.new_request_id()
         stream = RequestStream(request_id, asyncio.get_running_loop(),
                                OutputProcessor(request_id, params, self.facts.tokenizer))
         with self.records.lock:
             if request_id in self.records.live:
                 raise EngineError(f"request id {request_id!r} is in use")
-            session = None if session_id is None else self.records.conversation(session_id)
-            if session is not None:
-                if any(r.conversation == session_id for r in self.records.live.values()):
-                    raise EngineError(f"conversation {session_id} is already generating")
-                length = len(session.tokens) + len(tokens)
-                if not session.tokens and not tokens:
+            conversation = None if conversation_id is None else self.records.conversation(conversation_id)
+            if conversation is not None:
+                if any(r.conversation == conversation_id for r in self.records.live.values()):
+                    raise EngineError(f"conversation {conversation_id} is already generating")
+                length = len(conversation.tokens) + len(tokens)
+                if not conversation.tokens and not tokens:
                     raise EngineError("the conversation is empty: prompt it first")
                 check_length(length, f.max_model_len, "the conversation")  # the head's copy never runs ahead
-                route = self.router.assign(session.replica, len(session.tokens) + len(tokens))
+                route = self.router.assign(conversation.replica, len(conversation.tokens) + len(tokens))
             else:
                 route = self.router.choose(tokens, reserve_tokens=params.max_tokens or 0)
             if route is None:
@@ -155,13 +155,13 @@ class ReplicaSet(ReplicaConversations):
             self.records.recent.pop(request_id, None)
             self.tombstones.discard(request_id)  # a reused id starts clean
             rec = LiveRequest(request_id, stream, tokens, params, None if timeout is None else time.monotonic() + timeout,
-                        route, constraint_from, session_id)
+                        route, constraint_from, conversation_id)
             open_tokens = None
-            if session is not None:
-                if session.unopened:
-                    open_tokens, session.unopened = list(session.tokens), False
-                session.tokens += tokens
-                rec.conversation_base = len(session.tokens)
+            if conversation is not None:
+                if conversation.unopened:
+                    open_tokens, conversation.unopened = list(conversation.tokens), False
+                conversation.tokens += tokens
+                rec.conversation_base = len(conversation.tokens)
             self.records.live[request_id] = rec
         self.actors[route.replica].submit.remote(request_id, admitted, open_tokens=open_tokens)
         return request_id, stream
@@ -203,9 +203,9 @@ class ReplicaSet(ReplicaConversations):
                     self.actors[done.replica].abort.remote(request_id, reason, max(0, delivered - done.offset))
                     self._cut_resumed_conversation(done.replica, done.conversation, done.conversation_base + delivered,
                                                    delivered < done.offset)
-                    session = self.records.conversations.get(done.conversation) if done.conversation else None
-                    if session is not None:
-                        del session.tokens[done.conversation_base + delivered:]
+                    conversation = self.records.conversations.get(done.conversation) if done.conversation else None
+                    if conversation is not None:
+                        del conversation.tokens[done.conversation_base + delivered:]
                 return AbortResult.ALREADY_FINISHED
             if rec.outcome is None:
                 rec.outcome = reason
@@ -378,14 +378,14 @@ class ReplicaSet(ReplicaConversations):
                     counters.generated_tokens += len(rec.output)
                 rec.stream.push(delta)
 
-    def _cut_resumed_conversation(self, replica: int, session_id: str | None, length: int, short: bool) -> None:
+    def _cut_resumed_conversation(self, replica: int, conversation_id: str | None, length: int, short: bool) -> None:
         """A resumed conversation answer kept fewer tokens than its replica got in its
         prompt (a cancel handed the consumer less than was produced before the loss): the
         replica's conversation is cut to the head's copy (sent after the request's end,
         so the conversation is idle there, and before any later turn's submit)."""
-        session = self.records.conversations.get(session_id) if session_id is not None else None
-        if short and session is not None and session.replica == replica:
-            self.actors[replica].conversation.remote(RewindConversation(session_id, length))
+        conversation = self.records.conversations.get(conversation_id) if conversation_id is not None else None
+        if short and conversation is not None and conversation.replica == replica:
+            self.actors[replica].conversation.remote(RewindConversation(conversation_id, length))
 
     # -- faults ------------------------------------------------------------------------
     def _lose(self, index: int, why: str) -> None:
@@ -397,20 +397,20 @@ class ReplicaSet(ReplicaConversations):
             orphans = [rec for rec in self.records.live.values() if rec.replica == index]
             for rec in orphans:
                 self._resubmit(rec, f"replica {index} was lost ({why})")
-            for session_id, session in self.records.conversations.items():
-                if session.replica == index:
-                    self._reopen(session_id, session)
+            for conversation_id, conversation in self.records.conversations.items():
+                if conversation.replica == index:
+                    self._reopen(conversation_id, conversation)
 
-    def _reopen(self, session_id: str, session: ConversationRecord) -> None:
+    def _reopen(self, conversation_id: str, conversation: ConversationRecord) -> None:
         """Under the lock: a conversation whose replica was lost is opened again elsewhere
         from its tokens (its K/V is recomputed with its next answer)."""
-        route = self.router.choose(session.tokens, count=False)
+        route = self.router.choose(conversation.tokens, count=False)
         if route is None:
-            log.warning("conversation %s has no replica left; it fails at its next use", session_id)
-            session.replica = -1
+            log.warning("conversation %s has no replica left; it fails at its next use", conversation_id)
+            conversation.replica = -1
             return
-        session.replica, session.unopened = route.replica, True  # opened there by its next call
-        log.info("conversation %s moves to replica %d (%d tokens)", session_id, route.replica, len(session.tokens))
+        conversation.replica, conversation.unopened = route.replica, True  # opened there by its next call
+        log.info("conversation %s moves to replica %d (%d tokens)", conversation_id, route.replica, len(conversation.tokens))
 
     def _resubmit(self, rec: LiveRequest, why: str) -> None:
         """Under the lock: dispatches ``rec`` again, or ends it (see :mod:`.failover`)."""
