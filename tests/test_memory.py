@@ -257,7 +257,7 @@ def test_loader_peak_is_the_blocks_not_float32(tmp_path: Path) -> None:
 
 
 def test_ggml_type_table_matches_the_gguf_package() -> None:
-    from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+    from bargein.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
     for qtype in GGMLQuantizationType:
         theirs = gguf.GGMLQuantizationType[qtype.name]

@@ -22,9 +22,9 @@ import torch
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BlockWeight
-from bargein.loader.dequant import dequantize
+from bargein.kernels.dequant import dequantize
 from bargein.loader.errors import CorruptModelError
-from bargein.loader.ggml_types import GGMLQuantizationType
+from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.loader.gguf_file import (
     PERMUTED_ARCHS,
     holds_blocks,

@@ -18,7 +18,7 @@ import torch
 from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.split import MatrixWidths
 from bargein.engine.device import resolve_dtype
-from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+from bargein.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 from bargein.loader.gguf_file import holds_blocks, open_gguf
 from bargein.loader.names import wanted_tensors
 from bargein.loader.source import ModelSource

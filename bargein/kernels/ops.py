@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from bargein.config import PRECISIONS
 from bargein.kernels.block_quant import BlockWeight, quantize_8bit, recover_blocks
 from bargein.kernels.native import NativeKernels, load_native_kernels
+from bargein.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,20 @@ class KernelSet:
         if x.shape[0] > BLOCK_KERNEL_MAX_ROWS:
             return None
         return self.native.block_matmul(x.contiguous(), blocks, torch.get_num_threads())
+
+    def quant_linear(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+        """``x @ W.T`` for x (T, k) float32 and W held in a file's blocks, in this set's precision.
+
+        ``fast``: activations quantized to int8 per block of 32 against each segment's
+        blocks (row- and thread-invariant). ``exact``: float32 activations against the
+        blocks' values. Until the per-type kernels land this is the reference: the
+        weight dequantized, then ``F.linear``.
+        """
+        return F.linear(x, weight.dequantize())
+
+    def quant_embedding(self, weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of an embedding table held in blocks, as float32 (len(ids), k)."""
+        return weight.dequantize_rows(ids)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """The row-wise native RMS norm in ``fast`` (float32 CPU rows); else None."""

@@ -5,7 +5,7 @@ tensor bytes are read with ``os.pread``, one tensor at a time, into memory of ou
 pages of a memory map that were read stay in the process's resident set (and its peak) for
 as long as the map lives, pages read through the page cache do not. Q4_1 and Q8_0 matrices can come back as they are stored,
 in blocks (:class:`~bargein.kernels.block_quant.BlockWeight`, no float32 pass); everything
-else is dequantized through bargein.loader.dequant, tensor by tensor.
+else is dequantized through bargein.kernels.dequant, tensor by tensor.
 llama.cpp stores Q/K of the ``llama`` architecture in an interleaved RoPE layout; it is
 put back into the Hugging Face "rotate_half" layout here, so the model sees one layout.
 """
@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BLOCK, BlockWeight
-from bargein.loader.dequant import SUPPORTED_TYPES, dequantize
+from bargein.kernels.dequant import SUPPORTED_TYPES, dequantize
 from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
-from bargein.loader.ggml_types import GGMLQuantizationType
+from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
 from bargein.loader.names import check_layer_range, wanted_tensors
 

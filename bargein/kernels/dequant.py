@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+from bargein.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QK_K = 256
 Dequantizer = Callable[[torch.Tensor], torch.Tensor]
