@@ -77,7 +77,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=s.max_queue, metavar="N",
                    help="answer 429 when N requests are already in flight")
     p.add_argument("--kv-memory", default=None, metavar="SIZE",
-                   help=f"memory for the KV cache, e.g. 512MiB or 2GB (default: {kv_memory})")
+                   help=f"memory for the KV cache, e.g. 512MiB or 2GB, or auto: what the machine has available "
+                        f"beside the weights, the runtime and a 10%% margin (default: {kv_memory})")
     p.add_argument("--kv-tokens", type=int, default=kv_tokens, metavar="N",
                    help="size the KV cache by tokens instead: N token slots over all sequences, rounded up to "
                         "whole blocks of 16 (wins over $BARGEIN_KV_MEMORY; with --kv-memory it is an error)")
@@ -195,8 +196,9 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
         if args.kv_memory is not None and args.kv_tokens is not None:
             raise SettingsError("--kv-memory and --kv-tokens both size the KV cache; give one of them")
+        kv_auto = (args.kv_memory or args.kv_memory_default) == "auto" and args.kv_tokens is None
         config = EngineConfig(
-            cache=CacheConfig(memory_bytes=parse_size(args.kv_memory or args.kv_memory_default),
+            cache=CacheConfig(memory_bytes=0 if kv_auto else parse_size(args.kv_memory or args.kv_memory_default),
                               kv_tokens=args.kv_tokens),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
@@ -208,6 +210,9 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
                 recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource,
                 transport=args.pipeline_transport))
         _check_replica_flags(args)
+        if kv_auto and (args.replicas is not None or config.pipeline is not None):
+            raise SettingsError("--kv-memory auto sizes one process's KV cache; give a size for pipeline stages "
+                                "or replicas")
         if config.pipeline is None and args.replicas is None:  # the stages/replicas resolve it on their nodes
             resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
     except PipelineSetupError as exc:
@@ -231,6 +236,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready | int:
             engine = _load_engine(args.model, config)
         else:
             from bargein.startup import InBackground
+
+            config = _plan_memory(args.model, config, kv_auto)
 
             import_module("bargein.engine.engine")  # before the thread: loading then imports next to nothing
             importing = InBackground(lambda: import_module("bargein.server.serve"), "bargein-import")
@@ -282,6 +289,26 @@ def _launch_replicas(ref: str | None, config, address: str, num_replicas: int):
     print(f"bargein: {num_replicas} replicas ready in {time.perf_counter() - started:.1f} s", file=sys.stderr,
           flush=True)
     return replicas
+
+
+def _plan_memory(ref: str | None, config, kv_auto: bool):
+    """Logs the memory plan before loading (weights mapped and private, KV cache, expected
+    RSS) and returns ``config`` with the KV cache sized by it under --kv-memory auto; a
+    model that cannot fit is one error line and exit 1, not an out-of-memory kill."""
+    from dataclasses import replace
+
+    from bargein.loader import LoaderError, load_config, resolve_model_ref
+    from bargein.loader.memory_plan import plan_memory
+    from bargein.model.block_weights import BRIDGED_TYPES
+
+    try:
+        source = resolve_model_ref(ref)
+        plan = plan_memory(source, load_config(source), config, kv_auto=kv_auto,
+                           copied_types=frozenset(BRIDGED_TYPES))
+    except LoaderError as exc:  # MemoryPlanError included
+        raise UserError(str(exc), EXIT_FAILURE) from None
+    print(f"bargein: {plan.describe()}", file=sys.stderr, flush=True)
+    return replace(config, cache=replace(config.cache, memory_bytes=plan.kv_bytes)) if kv_auto else config
 
 
 def _load_engine(ref: str | None, config):
