@@ -57,6 +57,8 @@
 #endif
 
 #define TILE 16 /* output columns per unit of work */
+#define GEMM_MIN_ROWS_VNNI 8 /* below this, few-row passes decode each block in registers */
+#define GEMM_MIN_ROWS_AVX2 8
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
 
@@ -124,6 +126,7 @@ typedef struct {
     float *y;
     int64_t m, n, k, nb;
     int isa;
+    int64_t gemm_min_rows; /* from this many rows on, the vector paths decode a tile once per call */
     int64_t num_tiles;
     int64_t *tile_seg, *tile_col, *seg_start; /* a tile's segment and first column in it; segments' first rows */
     uint8_t *scratch;                          /* per thread: scratch_bytes */
@@ -207,8 +210,108 @@ static void column_exact_c(const job_t *job, const bargein_qseg_t *seg, const qi
 /* ---- x86 vector paths: a tile of 16 columns, decoded once per call ------------------ */
 
 #ifdef GGUF_X86
-#define TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define TARGET_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+/* ---- per type: a 32-block's quants as 32 bytes u, in registers ----------------------- */
+
+static inline TARGET_AVX2 __attribute__((always_inline)) int type_qk(const int TYPE) {
+    return TYPE == T_Q2_K || TYPE == T_Q3_K || TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K ||
+                   TYPE == T_IQ4_XS ? 256 : 32;
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i nibbles16(const uint8_t *qs) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+/* Bit i of the 32-bit little-endian qh as 0x10 in byte i (the fifth bit of Q5_0/Q5_1). */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i fifth_bits(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i iq4_values(__m256i nib) {
+    const __m256i table = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
+                                           (char)181, (char)197, (char)217, (char)241, 1, 24, 45, 63, 79, 93, 106, 118,
+                                           (char)129, (char)141, (char)153, (char)166, (char)181, (char)197, (char)217,
+                                           (char)241); /* KVALUES_IQ4NL + 128 */
+    return _mm256_shuffle_epi8(table, nib);
+}
+
+/* Sub-block j (0 .. qk/32 - 1) of the type's block at blk, as u = q + off (gguf_quants_c's bytes). */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i quants32(const int TYPE, const uint8_t *blk,
+                                                                          const int j) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3), low1 = _mm256_set1_epi8(1);
+    switch (TYPE) {
+    case T_Q4_0: return nibbles16(blk + 2);
+    case T_Q4_1: return nibbles16(blk + 4);
+    case T_Q5_0: return _mm256_or_si256(nibbles16(blk + 6), fifth_bits(blk + 2));
+    case T_Q5_1: return _mm256_or_si256(nibbles16(blk + 8), fifth_bits(blk + 4));
+    case T_Q8_0: return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
+    case T_IQ4_NL: return iq4_values(nibbles16(blk + 2));
+    case T_IQ4_XS: return iq4_values(nibbles16(blk + 8 + 16 * j));
+    case T_Q2_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j / 4)));
+        return _mm256_and_si256(_mm256_srli_epi16(q, 2 * (j % 4)), low2);
+    }
+    case T_Q3_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * (j / 4)));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)blk);
+        return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * (j % 4)), low2),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), low1), 2));
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (TYPE == T_Q4_K ? 16 : 48) + 32 * (j / 2)));
+        __m256i u = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+        if (TYPE == T_Q5_K) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), low1), 4));
+        }
+        return u;
+    }
+    default: { /* T_Q6_K */
+        const int h = j / 4, kq = j % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (kq % 2)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256(kq < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+        return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * kq), low2), 4));
+    }
+    }
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) float f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* The per-32 s, m of the type's block (the per-16 sc, mn where the kind has them) into
+ * panels at [sub * stride + c] (sc, mn at [half * stride + c]); the values gguf_params_c gives. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const int TYPE, const uint8_t *b, float *ps,
+                                                                         float *pm, int32_t *psc, int32_t *pmn,
+                                                                         const int stride, int c) {
+    switch (TYPE) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL:
+        ps[c] = f16c(b);
+        return;
+    case T_Q4_1: case T_Q5_1:
+        ps[c] = f16c(b), pm[c] = f16c(b + 2);
+        return;
+    default: {
+        dblock_t o;
+        gguf_params_c(TYPE, b, &o);
+        for (int j = 0; j < 8; j++) ps[j * stride + c] = o.s[j], pm[j * stride + c] = o.m[j];
+        if (TYPE == T_Q2_K || TYPE == T_Q3_K || TYPE == T_Q6_K)
+            for (int i = 0; i < 16; i++) psc[i * stride + c] = o.sc[i], pmn[i * stride + c] = o.mn[i];
+    }
+    }
+}
 
 /* Per-thread tile scratch: tile 16 * k bytes (32-byte vectors tile[(b * 8 + g) * 2 + v]:
  * lane c holds elements 4g .. 4g + 3 of block b of column 8v + c), column bytes 16 * k,
@@ -251,50 +354,22 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void transpose8(__m256 
     r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
-/* The scalar parameters of block t of a column into the panels (column c of the tile). */
-static inline void put_params(const tile_t *tl, const qinfo_t *info, const dblock_t *o, int64_t t, int c) {
-    const int subs = info->qk / 32;
-    for (int sb = 0; sb < subs; sb++) {
-        const int64_t b = t * subs + sb;
-        tl->ps[b * TILE + c] = o->s[sb];
-        tl->pm[b * TILE + c] = o->m[sb];
-        tl->psc[(2 * b) * TILE + c] = o->sc[2 * sb];
-        tl->psc[(2 * b + 1) * TILE + c] = o->sc[2 * sb + 1];
-        tl->pmn[(2 * b) * TILE + c] = o->mn[2 * sb];
-        tl->pmn[(2 * b + 1) * TILE + c] = o->mn[2 * sb + 1];
-    }
-}
+#define TYPE_CASES(CALL)                                                                                   \
+    case T_Q4_0: CALL(T_Q4_0); break;                                                                      \
+    case T_Q4_1: CALL(T_Q4_1); break;                                                                      \
+    case T_Q5_0: CALL(T_Q5_0); break;                                                                      \
+    case T_Q5_1: CALL(T_Q5_1); break;                                                                      \
+    case T_Q8_0: CALL(T_Q8_0); break;                                                                      \
+    case T_Q2_K: CALL(T_Q2_K); break;                                                                      \
+    case T_Q3_K: CALL(T_Q3_K); break;                                                                      \
+    case T_Q4_K: CALL(T_Q4_K); break;                                                                      \
+    case T_Q5_K: CALL(T_Q5_K); break;                                                                      \
+    case T_Q6_K: CALL(T_Q6_K); break;                                                                      \
+    case T_IQ4_NL: CALL(T_IQ4_NL); break;                                                                  \
+    default: CALL(T_IQ4_XS);
 
-/* One column's blocks as bytes u into cols (k bytes) and its parameters into the panels. */
-static TARGET_AVX2 void decode_column(const tile_t *tl, const bargein_qseg_t *seg, const qinfo_t *info,
-                                      const uint8_t *row, int64_t k, int c) {
-    const int64_t blocks = k / info->qk;
-    uint8_t *out = tl->cols + (int64_t)c * k;
-    dblock_t o;
-    for (int64_t t = 0; t < blocks; t++) {
-        gguf_decode_c((int)seg->type, row + t * info->bytes, &o);
-        memcpy(out + t * info->qk, o.u, (size_t)info->qk);
-        put_params(tl, info, &o, t, c);
-    }
-}
-
-/* Columns col0 .. col0 + 15 of a segment (the last repeated past its end) into the tile. */
-static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bargein_qseg_t *seg,
-                                   const qinfo_t *info, int64_t col0) {
-    const int64_t k = job->k, nb = job->nb;
-    for (int c = 0; c < TILE; c++) {
-        const int64_t i = col0 + c < seg->rows ? col0 + c : seg->rows - 1;
-        decode_column(tl, seg, info, column_row(seg, i), k, c);
-    }
-    __m256i *tile = (__m256i *)tl->tile;
-    for (int v = 0; v < 2; v++)
-        for (int64_t b = 0; b < nb; b++) {
-            __m256 r[8];
-            for (int c = 0; c < 8; c++) r[c] = _mm256_loadu_ps((const float *)(tl->cols + (8 * v + c) * k + 32 * b));
-            transpose8(r);
-            for (int g = 0; g < 8; g++) _mm256_store_si256(tile + (b * 8 + g) * 2 + v, _mm256_castps_si256(r[g]));
-        }
-}
+static void build_tile(const job_t *job, const tile_t *tl, const bargein_qseg_t *seg, const qinfo_t *info,
+                       int64_t col0);
 
 /* The float steps of the header for one block b, eight columns (v) and one row. */
 #define FLOAT_STEPS(ACC, DLO, DHI, V, R)                                                                   \
@@ -457,6 +532,247 @@ static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const qinfo
 #endif /* GGUF_VNNI */
 #endif /* GGUF_X86 */
 
+/* ---- x86, few rows: eight columns at a time, each block decoded in registers ---------- */
+
+#ifdef GGUF_X86
+static inline TARGET_AVX2 __attribute__((always_inline)) int type_kind(const int TYPE) {
+    return TYPE == T_Q4_1 || TYPE == T_Q5_1 || TYPE == T_Q4_K || TYPE == T_Q5_K ? KIND_MIN
+           : TYPE == T_Q3_K || TYPE == T_Q6_K                                ? KIND_SPLIT
+           : TYPE == T_Q2_K                                                  ? KIND_SPLIT_MIN
+                                                                             : KIND_PLAIN;
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) int type_off(const int TYPE) {
+    switch (TYPE) {
+    case T_Q4_0: return 8;
+    case T_Q5_0: return 16;
+    case T_Q8_0: case T_IQ4_NL: case T_IQ4_XS: return 128;
+    case T_Q3_K: return 4;
+    case T_Q6_K: return 32;
+    default: return 0;
+    }
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256 halves8(const uint8_t *const *col, int64_t at) {
+    uint16_t h[8];
+    for (int c = 0; c < 8; c++) memcpy(&h[c], col[c] + at, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+/* The parameters of eight columns' blocks at byte `at` of their rows into panels [sub * 8 + c]. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const int TYPE, const uint8_t *const *col,
+                                                                            int64_t at, float *ps, float *pm,
+                                                                            int32_t *psc, int32_t *pmn) {
+    if (type_qk(TYPE) == 32) { /* d (and m) are the block's first halves: eight conversions at once */
+        _mm256_storeu_ps(ps, halves8(col, at));
+        if (TYPE == T_Q4_1 || TYPE == T_Q5_1) _mm256_storeu_ps(pm, halves8(col, at + 2));
+        return;
+    }
+    for (int c = 0; c < 8; c++) params_at(TYPE, col[c] + at, ps, pm, psc, pmn, 8, c);
+}
+
+/* Columns col0 .. col0 + 15 of a segment (the last repeated past its end) into the tile:
+ * each 32-block of eight columns decoded in registers, transposed, stored. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const int TYPE, const job_t *job,
+                                                                            const tile_t *tl,
+                                                                            const bargein_qseg_t *seg, int bytes,
+                                                                            int64_t col0) {
+    const int64_t k = job->k;
+    const int qk = type_qk(TYPE), subs = qk / 32;
+    __m256i *tile = (__m256i *)tl->tile;
+    for (int v = 0; v < 2; v++) {
+        const uint8_t *col[8];
+        for (int c = 0; c < 8; c++) {
+            const int64_t i = col0 + 8 * v + c;
+            col[c] = column_row(seg, i < seg->rows ? i : seg->rows - 1);
+        }
+        for (int64_t t = 0; t < k / qk; t++) {
+            const int64_t at = t * bytes;
+            if (qk == 32) {
+                _mm256_storeu_ps(tl->ps + t * TILE + 8 * v, halves8(col, at));
+                if (TYPE == T_Q4_1 || TYPE == T_Q5_1) _mm256_storeu_ps(tl->pm + t * TILE + 8 * v, halves8(col, at + 2));
+            } else {
+                for (int c = 0; c < 8; c++)
+                    params_at(TYPE, col[c] + at, tl->ps + t * subs * TILE, tl->pm + t * subs * TILE,
+                              tl->psc + 2 * t * subs * TILE, tl->pmn + 2 * t * subs * TILE, TILE, 8 * v + c);
+            }
+            for (int j = 0; j < subs; j++) {
+                __m256 r[8];
+                for (int c = 0; c < 8; c++) r[c] = _mm256_castsi256_ps(quants32(TYPE, col[c] + at, j));
+                transpose8(r);
+                const int64_t b = t * subs + j;
+                for (int g = 0; g < 8; g++) _mm256_store_si256(tile + (b * 8 + g) * 2 + v, _mm256_castps_si256(r[g]));
+            }
+        }
+    }
+}
+
+static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bargein_qseg_t *seg, const qinfo_t *info,
+                                   int64_t col0) {
+#define BUILD_TILE(TY) build_tile_t(TY, job, tl, seg, info->bytes, col0)
+    switch (seg->type) { TYPE_CASES(BUILD_TILE) }
+#undef BUILD_TILE
+}
+
+#define SUM_PAIRS32(a, b) _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+#define SUM_PAIRS64(a, b) _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+
+/* Columns j0 .. j0 + 7 (the first `cols` stored; col[c] their rows' blocks, the last
+ * repeated) for rows r0 .. r0 + ROWS_N - 1: per 32-block, each column's quants decoded in
+ * registers and dotted with every row (eight int32 lanes, four per half), four columns'
+ * lanes summed into one per column and half, then the header's float steps, one column
+ * to a lane. DOT(U, X) and PREP are the instruction set's byte dot product. */
+#define GROUP_BODY(ROWS_MAX)                                                                               \
+    const acts_t *a = job->a;                                                                              \
+    const int64_t nb = job->nb, k = job->k;                                                                \
+    const int qk = type_qk(TYPE), subs = qk / 32, KIND = type_kind(TYPE), OFF = type_off(TYPE);            \
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);                        \
+    (void)ones;                                                                                            \
+    (void)flip;                                                                                            \
+    float ps[8 * 8], pm[8 * 8];                                                                            \
+    int32_t psc[16 * 8], pmn[16 * 8];                                                                      \
+    __m256 acc[ROWS_MAX];                                                                                  \
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();                                         \
+    for (int64_t t = 0; t < k / qk; t++) {                                                                 \
+        params_group(TYPE, col, t * bytes, ps, pm, psc, pmn);                                              \
+        if (ahead && ((t * bytes) & 63) < bytes) /* once per cache line */                                 \
+            for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(ahead[c] + t * bytes), _MM_HINT_T0);   \
+        for (int j = 0; j < subs; j++) {                                                                   \
+            const int64_t b = t * subs + j;                                                                \
+            __m256i h[ROWS_MAX][2];                                                                        \
+            _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                                 \
+                __m256i sp[ROWS_MAX][2];                                                                   \
+                _Pragma("GCC unroll 2") for (int cp = 0; cp < 2; cp++) {                                   \
+                    __m256i tt[ROWS_MAX][2];                                                               \
+                    _Pragma("GCC unroll 2") for (int cc = 0; cc < 2; cc++) {                               \
+                        const __m256i u = quants32(TYPE, col[half * 4 + cp * 2 + cc] + t * bytes, j);      \
+                        PREP                                                                               \
+                        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                         \
+                            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (r0 + r) * k + 32 * b)); \
+                            tt[r][cc] = DOT(u, xv);                                                        \
+                        }                                                                                  \
+                    }                                                                                      \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) sp[r][cp] = SUM_PAIRS32(tt[r][0], tt[r][1]); \
+                }                                                                                          \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) h[r][half] = SUM_PAIRS64(sp[r][0], sp[r][1]); \
+            }                                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
+                const int64_t cell = (r0 + r) * nb + b;                                                    \
+                __m256i lo = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x20);                            \
+                __m256i hi = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x31);                            \
+                if (OFF_APPLIES && OFF) {                                                                  \
+                    lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(OFF * a->s16[2 * cell]));                  \
+                    hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(OFF * a->s16[2 * cell + 1]));              \
+                }                                                                                          \
+                __m256i D;                                                                                 \
+                if (KIND >= KIND_SPLIT)                                                                    \
+                    D = _mm256_add_epi32(_mm256_mullo_epi32(lo, _mm256_loadu_si256((const __m256i *)(psc + 2 * j * 8))), \
+                                         _mm256_mullo_epi32(hi, _mm256_loadu_si256((const __m256i *)(psc + (2 * j + 1) * 8)))); \
+                else                                                                                       \
+                    D = _mm256_add_epi32(lo, hi);                                                          \
+                const __m256 xd = _mm256_set1_ps(a->d[cell]);                                              \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D), _mm256_mul_ps(_mm256_loadu_ps(ps + j * 8), xd), acc[r]); \
+                if (KIND == KIND_MIN)                                                                      \
+                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(pm + j * 8), _mm256_set1_ps(a->s[cell]), acc[r]); \
+                if (KIND == KIND_SPLIT_MIN) {                                                              \
+                    const __m256i M = _mm256_add_epi32(                                                    \
+                        _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pmn + 2 * j * 8)), _mm256_set1_epi32(a->s16[2 * cell])), \
+                        _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pmn + (2 * j + 1) * 8)), _mm256_set1_epi32(a->s16[2 * cell + 1]))); \
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(_mm256_loadu_ps(pm + j * 8), xd), acc[r]); \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int r = 0; r < ROWS_N; r++) {                                                                     \
+        float lanes[8];                                                                                    \
+        _mm256_storeu_ps(lanes, acc[r]);                                                                   \
+        float *out = job->y + (r0 + r) * job->n + j0;                                                      \
+        for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
+    }
+
+#define GROUP_ARGS const job_t *job, const uint8_t *const *col, const uint8_t *const *ahead, int bytes, int64_t j0, \
+                   int cols, int64_t r0
+/* AVX2: maddubs + madd; 8-bit quants (offset 128) as |q| against x with q's sign. */
+#define PREP                                                                                               \
+    const __m256i sq = _mm256_xor_si256(u, flip), aq = _mm256_sign_epi8(sq, sq);                           \
+    (void)aq;
+#define DOT(U, X)                                                                                          \
+    (OFF == 128 ? _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(X, sq)), ones)               \
+                : _mm256_madd_epi16(_mm256_maddubs_epi16(U, X), ones))
+#define OFF_APPLIES (OFF != 128)
+static inline TARGET_AVX2 __attribute__((always_inline)) void group_avx2_t(GROUP_ARGS, const int ROWS_N,
+                                                                           const int TYPE) {
+    GROUP_BODY(2)
+}
+#undef PREP
+#undef DOT
+#undef OFF_APPLIES
+#define GROUP_ROWS_AVX2 2
+
+static TARGET_AVX2 void group_avx2(int type, GROUP_ARGS, int rows) {
+#define GROUP_AVX2(TY)                                                                                     \
+    if (rows == 2) group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                              \
+    else group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 1, TY)
+    switch (type) { TYPE_CASES(GROUP_AVX2) }
+#undef GROUP_AVX2
+}
+
+#ifdef GGUF_VNNI
+#define PREP
+#define DOT(U, X) _mm256_dpbusd_epi32(_mm256_setzero_si256(), U, X)
+#define OFF_APPLIES 1
+static inline TARGET_VNNI __attribute__((always_inline)) void group_vnni_t(GROUP_ARGS, const int ROWS_N,
+                                                                           const int TYPE) {
+    GROUP_BODY(4)
+}
+#undef PREP
+#undef DOT
+#undef OFF_APPLIES
+#define GROUP_ROWS_VNNI 4
+
+static TARGET_VNNI void group_vnni(int type, GROUP_ARGS, int rows) {
+#define GROUP_VNNI(TY)                                                                                     \
+    switch (rows) {                                                                                        \
+    case 4: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 4, TY); break;                              \
+    case 3: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 3, TY); break;                              \
+    case 2: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 2, TY); break;                              \
+    default: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 1, TY);                                    \
+    }
+    switch (type) { TYPE_CASES(GROUP_VNNI) }
+#undef GROUP_VNNI
+}
+#endif
+
+/* The tile's columns, two groups of eight, for every row (few rows). */
+static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t col0,
+                           int64_t j0, int cols, int64_t next_col0) {
+    for (int v = 0; v < 2 && 8 * v < cols; v++) {
+        const uint8_t *col[8], *ahead_cols[8];
+        for (int c = 0; c < 8; c++) {
+            const int64_t i = col0 + 8 * v + c;
+            col[c] = column_row(seg, i < seg->rows ? i : seg->rows - 1);
+            const int64_t ia = next_col0 + 8 * v + c;
+            ahead_cols[c] = next_col0 >= 0 ? column_row(seg, ia < seg->rows ? ia : seg->rows - 1) : NULL;
+        }
+        const int group_cols = cols - 8 * v < 8 ? cols - 8 * v : 8;
+        for (int64_t r0 = 0; r0 < job->m;) {
+            const uint8_t *const *ahead = r0 == 0 && next_col0 >= 0 ? ahead_cols : NULL;
+#ifdef GGUF_VNNI
+            if (job->isa == ISA_VNNI) {
+                const int rows = (int)(job->m - r0 < GROUP_ROWS_VNNI ? job->m - r0 : GROUP_ROWS_VNNI);
+                group_vnni((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+                r0 += rows;
+                continue;
+            }
+#endif
+            const int rows = (int)(job->m - r0 < GROUP_ROWS_AVX2 ? job->m - r0 : GROUP_ROWS_AVX2);
+            group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+            r0 += rows;
+        }
+    }
+}
+#endif /* GGUF_X86 */
+
 /* ---- the work, split over tiles of output columns ----------------------------------- */
 
 static void run_tiles(void *arg, int index, int count) {
@@ -477,6 +793,12 @@ static void run_tiles(void *arg, int index, int count) {
             continue;
         }
 #ifdef GGUF_X86
+        if (job->m < job->gemm_min_rows) {
+            /* the next tile's columns, fetched while this one's are read (same segment only) */
+            const int64_t next = t + 1 < t1 && job->tile_seg[t + 1] == job->tile_seg[t] ? job->tile_col[t + 1] : -1;
+            run_groups_x86(job, seg, &info, col0, j0, cols, next);
+            continue;
+        }
         const tile_t tl = tile_scratch(job, index);
         build_tile(job, &tl, seg, &info, col0);
         for (int64_t r0 = 0; r0 < job->m;) {
@@ -517,7 +839,10 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     if (num_threads < 1) num_threads = 1;
     const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
-    job_t job = {w, &a, y, m, n, k, nb, isa, num_tiles, NULL, NULL, NULL, NULL, 0};
+    job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
+                 NULL, NULL, NULL, NULL, 0};
+    const char *tune = getenv("BARGEIN_GGUF_GEMM_MIN_ROWS");
+    if (tune) job.gemm_min_rows = atoi(tune);
     job.scratch_bytes = isa == ISA_C ? (int64_t)sizeof(float) * (m > 0 ? m : 1)
                                      : 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4);
     job.scratch_bytes = (job.scratch_bytes + 63) / 64 * 64;

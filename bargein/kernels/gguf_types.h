@@ -115,64 +115,26 @@ static inline void no_split(dblock_t *o, int subs16) {
     }
 }
 
-/* Block b of the type into o (plain C). */
-static inline void gguf_decode_c(int type, const uint8_t *b, dblock_t *o) {
+/* The parameters of block b of the type (s, m per 32; sc, mn per 16) into o (plain C). */
+static inline void gguf_params_c(int type, const uint8_t *b, dblock_t *o) {
     switch (type) {
-    case T_Q4_0:
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL:
         o->s[0] = gguf_f16(b), o->m[0] = 0.0f;
-        unpack_nibbles32(b + 2, o->u);
         no_split(o, 2);
         return;
-    case T_Q4_1:
+    case T_Q4_1: case T_Q5_1:
         o->s[0] = gguf_f16(b), o->m[0] = gguf_f16(b + 2);
-        unpack_nibbles32(b + 4, o->u);
-        no_split(o, 2);
-        return;
-    case T_Q5_0:
-        o->s[0] = gguf_f16(b), o->m[0] = 0.0f;
-        unpack_nibbles32(b + 6, o->u);
-        high_bits32(b + 2, o->u);
-        no_split(o, 2);
-        return;
-    case T_Q5_1:
-        o->s[0] = gguf_f16(b), o->m[0] = gguf_f16(b + 2);
-        unpack_nibbles32(b + 8, o->u);
-        high_bits32(b + 4, o->u);
-        no_split(o, 2);
-        return;
-    case T_Q8_0:
-        o->s[0] = gguf_f16(b), o->m[0] = 0.0f;
-        for (int i = 0; i < 32; i++) o->u[i] = b[2 + i] ^ 0x80; /* q + 128 */
-        no_split(o, 2);
-        return;
-    case T_IQ4_NL:
-        o->s[0] = gguf_f16(b), o->m[0] = 0.0f;
-        unpack_nibbles32(b + 2, o->u);
-        for (int i = 0; i < 32; i++) o->u[i] = (uint8_t)(KVALUES_IQ4NL[o->u[i]] + 128);
         no_split(o, 2);
         return;
     case T_Q2_K: { /* scales[16], qs[64], d, dmin */
-        const uint8_t *scales = b, *qs = b + 16;
         const float d = gguf_f16(b + 80), dmin = gguf_f16(b + 82);
-        for (int h = 0; h < 2; h++)
-            for (int s = 0; s < 4; s++)
-                for (int l = 0; l < 32; l++) o->u[h * 128 + s * 32 + l] = (qs[h * 32 + l] >> (2 * s)) & 3;
-        for (int i = 0; i < 16; i++) {
-            o->sc[i] = scales[i] & 0x0F;
-            o->mn[i] = scales[i] >> 4;
-        }
+        for (int i = 0; i < 16; i++) o->sc[i] = b[i] & 0x0F, o->mn[i] = b[i] >> 4;
         for (int i = 0; i < 8; i++) o->s[i] = d, o->m[i] = -dmin;
         return;
     }
     case T_Q3_K: { /* hmask[32], qs[64], scales[12], d */
-        const uint8_t *hmask = b, *qs = b + 32, *scales = b + 96;
+        const uint8_t *scales = b + 96;
         const float d = gguf_f16(b + 108);
-        for (int h = 0; h < 2; h++)
-            for (int s = 0; s < 4; s++)
-                for (int l = 0; l < 32; l++) {
-                    const int idx = h * 128 + s * 32 + l;
-                    o->u[idx] = (uint8_t)(((qs[h * 32 + l] >> (2 * s)) & 3) | (((hmask[l] >> (idx / 32)) & 1) << 2));
-                }
         for (int i = 0; i < 16; i++) {
             const int lo = i < 8 ? scales[i] & 0x0F : scales[i - 8] >> 4;
             const int hi = (scales[8 + i % 4] >> (2 * (i / 4))) & 3;
@@ -182,18 +144,8 @@ static inline void gguf_decode_c(int type, const uint8_t *b, dblock_t *o) {
         for (int i = 0; i < 8; i++) o->s[i] = d, o->m[i] = 0.0f;
         return;
     }
-    case T_Q4_K:
-    case T_Q5_K: { /* d, dmin, scales[12], (Q5_K: qh[32]), qs[128] */
+    case T_Q4_K: case T_Q5_K: { /* d, dmin, scales[12], ... */
         const float d = gguf_f16(b), dmin = gguf_f16(b + 2);
-        const uint8_t *qs = b + (type == T_Q4_K ? 16 : 48);
-        for (int g = 0; g < 4; g++)
-            for (int l = 0; l < 32; l++) {
-                o->u[64 * g + l] = qs[32 * g + l] & 0x0F;
-                o->u[64 * g + 32 + l] = qs[32 * g + l] >> 4;
-            }
-        if (type == T_Q5_K)
-            for (int j = 0; j < 8; j++)
-                for (int l = 0; l < 32; l++) o->u[32 * j + l] |= (uint8_t)(((b[16 + l] >> j) & 1) << 4);
         for (int j = 0; j < 8; j++) {
             int sc, mn;
             k_scale_min(b + 4, j, &sc, &mn);
@@ -204,17 +156,7 @@ static inline void gguf_decode_c(int type, const uint8_t *b, dblock_t *o) {
         return;
     }
     case T_Q6_K: { /* ql[128], qh[64], scales[16] (int8), d */
-        const uint8_t *ql = b, *qh = b + 128;
         const float d = gguf_f16(b + 208);
-        for (int h = 0; h < 2; h++)
-            for (int l = 0; l < 32; l++) {
-                uint8_t *u = o->u + h * 128;
-                const uint8_t a = ql[h * 64 + l], c = ql[h * 64 + 32 + l], hb = qh[h * 32 + l];
-                u[l] = (uint8_t)((a & 0x0F) | ((hb & 3) << 4));
-                u[32 + l] = (uint8_t)((c & 0x0F) | (((hb >> 2) & 3) << 4));
-                u[64 + l] = (uint8_t)((a >> 4) | (((hb >> 4) & 3) << 4));
-                u[96 + l] = (uint8_t)((c >> 4) | (((hb >> 6) & 3) << 4));
-            }
         for (int i = 0; i < 16; i++) o->sc[i] = (int8_t)b[192 + i], o->mn[i] = 0;
         for (int i = 0; i < 8; i++) o->s[i] = d, o->m[i] = 0.0f;
         return;
@@ -226,13 +168,76 @@ static inline void gguf_decode_c(int type, const uint8_t *b, dblock_t *o) {
             const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F) | (((scales_h >> (2 * ib)) & 3) << 4);
             o->s[ib] = d * (float)(ls - 32);
             o->m[ib] = 0.0f;
-            unpack_nibbles32(b + 8 + 16 * ib, o->u + 32 * ib);
         }
-        for (int i = 0; i < 256; i++) o->u[i] = (uint8_t)(KVALUES_IQ4NL[o->u[i]] + 128);
         no_split(o, 16);
         return;
     }
     }
+}
+
+/* The quants of block b of the type, as u = q + off, into u[qk] (plain C). */
+static inline void gguf_quants_c(int type, const uint8_t *b, uint8_t *u) {
+    switch (type) {
+    case T_Q4_0: unpack_nibbles32(b + 2, u); return;
+    case T_Q4_1: unpack_nibbles32(b + 4, u); return;
+    case T_Q5_0: unpack_nibbles32(b + 6, u), high_bits32(b + 2, u); return;
+    case T_Q5_1: unpack_nibbles32(b + 8, u), high_bits32(b + 4, u); return;
+    case T_Q8_0:
+        for (int i = 0; i < 32; i++) u[i] = b[2 + i] ^ 0x80; /* q + 128 */
+        return;
+    case T_IQ4_NL:
+        unpack_nibbles32(b + 2, u);
+        for (int i = 0; i < 32; i++) u[i] = (uint8_t)(KVALUES_IQ4NL[u[i]] + 128);
+        return;
+    case T_Q2_K: /* value h * 128 + s * 32 + l: bits 2s of qs[h * 32 + l] */
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++) u[h * 128 + s * 32 + l] = (b[16 + h * 32 + l] >> (2 * s)) & 3;
+        return;
+    case T_Q3_K: /* and bit idx / 32 of hmask[l] set adds 4 (q = u - 4) */
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int l = 0; l < 32; l++) {
+                    const int idx = h * 128 + s * 32 + l;
+                    u[idx] = (uint8_t)(((b[32 + h * 32 + l] >> (2 * s)) & 3) | (((b[l] >> (idx / 32)) & 1) << 2));
+                }
+        return;
+    case T_Q4_K: case T_Q5_K: {
+        const uint8_t *qs = b + (type == T_Q4_K ? 16 : 48);
+        for (int g = 0; g < 4; g++)
+            for (int l = 0; l < 32; l++) {
+                u[64 * g + l] = qs[32 * g + l] & 0x0F;
+                u[64 * g + 32 + l] = qs[32 * g + l] >> 4;
+            }
+        if (type == T_Q5_K)
+            for (int j = 0; j < 8; j++)
+                for (int l = 0; l < 32; l++) u[32 * j + l] |= (uint8_t)(((b[16 + l] >> j) & 1) << 4);
+        return;
+    }
+    case T_Q6_K: {
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                uint8_t *o = u + h * 128;
+                const uint8_t a = ql[h * 64 + l], c = ql[h * 64 + 32 + l], hb = qh[h * 32 + l];
+                o[l] = (uint8_t)((a & 0x0F) | ((hb & 3) << 4));
+                o[32 + l] = (uint8_t)((c & 0x0F) | (((hb >> 2) & 3) << 4));
+                o[64 + l] = (uint8_t)((a >> 4) | (((hb >> 4) & 3) << 4));
+                o[96 + l] = (uint8_t)((c >> 4) | (((hb >> 6) & 3) << 4));
+            }
+        return;
+    }
+    case T_IQ4_XS:
+        for (int ib = 0; ib < 8; ib++) unpack_nibbles32(b + 8 + 16 * ib, u + 32 * ib);
+        for (int i = 0; i < 256; i++) u[i] = (uint8_t)(KVALUES_IQ4NL[u[i]] + 128);
+        return;
+    }
+}
+
+/* Block b of the type into o (plain C): the reference for every vector path. */
+static inline void gguf_decode_c(int type, const uint8_t *b, dblock_t *o) {
+    gguf_params_c(type, b, o);
+    gguf_quants_c(type, b, o->u);
 }
 
 /* The float scale and min of 16 values i (0..qk/16-1) of a decoded block: the values are
