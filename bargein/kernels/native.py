@@ -54,9 +54,11 @@ Q8_ISAS = {"c": 0, "avx2": 1, "vnni": 2}
 
 
 class Q8Weight(ctypes.Structure):
-    """A block-held weight as the int8 matmul reads it (fast_forward.c's bargein_q8_weight_t)."""
+    """A block-held weight as the int8 matmul reads it (fast_forward.c's bargein_q8_weight_t):
+    a BlockWeight's arrays, or ``quant``, the address of a :class:`QuantMatrix`'s struct."""
 
-    _fields_ = [("qs", _P), ("scales", _P), ("mins", _P), ("n", _I64), ("k", _I64), ("bits", _I64)]
+    _fields_ = [("qs", _P), ("scales", _P), ("mins", _P), ("n", _I64), ("k", _I64), ("bits", _I64),
+                ("quant", _P)]
 
 
 class QuantSegmentC(ctypes.Structure):
@@ -406,7 +408,8 @@ class NativeKernels:
 
 _FAST_LAYER_ERRORS = {-2: "this CPU lacks the int8 matmul's chosen instruction set",
                       -3: "a slot lies outside the cache", -4: "a position lies outside the RoPE tables",
-                      -5: "a logits row is not a row of the forward", -6: "a token id is not in the vocabulary"}
+                      -5: "a logits row is not a row of the forward", -6: "a token id is not in the vocabulary",
+                      -7: "a GGUF weight's block type has no native kernels"}
 
 
 def _gguf_status(status: int, isa: str | None) -> None:
