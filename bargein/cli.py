@@ -299,12 +299,10 @@ def _plan_memory(ref: str | None, config, kv_auto: bool):
 
     from bargein.loader import LoaderError, load_config, resolve_model_ref
     from bargein.loader.memory_plan import plan_memory
-    from bargein.model.block_weights import BRIDGED_TYPES
 
     try:
         source = resolve_model_ref(ref)
-        plan = plan_memory(source, load_config(source), config, kv_auto=kv_auto,
-                           copied_types=frozenset(BRIDGED_TYPES))
+        plan = plan_memory(source, load_config(source), config, kv_auto=kv_auto)
     except LoaderError as exc:  # MemoryPlanError included
         raise UserError(str(exc), EXIT_FAILURE) from None
     print(f"bargein: {plan.describe()}", file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ from bargein.kernels.ops import KernelSet
 from bargein.kernels.quant_weight import QuantWeight
 from bargein.loader import load_config, load_tokenizer, load_weights, resolve_model_ref
 from bargein.loader.gguf_file import open_gguf
-from bargein.model.block_weights import TokenEmbedding, bridged, cat_rows
+from bargein.model.block_weights import TokenEmbedding, cat_rows
 from bargein.model.linear import Linear
 from tests.tiny_engine import TINY, ByteTokenizer
 from tests.tiny_engine import tiny_weights as tiny_engine_weights
@@ -62,8 +62,6 @@ def test_direct_blocks_equal_the_recovered_ones_on_written_files(files, tensor_t
     assert matrices and all(isinstance(held[name], QuantWeight) for name in matrices)
     for name in matrices:  # Q/K included: their rows are un-permuted by the row order
         assert torch.equal(held[name].dequantize(), dense[name]), name
-        if NATIVE is not None:  # the bridge to today's BlockWeight kernels
-            assert same_blocks(bridged(held[name], KernelSet(NATIVE)), recover_blocks(dense[name])), name
     for name in dense.keys() - set(matrices):  # norms stay dense float32
         assert torch.equal(held[name], dense[name]), name
 
@@ -123,27 +121,22 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 @needs_native
-@pytest.mark.parametrize(("precision", "fp32_weights", "copies"), [
-    ("fast", None, False), ("fast", True, False),  # fast reads only blocks, whatever is asked
-    ("exact", None, False), ("exact", False, False), ("exact", True, True)])
-def test_default_mode_holds_no_float32_copy_of_a_block_weight(files, precision: str, fp32_weights: bool | None,
-                                                              copies: bool) -> None:
+@pytest.mark.parametrize(("precision", "fp32_weights"), [("fast", None), ("fast", True), ("exact", None),
+                                                         ("exact", False), ("exact", True)])
+def test_no_mode_holds_a_float32_copy_of_a_files_blocks(files, precision: str, fp32_weights: bool | None) -> None:
+    """Both precisions read the file's blocks (QuantWeights over the map); ``fp32_weights``
+    no longer copies them."""
     config, weights = load(files["Q4_1"], blocks=True)
-    stored = {n: bridged(w, KernelSet(NATIVE)).nbytes if isinstance(w, QuantWeight) else w.numel() * 4
-              for n, w in weights.items()}
+    stored = {n: w.nbytes if isinstance(w, QuantWeight) else w.numel() * 4 for n, w in weights.items()}
     model = build_model(config, weights, EngineConfig(device="cpu", precision=precision, fp32_weights=fp32_weights))
-    fp32_weights = copies
     assert not weights  # all taken by the model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 4 * SPEC.num_layers + 1 and all(m.blocks is not None for m in linears)
-    assert all(m.holds_dense == fp32_weights for m in linears)
-    assert model.embed.weight is None and model.embed.blocks is not None
-    rope = sum(b.numel() * b.element_size() for b in model.rope.buffers())
-    held = model_bytes(model) - rope
-    if fp32_weights:
-        assert held > 4 * sum(stored.values())  # float32 copies beside the blocks
-    else:
-        assert held == sum(stored.values())  # the file's blocks (fused) and float32 norms, nothing else
+    assert len(linears) == 4 * SPEC.num_layers + 1 and all(m.quant is not None for m in linears)
+    assert not any(m.holds_dense or m.blocks is not None for m in linears)
+    assert model.embed.weight is None and model.embed.quant is not None
+    held = sum(m.quant.nbytes for m in linears) + model.embed.quant.nbytes * (not SPEC.tie_word_embeddings)
+    held += sum(t.numel() * t.element_size() for t in model.parameters())  # the float32 norms
+    assert held == sum(stored.values())  # the file's blocks (fused as segments) and the norms, nothing else
 
 
 @needs_native

@@ -125,14 +125,13 @@ def test_stage_widths_come_from_the_gguf_tensor_table_where_stages_read_blocks(t
     assert stage_widths(source, config, cpu_fast) == MatrixWidths(expected)  # norms are no matrices
     f32 = ModelSource("gguf", write_gguf(tmp_path / "f32.gguf", spec, weights), "tiny")
     assert stage_widths(f32, config, cpu_fast) == MatrixWidths()  # nothing held in blocks
-    # exact reads the blocks too; float32 copies asked for are read at one width
+    # exact reads the file's blocks too
     assert stage_widths(source, config, replace(cpu_fast, precision="exact")) == MatrixWidths(expected)
-    assert stage_widths(source, config, replace(cpu_fast, fp32_weights=True)) == MatrixWidths()
     # A safetensors folder is dense: nothing is read (this one does not even exist).
     assert stage_widths(ModelSource("hf", tmp_path / "absent", "tiny"), config, cpu_fast) == MatrixWidths()
     assert stages_read_blocks(cpu_fast)
     assert stages_read_blocks(replace(cpu_fast, precision="exact"))
-    for other in (dict(fp32_weights=True), dict(dtype="bfloat16"), dict(native_kernels=False),
+    for other in (dict(dtype="bfloat16"), dict(native_kernels=False),
                   dict(device="cuda")):
         assert not stages_read_blocks(replace(cpu_fast, **other))
 

@@ -28,10 +28,10 @@ from bargein.loader.source import ModelSource
 
 def stages_read_blocks(config: EngineConfig) -> bool:
     """Whether stages built from ``config`` compute from blocks: the native kernels, on the
-    CPU, float32, in either precision (unless ``fp32_weights`` asks for float32 copies).
+    CPU, float32, in either precision.
     A device of "auto" is judged by this (the head's) PyTorch; stages on nodes with a GPU
     the head lacks would compute densely on it."""
-    if not config.native_kernels or config.fp32_weights:
+    if not config.native_kernels:
         return False
     on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if on_cuda else "cpu")

@@ -57,11 +57,11 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
     """The model (layers ``layer_range``, default all: a pipeline stage holds a range) on
     ``config``'s device and dtype, with its kernels resolved once.
 
-    Weights held in blocks (a GGUF's matrices, see ``load_weights(blocks=True)``) stay in
-    blocks where the native kernels read them (a float32 CPU model), in both precisions,
-    with a float32 copy of a Q4_1/Q8_0 one only if ``config.fp32_weights`` is set;
-    elsewhere (CUDA, or no native kernels) each is widened to the model's dtype, and one
-    log line says so and what it costs.
+    Weights held in blocks (a GGUF's matrices as QuantWeights, see
+    ``load_weights(blocks=True)``) stay in blocks where the native kernels read them (a
+    float32 CPU model), in both precisions, never copied (``config.fp32_weights`` applies
+    to BlockWeights only, which no loader makes any more); elsewhere (CUDA, or no native
+    kernels) each is widened to the model's dtype, and one log line says so and what it costs.
     Tensors not yet where they belong are moved one at a time, and every weight is dropped
     from ``weights`` as the model takes it, so no second copy of the model sits in memory.
     """

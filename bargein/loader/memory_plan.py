@@ -82,17 +82,15 @@ def available_memory() -> int | None:
 
 
 def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineConfig, *,
-                kv_auto: bool = False, available: int | None = None,
-                copied_types: frozenset[GGMLQuantizationType] = frozenset()) -> MemoryPlan:
+                kv_auto: bool = False, available: int | None = None) -> MemoryPlan:
     """The memory ``config`` will take for the model at ``source``, from its tensor table
     (nothing read). ``kv_auto``: the KV cache gets what is left of ``available`` (default:
-    the system's available memory). ``copied_types``: block types the model still copies
-    into private memory (it reads them through another form). Raises MemoryPlanError
+    the system's available memory). Raises MemoryPlanError
     where the private memory cannot fit, or ``kv_auto`` leaves no room for a KV cache."""
     available = available if available is not None else available_memory()
     on_cpu = not config.device.startswith("cuda") and config.dtype in ("auto", "float32")
-    reads_blocks = on_cpu and config.native_kernels and not config.fp32_weights
-    mapped, private = _weight_bytes(source, model_config, reads_blocks, copied_types)
+    reads_blocks = on_cpu and config.native_kernels
+    mapped, private = _weight_bytes(source, model_config, reads_blocks)
     fast = config.precision == "fast" and reads_blocks
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
     block = config.cache.block_size
@@ -123,8 +121,7 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     return plan
 
 
-def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: bool,
-                  copied_types: frozenset[GGMLQuantizationType]) -> tuple[int, int]:
+def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: bool) -> tuple[int, int]:
     """(mapped, private) bytes of every weight the model holds."""
     wanted = wanted_tensors(model_config, 0, model_config.num_layers)
     mapped = private = 0
@@ -150,10 +147,7 @@ def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: 
         except ValueError:
             continue  # an unknown type: the loader refuses it by name
         if reads_blocks and qtype in QUANT_TYPES and len(info.torch_shape) == 2:
-            if qtype in copied_types:
-                private += info.n_bytes
-            else:
-                mapped += info.n_bytes
+            mapped += info.n_bytes
         else:
             private += 4 * numel
     return mapped, private

@@ -10,9 +10,9 @@ construction: Q, K and V into one matrix and gate/up into another, so that each 
 runs two large matmuls instead of five small ones. A weight may arrive dense or held in
 blocks (:mod:`bargein.model.block_weights`): a QuantWeight (a GGUF's blocks of any type,
 over the mapped file) stays one, fused parts as its segments, and is read by
-``KernelSet.quant_linear``; no float32 copy of it exists in either precision. Q4_1/Q8_0
-ones go to today's BlockWeight kernels (:func:`~bargein.model.block_weights.bridged`),
-beside which only ``fp32_weights`` adds a float32 copy (see :meth:`Linear.from_blocks`).
+``KernelSet.quant_linear``; no float32 copy of it exists in either precision. Beside a
+BlockWeight (a block form found in a dense weight) only ``fp32_weights`` adds a float32
+copy (see :meth:`Linear.from_blocks`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from bargein.model.attention import (
     fast_paged_attention,
     paged_attention,
 )
-from bargein.model.block_weights import TokenEmbedding, Weight, bridged, cat_rows, dense
+from bargein.model.block_weights import TokenEmbedding, Weight, cat_rows, dense
 from bargein.model.fused_layers import FusedLayers
 from bargein.model.linear import Linear
 from bargein.model.rope import RotaryEmbedding, apply_rotary
@@ -43,7 +43,6 @@ Take = Callable[[str], Weight]  # a canonical weight by name (see LlamaStage's `
 
 
 def _linear(weight: Weight, bias: torch.Tensor | None, kernels: KernelSet, fp32_weights: bool) -> Linear:
-    weight = bridged(weight, kernels)
     if isinstance(weight, QuantWeight):
         return Linear.from_quant(weight, bias, kernels=kernels)
     if isinstance(weight, BlockWeight):
@@ -165,8 +164,6 @@ class LlamaStage(nn.Module):
         self.is_first, self.is_last = start == 0, end == config.num_layers
         tied = self.is_last and config.tie_word_embeddings
         embed = take("embed.weight") if self.is_first or tied else None
-        if embed is not None:
-            embed = bridged(embed, kernels)  # once: a tied head shares it
         self.embed = TokenEmbedding(embed, kernels) if self.is_first else None
         self.layers = nn.ModuleList(TransformerBlock(config, take, i, kernels, fp32_weights)
                                     for i in range(start, end))
@@ -178,10 +175,8 @@ class LlamaStage(nn.Module):
         freq_factors = take("rope_freq_factors") if "rope_freq_factors" in weights else None
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, freq_factors)
         self.kernels = kernels
-        # The fused call reads dense or BlockWeight embeddings; a QuantWeight one is looked up here.
-        fused_embed = self.embed if self.embed is not None and self.embed.quant is None else None
         self.fused = (FusedLayers.build(config, list(self.layers), (self.rope.cos, self.rope.sin), kernels.native,
-                                        fused_embed, (self.norm, self.lm_head) if self.is_last else None)
+                                        self.embed, (self.norm, self.lm_head) if self.is_last else None)
                       if fuse_layers and kernels.fast and kernels.native is not None else None)
 
     @property

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from bargein.config import CacheConfig, EngineConfig
-from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.loader import load_config, resolve_model_ref
 from bargein.loader.gguf_file import open_gguf
 from bargein.loader.memory_plan import RUNTIME_BYTES, MemoryPlanError, plan_memory
@@ -63,11 +62,9 @@ def test_private_memory_that_cannot_fit_is_refused_before_loading(q4_k_m: Path) 
         plan_memory(source, load_config(source), big_kv, available=2 * GiB)
 
 
-def test_the_bundled_models_bridged_blocks_count_as_copies() -> None:
+def test_the_bundled_models_blocks_are_mapped() -> None:
     source = resolve_model_ref(None)
     config = load_config(source)
-    bridged = frozenset({GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
-    mapped = plan_memory(source, config, CPU, available=64 * GiB)
-    copied = plan_memory(source, config, CPU, available=64 * GiB, copied_types=bridged)
-    assert copied.mapped_weight_bytes == 0
-    assert copied.private_weight_bytes == mapped.mapped_weight_bytes + mapped.private_weight_bytes
+    plan = plan_memory(source, config, CPU, available=64 * GiB)
+    tensors = open_gguf(source.path).tensors
+    assert plan.mapped_weight_bytes == sum(t.n_bytes for t in tensors.values() if len(t.shape) == 2)
