@@ -147,8 +147,9 @@ class GGUFFile:
             raise UnsupportedModelError(f"{self.path}: tensor {name!r} has unknown type {info.tensor_type}") from None
         if qtype not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
-                f"{self.path}: tensor {name!r} has type {qtype.name}, which bargein cannot "
-                f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+                f"{self.path}: tensor {name!r} has type {qtype.name}, which bargein has no kernels for "
+                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}); use a file of a "
+                "supported type (e.g. Q4_K_M)"
             )
         if info.present != info.n_bytes:
             raise CorruptModelError(

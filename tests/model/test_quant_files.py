@@ -153,3 +153,20 @@ def test_mapped_weights_are_file_backed_pages_not_private_ones(tmp_path: Path) -
     # tensors aside); a forward touches every weight page, which the file backs.
     assert m["loaded_anon"] < 0.25 * size, m
     assert m["ran_file"] > 0.8 * size, m
+
+
+def test_a_type_without_kernels_is_refused_by_name(tmp_path: Path) -> None:
+    """A type no kernel reads (TQ2_0 here; IQ2/IQ3, MXFP4 alike) is refused with its name,
+    never widened or read silently."""
+    import numpy as np
+
+    from bargein.loader import UnsupportedModelError
+    from tests.model.quant_models import Q
+    from tests.tiny_models import tiny_weights, write_gguf
+
+    weights = tiny_weights(SPEC)
+    raw = np.random.default_rng(0).integers(0, 256, (SPEC.hidden_size, SPEC.hidden_size // 256 * 66), dtype=np.uint8)
+    path = write_gguf(tmp_path / "tiny.TQ2_0.gguf", SPEC, weights, tensor_type="Q8_0", skip=["blk.0.attn_output.weight"],
+                      extra_tensors={"blk.0.attn_output.weight": (raw, Q.TQ2_0)})
+    with pytest.raises(UnsupportedModelError, match="TQ2_0"):
+        Engine.from_pretrained(str(path), config("exact"), progress=False)
