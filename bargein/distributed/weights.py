@@ -25,9 +25,9 @@ import torch
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.dequant import dequantize
-from bargein.loader.errors import CorruptModelError
 from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
+from bargein.loader.errors import CorruptModelError
 from bargein.loader.gguf_file import PERMUTED_ARCHS, open_gguf, qk_row_order, unpermute_qk
 from bargein.loader.hf_folder import _open as open_safetensors
 from bargein.loader.hf_folder import _weight_map

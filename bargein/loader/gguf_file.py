@@ -17,7 +17,6 @@ for a QuantWeight by its row order (:meth:`QuantWeight.reorder_rows`, no bytes m
 from __future__ import annotations
 
 import functools
-import logging
 import mmap
 import struct
 import sys
@@ -33,9 +32,9 @@ from tqdm import tqdm
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BLOCK, BlockWeight
 from bargein.kernels.dequant import SUPPORTED_TYPES, dequantize
-from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
 from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
+from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
 from bargein.loader.names import check_layer_range, wanted_tensors
 
@@ -45,8 +44,6 @@ SUPPORTED_ARCHS = ("llama", "qwen2")
 BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # Architectures whose Q/K llama.cpp's converter permuted (qwen2 keeps the HF layout).
 PERMUTED_ARCHS = ("llama",)
-
-log = logging.getLogger(__name__)
 
 
 class GGUFFile:
