@@ -556,7 +556,22 @@ static inline TARGET_AVX2 __attribute__((always_inline)) int type_off(const int 
 static inline TARGET_AVX2 __attribute__((always_inline)) __m256 halves8(const uint8_t *const *col, int64_t at) {
     uint16_t h[8];
     for (int c = 0; c < 8; c++) memcpy(&h[c], col[c] + at, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+    /* built in a register (eight narrow stores and one wide load would miss store forwarding) */
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4],
+                                          (short)h[5], (short)h[6], (short)h[7]));
+}
+
+/* The two halves at byte `at` of eight columns' blocks (Q4_1's d and m), from one 32-bit load each. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void half_pairs8(const uint8_t *const *col, int64_t at,
+                                                                           __m256 *first, __m256 *second) {
+    uint32_t w[8];
+    for (int c = 0; c < 8; c++) memcpy(&w[c], col[c] + at, 4);
+    const __m256i v = _mm256_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3], (int)w[4], (int)w[5], (int)w[6],
+                                        (int)w[7]);
+    const __m256i packed = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(v, 16)), 0xD8);
+    *first = _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+    *second = _mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1));
 }
 
 /* The parameters of eight columns' blocks at byte `at` of their rows into panels [sub * 8 + c]. */
@@ -690,6 +705,82 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
         for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
     }
 
+
+/* Q4_0, Q4_1, IQ4_NL: two blocks of a column at once. One 32-byte vector holds both blocks'
+ * low nibbles (elements 0..15 of b, then of b + 1), another their high ones, against the
+ * rows' activations loaded to match; the lane sums then give D_b and D_b+1 per column,
+ * and the float steps run block b first, as the header says. */
+#define PAIR_BODY(ROWS_MAX)                                                                                \
+    const acts_t *a = job->a;                                                                              \
+    const int64_t nb = job->nb, k = job->k;                                                                \
+    const int KIND = type_kind(TYPE), OFF = type_off(TYPE), qoff = TYPE == T_Q4_1 ? 4 : 2;                 \
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);                        \
+    const __m256i low4 = _mm256_set1_epi8(0x0F);                                                           \
+    (void)ones;                                                                                            \
+    (void)flip;                                                                                            \
+    __m256 acc[ROWS_MAX];                                                                                  \
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();                                         \
+    for (int64_t b = 0; b < nb; b += 2) {                                                                  \
+        const int two = b + 1 < nb;                                                                        \
+        const int64_t at0 = b * bytes, at1 = (two ? b + 1 : b) * bytes;                                    \
+        __m256 s0, s1, m0, m1;                                                                             \
+        if (KIND == KIND_MIN) {                                                                            \
+            half_pairs8(col, at0, &s0, &m0);                                                               \
+            half_pairs8(col, at1, &s1, &m1);                                                               \
+        } else {                                                                                           \
+            s0 = m0 = halves8(col, at0), s1 = m1 = halves8(col, at1);                                      \
+        }                                                                                                  \
+        if (ahead && (at0 & 63) < 2 * bytes)                                                               \
+            for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(ahead[c] + at0), _MM_HINT_T0);         \
+        __m256i xlo[ROWS_MAX], xhi[ROWS_MAX];                                                              \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+            const int8_t *x0 = a->q + (r0 + r) * k + 32 * b, *x1 = two ? x0 + 32 : x0;                      \
+            xlo[r] = _mm256_loadu2_m128i((const __m128i *)x1, (const __m128i *)x0);                        \
+            xhi[r] = _mm256_loadu2_m128i((const __m128i *)(x1 + 16), (const __m128i *)(x0 + 16));          \
+        }                                                                                                  \
+        __m256i h[ROWS_MAX][2];                                                                            \
+        _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                                     \
+            __m256i sp[ROWS_MAX][2];                                                                       \
+            _Pragma("GCC unroll 2") for (int cp = 0; cp < 2; cp++) {                                       \
+                __m256i tt[ROWS_MAX][2];                                                                   \
+                _Pragma("GCC unroll 2") for (int cc = 0; cc < 2; cc++) {                                   \
+                    const uint8_t *w = col[half * 4 + cp * 2 + cc];                                        \
+                    const __m256i q = _mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff),               \
+                                                          (const __m128i *)(w + at0 + qoff));              \
+                    __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
+                    if (TYPE == T_IQ4_NL) lo = iq4_values(lo), hi = iq4_values(hi);                        \
+                    PAIR_PREP                                                                              \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) tt[r][cc] = PAIR_DOT(lo, hi, xlo[r], xhi[r]); \
+                }                                                                                          \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) sp[r][cp] = SUM_PAIRS32(tt[r][0], tt[r][1]); \
+            }                                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) h[r][half] = SUM_PAIRS64(sp[r][0], sp[r][1]); \
+        }                                                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+            const int64_t cell = (r0 + r) * nb + b;                                                        \
+            __m256i d0 = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x20);                                \
+            __m256i d1 = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x31);                                \
+            if (OFF_APPLIES && OFF) {                                                                      \
+                d0 = _mm256_sub_epi32(d0, _mm256_set1_epi32(OFF * (a->s16[2 * cell] + a->s16[2 * cell + 1]))); \
+                if (two) d1 = _mm256_sub_epi32(d1, _mm256_set1_epi32(OFF * (a->s16[2 * cell + 2] + a->s16[2 * cell + 3]))); \
+            }                                                                                              \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_set1_ps(a->d[cell])), acc[r]); \
+            if (KIND == KIND_MIN) acc[r] = _mm256_fmadd_ps(m0, _mm256_set1_ps(a->s[cell]), acc[r]);         \
+            if (two) {                                                                                     \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, _mm256_set1_ps(a->d[cell + 1])), acc[r]); \
+                if (KIND == KIND_MIN) acc[r] = _mm256_fmadd_ps(m1, _mm256_set1_ps(a->s[cell + 1]), acc[r]); \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int r = 0; r < ROWS_N; r++) {                                                                     \
+        float lanes[8];                                                                                    \
+        _mm256_storeu_ps(lanes, acc[r]);                                                                   \
+        float *out = job->y + (r0 + r) * job->n + j0;                                                      \
+        for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
+    }
+
+#define PAIRED(TYPE) ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_1 || (TYPE) == T_IQ4_NL)
+
 #define GROUP_ARGS const job_t *job, const uint8_t *const *col, const uint8_t *const *ahead, int bytes, int64_t j0, \
                    int cols, int64_t r0
 /* AVX2: maddubs + madd; 8-bit quants (offset 128) as |q| against x with q's sign. */
@@ -700,10 +791,25 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
     (OFF == 128 ? _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(X, sq)), ones)               \
                 : _mm256_madd_epi16(_mm256_maddubs_epi16(U, X), ones))
 #define OFF_APPLIES (OFF != 128)
+#define PAIR_PREP                                                                                          \
+    const __m256i sl = _mm256_xor_si256(lo, flip), sh = _mm256_xor_si256(hi, flip);                        \
+    const __m256i al = _mm256_sign_epi8(sl, sl), ah = _mm256_sign_epi8(sh, sh);                            \
+    (void)al;                                                                                              \
+    (void)ah;
+#define PAIR_DOT(LO, HI, XL, XH)                                                                           \
+    (OFF == 128 ? _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(XL, sl)), ones),  \
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(XH, sh)), ones))  \
+                : _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(LO, XL), _mm256_maddubs_epi16(HI, XH)), ones))
 static inline TARGET_AVX2 __attribute__((always_inline)) void group_avx2_t(GROUP_ARGS, const int ROWS_N,
                                                                            const int TYPE) {
-    GROUP_BODY(2)
+    if (PAIRED(TYPE)) {
+        PAIR_BODY(2)
+    } else {
+        GROUP_BODY(2)
+    }
 }
+#undef PAIR_PREP
+#undef PAIR_DOT
 #undef PREP
 #undef DOT
 #undef OFF_APPLIES
@@ -721,10 +827,18 @@ static TARGET_AVX2 void group_avx2(int type, GROUP_ARGS, int rows) {
 #define PREP
 #define DOT(U, X) _mm256_dpbusd_epi32(_mm256_setzero_si256(), U, X)
 #define OFF_APPLIES 1
+#define PAIR_PREP
+#define PAIR_DOT(LO, HI, XL, XH) _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), LO, XL), HI, XH)
 static inline TARGET_VNNI __attribute__((always_inline)) void group_vnni_t(GROUP_ARGS, const int ROWS_N,
                                                                            const int TYPE) {
-    GROUP_BODY(4)
+    if (PAIRED(TYPE)) {
+        PAIR_BODY(4)
+    } else {
+        GROUP_BODY(4)
+    }
 }
+#undef PAIR_PREP
+#undef PAIR_DOT
 #undef PREP
 #undef DOT
 #undef OFF_APPLIES
@@ -841,8 +955,6 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
                  NULL, NULL, NULL, NULL, 0};
-    const char *tune = getenv("BARGEIN_GGUF_GEMM_MIN_ROWS");
-    if (tune) job.gemm_min_rows = atoi(tune);
     job.scratch_bytes = isa == ISA_C ? (int64_t)sizeof(float) * (m > 0 ? m : 1)
                                      : 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4);
     job.scratch_bytes = (job.scratch_bytes + 63) / 64 * 64;

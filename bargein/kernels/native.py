@@ -503,7 +503,7 @@ def build_library(compiler: str, target_dir: Path) -> Path:
 
 def _compile(compiler: str, flags: tuple[str, ...], output: str) -> None:
     subprocess.run([compiler, *flags, "-o", output, *map(str, _SOURCES), "-lm"], capture_output=True, text=True,
-                   check=True, timeout=120)
+                   check=True, timeout=300)  # gguf_matmul.c alone takes ~20 s of CPU
 
 
 @functools.cache
