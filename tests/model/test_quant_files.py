@@ -170,3 +170,21 @@ def test_a_type_without_kernels_is_refused_by_name(tmp_path: Path) -> None:
                       extra_tensors={"blk.0.attn_output.weight": (raw, Q.TQ2_0)})
     with pytest.raises(UnsupportedModelError, match="TQ2_0"):
         Engine.from_pretrained(str(path), config("exact"), progress=False)
+
+
+def test_without_native_kernels_the_blocks_are_widened_with_one_log_line(files, caplog) -> None:
+    import logging
+
+    from bargein.engine.device import build_model
+
+    path, reference = files["Q4_K_M"]
+    source = resolve_model_ref(path)
+    cfg = load_config(source)
+    weights = load_weights(source, cfg, progress=False, blocks=True)
+    with caplog.at_level(logging.WARNING, logger="bargein.engine.device"):
+        model = build_model(cfg, weights, EngineConfig(device="cpu", native_kernels=False))
+    lines = [r.getMessage() for r in caplog.records if r.name == "bargein.engine.device"]
+    assert len(lines) == 1 and "widening" in lines[0] and "MiB" in lines[0] and "native kernels" in lines[0]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.quant is None and m.holds_dense for m in linears)  # float32 (plain or packed)
+    assert torch.equal(model.embed.weight, reference["embed.weight"])  # gguf.quants' values
