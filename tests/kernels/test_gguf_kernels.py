@@ -11,6 +11,8 @@ a BlockWeight of the same blocks gives in quant_matmul.c.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -191,7 +193,8 @@ def test_read_only_mapped_blocks_are_read_in_place(tmp_path):
     path = tmp_path / "blocks.bin"
     path.write_bytes(data.numpy().tobytes())
     mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=tuple(data.shape))
-    with pytest.warns(UserWarning):  # torch warns that the array is not writable
+    with warnings.catch_warnings():  # torch warns (once per process) that the array is not writable
+        warnings.simplefilter("ignore")
         view = torch.from_numpy(mapped)
     weight = QuantWeight((QuantSegment(T.Q4_K, view),))
     x = torch.randn(3, 512)
