@@ -17,6 +17,7 @@ for a QuantWeight by its row order (:meth:`QuantWeight.reorder_rows`, no bytes m
 from __future__ import annotations
 
 import functools
+import logging
 import mmap
 import struct
 import sys
@@ -44,6 +45,8 @@ SUPPORTED_ARCHS = ("llama", "qwen2")
 BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # Architectures whose Q/K llama.cpp's converter permuted (qwen2 keeps the HF layout).
 PERMUTED_ARCHS = ("llama",)
+
+log = logging.getLogger(__name__)
 
 
 class GGUFFile:
@@ -304,6 +307,7 @@ def load_gguf_weights(
         wanted["rope_freq_factors"] = "rope_freqs.weight"
     arch = f.get("general.architecture")
     weights: dict[str, Weight] = {}
+    stored = widened = 0  # quantized matrices widened here (without ``blocks``): their bytes before and after
     for canon, gguf_name in _progress(wanted.items(), len(wanted), config.name, progress):
         heads = config.num_heads if ".wq." in canon else config.num_kv_heads
         permuted = arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon)
@@ -316,6 +320,12 @@ def load_gguf_weights(
             w = unpermute_qk(w, heads)
         weights[canon] = w.to(device=device, dtype=torch.float32 if canon == "rope_freq_factors" else dtype)
         del w  # before the next tensor is read
+        if GGMLQuantizationType(f.tensors[gguf_name].tensor_type) in QUANT_TYPES:
+            stored += f.tensors[gguf_name].n_bytes
+            widened += weights[canon].numel() * weights[canon].element_size()
+    if widened and device.type != "cpu":
+        log.warning("the file's quantized matrices (%.0f MiB of blocks) are widened to %.0f MiB of %s on upload "
+                    "to %s", stored / 2**20, widened / 2**20, str(dtype).removeprefix("torch."), device)
     return weights
 
 
