@@ -313,6 +313,51 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const in
     }
 }
 
+
+/* quantize_rows on AVX2: the same values (the same float operations, round to nearest even). */
+static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
+    const acts_t *a = (const acts_t *)arg;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++)
+        for (int64_t b = 0; b < a->nb; b++) {
+            const float *x = a->x + r * a->k + b * 32;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m256 scale = _mm256_set1_ps(inv);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) {
+                const __m256 rounded =
+                    _mm256_round_ps(_mm256_mul_ps(v[i], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rounded), top), bottom);
+            }
+            int8_t *out = a->q + r * a->k + b * 32;
+            int32_t sums[2];
+            for (int half = 0; half < 2; half++) {
+                const __m256i lo = q[2 * half], hi = q[2 * half + 1];
+                const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+                const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+                _mm_storeu_si128((__m128i *)(out + 16 * half), _mm_packs_epi16(lo16, hi16));
+                const __m256i sum = _mm256_add_epi32(lo, hi);
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+                sums[half] = _mm_cvtsi128_si32(s4);
+            }
+            a->d[r * a->nb + b] = d;
+            a->s[r * a->nb + b] = d * (float)(sums[0] + sums[1]);
+            a->s16[r * 2 * a->nb + 2 * b] = sums[0];
+            a->s16[r * 2 * a->nb + 2 * b + 1] = sums[1];
+        }
+}
+
 /* Per-thread tile scratch: tile 16 * k bytes (32-byte vectors tile[(b * 8 + g) * 2 + v]:
  * lane c holds elements 4g .. 4g + 3 of block b of column 8v + c), column bytes 16 * k,
  * panels: s, m (nb * 16 floats each, block-major), sc, mn (2 nb * 16 int32 each). */
@@ -524,7 +569,7 @@ static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const qinfo
     const int off = info->off;
     switch (info->kind) {
     case KIND_PLAIN: VNNI_ROWS(KIND_PLAIN, 6) return rows < 6 ? rows : 6;
-    case KIND_MIN: VNNI_ROWS(KIND_MIN, 6) return rows < 6 ? rows : 6;
+    case KIND_MIN: VNNI_ROWS(KIND_MIN, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
     case KIND_SPLIT: VNNI_ROWS(KIND_SPLIT, 4) return rows < 4 ? rows : 4;
     default: VNNI_ROWS(KIND_SPLIT_MIN, 4) return rows < 4 ? rows : 4;
     }
@@ -982,7 +1027,11 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
         start += w->segs[s].rows;
     }
     const int64_t quant_threads = m / 16 < num_threads ? m / 16 : num_threads;
-    bargein_parallel_run(quantize_rows, &a, quant_threads > 1 ? (int)quant_threads : 1);
+    bargein_task_fn quantize = quantize_rows;
+#ifdef GGUF_X86
+    if (isa != ISA_C) quantize = quantize_rows_avx2;
+#endif
+    bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
     bargein_parallel_run(run_tiles, &job, num_threads);
 done:
     free(a.q);
