@@ -303,6 +303,22 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const in
     case T_Q4_1: case T_Q5_1:
         ps[c] = f16c(b), pm[c] = f16c(b + 2);
         return;
+    case T_Q4_K: case T_Q5_K: { /* six-bit scales and mins times d and -dmin, straight to the panels */
+        const float d = f16c(b), dmin = f16c(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            k_scale_min(b + 4, j, &sc, &mn);
+            ps[j * stride + c] = d * (float)sc;
+            pm[j * stride + c] = -(dmin * (float)mn);
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const float d = f16c(b + 208);
+        for (int j = 0; j < 8; j++) ps[j * stride + c] = d;
+        for (int i = 0; i < 16; i++) psc[i * stride + c] = (int8_t)b[192 + i];
+        return;
+    }
     default: {
         dblock_t o;
         gguf_params_c(TYPE, b, &o);
