@@ -948,6 +948,105 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
 }
 #endif /* GGUF_X86 */
 
+/* ---- x86, exact: each 32-block widened in registers to the values gguf.quants gives ---- */
+
+#ifdef GGUF_X86
+/* Sub-block j of a block as four vectors of eight floats: es * q (+ em), es and em the
+ * halves' scale and min, as gguf_half_params gives them (a multiply, then an add). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void values32(const int TYPE, const uint8_t *blk, int j,
+                                                                        const float *es, const float *em,
+                                                                        __m256 w[4]) {
+    const __m256i u = quants32(TYPE, blk, j), off = _mm256_set1_epi32(type_off(TYPE));
+    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[i]), off));
+        w[i] = _mm256_mul_ps(q, _mm256_set1_ps(es[2 * j + i / 2]));
+        if (type_kind(TYPE) == KIND_MIN || type_kind(TYPE) == KIND_SPLIT_MIN)
+            w[i] = _mm256_add_ps(w[i], _mm256_set1_ps(em[2 * j + i / 2]));
+    }
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void half_params_all(const int TYPE, const qinfo_t *info,
+                                                                               const uint8_t *blk, float *es,
+                                                                               float *em) {
+    dblock_t o;
+    gguf_params_c(TYPE, blk, &o);
+    for (int h = 0; h < type_qk(TYPE) / 16; h++) gguf_half_params(info, &o, h, &es[h], &em[h]);
+}
+
+/* Row i of a segment widened to float32 (k values) into out. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void dequantize_row_t(const int TYPE, const qinfo_t *info,
+                                                                                const uint8_t *row, int64_t k,
+                                                                                float *out) {
+    const int qk = type_qk(TYPE), subs = qk / 32;
+    float es[16], em[16];
+    for (int64_t t = 0; t < k / qk; t++) {
+        const uint8_t *blk = row + t * info->bytes;
+        half_params_all(TYPE, info, blk, es, em);
+        for (int j = 0; j < subs; j++) {
+            __m256 w[4];
+            values32(TYPE, blk, j, es, em, w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + t * qk + 32 * j + 8 * i, w[i]);
+        }
+    }
+}
+
+static TARGET_AVX2 void dequantize_row_avx2(const bargein_qseg_t *seg, const qinfo_t *info, const uint8_t *row,
+                                            int64_t k, float *out) {
+#define DEQUANTIZE_ROW(TY) dequantize_row_t(TY, info, row, k, out)
+    switch (seg->type) { TYPE_CASES(DEQUANTIZE_ROW) }
+#undef DEQUANTIZE_ROW
+}
+
+#define EXACT_ROWS 4 /* rows sharing each widened block */
+
+/* Column j (row i of the segment) for every row of x in float32: the widened values
+ * against x in eight float lanes per row, summed at the end. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void column_exact_t(const int TYPE, const job_t *job,
+                                                                              const qinfo_t *info,
+                                                                              const uint8_t *row, int64_t j) {
+    const int qk = type_qk(TYPE), subs = qk / 32;
+    const int64_t k = job->k;
+    float es[16], em[16];
+    for (int64_t r0 = 0; r0 < job->m; r0 += EXACT_ROWS) {
+        const int rows = (int)(job->m - r0 < EXACT_ROWS ? job->m - r0 : EXACT_ROWS);
+        __m256 acc[EXACT_ROWS][2];
+        for (int r = 0; r < EXACT_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < k / qk; t++) {
+            const uint8_t *blk = row + t * info->bytes;
+            half_params_all(TYPE, info, blk, es, em);
+            for (int jj = 0; jj < subs; jj++) {
+                __m256 w[4];
+                values32(TYPE, blk, jj, es, em, w);
+                for (int r = 0; r < rows; r++) {
+                    const float *x = job->a->x + (r0 + r) * k + t * qk + 32 * jj;
+                    acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), acc[r][1]);
+                    acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), acc[r][1]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+            job->y[(r0 + r) * job->n + j] = _mm_cvtss_f32(s4);
+        }
+    }
+}
+
+static TARGET_AVX2 void column_exact_avx2(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info,
+                                          int64_t i, int64_t j) {
+    const uint8_t *row = column_row(seg, i);
+#define COLUMN_EXACT(TY) column_exact_t(TY, job, info, row, j)
+    switch (seg->type) { TYPE_CASES(COLUMN_EXACT) }
+#undef COLUMN_EXACT
+}
+#endif /* GGUF_X86 */
+
 /* ---- the work, split over tiles of output columns ----------------------------------- */
 
 static void run_tiles(void *arg, int index, int count) {
@@ -959,6 +1058,12 @@ static void run_tiles(void *arg, int index, int count) {
         gguf_qinfo((int)seg->type, &info);
         const int64_t col0 = job->tile_col[t], j0 = job->seg_start[job->tile_seg[t]] + col0;
         const int cols = (int)(seg->rows - col0 < TILE ? seg->rows - col0 : TILE);
+#ifdef GGUF_X86
+        if (job->a->exact && job->isa != ISA_C) {
+            for (int c = 0; c < cols; c++) column_exact_avx2(job, seg, &info, col0 + c, j0 + c);
+            continue;
+        }
+#endif
         if (job->isa == ISA_C || job->a->exact) {
             float *acc = (float *)(job->scratch + (int64_t)index * job->scratch_bytes);
             for (int c = 0; c < cols; c++) {
@@ -1006,7 +1111,7 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     if (isa < 0)
         isa = bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
     if (!bargein_q8_isa_available(isa)) return -2;
-    if (exact) isa = ISA_C;
+    if (exact && isa == ISA_VNNI) isa = ISA_AVX2; /* exact has a C and an AVX2 path */
     const int64_t k = w->k, nb = k / 32, n = w->n;
     int64_t num_tiles = 0;
     for (int64_t s = 0; s < w->num_segs; s++) num_tiles += (w->segs[s].rows + TILE - 1) / TILE;
@@ -1045,7 +1150,7 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     const int64_t quant_threads = m / 16 < num_threads ? m / 16 : num_threads;
     bargein_task_fn quantize = quantize_rows;
 #ifdef GGUF_X86
-    if (isa != ISA_C) quantize = quantize_rows_avx2;
+    if (isa != ISA_C && !exact) quantize = quantize_rows_avx2; /* exact: the C loop sums x per half */
 #endif
     bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
     bargein_parallel_run(run_tiles, &job, num_threads);
@@ -1069,12 +1174,21 @@ typedef struct {
     const int64_t *ids;
     int64_t count;
     float *out;
+    int avx2;
 } rows_job_t;
 
-static void dequantize_row(const bargein_qseg_t *seg, int64_t i, int64_t k, float *out) {
+static void dequantize_row(const bargein_qseg_t *seg, int64_t i, int64_t k, float *out, int avx2) {
     qinfo_t info = {32, 0, 0, KIND_PLAIN};
     gguf_qinfo((int)seg->type, &info);
     const uint8_t *row = column_row(seg, i);
+#ifdef GGUF_X86
+    if (avx2) {
+        dequantize_row_avx2(seg, &info, row, k, out);
+        return;
+    }
+#else
+    (void)avx2;
+#endif
     dblock_t o;
     for (int64_t t = 0; t < k / info.qk; t++) {
         gguf_decode_c((int)seg->type, row + t * info.bytes, &o);
@@ -1096,7 +1210,7 @@ static void dequantize_rows_part(void *arg, int index, int count) {
     for (int64_t t = job->count * index / count; t < job->count * (index + 1) / count; t++) {
         int64_t id = job->ids[t], s = 0;
         while (id >= w->segs[s].rows) id -= w->segs[s++].rows;
-        dequantize_row(&w->segs[s], id, w->k, job->out + t * w->k);
+        dequantize_row(&w->segs[s], id, w->k, job->out + t * w->k, job->avx2);
     }
 }
 
@@ -1107,7 +1221,7 @@ int bargein_gguf_dequantize_rows(const bargein_qmat_t *w, const int64_t *ids, in
     if (check_types(w)) return -3;
     for (int64_t t = 0; t < count; t++)
         if (ids[t] < 0 || ids[t] >= w->n) return -6;
-    rows_job_t job = {w, ids, count, out};
+    rows_job_t job = {w, ids, count, out, bargein_q8_isa_available(ISA_AVX2)};
     const int64_t threads = count / 4 < num_threads ? count / 4 : num_threads;
     bargein_parallel_run(dequantize_rows_part, &job, threads > 1 ? (int)threads : 1);
     return 0;

@@ -101,10 +101,13 @@ def test_exact_is_the_float64_product(qtype):
     kernels = KernelSet(KERNELS, fast=False)
     for m in (1, 3, 33):  # C for few rows, widened chunks and PyTorch's GEMM for many
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
-        y = kernels.quant_linear(x, weight).numpy()
         ref = x.double().numpy() @ w.T
         bound = 2 * (k + 2) * EPS * (np.abs(x.double().numpy()) @ np.abs(w).T) + 1e-30
-        assert (np.abs(y - ref) <= bound).all(), (m, np.abs(y - ref).max())
+        ys = [kernels.quant_linear(x, weight).numpy()]
+        ys += [KERNELS.quant_matmul(x, describe_quant(weight), 2, exact=True, isa=isa).numpy()
+               for isa in ("c", "avx2") if KERNELS.q8_isa_available(isa)]  # each exact path
+        for y in ys:
+            assert (np.abs(y - ref) <= bound).all(), (m, np.abs(y - ref).max())
 
 
 @needs_kernels
