@@ -225,3 +225,16 @@ def test_kernel_set_embedding_and_linear(fast):
     y = kernels.quant_linear(x, weight)
     assert y.shape == (2, 3, 57)
     assert torch.equal(y.reshape(6, 57), kernels.quant_linear(x.reshape(6, 512), weight))
+
+
+@needs_kernels
+def test_a_described_weight_is_freed_with_its_weight():
+    import gc
+    import weakref
+
+    weight = random_weight(T.Q4_K, 16, 256, rng_for("freed"))
+    assert describe_quant(weight) is describe_quant(weight)  # described once
+    alive = weakref.ref(weight.segments[0].data)
+    del weight
+    gc.collect()
+    assert alive() is None
