@@ -693,6 +693,36 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
 #define SUM_PAIRS32(a, b) _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
 #define SUM_PAIRS64(a, b) _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
 
+/* The weights of the group a tile ahead, fetched into L2 by the first pass over a group,
+ * a few lines per step (block or pair of blocks), each line once: eight interleaved
+ * column streams are more than the hardware prefetcher follows at one row's speed, and a
+ * block or a pair can span two lines or more (fetching one line per block left the rest
+ * to demand misses: the 1-row head ran at half BlockWeight's speed). The range is one
+ * stretch where the eight rows lie back to back, else one per column. A prefetch past
+ * the data never faults. */
+typedef struct {
+    const uint8_t *base[8];
+    int ranges;
+    int64_t lines, per_step; /* lines per range, lines fetched per range and step */
+} ahead_t;
+
+static ahead_t ahead_plan(const bargein_qseg_t *seg, int64_t first, int64_t span, int64_t steps) {
+    ahead_t p;
+    const int together = seg->order == NULL && first + 7 < seg->rows;
+    p.ranges = together ? 1 : 8;
+    for (int c = 0; c < 8; c++) p.base[c] = column_row(seg, first + c < seg->rows ? first + c : seg->rows - 1);
+    const int64_t bytes = together ? 7 * seg->row_bytes + span : span;
+    p.lines = (bytes + 126) / 64; /* from an unaligned start */
+    p.per_step = (p.lines + steps - 1) / steps;
+    return p;
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(const ahead_t *p, int64_t step) {
+    const int64_t l0 = step * p->per_step, l1 = l0 + p->per_step < p->lines ? l0 + p->per_step : p->lines;
+    for (int i = 0; i < p->ranges; i++)
+        for (int64_t l = l0; l < l1; l++) _mm_prefetch((const char *)(p->base[i] + 64 * l), _MM_HINT_T1);
+}
+
 /* Columns j0 .. j0 + 7 (the first `cols` stored; col[c] their rows' blocks, the last
  * repeated) for rows r0 .. r0 + ROWS_N - 1: per 32-block, each column's quants decoded in
  * registers and dotted with every row (eight int32 lanes, four per half), four columns'
@@ -711,8 +741,7 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
     for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();                                         \
     for (int64_t t = 0; t < k / qk; t++) {                                                                 \
         params_group(TYPE, col, t * bytes, ps, pm, psc, pmn);                                              \
-        if (ahead && ((t * bytes) & 63) < bytes) /* once per cache line */                                 \
-            for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(ahead[c] + t * bytes), _MM_HINT_T0);   \
+        if (ahead) prefetch_step(ahead, t);                                                                \
         for (int j = 0; j < subs; j++) {                                                                   \
             const int64_t b = t * subs + j;                                                                \
             __m256i h[ROWS_MAX][2];                                                                        \
@@ -767,8 +796,9 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
     }
 
 
-/* Q4_0, Q4_1, IQ4_NL: two blocks of a column at once. One 32-byte vector holds both blocks'
- * low nibbles (elements 0..15 of b, then of b + 1), another their high ones, against the
+/* Q4_0, Q4_1, IQ4_NL, Q8_0: two blocks of a column at once. One 32-byte vector holds both
+ * blocks' low nibbles (elements 0..15 of b, then of b + 1; Q8_0: their first 16 bytes),
+ * another their high ones (Q8_0: the second 16), against the
  * rows' activations loaded to match; the lane sums then give D_b and D_b+1 per column,
  * and the float steps run block b first, as the header says. */
 #define PAIR_BODY(ROWS_MAX)                                                                                \
@@ -791,8 +821,7 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
         } else {                                                                                           \
             s0 = m0 = halves8(col, at0), s1 = m1 = halves8(col, at1);                                      \
         }                                                                                                  \
-        if (ahead && (at0 & 63) < 2 * bytes)                                                               \
-            for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(ahead[c] + at0), _MM_HINT_T0);         \
+        if (ahead) prefetch_step(ahead, b / 2);                                                            \
         __m256i xlo[ROWS_MAX], xhi[ROWS_MAX];                                                              \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
             const int8_t *x0 = a->q + (r0 + r) * k + 32 * b, *x1 = two ? x0 + 32 : x0;                      \
@@ -808,7 +837,14 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
                     const uint8_t *w = col[half * 4 + cp * 2 + cc];                                        \
                     const __m256i q = _mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff),               \
                                                           (const __m128i *)(w + at0 + qoff));              \
-                    __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
+                    __m256i lo, hi;                                                                        \
+                    if (TYPE == T_Q8_0) { /* the blocks' first and second 16 bytes, offset by 128 */       \
+                        lo = _mm256_xor_si256(q, flip);                                                    \
+                        hi = _mm256_xor_si256(_mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff + 16),  \
+                                                                  (const __m128i *)(w + at0 + qoff + 16)), flip); \
+                    } else {                                                                               \
+                        lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
+                    }                                                                                      \
                     if (TYPE == T_IQ4_NL) lo = iq4_values(lo), hi = iq4_values(hi);                        \
                     PAIR_PREP                                                                              \
                     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) tt[r][cc] = PAIR_DOT(lo, hi, xlo[r], xhi[r]); \
@@ -840,9 +876,10 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
         for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
     }
 
-#define PAIRED(TYPE) ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_1 || (TYPE) == T_IQ4_NL)
+#define PAIRED(TYPE) ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_1 || (TYPE) == T_IQ4_NL || (TYPE) == T_Q8_0)
+static int paired_type(int type) { return PAIRED(type); }
 
-#define GROUP_ARGS const job_t *job, const uint8_t *const *col, const uint8_t *const *ahead, int bytes, int64_t j0, \
+#define GROUP_ARGS const job_t *job, const uint8_t *const *col, const ahead_t *ahead, int bytes, int64_t j0, \
                    int cols, int64_t r0
 /* AVX2: maddubs + madd; 8-bit quants (offset 128) as |q| against x with q's sign. */
 #define PREP                                                                                               \
@@ -922,16 +959,17 @@ static TARGET_VNNI void group_vnni(int type, GROUP_ARGS, int rows) {
 static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t col0,
                            int64_t j0, int cols, int64_t next_col0) {
     for (int v = 0; v < 2 && 8 * v < cols; v++) {
-        const uint8_t *col[8], *ahead_cols[8];
+        const uint8_t *col[8];
         for (int c = 0; c < 8; c++) {
             const int64_t i = col0 + 8 * v + c;
             col[c] = column_row(seg, i < seg->rows ? i : seg->rows - 1);
-            const int64_t ia = next_col0 + 8 * v + c;
-            ahead_cols[c] = next_col0 >= 0 ? column_row(seg, ia < seg->rows ? ia : seg->rows - 1) : NULL;
         }
+        const int64_t steps = paired_type((int)seg->type) ? (job->nb + 1) / 2 : job->k / info->qk;
+        const ahead_t ahead_cols = next_col0 >= 0 ? ahead_plan(seg, next_col0 + 8 * v, job->k / info->qk * info->bytes, steps)
+                                                  : (ahead_t){{NULL}, 0, 0, 0};
         const int group_cols = cols - 8 * v < 8 ? cols - 8 * v : 8;
         for (int64_t r0 = 0; r0 < job->m;) {
-            const uint8_t *const *ahead = r0 == 0 && next_col0 >= 0 ? ahead_cols : NULL;
+            const ahead_t *ahead = r0 == 0 && next_col0 >= 0 ? &ahead_cols : NULL;
 #ifdef GGUF_VNNI
             if (job->isa == ISA_VNNI) {
                 const int rows = (int)(job->m - r0 < GROUP_ROWS_VNNI ? job->m - r0 : GROUP_ROWS_VNNI);
