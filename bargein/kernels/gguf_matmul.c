@@ -303,6 +303,22 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const in
     case T_Q4_1: case T_Q5_1:
         ps[c] = f16c(b), pm[c] = f16c(b + 2);
         return;
+    case T_Q4_K: case T_Q5_K: { /* six-bit scales and mins times d and -dmin, straight to the panels */
+        const float d = f16c(b), dmin = f16c(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            k_scale_min(b + 4, j, &sc, &mn);
+            ps[j * stride + c] = d * (float)sc;
+            pm[j * stride + c] = -(dmin * (float)mn);
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const float d = f16c(b + 208);
+        for (int j = 0; j < 8; j++) ps[j * stride + c] = d;
+        for (int i = 0; i < 16; i++) psc[i * stride + c] = (int8_t)b[192 + i];
+        return;
+    }
     default: {
         dblock_t o;
         gguf_params_c(TYPE, b, &o);
@@ -311,6 +327,51 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const in
             for (int i = 0; i < 16; i++) psc[i * stride + c] = o.sc[i], pmn[i * stride + c] = o.mn[i];
     }
     }
+}
+
+
+/* quantize_rows on AVX2: the same values (the same float operations, round to nearest even). */
+static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
+    const acts_t *a = (const acts_t *)arg;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++)
+        for (int64_t b = 0; b < a->nb; b++) {
+            const float *x = a->x + r * a->k + b * 32;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m256 scale = _mm256_set1_ps(inv);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) {
+                const __m256 rounded =
+                    _mm256_round_ps(_mm256_mul_ps(v[i], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rounded), top), bottom);
+            }
+            int8_t *out = a->q + r * a->k + b * 32;
+            int32_t sums[2];
+            for (int half = 0; half < 2; half++) {
+                const __m256i lo = q[2 * half], hi = q[2 * half + 1];
+                const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+                const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+                _mm_storeu_si128((__m128i *)(out + 16 * half), _mm_packs_epi16(lo16, hi16));
+                const __m256i sum = _mm256_add_epi32(lo, hi);
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+                sums[half] = _mm_cvtsi128_si32(s4);
+            }
+            a->d[r * a->nb + b] = d;
+            a->s[r * a->nb + b] = d * (float)(sums[0] + sums[1]);
+            a->s16[r * 2 * a->nb + 2 * b] = sums[0];
+            a->s16[r * 2 * a->nb + 2 * b + 1] = sums[1];
+        }
 }
 
 /* Per-thread tile scratch: tile 16 * k bytes (32-byte vectors tile[(b * 8 + g) * 2 + v]:
@@ -524,7 +585,7 @@ static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const qinfo
     const int off = info->off;
     switch (info->kind) {
     case KIND_PLAIN: VNNI_ROWS(KIND_PLAIN, 6) return rows < 6 ? rows : 6;
-    case KIND_MIN: VNNI_ROWS(KIND_MIN, 6) return rows < 6 ? rows : 6;
+    case KIND_MIN: VNNI_ROWS(KIND_MIN, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
     case KIND_SPLIT: VNNI_ROWS(KIND_SPLIT, 4) return rows < 4 ? rows : 4;
     default: VNNI_ROWS(KIND_SPLIT_MIN, 4) return rows < 4 ? rows : 4;
     }
@@ -632,6 +693,36 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
 #define SUM_PAIRS32(a, b) _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
 #define SUM_PAIRS64(a, b) _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
 
+/* The weights of the group a tile ahead, fetched into L2 by the first pass over a group,
+ * a few lines per step (block or pair of blocks), each line once: eight interleaved
+ * column streams are more than the hardware prefetcher follows at one row's speed, and a
+ * block or a pair can span two lines or more (fetching one line per block left the rest
+ * to demand misses: the 1-row head ran at half BlockWeight's speed). The range is one
+ * stretch where the eight rows lie back to back, else one per column. A prefetch past
+ * the data never faults. */
+typedef struct {
+    const uint8_t *base[8];
+    int ranges;
+    int64_t lines, per_step; /* lines per range, lines fetched per range and step */
+} ahead_t;
+
+static ahead_t ahead_plan(const bargein_qseg_t *seg, int64_t first, int64_t span, int64_t steps) {
+    ahead_t p;
+    const int together = seg->order == NULL && first + 7 < seg->rows;
+    p.ranges = together ? 1 : 8;
+    for (int c = 0; c < 8; c++) p.base[c] = column_row(seg, first + c < seg->rows ? first + c : seg->rows - 1);
+    const int64_t bytes = together ? 7 * seg->row_bytes + span : span;
+    p.lines = (bytes + 126) / 64; /* from an unaligned start */
+    p.per_step = (p.lines + steps - 1) / steps;
+    return p;
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(const ahead_t *p, int64_t step) {
+    const int64_t l0 = step * p->per_step, l1 = l0 + p->per_step < p->lines ? l0 + p->per_step : p->lines;
+    for (int i = 0; i < p->ranges; i++)
+        for (int64_t l = l0; l < l1; l++) _mm_prefetch((const char *)(p->base[i] + 64 * l), _MM_HINT_T1);
+}
+
 /* Columns j0 .. j0 + 7 (the first `cols` stored; col[c] their rows' blocks, the last
  * repeated) for rows r0 .. r0 + ROWS_N - 1: per 32-block, each column's quants decoded in
  * registers and dotted with every row (eight int32 lanes, four per half), four columns'
@@ -650,8 +741,7 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
     for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();                                         \
     for (int64_t t = 0; t < k / qk; t++) {                                                                 \
         params_group(TYPE, col, t * bytes, ps, pm, psc, pmn);                                              \
-        if (ahead && ((t * bytes) & 63) < bytes) /* once per cache line */                                 \
-            for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(ahead[c] + t * bytes), _MM_HINT_T0);   \
+        if (ahead) prefetch_step(ahead, t);                                                                \
         for (int j = 0; j < subs; j++) {                                                                   \
             const int64_t b = t * subs + j;                                                                \
             __m256i h[ROWS_MAX][2];                                                                        \
@@ -706,8 +796,9 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
     }
 
 
-/* Q4_0, Q4_1, IQ4_NL: two blocks of a column at once. One 32-byte vector holds both blocks'
- * low nibbles (elements 0..15 of b, then of b + 1), another their high ones, against the
+/* Q4_0, Q4_1, IQ4_NL, Q8_0: two blocks of a column at once. One 32-byte vector holds both
+ * blocks' low nibbles (elements 0..15 of b, then of b + 1; Q8_0: their first 16 bytes),
+ * another their high ones (Q8_0: the second 16), against the
  * rows' activations loaded to match; the lane sums then give D_b and D_b+1 per column,
  * and the float steps run block b first, as the header says. */
 #define PAIR_BODY(ROWS_MAX)                                                                                \
@@ -730,8 +821,7 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
         } else {                                                                                           \
             s0 = m0 = halves8(col, at0), s1 = m1 = halves8(col, at1);                                      \
         }                                                                                                  \
-        if (ahead && (at0 & 63) < 2 * bytes)                                                               \
-            for (int c = 0; c < 8; c++) _mm_prefetch((const char *)(ahead[c] + at0), _MM_HINT_T0);         \
+        if (ahead) prefetch_step(ahead, b / 2);                                                            \
         __m256i xlo[ROWS_MAX], xhi[ROWS_MAX];                                                              \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
             const int8_t *x0 = a->q + (r0 + r) * k + 32 * b, *x1 = two ? x0 + 32 : x0;                      \
@@ -747,7 +837,14 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
                     const uint8_t *w = col[half * 4 + cp * 2 + cc];                                        \
                     const __m256i q = _mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff),               \
                                                           (const __m128i *)(w + at0 + qoff));              \
-                    __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
+                    __m256i lo, hi;                                                                        \
+                    if (TYPE == T_Q8_0) { /* the blocks' first and second 16 bytes, offset by 128 */       \
+                        lo = _mm256_xor_si256(q, flip);                                                    \
+                        hi = _mm256_xor_si256(_mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff + 16),  \
+                                                                  (const __m128i *)(w + at0 + qoff + 16)), flip); \
+                    } else {                                                                               \
+                        lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
+                    }                                                                                      \
                     if (TYPE == T_IQ4_NL) lo = iq4_values(lo), hi = iq4_values(hi);                        \
                     PAIR_PREP                                                                              \
                     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) tt[r][cc] = PAIR_DOT(lo, hi, xlo[r], xhi[r]); \
@@ -779,9 +876,10 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
         for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
     }
 
-#define PAIRED(TYPE) ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_1 || (TYPE) == T_IQ4_NL)
+#define PAIRED(TYPE) ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_1 || (TYPE) == T_IQ4_NL || (TYPE) == T_Q8_0)
+static int paired_type(int type) { return PAIRED(type); }
 
-#define GROUP_ARGS const job_t *job, const uint8_t *const *col, const uint8_t *const *ahead, int bytes, int64_t j0, \
+#define GROUP_ARGS const job_t *job, const uint8_t *const *col, const ahead_t *ahead, int bytes, int64_t j0, \
                    int cols, int64_t r0
 /* AVX2: maddubs + madd; 8-bit quants (offset 128) as |q| against x with q's sign. */
 #define PREP                                                                                               \
@@ -861,16 +959,17 @@ static TARGET_VNNI void group_vnni(int type, GROUP_ARGS, int rows) {
 static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t col0,
                            int64_t j0, int cols, int64_t next_col0) {
     for (int v = 0; v < 2 && 8 * v < cols; v++) {
-        const uint8_t *col[8], *ahead_cols[8];
+        const uint8_t *col[8];
         for (int c = 0; c < 8; c++) {
             const int64_t i = col0 + 8 * v + c;
             col[c] = column_row(seg, i < seg->rows ? i : seg->rows - 1);
-            const int64_t ia = next_col0 + 8 * v + c;
-            ahead_cols[c] = next_col0 >= 0 ? column_row(seg, ia < seg->rows ? ia : seg->rows - 1) : NULL;
         }
+        const int64_t steps = paired_type((int)seg->type) ? (job->nb + 1) / 2 : job->k / info->qk;
+        const ahead_t ahead_cols = next_col0 >= 0 ? ahead_plan(seg, next_col0 + 8 * v, job->k / info->qk * info->bytes, steps)
+                                                  : (ahead_t){{NULL}, 0, 0, 0};
         const int group_cols = cols - 8 * v < 8 ? cols - 8 * v : 8;
         for (int64_t r0 = 0; r0 < job->m;) {
-            const uint8_t *const *ahead = r0 == 0 && next_col0 >= 0 ? ahead_cols : NULL;
+            const ahead_t *ahead = r0 == 0 && next_col0 >= 0 ? &ahead_cols : NULL;
 #ifdef GGUF_VNNI
             if (job->isa == ISA_VNNI) {
                 const int rows = (int)(job->m - r0 < GROUP_ROWS_VNNI ? job->m - r0 : GROUP_ROWS_VNNI);
@@ -887,6 +986,105 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
 }
 #endif /* GGUF_X86 */
 
+/* ---- x86, exact: each 32-block widened in registers to the values gguf.quants gives ---- */
+
+#ifdef GGUF_X86
+/* Sub-block j of a block as four vectors of eight floats: es * q (+ em), es and em the
+ * halves' scale and min, as gguf_half_params gives them (a multiply, then an add). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void values32(const int TYPE, const uint8_t *blk, int j,
+                                                                        const float *es, const float *em,
+                                                                        __m256 w[4]) {
+    const __m256i u = quants32(TYPE, blk, j), off = _mm256_set1_epi32(type_off(TYPE));
+    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[i]), off));
+        w[i] = _mm256_mul_ps(q, _mm256_set1_ps(es[2 * j + i / 2]));
+        if (type_kind(TYPE) == KIND_MIN || type_kind(TYPE) == KIND_SPLIT_MIN)
+            w[i] = _mm256_add_ps(w[i], _mm256_set1_ps(em[2 * j + i / 2]));
+    }
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void half_params_all(const int TYPE, const qinfo_t *info,
+                                                                               const uint8_t *blk, float *es,
+                                                                               float *em) {
+    dblock_t o;
+    gguf_params_c(TYPE, blk, &o);
+    for (int h = 0; h < type_qk(TYPE) / 16; h++) gguf_half_params(info, &o, h, &es[h], &em[h]);
+}
+
+/* Row i of a segment widened to float32 (k values) into out. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void dequantize_row_t(const int TYPE, const qinfo_t *info,
+                                                                                const uint8_t *row, int64_t k,
+                                                                                float *out) {
+    const int qk = type_qk(TYPE), subs = qk / 32;
+    float es[16], em[16];
+    for (int64_t t = 0; t < k / qk; t++) {
+        const uint8_t *blk = row + t * info->bytes;
+        half_params_all(TYPE, info, blk, es, em);
+        for (int j = 0; j < subs; j++) {
+            __m256 w[4];
+            values32(TYPE, blk, j, es, em, w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + t * qk + 32 * j + 8 * i, w[i]);
+        }
+    }
+}
+
+static TARGET_AVX2 void dequantize_row_avx2(const bargein_qseg_t *seg, const qinfo_t *info, const uint8_t *row,
+                                            int64_t k, float *out) {
+#define DEQUANTIZE_ROW(TY) dequantize_row_t(TY, info, row, k, out)
+    switch (seg->type) { TYPE_CASES(DEQUANTIZE_ROW) }
+#undef DEQUANTIZE_ROW
+}
+
+#define EXACT_ROWS 4 /* rows sharing each widened block */
+
+/* Column j (row i of the segment) for every row of x in float32: the widened values
+ * against x in eight float lanes per row, summed at the end. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void column_exact_t(const int TYPE, const job_t *job,
+                                                                              const qinfo_t *info,
+                                                                              const uint8_t *row, int64_t j) {
+    const int qk = type_qk(TYPE), subs = qk / 32;
+    const int64_t k = job->k;
+    float es[16], em[16];
+    for (int64_t r0 = 0; r0 < job->m; r0 += EXACT_ROWS) {
+        const int rows = (int)(job->m - r0 < EXACT_ROWS ? job->m - r0 : EXACT_ROWS);
+        __m256 acc[EXACT_ROWS][2];
+        for (int r = 0; r < EXACT_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < k / qk; t++) {
+            const uint8_t *blk = row + t * info->bytes;
+            half_params_all(TYPE, info, blk, es, em);
+            for (int jj = 0; jj < subs; jj++) {
+                __m256 w[4];
+                values32(TYPE, blk, jj, es, em, w);
+                for (int r = 0; r < rows; r++) {
+                    const float *x = job->a->x + (r0 + r) * k + t * qk + 32 * jj;
+                    acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), acc[r][1]);
+                    acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), acc[r][1]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+            job->y[(r0 + r) * job->n + j] = _mm_cvtss_f32(s4);
+        }
+    }
+}
+
+static TARGET_AVX2 void column_exact_avx2(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info,
+                                          int64_t i, int64_t j) {
+    const uint8_t *row = column_row(seg, i);
+#define COLUMN_EXACT(TY) column_exact_t(TY, job, info, row, j)
+    switch (seg->type) { TYPE_CASES(COLUMN_EXACT) }
+#undef COLUMN_EXACT
+}
+#endif /* GGUF_X86 */
+
 /* ---- the work, split over tiles of output columns ----------------------------------- */
 
 static void run_tiles(void *arg, int index, int count) {
@@ -898,6 +1096,12 @@ static void run_tiles(void *arg, int index, int count) {
         gguf_qinfo((int)seg->type, &info);
         const int64_t col0 = job->tile_col[t], j0 = job->seg_start[job->tile_seg[t]] + col0;
         const int cols = (int)(seg->rows - col0 < TILE ? seg->rows - col0 : TILE);
+#ifdef GGUF_X86
+        if (job->a->exact && job->isa != ISA_C) {
+            for (int c = 0; c < cols; c++) column_exact_avx2(job, seg, &info, col0 + c, j0 + c);
+            continue;
+        }
+#endif
         if (job->isa == ISA_C || job->a->exact) {
             float *acc = (float *)(job->scratch + (int64_t)index * job->scratch_bytes);
             for (int c = 0; c < cols; c++) {
@@ -945,7 +1149,7 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     if (isa < 0)
         isa = bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
     if (!bargein_q8_isa_available(isa)) return -2;
-    if (exact) isa = ISA_C;
+    if (exact && isa == ISA_VNNI) isa = ISA_AVX2; /* exact has a C and an AVX2 path */
     const int64_t k = w->k, nb = k / 32, n = w->n;
     int64_t num_tiles = 0;
     for (int64_t s = 0; s < w->num_segs; s++) num_tiles += (w->segs[s].rows + TILE - 1) / TILE;
@@ -982,7 +1186,11 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
         start += w->segs[s].rows;
     }
     const int64_t quant_threads = m / 16 < num_threads ? m / 16 : num_threads;
-    bargein_parallel_run(quantize_rows, &a, quant_threads > 1 ? (int)quant_threads : 1);
+    bargein_task_fn quantize = quantize_rows;
+#ifdef GGUF_X86
+    if (isa != ISA_C && !exact) quantize = quantize_rows_avx2; /* exact: the C loop sums x per half */
+#endif
+    bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
     bargein_parallel_run(run_tiles, &job, num_threads);
 done:
     free(a.q);
@@ -1004,12 +1212,21 @@ typedef struct {
     const int64_t *ids;
     int64_t count;
     float *out;
+    int avx2;
 } rows_job_t;
 
-static void dequantize_row(const bargein_qseg_t *seg, int64_t i, int64_t k, float *out) {
+static void dequantize_row(const bargein_qseg_t *seg, int64_t i, int64_t k, float *out, int avx2) {
     qinfo_t info = {32, 0, 0, KIND_PLAIN};
     gguf_qinfo((int)seg->type, &info);
     const uint8_t *row = column_row(seg, i);
+#ifdef GGUF_X86
+    if (avx2) {
+        dequantize_row_avx2(seg, &info, row, k, out);
+        return;
+    }
+#else
+    (void)avx2;
+#endif
     dblock_t o;
     for (int64_t t = 0; t < k / info.qk; t++) {
         gguf_decode_c((int)seg->type, row + t * info.bytes, &o);
@@ -1031,7 +1248,7 @@ static void dequantize_rows_part(void *arg, int index, int count) {
     for (int64_t t = job->count * index / count; t < job->count * (index + 1) / count; t++) {
         int64_t id = job->ids[t], s = 0;
         while (id >= w->segs[s].rows) id -= w->segs[s++].rows;
-        dequantize_row(&w->segs[s], id, w->k, job->out + t * w->k);
+        dequantize_row(&w->segs[s], id, w->k, job->out + t * w->k, job->avx2);
     }
 }
 
@@ -1042,7 +1259,7 @@ int bargein_gguf_dequantize_rows(const bargein_qmat_t *w, const int64_t *ids, in
     if (check_types(w)) return -3;
     for (int64_t t = 0; t < count; t++)
         if (ids[t] < 0 || ids[t] >= w->n) return -6;
-    rows_job_t job = {w, ids, count, out};
+    rows_job_t job = {w, ids, count, out, bargein_q8_isa_available(ISA_AVX2)};
     const int64_t threads = count / 4 < num_threads ? count / 4 : num_threads;
     bargein_parallel_run(dequantize_rows_part, &job, threads > 1 ? (int)threads : 1);
     return 0;

@@ -26,8 +26,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import threading
-import weakref
 from pathlib import Path
 
 import torch
@@ -99,21 +97,14 @@ class QuantMatrix:
         self.struct = QuantMatrixC(segs=segments, num_segs=len(segments), n=n, k=k)
 
 
-_DESCRIBED: dict[int, QuantMatrix] = {}
-_DESCRIBED_LOCK = threading.Lock()
-
-
 def describe_quant(weight: QuantWeight) -> QuantMatrix:
-    """The C description of ``weight``, made once and kept while the weight lives (a model
-    calls its matmuls with the same weights every step)."""
-    key = id(weight)
-    matrix = _DESCRIBED.get(key)
-    if matrix is not None and matrix.weight is weight:
-        return matrix
-    matrix = QuantMatrix(weight)
-    with _DESCRIBED_LOCK:
-        _DESCRIBED[key] = matrix
-    weakref.finalize(weight, _DESCRIBED.pop, key, None)
+    """The C description of ``weight``, made once and kept on the weight itself, so that it
+    lives and dies with it (a model calls its matmuls with the same weights every step; a
+    cache keyed elsewhere would keep every weight, and its mapped file, alive)."""
+    matrix = weight.__dict__.get("_native_matrix")
+    if matrix is None:
+        matrix = QuantMatrix(weight)
+        weight.__dict__["_native_matrix"] = matrix  # beside the frozen fields; not one of them
     return matrix
 
 

@@ -40,7 +40,7 @@ BLOCK_KERNEL_MAX_ROWS = 12
 # In ``exact``, forwards of at most this many rows multiply float32 activations by a file's
 # blocks in C (gguf_matmul.c); beyond it, columns of W are widened a chunk at a time into
 # a reused float32 buffer and multiplied by PyTorch's GEMM (no resident float32 copy).
-QUANT_EXACT_MAX_ROWS = 4
+QUANT_EXACT_MAX_ROWS = 8
 QUANT_CHUNK_VALUES = 1 << 20  # values of W widened per chunk (4 MB of float32)
 
 

@@ -103,10 +103,13 @@ def test_exact_is_the_float64_product(qtype):
     kernels = KernelSet(KERNELS, fast=False)
     for m in (1, 3, 33):  # C for few rows, widened chunks and PyTorch's GEMM for many
         x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
-        y = kernels.quant_linear(x, weight).numpy()
         ref = x.double().numpy() @ w.T
         bound = 2 * (k + 2) * EPS * (np.abs(x.double().numpy()) @ np.abs(w).T) + 1e-30
-        assert (np.abs(y - ref) <= bound).all(), (m, np.abs(y - ref).max())
+        ys = [kernels.quant_linear(x, weight).numpy()]
+        ys += [KERNELS.quant_matmul(x, describe_quant(weight), 2, exact=True, isa=isa).numpy()
+               for isa in ("c", "avx2") if KERNELS.q8_isa_available(isa)]  # each exact path
+        for y in ys:
+            assert (np.abs(y - ref) <= bound).all(), (m, np.abs(y - ref).max())
 
 
 @needs_kernels
@@ -225,3 +228,16 @@ def test_kernel_set_embedding_and_linear(fast):
     y = kernels.quant_linear(x, weight)
     assert y.shape == (2, 3, 57)
     assert torch.equal(y.reshape(6, 57), kernels.quant_linear(x.reshape(6, 512), weight))
+
+
+@needs_kernels
+def test_a_described_weight_is_freed_with_its_weight():
+    import gc
+    import weakref
+
+    weight = random_weight(T.Q4_K, 16, 256, rng_for("freed"))
+    assert describe_quant(weight) is describe_quant(weight)  # described once
+    alive = weakref.ref(weight.segments[0].data)
+    del weight
+    gc.collect()
+    assert alive() is None
