@@ -614,25 +614,48 @@ static inline TARGET_AVX2 __attribute__((always_inline)) int type_off(const int 
     }
 }
 
-static inline TARGET_AVX2 __attribute__((always_inline)) __m256 halves8(const uint8_t *const *col, int64_t at) {
-    uint16_t h[8];
-    for (int c = 0; c < 8; c++) memcpy(&h[c], col[c] + at, 2);
-    /* built in a register (eight narrow stores and one wide load would miss store forwarding) */
-    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4],
-                                          (short)h[5], (short)h[6], (short)h[7]));
+/* The 32-bit words at byte `at` of eight columns' rows, one to a lane: each a broadcast
+ * load (a load port's work only), blended in (any vector port). Eight inserts into a
+ * register, or eight narrow stores and one wide load, would cost shuffles or a missed
+ * store forwarding; these words are read once per block and column, as often as the
+ * quants themselves, on the few-row path. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i words8(const uint8_t *const *col, int64_t at) {
+    int32_t w[8];
+    for (int c = 0; c < 8; c++) memcpy(&w[c], col[c] + at, 4);
+    __m256i v = _mm256_set1_epi32(w[0]);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[1]), 0x02);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[2]), 0x04);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[3]), 0x08);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[4]), 0x10);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[5]), 0x20);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[6]), 0x40);
+    return _mm256_blend_epi32(v, _mm256_set1_epi32(w[7]), 0x80);
 }
 
-/* The two halves at byte `at` of eight columns' blocks (Q4_1's d and m), from one 32-bit load each. */
+/* The halves in the low 16 bits of two vectors' words as floats: first's, then second's. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void low_halves16(__m256i first, __m256i second,
+                                                                            __m256 *a, __m256 *b) {
+    const __m256i mask = _mm256_set1_epi32(0xFFFF);
+    const __m256i packed = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(first, mask), _mm256_and_si256(second, mask)), 0xD8);
+    *a = _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+    *b = _mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1));
+}
+
+/* The half at byte `at` of eight columns' blocks (a 32-block's d), as floats. Reads 4
+ * bytes: every block has more after its d. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256 halves8(const uint8_t *const *col, int64_t at) {
+    __m256 a, b;
+    const __m256i w = words8(col, at);
+    low_halves16(w, w, &a, &b);
+    return a;
+}
+
+/* The two halves at byte `at` of eight columns' blocks (Q4_1's d and m), from one word each. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void half_pairs8(const uint8_t *const *col, int64_t at,
                                                                            __m256 *first, __m256 *second) {
-    uint32_t w[8];
-    for (int c = 0; c < 8; c++) memcpy(&w[c], col[c] + at, 4);
-    const __m256i v = _mm256_setr_epi32((int)w[0], (int)w[1], (int)w[2], (int)w[3], (int)w[4], (int)w[5], (int)w[6],
-                                        (int)w[7]);
-    const __m256i packed = _mm256_permute4x64_epi64(
-        _mm256_packus_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(v, 16)), 0xD8);
-    *first = _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
-    *second = _mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1));
+    const __m256i w = words8(col, at);
+    low_halves16(w, _mm256_srli_epi32(w, 16), first, second);
 }
 
 /* The parameters of eight columns' blocks at byte `at` of their rows into panels [sub * 8 + c]. */
@@ -819,7 +842,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(cons
             half_pairs8(col, at0, &s0, &m0);                                                               \
             half_pairs8(col, at1, &s1, &m1);                                                               \
         } else {                                                                                           \
-            s0 = m0 = halves8(col, at0), s1 = m1 = halves8(col, at1);                                      \
+            low_halves16(words8(col, at0), words8(col, at1), &s0, &s1);                                    \
+            m0 = s0, m1 = s1;                                                                              \
         }                                                                                                  \
         if (ahead) prefetch_step(ahead, b / 2);                                                            \
         __m256i xlo[ROWS_MAX], xhi[ROWS_MAX];                                                              \
