@@ -51,6 +51,24 @@ def load_engine(ref: str | None, config: Any, *, report: bool = False) -> Any:
     return engine
 
 
+def plan_memory(ref: str | None, config: Any, *, kv_auto: bool) -> Any:
+    """Prints the memory plan before loading (weights mapped and private, KV cache, expected
+    RSS) and returns ``config`` with the KV cache sized by it under ``--kv-memory auto``; a
+    model that cannot fit is one error line and exit 1, not an out-of-memory kill."""
+    from dataclasses import replace
+
+    from bargein.loader import load_config, resolve_model_ref
+    from bargein.loader.memory_plan import plan_memory as plan
+
+    try:
+        source = resolve_model_ref(ref)
+        memory = plan(source, load_config(source), config, kv_auto=kv_auto)
+    except _load_errors() as exc:  # MemoryPlanError is a LoaderError
+        raise model_error(exc) from None
+    print(f"bargein: {memory.describe()}", file=sys.stderr, flush=True)
+    return replace(config, cache=replace(config.cache, memory_bytes=memory.kv_bytes)) if kv_auto else config
+
+
 def launch_replicas(ref: str | None, config: Any, address: str, num_replicas: int) -> Any:
     """N engine replicas on the Ray cluster (each a pipeline when ``config.pipeline`` is
     set); a node without the model file gets the weights shipped from here."""

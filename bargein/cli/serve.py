@@ -51,7 +51,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=s.max_queue, metavar="N",
                    help="answer 429 when N requests are already in flight")
     p.add_argument("--kv-memory", default=None, metavar="SIZE",
-                   help=f"memory for the KV cache, e.g. 512MiB or 2GB (default: {kv_memory})")
+                   help=f"memory for the KV cache, e.g. 512MiB or 2GB, or auto: what the machine has available "
+                        f"beside the weights, the runtime and a 10%% margin (default: {kv_memory})")
     p.add_argument("--kv-tokens", type=int, default=kv_tokens, metavar="N",
                    help="size the KV cache by tokens instead: N token slots over all sequences, rounded up to "
                         "whole blocks of 16 (wins over $BARGEIN_KV_MEMORY; with --kv-memory it is an error)")
@@ -150,7 +151,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
     could not be, and the exit met torch mid-operation: "terminate called"); the import
     thread is pure Python. The app is made, and the serving line printed, only once both
     are done. Ray set-ups load in order."""
-    from bargein.cli.model import launch_replicas, load_engine
+    from bargein.cli.model import launch_replicas, load_engine, plan_memory
     from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig
     from bargein.distributed.errors import PipelineSetupError
     from bargein.distributed.split import parse_stage_layers
@@ -169,8 +170,9 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
         if args.kv_memory is not None and args.kv_tokens is not None:
             raise SettingsError("--kv-memory and --kv-tokens both size the KV cache; give one of them")
+        kv_auto = (args.kv_memory or args.kv_memory_default) == "auto" and args.kv_tokens is None
         config = EngineConfig(
-            cache=CacheConfig(memory_bytes=parse_size(args.kv_memory or args.kv_memory_default),
+            cache=CacheConfig(memory_bytes=0 if kv_auto else parse_size(args.kv_memory or args.kv_memory_default),
                               kv_tokens=args.kv_tokens),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
@@ -182,6 +184,9 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
                 recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource,
                 transport=args.pipeline_transport))
         _check_replica_flags(args)
+        if kv_auto and (args.replicas is not None or config.pipeline is not None):
+            raise SettingsError("--kv-memory auto sizes one process's KV cache; give a size for pipeline stages "
+                                "or replicas")
         if config.pipeline is None and args.replicas is None:  # the stages/replicas resolve it on their nodes
             resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
     except PipelineSetupError as exc:
@@ -204,6 +209,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             engine = load_engine(args.model, config, report=True)
         else:
             from bargein.startup import InBackground
+
+            config = plan_memory(args.model, config, kv_auto=kv_auto)
 
             import_module("bargein.engine.engine")  # before the thread: loading then imports next to nothing
             importing = InBackground(lambda: import_module("bargein.server.serve"), "bargein-import")

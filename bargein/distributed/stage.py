@@ -68,6 +68,7 @@ from bargein.engine.plan import StepPlan
 from bargein.engine.runner import plan_inputs
 from bargein.engine.sampler import RowSampling, sample_rows
 from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.quant_weight import QuantWeight
 from bargein.loader import close_model_files, load_weights
 from bargein.loader.source import ModelSource
 from bargein.model.attention import KVCache
@@ -401,8 +402,9 @@ def _failure(counters: StageCounters, seq: int, exc: BaseException) -> str:
 
 def held_weights(stage: LlamaStage) -> dict[str, torch.Tensor]:
     """Every tensor a stage computes from, by name with global layer numbers: parameters
-    and buffers, and each block-held weight's parts (``<module>.blocks.qs`` / ``scales`` /
-    ``mins``). Two stages that hold equal tensors under equal names compute the same."""
+    and buffers, each block-held weight's parts (``<module>.blocks.qs`` / ``scales`` /
+    ``mins``) and each QuantWeight's segments (``<module>.quant.<i>.data`` / ``order``).
+    Two stages that hold equal tensors under equal names compute the same."""
     def global_name(name: str) -> str:
         if not name.startswith("layers."):
             return name
@@ -415,6 +417,11 @@ def held_weights(stage: LlamaStage) -> dict[str, torch.Tensor]:
         if isinstance(blocks, BlockWeight):
             parts = {"qs": blocks.qs, "scales": blocks.scales, "mins": blocks.mins}
             out |= {global_name(f"{name}.blocks.{k}"): v for k, v in parts.items() if v is not None}
+        quant = getattr(module, "quant", None)
+        if isinstance(quant, QuantWeight):
+            for i, segment in enumerate(quant.segments):
+                parts = {"data": segment.data, "order": segment.order}
+                out |= {global_name(f"{name}.quant.{i}.{k}"): v for k, v in parts.items() if v is not None}
     return out
 
 

@@ -3,8 +3,9 @@
 Where a node has no copy of the model file (or a different one), the head reads that
 stage's tensors *in their stored form* (GGUF blocks stay quantized bytes; safetensors
 keep their dtype) and ships them through Ray's object store; the stage converts them
-exactly as the loader does: a Q4_1/Q8_0 matrix becomes a BlockWeight over the shipped
-bytes (the blocks the single-process engine reads from the file), anything else is
+exactly as the loader does: a matrix of a block type the kernels read becomes a
+QuantWeight over the shipped bytes (as the single-process engine's is over the mapped
+file; the received buffer is read-only, which nothing needs to write), anything else is
 dequantized. So a Q4 stage costs the wire about a seventh of its float32 size, and a
 stage holds the same weights whether it read or received them.
 
@@ -14,6 +15,7 @@ No Ray here: the caller does the shipping.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,24 +24,18 @@ import torch
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BlockWeight
-from bargein.loader.dequant import dequantize
+from bargein.kernels.dequant import dequantize
+from bargein.kernels.ggml_types import GGMLQuantizationType
+from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError
-from bargein.loader.ggml_types import GGMLQuantizationType
-from bargein.loader.gguf_file import (
-    PERMUTED_ARCHS,
-    holds_blocks,
-    open_gguf,
-    stored_blocks,
-    unpermute_qk,
-    unpermute_qk_blocks,
-)
+from bargein.loader.gguf_file import PERMUTED_ARCHS, open_gguf, qk_row_order, unpermute_qk
 from bargein.loader.hf_folder import _open as open_safetensors
 from bargein.loader.hf_folder import _weight_map
 from bargein.loader.names import wanted_tensors
 from bargein.loader.source import ModelSource
 
 Fingerprint = tuple[tuple[str, int], ...]
-Weight = torch.Tensor | BlockWeight
+Weight = torch.Tensor | BlockWeight | QuantWeight
 
 
 @dataclass(frozen=True)
@@ -121,17 +117,22 @@ def read_stored(source: ModelSource, config: ModelConfig, layer_range: tuple[int
 def materialize(stored: StoredWeights, config: ModelConfig, dtype: torch.dtype,
                 device: torch.device, *, blocks: bool = False) -> dict[str, Weight]:
     """Canonical weights from stored form, as the loader would have produced them from the
-    file (``load_weights`` with the same ``blocks``): with ``blocks``, a GGUF's Q4_1/Q8_0
-    matrices become BlockWeights over the shipped bytes, never widened to float32."""
+    file (``load_weights`` with the same ``blocks``): with ``blocks``, a GGUF's matrices of
+    the kernels' block types become QuantWeights over the shipped bytes (no copy), never
+    widened to float32."""
     weights: dict[str, Weight] = {}
     for canon in list(stored.tensors):
         t = stored.tensors[canon]
         permuted = stored.gguf_arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon)
         heads = config.num_heads if ".wq." in canon else config.num_kv_heads
-        if t.ggml_type is not None and blocks and holds_blocks(t.ggml_type, t.shape):
-            raw = np.asarray(t.data)  # read-only when Ray maps it from the object store: copy it then
-            held = stored_blocks(raw if raw.flags.writeable else raw.copy(), t.ggml_type, t.shape)
-            weights[canon] = unpermute_qk_blocks(held, heads) if permuted else held
+        if t.ggml_type is not None and blocks and GGMLQuantizationType(t.ggml_type) in QUANT_TYPES \
+                and len(t.shape) == 2:
+            with warnings.catch_warnings():
+                # Read-only when Ray maps it from the object store: nothing writes to weights.
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(-1))
+            held = QuantWeight.of(GGMLQuantizationType(t.ggml_type), raw, *t.shape)
+            weights[canon] = held.reorder_rows(qk_row_order(held.shape[0], heads)) if permuted else held
             continue
         if t.ggml_type is None:
             w = t.data

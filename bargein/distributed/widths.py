@@ -2,11 +2,12 @@
 each weight matrix: the :class:`~bargein.distributed.split.MatrixWidths` that price a
 layer and the LM head for the layer split.
 
-A stage computes from a GGUF's Q4_1 and Q8_0 matrices as stored, in blocks, where
-``fast`` precision runs: the native kernels with a float32 model on the CPU (see
+A stage computes from a GGUF's matrices of the kernels' block types
+(:data:`~bargein.kernels.quant_weight.QUANT_TYPES`) as stored, in blocks, in both
+precisions, where the native kernels run with a float32 model on the CPU (see
 ``build_model`` and ``resolve_kernels``). Every other matrix is dequantized to the model's
-dtype, and in ``exact`` the stage computes from float32 copies (``fp32_weights``), so
-there every matrix is read at one width; a safetensors folder is dense throughout.
+dtype (in ``fast`` a dense one is read as 8-bit blocks, in ``exact`` as float32; priced
+at 4 here either way); a safetensors folder is dense throughout.
 Only the GGUF's tensor table is read (no tensor data), through ``open_gguf``, which the
 head opened already to read the model's config.
 """
@@ -18,17 +19,19 @@ import torch
 from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.split import MatrixWidths
 from bargein.engine.device import resolve_dtype
-from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
-from bargein.loader.gguf_file import holds_blocks, open_gguf
+from bargein.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+from bargein.kernels.quant_weight import QUANT_TYPES
+from bargein.loader.gguf_file import open_gguf
 from bargein.loader.names import wanted_tensors
 from bargein.loader.source import ModelSource
 
 
 def stages_read_blocks(config: EngineConfig) -> bool:
-    """Whether stages built from ``config`` compute from blocks: ``fast`` precision with the
-    native kernels, on the CPU, float32. A device of "auto" is judged by this (the head's)
-    PyTorch; stages on nodes with a GPU the head lacks would compute densely on it."""
-    if config.precision != "fast" or not config.native_kernels:
+    """Whether stages built from ``config`` compute from blocks: the native kernels, on the
+    CPU, float32, in either precision.
+    A device of "auto" is judged by this (the head's) PyTorch; stages on nodes with a GPU
+    the head lacks would compute densely on it."""
+    if not config.native_kernels:
         return False
     on_cuda = config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if on_cuda else "cpu")
@@ -37,8 +40,8 @@ def stages_read_blocks(config: EngineConfig) -> bool:
 
 def stage_widths(source: ModelSource, model_config: ModelConfig, config: EngineConfig) -> MatrixWidths:
     """The bytes per value stages will read of each of the model's matrices: a GGUF's
-    block-held ones (Q4_1, Q8_0) at their stored size where stages read blocks, every
-    other at 4 (float32); all at one width where stages read no blocks."""
+    block-held ones (every type in QUANT_TYPES) at their stored size where stages read
+    blocks, every other at 4 (float32); all at one width where stages read no blocks."""
     if source.kind != "gguf" or not stages_read_blocks(config):
         return MatrixWidths()
     tensors = open_gguf(source.path).tensors
@@ -46,7 +49,8 @@ def stage_widths(source: ModelSource, model_config: ModelConfig, config: EngineC
     for canon, (gguf_name, _) in wanted_tensors(model_config, 0, model_config.num_layers).items():
         info = tensors.get(gguf_name)
         try:
-            if info is None or not holds_blocks(info.tensor_type, info.torch_shape):
+            if info is None or GGMLQuantizationType(info.tensor_type) not in QUANT_TYPES \
+                    or len(info.torch_shape) != 2:
                 continue  # a missing or unknown tensor is the loader's to report
         except ValueError:
             continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 from collections.abc import Iterator, MutableMapping
 
 import torch
@@ -18,8 +19,11 @@ import torch
 from bargein.config import EngineConfig, ModelConfig
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.ops import resolve_kernels
+from bargein.kernels.quant_weight import QuantWeight
 from bargein.model.block_weights import Weight
 from bargein.model.llama import LlamaStage
+
+log = logging.getLogger(__name__)
 
 
 class DeviceError(ValueError):
@@ -53,10 +57,11 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
     """The model (layers ``layer_range``, default all: a pipeline stage holds a range) on
     ``config``'s device and dtype, with its kernels resolved once.
 
-    Weights held in blocks (a GGUF's Q4_1/Q8_0, see ``load_weights(blocks=True)``) stay
-    in blocks where the native kernels read them (a float32 CPU model), with a float32 copy
-    only if ``config.fp32_weights`` (by default: in ``exact``, never in ``fast``); elsewhere each
-    is dequantized to the model's dtype.
+    Weights held in blocks (a GGUF's matrices as QuantWeights, see
+    ``load_weights(blocks=True)``) stay in blocks where the native kernels read them (a
+    float32 CPU model), in both precisions, never copied (``config.fp32_weights`` applies
+    to BlockWeights only, which no loader makes any more); elsewhere (CUDA, or no native
+    kernels) each is widened to the model's dtype, and one log line says so and what it costs.
     Tensors not yet where they belong are moved one at a time, and every weight is dropped
     from ``weights`` as the model takes it, so no second copy of the model sits in memory.
     """
@@ -64,16 +69,25 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
     dtype = resolve_dtype(config.dtype, device)
     kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
     reads_blocks = kernels.native is not None and device.type == "cpu" and dtype == torch.float32
+    stored = widened = 0
     for name in list(weights):
         tensor = weights[name]
         # RoPE frequency factors stay float32: they set the angles, not the activations.
         want = torch.float32 if name == "rope_freq_factors" else dtype
-        if isinstance(tensor, BlockWeight):
+        if isinstance(tensor, BlockWeight | QuantWeight):
             if not reads_blocks:
                 weights[name] = tensor.dequantize().to(device=device, dtype=want)
+                stored += tensor.nbytes
+                widened += weights[name].numel() * weights[name].element_size()
         elif tensor.device != device or tensor.dtype != want:
             weights[name] = tensor.to(device=device, dtype=want)
-    fp32_weights = config.fp32_weights if config.fp32_weights is not None else not kernels.fast
+    if widened:
+        why = (f"on {device.type} the weights are uploaded as {str(dtype).removeprefix('torch.')}"
+               if device.type != "cpu" else "the native kernels are unavailable" if kernels.native is None
+               else f"the model's dtype is {str(dtype).removeprefix('torch.')}")
+        log.warning("widening the file's quantized matrices (%.0f MiB of blocks) to %.0f MiB of %s: %s",
+                    stored / 2**20, widened / 2**20, str(dtype).removeprefix("torch."), why)
+    fp32_weights = bool(config.fp32_weights)
     model = LlamaStage(model_config, weights, layer_range, max_positions=max_positions, kernels=kernels,
                        fp32_weights=fp32_weights, consume=True)
     release_free_heap()

@@ -18,9 +18,14 @@
  * rows and threads, and an add of two floats rounds alike in C and in PyTorch. What the
  * call saves is Python: some fifteen ctypes calls and tensor allocations per layer.
  *
+ * A weight is either a BlockWeight's arrays (bargein_q8_block_matmul) or, where its
+ * `quant` is set, a GGUF file's blocks (bargein_qmat_t: any mix of types, segments and
+ * row orders, read by bargein_gguf_matmul, as KernelSet.quant_linear reads it).
+ *
  * The first stage of a model may hand its token embedding (bargein_fast_embed_t): the
  * rows of the forward's token ids are then looked up here, widened from their blocks as
- * BlockWeight.dequantize widens them (q * scale, then + min: two roundings), or copied
+ * BlockWeight.dequantize widens them (q * scale, then + min: two roundings), or from a
+ * GGUF file's blocks as bargein_gguf_dequantize_rows widens them, or copied
  * from a float32 table. The last stage of a model may hand its head too (bargein_fast_head_t): the final norm and
  * the LM head then run on the rows asked for, as LlamaStage.forward runs them
  * (rms_norm of the gathered rows, then the int8 matmul), and write their logits.
@@ -37,7 +42,8 @@
  * Returns 0; -1 when scratch memory could not be had; -2 when the int8 matmul's `isa` is not
  * this CPU's; -3 when a slot lies outside a cache,
  * -4 when a position lies outside the RoPE tables, -5 when a logits row is not a row of x,
- * -6 when a token id is not a row of the embedding (all checked before anything is written).
+ * -6 when a token id is not a row of the embedding (all checked before anything is written),
+ * -7 when a GGUF weight's block type has no kernels.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,6 +52,8 @@
 /* The exported kernels of the other files in this folder. */
 int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
                             const float *mins, int bits, int64_t n, float *y, int num_threads, int isa);
+int bargein_gguf_matmul(const float *x, int64_t m, const void *w, float *y, int exact, int num_threads, int isa);
+int bargein_gguf_dequantize_rows(const void *w, const int64_t *ids, int64_t count, float *out, int num_threads);
 void bargein_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t n, float eps, int num_threads);
 void bargein_silu_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads);
 void bargein_rope_store_f16(const float *qkv, const float *cos, const float *sin, const int64_t *slots,
@@ -56,11 +64,13 @@ int bargein_paged_attention_f16(const float *q, const uint16_t *k_cache, const u
                                 const int64_t *query_ctx, float *out, int64_t num_queries, int num_heads,
                                 int num_kv_heads, int head_dim, int block_size, float scale, int num_threads);
 
-/* A weight held in blocks, as bargein_q8_block_matmul reads it: (n, k), mins NULL for Q8_0. */
+/* A weight held in blocks, as bargein_q8_block_matmul reads it: (n, k), mins NULL for Q8_0;
+ * or, where quant is not NULL, a GGUF matrix (gguf_matmul.c's bargein_qmat_t) and n, k. */
 typedef struct {
     const uint8_t *qs;
     const float *scales, *mins;
     int64_t n, k, bits;
+    const void *quant;
 } bargein_q8_weight_t;
 
 /* One decoder layer: its norms' weights (hidden,), the fused projections, the qkv bias
@@ -99,8 +109,9 @@ typedef struct {
     int64_t vocab;
 } bargein_fast_embed_t;
 
-static void embed_rows(const bargein_fast_embed_t *e, float *x, int64_t m, int64_t hidden) {
+static int embed_rows(const bargein_fast_embed_t *e, float *x, int64_t m, int64_t hidden, int threads) {
     const bargein_q8_weight_t *w = &e->blocks;
+    if (!e->dense && w->quant) return bargein_gguf_dequantize_rows(w->quant, e->ids, m, x, threads) ? -7 : 0;
     const int64_t nb = hidden / 32;
     for (int64_t t = 0; t < m; t++) {
         float *row = x + t * hidden;
@@ -126,9 +137,14 @@ static void embed_rows(const bargein_fast_embed_t *e, float *x, int64_t m, int64
             }
         }
     }
+    return 0;
 }
 
 static int matmul(const float *x, int64_t m, const bargein_q8_weight_t *w, float *y, int threads, int isa) {
+    if (w->quant) {
+        const int status = bargein_gguf_matmul(x, m, w->quant, y, 0, threads, isa);
+        return status == -3 ? -7 : status;
+    }
     return bargein_q8_block_matmul(x, m, w->k, w->qs, w->scales, w->mins, (int)w->bits, w->n, y, threads, isa);
 }
 
@@ -177,7 +193,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
     float *act = malloc(sizeof(float) * (size_t)(rows * inter));
     float *cos = malloc(sizeof(float) * (size_t)(rows * d)), *sin = malloc(sizeof(float) * (size_t)(rows * d));
     int status = (normed && qkv && q && attn && proj && gate_up && act && cos && sin) ? 0 : -1;
-    if (status == 0 && embed) embed_rows(embed, x, m, hidden);
+    if (status == 0 && embed) status = embed_rows(embed, x, m, hidden, num_threads);
     for (int64_t t = 0; t < m && status == 0; t++) { /* each token's angles, shared by every layer */
         memcpy(cos + t * d, shape->cos_table + positions[t] * d, sizeof(float) * (size_t)d);
         memcpy(sin + t * d, shape->sin_table + positions[t] * d, sizeof(float) * (size_t)d);

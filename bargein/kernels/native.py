@@ -31,13 +31,14 @@ from pathlib import Path
 import torch
 
 from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "decode_attention.c", "block_matmul.c", "quant_matmul.c", "attention_f16.c", "rowwise.c", "parallel.c",
-    "fast_forward.c"))
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "simd.h"))
+    "fast_forward.c", "gguf_matmul.c"))
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "simd.h", "gguf_types.h"))
 # -ffp-contract=off: a multiply and an add stay two roundings unless the source asks for a
 # fused one, so the `fast` kernels' instruction-set paths round alike (see quant_matmul.c).
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
@@ -51,9 +52,60 @@ Q8_ISAS = {"c": 0, "avx2": 1, "vnni": 2}
 
 
 class Q8Weight(ctypes.Structure):
-    """A block-held weight as the int8 matmul reads it (fast_forward.c's bargein_q8_weight_t)."""
+    """A block-held weight as the int8 matmul reads it (fast_forward.c's bargein_q8_weight_t):
+    a BlockWeight's arrays, or ``quant``, the address of a :class:`QuantMatrix`'s struct."""
 
-    _fields_ = [("qs", _P), ("scales", _P), ("mins", _P), ("n", _I64), ("k", _I64), ("bits", _I64)]
+    _fields_ = [("qs", _P), ("scales", _P), ("mins", _P), ("n", _I64), ("k", _I64), ("bits", _I64),
+                ("quant", _P)]
+
+
+class QuantSegmentC(ctypes.Structure):
+    """One segment of a GGUF-block matrix as gguf_matmul.c reads it (bargein_qseg_t)."""
+
+    _fields_ = [("type", _I64), ("data", _P), ("row_bytes", _I64), ("rows", _I64), ("order", _P)]
+
+
+class QuantMatrixC(ctypes.Structure):
+    """A GGUF-block matrix (bargein_qmat_t): its segments, stacked along rows, and its shape."""
+
+    _fields_ = [("segs", ctypes.POINTER(QuantSegmentC)), ("num_segs", _I64), ("n", _I64), ("k", _I64)]
+
+
+class QuantMatrix:
+    """A :class:`QuantWeight` described to the C side once: the structures, and the tensors
+    they point into kept alive with them. Build with :func:`describe_quant`."""
+
+    def __init__(self, weight: QuantWeight):
+        self.weight = weight
+        n, k = weight.shape
+        segments = (QuantSegmentC * len(weight.segments))()
+        self._keep: list[torch.Tensor] = []
+        for slot, segment in zip(segments, weight.segments, strict=True):
+            data = segment.data
+            if data.stride(1) != 1 or data.device.type != "cpu":
+                raise NativeKernelError("a segment's blocks must be CPU bytes, contiguous along each row")
+            order = segment.order
+            if order is not None:
+                order = order.contiguous()
+                if order.numel() and not 0 <= int(order.min()) <= int(order.max()) < data.shape[0]:
+                    raise NativeKernelError("a segment's row order names a row it does not store")
+                self._keep.append(order)
+            self._keep.append(data)
+            slot.type, slot.data, slot.row_bytes = int(segment.qtype), data.data_ptr(), data.stride(0)
+            slot.rows, slot.order = segment.rows, (order.data_ptr() if order is not None else None)
+        self._segments = segments
+        self.struct = QuantMatrixC(segs=segments, num_segs=len(segments), n=n, k=k)
+
+
+def describe_quant(weight: QuantWeight) -> QuantMatrix:
+    """The C description of ``weight``, made once and kept on the weight itself, so that it
+    lives and dies with it (a model calls its matmuls with the same weights every step; a
+    cache keyed elsewhere would keep every weight, and its mapped file, alive)."""
+    matrix = weight.__dict__.get("_native_matrix")
+    if matrix is None:
+        matrix = QuantMatrix(weight)
+        weight.__dict__["_native_matrix"] = matrix  # beside the frozen fields; not one of them
+    return matrix
 
 
 class FastLayer(ctypes.Structure):
@@ -124,6 +176,12 @@ class NativeKernels:
         self._fast_layers = library.bargein_fast_layers
         self._fast_layers.restype = _INT
         self._fast_layers.argtypes = [_P, _INT, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _INT, _INT]
+        self._gguf_matmul = library.bargein_gguf_matmul
+        self._gguf_matmul.restype = _INT
+        self._gguf_matmul.argtypes = [_P, _I64, _P, _P, _INT, _INT, _INT]
+        self._gguf_rows = library.bargein_gguf_dequantize_rows
+        self._gguf_rows.restype = _INT
+        self._gguf_rows.argtypes = [_P, _P, _I64, _P, _INT]
         self.q8_isa = self._chosen_q8_isa()
 
     def _chosen_q8_isa(self) -> int:
@@ -161,6 +219,37 @@ class NativeKernels:
         if status:
             raise NativeKernelError("the int8 matmul kernel could not allocate its scratch memory")
         return y
+
+    def quant_matmul(self, x: torch.Tensor, weight: QuantMatrix, num_threads: int, *, exact: bool = False,
+                     isa: str | None = None) -> torch.Tensor:
+        """``x @ W.T`` for W held in a GGUF file's blocks (see gguf_matmul.c), x (m, k)
+        contiguous float32 on the CPU.
+
+        ``exact=False`` (fast): x quantized to int8 per block of 32; row r of the result
+        depends on row r of x and the weight only, not on m, the thread count or ``isa``
+        (default: the best here). ``exact=True``: float32 activations (plain C).
+        """
+        n, k = weight.weight.shape
+        _check_rows(x, k)
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        status = self._gguf_matmul(x.data_ptr(), x.shape[0], ctypes.addressof(weight.struct), y.data_ptr(),
+                                   int(exact), num_threads, self.q8_isa if isa is None else Q8_ISAS[isa])
+        _gguf_status(status, isa)
+        return y
+
+    def quant_rows(self, weight: QuantMatrix, ids: torch.Tensor, num_threads: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` (int64) of W widened to float32 (len(ids), k), the values gguf.quants
+        gives; written into ``out`` (contiguous float32) when given."""
+        n, k = weight.weight.shape
+        ids = ids.to(torch.int64).contiguous().view(-1)
+        if out is None:
+            out = torch.empty((ids.shape[0], k), dtype=torch.float32)
+        elif out.dtype != torch.float32 or not out.is_contiguous() or out.shape != (ids.shape[0], k):
+            raise NativeKernelError(f"out must be contiguous float32 ({ids.shape[0]}, {k})")
+        _gguf_status(self._gguf_rows(ctypes.addressof(weight.struct), ids.data_ptr(), ids.shape[0], out.data_ptr(),
+                                     num_threads), None)
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int) -> torch.Tensor:
         """RMS norm of each row of x (m, n) times weight (n,); each row by the same code."""
@@ -310,7 +399,19 @@ class NativeKernels:
 
 _FAST_LAYER_ERRORS = {-2: "this CPU lacks the int8 matmul's chosen instruction set",
                       -3: "a slot lies outside the cache", -4: "a position lies outside the RoPE tables",
-                      -5: "a logits row is not a row of the forward", -6: "a token id is not in the vocabulary"}
+                      -5: "a logits row is not a row of the forward", -6: "a token id is not in the vocabulary",
+                      -7: "a GGUF weight's block type has no native kernels"}
+
+
+def _gguf_status(status: int, isa: str | None) -> None:
+    if status == -2:
+        raise NativeKernelError(f"this CPU has no {isa} instructions")
+    if status == -3:
+        raise NativeKernelError("a segment's block type has no native kernels, or its rows are not whole blocks")
+    if status == -6:
+        raise NativeKernelError("a row id lies outside the matrix")
+    if status:
+        raise NativeKernelError("the GGUF block kernel could not allocate its scratch memory")
 
 
 def _check_rows(x: torch.Tensor, k: int) -> None:
@@ -393,7 +494,7 @@ def build_library(compiler: str, target_dir: Path) -> Path:
 
 def _compile(compiler: str, flags: tuple[str, ...], output: str) -> None:
     subprocess.run([compiler, *flags, "-o", output, *map(str, _SOURCES), "-lm"], capture_output=True, text=True,
-                   check=True, timeout=120)
+                   check=True, timeout=300)  # gguf_matmul.c alone takes ~20 s of CPU
 
 
 @functools.cache

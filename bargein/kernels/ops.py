@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from bargein.config import PRECISIONS
 from bargein.kernels.block_quant import BlockWeight, quantize_8bit, recover_blocks
-from bargein.kernels.native import NativeKernels, load_native_kernels
+from bargein.kernels.native import NativeKernels, QuantMatrix, describe_quant, load_native_kernels
+from bargein.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,11 @@ log = logging.getLogger(__name__)
 # Forwards of at most this many rows read block-quantized weights through the native
 # matmul; beyond it the packed float32 matmul wins (see bargein.model.linear).
 BLOCK_KERNEL_MAX_ROWS = 12
+# In ``exact``, forwards of at most this many rows multiply float32 activations by a file's
+# blocks in C (gguf_matmul.c); beyond it, columns of W are widened a chunk at a time into
+# a reused float32 buffer and multiplied by PyTorch's GEMM (no resident float32 copy).
+QUANT_EXACT_MAX_ROWS = 8
+QUANT_CHUNK_VALUES = 1 << 20  # values of W widened per chunk (4 MB of float32)
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,45 @@ class KernelSet:
         if x.shape[0] > BLOCK_KERNEL_MAX_ROWS:
             return None
         return self.native.block_matmul(x.contiguous(), blocks, torch.get_num_threads())
+
+    def quant_linear(self, x: torch.Tensor, weight: QuantWeight) -> torch.Tensor:
+        """``x @ W.T`` for x (T, k) float32 and W held in a file's blocks, in this set's precision.
+
+        ``fast``: activations quantized to int8 per block of 32 against each segment's
+        blocks (row- and thread-invariant). ``exact``: float32 activations against the
+        blocks' values: in C for few rows, else chunks of W widened into a reused float32
+        buffer for PyTorch's GEMM. Without the native kernels (or off the CPU, or x not
+        float32) this is the reference: the weight dequantized, then ``F.linear``.
+        """
+        if self.native is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 1:
+            return F.linear(x, weight.dequantize().to(x.device, x.dtype))
+        lead, k = x.shape[:-1], x.shape[-1]
+        rows = x.reshape(-1, k).contiguous()
+        matrix = describe_quant(weight)
+        threads = torch.get_num_threads()
+        if self.fast or rows.shape[0] <= QUANT_EXACT_MAX_ROWS:
+            y = self.native.quant_matmul(rows, matrix, threads, exact=not self.fast)
+        else:
+            y = self._chunked_linear(rows, matrix, threads)
+        return y.view(*lead, y.shape[-1])
+
+    def _chunked_linear(self, x: torch.Tensor, matrix: QuantMatrix, threads: int) -> torch.Tensor:
+        n, k = matrix.weight.shape
+        chunk = max(16, min(n, QUANT_CHUNK_VALUES // max(k, 1)))
+        y = torch.empty((x.shape[0], n), dtype=torch.float32)
+        buffer = torch.empty((chunk, k), dtype=torch.float32)
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            part = self.native.quant_rows(matrix, torch.arange(start, stop), threads, buffer[:stop - start])
+            y[:, start:stop] = torch.mm(x, part.t())
+        return y
+
+    def quant_embedding(self, weight: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of an embedding table held in blocks, as float32 (len(ids), k): the
+        values gguf.quants gives, in either precision."""
+        if self.native is None:
+            return weight.dequantize_rows(ids)
+        return self.native.quant_rows(describe_quant(weight), ids, torch.get_num_threads())
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """The row-wise native RMS norm in ``fast`` (float32 CPU rows); else None."""

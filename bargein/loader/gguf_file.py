@@ -1,20 +1,27 @@
 """GGUF files: config from metadata, canonical weights from tensors.
 
-Metadata is parsed by bargein.loader.gguf_parse (plain Python values, no memory map);
-tensor bytes are read with ``os.pread``, one tensor at a time, into memory of our own:
-pages of a memory map that were read stay in the process's resident set (and its peak) for
-as long as the map lives, pages read through the page cache do not. Q4_1 and Q8_0 matrices can come back as they are stored,
-in blocks (:class:`~bargein.kernels.block_quant.BlockWeight`, no float32 pass); everything
-else is dequantized through bargein.loader.dequant, tensor by tensor.
+Metadata is parsed by bargein.loader.gguf_parse (plain Python values). Tensor data is
+memory-mapped, once per file, read-only (as llama.cpp does): a matrix of a block type the
+kernels read (:data:`~bargein.kernels.quant_weight.QUANT_TYPES`) becomes a
+:class:`~bargein.kernels.quant_weight.QuantWeight` over a view of the map, so start-up
+reads nothing through Python, no private copy of a weight exists, and the pages are the
+page cache's, shared with every process serving the same file (RSS counts them as
+file-backed, not anonymous). Norms and biases (small, float) are copied out; any other
+tensor (F16/BF16/F32 matrices) is dequantized to float32, tensor by tensor.
+
 llama.cpp stores Q/K of the ``llama`` architecture in an interleaved RoPE layout; it is
-put back into the Hugging Face "rotate_half" layout here, so the model sees one layout.
+put back into the Hugging Face "rotate_half" layout here, so the model sees one layout:
+for a QuantWeight by its row order (:meth:`QuantWeight.reorder_rows`, no bytes moved).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import mmap
 import struct
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,9 +32,10 @@ from tqdm import tqdm
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BLOCK, BlockWeight
-from bargein.loader.dequant import SUPPORTED_TYPES, dequantize
+from bargein.kernels.dequant import SUPPORTED_TYPES, dequantize
+from bargein.kernels.ggml_types import GGMLQuantizationType
+from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
-from bargein.loader.ggml_types import GGMLQuantizationType
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
 from bargein.loader.names import check_layer_range, wanted_tensors
 
@@ -37,6 +45,8 @@ SUPPORTED_ARCHS = ("llama", "qwen2")
 BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
 # Architectures whose Q/K llama.cpp's converter permuted (qwen2 keeps the HF layout).
 PERMUTED_ARCHS = ("llama",)
+
+log = logging.getLogger(__name__)
 
 
 class GGUFFile:
@@ -52,6 +62,37 @@ class GGUFFile:
             raise CorruptModelError(f"{path}: not a readable GGUF file ({exc})") from exc
         self.fields: dict[str, Any] = parsed.fields
         self.tensors: dict[str, TensorInfo] = parsed.tensors
+        self._mapped: np.ndarray | None = None  # the whole file, mapped on first use
+
+    def mapped(self) -> np.ndarray:
+        """The whole file as a read-only uint8 array over one memory map (made on first call).
+
+        Views of it keep the map alive (numpy holds the buffer), so weights outlive this
+        object and :func:`close_gguf_files`; the map goes when the last view does.
+        """
+        if self._mapped is None:
+            with open(self.path, "rb") as f:
+                self._mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        return self._mapped
+
+    def view(self, name: str) -> torch.Tensor:
+        """A tensor's stored bytes as a flat uint8 tensor over the map (no copy, read-only)."""
+        info = self.info(name)
+        raw = self.mapped()[info.data_offset:info.data_offset + info.n_bytes]
+        with warnings.catch_warnings():
+            # torch warns that the array is not writable; nothing writes to weights, and
+            # a write would fault rather than corrupt the file (the map is ACCESS_READ).
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(raw)
+
+    def quant(self, name: str) -> QuantWeight | None:
+        """A matrix of a block type the kernels read, as a QuantWeight over the mapped file
+        (None for any other type or shape); its values are :meth:`tensor`'s bit for bit."""
+        info = self.info(name)
+        shape = info.torch_shape
+        if GGMLQuantizationType(info.tensor_type) not in QUANT_TYPES or len(shape) != 2:
+            return None
+        return QuantWeight.of(GGMLQuantizationType(info.tensor_type), self.view(name), *shape)
 
     def has(self, key: str) -> bool:
         return key in self.fields
@@ -106,8 +147,9 @@ class GGUFFile:
             raise UnsupportedModelError(f"{self.path}: tensor {name!r} has unknown type {info.tensor_type}") from None
         if qtype not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
-                f"{self.path}: tensor {name!r} has type {qtype.name}, which bargein cannot "
-                f"dequantize (supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+                f"{self.path}: tensor {name!r} has type {qtype.name}, which bargein has no kernels for "
+                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}); use a file of a "
+                "supported type (e.g. Q4_K_M)"
             )
         if info.present != info.n_bytes:
             raise CorruptModelError(
@@ -118,7 +160,10 @@ class GGUFFile:
     def tensor(self, name: str, shape_hint: str = "") -> torch.Tensor:
         """Dequantized float32 tensor in torch shape (GGUF lists dims innermost first)."""
         info = self.info(name, shape_hint)
-        return dequantize(info.data, GGMLQuantizationType(info.tensor_type), info.torch_shape)
+        qtype = GGMLQuantizationType(info.tensor_type)
+        raw = self.mapped()[info.data_offset:info.data_offset + info.n_bytes]
+        typed = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}.get(qtype)
+        return dequantize(raw.view(typed) if typed is not None else raw, qtype, info.torch_shape)
 
     def blocks(self, name: str) -> BlockWeight | None:
         """A Q4_1 or Q8_0 matrix as its stored blocks (None for any other type or shape).
@@ -230,7 +275,13 @@ def unpermute_qk_blocks(w: BlockWeight, n_heads: int) -> BlockWeight:
     return BlockWeight(w.bits, rows(w.qs), rows(w.scales), rows(w.mins))
 
 
-Weight = torch.Tensor | BlockWeight
+def qk_row_order(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's Q/K permutation: row i of the Hugging Face
+    layout is stored row ``order[i]`` (:func:`unpermute_qk` of the row indices)."""
+    return unpermute_qk(torch.arange(rows), n_heads).contiguous()
+
+
+Weight = torch.Tensor | BlockWeight | QuantWeight
 
 
 def load_gguf_weights(
@@ -244,8 +295,9 @@ def load_gguf_weights(
     blocks: bool = False,
 ) -> dict[str, Weight]:
     """Canonical tensors for layers [start, end) (see bargein.loader.names), each moved to
-    ``device`` as soon as it is read. With ``blocks``, Q4_1/Q8_0 matrices stay in their
-    stored blocks (BlockWeight, on the CPU) and are never widened to float32."""
+    ``device`` as soon as it is read. With ``blocks``, every matrix of a type in
+    :data:`QUANT_TYPES` is a QuantWeight over the mapped file (on the CPU, whatever
+    ``device``): never read here, never widened, never copied."""
     f = open_gguf(path)
     start, end = check_layer_range(config, layer_range)
     wanted = {
@@ -255,18 +307,25 @@ def load_gguf_weights(
         wanted["rope_freq_factors"] = "rope_freqs.weight"
     arch = f.get("general.architecture")
     weights: dict[str, Weight] = {}
+    stored = widened = 0  # quantized matrices widened here (without ``blocks``): their bytes before and after
     for canon, gguf_name in _progress(wanted.items(), len(wanted), config.name, progress):
         heads = config.num_heads if ".wq." in canon else config.num_kv_heads
         permuted = arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon)
-        held = f.blocks(gguf_name) if blocks else None
+        held = f.quant(gguf_name) if blocks else None
         if held is not None:
-            weights[canon] = unpermute_qk_blocks(held, heads) if permuted else held
+            weights[canon] = held.reorder_rows(qk_row_order(held.shape[0], heads)) if permuted else held
             continue
         w = f.tensor(gguf_name)
         if permuted:
             w = unpermute_qk(w, heads)
         weights[canon] = w.to(device=device, dtype=torch.float32 if canon == "rope_freq_factors" else dtype)
         del w  # before the next tensor is read
+        if GGMLQuantizationType(f.tensors[gguf_name].tensor_type) in QUANT_TYPES:
+            stored += f.tensors[gguf_name].n_bytes
+            widened += weights[canon].numel() * weights[canon].element_size()
+    if widened and device.type != "cpu":
+        log.warning("the file's quantized matrices (%.0f MiB of blocks) are widened to %.0f MiB of %s on upload "
+                    "to %s", stored / 2**20, widened / 2**20, str(dtype).removeprefix("torch."), device)
     return weights
 
 

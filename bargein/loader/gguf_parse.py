@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from bargein.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 from bargein.loader.errors import CorruptModelError, UnsupportedModelError
-from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -1,9 +1,12 @@
 """Weights that may be held in blocks: joining them, and looking rows up from them.
 
-A loaded weight is either a dense tensor or a :class:`~bargein.kernels.block_quant.BlockWeight`
-(a GGUF's Q4_1/Q8_0 matrix as stored). The model fuses Q/K/V and gate/up by stacking rows,
-which for blocks is stacking the rows of their parts (blocks run along a row); the token
-embedding reads only the rows it looks up, widened to float32 there and then.
+A loaded weight is a dense tensor, a :class:`~bargein.kernels.quant_weight.QuantWeight`
+(a GGUF's matrix as its file stores it, over the memory-mapped file, read by
+``KernelSet.quant_linear``/``quant_embedding``) or a
+:class:`~bargein.kernels.block_quant.BlockWeight` (the Q4/Q8 form found in a dense
+weight). The model fuses Q/K/V and gate/up by stacking rows: QuantWeights stack as
+segments (no copy, mixed types fine), BlockWeights by stacking their parts. The token
+embedding reads only the rows it looks up.
 """
 
 from __future__ import annotations
@@ -15,18 +18,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.ops import TORCH_KERNELS, KernelSet
+from bargein.kernels.quant_weight import QuantWeight
 
-Weight = torch.Tensor | BlockWeight
+Weight = torch.Tensor | BlockWeight | QuantWeight
 
 
 def dense(weight: Weight) -> torch.Tensor:
     """The weight as a float tensor (a block-held one dequantized, exactly as the file's values)."""
-    return weight.dequantize() if isinstance(weight, BlockWeight) else weight
+    return weight.dequantize() if isinstance(weight, BlockWeight | QuantWeight) else weight
 
 
 def cat_rows(parts: Sequence[Weight]) -> Weight:
-    """The parts stacked along rows: blocks stay blocks when all parts are blocks of one width."""
+    """The parts stacked along rows: QuantWeights stay QuantWeights (their segments, no copy),
+    blocks stay blocks when all parts are blocks of one width; anything else is dense."""
     first = parts[0]
+    if all(isinstance(p, QuantWeight) for p in parts):
+        return QuantWeight.cat_rows(parts)  # type: ignore[arg-type]
     if all(isinstance(p, BlockWeight) and p.bits == first.bits and p.shape[1] == first.shape[1] for p in parts):
         blocks: list[BlockWeight] = list(parts)  # type: ignore[arg-type]
         mins = None if first.mins is None else torch.cat([b.mins for b in blocks])  # type: ignore[misc]
@@ -45,16 +53,22 @@ def select_rows(weight: BlockWeight, ids: torch.Tensor) -> torch.Tensor:
 class TokenEmbedding(nn.Module):
     """Token ids (T,) -> rows of the embedding (T, hidden), from a dense table or from blocks.
 
-    Held in blocks, the table costs its quantized bytes only; each forward dequantizes
-    just the rows it looks up, to the same float32 values a dense table would hold.
+    Held in blocks (``blocks``, a BlockWeight, or ``quant``, a QuantWeight), the table costs
+    its quantized bytes only; each forward dequantizes just the rows it looks up, to the same
+    float32 values a dense table would hold.
     """
 
-    def __init__(self, weight: Weight):
+    def __init__(self, weight: Weight, kernels: KernelSet = TORCH_KERNELS):
         super().__init__()
+        self.kernels = kernels
+        self.quant = weight if isinstance(weight, QuantWeight) else None
         self.blocks = weight if isinstance(weight, BlockWeight) else None
-        self.weight = None if self.blocks is not None else nn.Parameter(weight, requires_grad=False)
+        held = self.quant is not None or self.blocks is not None
+        self.weight = None if held else nn.Parameter(weight, requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.kernels.quant_embedding(self.quant, ids)
         if self.blocks is not None:
             return select_rows(self.blocks, ids)
         return F.embedding(ids, self.weight)

@@ -34,7 +34,9 @@ from bargein.kernels.native import (
     FastShape,
     NativeKernels,
     Q8Weight,
+    describe_quant,
 )
+from bargein.kernels.quant_weight import QuantWeight
 from bargein.model.attention import AttentionMetadata, KVCache
 
 
@@ -90,8 +92,7 @@ class FusedLayers:
         array = (FastLayer * len(blocks))()
         for slot, block in zip(array, blocks, strict=True):
             attention, ffn = block.attention, block.feed_forward
-            weights = [_q8(lin.blocks, keep) if _blocks_only(lin) else None
-                       for lin in (attention.wqkv, attention.wo, ffn.w13, ffn.w2)]
+            weights = [_weight(lin, keep) for lin in (attention.wqkv, attention.wo, ffn.w13, ffn.w2)]
             norms = [block.attn_norm.weight, block.ffn_norm.weight]
             bias = attention.wqkv.bias
             c = config
@@ -110,14 +111,19 @@ class FusedLayers:
         fused_head = None
         if head is not None:
             norm, lm_head = head
-            weight = _q8(lm_head.blocks, keep) if _blocks_only(lm_head) and lm_head.bias is None else None
+            weight = _weight(lm_head, keep) if lm_head.bias is None else None
             if weight is not None and weight.k == config.hidden_size and _float32(norm.weight):
                 keep.append(norm.weight)
                 fused_head = FastHead(norm=norm.weight.data_ptr(), weight=weight)
         fused_embed = None
         if embed is not None:
             table = embed.blocks if embed.blocks is not None else embed.weight
-            if isinstance(table, BlockWeight):
+            quant = getattr(embed, "quant", None)  # a GGUF file's blocks (the loader's TokenEmbedding)
+            if quant is not None:
+                weight = _quant(quant, keep)
+                if weight.k == config.hidden_size:
+                    fused_embed = FastEmbed(blocks=weight, vocab=weight.n)
+            elif isinstance(table, BlockWeight):
                 weight = _q8(table, keep)
                 if weight is not None and weight.k == config.hidden_size:
                     fused_embed = FastEmbed(blocks=weight, vocab=weight.n)
@@ -176,6 +182,23 @@ class FusedLayers:
         self._shape.num_slots = first.shape[0] * first.shape[1]
         self._shape.block_size = first.shape[1]
         self._caches = tuple(kv_caches)
+
+
+def _weight(linear: torch.nn.Module, keep: list[object]) -> Q8Weight | None:
+    """How the fast forward reads this Linear's weight: its GGUF blocks (``quant``, which the
+    per-operation path reads through KernelSet.quant_linear), else its BlockWeight if that
+    is all it holds; None where it holds neither."""
+    quant = getattr(linear, "quant", None)
+    if quant is not None:
+        return _quant(quant, keep)
+    return _q8(linear.blocks, keep) if _blocks_only(linear) else None
+
+
+def _quant(weight: QuantWeight, keep: list[object]) -> Q8Weight:
+    matrix = describe_quant(weight)
+    keep.append(matrix)
+    n, k = weight.shape
+    return Q8Weight(n=n, k=k, bits=0, quant=ctypes.addressof(matrix.struct))
 
 
 def _blocks_only(linear: torch.nn.Module) -> bool:

@@ -17,9 +17,13 @@ on 2 AVX2 cores over every linear of SmolLM2-135M, against the packed float32 ma
 In the ``fast`` precision every forward, of any number of rows, reads the block form with
 int8 activations (see :mod:`bargein.kernels.ops`), so no float32 copy is kept beside it.
 In ``exact``, a layer built :meth:`Linear.from_blocks` (a GGUF's stored blocks) holds no
-float32 copy unless asked to (``keep_fp32``, the default for exact): then every forward,
-of any number of rows, reads the blocks with float32 activations, and the weights take
-their quantized size in memory instead of 4 bytes a value.
+float32 copy unless asked to (``keep_fp32``, off by default): every forward, of any number
+of rows, reads the blocks with float32 activations, and the weights take their quantized
+size in memory instead of 4 bytes a value.
+
+A layer built :meth:`Linear.from_quant` holds a GGUF matrix of any block type as the file
+stores it (a :class:`~bargein.kernels.quant_weight.QuantWeight`, usually a view of the
+mapped file) and nothing else, in both precisions: ``KernelSet.quant_linear`` reads it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torch import nn
 
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.ops import TORCH_KERNELS, KernelSet
+from bargein.kernels.quant_weight import QuantWeight
 
 
 def _onednn_available(weight: torch.Tensor) -> bool:
@@ -43,15 +48,19 @@ class Linear(nn.Module):
     """``y = x @ weight.T + bias`` for x of shape (T, in_features)."""
 
     def __init__(self, weight: torch.Tensor | None, bias: torch.Tensor | None = None, *, pack: bool = True,
-                 kernels: KernelSet = TORCH_KERNELS, blocks: BlockWeight | None = None):
+                 kernels: KernelSet = TORCH_KERNELS, blocks: BlockWeight | None = None,
+                 quant: QuantWeight | None = None):
         """``weight`` dense (its block form is looked for, given native kernels), or None
-        with ``blocks`` given: see :meth:`from_blocks`."""
+        with ``blocks`` or ``quant`` given: see :meth:`from_blocks`, :meth:`from_quant`."""
         super().__init__()
-        if weight is None and (blocks is None or kernels.native is None):
+        if weight is None and quant is None and (blocks is None or kernels.native is None):
             raise ValueError("a Linear without a dense weight needs blocks and the native kernels to read them")
-        self.out_features, self.in_features = weight.shape if weight is not None else blocks.shape
+        held = weight if weight is not None else quant if quant is not None else blocks
+        self.out_features, self.in_features = held.shape
         self.kernels = kernels
-        self.blocks: BlockWeight | None = blocks if blocks is not None else kernels.block_form(weight)
+        self.quant = quant
+        self.blocks: BlockWeight | None = (blocks if blocks is not None or weight is None
+                                           else kernels.block_form(weight))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed: torch.Tensor | None = None
         self.weight: nn.Parameter | None = None if weight is None else nn.Parameter(weight, requires_grad=False)
@@ -78,12 +87,21 @@ class Linear(nn.Module):
                        blocks=blocks if kernels.native is not None else None)
         return cls(None, bias, kernels=kernels, blocks=blocks)
 
+    @classmethod
+    def from_quant(cls, weight: QuantWeight, bias: torch.Tensor | None = None, *, kernels: KernelSet) -> Linear:
+        """A layer over a file's blocks of any type (float32 CPU model): the QuantWeight is all
+        it holds, in both precisions; every forward reads it through ``kernels.quant_linear``."""
+        return cls(None, bias, kernels=kernels, quant=weight)
+
     @property
     def holds_dense(self) -> bool:
         """Whether a float32 (plain or packed) copy of the weight is held."""
         return self.weight is not None or self.packed is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.kernels.quant_linear(x, self.quant)
+            return y if self.bias is None else y + self.bias
         if self.blocks is not None and (y := self.kernels.block_linear(x, self.blocks)) is not None:
             return y if self.bias is None else y + self.bias
         if self.packed is not None and x.dtype == torch.float32:

@@ -8,8 +8,11 @@ previous one's hidden states.
 Weights arrive in canonical names (see ``bargein.loader``) and are fused here, at
 construction: Q, K and V into one matrix and gate/up into another, so that each layer
 runs two large matmuls instead of five small ones. A weight may arrive dense or held in
-blocks (:mod:`bargein.model.block_weights`); blocks stay blocks, and only
-``fp32_weights`` adds a float32 copy beside them (see :meth:`Linear.from_blocks`).
+blocks (:mod:`bargein.model.block_weights`): a QuantWeight (a GGUF's blocks of any type,
+over the mapped file) stays one, fused parts as its segments, and is read by
+``KernelSet.quant_linear``; no float32 copy of it exists in either precision. Beside a
+BlockWeight (a block form found in a dense weight) only ``fp32_weights`` adds a float32
+copy (see :meth:`Linear.from_blocks`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.ops import TORCH_KERNELS, KernelSet
+from bargein.kernels.quant_weight import QuantWeight
 from bargein.model.attention import (
     AttentionMetadata,
     KVCache,
@@ -39,6 +43,8 @@ Take = Callable[[str], Weight]  # a canonical weight by name (see LlamaStage's `
 
 
 def _linear(weight: Weight, bias: torch.Tensor | None, kernels: KernelSet, fp32_weights: bool) -> Linear:
+    if isinstance(weight, QuantWeight):
+        return Linear.from_quant(weight, bias, kernels=kernels)
     if isinstance(weight, BlockWeight):
         return Linear.from_blocks(weight, bias, keep_fp32=fp32_weights, kernels=kernels)
     return Linear(weight, bias, kernels=kernels)
@@ -131,9 +137,9 @@ class LlamaStage(nn.Module):
     :func:`bargein.kernels.ops.resolve_kernels`) picks native or PyTorch operations;
     the constructor itself never builds or loads a kernel library.
 
-    ``weights`` may hold BlockWeights (for a float32 CPU model only: nothing else reads
-    them); ``fp32_weights`` also keeps a float32 copy of each (faster for many rows, 4-6x
-    the memory). With ``consume``, each weight is popped from ``weights`` (then a
+    ``weights`` may hold QuantWeights and BlockWeights (for a float32 CPU model only:
+    nothing else reads them); ``fp32_weights`` also keeps a float32 copy of each
+    BlockWeight (faster for many rows, 4-6x the memory; never of a QuantWeight). With ``consume``, each weight is popped from ``weights`` (then a
     MutableMapping) as it is used, so that the parts of a fused weight are freed as soon as
     the fused copy exists and the whole model never sits in memory twice.
 
@@ -158,7 +164,7 @@ class LlamaStage(nn.Module):
         self.is_first, self.is_last = start == 0, end == config.num_layers
         tied = self.is_last and config.tie_word_embeddings
         embed = take("embed.weight") if self.is_first or tied else None
-        self.embed = TokenEmbedding(embed) if self.is_first else None
+        self.embed = TokenEmbedding(embed, kernels) if self.is_first else None
         self.layers = nn.ModuleList(TransformerBlock(config, take, i, kernels, fp32_weights)
                                     for i in range(start, end))
         self.norm = self.lm_head = None

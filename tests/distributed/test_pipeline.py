@@ -132,9 +132,9 @@ def test_every_stage_holds_the_single_engine_s_weights_bit_for_bit(setup: Setup)
         for name, tensor in stage.items():
             assert tensor.dtype == local[name].dtype and torch.equal(tensor, local[name]), name
     if setup.name == "gguf-2":  # every matrix of the layers and the tied head/embedding, as stored
-        blocks = {name.rsplit(".blocks.", 1)[0] for stage in held for name in stage if ".blocks." in name}
+        blocks = {name.rsplit(".quant.", 1)[0] for stage in held for name in stage if ".quant." in name}
         assert len(blocks) == 4 * SPEC.num_layers + 2
-        assert all(stage[n].dtype == torch.int8 for stage in held for n in stage if n.endswith(".blocks.qs"))
+        assert all(stage[n].dtype == torch.uint8 for stage in held for n in stage if n.endswith(".data"))
 
 
 def test_logits_equal_the_single_process_engine_and_only_plans_and_logits_pass_the_head(setup: Setup) -> None:

@@ -125,11 +125,13 @@ def test_stage_widths_come_from_the_gguf_tensor_table_where_stages_read_blocks(t
     assert stage_widths(source, config, cpu_fast) == MatrixWidths(expected)  # norms are no matrices
     f32 = ModelSource("gguf", write_gguf(tmp_path / "f32.gguf", spec, weights), "tiny")
     assert stage_widths(f32, config, cpu_fast) == MatrixWidths()  # nothing held in blocks
-    assert stage_widths(source, config, replace(cpu_fast, precision="exact")) == MatrixWidths()
+    # exact reads the file's blocks too
+    assert stage_widths(source, config, replace(cpu_fast, precision="exact")) == MatrixWidths(expected)
     # A safetensors folder is dense: nothing is read (this one does not even exist).
     assert stage_widths(ModelSource("hf", tmp_path / "absent", "tiny"), config, cpu_fast) == MatrixWidths()
     assert stages_read_blocks(cpu_fast)
-    for other in (dict(precision="exact"), dict(dtype="bfloat16"), dict(native_kernels=False),
+    assert stages_read_blocks(replace(cpu_fast, precision="exact"))
+    for other in (dict(dtype="bfloat16"), dict(native_kernels=False),
                   dict(device="cuda")):
         assert not stages_read_blocks(replace(cpu_fast, **other))
 

@@ -20,6 +20,7 @@ from bargein.engine.sampling import SamplingParams
 from bargein.kernels.block_quant import BlockWeight, recover_blocks
 from bargein.kernels.native import load_native_kernels
 from bargein.kernels.ops import KernelSet
+from bargein.kernels.quant_weight import QuantWeight
 from bargein.loader import load_config, load_tokenizer, load_weights, resolve_model_ref
 from bargein.loader.gguf_file import open_gguf
 from bargein.model.block_weights import TokenEmbedding, cat_rows
@@ -58,19 +59,19 @@ def test_direct_blocks_equal_the_recovered_ones_on_written_files(files, tensor_t
     _, held = load(files[tensor_type], blocks=True)
     assert held.keys() == dense.keys()
     matrices = [name for name, w in dense.items() if w.dim() == 2]
-    assert matrices and all(isinstance(held[name], BlockWeight) for name in matrices)
-    for name in matrices:  # Q/K included: their rows are un-permuted as blocks
+    assert matrices and all(isinstance(held[name], QuantWeight) for name in matrices)
+    for name in matrices:  # Q/K included: their rows are un-permuted by the row order
         assert torch.equal(held[name].dequantize(), dense[name]), name
-        assert same_blocks(held[name], recover_blocks(dense[name])), name
     for name in dense.keys() - set(matrices):  # norms stay dense float32
         assert torch.equal(held[name], dense[name]), name
 
 
-def test_other_types_are_dequantized_tensor_by_tensor(files) -> None:
+def test_other_block_types_are_quant_weights_too(files) -> None:
     _, dense = load(files["Q4_0"])
     _, held = load(files["Q4_0"], blocks=True)
-    assert all(isinstance(w, torch.Tensor) for w in held.values())
-    assert all(torch.equal(held[n], dense[n]) for n in dense)
+    assert all(isinstance(held[n], QuantWeight) for n in dense if dense[n].dim() == 2)
+    assert all(torch.equal(held[n].dequantize() if isinstance(held[n], QuantWeight) else held[n], dense[n])
+               for n in dense)
 
 
 def test_direct_blocks_equal_the_recovered_ones_on_the_bundled_model() -> None:
@@ -120,26 +121,22 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 
 @needs_native
-@pytest.mark.parametrize(("precision", "fp32_weights", "copies"), [
-    ("fast", None, False), ("fast", True, False),  # fast reads only blocks, whatever is asked
-    ("exact", None, True), ("exact", False, False), ("exact", True, True)])
-def test_default_mode_holds_no_float32_copy_of_a_block_weight(files, precision: str, fp32_weights: bool | None,
-                                                              copies: bool) -> None:
+@pytest.mark.parametrize(("precision", "fp32_weights"), [("fast", None), ("fast", True), ("exact", None),
+                                                         ("exact", False), ("exact", True)])
+def test_no_mode_holds_a_float32_copy_of_a_files_blocks(files, precision: str, fp32_weights: bool | None) -> None:
+    """Both precisions read the file's blocks (QuantWeights over the map); ``fp32_weights``
+    no longer copies them."""
     config, weights = load(files["Q4_1"], blocks=True)
-    stored = {n: w.nbytes if isinstance(w, BlockWeight) else w.numel() * 4 for n, w in weights.items()}
+    stored = {n: w.nbytes if isinstance(w, QuantWeight) else w.numel() * 4 for n, w in weights.items()}
     model = build_model(config, weights, EngineConfig(device="cpu", precision=precision, fp32_weights=fp32_weights))
-    fp32_weights = copies
     assert not weights  # all taken by the model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 4 * SPEC.num_layers + 1 and all(m.blocks is not None for m in linears)
-    assert all(m.holds_dense == fp32_weights for m in linears)
-    assert model.embed.weight is None and model.embed.blocks is not None
-    rope = sum(b.numel() * b.element_size() for b in model.rope.buffers())
-    held = model_bytes(model) - rope
-    if fp32_weights:
-        assert held > 4 * sum(stored.values())  # float32 copies beside the blocks
-    else:
-        assert held == sum(stored.values())  # the file's blocks (fused) and float32 norms, nothing else
+    assert len(linears) == 4 * SPEC.num_layers + 1 and all(m.quant is not None for m in linears)
+    assert not any(m.holds_dense or m.blocks is not None for m in linears)
+    assert model.embed.weight is None and model.embed.quant is not None
+    held = sum(m.quant.nbytes for m in linears) + model.embed.quant.nbytes * (not SPEC.tie_word_embeddings)
+    held += sum(t.numel() * t.element_size() for t in model.parameters())  # the float32 norms
+    assert held == sum(stored.values())  # the file's blocks (fused as segments) and the norms, nothing else
 
 
 @needs_native
@@ -237,14 +234,15 @@ source = resolve_model_ref(sys.argv[1]); config = load_config(source)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 weights = load_weights(source, config, progress=False, blocks=True)
 grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-held = sum(w.nbytes if hasattr(w, "bits") else w.numel() * w.element_size() for w in weights.values())
-dense = sum(w.shape[0] * w.shape[1] * 4 if hasattr(w, "bits") else w.numel() * 4 for w in weights.values())
+held = sum(w.nbytes if hasattr(w, "segments") else w.numel() * w.element_size() for w in weights.values())
+dense = sum(w.shape[0] * w.shape[1] * 4 if hasattr(w, "segments") else w.numel() * 4 for w in weights.values())
 print(json.dumps({"grown": grown * 1024, "held": held, "dense": dense}))
 """
 
 
 def test_loader_peak_is_the_blocks_not_float32(tmp_path: Path) -> None:
-    """A model of ~20 MB in float32 loads with a peak near its ~5 MB of blocks."""
+    """A model of ~20 MB in float32 loads with a peak near its ~5 MB of blocks (mapped: the
+    pages are read only when a forward touches them)."""
     spec = TinySpec(num_layers=4, hidden_size=512, intermediate_size=1024, num_heads=8, num_kv_heads=4)
     path = write_gguf(tmp_path / "mid.Q4_1.gguf", spec, tiny_weights(spec), tensor_type="Q4_1")
     result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(path)], capture_output=True, text=True,
@@ -257,7 +255,7 @@ def test_loader_peak_is_the_blocks_not_float32(tmp_path: Path) -> None:
 
 
 def test_ggml_type_table_matches_the_gguf_package() -> None:
-    from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+    from bargein.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
     for qtype in GGMLQuantizationType:
         theirs = gguf.GGMLQuantizationType[qtype.name]

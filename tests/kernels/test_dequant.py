@@ -8,7 +8,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as numpy_dequantize
 
-from bargein.loader.dequant import SUPPORTED_TYPES, dequantize
+from bargein.kernels.dequant import SUPPORTED_TYPES, dequantize
 
 # byte offsets of the float16 scale fields in each block type
 F16_FIELDS = {

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from bargein.loader.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
+from bargein.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
 QK_K = 256
 Dequantizer = Callable[[torch.Tensor], torch.Tensor]
@@ -113,6 +113,57 @@ def dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d.unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(n, QK_K)
 
 
+def dequant_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    # super-block: scales (16: low nibble scale, high nibble min), qs (64), d, dmin (f16); 16 sub-blocks of 16
+    n = blocks.shape[0]
+    scales = blocks[:, 0:16]
+    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    dl = (d * (scales & 0x0F).float()).unsqueeze(-1)  # (n, 16, 1)
+    ml = (dmin * (scales >> 4).float()).unsqueeze(-1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    # value h * 128 + s * 32 + l is bits 2s of qs[h * 32 + l]
+    q = ((blocks[:, 16:80].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 16, 16).float()
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def dequant_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    # super-block: hmask (32), qs (64), scales (12, six-bit signed packed), d (f16); 16 sub-blocks of 16
+    n = blocks.shape[0]
+    hmask, qs, packed = blocks[:, 0:32], blocks[:, 32:96], blocks[:, 96:108]
+    d = _f16(blocks, 108)
+    low = torch.cat([packed[:, 0:8] & 0x0F, packed[:, 0:8] >> 4], dim=-1)  # (n, 16)
+    high = ((packed[:, 8:12].unsqueeze(1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 4, 1)) & 3)
+    scales = (low | (high.reshape(n, 16) << 4)).to(torch.int16) - 32
+    dl = (d * scales.float()).unsqueeze(-1)  # (n, 16, 1)
+    ql = (qs.reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+    # value i takes bit i // 32 of hmask[i % 32]; a clear bit subtracts 4
+    qh = (hmask.reshape(n, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
+    q = ql.reshape(n, 256).to(torch.int16) - ((qh.reshape(n, 256) ^ 1).to(torch.int16) << 2)
+    return (dl * q.reshape(n, 16, 16).float()).reshape(n, QK_K)
+
+
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def dequant_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    # block: d (f16), qs (16 bytes, 32 nibbles indexing IQ4_NL_VALUES)
+    values = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
+    return _f16(blocks, 0) * values[_nibbles(blocks[:, 2:]).long()]
+
+
+def dequant_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # super-block: d (f16), scales_h (u16: 2 high bits per 32), scales_l (4 bytes: 4 low bits per 32), qs (128)
+    n = blocks.shape[0]
+    d = _f16(blocks, 0)
+    scales_h = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # (n, 1)
+    low = torch.stack([blocks[:, 4:8] & 0x0F, blocks[:, 4:8] >> 4], dim=-1).reshape(n, 8).to(torch.int32)
+    high = (scales_h >> (2 * torch.arange(8, dtype=torch.int32))) & 3
+    dl = (d * ((low | (high << 4)) - 32).float()).unsqueeze(-1)  # (n, 8, 1)
+    values = torch.tensor(IQ4_NL_VALUES, dtype=torch.float32)
+    q = values[_nibbles(blocks[:, 8:136].reshape(n * 8, 16)).long()].reshape(n, 8, 32)
+    return (dl * q).reshape(n, QK_K)
+
+
 DEQUANTIZERS: dict[GGMLQuantizationType, Dequantizer] = {
     GGMLQuantizationType.Q8_0: dequant_q8_0,
     GGMLQuantizationType.Q4_0: dequant_q4_0,
@@ -122,6 +173,10 @@ DEQUANTIZERS: dict[GGMLQuantizationType, Dequantizer] = {
     GGMLQuantizationType.Q4_K: dequant_q4_k,
     GGMLQuantizationType.Q5_K: dequant_q5_k,
     GGMLQuantizationType.Q6_K: dequant_q6_k,
+    GGMLQuantizationType.Q2_K: dequant_q2_k,
+    GGMLQuantizationType.Q3_K: dequant_q3_k,
+    GGMLQuantizationType.IQ4_NL: dequant_iq4_nl,
+    GGMLQuantizationType.IQ4_XS: dequant_iq4_xs,
 }
 FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 SUPPORTED_TYPES = frozenset(DEQUANTIZERS) | frozenset(FLOAT_TYPES)

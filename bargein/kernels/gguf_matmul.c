@@ -1,0 +1,1290 @@
+/*
+ * y = x @ W.T for W held in a GGUF file's own blocks, every common type (gguf_types.h),
+ * in both precisions, and the rows of W widened to float32 (embedding lookups, the exact
+ * precision's many-row chunks).
+ *
+ * W (n, k) is a matrix descriptor (bargein_qmat_t): segments stacked along rows, each of
+ * one block type, its stored rows read in place (row_bytes apart, never written) through
+ * an optional row order (output row i of the segment reads stored row order[i]).
+ *
+ * `fast`. Each row of x is quantized per block of 32 exactly as quant_matmul.c does (d =
+ * max|x| / 127, xq = rint(x / d), xs = d * sum(xq)); S_lo and S_hi are the integer sums
+ * of xq over each half of 16. For output y[r, j], with the 32-blocks b of column j in
+ * order, D_lo and D_hi the exact integer dot products of its quants with xq over each half:
+ *
+ *   acc = 0
+ *   for b = 0, 1, ..., k/32 - 1:
+ *       D = D_lo + D_hi                  (KIND_SPLIT*: sc_lo * D_lo + sc_hi * D_hi)
+ *       acc = fma((float)D, s_b * d[r, b], acc)          (the product rounded first)
+ *       KIND_MIN:        acc = fma(m_b, xs[r, b], acc)
+ *       KIND_SPLIT_MIN:  acc = fma((float)(mn_lo * S_lo + mn_hi * S_hi), m_b * d[r, b], acc)
+ *   y[r, j] = acc
+ *
+ * Every integer is exact in int32 and in float (|D| < 2^24). For Q4_1 and Q8_0 this is
+ * quant_matmul.c's chain with its scales and mins, so a weight read here from the file's
+ * blocks gives the bits a BlockWeight of the same blocks gives there. The chain depends
+ * on nothing but row r, column j and k: work is split over output columns (tiles of 16
+ * within a segment), so every row count, thread count and instruction-set path (plain C,
+ * AVX2, AVX-512 VNNI on 256-bit registers) gives the same bits.
+ *
+ * Vector paths. Each thread decodes a tile of 16 columns, the whole of k, once per call:
+ * a column's blocks into bytes u = q + off (the type's offset, so every quant is
+ * unsigned), then transposed so that one 32-byte vector holds four consecutive quants of
+ * eight columns; the per-block scales go to block-major panels, eight columns to a
+ * vector. Rows then pass over the tile a few at a time: a row's four activation bytes,
+ * broadcast, meet a vector in one vpdpbusd (AVX2: maddubs + madd; for 8-bit quants the
+ * signed bytes with llama.cpp's sign trick, since u * x could overflow maddubs' int16),
+ * and the offset comes off as off * S (exact). Only the decode is per type.
+ *
+ * `exact`. y[r, j] = sum over halves of 16 in order of es * <q, x> (+ em * sum x), in
+ * float32 from float32 x: the dequantized values' product to float rounding.
+ *
+ * isa: < 0 the best here, 0 plain C, 1 AVX2, 2 AVX-512 VNNI (exact ignores it).
+ * Returns 0; -1 when scratch memory could not be had; -2 when the forced instruction set
+ * is not this CPU's; -3 when a segment's type has no kernels.
+ */
+#include "gguf_types.h"
+#include "parallel.h"
+
+#include <stdlib.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define GGUF_X86 1
+#if defined(__clang__) ? __clang_major__ >= 7 : __GNUC__ >= 9
+#define GGUF_VNNI 1
+#endif
+#endif
+
+#define TILE 16 /* output columns per unit of work */
+#define GEMM_MIN_ROWS_VNNI 8 /* below this, few-row passes decode each block in registers */
+#define GEMM_MIN_ROWS_AVX2 8
+
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
+
+int bargein_q8_isa_available(int isa); /* quant_matmul.c */
+
+typedef struct {
+    int64_t type;
+    const uint8_t *data;
+    int64_t row_bytes, rows;
+    const int64_t *order;
+} bargein_qseg_t;
+
+typedef struct {
+    const bargein_qseg_t *segs;
+    int64_t num_segs, n, k;
+} bargein_qmat_t;
+
+/* ---- activations -------------------------------------------------------------------- */
+
+typedef struct {
+    const float *x;
+    int8_t *q;       /* (m, k) */
+    float *d, *s;    /* (m, nb) */
+    int32_t *s16;    /* (m, 2 nb): S_lo, S_hi */
+    float *xsum16;   /* exact: (m, 2 nb) float sums of x per half */
+    int64_t m, k, nb;
+    int exact;
+} acts_t;
+
+static void quantize_rows(void *arg, int index, int count) {
+    const acts_t *a = (const acts_t *)arg;
+    for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++)
+        for (int64_t b = 0; b < a->nb; b++) {
+            const float *x = a->x + r * a->k + b * 32;
+            if (a->exact) {
+                for (int h = 0; h < 2; h++) {
+                    float sum = 0.0f;
+                    for (int i = 0; i < 16; i++) sum += x[16 * h + i];
+                    a->xsum16[r * 2 * a->nb + 2 * b + h] = sum;
+                }
+                continue;
+            }
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            int sum[2] = {0, 0};
+            int8_t *q = a->q + r * a->k + b * 32;
+            for (int i = 0; i < 32; i++) {
+                const int v = (int)rintf(x[i] * inv);
+                q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+                sum[i / 16] += q[i];
+            }
+            a->d[r * a->nb + b] = d;
+            a->s[r * a->nb + b] = d * (float)(sum[0] + sum[1]);
+            a->s16[r * 2 * a->nb + 2 * b] = sum[0];
+            a->s16[r * 2 * a->nb + 2 * b + 1] = sum[1];
+        }
+}
+
+/* ---- the job ------------------------------------------------------------------------ */
+
+typedef struct {
+    const bargein_qmat_t *w;
+    const acts_t *a;
+    float *y;
+    int64_t m, n, k, nb;
+    int isa;
+    int64_t gemm_min_rows; /* from this many rows on, the vector paths decode a tile once per call */
+    int64_t num_tiles;
+    int64_t *tile_seg, *tile_col, *seg_start; /* a tile's segment and first column in it; segments' first rows */
+    uint8_t *scratch;                          /* per thread: scratch_bytes */
+    int64_t scratch_bytes;
+} job_t;
+
+static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
+    return seg->data + (seg->order ? seg->order[i] : i) * seg->row_bytes;
+}
+
+/* ---- plain C ------------------------------------------------------------------------ */
+
+/* Column j (row i of segment seg) for every row of x, fast. acc: m floats of scratch. */
+static void column_fast_c(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t i, int64_t j,
+                          float *acc) {
+    const acts_t *a = job->a;
+    const uint8_t *row = column_row(seg, i);
+    const int64_t blocks = job->k / info->qk, subs = info->qk / 32, nb = job->nb;
+    dblock_t o;
+    for (int64_t r = 0; r < job->m; r++) acc[r] = 0.0f;
+    for (int64_t t = 0; t < blocks; t++) {
+        gguf_decode_c((int)seg->type, row + t * info->bytes, &o);
+        for (int64_t r = 0; r < job->m; r++) {
+            float v = acc[r];
+            for (int64_t sb = 0; sb < subs; sb++) {
+                const int64_t b = t * subs + sb;
+                const int8_t *x = a->q + r * job->k + b * 32;
+                const uint8_t *u = o.u + 32 * sb;
+                int32_t dh[2] = {0, 0};
+                for (int i2 = 0; i2 < 32; i2++) dh[i2 / 16] += ((int32_t)u[i2] - info->off) * x[i2];
+                const int32_t D = info->kind >= KIND_SPLIT ? o.sc[2 * sb] * dh[0] + o.sc[2 * sb + 1] * dh[1]
+                                                           : dh[0] + dh[1];
+                const float xd = a->d[r * nb + b];
+                v = fmaf((float)D, o.s[sb] * xd, v);
+                if (info->kind == KIND_MIN) v = fmaf(o.m[sb], a->s[r * nb + b], v);
+                if (info->kind == KIND_SPLIT_MIN) {
+                    const int32_t M = o.mn[2 * sb] * a->s16[r * 2 * nb + 2 * b] +
+                                      o.mn[2 * sb + 1] * a->s16[r * 2 * nb + 2 * b + 1];
+                    v = fmaf((float)M, o.m[sb] * xd, v);
+                }
+            }
+            acc[r] = v;
+        }
+    }
+    for (int64_t r = 0; r < job->m; r++) job->y[r * job->n + j] = acc[r];
+}
+
+/* The same column in float32 (exact). */
+static void column_exact_c(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t i, int64_t j,
+                           float *acc) {
+    const acts_t *a = job->a;
+    const uint8_t *row = column_row(seg, i);
+    const int64_t blocks = job->k / info->qk, halves = info->qk / 16, nb = job->nb;
+    dblock_t o;
+    float q[256], es[16], em[16];
+    for (int64_t r = 0; r < job->m; r++) acc[r] = 0.0f;
+    for (int64_t t = 0; t < blocks; t++) {
+        gguf_decode_c((int)seg->type, row + t * info->bytes, &o);
+        for (int i2 = 0; i2 < info->qk; i2++) q[i2] = (float)((int)o.u[i2] - info->off);
+        for (int h = 0; h < halves; h++) gguf_half_params(info, &o, h, &es[h], &em[h]);
+        for (int64_t r = 0; r < job->m; r++) {
+            const float *x = a->x + r * job->k + t * info->qk;
+            float v = acc[r];
+            for (int h = 0; h < halves; h++) {
+                float lanes[8];
+                for (int l = 0; l < 8; l++) lanes[l] = q[16 * h + l] * x[16 * h + l];
+                for (int l = 0; l < 8; l++) lanes[l] += q[16 * h + 8 + l] * x[16 * h + 8 + l];
+                const float dot = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+                                  ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+                float part = es[h] * dot;
+                if (info->kind == KIND_MIN || info->kind == KIND_SPLIT_MIN)
+                    part += em[h] * a->xsum16[r * 2 * nb + t * halves + h];
+                v += part;
+            }
+            acc[r] = v;
+        }
+    }
+    for (int64_t r = 0; r < job->m; r++) job->y[r * job->n + j] = acc[r];
+}
+
+/* ---- x86 vector paths: a tile of 16 columns, decoded once per call ------------------ */
+
+#ifdef GGUF_X86
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+
+/* ---- per type: a 32-block's quants as 32 bytes u, in registers ----------------------- */
+
+static inline TARGET_AVX2 __attribute__((always_inline)) int type_qk(const int TYPE) {
+    return TYPE == T_Q2_K || TYPE == T_Q3_K || TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K ||
+                   TYPE == T_IQ4_XS ? 256 : 32;
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i nibbles16(const uint8_t *qs) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+}
+
+/* Bit i of the 32-bit little-endian qh as 0x10 in byte i (the fifth bit of Q5_0/Q5_1). */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i fifth_bits(const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i iq4_values(__m256i nib) {
+    const __m256i table = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
+                                           (char)181, (char)197, (char)217, (char)241, 1, 24, 45, 63, 79, 93, 106, 118,
+                                           (char)129, (char)141, (char)153, (char)166, (char)181, (char)197, (char)217,
+                                           (char)241); /* KVALUES_IQ4NL + 128 */
+    return _mm256_shuffle_epi8(table, nib);
+}
+
+/* Sub-block j (0 .. qk/32 - 1) of the type's block at blk, as u = q + off (gguf_quants_c's bytes). */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i quants32(const int TYPE, const uint8_t *blk,
+                                                                          const int j) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3), low1 = _mm256_set1_epi8(1);
+    switch (TYPE) {
+    case T_Q4_0: return nibbles16(blk + 2);
+    case T_Q4_1: return nibbles16(blk + 4);
+    case T_Q5_0: return _mm256_or_si256(nibbles16(blk + 6), fifth_bits(blk + 2));
+    case T_Q5_1: return _mm256_or_si256(nibbles16(blk + 8), fifth_bits(blk + 4));
+    case T_Q8_0: return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80));
+    case T_IQ4_NL: return iq4_values(nibbles16(blk + 2));
+    case T_IQ4_XS: return iq4_values(nibbles16(blk + 8 + 16 * j));
+    case T_Q2_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (j / 4)));
+        return _mm256_and_si256(_mm256_srli_epi16(q, 2 * (j % 4)), low2);
+    }
+    case T_Q3_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * (j / 4)));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)blk);
+        return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * (j % 4)), low2),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), low1), 2));
+    }
+    case T_Q4_K:
+    case T_Q5_K: {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (TYPE == T_Q4_K ? 16 : 48) + 32 * (j / 2)));
+        __m256i u = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
+        if (TYPE == T_Q5_K) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
+            u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), low1), 4));
+        }
+        return u;
+    }
+    default: { /* T_Q6_K */
+        const int h = j / 4, kq = j % 4;
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * h + 32 * (kq % 2)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256(kq < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+        return _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * kq), low2), 4));
+    }
+    }
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) float f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* The per-32 s, m of the type's block (the per-16 sc, mn where the kind has them) into
+ * panels at [sub * stride + c] (sc, mn at [half * stride + c]); the values gguf_params_c gives. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const int TYPE, const uint8_t *b, float *ps,
+                                                                         float *pm, int32_t *psc, int32_t *pmn,
+                                                                         const int stride, int c) {
+    switch (TYPE) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL:
+        ps[c] = f16c(b);
+        return;
+    case T_Q4_1: case T_Q5_1:
+        ps[c] = f16c(b), pm[c] = f16c(b + 2);
+        return;
+    case T_Q4_K: case T_Q5_K: { /* six-bit scales and mins times d and -dmin, straight to the panels */
+        const float d = f16c(b), dmin = f16c(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            k_scale_min(b + 4, j, &sc, &mn);
+            ps[j * stride + c] = d * (float)sc;
+            pm[j * stride + c] = -(dmin * (float)mn);
+        }
+        return;
+    }
+    case T_Q6_K: {
+        const float d = f16c(b + 208);
+        for (int j = 0; j < 8; j++) ps[j * stride + c] = d;
+        for (int i = 0; i < 16; i++) psc[i * stride + c] = (int8_t)b[192 + i];
+        return;
+    }
+    default: {
+        dblock_t o;
+        gguf_params_c(TYPE, b, &o);
+        for (int j = 0; j < 8; j++) ps[j * stride + c] = o.s[j], pm[j * stride + c] = o.m[j];
+        if (TYPE == T_Q2_K || TYPE == T_Q3_K || TYPE == T_Q6_K)
+            for (int i = 0; i < 16; i++) psc[i * stride + c] = o.sc[i], pmn[i * stride + c] = o.mn[i];
+    }
+    }
+}
+
+
+/* quantize_rows on AVX2: the same values (the same float operations, round to nearest even). */
+static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
+    const acts_t *a = (const acts_t *)arg;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++)
+        for (int64_t b = 0; b < a->nb; b++) {
+            const float *x = a->x + r * a->k + b * 32;
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
+            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+            const __m256 scale = _mm256_set1_ps(inv);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) {
+                const __m256 rounded =
+                    _mm256_round_ps(_mm256_mul_ps(v[i], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rounded), top), bottom);
+            }
+            int8_t *out = a->q + r * a->k + b * 32;
+            int32_t sums[2];
+            for (int half = 0; half < 2; half++) {
+                const __m256i lo = q[2 * half], hi = q[2 * half + 1];
+                const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+                const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+                _mm_storeu_si128((__m128i *)(out + 16 * half), _mm_packs_epi16(lo16, hi16));
+                const __m256i sum = _mm256_add_epi32(lo, hi);
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+                sums[half] = _mm_cvtsi128_si32(s4);
+            }
+            a->d[r * a->nb + b] = d;
+            a->s[r * a->nb + b] = d * (float)(sums[0] + sums[1]);
+            a->s16[r * 2 * a->nb + 2 * b] = sums[0];
+            a->s16[r * 2 * a->nb + 2 * b + 1] = sums[1];
+        }
+}
+
+/* Per-thread tile scratch: tile 16 * k bytes (32-byte vectors tile[(b * 8 + g) * 2 + v]:
+ * lane c holds elements 4g .. 4g + 3 of block b of column 8v + c), column bytes 16 * k,
+ * panels: s, m (nb * 16 floats each, block-major), sc, mn (2 nb * 16 int32 each). */
+typedef struct {
+    uint8_t *tile, *cols;
+    float *ps, *pm;
+    int32_t *psc, *pmn;
+} tile_t;
+
+static tile_t tile_scratch(const job_t *job, int index) {
+    uint8_t *base = job->scratch + (int64_t)index * job->scratch_bytes;
+    const int64_t k = job->k, nb = job->nb;
+    tile_t t;
+    t.tile = base;
+    t.cols = base + TILE * k;
+    t.ps = (float *)(t.cols + TILE * k);
+    t.pm = t.ps + nb * TILE;
+    t.psc = (int32_t *)(t.pm + nb * TILE);
+    t.pmn = t.psc + 2 * nb * TILE;
+    return t;
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+#define TYPE_CASES(CALL)                                                                                   \
+    case T_Q4_0: CALL(T_Q4_0); break;                                                                      \
+    case T_Q4_1: CALL(T_Q4_1); break;                                                                      \
+    case T_Q5_0: CALL(T_Q5_0); break;                                                                      \
+    case T_Q5_1: CALL(T_Q5_1); break;                                                                      \
+    case T_Q8_0: CALL(T_Q8_0); break;                                                                      \
+    case T_Q2_K: CALL(T_Q2_K); break;                                                                      \
+    case T_Q3_K: CALL(T_Q3_K); break;                                                                      \
+    case T_Q4_K: CALL(T_Q4_K); break;                                                                      \
+    case T_Q5_K: CALL(T_Q5_K); break;                                                                      \
+    case T_Q6_K: CALL(T_Q6_K); break;                                                                      \
+    case T_IQ4_NL: CALL(T_IQ4_NL); break;                                                                  \
+    default: CALL(T_IQ4_XS);
+
+static void build_tile(const job_t *job, const tile_t *tl, const bargein_qseg_t *seg, const qinfo_t *info,
+                       int64_t col0);
+
+/* The float steps of the header for one block b, eight columns (v) and one row. */
+#define FLOAT_STEPS(ACC, DLO, DHI, V, R)                                                                   \
+    {                                                                                                      \
+        const int64_t cell = (r0 + (R)) * nb + b;                                                          \
+        __m256i D;                                                                                         \
+        if (KIND >= KIND_SPLIT)                                                                            \
+            D = _mm256_add_epi32(_mm256_mullo_epi32(DLO, _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * (V)))), \
+                                 _mm256_mullo_epi32(DHI, _mm256_loadu_si256((const __m256i *)(tl->psc + (2 * b + 1) * TILE + 8 * (V))))); \
+        else                                                                                               \
+            D = DLO;                                                                                       \
+        const __m256 xd = _mm256_set1_ps(a->d[cell]);                                                      \
+        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D), _mm256_mul_ps(_mm256_loadu_ps(tl->ps + b * TILE + 8 * (V)), xd), ACC); \
+        if (KIND == KIND_MIN) ACC = _mm256_fmadd_ps(_mm256_loadu_ps(tl->pm + b * TILE + 8 * (V)), _mm256_set1_ps(a->s[cell]), ACC); \
+        if (KIND == KIND_SPLIT_MIN) {                                                                      \
+            const __m256i M = _mm256_add_epi32(                                                            \
+                _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * (V))),       \
+                                   _mm256_set1_epi32(a->s16[2 * cell])),                                   \
+                _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(tl->pmn + (2 * b + 1) * TILE + 8 * (V))), \
+                                   _mm256_set1_epi32(a->s16[2 * cell + 1])));                              \
+            ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(_mm256_loadu_ps(tl->pm + b * TILE + 8 * (V)), xd), ACC); \
+        }                                                                                                  \
+    }
+
+/* Rows r0 .. r0 + ROWS_N - 1 over the whole tile: per block, the two halves' dot products
+ * for 16 columns (DOT_GROUP adds one group of four quants), then the float steps. */
+#define TILE_ROWS_BODY(ROWS_MAX)                                                                           \
+    const acts_t *a = job->a;                                                                              \
+    const int64_t nb = job->nb, k = job->k;                                                                \
+    const __m256i *tile = (const __m256i *)tl->tile;                                                       \
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);                        \
+    (void)ones;                                                                                            \
+    (void)flip;                                                                                            \
+    __m256 acc[ROWS_MAX][2];                                                                               \
+    for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                          \
+    for (int64_t b = 0; b < nb; b++) {                                                                     \
+        __m256i dlo[ROWS_MAX][2], dhi[ROWS_MAX][2];                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+            const int64_t cell = (r0 + r) * nb + b;                                                        \
+            if (KIND >= KIND_SPLIT) {                                                                      \
+                dlo[r][0] = dlo[r][1] = _mm256_set1_epi32(-OFF * a->s16[2 * cell]);                        \
+                dhi[r][0] = dhi[r][1] = _mm256_set1_epi32(-OFF * a->s16[2 * cell + 1]);                    \
+            } else {                                                                                       \
+                dlo[r][0] = dlo[r][1] = _mm256_set1_epi32(-OFF * (a->s16[2 * cell] + a->s16[2 * cell + 1])); \
+            }                                                                                              \
+        }                                                                                                  \
+        const __m256i *wb = tile + b * 16;                                                                 \
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {                                              \
+            const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);      \
+            PREP                                                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
+                int32_t four;                                                                              \
+                memcpy(&four, a->q + (r0 + r) * k + 32 * b + 4 * g, 4);                                    \
+                const __m256i xv = _mm256_set1_epi32(four);                                                \
+                if (KIND >= KIND_SPLIT && g >= 4) {                                                        \
+                    dhi[r][0] = DOT_GROUP(dhi[r][0], w0, xv, 0);                                           \
+                    dhi[r][1] = DOT_GROUP(dhi[r][1], w1, xv, 1);                                           \
+                } else {                                                                                   \
+                    dlo[r][0] = DOT_GROUP(dlo[r][0], w0, xv, 0);                                           \
+                    dlo[r][1] = DOT_GROUP(dlo[r][1], w1, xv, 1);                                           \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+            FLOAT_STEPS(acc[r][0], dlo[r][0], dhi[r][0], 0, r)                                             \
+            FLOAT_STEPS(acc[r][1], dlo[r][1], dhi[r][1], 1, r)                                             \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int r = 0; r < ROWS_N; r++)                                                                       \
+        for (int v = 0; v < 2; v++) {                                                                      \
+            const int64_t c0 = 8 * v;                                                                      \
+            if (c0 >= cols) break;                                                                         \
+            float lanes[8];                                                                                \
+            _mm256_storeu_ps(lanes, acc[r][v]);                                                            \
+            float *out = job->y + (r0 + r) * job->n + j0 + c0;                                             \
+            for (int c = 0; c < 8 && c0 + c < cols; c++) out[c] = lanes[c];                                \
+        }
+
+/* AVX2, quants below 128 (u * x fits maddubs' int16 pairs): maddubs + madd. */
+#define PREP
+#define DOT_GROUP(ACC, W, X, V) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones))
+static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_narrow(const job_t *job, const tile_t *tl,
+                                                                                int64_t j0, int cols, int64_t r0,
+                                                                                const int ROWS_N, const int KIND,
+                                                                                const int OFF) {
+    TILE_ROWS_BODY(2)
+}
+#undef PREP
+#undef DOT_GROUP
+
+/* AVX2, 8-bit quants (u = q + 128): |q| against x with q's sign, no offset to undo. */
+#define PREP                                                                                               \
+    const __m256i q0 = _mm256_xor_si256(w0, flip), q1 = _mm256_xor_si256(w1, flip);                       \
+    const __m256i a0 = _mm256_sign_epi8(q0, q0), a1 = _mm256_sign_epi8(q1, q1);
+#define DOT_GROUP(ACC, W, X, V)                                                                            \
+    _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16((V) ? a1 : a0, _mm256_sign_epi8(X, (V) ? q1 : q0)), ones))
+static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_wide(const job_t *job, const tile_t *tl,
+                                                                              int64_t j0, int cols, int64_t r0,
+                                                                              const int ROWS_N, const int KIND,
+                                                                              const int OFF) {
+    TILE_ROWS_BODY(2)
+}
+#undef PREP
+#undef DOT_GROUP
+
+#define AVX2_KINDS(FN, OFFV)                                                                               \
+    switch (kind) {                                                                                        \
+    case KIND_PLAIN: if (rows == 2) FN(job, tl, j0, cols, r0, 2, KIND_PLAIN, OFFV); else FN(job, tl, j0, cols, r0, 1, KIND_PLAIN, OFFV); break; \
+    case KIND_MIN: if (rows == 2) FN(job, tl, j0, cols, r0, 2, KIND_MIN, OFFV); else FN(job, tl, j0, cols, r0, 1, KIND_MIN, OFFV); break; \
+    case KIND_SPLIT: if (rows == 2) FN(job, tl, j0, cols, r0, 2, KIND_SPLIT, OFFV); else FN(job, tl, j0, cols, r0, 1, KIND_SPLIT, OFFV); break; \
+    default: if (rows == 2) FN(job, tl, j0, cols, r0, 2, KIND_SPLIT_MIN, OFFV); else FN(job, tl, j0, cols, r0, 1, KIND_SPLIT_MIN, OFFV); \
+    }
+
+static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinfo_t *info, int64_t j0, int cols,
+                                  int64_t r0, int rows) {
+    const int kind = info->kind;
+    if (info->off == 128) {
+        AVX2_KINDS(rows_avx2_wide, 0)
+    } else if (info->off == 0) {
+        AVX2_KINDS(rows_avx2_narrow, 0)
+    } else {
+        const int off = info->off; /* 4, 8, 16, 32: a run-time offset costs a multiply per block */
+        AVX2_KINDS(rows_avx2_narrow, off)
+    }
+}
+#define ROWS_AVX2 2
+
+#ifdef GGUF_VNNI
+#define PREP
+#define DOT_GROUP(ACC, W, X, V) _mm256_dpbusd_epi32(ACC, W, X)
+static inline TARGET_VNNI __attribute__((always_inline)) void rows_vnni_kind(const job_t *job, const tile_t *tl,
+                                                                              int64_t j0, int cols, int64_t r0,
+                                                                              const int ROWS_N, const int KIND,
+                                                                              const int OFF) {
+    TILE_ROWS_BODY(6)
+}
+#undef PREP
+#undef DOT_GROUP
+
+#define VNNI_ROWS(KINDV, MAXR)                                                                             \
+    switch (rows < MAXR ? rows : MAXR) {                                                                   \
+    case 6: rows_vnni_kind(job, tl, j0, cols, r0, 6, KINDV, off); break;                                   \
+    case 5: rows_vnni_kind(job, tl, j0, cols, r0, 5, KINDV, off); break;                                   \
+    case 4: rows_vnni_kind(job, tl, j0, cols, r0, 4, KINDV, off); break;                                   \
+    case 3: rows_vnni_kind(job, tl, j0, cols, r0, 3, KINDV, off); break;                                   \
+    case 2: rows_vnni_kind(job, tl, j0, cols, r0, 2, KINDV, off); break;                                   \
+    default: rows_vnni_kind(job, tl, j0, cols, r0, 1, KINDV, off);                                         \
+    }
+/* Returns the rows done (split kinds take four at a time: two accumulators per half). */
+static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const qinfo_t *info, int64_t j0, int cols,
+                                 int64_t r0, int rows) {
+    const int off = info->off;
+    switch (info->kind) {
+    case KIND_PLAIN: VNNI_ROWS(KIND_PLAIN, 6) return rows < 6 ? rows : 6;
+    case KIND_MIN: VNNI_ROWS(KIND_MIN, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
+    case KIND_SPLIT: VNNI_ROWS(KIND_SPLIT, 4) return rows < 4 ? rows : 4;
+    default: VNNI_ROWS(KIND_SPLIT_MIN, 4) return rows < 4 ? rows : 4;
+    }
+}
+#endif /* GGUF_VNNI */
+#endif /* GGUF_X86 */
+
+/* ---- x86, few rows: eight columns at a time, each block decoded in registers ---------- */
+
+#ifdef GGUF_X86
+static inline TARGET_AVX2 __attribute__((always_inline)) int type_kind(const int TYPE) {
+    return TYPE == T_Q4_1 || TYPE == T_Q5_1 || TYPE == T_Q4_K || TYPE == T_Q5_K ? KIND_MIN
+           : TYPE == T_Q3_K || TYPE == T_Q6_K                                ? KIND_SPLIT
+           : TYPE == T_Q2_K                                                  ? KIND_SPLIT_MIN
+                                                                             : KIND_PLAIN;
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) int type_off(const int TYPE) {
+    switch (TYPE) {
+    case T_Q4_0: return 8;
+    case T_Q5_0: return 16;
+    case T_Q8_0: case T_IQ4_NL: case T_IQ4_XS: return 128;
+    case T_Q3_K: return 4;
+    case T_Q6_K: return 32;
+    default: return 0;
+    }
+}
+
+/* The 32-bit words at byte `at` of eight columns' rows, one to a lane: each a broadcast
+ * load (a load port's work only), blended in (any vector port). Eight inserts into a
+ * register, or eight narrow stores and one wide load, would cost shuffles or a missed
+ * store forwarding; these words are read once per block and column, as often as the
+ * quants themselves, on the few-row path. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i words8(const uint8_t *const *col, int64_t at) {
+    int32_t w[8];
+    for (int c = 0; c < 8; c++) memcpy(&w[c], col[c] + at, 4);
+    __m256i v = _mm256_set1_epi32(w[0]);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[1]), 0x02);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[2]), 0x04);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[3]), 0x08);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[4]), 0x10);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[5]), 0x20);
+    v = _mm256_blend_epi32(v, _mm256_set1_epi32(w[6]), 0x40);
+    return _mm256_blend_epi32(v, _mm256_set1_epi32(w[7]), 0x80);
+}
+
+/* The halves in the low 16 bits of two vectors' words as floats: first's, then second's. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void low_halves16(__m256i first, __m256i second,
+                                                                            __m256 *a, __m256 *b) {
+    const __m256i mask = _mm256_set1_epi32(0xFFFF);
+    const __m256i packed = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(_mm256_and_si256(first, mask), _mm256_and_si256(second, mask)), 0xD8);
+    *a = _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+    *b = _mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1));
+}
+
+/* The half at byte `at` of eight columns' blocks (a 32-block's d), as floats. Reads 4
+ * bytes: every block has more after its d. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256 halves8(const uint8_t *const *col, int64_t at) {
+    __m256 a, b;
+    const __m256i w = words8(col, at);
+    low_halves16(w, w, &a, &b);
+    return a;
+}
+
+/* The two halves at byte `at` of eight columns' blocks (Q4_1's d and m), from one word each. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void half_pairs8(const uint8_t *const *col, int64_t at,
+                                                                           __m256 *first, __m256 *second) {
+    const __m256i w = words8(col, at);
+    low_halves16(w, _mm256_srli_epi32(w, 16), first, second);
+}
+
+/* The parameters of eight columns' blocks at byte `at` of their rows into panels [sub * 8 + c]. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const int TYPE, const uint8_t *const *col,
+                                                                            int64_t at, float *ps, float *pm,
+                                                                            int32_t *psc, int32_t *pmn) {
+    if (type_qk(TYPE) == 32) { /* d (and m) are the block's first halves: eight conversions at once */
+        _mm256_storeu_ps(ps, halves8(col, at));
+        if (TYPE == T_Q4_1 || TYPE == T_Q5_1) _mm256_storeu_ps(pm, halves8(col, at + 2));
+        return;
+    }
+    for (int c = 0; c < 8; c++) params_at(TYPE, col[c] + at, ps, pm, psc, pmn, 8, c);
+}
+
+/* Columns col0 .. col0 + 15 of a segment (the last repeated past its end) into the tile:
+ * each 32-block of eight columns decoded in registers, transposed, stored. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const int TYPE, const job_t *job,
+                                                                            const tile_t *tl,
+                                                                            const bargein_qseg_t *seg, int bytes,
+                                                                            int64_t col0) {
+    const int64_t k = job->k;
+    const int qk = type_qk(TYPE), subs = qk / 32;
+    __m256i *tile = (__m256i *)tl->tile;
+    for (int v = 0; v < 2; v++) {
+        const uint8_t *col[8];
+        for (int c = 0; c < 8; c++) {
+            const int64_t i = col0 + 8 * v + c;
+            col[c] = column_row(seg, i < seg->rows ? i : seg->rows - 1);
+        }
+        for (int64_t t = 0; t < k / qk; t++) {
+            const int64_t at = t * bytes;
+            if (qk == 32) {
+                _mm256_storeu_ps(tl->ps + t * TILE + 8 * v, halves8(col, at));
+                if (TYPE == T_Q4_1 || TYPE == T_Q5_1) _mm256_storeu_ps(tl->pm + t * TILE + 8 * v, halves8(col, at + 2));
+            } else {
+                for (int c = 0; c < 8; c++)
+                    params_at(TYPE, col[c] + at, tl->ps + t * subs * TILE, tl->pm + t * subs * TILE,
+                              tl->psc + 2 * t * subs * TILE, tl->pmn + 2 * t * subs * TILE, TILE, 8 * v + c);
+            }
+            for (int j = 0; j < subs; j++) {
+                __m256 r[8];
+                for (int c = 0; c < 8; c++) r[c] = _mm256_castsi256_ps(quants32(TYPE, col[c] + at, j));
+                transpose8(r);
+                const int64_t b = t * subs + j;
+                for (int g = 0; g < 8; g++) _mm256_store_si256(tile + (b * 8 + g) * 2 + v, _mm256_castps_si256(r[g]));
+            }
+        }
+    }
+}
+
+static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bargein_qseg_t *seg, const qinfo_t *info,
+                                   int64_t col0) {
+#define BUILD_TILE(TY) build_tile_t(TY, job, tl, seg, info->bytes, col0)
+    switch (seg->type) { TYPE_CASES(BUILD_TILE) }
+#undef BUILD_TILE
+}
+
+#define SUM_PAIRS32(a, b) _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
+#define SUM_PAIRS64(a, b) _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
+
+/* The weights of the group a tile ahead, fetched into L2 by the first pass over a group,
+ * a few lines per step (block or pair of blocks), each line once: eight interleaved
+ * column streams are more than the hardware prefetcher follows at one row's speed, and a
+ * block or a pair can span two lines or more (fetching one line per block left the rest
+ * to demand misses: the 1-row head ran at half BlockWeight's speed). The range is one
+ * stretch where the eight rows lie back to back, else one per column. A prefetch past
+ * the data never faults. */
+typedef struct {
+    const uint8_t *base[8];
+    int ranges;
+    int64_t lines, per_step; /* lines per range, lines fetched per range and step */
+} ahead_t;
+
+static ahead_t ahead_plan(const bargein_qseg_t *seg, int64_t first, int64_t span, int64_t steps) {
+    ahead_t p;
+    const int together = seg->order == NULL && first + 7 < seg->rows;
+    p.ranges = together ? 1 : 8;
+    for (int c = 0; c < 8; c++) p.base[c] = column_row(seg, first + c < seg->rows ? first + c : seg->rows - 1);
+    const int64_t bytes = together ? 7 * seg->row_bytes + span : span;
+    p.lines = (bytes + 126) / 64; /* from an unaligned start */
+    p.per_step = (p.lines + steps - 1) / steps;
+    return p;
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(const ahead_t *p, int64_t step) {
+    const int64_t l0 = step * p->per_step, l1 = l0 + p->per_step < p->lines ? l0 + p->per_step : p->lines;
+    for (int i = 0; i < p->ranges; i++)
+        for (int64_t l = l0; l < l1; l++) _mm_prefetch((const char *)(p->base[i] + 64 * l), _MM_HINT_T1);
+}
+
+/* Columns j0 .. j0 + 7 (the first `cols` stored; col[c] their rows' blocks, the last
+ * repeated) for rows r0 .. r0 + ROWS_N - 1: per 32-block, each column's quants decoded in
+ * registers and dotted with every row (eight int32 lanes, four per half), four columns'
+ * lanes summed into one per column and half, then the header's float steps, one column
+ * to a lane. DOT(U, X) and PREP are the instruction set's byte dot product. */
+#define GROUP_BODY(ROWS_MAX)                                                                               \
+    const acts_t *a = job->a;                                                                              \
+    const int64_t nb = job->nb, k = job->k;                                                                \
+    const int qk = type_qk(TYPE), subs = qk / 32, KIND = type_kind(TYPE), OFF = type_off(TYPE);            \
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);                        \
+    (void)ones;                                                                                            \
+    (void)flip;                                                                                            \
+    float ps[8 * 8], pm[8 * 8];                                                                            \
+    int32_t psc[16 * 8], pmn[16 * 8];                                                                      \
+    __m256 acc[ROWS_MAX];                                                                                  \
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();                                         \
+    for (int64_t t = 0; t < k / qk; t++) {                                                                 \
+        params_group(TYPE, col, t * bytes, ps, pm, psc, pmn);                                              \
+        if (ahead) prefetch_step(ahead, t);                                                                \
+        for (int j = 0; j < subs; j++) {                                                                   \
+            const int64_t b = t * subs + j;                                                                \
+            __m256i h[ROWS_MAX][2];                                                                        \
+            _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                                 \
+                __m256i sp[ROWS_MAX][2];                                                                   \
+                _Pragma("GCC unroll 2") for (int cp = 0; cp < 2; cp++) {                                   \
+                    __m256i tt[ROWS_MAX][2];                                                               \
+                    _Pragma("GCC unroll 2") for (int cc = 0; cc < 2; cc++) {                               \
+                        const __m256i u = quants32(TYPE, col[half * 4 + cp * 2 + cc] + t * bytes, j);      \
+                        PREP                                                                               \
+                        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                         \
+                            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (r0 + r) * k + 32 * b)); \
+                            tt[r][cc] = DOT(u, xv);                                                        \
+                        }                                                                                  \
+                    }                                                                                      \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) sp[r][cp] = SUM_PAIRS32(tt[r][0], tt[r][1]); \
+                }                                                                                          \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) h[r][half] = SUM_PAIRS64(sp[r][0], sp[r][1]); \
+            }                                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
+                const int64_t cell = (r0 + r) * nb + b;                                                    \
+                __m256i lo = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x20);                            \
+                __m256i hi = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x31);                            \
+                if (OFF_APPLIES && OFF) {                                                                  \
+                    lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(OFF * a->s16[2 * cell]));                  \
+                    hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(OFF * a->s16[2 * cell + 1]));              \
+                }                                                                                          \
+                __m256i D;                                                                                 \
+                if (KIND >= KIND_SPLIT)                                                                    \
+                    D = _mm256_add_epi32(_mm256_mullo_epi32(lo, _mm256_loadu_si256((const __m256i *)(psc + 2 * j * 8))), \
+                                         _mm256_mullo_epi32(hi, _mm256_loadu_si256((const __m256i *)(psc + (2 * j + 1) * 8)))); \
+                else                                                                                       \
+                    D = _mm256_add_epi32(lo, hi);                                                          \
+                const __m256 xd = _mm256_set1_ps(a->d[cell]);                                              \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D), _mm256_mul_ps(_mm256_loadu_ps(ps + j * 8), xd), acc[r]); \
+                if (KIND == KIND_MIN)                                                                      \
+                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(pm + j * 8), _mm256_set1_ps(a->s[cell]), acc[r]); \
+                if (KIND == KIND_SPLIT_MIN) {                                                              \
+                    const __m256i M = _mm256_add_epi32(                                                    \
+                        _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pmn + 2 * j * 8)), _mm256_set1_epi32(a->s16[2 * cell])), \
+                        _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(pmn + (2 * j + 1) * 8)), _mm256_set1_epi32(a->s16[2 * cell + 1]))); \
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(_mm256_loadu_ps(pm + j * 8), xd), acc[r]); \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int r = 0; r < ROWS_N; r++) {                                                                     \
+        float lanes[8];                                                                                    \
+        _mm256_storeu_ps(lanes, acc[r]);                                                                   \
+        float *out = job->y + (r0 + r) * job->n + j0;                                                      \
+        for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
+    }
+
+
+/* Q4_0, Q4_1, IQ4_NL, Q8_0: two blocks of a column at once. One 32-byte vector holds both
+ * blocks' low nibbles (elements 0..15 of b, then of b + 1; Q8_0: their first 16 bytes),
+ * another their high ones (Q8_0: the second 16), against the
+ * rows' activations loaded to match; the lane sums then give D_b and D_b+1 per column,
+ * and the float steps run block b first, as the header says. */
+#define PAIR_BODY(ROWS_MAX)                                                                                \
+    const acts_t *a = job->a;                                                                              \
+    const int64_t nb = job->nb, k = job->k;                                                                \
+    const int KIND = type_kind(TYPE), OFF = type_off(TYPE), qoff = TYPE == T_Q4_1 ? 4 : 2;                 \
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);                        \
+    const __m256i low4 = _mm256_set1_epi8(0x0F);                                                           \
+    (void)ones;                                                                                            \
+    (void)flip;                                                                                            \
+    __m256 acc[ROWS_MAX];                                                                                  \
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();                                         \
+    for (int64_t b = 0; b < nb; b += 2) {                                                                  \
+        const int two = b + 1 < nb;                                                                        \
+        const int64_t at0 = b * bytes, at1 = (two ? b + 1 : b) * bytes;                                    \
+        __m256 s0, s1, m0, m1;                                                                             \
+        if (KIND == KIND_MIN) {                                                                            \
+            half_pairs8(col, at0, &s0, &m0);                                                               \
+            half_pairs8(col, at1, &s1, &m1);                                                               \
+        } else {                                                                                           \
+            low_halves16(words8(col, at0), words8(col, at1), &s0, &s1);                                    \
+            m0 = s0, m1 = s1;                                                                              \
+        }                                                                                                  \
+        if (ahead) prefetch_step(ahead, b / 2);                                                            \
+        __m256i xlo[ROWS_MAX], xhi[ROWS_MAX];                                                              \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+            const int8_t *x0 = a->q + (r0 + r) * k + 32 * b, *x1 = two ? x0 + 32 : x0;                      \
+            xlo[r] = _mm256_loadu2_m128i((const __m128i *)x1, (const __m128i *)x0);                        \
+            xhi[r] = _mm256_loadu2_m128i((const __m128i *)(x1 + 16), (const __m128i *)(x0 + 16));          \
+        }                                                                                                  \
+        __m256i h[ROWS_MAX][2];                                                                            \
+        _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                                     \
+            __m256i sp[ROWS_MAX][2];                                                                       \
+            _Pragma("GCC unroll 2") for (int cp = 0; cp < 2; cp++) {                                       \
+                __m256i tt[ROWS_MAX][2];                                                                   \
+                _Pragma("GCC unroll 2") for (int cc = 0; cc < 2; cc++) {                                   \
+                    const uint8_t *w = col[half * 4 + cp * 2 + cc];                                        \
+                    const __m256i q = _mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff),               \
+                                                          (const __m128i *)(w + at0 + qoff));              \
+                    __m256i lo, hi;                                                                        \
+                    if (TYPE == T_Q8_0) { /* the blocks' first and second 16 bytes, offset by 128 */       \
+                        lo = _mm256_xor_si256(q, flip);                                                    \
+                        hi = _mm256_xor_si256(_mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff + 16),  \
+                                                                  (const __m128i *)(w + at0 + qoff + 16)), flip); \
+                    } else {                                                                               \
+                        lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
+                    }                                                                                      \
+                    if (TYPE == T_IQ4_NL) lo = iq4_values(lo), hi = iq4_values(hi);                        \
+                    PAIR_PREP                                                                              \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) tt[r][cc] = PAIR_DOT(lo, hi, xlo[r], xhi[r]); \
+                }                                                                                          \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) sp[r][cp] = SUM_PAIRS32(tt[r][0], tt[r][1]); \
+            }                                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) h[r][half] = SUM_PAIRS64(sp[r][0], sp[r][1]); \
+        }                                                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+            const int64_t cell = (r0 + r) * nb + b;                                                        \
+            __m256i d0 = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x20);                                \
+            __m256i d1 = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x31);                                \
+            if (OFF_APPLIES && OFF) {                                                                      \
+                d0 = _mm256_sub_epi32(d0, _mm256_set1_epi32(OFF * (a->s16[2 * cell] + a->s16[2 * cell + 1]))); \
+                if (two) d1 = _mm256_sub_epi32(d1, _mm256_set1_epi32(OFF * (a->s16[2 * cell + 2] + a->s16[2 * cell + 3]))); \
+            }                                                                                              \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_set1_ps(a->d[cell])), acc[r]); \
+            if (KIND == KIND_MIN) acc[r] = _mm256_fmadd_ps(m0, _mm256_set1_ps(a->s[cell]), acc[r]);         \
+            if (two) {                                                                                     \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, _mm256_set1_ps(a->d[cell + 1])), acc[r]); \
+                if (KIND == KIND_MIN) acc[r] = _mm256_fmadd_ps(m1, _mm256_set1_ps(a->s[cell + 1]), acc[r]); \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int r = 0; r < ROWS_N; r++) {                                                                     \
+        float lanes[8];                                                                                    \
+        _mm256_storeu_ps(lanes, acc[r]);                                                                   \
+        float *out = job->y + (r0 + r) * job->n + j0;                                                      \
+        for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
+    }
+
+#define PAIRED(TYPE) ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_1 || (TYPE) == T_IQ4_NL || (TYPE) == T_Q8_0)
+static int paired_type(int type) { return PAIRED(type); }
+
+#define GROUP_ARGS const job_t *job, const uint8_t *const *col, const ahead_t *ahead, int bytes, int64_t j0, \
+                   int cols, int64_t r0
+/* AVX2: maddubs + madd; 8-bit quants (offset 128) as |q| against x with q's sign. */
+#define PREP                                                                                               \
+    const __m256i sq = _mm256_xor_si256(u, flip), aq = _mm256_sign_epi8(sq, sq);                           \
+    (void)aq;
+#define DOT(U, X)                                                                                          \
+    (OFF == 128 ? _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(X, sq)), ones)               \
+                : _mm256_madd_epi16(_mm256_maddubs_epi16(U, X), ones))
+#define OFF_APPLIES (OFF != 128)
+#define PAIR_PREP                                                                                          \
+    const __m256i sl = _mm256_xor_si256(lo, flip), sh = _mm256_xor_si256(hi, flip);                        \
+    const __m256i al = _mm256_sign_epi8(sl, sl), ah = _mm256_sign_epi8(sh, sh);                            \
+    (void)al;                                                                                              \
+    (void)ah;
+#define PAIR_DOT(LO, HI, XL, XH)                                                                           \
+    (OFF == 128 ? _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(XL, sl)), ones),  \
+                                   _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(XH, sh)), ones))  \
+                : _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(LO, XL), _mm256_maddubs_epi16(HI, XH)), ones))
+static inline TARGET_AVX2 __attribute__((always_inline)) void group_avx2_t(GROUP_ARGS, const int ROWS_N,
+                                                                           const int TYPE) {
+    if (PAIRED(TYPE)) {
+        PAIR_BODY(2)
+    } else {
+        GROUP_BODY(2)
+    }
+}
+#undef PAIR_PREP
+#undef PAIR_DOT
+#undef PREP
+#undef DOT
+#undef OFF_APPLIES
+#define GROUP_ROWS_AVX2 2
+
+static TARGET_AVX2 void group_avx2(int type, GROUP_ARGS, int rows) {
+#define GROUP_AVX2(TY)                                                                                     \
+    if (rows == 2) group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                              \
+    else group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 1, TY)
+    switch (type) { TYPE_CASES(GROUP_AVX2) }
+#undef GROUP_AVX2
+}
+
+#ifdef GGUF_VNNI
+#define PREP
+#define DOT(U, X) _mm256_dpbusd_epi32(_mm256_setzero_si256(), U, X)
+#define OFF_APPLIES 1
+#define PAIR_PREP
+#define PAIR_DOT(LO, HI, XL, XH) _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), LO, XL), HI, XH)
+static inline TARGET_VNNI __attribute__((always_inline)) void group_vnni_t(GROUP_ARGS, const int ROWS_N,
+                                                                           const int TYPE) {
+    if (PAIRED(TYPE)) {
+        PAIR_BODY(4)
+    } else {
+        GROUP_BODY(4)
+    }
+}
+#undef PAIR_PREP
+#undef PAIR_DOT
+#undef PREP
+#undef DOT
+#undef OFF_APPLIES
+#define GROUP_ROWS_VNNI 4
+
+static TARGET_VNNI void group_vnni(int type, GROUP_ARGS, int rows) {
+#define GROUP_VNNI(TY)                                                                                     \
+    switch (rows) {                                                                                        \
+    case 4: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 4, TY); break;                              \
+    case 3: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 3, TY); break;                              \
+    case 2: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 2, TY); break;                              \
+    default: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 1, TY);                                    \
+    }
+    switch (type) { TYPE_CASES(GROUP_VNNI) }
+#undef GROUP_VNNI
+}
+#endif
+
+/* The tile's columns, two groups of eight, for every row (few rows). */
+static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t col0,
+                           int64_t j0, int cols, int64_t next_col0) {
+    for (int v = 0; v < 2 && 8 * v < cols; v++) {
+        const uint8_t *col[8];
+        for (int c = 0; c < 8; c++) {
+            const int64_t i = col0 + 8 * v + c;
+            col[c] = column_row(seg, i < seg->rows ? i : seg->rows - 1);
+        }
+        const int64_t steps = paired_type((int)seg->type) ? (job->nb + 1) / 2 : job->k / info->qk;
+        const ahead_t ahead_cols = next_col0 >= 0 ? ahead_plan(seg, next_col0 + 8 * v, job->k / info->qk * info->bytes, steps)
+                                                  : (ahead_t){{NULL}, 0, 0, 0};
+        const int group_cols = cols - 8 * v < 8 ? cols - 8 * v : 8;
+        for (int64_t r0 = 0; r0 < job->m;) {
+            const ahead_t *ahead = r0 == 0 && next_col0 >= 0 ? &ahead_cols : NULL;
+#ifdef GGUF_VNNI
+            if (job->isa == ISA_VNNI) {
+                const int rows = (int)(job->m - r0 < GROUP_ROWS_VNNI ? job->m - r0 : GROUP_ROWS_VNNI);
+                group_vnni((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+                r0 += rows;
+                continue;
+            }
+#endif
+            const int rows = (int)(job->m - r0 < GROUP_ROWS_AVX2 ? job->m - r0 : GROUP_ROWS_AVX2);
+            group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+            r0 += rows;
+        }
+    }
+}
+#endif /* GGUF_X86 */
+
+/* ---- x86, exact: each 32-block widened in registers to the values gguf.quants gives ---- */
+
+#ifdef GGUF_X86
+/* Sub-block j of a block as four vectors of eight floats: es * q (+ em), es and em the
+ * halves' scale and min, as gguf_half_params gives them (a multiply, then an add). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void values32(const int TYPE, const uint8_t *blk, int j,
+                                                                        const float *es, const float *em,
+                                                                        __m256 w[4]) {
+    const __m256i u = quants32(TYPE, blk, j), off = _mm256_set1_epi32(type_off(TYPE));
+    const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(parts[i]), off));
+        w[i] = _mm256_mul_ps(q, _mm256_set1_ps(es[2 * j + i / 2]));
+        if (type_kind(TYPE) == KIND_MIN || type_kind(TYPE) == KIND_SPLIT_MIN)
+            w[i] = _mm256_add_ps(w[i], _mm256_set1_ps(em[2 * j + i / 2]));
+    }
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void half_params_all(const int TYPE, const qinfo_t *info,
+                                                                               const uint8_t *blk, float *es,
+                                                                               float *em) {
+    dblock_t o;
+    gguf_params_c(TYPE, blk, &o);
+    for (int h = 0; h < type_qk(TYPE) / 16; h++) gguf_half_params(info, &o, h, &es[h], &em[h]);
+}
+
+/* Row i of a segment widened to float32 (k values) into out. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void dequantize_row_t(const int TYPE, const qinfo_t *info,
+                                                                                const uint8_t *row, int64_t k,
+                                                                                float *out) {
+    const int qk = type_qk(TYPE), subs = qk / 32;
+    float es[16], em[16];
+    for (int64_t t = 0; t < k / qk; t++) {
+        const uint8_t *blk = row + t * info->bytes;
+        half_params_all(TYPE, info, blk, es, em);
+        for (int j = 0; j < subs; j++) {
+            __m256 w[4];
+            values32(TYPE, blk, j, es, em, w);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + t * qk + 32 * j + 8 * i, w[i]);
+        }
+    }
+}
+
+static TARGET_AVX2 void dequantize_row_avx2(const bargein_qseg_t *seg, const qinfo_t *info, const uint8_t *row,
+                                            int64_t k, float *out) {
+#define DEQUANTIZE_ROW(TY) dequantize_row_t(TY, info, row, k, out)
+    switch (seg->type) { TYPE_CASES(DEQUANTIZE_ROW) }
+#undef DEQUANTIZE_ROW
+}
+
+#define EXACT_ROWS 4 /* rows sharing each widened block */
+
+/* Column j (row i of the segment) for every row of x in float32: the widened values
+ * against x in eight float lanes per row, summed at the end. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void column_exact_t(const int TYPE, const job_t *job,
+                                                                              const qinfo_t *info,
+                                                                              const uint8_t *row, int64_t j) {
+    const int qk = type_qk(TYPE), subs = qk / 32;
+    const int64_t k = job->k;
+    float es[16], em[16];
+    for (int64_t r0 = 0; r0 < job->m; r0 += EXACT_ROWS) {
+        const int rows = (int)(job->m - r0 < EXACT_ROWS ? job->m - r0 : EXACT_ROWS);
+        __m256 acc[EXACT_ROWS][2];
+        for (int r = 0; r < EXACT_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < k / qk; t++) {
+            const uint8_t *blk = row + t * info->bytes;
+            half_params_all(TYPE, info, blk, es, em);
+            for (int jj = 0; jj < subs; jj++) {
+                __m256 w[4];
+                values32(TYPE, blk, jj, es, em, w);
+                for (int r = 0; r < rows; r++) {
+                    const float *x = job->a->x + (r0 + r) * k + t * qk + 32 * jj;
+                    acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), acc[r][1]);
+                    acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), acc[r][1]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+            job->y[(r0 + r) * job->n + j] = _mm_cvtss_f32(s4);
+        }
+    }
+}
+
+static TARGET_AVX2 void column_exact_avx2(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info,
+                                          int64_t i, int64_t j) {
+    const uint8_t *row = column_row(seg, i);
+#define COLUMN_EXACT(TY) column_exact_t(TY, job, info, row, j)
+    switch (seg->type) { TYPE_CASES(COLUMN_EXACT) }
+#undef COLUMN_EXACT
+}
+#endif /* GGUF_X86 */
+
+/* ---- the work, split over tiles of output columns ----------------------------------- */
+
+static void run_tiles(void *arg, int index, int count) {
+    const job_t *job = (const job_t *)arg;
+    const int64_t t0 = job->num_tiles * index / count, t1 = job->num_tiles * (index + 1) / count;
+    for (int64_t t = t0; t < t1; t++) {
+        const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[t]];
+        qinfo_t info = {32, 0, 0, KIND_PLAIN};
+        gguf_qinfo((int)seg->type, &info);
+        const int64_t col0 = job->tile_col[t], j0 = job->seg_start[job->tile_seg[t]] + col0;
+        const int cols = (int)(seg->rows - col0 < TILE ? seg->rows - col0 : TILE);
+#ifdef GGUF_X86
+        if (job->a->exact && job->isa != ISA_C) {
+            for (int c = 0; c < cols; c++) column_exact_avx2(job, seg, &info, col0 + c, j0 + c);
+            continue;
+        }
+#endif
+        if (job->isa == ISA_C || job->a->exact) {
+            float *acc = (float *)(job->scratch + (int64_t)index * job->scratch_bytes);
+            for (int c = 0; c < cols; c++) {
+                if (job->a->exact) column_exact_c(job, seg, &info, col0 + c, j0 + c, acc);
+                else column_fast_c(job, seg, &info, col0 + c, j0 + c, acc);
+            }
+            continue;
+        }
+#ifdef GGUF_X86
+        if (job->m < job->gemm_min_rows) {
+            /* the next tile's columns, fetched while this one's are read (same segment only) */
+            const int64_t next = t + 1 < t1 && job->tile_seg[t + 1] == job->tile_seg[t] ? job->tile_col[t + 1] : -1;
+            run_groups_x86(job, seg, &info, col0, j0, cols, next);
+            continue;
+        }
+        const tile_t tl = tile_scratch(job, index);
+        build_tile(job, &tl, seg, &info, col0);
+        for (int64_t r0 = 0; r0 < job->m;) {
+            const int left = (int)(job->m - r0 < 64 ? job->m - r0 : 64);
+#ifdef GGUF_VNNI
+            if (job->isa == ISA_VNNI) {
+                r0 += rows_vnni(job, &tl, &info, j0, cols, r0, left);
+                continue;
+            }
+#endif
+            const int rows = left < ROWS_AVX2 ? left : ROWS_AVX2;
+            rows_avx2(job, &tl, &info, j0, cols, r0, rows);
+            r0 += rows;
+        }
+#endif
+    }
+}
+
+static int check_types(const bargein_qmat_t *w) {
+    for (int64_t s = 0; s < w->num_segs; s++) {
+        qinfo_t info;
+        if (gguf_qinfo((int)w->segs[s].type, &info) || w->k % info.qk) return -3;
+    }
+    return 0;
+}
+
+int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, float *y, int exact, int num_threads,
+                        int isa) {
+    if (check_types(w)) return -3;
+    if (isa < 0)
+        isa = bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
+    if (!bargein_q8_isa_available(isa)) return -2;
+    if (exact && isa == ISA_VNNI) isa = ISA_AVX2; /* exact has a C and an AVX2 path */
+    const int64_t k = w->k, nb = k / 32, n = w->n;
+    int64_t num_tiles = 0;
+    for (int64_t s = 0; s < w->num_segs; s++) num_tiles += (w->segs[s].rows + TILE - 1) / TILE;
+    if (num_threads > num_tiles) num_threads = (int)num_tiles;
+    if (num_threads < 1) num_threads = 1;
+    const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
+    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
+    job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
+                 NULL, NULL, NULL, NULL, 0};
+    job.scratch_bytes = isa == ISA_C ? (int64_t)sizeof(float) * (m > 0 ? m : 1)
+                                     : 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4);
+    job.scratch_bytes = (job.scratch_bytes + 63) / 64 * 64;
+    int status = 0;
+    if (exact) a.xsum16 = malloc(sizeof(float) * 2 * cells);
+    else {
+        a.q = malloc((size_t)(m * k > 0 ? m * k : 1));
+        a.d = malloc(sizeof(float) * cells);
+        a.s = malloc(sizeof(float) * cells);
+        a.s16 = malloc(sizeof(int32_t) * 2 * cells);
+    }
+    job.tile_seg = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
+    job.tile_col = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
+    job.seg_start = malloc(sizeof(int64_t) * (size_t)(w->num_segs + 1));
+    job.scratch = aligned_alloc(64, (size_t)(job.scratch_bytes * num_threads));
+    if ((exact ? !a.xsum16 : (!a.q || !a.d || !a.s || !a.s16)) || !job.tile_seg || !job.tile_col || !job.seg_start ||
+        !job.scratch) {
+        status = -1;
+        goto done;
+    }
+    int64_t tile = 0, start = 0;
+    for (int64_t s = 0; s < w->num_segs; s++) {
+        job.seg_start[s] = start;
+        for (int64_t c = 0; c < w->segs[s].rows; c += TILE) job.tile_seg[tile] = s, job.tile_col[tile++] = c;
+        start += w->segs[s].rows;
+    }
+    const int64_t quant_threads = m / 16 < num_threads ? m / 16 : num_threads;
+    bargein_task_fn quantize = quantize_rows;
+#ifdef GGUF_X86
+    if (isa != ISA_C && !exact) quantize = quantize_rows_avx2; /* exact: the C loop sums x per half */
+#endif
+    bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
+    bargein_parallel_run(run_tiles, &job, num_threads);
+done:
+    free(a.q);
+    free(a.d);
+    free(a.s);
+    free(a.s16);
+    free(a.xsum16);
+    free(job.tile_seg);
+    free(job.tile_col);
+    free(job.seg_start);
+    free(job.scratch);
+    return status;
+}
+
+/* ---- rows widened to float32 -------------------------------------------------------- */
+
+typedef struct {
+    const bargein_qmat_t *w;
+    const int64_t *ids;
+    int64_t count;
+    float *out;
+    int avx2;
+} rows_job_t;
+
+static void dequantize_row(const bargein_qseg_t *seg, int64_t i, int64_t k, float *out, int avx2) {
+    qinfo_t info = {32, 0, 0, KIND_PLAIN};
+    gguf_qinfo((int)seg->type, &info);
+    const uint8_t *row = column_row(seg, i);
+#ifdef GGUF_X86
+    if (avx2) {
+        dequantize_row_avx2(seg, &info, row, k, out);
+        return;
+    }
+#else
+    (void)avx2;
+#endif
+    dblock_t o;
+    for (int64_t t = 0; t < k / info.qk; t++) {
+        gguf_decode_c((int)seg->type, row + t * info.bytes, &o);
+        for (int h = 0; h < info.qk / 16; h++) {
+            float es, em;
+            gguf_half_params(&info, &o, h, &es, &em);
+            float *dst = out + t * info.qk + 16 * h;
+            for (int l = 0; l < 16; l++) {
+                const float v = es * (float)((int)o.u[16 * h + l] - info.off);
+                dst[l] = (info.kind == KIND_MIN || info.kind == KIND_SPLIT_MIN) ? v + em : v;
+            }
+        }
+    }
+}
+
+static void dequantize_rows_part(void *arg, int index, int count) {
+    const rows_job_t *job = (const rows_job_t *)arg;
+    const bargein_qmat_t *w = job->w;
+    for (int64_t t = job->count * index / count; t < job->count * (index + 1) / count; t++) {
+        int64_t id = job->ids[t], s = 0;
+        while (id >= w->segs[s].rows) id -= w->segs[s++].rows;
+        dequantize_row(&w->segs[s], id, w->k, job->out + t * w->k, job->avx2);
+    }
+}
+
+/* Rows ids[0 .. count) of W (each in [0, n)) as float32 (count, k): the values gguf.quants
+ * gives. Returns 0, -3 for a type without kernels, -6 for an id outside W. */
+int bargein_gguf_dequantize_rows(const bargein_qmat_t *w, const int64_t *ids, int64_t count, float *out,
+                                 int num_threads) {
+    if (check_types(w)) return -3;
+    for (int64_t t = 0; t < count; t++)
+        if (ids[t] < 0 || ids[t] >= w->n) return -6;
+    rows_job_t job = {w, ids, count, out, bargein_q8_isa_available(ISA_AVX2)};
+    const int64_t threads = count / 4 < num_threads ? count / 4 : num_threads;
+    bargein_parallel_run(dequantize_rows_part, &job, threads > 1 ? (int)threads : 1);
+    return 0;
+}

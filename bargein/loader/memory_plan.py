@@ -1,0 +1,153 @@
+"""Memory stated before a model is loaded: its weights, its KV cache, the resident set to expect.
+
+Weights read in place from a memory-mapped GGUF (the block types the kernels read) are
+file-backed pages: the kernel can drop and re-read them, so they never cause an
+out-of-memory kill, though a machine without room for them pages (slowly). Everything
+else is private memory: weights widened or copied at load, the KV cache, and the
+process itself (PyTorch, the tokenizer, buffers; :data:`RUNTIME_BYTES`, an estimate).
+A plan whose private memory exceeds what the system has available cannot run and is
+refused here, with one message, instead of being killed half-way through loading.
+
+``--kv-memory auto`` sizes the KV cache from what is left: the available memory minus
+the weights (mapped ones too: they should stay resident), the runtime and a margin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from bargein.config import EngineConfig, ModelConfig
+from bargein.kernels.ggml_types import GGMLQuantizationType
+from bargein.kernels.quant_weight import QUANT_TYPES
+from bargein.loader.errors import LoaderError
+from bargein.loader.gguf_file import open_gguf
+from bargein.loader.names import expected_shape, wanted_tensors
+from bargein.loader.source import ModelSource
+
+MiB = 1 << 20
+# The process's own memory besides weights and KV: torch (~220 MB resident after import,
+# measured), the server's modules, the tokenizer and per-step buffers.
+RUNTIME_BYTES = 400 * MiB
+# Left free under --kv-memory auto, for the rest of the machine and for growth.
+MARGIN_FRACTION = 0.10
+MIN_KV_TOKENS = 256  # an auto KV cache smaller than this could not hold a real conversation
+
+
+class MemoryPlanError(LoaderError):
+    """The model cannot run in the memory this machine has; the message says why."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes a model will take, stated before loading. ``expected_rss`` is their sum."""
+
+    mapped_weight_bytes: int  # read in place from the mapped file: file-backed, shared
+    private_weight_bytes: int  # widened or copied into the process's own memory
+    kv_bytes: int
+    kv_tokens: int
+    runtime_bytes: int
+    available_bytes: int | None  # the system's available memory when planned; None if unknown
+
+    @property
+    def private_bytes(self) -> int:
+        return self.private_weight_bytes + self.kv_bytes + self.runtime_bytes
+
+    @property
+    def expected_rss(self) -> int:
+        return self.mapped_weight_bytes + self.private_bytes
+
+    def describe(self) -> str:
+        """The one log line ``serve`` writes before loading."""
+        line = (f"memory plan: weights {self.mapped_weight_bytes / MiB:,.0f} MiB mapped + "
+                f"{self.private_weight_bytes / MiB:,.0f} MiB private, KV cache {self.kv_bytes / MiB:,.0f} MiB "
+                f"({self.kv_tokens:,} tokens), runtime ~{self.runtime_bytes / MiB:,.0f} MiB: "
+                f"expected RSS ~{self.expected_rss / MiB:,.0f} MiB")
+        if self.available_bytes is not None:
+            line += f" of {self.available_bytes / MiB:,.0f} MiB available"
+            if self.expected_rss > self.available_bytes:
+                line += " (the mapped weights will not all stay resident: expect paging)"
+        return line
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), None where the system does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineConfig, *,
+                kv_auto: bool = False, available: int | None = None) -> MemoryPlan:
+    """The memory ``config`` will take for the model at ``source``, from its tensor table
+    (nothing read). ``kv_auto``: the KV cache gets what is left of ``available`` (default:
+    the system's available memory). Raises MemoryPlanError
+    where the private memory cannot fit, or ``kv_auto`` leaves no room for a KV cache."""
+    available = available if available is not None else available_memory()
+    on_cpu = not config.device.startswith("cuda") and config.dtype in ("auto", "float32")
+    reads_blocks = on_cpu and config.native_kernels
+    mapped, private = _weight_bytes(source, model_config, reads_blocks)
+    fast = config.precision == "fast" and reads_blocks
+    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
+    block = config.cache.block_size
+    if kv_auto:
+        if available is None:
+            raise MemoryPlanError("--kv-memory auto needs the system's available memory, which it does not report "
+                                  "here; give a size (e.g. --kv-memory 1GiB)")
+        left = int(available * (1 - MARGIN_FRACTION)) - mapped - private - RUNTIME_BYTES
+        max_len = config.max_model_len or model_config.max_position_embeddings
+        tokens = min(max(left, 0) // per_token, max_len * config.scheduler.max_num_seqs) // block * block
+        if tokens < MIN_KV_TOKENS:
+            raise MemoryPlanError(
+                f"{source.path}: the model needs ~{(mapped + private + RUNTIME_BYTES) / MiB:,.0f} MiB "
+                f"(weights {(mapped + private) / MiB:,.0f} MiB, runtime ~{RUNTIME_BYTES / MiB:,.0f} MiB) and "
+                f"this machine has {available / MiB:,.0f} MiB available: no room is left for a KV cache "
+                f"of {MIN_KV_TOKENS} tokens")
+    elif config.cache.counted_blocks is not None:
+        tokens = config.cache.counted_blocks * block
+    else:
+        tokens = config.cache.memory_bytes // (per_token * block) * block
+    plan = MemoryPlan(mapped, private, tokens * per_token, tokens, RUNTIME_BYTES, available)
+    if available is not None and plan.private_bytes > available:
+        raise MemoryPlanError(
+            f"{source.path}: this needs ~{plan.private_bytes / MiB:,.0f} MiB of private memory (weights "
+            f"{private / MiB:,.0f} MiB, KV cache {plan.kv_bytes / MiB:,.0f} MiB, runtime "
+            f"~{RUNTIME_BYTES / MiB:,.0f} MiB) and this machine has {available / MiB:,.0f} MiB available; "
+            "use a smaller KV cache (--kv-memory / --kv-tokens) or a smaller file")
+    return plan
+
+
+def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: bool) -> tuple[int, int]:
+    """(mapped, private) bytes of every weight the model holds."""
+    wanted = wanted_tensors(model_config, 0, model_config.num_layers)
+    mapped = private = 0
+    if source.kind != "gguf":
+        for canon in wanted:
+            shape = expected_shape(model_config, canon) or ()
+            numel = 1
+            for d in shape:
+                numel *= d
+            private += 4 * numel
+        return mapped, private
+    tensors = open_gguf(source.path).tensors
+    names = [gguf for gguf, _ in wanted.values()] + (["rope_freqs.weight"] if "rope_freqs.weight" in tensors else [])
+    for name in names:
+        info = tensors.get(name)
+        if info is None:
+            continue  # the loader reports it
+        numel = 1
+        for d in info.shape.tolist():
+            numel *= int(d)
+        try:
+            qtype = GGMLQuantizationType(info.tensor_type)
+        except ValueError:
+            continue  # an unknown type: the loader refuses it by name
+        if reads_blocks and qtype in QUANT_TYPES and len(info.torch_shape) == 2:
+            mapped += info.n_bytes
+        else:
+            private += 4 * numel
+    return mapped, private

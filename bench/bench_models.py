@@ -1,0 +1,302 @@
+"""GGUF files side by side with llama.cpp (issue 33): load time, memory, decode and prefill.
+
+For each GGUF file, bargein (in ``--precision``) and llama.cpp (llama-cpp-python, where
+``import llama_cpp`` works) each run every measurement in a fresh process of its own:
+
+- load: process start to the first token of a fixed prompt, minus the side's import floor
+  (a process that only imports torch, for bargein, or llama_cpp), page cache warm (every
+  file is read once before anything is timed); the median of ``--load-repeats``;
+- memory: peak RSS (VmHWM) over that side's processes above its import floor's, and the
+  resident set at the end of the 1-stream run split into private (RssAnon) and file-backed
+  (RssFile: mapped weights) pages;
+- 1-stream and 32-stream decode tokens/s (greedy, ``--answer`` tokens after a 64-token
+  prompt per stream; decode steps only);
+- prefill tokens/s of one 512- and one 4,096-token prompt (after a short warm-up prompt).
+
+Both sides get the same prompt token ids (bargein's tokenizer; llama.cpp reads the same
+vocabulary from the file) and the same KV capacity in tokens for each measurement. Prints
+a table and the JSON object, and writes the rows into ``docs/benchmarks.md`` (``--doc``),
+replacing earlier rows of the same file and precision.
+
+    python bench/bench_models.py [FILE.gguf ...] [--precision fast|exact] [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import base_parser, emit, format_table, machine_info  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = ROOT / "tests" / "data" / "public_domain.txt"
+DOC = ROOT / "docs" / "benchmarks.md"
+STREAM_PROMPT = 64
+LOAD_PROMPT = 32
+
+# Resident memory of the running process, MB (VmHWM: its peak), read without importing anything.
+_STATUS = """
+def memory():
+    names = {"VmHWM": "peak_mb", "RssAnon": "anon_mb", "RssFile": "file_mb", "VmRSS": "rss_mb"}
+    out = {}
+    for line in open("/proc/self/status"):
+        key, _, rest = line.partition(":")
+        if key in names:
+            out[names[key]] = int(rest.split()[0]) / 1024
+    return out
+"""
+
+_FLOOR = _STATUS + """
+import json, sys, time
+args = json.loads(sys.argv[1])
+__import__(args["module"])
+print(json.dumps({"seconds": time.time() - args["launched"], **memory()}))
+"""
+
+_BARGEIN = _STATUS + """
+import json, sys, time
+args = json.loads(sys.argv[1])
+import torch
+if args["threads"]:
+    torch.set_num_threads(args["threads"])
+sys.path.insert(0, args["bench"])
+from common import drive_to_completion
+from bargein import CacheConfig, Engine, EngineConfig, SamplingParams
+from bargein.engine.outputs import OutputCollector
+config = EngineConfig(precision=args["precision"], cache=CacheConfig(kv_tokens=args["kv_tokens"]),
+                      max_model_len=args["kv_tokens"])
+engine = Engine.from_pretrained(args["model"], config, progress=False)
+prompts, out = args["prompts"], {}
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+if args["kind"] == "load":
+    engine.generate([prompts[0]], greedy(1))
+    out["load_s"] = time.time() - args["launched"]
+elif args["kind"] == "prefill":
+    engine.generate([args["warmup"]], greedy(1))
+    started = time.perf_counter()
+    engine.generate([prompts[0]], greedy(1))
+    out["tok_s"] = len(prompts[0]) / (time.perf_counter() - started)
+else:
+    collector = OutputCollector(engine)
+    engine.generate([args["warmup"]], greedy(1))
+    started = time.perf_counter()
+    ids = {collector.add_request(p, greedy(args["answer"])) for p in prompts}
+    out["tok_s"] = drive_to_completion(collector.step, engine.abort, ids, started, 600).decode_tok_s
+print(json.dumps({**out, **memory()}))
+"""
+
+_LLAMA = _STATUS + """
+import json, sys, time
+args = json.loads(sys.argv[1])
+import numpy as np
+import llama_cpp as lib
+quiet = lib.llama_log_callback(lambda level, text, data: None)
+lib.llama_log_set(quiet, None)
+lib.llama_backend_init()
+prompts, out = args["prompts"], {}
+model = lib.llama_model_load_from_file(args["model"].encode(), lib.llama_model_default_params())
+params = lib.llama_context_default_params()
+params.n_ctx, params.n_seq_max = args["kv_tokens"], len(prompts) + 1
+params.n_batch = max(512, sum(map(len, prompts)))
+if args["threads"]:
+    params.n_threads = params.n_threads_batch = args["threads"]
+ctx = lib.llama_init_from_model(model, params)
+n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+batch = lib.llama_batch_init(params.n_batch, 0, 1)
+def decode(rows):  # (token, position, sequence, logits wanted)
+    for i, (token, pos, seq, logits) in enumerate(rows):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+        batch.seq_id[i][0], batch.logits[i] = seq, logits
+    batch.n_tokens = len(rows)
+    assert lib.llama_decode(ctx, batch) == 0
+def greedy(index):
+    return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, index), shape=(n_vocab,)).argmax())
+def prefill(prompt, seq):
+    decode([(t, i, seq, i == len(prompt) - 1) for i, t in enumerate(prompt)])
+    return greedy(len(prompt) - 1)
+if args["kind"] == "load":
+    prefill(prompts[0], 0)
+    out["load_s"] = time.time() - args["launched"]
+elif args["kind"] == "prefill":
+    warm = len(prompts)  # the warm-up's own sequence
+    prefill(args["warmup"], warm)
+    started = time.perf_counter()
+    prefill(prompts[0], 0)
+    out["tok_s"] = len(prompts[0]) / (time.perf_counter() - started)
+else:
+    prefill(args["warmup"], len(prompts))
+    decode([(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)])
+    ends = [sum(map(len, prompts[:s + 1])) - 1 for s in range(len(prompts))]
+    last = [greedy(e) for e in ends]
+    started = time.perf_counter()
+    for step in range(args["answer"] - 1):
+        decode([(t, len(p) + step, s, True) for s, (t, p) in enumerate(zip(last, prompts))])
+        last = [greedy(i) for i in range(len(prompts))]
+    out["tok_s"] = len(prompts) * (args["answer"] - 1) / (time.perf_counter() - started)
+print(json.dumps({**out, **memory()}))
+"""
+
+
+def _run(script: str, args: dict[str, Any]) -> dict[str, Any]:
+    """One fresh process; ``launched`` (wall clock) is set just before it starts."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    args = {**args, "launched": time.time()}
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
+                            timeout=1800, env=env)
+    if result.returncode:
+        lines = result.stderr.strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"exit status {result.returncode}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def text_ids(model: str, n: int) -> list[int]:
+    """``n`` token ids of the public-domain text (repeated where it is shorter)."""
+    from bargein.loader import load_tokenizer, resolve_model_ref
+
+    ids = load_tokenizer(resolve_model_ref(model)).encode(TEXT.read_text(), add_special_tokens=False)
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def measurements(ids: list[int], streams: int, answer: int, prefills: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+    """name -> the child's arguments (prompts, KV capacity), the same for both sides."""
+    def stream_prompts(n: int) -> list[list[int]]:
+        return [ids[i * 7:i * 7 + STREAM_PROMPT] for i in range(n)]
+
+    plans: dict[str, dict[str, Any]] = {"load": {"kind": "load", "prompts": [ids[:LOAD_PROMPT]], "kv_tokens": 2048}}
+    for n in sorted({1, streams}):
+        plans[f"{n}_stream"] = {"kind": "decode", "prompts": stream_prompts(n), "answer": answer,
+                                "kv_tokens": n * (STREAM_PROMPT + answer + 16) + 64}
+    for length in prefills:
+        plans[f"prefill_{length}"] = {"kind": "prefill", "prompts": [ids[-length:]],
+                                      "kv_tokens": length + 64}
+    for plan in plans.values():
+        plan["warmup"] = ids[:16]
+    return plans
+
+
+def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: int, streams: int, answer: int,
+               prefills: tuple[int, ...], llama: bool) -> list[dict[str, Any]]:
+    """Rows for one file: bargein's, llama.cpp's (or why not), and their ratios."""
+    Path(path).read_bytes()  # the page cache warm for both sides
+    ids = text_ids(path, max(prefills + (LOAD_PROMPT + STREAM_PROMPT * 2 + 7 * streams,)))
+    plans = measurements(ids, streams, answer, prefills)
+    sides = [("bargein", _BARGEIN, "torch")] + ([("llama.cpp", _LLAMA, "llama_cpp")] if llama else [])
+    rows = []
+    for side, script, module in sides:
+        row: dict[str, Any] = {"file": Path(path).name, "side": side,
+                               "precision": precision if side == "bargein" else "-"}
+        try:
+            floor = _run(_FLOOR, {"module": module})
+            common = {"model": path, "threads": threads, "precision": precision, "bench": str(Path(__file__).parent)}
+            seen = []
+            loads = [_run(script, {**common, **plans["load"]}) for _ in range(load_repeats)]
+            seen += loads
+            row["load_s"] = statistics.median(r["load_s"] for r in loads) - floor["seconds"]
+            for name, plan in plans.items():
+                if name == "load":
+                    continue
+                got = _run(script, {**common, **plan})
+                seen.append(got)
+                row[f"{name}_tok_s"] = got["tok_s"]
+                if name == "1_stream":
+                    row["anon_mb"], row["file_mb"] = got["anon_mb"], got["file_mb"]
+            row["peak_above_floor_mb"] = max(r["peak_mb"] for r in seen) - floor["peak_mb"]
+            row["import_floor_s"], row["floor_mb"] = floor["seconds"], floor["peak_mb"]
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            row["skipped"] = str(exc)
+        rows.append(row)
+    if len(rows) == 2 and "skipped" not in rows[0] and "skipped" not in rows[1]:
+        ours, theirs = rows
+        ratio = {"file": ours["file"], "side": "bargein / llama.cpp", "precision": precision}
+        for key in ours:
+            if key.endswith("_tok_s"):
+                ratio[key] = ours[key] / theirs[key]
+            elif key in ("load_s", "peak_above_floor_mb"):
+                ratio[key] = ours[key] / theirs[key]  # lower is better here
+        rows.append(ratio)
+    return rows
+
+
+COLUMNS = ["file", "side", "precision", "skipped", "load_s", "peak_above_floor_mb", "anon_mb", "file_mb",
+           "1_stream_tok_s", "32_stream_tok_s", "prefill_512_tok_s", "prefill_4096_tok_s"]
+_BEGIN, _END = "<!-- bench_models: begin -->", "<!-- bench_models: end -->"
+
+
+def write_doc(rows: list[dict[str, Any]], doc: Path, info: dict[str, Any]) -> None:
+    """Puts ``rows`` into ``doc``'s bench_models table, replacing rows of the same file,
+    side and precision (other files' rows stay)."""
+    from common import fmt
+
+    columns = [c for c in COLUMNS if c != "skipped"]
+    key_of = {tuple(str(r.get(c, "-")) for c in columns[:3]) for r in rows}
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    kept: list[str] = []
+    if _BEGIN in text:
+        head, rest = text.split(_BEGIN, 1)
+        old, tail = rest.split(_END, 1)
+        for line in old.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if line.startswith("|") and len(cells) == len(columns) and cells[0] not in ("file", "---") \
+                    and tuple(cells[:3]) not in key_of:
+                kept.append(line)
+    else:
+        head, tail = text.rstrip() + "\n\n## GGUF files against llama.cpp (`bench/bench_models.py`)\n\n", "\n"
+    new = ["| " + " | ".join(str(r.get(c, "-")) if i < 3 else fmt(r.get(c)) for i, c in enumerate(columns)) + " |"
+           for r in rows if "skipped" not in r]
+    table = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *kept, *new]
+    note = (f"Last run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {info.get('cpus')} CPUs "
+            f"(load average {info.get('loadavg_1m')}); load in s above the import floor, memory in MB, "
+            f"rates in tokens/s; ratio rows are bargein / llama.cpp.")
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(head + _BEGIN + "\n" + note + "\n\n" + "\n".join(table) + "\n" + _END + tail)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="*", help="GGUF files (default: the bundled model)")
+    parser.add_argument("--precision", choices=("fast", "exact"), default="fast")
+    parser.add_argument("--load-repeats", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--answer", type=int, default=32, help="tokens per stream (default %(default)s)")
+    parser.add_argument("--doc", default=str(DOC), help="the markdown file to update ('' for none)")
+    args = parser.parse_args(argv)
+    from bargein.loader import resolve_model_ref
+
+    files = args.files or [str(resolve_model_ref(args.model).path)]
+    prefills = (128,) if args.quick else (512, 4096)
+    streams, answer = (4, 8) if args.quick else (args.streams, args.answer)
+    try:
+        import importlib.util
+
+        llama = importlib.util.find_spec("llama_cpp") is not None
+    except (ImportError, ValueError):
+        llama = False
+    if not llama:
+        print("llama_cpp (llama-cpp-python) is not importable here: bargein's side only", file=sys.stderr)
+    rows = []
+    for path in files:
+        rows += bench_file(path, args.precision, threads=args.threads, load_repeats=1 if args.quick else
+                           args.load_repeats, streams=streams, answer=answer, prefills=prefills, llama=llama)
+    info = machine_info()
+    result = {"benchmark": "models", "precision": args.precision, "machine": info, "rows": rows,
+              "llama_cpp": llama}
+    columns = [c for c in COLUMNS if any(c in r for r in rows)] + [
+        c for c in sorted({k for r in rows for k in r}) if c not in COLUMNS and c.endswith("_tok_s")]
+    emit("GGUF files, bargein and llama.cpp side by side", [("one process per side per measurement",
+                                                             format_table(rows, columns))], result, args.json)
+    if args.doc and not args.quick:
+        write_doc(rows, Path(args.doc), info)
+    return result
+
+
+if __name__ == "__main__":
+    main()

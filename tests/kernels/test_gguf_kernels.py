@@ -1,0 +1,243 @@
+"""The GGUF block kernels (gguf_matmul.c) for every type, against gguf.quants and float64.
+
+Blocks are random but valid (tests/gguf_blocks.py). Each type's native rows equal
+gguf.quants' dequantization bit for bit; ``exact`` is a float64 product of those values
+to float32 rounding; ``fast`` is the stated int8 arithmetic (a float64 product of the
+int8-rounded activations, to float32 rounding) and gives the same bits for every row
+count, thread count, instruction-set path (those this CPU lacks are skipped by name),
+segment mix and row order; Q4_1 and Q8_0 read from the file's layout give exactly what
+a BlockWeight of the same blocks gives in quant_matmul.c.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.dequant import DEQUANTIZERS
+from bargein.kernels.native import Q8_ISAS, describe_quant, load_native_kernels
+from bargein.kernels.ops import KernelSet
+from bargein.kernels.quant_weight import QuantSegment, QuantWeight
+from tests.gguf_blocks import TYPES, T, gguf_dequantize, random_blocks, random_weight
+
+KERNELS = load_native_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here; the reference path is tested")
+EPS = float(np.finfo(np.float32).eps)
+TYPE_IDS = [t.name for t in TYPES]
+ROWS = [1, 3, 7, 13, 33]
+
+
+def isa_param(name: str):
+    runs = KERNELS is not None and KERNELS.q8_isa_available(name)
+    return pytest.param(name, marks=pytest.mark.skipif(not runs, reason=f"this CPU has no {name} path"), id=name)
+
+
+ISAS = [isa_param(name) for name in Q8_ISAS]
+
+
+def rng_for(*key: object) -> np.random.Generator:
+    return np.random.default_rng(abs(hash(tuple(str(k) for k in key))) % 2**32)
+
+
+def mixed_weight(rng: np.random.Generator, k: int = 512) -> QuantWeight:
+    """A fused matrix as a Q4_K_M file makes it: Q4_K rows (reordered), then Q6_K, then Q8_0, ragged."""
+    parts = [random_weight(T.Q4_K, 24, k, rng, order=True), random_weight(T.Q6_K, 9, k, rng),
+             random_weight(T.Q8_0, 19, k, rng, order=True), random_weight(T.IQ4_XS, 5, k, rng)]
+    return QuantWeight.cat_rows(parts)
+
+
+def reference_values(weight: QuantWeight) -> np.ndarray:
+    return np.concatenate([gguf_dequantize(s) for s in weight.segments])
+
+
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """x as the fast kernels round it: per block of 32, d * rint(x / d), d = max|x| / 127 (float32 steps)."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32).astype(np.float32)
+    d = (np.abs(blocks).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint((blocks * inv).astype(np.float32)), -127, 127)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(m, k)
+
+
+def fast_bound(xq: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Float32 rounding of the block chain: per block a product and a fused add or two, and
+    the mins' sums (which can cancel against the quants' part: the second term)."""
+    nb = w.shape[1] // 32
+    scale = np.abs(xq) @ np.abs(w).T + np.abs(xq).sum(1, keepdims=True) * np.abs(w).max()
+    return 4 * (nb + 2) * EPS * scale + 1e-30
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
+def test_torch_reference_dequantizes_as_gguf(qtype):
+    blocks = random_blocks(qtype, 6, 512, rng_for("torch", qtype))
+    segment = QuantSegment(qtype, blocks)
+    ours = segment.dequantize_rows().numpy()
+    assert np.array_equal(ours.view(np.int32), gguf_dequantize(segment).view(np.int32))
+    assert qtype in DEQUANTIZERS
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
+def test_native_rows_are_gguf_values(qtype):
+    rng = rng_for("rows", qtype)
+    weight = QuantWeight.cat_rows([random_weight(qtype, 21, 512, rng, order=True), random_weight(T.Q5_1, 4, 512, rng)])
+    ref = reference_values(weight)
+    ids = torch.from_numpy(rng.integers(0, 25, size=17)).to(torch.int64)
+    for threads in (1, 3):
+        rows = KERNELS.quant_rows(describe_quant(weight), ids, threads).numpy()
+        assert np.array_equal(rows.view(np.int32), ref[ids.numpy()].view(np.int32))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
+def test_exact_is_the_float64_product(qtype):
+    rng = rng_for("exact", qtype)
+    k = 512
+    weight = random_weight(qtype, 40, k, rng, order=True)
+    w = reference_values(weight).astype(np.float64)
+    kernels = KernelSet(KERNELS, fast=False)
+    for m in (1, 3, 33):  # C for few rows, widened chunks and PyTorch's GEMM for many
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        ref = x.double().numpy() @ w.T
+        bound = 2 * (k + 2) * EPS * (np.abs(x.double().numpy()) @ np.abs(w).T) + 1e-30
+        ys = [kernels.quant_linear(x, weight).numpy()]
+        ys += [KERNELS.quant_matmul(x, describe_quant(weight), 2, exact=True, isa=isa).numpy()
+               for isa in ("c", "avx2") if KERNELS.q8_isa_available(isa)]  # each exact path
+        for y in ys:
+            assert (np.abs(y - ref) <= bound).all(), (m, np.abs(y - ref).max())
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
+def test_fast_is_the_int8_product(qtype):
+    rng = rng_for("fast", qtype)
+    k = 768
+    weight = random_weight(qtype, 35, k, rng)
+    w = reference_values(weight).astype(np.float64)
+    x = rng.standard_normal((13, k)).astype(np.float32)
+    x[3] = 0.0  # an all-zero row: d = 0
+    y = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(weight), 2, isa="c").numpy()
+    xq = int8_activations(x)
+    assert (np.abs(y - xq @ w.T) <= fast_bound(xq, w)).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", TYPES, ids=TYPE_IDS)
+def test_fast_bits_do_not_depend_on_rows_threads_or_path(qtype, isa):
+    rng = rng_for("invariant", qtype)
+    k = 512
+    weight = QuantWeight.cat_rows([random_weight(qtype, 29, k, rng, order=True), random_weight(qtype, 6, k, rng)])
+    matrix = describe_quant(weight)
+    x = torch.from_numpy(rng.standard_normal((max(ROWS), k)).astype(np.float32))
+    base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+    for m in ROWS:
+        for threads in (1, 2, 3):
+            y = KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa)
+            assert torch.equal(y, base[:m]), (m, threads)
+    # one row alone, from the middle of the batch
+    assert torch.equal(KERNELS.quant_matmul(x[5:6].contiguous(), matrix, 2, isa=isa), base[5:6])
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_mixed_segments_and_orders(isa):
+    rng = rng_for("mixed")
+    weight = mixed_weight(rng)
+    w = reference_values(weight).astype(np.float64)
+    x = rng.standard_normal((33, 512)).astype(np.float32)
+    whole = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(weight), 3, isa=isa)
+    xq = int8_activations(x)
+    assert (np.abs(whole.numpy() - xq @ w.T) <= fast_bound(xq, w)).all()
+    # each segment alone gives its columns' bits
+    start = 0
+    for segment in weight.segments:
+        alone = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(QuantWeight((segment,))), 1, isa="c")
+        assert torch.equal(alone, whole[:, start:start + segment.rows])
+        start += segment.rows
+    exact = KernelSet(KERNELS).quant_linear(torch.from_numpy(x[:2]), weight).numpy()
+    ref = x[:2].astype(np.float64) @ w.T
+    assert (np.abs(exact - ref) <= 2 * 514 * EPS * (np.abs(x[:2]) @ np.abs(w).T) + 1e-30).all()
+
+
+def _block_weight(qtype, data: torch.Tensor, n: int, k: int) -> BlockWeight:
+    """The BlockWeight of the same Q4_1/Q8_0 blocks (as the loader reads them today)."""
+    raw = data.reshape(n, k // 32, -1)
+    d = raw[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+    if qtype == T.Q8_0:
+        return BlockWeight(8, raw[..., 2:].contiguous().view(torch.int8), d.contiguous(), None)
+    m = raw[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    return BlockWeight(4, raw[..., 4:].contiguous(), d.contiguous(), m.contiguous())
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=["Q4_1", "Q8_0"])
+def test_q4_1_and_q8_0_from_the_file_equal_block_weights(qtype, isa):
+    rng = rng_for("blockweight", qtype)
+    n, k = 70, 576  # the bundled model's width: 18 blocks, not a multiple of 256
+    data = random_blocks(qtype, n, k, rng)
+    blocks = _block_weight(qtype, data, n, k)
+    matrix = describe_quant(QuantWeight.of(qtype, data, n, k))
+    for m in (1, 7, 33):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        assert torch.equal(KERNELS.quant_matmul(x, matrix, 2, isa=isa), KERNELS.q8_block_matmul(x, blocks, 2, isa=isa))
+
+
+@needs_kernels
+def test_read_only_mapped_blocks_are_read_in_place(tmp_path):
+    rng = rng_for("mmap")
+    data = random_blocks(T.Q4_K, 16, 512, rng)
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(data.numpy().tobytes())
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=tuple(data.shape))
+    with warnings.catch_warnings():  # torch warns (once per process) that the array is not writable
+        warnings.simplefilter("ignore")
+        view = torch.from_numpy(mapped)
+    weight = QuantWeight((QuantSegment(T.Q4_K, view),))
+    x = torch.randn(3, 512)
+    for kernels in (KernelSet(KERNELS, fast=True), KernelSet(KERNELS)):
+        assert torch.equal(kernels.quant_linear(x, weight),
+                           kernels.quant_linear(x, QuantWeight((QuantSegment(T.Q4_K, data.clone()),))))
+
+
+def test_without_native_kernels_the_reference_runs():
+    rng = rng_for("reference")
+    weight = mixed_weight(rng)
+    x = torch.randn(4, 512)
+    kernels = KernelSet()
+    assert torch.equal(kernels.quant_linear(x, weight), torch.nn.functional.linear(x, weight.dequantize()))
+    ids = torch.tensor([0, 56, 30])
+    assert torch.equal(kernels.quant_embedding(weight, ids), weight.dequantize()[ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_kernel_set_embedding_and_linear(fast):
+    rng = rng_for("set", fast)
+    weight = mixed_weight(rng)
+    kernels = KernelSet(KERNELS, fast=fast)
+    ids = torch.tensor([3, 0, 56, 30, 3])
+    assert torch.equal(kernels.quant_embedding(weight, ids), weight.dequantize()[ids])
+    x = torch.randn(2, 3, 512)
+    y = kernels.quant_linear(x, weight)
+    assert y.shape == (2, 3, 57)
+    assert torch.equal(y.reshape(6, 57), kernels.quant_linear(x.reshape(6, 512), weight))
+
+
+@needs_kernels
+def test_a_described_weight_is_freed_with_its_weight():
+    import gc
+    import weakref
+
+    weight = random_weight(T.Q4_K, 16, 256, rng_for("freed"))
+    assert describe_quant(weight) is describe_quant(weight)  # described once
+    alive = weakref.ref(weight.segments[0].data)
+    del weight
+    gc.collect()
+    assert alive() is None

@@ -1,0 +1,70 @@
+"""Memory stated in advance: the weights a plan maps and copies, its KV cache, ``auto``
+sizing from what is available, and a clear refusal where the private memory cannot fit."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bargein.config import CacheConfig, EngineConfig
+from bargein.loader import load_config, resolve_model_ref
+from bargein.loader.gguf_file import open_gguf
+from bargein.loader.memory_plan import RUNTIME_BYTES, MemoryPlanError, plan_memory
+from tests.model.quant_models import write_quant_gguf
+
+GiB = 1 << 30
+CPU = EngineConfig(device="cpu", precision="exact", cache=CacheConfig(kv_tokens=1024))
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path, _ = write_quant_gguf(tmp_path_factory.mktemp("plan") / "tiny.Q4_K_M.gguf", mix="Q4_K_M")
+    return path
+
+
+def test_the_plan_maps_the_files_blocks_and_counts_the_rest_as_private(q4_k_m: Path) -> None:
+    source = resolve_model_ref(q4_k_m)
+    config = load_config(source)
+    tensors = open_gguf(q4_k_m).tensors
+    plan = plan_memory(source, config, CPU, available=64 * GiB)
+    blocks = sum(t.n_bytes for t in tensors.values() if len(t.shape) == 2)
+    norms = sum(t.n_bytes for t in tensors.values() if len(t.shape) == 1)  # F32
+    assert (plan.mapped_weight_bytes, plan.private_weight_bytes) == (blocks, norms)
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # exact: float32 K/V
+    assert (plan.kv_tokens, plan.kv_bytes) == (1024, 1024 * per_token)
+    assert plan.expected_rss == blocks + norms + plan.kv_bytes + RUNTIME_BYTES
+    assert "mapped" in plan.describe() and "expected RSS" in plan.describe()
+    fast = plan_memory(source, config, replace(CPU, precision="fast"), available=64 * GiB)
+    assert fast.kv_bytes * 2 == plan.kv_bytes  # float16 K/V
+    widened = plan_memory(source, config, replace(CPU, native_kernels=False), available=64 * GiB)
+    assert widened.mapped_weight_bytes == 0 and widened.private_weight_bytes > 4 * blocks
+
+
+def test_auto_gives_the_kv_cache_what_is_left_and_refuses_when_nothing_is(q4_k_m: Path) -> None:
+    source = resolve_model_ref(q4_k_m)
+    config = load_config(source)
+    roomy = plan_memory(source, config, CPU, kv_auto=True, available=64 * GiB)
+    assert roomy.kv_tokens == config.max_position_embeddings * CPU.scheduler.max_num_seqs  # capped: all it can use
+    tight = RUNTIME_BYTES + 8 * 2**20
+    some = plan_memory(source, config, CPU, kv_auto=True, available=int(tight / 0.9) + 2**20)
+    assert 256 <= some.kv_tokens < roomy.kv_tokens and some.kv_tokens % CPU.cache.block_size == 0
+    assert some.expected_rss <= some.available_bytes
+    with pytest.raises(MemoryPlanError, match="no room is left for a KV cache"):
+        plan_memory(source, config, CPU, kv_auto=True, available=RUNTIME_BYTES)
+
+
+def test_private_memory_that_cannot_fit_is_refused_before_loading(q4_k_m: Path) -> None:
+    source = resolve_model_ref(q4_k_m)
+    big_kv = replace(CPU, cache=CacheConfig(memory_bytes=8 * GiB))
+    with pytest.raises(MemoryPlanError, match="private memory"):
+        plan_memory(source, load_config(source), big_kv, available=2 * GiB)
+
+
+def test_the_bundled_models_blocks_are_mapped() -> None:
+    source = resolve_model_ref(None)
+    config = load_config(source)
+    plan = plan_memory(source, config, CPU, available=64 * GiB)
+    tensors = open_gguf(source.path).tensors
+    assert plan.mapped_weight_bytes == sum(t.n_bytes for t in tensors.values() if len(t.shape) == 2)
