@@ -19,7 +19,7 @@ from bargein.model.fused_layers import FusedLayers
 from bargein.model.linear import Linear
 from bargein.model.llama import LlamaStage
 from tests.gguf_blocks import T, random_weight
-from tests.test_fused_forward import STEPS, assert_same_caches, run, weights
+from tests.kernels.test_fused_forward import STEPS, assert_same_caches, run, weights
 from tests.tiny_engine import TINY
 
 FAST = resolve_kernels("cpu", precision="fast")

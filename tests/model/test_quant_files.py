@@ -98,9 +98,9 @@ def test_continuing_after_a_cancel_equals_no_cancel(files, precision: str) -> No
     """C4 with QuantWeights: the cancelled conversation continued answers as fresh tokens do."""
     path = str(files["Q4_K_M"][0])
     engine = Engine.from_pretrained(path, config(precision), progress=False)
-    session = engine.open_session()
+    conversation = engine.open_conversation()
     rid = collector(engine).add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                                        session_id=session)
+                                        conversation_id=conversation)
     delivered: list[int] = []
     while len(delivered) < 3:
         for out in collector(engine).step():
@@ -108,7 +108,7 @@ def test_continuing_after_a_cancel_equals_no_cancel(files, precision: str) -> No
     engine.abort(rid)
     collector(engine).step()
     follow_up = [11, 12, 13, 14]
-    rid2 = collector(engine).add_request(follow_up, GREEDY, session_id=session)
+    rid2 = collector(engine).add_request(follow_up, GREEDY, conversation_id=conversation)
     continued: list[int] = []
     while True:
         outs = [o for o in collector(engine).step() if o.request_id == rid2]
@@ -121,7 +121,7 @@ def test_continuing_after_a_cancel_equals_no_cancel(files, precision: str) -> No
     if precision == "exact":
         assert continued == transformers_greedy(SPEC, files["Q4_K_M"][1], PROMPT + delivered + follow_up,
                                                 GREEDY.max_tokens)
-    engine.close_session(session)
+    engine.close_conversation(conversation)
     engine.check_block_accounting()
 
 
