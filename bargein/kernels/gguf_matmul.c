@@ -658,6 +658,32 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void half_pairs8(const 
     low_halves16(w, _mm256_srli_epi32(w, 16), first, second);
 }
 
+/* Q4_K/Q5_K: the per-32 s = d * sc and m = -(dmin * mn) of eight columns' superblocks at
+ * byte `at`, into panels [j * 8 + c]: each column's twelve packed bytes unpacked four
+ * scales (mins) to a 32-bit word (the bit layout k_scale_min reads one at a time), widened
+ * and scaled eight at once, then transposed; the same float operations, so the same bits. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const uint8_t *const *col, int64_t at,
+                                                                         float *ps, float *pm) {
+    __m256 rs[8], rm[8];
+    for (int c = 0; c < 8; c++) {
+        const uint8_t *b = col[c] + at;
+        uint32_t w[3];
+        memcpy(w, b + 4, 12);
+        const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, two = 0x03030303u;
+        const uint32_t sc_lo = w[0] & six, mn_lo = w[1] & six;
+        const uint32_t sc_hi = (w[2] & four) | (((w[0] >> 6) & two) << 4);
+        const uint32_t mn_hi = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);
+        const __m128i sc = _mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0), mn = _mm_setr_epi32((int)mn_lo, (int)mn_hi, 0, 0);
+        const __m256 d = _mm256_set1_ps(f16c(b)), dmin = _mm256_set1_ps(f16c(b + 2));
+        rs[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+        rm[c] = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn))),
+                              _mm256_set1_ps(-0.0f));
+    }
+    transpose8(rs);
+    transpose8(rm);
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(ps + j * 8, rs[j]), _mm256_storeu_ps(pm + j * 8, rm[j]);
+}
+
 /* The parameters of eight columns' blocks at byte `at` of their rows into panels [sub * 8 + c]. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const int TYPE, const uint8_t *const *col,
                                                                             int64_t at, float *ps, float *pm,
@@ -665,6 +691,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const
     if (type_qk(TYPE) == 32) { /* d (and m) are the block's first halves: eight conversions at once */
         _mm256_storeu_ps(ps, halves8(col, at));
         if (TYPE == T_Q4_1 || TYPE == T_Q5_1) _mm256_storeu_ps(pm, halves8(col, at + 2));
+        return;
+    }
+    if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
+        k_params8(col, at, ps, pm);
         return;
     }
     for (int c = 0; c < 8; c++) params_at(TYPE, col[c] + at, ps, pm, psc, pmn, 8, c);
