@@ -684,6 +684,29 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const ui
     for (int j = 0; j < 8; j++) _mm256_storeu_ps(ps + j * 8, rs[j]), _mm256_storeu_ps(pm + j * 8, rm[j]);
 }
 
+/* Q6_K: eight columns' d into every per-32 panel row, their sixteen int8 scales widened
+ * and transposed into the per-16 panel [i * 8 + c]. d is the last two of the block's 210
+ * bytes, read as the high half of the word at 206 (never past the block). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void q6k_params8(const uint8_t *const *col, int64_t at,
+                                                                           float *ps, int32_t *psc) {
+    __m256 d, unused;
+    const __m256i w = _mm256_srli_epi32(words8(col, at + 206), 16);
+    low_halves16(w, w, &d, &unused);
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(ps + j * 8, d);
+    __m256 lo[8], hi[8];
+    for (int c = 0; c < 8; c++) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(col[c] + at + 192));
+        lo[c] = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(v));
+        hi[c] = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+    }
+    transpose8(lo);
+    transpose8(hi);
+    for (int i = 0; i < 8; i++) {
+        _mm256_storeu_si256((__m256i *)(psc + i * 8), _mm256_castps_si256(lo[i]));
+        _mm256_storeu_si256((__m256i *)(psc + (8 + i) * 8), _mm256_castps_si256(hi[i]));
+    }
+}
+
 /* The parameters of eight columns' blocks at byte `at` of their rows into panels [sub * 8 + c]. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const int TYPE, const uint8_t *const *col,
                                                                             int64_t at, float *ps, float *pm,
@@ -695,6 +718,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const
     }
     if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
         k_params8(col, at, ps, pm);
+        return;
+    }
+    if (TYPE == T_Q6_K) {
+        q6k_params8(col, at, ps, psc);
         return;
     }
     for (int c = 0; c < 8; c++) params_at(TYPE, col[c] + at, ps, pm, psc, pmn, 8, c);
