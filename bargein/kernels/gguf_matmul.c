@@ -651,10 +651,14 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256 halves8(const ui
     return a;
 }
 
-/* The two halves at byte `at` of eight columns' blocks (Q4_1's d and m), from one word each. */
+/* The two halves at byte `at` of eight columns' blocks (Q4_1's d and m), from one word each
+ * (inserted: for Q4_1 a few percent faster here than words8's broadcasts and blends). */
 static inline TARGET_AVX2 __attribute__((always_inline)) void half_pairs8(const uint8_t *const *col, int64_t at,
                                                                            __m256 *first, __m256 *second) {
-    const __m256i w = words8(col, at);
+    uint32_t w8[8];
+    for (int c = 0; c < 8; c++) memcpy(&w8[c], col[c] + at, 4);
+    const __m256i w = _mm256_setr_epi32((int)w8[0], (int)w8[1], (int)w8[2], (int)w8[3], (int)w8[4], (int)w8[5],
+                                        (int)w8[6], (int)w8[7]);
     low_halves16(w, _mm256_srli_epi32(w, 16), first, second);
 }
 
