@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from bargein.kernels.ggml_types import GGMLQuantizationType
-from bargein.kernels.native import describe_quant, load_native_kernels
+from bargein.kernels.native import load_native_kernels
+from bargein.kernels.native_structs import describe_quant
 from bargein.kernels.quant_weight import QuantWeight
 from tests.gguf_blocks import random_blocks
 

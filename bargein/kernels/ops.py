@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from bargein.config import PRECISIONS
 from bargein.kernels.block_quant import BlockWeight, quantize_8bit, recover_blocks
-from bargein.kernels.native import NativeKernels, QuantMatrix, describe_quant, load_native_kernels
+from bargein.kernels.native import NativeKernels, load_native_kernels
+from bargein.kernels.native_structs import QuantMatrix, describe_quant
 from bargein.kernels.quant_weight import QuantWeight
 
 log = logging.getLogger(__name__)

@@ -27,12 +27,12 @@ import torch
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BlockWeight
-from bargein.kernels.native import (
+from bargein.kernels.native import NativeKernels
+from bargein.kernels.native_structs import (
     FastEmbed,
     FastHead,
     FastLayer,
     FastShape,
-    NativeKernels,
     Q8Weight,
     describe_quant,
 )

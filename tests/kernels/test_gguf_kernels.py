@@ -19,7 +19,8 @@ import torch
 
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.dequant import DEQUANTIZERS
-from bargein.kernels.native import Q8_ISAS, describe_quant, load_native_kernels
+from bargein.kernels.native import Q8_ISAS, load_native_kernels
+from bargein.kernels.native_structs import describe_quant
 from bargein.kernels.ops import KernelSet
 from bargein.kernels.quant_weight import QuantSegment, QuantWeight
 from tests.gguf_blocks import TYPES, T, gguf_dequantize, random_blocks, random_weight
