@@ -485,6 +485,12 @@ class BlockPool:
             parent = h
         return wanted
 
+    def registered_blocks(self) -> list[SpillCandidate]:
+        """Every full registered block, referenced or cached, as spill candidates (a
+        shutdown writes them all to disk). Changes nothing."""
+        return [SpillCandidate(ChainBlock(c.key, c.parent, c.tokens), block)
+                for block, c in self._content.items() if c.key is not None]
+
     def adopt_loaded(self, blocks: Sequence[ChainBlock], reserve: int = 1) -> list[tuple[ChainBlock, int]]:
         """Registers blocks read back from disk as cached blocks, so ``match_prefix`` hits
         them; returns (block, block id) for each one adopted, whose K/V the caller must

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import time
 import uuid
@@ -43,6 +44,7 @@ from bargein.engine.device import (
     resolve_device,
     resolve_dtype,
 )
+from bargein.engine.disk_cache import DiskCache
 from bargein.engine.grammar import Grammars
 from bargein.engine.messages import (
     AbortRequest,
@@ -90,9 +92,12 @@ class Engine:
     supports_partial_block_reuse = True
 
     def __init__(self, model: LlamaStage | Sequence[LlamaStage] | Runner, tokenizer: Any,
-                 config: EngineConfig | None = None, *, model_name: str = "model"):
+                 config: EngineConfig | None = None, *, model_name: str = "model",
+                 model_identity: str | os.PathLike[str] | None = None):
         """``model``: the stages to run in this process, or a runner that drives them
-        elsewhere (a pipeline on a Ray cluster); the runner sizes the KV pool."""
+        elsewhere (a pipeline on a Ray cluster); the runner sizes the KV pool.
+        ``model_identity``: the model's file or folder (or a string naming in-memory
+        weights), from which the disk tier's fingerprint starts (``cache.kv_disk_dir``)."""
         self.config = config or EngineConfig()
         cache = self.config.cache
         self.runner: Runner = model if isinstance(model, Runner) else self._local_runner(model)
@@ -103,6 +108,8 @@ class Engine:
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.pool, max_len, self.eos_token_ids)
+        self.disk: DiskCache | None = (DiskCache.open(cache, self.runner, self.pool, self.scheduler, model_identity)
+                                       if cache.kv_disk_dir else None)
         self.sampler = Sampler()
         self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
@@ -158,7 +165,7 @@ class Engine:
             tokenizer = load_tokenizer(source)
             close_model_files()
             release_free_heap()  # what parsing the file and building the tokenizer left behind
-            return cls(model, tokenizer, config, model_name=source.name)
+            return cls(model, tokenizer, config, model_name=source.name, model_identity=source.path)
 
     @property
     def max_model_len(self) -> int:
@@ -312,6 +319,8 @@ class Engine:
         """
         self._drain_inbox()
         self.scheduler.expire_deadlines()
+        if self.disk is not None:
+            self.disk.before_schedule()
         if not self._runner_ready():
             return self._outcome()
         submitted = self._submit_plans()
@@ -402,6 +411,8 @@ class Engine:
         while runner.num_in_flight < runner.max_in_flight:
             share = self._micro_batch_seqs()
             plan = self.scheduler.schedule() if share is None else self.scheduler.schedule(share)
+            if self.disk is not None:
+                self.disk.after_schedule()  # evicted blocks leave before the forward writes their ids
             if plan.is_empty:
                 return plan if runner.num_in_flight == 0 else None
             try:
@@ -420,7 +431,12 @@ class Engine:
         return max(1, -(-active // n))
 
     def close(self) -> None:
-        """Releases the runner's resources (a pipeline's stage actors); idempotent."""
+        """Writes the cache's full blocks to the disk tier (if any, within its time limit),
+        then releases the runner's resources (a pipeline's stage actors); idempotent.
+        Call it once the step loop has stopped."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
         self.runner.close()
 
     def _outcome(self) -> StepOutcome:

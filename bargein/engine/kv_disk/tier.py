@@ -138,17 +138,22 @@ class DiskTier:
         """How many of ``keys``, from the first, the directory holds (by the index)."""
         return self.index.leading_present(keys)
 
-    def spill(self, record: BlockRecord) -> bool:
-        """Queues a block for writing; False if it was dropped (queue full, or closing).
-        A block already on disk or queued is not written again (True)."""
+    def spill(self, record: BlockRecord, timeout: float = 0.0) -> bool:
+        """Queues a block for writing; False if it was dropped (the queue stayed full for
+        ``timeout`` seconds: 0 on the step path, which never waits; or closing). A block
+        already on disk or queued is not written again (True)."""
+        deadline = time.monotonic() + timeout
         with self._cond:
-            if self._closing:
-                return False
             if record.key in self._queued or record.key in self.index:
-                return True
-            if len(self._queued) >= self.max_queued_writes:
-                with self.counters.lock:
-                    self.counters.dropped_writes += 1
+                return not self._closing
+            while not self._closing and len(self._queued) >= self.max_queued_writes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    with self.counters.lock:
+                        self.counters.dropped_writes += 1
+                    return False
+                self._cond.wait(left)
+            if self._closing:
                 return False
             self._queued.add(record.key)
             self._ops.append(_Write(record))
