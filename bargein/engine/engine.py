@@ -591,6 +591,7 @@ class Engine:
             preemptions=self.scheduler.num_preemptions,
             finished=dict(self.counters.finished),
             cancelled=dict(self.counters.cancelled),
+            kv_disk=None if self.disk is None else self.disk.stats(),
         )
 
     def steps_after(self, index: int) -> list[StepRecord]:

@@ -65,8 +65,8 @@ def test_a_conversation_continues_from_disk_after_a_restart(tmp_path: Path, prec
     # full blocks are registered, so only they are written).
     assert out.usage.cached_tokens == 28 == len(tokens) // BLOCK * BLOCK
     assert after.scheduler.num_computed_tokens - computed == len(tokens) + len(second) - 28 + GREEDY.max_tokens - 1
-    stats = after.disk.stats()
-    assert (stats.hits, stats.misses, stats.skipped_files) == (7, 0, 0)
+    stats = after.stats().kv_disk
+    assert stats is not None and (stats.blocks, stats.hits, stats.misses, stats.skipped_files) == (7, 7, 0, 0)
 
     never = disk_engine(None, precision=precision)  # never restarted, no disk tier
     ref_session, ref_tokens = conversation(never, first)

@@ -194,3 +194,25 @@ def test_the_directory_and_files_are_private(make_tier, tmp_path: Path) -> None:
     shared.chmod(0o755)
     make_tier(shared)
     assert stat.S_IMODE(shared.stat().st_mode) == 0o700  # narrowed
+
+
+def test_a_shutdown_spill_waits_for_room_within_its_time_limit(make_tier, monkeypatch) -> None:
+    real_write = tier_module.write_block
+
+    def slow_write(*args, **kwargs):
+        time.sleep(0.05)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(tier_module, "write_block", slow_write)
+    records = chain(list(range(4 * 6)))
+    tier = make_tier(max_queued_writes=1)
+    assert all(tier.spill(r, timeout=5.0) for r in records)  # each waits for the one before
+    assert tier.flush(10) and tier.stats().writes == 6 and tier.stats().dropped_writes == 0
+    blocked = chain(list(range(100, 108)))
+    release = threading.Event()
+    monkeypatch.setattr(tier_module, "write_block", lambda *a, **k: release.wait(10) and real_write(*a, **k))
+    assert tier.spill(blocked[0])
+    start = time.perf_counter()
+    assert not tier.spill(blocked[1], timeout=0.1)  # no room within the limit: dropped
+    assert 0.1 <= time.perf_counter() - start < 2
+    release.set()
