@@ -150,3 +150,24 @@ def test_a_second_engine_on_the_same_directory_runs_without_the_tier(tmp_path: P
     second.close()
     owner.close()
     assert os.listdir(tmp_path) == ["bargein-kv-disk.lock"]
+
+
+def test_a_cancelled_prefill_is_continued_from_disk_after_a_restart(tmp_path: Path) -> None:
+    """The llama.cpp#22160 loop: a client times out during a long prefill and retries. What
+    the cancelled prefill computed is kept, through a restart, so the retry continues it."""
+    long_prompt = prompt(200, 40)
+    before = disk_engine(tmp_path)  # 64 tokens a step: the prompt takes 4 steps
+    rid = collector(before).add_request(long_prompt, GREEDY)
+    collector(before).step()
+    collector(before).step()  # 128 tokens computed
+    before.abort(rid)
+    while collector(before).pending:
+        collector(before).step()
+    assert before.scheduler.num_computed_tokens == 128
+    before.close()
+    after = disk_engine(tmp_path)
+    out = turn(after, long_prompt)
+    assert out.usage.cached_tokens == 128
+    assert list(out.token_ids) == reference_greedy(long_prompt, GREEDY.max_tokens)
+    after.check_block_accounting()
+    after.close()

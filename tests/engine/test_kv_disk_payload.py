@@ -1,4 +1,7 @@
-"""A block's K/V to bytes and back: bit-exact in every cache dtype, other blocks untouched."""
+"""A block's K/V to bytes and back: bit-exact in every cache dtype, other blocks untouched.
+
+The caches live on ``BARGEIN_TEST_DEVICE`` (default cpu), so a GPU run checks the
+device-to-host gather and the host-to-device write too."""
 
 from __future__ import annotations
 
@@ -6,12 +9,14 @@ import pytest
 import torch
 
 from bargein.engine.kv_disk.payload import block_nbytes, extract_block, extract_blocks, write_block
+from tests.tiny_engine import target_device
 
 
 def caches(dtype: torch.dtype, num_blocks: int = 6, layers: int = 3, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, 4, 2, 8)  # (num_blocks, block_size, kv_heads, head_dim)
-    return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+    device = target_device()
+    return [(torch.randn(shape, generator=g).to(device, dtype), torch.randn(shape, generator=g).to(device, dtype))
             for _ in range(layers)]
 
 
@@ -33,7 +38,7 @@ def test_round_trip_is_bit_exact(dtype: torch.dtype) -> None:
 
 def test_nan_and_infinity_survive() -> None:
     src, dst = caches(torch.float16), caches(torch.float16, seed=3)
-    src[0][0][2, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    src[0][0][2, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -0.0], device=src[0][0].device)
     write_block(dst, 2, extract_block(src, 2))
     assert torch.equal(dst[0][0][2].view(torch.int16), src[0][0][2].view(torch.int16))
 
