@@ -188,3 +188,15 @@ def test_sigkill_mid_write_never_leaves_a_partial_block(tmp_path: Path) -> None:
     assert report.removed_partial == len(leftovers) and index.num_blocks == len(blocks)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(block_file.TMP_PREFIX)]
     print(f"\n{len(blocks)} whole blocks, {len(leftovers)} interrupted writes removed")
+
+
+def test_a_failed_write_leaves_neither_a_block_nor_a_temporary_file(tmp_path: Path, monkeypatch) -> None:
+    (record,) = chain(list(range(4)))
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(block_file.os, "fsync", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        write_block(tmp_path, record, FP.digest, FP.short)
+    assert os.listdir(tmp_path) == []

@@ -216,3 +216,26 @@ def test_a_shutdown_spill_waits_for_room_within_its_time_limit(make_tier, monkey
     assert not tier.spill(blocked[1], timeout=0.1)  # no room within the limit: dropped
     assert 0.1 <= time.perf_counter() - start < 2
     release.set()
+
+
+def test_a_full_disk_drops_blocks_with_one_warning_and_the_tier_goes_on(make_tier, monkeypatch, caplog) -> None:
+    real_write = tier_module.write_block
+    full = True
+
+    def maybe_full(*args, **kwargs):
+        if full:
+            raise OSError(28, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(tier_module, "write_block", maybe_full)
+    records = chain(list(range(4 * 4)))
+    tier = make_tier()
+    with caplog.at_level(logging.WARNING, "bargein.kv_disk"):
+        for r in records[:3]:
+            tier.spill(r)
+        assert tier.flush(10)
+    assert len(caplog.records) == 1 and "No space" in caplog.records[0].getMessage()
+    assert tier.stats().dropped_writes == 3 and tier.stats().blocks == 0
+    full = False
+    tier.spill(records[3])
+    assert tier.flush(10) and records[3].key in tier

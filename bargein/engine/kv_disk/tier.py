@@ -308,7 +308,7 @@ class DiskTier:
     def _read_chain(self, wanted: tuple[ChainBlock, ...]) -> tuple[BlockRecord, ...]:
         records: list[BlockRecord] = []
         for block in wanted:
-            if block.key not in self.index:
+            if self._closing or block.key not in self.index:
                 break
             start = time.perf_counter()
             found = read_block(self.directory, block.key, self._fp, self._short, block.tokens)
