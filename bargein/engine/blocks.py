@@ -476,11 +476,8 @@ class BlockPool:
         for i in range(min(max_tokens, len(token_ids)) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
-            if not wanted:
-                block = self._hash_to_block.get(h)
-                if block is None or self._content[block].tokens != tokens:
-                    wanted.append(ChainBlock(h, parent, tokens))
-            else:
+            block = None if wanted else self._hash_to_block.get(h)  # once one misses, all after do
+            if block is None or self._content[block].tokens != tokens:
                 wanted.append(ChainBlock(h, parent, tokens))
             parent = h
         return wanted
