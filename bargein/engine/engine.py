@@ -434,10 +434,15 @@ class Engine:
         """Writes the cache's full blocks to the disk tier (if any, within its time limit),
         then releases the runner's resources (a pipeline's stage actors); idempotent.
         Call it once the step loop has stopped."""
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
+        self.close_kv_disk()
         self.runner.close()
+
+    def close_kv_disk(self, timeout: float = 10.0) -> bool:
+        """Writes every full block to the disk tier (at most ``timeout`` seconds; what is
+        left is dropped, never half-written) and closes it; True if all was written (or
+        there is no tier). Idempotent; once the step loop has stopped."""
+        disk, self.disk = self.disk, None
+        return True if disk is None else disk.close(timeout)
 
     def _outcome(self) -> StepOutcome:
         outcome = self.scheduler.take_outcome()

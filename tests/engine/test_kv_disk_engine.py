@@ -5,6 +5,7 @@ only costs a recompute. Tiny random-weight models, on the CPU."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -171,3 +172,43 @@ def test_a_cancelled_prefill_is_continued_from_disk_after_a_restart(tmp_path: Pa
     assert list(out.token_ids) == reference_greedy(long_prompt, GREEDY.max_tokens)
     after.check_block_accounting()
     after.close()
+
+
+def test_conversation_save_and_load_hit_the_disk_after_an_async_engine_shutdown(tmp_path: Path) -> None:
+    """Through AsyncEngine and Conversation: shutdown writes the blocks; a new engine
+    loading the saved conversation continues from disk, with the same greedy answer."""
+    from bargein.engine.async_engine import AsyncEngine
+    from bargein.engine.conversation import Conversation
+
+    first, second = prompt(22, 51), prompt(5, 52)
+    saved = tmp_path / "conversation.json"
+
+    async def answer(conv: Conversation, tokens: list[int]):
+        await conv.prompt(tokens)
+        final = None
+        async for out in conv.generate(GREEDY):
+            final = out
+        return final
+
+    async def before_restart() -> None:
+        ae = AsyncEngine(disk_engine(tmp_path / "kv")).start()
+        conv = Conversation.open(ae)
+        await answer(conv, first)
+        await conv.save(saved)
+        await ae.shutdown()  # the loop stops, then every full block is written
+
+    async def after_restart():
+        ae = AsyncEngine(disk_engine(tmp_path / "kv")).start()
+        conv = Conversation.load(ae, saved)
+        out = await answer(conv, second)
+        tokens = await conv.tokens()
+        await conv.close()
+        await ae.shutdown()
+        return out, tokens
+
+    asyncio.run(before_restart())
+    assert len(list((tmp_path / "kv").glob(f"*{SUFFIX}"))) == (len(first) + GREEDY.max_tokens - 1) // BLOCK
+    out, tokens = asyncio.run(after_restart())
+    history = len(first) + GREEDY.max_tokens
+    assert out.usage.cached_tokens == (history - 1) // BLOCK * BLOCK == 28
+    assert list(out.token_ids) == reference_greedy(tokens[:history + len(second)], GREEDY.max_tokens)
