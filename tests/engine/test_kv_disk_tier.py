@@ -239,3 +239,35 @@ def test_a_full_disk_drops_blocks_with_one_warning_and_the_tier_goes_on(make_tie
     full = False
     tier.spill(records[3])
     assert tier.flush(10) and records[3].key in tier
+
+
+HOLDER = r"""
+import sys, time
+from bargein.engine.kv_disk.tier import DiskTier
+from tests.engine.kv_disk_helpers import FP
+tier = DiskTier(sys.argv[1], FP, 1 << 20)
+print("owner", flush=True)
+time.sleep(60)
+"""
+
+
+def test_another_process_owns_the_directory_until_it_dies_even_by_sigkill(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "kv")], stdout=subprocess.PIPE,
+                              env=dict(os.environ, PYTHONPATH=str(repo)), cwd=repo)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"owner"
+        with pytest.raises(DirectoryBusy, match=f"pid {holder.pid}"):
+            DiskTier(tmp_path / "kv", FP, 1 << 20)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        holder.stdout.close()
+    tier = DiskTier.open(tmp_path / "kv", FP, 1 << 20)  # no stale lock after a crash
+    assert tier is not None
+    tier.close()
