@@ -116,8 +116,8 @@ class DiskCache:
         self._adopt_loaded()
         self._look_up_waiting()
         scheduler = self.scheduler
-        if scheduler.held and not scheduler.running and all(r.request_id in scheduler.held
-                                                            for r in scheduler.waiting):
+        if (scheduler.held and scheduler.waiting and not scheduler.running
+                and all(r.request_id in scheduler.held for r in scheduler.waiting)):
             self._ready.wait(0.05)  # only reads to wait for: not a busy loop
             self._adopt_loaded()
 
