@@ -26,6 +26,14 @@ parent's key and its tokens. A later sequence that matches every full block up t
 there and then starts with some of the tokens of a cached block that follows the same
 parent (full or partial) gets a copy of that block and reuses those tokens too.
 
+A disk tier below the pool (``bargein.engine.kv_disk``) hooks in at two places, both
+plain data: with ``track_spills()`` on, every full registered block whose contents the
+pool drops (evicted from the cached LRU, or overwritten after a rewind) is reported as
+a :class:`SpillCandidate`, so the caller copies its K/V out before the block id is
+written again; and ``uncached_full_blocks`` / ``adopt_loaded`` let the caller look up the
+full blocks past a memory prefix hit on disk and register those it read back, as cached
+blocks that ``match_prefix`` then hits like any other.
+
 This module holds no tensors and imports no torch.
 """
 
@@ -82,6 +90,26 @@ class KeyChanges:
         self.keys.update(later.keys)
 
 
+@dataclass(frozen=True)
+class ChainBlock:
+    """A full block of a token sequence, by identity: its chained key, its parent's key
+    (None for the first block) and its tokens."""
+
+    key: BlockHash
+    parent: BlockHash | None
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SpillCandidate:
+    """A full registered block whose contents the pool just dropped. ``block_id`` still
+    holds its K/V until the next forward (or copy) writes it: the caller copies it out
+    before handing the step's plan to the runner."""
+
+    block: ChainBlock
+    block_id: int
+
+
 @dataclass
 class BlockTable:
     """A sequence's blocks, in position order, and how many leading ones are registered.
@@ -127,6 +155,8 @@ class BlockPool:
         self.evictions = 0
         # Off unless someone drains it (a replica reporting its cache to the router).
         self.key_changes: KeyChanges | None = None
+        # Off unless a disk tier drains it: full blocks whose contents were dropped.
+        self.spills: list[SpillCandidate] | None = None
 
     def track_key_changes(self) -> None:
         """Starts recording registered and dropped full-block keys (see ``drain_key_changes``)."""
@@ -137,6 +167,22 @@ class BlockPool:
         assert self.key_changes is not None, "track_key_changes() first"
         changes, self.key_changes = self.key_changes, KeyChanges()
         return changes
+
+    def track_spills(self) -> None:
+        """Starts reporting full blocks whose contents are dropped (see ``drain_spills``)."""
+        self.spills = []
+
+    def drain_spills(self) -> list[SpillCandidate]:
+        """The blocks dropped since the last drain, oldest first (tracking must be on).
+
+        Drain after each ``schedule`` and after each ``adopt_loaded``, and copy their
+        K/V out before anything writes their ids again: the runner's next forward or
+        copies, or the adopted payloads. Done in that order on the step thread, each id
+        in a drain still holds the K/V of the block it names.
+        """
+        assert self.spills is not None, "track_spills() first"
+        spills, self.spills = self.spills, []
+        return spills
 
     def registered_keys(self) -> set[BlockHash]:
         """The keys of every full block a prefix can hit now (what key changes track)."""
@@ -213,6 +259,8 @@ class BlockPool:
         self._children.clear()
         if self.key_changes is not None:
             self.key_changes.reset, self.key_changes.keys = True, {}
+        if self.spills is not None:
+            self.spills.clear()  # their K/V is lost too: nothing to copy out
         return forgotten
 
     # -- allocation ---------------------------------------------------------------
@@ -237,6 +285,8 @@ class BlockPool:
         self._children.setdefault(content.parent, {})[block] = None
 
     def _unregister(self, block: int) -> None:
+        """Drops what ``block`` holds (it is about to be written): a full block is
+        reported as a spill candidate."""
         content = self._content.pop(block, None)
         if content is None:
             return
@@ -244,6 +294,8 @@ class BlockPool:
             del self._hash_to_block[content.key]
             if self.key_changes is not None:
                 self.key_changes.keys[content.key] = False
+            if self.spills is not None:
+                self.spills.append(SpillCandidate(ChainBlock(content.key, content.parent, content.tokens), block))
         siblings = self._children.get(content.parent)
         if siblings is not None:
             siblings.pop(block, None)
@@ -357,7 +409,12 @@ class BlockPool:
         return copies
 
     def register_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Registers the table's blocks that are now full and computed under their hashes."""
+        """Registers the table's blocks that are now full and computed under their hashes.
+
+        The one rule for every index of blocks (this prefix cache, a router's index, the
+        disk tier): a block is registered only once all its tokens are accepted and
+        final, so ``num_computed`` must count only such tokens.
+        """
         bs = self.block_size
         while len(table.hashes) < min(num_computed // bs, len(table.block_ids)):
             i = len(table.hashes)
@@ -405,3 +462,57 @@ class BlockPool:
             self._unref(block)
         del table.block_ids[keep:]
         del table.hashes[num_tokens // self.block_size:]
+
+    # -- the disk tier's lookups ---------------------------------------------------
+    def uncached_full_blocks(self, token_ids: Sequence[int], max_tokens: int) -> list[ChainBlock]:
+        """The full blocks of ``token_ids`` (within its first ``max_tokens``) after the
+        longest prefix of full blocks registered here, with their chained keys: what a
+        disk tier may hold. Changes nothing and counts nothing."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        parent: BlockHash | None = None
+        wanted: list[ChainBlock] = []
+        for i in range(min(max_tokens, len(token_ids)) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block = None if wanted else self._hash_to_block.get(h)  # once one misses, all after do
+            if block is None or self._content[block].tokens != tokens:
+                wanted.append(ChainBlock(h, parent, tokens))
+            parent = h
+        return wanted
+
+    def registered_blocks(self) -> list[SpillCandidate]:
+        """Every full registered block, referenced or cached, as spill candidates (a
+        shutdown writes them all to disk). Changes nothing."""
+        return [SpillCandidate(ChainBlock(c.key, c.parent, c.tokens), block)
+                for block, c in self._content.items() if c.key is not None]
+
+    def adopt_loaded(self, blocks: Sequence[ChainBlock], reserve: int = 1) -> list[tuple[ChainBlock, int]]:
+        """Registers blocks read back from disk as cached blocks, so ``match_prefix`` hits
+        them; returns (block, block id) for each one adopted, whose K/V the caller must
+        write into that id before the next forward.
+
+        Blocks already registered (computed meanwhile) are passed over. At most
+        ``num_available - reserve`` blocks are taken, from the free list or by evicting
+        the least recently used cached ones (never one adopted here); evicted full
+        blocks become spill candidates, which the caller must copy out *before* writing
+        the adopted payloads into their ids. Only full blocks whose tokens chain to
+        their key (the disk tier checks each file) may be given.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        budget = self.num_available - reserve
+        adopted: list[tuple[ChainBlock, int]] = []
+        for chain_block in blocks:
+            if len(chain_block.tokens) != self.block_size:
+                raise ValueError("only full blocks can be adopted")
+            if chain_block.key in self._hash_to_block:
+                continue
+            if len(adopted) >= budget:
+                break
+            block = self._take_block()
+            self._register(block, _Content(chain_block.parent, chain_block.tokens, chain_block.key))
+            self._unref(block)  # cached: at the most recently used end
+            adopted.append((chain_block, block))
+        return adopted

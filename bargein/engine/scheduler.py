@@ -102,6 +102,8 @@ class Scheduler(SchedulerConversations):
         self.num_reclaimed_conversations = 0
         self.num_computed_tokens = 0  # tokens computed by forwards, ever (counters for tests and stats)
         self.num_prefix_hit_tokens = 0
+        # Waiting requests not to admit yet: a disk tier reads their K/V (engine/disk_cache.py).
+        self.held: set[str] = set()
 
     # -- the lifecycle ----------------------------------------------------------------
     def _transition(self, req: Request, event: RequestEvent) -> None:
@@ -240,6 +242,9 @@ class Scheduler(SchedulerConversations):
         while (i < len(self.waiting) and not preempted and budget > 0 and len(chunks) < room
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[i]
+            if req.request_id in self.held:  # its K/V is being read from disk: the others go on
+                i += 1
+                continue
             seq = req.sequence
             first_admission = req.status == RequestStatus.WAITING
             # A request waits without blocks (they may have been reclaimed): match again.

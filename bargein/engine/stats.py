@@ -6,6 +6,8 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from bargein.engine.kv_disk.stats import DiskTierStats
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -28,6 +30,7 @@ class EngineStats:
     preemptions: int
     finished: dict[str, int]  # by finish reason
     cancelled: dict[str, int]  # by cancel reason
+    kv_disk: DiskTierStats | None = None  # the disk tier's, when the engine has one
 
 
 @dataclass(frozen=True)
