@@ -39,12 +39,12 @@ def engine_with(model: str | None, directory: Path | None) -> Engine:
     return Engine.from_pretrained(model, EngineConfig(cache=cache), progress=False)
 
 
-def ttft(engine: Engine, session: str, tokens: list[int]) -> tuple[float, int]:
+def ttft(engine: Engine, conv: str, tokens: list[int]) -> tuple[float, int]:
     """Seconds from adding a one-token-answer request to its first token, and its cached tokens."""
     collector = OutputCollector(engine)
     start = time.perf_counter()
     rid = collector.add_request(tokens, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
-                                session_id=session)
+                                conversation_id=conv)
     while True:
         for out in collector.step():
             if out.request_id == rid and out.finished:
@@ -69,9 +69,9 @@ def run_once(model: str | None, num_tokens: int, seed: int) -> dict[str, Any]:
         vocab = first.model_config.vocab_size
         history = [rng.randrange(1000, vocab) for _ in range(num_tokens)]
         follow_up = [rng.randrange(1000, vocab) for _ in range(16)]
-        session = first.open_session()
-        ttft(first, session, history)
-        conversation = first.session_tokens(session)
+        conv = first.open_conversation()
+        ttft(first, conv, history)
+        conversation = first.conversation_tokens(conv)
         start = time.perf_counter()
         first.close()
         flush_s = time.perf_counter() - start
@@ -83,15 +83,15 @@ def run_once(model: str | None, num_tokens: int, seed: int) -> dict[str, Any]:
             assert engine.disk is not None
             result["index_rebuild_ms"] = engine.disk.tier.rebuild.seconds * 1000
             result["disk_blocks"] = engine.disk.tier.rebuild.blocks
-            session = engine.open_session(conversation)
-            result[f"ttft_{mode}_s"], result[f"cached_{mode}"] = ttft(engine, session, follow_up)
+            conv = engine.open_conversation(conversation)
+            result[f"ttft_{mode}_s"], result[f"cached_{mode}"] = ttft(engine, conv, follow_up)
             stats = engine.disk.stats()
             result[f"read_ms_per_block_{mode}"] = stats.read_seconds_mean * 1000
-            engine.close_session(session)
+            engine.close_conversation(conv)
             engine.close()
         recompute = engine_with(model, None)
-        session = recompute.open_session(conversation)
-        result["ttft_recompute_s"], result["cached_recompute"] = ttft(recompute, session, follow_up)
+        conv = recompute.open_conversation(conversation)
+        result["ttft_recompute_s"], result["cached_recompute"] = ttft(recompute, conv, follow_up)
         recompute.close()
         payload = sum(p.stat().st_size for p in directory.glob("*.kvb"))
         result["disk_mib"] = payload / 2**20

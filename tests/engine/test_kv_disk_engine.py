@@ -34,8 +34,8 @@ def disk_engine(directory: Path | None, *, num_blocks: int = 64, precision: str 
     return Engine(model, ByteTokenizer(), config, model_name="tiny", model_identity=identity)
 
 
-def turn(engine: Engine, tokens: list[int], session: str | None = None, params: SamplingParams = GREEDY):
-    rid = collector(engine).add_request(tokens, params, session_id=session)
+def turn(engine: Engine, tokens: list[int], conv: str | None = None, params: SamplingParams = GREEDY):
+    rid = collector(engine).add_request(tokens, params, conversation_id=conv)
     while True:
         for out in collector(engine).step():
             if out.request_id == rid and out.finished:
@@ -44,9 +44,9 @@ def turn(engine: Engine, tokens: list[int], session: str | None = None, params: 
 
 def conversation(engine: Engine, first: list[int]) -> tuple[str, list[int]]:
     """A conversation with one answered turn: its id and its tokens (prompt + answer)."""
-    session = engine.open_session()
-    turn(engine, first, session)
-    return session, engine.session_tokens(session)
+    conv = engine.open_conversation()
+    turn(engine, first, conv)
+    return conv, engine.conversation_tokens(conv)
 
 
 @pytest.mark.parametrize("precision", ["exact", "fast"])
@@ -59,9 +59,9 @@ def test_a_conversation_continues_from_disk_after_a_restart(tmp_path: Path, prec
 
     after = disk_engine(tmp_path, precision=precision)  # a restart over the same directory
     assert after.disk is not None and after.disk.tier.rebuild.blocks == 7
-    session = after.open_session(tokens)  # as Conversation.load does
+    conv = after.open_conversation(tokens)  # as Conversation.load does
     computed = after.scheduler.num_computed_tokens
-    out = turn(after, second, session)
+    out = turn(after, second, conv)
     # Every full block comes from disk; the last, partly filled block is recomputed (only
     # full blocks are registered, so only they are written).
     assert out.usage.cached_tokens == 28 == len(tokens) // BLOCK * BLOCK
@@ -70,15 +70,15 @@ def test_a_conversation_continues_from_disk_after_a_restart(tmp_path: Path, prec
     assert stats is not None and (stats.blocks, stats.hits, stats.misses, stats.skipped_files) == (7, 7, 0, 0)
 
     never = disk_engine(None, precision=precision)  # never restarted, no disk tier
-    ref_session, ref_tokens = conversation(never, first)
+    ref_conv, ref_tokens = conversation(never, first)
     assert ref_tokens == tokens
-    ref = turn(never, second, ref_session)
+    ref = turn(never, second, ref_conv)
     assert ref.usage.cached_tokens == len(tokens) - 1  # in memory, the partial block too
     assert list(out.token_ids) == list(ref.token_ids)
     if precision == "exact":
         assert list(out.token_ids) == reference_greedy(tokens + second, GREEDY.max_tokens)
     for engine in (after, never):
-        engine.close_session(session if engine is after else ref_session)
+        engine.close_conversation(conv if engine is after else ref_conv)
         engine.check_block_accounting()
         assert engine.pool.num_referenced == 0
         engine.close()
@@ -115,15 +115,15 @@ def test_a_bad_file_costs_a_recompute_never_a_wrong_token(tmp_path: Path, caplog
     data[-5] ^= 0xFF  # a flipped payload byte in block 3: the checksum catches it
     victim.write_bytes(bytes(data))
     after = disk_engine(tmp_path)
-    session = after.open_session(tokens)
+    conv = after.open_conversation(tokens)
     with caplog.at_level("WARNING", "bargein.kv_disk"):
-        out = turn(after, second, session)
+        out = turn(after, second, conv)
     assert out.usage.cached_tokens == 3 * BLOCK  # blocks 0-2 from disk, the rest recomputed
     assert after.disk.stats().skipped_files == 1 and not victim.exists()
     assert [r.getMessage() for r in caplog.records if victim.name in r.getMessage()] != []
     assert len(caplog.records) == 1
     assert list(out.token_ids) == reference_greedy(tokens + second, GREEDY.max_tokens)
-    after.close_session(session)
+    after.close_conversation(conv)
     after.check_block_accounting()
     after.close()
 
@@ -135,8 +135,8 @@ def test_another_model_never_reads_these_blocks(tmp_path: Path) -> None:
     before.close()
     other = disk_engine(tmp_path, identity="tiny-seed-0-but-retrained")
     assert other.disk.tier.rebuild.removed_foreign == 7 and other.disk.tier.rebuild.blocks == 0
-    session = other.open_session(tokens)
-    out = turn(other, second, session)
+    conv = other.open_conversation(tokens)
+    out = turn(other, second, conv)
     assert out.usage.cached_tokens == 0
     other.close()
 

@@ -1,4 +1,4 @@
-"""The conversation state machine (tests/test_conversation_state_machine.py) with the disk
+"""The conversation state machine (tests/engine/test_conversation_state_machine.py) with the disk
 tier on: its small pool evicts, so blocks are spilled, and conversations whose blocks
 were reclaimed are read back from disk while other answers go on. C3, C5 and the
 transition table must hold exactly as without the tier."""
@@ -15,7 +15,7 @@ from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
 from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
-from tests.test_conversation_state_machine import ConversationMachine
+from tests.engine.test_conversation_state_machine import ConversationMachine
 from tests.tiny_engine import TINY, ByteTokenizer, tiny_weights
 
 
