@@ -136,6 +136,17 @@ def replica_model(ref: str, config: EngineConfig, nodes: list[dict[str, Any]], *
     return model, shipping
 
 
+def with_own_kv_disk(model: ReplicaModel, index: int) -> ReplicaModel:
+    """The same builder with its disk tier (``config.cache.kv_disk_dir``, if set) in a
+    subdirectory of its own, ``replica-<index>``: one server owns a tier directory, and a
+    replica that Ray restarts (same builder) finds its blocks again."""
+    cache = model.config.cache
+    if cache.kv_disk_dir is None:
+        return model
+    cache = replace(cache, kv_disk_dir=os.path.join(cache.kv_disk_dir, f"replica-{index}"))
+    return replace(model, config=replace(model.config, cache=cache))
+
+
 def with_stage_nodes(model: ReplicaModel, node_ids: tuple[str, ...]) -> ReplicaModel:
     """The same builder, for a pipeline replica whose stages go to ``node_ids``."""
     assert model.config.pipeline is not None
