@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -30,6 +31,30 @@ class DiskTierStats:
     write_seconds_mean: float
     write_seconds_max: float
     rebuild_seconds: float
+
+
+def merge_disk_stats(parts: Sequence[DiskTierStats]) -> DiskTierStats | None:
+    """Several tiers' snapshots (a replica set's, one tier per replica) as one: counts and
+    sizes summed, maxima the largest, mean latencies weighted by the blocks read (hits) and
+    written; None when no part has a tier."""
+    if not parts:
+        return None
+
+    def total(name: str) -> int:
+        return sum(getattr(p, name) for p in parts)
+
+    def weighted(name: str, weight: str) -> float:
+        n = total(weight)
+        return sum(getattr(p, name) * getattr(p, weight) for p in parts) / n if n else 0.0
+
+    counts = ("blocks", "bytes", "max_bytes", "hits", "misses", "writes", "dropped_writes", "deleted",
+              "skipped_files", "queued_writes")
+    return DiskTierStats(**{name: total(name) for name in counts},
+                         read_seconds_mean=weighted("read_seconds_mean", "hits"),
+                         read_seconds_max=max(p.read_seconds_max for p in parts),
+                         write_seconds_mean=weighted("write_seconds_mean", "writes"),
+                         write_seconds_max=max(p.write_seconds_max for p in parts),
+                         rebuild_seconds=max(p.rebuild_seconds for p in parts))
 
 
 class Latency:
