@@ -1,0 +1,140 @@
+"""The KV disk tier (issue 27) through real ``bargein serve`` processes on loopback, over a
+tiny random-weight GGUF model that the test writes (a byte-level BPE tokenizer, ChatML).
+
+- A chat turn, a clean stop (SIGTERM: the server's shutdown reaches
+  ``AsyncEngine.shutdown`` -> ``Engine.close_kv_disk``, which writes every full block),
+  a new server on the same directory: the next turn (history = the first prompt, the
+  first answer, a new user message) reads the first turn's blocks back from disk, and its
+  greedy answer equals a fresh server's without the tier computing the same prompt.
+- A second server on a directory that a running one owns: it starts, says the tier is in
+  use, and serves without it.
+
+What the design allows the restarted server to reuse: only full blocks are registered
+and written, and the first turn's last token (the last answer token) has no K/V yet, so
+the disk holds the full blocks of its first ``P + A - 1`` tokens (P prompt tokens, A answer
+tokens). The next turn's prompt re-tokenizes the history (a restarted server has no memory
+of the first answer's ids; here they come out the same), so its cached tokens are the whole
+blocks of those: ``(P + A - 1) // 16 * 16``, not the ``P + A - 1`` a server that never
+restarted reuses (its partly filled last block is not on disk).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.tiny_models import SPECIAL_TOKENS, TinySpec, tiny_tokenizer, tiny_weights, write_gguf
+
+pytestmark = pytest.mark.slow
+BLOCK = 16  # bargein serve's block size (CacheConfig.block_size)
+FIRST = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog, and then it jumps again over "
+                                     "the lazy dog. How are you today?"}]
+# Greedy, never a control token (its text would be dropped from the answer, and the
+# history's tokens would then differ from the first turn's for a reason of its own).
+NO_CONTROL = {str(tiny_tokenizer().token_to_id(t)): -100 for t in SPECIAL_TOKENS}
+TURN = {"temperature": 0, "max_tokens": 24, "ignore_eos": True, "logit_bias": NO_CONTROL, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return write_gguf(tmp_path_factory.mktemp("model") / "tiny.gguf", TinySpec(), tiny_weights(TinySpec()))
+
+
+def serve(model: Path, *args: str) -> ServerProcess:
+    return ServerProcess(("--model", str(model), "--debug-endpoints", "--log-level", "info", *args)).start()
+
+
+def chat(server: ServerProcess, messages: list[dict]) -> dict:
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": "tiny", "messages": messages, **TURN},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cache(server: ServerProcess) -> dict:
+    return httpx.get(f"{server.base_url}/v1/cache", timeout=10).json()
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    (value,) = [line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")]
+    return float(value)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_a_conversation_continues_from_disk_after_a_sigterm_restart(tiny_model: Path, tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    before = serve(tiny_model, "--kv-disk", str(kv), "--kv-disk-size", "64MiB").wait_ready()
+    try:
+        first = chat(before, FIRST)
+    finally:
+        assert before.stop(signal.SIGTERM) == 0, before.log()
+    (choice,) = first["choices"]
+    prompt_ids, answer_ids = choice["prompt_token_ids"], choice["token_ids"]
+    assert len(answer_ids) == TURN["max_tokens"] and first["usage"]["prompt_tokens"] == len(prompt_ids)
+    history = prompt_ids + answer_ids
+    computed = len(history) - 1  # the last answer token's K/V is computed with the next turn
+    # The shutdown wrote every full block (and only those), into private files.
+    files = sorted(p for p in kv.iterdir() if p.name != "bargein-kv-disk.lock")
+    assert len(files) == computed // BLOCK, before.log()
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in files) and kv.stat().st_mode & 0o777 == 0o700
+
+    second = FIRST + [{"role": "assistant", "content": choice["message"]["content"]},
+                      {"role": "user", "content": "And tomorrow?"}]
+    after = serve(tiny_model, "--kv-disk", str(kv), "--kv-disk-size", "64MiB")
+    reference = serve(tiny_model)  # a fresh server without the tier computes the same prompt
+    try:
+        after.wait_ready()
+        reference.wait_ready()
+        assert cache(after)["kv_disk"]["blocks"] == computed // BLOCK
+        again = chat(after, second)
+        expected = chat(reference, second)
+        next_ids = again["choices"][0]["prompt_token_ids"]
+        assert next_ids == expected["choices"][0]["prompt_token_ids"]
+        # The history re-tokenizes to the first turn's ids (this model's answer is plain
+        # text), so every block written hits: 80 prompt + 24 answer tokens, 103 with K/V,
+        # 6 whole blocks = 96 cached tokens.
+        assert common_prefix(next_ids, history) == len(history)
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == computed // BLOCK * BLOCK > 0
+        assert expected["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+        assert again["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+        disk = cache(after)["kv_disk"]
+        assert disk["hits"] == cached // BLOCK and disk["skipped_files"] == 0
+        assert metric(after, "bargein_kv_disk_hits_total") == cached // BLOCK
+        assert metric(after, "bargein_kv_disk_blocks") >= computed // BLOCK
+        assert after.wait_idle()["ok"] and cache(reference)["kv_disk"] is None
+    finally:
+        assert after.stop(signal.SIGTERM) == 0, after.log()
+        reference.stop()
+
+
+def test_a_second_server_on_the_same_directory_runs_without_the_tier(tiny_model: Path, tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    owner = serve(tiny_model, "--kv-disk", str(kv))
+    try:
+        owner.wait_ready()
+        other = serve(tiny_model, "--kv-disk", str(kv)).wait_ready()
+        try:
+            assert "in use by another bargein server" in other.log()
+            assert chat(other, FIRST)["choices"][0]["token_ids"]  # it serves, without the tier
+            assert cache(other)["kv_disk"] is None and cache(owner)["kv_disk"] is not None
+            assert httpx.get(f"{other.base_url}/debug/kv", timeout=10).json()["kv_disk"] is None
+        finally:
+            assert other.stop(signal.SIGTERM) == 0, other.log()
+        assert f"(pid {owner.proc.pid})" in other.log()
+    finally:
+        owner.stop()
+    assert os.listdir(kv) == ["bargein-kv-disk.lock"]  # nothing computed: nothing written
