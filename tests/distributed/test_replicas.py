@@ -25,6 +25,7 @@ import ray  # noqa: E402
 
 from bargein.cli.cluster import format_cluster  # noqa: E402
 from bargein.distributed.replicas import ReplicaOptions, ReplicaSet, start_replicas  # noqa: E402
+from bargein.engine.admission import Admitted  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.constraint import Constraint  # noqa: E402
 from bargein.engine.conversation import Conversation  # noqa: E402
@@ -203,7 +204,7 @@ def test_a_cancel_that_beats_its_dispatch_drops_the_late_dispatch(replicas):
     actor = replicas.actors[0]
     dropped = ray.get(actor.info.remote()).counters.dropped_late
     assert ray.get(actor.abort.remote("late-1", CancelReason.USER, None)) == AbortResult.NOT_FOUND
-    ray.get(actor.submit.remote("late-1", [1, 2, 3], ENDLESS, None, 0))
+    ray.get(actor.submit.remote("late-1", Admitted((1, 2, 3), ENDLESS, None)))
     info = ray.get(actor.info.remote())
     assert info.counters.dropped_late == dropped + 1
     assert "late-1" not in ray.get(actor.live_request_ids.remote())
