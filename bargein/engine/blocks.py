@@ -29,7 +29,7 @@ parent (full or partial) gets a copy of that block and reuses those tokens too.
 A disk tier below the pool (``bargein.engine.kv_disk``) hooks in at two places, both
 plain data: with ``track_spills()`` on, every full registered block whose contents the
 pool drops (evicted from the cached LRU, or overwritten after a rewind) is reported as
-a :class:`SpillCandidate`, so the caller copies its K/V out before the block id is
+a :class:`~bargein.engine.block_keys.SpillCandidate`, so the caller copies its K/V out before the block id is
 written again; and ``uncached_full_blocks`` / ``adopt_loaded`` let the caller look up the
 full blocks past a memory prefix hit on disk and register those it read back, as cached
 blocks that ``match_prefix`` then hits like any other.
@@ -39,24 +39,11 @@ This module holds no tensors and imports no torch.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-BlockHash = bytes
-
-
-def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
-    """The key naming a full block of ``tokens`` that follows a block keyed ``parent``.
-
-    BLAKE2b over the parent key and the tokens (fixed-width, so no two token lists
-    encode alike): collisions are out of reach, unlike Python's ``hash``.
-    """
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+from bargein.engine.block_keys import BlockHash, ChainBlock, KeyChanges, SpillCandidate, chain_hash
 
 
 @dataclass(frozen=True)
@@ -69,45 +56,6 @@ class _Content:
     parent: BlockHash | None
     tokens: tuple[int, ...]
     key: BlockHash | None
-
-
-@dataclass
-class KeyChanges:
-    """Full-block keys registered or dropped since the last drain, net (key -> registered
-    now). ``reset``: every key was dropped first (``forget_contents``). A replica reports
-    these with its outputs, so the head's prefix index follows its cache exactly."""
-
-    reset: bool = False
-    keys: dict[BlockHash, bool] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return self.reset or bool(self.keys)
-
-    def merge(self, later: KeyChanges) -> None:
-        """Folds in the changes that came after these."""
-        if later.reset:
-            self.reset, self.keys = True, {}
-        self.keys.update(later.keys)
-
-
-@dataclass(frozen=True)
-class ChainBlock:
-    """A full block of a token sequence, by identity: its chained key, its parent's key
-    (None for the first block) and its tokens."""
-
-    key: BlockHash
-    parent: BlockHash | None
-    tokens: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SpillCandidate:
-    """A full registered block whose contents the pool just dropped. ``block_id`` still
-    holds its K/V until the next forward (or copy) writes it: the caller copies it out
-    before handing the step's plan to the runner."""
-
-    block: ChainBlock
-    block_id: int
 
 
 @dataclass

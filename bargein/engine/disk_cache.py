@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bargein.config import CacheConfig
-from bargein.engine.blocks import BlockPool, ChainBlock, SpillCandidate
+from bargein.engine.block_keys import ChainBlock, SpillCandidate
+from bargein.engine.blocks import BlockPool
 from bargein.engine.kv_disk.block_file import BlockRecord
 from bargein.engine.kv_disk.fingerprint import (
     ModelFingerprint,

@@ -88,8 +88,7 @@ class Engine(EngineConversations):
         cache = self.config.cache
         self.runner: Runner = model if isinstance(model, Runner) else self._local_runner(model)
         self.model_config: ModelConfig = self.runner.model_config
-        self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.tokenizer, self.model_name = tokenizer, model_name
         self.pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
@@ -368,16 +367,14 @@ class Engine(EngineConversations):
         return max(1, -(-active // n))
 
     def close(self) -> None:
-        """Writes the cache's full blocks to the disk tier (if any, within its time limit),
-        then releases the runner's resources (a pipeline's stage actors); idempotent.
-        Call it once the step loop has stopped."""
+        """Writes the cache's full blocks to the disk tier (``close_kv_disk``), then releases
+        the runner's resources (a pipeline's stage actors); idempotent; once the loop has stopped."""
         self.close_kv_disk()
         self.runner.close()
 
     def close_kv_disk(self, timeout: float = 10.0) -> bool:
-        """Writes every full block to the disk tier (at most ``timeout`` seconds; what is
-        left is dropped, never half-written) and closes it; True if all was written (or
-        there is no tier). Idempotent; once the step loop has stopped."""
+        """Writes every full block to the disk tier within ``timeout`` seconds (the rest is
+        dropped, never half-written), then closes it; True if all was written or there is no tier."""
         disk, self.disk = self.disk, None
         return True if disk is None else disk.close(timeout)
 

@@ -10,7 +10,7 @@ import pytest
 from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.replicas.placement import plan_stage_nodes
 from bargein.distributed.router import PrefixIndex, Router, Tombstones, block_hashes
-from bargein.engine.blocks import KeyChanges
+from bargein.engine.block_keys import KeyChanges
 from bargein.engine.engine import EngineError
 from bargein.engine.request import FinishReason
 from bargein.engine.sampler import SamplingState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from bargein.engine.blocks import chain_hash
+from bargein.engine.block_keys import chain_hash
 from bargein.engine.kv_disk.block_file import BlockRecord
 from bargein.engine.kv_disk.fingerprint import ModelFingerprint
 

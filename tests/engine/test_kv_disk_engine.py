@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
-from bargein.engine.blocks import chain_hash
+from bargein.engine.block_keys import chain_hash
 from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
 from bargein.engine.kv_disk.block_file import SUFFIX

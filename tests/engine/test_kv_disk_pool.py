@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from bargein.engine.blocks import BlockPool, BlockTable, ChainBlock, OutOfBlocks, chain_hash
+from bargein.engine.block_keys import ChainBlock, chain_hash
+from bargein.engine.blocks import BlockPool, BlockTable, OutOfBlocks
 
 Slot = tuple[int, ...] | None  # the prefix whose last token's K/V a slot holds
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bargein.engine.blocks import ChainBlock
+from bargein.engine.block_keys import ChainBlock
 from bargein.engine.kv_disk import tier as tier_module
 from bargein.engine.kv_disk.block_file import BlockRecord, encode, file_name
 from bargein.engine.kv_disk.lock import DirectoryBusy

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bargein.engine.blocks import BlockHash, chain_hash
+from bargein.engine.block_keys import BlockHash, chain_hash
 
 log = logging.getLogger("bargein.kv_disk")
 

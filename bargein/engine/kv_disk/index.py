@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bargein.engine.blocks import BlockHash
+from bargein.engine.block_keys import BlockHash
 from bargein.engine.kv_disk.block_file import TMP_PREFIX, file_name, parse_name, remove_file
 
 log = logging.getLogger("bargein.kv_disk")

@@ -40,7 +40,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from bargein.engine.blocks import BlockHash, ChainBlock
+from bargein.engine.block_keys import BlockHash, ChainBlock
 from bargein.engine.kv_disk.block_file import (
     BlockRecord,
     Skipped,
