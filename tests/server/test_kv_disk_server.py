@@ -5,7 +5,9 @@ tiny random-weight GGUF model that the test writes (a byte-level BPE tokenizer, 
   ``AsyncEngine.shutdown`` -> ``Engine.close_kv_disk``, which writes every full block),
   a new server on the same directory: the next turn (history = the first prompt, the
   first answer, a new user message) reads the first turn's blocks back from disk, and its
-  greedy answer equals a fresh server's without the tier computing the same prompt.
+  greedy answer equals that of a server without the tier that never restarted.
+- A corrupt block file is skipped (one warning, deleted): the blocks before it come from
+  disk, the rest is recomputed, and the answer is the same.
 - A second server on a directory that a running one owns: it starts, says the tier is in
   use, and serves without it.
 
@@ -27,6 +29,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bargein.engine.block_keys import chain_hash
+from bargein.engine.kv_disk.lock import LOCK_NAME
 from tests.conftest import ServerProcess
 from tests.tiny_models import SPECIAL_TOKENS, TinySpec, tiny_tokenizer, tiny_weights, write_gguf
 
@@ -66,59 +70,93 @@ def metric(server: ServerProcess, name: str) -> float:
     return float(value)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+def next_turn(first: dict) -> list[dict]:
+    """The history a client resends: the first prompt, the first answer, a new message."""
+    return FIRST + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                    {"role": "user", "content": "And tomorrow?"}]
 
 
-def test_a_conversation_continues_from_disk_after_a_sigterm_restart(tiny_model: Path, tmp_path: Path) -> None:
-    kv = tmp_path / "kv"
+@pytest.fixture(scope="module")
+def never_restarted(tiny_model: Path) -> tuple[dict, dict]:
+    """Both turns on one server without the tier that never restarted: (first, second)."""
+    server = serve(tiny_model).wait_ready()
+    try:
+        first = chat(server, FIRST)
+        return first, chat(server, next_turn(first))
+    finally:
+        server.stop()
+
+
+def first_turn_then_sigterm(tiny_model: Path, kv: Path) -> tuple[dict, list[int]]:
+    """One chat turn on a server with the tier, stopped with SIGTERM: the answer and the
+    turn's tokens (prompt + answer). The shutdown wrote every full block (and only those)."""
     before = serve(tiny_model, "--kv-disk", str(kv), "--kv-disk-size", "64MiB").wait_ready()
     try:
         first = chat(before, FIRST)
     finally:
         assert before.stop(signal.SIGTERM) == 0, before.log()
     (choice,) = first["choices"]
-    prompt_ids, answer_ids = choice["prompt_token_ids"], choice["token_ids"]
-    assert len(answer_ids) == TURN["max_tokens"] and first["usage"]["prompt_tokens"] == len(prompt_ids)
-    history = prompt_ids + answer_ids
-    computed = len(history) - 1  # the last answer token's K/V is computed with the next turn
-    # The shutdown wrote every full block (and only those), into private files.
-    files = sorted(p for p in kv.iterdir() if p.name != "bargein-kv-disk.lock")
-    assert len(files) == computed // BLOCK, before.log()
+    assert len(choice["token_ids"]) == TURN["max_tokens"]
+    history = choice["prompt_token_ids"] + choice["token_ids"]
+    files = sorted(p for p in kv.iterdir() if p.name != LOCK_NAME)
+    assert len(files) == (len(history) - 1) // BLOCK, before.log()
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in files) and kv.stat().st_mode & 0o777 == 0o700
+    return first, history
 
-    second = FIRST + [{"role": "assistant", "content": choice["message"]["content"]},
-                      {"role": "user", "content": "And tomorrow?"}]
-    after = serve(tiny_model, "--kv-disk", str(kv), "--kv-disk-size", "64MiB")
-    reference = serve(tiny_model)  # a fresh server without the tier computes the same prompt
+
+def test_a_conversation_continues_from_disk_after_a_sigterm_restart(tiny_model: Path, tmp_path: Path,
+                                                                   never_restarted) -> None:
+    kv = tmp_path / "kv"
+    first, history = first_turn_then_sigterm(tiny_model, kv)
+    computed = len(history) - 1  # the last answer token's K/V is computed with the next turn
+    ref_first, ref_second = never_restarted
+    assert ref_first["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+    after = serve(tiny_model, "--kv-disk", str(kv), "--kv-disk-size", "64MiB").wait_ready()
     try:
-        after.wait_ready()
-        reference.wait_ready()
         assert cache(after)["kv_disk"]["blocks"] == computed // BLOCK
-        again = chat(after, second)
-        expected = chat(reference, second)
+        again = chat(after, next_turn(first))
         next_ids = again["choices"][0]["prompt_token_ids"]
-        assert next_ids == expected["choices"][0]["prompt_token_ids"]
         # The history re-tokenizes to the first turn's ids (this model's answer is plain
         # text), so every block written hits: 80 prompt + 24 answer tokens, 103 with K/V,
-        # 6 whole blocks = 96 cached tokens.
-        assert common_prefix(next_ids, history) == len(history)
+        # 6 whole blocks = 96 cached tokens; the server that never restarted also reused
+        # the partly filled last block (103).
+        assert next_ids[:len(history)] == history
         cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached == computed // BLOCK * BLOCK > 0
-        assert expected["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert again["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
-        assert again["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+        assert ref_second["usage"]["prompt_tokens_details"]["cached_tokens"] == computed
+        assert next_ids == ref_second["choices"][0]["prompt_token_ids"]
+        assert again["choices"][0]["token_ids"] == ref_second["choices"][0]["token_ids"]
+        assert again["choices"][0]["message"]["content"] == ref_second["choices"][0]["message"]["content"]
         disk = cache(after)["kv_disk"]
         assert disk["hits"] == cached // BLOCK and disk["skipped_files"] == 0
         assert metric(after, "bargein_kv_disk_hits_total") == cached // BLOCK
         assert metric(after, "bargein_kv_disk_blocks") >= computed // BLOCK
-        assert after.wait_idle()["ok"] and cache(reference)["kv_disk"] is None
+        assert after.wait_idle()["ok"]
     finally:
         assert after.stop(signal.SIGTERM) == 0, after.log()
-        reference.stop()
+
+
+def test_a_corrupt_block_file_costs_a_recompute_never_a_wrong_token(tiny_model: Path, tmp_path: Path,
+                                                                    never_restarted) -> None:
+    kv = tmp_path / "kv"
+    first, history = first_turn_then_sigterm(tiny_model, kv)
+    key = None
+    for i in range(3):  # block 2's key
+        key = chain_hash(key, history[i * BLOCK:(i + 1) * BLOCK])
+    (victim,) = kv.glob(f"{key.hex()}.*")
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF  # a flipped byte: the checksum catches it
+    victim.write_bytes(bytes(data))
+    after = serve(tiny_model, "--kv-disk", str(kv)).wait_ready()
+    try:
+        again = chat(after, next_turn(first))
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK  # blocks 0-1, then recomputed
+        assert again["choices"][0]["token_ids"] == never_restarted[1]["choices"][0]["token_ids"]
+        assert cache(after)["kv_disk"]["skipped_files"] == 1 and not victim.exists()
+        assert after.wait_idle()["ok"]
+    finally:
+        assert after.stop(signal.SIGTERM) == 0, after.log()
+    assert after.log().count(victim.name) == 1  # one warning names it
 
 
 def test_a_second_server_on_the_same_directory_runs_without_the_tier(tiny_model: Path, tmp_path: Path) -> None:
@@ -137,4 +175,4 @@ def test_a_second_server_on_the_same_directory_runs_without_the_tier(tiny_model:
         assert f"(pid {owner.proc.pid})" in other.log()
     finally:
         owner.stop()
-    assert os.listdir(kv) == ["bargein-kv-disk.lock"]  # nothing computed: nothing written
+    assert os.listdir(kv) == [LOCK_NAME]  # nothing computed: nothing written
