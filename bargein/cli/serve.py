@@ -64,7 +64,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep full KV blocks that leave memory (evicted, or at shutdown) in DIR, so a "
                         "conversation's next turn after a restart reads them back instead of recomputing "
                         "them; files are private (0600), one server and one model per DIR, replicas use "
-                        "DIR/replica-N, pipeline stages run without it (default: off)")
+                        f"DIR/replica-N, pipeline stages run without it (default: {kv_disk or 'off'})")
     p.add_argument("--kv-disk-size", default=None, metavar="SIZE",
                    help=f"most disk the --kv-disk tier takes, least recently used blocks go first, "
                         f"e.g. 20GiB (default: {kv_disk_size})")
