@@ -254,7 +254,21 @@ def _kv_disk(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
         print("bargein: warning: --kv-disk is not used with pipeline stages (each stage would need a tier "
               "of its own): running without the disk tier", file=sys.stderr, flush=True)
         return {}
-    return {"kv_disk_dir": os.path.abspath(os.path.expanduser(args.kv_disk)), "kv_disk_bytes": size}
+    directory = os.path.abspath(os.path.expanduser(args.kv_disk))
+    if args.replicas is None:  # replicas make theirs on their own nodes
+        _usable_directory(directory)
+    return {"kv_disk_dir": directory, "kv_disk_bytes": size}
+
+
+def _usable_directory(directory: str) -> None:
+    """Makes the tier's directory (0700) before the model loads, or says in one line why it
+    cannot be used (exit 2), rather than after loading, as a model error or a traceback."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as exc:
+        raise CliError(f"--kv-disk {directory}: {exc.strerror or exc}", EXIT_USAGE) from None
 
 
 def _check_replica_flags(args: argparse.Namespace) -> None:
