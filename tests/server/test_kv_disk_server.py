@@ -8,6 +8,7 @@ tiny random-weight GGUF model that the test writes (a byte-level BPE tokenizer, 
   greedy answer equals that of a server without the tier that never restarted.
 - A corrupt block file is skipped (one warning, deleted): the blocks before it come from
   disk, the rest is recomputed, and the answer is the same.
+- A size bound below one turn's blocks holds, on disk and in ``/v1/cache``.
 - A second server on a directory that a running one owns: it starts, says the tier is in
   use, and serves without it.
 
@@ -157,6 +158,31 @@ def test_a_corrupt_block_file_costs_a_recompute_never_a_wrong_token(tiny_model: 
     finally:
         assert after.stop(signal.SIGTERM) == 0, after.log()
     assert after.log().count(victim.name) == 1  # one warning names it
+
+
+def test_the_size_bound_holds_and_answers_stay_right(tiny_model: Path, tmp_path: Path, never_restarted) -> None:
+    """A tier bounded below one turn's blocks keeps only what fits (least recently used
+    first out); the next turn after a restart reuses what is left, if anything, and
+    answers the same."""
+    # This model's block file: 4,096 bytes of float16 K/V and 232 of header, tokens and checksum.
+    kv, bound = tmp_path / "kv", 3 * 4328 + 100  # room for 3 of the turn's 6 blocks
+    before = serve(tiny_model, "--kv-disk", str(kv), "--kv-disk-size", str(bound)).wait_ready()
+    try:
+        first = chat(before, FIRST)
+    finally:
+        assert before.stop(signal.SIGTERM) == 0, before.log()
+    files = [p for p in kv.iterdir() if p.name != LOCK_NAME]
+    assert len(files) == 3 and sum(p.stat().st_size for p in files) <= bound
+    after = serve(tiny_model, "--kv-disk", str(kv), "--kv-disk-size", str(bound)).wait_ready()
+    try:
+        again = chat(after, next_turn(first))
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] % BLOCK == 0
+        assert again["choices"][0]["token_ids"] == never_restarted[1]["choices"][0]["token_ids"]
+        disk = cache(after)["kv_disk"]
+        assert disk["bytes"] <= bound and disk["skipped_files"] == 0
+    finally:
+        assert after.stop(signal.SIGTERM) == 0, after.log()
+    assert sum(p.stat().st_size for p in kv.iterdir() if p.name != LOCK_NAME) <= bound
 
 
 def test_a_second_server_on_the_same_directory_runs_without_the_tier(tiny_model: Path, tmp_path: Path) -> None:
