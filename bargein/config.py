@@ -56,6 +56,10 @@ class CacheConfig:
     whole blocks); else ``memory_bytes`` (as many blocks as fit). A count wins over the
     byte budget, which then has no effect; ``num_blocks`` and ``kv_tokens`` together are
     refused.
+
+    ``kv_disk_dir``: a directory for the disk tier under the pool (None: no tier): full
+    blocks leaving memory are written there and read back on a later prefix miss, also
+    after a restart; ``kv_disk_bytes`` bounds it (least recently used blocks go first).
     """
 
     block_size: int = 16
@@ -63,6 +67,8 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_tokens: int | None = None
     enable_prefix_caching: bool = True
+    kv_disk_dir: str | None = None
+    kv_disk_bytes: int = 20 * 1024**3
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -73,6 +79,8 @@ class CacheConfig:
             raise ValueError(f"kv_tokens must be positive, got {self.kv_tokens}")
         if self.num_blocks is not None and self.kv_tokens is not None:
             raise ValueError("give num_blocks or kv_tokens, not both: each sets the KV cache's size")
+        if self.kv_disk_bytes <= 0:
+            raise ValueError(f"kv_disk_bytes must be positive, got {self.kv_disk_bytes}")
 
     @property
     def counted_blocks(self) -> int | None:

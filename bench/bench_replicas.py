@@ -39,7 +39,7 @@ from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConf
 from bargein.distributed.replicas import ReplicaOptions, ReplicaSet, start_replicas  # noqa: E402
 from bargein.distributed.router import Router  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
-from bargein.engine.blocks import KeyChanges  # noqa: E402
+from bargein.engine.block_keys import KeyChanges  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.plan import StepPlan  # noqa: E402
 from bargein.engine.runner import RunnerHealth, RunnerInfo, StepResult  # noqa: E402

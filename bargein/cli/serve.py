@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
@@ -30,6 +31,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         model = env.str("MODEL", None)
         kv_memory = env.str("KV_MEMORY", "512MiB")
         kv_tokens = env.int("KV_TOKENS", None)
+        kv_disk = env.str("KV_DISK", None)
+        kv_disk_size = env.str("KV_DISK_SIZE", "20GiB")
+        env.size("KV_DISK_SIZE", None)  # a bad value is refused here, naming the variable
         max_model_len = env.int("MAX_MODEL_LEN", None)
         max_num_seqs = env.int("MAX_NUM_SEQS", 64)
         max_batched = env.int("MAX_NUM_BATCHED_TOKENS", 512)
@@ -57,6 +61,15 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="size the KV cache by tokens instead: N token slots over all sequences, rounded up to "
                         "whole blocks of 16 (wins over $BARGEIN_KV_MEMORY; with --kv-memory it is an error)")
     p.set_defaults(kv_memory_default=kv_memory)
+    p.add_argument("--kv-disk", default=kv_disk, metavar="DIR",
+                   help="keep full KV blocks that leave memory (evicted, or at shutdown) in DIR, so a "
+                        "conversation's next turn after a restart reads them back instead of recomputing "
+                        "them; files are private (0600), one server and one model per DIR, replicas use "
+                        f"DIR/replica-N, pipeline stages run without it (default: {kv_disk or 'off'})")
+    p.add_argument("--kv-disk-size", default=None, metavar="SIZE",
+                   help=f"most disk the --kv-disk tier takes, least recently used blocks go first, "
+                        f"e.g. 20GiB (default: {kv_disk_size})")
+    p.set_defaults(kv_disk_size_default=kv_disk_size)
     p.add_argument("--max-model-len", type=int, default=max_model_len, metavar="N",
                    help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, metavar="N",
@@ -170,19 +183,20 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
         if args.kv_memory is not None and args.kv_tokens is not None:
             raise SettingsError("--kv-memory and --kv-tokens both size the KV cache; give one of them")
+        pipeline = None if args.ray is None or (args.replicas is not None and args.pipeline_stages is None
+                                                 and args.stage_layers is None) else PipelineConfig(
+            stages=args.pipeline_stages or 2, ray_address=args.ray, micro_batches=args.micro_batches,
+            stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),
+            recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource,
+            transport=args.pipeline_transport)
         kv_auto = (args.kv_memory or args.kv_memory_default) == "auto" and args.kv_tokens is None
         config = EngineConfig(
             cache=CacheConfig(memory_bytes=0 if kv_auto else parse_size(args.kv_memory or args.kv_memory_default),
-                              kv_tokens=args.kv_tokens),
+                              kv_tokens=args.kv_tokens, **_kv_disk(args, pipeline is not None)),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype, precision=args.precision,
-            pipeline=None if args.ray is None or (args.replicas is not None and args.pipeline_stages is None
-                                                   and args.stage_layers is None) else PipelineConfig(
-                stages=args.pipeline_stages or 2, ray_address=args.ray, micro_batches=args.micro_batches,
-                stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),
-                recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource,
-                transport=args.pipeline_transport))
+            pipeline=pipeline)
         _check_replica_flags(args)
         if kv_auto and (args.replicas is not None or config.pipeline is not None):
             raise SettingsError("--kv-memory auto sizes one process's KV cache; give a size for pipeline stages "
@@ -230,6 +244,38 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
 
     app = create_app(engine if args.replicas is not None else AsyncEngine(engine), settings)
     return _Ready(app, settings, sock, announce)
+
+
+def _kv_disk(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
+    """CacheConfig's disk tier fields from --kv-disk/--kv-disk-size (or $BARGEIN_KV_DISK and
+    $BARGEIN_KV_DISK_SIZE). A pipeline's K/V lives on its stages, which have no tier (yet):
+    serve says so here, once, and the engines are built without it (not once per replica)."""
+    from bargein.server.settings import SettingsError, parse_size
+
+    if args.kv_disk is None:
+        if args.kv_disk_size is not None:
+            raise SettingsError("--kv-disk-size sizes the disk tier: give --kv-disk DIR too")
+        return {}
+    size = parse_size(args.kv_disk_size or args.kv_disk_size_default)
+    if pipeline:
+        print("bargein: warning: --kv-disk is not used with pipeline stages (each stage would need a tier "
+              "of its own): running without the disk tier", file=sys.stderr, flush=True)
+        return {}
+    directory = os.path.abspath(os.path.expanduser(args.kv_disk))
+    if args.replicas is None:  # replicas make theirs on their own nodes
+        _usable_directory(directory)
+    return {"kv_disk_dir": directory, "kv_disk_bytes": size}
+
+
+def _usable_directory(directory: str) -> None:
+    """Makes the tier's directory (0700) before the model loads, or says in one line why it
+    cannot be used (exit 2), rather than after loading, as a model error or a traceback."""
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as exc:
+        raise CliError(f"--kv-disk {directory}: {exc.strerror or exc}", EXIT_USAGE) from None
 
 
 def _check_replica_flags(args: argparse.Namespace) -> None:

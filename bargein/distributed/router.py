@@ -37,7 +37,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from bargein.engine.blocks import BlockHash, KeyChanges, chain_hash
+from bargein.engine.block_keys import BlockHash, KeyChanges, chain_hash
 
 log = logging.getLogger("bargein.distributed")
 

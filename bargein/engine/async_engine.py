@@ -111,6 +111,8 @@ class AsyncEngine:
         self.engine.wake()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, max(0.0, deadline - loop.time()))
+        if self._thread is None or not self._thread.is_alive():  # the loop stopped: the pool is ours
+            await asyncio.to_thread(self.engine.close_kv_disk)
         self._end_streams(FinishReason.CANCELLED, cancel_reason=CancelReason.SHUTDOWN,
                           error="the engine shut down")
 

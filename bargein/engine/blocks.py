@@ -26,29 +26,24 @@ parent's key and its tokens. A later sequence that matches every full block up t
 there and then starts with some of the tokens of a cached block that follows the same
 parent (full or partial) gets a copy of that block and reuses those tokens too.
 
+A disk tier below the pool (``bargein.engine.kv_disk``) hooks in at two places, both
+plain data: with ``track_spills()`` on, every full registered block whose contents the
+pool drops (evicted from the cached LRU, or overwritten after a rewind) is reported as
+a :class:`~bargein.engine.block_keys.SpillCandidate`, so the caller copies its K/V out before the block id is
+written again; and ``uncached_full_blocks`` / ``adopt_loaded`` let the caller look up the
+full blocks past a memory prefix hit on disk and register those it read back, as cached
+blocks that ``match_prefix`` then hits like any other.
+
 This module holds no tensors and imports no torch.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-BlockHash = bytes
-
-
-def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
-    """The key naming a full block of ``tokens`` that follows a block keyed ``parent``.
-
-    BLAKE2b over the parent key and the tokens (fixed-width, so no two token lists
-    encode alike): collisions are out of reach, unlike Python's ``hash``.
-    """
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    return h.digest()
+from bargein.engine.block_keys import BlockHash, ChainBlock, KeyChanges, SpillCandidate, chain_hash
 
 
 @dataclass(frozen=True)
@@ -61,25 +56,6 @@ class _Content:
     parent: BlockHash | None
     tokens: tuple[int, ...]
     key: BlockHash | None
-
-
-@dataclass
-class KeyChanges:
-    """Full-block keys registered or dropped since the last drain, net (key -> registered
-    now). ``reset``: every key was dropped first (``forget_contents``). A replica reports
-    these with its outputs, so the head's prefix index follows its cache exactly."""
-
-    reset: bool = False
-    keys: dict[BlockHash, bool] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return self.reset or bool(self.keys)
-
-    def merge(self, later: KeyChanges) -> None:
-        """Folds in the changes that came after these."""
-        if later.reset:
-            self.reset, self.keys = True, {}
-        self.keys.update(later.keys)
 
 
 @dataclass
@@ -127,6 +103,8 @@ class BlockPool:
         self.evictions = 0
         # Off unless someone drains it (a replica reporting its cache to the router).
         self.key_changes: KeyChanges | None = None
+        # Off unless a disk tier drains it: full blocks whose contents were dropped.
+        self.spills: list[SpillCandidate] | None = None
 
     def track_key_changes(self) -> None:
         """Starts recording registered and dropped full-block keys (see ``drain_key_changes``)."""
@@ -137,6 +115,22 @@ class BlockPool:
         assert self.key_changes is not None, "track_key_changes() first"
         changes, self.key_changes = self.key_changes, KeyChanges()
         return changes
+
+    def track_spills(self) -> None:
+        """Starts reporting full blocks whose contents are dropped (see ``drain_spills``)."""
+        self.spills = []
+
+    def drain_spills(self) -> list[SpillCandidate]:
+        """The blocks dropped since the last drain, oldest first (tracking must be on).
+
+        Drain after each ``schedule`` and after each ``adopt_loaded``, and copy their
+        K/V out before anything writes their ids again: the runner's next forward or
+        copies, or the adopted payloads. Done in that order on the step thread, each id
+        in a drain still holds the K/V of the block it names.
+        """
+        assert self.spills is not None, "track_spills() first"
+        spills, self.spills = self.spills, []
+        return spills
 
     def registered_keys(self) -> set[BlockHash]:
         """The keys of every full block a prefix can hit now (what key changes track)."""
@@ -213,6 +207,8 @@ class BlockPool:
         self._children.clear()
         if self.key_changes is not None:
             self.key_changes.reset, self.key_changes.keys = True, {}
+        if self.spills is not None:
+            self.spills.clear()  # their K/V is lost too: nothing to copy out
         return forgotten
 
     # -- allocation ---------------------------------------------------------------
@@ -237,6 +233,8 @@ class BlockPool:
         self._children.setdefault(content.parent, {})[block] = None
 
     def _unregister(self, block: int) -> None:
+        """Drops what ``block`` holds (it is about to be written): a full block is
+        reported as a spill candidate."""
         content = self._content.pop(block, None)
         if content is None:
             return
@@ -244,6 +242,8 @@ class BlockPool:
             del self._hash_to_block[content.key]
             if self.key_changes is not None:
                 self.key_changes.keys[content.key] = False
+            if self.spills is not None:
+                self.spills.append(SpillCandidate(ChainBlock(content.key, content.parent, content.tokens), block))
         siblings = self._children.get(content.parent)
         if siblings is not None:
             siblings.pop(block, None)
@@ -357,7 +357,12 @@ class BlockPool:
         return copies
 
     def register_full_blocks(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Registers the table's blocks that are now full and computed under their hashes."""
+        """Registers the table's blocks that are now full and computed under their hashes.
+
+        The one rule for every index of blocks (this prefix cache, a router's index, the
+        disk tier): a block is registered only once all its tokens are accepted and
+        final, so ``num_computed`` must count only such tokens.
+        """
         bs = self.block_size
         while len(table.hashes) < min(num_computed // bs, len(table.block_ids)):
             i = len(table.hashes)
@@ -405,3 +410,57 @@ class BlockPool:
             self._unref(block)
         del table.block_ids[keep:]
         del table.hashes[num_tokens // self.block_size:]
+
+    # -- the disk tier's lookups ---------------------------------------------------
+    def uncached_full_blocks(self, token_ids: Sequence[int], max_tokens: int) -> list[ChainBlock]:
+        """The full blocks of ``token_ids`` (within its first ``max_tokens``) after the
+        longest prefix of full blocks registered here, with their chained keys: what a
+        disk tier may hold. Changes nothing and counts nothing."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        parent: BlockHash | None = None
+        wanted: list[ChainBlock] = []
+        for i in range(min(max_tokens, len(token_ids)) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block = None if wanted else self._hash_to_block.get(h)  # once one misses, all after do
+            if block is None or self._content[block].tokens != tokens:
+                wanted.append(ChainBlock(h, parent, tokens))
+            parent = h
+        return wanted
+
+    def registered_blocks(self) -> list[SpillCandidate]:
+        """Every full registered block, referenced or cached, as spill candidates (a
+        shutdown writes them all to disk). Changes nothing."""
+        return [SpillCandidate(ChainBlock(c.key, c.parent, c.tokens), block)
+                for block, c in self._content.items() if c.key is not None]
+
+    def adopt_loaded(self, blocks: Sequence[ChainBlock], reserve: int = 1) -> list[tuple[ChainBlock, int]]:
+        """Registers blocks read back from disk as cached blocks, so ``match_prefix`` hits
+        them; returns (block, block id) for each one adopted, whose K/V the caller must
+        write into that id before the next forward.
+
+        Blocks already registered (computed meanwhile) are passed over. At most
+        ``num_available - reserve`` blocks are taken, from the free list or by evicting
+        the least recently used cached ones (never one adopted here); evicted full
+        blocks become spill candidates, which the caller must copy out *before* writing
+        the adopted payloads into their ids. Only full blocks whose tokens chain to
+        their key (the disk tier checks each file) may be given.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        budget = self.num_available - reserve
+        adopted: list[tuple[ChainBlock, int]] = []
+        for chain_block in blocks:
+            if len(chain_block.tokens) != self.block_size:
+                raise ValueError("only full blocks can be adopted")
+            if chain_block.key in self._hash_to_block:
+                continue
+            if len(adopted) >= budget:
+                break
+            block = self._take_block()
+            self._register(block, _Content(chain_block.parent, chain_block.tokens, chain_block.key))
+            self._unref(block)  # cached: at the most recently used end
+            adopted.append((chain_block, block))
+        return adopted

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import time
 import uuid
@@ -38,6 +39,7 @@ from bargein.engine import reports
 from bargein.engine.admission import Admitted, EngineError, admit, encode_prompt
 from bargein.engine.blocks import BlockPool
 from bargein.engine.conversations import EngineConversations
+from bargein.engine.disk_cache import DiskCache
 from bargein.engine.grammar import Grammars
 from bargein.engine.messages import (
     AbortRequest,
@@ -76,19 +78,23 @@ class Engine(EngineConversations):
     """A model, its KV cache, a scheduler and a sampler, stepped by one thread."""
 
     def __init__(self, model: LlamaStage | Sequence[LlamaStage] | Runner, tokenizer: Any,
-                 config: EngineConfig | None = None, *, model_name: str = "model"):
+                 config: EngineConfig | None = None, *, model_name: str = "model",
+                 model_identity: str | os.PathLike[str] | None = None):
         """``model``: the stages to run in this process, or a runner that drives them
-        elsewhere (a pipeline on a Ray cluster); the runner sizes the KV pool."""
+        elsewhere (a pipeline on a Ray cluster); the runner sizes the KV pool.
+        ``model_identity``: the model's file or folder (or a string naming in-memory
+        weights), from which the disk tier's fingerprint starts (``cache.kv_disk_dir``)."""
         self.config = config or EngineConfig()
         cache = self.config.cache
         self.runner: Runner = model if isinstance(model, Runner) else self._local_runner(model)
         self.model_config: ModelConfig = self.runner.model_config
-        self.tokenizer = tokenizer
-        self.model_name = model_name
+        self.tokenizer, self.model_name = tokenizer, model_name
         self.pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.pool, max_len, self.eos_token_ids)
+        self.disk: DiskCache | None = (DiskCache.open(cache, self.runner, self.pool, self.scheduler, model_identity)
+                                       if cache.kv_disk_dir else None)
         self.sampler = Sampler()
         self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
@@ -250,6 +256,8 @@ class Engine(EngineConversations):
         """
         self._drain_inbox()
         self.scheduler.expire_deadlines()
+        if self.disk is not None:
+            self.disk.before_schedule()
         if not self._runner_ready():
             return self._outcome()
         submitted = self._submit_plans()
@@ -339,6 +347,8 @@ class Engine(EngineConversations):
         while runner.num_in_flight < runner.max_in_flight:
             share = self._micro_batch_seqs()
             plan = self.scheduler.schedule() if share is None else self.scheduler.schedule(share)
+            if self.disk is not None:
+                self.disk.after_schedule()  # evicted blocks leave before the forward writes their ids
             if plan.is_empty:
                 return plan if runner.num_in_flight == 0 else None
             try:
@@ -357,8 +367,16 @@ class Engine(EngineConversations):
         return max(1, -(-active // n))
 
     def close(self) -> None:
-        """Releases the runner's resources (a pipeline's stage actors); idempotent."""
+        """Writes the cache's full blocks to the disk tier (``close_kv_disk``), then releases
+        the runner's resources (a pipeline's stage actors); idempotent; once the loop has stopped."""
+        self.close_kv_disk()
         self.runner.close()
+
+    def close_kv_disk(self, timeout: float = 10.0) -> bool:
+        """Writes every full block to the disk tier within ``timeout`` seconds (the rest is
+        dropped, never half-written), then closes it; True if all was written or there is no tier."""
+        disk, self.disk = self.disk, None
+        return True if disk is None else disk.close(timeout)
 
     def _outcome(self) -> StepOutcome:
         outcome = self.scheduler.take_outcome()
@@ -466,7 +484,8 @@ class Engine(EngineConversations):
 
     # -- reporting (engine thread) ----------------------------------------------------
     def stats(self) -> EngineStats:
-        return reports.engine_stats(self.scheduler, self.pool, self.counters)
+        return reports.engine_stats(self.scheduler, self.pool, self.counters,
+                                    kv_disk=None if self.disk is None else self.disk.stats())
 
     def steps_after(self, index: int) -> list[StepRecord]:
         """The recent steps whose index is above ``index``, oldest first (see ``reports``)."""

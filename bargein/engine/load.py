@@ -54,4 +54,4 @@ def load_in_process(engine_class: type[Engine], ref: str | None, config: EngineC
         tokenizer = load_tokenizer(source)
         close_model_files()
         release_free_heap()  # what parsing the file and building the tokenizer left behind
-        return engine_class(model, tokenizer, config, model_name=source.name)
+        return engine_class(model, tokenizer, config, model_name=source.name, model_identity=source.path)

@@ -7,12 +7,14 @@ import itertools
 import time
 
 from bargein.engine.blocks import BlockPool
+from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.request import RequestStatus
 from bargein.engine.scheduler import Scheduler
 from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord
 
 
-def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters) -> EngineStats:
+def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters,
+                 kv_disk: DiskTierStats | None = None) -> EngineStats:
     return EngineStats(
         kv_blocks_total=pool.num_blocks,
         kv_blocks_free=pool.num_free,
@@ -31,6 +33,7 @@ def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters
         preemptions=scheduler.num_preemptions,
         finished=dict(counters.finished),
         cancelled=dict(counters.cancelled),
+        kv_disk=kv_disk,
     )
 
 

@@ -84,8 +84,7 @@ class Scheduler(SchedulerConversations):
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, max_model_len: int,
                  eos_token_ids: frozenset[int]):
-        self.config = config
-        self.pool = pool
+        self.config, self.pool = config, pool
         self.max_model_len = min(max_model_len, pool.num_blocks * pool.block_size)
         self.eos_token_ids = eos_token_ids
         self.ids = RequestIds()  # the one memory of request ids, readable from any thread
@@ -98,10 +97,9 @@ class Scheduler(SchedulerConversations):
         self._changed: dict[str, tuple[Request, RequestDelta]] = {}  # this step's deltas
         self._step = 0
         self.on_transition: Callable[[Transition], Any] | None = None  # a hook for tests and tracing
-        self.num_preemptions = 0
-        self.num_reclaimed_conversations = 0
-        self.num_computed_tokens = 0  # tokens computed by forwards, ever (counters for tests and stats)
-        self.num_prefix_hit_tokens = 0
+        self.num_preemptions = self.num_reclaimed_conversations = 0  # counters, ever (tests and stats)
+        self.num_computed_tokens = self.num_prefix_hit_tokens = 0  # tokens computed by forwards; prefix hits
+        self.held: set[str] = set()  # waiting requests not admitted yet: engine/disk_cache.py reads their K/V
 
     # -- the lifecycle ----------------------------------------------------------------
     def _transition(self, req: Request, event: RequestEvent) -> None:
@@ -240,6 +238,9 @@ class Scheduler(SchedulerConversations):
         while (i < len(self.waiting) and not preempted and budget > 0 and len(chunks) < room
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[i]
+            if req.request_id in self.held:  # its K/V is being read from disk: the others go on
+                i += 1
+                continue
             seq = req.sequence
             first_admission = req.status == RequestStatus.WAITING
             # A request waits without blocks (they may have been reclaimed): match again.

@@ -6,6 +6,8 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from bargein.engine.kv_disk.stats import DiskTierStats, merge_disk_stats
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -28,6 +30,7 @@ class EngineStats:
     preemptions: int
     finished: dict[str, int]  # by finish reason
     cancelled: dict[str, int]  # by cancel reason
+    kv_disk: DiskTierStats | None = None  # the disk tier's, when the engine has one
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ class EngineCounters:
 
 
 def merge_stats(parts: Sequence[EngineStats], block_size: int) -> EngineStats:
-    """Several engines' snapshots (a replica set's) as one: counts and gauges summed."""
+    """Several engines' snapshots (a replica set's) as one: counts and gauges summed, the
+    replicas' disk tiers too (``merge_disk_stats``)."""
     def total(name: str) -> int:
         return sum(getattr(s, name) for s in parts)
 
@@ -100,4 +104,5 @@ def merge_stats(parts: Sequence[EngineStats], block_size: int) -> EngineStats:
                "conversations", "steps", "prefix_cache_hit_tokens", "prefix_cache_hit_blocks",
                "prefix_cache_query_blocks", "computed_tokens", "generated_tokens", "preemptions")
     return EngineStats(block_size=block_size, finished=tally("finished"), cancelled=tally("cancelled"),
+                       kv_disk=merge_disk_stats([s.kv_disk for s in parts if s.kv_disk is not None]),
                        **{name: total(name) for name in numeric})

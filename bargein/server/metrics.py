@@ -9,8 +9,9 @@ Two sources:
   tokens, steps, preemptions (cumulative ``EngineStats`` counts, exposed as counters by
   ``_EngineCollector``), KV blocks and queue lengths (gauges), and the samples the engine
   recorded since the last scrape (step durations, cancel latency in seconds and steps),
-  each observed once into a histogram. So every counter and every histogram's
-  ``_count``/``_sum`` only grows, and ``rate()`` is right.
+  each observed once into a histogram; and the KV disk tier's blocks, bytes, hits,
+  misses, writes, dropped writes, skipped files and latencies when it is on. So every
+  counter and every histogram's ``_count``/``_sum`` only grows, and ``rate()`` is right.
 
 - a pipeline's stages (read at scrape time from its ``/v1/cluster`` snapshot, off the
   event loop): per stage compute, wait and transfer seconds, plans and restarts; the
@@ -35,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.stats import EngineStats
 from bargein.server.cluster import cluster_snapshot
 
@@ -233,6 +235,40 @@ class _EngineCollector(Collector):
                                 value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
         yield GaugeMetricFamily("bargein_requests_waiting", "Requests queued (the queue length).", value=s.waiting)
         yield GaugeMetricFamily("bargein_requests_running", "Requests in the running batch.", value=s.running)
+        if s.kv_disk is not None:
+            yield from _disk_tier_metrics(s.kv_disk)
+
+
+def _disk_tier_metrics(d: DiskTierStats) -> Iterator[Metric]:
+    """The KV disk tier's (``--kv-disk``): its size now, its cumulative block counts, and
+    per-block read and write latencies (mean and max since start)."""
+    for name, help, value in (
+            ("bargein_kv_disk_blocks", "KV blocks held in the disk tier.", d.blocks),
+            ("bargein_kv_disk_bytes", "Bytes of the disk tier's block files.", d.bytes),
+            ("bargein_kv_disk_max_bytes", "The disk tier's size bound (least recently used blocks go first).",
+             d.max_bytes),
+            ("bargein_kv_disk_queued_writes", "Blocks waiting for the disk tier's writer.", d.queued_writes)):
+        yield GaugeMetricFamily(name, help, value=value)
+    for name, help, value in (
+            ("bargein_kv_disk_hits", "Blocks read back from the disk tier whole and matching.", d.hits),
+            ("bargein_kv_disk_misses", "Blocks a disk read wanted but did not get (missing or bad: recomputed).",
+             d.misses),
+            ("bargein_kv_disk_writes", "Blocks written to the disk tier.", d.writes),
+            ("bargein_kv_disk_dropped_writes", "Blocks not written because the writer's queue was full.",
+             d.dropped_writes),
+            ("bargein_kv_disk_deleted", "Blocks deleted from the disk tier (closed conversations).", d.deleted),
+            ("bargein_kv_disk_skipped_files", "Bad block files (truncated, corrupt, another model's) skipped "
+             "and deleted.", d.skipped_files)):
+        yield CounterMetricFamily(name, help, value=value)
+    for name, help, mean, worst in (
+            ("bargein_kv_disk_read_seconds", "Seconds to read and check one block from the disk tier.",
+             d.read_seconds_mean, d.read_seconds_max),
+            ("bargein_kv_disk_write_seconds", "Seconds to write one block to the disk tier.",
+             d.write_seconds_mean, d.write_seconds_max)):
+        family = GaugeMetricFamily(name, help + " (mean and max since start)", labels=["stat"])
+        family.add_metric(["mean"], mean)
+        family.add_metric(["max"], worst)
+        yield family
 
 
 class _ClusterCollector(Collector):

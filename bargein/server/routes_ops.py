@@ -1,16 +1,18 @@
-"""Operations: ``/health``, ``/metrics`` (Prometheus text), ``/v1/cluster``, and ``/debug/kv`` and
-``/debug/steps`` and ``/debug/stalls`` for tests and benchmarks."""
+"""Operations: ``/health``, ``/metrics`` (Prometheus text), ``/v1/cluster``, ``/v1/cache``, and
+``/debug/kv`` and ``/debug/steps`` and ``/debug/stalls`` for tests and benchmarks."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from bargein.engine.stats import STEP_HISTORY
+from bargein.engine.kv_disk.stats import DiskTierStats
+from bargein.engine.stats import STEP_HISTORY, EngineStats
 from bargein.server.cluster import cluster_snapshot
 from bargein.server.context import Ctx
 from bargein.server.metrics import CONTENT_TYPE
@@ -49,6 +51,27 @@ async def cluster(ctx: Ctx) -> dict[str, Any]:
     return await asyncio.to_thread(cluster_snapshot, ctx.engine)
 
 
+@router.get("/v1/cache")
+async def cache(ctx: Ctx) -> dict[str, Any]:
+    """The KV cache: blocks by state, prefix-cache reuse, and the disk tier (``kv_disk``:
+    null when it is off; a replica set's tiers summed)."""
+    stats = await ctx.engine.stats()
+    return {"block_size": stats.block_size,
+            "blocks": {"total": stats.kv_blocks_total, "used": stats.kv_blocks_used,
+                       "cached": stats.kv_blocks_cached, "free": stats.kv_blocks_free},
+            "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+            "prefix_cache_hit_blocks": stats.prefix_cache_hit_blocks,
+            "prefix_cache_query_blocks": stats.prefix_cache_query_blocks,
+            "kv_disk": disk_tier_body(stats)}
+
+
+def disk_tier_body(stats: EngineStats) -> dict[str, Any] | None:
+    """The disk tier's snapshot as JSON: blocks, bytes, max_bytes, hits, misses, writes,
+    dropped_writes, deleted, skipped_files, queued_writes, per-block read/write seconds
+    (mean, max) and the index rebuild's seconds."""
+    disk: DiskTierStats | None = stats.kv_disk
+    return None if disk is None else dataclasses.asdict(disk)
+
 
 @debug_router.get("/debug/kv")
 async def debug_kv(ctx: Ctx) -> dict[str, Any]:
@@ -66,7 +89,8 @@ async def debug_kv(ctx: Ctx) -> dict[str, Any]:
             "live_requests": len(ctx.registry), "engine_live_requests": len(engine.live_request_ids()),
             "block_size": stats.block_size,
             "supports_partial_block_reuse": engine.describe().supports_partial_block_reuse,
-            "continuation_memory": {"entries": len(ctx.memory), "tokens": ctx.memory.num_tokens}}
+            "continuation_memory": {"entries": len(ctx.memory), "tokens": ctx.memory.num_tokens},
+            "kv_disk": disk_tier_body(stats)}
 
 
 @debug_router.get("/debug/steps")

@@ -54,3 +54,31 @@ def test_corrupt_model_exits_1(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\xff" * 60)
     assert_one_line_error(serve("--model", str(bad), "--port", "0"), "bad.gguf", status=1)
+
+
+def test_kv_disk_flags(tmp_path):
+    import os
+
+    result = serve("--help")
+    assert "--kv-disk DIR" in result.stdout and "--kv-disk-size SIZE" in result.stdout
+    assert_one_line_error(serve("--kv-disk-size", "1GiB", "--port", "0"), "--kv-disk DIR")
+    assert_one_line_error(serve("--kv-disk", str(tmp_path), "--kv-disk-size", "lots", "--port", "0"), "not a size")
+    env = {**os.environ, "BARGEIN_KV_DISK_SIZE": "lots"}
+    assert_one_line_error(serve("--kv-disk", str(tmp_path), env=env), "BARGEIN_KV_DISK_SIZE")
+    assert os.listdir(tmp_path) == []  # refused before the tier is opened
+    (tmp_path / "a-file").write_text("")
+    assert_one_line_error(serve("--kv-disk", str(tmp_path / "a-file" / "kv"), "--port", "0"),
+                          "--kv-disk", "a-file/kv", "Not a directory")
+
+
+def test_kv_disk_is_refused_once_for_pipeline_stages(tmp_path, capsys):
+    from argparse import Namespace
+
+    from bargein.cli.serve import _kv_disk
+
+    args = Namespace(kv_disk=str(tmp_path / "kv"), kv_disk_size="1GiB", kv_disk_size_default="20GiB", replicas=None)
+    assert _kv_disk(args, pipeline=False) == {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_bytes": 1 << 30}
+    assert capsys.readouterr().err == ""
+    assert _kv_disk(args, pipeline=True) == {}  # the engines are built without it: no warning per stage
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "--kv-disk is not used with pipeline stages" in line

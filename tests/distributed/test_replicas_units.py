@@ -10,7 +10,7 @@ import pytest
 from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.replicas.placement import plan_stage_nodes
 from bargein.distributed.router import PrefixIndex, Router, Tombstones, block_hashes
-from bargein.engine.blocks import KeyChanges
+from bargein.engine.block_keys import KeyChanges
 from bargein.engine.engine import EngineError
 from bargein.engine.request import FinishReason
 from bargein.engine.sampler import SamplingState
@@ -246,3 +246,15 @@ def test_stage_plan_fits_every_stage_on_a_cpu_and_spreads_each_replica():
         plan_stage_nodes(3, 2, nodes)
     with pytest.raises(PipelineSetupError, match="need 4 CPUs \\(2 per stage\\), .* offer 2"):
         plan_stage_nodes(1, 2, nodes, threads_per_stage=2)
+
+
+def test_each_replica_gets_a_disk_tier_directory_of_its_own() -> None:
+    from bargein.config import CacheConfig, EngineConfig
+    from bargein.distributed.replicas.placement import ReplicaModel, with_own_kv_disk
+
+    model = ReplicaModel("m.gguf", "gguf", (("m.gguf", 1),), EngineConfig(cache=CacheConfig(kv_disk_dir="/kv")),
+                         None, None, "m")
+    assert [with_own_kv_disk(model, i).config.cache.kv_disk_dir for i in range(2)] == ["/kv/replica-0",
+                                                                                       "/kv/replica-1"]
+    without = replace(model, config=EngineConfig())
+    assert with_own_kv_disk(without, 1) is without

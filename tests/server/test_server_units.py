@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput, Usage
-from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo
+from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, merge_stats
 from bargein.server.metrics import ServerMetrics
 from bargein.server.registry import RequestRegistry, engine_id_for
 from bargein.server.responses_store import ResponseStore, StoredResponse
@@ -83,6 +86,33 @@ def test_metrics_engine_snapshot_and_samples_are_counted_once():
     assert third[("bargein_requests_finished_total", (("finish_reason", "stop"),))] == 2
     with pytest.raises(ValueError):
         m.rejected["queue_full"] = 0  # counters never go back
+
+
+def _disk(hits: int, read_mean: float, read_max: float) -> DiskTierStats:
+    return DiskTierStats(blocks=7, bytes=7000, max_bytes=1 << 20, hits=hits, misses=1, writes=7, dropped_writes=2,
+                         deleted=3, skipped_files=1, queued_writes=0, read_seconds_mean=read_mean,
+                         read_seconds_max=read_max, write_seconds_mean=0.002, write_seconds_max=0.004,
+                         rebuild_seconds=0.01)
+
+
+def test_metrics_and_replica_merging_of_the_kv_disk_tier():
+    m = ServerMetrics()
+    m.observe_engine(_stats(1, {}, {}), None)
+    assert not any(name.startswith("bargein_kv_disk") for name, _ in _samples(m.render(0)))  # no tier, no metrics
+    m.observe_engine(replace(_stats(1, {}, {}), kv_disk=_disk(4, 0.001, 0.003)), None)
+    s = _samples(m.render(0))
+    assert (s[("bargein_kv_disk_blocks", ())], s[("bargein_kv_disk_bytes", ())]) == (7, 7000)
+    assert (s[("bargein_kv_disk_hits_total", ())], s[("bargein_kv_disk_misses_total", ())]) == (4, 1)
+    assert (s[("bargein_kv_disk_skipped_files_total", ())], s[("bargein_kv_disk_dropped_writes_total", ())]) == (1, 2)
+    assert s[("bargein_kv_disk_read_seconds", (("stat", "max"),))] == 0.003
+    assert s[("bargein_kv_disk_write_seconds", (("stat", "mean"),))] == 0.002
+    # A replica set sums its replicas' tiers (one directory each); a replica without one adds nothing.
+    merged = merge_stats([replace(_stats(1, {}, {}), kv_disk=_disk(4, 0.001, 0.003)),
+                          replace(_stats(1, {}, {}), kv_disk=_disk(12, 0.003, 0.005)), _stats(1, {}, {})], 16)
+    d = merged.kv_disk
+    assert (d.blocks, d.bytes, d.hits, d.misses, d.skipped_files, d.dropped_writes) == (14, 14000, 16, 2, 2, 4)
+    assert d.read_seconds_mean == pytest.approx(0.0025) and d.read_seconds_max == 0.005
+    assert merge_stats([_stats(1, {}, {})], 16).kv_disk is None
 
 
 def test_metrics_registries_are_per_app():

@@ -34,7 +34,7 @@ import torch
 
 from bargein.distributed.router import Tombstones
 from bargein.engine.admission import Admitted
-from bargein.engine.blocks import KeyChanges
+from bargein.engine.block_keys import KeyChanges
 from bargein.engine.engine import Engine, EngineError
 from bargein.engine.messages import ConversationMessage, OpenConversation
 from bargein.engine.outputs import RequestDelta, StepOutcome

@@ -82,6 +82,7 @@ def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
     from bargein.distributed.replicas.placement import (
         plan_stage_nodes,
         replica_model,
+        with_own_kv_disk,
         with_stage_nodes,
     )
 
@@ -103,7 +104,10 @@ def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
         builds = [with_stage_nodes(model, plan) for plan in plans]
         options = replace(options, num_cpus=0, on_head_node=True, stages_per_replica=pipe.stages)
     else:
-        builds, shipping = replica_model(ref, config, nodes, ship=ship)
+        model, shipping = replica_model(ref, config, nodes, ship=ship)
+        builds = model if config.cache.kv_disk_dir is None else [model] * num_replicas
+    if config.cache.kv_disk_dir is not None:  # one tier directory per replica
+        builds = [with_own_kv_disk(b, i) for i, b in enumerate(builds)]
     group = start_replicas(builds, num_replicas, options)
     group.builds = builds  # holds the shipped weights' reference: a restarted replica fetches them again
     group.weights_shipped_bytes = shipping.shipped_bytes

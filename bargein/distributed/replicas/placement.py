@@ -35,6 +35,7 @@ from bargein.distributed.weights import (
 )
 from bargein.engine.device import build_model, one_torch_thread, resolve_device, resolve_dtype
 from bargein.engine.engine import Engine
+from bargein.engine.kv_disk.fingerprint import file_identity, model_files
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ReplicaModel:
     name: str
     shipped: list[Any] | None = None  # [ObjectRef of StoredWeights]: in a list, so Ray does not fetch it
     prefer_shipped: bool = False  # use the shipped copy even where the node has the file (tests)
+    kv_identity: str | None = None  # the head's model files, named for the disk tier of shipped weights
 
     def __call__(self) -> Engine:
         return self.build()[0]
@@ -83,7 +85,7 @@ class ReplicaModel:
         with one_torch_thread():
             weights = materialize(stored, self.model_config, resolve_dtype(config.dtype, device), device)
             model = build_model(self.model_config, weights, config, max_positions=max_len)
-        engine = Engine(model, self.tokenizer, config, model_name=self.name)
+        engine = Engine(model, self.tokenizer, config, model_name=self.name, model_identity=self.kv_identity)
         return engine, WeightsOrigin("head", stored.nbytes)
 
 
@@ -131,9 +133,24 @@ def replica_model(ref: str, config: EngineConfig, nodes: list[dict[str, Any]], *
             stored = read_stored(source, model_config, (0, model_config.num_layers))
             shipping.shipped_bytes = stored.nbytes
             shipped = [ray.put(stored)]
+    # Shipped weights have no file on the replica's node: the disk tier's fingerprint then
+    # starts from the head's files' identities (name, size, sampled content digest).
+    kv_identity = (repr(tuple(file_identity(f) for f in model_files(source.path)))
+                   if config.cache.kv_disk_dir is not None else None)
     model = ReplicaModel(node_path, source.kind, expected, config, model_config, load_tokenizer(source),
-                         source.name, shipped, prefer_shipped=bool(ship))
+                         source.name, shipped, prefer_shipped=bool(ship), kv_identity=kv_identity)
     return model, shipping
+
+
+def with_own_kv_disk(model: ReplicaModel, index: int) -> ReplicaModel:
+    """The same builder with its disk tier (``config.cache.kv_disk_dir``, if set) in a
+    subdirectory of its own, ``replica-<index>``: one server owns a tier directory, and a
+    replica that Ray restarts (same builder) finds its blocks again."""
+    cache = model.config.cache
+    if cache.kv_disk_dir is None:
+        return model
+    cache = replace(cache, kv_disk_dir=os.path.join(cache.kv_disk_dir, f"replica-{index}"))
+    return replace(model, config=replace(model.config, cache=cache))
 
 
 def with_stage_nodes(model: ReplicaModel, node_ids: tuple[str, ...]) -> ReplicaModel:

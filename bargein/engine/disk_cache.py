@@ -1,0 +1,185 @@
+"""The disk tier wired to one engine: its block pool, its scheduler's queue and the
+runner's K/V caches (``bargein.engine.kv_disk`` holds the tier itself).
+
+Everything here runs on the engine's thread, between steps, when no plan is in flight
+(the in-process runner holds one plan and collects it within the step), so the caches
+it reads and writes are the runner's and nobody else's at that moment:
+
+- ``before_schedule``: blocks read back since the last step are adopted by the pool
+  (``BlockPool.adopt_loaded``), the blocks that evicts are copied out first, then the
+  payloads are written into their new ids and their requests are let go; then every
+  newly waiting request without blocks is looked up on disk (the full blocks past its
+  memory prefix hit, by chained key) and, if the tier holds the next ones, held in the
+  queue (``Scheduler.held``) while the reader thread loads them. Other requests are
+  admitted meanwhile: no step waits for a disk read.
+- ``after_schedule``: the blocks the schedule evicted (``BlockPool.drain_spills``) are
+  copied out of the caches (one gather per cache tensor) and queued for the writer
+  thread, before the runner's next forward or copy writes their ids. Only the copy is
+  on the step path; hashing and the file write are not.
+- ``close``: at shutdown every full registered block (conversations' and cached
+  prefixes') is written, within a time limit, then the tier is closed.
+
+The tier is used only with the in-process runner: a pipeline's K/V lives on its stages,
+which would each need a tier of their own (not built yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from bargein.config import CacheConfig
+from bargein.engine.block_keys import ChainBlock, SpillCandidate
+from bargein.engine.blocks import BlockPool
+from bargein.engine.kv_disk.block_file import BlockRecord
+from bargein.engine.kv_disk.fingerprint import (
+    ModelFingerprint,
+    file_identity,
+    model_files,
+    sources_digest,
+)
+from bargein.engine.kv_disk.payload import KVPair, extract_blocks, write_block
+from bargein.engine.kv_disk.stats import DiskTierStats
+from bargein.engine.kv_disk.tier import DiskTier
+from bargein.engine.runner import ModelRunner, Runner
+from bargein.engine.scheduler import Scheduler
+
+log = logging.getLogger("bargein.engine")
+
+_SHUTDOWN_BATCH = 64  # blocks copied out at once at shutdown (bounds the host memory it takes)
+
+
+def kernels_digest() -> str:
+    """A digest of the native kernels' sources: a change to them gives new fingerprints."""
+    import bargein.kernels
+
+    folder = Path(bargein.kernels.__file__).parent
+    return sources_digest(sorted(folder.glob("*.c")) + sorted(folder.glob("*.h")))
+
+
+def stage_fingerprint(stages: Sequence, block_size: int, model_identity: str | os.PathLike[str]) -> ModelFingerprint:
+    """The fingerprint of K/V computed by ``stages`` (consecutive LlamaStages) over the
+    model ``model_identity``: its file or folder, or a string naming in-memory weights."""
+    first = stages[0]
+    path = Path(model_identity)
+    files = (tuple(file_identity(f) for f in model_files(path)) if path.exists()
+             else (("id", 0, str(model_identity)),))
+    precision = f"{'fast' if first.kernels.fast else 'exact'}/{first.dtype}/{first.device.type}"
+    return ModelFingerprint(files, precision, str(first.kv_dtype), block_size, (stages[0].start, stages[-1].end),
+                            kernels=kernels_digest())
+
+
+class DiskCache:
+    """One engine's use of a :class:`DiskTier` (see the module docstring)."""
+
+    def __init__(self, tier: DiskTier, pool: BlockPool, scheduler: Scheduler, caches: Sequence[KVPair],
+                 ready: threading.Event):
+        """``ready`` is set by the tier's ``on_loaded`` (a load finished)."""
+        self.tier, self.pool, self.scheduler = tier, pool, scheduler
+        self.caches = list(caches)
+        self._ready = ready
+        self._looked_up: set[str] = set()  # requests already looked up on disk
+        self.loaded_blocks = 0  # blocks adopted from disk, ever
+        pool.track_spills()
+
+    @classmethod
+    def open(cls, cache: CacheConfig, runner: Runner, pool: BlockPool, scheduler: Scheduler,
+             model_identity: str | os.PathLike[str] | None) -> DiskCache | None:
+        """The engine's disk cache per ``cache.kv_disk_dir``; None (after one warning) when
+        it cannot be used: not an in-process runner, no model identity, prefix caching
+        off, or the directory owned by another server."""
+        reason = ("the disk tier needs the in-process runner (a pipeline's stages would each need their own)"
+                  if not isinstance(runner, ModelRunner) else
+                  "the disk tier needs the model's file or an identity for its weights" if model_identity is None
+                  else "prefix caching is off" if not cache.enable_prefix_caching else None)
+        if reason is not None:
+            log.warning("%s: running without it", reason)
+            return None
+        assert isinstance(runner, ModelRunner) and model_identity is not None and cache.kv_disk_dir is not None
+        fingerprint = stage_fingerprint(runner.stages, cache.block_size, model_identity)
+        ready = threading.Event()
+        tier = DiskTier.open(cache.kv_disk_dir, fingerprint, cache.kv_disk_bytes, on_loaded=ready.set)
+        if tier is None:
+            return None
+        report = tier.rebuild
+        log.info("kv disk: %d blocks (%.1f MiB) in %s, indexed in %.0f ms", report.blocks, report.bytes / 2**20,
+                 tier.directory, report.seconds * 1000)
+        pairs = [(c.k, c.v) for stage_caches in runner.kv_caches for c in stage_caches]
+        return cls(tier, pool, scheduler, pairs, ready)
+
+    # -- each step ----------------------------------------------------------------------
+    def before_schedule(self) -> None:
+        """Adopts what was read, then looks up newly waiting requests (see the module doc)."""
+        self._adopt_loaded()
+        self._look_up_waiting()
+        scheduler = self.scheduler
+        if (scheduler.held and scheduler.waiting and not scheduler.running
+                and all(r.request_id in scheduler.held for r in scheduler.waiting)):
+            self._ready.wait(0.05)  # only reads to wait for: not a busy loop
+            self._adopt_loaded()
+
+    def after_schedule(self) -> None:
+        """Copies the blocks the schedule evicted out of the caches and queues them."""
+        self._spill(self.pool.drain_spills())
+
+    def _spill(self, candidates: Sequence[SpillCandidate], timeout: float = 0.0) -> int:
+        fresh = [c for c in candidates if c.block.key not in self.tier]
+        payloads = extract_blocks(self.caches, [c.block_id for c in fresh])
+        written = 0
+        for c, payload in zip(fresh, payloads, strict=True):
+            b = c.block
+            written += self.tier.spill(BlockRecord(b.key, b.parent, b.tokens, payload), timeout)
+        return written
+
+    def _look_up_waiting(self) -> None:
+        scheduler = self.scheduler
+        for req in scheduler.waiting:
+            rid = req.request_id
+            if rid in self._looked_up:
+                continue
+            self._looked_up.add(rid)
+            seq = req.sequence
+            if seq.block_table.block_ids:
+                continue
+            # As the scheduler's match: the last token is always computed (its logits are sampled).
+            wanted = self.pool.uncached_full_blocks(seq.token_ids, seq.num_tokens - 1)
+            n = self.tier.present([w.key for w in wanted])
+            if n:
+                scheduler.held.add(rid)
+                self.tier.load(rid, wanted[:n])
+        if len(self._looked_up) > 4 * len(scheduler.requests) + 64:
+            self._looked_up &= set(scheduler.requests)
+
+    def _adopt_loaded(self) -> None:
+        self._ready.clear()
+        for done in self.tier.drain_loaded():
+            self.scheduler.held.discard(done.ticket)
+            if done.ticket not in self.scheduler.requests or not done.records:
+                continue
+            payloads = {r.key: r.payload for r in done.records}
+            adopted = self.pool.adopt_loaded([ChainBlock(r.key, r.parent, r.tokens) for r in done.records])
+            self._spill(self.pool.drain_spills())  # what adopting evicted, before its ids are written
+            for block, block_id in adopted:
+                write_block(self.caches, block_id, payloads[block.key])
+            self.loaded_blocks += len(adopted)
+
+    # -- shutdown and reporting --------------------------------------------------------
+    def close(self, timeout: float = 10.0) -> bool:
+        """Writes every full registered block (at most ``timeout`` seconds, then what is
+        left is dropped, never half-written) and closes the tier. True if all was written."""
+        deadline = time.monotonic() + timeout
+        self.after_schedule()
+        candidates = self.pool.registered_blocks()
+        for i in range(0, len(candidates), _SHUTDOWN_BATCH):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._spill(candidates[i:i + _SHUTDOWN_BATCH], timeout=left)
+        return self.tier.close(max(0.0, deadline - time.monotonic()))
+
+    def stats(self) -> DiskTierStats:
+        return self.tier.stats()
