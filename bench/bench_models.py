@@ -107,8 +107,10 @@ model = lib.llama_model_load_from_file(args["model"].encode(), lib.llama_model_d
 params = lib.llama_context_default_params()
 params.n_ctx, params.n_seq_max = args["kv_tokens"], len(prompts) + 1
 params.n_batch = max(512, sum(map(len, prompts)))
-if args["threads"]:
-    params.n_threads = params.n_threads_batch = args["threads"]
+# One KV pool over all sequences, as bargein's: without it each sequence gets n_ctx / n_seq_max.
+params.kv_unified = True
+# llama.cpp's default is 4 threads whatever the machine: the same count as torch's instead.
+params.n_threads = params.n_threads_batch = args["threads"] or args["cpu_threads"]
 ctx = lib.llama_init_from_model(model, params)
 n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
 batch = lib.llama_batch_init(params.n_batch, 0, 1)
@@ -158,6 +160,13 @@ def _run(script: str, args: dict[str, Any]) -> dict[str, Any]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _torch_threads() -> int:
+    """The thread count bargein runs with when none is given (torch's default), for llama.cpp too."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def text_ids(model: str, n: int) -> list[int]:
     """``n`` token ids of the public-domain text (repeated where it is shorter)."""
     from bargein.loader import load_tokenizer, resolve_model_ref
@@ -196,7 +205,8 @@ def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: 
                                "precision": precision if side == "bargein" else "-"}
         try:
             floor = _run(_FLOOR, {"module": module})
-            common = {"model": path, "threads": threads, "precision": precision, "bench": str(Path(__file__).parent)}
+            common = {"model": path, "threads": threads, "precision": precision, "bench": str(Path(__file__).parent),
+                      "cpu_threads": _torch_threads()}
             seen = []
             loads = [_run(script, {**common, **plans["load"]}) for _ in range(load_repeats)]
             seen += loads
