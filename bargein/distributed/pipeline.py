@@ -105,15 +105,12 @@ class StagePlacement:
 
 @dataclass
 class HeadTraffic:
-    """Bytes that passed through the head's process (hidden states never do)."""
+    """The head's running byte counts; ``describe()`` reports them as a frozen
+    :class:`~bargein.engine.runner.TrafficInfo` (same fields), which also sums them."""
 
     plan_bytes: int = 0
     logits_bytes: int = 0
     weights_shipped_bytes: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.plan_bytes + self.logits_bytes + self.weights_shipped_bytes
 
 
 def connect(address: str, num_stages: int) -> None:
