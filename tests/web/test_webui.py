@@ -568,11 +568,15 @@ def test_key_errors_ask_for_the_key(browser, guarded_server, tmp_path: Path, req
         chat.page.wait_for_function(
             "document.querySelector('#error .error-text').textContent.includes('rejected')"
         )
+        # Both rejected calls (the model list and the answer) have come back before the key
+        # changes: a late 401 of the old key would otherwise show over the retry.
+        chat.page.wait_for_function("document.querySelector('#model').textContent === 'API key rejected'")
+        chat.wait_idle()
         chat.shot("key-rejected")
         chat.settings(api_key=GUARDED_KEY, max_tokens=4)
         chat.page.click("#error-retry")
         chat.wait_idle()
-        assert chat.page.is_hidden("#error")
+        assert chat.page.is_hidden("#error"), chat.page.inner_text("#error")
         # An answer came (its text may be cut short by the server's 3 s deadline on a busy machine);
         # its ending is rendered just after the send button comes back.
         chat.page.wait_for_function(
