@@ -19,7 +19,7 @@ serve: $(VENV)/.stamp-runtime
 
 test: $(VENV)/.stamp-test
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=30 $(ARGS)
 
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check bargein tests bench
