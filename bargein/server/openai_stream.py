@@ -34,6 +34,7 @@ from bargein.server.openai_format import (
     finish_reason,
     job_usage,
 )
+from bargein.server.reasoning import AnswerParser, ReasoningDelta, Thinking, parse_answer
 from bargein.server.responses_store import StoredResponse
 from bargein.server.sse import DONE, data_event, named_event
 from bargein.server.tools import (
@@ -41,8 +42,8 @@ from bargein.server.tools import (
     CallEnd,
     CallStart,
     ToolCall,
-    ToolCallParser,
     ToolEvent,
+    ToolSyntax,
 )
 
 
@@ -117,19 +118,25 @@ class ChatShape:
     a delta with the call's index, id, type and name and empty arguments, then deltas
     with argument pieces as they are generated) and an answer that made a call and
     ended by itself has ``finish_reason: "tool_calls"``.
+
+    With ``thinking`` (a template that marks thoughts, ``--reasoning-format separate``),
+    thoughts come out as ``reasoning_content``: deltas of their own, and the message's field.
     """
 
     def __init__(self, head: dict[str, Any], tokenizer: Any, *, logprobs: bool, include_usage: bool,
-                 token_ids: bool = False, tool_names: set[str] | None = None):
+                 token_ids: bool = False, tool_names: set[str] | None = None, thinking: Thinking | None = None,
+                 syntax: ToolSyntax | None = None):
         self.head = head  # id, created, model, system_fingerprint
         self.tokenizer = tokenizer
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.token_ids = token_ids  # the return_token_ids extension (non-streamed bodies)
         self.tool_names = tool_names
-        self.parsers: dict[int, ToolCallParser] = {}  # per choice, streamed
+        self.thinking = thinking
+        self.syntax = syntax
+        self.parsers: dict[int, AnswerParser] = {}  # per choice, streamed
 
-    def _finish_reason(self, out: RequestOutput, parser: ToolCallParser | None) -> str | None:
+    def _finish_reason(self, out: RequestOutput, parser: AnswerParser | None) -> str | None:
         if parser is not None and parser.calls and out.finish_reason == FinishReason.STOP:
             return "tool_calls"
         return finish_reason(out)
@@ -148,18 +155,21 @@ class ChatShape:
 
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         lps = chat_logprobs(self.tokenizer, out.new_logprobs) if self.logprobs and out.new_logprobs else None
-        if self.tool_names is None:
+        if self.tool_names is None and self.thinking is None:
             if out.delta_text or lps:
                 yield self._delta(slot, {"content": out.delta_text}, lps)
             return
-        parser = self.parsers.setdefault(slot.index, ToolCallParser(self.tool_names))
-        _, events = parser.feed(out.delta_text, final=out.finished)
-        if lps and not any(isinstance(e, str) for e in events):
+        parser = self.parsers.setdefault(slot.index, AnswerParser(self.thinking, self.tool_names, self.syntax))
+        events = parser.feed(out.delta_text, final=out.finished)
+        if lps and not any(isinstance(e, str | ReasoningDelta) for e in events):
             yield self._delta(slot, {"content": ""}, lps)
         for event in events:
             if isinstance(event, str):
                 yield self._delta(slot, {"content": event}, lps)
                 lps = None  # this output's logprobs go with its first content piece
+            elif isinstance(event, ReasoningDelta):
+                yield self._delta(slot, {"reasoning_content": event.text}, lps)
+                lps = None
             elif isinstance(event, CallStart):
                 call = event.call
                 yield self._delta(slot, {"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
@@ -193,9 +203,11 @@ class ChatShape:
             logprobs = {"content": chat_logprobs(self.tokenizer, progress.logprobs)} if self.logprobs else None
             message: dict[str, Any] = {"role": "assistant", "content": final.text, "refusal": None}
             parser = None
-            if self.tool_names is not None:
-                parser = ToolCallParser(self.tool_names)
-                parser.feed(final.text, final=True)
+            if self.tool_names is not None or self.thinking is not None:
+                parser = parse_answer(final.text, self.thinking, self.tool_names, self.syntax)
+                message["content"] = parser.text
+                if self.thinking is not None:
+                    message["reasoning_content"] = parser.reasoning or None
                 if parser.calls:
                     message["content"] = parser.text or None
                     message["tool_calls"] = [call.to_dict() for call in parser.calls]
