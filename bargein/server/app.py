@@ -29,6 +29,7 @@ from starlette.types import Scope
 from bargein.engine.client import EngineClient
 from bargein.engine.request import CancelReason
 from bargein.server import routes_generate, routes_ops, routes_requests, routes_responses
+from bargein.server.anthropic import routes as anthropic_routes
 from bargein.server.context import ServerContext
 from bargein.server.errors import install_error_handlers
 from bargein.server.middleware import API_PREFIXES, GuardMiddleware, Traffic
@@ -59,6 +60,9 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     app.state.ctx = ctx
     install_error_handlers(app)
     for module in (routes_generate, routes_responses, routes_requests, routes_ops):
+        app.include_router(module.router)
+    # The clients people already use: Anthropic Messages, Ollama, /tokenize (issue 32).
+    for module in (anthropic_routes,):
         app.include_router(module.router)
     if settings.debug_endpoints:
         app.include_router(routes_ops.debug_router)
