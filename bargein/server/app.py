@@ -33,6 +33,7 @@ from bargein.server.anthropic import routes as anthropic_routes
 from bargein.server.context import ServerContext
 from bargein.server.errors import install_error_handlers
 from bargein.server.middleware import API_PREFIXES, GuardMiddleware, Traffic
+from bargein.server.ollama import routes as ollama_routes
 from bargein.server.settings import ServerSettings
 
 log = logging.getLogger("bargein.server")
@@ -62,7 +63,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     for module in (routes_generate, routes_responses, routes_requests, routes_ops):
         app.include_router(module.router)
     # The clients people already use: Anthropic Messages, Ollama, /tokenize (issue 32).
-    for module in (anthropic_routes,):
+    for module in (anthropic_routes, ollama_routes):
         app.include_router(module.router)
     if settings.debug_endpoints:
         app.include_router(routes_ops.debug_router)
