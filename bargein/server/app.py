@@ -28,7 +28,13 @@ from starlette.types import Scope
 
 from bargein.engine.client import EngineClient
 from bargein.engine.request import CancelReason
-from bargein.server import routes_generate, routes_ops, routes_requests, routes_responses
+from bargein.server import (
+    routes_generate,
+    routes_ops,
+    routes_requests,
+    routes_responses,
+    routes_tokenize,
+)
 from bargein.server.anthropic import routes as anthropic_routes
 from bargein.server.context import ServerContext
 from bargein.server.errors import install_error_handlers
@@ -63,7 +69,7 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     for module in (routes_generate, routes_responses, routes_requests, routes_ops):
         app.include_router(module.router)
     # The clients people already use: Anthropic Messages, Ollama, /tokenize (issue 32).
-    for module in (anthropic_routes, ollama_routes):
+    for module in (anthropic_routes, ollama_routes, routes_tokenize):
         app.include_router(module.router)
     if settings.debug_endpoints:
         app.include_router(routes_ops.debug_router)

@@ -152,7 +152,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     return await serve(request, ctx, gen, shape)
 
 
-def chat_template_kwargs(body: ChatCompletionRequest, template: str | None) -> dict[str, Any]:
+def chat_template_kwargs(body: ChatCompletionRequest | Any, template: str | None) -> dict[str, Any]:
     """The template variables a chat request sets: ``chat_template_kwargs`` (as vLLM and
     llama.cpp take them), where the thinking switch is ``enable_thinking``."""
     kwargs = dict(body.chat_template_kwargs or {})
