@@ -87,7 +87,7 @@ class ReasoningSplitter:
             if self.inside:
                 at = buf.find(self.thinking.close)
                 if at < 0:
-                    keep = 0 if final else max(_partial_suffix(buf, self.thinking.close), _space_suffix(buf))
+                    keep = 0 if final else _held_back(buf, self.thinking.close)
                     piece = buf[:len(buf) - keep]
                     self._thought(out, piece.rstrip() if final else piece)
                     buf = buf[len(buf) - keep:]
@@ -187,8 +187,12 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def _space_suffix(text: str) -> int:
-    return len(text) - len(text.rstrip())
+def _held_back(text: str, close: str) -> int:
+    """What a thought's text must hold back: a closing marker's start, and the spaces
+    before it (dropped if the marker completes)."""
+    partial = _partial_suffix(text, close)
+    rest = text[:len(text) - partial]
+    return partial + len(rest) - len(rest.rstrip())
 
 
 __all__ = ["AnswerEvent", "AnswerParser", "CallEnd", "CallStart", "ReasoningDelta", "ReasoningFormat",
