@@ -28,7 +28,13 @@ from bargein.server.app import create_app, finish_shutdown
 from bargein.server.generation import Slot
 from bargein.server.ollama.shape import OllamaShape
 from bargein.server.openai_stream import ChatShape
-from bargein.server.reasoning import ReasoningDelta, ReasoningSplitter, Thinking, parse_answer, thinking_for
+from bargein.server.reasoning import (
+    ReasoningDelta,
+    ReasoningSplitter,
+    Thinking,
+    parse_answer,
+    thinking_for,
+)
 from bargein.server.settings import ServerSettings
 from bargein.server.tool_syntax import HERMES
 from tests.tiny_engine import ByteTokenizer, tiny_engine
