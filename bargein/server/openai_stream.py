@@ -34,7 +34,13 @@ from bargein.server.openai_format import (
     finish_reason,
     job_usage,
 )
-from bargein.server.reasoning import AnswerParser, ReasoningDelta, Thinking, parse_answer
+from bargein.server.reasoning import (
+    AnswerEvent,
+    AnswerParser,
+    ReasoningDelta,
+    Thinking,
+    parse_answer,
+)
 from bargein.server.responses_store import StoredResponse
 from bargein.server.sse import DONE, data_event, named_event
 from bargein.server.tools import (
@@ -42,7 +48,6 @@ from bargein.server.tools import (
     CallEnd,
     CallStart,
     ToolCall,
-    ToolEvent,
     ToolSyntax,
 )
 
@@ -292,14 +297,17 @@ class ResponsesShape:
     offered (``stored.calls``), items open as they appear: the message with the answer's
     first text, each function call once its name is written (``output_item.added``),
     whose arguments then stream as ``response.function_call_arguments.delta`` and end
-    with ``.done`` and ``output_item.done`` at its closing tag.
+    with ``.done`` and ``output_item.done`` at its closing tag. With thoughts split
+    (``stored.thoughts``), items open as they appear too: first the reasoning item, its
+    text streamed as ``response.reasoning_text.delta``, closed when the answer begins.
     """
 
     def __init__(self, stored: StoredResponse):
         self.stored = stored
         self.seq = 0
-        self.events: list[ToolEvent] = []  # what the last output added (stored.apply)
+        self.events: list[AnswerEvent] = []  # what the last output added (stored.apply)
         self.message_open = False
+        self.reasoning_open = False
 
     def _event(self, kind: str, **payload: Any) -> str:
         self.seq += 1
@@ -309,7 +317,9 @@ class ResponsesShape:
         return {"item_id": self.stored.message_id, "output_index": self._index(None)}
 
     def _index(self, item: int | None) -> int:
-        return self.stored.order.index(item) if self.stored.calls is not None else 0
+        if not self.stored.items_open_as_they_come:
+            return 0
+        return (1 if self.stored.reasoning else 0) + self.stored.order.index(item)
 
     def observe(self, slot: Slot, out: RequestOutput) -> None:
         self.events = self.stored.apply(out)
@@ -319,8 +329,17 @@ class ResponsesShape:
         stored.status = "in_progress"
         yield self._event("response.created", response=stored.to_dict())
         yield self._event("response.in_progress", response=stored.to_dict())
-        if stored.calls is None:
+        if not stored.items_open_as_they_come:
             yield from self._open_message()
+
+    def _reasoning_where(self) -> dict[str, Any]:
+        return {"item_id": self.stored.reasoning_item()["id"], "output_index": 0, "content_index": 0}
+
+    def _close_reasoning(self) -> Iterable[str]:
+        if self.reasoning_open:
+            self.reasoning_open = False
+            yield self._event("response.reasoning_text.done", **self._reasoning_where(), text=self.stored.reasoning)
+            yield self._event("response.output_item.done", output_index=0, item=self.stored.reasoning_item())
 
     def _open_message(self) -> Iterable[str]:
         self.message_open = True
@@ -332,6 +351,14 @@ class ResponsesShape:
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         calls = self.stored.calls
         for event in self.events:
+            if isinstance(event, ReasoningDelta):
+                if not self.reasoning_open:
+                    self.reasoning_open = True
+                    item = {**self.stored.reasoning_item(), "status": "in_progress", "content": []}
+                    yield self._event("response.output_item.added", output_index=0, item=item)
+                yield self._event("response.reasoning_text.delta", **self._reasoning_where(), delta=event.text)
+                continue
+            yield from self._close_reasoning()
             if isinstance(event, str):
                 if not self.message_open:
                     yield from self._open_message()
@@ -359,8 +386,9 @@ class ResponsesShape:
 
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         stored = self.stored
-        if stored.calls is not None:
-            for call in stored.calls.calls:
+        yield from self._close_reasoning()
+        if stored.items_open_as_they_come:
+            for call in stored.calls.calls if stored.calls is not None else ():
                 if not call.done:  # cut inside its arguments (length, cancel): closed as incomplete
                     yield from self._close_call(call)
             if not stored.order:  # no text and no call: the (empty) message, as without tools

@@ -288,3 +288,27 @@ async def test_a_cancel_mid_thought_keeps_it_and_the_next_turn_reports_its_reuse
         assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(new)
         assert usage["cache_read_input_tokens"] >= shared  # the same prompt: now all of it is cached but the last
         assert ctx.engine is not None
+
+
+@pytest.mark.anyio
+async def test_responses_return_a_reasoning_item_first():
+    async with thinking_app() as client:
+        chat = (await client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 6, **GREEDY})).json()
+        thought = chat["choices"][0]["message"]["reasoning_content"]
+        body = {"input": "Why?", "max_output_tokens": 6, **GREEDY}
+        r = (await client.post("/v1/responses", json=body)).json()
+        assert [item["type"] for item in r["output"]] == ["reasoning", "message"]
+        assert r["output"][0]["content"] == [{"type": "reasoning_text", "text": thought}]
+        assert r["output"][1]["content"][0]["text"] == "" and r["status"] == "incomplete"
+        streamed = await client.post("/v1/responses", json={**body, "stream": True})
+    events = sse_data(streamed.text)
+    kinds = [e["type"].removeprefix("response.") for e in events]
+    deltas = kinds.count("reasoning_text.delta")
+    assert kinds == ["created", "in_progress", "output_item.added", *["reasoning_text.delta"] * deltas,
+                     "reasoning_text.done", "output_item.done", "output_item.added", "content_part.added",
+                     "output_text.done", "content_part.done", "output_item.done", "incomplete"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
+    assert [e["output_index"] for e in events if e["type"] == "response.output_item.added"] == [0, 1]
+    without_ids = [[{k: v for k, v in item.items() if k != "id"} for item in output]
+                   for output in (events[-1]["response"]["output"], r["output"])]
+    assert without_ids[0] == without_ids[1]
