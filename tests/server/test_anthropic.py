@@ -192,3 +192,14 @@ def test_the_api_key_is_checked_as_x_api_key(server_factory):
     wrong = anthropic.Anthropic(base_url=guarded.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         wrong.messages.count_tokens(model="m", messages=ASK)
+
+
+def test_output_config_format_constrains_the_answer(client):
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"],
+              "additionalProperties": False}
+    message = client.messages.create(model="m", max_tokens=40, messages=[{"role": "user", "content": "A person"}],
+                                     output_config={"format": {"type": "json_schema", "schema": person}},
+                                     extra_body=GREEDY)
+    jsonschema.validate(json.loads(message.content[0].text), person)
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
+        client.messages.create(model="m", max_tokens=5, messages=ASK, output_config={"format": {"type": "xml"}})

@@ -11,7 +11,9 @@
   ``any``, ``tool`` by name, ``none``) are the OpenAI tools' plan: ``any`` and ``tool``
   constrain the answer to one call whose input follows the schema;
 - ``thinking`` (``enabled`` / ``adaptive`` / ``disabled``) is the template's thinking
-  switch; ``budget_tokens`` is accepted and not enforced (``max_tokens`` bounds the answer).
+  switch; ``budget_tokens`` is accepted and not enforced (``max_tokens`` bounds the answer);
+- ``output_config.format`` (``{"type": "json_schema", "schema": ...}``) constrains the
+  answer to the schema, as ``response_format`` does; ``output_config.effort`` is ignored.
 
 Images, documents and server tools are refused with a 400 that names the block, as is a
 final assistant message (prefill), which this server does not continue.
@@ -25,8 +27,10 @@ from typing import Any
 
 from pydantic import Field
 
+from bargein.engine.constraint import Constraint
 from bargein.server.errors import APIError
 from bargein.server.schemas import _Body
+from bargein.server.structured import schema_constraint
 from bargein.server.tools import ToolPlan, ToolSyntax, tool_plan
 
 ROLES = ("user", "assistant")
@@ -49,6 +53,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema": {...}}}
     timeout: float | None = Field(default=None, description="extension: seconds until the request is cancelled")
 
 
@@ -172,3 +177,14 @@ def _thinking(thinking: dict[str, Any] | None) -> bool | None:
         raise APIError(400, "thinking.type must be 'enabled', 'adaptive' or 'disabled'", param="thinking.type",
                        code="invalid_value")
     return kind != "disabled"
+
+
+def output_constraint(body: MessagesRequest) -> Constraint | None:
+    """The constraint ``output_config.format`` asks for (None: free text)."""
+    fmt = (body.output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise APIError(400, 'output_config.format must be {"type": "json_schema", "schema": {...}}',
+                       param="output_config.format", code="invalid_value")
+    return schema_constraint(fmt.get("schema"), "output_config.format.schema")

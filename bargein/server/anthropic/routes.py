@@ -27,6 +27,7 @@ from bargein.server.anthropic.request import (
     CountTokensRequest,
     MessagesRequest,
     conversation,
+    output_constraint,
 )
 from bargein.server.anthropic.shape import MessagesShape
 from bargein.server.context import Ctx, ServerContext
@@ -93,8 +94,13 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
     check_limits(SimpleNamespace(messages=body.messages, stop=body.stop_sequences), ctx.settings)
     max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", ctx.settings, None)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
+    constraint = output_constraint(body)
     conv, prompt = await _prompt(ctx, body)
-    constraint = conv.plan.constraint()
+    if conv.plan.constraint() is not None:
+        if constraint is not None:
+            raise APIError(400, "output_config.format cannot be combined with tool_choice any or tool",
+                           param="tool_choice", code="invalid_value")
+        constraint = conv.plan.constraint()
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p,
@@ -103,7 +109,7 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
     except InvalidSamplingParams as exc:
         raise APIError(400, str(exc).replace(exc.field, _FIELDS.get(exc.field, exc.field), 1),
                        param=_FIELDS.get(exc.field, exc.field), code="invalid_value") from None
-    await compile_in_pool(ctx, constraint, "tool_choice")
+    await compile_in_pool(ctx, constraint, "tool_choice" if conv.plan.constraint() else "output_config.format")
     template = ctx.tokenizer.chat_template
     gen = Generation("messages", request_id, received, [prompt.token_ids], params, timeout=timeout,
                      stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
