@@ -35,7 +35,7 @@ from bargein.server.reasoning import (
     parse_answer,
     thinking_for,
 )
-from bargein.server.settings import ServerSettings
+from bargein.server.settings import ServerSettings, SettingsError
 from bargein.server.tool_syntax import HERMES
 from tests.tiny_engine import ByteTokenizer, tiny_engine
 
@@ -312,3 +312,10 @@ async def test_responses_return_a_reasoning_item_first():
     without_ids = [[{k: v for k, v in item.items() if k != "id"} for item in output]
                    for output in (events[-1]["response"]["output"], r["output"])]
     assert without_ids[0] == without_ids[1]
+
+
+def test_the_reasoning_format_setting():
+    assert ServerSettings().reasoning_format == "separate"
+    assert ServerSettings.from_env({"BARGEIN_REASONING_FORMAT": "none"}).reasoning_format == "none"
+    with pytest.raises(SettingsError, match="reasoning format"):
+        ServerSettings(reasoning_format="hidden")
