@@ -20,6 +20,7 @@ is ``<tool_call>{"name":"f","arguments":{...}}</tool_call>`` in the answer's tex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -147,7 +148,8 @@ def system_section(tools: tuple[Tool, ...]) -> str:
 def prompt_messages(messages: list[dict[str, Any]], plan: ToolPlan, template: str | None
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages (and ``tools`` for the template) to render for this plan."""
-    out = [_with_calls_in_content(m, plan.syntax) for m in messages]
+    renders_calls = template is not None and "tool_calls" in template
+    out = [_calls_for_template(m) if renders_calls else _with_calls_in_content(m, plan.syntax) for m in messages]
     if not plan.tools:  # with tool_choice "none" the tools are still shown: the prompt stays the same
         return out, None
     raw_tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -162,8 +164,27 @@ def prompt_messages(messages: list[dict[str, Any]], plan: ToolPlan, template: st
     return out, None
 
 
+def _calls_for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """For a template that renders ``tool_calls`` itself: arguments as objects, as such
+    templates take them (``tool_call.arguments | tojson``); text arguments that are not
+    JSON stay text."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not calls:
+        return message
+    out = []
+    for call in calls:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                arguments = json.loads(arguments)
+        out.append({**call, "function": {**fn, "arguments": arguments}})
+    return {**message, "tool_calls": out}
+
+
 def _with_calls_in_content(message: dict[str, Any], syntax: ToolSyntax) -> dict[str, Any]:
-    """An assistant message's ``tool_calls`` written back into its text, as the model wrote them."""
+    """An assistant message's ``tool_calls`` written back into its text, as the model wrote
+    them (for a template that does not render them: the bundled SmolLM2's)."""
     calls = message.get("tool_calls")
     if message.get("role") != "assistant" or not calls:
         return message
@@ -174,6 +195,7 @@ def _with_calls_in_content(message: dict[str, Any], syntax: ToolSyntax) -> dict[
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {}, separators=(",", ":"))
         written.append((str(fn.get("name", "")), arguments))
-    return {**message, "content": (message.get("content") or "") + syntax.write(written)}
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": (message.get("content") or "") + syntax.write(written)}
 
 

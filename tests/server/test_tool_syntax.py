@@ -19,7 +19,7 @@ from bargein.server.tool_syntax import (
     ToolCallParser,
     tool_syntax_for,
 )
-from bargein.server.tools import tool_plan
+from bargein.server.tools import prompt_messages, tool_plan
 
 NAMES = {"get_weather", "get_time"}
 
@@ -137,3 +137,14 @@ def test_a_forced_call_is_written_in_the_syntax_and_parses_back(syntax):
     parser.feed(written, final=True)
     assert [(c.name, c.arguments) for c in parser.calls] == [("get_weather", '{"city":"Oslo"}')]
     assert parser.text == ""
+
+
+def test_a_history_call_is_written_once():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
+    history = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    plan = tool_plan(TOOLS, None, MISTRAL)
+    folded, _ = prompt_messages(history, plan, "{{ messages }}")  # a template that ignores tool_calls
+    assert folded[-1] == {"role": "assistant", "content": '[TOOL_CALLS][{"name":"get_weather","arguments":'
+                                                          '{"city":"Oslo"}}]'}
+    kept, _ = prompt_messages(history, plan, "{% for c in message.tool_calls %}{% endfor %}{{ tools }}")
+    assert kept[-1]["content"] == "" and kept[-1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
