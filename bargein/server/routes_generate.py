@@ -152,6 +152,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     return await serve(request, ctx, gen, shape)
 
 
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "self", "source"})
+
+
 def chat_template_kwargs(body: ChatCompletionRequest | Any, template: str | None) -> dict[str, Any]:
     """The template variables a chat request sets: ``chat_template_kwargs`` (as vLLM and
     llama.cpp take them), where the thinking switch is ``enable_thinking``."""
@@ -160,9 +163,11 @@ def chat_template_kwargs(body: ChatCompletionRequest | Any, template: str | None
     if enabled is not None and not isinstance(enabled, bool):
         raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean",
                        param="chat_template_kwargs.enable_thinking", code="invalid_value")
-    if any(k in kwargs for k in ("messages", "tools", "add_generation_prompt")):
-        raise APIError(400, "chat_template_kwargs may not set messages, tools or add_generation_prompt",
-                       param="chat_template_kwargs", code="invalid_value")
+    bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_VARIABLES or not k.isidentifier()]
+    if bad:
+        raise APIError(400, f"chat_template_kwargs may not set {bad[0]!r} (names are identifiers, and not one of "
+                            f"{sorted(_RESERVED_TEMPLATE_VARIABLES)})", param="chat_template_kwargs",
+                       code="invalid_value")
     return {**kwargs, **thinking_kwargs(template, enabled)}
 
 

@@ -229,6 +229,9 @@ async def test_the_thinking_switches():
         assert r["message"]["content"] == decoded(r["token_ids"]).lstrip()
         bad = await client.post("/v1/chat/completions", json={**off, "chat_template_kwargs": {"enable_thinking": 1}})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
+        for name in ("self", "messages", "not a name"):
+            bad = await client.post("/v1/chat/completions", json={**off, "chat_template_kwargs": {name: 1}})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs", name
 
         messages = {"model": "tiny", "max_tokens": 6, "messages": ASK, **GREEDY}
         on = (await client.post("/v1/messages", json={**messages, "thinking": {"type": "enabled",

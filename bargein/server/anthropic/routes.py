@@ -7,7 +7,8 @@ also in ``X-Request-Id``), a deadline (``--request-timeout`` or the body's ``tim
 extension) and the server's shutdown; the answer then ends with ``stop_reason:
 "cancelled"``. The prompt goes through the prompt memory, so a next turn that repeats
 this answer continues from its exact token ids, and its usage reports the reused tokens
-as ``cache_read_input_tokens``. Errors are in Anthropic's shape (``errors.py``).
+as ``cache_read_input_tokens``. Errors are in Anthropic's shape (``errors.py``). The routes
+follow Anthropic's API, not this server's OpenAPI description, so they are left out of it.
 """
 
 from __future__ import annotations
@@ -58,12 +59,12 @@ async def _answered(request: Request, work: Callable[[], Awaitable[Response]]) -
         return error_response(mapped, getattr(request.state, "request_id", None))
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", include_in_schema=False)
 async def messages(request: Request, ctx: Ctx) -> Response:
     return await _answered(request, lambda: _messages(request, ctx))
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", include_in_schema=False)
 async def count_tokens(request: Request, ctx: Ctx) -> Response:
     return await _answered(request, lambda: _count_tokens(request, ctx))
 

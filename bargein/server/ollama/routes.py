@@ -7,7 +7,8 @@ model lists name the one served. Generation goes through the one serving path
 next step boundary, streamed or not, as everywhere else; a cancel by id (``X-Request-Id``)
 and deadlines work too. Chat prompts use the prompt memory (a history that repeats an
 answer continues from its exact tokens); ``/api/generate`` continues exactly from a
-previous answer's ``context``. Errors are Ollama's ``{"error": "..."}``.
+previous answer's ``context``. Errors are Ollama's ``{"error": "..."}``. The routes follow
+Ollama's API, not this server's OpenAPI description, so they are left out of it.
 """
 
 from __future__ import annotations
@@ -61,12 +62,12 @@ async def _answered(work: Callable[[], Awaitable[Response]]) -> Response:
         return JSONResponse({"error": mapped.message}, status_code=mapped.status)
 
 
-@router.post("/api/chat")
+@router.post("/api/chat", include_in_schema=False)
 async def chat(request: Request, ctx: Ctx) -> Response:
     return await _answered(lambda: _chat(request, ctx))
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", include_in_schema=False)
 async def generate(request: Request, ctx: Ctx) -> Response:
     return await _answered(lambda: _generate(request, ctx))
 
@@ -175,24 +176,24 @@ def _iso(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).isoformat().replace("+00:00", "Z")
 
 
-@router.get("/api/tags")
+@router.get("/api/tags", include_in_schema=False)
 async def tags(ctx: Ctx) -> dict[str, Any]:
     return {"models": [_entry(ctx)]}
 
 
-@router.get("/api/ps")
+@router.get("/api/ps", include_in_schema=False)
 async def ps(ctx: Ctx) -> dict[str, Any]:
     """The loaded model: always the one served, loaded for as long as the server runs."""
     return {"models": [{**_entry(ctx), "expires_at": "9999-12-31T23:59:59Z", "size_vram": 0,
                         "context_length": ctx.max_model_len}]}
 
 
-@router.get("/api/version")
+@router.get("/api/version", include_in_schema=False)
 async def version() -> dict[str, Any]:
     return {"version": OLLAMA_API_VERSION, "bargein": bargein_version()}
 
 
-@router.post("/api/show")
+@router.post("/api/show", include_in_schema=False)
 async def show(request: Request, ctx: Ctx) -> Response:
     async def work() -> Response:
         await read_body(request, ShowRequest)
