@@ -322,3 +322,17 @@ def test_the_reasoning_format_setting():
     assert ServerSettings.from_env({"BARGEIN_REASONING_FORMAT": "none"}).reasoning_format == "none"
     with pytest.raises(SettingsError, match="reasoning format"):
         ServerSettings(reasoning_format="hidden")
+
+
+def test_ollama_sends_a_call_whole_and_one_cut_short_with_the_last_line():
+    shape = OllamaShape("tiny", chat=True, received=0.0, thinking=None, tool_names={"f"}, syntax=HERMES)
+    texts = ['<tool_call>{"name":"f","arguments":{"a":1}}</tool_call>', '<tool_call>{"name":"f","arguments":{"b"']
+    outs = [RequestOutput("r-0", (0,), (), texts[0], "", False, None, Usage(3, 1, 0)),
+            RequestOutput("r-0", (1,), (0, 1), texts[1], "".join(texts), True, FinishReason.LENGTH, Usage(3, 2, 0))]
+    lines = [json.loads(x) for x in shape.content(SLOT, outs[0])]
+    assert [line["message"].get("tool_calls") for line in lines] == [[{"function": {"name": "f",
+                                                                                      "arguments": {"a": 1}}}]]
+    assert list(shape.content(SLOT, outs[1])) == []
+    [last] = [json.loads(x) for x in shape.final(SLOT, outs[1])]
+    assert last["done"] and last["done_reason"] == "length"
+    assert last["message"]["tool_calls"] == [{"function": {"name": "f", "arguments": {"_partial_json": '{"b"'}}}]

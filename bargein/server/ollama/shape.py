@@ -87,7 +87,8 @@ class OllamaShape:
                 yield self._line(calls=[self.parser.calls[event.index]], done=False)
 
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
-        yield self._line(**self._done(out))
+        cut = [call for call in self.parser.calls if not call.done]  # cut short: they go with the last line
+        yield self._line(calls=cut, **self._done(out))
 
     def _done(self, out: RequestOutput) -> dict[str, Any]:
         now = time.monotonic()
