@@ -44,11 +44,14 @@ class Thinking:
     starts_inside: bool
 
 
-def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat) -> Thinking | None:
+def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *,
+                 constrained: bool = False) -> Thinking | None:
     """The thinking of an answer to ``prompt_text`` (rendered by ``template``); None when
-    thoughts are not split (format ``none``, or a template that marks no thinking)."""
+    thoughts are not split (format ``none``, a template that marks no thinking, or an
+    answer ``constrained`` by a grammar from its first token: a JSON object or a forced
+    call has no thoughts, even after a prompt that opened one)."""
     markers = thinking_markers(template)
-    if fmt == ReasoningFormat.NONE or markers is None:
+    if fmt == ReasoningFormat.NONE or markers is None or constrained:
         return None
     open_, close = markers
     return Thinking(open_, close, prompt_text.rfind(open_) > prompt_text.rfind(close))

@@ -148,7 +148,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     shape = ChatShape(ctx.head(request_id), ctx.tokenizer, logprobs=body.logprobs,
                       include_usage=_include_usage(body), token_ids=body.return_token_ids,
                       tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax,
-                      thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format)))
+                      thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
+                                            constrained=constraint is not None))
     return await serve(request, ctx, gen, shape)
 
 

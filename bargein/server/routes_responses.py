@@ -245,7 +245,8 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
         stored, prompt_text, tokens, answer_start = await _continued(ctx, body, prev, plan, constraint)
         constraint_from = answer_start if constraint is not None else None
     stored.id, stored.return_token_ids = response_id, body.return_token_ids
-    thinking = thinking_for(ctx.tokenizer.chat_template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format))
+    thinking = thinking_for(ctx.tokenizer.chat_template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
+                            constrained=constraint is not None)
     stored.thoughts = ReasoningSplitter(thinking) if thinking is not None else None
     if text_format is not None:
         stored.text_format = text_format

@@ -336,3 +336,11 @@ def test_ollama_sends_a_call_whole_and_one_cut_short_with_the_last_line():
     [last] = [json.loads(x) for x in shape.final(SLOT, outs[1])]
     assert last["done"] and last["done_reason"] == "length"
     assert last["message"]["tool_calls"] == [{"function": {"name": "f", "arguments": {"_partial_json": '{"b"'}}}]
+
+
+@pytest.mark.anyio
+async def test_a_constrained_answer_has_no_thoughts():
+    async with thinking_app() as client:
+        body = {"messages": ASK, "max_tokens": 8, "response_format": {"type": "json_object"}, "temperature": 0}
+        message = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        assert "reasoning_content" not in message and message["content"].startswith("{")

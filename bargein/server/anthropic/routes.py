@@ -116,7 +116,8 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
                      stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
     shape = MessagesShape(request_id, ctx.model_name, ctx.tokenizer, eos_token_ids=ctx.model.eos_token_ids,
                           stop_sequences=body.stop_sequences or (),
-                          thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format)),
+                          thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
+                                                constrained=constraint is not None),
                           tool_names={t.name for t in conv.plan.tools} if conv.plan.offered else None,
                           syntax=conv.plan.syntax)
     return await serve(request, ctx, gen, shape)

@@ -107,7 +107,8 @@ async def _chat(request: Request, ctx: ServerContext) -> Response:
                      timeout=effective_timeout(body.timeout, ctx.settings.request_timeout), stream=body.stream,
                      on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
     shape = OllamaShape(ctx.model_name, chat=True, received=received,
-                        thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format)),
+                        thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
+                                              constrained=constraint is not None),
                         tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax)
     return await serve(request, ctx, gen, shape, media_type=NDJSON)
 
@@ -142,7 +143,8 @@ async def _generate(request: Request, ctx: ServerContext) -> Response:
         kwargs = thinking_kwargs(template, thinking_switch(body.think))
         prompt_text = await ctx.prompts.run(lambda: _render(ctx, messages, kwargs))
         ids = await ctx.prompts.run(lambda: ctx.tokenizer.encode(prompt_text, add_special_tokens=False))
-        thinking = thinking_for(template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format))
+        thinking = thinking_for(template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
+                                constrained=constraint is not None)
     tokens = context + ids
     check_prompt_length(len(tokens), ctx.max_model_len, "prompt")
     gen = Generation("ollama_generate", request_id, received, [tokens], params,
