@@ -103,6 +103,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="408 when a request's headers take longer (default: %(default)s)")
     p.add_argument("--body-timeout", type=float, default=s.body_timeout, metavar="S",
                    help="408 when a request's body takes longer after its headers (default: %(default)s)")
+    p.add_argument("--reasoning-format", default=s.reasoning_format, choices=["none", "separate"],
+                   help="a thinking model's thoughts: 'separate' returns them apart (reasoning_content, "
+                        "thinking blocks), 'none' leaves them in the answer's text (default: %(default)s)")
     for name, what in LIMIT_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(s, name), metavar="N",
                        help=f"most {what}; more is a 400 (default: %(default)s)")
@@ -178,7 +181,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
             default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-            **{name: getattr(args, name) for name in LIMIT_FLAGS})
+            reasoning_format=args.reasoning_format, **{name: getattr(args, name) for name in LIMIT_FLAGS})
         if args.max_model_len is not None and args.max_model_len < 2:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
         if args.kv_memory is not None and args.kv_tokens is not None:

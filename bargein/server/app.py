@@ -28,10 +28,18 @@ from starlette.types import Scope
 
 from bargein.engine.client import EngineClient
 from bargein.engine.request import CancelReason
-from bargein.server import routes_generate, routes_ops, routes_requests, routes_responses
+from bargein.server import (
+    routes_generate,
+    routes_ops,
+    routes_requests,
+    routes_responses,
+    routes_tokenize,
+)
+from bargein.server.anthropic import routes as anthropic_routes
 from bargein.server.context import ServerContext
 from bargein.server.errors import install_error_handlers
 from bargein.server.middleware import API_PREFIXES, GuardMiddleware, Traffic
+from bargein.server.ollama import routes as ollama_routes
 from bargein.server.settings import ServerSettings
 
 log = logging.getLogger("bargein.server")
@@ -59,6 +67,9 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     app.state.ctx = ctx
     install_error_handlers(app)
     for module in (routes_generate, routes_responses, routes_requests, routes_ops):
+        app.include_router(module.router)
+    # The clients people already use: Anthropic Messages, Ollama, /tokenize (issue 32).
+    for module in (anthropic_routes, ollama_routes, routes_tokenize):
         app.include_router(module.router)
     if settings.debug_endpoints:
         app.include_router(routes_ops.debug_router)

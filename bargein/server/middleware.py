@@ -41,7 +41,7 @@ from bargein.server.settings import ServerSettings
 log = logging.getLogger("bargein.server")
 
 # The API and its self-description; the chat page's static files stay open so it can ask for the key.
-API_PREFIXES = ("/v1", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
+API_PREFIXES = ("/v1", "/api", "/tokenize", "/detokenize", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 DRAIN_RETRY_AFTER_S = 5  # what a client refused during the drain is told to wait
 

@@ -72,8 +72,11 @@ class PromptBuilder:
                                 "shorten it", param=param, code="context_length_exceeded")
 
     async def chat(self, messages: list[dict[str, Any]], tools: Any = None, *, param: str = "messages",
-                   more_known: Callable[[], Sequence[KnownText]] | None = None) -> ChatPrompt:
+                   more_known: Callable[[], Sequence[KnownText]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
         """The rendered chat prompt's token ids, token-exact over remembered answers.
+
+        ``template_kwargs`` are the template's own variables (``enable_thinking``).
 
         ``more_known`` (called in the pool) adds pairs to those in memory: a
         ``previous_response_id``'s, which must work even once memory has dropped it.
@@ -85,7 +88,8 @@ class PromptBuilder:
 
         def work() -> tuple[str, Continuation]:
             try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                                          **(template_kwargs or {}))
             except ChatTemplateError as exc:
                 raise APIError(400, f"the chat template could not render the messages: {exc}",
                                param=param) from None

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput
-from bargein.server.tools import CallStart, ToolCall, ToolCallParser, ToolEvent
+from bargein.server.reasoning import AnswerEvent, ReasoningDelta, ReasoningSplitter
+from bargein.server.tools import CallStart, ToolCall, ToolCallParser
 
 FINAL_STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
 
@@ -41,6 +42,8 @@ class StoredResponse:
     tool_choice: Any = "auto"
     calls: ToolCallParser | None = None  # with tools offered: the answer's text -> content and function calls
     order: list[int | None] = field(default_factory=list)  # output items as they appeared: None message, i call i
+    thoughts: ReasoningSplitter | None = None  # a template that marks thinking: thoughts -> a reasoning item
+    reasoning: str = ""  # the thoughts so far (the reasoning item, first of the output when not empty)
     answer_start: int | None = None  # continuing an answer: where in prompt_token_ids that answer began
     return_token_ids: bool = False  # the extension: the exact prompt and output token ids in the object
     created_at: int = field(default_factory=lambda: int(time.time()))
@@ -72,26 +75,37 @@ class StoredResponse:
     def is_final(self) -> bool:
         return self.status in FINAL_STATUSES
 
-    def apply(self, out: RequestOutput) -> list[ToolEvent]:
+    def apply(self, out: RequestOutput) -> list[AnswerEvent]:
         """Takes in one engine output: deltas as they come, the cumulative fields at the end.
-        Returns what it added, in order: content text, and with tools offered the function
-        calls' events."""
-        events: list[ToolEvent] = [out.delta_text] if out.delta_text else []
+        Returns what it added, in order: thoughts, content text, and with tools offered the
+        function calls' events."""
+        delta, events = out.delta_text, []
+        if self.thoughts is not None:
+            pieces = self.thoughts.feed(delta, final=out.finished)
+            thoughts = [p for p in pieces if isinstance(p, ReasoningDelta)]
+            self.reasoning += "".join(t.text for t in thoughts)
+            events += thoughts
+            delta = "".join(p for p in pieces if isinstance(p, str))
         if self.calls is not None:
-            _, events = self.calls.feed(out.delta_text, final=out.finished)
+            _, call_events = self.calls.feed(delta, final=out.finished)
+            events += call_events
             self.text = self.calls.text
-            for event in events:
+            for event in call_events:
                 if isinstance(event, CallStart):
                     self.order.append(event.call.index)
                 elif isinstance(event, str) and None not in self.order:
                     self.order.append(None)
+        elif delta:
+            events.append(delta)
+            if self.thoughts is not None and None not in self.order:
+                self.order.append(None)
         if out.finished:
             if self.calls is None:
-                self.text = out.text
+                self.text = out.text if self.thoughts is None else self.text + delta
             self.output_token_ids = list(out.token_ids)
         else:
             if self.calls is None:
-                self.text += out.delta_text
+                self.text += delta
             self.output_token_ids.extend(out.new_token_ids)
         if self.status == "queued" and (out.new_token_ids or out.finished):
             self.status = "in_progress"
@@ -126,18 +140,32 @@ class StoredResponse:
                 "role": "assistant",
                 "content": [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}]}
 
+    @property
+    def items_open_as_they_come(self) -> bool:
+        """Output items appear in ``order`` (tools offered, or thoughts first)."""
+        return self.calls is not None or self.thoughts is not None
+
+    def reasoning_item(self) -> dict[str, Any]:
+        done = self.is_final or bool(self.order)  # the thought ended: an answer began after it
+        return {"type": "reasoning", "id": "rs_" + self.id.removeprefix("resp_"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": self.reasoning}],
+                "status": "completed" if done else "in_progress"}
+
     def function_call_item(self, call: ToolCall) -> dict[str, Any]:
         status = "completed" if call.done else ("in_progress" if not self.is_final else "incomplete")
         return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
                 "name": call.name, "arguments": call.arguments, "status": status}
 
     def output(self) -> list[dict[str, Any]]:
-        """The output items: the message; with tools offered, the message (if the answer
-        has text) and the function calls, in the order they appeared."""
-        if self.calls is None or not self.order:
-            return [self.message_item()] if self.text or self.is_final else []
-        return [self.message_item() if i is None else self.function_call_item(self.calls.calls[i])
-                for i in self.order]
+        """The output items: the reasoning item (when there were thoughts), then the
+        message; with tools offered, the message (if the answer has text) and the function
+        calls, in the order they appeared."""
+        items = [self.reasoning_item()] if self.reasoning else []
+        if not self.order:
+            return items + ([self.message_item()] if self.text or self.is_final else [])
+        assert self.calls is not None or self.order == [None]
+        return items + [self.message_item() if i is None else self.function_call_item(self.calls.calls[i])
+                        for i in self.order]
 
     def to_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = {

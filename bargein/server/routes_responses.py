@@ -37,12 +37,13 @@ from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ResponsesShape
 from bargein.server.prompts import check_prompt_length
+from bargein.server.reasoning import ReasoningFormat, ReasoningSplitter, thinking_for
 from bargein.server.responses_store import StoredResponse
 from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
 from bargein.server.structured import compile_in_pool
-from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan
+from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan, tool_syntax_for
 from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.validation import check_response_format, effective_timeout, resolve_max_tokens
 
@@ -155,7 +156,7 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
         previous_response_id=body.previous_response_id, background=body.background, store=body.store,
         metadata=body.metadata or {}, user=body.user, template_tools=template_tools,
         tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        calls=ToolCallParser({t.name for t in plan.tools}) if plan.offered else None,
+        calls=ToolCallParser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
@@ -202,7 +203,7 @@ async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResp
         previous_response_id=prev.id, background=body.background, store=body.store,
         metadata=body.metadata or {}, user=body.user, template_tools=prev.template_tools,
         tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        calls=ToolCallParser({t.name for t in plan.tools}) if plan.offered else None,
+        calls=ToolCallParser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
@@ -225,7 +226,7 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
     new_turn = input_messages(body.input) if prev is None else []  # validation in FIELD_ORDER (validation.py)
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
     constraint = check_response_format(text_format, "text.format", nested=False)
-    plan = tool_plan(*chat_tools(body.tools, body.tool_choice))
+    plan = tool_plan(*chat_tools(body.tools, body.tool_choice), tool_syntax_for(ctx.tokenizer.chat_template))
     if plan.constraint() is not None:
         if constraint is not None:
             raise APIError(400, "text.format cannot be combined with a required or named tool_choice",
@@ -244,6 +245,9 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
         stored, prompt_text, tokens, answer_start = await _continued(ctx, body, prev, plan, constraint)
         constraint_from = answer_start if constraint is not None else None
     stored.id, stored.return_token_ids = response_id, body.return_token_ids
+    thinking = thinking_for(ctx.tokenizer.chat_template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
+                            constrained=constraint is not None)
+    stored.thoughts = ReasoningSplitter(thinking) if thinking is not None else None
     if text_format is not None:
         stored.text_format = text_format
     gen = Generation("responses", response_id, received, [tokens], params, timeout=timeout, stream=body.stream,

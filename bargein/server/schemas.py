@@ -119,6 +119,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     return_token_ids: bool = Field(default=False, description="extension: prompt_token_ids and token_ids "
                                    "in each choice (streamed: in its final chunk)")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extension: the chat "
+                                                        "template's variables, e.g. enable_thinking")
 
 
 class CompletionRequest(SamplingFields):

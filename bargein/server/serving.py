@@ -48,10 +48,11 @@ def start(ctx: ServerContext, gen: Generation) -> Job:
 
 
 async def serve(request: Request, ctx: ServerContext, gen: Generation, shape: Shape,
-                on_start: Callable[[], None] | None = None) -> Response:
+                on_start: Callable[[], None] | None = None, media_type: str = "text/event-stream") -> Response:
     """Starts ``gen`` and answers it in ``shape``: a stream, or one body once finished.
 
-    ``on_start`` runs once the job is accepted (a stored response becomes visible).
+    ``on_start`` runs once the job is accepted (a stored response becomes visible);
+    ``media_type`` is the stream's (Ollama's NDJSON).
     """
     job = start(ctx, gen)
     if on_start is not None:
@@ -63,7 +64,7 @@ async def serve(request: Request, ctx: ServerContext, gen: Generation, shape: Sh
         shape.closed(reason)
 
     if gen.stream:
-        return EventStream(event_stream(ctx.jobs, job, shape), on_close=close, headers=headers)
+        return EventStream(event_stream(ctx.jobs, job, shape), on_close=close, headers=headers, media_type=media_type)
     try:
         await unless_disconnected(request, collect(ctx.jobs, job, shape))
     except ClientGone:

@@ -59,6 +59,7 @@ class ServerSettings:
     max_stop_chars: int = 256  # characters in one stop string
     max_logit_bias: int = 1024  # logit_bias entries
     max_n: int = 16  # choices (n)
+    reasoning_format: str = "separate"  # thinking models' thoughts: "separate" (reasoning_content) or "none"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -86,6 +87,8 @@ class ServerSettings:
         for name in ("header_timeout", "body_timeout"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+        if self.reasoning_format not in ("none", "separate"):
+            raise SettingsError(f"reasoning format must be 'none' or 'separate', got {self.reasoning_format!r}")
         for name in ("max_messages", "max_stop", "max_stop_chars", "max_logit_bias", "max_n"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
@@ -111,6 +114,7 @@ class ServerSettings:
             debug_endpoints=env.bool("DEBUG_ENDPOINTS", False),
             shutdown_timeout=env.float("SHUTDOWN_TIMEOUT", defaults.shutdown_timeout) or 0.0,
             log_level=env.str("LOG_LEVEL", defaults.log_level) or defaults.log_level,
+            reasoning_format=env.str("REASONING_FORMAT", defaults.reasoning_format) or defaults.reasoning_format,
             default_max_tokens=env.int("DEFAULT_MAX_TOKENS", None),
             max_tokens_limit=env.int("MAX_TOKENS_LIMIT", None),
             continuation_memory_entries=env.int("CONTINUATION_MEMORY_ENTRIES",

@@ -2,7 +2,8 @@
 
 ``EventStream`` is Starlette's StreamingResponse (which stops iterating when the client
 disconnects) plus an ``on_close`` callback that runs however the response ends, even if
-the client hung up before the body iterator ever started. That callback aborts any of
+the client hung up before the body iterator ever started. The Ollama routes use it for
+their NDJSON streams too (``media_type``). That callback aborts any of
 the job's engine requests still running, so no disconnect leaves work behind.
 """
 
@@ -28,9 +29,9 @@ def named_event(event: str, payload: Any) -> str:
 
 class EventStream(StreamingResponse):
     def __init__(self, content: AsyncIterator[str], *, on_close: Callable[[], None],
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, media_type: str = "text/event-stream"):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
+        super().__init__(content, media_type=media_type, headers=headers)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
