@@ -10,8 +10,10 @@ Three limits apply to every step's plan:
 A decode (one pending token) costs one token of the budget and its time, and is never
 refused while a token is left. A prompt chunk is sized to the time left, split evenly
 between the prompts still to be placed in this step (``share``), but is never smaller
-than ``MIN_PROMPT_CHUNK`` tokens (or its whole prompt, if shorter) while the token budget
-and the prompt room allow: every prompt placed in a step makes progress, so a waiting
+than ``MIN_PROMPT_CHUNK`` tokens, nor than the tokens whose time equals a step's measured
+fixed cost (or its whole prompt, if shorter) while the token budget and the prompt room
+allow. So a step takes at most about max(target, twice the fixed cost) per prompt placed,
+and every prompt placed in a step makes progress, so a waiting
 request always gets its first chunk into the next step, and a long prefill always
 advances. Without a time target the budget is the two token limits alone, as before.
 
@@ -59,17 +61,21 @@ class StepBudget:
         ``share``: the prompts still to be placed in this step, this one included; a prompt
         gets at least its even share of the time left. 0 means it cannot be placed now.
         """
-        n = min(pending, self.tokens)
+        most = min(pending, self.tokens)
         if pending == 1:
-            return n
-        n = int(min(n, max(self.prompt_room, 0)))
-        if not self.timed or n == 0:
-            return n
-        if self.explore_limit is not None:
-            n = min(n, self.explore_limit)
+            return most
+        most = int(min(most, max(self.prompt_room, 0)))
+        if not self.timed or most == 0:
+            return most
+        n = most if self.explore_limit is None else min(most, self.explore_limit)
+        floor = MIN_PROMPT_CHUNK
         if self.cost is not None:
+            # Where a step's fixed cost alone is near the target (a loaded machine), chunks
+            # sized to the time left would shrink to nothing and a prompt would take forever:
+            # a chunk always gets the tokens that cost as much as that fixed cost.
+            floor = max(floor, min(n, self.cost.tokens_within(self.cost.overhead, start_pos)))
             n = min(n, self.cost.tokens_within(self.seconds / max(share, 1), start_pos))
-        return max(n, min(MIN_PROMPT_CHUNK, pending, self.tokens, int(max(self.prompt_room, 0))))
+        return max(n, min(floor, most))
 
     def spend(self, num_tokens: int, start_pos: int, *, prompt: bool) -> None:
         """Counts a placed chunk against every limit."""
