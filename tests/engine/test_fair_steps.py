@@ -23,7 +23,13 @@ from bargein.engine.request import CancelReason, FinishReason, Request, Sequence
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
 from bargein.engine.step_budget import MIN_PROMPT_CHUNK
-from bargein.engine.step_time import PROBE_TOKENS, StepCost, StepTimer, attended_pairs, plan_features
+from bargein.engine.step_time import (
+    PROBE_TOKENS,
+    StepCost,
+    StepTimer,
+    attended_pairs,
+    plan_features,
+)
 from tests.dense_reference import random_weights
 from tests.tiny_engine import TINY, ByteTokenizer, prompt
 
