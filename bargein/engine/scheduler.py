@@ -178,8 +178,13 @@ class Scheduler(StepFilling, SchedulerConversations):
 
     @property
     def has_work(self) -> bool:
-        """Something to schedule or to collect (paused requests wait for ``resume``)."""
-        return bool(self.waiting or self._in_flight or any(r.request_id not in self.paused for r in self.running))
+        """Something to schedule or to collect. Paused requests wait for ``resume``, unless
+        their deadline passed (a step then ends them)."""
+        if self.waiting or self._in_flight:
+            return True
+        now = time.monotonic()
+        return any(r.request_id not in self.paused or (r.deadline is not None and r.deadline <= now)
+                   for r in self.running)
 
     @property
     def in_flight(self) -> frozenset[str]:
