@@ -6,7 +6,10 @@ A fresh prompt, a prompt chunk, a prefix-cache hit and a decode are all that one
 
 Each step takes, within a token budget, the pending tokens of running requests (oldest
 first; one token for a decode, a chunk for a long prompt) and then admits waiting
-requests. When blocks run out it first takes back blocks that nobody is computing with
+requests. With a time target (``max_step_ms``) the step is fair instead: decodes, then a
+first chunk of every waiting request, then the next chunks of running prompts, each sized
+from measured step times (``step_budget.py``, ``step_time.py``); the placement itself is
+in ``step_fill.py``. Requests whose consumer stopped reading are paused (``pause``). When blocks run out it first takes back blocks that nobody is computing with
 (waiting requests' and idle conversations'), then preempts the newest running request
 (its blocks are released, its tokens kept, and it is recomputed later, usually from the
 prefix cache).

@@ -12,10 +12,9 @@ refused while a token is left. A prompt chunk is sized to the time left, split e
 between the prompts still to be placed in this step (``share``), but is never smaller
 than ``MIN_PROMPT_CHUNK`` tokens, nor than the tokens whose time equals a step's measured
 fixed cost (or its whole prompt, if shorter) while the token budget and the prompt room
-allow. So a step takes at most about max(target, twice the fixed cost) per prompt placed,
-and every prompt placed in a step makes progress, so a waiting
-request always gets its first chunk into the next step, and a long prefill always
-advances. Without a time target the budget is the two token limits alone, as before.
+allow. So a step overshoots the target only by those floors, and every prompt placed in
+a step makes progress: a waiting request always gets its first chunk into the next step,
+and a long prefill always advances. Without a time target the budget is the two token limits alone, as before.
 
 Plain data and arithmetic, no torch; one instance lives for one ``schedule`` call.
 """
