@@ -75,6 +75,7 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.tally = Tally()
         self.gaps_from = 0.0
+        self.deadline = 0.0
 
     def headers(self, key: str | None) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"} if key else {}
@@ -129,11 +130,14 @@ class Soak:
             c = await http.post(f"/v1/responses/{rid}/cancel")
             if c.status_code != 200:
                 raise RuntimeError(f"cancel: status {c.status_code}")
+        cancelled = False
         give_up = time.monotonic() + 600
         while time.monotonic() < give_up:
             status = (await http.get(f"/v1/responses/{rid}")).json().get("status")
             if status not in ("queued", "in_progress"):
                 return
+            if not cancelled and time.monotonic() > self.deadline:  # the run is over: stop it now
+                cancelled = (await http.post(f"/v1/responses/{rid}/cancel")).status_code == 200
             await asyncio.sleep(0.5)
         raise RuntimeError("a background response did not end within 600 s")
 
@@ -186,7 +190,7 @@ async def run(base: str, args: argparse.Namespace) -> dict:
     keys = args.keys or [args.key, args.key]
     started = time.monotonic()
     soak.gaps_from = started + args.warmup
-    deadline = started + args.duration
+    deadline = soak.deadline = started + args.duration
     await asyncio.gather(*(soak.client(tenant, key, deadline) for tenant, key in zip("ab", keys, strict=False)
                            for _ in range(args.clients)))
     elapsed = time.monotonic() - started

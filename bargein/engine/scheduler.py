@@ -35,6 +35,7 @@ its blocks. This module imports no torch; it is driven by one thread (the engine
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -183,11 +184,11 @@ class Scheduler(StepFilling, SchedulerConversations):
     def has_work(self) -> bool:
         """Something to schedule or to collect. Paused requests wait for ``resume``, unless
         their deadline passed (a step then ends them)."""
-        if self.waiting or self._in_flight:
+        if self._in_flight:
             return True
         now = time.monotonic()
         return any(r.request_id not in self.paused or (r.deadline is not None and r.deadline <= now)
-                   for r in self.running)
+                   for r in itertools.chain(self.running, self.waiting))
 
     @property
     def in_flight(self) -> frozenset[str]:
@@ -223,7 +224,8 @@ class Scheduler(StepFilling, SchedulerConversations):
                                      self.config.max_step_ms, self.step_timer)
         fill = PlanFill(room, busy)
         if budget.timed:
-            fill.prompts_left = sum(1 for r in self.waiting if r.request_id not in self.held) + sum(
+            waits = self.held | self.paused
+            fill.prompts_left = sum(1 for r in self.waiting if r.request_id not in waits) + sum(
                 1 for r in self.running if r.request_id not in busy and r.sequence.num_pending > 1)
             self._continue_running(fill, budget, prompts=False)
             self._admit_waiting(fill, budget)
@@ -368,11 +370,10 @@ class Scheduler(StepFilling, SchedulerConversations):
         return copies
 
     def _preemption_victim(self, busy: set[str] | frozenset[str]) -> Request | None:
-        """The newest running request that is not in a plan in flight."""
-        for req in reversed(self.running):
-            if req.request_id not in busy:
-                return req
-        return None
+        """The newest running request that is not ``busy`` (in a plan in flight or being
+        planned), a paused one first: its client is not reading, so it loses least."""
+        candidates = [r for r in reversed(self.running) if r.request_id not in busy]
+        return next((r for r in candidates if r.request_id in self.paused), candidates[0] if candidates else None)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

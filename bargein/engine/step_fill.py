@@ -67,7 +67,7 @@ class StepFilling:
                 except OutOfBlocks:
                     if self._reclaim_blocks():
                         continue
-                    victim = self._preemption_victim(fill.taken)
+                    victim = self._preemption_victim(fill.taken - (self.paused - self.in_flight))
                     if victim is None and self._in_flight:
                         break  # the plans in flight may end and free blocks: try again then
                     if victim is None or (victim is req and len(self.running) == 1):
@@ -86,7 +86,9 @@ class StepFilling:
         while (i < len(self.waiting) and not fill.preempted and not budget.exhausted and len(fill.chunks) < fill.room
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[i]
-            if req.request_id in self.held:  # its K/V is being read from disk: the others go on
+            if req.request_id in self.held or req.request_id in self.paused:
+                # Its K/V is being read from disk, or it was preempted while its consumer was not
+                # reading (it waits for ``resume``): the others go on.
                 i += 1
                 continue
             seq = req.sequence

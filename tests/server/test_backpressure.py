@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from bargein.engine.async_engine import AsyncEngine
+from bargein.engine.request import FinishReason
 from bargein.server.app import create_app, finish_shutdown
 from bargein.server.settings import ServerSettings
 from tests.tiny_engine import ByteTokenizer, tiny_engine
@@ -217,3 +218,51 @@ async def test_a_background_response_without_max_output_tokens_gets_the_default_
         stored = (await client.get(f"/v1/responses/{response_id}")).json()
         assert stored["usage"]["output_tokens"] == 5  # the default cap, not the end of the context
         assert stored["status"] == "incomplete" and stored["incomplete_details"]["reason"] == "max_output_tokens"
+
+
+def test_the_scheduler_skips_a_paused_request_preempts_it_first_and_resumes_it_where_it_was():
+    """The engine side of backpressure, exactly: no torch, no clock."""
+    from bargein.config import SchedulerConfig
+    from bargein.engine.blocks import BlockPool
+    from bargein.engine.request import Request, Sequence
+    from bargein.engine.sampling import SamplingParams
+    from bargein.engine.scheduler import Scheduler
+
+    class Token:
+        def __init__(self, token_id: int):
+            self.token_id, self.logprobs = token_id, None
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BlockPool(4, 4, True), 64,
+                  frozenset({0}))
+
+    def add(rid: str, n: int, first: int) -> None:
+        s.ids.claim(rid)
+        s.add(Request(request_id=rid, sequence=Sequence(rid, list(range(first, first + n))),
+                      params=SamplingParams(max_tokens=50, ignore_eos=True), prompt_len=n, new_prompt_tokens=n))
+
+    def step() -> list[str]:
+        plan = s.schedule()
+        s.update(plan, {c.request_id: Token(7) for c in plan.chunks if c.sample})
+        s.take_outcome()
+        return [c.request_id for c in plan.chunks]
+
+    add("slow", 6, first=1)
+    step()
+    s.pause("slow")
+    assert step() == [] and not s.has_work  # nothing to do: the engine loop waits, it does not spin
+    tokens = list(s.requests["slow"].sequence.token_ids)
+    add("busy", 7, first=100)  # no prefix in common
+    assert step() == ["busy"]
+    # Its decodes soon need a fifth block: the paused request gives its blocks back, though
+    # the busy one is newer (a plain preemption would take the newest).
+    for _ in range(3):
+        assert step() == ["busy"]
+    assert s.num_preemptions == 1 and s.requests["slow"].sequence.num_computed == 0
+    assert s.requests["slow"].sequence.token_ids == tokens  # its tokens are kept (C3)
+    assert step() == ["busy"]  # preempted while paused: it waits for resume, not for blocks
+    s.finish(["busy"], FinishReason.CANCELLED)
+    s.take_outcome()
+    assert not s.has_work
+    s.resume("slow")
+    assert s.has_work and step() == ["slow"]  # it goes on from its tokens
+    assert s.requests["slow"].sequence.token_ids[:len(tokens)] == tokens
