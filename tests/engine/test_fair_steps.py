@@ -232,3 +232,33 @@ def test_behind_a_7600_token_prompt_a_short_request_answers_within_two_targets_a
     assert first_token_s <= 2 * step_s * 3, (first_token_s, step_s)  # two steps, 3x margin for a loaded machine
     assert cancel_s <= step_s * 3, (cancel_s, step_s)  # one step, 3x margin
     asyncio.run(engine.check_block_accounting())
+
+
+# -- the flag ---------------------------------------------------------------------------------
+def test_max_step_ms_defaults_to_250_reads_its_variable_and_zero_turns_it_off(monkeypatch):
+    import argparse
+
+    from bargein.cli.serve import _add_serve_arguments
+
+    def parsed(*argv: str) -> float:
+        p = argparse.ArgumentParser()
+        _add_serve_arguments(p)
+        return p.parse_args(list(argv)).max_step_ms
+
+    monkeypatch.delenv("BARGEIN_MAX_STEP_MS", raising=False)
+    assert parsed() == 250.0 and parsed("--max-step-ms", "0") == 0.0
+    monkeypatch.setenv("BARGEIN_MAX_STEP_MS", "100")
+    assert parsed() == 100.0 and parsed("--max-step-ms", "40") == 40.0
+    with pytest.raises(ValueError, match="max_step_ms"):
+        SchedulerConfig(max_step_ms=0)
+
+
+def test_a_negative_max_step_ms_is_one_error_line_and_status_2():
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "bargein.cli", "serve", "--max-step-ms", "-5"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--max-step-ms must be 0 (no time target) or more, got -5.0" in result.stderr
+    assert "Traceback" not in result.stderr
