@@ -222,7 +222,7 @@ class Scheduler(StepFilling, SchedulerConversations):
         busy = self.in_flight | self.paused
         budget = StepBudget.for_step(self.config.max_num_batched_tokens, self._prompt_room(busy, room),
                                      self.config.max_step_ms, self.step_timer)
-        fill = PlanFill(room, busy)
+        fill = PlanFill(room, set(busy))
         if budget.timed:
             waits = self.held | self.paused
             fill.prompts_left = sum(1 for r in self.waiting if r.request_id not in waits) + sum(

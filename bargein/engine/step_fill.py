@@ -3,8 +3,9 @@
 Split from :mod:`bargein.engine.scheduler`, which owns every piece of state used here
 and calls these methods from ``schedule`` (engine thread). ``PlanFill`` is the plan being
 built; ``StepBudget`` says how much more it may carry. Placing a request's tokens may
-need blocks: blocks nobody computes with are reclaimed first, then the newest running
-request that is not in this plan or one in flight is preempted. This module imports no torch.
+need blocks: blocks nobody computes with are reclaimed first, then a running request that
+is not in this plan or one in flight is preempted (a paused one first, else the newest).
+This module imports no torch.
 """
 
 from __future__ import annotations
@@ -28,14 +29,11 @@ class PlanFill:
     """The plan being filled by one ``schedule`` call."""
 
     room: int  # sequences the plan may still take
-    taken: frozenset[str] | set[str]  # requests not to schedule again, nor preempt: in flight, paused, placed
+    taken: set[str]  # requests not to schedule again, nor preempt: in flight, paused, placed
     chunks: list[ScheduledChunk] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
     prompts_left: int = 1  # prompts still to place (a timed step shares its time among them)
-
-    def __post_init__(self) -> None:
-        self.taken = set(self.taken)
 
     def add(self, chunk: ScheduledChunk) -> None:
         self.chunks.append(chunk)
