@@ -186,7 +186,12 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
     from bargein.server.settings import LIMIT_FLAGS, ServerSettings, SettingsError, parse_size
 
     try:
+        env = ServerSettings.from_env()  # the settings that have no flag come from the environment only
         settings = ServerSettings(
+            tokenizer_threads=env.tokenizer_threads, continuation_memory_entries=env.continuation_memory_entries,
+            continuation_memory_tokens=env.continuation_memory_tokens, stream_buffer_tokens=env.stream_buffer_tokens,
+            stream_stall_timeout=env.stream_stall_timeout,
+            background_max_output_tokens=env.background_max_output_tokens,
             host=args.host, port=args.port, api_key=args.api_key or None, request_timeout=args.request_timeout,
             max_queue=args.max_queue, max_body_bytes=parse_size(args.max_body), debug_endpoints=args.debug_endpoints,
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
