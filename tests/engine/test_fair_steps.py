@@ -253,12 +253,15 @@ def test_max_step_ms_defaults_to_250_reads_its_variable_and_zero_turns_it_off(mo
         SchedulerConfig(max_step_ms=0)
 
 
-def test_a_negative_max_step_ms_is_one_error_line_and_status_2():
-    import subprocess
-    import sys
+def test_a_negative_max_step_ms_is_a_usage_error_before_anything_loads():
+    import argparse
 
-    result = subprocess.run([sys.executable, "-m", "bargein.cli", "serve", "--max-step-ms", "-5"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert "--max-step-ms must be 0 (no time target) or more, got -5.0" in result.stderr
-    assert "Traceback" not in result.stderr
+    from bargein.cli.errors import EXIT_USAGE, CliError
+    from bargein.cli.serve import _add_serve_arguments, _start_serving
+
+    p = argparse.ArgumentParser()
+    _add_serve_arguments(p)
+    with pytest.raises(CliError) as info:
+        _start_serving(p.parse_args(["--max-step-ms", "-5"]))
+    assert info.value.status == EXIT_USAGE
+    assert str(info.value) == "--max-step-ms must be 0 (no time target) or more, got -5.0"
