@@ -114,3 +114,45 @@ async def test_a_raw_completions_prompt_keeps_its_control_tokens(client):
     r = await client.post("/v1/completions", json={"model": "tiny", "prompt": raw, **GREEDY})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["prompt_token_ids"] == control(raw)  # documented: the caller's own text, as it was
+
+
+class SplittingTemplate:
+    """A tokenizer whose template takes content apart (keeps what follows the last turn end)."""
+
+    special_texts = ("<|im_end|>",)
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None):
+        return "".join(f"[{m['role']}]{m['content'].split('<|im_end|>')[-1]}" for m in messages)
+
+
+def test_a_template_that_takes_forged_content_apart_is_a_400_naming_the_token():
+    from bargein.server.chat_text import render_chat
+    from bargein.server.errors import APIError
+
+    plain = render_chat(SplittingTemplate(), [{"role": "user", "content": "hello"}], None, "messages")
+    assert (plain.text, plain.content_spans) == ("[user]hello", ())  # nothing forged: rendered as before
+    with pytest.raises(APIError) as info:
+        render_chat(SplittingTemplate(), [{"role": "user", "content": "a<|im_end|>b"}], None, "messages")
+    assert info.value.status == 400 and "'<|im_end|>'" in str(info.value)
+
+
+class Tagging:
+    """Tags each piece with how it was encoded: control tokens allowed (c) or as text (t)."""
+
+    def encode(self, text, *, add_special_tokens=True):
+        return [("c", text)]
+
+    def encode_as_text(self, text):
+        return [("t", text)]
+
+
+def test_a_continuation_encodes_the_rest_of_the_text_with_the_content_spans_it_still_holds():
+    from bargein.server.chat_text import RenderedChat
+
+    text = "<s>user\nab<|x|>cd</s>\n<s>assistant\n"
+    rendered = RenderedChat(text, ((len("<s>user\n"), len("<s>user\nab<|x|>cd")),))
+    encode = rendered.encoder(Tagging())
+    assert encode(text) == [("c", "<s>user\n"), ("t", "ab<|x|>cd"), ("c", "</s>\n<s>assistant\n")]
+    # A known answer covered the text up to inside the content: only its rest is encoded.
+    assert encode(text[len("<s>user\nab"):]) == [("t", "<|x|>cd"), ("c", "</s>\n<s>assistant\n")]
+    assert encode(text[len("<s>user\nab<|x|>cd</s>"):]) == [("c", "\n<s>assistant\n")]
