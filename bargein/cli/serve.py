@@ -21,6 +21,14 @@ from typing import Any
 from bargein.cli.common import Command, add_precision_argument
 from bargein.cli.errors import EXIT_FAILURE, EXIT_SETUP, EXIT_USAGE, CliError
 
+# The step time target's default. On a 2-core machine with the default model, issue 34's
+# probe measured a 512-token step at up to 7.4 s late in a long prompt, and a decode step
+# of a few streams takes tens of ms: 250 ms keeps a short request behind a long prompt at
+# about 0.5 s to its first token and a cancel at about 0.25 s, while a prompt chunk still
+# carries tens to hundreds of tokens (and never fewer than what a step's fixed cost buys:
+# engine/step_budget.py), so a prefill loses little to per-step costs.
+DEFAULT_MAX_STEP_MS = 250.0
+
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from bargein.server.settings import LIMIT_FLAGS, EnvReader, ServerSettings, SettingsError
@@ -38,6 +46,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         max_num_seqs = env.int("MAX_NUM_SEQS", 64)
         max_batched = env.int("MAX_NUM_BATCHED_TOKENS", 512)
         max_mixed_prefill = env.int("MAX_MIXED_PREFILL_TOKENS", None)
+        max_step_ms = env.float("MAX_STEP_MS", DEFAULT_MAX_STEP_MS)
         device = env.str("DEVICE", "auto")
         dtype = env.str("DTYPE", "auto")
     except SettingsError as exc:
@@ -81,6 +90,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "inter-token latency near one decode step where a step's time grows with its tokens "
                         "(a CPU), larger gets new prompts their first token sooner (default: up to "
                         "--max-num-batched-tokens)")
+    p.add_argument("--max-step-ms", type=float, default=max_step_ms, metavar="MS",
+                   help="a time target for one step: prompt chunks are sized from measured step times, and "
+                        "every waiting request gets its first chunk into the next step, so a short request "
+                        "behind a long prompt answers within about two targets and a cancel lands within "
+                        "about one; 0 bounds steps by tokens alone (default: %(default)s)")
     p.add_argument("--device", default=device, metavar="DEVICE",
                    help="auto (CUDA where available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"],
@@ -175,13 +189,20 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
     from bargein.server.settings import LIMIT_FLAGS, ServerSettings, SettingsError, parse_size
 
     try:
+        env = ServerSettings.from_env()  # the settings that have no flag come from the environment only
         settings = ServerSettings(
+            tokenizer_threads=env.tokenizer_threads, continuation_memory_entries=env.continuation_memory_entries,
+            continuation_memory_tokens=env.continuation_memory_tokens, stream_buffer_tokens=env.stream_buffer_tokens,
+            stream_stall_timeout=env.stream_stall_timeout,
+            background_max_output_tokens=env.background_max_output_tokens,
             host=args.host, port=args.port, api_key=args.api_key or None, request_timeout=args.request_timeout,
             max_queue=args.max_queue, max_body_bytes=parse_size(args.max_body), debug_endpoints=args.debug_endpoints,
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
             default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
             reasoning_format=args.reasoning_format, **{name: getattr(args, name) for name in LIMIT_FLAGS})
+        if args.max_step_ms is not None and args.max_step_ms < 0:
+            raise SettingsError(f"--max-step-ms must be 0 (no time target) or more, got {args.max_step_ms}")
         if args.max_model_len is not None and args.max_model_len < 2:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
         if args.kv_memory is not None and args.kv_tokens is not None:
@@ -197,7 +218,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             cache=CacheConfig(memory_bytes=0 if kv_auto else parse_size(args.kv_memory or args.kv_memory_default),
                               kv_tokens=args.kv_tokens, **_kv_disk(args, pipeline is not None)),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                      max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
+                                      max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
+                                      max_step_ms=args.max_step_ms or None),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype, precision=args.precision,
             pipeline=pipeline)
         _check_replica_flags(args)

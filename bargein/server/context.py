@@ -60,7 +60,8 @@ class ServerContext:
         s = self.settings
         core = self.model = self.engine.describe()
         self.jobs = JobRunner(self.engine, self.registry, self.metrics, max_queue=s.max_queue,
-                              draining=lambda: self.draining)
+                              draining=lambda: self.draining, stream_buffer_tokens=s.stream_buffer_tokens,
+                              stall_timeout=s.stream_stall_timeout)
         self.responses = ResponseStore(s.max_stored_responses)
         self.memory = PromptMemory(s.continuation_memory_entries, s.continuation_memory_tokens)
         self.pool = ThreadPoolExecutor(s.tokenizer_threads, thread_name_prefix="bargein-tokenize")

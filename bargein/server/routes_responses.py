@@ -232,8 +232,10 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
             raise APIError(400, "text.format cannot be combined with a required or named tool_choice",
                            param="tool_choice", code="invalid_value")
         constraint = plan.constraint()
-    max_tokens = resolve_max_tokens(body.max_output_tokens, "max_output_tokens", ctx.settings,
-                                    ctx.settings.default_max_tokens)
+    default = ctx.settings.default_max_tokens
+    if body.background:  # no client waits on it: it must not run to the end of the context unasked
+        default = min(default or ctx.settings.background_max_output_tokens, ctx.settings.background_max_output_tokens)
+    max_tokens = resolve_max_tokens(body.max_output_tokens, "max_output_tokens", ctx.settings, default)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"},
                              constraint=constraint)

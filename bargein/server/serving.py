@@ -44,7 +44,8 @@ class Generation:
 
 def start(ctx: ServerContext, gen: Generation) -> Job:
     return ctx.jobs.start(gen.request_id, gen.endpoint, gen.prompts, gen.params, n=gen.n, timeout=gen.timeout,
-                          received=gen.received, on_final=gen.on_final, constraint_from=gen.constraint_from)
+                          received=gen.received, on_final=gen.on_final, constraint_from=gen.constraint_from,
+                          streamed=gen.stream)
 
 
 async def serve(request: Request, ctx: ServerContext, gen: Generation, shape: Shape,
@@ -64,7 +65,8 @@ async def serve(request: Request, ctx: ServerContext, gen: Generation, shape: Sh
         shape.closed(reason)
 
     if gen.stream:
-        return EventStream(event_stream(ctx.jobs, job, shape), on_close=close, headers=headers, media_type=media_type)
+        return EventStream(event_stream(ctx.jobs, job, shape), on_close=close, headers=headers, media_type=media_type,
+                           stalled=job.stalled)
     try:
         await unless_disconnected(request, collect(ctx.jobs, job, shape))
     except ClientGone:

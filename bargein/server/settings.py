@@ -60,6 +60,14 @@ class ServerSettings:
     max_logit_bias: int = 1024  # logit_bias entries
     max_n: int = 16  # choices (n)
     reasoning_format: str = "separate"  # thinking models' thoughts: "separate" (reasoning_content) or "none"
+    # Backpressure (issue 34): a stream whose client stops reading pauses its generation once
+    # about this many tokens wait unsent (in the engine's stream and in the job's buffer, each
+    # bounded by it), and is cancelled (reason ``disconnect``) after this many seconds without a read.
+    stream_buffer_tokens: int = 64
+    stream_stall_timeout: float = 30.0
+    # A background Responses request that gives no max_output_tokens generates at most this
+    # many (else it could run to the end of the context, holding a slot of the queue limit).
+    background_max_output_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -84,7 +92,10 @@ class ServerSettings:
             raise SettingsError("continuation memory bounds must not be negative")
         if self.tokenizer_threads < 1:
             raise SettingsError(f"tokenizer threads must be at least 1, got {self.tokenizer_threads}")
-        for name in ("header_timeout", "body_timeout"):
+        for name in ("stream_buffer_tokens", "background_max_output_tokens"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+        for name in ("header_timeout", "body_timeout", "stream_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
         if self.reasoning_format not in ("none", "separate"):
@@ -123,6 +134,10 @@ class ServerSettings:
             tokenizer_threads=env.int("TOKENIZER_THREADS", defaults.tokenizer_threads),
             header_timeout=env.float("HEADER_TIMEOUT", defaults.header_timeout),
             body_timeout=env.float("BODY_TIMEOUT", defaults.body_timeout),
+            stream_buffer_tokens=env.int("STREAM_BUFFER_TOKENS", defaults.stream_buffer_tokens),
+            stream_stall_timeout=env.float("STREAM_STALL_TIMEOUT", defaults.stream_stall_timeout),
+            background_max_output_tokens=env.int("BACKGROUND_MAX_OUTPUT_TOKENS",
+                                                 defaults.background_max_output_tokens),
             **{name: env.int(name.upper(), getattr(defaults, name)) for name in LIMIT_FLAGS},
         )
 
