@@ -72,7 +72,8 @@ class ReplicaSet(ReplicaConversations):
         # Constraints are compiled and checked here (a 400 before any replica sees them);
         # each replica compiles its own for the matcher that runs with the request.
         self.grammars = Grammars(facts.tokenizer, facts.model_config.vocab_size, facts.eos_token_ids)
-        self.router = Router(len(actors), facts.block_size, options.routing, options.max_imbalance)
+        self.router = Router(len(actors), facts.block_size, options.routing, options.max_imbalance,
+                             options.queue_cost_tokens)
         self.tombstones = Tombstones()
         self.records = RecordStore()
         self._stopping = threading.Event()
