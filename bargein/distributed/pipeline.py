@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import socket
 import threading
 import time
 from collections import deque
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 from bargein.config import EngineConfig, ModelConfig
+from bargein.distributed.connect import connect
 from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.split import (
     LayerRanges,
@@ -111,38 +111,6 @@ class HeadTraffic:
     plan_bytes: int = 0
     logits_bytes: int = 0
     weights_shipped_bytes: int = 0
-
-
-def connect(address: str, num_stages: int) -> None:
-    """Connects this process to Ray: "auto", "local" (start one here) or an address."""
-    if ray is None:
-        raise PipelineSetupError("Ray is not installed: pip install 'bargein[ray]'")
-    if address not in ("auto", "local") and not address.startswith("ray://"):
-        _check_reachable(address)  # Ray itself retries an unreachable address for minutes
-    if ray.is_initialized():
-        return
-    try:
-        if address == "local":
-            # address="local": a new instance even where a cluster runs on this machine
-            # (Ray would otherwise join that one, and refuse num_cpus for it).
-            ray.init(address="local", num_cpus=num_stages, include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        if address == "auto":
-            raise PipelineSetupError("no Ray cluster runs on this machine: start one with `ray start --head` "
-                                     "(or use --ray local)") from None
-        raise PipelineSetupError(f"no Ray cluster at {address}: {first_line(exc)}") from None
-
-
-def _check_reachable(address: str, timeout: float = 3.0) -> None:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise PipelineSetupError(f"bad Ray address {address!r}: give one like HOST:6379, auto or local")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as exc:
-        raise PipelineSetupError(f"no Ray cluster at {address}: {exc.strerror or exc}") from None
 
 
 def check_layout(num_stages: int, model_config: ModelConfig, given: LayerRanges | None) -> None:
