@@ -96,7 +96,8 @@ def format_replicas(info: dict[str, Any]) -> str:
     header = ("REPLICA", "UP", "NODE", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
     rows = []
     for r in info["replicas"]:
-        rows.append((str(r["index"]), "yes" if r["up"] else "no", str(r.get("node_id", "?"))[:12], str(r["load"]),
+        node = str(r.get("node_address") or r.get("node_id", "?"))[:15]  # an address; an id before it answered
+        rows.append((str(r["index"]), "yes" if r["up"] else "no", node, str(r["load"]),
                      str(r["routed"]), f"{100 * r.get('cache_hit_rate', 0.0):.0f}%",
                      f"{100 * r['predicted_hit_rate']:.0f}%", f"{r['moved_out']}", f"{r['lost']}"))
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]

@@ -29,6 +29,8 @@ def add_node_arguments(p: argparse.ArgumentParser, *, head: bool) -> None:
     p.add_argument("--num-cpus", type=int, default=None, metavar="N", help="CPUs this node offers (default: all)")
     p.add_argument("--memory", default=None, metavar="SIZE",
                    help="memory this node offers; the layer split reads it (default: what is free)")
+    p.add_argument("--object-store-memory", default=None, metavar="SIZE",
+                   help="Ray's shared-memory object store here (default: Ray's, 30%% of memory)")
 
 
 def add_start_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,11 +123,14 @@ def run_check(args: argparse.Namespace) -> int:
 def _node_resources(args: argparse.Namespace) -> dict:
     from bargein.server.settings import parse_size
 
-    try:
-        memory = None if args.memory is None else parse_size(args.memory)
-    except ValueError as exc:
-        raise CliError(f"--memory: {exc}", EXIT_USAGE) from None
-    return {"temp_dir": args.temp_dir, "num_cpus": args.num_cpus, "memory_bytes": memory}
+    sizes = {}
+    for flag, value, key in (("--memory", args.memory, "memory_bytes"),
+                             ("--object-store-memory", args.object_store_memory, "object_store_bytes")):
+        try:
+            sizes[key] = None if value is None else parse_size(value)
+        except ValueError as exc:
+            raise CliError(f"{flag}: {exc}", EXIT_USAGE) from None
+    return {"temp_dir": args.temp_dir, "num_cpus": args.num_cpus, **sizes}
 
 
 def _ray_start(start) -> None:

@@ -45,7 +45,7 @@ def connect(address: str, num_cpus: int, *, check: bool = True) -> None:
     if ray.is_initialized():
         return
     if address != "local" and local_token() is not None and "RAY_AUTH_MODE" not in os.environ:
-        os.environ["RAY_AUTH_MODE"] = "token"  # a bargein cluster runs with tokens: present ours
+        _present_token()
     try:
         if address == "local":
             # address="local": a new instance even where a cluster runs on this machine
@@ -61,11 +61,27 @@ def connect(address: str, num_cpus: int, *, check: bool = True) -> None:
         if address == "auto":
             raise PipelineSetupError("no Ray cluster runs on this machine: start one with `bargein cluster start` "
                                      "(or use --ray local)") from None
+        if local_token() is None:
+            # Ray reports a refused token only in its log ("InvalidAuthToken"), then fails
+            # to connect: without a token here, that is the likely reason; say both.
+            raise PipelineSetupError(f"no Ray cluster at {address} ({_first_line(exc)}); if it uses token "
+                                     f"authentication: {no_token_message(address)}") from None
         raise PipelineSetupError(f"no Ray cluster at {address}: {_first_line(exc)}") from None
     if check and address != "local":
         problems = check_cluster()
         if problems:
             raise PipelineSetupError(str(problems))
+
+
+def _present_token() -> None:
+    """Token authentication on for this process: a bargein cluster runs with it."""
+    os.environ["RAY_AUTH_MODE"] = "token"
+    try:  # Ray read the mode into its config when it was imported: read it again
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError):  # a Ray without token authentication
+        pass
 
 
 def no_token_message(address: str) -> str:
