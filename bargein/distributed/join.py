@@ -67,7 +67,8 @@ def ensure_token() -> str:
 
 
 def token_environment(env: dict[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default this process's) with token authentication on."""
+    """``env`` (default this process's) with token authentication on: what ``ray start``
+    runs with, and so every Ray process of the node (stages and replicas included)."""
     out = dict(os.environ if env is None else env)
     out["RAY_AUTH_MODE"] = "token"
     return out
