@@ -70,6 +70,8 @@ def format_cluster(info: dict[str, Any]) -> str:
     if recovery.get("tokens_recomputed"):
         summary += f", {recovery['tokens_recomputed']} tokens recomputed"
     lines.append(summary)
+    if info.get("split"):
+        lines.append(f"layers split {info['split']}")
     header = ("STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE", "RESTARTS")
     rows = []
     for s in info["stages"]:

@@ -52,7 +52,9 @@ from bargein.distributed.split import (
     MatrixWidths,
     check_split,
     head_layers,
+    speed_factors,
     split_by_memory,
+    split_reason,
     stage_weight_bytes,
 )
 from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
@@ -76,6 +78,7 @@ try:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from bargein.distributed.calibrate import measure_nodes
     from bargein.distributed.health import RecoveryStats, first_line
     from bargein.distributed.recovery import StageRecovery
     from bargein.distributed.stage import StageCounters, stage_actor
@@ -123,11 +126,12 @@ def check_layout(num_stages: int, model_config: ModelConfig, given: LayerRanges 
 
 
 def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfig,
-                 given: LayerRanges | None, widths: MatrixWidths) -> list[StagePlacement]:
+                 given: LayerRanges | None, widths: MatrixWidths) -> tuple[list[StagePlacement], str]:
     """Stage i on the i-th node by memory (cycling when stages outnumber nodes); layers
     split so that each stage's work (the last one's LM head included, priced by the bytes
     stages read per value of each matrix, ``widths``) is in proportion to its share of its
-    node's memory, unless ``given``."""
+    node's memory times its node's speed factor (measured, see ``calibrate``), unless
+    ``given``. Returns the placements and one line saying what the split weighed."""
     resource = config.pipeline.node_resource if config.pipeline else None
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
              and (resource is None or n["Resources"].get(resource, 0) > 0)]
@@ -147,10 +151,24 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
     num_layers = model_config.num_layers
     if num_stages > num_layers:
         raise PipelineSetupError(f"{num_stages} stages were asked for, but the model has only {num_layers} layers")
-    ranges = check_split(given, num_layers) if given is not None else split_by_memory(num_layers, shares,
-                                                                                       head_layers(model_config, widths))
+    addresses = [n["NodeManagerAddress"] for n in chosen]
+    if given is not None:
+        ranges, reason = check_split(given, num_layers), "as given (--stage-layers)"
+    else:
+        factors = None
+        if len(set(addresses)) > 1:  # nodes at one address share its CPUs: nothing to weigh
+            one_per_address = {n["NodeManagerAddress"]: n["NodeID"] for n in chosen}
+            rates = measure_nodes(list(one_per_address.values()), config.pipeline.threads_per_stage
+                                  if config.pipeline else 1)
+            if len(rates) == len(one_per_address):
+                by_address = dict(zip(one_per_address, speed_factors([rates[n] for n in one_per_address.values()]),
+                                      strict=True))
+                factors = [by_address[a] for a in addresses]
+        weights = [m * f for m, f in zip(shares, factors or [1.0] * len(shares), strict=True)]
+        ranges = split_by_memory(num_layers, weights, head_layers(model_config, widths))
+        reason = split_reason(addresses, shares, factors)
     return [StagePlacement(i, ranges[i], n["NodeID"], n["NodeManagerAddress"], shares[i])
-            for i, n in enumerate(chosen)]
+            for i, n in enumerate(chosen)], reason
 
 
 @dataclass(frozen=True)
@@ -182,6 +200,7 @@ class PipelineRunner(StageRecovery):
         self._max_in_flight = self.pipe.max_in_flight
         self.device = torch.device("cpu")  # logits arrive here
         self.traffic = traffic
+        self.split_reason = ""  # what the layer split weighed (set by start)
         self.source = source
         self.node_path = node_path or (str(source.path) if source is not None else "")
         # (plan, the transport's handle on its result or the error submitting it, submitted at, seq)
@@ -219,12 +238,15 @@ class PipelineRunner(StageRecovery):
             raise ValueError("EngineConfig.pipeline is not set")
         check_layout(pipe.stages, model_config, pipe.stage_layers)
         connect(pipe.ray_address, pipe.stages)
-        placements = place_stages(pipe.stages, model_config, config, pipe.stage_layers,
-                                  stage_widths(source, model_config, config))
+        placements, reason = place_stages(pipe.stages, model_config, config, pipe.stage_layers,
+                                          stage_widths(source, model_config, config))
         actors: list[Any] = []
         try:
-            return cls._start_stages(source, model_config, config, placements, actors,
-                                     node_path or str(source.path))
+            runner = cls._start_stages(source, model_config, config, placements, actors,
+                                       node_path or str(source.path))
+            runner.split_reason = reason
+            log.info("layer split %s", reason)
+            return runner
         except BaseException:
             for actor in actors:
                 ray.kill(actor)
@@ -409,5 +431,6 @@ class PipelineRunner(StageRecovery):
         pipeline = PipelineInfo(
             transport=self.transport.kind if self.transport is not None else None, health=health,
             recovery=RecoveryInfo(r.losses, r.recoveries, tuple(r.restarts), tuple(r.recover_seconds)),
-            head_traffic=TrafficInfo(**asdict(self.traffic)), logits_transfer_s=self.logits_transfer_s)
+            head_traffic=TrafficInfo(**asdict(self.traffic)), logits_transfer_s=self.logits_transfer_s,
+            split_reason=self.split_reason)
         return RunnerInfo(self.num_blocks, self.max_in_flight, stages, pipeline)

@@ -183,6 +183,10 @@ def test_the_pipeline_spans_the_hosts_and_answers_as_one_process(cluster: Cluste
     assert [s["node_address"] for s in info["stages"]] == [cluster.hosts[1].ip, cluster.hosts[2].ip]
     assert info["stages"][0]["layers"][1] - info["stages"][0]["layers"][0] >= 3  # h1 offers more memory
     assert info["stages"][1]["weights_from"] != "file"  # h2 has no copy: shipped by the head
+    # Distinct hosts: their speed was measured for the split (on this shared machine they
+    # are alike, so memory decides), and the reason names each host.
+    assert info["split"].startswith("by memory and measured speed: ")
+    assert f"{cluster.hosts[1].ip} 600 MiB" in info["split"] and f"{cluster.hosts[2].ip} 300 MiB" in info["split"]
     body = pipeline.chat([{"role": "user", "content": "Tell me about the sea, please."}], max_tokens=24)
     (choice,) = body["choices"]
     assert choice["token_ids"] == _expected(reference, choice["prompt_token_ids"], 24)
