@@ -82,7 +82,12 @@ try:
     from bargein.distributed.health import RecoveryStats, first_line
     from bargein.distributed.recovery import StageRecovery
     from bargein.distributed.stage import StageCounters, stage_actor
-    from bargein.distributed.transport import ActorCalls, CompiledGraph, open_transport
+    from bargein.distributed.transport import (
+        ActorCalls,
+        CompiledGraph,
+        open_transport,
+        pick_transport,
+    )
 except ModuleNotFoundError as exc:  # the optional extra is missing: start() says so in one line
     if exc.name != "ray" and not (exc.name or "").startswith("ray."):
         raise
@@ -240,6 +245,9 @@ class PipelineRunner(StageRecovery):
         connect(pipe.ray_address, pipe.stages)
         placements, reason = place_stages(pipe.stages, model_config, config, pipe.stage_layers,
                                           stage_widths(source, model_config, config))
+        if pipe.transport == "graph":  # refused now, not after every stage has loaded
+            pick_transport("graph", [p.node_id for p in placements], ray.get_runtime_context().get_node_id(),
+                           0.0, pipe.threads_per_stage)
         actors: list[Any] = []
         try:
             runner = cls._start_stages(source, model_config, config, placements, actors,

@@ -177,6 +177,16 @@ def test_the_cluster_check_finds_every_host(cluster: Cluster) -> None:
     assert all(h.ip in out for h in cluster.hosts.hosts)
 
 
+def test_a_forced_graph_transport_across_hosts_is_refused_before_loading(cluster: Cluster) -> None:
+    done = cluster.head.bargein("serve", "--model", cluster.model, "--ray", cluster.address, "--port", "0",
+                                "--kv-tokens", "512", "--pipeline-stages", "2", "--pipeline-transport", "graph")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "bargein: error: the graph transport needs every pipeline stage on the head's node; use "
+        "--pipeline-transport auto or calls across nodes")
+    assert "pipeline of 2 stages" not in done.stderr  # refused before any stage loaded
+
+
 def test_the_pipeline_spans_the_hosts_and_answers_as_one_process(cluster: Cluster, pipeline: Server,
                                                                    reference) -> None:
     info = pipeline.cluster()

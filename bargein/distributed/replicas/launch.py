@@ -56,7 +56,12 @@ def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas:
             ray.get_runtime_context().get_node_id(), soft=False)
     actor_class = ray.remote(num_cpus=options.num_cpus, max_restarts=options.max_restarts,
                              max_task_retries=0, max_concurrency=64, **placement)(ReplicaWorker)
-    actors = [actor_class.remote(i, b, options.threads) for i, b in enumerate(builds)]
+    # Each builder goes by a reference inside a list: a builder passed as is may be put in
+    # the object store by Ray (it is large) and Ray then logs, for every replica that can
+    # restart, an error that its restart will fail should that copy be lost. The references
+    # are held by the replica set for its life, so restarts find them.
+    build_refs = [ray.put(b) for b in builds]
+    actors = [actor_class.remote(i, [ref], options.threads) for i, ref in enumerate(build_refs)]
     try:
         pings = [a.ping.remote() for a in actors]
         ready, _ = ray.wait(pings, num_returns=num_replicas, timeout=options.start_timeout_s)
@@ -72,7 +77,9 @@ def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas:
     except Exception as exc:
         kill(actors)
         raise PipelineSetupError(f"a replica failed to start: {_cause(exc)}") from None
-    return ReplicaSet(actors, facts, options, started)
+    group = ReplicaSet(actors, facts, options, started)
+    group.build_refs = build_refs
+    return group
 
 
 def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
