@@ -13,7 +13,9 @@ over wall time, for 1 stream and ``--streams`` concurrent streams:
 - ``replicas 2 hosts``: ``--replicas 2`` on h1 and h2;
 - ``contention``: one stream on one process, quiet and with a CPU-bound process pinned
   to core 1 (``taskset``), for bargein and for llama.cpp (llama-cpp-python, where it is
-  importable; bench_models' decode script, the same prompt and thread count).
+  importable; bench_models' decode script, the same prompt and thread count); and two
+  bargein servers on this machine answering one stream each at the same time, against
+  one alone.
 
 Needs root (namespaces); prints a table and the JSON object.
 
@@ -132,9 +134,28 @@ def contention(model: str | None, answer: int, tmp: Path) -> list[dict[str, Any]
                                                    tmp / "contention.log")[0]["tok_s"]
                 else:
                     speeds[state] = llama_one_stream(model, answer, threads)
-        rows.append({"side": side, "quiet_tok_s": speeds["quiet"], "busy_tok_s": speeds["one core taken"],
-                     "kept": speeds["one core taken"] / speeds["quiet"]})
+        rows.append({"side": side, "load": "core 1 taken", "quiet_tok_s": speeds["quiet"],
+                     "busy_tok_s": speeds["one core taken"], "kept": speeds["one core taken"] / speeds["quiet"]})
+    both = two_servers(model, answer, tmp)
+    rows.append({"side": "bargein", "load": "two servers", "quiet_tok_s": rows[0]["quiet_tok_s"],
+                 "busy_tok_s": min(both), "kept": min(both) / rows[0]["quiet_tok_s"]})
     return rows
+
+
+def two_servers(model: str | None, answer: int, tmp: Path) -> list[float]:
+    """Two one-process servers on this machine, each answering one stream at the same time."""
+    ports = (18992, 18993)
+    procs = [subprocess.Popen(serve_args(model, port, "127.0.0.1"), stdout=(tmp / f"two-{port}.log").open("wb"),
+                              stderr=subprocess.STDOUT, cwd=ROOT) for port in ports]
+    try:
+        for port, proc in zip(ports, procs, strict=True):
+            wait_ready(f"http://127.0.0.1:{port}", proc, tmp / f"two-{port}.log")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            return [r["tok_s"] for r in pool.map(lambda p: chat_load(f"http://127.0.0.1:{p}", 1, answer), ports)]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)
 
 
 def on_hosts(model: str | None, streams: int, answer: int, tmp: Path) -> list[dict[str, Any]]:
