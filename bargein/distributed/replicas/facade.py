@@ -84,7 +84,7 @@ class ReplicaSet(ReplicaConversations):
         self.resubmitted = 0
         self.dropped_late = 0
         self.builds: Any = None  # launch_replicas' builders (their shipped weights stay referenced)
-        self.build_refs: list[Any] = []  # the builders in the object store, which restarted replicas read
+        self.builder_store: Any = None  # the actor restarted replicas read their builders from
         self.weights_shipped_bytes = 0  # the model put in the object store for nodes without its file
         self.nodes_without_file: tuple[str, ...] = ()
         hooks = PollerHooks(deliver=self._deliver, lose=self._lose, back=self._back,
@@ -283,7 +283,7 @@ class ReplicaSet(ReplicaConversations):
                                          cancel_reason=CancelReason.SHUTDOWN))
         for poller in self.pollers:
             poller.join()
-        kill(self.actors)
+        kill(self.actors if self.builder_store is None else [*self.actors, self.builder_store])
 
     # -- the merged views -------------------------------------------------------------
     def _up(self) -> list[int]:
