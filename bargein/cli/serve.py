@@ -20,6 +20,7 @@ from typing import Any
 
 from bargein.cli.common import Command, add_precision_argument
 from bargein.cli.errors import EXIT_FAILURE, EXIT_SETUP, EXIT_USAGE, CliError
+from bargein.cli.threads import add_threads_argument, apply_threads
 
 # The step time target's default. On a 2-core machine with the default model, issue 34's
 # probe measured a 512-token step at up to 7.4 s late in a long prompt, and a decode step
@@ -123,6 +124,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     for name, what in LIMIT_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(s, name), metavar="N",
                        help=f"most {what}; more is a 400 (default: %(default)s)")
+    add_threads_argument(p)  # on a pipeline: each stage's threads (and the CPUs it takes on its node)
     cluster = p.add_argument_group("several machines (needs bargein[ray])")
     cluster.add_argument("--ray", nargs="?", const="auto", default=None, metavar="auto|ADDRESS|local",
                          help="split the model into pipeline stages on a Ray cluster: auto (this machine's "
@@ -212,7 +214,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             stages=args.pipeline_stages or 2, ray_address=args.ray, micro_batches=args.micro_batches,
             stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),
             recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource,
-            transport=args.pipeline_transport)
+            transport=args.pipeline_transport, threads_per_stage=args.threads or 1)
         kv_auto = (args.kv_memory or args.kv_memory_default) == "auto" and args.kv_tokens is None
         config = EngineConfig(
             cache=CacheConfig(memory_bytes=0 if kv_auto else parse_size(args.kv_memory or args.kv_memory_default),
@@ -228,6 +230,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
                                 "or replicas")
         if config.pipeline is None and args.replicas is None:  # the stages/replicas resolve it on their nodes
             resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
+            apply_threads(args)
     except PipelineSetupError as exc:
         raise CliError(str(exc), EXIT_SETUP) from None
     except ValueError as exc:  # SettingsError and the configs' own checks
