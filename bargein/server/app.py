@@ -29,6 +29,7 @@ from starlette.types import Scope
 from bargein.engine.client import EngineClient
 from bargein.engine.request import CancelReason
 from bargein.server import routes_generate, routes_ops, routes_requests, routes_responses
+from bargein.server.auth import AccessRule, static_paths
 from bargein.server.context import ServerContext
 from bargein.server.errors import install_error_handlers
 from bargein.server.middleware import API_PREFIXES, GuardMiddleware, Traffic
@@ -65,9 +66,15 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     if (STATIC_DIR / "index.html").is_file():
         app.router.routes.append(_UIMount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui"))
     app.state.traffic = Traffic()
-    app.add_middleware(GuardMiddleware, settings=settings, traffic=app.state.traffic,
+    app.state.access = access_rule(settings)
+    app.add_middleware(GuardMiddleware, settings=settings, access=app.state.access, traffic=app.state.traffic,
                        draining=lambda: ctx.draining)
     return app
+
+
+def access_rule(settings: ServerSettings) -> AccessRule:
+    """The one access rule (auth.py): every path needs a key but /health and the page's files."""
+    return AccessRule(settings.key_table(), static_paths(STATIC_DIR), settings.allowed_hosts)
 
 
 def request_shutdown(app: FastAPI) -> None:
