@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import httpx
 import uvicorn
 
 from bargein.engine.async_engine import AsyncEngine
