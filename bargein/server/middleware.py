@@ -69,6 +69,9 @@ class GuardMiddleware:
         self.draining = draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # none today; one added later passes the same rule
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -105,11 +108,21 @@ class GuardMiddleware:
         finally:
             self.traffic.in_flight -= 1
 
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket handshake under the same Host, Origin and key checks (refused: 403)."""
+        headers = dict(scope["headers"])
+        error = self.access.origin_error(headers) or self._header_error(scope, headers)
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
+
     def _header_error(self, scope: Scope, headers: dict[bytes, bytes]) -> APIError | None:
         if b"content-length" in headers and b"transfer-encoding" in headers:
             return APIError(400, "a request may not carry both Content-Length and Transfer-Encoding",
                             code="conflicting_length_headers", headers={"Connection": "close"})
-        tenant, error = self.access.tenant(scope["method"], scope["path"], headers)
+        tenant, error = self.access.tenant(scope.get("method", "GET"), scope["path"], headers)
         if tenant is not None:
             scope.setdefault("state", {})[TENANT_STATE] = tenant
         return error

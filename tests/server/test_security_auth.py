@@ -12,9 +12,11 @@ import re
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, WebSocket
 from fastapi.routing import APIRoute
-from starlette.routing import Mount
+from starlette.routing import Mount, WebSocketRoute
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.server.app import STATIC_DIR, create_app
@@ -155,3 +157,20 @@ def test_a_client_chosen_id_never_replaces_a_stored_response(server):
                         timeout=60, json={"input": "hi", "max_output_tokens": 2, **GREEDY})
     assert chosen.status_code == 200 and chosen.json()["id"] == "my-own-id-1"
     server.wait_idle()
+
+
+def test_a_websocket_route_added_later_is_guarded_too():
+    app = create_app(AsyncEngine(tiny_engine()), ServerSettings(api_keys=KEYS))
+
+    async def echo(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_text("hello")
+        await websocket.close()
+
+    app.router.routes.insert(0, WebSocketRoute("/ws", echo))
+    client = TestClient(app)
+    with pytest.raises(WebSocketDisconnect) as refused, client.websocket_connect("/ws"):
+        pass
+    assert refused.value.code == 1008
+    with client.websocket_connect("/ws", headers={"Authorization": f"Bearer {BOB}"}) as ws:
+        assert ws.receive_text() == "hello"
