@@ -42,7 +42,7 @@ from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ResponsesShape
 from bargein.server.prompts import check_prompt_length
-from bargein.server.responses_store import StoredResponse
+from bargein.server.responses_store import ResponseIdTaken, StoredResponse
 from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
@@ -260,10 +260,23 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
                      cache_salt=body.cache_salt, tenant=tenant)
     shape = ResponsesShape(stored)
     if body.background:
-        serve_in_background(ctx, gen, shape)
-        ctx.responses.put(stored)
+        _store(ctx, stored)  # before it runs: a taken id is refused with nothing started
+        try:
+            serve_in_background(ctx, gen, shape)
+        except BaseException:
+            ctx.responses.pop(stored.id)
+            raise
         return JSONResponse(stored.to_dict(), headers={"X-Request-Id": response_id})
-    return await serve(request, ctx, gen, shape, on_start=(lambda: ctx.responses.put(stored)) if body.store else None)
+    return await serve(request, ctx, gen, shape, on_start=(lambda: _store(ctx, stored)) if body.store else None)
+
+
+def _store(ctx: ServerContext, stored: StoredResponse) -> None:
+    """Stores a new response; 409 if its (client-chosen) id was taken meanwhile."""
+    try:
+        ctx.responses.put(stored)
+    except ResponseIdTaken:
+        raise APIError(409, f"response id {stored.id!r} is already in use", param="X-Request-Id",
+                       code="response_id_in_use") from None
 
 
 def _stored(ctx: ServerContext, response_id: str, tenant: Tenant) -> StoredResponse:

@@ -65,7 +65,11 @@ async def serve(request: Request, ctx: ServerContext, gen: Generation, shape: Sh
     gen = replace(gen, tenant=tenant_of(request))
     job = start(ctx, gen)
     if on_start is not None:
-        on_start()
+        try:
+            on_start()
+        except BaseException:  # refused after all (a 409): nothing may stay running
+            ctx.jobs.abandon(job, CancelReason.ERROR)
+            raise
     headers = {"X-Request-Id": gen.request_id}
 
     def close(reason: CancelReason = CancelReason.DISCONNECT) -> None:

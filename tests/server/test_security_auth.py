@@ -20,6 +20,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.server.app import STATIC_DIR, create_app
+from bargein.server.responses_store import ResponseStore
 from bargein.server.settings import ServerSettings
 from bargein.server.tenants import TenantKey
 from tests.server.tiny_live_server import auth, tiny_live_server
@@ -174,3 +175,24 @@ def test_a_websocket_route_added_later_is_guarded_too():
     assert refused.value.code == 1008
     with client.websocket_connect("/ws", headers={"Authorization": f"Bearer {BOB}"}) as ws:
         assert ws.receive_text() == "hello"
+
+
+def test_an_id_taken_between_the_check_and_the_store_is_409_with_nothing_left_running(server, monkeypatch):
+    """The race behind the early check: the store itself refuses a second object under an
+    id, and the request that lost leaves no job, registry entry or engine request behind."""
+    body = {"input": "first", "max_output_tokens": 2, **GREEDY}
+    first = httpx.post(f"{server.base_url}/v1/responses", headers=auth(ALICE, X_Request_Id="raced-id"),
+                       json=body, timeout=60)
+    assert first.status_code == 200, first.text
+    monkeypatch.setattr(ResponseStore, "__contains__", lambda self, rid: False)  # the check sees nothing
+    for extra in ({}, {"background": True}, {"stream": True}):
+        lost = httpx.post(f"{server.base_url}/v1/responses", headers=auth(ALICE, X_Request_Id="raced-id"),
+                          json={**body, "input": "second", **extra}, timeout=60)
+        assert lost.status_code == 409 and lost.json()["error"]["code"] == "response_id_in_use", (extra, lost.text)
+    server.wait_idle()
+    assert server.ctx.responses.get("raced-id").conversation[0]["content"] == "first"
+    store = ResponseStore(4)
+    kept = server.ctx.responses.get("raced-id")
+    store.put(kept)
+    store.put(kept)  # the same object again: an update, not a replacement
+    assert store.get("raced-id", "alice") is kept and store.get("raced-id", "bob") is None
