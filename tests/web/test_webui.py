@@ -570,7 +570,7 @@ def test_key_errors_ask_for_the_key(browser, guarded_server, tmp_path: Path, req
         )
         # Both rejected calls (the model list and the answer) have come back before the key
         # changes: a late 401 of the old key would otherwise show over the retry.
-        chat.page.wait_for_function("document.querySelector('#model').textContent === 'API key rejected'")
+        chat.page.wait_for_function("() => document.querySelector('#model').textContent === 'API key rejected'")
         chat.wait_idle()
         chat.shot("key-rejected")
         chat.settings(api_key=GUARDED_KEY, max_tokens=4)
