@@ -31,7 +31,6 @@ from bargein.server.tenants import ANONYMOUS, KeyTable, Tenant
 
 ANY_HOST = "*"
 PUBLIC_API_PATHS = frozenset({"/health"})  # outside the chat page's files: open without a key
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 # Sent with every response. The page loads only its own scripts and styles (no inline
