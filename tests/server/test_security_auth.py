@@ -12,9 +12,9 @@ import re
 
 import httpx
 import pytest
-from fastapi import FastAPI, WebSocket
+from fastapi import WebSocket
 from fastapi.routing import APIRoute
-from starlette.routing import Mount, WebSocketRoute
+from starlette.routing import WebSocketRoute
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
@@ -23,7 +23,7 @@ from bargein.server.app import STATIC_DIR, create_app
 from bargein.server.responses_store import ResponseStore
 from bargein.server.settings import ServerSettings
 from bargein.server.tenants import TenantKey
-from tests.server.tiny_live_server import auth, tiny_live_server
+from tests.server.tiny_live_server import api_routes, auth, tiny_live_server
 from tests.tiny_engine import tiny_engine
 
 ALICE, BOB = "alice-key-0123456789", "bob-key-0123456789"
@@ -42,27 +42,6 @@ def _concrete(path: str) -> str:
     return re.sub(r"\{[^}]+\}", "x1", path)
 
 
-def _api_routes(app: FastAPI) -> list[tuple[str, str]]:
-    """(method, path) of every route in the app's table but the chat page's static mount.
-
-    Included routers (FastAPI keeps them as one entry each) are walked into; any other
-    kind of entry fails the test rather than being skipped unseen."""
-    found: list[tuple[str, str]] = []
-
-    def walk(routes, prefix: str) -> None:
-        for route in routes:
-            if isinstance(route, Mount):
-                assert route.path == "", f"a mount other than the chat page's: {route.path}"
-            elif hasattr(route, "original_router"):  # an included APIRouter
-                walk(route.original_router.routes, prefix + getattr(route.include_context, "prefix", ""))
-            else:
-                assert isinstance(route.methods, set | frozenset) and route.path.startswith("/"), route
-                found.extend((m, prefix + route.path) for m in sorted(route.methods - {"HEAD"}))
-
-    walk(app.routes, "")
-    return found
-
-
 def _call(client: httpx.Client, method: str, path: str, headers: dict[str, str]) -> httpx.Response:
     body = b"{}" if method in ("POST", "PUT", "PATCH") else None
     return client.request(method, _concrete(path), content=body,
@@ -70,7 +49,7 @@ def _call(client: httpx.Client, method: str, path: str, headers: dict[str, str])
 
 
 def test_every_route_in_the_table_needs_a_key_but_the_public_list(server):
-    routes = _api_routes(server.app)
+    routes = api_routes(server.app)
     paths = {p for _, p in routes}
     # the aliases that once skipped the check are in the table, and so walked
     assert {"/responses/{response_id}", "/models", "/models/{model_id:path}", "/v1/requests"} <= paths

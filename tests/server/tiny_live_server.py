@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
+from fastapi import FastAPI
+from starlette.routing import Mount
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.server.app import create_app
@@ -82,3 +84,24 @@ def auth(key: str | None, **more: str) -> dict[str, str]:
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     return headers
+
+
+def api_routes(app: FastAPI) -> list[tuple[str, str]]:
+    """(method, path) of every route in the app's table but the chat page's static mount.
+
+    Included routers (FastAPI keeps them as one entry each) are walked into; any other
+    kind of entry fails the test rather than being skipped unseen."""
+    found: list[tuple[str, str]] = []
+
+    def walk(routes, prefix: str) -> None:
+        for route in routes:
+            if isinstance(route, Mount):
+                assert route.path == "", f"a mount other than the chat page's: {route.path}"
+            elif hasattr(route, "original_router"):  # an included APIRouter
+                walk(route.original_router.routes, prefix + getattr(route.include_context, "prefix", ""))
+            else:
+                assert isinstance(route.methods, set | frozenset) and route.path.startswith("/"), route
+                found.extend((m, prefix + route.path) for m in sorted(route.methods - {"HEAD"}))
+
+    walk(app.routes, "")
+    return found
