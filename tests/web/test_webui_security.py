@@ -127,3 +127,20 @@ def test_tampered_storage_is_rendered_as_text(chat: Chat) -> None:
     assert chat.page.evaluate("window.__pwned") is None
     assert chat.page.locator("img").count() == 0
     assert chat.page.locator(".version-label").first.inner_text() == "1/2"
+
+
+def test_the_prompt_progress_bar_fills_without_inline_styles(chat: Chat, server) -> None:
+    _use_key(chat)
+    chat.settings(max_tokens=4)
+    server.step_delay_s = 0.5  # 7 prompt chunks of 64 tokens: 3.5 s of reading at least
+    try:
+        chat.send("long " * 80)
+        bar = chat.page.locator('[data-testid="prompt-progress"] .bar i')
+        bar.wait_for(timeout=60_000)
+        chat.page.wait_for_function(
+            "() => { const i = document.querySelector('[data-testid=\"prompt-progress\"] .bar i');"
+            " return i && parseFloat(getComputedStyle(i).width) > 0; }", timeout=60_000)
+        assert bar.get_attribute("style").startswith("width:")  # set through the DOM, which the CSP allows
+    finally:
+        server.step_delay_s = 0.0
+    chat.wait_idle()
