@@ -43,7 +43,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from bargein.engine.block_keys import BlockHash, ChainBlock, KeyChanges, SpillCandidate, chain_hash
+from bargein.engine.block_keys import (
+    BlockHash,
+    ChainBlock,
+    KeyChanges,
+    SpillCandidate,
+    chain_hash,
+    namespace_root,
+)
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,11 @@ class BlockTable:
     block_ids: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
     root: BlockHash | None = None
+
+    @classmethod
+    def in_namespace(cls, cache_salt: str | None) -> BlockTable:
+        """An empty table whose keys chain from ``cache_salt``'s namespace (None: the common one)."""
+        return cls(root=namespace_root(cache_salt))
 
     @property
     def last_key(self) -> BlockHash | None:
