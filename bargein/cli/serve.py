@@ -49,6 +49,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         max_mixed_prefill = env.int("MAX_MIXED_PREFILL_TOKENS", None)
         max_step_ms = env.float("MAX_STEP_MS", DEFAULT_MAX_STEP_MS)
         device = env.str("DEVICE", "auto")
+        api_key_file = env.str("API_KEY_FILE", None)
+        api_keys_file = env.str("API_KEYS", None)
         dtype = env.str("DTYPE", "auto")
     except SettingsError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
@@ -57,9 +59,26 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--host", default=s.host, help="address to listen on (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=s.port, help="port (default: %(default)s; 0 picks a free one)")
-    p.add_argument("--api-key", default=s.api_key, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on the API (/v1/..., /metrics, /debug/...); "
-                        "/health and the chat page's static files stay open, and the page asks for the key")
+    access = p.add_argument_group("access (keys, tenants, hosts)")
+    access.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but /health "
+                             "and the chat page's files, which asks for the key; visible in ps: prefer "
+                             "$BARGEIN_API_KEY or --api-key-file")
+    access.add_argument("--api-key-file", default=api_key_file, metavar="FILE",
+                        help="as --api-key, the key read from FILE's first line ($BARGEIN_API_KEY_FILE)")
+    access.add_argument("--api-keys", default=api_keys_file, metavar="FILE",
+                        help="tenants: one 'KEY [NAME]' per line; each tenant sees and cancels only its own "
+                             "requests and stored responses, and has its own prefix cache ($BARGEIN_API_KEYS)")
+    access.add_argument("--shared-prefix-cache", action="store_true", default=s.shared_prefix_cache,
+                        help="let every tenant reuse every other's cached prompt tokens (one user with many "
+                             "keys); by default a tenant cannot probe another's prompts through cached_tokens")
+    access.add_argument("--max-requests-per-tenant", type=int, default=s.max_requests_per_tenant, metavar="N",
+                        help="answer 429 when one API key's tenant already has N requests in flight or queued")
+    access.add_argument("--allowed-hosts", default=None, metavar="NAME,...",
+                        help="Host header names the server answers to, '*' for any (default: localhost, "
+                             "127.0.0.1, ::1 and the --host address; others get 403, which stops DNS "
+                             "rebinding from a web page)")
+    p.set_defaults(env_api_key=s.api_key, env_allowed_hosts=s.allowed_hosts)
     p.add_argument("--request-timeout", type=float, default=s.request_timeout, metavar="S",
                    help="cancel any request after S seconds (reason: deadline)")
     p.add_argument("--max-queue", type=int, default=s.max_queue, metavar="N",
@@ -197,7 +216,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             continuation_memory_tokens=env.continuation_memory_tokens, stream_buffer_tokens=env.stream_buffer_tokens,
             stream_stall_timeout=env.stream_stall_timeout,
             background_max_output_tokens=env.background_max_output_tokens,
-            host=args.host, port=args.port, api_key=args.api_key or None, request_timeout=args.request_timeout,
+            host=args.host, port=args.port, **_access_settings(args), request_timeout=args.request_timeout,
             max_queue=args.max_queue, max_body_bytes=parse_size(args.max_body), debug_endpoints=args.debug_endpoints,
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
             default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
@@ -272,6 +291,32 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
 
     app = create_app(engine if args.replicas is not None else AsyncEngine(engine), settings)
     return _Ready(app, settings, sock, announce)
+
+
+def _access_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerSettings' key, tenant and host fields from the flags (a flag wins over its variable)."""
+    from bargein.server.auth import allowed_host_names
+    from bargein.server.settings import SettingsError
+    from bargein.server.tenants import KeyFileError, read_key_file
+
+    given = [name for name, value in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file))
+             if value is not None]
+    if len(given) > 1:
+        raise SettingsError("--api-key and --api-key-file both give the one key: use one of them")
+    if args.api_key is not None:
+        print("bargein: warning: --api-key shows the key to every user of this machine (ps); "
+              "use $BARGEIN_API_KEY or --api-key-file", file=sys.stderr, flush=True)
+    try:
+        key = args.api_key or args.env_api_key
+        if args.api_key_file is not None:
+            key = read_key_file(args.api_key_file, named=False)[0].key
+        keys = () if args.api_keys is None else read_key_file(args.api_keys, named=True)
+    except KeyFileError as exc:
+        raise SettingsError(str(exc)) from None
+    hosts = (args.env_allowed_hosts or ()) if args.allowed_hosts is None else args.allowed_hosts.split(",")
+    return {"api_key": key or None, "api_keys": keys, "shared_prefix_cache": args.shared_prefix_cache,
+            "max_requests_per_tenant": args.max_requests_per_tenant,
+            "allowed_hosts": allowed_host_names(hosts, args.host)}
 
 
 def _kv_disk(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:

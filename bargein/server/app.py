@@ -36,6 +36,7 @@ from bargein.server import (
     routes_tokenize,
 )
 from bargein.server.anthropic import routes as anthropic_routes
+from bargein.server.auth import AccessRule, static_paths
 from bargein.server.context import ServerContext
 from bargein.server.errors import install_error_handlers
 from bargein.server.middleware import API_PREFIXES, GuardMiddleware, Traffic
@@ -76,9 +77,15 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     if (STATIC_DIR / "index.html").is_file():
         app.router.routes.append(_UIMount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui"))
     app.state.traffic = Traffic()
-    app.add_middleware(GuardMiddleware, settings=settings, traffic=app.state.traffic,
+    app.state.access = access_rule(settings)
+    app.add_middleware(GuardMiddleware, settings=settings, access=app.state.access, traffic=app.state.traffic,
                        draining=lambda: ctx.draining)
     return app
+
+
+def access_rule(settings: ServerSettings) -> AccessRule:
+    """The one access rule (auth.py): every path needs a key but /health and the page's files."""
+    return AccessRule(settings.key_table(), static_paths(STATIC_DIR), settings.allowed_hosts)
 
 
 def request_shutdown(app: FastAPI) -> None:

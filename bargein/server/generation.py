@@ -188,24 +188,27 @@ class JobRunner:
     """Starts jobs on the engine and streams their outputs, with metrics and bookkeeping.
 
     Dependencies are given, not looked up: the engine, the registry of live HTTP
-    requests, the metrics, the queue limit and a ``draining`` check (shutdown began).
+    requests, the metrics, the queue limits (all tenants, one tenant) and a ``draining``
+    check (shutdown began).
     """
 
     def __init__(self, engine: EngineClient, registry: RequestRegistry, metrics: ServerMetrics, *,
-                 max_queue: int | None, draining: Callable[[], bool], stream_buffer_tokens: int | None = None,
-                 stall_timeout: float | None = None):
+                 max_queue: int | None, draining: Callable[[], bool], max_per_tenant: int | None = None,
+                 stream_buffer_tokens: int | None = None, stall_timeout: float | None = None):
         self.engine = engine
         self.stream_buffer_tokens = stream_buffer_tokens
         self.stall_timeout = stall_timeout
         self.registry = registry
         self.metrics = metrics
         self.max_queue = max_queue
+        self.max_per_tenant = max_per_tenant
         self._draining = draining
         self._open: dict[int, Job] = {}  # by id(job): jobs not yet closed
         self._late: set[asyncio.Task] = set()
 
-    def check_capacity(self, request_id: str) -> None:
-        """Refuses a new request when shutting down, over the queue limit or reusing a live id."""
+    def check_capacity(self, request_id: str, tenant: str = "") -> None:
+        """Refuses a new request when shutting down, over the queue limit (the server's or
+        the tenant's) or reusing a live id."""
         if self._draining():
             self.metrics.rejected["shutting_down"] += 1
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -215,6 +218,12 @@ class JobRunner:
             raise APIError(429, f"the server already has {len(self.registry)} requests in flight "
                                 f"(--max-queue {limit}); retry later", code="queue_full",
                            headers={"Retry-After": "1"})
+        per_tenant = self.max_per_tenant
+        if per_tenant is not None and self.registry.count(tenant) >= per_tenant:
+            self.metrics.rejected["tenant_queue_full"] += 1
+            raise APIError(429, f"this API key already has {per_tenant} requests in flight or queued "
+                                f"(--max-requests-per-tenant {per_tenant}); retry later", code="queue_full",
+                           headers={"Retry-After": "1"})
         if request_id in self.registry:
             raise APIError(409, f"request id {request_id!r} is already in use", param="X-Request-Id",
                            code="request_id_in_use")
@@ -222,13 +231,13 @@ class JobRunner:
     def start(self, request_id: str, endpoint: str, prompts: Sequence[Sequence[int]],
               params: SamplingParams, *, n: int = 1, timeout: float | None = None,
               received: float | None = None, on_final: FinalHook | None = None,
-              constraint_from: int | None = None, streamed: bool = False) -> Job:
-        """Submits every (prompt, choice) to the engine and registers the job.
+              constraint_from: int | None = None, streamed: bool = False, tenant: str = "") -> Job:
+        """Submits every (prompt, choice) to the engine and registers the job under ``tenant``.
 
         ``streamed``: its consumer is a client's stream, bounded (module doc, backpressure).
         Raises APIError; on failure nothing stays submitted.
         """
-        self.check_capacity(request_id)
+        self.check_capacity(request_id, tenant)
         slots: list[Slot] = []
         try:
             for p, prompt in enumerate(prompts):
@@ -245,7 +254,7 @@ class JobRunner:
             if mapped is None:
                 raise
             raise mapped from None
-        self.registry.add(request_id, [s.engine_id for s in slots], endpoint)
+        self.registry.add(request_id, [s.engine_id for s in slots], endpoint, tenant)
         job = Job(request_id, endpoint, slots, received or time.monotonic(), on_final)
         if streamed and self.stream_buffer_tokens is not None:
             job.buffer_tokens, job.stall_timeout = self.stream_buffer_tokens, self.stall_timeout

@@ -5,6 +5,10 @@ messages its prompt was rendered from, its prompt token ids and its output token
 It is updated from the engine's outputs as they arrive, by whichever task consumes
 them (a stream, a non-streaming wait, or a background task), and ``done`` is set once
 its final status is known.
+
+Each stored response belongs to the tenant that created it: ``get`` and ``pop`` with a
+tenant see only that tenant's, so another tenant's id reads as unknown. An id is stored
+once: ``put`` never replaces another object under the same id (``ResponseIdTaken``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class StoredResponse:
     error: str | None = None
     incomplete_reason: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    tenant: str = ""  # the creator's Tenant name: only it reads, continues or cancels this response
 
     @property
     def message_id(self) -> str:
@@ -194,6 +199,10 @@ def _incomplete(r: StoredResponse) -> dict[str, str] | None:
     return {"reason": r.incomplete_reason} if r.incomplete_reason else None
 
 
+class ResponseIdTaken(Exception):
+    """A response with this id is already stored."""
+
+
 class ResponseStore:
     """Responses by id; at most ``capacity``, dropping the least recently used finished one."""
 
@@ -204,7 +213,13 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._items
+
     def put(self, response: StoredResponse) -> None:
+        """Stores ``response``; raises ResponseIdTaken if another one has its id."""
+        if self._items.get(response.id, response) is not response:
+            raise ResponseIdTaken(response.id)
         self._items[response.id] = response
         self._items.move_to_end(response.id)
         for key in list(self._items):
@@ -213,11 +228,15 @@ class ResponseStore:
             if self._items[key].is_final:  # a live one stays until it finishes
                 del self._items[key]
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, tenant: str | None = None) -> StoredResponse | None:
+        """The response, if stored (and, with ``tenant``, that tenant's)."""
         response = self._items.get(response_id)
-        if response is not None:
-            self._items.move_to_end(response_id)
+        if response is None or (tenant is not None and response.tenant != tenant):
+            return None
+        self._items.move_to_end(response_id)
         return response
 
-    def pop(self, response_id: str) -> StoredResponse | None:
-        return self._items.pop(response_id, None)
+    def pop(self, response_id: str, tenant: str | None = None) -> StoredResponse | None:
+        if self.get(response_id, tenant) is None:
+            return None
+        return self._items.pop(response_id)

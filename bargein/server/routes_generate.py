@@ -144,7 +144,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     messages, template_tools = tool_messages(messages, plan, template)
     prompt = await ctx.prompts.chat(messages, template_tools, template_kwargs=chat_template_kwargs(body, template))
     gen = Generation("chat", request_id, received, [prompt.token_ids], params, n=body.n, timeout=timeout,
-                     stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
+                     stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out),
+                     cache_salt=body.cache_salt)
     shape = ChatShape(ctx.head(request_id), ctx.tokenizer, logprobs=body.logprobs,
                       include_usage=_include_usage(body), token_ids=body.return_token_ids,
                       tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax,
@@ -193,7 +194,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Re
     prompts = await ctx.prompts.completion(body.prompt, ctx.vocab_size)
     echoes = [await ctx.prompts.decode(p) if body.echo else "" for p in prompts]
     gen = Generation("completions", request_id, received, prompts, params, n=body.n, timeout=timeout,
-                     stream=body.stream)
+                     stream=body.stream, cache_salt=body.cache_salt)
     shape = CompletionShape(ctx.head(request_id), ctx.tokenizer, echoes, logprobs=body.logprobs is not None,
                             include_usage=_include_usage(body), token_ids=body.return_token_ids)
     return await serve(request, ctx, gen, shape)

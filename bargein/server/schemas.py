@@ -84,6 +84,9 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     timeout: float | None = Field(default=None, description="seconds until the request is cancelled")
+    cache_salt: str | None = Field(default=None, max_length=256,
+                                   description="a prefix-cache namespace: only requests with the same salt (and "
+                                               "API key) reuse each other's cached prompt tokens")
 
 
 class ChatMessage(BaseModel):
