@@ -39,7 +39,7 @@ from bargein.server.anthropic import routes as anthropic_routes
 from bargein.server.auth import AccessRule, static_paths
 from bargein.server.context import ServerContext
 from bargein.server.errors import install_error_handlers
-from bargein.server.middleware import API_PREFIXES, GuardMiddleware, Traffic
+from bargein.server.middleware import GuardMiddleware, Traffic, is_api_path
 from bargein.server.ollama import routes as ollama_routes
 from bargein.server.settings import ServerSettings
 
@@ -132,6 +132,6 @@ class _UIMount(Mount):
     """
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        if scope["type"] == "http" and scope["path"].startswith((*API_PREFIXES, "/health")):
+        if scope["type"] == "http" and is_api_path(scope["path"]):
             return Match.NONE, {}
         return super().matches(scope)

@@ -45,7 +45,14 @@ from bargein.server.tenants import Tenant
 log = logging.getLogger("bargein.server")
 
 # Paths the chat page's static mount never answers (the router does: 404/405 in JSON).
-API_PREFIXES = ("/v1", "/api", "/tokenize", "/detokenize", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
+API_PREFIXES = ("/v1", "/api", "/tokenize", "/detokenize", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json",
+                "/health")
+
+
+def is_api_path(path: str) -> bool:
+    """Whether ``path`` is one of API_PREFIXES or below one, by whole path segments (the
+    page's ``/api.js`` is not under Ollama's ``/api``)."""
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in API_PREFIXES)
 DRAIN_RETRY_AFTER_S = 5  # what a client refused during the drain is told to wait
 
 
