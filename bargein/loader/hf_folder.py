@@ -76,6 +76,16 @@ def read_hf_config(folder: Path, name: str) -> ModelConfig:
         raise CorruptModelError(f"{path}: required key {exc.args[0]!r} is missing") from None
 
 
+def text_model_names(wanted: dict[str, str], where: dict[str, Path]) -> dict[str, str]:
+    """Canonical name -> stored name, under a multimodal checkpoint's text-model prefix
+    where the folder has one (Gemma 3 from 4B up); unchanged otherwise."""
+    prefix = next((p for p in TEXT_MODEL_PREFIXES if f"{p}embed_tokens.weight" in where), None)
+    if prefix is None:
+        return wanted
+    return {canon: prefix + name.removeprefix("model.") if name.startswith("model.") else name
+            for canon, name in wanted.items()}
+
+
 def _weight_map(folder: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (index json, or every file's header)."""
     index = folder / INDEX_FILE
@@ -114,10 +124,7 @@ def load_hf_weights(
     start, end = check_layer_range(config, layer_range)
     wanted = {canon: hf_name for canon, (_, hf_name) in wanted_tensors(config, start, end).items()}
     where = _weight_map(folder)
-    prefix = next((p for p in TEXT_MODEL_PREFIXES if f"{p}embed_tokens.weight" in where), None)
-    if prefix is not None:  # a multimodal checkpoint (Gemma 3 from 4B up): its text model
-        wanted = {canon: prefix + name.removeprefix("model.") if name.startswith("model.") else name
-                  for canon, name in wanted.items()}
+    wanted = text_model_names(wanted, where)
     for canon, hf_name in wanted.items():
         if hf_name not in where:
             raise CorruptModelError(f"{folder}: tensor {hf_name!r} is missing (for {canon})")
