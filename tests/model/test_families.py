@@ -92,3 +92,22 @@ def test_exact_logits_across_the_window(name: str) -> None:
     tokens = _tokens(40, seed=5)
     torch.testing.assert_close(all_logits(eng, tokens), reference_logits(name, "hf", tokens), atol=1e-4,
                                rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_both_formats_carry_the_models_own_chat_template(name: str) -> None:
+    """The GGUF (written by the converter) and the folder give the family's template, which
+    renders a conversation as transformers' tokenizer renders it."""
+    import transformers
+
+    from bargein.loader import load_tokenizer, resolve_model_ref
+    from tests.model.family_files import DATA, model_path
+
+    messages = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi"},
+                {"role": "user", "content": "Go on"}]
+    want = transformers.AutoTokenizer.from_pretrained(DATA / name / "hf").apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    for fmt in FORMATS:
+        tokenizer = load_tokenizer(resolve_model_ref(model_path(name, fmt)))
+        assert tokenizer.chat_template == spec(name).chat_template
+        assert tokenizer.apply_chat_template(messages, add_generation_prompt=True) == want
