@@ -26,7 +26,8 @@ from bargein.loader.errors import UnsupportedModelError
 
 # HF architecture -> family
 HF_FAMILIES = {
-    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MinistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3", "Phi3ForCausalLM": "phi3",
 }

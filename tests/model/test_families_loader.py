@@ -92,3 +92,35 @@ def test_scaled_frequencies_equal_transformers(tmp_path: Path, params: dict) -> 
     got, got_factor = inverse_frequencies(load_config(resolve_model_ref(folder)))
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-6, atol=0)
     assert got_factor == pytest.approx(want_factor, rel=1e-7)
+
+
+def test_ministral_interleaved_windows_equal_transformers(tmp_path: Path) -> None:
+    """Ministral's config lists each layer's kind: local and global layers interleaved."""
+    import transformers
+
+    from bargein.config import EngineConfig
+    from bargein.engine.device import build_model
+    from bargein.model.attention import AttentionMetadata
+
+    config = transformers.MinistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          sliding_window=8, max_position_embeddings=64,
+                                          layer_types=["sliding_attention", "full_attention"] * 2)
+    torch.manual_seed(0)
+    model = transformers.MinistralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn_like(p) * (1.0 if "embed" in name else p.shape[1] ** -0.5))
+    model.save_pretrained(tmp_path / "ministral")
+    source = resolve_model_ref(tmp_path / "ministral")
+    read = load_config(source)
+    assert (read.family, read.sliding_window, read.local_layers) == ("mistral", 8, (0, 2))
+    stage = build_model(read, load_weights(source, read, progress=False), EngineConfig(precision="exact"),
+                        max_positions=64)
+    tokens = list(range(3, 33))
+    meta = AttentionMetadata.build(block_tables=[list(range(8))], query_lens=[30], context_lens=[30], block_size=4)
+    got = stage(torch.tensor(tokens), torch.arange(30), meta, stage.make_kv_caches(8, 4))
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
