@@ -28,7 +28,7 @@ def _engine(name: str, precision: str, prefix_caching: bool) -> Engine:
     # Prompt chunks of 5 tokens: a prefill crosses the window's edge mid-chunk and over steps.
     config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=prefix_caching),
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=5),
-                          precision=precision, max_model_len=64)
+                          precision=precision, max_model_len=64, device="cpu")
     return Engine.from_pretrained(model_path(name, "hf"), config, progress=False)
 
 

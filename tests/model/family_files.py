@@ -47,7 +47,7 @@ def reference(name: str, fmt: str = "hf") -> torch.nn.Module:
 
 def engine(name: str, fmt: str, precision: str, *, max_model_len: int = 64, block_size: int = 4,
            num_blocks: int = 96) -> Engine:
-    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), precision=precision,
+    config = EngineConfig(cache=CacheConfig(block_size=block_size, num_blocks=num_blocks), precision=precision, device="cpu",
                           max_model_len=max_model_len)
     return Engine.from_pretrained(model_path(name, fmt), config, progress=False)
 

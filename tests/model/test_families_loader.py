@@ -116,7 +116,7 @@ def test_ministral_interleaved_windows_equal_transformers(tmp_path: Path) -> Non
     source = resolve_model_ref(tmp_path / "ministral")
     read = load_config(source)
     assert (read.family, read.sliding_window, read.local_layers) == ("mistral", 8, (0, 2))
-    stage = build_model(read, load_weights(source, read, progress=False), EngineConfig(precision="exact"),
+    stage = build_model(read, load_weights(source, read, progress=False), EngineConfig(precision="exact", device="cpu"),
                         max_positions=64)
     tokens = list(range(3, 33))
     meta = AttentionMetadata.build(block_tables=[list(range(8))], query_lens=[30], context_lens=[30], block_size=4)

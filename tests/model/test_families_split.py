@@ -35,7 +35,7 @@ def _forward(stages, precision: str) -> torch.Tensor:
 def test_stages_equal_the_whole_model(name: str, fmt: str, precision: str) -> None:
     source = resolve_model_ref(model_path(name, fmt))
     config = load_config(source)
-    engine_config = EngineConfig(precision=precision)
+    engine_config = EngineConfig(precision=precision, device="cpu")
 
     def stage(layers: tuple[int, int]):
         weights = load_weights(source, config, layer_range=layers, progress=False, blocks=True)
