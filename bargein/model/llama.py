@@ -94,9 +94,9 @@ class Attention(nn.Module):
 
     @property
     def is_plain(self) -> bool:
-        """Whether this attention is Llama's (no window, soft cap, own scale or Q/K norm)."""
-        return self.window is None and self.softcap is None and self.q_norm is None \
-            and self.scale == self.head_dim ** -0.5
+        """Whether the scores are Llama's (no window, soft cap or scale of its own), which
+        the batched decode path and CUDA graphs take; else the per-sequence windowed path."""
+        return self.window is None and self.softcap is None and self.scale == self.head_dim ** -0.5
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv (T, (H + 2 KVH) D) with each head of q and k RMS-normed (rows of D: row-wise in fast)."""
@@ -254,6 +254,12 @@ class LlamaStage(nn.Module):
         """Whether this stage's attention reads AttentionMetadata's decode batch: the
         ``fast`` precision attends token by token and never does, so it is not built."""
         return not self.kernels.fast
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a CUDA graph of a decode step replays correctly: the windowed attention
+        path loops over sequences by their Python-side lengths, which a graph would freeze."""
+        return all(layer.attention.is_plain for layer in self.layers)
 
     @property
     def kv_dtype(self) -> torch.dtype:
