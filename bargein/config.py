@@ -7,20 +7,55 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ROPE_SCALINGS = ("llama3", "linear", "yarn", "longrope")
+
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 style frequency scaling of RoPE (``rope_type == "llama3"``)."""
+    """A frequency scaling of RoPE, by ``kind`` (see bargein.model.rope for each formula).
+
+    llama3: ``factor``, ``low_freq_factor``, ``high_freq_factor`` and the original context.
+    linear: positions divided by ``factor``. yarn: ``factor``, ``beta_fast``/``beta_slow``
+    and the original context. longrope: per-frequency ``short_factor``/``long_factor``
+    (the long ones where the served context exceeds the original one). ``attention_factor``
+    multiplies cos and sin (yarn, longrope); None: the family's formula from ``factor``.
+    """
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+    kind: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"RoPE scaling {self.kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, as read from a checkpoint."""
+    """Architecture of a decoder of the Llama family and its relatives, as read from a checkpoint.
+
+    The defaults describe a Llama; each other family sets the few fields where it differs
+    (``family`` names its tensors; the model reads only the feature fields):
+
+    - ``qk_norm``: an RMS norm over each head of Q and K before RoPE (Qwen3, Gemma 3);
+    - ``sandwich_norms``: norms after attention and after the MLP as well (Gemma 2/3);
+    - ``activation``: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma);
+    - ``embed_scale``: embeddings multiplied by sqrt(hidden) (Gemma);
+    - ``attn_softcap``/``final_softcap``: ``cap * tanh(x / cap)`` of attention scores and of
+      the logits (Gemma 2); ``query_scale``: the attention's score scale (None: head_dim^-0.5);
+    - ``sliding_window`` with ``local_layers``: those layers attend to the last
+      ``sliding_window`` positions only (Mistral: every layer; Gemma: interleaved);
+      ``local_rope_theta``: their RoPE base, unscaled (Gemma 3); None: the global one;
+    - ``rotary_dim``: RoPE on that many leading dimensions of each head (Phi-4-mini);
+      None: all of them.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -36,16 +71,50 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on wq, wk, wv
     name: str = "model"
+    family: str = "llama"
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    embed_scale: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_scale: float | None = None
+    sliding_window: int | None = None
+    local_layers: tuple[int, ...] = ()
+    local_rope_theta: float | None = None
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation must be silu or gelu_tanh; got {self.activation!r}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and within the head ({self.head_dim})")
+        if self.local_layers and not self.sliding_window:
+            raise ValueError("local layers need a sliding window")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (a global index), or None where it attends to everything."""
+        return self.sliding_window if layer in self.local_layers else None
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale."""
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether the layers are Llama's (what the fused fast forward, fast_forward.c, runs)."""
+        return not (self.qk_norm or self.sandwich_norms or self.activation != "silu" or self.embed_scale
+                    or self.attn_softcap or self.final_softcap or self.query_scale is not None
+                    or self.local_layers or self.local_rope_theta is not None)
 
 
 @dataclass(frozen=True)

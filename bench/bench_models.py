@@ -19,6 +19,11 @@ a table and the JSON object, and writes the rows into ``docs/benchmarks.md`` (``
 replacing earlier rows of the same file and precision.
 
     python bench/bench_models.py [FILE.gguf ...] [--precision fast|exact] [--json PATH] [--quick]
+
+Any family bargein loads can be given; ``bench/make_family_gguf.py`` writes the random
+1B-class Qwen3 and Gemma 3 Q4_K_M files (converted and quantized by llama.cpp's own tools)
+of issue 25's side-by-side; the printed table and the JSON say each row's ``family`` (the
+docs table keeps its columns, so rows measured before stay comparable).
 """
 
 from __future__ import annotations
@@ -175,6 +180,13 @@ def text_ids(model: str, n: int) -> list[int]:
     return (ids * (n // len(ids) + 1))[:n]
 
 
+def file_family(path: str) -> str:
+    """The model family bargein reads the file as (qwen3, gemma3, llama, ...)."""
+    from bargein.loader import load_config, resolve_model_ref
+
+    return load_config(resolve_model_ref(path)).family
+
+
 def measurements(ids: list[int], streams: int, answer: int, prefills: tuple[int, ...]) -> dict[str, dict[str, Any]]:
     """name -> the child's arguments (prompts, KV capacity), the same for both sides."""
     def stream_prompts(n: int) -> list[list[int]]:
@@ -196,12 +208,13 @@ def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: 
                prefills: tuple[int, ...], llama: bool) -> list[dict[str, Any]]:
     """Rows for one file: bargein's, llama.cpp's (or why not), and their ratios."""
     Path(path).read_bytes()  # the page cache warm for both sides
+    family = file_family(path)
     ids = text_ids(path, max(prefills + (LOAD_PROMPT + STREAM_PROMPT * 2 + 7 * streams,)))
     plans = measurements(ids, streams, answer, prefills)
     sides = [("bargein", _BARGEIN, "torch")] + ([("llama.cpp", _LLAMA, "llama_cpp")] if llama else [])
     rows = []
     for side, script, module in sides:
-        row: dict[str, Any] = {"file": Path(path).name, "side": side,
+        row: dict[str, Any] = {"file": Path(path).name, "side": side, "family": family,
                                "precision": precision if side == "bargein" else "-"}
         try:
             floor = _run(_FLOOR, {"module": module})
@@ -226,7 +239,7 @@ def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: 
         rows.append(row)
     if len(rows) == 2 and "skipped" not in rows[0] and "skipped" not in rows[1]:
         ours, theirs = rows
-        ratio = {"file": ours["file"], "side": "bargein / llama.cpp", "precision": precision}
+        ratio = {"file": ours["file"], "side": "bargein / llama.cpp", "family": ours["family"], "precision": precision}
         for key in ours:
             if key.endswith("_tok_s"):
                 ratio[key] = ours[key] / theirs[key]
@@ -299,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     info = machine_info()
     result = {"benchmark": "models", "precision": args.precision, "machine": info, "rows": rows,
               "llama_cpp": llama}
-    columns = [c for c in COLUMNS if any(c in r for r in rows)] + [
+    columns = ["family"] + [c for c in COLUMNS if any(c in r for r in rows)] + [
         c for c in sorted({k for r in rows for k in r}) if c not in COLUMNS and c.endswith("_tok_s")]
     emit("GGUF files, bargein and llama.cpp side by side", [("one process per side per measurement",
                                                              format_table(rows, columns))], result, args.json)

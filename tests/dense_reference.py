@@ -44,7 +44,7 @@ def dense_logits(config: ModelConfig, w: dict[str, torch.Tensor], tokens: list[i
     w = {k: v.double() for k, v in w.items()}
     t = len(tokens)
     x = w["embed.weight"][torch.tensor(tokens)]
-    inv_freq = inverse_frequencies(config, w.get("rope_freq_factors"))
+    inv_freq, _ = inverse_frequencies(config, w.get("rope_freq_factors"))
     angles = torch.outer(torch.arange(t, dtype=torch.float64), inv_freq)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
 

@@ -28,9 +28,10 @@ from bargein.kernels.dequant import dequantize
 from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError
+from bargein.loader.families import norm_offset, stored_rows
 from bargein.loader.gguf_file import PERMUTED_ARCHS, open_gguf, qk_row_order, unpermute_qk
 from bargein.loader.hf_folder import _open as open_safetensors
-from bargein.loader.hf_folder import _weight_map
+from bargein.loader.hf_folder import _weight_map, text_model_names
 from bargein.loader.names import wanted_tensors
 from bargein.loader.source import ModelSource
 
@@ -105,7 +106,8 @@ def read_stored(source: ModelSource, config: ModelConfig, layer_range: tuple[int
         return StoredWeights(tensors, f.get("general.architecture"))
     where = _weight_map(source.path)
     tensors = {}
-    for canon, (_, hf_name) in wanted.items():
+    names = text_model_names({canon: hf_name for canon, (_, hf_name) in wanted.items()}, where)
+    for canon, hf_name in names.items():
         if hf_name not in where:
             raise CorruptModelError(f"{source.path}: tensor {hf_name!r} is missing (for {canon})")
         with open_safetensors(where[hf_name]) as handle:
@@ -132,14 +134,19 @@ def materialize(stored: StoredWeights, config: ModelConfig, dtype: torch.dtype,
                 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
                 raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(-1))
             held = QuantWeight.of(GGMLQuantizationType(t.ggml_type), raw, *t.shape)
-            weights[canon] = held.reorder_rows(qk_row_order(held.shape[0], heads)) if permuted else held
+            held = held.reorder_rows(qk_row_order(held.shape[0], heads)) if permuted else held
+            weights[canon] = held.reorder_rows(rows) if (rows := stored_rows(config, canon)) is not None else held
             continue
         if t.ggml_type is None:
             w = t.data
+            if offset := norm_offset(config, "hf", canon):  # Gemma's norms, as the loader reads them
+                w = w.float() + offset
         else:
             w = dequantize(t.data, GGMLQuantizationType(t.ggml_type), t.shape)
             if permuted:
                 w = unpermute_qk(w, heads)
+        if (rows := stored_rows(config, canon)) is not None:  # a share of a fused matrix, partial rotary
+            w = w.index_select(0, rows)
         want = torch.float32 if canon == "rope_freq_factors" else dtype
         weights[canon] = w.to(device=device, dtype=want)
     return weights

@@ -204,7 +204,8 @@ class ModelRunner:
         self.device = stages[0].device
         self.vocab_size = stages[-1].vocab_size
         self.decode_graphs: DecodeGraphs | None = None
-        if cuda_graph_batch_sizes and self.device.type == "cuda":
+        # A sliding window or soft cap (Mistral, Gemma) attends sequence by sequence: no graphs.
+        if cuda_graph_batch_sizes and self.device.type == "cuda" and all(s.graph_safe for s in self.stages):
             self.decode_graphs = self.padded_decode(cuda_graph_batch_sizes, capture=True)
         self._submitted: StepPlan | None = None
         self._decode_batch = any(s.reads_decode_batch for s in self.stages)

@@ -11,6 +11,12 @@
  *   out          (num_queries, num_heads, head_dim) float32, written in full
  * Query head h reads KV head h / (num_heads / num_kv_heads).
  *
+ * bargein_paged_attention_f16_ex adds two features of some families' layers:
+ *   window   > 0: a query at position p attends to positions max(0, p - window + 1)..p only,
+ *            and reads no key or value before them (sliding-window layers); 0: all of 0..p
+ *   softcap  > 0: each score s (already scaled) becomes softcap * tanh(s / softcap) (Gemma 2)
+ * bargein_paged_attention_f16 is it with neither.
+ *
  * Why one kernel for every query: a token's output then depends only on its query, its
  * context length and the cached keys and values, never on how many other queries share
  * the call, how the threads share them out, or whether the token came in a prompt chunk
@@ -43,7 +49,8 @@ typedef struct {
     float *out;
     int64_t num_queries, table_width, max_context;
     int num_heads, num_kv_heads, head_dim, block_size;
-    float scale;
+    float scale, softcap;
+    int64_t window;
     const int64_t *tile_starts; /* tile i: queries [tile_starts[i], tile_starts[i + 1]) */
     int64_t num_tiles;
     int head_parts;    /* each tile's query heads are split into this many work items */
@@ -119,6 +126,18 @@ static inline float dot(const float *a, const float *b, int n) {
     return total;
 }
 
+/* The first position a query with this context attends to. */
+static inline int64_t first_position(const f16_batch_t *b, int64_t ctx) {
+    return b->window > 0 && ctx > b->window ? ctx - b->window : 0;
+}
+
+/* A score as the softmax takes it: the dot product times the scale, soft-capped where asked
+ * (one scalar tanhf, the same in every path). */
+static inline float score(const f16_batch_t *b, float dot_product) {
+    const float s = dot_product * b->scale;
+    return b->softcap > 0.0f ? b->softcap * tanhf(s / b->softcap) : s;
+}
+
 /* Turns a row of scores into exp(s - max) in place; returns 1 / their sum. */
 static float softmax_row(float *s, int64_t ctx) {
     float m = s[0];
@@ -153,35 +172,40 @@ static void attend_tile(const f16_batch_t *b, int64_t first, int n, int h0, int 
     const int kv0 = h0 / group, width = ((h1 - 1) / group + 1 - kv0) * d_len; /* the KV heads they read */
     const int64_t row_len = (int64_t)n_kv * d_len, cap = b->max_context, per_q = (int64_t)n_heads * d_len;
     const int64_t *table = b->block_tables + b->query_seq[first] * b->table_width;
-    int64_t longest = 0;
-    for (int i = 0; i < n; i++) longest = b->query_ctx[first + i] > longest ? b->query_ctx[first + i] : longest;
-    for (int64_t t = 0; t < longest; t++) {
+    /* Query i sees positions [start, ctx) and keeps its scores at s[h * len + t - start]. */
+    int64_t longest = 0, earliest = INT64_MAX;
+    for (int i = 0; i < n; i++) {
+        const int64_t ctx = b->query_ctx[first + i], start = first_position(b, ctx);
+        longest = ctx > longest ? ctx : longest;
+        earliest = start < earliest ? start : earliest;
+    }
+    for (int64_t t = earliest; t < longest; t++) {
         const int64_t slot = table[t / b->block_size] * b->block_size + t % b->block_size;
         widen_row(b->k_cache + slot * row_len + (int64_t)kv0 * d_len, row + (int64_t)kv0 * d_len, width);
         for (int i = 0; i < n; i++) {
-            const int64_t ctx = b->query_ctx[first + i];
-            if (t >= ctx) continue;
+            const int64_t ctx = b->query_ctx[first + i], start = first_position(b, ctx), len = ctx - start;
+            if (t >= ctx || t < start) continue;
             const float *q = b->q + (first + i) * per_q;
             float *s = scores + (int64_t)i * n_heads * cap;
             for (int h = h0; h < h1; h++)
-                s[(int64_t)h * ctx + t] = dot(q + (int64_t)h * d_len, row + (int64_t)(h / group) * d_len, d_len) * b->scale;
+                s[(int64_t)h * len + t - start] = score(b, dot(q + (int64_t)h * d_len, row + (int64_t)(h / group) * d_len, d_len));
         }
     }
     float inv[QUERY_TILE][n_heads];
     for (int i = 0; i < n; i++) {
-        const int64_t ctx = b->query_ctx[first + i];
-        for (int h = h0; h < h1; h++) inv[i][h] = softmax_row(scores + (int64_t)i * n_heads * cap + (int64_t)h * ctx, ctx);
+        const int64_t ctx = b->query_ctx[first + i], len = ctx - first_position(b, ctx);
+        for (int h = h0; h < h1; h++) inv[i][h] = softmax_row(scores + (int64_t)i * n_heads * cap + (int64_t)h * len, len);
     }
     for (int64_t i = 0; i < n * per_q; i++) acc[i] = 0.0f;
-    for (int64_t t = 0; t < longest; t++) {
+    for (int64_t t = earliest; t < longest; t++) {
         const int64_t slot = table[t / b->block_size] * b->block_size + t % b->block_size;
         widen_row(b->v_cache + slot * row_len + (int64_t)kv0 * d_len, row + (int64_t)kv0 * d_len, width);
         for (int i = 0; i < n; i++) {
-            const int64_t ctx = b->query_ctx[first + i];
-            if (t >= ctx) continue;
+            const int64_t ctx = b->query_ctx[first + i], start = first_position(b, ctx), len = ctx - start;
+            if (t >= ctx || t < start) continue;
             const float *s = scores + (int64_t)i * n_heads * cap;
             for (int h = h0; h < h1; h++) {
-                const float *v = row + (int64_t)(h / group) * d_len, w = s[(int64_t)h * ctx + t];
+                const float *v = row + (int64_t)(h / group) * d_len, w = s[(int64_t)h * len + t - start];
                 float *a = acc + i * per_q + (int64_t)h * d_len;
                 int d = 0;
 #ifdef BARGEIN_AVX2
@@ -216,24 +240,24 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
     const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim, bs = b->block_size;
     const int64_t row_len = (int64_t)b->num_kv_heads * d_len, per_q = (int64_t)n_heads * d_len;
     const int64_t *table = b->block_tables + b->query_seq[qi] * b->table_width;
-    const int64_t ctx = b->query_ctx[qi];
+    const int64_t ctx = b->query_ctx[qi], start = first_position(b, ctx);
     for (int h = h0; h < h1; h++) {
         const float *q = b->q + qi * per_q + (int64_t)h * d_len;
         const int64_t off = (int64_t)(h / group) * d_len;
-        for (int64_t t = 0; t < ctx; t++) {
+        for (int64_t t = start; t < ctx; t++) {
             const uint16_t *k = b->k_cache + (table[t / bs] * bs + t % bs) * row_len + off;
             __m256 acc = _mm256_setzero_ps();
             for (int d = 0; d < d_len; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_halves(k + d), acc);
-            scores[t] = hsum256(acc) * b->scale;
+            scores[t - start] = score(b, hsum256(acc));
         }
-        const __m256 inv = _mm256_set1_ps(softmax_row(scores, ctx));
+        const __m256 inv = _mm256_set1_ps(softmax_row(scores, ctx - start));
         float *out = b->out + qi * per_q + (int64_t)h * d_len;
         for (int d0 = 0; d0 < d_len; d0 += 64) {
             __m256 a[8];
             for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < ctx; t++) {
+            for (int64_t t = start; t < ctx; t++) {
                 const uint16_t *v = b->v_cache + (table[t / bs] * bs + t % bs) * row_len + off + d0;
-                const __m256 w = _mm256_set1_ps(scores[t]);
+                const __m256 w = _mm256_set1_ps(scores[t - start]);
                 for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, load_halves(v + 8 * j), a[j]);
             }
             for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(a[j], inv));
@@ -271,10 +295,11 @@ static void run_worker(void *arg, int index, int count) {
     free(acc);
 }
 
-int bargein_paged_attention_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                const int64_t *block_tables, int64_t table_width, const int64_t *query_seq,
-                                const int64_t *query_ctx, float *out, int64_t num_queries, int num_heads,
-                                int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                   const int64_t *block_tables, int64_t table_width, const int64_t *query_seq,
+                                   const int64_t *query_ctx, float *out, int64_t num_queries, int num_heads,
+                                   int num_kv_heads, int head_dim, int block_size, float scale, int64_t window,
+                                   float softcap, int num_threads) {
     int64_t *tile_starts = malloc(sizeof(int64_t) * (size_t)(num_queries + 1));
     if (!tile_starts) return -1;
     int64_t num_tiles = 0;
@@ -285,14 +310,24 @@ int bargein_paged_attention_f16(const float *q, const uint16_t *k_cache, const u
     /* Fewer tiles than threads (one decoding sequence): the tiles' heads are shared out too. */
     const int head_parts = num_tiles >= num_threads ? 1 : (num_heads < num_threads ? num_heads : num_threads);
     if (num_threads > num_tiles * head_parts) num_threads = (int)(num_tiles * head_parts);
-    f16_batch_t batch = {q, k_cache, v_cache, block_tables, query_seq, query_ctx, out, num_queries, table_width, 0,
-                         num_heads, num_kv_heads, head_dim, block_size, scale, tile_starts, num_tiles, head_parts, 0};
+    f16_batch_t batch = {q,         k_cache,      v_cache,   block_tables, query_seq,  query_ctx,  out,
+                         num_queries, table_width, 0,        num_heads,    num_kv_heads, head_dim, block_size,
+                         scale,     softcap,      window,    tile_starts,  num_tiles,  head_parts, 0};
     for (int64_t i = 0; i < num_queries; i++)
         batch.max_context = query_ctx[i] > batch.max_context ? query_ctx[i] : batch.max_context;
     bargein_parallel_run(run_worker, &batch, num_threads);
     const int failed = atomic_load(&batch.next) < num_tiles * head_parts;
     free(tile_starts);
     return failed ? -1 : 0;
+}
+
+int bargein_paged_attention_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                const int64_t *block_tables, int64_t table_width, const int64_t *query_seq,
+                                const int64_t *query_ctx, float *out, int64_t num_queries, int num_heads,
+                                int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+    return bargein_paged_attention_f16_ex(q, k_cache, v_cache, block_tables, table_width, query_seq, query_ctx, out,
+                                          num_queries, num_heads, num_kv_heads, head_dim, block_size, scale, 0, 0.0f,
+                                          num_threads);
 }
 
 typedef struct {

@@ -79,10 +79,10 @@ class NativeKernels:
         self._q8_isa_available = library.bargein_q8_isa_available
         self._q8_isa_available.restype = _INT
         self._q8_isa_available.argtypes = [_INT]
-        self._attention_f16 = library.bargein_paged_attention_f16
+        self._attention_f16 = library.bargein_paged_attention_f16_ex
         self._attention_f16.restype = _INT
         self._attention_f16.argtypes = [_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _INT, _INT, _INT, _INT,
-                                        ctypes.c_float, _INT]
+                                        ctypes.c_float, _I64, ctypes.c_float, _INT]
         self._rope_store = library.bargein_rope_store_f16
         self._rope_store.restype = None
         self._rope_store.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I64, _INT, _INT, _INT, _INT]
@@ -92,6 +92,12 @@ class NativeKernels:
         self._silu_mul = library.bargein_silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [_P, _P, _I64, _I64, _INT]
+        self._gelu_tanh_mul = library.bargein_gelu_tanh_mul
+        self._gelu_tanh_mul.restype = None
+        self._gelu_tanh_mul.argtypes = [_P, _P, _I64, _I64, _INT]
+        self._softcap = library.bargein_softcap
+        self._softcap.restype = None
+        self._softcap.argtypes = [_P, _P, _I64, _I64, ctypes.c_float, _INT]
         self._fast_layers = library.bargein_fast_layers
         self._fast_layers.restype = _INT
         self._fast_layers.argtypes = [_P, _INT, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _INT, _INT]
@@ -186,6 +192,20 @@ class NativeKernels:
         self._silu_mul(x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1] // 2, num_threads)
         return y
 
+    def gelu_tanh_mul(self, x: torch.Tensor, num_threads: int) -> torch.Tensor:
+        """``gelu_tanh(a) * b`` for x (m, 2n) = [a | b] (GeGLU); returns (m, n); each row by the same code."""
+        _check_rows(x, x.shape[1] if x.dim() == 2 and x.shape[1] % 2 == 0 else -1)
+        y = torch.empty((x.shape[0], x.shape[1] // 2), dtype=torch.float32)
+        self._gelu_tanh_mul(x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1] // 2, num_threads)
+        return y
+
+    def softcap(self, x: torch.Tensor, cap: float, num_threads: int) -> torch.Tensor:
+        """``cap * tanh(x / cap)`` of each value of x (m, n); each row by the same code."""
+        _check_rows(x, x.shape[1] if x.dim() == 2 else -1)
+        y = torch.empty_like(x)
+        self._softcap(x.data_ptr(), y.data_ptr(), x.shape[0], x.shape[1], cap, num_threads)
+        return y
+
     def rope_store_f16(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_threads: int) -> torch.Tensor:
         """Rotates each token's query and key of qkv (T, (H + 2 KVH) D) by its angles cos, sin
@@ -211,9 +231,12 @@ class NativeKernels:
 
     def paged_attention_f16(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_seq: torch.Tensor, query_ctx: torch.Tensor,
-                            scale: float, num_threads: int) -> torch.Tensor:
+                            scale: float, num_threads: int, *, window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
         """Each query (T, H, D) float32 over its sequence's first ``query_ctx`` positions of the
-        float16 caches (num_blocks, block_size, KVH, D), found through ``block_tables[query_seq]``.
+        float16 caches (num_blocks, block_size, KVH, D), found through ``block_tables[query_seq]``;
+        with ``window``, over the last ``window`` of them only; with ``softcap``, scores
+        soft-capped (see attention_f16.c).
 
         The caller guarantees what is too costly to check per layer: every ``query_ctx`` is at
         least 1 and within the table row (``AttentionMetadata.build`` checks this once per step).
@@ -235,7 +258,7 @@ class NativeKernels:
         status = self._attention_f16(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                                      block_tables.shape[1], query_seq.data_ptr(), query_ctx.data_ptr(),
                                      out.data_ptr(), num_queries, num_heads, num_kv_heads, head_dim, block_size,
-                                     scale, num_threads)
+                                     scale, window or 0, softcap or 0.0, num_threads)
         if status:
             raise NativeKernelError("the float16 attention kernel could not allocate its scratch memory")
         return out

@@ -141,6 +141,18 @@ class KernelSet:
             return None
         return self.native.silu_mul(gate_up.contiguous(), torch.get_num_threads())
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """``gelu_tanh(gate) * up`` (GeGLU) by the row-wise native kernel in ``fast``; else None."""
+        if not self.fast or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.dim() != 2:
+            return None
+        return self.native.gelu_tanh_mul(gate_up.contiguous(), torch.get_num_threads())
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """``cap * tanh(x / cap)``: row-wise native in ``fast`` (float32 CPU rows), else PyTorch's."""
+        if self.fast and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+            return self.native.softcap(x.contiguous(), cap, torch.get_num_threads())
+        return torch.tanh(x / cap) * cap
+
     @property
     def kv_dtype(self) -> torch.dtype | None:
         """The K/V cache's dtype this set asks for (float16 in ``fast``), or None: the model's."""
@@ -149,14 +161,18 @@ class KernelSet:
     def token_attention(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                         block_tables: torch.Tensor, token_seq: torch.Tensor,
-                        token_context: torch.Tensor) -> torch.Tensor:
+                        token_context: torch.Tensor, *, window: int | None = None, softcap: float | None = None,
+                        scale: float | None = None) -> torch.Tensor:
         """``fast``: RoPE on the fused qkv (T, (H + 2 KVH) D), K/V stored as float16, then every
-        query on its own over its keys (attention_f16.c); returns (T, H, D)."""
+        query on its own over its keys (attention_f16.c), the last ``window`` only where
+        given, scores times ``scale`` (None: head_dim^-0.5) and soft-capped where given;
+        returns (T, H, D)."""
         assert self.native is not None and self.fast
         threads = torch.get_num_threads()
         q = self.native.rope_store_f16(qkv.contiguous(), cos, sin, slot_mapping, k_cache, v_cache, num_heads, threads)
         return self.native.paged_attention_f16(q, k_cache, v_cache, block_tables, token_seq, token_context,
-                                               q.shape[-1] ** -0.5, threads)
+                                               scale if scale is not None else q.shape[-1] ** -0.5, threads,
+                                               window=window, softcap=softcap)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -6,6 +6,10 @@
  *   rms norm:  y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, x and y (m, n)
  *   silu mul:  y[r, i] = silu(a[r, i]) * b[r, i], a and b the two halves of x[r] (m, 2n),
  *              y (m, n): the gate and up projections fused in one matmul output
+ *   gelu mul:  y[r, i] = gelu_tanh(a[r, i]) * b[r, i], likewise (GeGLU, Gemma), with
+ *              gelu_tanh(a) = a / 2 * (1 + tanh(sqrt(2 / pi) * (a + 0.044715 a^3)))
+ *   soft cap:  y[r, i] = cap * tanh(x[r, i] / cap), x and y (m, n) (Gemma 2's logits)
+ * The last two use libm's scalar tanhf on every element, so no vector path can round apart.
  *
  * Rows are shared out among threads whole. Float32, contiguous.
  */
@@ -69,6 +73,28 @@ static void silu_mul_rows(void *arg, int index, int count) {
     }
 }
 
+static void gelu_tanh_mul_rows(void *arg, int index, int count) {
+    const rows_t *job = (const rows_t *)arg;
+    const int64_t n = job->n;
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        const float *a = job->x + r * 2 * n, *b = a + n;
+        float *y = job->y + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float x = a[i], inner = k * (x + 0.044715f * x * x * x);
+            y[i] = 0.5f * x * (1.0f + tanhf(inner)) * b[i];
+        }
+    }
+}
+
+static void softcap_rows(void *arg, int index, int count) {
+    const rows_t *job = (const rows_t *)arg;
+    const int64_t n = job->n;
+    const float cap = job->eps;
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++)
+        for (int64_t i = 0; i < n; i++) job->y[r * n + i] = cap * tanhf(job->x[r * n + i] / cap);
+}
+
 static int row_threads(int64_t m, int num_threads) {
     /* A row is a few microseconds of work: waking threads pays only for many rows. */
     const int64_t useful = m / 8;
@@ -83,4 +109,14 @@ void bargein_rms_norm(const float *x, const float *w, float *y, int64_t m, int64
 void bargein_silu_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads) {
     rows_t job = {x, 0, y, m, n, 0.0f};
     bargein_parallel_run(silu_mul_rows, &job, row_threads(m, num_threads));
+}
+
+void bargein_gelu_tanh_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads) {
+    rows_t job = {x, 0, y, m, n, 0.0f};
+    bargein_parallel_run(gelu_tanh_mul_rows, &job, row_threads(m, num_threads));
+}
+
+void bargein_softcap(const float *x, float *y, int64_t m, int64_t n, float cap, int num_threads) {
+    rows_t job = {x, 0, y, m, n, cap};
+    bargein_parallel_run(softcap_rows, &job, row_threads(m, num_threads));
 }

@@ -36,10 +36,11 @@ from bargein.kernels.dequant import SUPPORTED_TYPES, dequantize
 from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
+from bargein.loader.families import GGUF_FAMILIES, gguf_features, stored_rows
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
 from bargein.loader.names import check_layer_range, wanted_tensors
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_ARCHS = tuple(GGUF_FAMILIES)
 # The types whose blocks BlockWeight holds as they are: (bits, bytes before the quants).
 # Q4_1: d (f16), m (f16), 16 bytes of nibbles; Q8_0: d (f16), 32 int8.
 BLOCK_TYPES = {GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 8}
@@ -227,22 +228,21 @@ def read_gguf_config(path: Path, name: str) -> ModelConfig:
     hidden = int(f.require(key("embedding_length")))
     num_heads = int(f.require(key("attention.head_count")))
     head_dim = int(f.get(key("attention.key_length"), hidden // num_heads))
-    rope_dim = f.get(key("rope.dimension_count"))
-    if rope_dim is not None and int(rope_dim) != head_dim:
-        raise UnsupportedModelError(
-            f"{path}: partial rotary ({rope_dim} of {head_dim}) is not supported"
-        )
-    scaling = f.get(key("rope.scaling.type"), "none")
-    if scaling not in ("none", "") and "rope_freqs.weight" not in f.tensors:
-        raise UnsupportedModelError(f"{path}: RoPE scaling type {scaling!r} is not supported")
+    num_layers = int(f.require(key("block_count")))
     if "token_embd.weight" not in f.tensors:
         raise CorruptModelError(f"{path}: tensor 'token_embd.weight' is missing")
     vocab_size = int(f.tensors["token_embd.weight"].shape[-1])
+
+    def small_tensor(name: str) -> torch.Tensor | None:
+        return f.tensor(name) if name in f.tensors else None
+
+    features = gguf_features(GGUF_FAMILIES[arch], lambda k, default=None: f.get(key(k), default), small_tensor,
+                             path, num_layers, head_dim, hidden, num_heads)
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(f.require(key("feed_forward_length"))),
-        num_layers=int(f.require(key("block_count"))),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(f.get(key("attention.head_count_kv"), num_heads)),
         head_dim=head_dim,
@@ -252,6 +252,7 @@ def read_gguf_config(path: Path, name: str) -> ModelConfig:
         tie_word_embeddings="output.weight" not in f.tensors,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         name=name,
+        **features,
     )
 
 
@@ -311,13 +312,17 @@ def load_gguf_weights(
     for canon, gguf_name in _progress(wanted.items(), len(wanted), config.name, progress):
         heads = config.num_heads if ".wq." in canon else config.num_kv_heads
         permuted = arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon)
+        rows = stored_rows(config, canon)  # a share of a fused matrix, or partial rotary's order
         held = f.quant(gguf_name) if blocks else None
         if held is not None:
-            weights[canon] = held.reorder_rows(qk_row_order(held.shape[0], heads)) if permuted else held
+            held = held.reorder_rows(qk_row_order(held.shape[0], heads)) if permuted else held
+            weights[canon] = held.reorder_rows(rows) if rows is not None else held
             continue
         w = f.tensor(gguf_name)
         if permuted:
             w = unpermute_qk(w, heads)
+        if rows is not None:
+            w = w.index_select(0, rows)
         weights[canon] = w.to(device=device, dtype=torch.float32 if canon == "rope_freq_factors" else dtype)
         del w  # before the next tensor is read
         if GGMLQuantizationType(f.tensors[gguf_name].tensor_type) in QUANT_TYPES:

@@ -14,12 +14,21 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from bargein.config import ModelConfig, RopeScaling
+from bargein.config import ModelConfig
 from bargein.loader.errors import CorruptModelError, UnsupportedModelError
+from bargein.loader.families import (
+    HF_FAMILIES,
+    hf_features,
+    hf_text_config,
+    norm_offset,
+    stored_rows,
+)
 from bargein.loader.names import check_layer_range, wanted_tensors
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(HF_FAMILIES)
 INDEX_FILE = "model.safetensors.index.json"
+# Where a multimodal checkpoint keeps its text model's tensors (transformers 5, then 4).
+TEXT_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -34,14 +43,16 @@ def read_json(path: Path) -> dict[str, Any]:
 def read_hf_config(folder: Path, name: str) -> ModelConfig:
     """ModelConfig from config.json; unknown architectures and RoPE scalings are refused."""
     path = folder / "config.json"
-    cfg = read_json(path)
-    archs = cfg.get("architectures") or []
+    raw = read_json(path)
+    archs = raw.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(
-            f"{path}: architecture {archs or cfg.get('model_type')!r} is not supported "
+            f"{path}: architecture {archs or raw.get('model_type')!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    family = HF_FAMILIES[arch]
+    cfg = hf_text_config(raw, family)
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -54,36 +65,25 @@ def read_hf_config(folder: Path, name: str) -> ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_params(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=_rope_scaling(cfg, path),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
             # Qwen2 always has q/k/v biases; Llama declares them with attention_bias
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             name=name,
+            **hf_features(family, cfg, path),
         )
     except KeyError as exc:
         raise CorruptModelError(f"{path}: required key {exc.args[0]!r} is missing") from None
 
 
-def _rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
-    """rope_scaling (transformers 4) or rope_parameters (transformers 5), whichever is set."""
-    return cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-
-
-def _rope_scaling(cfg: dict[str, Any], path: Path) -> RopeScaling | None:
-    params = _rope_params(cfg)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind in ("default", None):
-        return None
-    if kind != "llama3":
-        raise UnsupportedModelError(f"{path}: RoPE scaling type {kind!r} is not supported")
-    return RopeScaling(
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-    )
+def text_model_names(wanted: dict[str, str], where: dict[str, Path]) -> dict[str, str]:
+    """Canonical name -> stored name, under a multimodal checkpoint's text-model prefix
+    where the folder has one (Gemma 3 from 4B up); unchanged otherwise."""
+    prefix = next((p for p in TEXT_MODEL_PREFIXES if f"{p}embed_tokens.weight" in where), None)
+    if prefix is None:
+        return wanted
+    return {canon: prefix + name.removeprefix("model.") if name.startswith("model.") else name
+            for canon, name in wanted.items()}
 
 
 def _weight_map(folder: Path) -> dict[str, Path]:
@@ -124,6 +124,7 @@ def load_hf_weights(
     start, end = check_layer_range(config, layer_range)
     wanted = {canon: hf_name for canon, (_, hf_name) in wanted_tensors(config, start, end).items()}
     where = _weight_map(folder)
+    wanted = text_model_names(wanted, where)
     for canon, hf_name in wanted.items():
         if hf_name not in where:
             raise CorruptModelError(f"{folder}: tensor {hf_name!r} is missing (for {canon})")
@@ -143,10 +144,22 @@ def load_hf_weights(
             with _open(file) as handle:
                 for canon, hf_name in names:
                     try:
-                        weights[canon] = handle.get_tensor(hf_name).to(device=device, dtype=dtype)
+                        weights[canon] = _canonical(config, canon, handle.get_tensor(hf_name), device, dtype)
                     except Exception as exc:
                         raise CorruptModelError(
                             f"{file}: cannot read tensor {hf_name!r} ({exc})"
                         ) from exc
                     bar.update()
     return {canon: weights[canon] for canon in wanted}
+
+
+def _canonical(config: ModelConfig, canon: str, stored: torch.Tensor, device: torch.device,
+               dtype: torch.dtype) -> torch.Tensor:
+    """A stored tensor as the canonical one: its rows of a fused matrix, Q/K heads reordered
+    for partial rotary, Gemma's norm as its multiplier (see bargein.loader.families)."""
+    rows = stored_rows(config, canon)
+    if rows is not None:
+        stored = stored.index_select(0, rows)
+    if offset := norm_offset(config, "hf", canon):
+        stored = stored.float() + offset  # in float32, as the reference adds it
+    return stored.to(device=device, dtype=dtype)

@@ -1,21 +1,13 @@
-"""Canonical weight names, and which of them a layer range [start, end) holds."""
+"""Canonical weight names, and which of them a layer range [start, end) holds.
+
+Each family's names in either format are in bargein.loader.families; a canonical tensor
+that a family stores inside a fused one names that stored tensor (see ``stored_rows``)."""
 
 from __future__ import annotations
 
 from bargein.config import ModelConfig
+from bargein.loader.families import layer_tensors
 
-# per-layer canonical suffix -> (GGUF tensor name suffix, HF tensor name suffix)
-LAYER_TENSORS: dict[str, tuple[str, str]] = {
-    "attn_norm.weight": ("attn_norm.weight", "input_layernorm.weight"),
-    "wq.weight": ("attn_q.weight", "self_attn.q_proj.weight"),
-    "wk.weight": ("attn_k.weight", "self_attn.k_proj.weight"),
-    "wv.weight": ("attn_v.weight", "self_attn.v_proj.weight"),
-    "wo.weight": ("attn_output.weight", "self_attn.o_proj.weight"),
-    "ffn_norm.weight": ("ffn_norm.weight", "post_attention_layernorm.weight"),
-    "w1.weight": ("ffn_gate.weight", "mlp.gate_proj.weight"),
-    "w2.weight": ("ffn_down.weight", "mlp.down_proj.weight"),
-    "w3.weight": ("ffn_up.weight", "mlp.up_proj.weight"),
-}
 BIAS_TENSORS: dict[str, tuple[str, str]] = {
     "wq.bias": ("attn_q.bias", "self_attn.q_proj.bias"),
     "wk.bias": ("attn_k.bias", "self_attn.k_proj.bias"),
@@ -51,7 +43,7 @@ def wanted_tensors(config: ModelConfig, start: int, end: int) -> dict[str, tuple
     last = end == config.num_layers
     if start == 0 or (last and config.tie_word_embeddings):
         wanted["embed.weight"] = GLOBAL_TENSORS["embed.weight"]
-    per_layer = dict(LAYER_TENSORS)
+    per_layer = layer_tensors(config)
     if config.attention_bias:
         per_layer.update(BIAS_TENSORS)
     for i in range(start, end):
@@ -81,6 +73,10 @@ def expected_shape(config: ModelConfig, canon: str) -> tuple[int, ...] | None:
         "norm.weight": (h,),
         "attn_norm.weight": (h,),
         "ffn_norm.weight": (h,),
+        "post_attn_norm.weight": (h,),
+        "post_ffn_norm.weight": (h,),
+        "q_norm.weight": (config.head_dim,),
+        "k_norm.weight": (config.head_dim,),
         "wq.weight": (q, h),
         "wk.weight": (kv, h),
         "wv.weight": (kv, h),

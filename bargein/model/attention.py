@@ -152,14 +152,16 @@ class AttentionMetadata:
 
 
 def fast_paged_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, cache: KVCache,
-                         meta: AttentionMetadata, kernels: KernelSet) -> torch.Tensor:
+                         meta: AttentionMetadata, kernels: KernelSet, *, window: int | None = None,
+                         softcap: float | None = None, scale: float | None = None) -> torch.Tensor:
     """The fast precision's attention for the fused, not yet rotated qkv (T, (H + 2 KVH) D):
-    rotates q and k, writes K/V (float16) and attends each token on its own; (T, H, D)."""
+    rotates q and k, writes K/V (float16) and attends each token on its own; (T, H, D).
+    ``window``, ``softcap``, ``scale``: as :func:`windowed_paged_attention`."""
     if meta.token_seq is None or meta.token_context is None:
         raise ValueError("the fast precision's attention needs AttentionMetadata.build's per-token fields")
     return kernels.token_attention(qkv, cos.view(qkv.shape[0], -1), sin.view(qkv.shape[0], -1), num_heads,
                                    cache.k, cache.v, meta.slot_mapping, meta.block_tables, meta.token_seq,
-                                   meta.token_context)
+                                   meta.token_context, window=window, softcap=softcap, scale=scale)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
@@ -203,3 +205,55 @@ def _chunk_attention(q: torch.Tensor, cache: KVCache, table: torch.Tensor, ctx: 
         mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (q_len, ctx)
         out = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def windowed_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                             meta: AttentionMetadata, *, window: int | None, softcap: float | None,
+                             scale: float) -> torch.Tensor:
+    """:func:`paged_attention` for a layer with any of a sliding window, soft-capped scores or
+    a scale of its own (Mistral, Gemma): q (T, H, D), k and v (T, KVH, D) -> (T, H, D).
+
+    A query at position p attends to positions ``max(0, p - window + 1) .. p`` (all of
+    0..p without a window), so it sees at most ``window`` keys, itself included; only the
+    blocks holding those positions are read. Scores are ``s = (q . k) * scale``, then
+    ``softcap * tanh(s / softcap)`` where soft-capped, as Gemma 2 computes them. Sequence by
+    sequence, decodes included: this is the exact reference, in PyTorch.
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    cache.k.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k
+    cache.v.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    for i, (start, q_len, ctx) in enumerate(zip(meta.query_starts, meta.query_lens, meta.context_lens, strict=True)):
+        out[start:start + q_len] = _window_attention(q[start:start + q_len], cache, meta.block_tables[i], ctx,
+                                                     window, softcap, scale)
+    return out
+
+
+def _window_attention(q: torch.Tensor, cache: KVCache, table: torch.Tensor, ctx: int, window: int | None,
+                      softcap: float | None, scale: float) -> torch.Tensor:
+    """q_len queries at the end of a ctx-long sequence, over the keys their windows reach."""
+    q_len, block_size = q.shape[0], cache.k.shape[1]
+    kvh, d = cache.k.shape[2], cache.k.shape[3]
+    first = max(0, ctx - q_len - window + 1) if window is not None else 0  # the first position any query sees
+    first_block = first // block_size
+    blocks = table[first_block: (ctx + block_size - 1) // block_size]
+    offset = first_block * block_size  # the position of the first key read
+    keys = cache.k.index_select(0, blocks).view(-1, kvh, d)[:ctx - offset].transpose(0, 1)  # (KVH, L, D)
+    values = cache.v.index_select(0, blocks).view(-1, kvh, d)[:ctx - offset].transpose(0, 1)
+    group = q.shape[1] // kvh
+    key_pos = torch.arange(offset, ctx, device=q.device)
+    query_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+    visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # (q_len, L)
+    if window is not None:
+        visible &= key_pos.unsqueeze(0) > query_pos.unsqueeze(1) - window
+    qt = q.transpose(0, 1)  # (H, q_len, D)
+    keys = keys.repeat_interleave(group, dim=0)  # (H, L, D)
+    values = values.repeat_interleave(group, dim=0)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qt, keys, values, attn_mask=visible, scale=scale)
+    else:
+        scores = torch.matmul(qt, keys.transpose(1, 2)) * scale  # (H, q_len, L)
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), values)
+    return out.transpose(0, 1)

@@ -1,4 +1,9 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a layer range.
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4) over a layer range.
+
+The families differ in a few named features (see :class:`~bargein.config.ModelConfig`):
+per-head Q/K norms, norms after attention and MLP, GeGLU, scaled embeddings, soft-capped
+scores and logits, sliding-window layers with their own RoPE base. Each is a field of the
+config that the layers read; the loader names and lays out every family's tensors alike.
 
 A :class:`LlamaStage` holds layers ``[start, end)`` of a model: the embedding only when
 ``start == 0``, the final norm and LM head only when ``end == num_layers``. A whole
@@ -32,6 +37,7 @@ from bargein.model.attention import (
     KVCache,
     fast_paged_attention,
     paged_attention,
+    windowed_paged_attention,
 )
 from bargein.model.block_weights import TokenEmbedding, Weight, cat_rows, dense
 from bargein.model.fused_layers import FusedLayers
@@ -68,43 +74,77 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, take: Take, prefix: str, kernels: KernelSet, fp32_weights: bool):
+    def __init__(self, config: ModelConfig, take: Take, layer: int, kernels: KernelSet, fp32_weights: bool):
         super().__init__()
+        prefix = f"layers.{layer}"
         self.kernels = kernels
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.window, self.softcap, self.scale = config.window(layer), config.attn_softcap, config.scale
+        self.is_local = self.window is not None
         wqkv = cat_rows([take(f"{prefix}.wq.weight"), take(f"{prefix}.wk.weight"), take(f"{prefix}.wv.weight")])
         bqkv = None
         if config.attention_bias:
             bqkv = torch.cat([dense(take(f"{prefix}.{n}.bias")) for n in ("wq", "wk", "wv")])
         self.wqkv = _linear(wqkv, bqkv, kernels, fp32_weights)
         self.wo = _linear(take(f"{prefix}.wo.weight"), None, kernels, fp32_weights)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # one RMS norm over each head's dimensions, before RoPE
+            self.q_norm = RMSNorm(dense(take(f"{prefix}.q_norm.weight")), config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(dense(take(f"{prefix}.k_norm.weight")), config.rms_norm_eps, kernels)
+
+    @property
+    def is_plain(self) -> bool:
+        """Whether the scores are Llama's (no window, soft cap or scale of its own), which
+        the batched decode path and CUDA graphs take; else the per-sequence windowed path."""
+        return self.window is None and self.softcap is None and self.scale == self.head_dim ** -0.5
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv (T, (H + 2 KVH) D) with each head of q and k RMS-normed (rows of D: row-wise in fast)."""
+        t, d = qkv.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q = self.q_norm(qkv[:, :q_size].reshape(t * self.num_heads, d)).view(t, q_size)
+        k = self.k_norm(qkv[:, q_size:q_size + kv_size].reshape(t * self.num_kv_heads, d)).view(t, kv_size)
+        return torch.cat([q, k, qkv[:, q_size + kv_size:]], dim=-1)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.wqkv(x)  # (T, q_size + 2 * kv_size)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
         if self.kernels.fast:  # RoPE, the K/V write and attention in two native calls, token by token
-            out = fast_paged_attention(qkv, *rotary, self.num_heads, cache, meta, self.kernels)
+            out = fast_paged_attention(qkv, *rotary, self.num_heads, cache, meta, self.kernels,
+                                       window=self.window, softcap=self.softcap, scale=self.scale)
             return self.wo(out.view(t, q_size))
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, k, *rotary)
-        out = paged_attention(q, k, v.contiguous(), cache, meta, self.kernels)  # (T, H, D)
+        if self.is_plain:
+            out = paged_attention(q, k, v.contiguous(), cache, meta, self.kernels)  # (T, H, D)
+        else:
+            out = windowed_paged_attention(q, k, v.contiguous(), cache, meta, window=self.window,
+                                           softcap=self.softcap, scale=self.scale)
         return self.wo(out.reshape(t, q_size))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, take: Take, prefix: str, kernels: KernelSet, fp32_weights: bool):
+    def __init__(self, take: Take, prefix: str, kernels: KernelSet, fp32_weights: bool, activation: str = "silu"):
         super().__init__()
         w13 = cat_rows([take(f"{prefix}.w1.weight"), take(f"{prefix}.w3.weight")])
         self.w13 = _linear(w13, None, kernels, fp32_weights)
         self.w2 = _linear(take(f"{prefix}.w2.weight"), None, kernels, fp32_weights)
         self.kernels = kernels
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.w13(x)  # (T, 2 * intermediate)
+        if self.activation == "gelu_tanh":  # GeGLU (Gemma)
+            if (h := self.kernels.gelu_tanh_mul(gate_up)) is not None:
+                return self.w2(h)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.w2(F.gelu(gate, approximate="tanh") * up)
         if (h := self.kernels.silu_mul(gate_up)) is not None:
             return self.w2(h)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -112,17 +152,27 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """``h = x + attn(norm(x)); out = h + mlp(norm(h))``; with ``sandwich_norms`` (Gemma) the
+    attention's and the MLP's outputs are normed too before they are added."""
+
     def __init__(self, config: ModelConfig, take: Take, layer: int, kernels: KernelSet, fp32_weights: bool):
         super().__init__()
         prefix = f"layers.{layer}"
-        self.attn_norm = RMSNorm(dense(take(f"{prefix}.attn_norm.weight")), config.rms_norm_eps, kernels)
-        self.attention = Attention(config, take, prefix, kernels, fp32_weights)
-        self.ffn_norm = RMSNorm(dense(take(f"{prefix}.ffn_norm.weight")), config.rms_norm_eps, kernels)
-        self.feed_forward = FeedForward(take, prefix, kernels, fp32_weights)
+        eps = config.rms_norm_eps
+        self.attn_norm = RMSNorm(dense(take(f"{prefix}.attn_norm.weight")), eps, kernels)
+        self.attention = Attention(config, take, layer, kernels, fp32_weights)
+        self.ffn_norm = RMSNorm(dense(take(f"{prefix}.ffn_norm.weight")), eps, kernels)
+        self.feed_forward = FeedForward(take, prefix, kernels, fp32_weights, config.activation)
+        self.post_attn_norm = self.post_ffn_norm = None
+        if config.sandwich_norms:
+            self.post_attn_norm = RMSNorm(dense(take(f"{prefix}.post_attn_norm.weight")), eps, kernels)
+            self.post_ffn_norm = RMSNorm(dense(take(f"{prefix}.post_ffn_norm.weight")), eps, kernels)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        h = x + self.attention(self.attn_norm(x), rotary, cache, meta)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attn_norm(x), rotary, cache, meta)
+        h = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
 class LlamaStage(nn.Module):
@@ -173,11 +223,15 @@ class LlamaStage(nn.Module):
             head = embed if tied else take("lm_head.weight")
             self.lm_head = _linear(head, None, kernels, fp32_weights)
         freq_factors = take("rope_freq_factors") if "rope_freq_factors" in weights else None
-        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings, freq_factors)
+        positions = max_positions or config.max_position_embeddings
+        self.rope = RotaryEmbedding(config, positions, freq_factors)
+        # Sliding-window layers with a RoPE base of their own (Gemma 3) read these tables.
+        self.local_rope = (RotaryEmbedding(config, positions, freq_factors, local=True)
+                           if config.local_rope_theta is not None else None)
         self.kernels = kernels
         self.fused = (FusedLayers.build(config, list(self.layers), (self.rope.cos, self.rope.sin), kernels.native,
                                         self.embed, (self.norm, self.lm_head) if self.is_last else None)
-                      if fuse_layers and kernels.fast and kernels.native is not None else None)
+                      if fuse_layers and kernels.fast and kernels.native is not None and config.is_plain else None)
 
     @property
     def num_layers(self) -> int:
@@ -202,6 +256,12 @@ class LlamaStage(nn.Module):
         return not self.kernels.fast
 
     @property
+    def graph_safe(self) -> bool:
+        """Whether a CUDA graph of a decode step replays correctly: the windowed attention
+        path loops over sequences by their Python-side lengths, which a graph would freeze."""
+        return all(layer.attention.is_plain for layer in self.layers)
+
+    @property
     def kv_dtype(self) -> torch.dtype:
         """The K/V cache's dtype: float16 in the fast precision, the model's dtype otherwise."""
         return self.kernels.kv_dtype or self.dtype
@@ -222,14 +282,20 @@ class LlamaStage(nn.Module):
                 return x  # the logits
         else:
             x = self.embed(inputs) if self.is_first else inputs  # (T, hidden)
-            rotary = self.rope.angles(positions, x.dtype)  # shared by every layer
+            if self.is_first and self.config.embed_scale:  # Gemma: sqrt(hidden), rounded to the dtype
+                x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+            rotary = self.rope.angles(positions, x.dtype)  # shared by every global layer
+            local = self.local_rope.angles(positions, x.dtype) if self.local_rope is not None else rotary
             for layer, cache in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, rotary, cache, meta)
+                x = layer(x, local if layer.attention.is_local else rotary, cache, meta)
         if not self.is_last:
             return x
         if logits_indices is not None:
             x = x[logits_indices]
-        return self.lm_head(self.norm(x)).float()  # (N, vocab)
+        logits = self.lm_head(self.norm(x)).float()  # (N, vocab)
+        if self.config.final_softcap:
+            logits = self.kernels.softcap(logits, self.config.final_softcap)
+        return logits
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Memory one block of this stage's K/V takes, over all its layers."""

@@ -106,9 +106,9 @@ def test_llama3_rope_scaling_and_head_dim(tmp_path: Path) -> None:
 
 
 def test_unsupported_rope_scaling(tmp_path: Path) -> None:
-    folder = write_hf_folder(tmp_path / "yarn", SPEC, WEIGHTS)
-    _edit_config(folder, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(UnsupportedModelError, match=r"config\.json.*'yarn'"):
+    folder = write_hf_folder(tmp_path / "dynamic", SPEC, WEIGHTS)
+    _edit_config(folder, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(UnsupportedModelError, match=r"config\.json.*'dynamic'"):
         load_config(resolve_model_ref(folder))
 
 

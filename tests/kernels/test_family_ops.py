@@ -1,0 +1,90 @@
+"""The native operations the newer families add to the ``fast`` path (GeGLU, soft cap, and
+attention with a sliding window, soft-capped scores and a scale of its own): each against
+a float64 PyTorch reference, and each row's bits independent of the rows beside it and of
+the thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bargein.kernels.native import load_native_kernels
+from bargein.model.attention import AttentionMetadata, KVCache, _window_attention
+
+KERNELS = load_native_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here")
+
+
+def _rows(m: int, n: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(m, n, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+@pytest.mark.parametrize("n", [7, 64, 200])
+def test_gelu_tanh_mul_matches_the_reference_row_by_row(n: int) -> None:
+    x = _rows(37, 2 * n, seed=n)
+    gate, up = x.double().chunk(2, dim=-1)
+    want = F.gelu(gate, approximate="tanh") * up
+    got = KERNELS.gelu_tanh_mul(x, 2)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    for threads in (1, 3):  # one row alone, or among others at any thread count: the same bits
+        assert torch.equal(KERNELS.gelu_tanh_mul(x[5:6].contiguous(), threads), got[5:6])
+        assert torch.equal(KERNELS.gelu_tanh_mul(x, threads), got)
+
+
+def test_softcap_matches_the_reference_and_is_row_invariant() -> None:
+    x = _rows(19, 320, seed=1, scale=40.0)
+    got = KERNELS.softcap(x, 30.0, 2)
+    torch.testing.assert_close(got.double(), torch.tanh(x.double() / 30.0) * 30.0, atol=1e-5, rtol=1e-5)
+    assert got.abs().max() < 30.0
+    assert torch.equal(KERNELS.softcap(x[3:4].contiguous(), 30.0, 1), got[3:4])
+
+
+def _case(head_dim: int, ctx: int, block_size: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads = 4, 2
+    blocks = -(-ctx // block_size)
+    num_blocks = blocks + 3
+    k = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)).half()
+    v = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)).half()
+    table = torch.randperm(num_blocks, generator=g)[:blocks].tolist()
+    q = torch.randn(ctx, heads, head_dim, generator=g) * 2
+    return q, KVCache(k, v), table
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize(("window", "softcap"), [(8, None), (None, 5.0), (5, 5.0), (100, None)])
+def test_attention_with_a_window_and_a_soft_cap_matches_the_reference(head_dim: int, window: int | None,
+                                                                      softcap: float | None) -> None:
+    ctx, bs = 30, 4
+    q, cache, table = _case(head_dim, ctx, bs, seed=head_dim)
+    scale = 0.3
+    want = _window_attention(q.double(), KVCache(cache.k.double(), cache.v.double()), torch.tensor(table), ctx,
+                             window, softcap, scale)
+    meta = AttentionMetadata.build(block_tables=[table], query_lens=[ctx], context_lens=[ctx], block_size=bs,
+                                   decode_batch=False)
+    args = (cache.k, cache.v, meta.block_tables, meta.token_seq, meta.token_context, scale)
+    got = KERNELS.paged_attention_f16(q, *args, 2, window=window, softcap=softcap)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    # Each query alone (a decode, through the one-query path where head_dim allows) gives the same bits.
+    for i in (0, 7, 8, ctx - 1):
+        alone = AttentionMetadata.build(block_tables=[table], query_lens=[1], context_lens=[i + 1], block_size=bs,
+                                        decode_batch=False)
+        one = KERNELS.paged_attention_f16(q[i:i + 1].contiguous(), cache.k, cache.v, alone.block_tables,
+                                          alone.token_seq, alone.token_context, scale, 3, window=window,
+                                          softcap=softcap)
+        assert torch.equal(one, got[i:i + 1])
+
+
+def test_a_windowed_query_reads_no_block_before_its_window() -> None:
+    """Blocks wholly before the window may hold anything (here NaN): the result is unchanged."""
+    ctx, bs, window = 24, 4, 8
+    q, cache, table = _case(16, ctx, bs, seed=3)
+    meta = AttentionMetadata.build(block_tables=[table], query_lens=[1], context_lens=[ctx], block_size=bs,
+                                   decode_batch=False)
+    call = (q[-1:].contiguous(), cache.k, cache.v, meta.block_tables, meta.token_seq, meta.token_context, 0.25, 1)
+    before = KERNELS.paged_attention_f16(*call, window=window)
+    for b in table[: (ctx - window) // bs]:  # positions 0..15: outside the last query's window
+        cache.k[b] = float("nan")
+        cache.v[b] = float("nan")
+    assert torch.equal(KERNELS.paged_attention_f16(*call, window=window), before)
