@@ -41,10 +41,9 @@ from bargein.server.responses_store import StoredResponse
 from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
-from bargein.server.structured import compile_in_pool
 from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan
 from bargein.server.tools import prompt_messages as tool_messages
-from bargein.server.validation import check_response_format, effective_timeout, resolve_max_tokens
+from bargein.server.validation import check_structured, effective_timeout, resolve_max_tokens
 
 router = APIRouter()
 CANCEL_WAIT_S = 10.0  # how long POST .../cancel waits for the final status
@@ -224,19 +223,13 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
                                        "tool_choice": prev.tool_choice if prev.tools else None})
     new_turn = input_messages(body.input) if prev is None else []  # validation in FIELD_ORDER (validation.py)
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
-    constraint = check_response_format(text_format, "text.format", nested=False)
-    plan = tool_plan(*chat_tools(body.tools, body.tool_choice))
-    if plan.constraint() is not None:
-        if constraint is not None:
-            raise APIError(400, "text.format cannot be combined with a required or named tool_choice",
-                           param="tool_choice", code="invalid_value")
-        constraint = plan.constraint()
+    constraint, plan = await check_structured(ctx, text_format, lambda: tool_plan(*chat_tools(body.tools, body.tool_choice)),
+                                              "text.format", nested=False)
     max_tokens = resolve_max_tokens(body.max_output_tokens, "max_output_tokens", ctx.settings,
                                     ctx.settings.default_max_tokens)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"},
                              constraint=constraint)
-    await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "text.format")
     constraint_from = None
     if prev is None:
         stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan)

@@ -29,7 +29,8 @@ from typing import Any
 from bargein.engine.constraint import Constraint
 from bargein.engine.grammar import JSON_OPTIONS
 from bargein.server.errors import APIError
-from bargein.server.structured import check
+from bargein.server.json_schema import strict_objects
+from bargein.server.structured import schema_constraint
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -42,8 +43,9 @@ class Tool:
     parameters: dict[str, Any]
 
     def call_schema(self) -> dict[str, Any]:
-        """``{"name": <this>, "arguments": <parameters>}``, in that order."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
+        """``{"name": <this>, "arguments": <parameters>}``, in that order; the arguments
+        allow only declared properties unless the schema opens itself (``strict_objects``)."""
+        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": strict_objects(self.parameters)},
                 "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -112,7 +114,7 @@ def _tool(i: int, raw: Any) -> Tool:
     if not isinstance(parameters, dict):
         raise APIError(400, f"{param}.function.parameters must be a JSON Schema object",
                        param=f"{param}.function.parameters", code="invalid_value")
-    check(Constraint.json_schema(parameters), f"{param}.function.parameters")
+    schema_constraint(parameters, f"{param}.function.parameters")  # the schema limits and the grammar engine's check
     return Tool(name, str(fn.get("description") or ""), parameters)
 
 
