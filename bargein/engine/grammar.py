@@ -243,7 +243,8 @@ class Grammars:
         try:
             probe(compiled, self._lengths, deadline)
         except ProbeOverBudget as exc:
-            raise GrammarOverBudget(f"{exc} of {budget_s:g} s") from None
+            raise GrammarOverBudget(f"building its grammar took longer than the time budget of {budget_s:g} s "
+                                    f"({exc})") from None
         except ProbeFailed as exc:
             raise UnsupportedGrammar(str(exc)) from None
         if time.monotonic() > deadline:

@@ -58,7 +58,7 @@ def probe(template: llg.LLMatcher, token_lengths: np.ndarray, deadline: float,
                 break
             matcher.unsafe_compute_mask_ptr(mask.ctypes.data, words * 4)
             if clock() > deadline:
-                raise ProbeOverBudget(f"its grammar's trial answers ran past the time budget (at token {step})")
+                raise ProbeOverBudget(f"its trial answers were at token {step} of {PROBE_STEPS}")
             if matcher.is_error():
                 raise ProbeFailed(_where(step, matcher.get_error()))
             allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab])
