@@ -189,7 +189,7 @@ class Grammars:
     def compile(self, constraint: Constraint, budget_s: float | None = None) -> None:
         """Compiles (or finds cached) ``constraint`` and runs its trial answers; raises
         UnsupportedGrammar (GrammarOverBudget past ``budget_s`` seconds of work)."""
-        self._template(constraint, budget_s)
+        self._template(constraint, budget_s, trial=True)
 
     def matcher(self, constraint: Constraint, replay: Sequence[int] = (), budget: int | None = None
                 ) -> GrammarMatcher:
@@ -210,7 +210,11 @@ class Grammars:
         matcher.start_budget(budget, table.tokens)
         return matcher
 
-    def _template(self, constraint: Constraint, budget_s: float | None = None) -> llg.LLMatcher:
+    def _template(self, constraint: Constraint, budget_s: float | None = None, trial: bool = False
+                  ) -> llg.LLMatcher:
+        """The compiled grammar; ``trial``: run the trial answers on a new one. A matcher
+        made without a compile first (a replica's engine, whose head already compiled and
+        tried the constraint) skips them, to keep its engine thread's step short."""
         with self._lock:
             found = self._compiled.get(constraint)
             if found is not None:
@@ -221,7 +225,7 @@ class Grammars:
                 raise refused
         tokenizer = self._tokenizer_once()  # once per server: not counted in a constraint's budget
         try:
-            compiled = self._build(constraint, tokenizer, time.monotonic(), budget_s)
+            compiled = self._build(constraint, tokenizer, time.monotonic(), budget_s, trial)
         except UnsupportedGrammar as exc:
             self._remember(self._refused, constraint, exc)
             raise
@@ -229,7 +233,7 @@ class Grammars:
         return compiled
 
     def _build(self, constraint: Constraint, tokenizer: llg.LLTokenizer, started: float,
-               budget_s: float | None) -> llg.LLMatcher:
+               budget_s: float | None, trial: bool) -> llg.LLMatcher:
         _check_size(constraint)
         grammar = grammar_text(constraint)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=_limits())
@@ -240,6 +244,8 @@ class Grammars:
             raise UnsupportedGrammar(_first_line(compiled.get_error()))
         deadline = started + budget_s if budget_s is not None else float("inf")
         assert self._lengths is not None
+        if not trial:
+            return compiled
         try:
             probe(compiled, self._lengths, deadline)
         except ProbeOverBudget as exc:

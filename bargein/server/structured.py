@@ -78,6 +78,15 @@ def response_format_constraint(value: dict[str, Any] | None, param: str = "respo
     return schema_constraint(schema, f"{spec_param}.schema")
 
 
+def schema_param(value: Any, param: str = "response_format", nested: bool = True) -> str:
+    """Where a ``response_format``'s schema sits: the param a refusal of its grammar names."""
+    if isinstance(value, dict) and value.get("type") == "json_schema":
+        return f"{param}.json_schema.schema" if nested else f"{param}.schema"
+    if isinstance(value, dict) and value.get("schema") is not None:
+        return f"{param}.schema"
+    return param
+
+
 def schema_constraint(schema: Any, param: str) -> Constraint:
     """A JSON Schema as a constraint under the strict reading, checked: a 400 naming
     ``param`` and what is unsupported (call it off the event loop)."""

@@ -30,7 +30,7 @@ from bargein.engine.constraint import Constraint
 from bargein.engine.sampling import MAX_LOGPROBS
 from bargein.server.errors import APIError
 from bargein.server.settings import ServerSettings
-from bargein.server.structured import prepare_constraint, response_format_constraint
+from bargein.server.structured import prepare_constraint, response_format_constraint, schema_param
 from bargein.server.tools import ToolPlan
 
 FIELD_ORDER = ("messages|prompt|input", "n", "response_format", "max_tokens", "logprobs", "timeout",
@@ -62,11 +62,13 @@ async def check_structured(ctx: Any, response_format: dict[str, Any] | None, mak
         constraint = check_response_format(response_format, param, nested)
         plan = make_plan()
         if plan.constraint() is None:
-            return constraint, param, plan
+            return constraint, schema_param(response_format, param, nested), plan
         if constraint is not None:
             raise APIError(400, f"{param} cannot be combined with a required or named tool_choice",
                            param="tool_choice", code="invalid_value")
-        return plan.constraint(), "tools", plan
+        called = [i for i, t in enumerate(plan.tools) if plan.choice == "required" or t.name == plan.forced]
+        where = f"tools.{called[0]}.function.parameters" if len(called) == 1 else "tools"
+        return plan.constraint(), where, plan
 
     return await prepare_constraint(ctx, work)
 

@@ -36,7 +36,8 @@ HOSTILE = {
     "3 MiB enum": (HUGE_ENUM, "budget of 262,144"),
     "recursive $ref": ({"$defs": {"n": _obj(c={"$ref": "#/$defs/n"})}, "$ref": "#/$defs/n"},
                        "recurses through required properties"),
-    "(a{1000}){1000}": (_obj(x={"type": "string", "pattern": "^(a{1000}){1000}$"}), "trial answer"),
+    # Refused by its trial answers, or (on a loaded machine) by the time budget they ran past.
+    "(a{1000}){1000}": (_obj(x={"type": "string", "pattern": "^(a{1000}){1000}$"}), "trial answer|time budget of"),
     "5,000-way anyOf": (_obj(x={"anyOf": [{"const": i} for i in range(5000)]}), "more than 4,096 subschemas"),
     "integer bound 1e30": (_obj(x={"type": "integer", "minimum": 1e30}), "within +-2**53"),
     "integer literal 10**30": (_obj(x={"type": "integer", "maximum": 10**30}), "within +-2**53"),
@@ -60,13 +61,15 @@ def test_hostile_schema_is_a_400_naming_why(http, name):
                                                 "response_format": _schema_format(schema)})
     assert r.status_code == 400, r.text[:300]
     error = r.json()["error"]
-    assert error["param"] == "response_format.json_schema.schema" and says in error["message"], error
+    assert error["param"] == "response_format.json_schema.schema", error
+    assert any(part in error["message"] for part in says.split("|")), error
     tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
     r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, "tools": [tool],
                                                 "tool_choice": {"type": "function", "function": {"name": "f"}}})
     assert r.status_code == 400, r.text[:300]
     error = r.json()["error"]
-    assert error["param"] == "tools.0.function.parameters" and says in error["message"], error
+    assert error["param"] == "tools.0.function.parameters", error
+    assert any(part in error["message"] for part in says.split("|")), error
 
 
 def _stream_gaps(http: httpx.Client, stop: threading.Event, arrivals: list[float]) -> None:
@@ -143,7 +146,9 @@ class SchemaFuzzer:
                 node["maxItems"] = rng.choice([1, 3, 10**9])
             return node
         if kind in ("anyOf", "allOf"):
-            return {kind: [self.schema(depth + 1) for _ in range(rng.choice([1, 2, 3, 3000]) if depth < 2 else 2)]}
+            if depth == 0 and rng.random() < 0.25:  # a huge alternation, of leaves
+                return {kind: [self.leaf() for _ in range(rng.choice([1500, 3000]))]}
+            return {kind: [self.schema(depth + 1) for _ in range(rng.randint(1, 3))]}
         if kind == "ref":
             required = rng.random() < 0.5
             node = {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}}}
@@ -188,25 +193,34 @@ class SchemaFuzzer:
         return {"type": kind}
 
 
+def _timed_post(live_server, path: str, body: dict) -> tuple[int, float, str]:
+    started = time.monotonic()
+    with httpx.Client(base_url=live_server.base_url, timeout=120) as client:
+        r = client.post(path, json=body)
+    code = r.json()["error"]["code"] if r.status_code == 400 else ""
+    return r.status_code, time.monotonic() - started, code or r.text[:300]
+
+
 def test_fuzzed_schemas_never_5xx_nor_stall(live_server):
     fuzzer = SchemaFuzzer(seed=34)
     schemas = [fuzzer.schema() for _ in range(48)]
-    bound = 3 * SCHEMA_BUDGET_S + 10.0  # the build's budget, then 4 tokens, on a loaded machine
+    plain = {"prompt": "JSON:", "max_tokens": 4, "temperature": 0}
+    with ThreadPoolExecutor(2) as pool:  # this run's own time for the same request without a schema
+        baseline = max(took for _, took, _ in pool.map(lambda _: _timed_post(live_server, "/v1/completions", plain),
+                                                       range(4)))
+    # Each schema waits for at most one build ahead of it (two senders, two build threads),
+    # then its own, each cut at the budget; then its four tokens. Generous on a loaded machine.
+    bound = 3 * SCHEMA_BUDGET_S + 3 * baseline + 5.0
 
     def send(schema: Any) -> tuple[int, float, str]:
-        body = {"prompt": "JSON:", "max_tokens": 4, "temperature": 0,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}}
-        started = time.monotonic()
-        with httpx.Client(base_url=live_server.base_url, timeout=120) as client:
-            r = client.post("/v1/completions", json=body)
-        code = r.json()["error"]["code"] if r.status_code == 400 else ""
-        return r.status_code, time.monotonic() - started, code or r.text[:300]
+        body = {**plain, "response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": schema}}}
+        return _timed_post(live_server, "/v1/completions", body)
 
-    with ThreadPoolExecutor(4) as pool:
+    with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(send, schemas))
     for schema, (status, took, text) in zip(schemas, results, strict=True):
         assert status in (200, 400), (status, text, json.dumps(schema)[:300])
-        assert took <= bound, (took, json.dumps(schema)[:300])
+        assert took <= bound, (took, bound, json.dumps(schema)[:300])
         if status == 400:  # a refusal of the schema, named as such
             assert text in ("unsupported_schema", "schema_too_complex", "invalid_value"), text
     statuses = [s for s, _, _ in results]
