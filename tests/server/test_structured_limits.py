@@ -97,7 +97,7 @@ def test_huge_enum_during_a_live_stream_does_not_stall_it(http, live_server):
         with httpx.Client(base_url=live_server.base_url, timeout=120) as client:
             return [client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5,
                                                               "response_format": _schema_format(HUGE_ENUM)}).status_code
-                    for _ in range(4)]
+                    for _ in range(3)]
 
     started = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
@@ -106,7 +106,7 @@ def test_huge_enum_during_a_live_stream_does_not_stall_it(http, live_server):
     time.sleep(0.5)
     stop.set()
     streamer.join(timeout=60)
-    assert statuses == [400] * 8
+    assert statuses == [400] * 6
     during = [t for t in arrivals if started <= t <= ended + 0.5]
     window = [started, *during, ended]
     worst = max(b - a for a, b in zip(window, window[1:], strict=False))
@@ -203,7 +203,7 @@ def _timed_post(live_server, path: str, body: dict) -> tuple[int, float, str]:
 
 def test_fuzzed_schemas_never_5xx_nor_stall(live_server):
     fuzzer = SchemaFuzzer(seed=34)
-    schemas = [fuzzer.schema() for _ in range(48)]
+    schemas = [fuzzer.schema() for _ in range(32)]
     plain = {"prompt": "JSON:", "max_tokens": 4, "temperature": 0}
     with ThreadPoolExecutor(2) as pool:  # this run's own time for the same request without a schema
         baseline = max(took for _, took, _ in pool.map(lambda _: _timed_post(live_server, "/v1/completions", plain),
