@@ -31,7 +31,7 @@ PERSON = {"type": "object", "properties": {
 def test_strict_objects_closes_declared_objects_only():
     original = copy.deepcopy(PERSON)
     strict = strict_objects(PERSON)
-    assert PERSON == original  # the input is not changed
+    assert original == PERSON  # the input is not changed
     validator = jsonschema.Draft202012Validator(strict)
     assert validator.is_valid({"name": "a", "pets": [{"kind": "cat"}], "home": {"city": "Oslo"},
                                "extra": {"a": 1, "b": 2}, "free": {"anything": [1]}, "tags": {"t1": "x"}})
