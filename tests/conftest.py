@@ -26,6 +26,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+# Tests that give a process a home of its own (Ray nodes with their own HOME, namespace
+# hosts) would otherwise build the native kernels again in each home, ~25 s of CPU each:
+# the session pins the kernel cache where this machine's library already is.
+if not (os.environ.get("BARGEIN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")):
+    os.environ["BARGEIN_CACHE_DIR"] = str(Path.home() / ".cache" / "bargein")
+
 STARTUP_TIMEOUT_S = float(os.environ.get("BARGEIN_TEST_STARTUP_TIMEOUT", "240"))
 IDLE_TIMEOUT_S = 60.0
 REPO = Path(__file__).resolve().parent.parent

@@ -43,7 +43,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from bargein.engine.block_keys import BlockHash, ChainBlock, KeyChanges, SpillCandidate, chain_hash
+from bargein.engine.block_keys import (
+    BlockHash,
+    ChainBlock,
+    KeyChanges,
+    SpillCandidate,
+    chain_hash,
+    namespace_root,
+)
 
 
 @dataclass(frozen=True)
@@ -64,11 +71,24 @@ class BlockTable:
 
     ``hashes[i]`` is the chain hash of block i; only the first ``len(hashes)`` blocks
     are full, computed and registered in the prefix cache (or deliberately left out of
-    it because an identical block was registered first).
+    it because an identical block was registered first). ``root`` is the key block 0
+    chains from: its prefix-cache namespace (``block_keys.namespace_root``); None is the
+    common one.
     """
 
     block_ids: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
+    root: BlockHash | None = None
+
+    @classmethod
+    def in_namespace(cls, cache_salt: str | None) -> BlockTable:
+        """An empty table whose keys chain from ``cache_salt``'s namespace (None: the common one)."""
+        return cls(root=namespace_root(cache_salt))
+
+    @property
+    def last_key(self) -> BlockHash | None:
+        """The key the next full block chains from."""
+        return self.hashes[-1] if self.hashes else self.root
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -276,7 +296,7 @@ class BlockPool:
         assert not table.block_ids, "match_prefix needs an empty block table"
         if not self.enable_prefix_caching or max_tokens <= 0:
             return 0, []
-        parent: BlockHash | None = None
+        parent = table.root
         bs = self.block_size
         for i in range(min(max_tokens, len(token_ids)) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -366,7 +386,7 @@ class BlockPool:
         bs = self.block_size
         while len(table.hashes) < min(num_computed // bs, len(table.block_ids)):
             i = len(table.hashes)
-            parent = table.hashes[-1] if table.hashes else None
+            parent = table.last_key
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
             table.hashes.append(h)
@@ -390,8 +410,7 @@ class BlockPool:
                 and self._ref_counts[table.block_ids[i]] == 1 and table.block_ids[i] not in self._content):
             end = min(num_computed, (i + 1) * bs, len(token_ids))
             if end > i * bs:
-                parent = table.hashes[-1] if table.hashes else None
-                self._register(table.block_ids[i], _Content(parent, tuple(token_ids[i * bs:end]), None))
+                self._register(table.block_ids[i], _Content(table.last_key, tuple(token_ids[i * bs:end]), None))
         for block in reversed(table.block_ids):
             self._unref(block)
         table.block_ids.clear()
@@ -401,7 +420,7 @@ class BlockPool:
         """A new table sharing every block of ``table`` (copy on write later)."""
         for block in table.block_ids:
             self._ref(block)
-        return BlockTable(list(table.block_ids), list(table.hashes))
+        return BlockTable(list(table.block_ids), list(table.hashes), table.root)
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Keeps only the blocks holding the first ``num_tokens`` positions."""
@@ -412,14 +431,15 @@ class BlockPool:
         del table.hashes[num_tokens // self.block_size:]
 
     # -- the disk tier's lookups ---------------------------------------------------
-    def uncached_full_blocks(self, token_ids: Sequence[int], max_tokens: int) -> list[ChainBlock]:
-        """The full blocks of ``token_ids`` (within its first ``max_tokens``) after the
-        longest prefix of full blocks registered here, with their chained keys: what a
-        disk tier may hold. Changes nothing and counts nothing."""
+    def uncached_full_blocks(self, token_ids: Sequence[int], max_tokens: int,
+                             root: BlockHash | None = None) -> list[ChainBlock]:
+        """The full blocks of ``token_ids`` (within its first ``max_tokens``, chained from
+        ``root``: its namespace) after the longest prefix of full blocks registered here,
+        with their chained keys: what a disk tier may hold. Changes nothing and counts nothing."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        parent: BlockHash | None = None
+        parent = root
         wanted: list[ChainBlock] = []
         for i in range(min(max_tokens, len(token_ids)) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])

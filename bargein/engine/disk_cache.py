@@ -146,7 +146,7 @@ class DiskCache:
             if seq.block_table.block_ids:
                 continue
             # As the scheduler's match: the last token is always computed (its logits are sampled).
-            wanted = self.pool.uncached_full_blocks(seq.token_ids, seq.num_tokens - 1)
+            wanted = self.pool.uncached_full_blocks(seq.token_ids, seq.num_tokens - 1, seq.block_table.root)
             n = self.tier.present([w.key for w in wanted])
             if n:
                 scheduler.held.add(rid)

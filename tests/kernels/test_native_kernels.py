@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 
@@ -11,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bargein.kernels import native
-from bargein.kernels.native import NativeKernelError, build_library, load_native_kernels
+from bargein.kernels.native import NativeKernelError, load_native_kernels
 from bargein.kernels.ops import KernelSet, resolve_kernels
 from bargein.model.attention import AttentionMetadata, KVCache, paged_attention
 from tests.dense_reference import random_weights
@@ -177,23 +176,12 @@ def test_failed_build_falls_back_with_the_compiler_output(monkeypatch: pytest.Mo
     assert not list((tmp_path / "cache" / "kernels").glob("*.so"))  # no half-built library left
 
 
-@needs_kernels
-def test_build_is_cached_per_source(tmp_path) -> None:
-    compiler = native._compiler()
-    first = build_library(compiler, tmp_path)
-    stamp = first.stat().st_mtime_ns
-    assert build_library(compiler, tmp_path) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
-
-
-def test_portable_build_when_the_cpu_flag_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_portable_build_when_the_cpu_flag_is_refused(portable_kernels: native.NativeKernels) -> None:
     """A compiler that refuses -march=native (and, here, OpenMP) still gets a library: the
-    portable C code on bargein's own thread pool, which also serves concurrent callers."""
-    compiler = native._compiler()
-    if compiler is None:
-        pytest.skip("no C compiler here")
-    monkeypatch.setattr(native, "_VARIANTS", (("-march=no-such-cpu",), ()))
-    kernels = native.NativeKernels(ctypes.CDLL(str(build_library(compiler, tmp_path))), tmp_path)
+    portable C code on bargein's own thread pool, which also serves concurrent callers.
+    (The build cache itself is tested end to end, with a tiny source, in
+    test_native_build_cache.py.)"""
+    kernels = portable_kernels
     ctx_lens = [3, 21, 8]
     q, cache, tables = random_case(6, 2, 16, 4, ctx_lens, seed=11)
     meta = AttentionMetadata.build(block_tables=tables, query_lens=[1] * 3, context_lens=ctx_lens, block_size=4)

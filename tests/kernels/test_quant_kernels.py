@@ -304,21 +304,11 @@ def test_rope_store_rotates_as_torch_does_and_writes_float16_as_torch_rounds(thr
 
 
 @needs_kernels
-def test_a_portable_build_without_vector_extensions_agrees(tmp_path, monkeypatch) -> None:
+def test_a_portable_build_without_vector_extensions_agrees(portable_kernels) -> None:
     """The library built with no -march (as on a CPU without AVX): the int8 matmul gives the
     same bits, the other fast kernels the same values to float rounding, and the portable
     half conversions round as torch does."""
-    import ctypes
-    import shutil
-
-    from bargein.kernels import native
-
-    compiler = native._compiler()
-    if compiler is None or shutil.which(compiler) is None:
-        pytest.skip("no compiler")
-    monkeypatch.setattr(native, "_VARIANTS", ((),))
-    path = native.build_library(compiler, tmp_path)
-    portable = NativeKernels(ctypes.CDLL(str(path)), path)
+    portable = portable_kernels
     assert [n for n in Q8_ISAS if portable.q8_isa_available(n)] == [n for n in Q8_ISAS if KERNELS.q8_isa_available(n)]
     g = torch.Generator().manual_seed(11)
     for weight in (q4_weight(19, 96, g), q8_weight(9, 64, g)):

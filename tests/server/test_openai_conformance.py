@@ -471,6 +471,6 @@ def test_deadline_measured_from_arrival(live_server):
     started = time.monotonic()
     events = raw_sse(f"{live_server.base_url}/v1/chat/completions",
                      {"messages": [{"role": "user", "content": LONG}], "max_tokens": 1000, "timeout": 0.8,
-                      "stream": True})
+                      "ignore_eos": True, "stream": True})
     assert 0.8 <= time.monotonic() - started < 10
     assert events[-2][1]["choices"][0]["cancel_reason"] == "deadline" and events[-1][1] == "[DONE]"
