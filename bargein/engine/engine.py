@@ -421,11 +421,11 @@ class Engine(EngineConversations):
                                                 self.eos_token_ids, device=self.runner.device,
                                                 output_offset=req.output_offset)
             if req.params.constraint is not None:
-                tokens = req.sequence.token_ids
+                tokens = req.sequence.token_ids[:req.prompt_len]
                 start = req.prompt_len if req.constraint_from is None else req.constraint_from
                 if start > req.prompt_len:
                     raise EngineError(f"constraint_from {start} is past the conversation's end ({req.prompt_len})")
-                req.sampling.grammar = self.grammars.matcher(req.params.constraint, tokens[start:req.prompt_len])
+                req.sampling.grammar = self.grammars.matcher(req.params.constraint, tokens[start:], budget=req.params.max_tokens)
         except Exception as exc:  # a bad request must never take the loop down
             if req.request_id in self.scheduler.requests:
                 self.scheduler.finish([req.request_id], FinishReason.ERROR, error=str(exc))

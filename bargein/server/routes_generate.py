@@ -30,7 +30,6 @@ from bargein.server.openai_stream import ChatShape, CompletionShape
 from bargein.server.reasoning import ReasoningFormat, thinking_for, thinking_kwargs
 from bargein.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from bargein.server.serving import Generation, serve
-from bargein.server.structured import compile_in_pool
 from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.tools import tool_plan, tool_syntax_for
 from bargein.server.validation import (
@@ -38,7 +37,7 @@ from bargein.server.validation import (
     MAX_CHOICES,
     check_logprobs,
     check_n,
-    check_response_format,
+    check_structured,
     effective_timeout,
     resolve_max_tokens,
 )
@@ -124,14 +123,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     # Validation in FIELD_ORDER (validation.py); the messages' walk grows with the input: off the loop.
     messages = await ctx.prompts.run(lambda: message_dicts(body.messages))
     check_n(body.n)
-    constraint = check_response_format(body.response_format)
     template = ctx.tokenizer.chat_template
-    plan = tool_plan(body.tools, body.tool_choice, tool_syntax_for(template))
-    if plan.constraint() is not None:
-        if constraint is not None:
-            raise APIError(400, "response_format cannot be combined with a required or named tool_choice",
-                           param="tool_choice", code="invalid_value")
-        constraint = plan.constraint()
+    constraint, plan = await check_structured(ctx, body.response_format,
+                                              lambda: tool_plan(body.tools, body.tool_choice, tool_syntax_for(template)))
     use_mct = body.max_completion_tokens is not None
     max_field = "max_completion_tokens" if use_mct else "max_tokens"
     max_tokens = resolve_max_tokens(body.max_completion_tokens if use_mct else body.max_tokens, max_field,
@@ -140,7 +134,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              renames={"max_tokens": max_field, "logprobs": "top_logprobs"}, constraint=constraint)
-    await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "response_format")
     messages, template_tools = tool_messages(messages, plan, template)
     prompt = await ctx.prompts.chat(messages, template_tools, template_kwargs=chat_template_kwargs(body, template))
     gen = Generation("chat", request_id, received, [prompt.token_ids], params, n=body.n, timeout=timeout,
@@ -182,7 +175,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Re
     if isinstance(body.prompt, list) and not body.prompt:
         raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
     check_n(body.n)
-    constraint = check_response_format(body.response_format)
+    constraint, _ = await check_structured(ctx, body.response_format, lambda: tool_plan(None, None))
     num_prompts = 1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else len(body.prompt)
     if num_prompts * body.n > MAX_CHOICES:
         raise APIError(400, f"prompts x n must be at most {MAX_CHOICES}", param="prompt", code="invalid_value")
@@ -190,7 +183,6 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Re
     check_logprobs(body.logprobs is not None, body.logprobs, "logprobs")
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, constraint=constraint)
-    await compile_in_pool(ctx, constraint, "response_format")
     prompts = await ctx.prompts.completion(body.prompt, ctx.vocab_size)
     echoes = [await ctx.prompts.decode(p) if body.echo else "" for p in prompts]
     gen = Generation("completions", request_id, received, prompts, params, n=body.n, timeout=timeout,

@@ -47,11 +47,10 @@ from bargein.server.responses_store import ResponseIdTaken, StoredResponse
 from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
-from bargein.server.structured import compile_in_pool
 from bargein.server.tenants import Tenant
 from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan, tool_syntax_for
 from bargein.server.tools import prompt_messages as tool_messages
-from bargein.server.validation import check_response_format, effective_timeout, resolve_max_tokens
+from bargein.server.validation import check_structured, effective_timeout, resolve_max_tokens
 
 router = APIRouter()
 CANCEL_WAIT_S = 10.0  # how long POST .../cancel waits for the final status
@@ -234,13 +233,10 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
                                        "tool_choice": prev.tool_choice if prev.tools else None})
     new_turn = input_messages(body.input) if prev is None else []  # validation in FIELD_ORDER (validation.py)
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
-    constraint = check_response_format(text_format, "text.format", nested=False)
-    plan = tool_plan(*chat_tools(body.tools, body.tool_choice), tool_syntax_for(ctx.tokenizer.chat_template))
-    if plan.constraint() is not None:
-        if constraint is not None:
-            raise APIError(400, "text.format cannot be combined with a required or named tool_choice",
-                           param="tool_choice", code="invalid_value")
-        constraint = plan.constraint()
+    syntax = tool_syntax_for(ctx.tokenizer.chat_template)
+    constraint, plan = await check_structured(ctx, text_format,
+                                              lambda: tool_plan(*chat_tools(body.tools, body.tool_choice), syntax),
+                                              "text.format", nested=False)
     default = ctx.settings.default_max_tokens
     if body.background:  # no client waits on it: it must not run to the end of the context unasked
         default = min(default or ctx.settings.background_max_output_tokens, ctx.settings.background_max_output_tokens)
@@ -248,7 +244,6 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"},
                              constraint=constraint)
-    await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "text.format")
     constraint_from = None
     if prev is None:
         stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan, tenant)

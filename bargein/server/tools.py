@@ -29,7 +29,8 @@ from typing import Any
 from bargein.engine.constraint import Constraint
 from bargein.engine.grammar import JSON_OPTIONS
 from bargein.server.errors import APIError
-from bargein.server.structured import check
+from bargein.server.json_schema import strict_objects
+from bargein.server.structured import schema_constraint
 from bargein.server.tool_syntax import (
     HERMES,
     ArgumentsDelta,
@@ -55,8 +56,9 @@ class Tool:
     parameters: dict[str, Any]
 
     def call_schema(self, key: str = "arguments") -> dict[str, Any]:
-        """``{"name": <this>, <key>: <parameters>}``, in that order (``key``: the syntax's)."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, key: self.parameters},
+        """``{"name": <this>, <key>: <parameters>}``, in that order (``key``: the syntax's); the
+        arguments allow only declared properties unless the schema opens itself (``strict_objects``)."""
+        return {"type": "object", "properties": {"name": {"const": self.name}, key: strict_objects(self.parameters)},
                 "required": ["name", key], "additionalProperties": False}
 
 
@@ -134,7 +136,7 @@ def _tool(i: int, raw: Any) -> Tool:
     if not isinstance(parameters, dict):
         raise APIError(400, f"{param}.function.parameters must be a JSON Schema object",
                        param=f"{param}.function.parameters", code="invalid_value")
-    check(Constraint.json_schema(parameters), f"{param}.function.parameters")
+    schema_constraint(parameters, f"{param}.function.parameters")  # the schema limits and the grammar engine's check
     return Tool(name, str(fn.get("description") or ""), parameters)
 
 

@@ -6,9 +6,11 @@ field). Then, for every generation endpoint, in this order (``FIELD_ORDER``):
 1. the prompt: ``messages`` (roles, content parts) / ``prompt`` / ``input``;
 2. ``n``;
 3. ``response_format`` (Responses: ``text.format``): ``type`` one of ``text``,
-   ``json_object``, ``json_schema``; then ``json_schema.name``, ``json_schema.strict``,
-   ``json_schema.schema`` (a schema feature the grammar engine cannot enforce is named);
-   then ``tools`` and ``tool_choice`` (see ``server/tools.py``);
+   ``json_object``, ``json_schema``; then ``json_schema.name`` (optional),
+   ``json_schema.strict``, ``json_schema.schema`` (the schema limits of
+   ``schema_limits``, then what the grammar engine cannot enforce is named); then
+   ``tools`` and ``tool_choice`` (see ``server/tools.py``); then the answer's grammar is
+   built (time budget: ``structured.SCHEMA_BUDGET_S``). Step 3 runs off the event loop;
 4. ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` (at least 1, at most
    the server's ``--max-tokens-limit``);
 5. ``logprobs``, ``top_logprobs``;
@@ -21,13 +23,15 @@ field). Then, for every generation endpoint, in this order (``FIELD_ORDER``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from bargein.engine.constraint import Constraint
 from bargein.engine.sampling import MAX_LOGPROBS
 from bargein.server.errors import APIError
 from bargein.server.settings import ServerSettings
-from bargein.server.structured import response_format_constraint
+from bargein.server.structured import prepare_constraint, response_format_constraint, schema_param
+from bargein.server.tools import ToolPlan
 
 FIELD_ORDER = ("messages|prompt|input", "n", "response_format", "max_tokens", "logprobs", "timeout",
                "sampling", "context_length")
@@ -42,8 +46,31 @@ def check_n(n: int) -> None:
 
 def check_response_format(value: dict[str, Any] | None, param: str = "response_format",
                           nested: bool = True) -> Constraint | None:
-    """The constraint ``response_format`` asks for (None: plain text); a 400 names the first bad field."""
+    """The constraint ``response_format`` asks for (None: plain text); a 400 names the first
+    bad field. Its cost grows with the schema: off the event loop (``check_structured``)."""
     return response_format_constraint(value, param, nested)
+
+
+async def check_structured(ctx: Any, response_format: dict[str, Any] | None, make_plan: Callable[[], ToolPlan],
+                           param: str = "response_format", nested: bool = True
+                           ) -> tuple[Constraint | None, ToolPlan]:
+    """Step 3 of ``FIELD_ORDER``: ``response_format`` (``param``), then the tools
+    (``make_plan`` validates them); the answer's constraint (the format's, or the forced
+    tool call's) compiled. All of it off the event loop, within the schema budget
+    (``structured.prepare_constraint``)."""
+    def work() -> tuple[Constraint | None, str, ToolPlan]:
+        constraint = check_response_format(response_format, param, nested)
+        plan = make_plan()
+        if plan.constraint() is None:
+            return constraint, schema_param(response_format, param, nested), plan
+        if constraint is not None:
+            raise APIError(400, f"{param} cannot be combined with a required or named tool_choice",
+                           param="tool_choice", code="invalid_value")
+        called = [i for i, t in enumerate(plan.tools) if plan.choice == "required" or t.name == plan.forced]
+        where = f"tools.{called[0]}.function.parameters" if len(called) == 1 else "tools"
+        return plan.constraint(), where, plan
+
+    return await prepare_constraint(ctx, work)
 
 
 def resolve_max_tokens(requested: int | None, field: str, settings: ServerSettings,
