@@ -16,6 +16,9 @@ it reads and writes are the runner's and nobody else's at that moment:
   copied out of the caches (one gather per cache tensor) and queued for the writer
   thread, before the runner's next forward or copy writes their ids. Only the copy is
   on the step path; hashing and the file write are not.
+- ``forget_closed``: a closed conversation's full blocks that only it ever held are
+  deleted from disk (queued after any write of them) and not written again; blocks a
+  cached prefix or another sequence shares stay (``block_holders.py`` says which).
 - ``close``: at shutdown every full registered block (conversations' and cached
   prefixes') is written, within a time limit, then the tier is closed.
 
@@ -29,12 +32,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from bargein.config import CacheConfig
-from bargein.engine.block_keys import ChainBlock, SpillCandidate
-from bargein.engine.blocks import BlockPool
+from bargein.engine.block_keys import BlockHash, ChainBlock, SpillCandidate, chain_hash
+from bargein.engine.blocks import BlockPool, BlockTable
 from bargein.engine.kv_disk.block_file import BlockRecord
 from bargein.engine.kv_disk.fingerprint import (
     ModelFingerprint,
@@ -125,6 +128,24 @@ class DiskCache:
     def after_schedule(self) -> None:
         """Copies the blocks the schedule evicted out of the caches and queues them."""
         self._spill(self.pool.drain_spills())
+        holders = self.pool.holders
+        if holders is not None and len(holders) > 4 * (self.pool.num_blocks + self.tier.index.num_blocks) + 1024:
+            registered = self.pool.registered_keys()
+            holders.prune(lambda k: k in registered or k in self.tier)
+
+    def forget_closed(self, table: BlockTable, token_ids: Sequence[int],
+                      others: Iterable[Sequence[int]]) -> list[BlockHash]:
+        """Deletes from disk the full blocks of a closing conversation (``table``, holding
+        ``token_ids``) that only it held and that none of the ``others`` (every other live
+        sequence's tokens) contains; returns their keys. Call before the pool releases it."""
+        own = self.pool.close_table(table, chain_keys(token_ids, self.pool.block_size))
+        if own:
+            live: set[BlockHash] = set()
+            for tokens in others:
+                live.update(chain_keys(tokens, self.pool.block_size))
+            own = [k for k in own if k not in live]
+            self.tier.delete(own)
+        return own
 
     def _spill(self, candidates: Sequence[SpillCandidate], timeout: float = 0.0) -> int:
         fresh = [c for c in candidates if c.block.key not in self.tier]
@@ -172,6 +193,13 @@ class DiskCache:
         """Writes every full registered block (at most ``timeout`` seconds, then what is
         left is dropped, never half-written) and closes the tier. True if all was written."""
         deadline = time.monotonic() + timeout
+        self.write_registered(timeout)
+        return self.tier.close(max(0.0, deadline - time.monotonic()))
+
+    def write_registered(self, timeout: float) -> None:
+        """Queues every full registered block not on disk yet (and what the last schedule
+        evicted), waiting at most ``timeout`` seconds for room in the writer's queue."""
+        deadline = time.monotonic() + timeout
         self.after_schedule()
         candidates = self.pool.registered_blocks()
         for i in range(0, len(candidates), _SHUTDOWN_BATCH):
@@ -179,7 +207,16 @@ class DiskCache:
             if left <= 0:
                 break
             self._spill(candidates[i:i + _SHUTDOWN_BATCH], timeout=left)
-        return self.tier.close(max(0.0, deadline - time.monotonic()))
 
     def stats(self) -> DiskTierStats:
         return self.tier.stats()
+
+
+def chain_keys(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The chained keys of the full blocks of ``token_ids``."""
+    keys: list[BlockHash] = []
+    parent: BlockHash | None = None
+    for i in range(len(token_ids) // block_size):
+        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        keys.append(parent)
+    return keys
