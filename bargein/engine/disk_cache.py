@@ -39,12 +39,7 @@ from bargein.config import CacheConfig
 from bargein.engine.block_keys import BlockHash, ChainBlock, SpillCandidate, chain_hash
 from bargein.engine.blocks import BlockPool, BlockTable
 from bargein.engine.kv_disk.block_file import BlockRecord
-from bargein.engine.kv_disk.fingerprint import (
-    ModelFingerprint,
-    file_identity,
-    model_files,
-    sources_digest,
-)
+from bargein.engine.kv_disk.fingerprint import ModelFingerprint, identity_files, sources_digest
 from bargein.engine.kv_disk.payload import KVPair, extract_blocks, write_block
 from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.kv_disk.tier import DiskTier
@@ -68,9 +63,7 @@ def stage_fingerprint(stages: Sequence, block_size: int, model_identity: str | o
     """The fingerprint of K/V computed by ``stages`` (consecutive LlamaStages) over the
     model ``model_identity``: its file or folder, or a string naming in-memory weights."""
     first = stages[0]
-    path = Path(model_identity)
-    files = (tuple(file_identity(f) for f in model_files(path)) if path.exists()
-             else (("id", 0, str(model_identity)),))
+    files = identity_files(model_identity)
     precision = f"{'fast' if first.kernels.fast else 'exact'}/{first.dtype}/{first.device.type}"
     return ModelFingerprint(files, precision, str(first.kv_dtype), block_size, (stages[0].start, stages[-1].end),
                             kernels=kernels_digest())
