@@ -194,7 +194,9 @@ class DiskCache:
         evicted), waiting at most ``timeout`` seconds for room in the writer's queue."""
         deadline = time.monotonic() + timeout
         self.after_schedule()
-        candidates = self.pool.registered_blocks()
+        # Tails first: the tier's LRU then drops a chain's last blocks before its first ones
+        # (a block is of use only after its parent; registration order is head first).
+        candidates = self.pool.registered_blocks()[::-1]
         for i in range(0, len(candidates), _SHUTDOWN_BATCH):
             left = deadline - time.monotonic()
             if left <= 0:
