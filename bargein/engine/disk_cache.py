@@ -23,7 +23,10 @@ it reads and writes are the runner's and nobody else's at that moment:
   prefixes') is written, within a time limit, then the tier is closed.
 
 The tier is used only with the in-process runner: a pipeline's K/V lives on its stages,
-which would each need a tier of their own (not built yet).
+which would each need a tier of their own. Its pieces are here (``stage_fingerprint``
+names a stage's layer range, ``stage_tier_directory`` its directory) but the stages do
+not use them yet: the head would have to tell each stage which block ids to write and
+read by key.
 """
 
 from __future__ import annotations
@@ -57,6 +60,14 @@ def kernels_digest() -> str:
 
     folder = Path(bargein.kernels.__file__).parent
     return sources_digest(sorted(folder.glob("*.c")) + sorted(folder.glob("*.h")))
+
+
+def stage_tier_directory(base: str | os.PathLike[str], layer_range: tuple[int, int]) -> Path:
+    """Where a pipeline stage holding layers ``[start, end)`` keeps its own tier:
+    ``base/stage-<start>-<end>`` (its fingerprint names the same range, so a stage never
+    reads another range's K/V even if directories are mixed up)."""
+    start, end = layer_range
+    return Path(base) / f"stage-{start}-{end}"
 
 
 def stage_fingerprint(stages: Sequence, block_size: int, model_identity: str | os.PathLike[str]) -> ModelFingerprint:
