@@ -86,14 +86,16 @@ def decode_step_times(model: str | None, directory: Path | None, streams: int, s
         while not any(o.request_id == rid and o.finished for o in collector.step()):
             pass
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    ids = {collector.add_request([rng.randrange(1000, vocab) for _ in range(16)], params) for _ in range(streams)}
-    started: set[str] = set()
-    while started != ids:  # every stream past its prompt
-        started |= {o.request_id for o in collector.step() if o.request_id in ids and o.token_ids}
+    for _ in range(streams):
+        collector.add_request([rng.randrange(1000, vocab) for _ in range(16)], params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.sequence.num_computed < r.prompt_len for r in scheduler.running):
+        collector.step()  # until every stream is past its prompt
     if engine.disk is not None:
         engine.disk.write_registered(0.0)
     times, busy = [], 0
     for _ in range(steps):
+        assert len(scheduler.running) == streams, "a stream ended before the timed steps did"
         start = time.perf_counter()
         collector.step()
         times.append(time.perf_counter() - start)
@@ -158,8 +160,7 @@ def run_once(model: str | None, num_tokens: int, seed: int) -> dict[str, Any]:
             result[f"read_ms_per_block_{mode}"] = stats.read_seconds_mean * 1000
             block_bytes = stats.bytes / max(1, stats.blocks)
             result[f"read_mib_s_{mode}"] = block_bytes / 2**20 / stats.read_seconds_mean if stats.hits else 0.0
-            engine.close_conversation(conv)
-            engine.close()
+            engine.close()  # the conversation stays open: closing it would delete its blocks from disk
         recompute = engine_with(model, None)
         conv = recompute.open_conversation(conversation)
         result["ttft_recompute_s"], result["cached_recompute"] = ttft(recompute, conv, follow_up)
