@@ -104,6 +104,7 @@ class Child:
             except httpx.HTTPError:
                 pass
             time.sleep(0.02)
+        self.kill_and_wait()
         raise AssertionError(f"not ready:\n{self.log()}")
 
     def signal(self, sig: int) -> None:
