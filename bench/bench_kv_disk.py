@@ -89,8 +89,8 @@ def decode_step_times(model: str | None, directory: Path | None, streams: int, s
     for _ in range(streams):
         collector.add_request([rng.randrange(1000, vocab) for _ in range(16)], params)
     scheduler = engine.scheduler
-    while scheduler.waiting or any(r.sequence.num_computed < r.prompt_len for r in scheduler.running):
-        collector.step()  # until every stream is past its prompt
+    while len(scheduler.running) < streams or any(r.sequence.num_computed < r.prompt_len for r in scheduler.running):
+        collector.step()  # until every stream runs, past its prompt (added requests reach the scheduler in a step)
     if engine.disk is not None:
         engine.disk.write_registered(0.0)
     times, busy = [], 0
