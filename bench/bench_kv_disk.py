@@ -92,7 +92,7 @@ def decode_step_times(model: str | None, directory: Path | None, streams: int, s
     while len(scheduler.running) < streams or any(r.sequence.num_computed < r.prompt_len for r in scheduler.running):
         collector.step()  # until every stream runs, past its prompt (added requests reach the scheduler in a step)
     if engine.disk is not None:
-        engine.disk.write_registered(0.0)
+        engine.disk.write_registered(60.0)  # waits only if the queue is full
     times, busy = [], 0
     for _ in range(steps):
         assert len(scheduler.running) == streams, "a stream ended before the timed steps did"

@@ -202,7 +202,8 @@ class DiskCache:
 
     def write_registered(self, timeout: float) -> None:
         """Queues every full registered block not on disk yet (and what the last schedule
-        evicted), waiting at most ``timeout`` seconds for room in the writer's queue."""
+        evicted), waiting at most ``timeout`` seconds for room in the writer's queue (0:
+        queues what fits now, drops the rest)."""
         deadline = time.monotonic() + timeout
         self.after_schedule()
         # Tails first: the tier's LRU then drops a chain's last blocks before its first ones
@@ -210,9 +211,9 @@ class DiskCache:
         candidates = self.pool.registered_blocks()[::-1]
         for i in range(0, len(candidates), _SHUTDOWN_BATCH):
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 < timeout:
                 break
-            self._spill(candidates[i:i + _SHUTDOWN_BATCH], timeout=left)
+            self._spill(candidates[i:i + _SHUTDOWN_BATCH], timeout=max(0.0, left))
 
     def stats(self) -> DiskTierStats:
         return self.tier.stats()
