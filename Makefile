@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 ARGS   ?=
 
-.PHONY: serve test lint layers bench clean
+.PHONY: serve test lint layers bench clean ray
 
 $(VENV)/.stamp-runtime: pyproject.toml scripts/bootstrap.sh
 	scripts/bootstrap.sh
@@ -14,12 +14,19 @@ $(VENV)/.stamp-test: pyproject.toml scripts/bootstrap.sh
 	scripts/bootstrap.sh --test
 	touch $(VENV)/.stamp-runtime $@
 
+# The `ray` extra (several machines): run on every machine of the cluster.
+$(VENV)/.stamp-ray: pyproject.toml scripts/bootstrap.sh
+	scripts/bootstrap.sh --ray
+	touch $(VENV)/.stamp-runtime $@
+
+ray: $(VENV)/.stamp-ray
+
 serve: $(VENV)/.stamp-runtime
 	$(VENV)/bin/bargein serve $(ARGS)
 
 test: $(VENV)/.stamp-test
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=30 $(ARGS)
 
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check bargein tests bench

@@ -101,12 +101,20 @@ class SchedulerConfig:
     # up to max_num_batched_tokens. Where a forward's time grows with its tokens (a CPU),
     # a big prompt chunk makes every running stream wait several decode steps' time.
     max_mixed_prefill_tokens: int | None = None
+    # A time target for one step, in ms; None: steps are bounded by tokens alone. With a
+    # target, prompt chunks are sized from measured step times (engine/step_time.py) and
+    # steps are fair: decodes, then a first chunk of every waiting request, then the next
+    # chunks of running prompts (engine/step_budget.py). A cancel then waits at most about
+    # one target (C1). The server's default is chosen in cli/serve.py.
+    max_step_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.max_mixed_prefill_tokens is not None and self.max_mixed_prefill_tokens <= 0:
             raise ValueError("max_mixed_prefill_tokens must be positive")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError(f"max_step_ms must be a positive number of milliseconds, got {self.max_step_ms}")
 
 
 PIPELINE_TRANSPORTS = ("auto", "graph", "calls")

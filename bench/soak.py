@@ -234,9 +234,11 @@ class Soak:
         """Trickles a request slower than the server's timeouts; expects 408 (read while writing)."""
         reader, writer = await asyncio.open_connection(self.host, self.port)
         answer = asyncio.ensure_future(reader.read(65536))  # the first bytes back: the 408's head
+        name = f"[{self.host}]" if ":" in self.host else self.host
+        host = f"Host: {name}\r\n".encode()  # a name the server answers to (its Host allow-list)
         try:
             if behaviour == "slow_headers":
-                head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\n"
+                head = b"POST /v1/chat/completions HTTP/1.1\r\n" + host
                 for i in range(len(head)):
                     if answer.done():
                         break
@@ -245,7 +247,7 @@ class Soak:
                         await writer.drain()
                     await asyncio.sleep(0.3)
             else:
-                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n" + host + b"Content-Type: application/json\r\n"
                              b"Content-Length: 500\r\n\r\n{")
                 await writer.drain()
             reply = await asyncio.wait_for(answer, 30)

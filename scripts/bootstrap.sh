@@ -2,6 +2,7 @@
 # Creates .venv and installs bargein with everything it needs; idempotent.
 #
 #   scripts/bootstrap.sh          runtime: torch, bargein, the bundled default model
+#   scripts/bootstrap.sh --ray    also Ray, for several machines (`make ray`)
 #   scripts/bootstrap.sh --test   also the test tools, the reference (transformers)
 #                                 and Debian's chromium for the web UI tests
 #
@@ -14,7 +15,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 TORCH_VERSION=${BARGEIN_TORCH_VERSION:-2.13.0}
 WANT_TEST=0
+WANT_RAY=0
 [[ "${1:-}" == "--test" ]] && WANT_TEST=1
+[[ "${1:-}" == "--ray" ]] && WANT_RAY=1
 
 pick_python() {
     for candidate in ${PYTHON:-} python3.13 python3.12 python3.11 python3; do
@@ -44,6 +47,8 @@ fi
 
 if [[ $WANT_TEST == 1 ]]; then
     "${PIP[@]}" -e '.[test]'
+elif [[ $WANT_RAY == 1 ]]; then
+    "${PIP[@]}" -e '.[ray]'
 else
     "${PIP[@]}" -e .
 fi

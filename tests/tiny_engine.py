@@ -32,9 +32,13 @@ class ByteTokenizer:
     bos_token_id = None
     eos_token_ids = frozenset({EOS})
     special_token_ids = frozenset({256, 257, 258, 259})
+    special_texts: tuple[str, ...] = ()  # no text encodes to a special token: bytes only
     chat_template = None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def encode_as_text(self, text: str) -> list[int]:
         return list(text.encode())
 
     def token_bytes(self, token_id: int, *, skip_special_tokens: bool = True) -> bytes:

@@ -10,17 +10,25 @@ import argparse
 import asyncio
 
 from bargein.cli.common import Command
+from bargein.cli.errors import EXIT_USAGE, CliError
 from bargein.cli.generate import add_generation_arguments, backend, generation_settings
+from bargein.cli.threads import add_threads_argument, apply_threads
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     add_generation_arguments(p, max_tokens=512)
+    add_threads_argument(p)  # a model run here (not with --url)
 
 
 def run_chat(args: argparse.Namespace) -> int:
     from bargein.cli.repl import ChatREPL
 
     settings = generation_settings(args)
+    if not args.url:
+        try:
+            apply_threads(args)
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     answering = backend(args)
     loop = asyncio.new_event_loop()
     try:

@@ -1,4 +1,5 @@
-"""``bargein cluster [--url URL]``: the stages or replicas of a server's model, from ``GET /v1/cluster``.
+"""``bargein cluster [--url URL]``: the stages or replicas of a server's model, from ``GET /v1/cluster``;
+``bargein cluster start | join | check``: the Ray cluster itself (:mod:`bargein.cli.cluster_nodes`).
 
 Exit statuses as the other client commands: 0 success, 1 the server cannot be reached
 or answers with an error.
@@ -11,12 +12,24 @@ from typing import Any
 
 # Not httpx here (nor bargein.cli.client, which imports it): `bargein serve` builds every
 # command's arguments, and httpx with what it pulls in is ~0.1 s of its start-up.
+from bargein.cli import cluster_nodes
 from bargein.cli.common import Command, add_server_arguments
 from bargein.cli.errors import ClientError
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     add_server_arguments(p, url_help="the bargein server (default: $BARGEIN_URL or %(default)s)")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=False)
+    for name, add, run, help_ in (
+            ("start", cluster_nodes.add_start_arguments, cluster_nodes.run_start,
+             "start the Ray head on this machine, with token authentication"),
+            ("join", cluster_nodes.add_join_arguments, cluster_nodes.run_join,
+             "join this machine to a head started by `bargein cluster start`"),
+            ("check", cluster_nodes.add_check_arguments, cluster_nodes.run_check,
+             "check every node of the Ray cluster: versions, bargein installed, routes")):
+        sub = actions.add_parser(name, help=help_, description=help_)
+        add(sub)
+        sub.set_defaults(run=run)
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -57,6 +70,8 @@ def format_cluster(info: dict[str, Any]) -> str:
     if recovery.get("tokens_recomputed"):
         summary += f", {recovery['tokens_recomputed']} tokens recomputed"
     lines.append(summary)
+    if info.get("split"):
+        lines.append(f"layers split {info['split']}")
     header = ("STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE", "RESTARTS")
     rows = []
     for s in info["stages"]:
@@ -83,7 +98,8 @@ def format_replicas(info: dict[str, Any]) -> str:
     header = ("REPLICA", "UP", "NODE", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
     rows = []
     for r in info["replicas"]:
-        rows.append((str(r["index"]), "yes" if r["up"] else "no", str(r.get("node_id", "?"))[:12], str(r["load"]),
+        node = str(r.get("node_address") or r.get("node_id", "?"))[:15]  # an address; an id before it answered
+        rows.append((str(r["index"]), "yes" if r["up"] else "no", node, str(r["load"]),
                      str(r["routed"]), f"{100 * r.get('cache_hit_rate', 0.0):.0f}%",
                      f"{100 * r['predicted_hit_rate']:.0f}%", f"{r['moved_out']}", f"{r['lost']}"))
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from bargein.cli import bench, chat, cluster, requests, run, serve
 from bargein.cli.common import Command
 from bargein.cli.errors import EXIT_INTERRUPTED, CliError
+from bargein.cli.threads import settle_waiting
 
 COMMANDS: dict[str, Command] = {
     "serve": serve.COMMAND,
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    settle_waiting()  # before anything loads the OpenMP runtime (see bargein.cli.threads)
     try:
         args = build_parser().parse_args(argv)
         return args.run(args)

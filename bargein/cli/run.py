@@ -7,13 +7,15 @@ import asyncio
 import sys
 
 from bargein.cli.common import Command
-from bargein.cli.errors import EXIT_INTERRUPTED, CliError
+from bargein.cli.errors import EXIT_INTERRUPTED, EXIT_USAGE, CliError
 from bargein.cli.generate import add_generation_arguments, backend, generation_settings
+from bargein.cli.threads import add_threads_argument, apply_threads
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the message (with --raw: the exact prompt text)")
     add_generation_arguments(p, max_tokens=256)
+    add_threads_argument(p)  # a model run here (not with --url)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--json-schema", metavar="FILE", default=None,
                    help="a JSON Schema file: the answer is JSON that matches it (constrained token by token)")
@@ -25,6 +27,11 @@ def run_run(args: argparse.Namespace) -> int:
     from bargein.cli.interrupt import SigintRouter, run_interruptible
 
     settings = generation_settings(args, args.json_schema)
+    if not args.url:
+        try:
+            apply_threads(args)
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
     answering = backend(args)
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}]

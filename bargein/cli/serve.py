@@ -20,6 +20,15 @@ from typing import Any
 
 from bargein.cli.common import Command, add_precision_argument
 from bargein.cli.errors import EXIT_FAILURE, EXIT_SETUP, EXIT_USAGE, CliError
+from bargein.cli.threads import add_threads_argument, apply_threads
+
+# The step time target's default. On a 2-core machine with the default model, issue 34's
+# probe measured a 512-token step at up to 7.4 s late in a long prompt, and a decode step
+# of a few streams takes tens of ms: 250 ms keeps a short request behind a long prompt at
+# about 0.5 s to its first token and a cancel at about 0.25 s, while a prompt chunk still
+# carries tens to hundreds of tokens (and never fewer than what a step's fixed cost buys:
+# engine/step_budget.py), so a prefill loses little to per-step costs.
+DEFAULT_MAX_STEP_MS = 250.0
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +47,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         max_num_seqs = env.int("MAX_NUM_SEQS", 64)
         max_batched = env.int("MAX_NUM_BATCHED_TOKENS", 512)
         max_mixed_prefill = env.int("MAX_MIXED_PREFILL_TOKENS", None)
+        max_step_ms = env.float("MAX_STEP_MS", DEFAULT_MAX_STEP_MS)
         device = env.str("DEVICE", "auto")
+        api_key_file = env.str("API_KEY_FILE", None)
+        api_keys_file = env.str("API_KEYS", None)
         dtype = env.str("DTYPE", "auto")
     except SettingsError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
@@ -47,9 +59,26 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="a .gguf file or a Hugging Face folder (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--host", default=s.host, help="address to listen on (default: %(default)s, loopback only)")
     p.add_argument("--port", type=int, default=s.port, help="port (default: %(default)s; 0 picks a free one)")
-    p.add_argument("--api-key", default=s.api_key, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on the API (/v1/..., /metrics, /debug/...); "
-                        "/health and the chat page's static files stay open, and the page asks for the key")
+    access = p.add_argument_group("access (keys, tenants, hosts)")
+    access.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but /health "
+                             "and the chat page's files, which asks for the key; visible in ps: prefer "
+                             "$BARGEIN_API_KEY or --api-key-file")
+    access.add_argument("--api-key-file", default=api_key_file, metavar="FILE",
+                        help="as --api-key, the key read from FILE's first line ($BARGEIN_API_KEY_FILE)")
+    access.add_argument("--api-keys", default=api_keys_file, metavar="FILE",
+                        help="tenants: one 'KEY [NAME]' per line; each tenant sees and cancels only its own "
+                             "requests and stored responses, and has its own prefix cache ($BARGEIN_API_KEYS)")
+    access.add_argument("--shared-prefix-cache", action="store_true", default=s.shared_prefix_cache,
+                        help="let every tenant reuse every other's cached prompt tokens (one user with many "
+                             "keys); by default a tenant cannot probe another's prompts through cached_tokens")
+    access.add_argument("--max-requests-per-tenant", type=int, default=s.max_requests_per_tenant, metavar="N",
+                        help="answer 429 when one API key's tenant already has N requests in flight or queued")
+    access.add_argument("--allowed-hosts", default=None, metavar="NAME,...",
+                        help="Host header names the server answers to, '*' for any (default: localhost, "
+                             "127.0.0.1, ::1 and the --host address; others get 403, which stops DNS "
+                             "rebinding from a web page)")
+    p.set_defaults(env_api_key=s.api_key, env_allowed_hosts=s.allowed_hosts)
     p.add_argument("--request-timeout", type=float, default=s.request_timeout, metavar="S",
                    help="cancel any request after S seconds (reason: deadline)")
     p.add_argument("--max-queue", type=int, default=s.max_queue, metavar="N",
@@ -81,6 +110,11 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "inter-token latency near one decode step where a step's time grows with its tokens "
                         "(a CPU), larger gets new prompts their first token sooner (default: up to "
                         "--max-num-batched-tokens)")
+    p.add_argument("--max-step-ms", type=float, default=max_step_ms, metavar="MS",
+                   help="a time target for one step: prompt chunks are sized from measured step times, and "
+                        "every waiting request gets its first chunk into the next step, so a short request "
+                        "behind a long prompt answers within about two targets and a cancel lands within "
+                        "about one; 0 bounds steps by tokens alone (default: %(default)s)")
     p.add_argument("--device", default=device, metavar="DEVICE",
                    help="auto (CUDA where available, else the CPU), cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"],
@@ -103,9 +137,13 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="408 when a request's headers take longer (default: %(default)s)")
     p.add_argument("--body-timeout", type=float, default=s.body_timeout, metavar="S",
                    help="408 when a request's body takes longer after its headers (default: %(default)s)")
+    p.add_argument("--reasoning-format", default=s.reasoning_format, choices=["none", "separate"],
+                   help="a thinking model's thoughts: 'separate' returns them apart (reasoning_content, "
+                        "thinking blocks), 'none' leaves them in the answer's text (default: %(default)s)")
     for name, what in LIMIT_FLAGS.items():
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(s, name), metavar="N",
                        help=f"most {what}; more is a 400 (default: %(default)s)")
+    add_threads_argument(p)  # on a pipeline: each stage's threads (and the CPUs it takes on its node)
     cluster = p.add_argument_group("several machines (needs bargein[ray])")
     cluster.add_argument("--ray", nargs="?", const="auto", default=None, metavar="auto|ADDRESS|local",
                          help="split the model into pipeline stages on a Ray cluster: auto (this machine's "
@@ -172,13 +210,20 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
     from bargein.server.settings import LIMIT_FLAGS, ServerSettings, SettingsError, parse_size
 
     try:
+        env = ServerSettings.from_env()  # the settings that have no flag come from the environment only
         settings = ServerSettings(
-            host=args.host, port=args.port, api_key=args.api_key or None, request_timeout=args.request_timeout,
+            tokenizer_threads=env.tokenizer_threads, continuation_memory_entries=env.continuation_memory_entries,
+            continuation_memory_tokens=env.continuation_memory_tokens, stream_buffer_tokens=env.stream_buffer_tokens,
+            stream_stall_timeout=env.stream_stall_timeout,
+            background_max_output_tokens=env.background_max_output_tokens,
+            host=args.host, port=args.port, **_access_settings(args), request_timeout=args.request_timeout,
             max_queue=args.max_queue, max_body_bytes=parse_size(args.max_body), debug_endpoints=args.debug_endpoints,
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
             default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-            **{name: getattr(args, name) for name in LIMIT_FLAGS})
+            reasoning_format=args.reasoning_format, **{name: getattr(args, name) for name in LIMIT_FLAGS})
+        if args.max_step_ms is not None and args.max_step_ms < 0:
+            raise SettingsError(f"--max-step-ms must be 0 (no time target) or more, got {args.max_step_ms}")
         if args.max_model_len is not None and args.max_model_len < 2:
             raise SettingsError(f"--max-model-len must be at least 2, got {args.max_model_len}")
         if args.kv_memory is not None and args.kv_tokens is not None:
@@ -188,13 +233,14 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             stages=args.pipeline_stages or 2, ray_address=args.ray, micro_batches=args.micro_batches,
             stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),
             recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource,
-            transport=args.pipeline_transport)
+            transport=args.pipeline_transport, threads_per_stage=args.threads or 1)
         kv_auto = (args.kv_memory or args.kv_memory_default) == "auto" and args.kv_tokens is None
         config = EngineConfig(
             cache=CacheConfig(memory_bytes=0 if kv_auto else parse_size(args.kv_memory or args.kv_memory_default),
                               kv_tokens=args.kv_tokens, **_kv_disk(args, pipeline is not None)),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                      max_mixed_prefill_tokens=args.max_mixed_prefill_tokens),
+                                      max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
+                                      max_step_ms=args.max_step_ms or None),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype, precision=args.precision,
             pipeline=pipeline)
         _check_replica_flags(args)
@@ -203,6 +249,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
                                 "or replicas")
         if config.pipeline is None and args.replicas is None:  # the stages/replicas resolve it on their nodes
             resolve_device(config.device)  # before the port and the model: a missing GPU fails fast
+            apply_threads(args)
     except PipelineSetupError as exc:
         raise CliError(str(exc), EXIT_SETUP) from None
     except ValueError as exc:  # SettingsError and the configs' own checks
@@ -244,6 +291,32 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
 
     app = create_app(engine if args.replicas is not None else AsyncEngine(engine), settings)
     return _Ready(app, settings, sock, announce)
+
+
+def _access_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """ServerSettings' key, tenant and host fields from the flags (a flag wins over its variable)."""
+    from bargein.server.auth import allowed_host_names
+    from bargein.server.settings import SettingsError
+    from bargein.server.tenants import KeyFileError, read_key_file
+
+    given = [name for name, value in (("--api-key", args.api_key), ("--api-key-file", args.api_key_file))
+             if value is not None]
+    if len(given) > 1:
+        raise SettingsError("--api-key and --api-key-file both give the one key: use one of them")
+    if args.api_key is not None:
+        print("bargein: warning: --api-key shows the key to every user of this machine (ps); "
+              "use $BARGEIN_API_KEY or --api-key-file", file=sys.stderr, flush=True)
+    try:
+        key = args.api_key or args.env_api_key
+        if args.api_key_file is not None:
+            key = read_key_file(args.api_key_file, named=False)[0].key
+        keys = () if args.api_keys is None else read_key_file(args.api_keys, named=True)
+    except KeyFileError as exc:
+        raise SettingsError(str(exc)) from None
+    hosts = (args.env_allowed_hosts or ()) if args.allowed_hosts is None else args.allowed_hosts.split(",")
+    return {"api_key": key or None, "api_keys": keys, "shared_prefix_cache": args.shared_prefix_cache,
+            "max_requests_per_tenant": args.max_requests_per_tenant,
+            "allowed_hosts": allowed_host_names(hosts, args.host)}
 
 
 def _kv_disk(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import socket
 import threading
 import time
 from collections import deque
@@ -46,13 +45,16 @@ from typing import Any
 import torch
 
 from bargein.config import EngineConfig, ModelConfig
+from bargein.distributed.connect import connect
 from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.split import (
     LayerRanges,
     MatrixWidths,
     check_split,
     head_layers,
+    speed_factors,
     split_by_memory,
+    split_reason,
     stage_weight_bytes,
 )
 from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
@@ -76,10 +78,16 @@ try:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from bargein.distributed.calibrate import measure_nodes
     from bargein.distributed.health import RecoveryStats, first_line
     from bargein.distributed.recovery import StageRecovery
     from bargein.distributed.stage import StageCounters, stage_actor
-    from bargein.distributed.transport import ActorCalls, CompiledGraph, open_transport
+    from bargein.distributed.transport import (
+        ActorCalls,
+        CompiledGraph,
+        open_transport,
+        pick_transport,
+    )
 except ModuleNotFoundError as exc:  # the optional extra is missing: start() says so in one line
     if exc.name != "ray" and not (exc.name or "").startswith("ray."):
         raise
@@ -113,38 +121,6 @@ class HeadTraffic:
     weights_shipped_bytes: int = 0
 
 
-def connect(address: str, num_stages: int) -> None:
-    """Connects this process to Ray: "auto", "local" (start one here) or an address."""
-    if ray is None:
-        raise PipelineSetupError("Ray is not installed: pip install 'bargein[ray]'")
-    if address not in ("auto", "local") and not address.startswith("ray://"):
-        _check_reachable(address)  # Ray itself retries an unreachable address for minutes
-    if ray.is_initialized():
-        return
-    try:
-        if address == "local":
-            # address="local": a new instance even where a cluster runs on this machine
-            # (Ray would otherwise join that one, and refuse num_cpus for it).
-            ray.init(address="local", num_cpus=num_stages, include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        if address == "auto":
-            raise PipelineSetupError("no Ray cluster runs on this machine: start one with `ray start --head` "
-                                     "(or use --ray local)") from None
-        raise PipelineSetupError(f"no Ray cluster at {address}: {first_line(exc)}") from None
-
-
-def _check_reachable(address: str, timeout: float = 3.0) -> None:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise PipelineSetupError(f"bad Ray address {address!r}: give one like HOST:6379, auto or local")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as exc:
-        raise PipelineSetupError(f"no Ray cluster at {address}: {exc.strerror or exc}") from None
-
-
 def check_layout(num_stages: int, model_config: ModelConfig, given: LayerRanges | None) -> None:
     """The checks that need no cluster, made before connecting to one."""
     if num_stages > model_config.num_layers:
@@ -155,11 +131,12 @@ def check_layout(num_stages: int, model_config: ModelConfig, given: LayerRanges 
 
 
 def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfig,
-                 given: LayerRanges | None, widths: MatrixWidths) -> list[StagePlacement]:
+                 given: LayerRanges | None, widths: MatrixWidths) -> tuple[list[StagePlacement], str]:
     """Stage i on the i-th node by memory (cycling when stages outnumber nodes); layers
     split so that each stage's work (the last one's LM head included, priced by the bytes
     stages read per value of each matrix, ``widths``) is in proportion to its share of its
-    node's memory, unless ``given``."""
+    node's memory times its node's speed factor (measured, see ``calibrate``), unless
+    ``given``. Returns the placements and one line saying what the split weighed."""
     resource = config.pipeline.node_resource if config.pipeline else None
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
              and (resource is None or n["Resources"].get(resource, 0) > 0)]
@@ -179,10 +156,24 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
     num_layers = model_config.num_layers
     if num_stages > num_layers:
         raise PipelineSetupError(f"{num_stages} stages were asked for, but the model has only {num_layers} layers")
-    ranges = check_split(given, num_layers) if given is not None else split_by_memory(num_layers, shares,
-                                                                                       head_layers(model_config, widths))
+    addresses = [n["NodeManagerAddress"] for n in chosen]
+    if given is not None:
+        ranges, reason = check_split(given, num_layers), "as given (--stage-layers)"
+    else:
+        factors = None
+        if len(set(addresses)) > 1:  # nodes at one address share its CPUs: nothing to weigh
+            one_per_address = {n["NodeManagerAddress"]: n["NodeID"] for n in chosen}
+            rates = measure_nodes(list(one_per_address.values()), config.pipeline.threads_per_stage
+                                  if config.pipeline else 1)
+            if len(rates) == len(one_per_address):
+                by_address = dict(zip(one_per_address, speed_factors([rates[n] for n in one_per_address.values()]),
+                                      strict=True))
+                factors = [by_address[a] for a in addresses]
+        weights = [m * f for m, f in zip(shares, factors or [1.0] * len(shares), strict=True)]
+        ranges = split_by_memory(num_layers, weights, head_layers(model_config, widths))
+        reason = split_reason(addresses, shares, factors)
     return [StagePlacement(i, ranges[i], n["NodeID"], n["NodeManagerAddress"], shares[i])
-            for i, n in enumerate(chosen)]
+            for i, n in enumerate(chosen)], reason
 
 
 @dataclass(frozen=True)
@@ -214,6 +205,7 @@ class PipelineRunner(StageRecovery):
         self._max_in_flight = self.pipe.max_in_flight
         self.device = torch.device("cpu")  # logits arrive here
         self.traffic = traffic
+        self.split_reason = ""  # what the layer split weighed (set by start)
         self.source = source
         self.node_path = node_path or (str(source.path) if source is not None else "")
         # (plan, the transport's handle on its result or the error submitting it, submitted at, seq)
@@ -251,12 +243,18 @@ class PipelineRunner(StageRecovery):
             raise ValueError("EngineConfig.pipeline is not set")
         check_layout(pipe.stages, model_config, pipe.stage_layers)
         connect(pipe.ray_address, pipe.stages)
-        placements = place_stages(pipe.stages, model_config, config, pipe.stage_layers,
-                                  stage_widths(source, model_config, config))
+        placements, reason = place_stages(pipe.stages, model_config, config, pipe.stage_layers,
+                                          stage_widths(source, model_config, config))
+        if pipe.transport == "graph":  # refused now, not after every stage has loaded
+            pick_transport("graph", [p.node_id for p in placements], ray.get_runtime_context().get_node_id(),
+                           0.0, pipe.threads_per_stage)
         actors: list[Any] = []
         try:
-            return cls._start_stages(source, model_config, config, placements, actors,
-                                     node_path or str(source.path))
+            runner = cls._start_stages(source, model_config, config, placements, actors,
+                                       node_path or str(source.path))
+            runner.split_reason = reason
+            log.info("layer split %s", reason)
+            return runner
         except BaseException:
             for actor in actors:
                 ray.kill(actor)
@@ -441,5 +439,6 @@ class PipelineRunner(StageRecovery):
         pipeline = PipelineInfo(
             transport=self.transport.kind if self.transport is not None else None, health=health,
             recovery=RecoveryInfo(r.losses, r.recoveries, tuple(r.restarts), tuple(r.recover_seconds)),
-            head_traffic=TrafficInfo(**asdict(self.traffic)), logits_transfer_s=self.logits_transfer_s)
+            head_traffic=TrafficInfo(**asdict(self.traffic)), logits_transfer_s=self.logits_transfer_s,
+            split_reason=self.split_reason)
         return RunnerInfo(self.num_blocks, self.max_in_flight, stages, pipeline)

@@ -12,14 +12,16 @@ token-exact through the prompt memory) starts with the blocks of its previous tu
 it matches the replica that holds them; that is how continuations stay put without the
 router knowing about conversations.
 
-``choose(tokens)`` picks the replica with the longest matched prefix; with no match, the
-least loaded (live requests). A conversation *moves* off its replica when that replica
-carries ``max_imbalance`` more live requests than the least loaded one (its cache is then
-worth less than the queue), or when it has fewer KV blocks to allocate (free plus
-evictable, as its last batch reported) than the request needs beyond its cached prefix
-(prompt and ``max_tokens``) while another has them; moves are counted and logged. A replica that is down
-is never chosen; its index is cleared, since its K/V died with it (a restarted replica
-reports from empty).
+``choose(tokens)`` hands what each replica holds of the prompt and its load to
+:func:`~bargein.distributed.route_decision.decide` (the rules are stated there): a
+conversation's next turn stays on the replica that generated its last answer (the index
+marks blocks a replica registered that no prompt routed there held: answers), a cached
+prefix draws a request only where it is worth more than the queue it joins, and the least
+loaded replica takes the rest. A conversation *moves* off its replica when that replica
+carries ``max_imbalance`` more live requests than the least loaded one, or lacks the KV
+blocks the request needs while another has them; moves are counted and logged. A replica
+that is down is never chosen; its index is cleared, since its K/V died with it (a
+restarted replica reports from empty).
 
 :class:`Tombstones` remembers cancelled ids for a while, so a dispatch that comes after
 the cancel (a failover resubmission racing it) is dropped instead of run.
@@ -37,6 +39,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from bargein.distributed.route_decision import Candidate, RoutingWeights, decide
 from bargein.engine.block_keys import BlockHash, KeyChanges, chain_hash
 
 log = logging.getLogger("bargein.distributed")
@@ -59,11 +62,14 @@ class PrefixIndex:
     """One replica's cached full blocks: the keys it reported (``apply``), plus the blocks
     of prompts dispatched there and not finished yet (``expect``), which it is about to
     compute and which a request sharing them should wait for there rather than recompute
-    elsewhere."""
+    elsewhere. A held block that no prompt routed there was expected to fill when the
+    replica registered it was *generated* there (an answer): a prompt that runs into one
+    continues a conversation of this replica."""
 
     def __init__(self) -> None:
         self._held: set[BlockHash] = set()
         self._expected: Counter[BlockHash] = Counter()
+        self._generated: set[BlockHash] = set()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -76,11 +82,15 @@ class PrefixIndex:
         """The replica's cache changes, in the order it made them (net per key)."""
         if changes.reset:
             self._held.clear()
+            self._generated.clear()
         for key, held in changes.keys.items():
             if held:
                 self._held.add(key)
+                if key not in self._expected:
+                    self._generated.add(key)
             else:
                 self._held.discard(key)
+                self._generated.discard(key)
 
     def expect(self, hashes: Sequence[BlockHash]) -> None:
         self._expected.update(hashes)
@@ -98,9 +108,14 @@ class PrefixIndex:
                 return i
         return len(hashes)
 
+    def continues(self, hashes: Sequence[BlockHash], matched: int) -> bool:
+        """Whether the first ``matched`` blocks include one this replica generated."""
+        return any(h in self._generated for h in hashes[:matched])
+
     def clear(self) -> None:
         self._held.clear()
         self._expected.clear()
+        self._generated.clear()
 
 
 class Tombstones:
@@ -170,6 +185,7 @@ class Router:
     block_size: int
     policy: str = "affine"
     max_imbalance: int = 8
+    queue_cost_tokens: int = 256  # a live request of queue, priced in cached prompt tokens (route_decision)
     replicas: list[ReplicaRouting] = field(init=False)
     _indexes: list[PrefixIndex] = field(init=False)
     _next: int = 0  # round robin's turn
@@ -180,6 +196,7 @@ class Router:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         self.replicas = [ReplicaRouting() for _ in range(self.num_replicas)]
         self._indexes = [PrefixIndex() for _ in range(self.num_replicas)]
+        self._weights = RoutingWeights(self.block_size, self.queue_cost_tokens, self.max_imbalance)
 
     def choose(self, tokens: Sequence[int], *, exclude: frozenset[int] = frozenset(),
                reserve_tokens: int = 0, count: bool = True) -> Route | None:
@@ -194,19 +211,19 @@ class Router:
             up = [i for i, r in enumerate(self.replicas) if r.up and i not in exclude]
             if not up:
                 return None
-            least = min(up, key=lambda i: (self.replicas[i].load, i))
             matches = {i: self._indexes[i].match(hashes) for i in up}
             moved_from, why = None, ""
             if self.policy == "round_robin":
                 chosen = up[self._next % len(up)]
                 self._next += 1
             elif self.policy == "least_loaded":
-                chosen = least
+                chosen = min(up, key=lambda i: (self.replicas[i].load, i))
             else:
-                best = max(up, key=lambda i: (matches[i], -self.replicas[i].load, -i))
-                chosen = best if matches[best] else least
-                if matches[best]:
-                    moved_from, chosen, why = self._move(best, least, up, len(tokens), matches, reserve_tokens)
+                candidates = [Candidate(i, self.replicas[i].load, matches[i],
+                                        self._indexes[i].continues(hashes, matches[i]),
+                                        self.replicas[i].available_blocks) for i in up]
+                decision = decide(candidates, len(tokens), self._weights, reserve_tokens)
+                chosen, moved_from, why = decision.replica, decision.moved_from, decision.why_moved
             route = Route(chosen, matches[chosen] * self.block_size, moved_from, hashes if count else ())
             if count:
                 self._count(route, len(tokens))
@@ -214,20 +231,6 @@ class Router:
         if moved_from is not None:
             log.info("a conversation moves from replica %d to replica %d (%s)", moved_from, chosen, why)
         return route
-
-    def _move(self, best: int, least: int, up: list[int], num_tokens: int, matches: dict[int, int],
-              reserve_tokens: int) -> tuple[int | None, int, str]:
-        """Whether a request leaves the replica that holds its prefix: (moved_from, chosen, why)."""
-        r = self.replicas
-        if r[best].load - r[least].load >= self.max_imbalance:
-            return best, least, f"load {r[best].load} vs {r[least].load}"
-        need = -(-(num_tokens - matches[best] * self.block_size + reserve_tokens) // self.block_size)
-        room = r[best].available_blocks
-        if room is not None and room < need:
-            roomiest = max(up, key=lambda i: (r[i].available_blocks or 0, -r[i].load))
-            if roomiest != best and (r[roomiest].available_blocks or 0) >= need:
-                return best, roomiest, f"memory: {room} KV blocks left there, {need} needed"
-        return None, best, ""
 
     def update_memory(self, replica: int, available_blocks: int) -> None:
         """A replica's KV blocks an allocation could take now (free plus evictable), from its last batch."""

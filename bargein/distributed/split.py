@@ -1,10 +1,13 @@
-"""Which layers each pipeline stage holds: parsed by hand, or split by node memory.
+"""Which layers each pipeline stage holds: parsed by hand, or split by node memory and speed.
 
 Pure functions, no Ray, no file reads: a split is a tuple of half-open layer ranges
 that cover ``[0, num_layers)`` in order, each non-empty.
 
 The automatic split gives each stage work in proportion to its node's memory (the
-measure of a node's size Ray reports), and the last stage's work includes the LM head:
+measure of a node's size Ray reports) times its node's speed factor (:func:`speed_factors`:
+1 for a node within :data:`SLOW_NODE` of the fastest, its relative speed below that, so
+only a clearly slower machine gets fewer layers and measurement noise between equal
+machines changes nothing), and the last stage's work includes the LM head:
 a (vocabulary x hidden) matmul per sampled row. A matrix costs the bytes the stage
 reads for it per row (:class:`MatrixWidths`: a GGUF's Q4_1 and Q8_0 blocks in ``fast``,
 dense values otherwise). For the bundled SmolLM2-135M (30 layers; layer matrices Q4_1
@@ -83,6 +86,27 @@ def split_by_memory(num_layers: int, memories: Sequence[float], head_layers: flo
         ranges.append((start, start + c))
         start += c
     return tuple(ranges)
+
+
+SLOW_NODE = 1 / 2  # a node measured slower than this share of the fastest gets fewer layers
+
+
+def speed_factors(rates: Sequence[float]) -> list[float]:
+    """Each node's weight for its measured rate (see the module doc); no rates: all 1."""
+    fastest = max(rates, default=0.0)
+    if fastest <= 0:
+        return [1.0] * len(rates)
+    return [1.0 if r / fastest >= SLOW_NODE else max(r / fastest, 0.01) for r in rates]
+
+
+def split_reason(addresses: Sequence[str], memories: Sequence[float], factors: Sequence[float] | None) -> str:
+    """One line saying what the automatic split weighed: each stage's node, memory share and speed factor."""
+    parts = []
+    for address, memory, factor in zip(addresses, memories, factors or [1.0] * len(memories), strict=True):
+        part = f"{address} {memory / 2**20:.0f} MiB"
+        parts.append(part + (f" x{factor:.2f} speed" if factors is not None else ""))
+    what = "memory and measured speed" if factors is not None else "memory"
+    return f"by {what}: " + ", ".join(parts)
 
 
 # A layer's work besides its matrices (attention, norms, RoPE, the K/V write) as a share of

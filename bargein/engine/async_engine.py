@@ -159,8 +159,13 @@ class AsyncEngine:
         for delta in outcome.deltas:
             stream = self._streams.pop(delta.request_id, None) if delta.finished else \
                 self._streams.get(delta.request_id)
-            if stream is not None:
-                stream.push(delta)
+            if stream is not None and stream.push(delta):
+                # Its consumer stopped reading (streams.py): not scheduled until it reads again.
+                self.engine.scheduler.pause(delta.request_id)
+
+    def _resume(self, request_id: str) -> None:
+        """A paused request's consumer read again (any thread): resume it between steps."""
+        self.engine.call_soon(functools.partial(self.engine.scheduler.resume, request_id))
 
     def _end_streams(self, reason: FinishReason, *, cancel_reason: CancelReason | None = None,
                      error: str | None = None) -> None:
@@ -192,7 +197,8 @@ class AsyncEngine:
         params = params or SamplingParams()
         request_id = request_id or self.engine.new_request_id()
         stream = RequestStream(request_id, asyncio.get_running_loop(),
-                               OutputProcessor(request_id, params, self.engine.tokenizer))
+                               OutputProcessor(request_id, params, self.engine.tokenizer),
+                               on_resume=functools.partial(self._resume, request_id))
         # add_request claims (and checks) the id, then registers the stream, then queues
         # the request: no other live request has the id, and no delta precedes the stream.
         self.engine.add_request(prompt, params, request_id=request_id, timeout=timeout, conversation_id=conversation_id,

@@ -16,6 +16,16 @@ from dataclasses import dataclass, field
 BlockHash = bytes
 
 
+def namespace_root(cache_salt: str | None) -> BlockHash | None:
+    """The key a namespace's first block chains from: None (the common namespace) without
+    a salt. Every key of a salted sequence descends from its root, so its blocks (full and
+    partial) are found only by sequences with the same salt."""
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=16,
+                           person=b"bargein-salt").digest()
+
+
 def chain_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
     """The key naming a full block of ``tokens`` that follows a block keyed ``parent``.
 

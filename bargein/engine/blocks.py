@@ -34,7 +34,7 @@ written again; and ``uncached_full_blocks`` / ``adopt_loaded`` let the caller lo
 full blocks past a memory prefix hit on disk and register those it read back, as cached
 blocks that ``match_prefix`` then hits like any other. With spills tracked, ``holders``
 also records which table first held each key (``block_holders.py``): a closed
-conversation's own blocks are not written to disk again (``close_table``).
+conversation's own blocks are not written to disk again (``holders.close``).
 
 This module holds no tensors and imports no torch.
 """
@@ -46,7 +46,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bargein.engine.block_holders import BlockHolders
-from bargein.engine.block_keys import BlockHash, ChainBlock, KeyChanges, SpillCandidate, chain_hash
+from bargein.engine.block_keys import BlockHash, ChainBlock, KeyChanges, SpillCandidate, chain_hash, namespace_root
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,24 @@ class BlockTable:
 
     ``hashes[i]`` is the chain hash of block i; only the first ``len(hashes)`` blocks
     are full, computed and registered in the prefix cache (or deliberately left out of
-    it because an identical block was registered first).
+    it because an identical block was registered first). ``root`` is the key block 0
+    chains from: its prefix-cache namespace (``block_keys.namespace_root``); None is the
+    common one.
     """
 
     block_ids: list[int] = field(default_factory=list)
     hashes: list[BlockHash] = field(default_factory=list)
+    root: BlockHash | None = None
+
+    @classmethod
+    def in_namespace(cls, cache_salt: str | None) -> BlockTable:
+        """An empty table whose keys chain from ``cache_salt``'s namespace (None: the common one)."""
+        return cls(root=namespace_root(cache_salt))
+
+    @property
+    def last_key(self) -> BlockHash | None:
+        """The key the next full block chains from."""
+        return self.hashes[-1] if self.hashes else self.root
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -108,7 +121,7 @@ class BlockPool:
         self.key_changes: KeyChanges | None = None
         # Off unless a disk tier drains it: full blocks whose contents were dropped.
         self.spills: list[SpillCandidate] | None = None
-        self.holders: BlockHolders | None = None  # with spills: who held each key (see close_table)
+        self.holders: BlockHolders | None = None  # with spills: who held each key (block_holders.py)
 
     def track_key_changes(self) -> None:
         """Starts recording registered and dropped full-block keys (see ``drain_key_changes``)."""
@@ -281,7 +294,7 @@ class BlockPool:
         assert not table.block_ids, "match_prefix needs an empty block table"
         if not self.enable_prefix_caching or max_tokens <= 0:
             return 0, []
-        parent: BlockHash | None = None
+        parent = table.root
         bs = self.block_size
         for i in range(min(max_tokens, len(token_ids)) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -373,7 +386,7 @@ class BlockPool:
         bs = self.block_size
         while len(table.hashes) < min(num_computed // bs, len(table.block_ids)):
             i = len(table.hashes)
-            parent = table.hashes[-1] if table.hashes else None
+            parent = table.last_key
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
             table.hashes.append(h)
@@ -399,8 +412,7 @@ class BlockPool:
                 and self._ref_counts[table.block_ids[i]] == 1 and table.block_ids[i] not in self._content):
             end = min(num_computed, (i + 1) * bs, len(token_ids))
             if end > i * bs:
-                parent = table.hashes[-1] if table.hashes else None
-                self._register(table.block_ids[i], _Content(parent, tuple(token_ids[i * bs:end]), None))
+                self._register(table.block_ids[i], _Content(table.last_key, tuple(token_ids[i * bs:end]), None))
         for block in reversed(table.block_ids):
             self._unref(block)
         table.block_ids.clear()
@@ -410,16 +422,10 @@ class BlockPool:
         """A new table sharing every block of ``table`` (copy on write later)."""
         for block in table.block_ids:
             self._ref(block)
-        forked = BlockTable(list(table.block_ids), list(table.hashes))
+        forked = BlockTable(list(table.block_ids), list(table.hashes), table.root)
         for h in forked.hashes if self.holders is not None else ():
             self.holders.note(h, forked)  # type: ignore[union-attr]
         return forked
-
-    def close_table(self, table: BlockTable, keys: Sequence[BlockHash]) -> list[BlockHash]:
-        """Of ``keys`` (a closing conversation's full blocks), those only ``table`` ever
-        held, which the pool will no longer report as spills (see ``block_holders.py``):
-        the caller deletes their files. Nothing without spill tracking."""
-        return [] if self.holders is None else self.holders.close(table, keys)
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Keeps only the blocks holding the first ``num_tokens`` positions."""
@@ -430,14 +436,15 @@ class BlockPool:
         del table.hashes[num_tokens // self.block_size:]
 
     # -- the disk tier's lookups ---------------------------------------------------
-    def uncached_full_blocks(self, token_ids: Sequence[int], max_tokens: int) -> list[ChainBlock]:
-        """The full blocks of ``token_ids`` (within its first ``max_tokens``) after the
-        longest prefix of full blocks registered here, with their chained keys: what a
-        disk tier may hold. Changes nothing and counts nothing."""
+    def uncached_full_blocks(self, token_ids: Sequence[int], max_tokens: int,
+                             root: BlockHash | None = None) -> list[ChainBlock]:
+        """The full blocks of ``token_ids`` (within its first ``max_tokens``, chained from
+        ``root``: its namespace) after the longest prefix of full blocks registered here,
+        with their chained keys: what a disk tier may hold. Changes nothing and counts nothing."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        parent: BlockHash | None = None
+        parent = root
         wanted: list[ChainBlock] = []
         for i in range(min(max_tokens, len(token_ids)) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])

@@ -204,9 +204,9 @@ class EngineConversations:
         held = self.scheduler.conversations.get(conversation_id)
         disk = self.disk
         if held is not None and disk is not None:
-            others = [r.sequence.token_ids for r in self.scheduler.requests.values()
-                      if r.sequence is not held.sequence]
-            others += [c.sequence.token_ids for c in self.scheduler.conversations.values() if c is not held]
+            seqs = [r.sequence for r in self.scheduler.requests.values() if r.sequence is not held.sequence]
+            seqs += [c.sequence for c in self.scheduler.conversations.values() if c is not held]
+            others = [(s.token_ids, s.block_table.root) for s in seqs]
             disk.forget_closed(held.sequence.block_table, held.sequence.token_ids, others)
         self.scheduler.close_conversation(conversation_id)
 

@@ -138,15 +138,18 @@ class DiskCache:
             holders.prune(lambda k: k in registered or k in self.tier)
 
     def forget_closed(self, table: BlockTable, token_ids: Sequence[int],
-                      others: Iterable[Sequence[int]]) -> list[BlockHash]:
+                      others: Iterable[tuple[Sequence[int], BlockHash | None]]) -> list[BlockHash]:
         """Deletes from disk the full blocks of a closing conversation (``table``, holding
         ``token_ids``) that only it held and that none of the ``others`` (every other live
-        sequence's tokens) contains; returns their keys. Call before the pool releases it."""
-        own = self.pool.close_table(table, chain_keys(token_ids, self.pool.block_size))
+        sequence's tokens and namespace root) contains; returns their keys. Call before the
+        pool releases it."""
+        holders = self.pool.holders
+        bs = self.pool.block_size
+        own = [] if holders is None else holders.close(table, chain_keys(token_ids, bs, table.root))
         if own:
             live: set[BlockHash] = set()
-            for tokens in others:
-                live.update(chain_keys(tokens, self.pool.block_size))
+            for tokens, root in others:
+                live.update(chain_keys(tokens, bs, root))
             own = [k for k in own if k not in live]
             self.tier.delete(own)
         return own
@@ -171,7 +174,7 @@ class DiskCache:
             if seq.block_table.block_ids:
                 continue
             # As the scheduler's match: the last token is always computed (its logits are sampled).
-            wanted = self.pool.uncached_full_blocks(seq.token_ids, seq.num_tokens - 1)
+            wanted = self.pool.uncached_full_blocks(seq.token_ids, seq.num_tokens - 1, seq.block_table.root)
             n = self.tier.present([w.key for w in wanted])
             if n:
                 scheduler.held.add(rid)
@@ -219,10 +222,10 @@ class DiskCache:
         return self.tier.stats()
 
 
-def chain_keys(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """The chained keys of the full blocks of ``token_ids``."""
+def chain_keys(token_ids: Sequence[int], block_size: int, root: BlockHash | None = None) -> list[BlockHash]:
+    """The chained keys of the full blocks of ``token_ids``, from ``root`` (its namespace)."""
     keys: list[BlockHash] = []
-    parent: BlockHash | None = None
+    parent: BlockHash | None = root
     for i in range(len(token_ids) // block_size):
         parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
         keys.append(parent)

@@ -37,7 +37,7 @@ from typing import Any
 from bargein.config import EngineConfig, ModelConfig
 from bargein.engine import reports
 from bargein.engine.admission import Admitted, EngineError, admit, encode_prompt
-from bargein.engine.blocks import BlockPool
+from bargein.engine.blocks import BlockPool, BlockTable
 from bargein.engine.conversations import EngineConversations
 from bargein.engine.disk_cache import DiskCache
 from bargein.engine.grammar import Grammars
@@ -173,11 +173,11 @@ class Engine(EngineConversations):
             except BaseException:
                 self.scheduler.ids.forget(request_id)
                 raise
-        sequence = TokenSequence(request_id if conversation_id is None else conversation_id, list(token_ids))
+        sequence = TokenSequence(request_id if conversation_id is None else conversation_id, list(token_ids),
+                                 block_table=BlockTable.in_namespace(params.cache_salt))
         request = Request(
             request_id=request_id, sequence=sequence, params=params,
-            prompt_len=len(token_ids), new_prompt_tokens=len(token_ids),
-            owns_sequence=conversation_id is None,
+            prompt_len=len(token_ids), new_prompt_tokens=len(token_ids), owns_sequence=conversation_id is None,
             deadline=None if timeout is None else time.monotonic() + timeout,
             constraint_from=admitted.constraint_from, output_offset=admitted.output_offset,
         )

@@ -130,6 +130,7 @@ class PipelineInfo:
     recovery: RecoveryInfo
     head_traffic: TrafficInfo
     logits_transfer_s: float
+    split_reason: str = ""  # what the automatic layer split weighed (node memory, measured speed)
 
 
 @dataclass(frozen=True)

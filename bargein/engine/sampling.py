@@ -69,6 +69,10 @@ class SamplingParams:
     - ``constraint``: a grammar the output must match (JSON Schema, or Lark for tool
       calls); tokens it forbids are never sampled, and end of sequence only where it is
       complete. Not with ``min_tokens`` or ``ignore_eos`` (they would fight the grammar's end).
+    - ``cache_salt``: the prefix-cache namespace (vLLM's name): the request reuses only K/V
+      computed by requests with the same salt, and its own K/V is reused only by them.
+      None is the common namespace. Not a sampling setting, but carried with them so that
+      every path to the engine (local, pipeline, replicas) takes it unchanged.
     """
 
     max_tokens: int | None = 256
@@ -89,6 +93,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     constraint: Constraint | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -126,6 +131,8 @@ class SamplingParams:
         if self.seed is not None:
             put("seed", _int("seed", self.seed, lo=MIN_SEED, hi=MAX_SEED, none_ok=True))
         put("n", _int("n", self.n, lo=1))
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidSamplingParams("cache_salt", f"cache_salt must be a string, got {self.cache_salt!r}")
         if self.constraint is not None:
             if not isinstance(self.constraint, Constraint):
                 raise InvalidSamplingParams("constraint", f"constraint must be a Constraint, got {self.constraint!r}")

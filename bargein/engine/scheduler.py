@@ -6,7 +6,10 @@ A fresh prompt, a prompt chunk, a prefix-cache hit and a decode are all that one
 
 Each step takes, within a token budget, the pending tokens of running requests (oldest
 first; one token for a decode, a chunk for a long prompt) and then admits waiting
-requests. When blocks run out it first takes back blocks that nobody is computing with
+requests. With a time target (``max_step_ms``) the step is fair instead: decodes, then a
+first chunk of every waiting request, then the next chunks of running prompts, each sized
+from measured step times (``step_budget.py``, ``step_time.py``); the placement itself is
+in ``step_fill.py``. Requests whose consumer stopped reading are paused (``pause``). When blocks run out it first takes back blocks that nobody is computing with
 (waiting requests' and idle conversations'), then preempts the newest running request
 (its blocks are released, its tokens kept, and it is recomputed later, usually from the
 prefix cache).
@@ -33,7 +36,6 @@ its blocks. This module imports no torch; it is driven by one thread (the engine
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -42,7 +44,7 @@ from typing import Any
 
 from bargein.config import SchedulerConfig
 from bargein.engine.admission import check_length
-from bargein.engine.blocks import BlockPool, BlockTable, OutOfBlocks
+from bargein.engine.blocks import BlockPool, BlockTable
 from bargein.engine.conversations import HeldConversation, SchedulerConversations
 from bargein.engine.outputs import RequestDelta, StepOutcome
 from bargein.engine.plan import ScheduledChunk, StepPlan
@@ -57,13 +59,9 @@ from bargein.engine.request import (
     transition,
 )
 from bargein.engine.request_ids import RequestIds
-
-
-def _take(pending: int, budget: int, prompt_room: float) -> int:
-    """Tokens of a sequence's ``pending`` to compute in this step: within the step's token
-    budget, and for a prompt (more than one token pending) within the room left for prompts."""
-    n = min(pending, budget)
-    return n if pending == 1 else int(min(n, max(prompt_room, 0)))
+from bargein.engine.step_budget import StepBudget
+from bargein.engine.step_fill import PlanFill, StepFilling
+from bargein.engine.step_time import StepTimer
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ class _Finish:
 Transition = tuple[str, RequestStatus, RequestEvent, RequestStatus]
 
 
-class Scheduler(SchedulerConversations):
+class Scheduler(StepFilling, SchedulerConversations):
     """See the module doc; its conversations' operations are in ``conversations``."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool, max_model_len: int,
@@ -93,6 +91,7 @@ class Scheduler(SchedulerConversations):
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.conversations: dict[str, HeldConversation] = {}
         self._in_flight: dict[int, frozenset[str]] = {}  # plan step -> its requests
+        self._planned_at: dict[int, float] = {}  # plan step -> perf_counter() when it was planned
         self._pending_finish: dict[str, _Finish] = {}  # finishes of requests in flight
         self._changed: dict[str, tuple[Request, RequestDelta]] = {}  # this step's deltas
         self._step = 0
@@ -100,6 +99,8 @@ class Scheduler(SchedulerConversations):
         self.num_preemptions = self.num_reclaimed_conversations = 0  # counters, ever (tests and stats)
         self.num_computed_tokens = self.num_prefix_hit_tokens = 0  # tokens computed by forwards; prefix hits
         self.held: set[str] = set()  # waiting requests not admitted yet: engine/disk_cache.py reads their K/V
+        self.paused: set[str] = set()  # requests whose consumer stopped reading: not scheduled (``pause``)
+        self.step_timer = StepTimer()  # measured step times (the engine feeds it), for ``max_step_ms``
 
     # -- the lifecycle ----------------------------------------------------------------
     def _transition(self, req: Request, event: RequestEvent) -> None:
@@ -170,9 +171,24 @@ class Scheduler(SchedulerConversations):
             deltas.append(delta)
         return StepOutcome(self._step, tuple(deltas))
 
+    def pause(self, request_id: str) -> None:
+        """Stops scheduling a running request (its consumer's buffer is full); it keeps its
+        blocks and tokens, and goes on from there after ``resume``. Unknown ids are ignored."""
+        if request_id in self.requests:
+            self.paused.add(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self.paused.discard(request_id)
+
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something to schedule or to collect. Paused requests wait for ``resume``, unless
+        their deadline passed (a step then ends them)."""
+        if self._in_flight:
+            return True
+        now = time.monotonic()
+        return any(r.request_id not in self.paused or (r.deadline is not None and r.deadline <= now)
+                   for r in itertools.chain(self.running, self.waiting))
 
     @property
     def in_flight(self) -> frozenset[str]:
@@ -195,103 +211,33 @@ class Scheduler(SchedulerConversations):
         A request already in a plan in flight is not scheduled again (no sequence is in
         two plans at once), so a runner may hold several plans. ``max_seqs`` caps the
         plan's sequences (a pipeline splits its running sequences into micro-batches).
+        Paused requests (``pause``: their consumer stopped reading) are skipped.
+
+        Without a time target, running requests come first (oldest first), then waiting
+        ones. With ``max_step_ms`` the step is fair: decodes first, then a first chunk
+        for every waiting request, then the running prompts' next chunks, each sized by
+        ``StepBudget`` so the step's modelled time stays under the target.
         """
-        budget = self.config.max_num_batched_tokens
         room = self.config.max_num_seqs if max_seqs is None else max_seqs
-        chunks: list[ScheduledChunk] = []
-        copies: list[tuple[int, int]] = []
-        preempted = False
-        busy = self.in_flight
-        prompt_room = self._prompt_room(busy, room)
-
-        for req in list(self.running):
-            if len(chunks) >= room:
-                break
-            if req.status != RequestStatus.RUNNING or budget == 0 or req.request_id in busy:
-                continue
-            seq = req.sequence
-            n = _take(seq.num_pending, budget, prompt_room)
-            if n == 0:
-                continue
-            while req.status == RequestStatus.RUNNING:
-                try:
-                    copies += self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)
-                except OutOfBlocks:
-                    if self._reclaim_blocks():
-                        continue
-                    victim = self._preemption_victim(busy)
-                    if victim is None and busy:
-                        break  # the plans in flight may end and free blocks: try again then
-                    if victim is None or (victim is req and len(self.running) == 1):
-                        self._finish(req, FinishReason.ERROR, error="the KV cache is too small for this sequence")
-                        break
-                    self._preempt(victim)
-                    preempted = True
-                    continue
-                if seq.num_pending > 1:
-                    prompt_room -= n
-                chunks.append(self._chunk(req, n))
-                budget -= n
-                break
-
-        i = 0  # the waiting request to admit next: the oldest, or one past prompts with no room
-        while (i < len(self.waiting) and not preempted and budget > 0 and len(chunks) < room
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[i]
-            if req.request_id in self.held:  # its K/V is being read from disk: the others go on
-                i += 1
-                continue
-            seq = req.sequence
-            first_admission = req.status == RequestStatus.WAITING
-            # A request waits without blocks (they may have been reclaimed): match again.
-            matched = not seq.block_table.block_ids
-            copies_hit = self._match_prefix(seq) if matched else []
-            n = _take(seq.num_pending, budget, prompt_room)
-            if n == 0:
-                # No room for its prompt beside the decodes: it waits (without the hits, as
-                # it was), and so does every prompt after it; one with a single token to
-                # compute (a cache hit) costs a decode's share and may pass.
-                if matched:
-                    self._drop_kv(seq)
-                i += 1
-                continue
-            try:
-                copies_new = self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)
-            except OutOfBlocks:
-                self._drop_kv(seq)  # waiting holds no blocks: give back the hits (and any it had)
-                if self._reclaim_blocks():
-                    continue
-                if not self.running and not chunks:
-                    del self.waiting[i]
-                    self._finish(req, FinishReason.ERROR, error="the KV cache is too small for this prompt")
-                    continue
-                break
-            copies += copies_hit + copies_new
-            del self.waiting[i]
-            if first_admission:
-                req.cached_tokens = seq.num_computed
-                self.num_prefix_hit_tokens += seq.num_computed
-            self._transition(req, RequestEvent.SCHEDULE)
-            if seq.num_pending > 1:
-                prompt_room -= n
-            self.running.append(req)
-            chunks.append(self._chunk(req, n))
-            budget -= n
-
+        busy = self.in_flight | self.paused
+        budget = StepBudget.for_step(self.config.max_num_batched_tokens, self._prompt_room(busy, room),
+                                     self.config.max_step_ms, self.step_timer)
+        fill = PlanFill(room, set(busy))
+        if budget.timed:
+            waits = self.held | self.paused
+            fill.prompts_left = sum(1 for r in self.waiting if r.request_id not in waits) + sum(
+                1 for r in self.running if r.request_id not in busy and r.sequence.num_pending > 1)
+            self._continue_running(fill, budget, prompts=False)
+            self._admit_waiting(fill, budget)
+            self._continue_running(fill, budget, decodes=False)
+        else:
+            self._continue_running(fill, budget)
+            self._admit_waiting(fill, budget)
         self._step += 1
-        if chunks:
-            self._in_flight[self._step] = frozenset(c.request_id for c in chunks)
-        return StepPlan(self._step, tuple(chunks), tuple(copies))
-
-    def _prompt_room(self, busy: frozenset[str], room: int) -> float:
-        """Prompt tokens this step may carry: ``max_mixed_prefill_tokens`` when it will carry
-        a decode (a running sequence with one token to compute), else no cap of its own."""
-        cap = self.config.max_mixed_prefill_tokens
-        if cap is None:
-            return math.inf
-        schedulable = (r for r in self.running if r.status == RequestStatus.RUNNING and r.request_id not in busy)
-        has_decode = any(r.sequence.num_pending == 1 for r in itertools.islice(schedulable, room))
-        return cap if has_decode else math.inf
+        if fill.chunks:
+            self._in_flight[self._step] = frozenset(c.request_id for c in fill.chunks)
+            self._planned_at[self._step] = time.perf_counter()
+        return StepPlan(self._step, tuple(fill.chunks), tuple(fill.copies))
 
     def update(self, plan: StepPlan, sampled: dict[str, Any]) -> None:
         """Applies a plan whose forward finished; the changes go into the step's outcome.
@@ -301,6 +247,7 @@ class Scheduler(SchedulerConversations):
         finished while the plan was in flight end here, without their sampled token.
         """
         self._in_flight.pop(plan.step, None)
+        self._measure(plan)
         for chunk in plan.chunks:
             req = self.requests.get(chunk.request_id)
             if req is None:
@@ -337,6 +284,13 @@ class Scheduler(SchedulerConversations):
             elif reason is not None:
                 self._finish(req, reason)
 
+    def _measure(self, plan: StepPlan) -> None:
+        """Feeds the step timer: planned to applied is one step's time (forward, sampling and
+        the inbox; with several plans in flight, also the wait behind the others)."""
+        planned_at = self._planned_at.pop(plan.step, None)
+        if planned_at is not None:
+            self.step_timer.observe_plan(plan, time.perf_counter() - planned_at)
+
     def fail_step(self, plan: StepPlan, error: str) -> None:
         """Ends the requests of a step whose forward failed; their K/V is left as it was.
 
@@ -344,6 +298,7 @@ class Scheduler(SchedulerConversations):
         exactly its tokens and recomputes the rest with its next prompt (C3).
         """
         self._in_flight.pop(plan.step, None)
+        self._planned_at.pop(plan.step, None)
         for chunk in plan.chunks:
             self._pending_finish.pop(chunk.request_id, None)
             req = self.requests.get(chunk.request_id)
@@ -360,6 +315,7 @@ class Scheduler(SchedulerConversations):
         scheduled again as any preempted request, and no token is lost or repeated.
         """
         self._in_flight.clear()
+        self._planned_at.clear()
         for request_id, pending in list(self._pending_finish.items()):
             req = self.requests.get(request_id)
             if req is not None:
@@ -413,12 +369,11 @@ class Scheduler(SchedulerConversations):
         seq.num_computed = hit
         return copies
 
-    def _preemption_victim(self, busy: frozenset[str]) -> Request | None:
-        """The newest running request that is not in a plan in flight."""
-        for req in reversed(self.running):
-            if req.request_id not in busy:
-                return req
-        return None
+    def _preemption_victim(self, busy: set[str] | frozenset[str]) -> Request | None:
+        """The newest running request that is not ``busy`` (in a plan in flight or being
+        planned), a paused one first: its client is not reading, so it loses least."""
+        candidates = [r for r in reversed(self.running) if r.request_id not in busy]
+        return next((r for r in candidates if r.request_id in self.paused), candidates[0] if candidates else None)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -467,6 +422,7 @@ class Scheduler(SchedulerConversations):
             self.waiting.remove(req)
         del self.requests[req.request_id]
         self._pending_finish.pop(req.request_id, None)
+        self.paused.discard(req.request_id)
         if req.owns_sequence:
             seq = req.sequence
             self.pool.release(seq.block_table, seq.token_ids, seq.num_computed)

@@ -5,8 +5,12 @@
  * milliseconds, and a decode step makes a hundred or more of them: starting threads per
  * call would cost as much as the work. Workers therefore stay alive, spin briefly after
  * a task (the next call usually follows within microseconds), then sleep on a condition
- * variable so that an idle engine takes no CPU. The pool is process state by nature;
- * a child made by fork() starts with an empty one.
+ * variable so that an idle engine takes no CPU. The spins are short, and the caller
+ * waiting for the workers yields its core after a short spin: on a machine where other
+ * work holds cores, a thread that spins holds the core the thread it waits for needs,
+ * and every call then lasts a scheduler time slice (see bargein/cli/threads.py, which
+ * sets the same policy for OpenMP). The pool is process state by nature; a child made
+ * by fork() starts with an empty one.
  */
 #include "parallel.h"
 
@@ -28,6 +32,7 @@ void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
 #else /* no OpenMP: a pool of our own */
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 
@@ -39,7 +44,7 @@ void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
 #endif
 
 #define MAX_WORKERS 255
-#define SPIN_ROUNDS 2000 /* tens of microseconds of spinning before sleeping */
+#define SPIN_ROUNDS 200 /* a few microseconds of spinning before sleeping (or yielding) */
 
 typedef struct {
     pthread_mutex_t submit;  /* one call at a time */
@@ -120,7 +125,10 @@ void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     fn(arg, 0, workers + 1);
-    while (atomic_load_explicit(&pool.pending, memory_order_acquire) > 0) CPU_RELAX();
+    for (int spins = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; spins++) {
+        if (spins < SPIN_ROUNDS) CPU_RELAX();
+        else sched_yield(); /* a worker was descheduled: let it have this core */
+    }
     pthread_mutex_unlock(&pool.submit);
 }
 

@@ -101,3 +101,27 @@ def render_chat_template(
         return template.render(**variables)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template error: {exc.message or exc}") from exc
+
+
+# -- thinking -------------------------------------------------------------------------------
+# Reasoning models mark their thoughts in the answer's text with a pair of markers their
+# template knows. The pairs in use, the common one first: a template that writes one of
+# them (to open a thought in the generation prompt, or to strip earlier ones) marks thinking.
+THINKING_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"), ("<seed:think>", "</seed:think>"))
+THINKING_SWITCH = "enable_thinking"  # the template variable Qwen3-style templates read
+
+
+def thinking_markers(source: str | None) -> tuple[str, str] | None:
+    """The (open, close) markers of thoughts that ``source`` (a chat template) uses, or None
+    when the template does not mark thinking."""
+    if not source:
+        return None
+    for pair in THINKING_MARKERS:
+        if pair[1] in source:
+            return pair
+    return None
+
+
+def has_thinking_switch(source: str | None) -> bool:
+    """Whether the template reads ``enable_thinking`` (thinking can be switched off)."""
+    return bool(source) and THINKING_SWITCH in source

@@ -20,6 +20,11 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from bargein.loader.chat_template import render_chat_template
+from bargein.loader.encoding import (
+    PlainTextEncoder,
+    UnencodableTextError,  # noqa: F401  (its import path before encoding.py)
+    encode_one,
+)
 from bargein.loader.errors import CorruptModelError, UnsupportedModelError
 from bargein.loader.gguf_file import GGUFFile, open_gguf
 from bargein.loader.source import ModelSource
@@ -52,24 +57,6 @@ _PRE_SPLITS = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
 }
-
-
-class UnencodableTextError(ValueError):
-    """Text that UTF-8 cannot encode (a lone surrogate); ``position`` is its first bad index."""
-
-    def __init__(self, position: int) -> None:
-        super().__init__(f"the text holds a lone UTF-16 surrogate at character {position}, "
-                         "which is not valid Unicode")
-        self.position = position
-
-
-def first_unencodable(text: str) -> int | None:
-    """The index of the first character UTF-8 cannot encode, or None."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        return exc.start
-    return None
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -118,10 +105,14 @@ class Tokenizer:
     chat_template: str | None = None
     extra_eos_ids: Iterable[int] = ()
     _bytes_cache: dict[int, bytes] = field(default_factory=dict, repr=False)
+    _plain_text: PlainTextEncoder = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         added = self.backend.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        # The texts ``encode`` turns into control tokens (``encode_as_text`` does not).
+        self.special_texts: tuple[str, ...] = tuple(t.content for t in added.values() if t.special)
+        self._plain_text = PlainTextEncoder(self.backend)
         self._added_ids = frozenset(added)
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id: int | None = self._id_of(self.bos_token)
@@ -133,24 +124,16 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids; special tokens written in ``text`` become their single ids.
+        """Token ids; special tokens written in ``text`` become their single ids. Off the
+        GIL while it works; ``UnencodableTextError`` for text that is not valid Unicode
+        (``encoding.encode_one``)."""
+        return encode_one(self.backend, text, add_special_tokens=add_special_tokens)
 
-        Through ``encode_batch``, which gives the same ids but releases the GIL while it
-        works (``encode`` holds it: 7 s for a 4 MB text, during which no other thread, the
-        engine's included, runs a line of Python).
-
-        Raises ``UnencodableTextError`` (a ``ValueError``) for text that is not valid
-        Unicode, such as a lone surrogate from a JSON ``"\\ud800"`` escape, instead of the
-        backend's ``TypeError``; checked only when the backend refuses, so valid text pays
-        nothing.
-        """
-        try:
-            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        except TypeError:
-            position = first_unencodable(text)
-            if position is None:
-                raise
-            raise UnencodableTextError(position) from None
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text, no BOS/EOS: a special token's text written in
+        it (a user typing ``<|im_end|>``) becomes the tokens that spell it, never the control
+        token (``encoding.PlainTextEncoder``). Same errors as ``encode``."""
+        return self._plain_text.encode(text)
 
     def at_least_tokens(self, text: str) -> int:
         """A lower bound on ``len(encode(text, add_special_tokens=False))``, without encoding.

@@ -28,10 +28,19 @@ from starlette.types import Scope
 
 from bargein.engine.client import EngineClient
 from bargein.engine.request import CancelReason
-from bargein.server import routes_generate, routes_ops, routes_requests, routes_responses
+from bargein.server import (
+    routes_generate,
+    routes_ops,
+    routes_requests,
+    routes_responses,
+    routes_tokenize,
+)
+from bargein.server.anthropic import routes as anthropic_routes
+from bargein.server.auth import AccessRule, static_paths
 from bargein.server.context import ServerContext
 from bargein.server.errors import install_error_handlers
 from bargein.server.middleware import API_PREFIXES, GuardMiddleware, Traffic
+from bargein.server.ollama import routes as ollama_routes
 from bargein.server.settings import ServerSettings
 
 log = logging.getLogger("bargein.server")
@@ -60,14 +69,23 @@ def create_app(engine: EngineClient, settings: ServerSettings | None = None) -> 
     install_error_handlers(app)
     for module in (routes_generate, routes_responses, routes_requests, routes_ops):
         app.include_router(module.router)
+    # The clients people already use: Anthropic Messages, Ollama, /tokenize (issue 32).
+    for module in (anthropic_routes, ollama_routes, routes_tokenize):
+        app.include_router(module.router)
     if settings.debug_endpoints:
         app.include_router(routes_ops.debug_router)
     if (STATIC_DIR / "index.html").is_file():
         app.router.routes.append(_UIMount("/", StaticFiles(directory=STATIC_DIR, html=True), name="ui"))
     app.state.traffic = Traffic()
-    app.add_middleware(GuardMiddleware, settings=settings, traffic=app.state.traffic,
+    app.state.access = access_rule(settings)
+    app.add_middleware(GuardMiddleware, settings=settings, access=app.state.access, traffic=app.state.traffic,
                        draining=lambda: ctx.draining)
     return app
+
+
+def access_rule(settings: ServerSettings) -> AccessRule:
+    """The one access rule (auth.py): every path needs a key but /health and the page's files."""
+    return AccessRule(settings.key_table(), static_paths(STATIC_DIR), settings.allowed_hosts)
 
 
 def request_shutdown(app: FastAPI) -> None:

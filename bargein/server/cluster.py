@@ -49,6 +49,7 @@ def runner_body(info: RunnerInfo, counters: EngineCounters | None = None) -> dic
         "recovery": recovery,
         "head_traffic": asdict(pipe.head_traffic) | {"total": pipe.head_traffic.total},
         "logits_transfer_s": pipe.logits_transfer_s,
+        "split": pipe.split_reason,
         "stages": [_pipeline_stage(s) for s in info.stages],
     }
 

@@ -20,6 +20,7 @@ from fastapi import Depends, Request
 from bargein.engine.client import EngineClient, EngineInfo
 from bargein.server.generation import JobRunner
 from bargein.server.metrics import ServerMetrics
+from bargein.server.middleware import scope_tenant
 from bargein.server.openai_format import system_fingerprint
 from bargein.server.prompt_memory import PromptMemory
 from bargein.server.prompts import PromptBuilder, max_token_bytes
@@ -27,6 +28,7 @@ from bargein.server.registry import RequestRegistry
 from bargein.server.responses_store import ResponseStore
 from bargein.server.settings import ServerSettings
 from bargein.server.stalls import StallWatch
+from bargein.server.tenants import Tenant
 
 
 def bargein_version() -> str:
@@ -60,7 +62,8 @@ class ServerContext:
         s = self.settings
         core = self.model = self.engine.describe()
         self.jobs = JobRunner(self.engine, self.registry, self.metrics, max_queue=s.max_queue,
-                              draining=lambda: self.draining)
+                              max_per_tenant=s.max_requests_per_tenant, draining=lambda: self.draining,
+                              stream_buffer_tokens=s.stream_buffer_tokens, stall_timeout=s.stream_stall_timeout)
         self.responses = ResponseStore(s.max_stored_responses)
         self.memory = PromptMemory(s.continuation_memory_entries, s.continuation_memory_tokens)
         self.pool = ThreadPoolExecutor(s.tokenizer_threads, thread_name_prefix="bargein-tokenize")
@@ -95,4 +98,10 @@ def get_ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
 
 
+def tenant_of(request: Request) -> Tenant:
+    """The tenant the access rule found for this request (its API key's; anonymous without keys)."""
+    return scope_tenant(request.scope)
+
+
 Ctx = Annotated[ServerContext, Depends(get_ctx)]  # a route parameter: ``ctx: Ctx``
+Caller = Annotated[Tenant, Depends(tenant_of)]  # a route parameter: ``tenant: Caller``

@@ -14,6 +14,13 @@ before it arrived (a disconnect): the runner then reads the rest of that slot's 
 in the background. That is how the prompt memory learns of every answer, cancelled ones
 included.
 
+Backpressure (streamed jobs): the pumps move at most about ``stream_buffer_tokens`` into
+the job's buffer ahead of its consumer, and each engine stream holds at most that many
+unread (``RequestStream.limit_unread``; the engine pauses the request there). A consumer
+that takes nothing for ``stall_timeout`` seconds while the buffer is full sets
+``job.stalled``: its response ends, and the job is abandoned with reason ``disconnect``,
+keeping exactly the tokens taken from the engine (C3).
+
 Shutdown (``force_finish``): after the engine had its chance to answer every request,
 any slot still without a final output gets one made here (cancelled, reason
 ``shutdown``), so no stream or collector is left waiting.
@@ -134,6 +141,11 @@ class Job:
     merged: asyncio.Queue = field(default_factory=asyncio.Queue)  # (slot, output) from every slot
     pumps: list[asyncio.Task] = field(default_factory=list)  # slot queue -> merged, while consumed
     closed: bool = False  # left the registry; its outcome is recorded
+    buffer_tokens: int | None = None  # streamed: tokens in ``merged`` at most before the pumps wait
+    stall_timeout: float | None = None  # streamed: seconds the pumps wait for a read before ``stalled``
+    buffered: int = 0  # tokens in ``merged``
+    room: asyncio.Event = field(default_factory=asyncio.Event)  # set when the consumer took from ``merged``
+    stalled: asyncio.Event = field(default_factory=asyncio.Event)  # its consumer stopped reading: end it
 
     def __post_init__(self) -> None:
         self.progress = {slot.index: Progress() for slot in self.slots}
@@ -176,21 +188,27 @@ class JobRunner:
     """Starts jobs on the engine and streams their outputs, with metrics and bookkeeping.
 
     Dependencies are given, not looked up: the engine, the registry of live HTTP
-    requests, the metrics, the queue limit and a ``draining`` check (shutdown began).
+    requests, the metrics, the queue limits (all tenants, one tenant) and a ``draining``
+    check (shutdown began).
     """
 
     def __init__(self, engine: EngineClient, registry: RequestRegistry, metrics: ServerMetrics, *,
-                 max_queue: int | None, draining: Callable[[], bool]):
+                 max_queue: int | None, draining: Callable[[], bool], max_per_tenant: int | None = None,
+                 stream_buffer_tokens: int | None = None, stall_timeout: float | None = None):
         self.engine = engine
+        self.stream_buffer_tokens = stream_buffer_tokens
+        self.stall_timeout = stall_timeout
         self.registry = registry
         self.metrics = metrics
         self.max_queue = max_queue
+        self.max_per_tenant = max_per_tenant
         self._draining = draining
         self._open: dict[int, Job] = {}  # by id(job): jobs not yet closed
         self._late: set[asyncio.Task] = set()
 
-    def check_capacity(self, request_id: str) -> None:
-        """Refuses a new request when shutting down, over the queue limit or reusing a live id."""
+    def check_capacity(self, request_id: str, tenant: str = "") -> None:
+        """Refuses a new request when shutting down, over the queue limit (the server's or
+        the tenant's) or reusing a live id."""
         if self._draining():
             self.metrics.rejected["shutting_down"] += 1
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -200,6 +218,12 @@ class JobRunner:
             raise APIError(429, f"the server already has {len(self.registry)} requests in flight "
                                 f"(--max-queue {limit}); retry later", code="queue_full",
                            headers={"Retry-After": "1"})
+        per_tenant = self.max_per_tenant
+        if per_tenant is not None and self.registry.count(tenant) >= per_tenant:
+            self.metrics.rejected["tenant_queue_full"] += 1
+            raise APIError(429, f"this API key already has {per_tenant} requests in flight or queued "
+                                f"(--max-requests-per-tenant {per_tenant}); retry later", code="queue_full",
+                           headers={"Retry-After": "1"})
         if request_id in self.registry:
             raise APIError(409, f"request id {request_id!r} is already in use", param="X-Request-Id",
                            code="request_id_in_use")
@@ -207,12 +231,13 @@ class JobRunner:
     def start(self, request_id: str, endpoint: str, prompts: Sequence[Sequence[int]],
               params: SamplingParams, *, n: int = 1, timeout: float | None = None,
               received: float | None = None, on_final: FinalHook | None = None,
-              constraint_from: int | None = None) -> Job:
-        """Submits every (prompt, choice) to the engine and registers the job.
+              constraint_from: int | None = None, streamed: bool = False, tenant: str = "") -> Job:
+        """Submits every (prompt, choice) to the engine and registers the job under ``tenant``.
 
+        ``streamed``: its consumer is a client's stream, bounded (module doc, backpressure).
         Raises APIError; on failure nothing stays submitted.
         """
-        self.check_capacity(request_id)
+        self.check_capacity(request_id, tenant)
         slots: list[Slot] = []
         try:
             for p, prompt in enumerate(prompts):
@@ -229,8 +254,12 @@ class JobRunner:
             if mapped is None:
                 raise
             raise mapped from None
-        self.registry.add(request_id, [s.engine_id for s in slots], endpoint)
+        self.registry.add(request_id, [s.engine_id for s in slots], endpoint, tenant)
         job = Job(request_id, endpoint, slots, received or time.monotonic(), on_final)
+        if streamed and self.stream_buffer_tokens is not None:
+            job.buffer_tokens, job.stall_timeout = self.stream_buffer_tokens, self.stall_timeout
+            for slot in slots:
+                slot.queue.stream.limit_unread(self.stream_buffer_tokens)
         self._open[id(job)] = job
         return job
 
@@ -249,6 +278,8 @@ class JobRunner:
             remaining = len(job.slots)
             while remaining:
                 slot, out = await merged.get()
+                job.buffered -= len(out.new_token_ids)
+                job.room.set()
                 now = time.monotonic()
                 if out.new_token_ids:
                     self.metrics.token_rate.add(len(out.new_token_ids), now)
@@ -338,8 +369,14 @@ class JobRunner:
 
 
 async def _pump(job: Job, slot: Slot, merged: asyncio.Queue) -> None:
-    """Moves one slot's outputs into the job's merged queue, up to its final one."""
+    """Moves one slot's outputs into the job's merged queue, up to its final one; for a
+    streamed job, only while the buffer has room (module doc, backpressure)."""
     while True:
+        if not await _room_in_buffer(job):
+            log.warning("%s: the client read nothing for %.0f s with %d tokens waiting; cancelling it (disconnect)",
+                        job.request_id, job.stall_timeout or 0, job.buffered)
+            job.stalled.set()
+            return
         try:
             item = await slot.queue.get()
         except Exception as exc:  # reading the output failed: end the slot, never leave the job waiting
@@ -348,8 +385,22 @@ async def _pump(job: Job, slot: Slot, merged: asyncio.Queue) -> None:
         if isinstance(item, _ForcedEnd):
             item = _shutdown_final(slot, job.progress[slot.index])
         merged.put_nowait((slot, item))
+        job.buffered += len(item.new_token_ids)
         if item.finished:
             return
+
+
+async def _room_in_buffer(job: Job) -> bool:
+    """Waits while the job's buffer is full; False if its consumer took nothing for the stall timeout."""
+    if job.buffer_tokens is None:
+        return True
+    while job.buffered >= job.buffer_tokens:
+        job.room.clear()
+        try:
+            await asyncio.wait_for(job.room.wait(), job.stall_timeout)
+        except TimeoutError:
+            return False
+    return True
 
 
 def _shutdown_final(slot: Slot, progress: Progress) -> RequestOutput:

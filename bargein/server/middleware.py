@@ -8,13 +8,16 @@ In order, ``GuardMiddleware``:
 - refuses a request during the shutdown drain (503 with ``Retry-After``), so a client
   that connects while in-flight requests are being answered hears why instead of a
   refused connection (``serve.py`` keeps the socket open for the drain);
+- refuses a foreign ``Host`` or a cross-site ``Origin`` (403; ``auth.AccessRule``);
 - refuses ``Content-Length`` together with ``Transfer-Encoding`` (400: two framings of
   one body are the stuff of request smuggling);
-- checks the API key (401);
+- checks the API key (401) and records the request's tenant in ``scope["state"]``;
 - reads the body up to ``max_body_bytes`` (413 beyond it, once the client has sent it),
   within ``body_timeout`` seconds in all (408 and the connection closed for a body that
   trickles in slower), and replays it to the app; after it, ``receive`` is the server's own, so disconnects reach
-  the routes unchanged;
+  the routes unchanged; a body not declared JSON is a 415;
+- adds the security headers (``auth.SECURITY_HEADERS``: CSP, nosniff, no framing) to
+  every response;
 - answers any exception the app lets escape with one generic 500 in the OpenAI shape and
   logs its traceback once. Not re-raising keeps uvicorn from logging it again and from
   closing the keep-alive connection, which stays usable for the next request.
@@ -26,7 +29,6 @@ request that arrived before it has its answer.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -35,14 +37,15 @@ from dataclasses import dataclass
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from bargein.server.auth import BODY_METHODS, SECURITY_HEADERS, AccessRule
 from bargein.server.errors import APIError, internal_error
 from bargein.server.settings import ServerSettings
+from bargein.server.tenants import Tenant
 
 log = logging.getLogger("bargein.server")
 
-# The API and its self-description; the chat page's static files stay open so it can ask for the key.
-API_PREFIXES = ("/v1", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Paths the chat page's static mount never answers (the router does: 404/405 in JSON).
+API_PREFIXES = ("/v1", "/api", "/tokenize", "/detokenize", "/metrics", "/debug", "/docs", "/redoc", "/openapi.json")
 DRAIN_RETRY_AFTER_S = 5  # what a client refused during the drain is told to wait
 
 
@@ -57,29 +60,39 @@ class Traffic:
 
 
 class GuardMiddleware:
-    def __init__(self, app: ASGIApp, settings: ServerSettings, traffic: Traffic,
+    def __init__(self, app: ASGIApp, settings: ServerSettings, access: AccessRule, traffic: Traffic,
                  draining: Callable[[], bool]):
         self.app = app
         self.settings = settings
+        self.access = access
         self.traffic = traffic
         self.draining = draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # none today; one added later passes the same rule
+            await self._websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         if scope["method"] == "HEAD":  # as GET, without the body: HTTP asks HEAD wherever GET works
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
-        if self.draining():
-            await _send_error(_draining_error(), scope, receive, send)
+        send = _with_security_headers(send)
+        headers = dict(scope["headers"])
+        error = self.access.origin_error(headers)
+        if error is None and self.draining():
+            error = _draining_error()
+        if error is not None:
+            await _send_error(error, scope, receive, send)
             return
         started = _Started(send)
         self.traffic.in_flight += 1
         try:
-            error = self._header_error(scope)
-            if error is None and scope["method"] in _BODY_METHODS:
+            error = self._header_error(scope, headers)
+            if error is None and scope["method"] in BODY_METHODS:
                 body, error = await self._read_body(scope, receive)
+                error = error or self.access.body_type_error(scope["method"], headers, bool(body))
                 if error is None:
                     receive = _replay(body, receive)
             if error is not None:
@@ -95,23 +108,24 @@ class GuardMiddleware:
         finally:
             self.traffic.in_flight -= 1
 
-    def _header_error(self, scope: Scope) -> APIError | None:
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket handshake under the same Host, Origin and key checks (refused: 403)."""
         headers = dict(scope["headers"])
+        error = self.access.origin_error(headers) or self._header_error(scope, headers)
+        if error is None:
+            await self.app(scope, receive, send)
+            return
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
+
+    def _header_error(self, scope: Scope, headers: dict[bytes, bytes]) -> APIError | None:
         if b"content-length" in headers and b"transfer-encoding" in headers:
             return APIError(400, "a request may not carry both Content-Length and Transfer-Encoding",
                             code="conflicting_length_headers", headers={"Connection": "close"})
-        return self._auth_error(scope, headers)
-
-    def _auth_error(self, scope: Scope, headers: dict[bytes, bytes]) -> APIError | None:
-        key = self.settings.api_key
-        if not key or not _needs_auth(scope["path"], scope["method"]):
-            return None
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
-        if token and hmac.compare_digest(token.encode(), key.encode()):
-            return None
-        message = "invalid API key" if token else "missing API key: send 'Authorization: Bearer <key>'"
-        return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        tenant, error = self.access.tenant(scope.get("method", "GET"), scope["path"], headers)
+        if tenant is not None:
+            scope.setdefault("state", {})[TENANT_STATE] = tenant
+        return error
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, APIError | None]:
         """The whole body, or the error to answer: 413 over the limit, 408 past the deadline.
@@ -177,11 +191,23 @@ def _without_body(send: Send) -> Send:
     return head_send
 
 
-def _needs_auth(path: str, method: str) -> bool:
-    """Everything but /health and the web UI's static files (which hold no data)."""
-    if path == "/health":
-        return False
-    return path.startswith(API_PREFIXES) or method not in ("GET", "HEAD")
+TENANT_STATE = "tenant"  # scope["state"] key: the request's Tenant, read by routes (context.tenant_of)
+
+
+def scope_tenant(scope: Scope) -> Tenant:
+    """The tenant the middleware found for this request."""
+    return scope["state"][TENANT_STATE]
+
+
+def _with_security_headers(send: Send) -> Send:
+    async def secured_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            present = {name.lower() for name, _ in message.get("headers", [])}
+            extra = [(n, v) for n, v in SECURITY_HEADERS if n not in present]
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+
+    return secured_send
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

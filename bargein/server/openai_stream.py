@@ -34,6 +34,13 @@ from bargein.server.openai_format import (
     finish_reason,
     job_usage,
 )
+from bargein.server.reasoning import (
+    AnswerEvent,
+    AnswerParser,
+    ReasoningDelta,
+    Thinking,
+    parse_answer,
+)
 from bargein.server.responses_store import StoredResponse
 from bargein.server.sse import DONE, data_event, named_event
 from bargein.server.tools import (
@@ -41,8 +48,7 @@ from bargein.server.tools import (
     CallEnd,
     CallStart,
     ToolCall,
-    ToolCallParser,
-    ToolEvent,
+    ToolSyntax,
 )
 
 
@@ -117,19 +123,25 @@ class ChatShape:
     a delta with the call's index, id, type and name and empty arguments, then deltas
     with argument pieces as they are generated) and an answer that made a call and
     ended by itself has ``finish_reason: "tool_calls"``.
+
+    With ``thinking`` (a template that marks thoughts, ``--reasoning-format separate``),
+    thoughts come out as ``reasoning_content``: deltas of their own, and the message's field.
     """
 
     def __init__(self, head: dict[str, Any], tokenizer: Any, *, logprobs: bool, include_usage: bool,
-                 token_ids: bool = False, tool_names: set[str] | None = None):
+                 token_ids: bool = False, tool_names: set[str] | None = None, thinking: Thinking | None = None,
+                 syntax: ToolSyntax | None = None):
         self.head = head  # id, created, model, system_fingerprint
         self.tokenizer = tokenizer
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.token_ids = token_ids  # the return_token_ids extension (non-streamed bodies)
         self.tool_names = tool_names
-        self.parsers: dict[int, ToolCallParser] = {}  # per choice, streamed
+        self.thinking = thinking
+        self.syntax = syntax
+        self.parsers: dict[int, AnswerParser] = {}  # per choice, streamed
 
-    def _finish_reason(self, out: RequestOutput, parser: ToolCallParser | None) -> str | None:
+    def _finish_reason(self, out: RequestOutput, parser: AnswerParser | None) -> str | None:
         if parser is not None and parser.calls and out.finish_reason == FinishReason.STOP:
             return "tool_calls"
         return finish_reason(out)
@@ -148,18 +160,21 @@ class ChatShape:
 
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         lps = chat_logprobs(self.tokenizer, out.new_logprobs) if self.logprobs and out.new_logprobs else None
-        if self.tool_names is None:
+        if self.tool_names is None and self.thinking is None:
             if out.delta_text or lps:
                 yield self._delta(slot, {"content": out.delta_text}, lps)
             return
-        parser = self.parsers.setdefault(slot.index, ToolCallParser(self.tool_names))
-        _, events = parser.feed(out.delta_text, final=out.finished)
-        if lps and not any(isinstance(e, str) for e in events):
+        parser = self.parsers.setdefault(slot.index, AnswerParser(self.thinking, self.tool_names, self.syntax))
+        events = parser.feed(out.delta_text, final=out.finished)
+        if lps and not any(isinstance(e, str | ReasoningDelta) for e in events):
             yield self._delta(slot, {"content": ""}, lps)
         for event in events:
             if isinstance(event, str):
                 yield self._delta(slot, {"content": event}, lps)
                 lps = None  # this output's logprobs go with its first content piece
+            elif isinstance(event, ReasoningDelta):
+                yield self._delta(slot, {"reasoning_content": event.text}, lps)
+                lps = None
             elif isinstance(event, CallStart):
                 call = event.call
                 yield self._delta(slot, {"tool_calls": [{"index": call.index, "id": call.id, "type": "function",
@@ -193,9 +208,11 @@ class ChatShape:
             logprobs = {"content": chat_logprobs(self.tokenizer, progress.logprobs)} if self.logprobs else None
             message: dict[str, Any] = {"role": "assistant", "content": final.text, "refusal": None}
             parser = None
-            if self.tool_names is not None:
-                parser = ToolCallParser(self.tool_names)
-                parser.feed(final.text, final=True)
+            if self.tool_names is not None or self.thinking is not None:
+                parser = parse_answer(final.text, self.thinking, self.tool_names, self.syntax)
+                message["content"] = parser.text
+                if self.thinking is not None:
+                    message["reasoning_content"] = parser.reasoning or None
                 if parser.calls:
                     message["content"] = parser.text or None
                     message["tool_calls"] = [call.to_dict() for call in parser.calls]
@@ -280,14 +297,17 @@ class ResponsesShape:
     offered (``stored.calls``), items open as they appear: the message with the answer's
     first text, each function call once its name is written (``output_item.added``),
     whose arguments then stream as ``response.function_call_arguments.delta`` and end
-    with ``.done`` and ``output_item.done`` at its closing tag.
+    with ``.done`` and ``output_item.done`` at its closing tag. With thoughts split
+    (``stored.thoughts``), items open as they appear too: first the reasoning item, its
+    text streamed as ``response.reasoning_text.delta``, closed when the answer begins.
     """
 
     def __init__(self, stored: StoredResponse):
         self.stored = stored
         self.seq = 0
-        self.events: list[ToolEvent] = []  # what the last output added (stored.apply)
+        self.events: list[AnswerEvent] = []  # what the last output added (stored.apply)
         self.message_open = False
+        self.reasoning_open = False
 
     def _event(self, kind: str, **payload: Any) -> str:
         self.seq += 1
@@ -297,7 +317,9 @@ class ResponsesShape:
         return {"item_id": self.stored.message_id, "output_index": self._index(None)}
 
     def _index(self, item: int | None) -> int:
-        return self.stored.order.index(item) if self.stored.calls is not None else 0
+        if not self.stored.items_open_as_they_come:
+            return 0
+        return (1 if self.stored.reasoning else 0) + self.stored.order.index(item)
 
     def observe(self, slot: Slot, out: RequestOutput) -> None:
         self.events = self.stored.apply(out)
@@ -307,8 +329,17 @@ class ResponsesShape:
         stored.status = "in_progress"
         yield self._event("response.created", response=stored.to_dict())
         yield self._event("response.in_progress", response=stored.to_dict())
-        if stored.calls is None:
+        if not stored.items_open_as_they_come:
             yield from self._open_message()
+
+    def _reasoning_where(self) -> dict[str, Any]:
+        return {"item_id": self.stored.reasoning_item()["id"], "output_index": 0, "content_index": 0}
+
+    def _close_reasoning(self) -> Iterable[str]:
+        if self.reasoning_open:
+            self.reasoning_open = False
+            yield self._event("response.reasoning_text.done", **self._reasoning_where(), text=self.stored.reasoning)
+            yield self._event("response.output_item.done", output_index=0, item=self.stored.reasoning_item())
 
     def _open_message(self) -> Iterable[str]:
         self.message_open = True
@@ -320,6 +351,14 @@ class ResponsesShape:
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         calls = self.stored.calls
         for event in self.events:
+            if isinstance(event, ReasoningDelta):
+                if not self.reasoning_open:
+                    self.reasoning_open = True
+                    item = {**self.stored.reasoning_item(), "status": "in_progress", "content": []}
+                    yield self._event("response.output_item.added", output_index=0, item=item)
+                yield self._event("response.reasoning_text.delta", **self._reasoning_where(), delta=event.text)
+                continue
+            yield from self._close_reasoning()
             if isinstance(event, str):
                 if not self.message_open:
                     yield from self._open_message()
@@ -347,8 +386,9 @@ class ResponsesShape:
 
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         stored = self.stored
-        if stored.calls is not None:
-            for call in stored.calls.calls:
+        yield from self._close_reasoning()
+        if stored.items_open_as_they_come:
+            for call in stored.calls.calls if stored.calls is not None else ():
                 if not call.done:  # cut inside its arguments (length, cancel): closed as incomplete
                     yield from self._close_call(call)
             if not stored.order:  # no text and no call: the (empty) message, as without tools

@@ -8,7 +8,9 @@ the context whatever its tokens (a token covers at most ``max_token_bytes`` byte
 
 Chat prompts go through :func:`bargein.engine.continuation.continue_text` with the
 server's :class:`PromptMemory`: a history that repeats an earlier answer of this server
-reuses that answer's exact token ids.
+reuses that answer's exact token ids. Message content is tokenized as what the user wrote
+(``chat_text``): only the chat template's own text becomes control tokens. A raw
+``/v1/completions`` prompt is the caller's own text and keeps its control tokens.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, TypeVar
 from bargein.engine.continuation import Continuation, KnownText, continue_text
 from bargein.engine.request import RequestOutput
 from bargein.loader import ChatTemplateError
+from bargein.server.chat_text import render_chat
 from bargein.server.errors import APIError
 from bargein.server.prompt_memory import PromptMemory
 
@@ -72,8 +75,11 @@ class PromptBuilder:
                                 "shorten it", param=param, code="context_length_exceeded")
 
     async def chat(self, messages: list[dict[str, Any]], tools: Any = None, *, param: str = "messages",
-                   more_known: Callable[[], Sequence[KnownText]] | None = None) -> ChatPrompt:
+                   more_known: Callable[[], Sequence[KnownText]] | None = None,
+                   template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
         """The rendered chat prompt's token ids, token-exact over remembered answers.
+
+        ``template_kwargs`` are the template's own variables (``enable_thinking``).
 
         ``more_known`` (called in the pool) adds pairs to those in memory: a
         ``previous_response_id``'s, which must work even once memory has dropped it.
@@ -85,13 +91,14 @@ class PromptBuilder:
 
         def work() -> tuple[str, Continuation]:
             try:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+                rendered = render_chat(self.tokenizer, messages, tools, param, template_kwargs)
             except ChatTemplateError as exc:
                 raise APIError(400, f"the chat template could not render the messages: {exc}",
                                param=param) from None
+            text = rendered.text
             known = [*snapshot, *(more_known() if more_known is not None else ())]
             candidates = [k for k in known if text.startswith(k.prefix_text)]
-            return text, continue_text(text, candidates, encode=self._encode, decode=self._decode)
+            return text, continue_text(text, candidates, encode=rendered.encoder(self.tokenizer), decode=self._decode)
 
         text, cont = await self.run(work)
         if cont.source is not None:
@@ -157,9 +164,6 @@ class PromptBuilder:
         """A pair for a stored answer (``previous_response_id``); decodes: call in the pool."""
         answer = self.strip_eos(answer_ids)
         return KnownText(prompt_text, tuple(prompt_ids), tuple(answer), prompt_text + self._decode(answer))
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)

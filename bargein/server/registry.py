@@ -12,18 +12,25 @@ registry keeps no memory of finished requests: a cancel for an id that is not li
 the engine about its first engine id, and the engine, which remembers recently finished
 ids, answers "already finished" or "not found".
 
+Each live request belongs to a tenant (``tenants.py``); cancel and the listing take the
+caller's tenant and treat another tenant's request as unknown. The registry remembers the
+tenant of recently finished ids (a bounded memory), so a cancel of another tenant's
+finished request is "not found" too, not "already finished".
+
 Owned by the event loop thread; no locks needed.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bargein.engine.request import AbortResult, CancelReason
 from bargein.engine.stats import RequestInfo
 
+FINISHED_OWNERS_KEPT = 10_000  # finished ids whose tenant is remembered
 ENGINE_ID_SEPARATOR = "#"  # outside what a client may choose (errors.REQUEST_ID)
 Abort = Callable[[str, CancelReason], AbortResult]
 
@@ -38,6 +45,7 @@ class LiveRequest:
     request_id: str
     engine_ids: list[str]
     endpoint: str
+    tenant: str = ""  # the Tenant's name ("" anonymous)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -64,6 +72,7 @@ class RequestRegistry:
     def __init__(self) -> None:
         self._live: dict[str, LiveRequest] = {}
         self._by_engine_id: dict[str, str] = {}
+        self._finished_tenant: OrderedDict[str, str] = OrderedDict()  # request id -> tenant, newest last
 
     def __len__(self) -> int:
         return len(self._live)
@@ -71,8 +80,8 @@ class RequestRegistry:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._live
 
-    def add(self, request_id: str, engine_ids: list[str], endpoint: str) -> LiveRequest:
-        live = LiveRequest(request_id, list(engine_ids), endpoint)
+    def add(self, request_id: str, engine_ids: list[str], endpoint: str, tenant: str = "") -> LiveRequest:
+        live = LiveRequest(request_id, list(engine_ids), endpoint, tenant)
         self._live[request_id] = live
         for engine_id in engine_ids:
             self._by_engine_id[engine_id] = request_id
@@ -82,6 +91,9 @@ class RequestRegistry:
         live = self._live.pop(request_id, None)
         if live is None:
             return
+        self._finished_tenant[request_id] = live.tenant
+        if len(self._finished_tenant) > FINISHED_OWNERS_KEPT:
+            self._finished_tenant.popitem(last=False)
         for engine_id in live.engine_ids:
             self._by_engine_id.pop(engine_id, None)
 
@@ -89,16 +101,27 @@ class RequestRegistry:
         """The HTTP request id an engine request belongs to, if the server started it."""
         return self._by_engine_id.get(engine_id)
 
-    def live_ids(self) -> list[str]:
-        return list(self._live)
+    def live_ids(self, tenant: str | None = None) -> list[str]:
+        """Live request ids, of one tenant's when ``tenant`` is given."""
+        return [i for i, live in self._live.items() if tenant is None or live.tenant == tenant]
 
-    def cancel(self, request_id: str, abort: Abort, reason: CancelReason = CancelReason.USER) -> AbortResult:
+    def count(self, tenant: str) -> int:
+        """How many live requests ``tenant`` has."""
+        return sum(live.tenant == tenant for live in self._live.values())
+
+    def cancel(self, request_id: str, abort: Abort, reason: CancelReason = CancelReason.USER,
+               tenant: str | None = None) -> AbortResult:
         """Aborts every engine request behind ``request_id`` via ``abort(engine_id, reason)``.
 
         For an id that is not live, the engine's answer about its first engine id says
-        whether it finished recently (ALREADY_FINISHED) or is unknown (NOT_FOUND).
+        whether it finished recently (ALREADY_FINISHED) or is unknown (NOT_FOUND). With
+        ``tenant``, another tenant's request, live or finished, is NOT_FOUND.
         """
         live = self._live.get(request_id)
+        if tenant is not None:
+            owner = live.tenant if live is not None else self._finished_tenant.get(request_id, "")
+            if owner != tenant:
+                return AbortResult.NOT_FOUND
         if live is None:
             result = abort(engine_id_for(request_id, 0), reason)
             # CANCELLED here would mean the engine still runs it after the job closed: a
@@ -109,11 +132,19 @@ class RequestRegistry:
             return AbortResult.CANCELLED
         return AbortResult.ALREADY_FINISHED
 
-    def summarize(self, infos: list[RequestInfo]) -> list[RequestSummary]:
-        """Engine request infos grouped by the HTTP request they belong to, oldest first."""
+    def tenant_of(self, request_id: str) -> str:
+        """The tenant of a live HTTP request, or "" (anonymous: started through another surface)."""
+        live = self._live.get(request_id)
+        return "" if live is None else live.tenant
+
+    def summarize(self, infos: list[RequestInfo], tenant: str | None = None) -> list[RequestSummary]:
+        """Engine request infos grouped by the HTTP request they belong to, oldest first;
+        with ``tenant``, only that tenant's."""
         groups: dict[str, list[RequestInfo]] = {}
         for info in infos:
-            groups.setdefault(self._by_engine_id.get(info.request_id, info.request_id), []).append(info)
+            request_id = self._by_engine_id.get(info.request_id, info.request_id)
+            if tenant is None or self.tenant_of(request_id) == tenant:
+                groups.setdefault(request_id, []).append(info)
         summaries = []
         for request_id, group in groups.items():
             deadlines = [i.deadline_s for i in group if i.deadline_s is not None]

@@ -5,6 +5,10 @@ messages its prompt was rendered from, its prompt token ids and its output token
 It is updated from the engine's outputs as they arrive, by whichever task consumes
 them (a stream, a non-streaming wait, or a background task), and ``done`` is set once
 its final status is known.
+
+Each stored response belongs to the tenant that created it: ``get`` and ``pop`` with a
+tenant see only that tenant's, so another tenant's id reads as unknown. An id is stored
+once: ``put`` never replaces another object under the same id (``ResponseIdTaken``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput
-from bargein.server.tools import CallStart, ToolCall, ToolCallParser, ToolEvent
+from bargein.server.reasoning import AnswerEvent, ReasoningDelta, ReasoningSplitter
+from bargein.server.tools import CallStart, ToolCall, ToolCallParser
 
 FINAL_STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
 
@@ -41,6 +46,8 @@ class StoredResponse:
     tool_choice: Any = "auto"
     calls: ToolCallParser | None = None  # with tools offered: the answer's text -> content and function calls
     order: list[int | None] = field(default_factory=list)  # output items as they appeared: None message, i call i
+    thoughts: ReasoningSplitter | None = None  # a template that marks thinking: thoughts -> a reasoning item
+    reasoning: str = ""  # the thoughts so far (the reasoning item, first of the output when not empty)
     answer_start: int | None = None  # continuing an answer: where in prompt_token_ids that answer began
     return_token_ids: bool = False  # the extension: the exact prompt and output token ids in the object
     created_at: int = field(default_factory=lambda: int(time.time()))
@@ -52,6 +59,7 @@ class StoredResponse:
     error: str | None = None
     incomplete_reason: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    tenant: str = ""  # the creator's Tenant name: only it reads, continues or cancels this response
 
     @property
     def message_id(self) -> str:
@@ -72,26 +80,37 @@ class StoredResponse:
     def is_final(self) -> bool:
         return self.status in FINAL_STATUSES
 
-    def apply(self, out: RequestOutput) -> list[ToolEvent]:
+    def apply(self, out: RequestOutput) -> list[AnswerEvent]:
         """Takes in one engine output: deltas as they come, the cumulative fields at the end.
-        Returns what it added, in order: content text, and with tools offered the function
-        calls' events."""
-        events: list[ToolEvent] = [out.delta_text] if out.delta_text else []
+        Returns what it added, in order: thoughts, content text, and with tools offered the
+        function calls' events."""
+        delta, events = out.delta_text, []
+        if self.thoughts is not None:
+            pieces = self.thoughts.feed(delta, final=out.finished)
+            thoughts = [p for p in pieces if isinstance(p, ReasoningDelta)]
+            self.reasoning += "".join(t.text for t in thoughts)
+            events += thoughts
+            delta = "".join(p for p in pieces if isinstance(p, str))
         if self.calls is not None:
-            _, events = self.calls.feed(out.delta_text, final=out.finished)
+            _, call_events = self.calls.feed(delta, final=out.finished)
+            events += call_events
             self.text = self.calls.text
-            for event in events:
+            for event in call_events:
                 if isinstance(event, CallStart):
                     self.order.append(event.call.index)
                 elif isinstance(event, str) and None not in self.order:
                     self.order.append(None)
+        elif delta:
+            events.append(delta)
+            if self.thoughts is not None and None not in self.order:
+                self.order.append(None)
         if out.finished:
             if self.calls is None:
-                self.text = out.text
+                self.text = out.text if self.thoughts is None else self.text + delta
             self.output_token_ids = list(out.token_ids)
         else:
             if self.calls is None:
-                self.text += out.delta_text
+                self.text += delta
             self.output_token_ids.extend(out.new_token_ids)
         if self.status == "queued" and (out.new_token_ids or out.finished):
             self.status = "in_progress"
@@ -126,18 +145,32 @@ class StoredResponse:
                 "role": "assistant",
                 "content": [{"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}]}
 
+    @property
+    def items_open_as_they_come(self) -> bool:
+        """Output items appear in ``order`` (tools offered, or thoughts first)."""
+        return self.calls is not None or self.thoughts is not None
+
+    def reasoning_item(self) -> dict[str, Any]:
+        done = self.is_final or bool(self.order)  # the thought ended: an answer began after it
+        return {"type": "reasoning", "id": "rs_" + self.id.removeprefix("resp_"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": self.reasoning}],
+                "status": "completed" if done else "in_progress"}
+
     def function_call_item(self, call: ToolCall) -> dict[str, Any]:
         status = "completed" if call.done else ("in_progress" if not self.is_final else "incomplete")
         return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
                 "name": call.name, "arguments": call.arguments, "status": status}
 
     def output(self) -> list[dict[str, Any]]:
-        """The output items: the message; with tools offered, the message (if the answer
-        has text) and the function calls, in the order they appeared."""
-        if self.calls is None or not self.order:
-            return [self.message_item()] if self.text or self.is_final else []
-        return [self.message_item() if i is None else self.function_call_item(self.calls.calls[i])
-                for i in self.order]
+        """The output items: the reasoning item (when there were thoughts), then the
+        message; with tools offered, the message (if the answer has text) and the function
+        calls, in the order they appeared."""
+        items = [self.reasoning_item()] if self.reasoning else []
+        if not self.order:
+            return items + ([self.message_item()] if self.text or self.is_final else [])
+        assert self.calls is not None or self.order == [None]
+        return items + [self.message_item() if i is None else self.function_call_item(self.calls.calls[i])
+                        for i in self.order]
 
     def to_dict(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -166,6 +199,10 @@ def _incomplete(r: StoredResponse) -> dict[str, str] | None:
     return {"reason": r.incomplete_reason} if r.incomplete_reason else None
 
 
+class ResponseIdTaken(Exception):
+    """A response with this id is already stored."""
+
+
 class ResponseStore:
     """Responses by id; at most ``capacity``, dropping the least recently used finished one."""
 
@@ -176,7 +213,13 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._items
+
     def put(self, response: StoredResponse) -> None:
+        """Stores ``response``; raises ResponseIdTaken if another one has its id."""
+        if self._items.get(response.id, response) is not response:
+            raise ResponseIdTaken(response.id)
         self._items[response.id] = response
         self._items.move_to_end(response.id)
         for key in list(self._items):
@@ -185,11 +228,15 @@ class ResponseStore:
             if self._items[key].is_final:  # a live one stays until it finishes
                 del self._items[key]
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, tenant: str | None = None) -> StoredResponse | None:
+        """The response, if stored (and, with ``tenant``, that tenant's)."""
         response = self._items.get(response_id)
-        if response is not None:
-            self._items.move_to_end(response_id)
+        if response is None or (tenant is not None and response.tenant != tenant):
+            return None
+        self._items.move_to_end(response_id)
         return response
 
-    def pop(self, response_id: str) -> StoredResponse | None:
-        return self._items.pop(response_id, None)
+    def pop(self, response_id: str, tenant: str | None = None) -> StoredResponse | None:
+        if self.get(response_id, tenant) is None:
+            return None
+        return self._items.pop(response_id)

@@ -27,11 +27,12 @@ from bargein.server.generation import request_id_for
 from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ChatShape, CompletionShape
+from bargein.server.reasoning import ReasoningFormat, thinking_for, thinking_kwargs
 from bargein.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from bargein.server.serving import Generation, serve
 from bargein.server.structured import compile_in_pool
 from bargein.server.tools import prompt_messages as tool_messages
-from bargein.server.tools import tool_plan
+from bargein.server.tools import tool_plan, tool_syntax_for
 from bargein.server.validation import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHOICES,
@@ -124,7 +125,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     messages = await ctx.prompts.run(lambda: message_dicts(body.messages))
     check_n(body.n)
     constraint = check_response_format(body.response_format)
-    plan = tool_plan(body.tools, body.tool_choice)
+    template = ctx.tokenizer.chat_template
+    plan = tool_plan(body.tools, body.tool_choice, tool_syntax_for(template))
     if plan.constraint() is not None:
         if constraint is not None:
             raise APIError(400, "response_format cannot be combined with a required or named tool_choice",
@@ -139,14 +141,36 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     params = sampling_params(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              renames={"max_tokens": max_field, "logprobs": "top_logprobs"}, constraint=constraint)
     await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "response_format")
-    messages, template_tools = tool_messages(messages, plan, ctx.tokenizer.chat_template)
-    prompt = await ctx.prompts.chat(messages, template_tools)
+    messages, template_tools = tool_messages(messages, plan, template)
+    prompt = await ctx.prompts.chat(messages, template_tools, template_kwargs=chat_template_kwargs(body, template))
     gen = Generation("chat", request_id, received, [prompt.token_ids], params, n=body.n, timeout=timeout,
-                     stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
+                     stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out),
+                     cache_salt=body.cache_salt)
     shape = ChatShape(ctx.head(request_id), ctx.tokenizer, logprobs=body.logprobs,
                       include_usage=_include_usage(body), token_ids=body.return_token_ids,
-                      tool_names={t.name for t in plan.tools} if plan.offered else None)
+                      tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax,
+                      thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
+                                            constrained=constraint is not None))
     return await serve(request, ctx, gen, shape)
+
+
+_RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "self", "source"})
+
+
+def chat_template_kwargs(body: ChatCompletionRequest | Any, template: str | None) -> dict[str, Any]:
+    """The template variables a chat request sets: ``chat_template_kwargs`` (as vLLM and
+    llama.cpp take them), where the thinking switch is ``enable_thinking``."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    enabled = kwargs.pop("enable_thinking", None)
+    if enabled is not None and not isinstance(enabled, bool):
+        raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean",
+                       param="chat_template_kwargs.enable_thinking", code="invalid_value")
+    bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_VARIABLES or not k.isidentifier()]
+    if bad:
+        raise APIError(400, f"chat_template_kwargs may not set {bad[0]!r} (names are identifiers, and not one of "
+                            f"{sorted(_RESERVED_TEMPLATE_VARIABLES)})", param="chat_template_kwargs",
+                       code="invalid_value")
+    return {**kwargs, **thinking_kwargs(template, enabled)}
 
 
 # -- completions ------------------------------------------------------------------------------
@@ -170,7 +194,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Re
     prompts = await ctx.prompts.completion(body.prompt, ctx.vocab_size)
     echoes = [await ctx.prompts.decode(p) if body.echo else "" for p in prompts]
     gen = Generation("completions", request_id, received, prompts, params, n=body.n, timeout=timeout,
-                     stream=body.stream)
+                     stream=body.stream, cache_salt=body.cache_salt)
     shape = CompletionShape(ctx.head(request_id), ctx.tokenizer, echoes, logprobs=body.logprobs is not None,
                             include_usage=_include_usage(body), token_ids=body.return_token_ids)
     return await serve(request, ctx, gen, shape)

@@ -4,6 +4,10 @@ All cancel surfaces end in the same engine abort (reason ``user``); the request'
 response then ends with ``finish_reason: "cancelled"`` at the next step boundary.
 ``POST /v1/requests/{id}/cancel`` is canonical; ``POST /v1/chat/cancel`` takes the id in
 the body. Unknown ids are 404; finished ones 200 with ``"status": "already_finished"``.
+
+Each caller sees and cancels its own tenant's requests only (``tenants.py``): another
+tenant's request is as unknown as one that never existed (404, ``not_found``), and
+``{"all": true}`` cancels the caller's requests.
 """
 
 from __future__ import annotations
@@ -13,41 +17,43 @@ from typing import Any
 from fastapi import APIRouter
 
 from bargein.engine.request import AbortResult, CancelReason
-from bargein.server.context import Ctx, ServerContext
+from bargein.server.context import Caller, Ctx, ServerContext
 from bargein.server.errors import APIError, not_found
 from bargein.server.schemas import CancelManyRequest, CancelRequest
+from bargein.server.tenants import Tenant
 
 router = APIRouter()
 
 
-def cancel_one(ctx: ServerContext, request_id: str) -> dict[str, Any]:
-    result = ctx.registry.cancel(request_id, ctx.engine.abort, CancelReason.USER)
+def cancel_one(ctx: ServerContext, request_id: str, tenant: Tenant) -> dict[str, Any]:
+    result = ctx.registry.cancel(request_id, ctx.engine.abort, CancelReason.USER, tenant.name)
     if result == AbortResult.NOT_FOUND:
         raise not_found("request", request_id, param="request_id")
     return {"id": request_id, "object": "request.cancel", "status": result.value}
 
 
 @router.post("/v1/requests/{request_id}/cancel")
-async def cancel_request(request_id: str, ctx: Ctx) -> dict[str, Any]:
-    return cancel_one(ctx, request_id)
+async def cancel_request(request_id: str, ctx: Ctx, tenant: Caller) -> dict[str, Any]:
+    return cancel_one(ctx, request_id, tenant)
 
 
 @router.post("/v1/chat/cancel")
-async def cancel_chat(body: CancelRequest, ctx: Ctx) -> dict[str, Any]:
-    return cancel_one(ctx, body.request_id)
+async def cancel_chat(body: CancelRequest, ctx: Ctx, tenant: Caller) -> dict[str, Any]:
+    return cancel_one(ctx, body.request_id, tenant)
 
 
 @router.post("/v1/requests/cancel")
-async def cancel_many(body: CancelManyRequest, ctx: Ctx) -> dict[str, Any]:
-    """``{"all": true}`` cancels everything in flight; ``{"ids": [...]}`` those requests."""
+async def cancel_many(body: CancelManyRequest, ctx: Ctx, tenant: Caller) -> dict[str, Any]:
+    """``{"all": true}`` cancels everything the caller has in flight; ``{"ids": [...]}`` those requests."""
     if body.all:
-        ids = ctx.registry.live_ids()
-        results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER) for i in ids}
-        # requests made through another surface of the same engine (a conversation): by engine id
-        others = [i for i in ctx.engine.live_request_ids() if ctx.registry.owner(i) is None]
-        results.update({i: ctx.engine.abort(i, CancelReason.USER) for i in others})
+        ids = ctx.registry.live_ids(tenant.name)
+        results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER, tenant.name) for i in ids}
+        if tenant.is_anonymous:
+            # requests made through another surface of the same engine (a conversation): by engine id
+            others = [i for i in ctx.engine.live_request_ids() if ctx.registry.owner(i) is None]
+            results.update({i: ctx.engine.abort(i, CancelReason.USER) for i in others})
     elif body.ids is not None:
-        results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER) for i in body.ids}
+        results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER, tenant.name) for i in body.ids}
     else:
         raise APIError(400, 'give {"all": true} or {"ids": [...]}', param="all", code="invalid_value")
     return {"object": "request.cancel", "status": "cancelled",
@@ -57,6 +63,6 @@ async def cancel_many(body: CancelManyRequest, ctx: Ctx) -> dict[str, Any]:
 
 
 @router.get("/v1/requests")
-async def list_requests(ctx: Ctx) -> dict[str, Any]:
+async def list_requests(ctx: Ctx, tenant: Caller) -> dict[str, Any]:
     infos = await ctx.engine.requests()
-    return {"object": "list", "data": [s.as_dict() for s in ctx.registry.summarize(infos)]}
+    return {"object": "list", "data": [s.as_dict() for s in ctx.registry.summarize(infos, tenant.name)]}

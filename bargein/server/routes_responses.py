@@ -13,6 +13,11 @@ part that still matches is reused and the rest tokenized.
 task that outlives the HTTP request, polled with GET, and stopped with POST .../cancel.
 A stream ends with ``response.completed``, ``response.incomplete`` (max tokens, and a
 cancel, where the response's status is ``cancelled``) or ``response.failed``.
+
+A stored response is its creator's (its API key's tenant): another tenant's GET, cancel,
+DELETE or ``previous_response_id`` finds nothing (404). Ids are made by the server; a
+client may choose one with ``X-Request-Id`` (to cancel by it before the answer comes),
+but never one that names a stored response (409): a stored object is never replaced.
 """
 
 from __future__ import annotations
@@ -30,19 +35,21 @@ from bargein.engine.constraint import Constraint
 from bargein.engine.continuation import KnownText
 from bargein.engine.grammar import UnsupportedGrammar
 from bargein.engine.request import CancelReason
-from bargein.server.context import Ctx, ServerContext
+from bargein.server.context import Caller, Ctx, ServerContext
 from bargein.server.errors import APIError, not_found
 from bargein.server.generation import request_id_for
 from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ResponsesShape
 from bargein.server.prompts import check_prompt_length
-from bargein.server.responses_store import StoredResponse
+from bargein.server.reasoning import ReasoningFormat, ReasoningSplitter, thinking_for
+from bargein.server.responses_store import ResponseIdTaken, StoredResponse
 from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
 from bargein.server.structured import compile_in_pool
-from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan
+from bargein.server.tenants import Tenant
+from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan, tool_syntax_for
 from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.validation import check_response_format, effective_timeout, resolve_max_tokens
 
@@ -115,8 +122,8 @@ def chat_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
     return out, tool_choice
 
 
-def _previous(ctx: ServerContext, previous_id: str) -> StoredResponse:
-    prev = ctx.responses.get(previous_id)
+def _previous(ctx: ServerContext, previous_id: str, tenant: Tenant) -> StoredResponse:
+    prev = ctx.responses.get(previous_id, tenant.name)
     if prev is None:
         raise not_found("stored response", previous_id, param="previous_response_id")
     if not prev.is_final:
@@ -134,10 +141,10 @@ def _previous_known(ctx: ServerContext, prev: StoredResponse) -> Callable[[], li
     return known
 
 
-async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[str, Any]], plan: ToolPlan
-                 ) -> tuple[StoredResponse, str, list[int]]:
+async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[str, Any]], plan: ToolPlan,
+                 tenant: Tenant) -> tuple[StoredResponse, str, list[int]]:
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    prev = _previous(ctx, body.previous_response_id) if body.previous_response_id else None
+    prev = _previous(ctx, body.previous_response_id, tenant) if body.previous_response_id else None
     if prev is None:
         conversation = new_turn
         more_known = None
@@ -155,19 +162,19 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
         previous_response_id=body.previous_response_id, background=body.background, store=body.store,
         metadata=body.metadata or {}, user=body.user, template_tools=template_tools,
         tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        calls=ToolCallParser({t.name for t in plan.tools}) if plan.offered else None,
+        calls=ToolCallParser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
     return stored, prompt.text, prompt.token_ids
 
 
-def _continuable(ctx: ServerContext, body: ResponseRequest) -> StoredResponse | None:
+def _continuable(ctx: ServerContext, body: ResponseRequest, tenant: Tenant) -> StoredResponse | None:
     """The previous response whose answer this request continues in place (an empty
     ``input`` with ``previous_response_id``), or None for a new turn."""
     if body.previous_response_id is None or body.input not in ("", []):
         return None
-    prev = _previous(ctx, body.previous_response_id)
+    prev = _previous(ctx, body.previous_response_id, tenant)
     if prev.status not in ("cancelled", "incomplete"):
         raise APIError(400, f"response {prev.id!r} is {prev.status}: only a cancelled or incomplete answer can be "
                             "continued (send an input for a new turn)", param="input", code="invalid_value")
@@ -202,7 +209,7 @@ async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResp
         previous_response_id=prev.id, background=body.background, store=body.store,
         metadata=body.metadata or {}, user=body.user, template_tools=prev.template_tools,
         tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        calls=ToolCallParser({t.name for t in plan.tools}) if plan.offered else None,
+        calls=ToolCallParser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
@@ -210,14 +217,17 @@ async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResp
 
 
 @openai_route(router, "POST", "/responses")
-async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> Response:
+async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, tenant: Caller) -> Response:
     received = time.monotonic()
     response_id = request_id_for(request, "resp_")
+    if response_id in ctx.responses:  # only a client-chosen id can be taken
+        raise APIError(409, f"response id {response_id!r} is already in use; send no X-Request-Id and the "
+                            "server makes one", param="X-Request-Id", code="response_id_in_use")
     check_limits(body, ctx.settings)
     if body.background and not body.store:
         raise APIError(400, "background responses must be stored (store: true)", param="background",
                        code="invalid_value")
-    prev = _continuable(ctx, body)
+    prev = _continuable(ctx, body, tenant)
     if prev is not None and body.text is None and body.tools is None:
         # The answer goes on under its own format and tools (so a constrained one stays so).
         body = body.model_copy(update={"text": {"format": prev.text_format}, "tools": prev.tools or None,
@@ -225,64 +235,83 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx) -> 
     new_turn = input_messages(body.input) if prev is None else []  # validation in FIELD_ORDER (validation.py)
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
     constraint = check_response_format(text_format, "text.format", nested=False)
-    plan = tool_plan(*chat_tools(body.tools, body.tool_choice))
+    plan = tool_plan(*chat_tools(body.tools, body.tool_choice), tool_syntax_for(ctx.tokenizer.chat_template))
     if plan.constraint() is not None:
         if constraint is not None:
             raise APIError(400, "text.format cannot be combined with a required or named tool_choice",
                            param="tool_choice", code="invalid_value")
         constraint = plan.constraint()
-    max_tokens = resolve_max_tokens(body.max_output_tokens, "max_output_tokens", ctx.settings,
-                                    ctx.settings.default_max_tokens)
+    default = ctx.settings.default_max_tokens
+    if body.background:  # no client waits on it: it must not run to the end of the context unasked
+        default = min(default or ctx.settings.background_max_output_tokens, ctx.settings.background_max_output_tokens)
+    max_tokens = resolve_max_tokens(body.max_output_tokens, "max_output_tokens", ctx.settings, default)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"},
                              constraint=constraint)
     await compile_in_pool(ctx, constraint, "tools" if plan.constraint() else "text.format")
     constraint_from = None
     if prev is None:
-        stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan)
+        stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan, tenant)
     else:
         stored, prompt_text, tokens, answer_start = await _continued(ctx, body, prev, plan, constraint)
         constraint_from = answer_start if constraint is not None else None
-    stored.id, stored.return_token_ids = response_id, body.return_token_ids
+    stored.id, stored.return_token_ids, stored.tenant = response_id, body.return_token_ids, tenant.name
+    thinking = thinking_for(ctx.tokenizer.chat_template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
+                            constrained=constraint is not None)
+    stored.thoughts = ReasoningSplitter(thinking) if thinking is not None else None
     if text_format is not None:
         stored.text_format = text_format
     gen = Generation("responses", response_id, received, [tokens], params, timeout=timeout, stream=body.stream,
-                     on_final=lambda slot, out: ctx.prompts.remember(prompt_text, out), constraint_from=constraint_from)
+                     on_final=lambda slot, out: ctx.prompts.remember(prompt_text, out), constraint_from=constraint_from,
+                     cache_salt=body.cache_salt, tenant=tenant)
     shape = ResponsesShape(stored)
     if body.background:
-        serve_in_background(ctx, gen, shape)
-        ctx.responses.put(stored)
+        _store(ctx, stored)  # before it runs: a taken id is refused with nothing started
+        try:
+            serve_in_background(ctx, gen, shape)
+        except BaseException:
+            ctx.responses.pop(stored.id)
+            raise
         return JSONResponse(stored.to_dict(), headers={"X-Request-Id": response_id})
-    return await serve(request, ctx, gen, shape, on_start=(lambda: ctx.responses.put(stored)) if body.store else None)
+    return await serve(request, ctx, gen, shape, on_start=(lambda: _store(ctx, stored)) if body.store else None)
 
 
-def _stored(ctx: ServerContext, response_id: str) -> StoredResponse:
-    stored = ctx.responses.get(response_id)
+def _store(ctx: ServerContext, stored: StoredResponse) -> None:
+    """Stores a new response; 409 if its (client-chosen) id was taken meanwhile."""
+    try:
+        ctx.responses.put(stored)
+    except ResponseIdTaken:
+        raise APIError(409, f"response id {stored.id!r} is already in use", param="X-Request-Id",
+                       code="response_id_in_use") from None
+
+
+def _stored(ctx: ServerContext, response_id: str, tenant: Tenant) -> StoredResponse:
+    stored = ctx.responses.get(response_id, tenant.name)
     if stored is None:
         raise not_found("stored response", response_id)
     return stored
 
 
 @openai_route(router, "GET", "/responses/{response_id}")
-async def get_response(response_id: str, ctx: Ctx) -> dict[str, Any]:
-    return _stored(ctx, response_id).to_dict()
+async def get_response(response_id: str, ctx: Ctx, tenant: Caller) -> dict[str, Any]:
+    return _stored(ctx, response_id, tenant).to_dict()
 
 
 @openai_route(router, "POST", "/responses/{response_id}/cancel")
-async def cancel_response(response_id: str, ctx: Ctx) -> dict[str, Any]:
+async def cancel_response(response_id: str, ctx: Ctx, tenant: Caller) -> dict[str, Any]:
     """Cancels a response still generating and returns it once settled (idempotent)."""
-    stored = _stored(ctx, response_id)
+    stored = _stored(ctx, response_id, tenant)
     if not stored.is_final:
-        ctx.registry.cancel(response_id, ctx.engine.abort, CancelReason.USER)
+        ctx.registry.cancel(response_id, ctx.engine.abort, CancelReason.USER, tenant.name)
         with contextlib.suppress(TimeoutError):  # answer with what is known by then
             await asyncio.wait_for(stored.done.wait(), CANCEL_WAIT_S)
     return stored.to_dict()
 
 
 @openai_route(router, "DELETE", "/responses/{response_id}")
-async def delete_response(response_id: str, ctx: Ctx) -> dict[str, Any]:
-    stored = _stored(ctx, response_id)
+async def delete_response(response_id: str, ctx: Ctx, tenant: Caller) -> dict[str, Any]:
+    stored = _stored(ctx, response_id, tenant)
     if not stored.is_final:
-        ctx.registry.cancel(response_id, ctx.engine.abort, CancelReason.USER)
-    ctx.responses.pop(response_id)
+        ctx.registry.cancel(response_id, ctx.engine.abort, CancelReason.USER, tenant.name)
+    ctx.responses.pop(response_id, tenant.name)
     return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -84,6 +84,9 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     timeout: float | None = Field(default=None, description="seconds until the request is cancelled")
+    cache_salt: str | None = Field(default=None, max_length=256,
+                                   description="a prefix-cache namespace: only requests with the same salt (and "
+                                               "API key) reuse each other's cached prompt tokens")
 
 
 class ChatMessage(BaseModel):
@@ -119,6 +122,8 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     return_token_ids: bool = Field(default=False, description="extension: prompt_token_ids and token_ids "
                                    "in each choice (streamed: in its final chunk)")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extension: the chat "
+                                                        "template's variables, e.g. enable_thinking")
 
 
 class CompletionRequest(SamplingFields):

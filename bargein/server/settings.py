@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from bargein.server.tenants import KeyFileError, KeyTable, TenantKey
 
 ENV_PREFIX = "BARGEIN_"
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -27,6 +29,10 @@ LIMIT_FLAGS = {
 }
 
 
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")  # what a Host header may name by default (auth.py)
+DEFAULT_TENANT = "default"  # the tenant of --api-key / $BARGEIN_API_KEY
+
+
 class SettingsError(ValueError):
     """A setting a user gave cannot be used; the message names it."""
 
@@ -37,7 +43,13 @@ class ServerSettings:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # one key: tenant DEFAULT_TENANT
+    api_keys: tuple[TenantKey, ...] = ()  # --api-keys FILE: one key per tenant line
+    # Names the Host header may carry (see auth.py); None: any (an app built in process; the
+    # CLI always gives names: LOOPBACK_HOSTS and the --host address unless told others).
+    allowed_hosts: tuple[str, ...] | None = None
+    shared_prefix_cache: bool = False  # every tenant reuses every other's prefix-cache entries
+    max_requests_per_tenant: int | None = None  # live (queued or running) requests of one tenant; more get 429
     request_timeout: float | None = None  # seconds; a deadline for every request
     max_queue: int | None = None  # live requests at most; more get 429
     max_body_bytes: int = 4 * 1024**2
@@ -59,6 +71,15 @@ class ServerSettings:
     max_stop_chars: int = 256  # characters in one stop string
     max_logit_bias: int = 1024  # logit_bias entries
     max_n: int = 16  # choices (n)
+    reasoning_format: str = "separate"  # thinking models' thoughts: "separate" (reasoning_content) or "none"
+    # Backpressure (issue 34): a stream whose client stops reading pauses its generation once
+    # about this many tokens wait unsent (in the engine's stream and in the job's buffer, each
+    # bounded by it), and is cancelled (reason ``disconnect``) after this many seconds without a read.
+    stream_buffer_tokens: int = 64
+    stream_stall_timeout: float = 30.0
+    # A background Responses request that gives no max_output_tokens generates at most this
+    # many (else it could run to the end of the context, holding a slot of the queue limit).
+    background_max_output_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -67,6 +88,14 @@ class ServerSettings:
             raise SettingsError(f"request timeout must be positive, got {self.request_timeout}")
         if self.max_queue is not None and self.max_queue < 1:
             raise SettingsError(f"max queue must be at least 1, got {self.max_queue}")
+        if self.max_requests_per_tenant is not None and self.max_requests_per_tenant < 1:
+            raise SettingsError(f"max requests per tenant must be at least 1, got {self.max_requests_per_tenant}")
+        if self.api_key is not None and len(self.api_key) < 1:
+            raise SettingsError("the API key must not be empty")
+        try:
+            self.key_table()
+        except KeyFileError as exc:
+            raise SettingsError(str(exc)) from None
         if self.max_body_bytes < 1024:
             raise SettingsError(f"max body size must be at least 1 KiB, got {self.max_body_bytes}")
         if self.max_stored_responses < 1:
@@ -83,12 +112,22 @@ class ServerSettings:
             raise SettingsError("continuation memory bounds must not be negative")
         if self.tokenizer_threads < 1:
             raise SettingsError(f"tokenizer threads must be at least 1, got {self.tokenizer_threads}")
-        for name in ("header_timeout", "body_timeout"):
+        for name in ("stream_buffer_tokens", "background_max_output_tokens"):
+            if getattr(self, name) < 1:
+                raise SettingsError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+        for name in ("header_timeout", "body_timeout", "stream_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+        if self.reasoning_format not in ("none", "separate"):
+            raise SettingsError(f"reasoning format must be 'none' or 'separate', got {self.reasoning_format!r}")
         for name in ("max_messages", "max_stop", "max_stop_chars", "max_logit_bias", "max_n"):
             if getattr(self, name) < 1:
                 raise SettingsError(f"{name.replace('_', ' ')} must be at least 1, got {getattr(self, name)}")
+
+    def key_table(self) -> KeyTable:
+        """Every key the server accepts, with its tenant (``api_key`` is DEFAULT_TENANT's)."""
+        single = (TenantKey(self.api_key, DEFAULT_TENANT),) if self.api_key else ()
+        return KeyTable(single + self.api_keys)
 
     @property
     def base_url(self) -> str:
@@ -104,6 +143,9 @@ class ServerSettings:
             host=env.str("HOST", defaults.host),
             port=env.int("PORT", defaults.port),
             api_key=env.str("API_KEY", None) or None,
+            allowed_hosts=tuple(h for h in (env.str("ALLOWED_HOSTS", "") or "").split(",") if h.strip()) or None,
+            shared_prefix_cache=env.bool("SHARED_PREFIX_CACHE", False),
+            max_requests_per_tenant=env.int("MAX_REQUESTS_PER_TENANT", None),
             request_timeout=env.float("REQUEST_TIMEOUT", None),
             max_queue=env.int("MAX_QUEUE", None),
             max_body_bytes=env.size("MAX_BODY", defaults.max_body_bytes),
@@ -111,6 +153,7 @@ class ServerSettings:
             debug_endpoints=env.bool("DEBUG_ENDPOINTS", False),
             shutdown_timeout=env.float("SHUTDOWN_TIMEOUT", defaults.shutdown_timeout) or 0.0,
             log_level=env.str("LOG_LEVEL", defaults.log_level) or defaults.log_level,
+            reasoning_format=env.str("REASONING_FORMAT", defaults.reasoning_format) or defaults.reasoning_format,
             default_max_tokens=env.int("DEFAULT_MAX_TOKENS", None),
             max_tokens_limit=env.int("MAX_TOKENS_LIMIT", None),
             continuation_memory_entries=env.int("CONTINUATION_MEMORY_ENTRIES",
@@ -119,6 +162,10 @@ class ServerSettings:
             tokenizer_threads=env.int("TOKENIZER_THREADS", defaults.tokenizer_threads),
             header_timeout=env.float("HEADER_TIMEOUT", defaults.header_timeout),
             body_timeout=env.float("BODY_TIMEOUT", defaults.body_timeout),
+            stream_buffer_tokens=env.int("STREAM_BUFFER_TOKENS", defaults.stream_buffer_tokens),
+            stream_stall_timeout=env.float("STREAM_STALL_TIMEOUT", defaults.stream_stall_timeout),
+            background_max_output_tokens=env.int("BACKGROUND_MAX_OUTPUT_TOKENS",
+                                                 defaults.background_max_output_tokens),
             **{name: env.int(name.upper(), getattr(defaults, name)) for name in LIMIT_FLAGS},
         )
 

@@ -20,18 +20,31 @@ is ``<tool_call>{"name":"f","arguments":{...}}</tool_call>`` in the answer's tex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from bargein.engine.constraint import Constraint
 from bargein.engine.grammar import JSON_OPTIONS
 from bargein.server.errors import APIError
 from bargein.server.structured import check
+from bargein.server.tool_syntax import (
+    HERMES,
+    ArgumentsDelta,
+    CallEnd,
+    CallStart,
+    ToolCall,
+    ToolCallParser,
+    ToolEvent,
+    ToolSyntax,
+    tool_syntax_for,
+)
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+OPEN, CLOSE = HERMES.open, HERMES.close
+__all__ = ["ArgumentsDelta", "CallEnd", "CallStart", "Tool", "ToolCall", "ToolCallParser", "ToolEvent", "ToolPlan",
+           "ToolSyntax", "prompt_messages", "tool_plan", "tool_syntax_for"]
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -41,10 +54,10 @@ class Tool:
     description: str
     parameters: dict[str, Any]
 
-    def call_schema(self) -> dict[str, Any]:
-        """``{"name": <this>, "arguments": <parameters>}``, in that order."""
-        return {"type": "object", "properties": {"name": {"const": self.name}, "arguments": self.parameters},
-                "required": ["name", "arguments"], "additionalProperties": False}
+    def call_schema(self, key: str = "arguments") -> dict[str, Any]:
+        """``{"name": <this>, <key>: <parameters>}``, in that order (``key``: the syntax's)."""
+        return {"type": "object", "properties": {"name": {"const": self.name}, key: self.parameters},
+                "required": ["name", key], "additionalProperties": False}
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     choice: str  # "none" | "auto" | "required" | "function"
     forced: str | None = None  # the named function
+    syntax: ToolSyntax = HERMES  # how the model writes calls (tool_syntax.tool_syntax_for its template)
 
     @property
     def offered(self) -> bool:
@@ -61,18 +75,26 @@ class ToolPlan:
 
     def constraint(self) -> Constraint | None:
         """The grammar for ``required`` and a named function: one call, arguments per schema."""
+        key = self.syntax.arguments_key
         if self.choice == "required":
-            schema = {"anyOf": [t.call_schema() for t in self.tools]}
+            schema = {"anyOf": [t.call_schema(key) for t in self.tools]}
         elif self.choice == "function":
-            schema = next(t for t in self.tools if t.name == self.forced).call_schema()
+            schema = next(t for t in self.tools if t.name == self.forced).call_schema(key)
         else:
             return None
         # Compact JSON, as in response_format: one spelling, which the history re-renders.
         body = json.dumps({**schema, "x-guidance": dict(JSON_OPTIONS)}, separators=(",", ":"))
-        return Constraint("lark", f'start: "{OPEN}" call "{CLOSE}"\ncall: %json {body}\n')
+        before, after = self.syntax.forced_frame()
+        outer = " ".join(part for part in (_lark_literal(before), "call", _lark_literal(after)) if part)
+        return Constraint("lark", f"start: {outer}\ncall: %json {body}\n")
 
 
-def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None) -> ToolPlan:
+def _lark_literal(text: str) -> str:
+    return json.dumps(text) if text else ""
+
+
+def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
+              syntax: ToolSyntax = HERMES) -> ToolPlan:
     """Validates ``tools`` and ``tool_choice``; a 400 names the first bad field."""
     parsed = tuple(_tool(i, t) for i, t in enumerate(tools or ()))
     names = [t.name for t in parsed]
@@ -85,7 +107,7 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
                            param="tool_choice", code="invalid_value")
         if choice == "required" and not parsed:
             raise APIError(400, "tool_choice 'required' needs tools", param="tool_choice", code="invalid_value")
-        return ToolPlan(parsed, choice)
+        return ToolPlan(parsed, choice, syntax=syntax)
     name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise APIError(400, 'tool_choice must be {"type": "function", "function": {"name": ...}}',
@@ -93,7 +115,7 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
     if name not in names:
         raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice",
                        code="invalid_value")
-    return ToolPlan(parsed, "function", name)
+    return ToolPlan(parsed, "function", name, syntax=syntax)
 
 
 def _tool(i: int, raw: Any) -> Tool:
@@ -126,7 +148,8 @@ def system_section(tools: tuple[Tool, ...]) -> str:
 def prompt_messages(messages: list[dict[str, Any]], plan: ToolPlan, template: str | None
                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages (and ``tools`` for the template) to render for this plan."""
-    out = [_with_calls_in_content(m) for m in messages]
+    renders_calls = template is not None and "tool_calls" in template
+    out = [_calls_for_template(m) if renders_calls else _with_calls_in_content(m, plan.syntax) for m in messages]
     if not plan.tools:  # with tool_choice "none" the tools are still shown: the prompt stays the same
         return out, None
     raw_tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -141,242 +164,38 @@ def prompt_messages(messages: list[dict[str, Any]], plan: ToolPlan, template: st
     return out, None
 
 
-def _with_calls_in_content(message: dict[str, Any]) -> dict[str, Any]:
+def _calls_for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """For a template that renders ``tool_calls`` itself: arguments as objects, as such
+    templates take them (``tool_call.arguments | tojson``); text arguments that are not
+    JSON stay text."""
     calls = message.get("tool_calls")
     if message.get("role") != "assistant" or not calls:
         return message
-    text = message.get("content") or ""
+    out = []
+    for call in calls:
+        fn = call.get("function", {}) if isinstance(call, dict) else {}
+        arguments = fn.get("arguments")
+        if isinstance(arguments, str):
+            with contextlib.suppress(json.JSONDecodeError):
+                arguments = json.loads(arguments)
+        out.append({**call, "function": {**fn, "arguments": arguments}})
+    return {**message, "tool_calls": out}
+
+
+def _with_calls_in_content(message: dict[str, Any], syntax: ToolSyntax) -> dict[str, Any]:
+    """An assistant message's ``tool_calls`` written back into its text, as the model wrote
+    them (for a template that does not render them: the bundled SmolLM2's)."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not calls:
+        return message
+    written = []
     for call in calls:
         fn = call.get("function", {}) if isinstance(call, dict) else {}
         arguments = fn.get("arguments")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments if arguments is not None else {}, separators=(",", ":"))
-        text += f'{OPEN}{{"name":{json.dumps(fn.get("name", ""))},"arguments":{arguments}}}{CLOSE}'
-    return {**message, "content": text}
+        written.append((str(fn.get("name", "")), arguments))
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": (message.get("content") or "") + syntax.write(written)}
 
 
-@dataclass
-class ToolCall:
-    index: int
-    name: str
-    arguments: str  # the JSON text as the model wrote it (so far, while the call streams)
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-    done: bool = False  # its closing tag arrived
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(frozen=True)
-class CallStart:
-    """A call begins: its id and name are known, its arguments not yet."""
-
-    call: ToolCall
-
-
-@dataclass(frozen=True)
-class ArgumentsDelta:
-    """The next piece of call ``index``'s arguments text, as generated."""
-
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class CallEnd:
-    """Call ``index``'s closing tag arrived: its arguments are complete."""
-
-    index: int
-
-
-ToolEvent = str | CallStart | ArgumentsDelta | CallEnd  # a str is content text
-
-# The head of a call written name first: from it on, the call streams. Anything else
-# (arguments first, an unknown name) is held until the closing tag and judged whole.
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-
-
-class ToolCallParser:
-    """Splits an answer's text, delta by delta, into content and tool calls, in order.
-
-    A call written ``<tool_call>{"name":"f","arguments":...`` with a known ``f`` starts
-    as soon as that head has arrived (:class:`CallStart`), its arguments follow as they
-    are generated (:class:`ArgumentsDelta`, verbatim, up to the end of the arguments
-    value), and :class:`CallEnd` comes with the closing tag. Once started, a call stays a
-    call: an answer cut inside it (``length``, a cancel) keeps it with the arguments so
-    far. Text that only looks like a call (an unknown name, no closing tag, not JSON) is
-    content. The result does not depend on how the text is split into deltas, so a
-    stream and a non-streamed body of the same answer agree.
-    """
-
-    def __init__(self, names: set[str]):
-        self.names = names
-        self.calls: list[ToolCall] = []
-        self.content: list[str] = []
-        self._held = ""  # text that may still become (or is inside) a call
-        self._state = "content"  # content | head (after OPEN) | arguments | tail (after the arguments)
-        self._scan = _ValueScanner()
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolEvent]]:
-        """The content and the events ``text`` completes (content included, in order);
-        ``final`` flushes what is held."""
-        buf, events = self._held + text, []
-        while True:
-            if self._state == "content":
-                at = buf.find(OPEN)
-                if at < 0:
-                    keep = 0 if final else _partial_suffix(buf, OPEN)
-                    events.append(buf[:len(buf) - keep])
-                    buf = buf[len(buf) - keep:]
-                    break
-                events.append(buf[:at])
-                buf, self._state = buf[at:], "head"
-            if self._state == "head":
-                call = self._start(buf[len(OPEN):])
-                if call is not None:
-                    head = _HEAD.match(buf, len(OPEN))
-                    assert head is not None
-                    events.append(CallStart(call))
-                    buf, self._state, self._scan = buf[head.end():], "arguments", _ValueScanner()
-                    continue
-                end = buf.find(CLOSE)
-                if end < 0:
-                    if final:
-                        events.append(buf)
-                        buf = ""
-                    break
-                whole = buf[:end + len(CLOSE)]
-                call = self._parse(whole[len(OPEN):-len(CLOSE)])
-                if call is None:
-                    events.append(whole)
-                else:
-                    self.calls.append(call)
-                    events += [CallStart(ToolCall(call.index, call.name, "", call.id)),
-                               ArgumentsDelta(call.index, call.arguments), CallEnd(call.index)]
-                    call.done = True
-                buf, self._state = buf[len(whole):], "content"
-                continue
-            call = self.calls[-1]
-            if self._state == "arguments":
-                used = self._scan.feed(buf)
-                piece = buf[:used]
-                if not call.arguments:
-                    piece = piece.lstrip()
-                if piece:
-                    call.arguments += piece
-                    events.append(ArgumentsDelta(call.index, piece))
-                buf = buf[used:]
-                if not self._scan.ended:
-                    break
-                self._state = "tail"
-            end = buf.find(CLOSE)  # the tail: the closing brace, then the tag
-            if end < 0:
-                break
-            buf, self._state, call.done = buf[end + len(CLOSE):], "content", True
-            events.append(CallEnd(call.index))
-        self._held = buf
-        events = [e for e in events if e != ""]
-        content = "".join(e for e in events if isinstance(e, str))
-        self.content.append(content)
-        return content, events
-
-    def _start(self, after_open: str) -> ToolCall | None:
-        """The call whose head ``after_open`` begins with, if that head is complete and
-        names a known function."""
-        head = _HEAD.match(after_open)
-        if head is None:
-            return None
-        try:
-            name = json.loads(head.group(1))
-        except json.JSONDecodeError:
-            return None
-        if name not in self.names:
-            return None
-        call = ToolCall(len(self.calls), name, "")
-        self.calls.append(call)
-        return call
-
-    def _parse(self, body: str) -> ToolCall | None:
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(value, dict) or value.get("name") not in self.names or not isinstance(
-                value.get("arguments"), dict):
-            return None
-        return ToolCall(len(self.calls), value["name"], _raw_arguments(body, value["arguments"]))
-
-    @property
-    def text(self) -> str:
-        return "".join(self.content)
-
-
-class _ValueScanner:
-    """Finds where one JSON value ends in text that arrives in pieces (strings and
-    nesting aware; a bare scalar ends before ``,``, ``}`` or white space)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.started = False
-        self.in_string = False
-        self.escape = False
-        self.ended = False
-
-    def feed(self, text: str) -> int:
-        """How many characters of ``text`` belong to the value (all, unless it ends in it)."""
-        for i, ch in enumerate(text):
-            if self.in_string:
-                if self.escape:
-                    self.escape = False
-                elif ch == "\\":
-                    self.escape = True
-                elif ch == '"':
-                    self.in_string = False
-                    if self.depth == 0:
-                        return self._end(i + 1)
-                continue
-            if not self.started:
-                if ch.isspace():
-                    continue
-                self.started = True
-            if ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                if self.depth == 0:  # a bare scalar ended at the enclosing object's brace
-                    return self._end(i)
-                self.depth -= 1
-                if self.depth == 0:
-                    return self._end(i + 1)
-            elif self.depth == 0 and (ch == "," or ch.isspace()):
-                return self._end(i)
-        return len(text)
-
-    def _end(self, used: int) -> int:
-        self.ended = True
-        return used
-
-
-def _raw_arguments(body: str, arguments: dict[str, Any]) -> str:
-    """The arguments object's text as written (re-rendering it would change numbers' spelling)."""
-    key = body.find('"arguments"')
-    start = body.find(":", key) + 1 if key >= 0 else -1
-    if start > 0:
-        decoder = json.JSONDecoder()
-        rest = body[start:]
-        offset = len(rest) - len(rest.lstrip())
-        try:
-            _, end = decoder.raw_decode(rest, offset)
-            return rest[offset:end]
-        except json.JSONDecodeError:
-            pass
-    return json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

@@ -411,9 +411,12 @@ def test_v1_cluster_lists_the_stages_and_the_server_answers_through_the_pipeline
     assert all(s["transfer_s"] >= 0 and s["restarts"] == 0 for s in info["stages"])
     assert info["stages"][0]["mean_transfer_ms"] is None  # the first stage receives no hidden states
     assert all(s["mean_transfer_ms"] > 0 for s in info["stages"][1:])
+    # The simulated nodes share one address (one machine's CPUs): split by memory alone.
+    assert info["split"].startswith("by memory: ")
     table = format_cluster(info).splitlines()
-    assert len(table) == 3 + len(setup.ranges) and table[1] == "health ok; 0 recoveries"
-    assert table[2].split() == ["STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE",
+    assert len(table) == 4 + len(setup.ranges) and table[1] == "health ok; 0 recoveries"
+    assert table[2] == f"layers split {info['split']}"
+    assert table[3].split() == ["STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE",
                                 "RESTARTS"]
     assert single == {"object": "cluster", "pipeline": False, "num_stages": 1, "max_in_flight": 1,
                       "kv_blocks": 40, "stages": [{"index": 0, "layers": [0, 6], "node_address": "local",

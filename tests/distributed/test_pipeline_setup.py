@@ -33,7 +33,8 @@ def model(tmp_path_factory) -> str:
      "(a stage must start at layer 2 and hold at least one layer)"),
     (["--ray", "local", "--stage-layers", "0-2,2-5"], "the stage layers 0-2,2-5 end at layer 5, but the model has 6 layers"),
     (["--ray", "local", "--stage-layers", "0-2,x"], "--stage-layers: 'x' is not a range like 0-10"),
-    (["--ray", "127.0.0.1:1"], "no Ray cluster at 127.0.0.1:1: Connection refused"),
+    (["--ray", "127.0.0.1:1"], "no Ray head answers at 127.0.0.1:1 from this machine (Connection refused): "
+     "is the head started, and is the port open?"),
 ])
 def test_a_bad_set_up_is_one_line_and_exit_1(model: str, flags: list[str], message: str, capsys) -> None:
     assert main(["serve", "--model", model, "--port", "0", *flags]) == 1
@@ -43,11 +44,12 @@ def test_a_bad_set_up_is_one_line_and_exit_1(model: str, flags: list[str], messa
 
 
 def test_without_ray_the_error_says_how_to_install_it(model: str, monkeypatch, capsys) -> None:
-    pipeline = pytest.importorskip("bargein.distributed.pipeline")
-    monkeypatch.setattr(pipeline, "ray", None)
+    connect = pytest.importorskip("bargein.distributed.connect")
+    monkeypatch.setattr(connect, "ray", None)
     assert main(["serve", "--model", model, "--port", "0", "--ray"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "bargein: error: Ray is not installed: pip install 'bargein[ray]'")
+        "bargein: error: Ray is not installed: install it with `make ray` in a bargein checkout "
+        "(or `pip install 'bargein[ray]'`) on every machine")
 
 
 def test_split_by_memory_is_proportional_with_at_least_one_layer_each() -> None:

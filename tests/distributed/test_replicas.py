@@ -76,8 +76,11 @@ class _HangingRunner:
 
 @pytest.fixture(scope="module")
 def replicas(ray_cluster) -> ReplicaSet:
+    # queue_cost_tokens=0: a shared prefix of a block or two draws requests to where it is
+    # cached whatever the queue, so the failover tests can gather their requests on one
+    # replica (the load-aware rule is tested in test_router.py and on the namespace hosts).
     group = start_replicas(build_replica_engine, 2, ReplicaOptions(num_cpus=1, call_timeout_s=5.0,
-                                                                              hang_timeout_s=4.0))
+                                                                   hang_timeout_s=4.0, queue_cost_tokens=0))
     yield group
     group.close()
 

@@ -126,7 +126,7 @@ def _raw(server, data: bytes, *, read_timeout: float = 10.0) -> tuple[bytes, flo
 
 def test_content_length_with_transfer_encoding_is_refused(server):
     body = b'{"messages":[{"role":"user","content":"Hi"}],"max_tokens":1}'
-    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n"
                + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
     reply, _ = _raw(server, request)
@@ -134,7 +134,7 @@ def test_content_length_with_transfer_encoding_is_refused(server):
 
 
 def test_slow_body_gets_408_and_the_connection_closes(server):
-    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: 60\r\n\r\n{\"messages\"")
     reply, took = _raw(server, request)  # returns only once the server closed the connection
     assert reply.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in reply
@@ -142,7 +142,7 @@ def test_slow_body_gets_408_and_the_connection_closes(server):
 
 
 def test_slow_headers_get_408_and_the_connection_closes(server):
-    reply, took = _raw(server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n")
+    reply, took = _raw(server, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
     assert reply.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in reply
     assert TIMEOUT_S - 0.1 <= took < TIMEOUT_S + 5
     reply, _ = _raw(server, b"")  # a connection that never sends a byte is closed too
@@ -153,8 +153,8 @@ def test_slow_headers_get_408_and_the_connection_closes(server):
 async def test_many_slow_clients_do_not_delay_a_normal_request(server):
     async def slow(i: int) -> bytes:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else
-                     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99\r\n\r\n{")
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n" if i % 2 else
+                     b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99\r\n\r\n{")
         reply = await reader.read()
         writer.close()
         return reply
@@ -291,7 +291,7 @@ def test_short_soak_loses_nothing(server):
 def test_shutdown_drain_answers_503_with_retry_after(server):
     """Last: while a request that came before the signal is unanswered, a new one gets 503, not a refused connection."""
     holder = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    holder.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    holder.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                    b"Content-Length: 60\r\n\r\n{")  # its body never completes: it holds the drain open
     time.sleep(0.1)
     server.proc.send_signal(signal.SIGTERM)

@@ -123,7 +123,7 @@ class Chat:
         return [r["id"] for r in body["data"]]
 
     def wait_for_model(self) -> None:
-        self.page.wait_for_function("document.querySelector('#model').textContent !== '…'")
+        self.page.wait_for_function("() => document.querySelector('#model').textContent !== '…'")
 
     def shot(self, name: str) -> None:
         dirs = [self.shots] + ([Path(ARTIFACTS)] if ARTIFACTS else [])
@@ -154,7 +154,7 @@ def open_chat(browser, url: str, shots: Path, name: str, headers: dict | None = 
 @pytest.fixture
 def chat(browser, server_url: str, request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Chat]:
     with open_chat(browser, server_url, tmp_path, request.node.name) as c:
-        c.page.wait_for_function("document.querySelector('#model').textContent !== 'unavailable'")
+        c.page.wait_for_function("() => document.querySelector('#model').textContent !== 'unavailable'")
         yield c
 
 
@@ -164,7 +164,7 @@ def guarded_chat(browser, guarded_server, request: pytest.FixtureRequest, tmp_pa
     with open_chat(browser, guarded_server.base_url, tmp_path, request.node.name, guarded_server.headers) as c:
         c.settings(api_key=GUARDED_KEY)
         c.page.dispatch_event("#api-key", "change")
-        c.page.wait_for_function("document.querySelector('#model').textContent.includes('SmolLM2')")
+        c.page.wait_for_function("() => document.querySelector('#model').textContent.includes('SmolLM2')")
         if c.page.is_visible("#error"):  # the key error from before the key was set
             c.page.click("#error-close")
         yield c
@@ -556,7 +556,7 @@ def test_key_errors_ask_for_the_key(browser, guarded_server, tmp_path: Path, req
         assert "needs an API key" in error and "cannot be reached" not in error
         assert "connection ok" in chat.page.get_attribute("#connection", "class")
         chat.page.wait_for_function(
-            "document.querySelector('#requests .empty').textContent.includes('API key')"
+            "() => document.querySelector('#requests .empty').textContent.includes('API key')"
         )
         chat.page.fill("#prompt", "hi")
         chat.page.click("#send")
@@ -566,11 +566,11 @@ def test_key_errors_ask_for_the_key(browser, guarded_server, tmp_path: Path, req
         chat.settings(api_key="wrong")
         chat.page.click("#error-retry")
         chat.page.wait_for_function(
-            "document.querySelector('#error .error-text').textContent.includes('rejected')"
+            "() => document.querySelector('#error .error-text').textContent.includes('rejected')"
         )
         # Both rejected calls (the model list and the answer) have come back before the key
         # changes: a late 401 of the old key would otherwise show over the retry.
-        chat.page.wait_for_function("document.querySelector('#model').textContent === 'API key rejected'")
+        chat.page.wait_for_function("() => document.querySelector('#model').textContent === 'API key rejected'")
         chat.wait_idle()
         chat.shot("key-rejected")
         chat.settings(api_key=GUARDED_KEY, max_tokens=4)
@@ -580,6 +580,6 @@ def test_key_errors_ask_for_the_key(browser, guarded_server, tmp_path: Path, req
         # An answer came (its text may be cut short by the server's 3 s deadline on a busy machine);
         # its ending is rendered just after the send button comes back.
         chat.page.wait_for_function(
-            "[...document.querySelectorAll('#messages .message[data-role=\"assistant\"]')].pop()?.dataset.finish",
+            "() => [...document.querySelectorAll('#messages .message[data-role=\"assistant\"]')].pop()?.dataset.finish",
             timeout=ANSWER_TIMEOUT_MS)
         assert chat.assistant().get_attribute("data-finish") in ("stop", "length", "cancelled")

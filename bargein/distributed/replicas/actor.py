@@ -107,8 +107,12 @@ class ReplicaInfo:
 class ReplicaWorker:
     """The actor's body: an Engine, its step thread, an outbox and tombstones."""
 
-    def __init__(self, index: int, build: EngineBuilder, threads: int = 1):
+    def __init__(self, index: int, build: EngineBuilder | str, threads: int = 1):
         torch.set_num_threads(threads)
+        if isinstance(build, str):  # the name of the store that holds it (see launch.start_replicas)
+            import ray
+
+            build = ray.get(ray.get_actor(build).get.remote(index))
         self.index = index
         # A ReplicaModel says where its weights came from; any other builder is taken as is.
         built = build.build() if hasattr(build, "build") else (build(), None)

@@ -72,7 +72,8 @@ class ReplicaSet(ReplicaConversations):
         # Constraints are compiled and checked here (a 400 before any replica sees them);
         # each replica compiles its own for the matcher that runs with the request.
         self.grammars = Grammars(facts.tokenizer, facts.model_config.vocab_size, facts.eos_token_ids)
-        self.router = Router(len(actors), facts.block_size, options.routing, options.max_imbalance)
+        self.router = Router(len(actors), facts.block_size, options.routing, options.max_imbalance,
+                             options.queue_cost_tokens)
         self.tombstones = Tombstones()
         self.records = RecordStore()
         self._stopping = threading.Event()
@@ -83,6 +84,7 @@ class ReplicaSet(ReplicaConversations):
         self.resubmitted = 0
         self.dropped_late = 0
         self.builds: Any = None  # launch_replicas' builders (their shipped weights stay referenced)
+        self.builder_store: Any = None  # the actor restarted replicas read their builders from
         self.weights_shipped_bytes = 0  # the model put in the object store for nodes without its file
         self.nodes_without_file: tuple[str, ...] = ()
         hooks = PollerHooks(deliver=self._deliver, lose=self._lose, back=self._back,
@@ -281,7 +283,7 @@ class ReplicaSet(ReplicaConversations):
                                          cancel_reason=CancelReason.SHUTDOWN))
         for poller in self.pollers:
             poller.join()
-        kill(self.actors)
+        kill(self.actors if self.builder_store is None else [*self.actors, self.builder_store])
 
     # -- the merged views -------------------------------------------------------------
     def _up(self) -> list[int]:

@@ -9,6 +9,7 @@ that all N x M stages fit (PipelineSetupError, one line, when they do not).
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -49,14 +50,23 @@ def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas:
     placement: dict[str, Any] = {}
     if options.resources:
         placement["resources"] = dict(options.resources)
-    if options.on_head_node:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    if options.on_head_node:
         placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=False)
     actor_class = ray.remote(num_cpus=options.num_cpus, max_restarts=options.max_restarts,
                              max_task_retries=0, max_concurrency=64, **placement)(ReplicaWorker)
-    actors = [actor_class.remote(i, b, options.threads) for i, b in enumerate(builds)]
+    # The builders wait in a named store on this node and each replica fetches its own by
+    # the store's name: a constructor argument that is (or holds) an object reference
+    # makes Ray log, for an actor that may restart, an error that its restart will fail,
+    # and a shipped model is such a reference. The replica set holds the store, so a
+    # restarted replica finds its builder there.
+    store_name = f"bargein-builders-{uuid.uuid4().hex[:12]}"
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    store = ray.remote(num_cpus=0, max_restarts=0)(BuilderStore).options(
+        name=store_name, scheduling_strategy=here).remote(builds)
+    actors = [actor_class.remote(i, store_name, options.threads) for i in range(num_replicas)]
     try:
         pings = [a.ping.remote() for a in actors]
         ready, _ = ray.wait(pings, num_returns=num_replicas, timeout=options.start_timeout_s)
@@ -67,12 +77,24 @@ def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas:
         started = ray.get(pings)
         facts = ray.get(actors[0].describe.remote())
     except PipelineSetupError:
-        kill(actors)
+        kill([*actors, store])
         raise
     except Exception as exc:
-        kill(actors)
+        kill([*actors, store])
         raise PipelineSetupError(f"a replica failed to start: {_cause(exc)}") from None
-    return ReplicaSet(actors, facts, options, started)
+    group = ReplicaSet(actors, facts, options, started)
+    group.builder_store = store
+    return group
+
+
+class BuilderStore:
+    """Holds every replica's builder (a Ray actor on the server's node, for the replica set's life)."""
+
+    def __init__(self, builds: list[EngineBuilder]):
+        self.builds = builds
+
+    def get(self, index: int) -> EngineBuilder:
+        return self.builds[index]
 
 
 def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,

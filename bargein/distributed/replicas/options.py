@@ -17,6 +17,7 @@ class ReplicaOptions:
     hang_timeout_s: float = 60.0  # busy, yet no step finished for that long: the replica is hung
     routing: str = "affine"
     max_imbalance: int = 8
+    queue_cost_tokens: int = 256  # what a cached prefix must be worth to join a longer queue (route_decision)
     stages_per_replica: int = 1  # each replica a pipeline of this many stages (recorded for /v1/cluster)
     resources: dict[str, float] | None = None  # custom Ray resources each replica takes (placement)
     on_head_node: bool = False  # run the replicas on this process's node (pipeline heads; stages go out)

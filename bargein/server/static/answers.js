@@ -63,8 +63,13 @@ function load(msg, version) {
   Object.assign(msg, structuredClone(version));
 }
 
-export const versionCount = (msg) => msg.versions?.length || 1;
-export const versionIndex = (msg) => msg.versionIndex ?? 0;
+// Both come from storage, which anything on this origin (or a user's tampering) may have
+// written: only an array's length and an integer index in range are believed.
+export const versionCount = (msg) => (Array.isArray(msg.versions) && msg.versions.length) || 1;
+export function versionIndex(msg) {
+  const i = msg.versionIndex;
+  return Number.isInteger(i) && i >= 0 && i < versionCount(msg) ? i : 0;
+}
 
 // Keep the shown version in msg.versions (after it finished or changed).
 export function storeVersion(msg) {

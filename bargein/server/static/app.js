@@ -23,7 +23,7 @@ const el = {
   error: $("#error"), errorText: $("#error .error-text"), errorRetry: $("#error-retry"),
   model: $("#model"), connection: $("#connection"), requests: $("#requests"), panel: $("#panel"),
   systemPrompt: $("#system-prompt"), temperature: $("#temperature"), topP: $("#top-p"),
-  maxTokens: $("#max-tokens"), apiKey: $("#api-key"),
+  maxTokens: $("#max-tokens"), apiKey: $("#api-key"), rememberKey: $("#remember-key"),
 };
 
 const state = {
@@ -87,10 +87,12 @@ function pendingHtml(msg) {
   if (!p || !p.total || p.done >= p.total) {
     return '<span class="typing" aria-label="Processing the prompt"><i></i><i></i><i></i></span>';
   }
-  const pct = Math.floor((100 * p.done) / p.total);
-  return `<div class="prompt-progress" data-testid="prompt-progress" role="progressbar" aria-valuemin="0" aria-valuemax="${p.total}" aria-valuenow="${p.done}">` +
-    `<div class="bar"><i style="width: ${pct}%"></i></div>` +
-    `<span class="label">Reading the prompt: ${p.done.toLocaleString("en")} / ${p.total.toLocaleString("en")} tokens (${pct}%)</span></div>`;
+  const done = Math.max(0, Math.floor(Number(p.done))), total = Math.max(1, Math.floor(Number(p.total)));
+  const pct = Math.min(100, Math.floor((100 * done) / total));
+  // The bar's width is set through the DOM (fillMessage): the CSP allows no style attributes.
+  return `<div class="prompt-progress" data-testid="prompt-progress" role="progressbar" aria-valuemin="0" aria-valuemax="${total}" aria-valuenow="${done}">` +
+    `<div class="bar"><i data-pct="${pct}"></i></div>` +
+    `<span class="label">Reading the prompt: ${done.toLocaleString("en")} / ${total.toLocaleString("en")} tokens (${pct}%)</span></div>`;
 }
 
 function versionsHtml(msg) {
@@ -99,7 +101,7 @@ function versionsHtml(msg) {
   const i = answers.versionIndex(msg);
   const busy = !!state.inflight;
   return `<span class="versions" data-testid="versions"><button type="button" class="icon prev-version" aria-label="Previous version"${i === 0 || busy ? " disabled" : ""}>‹</button>` +
-    `<span class="version-label">${i + 1}/${n}</span>` +
+    `<span class="version-label">${escapeHtml(`${i + 1}/${n}`)}</span>` +
     `<button type="button" class="icon next-version" aria-label="Next version"${i === n - 1 || busy ? " disabled" : ""}>›</button></span>`;
 }
 
@@ -113,6 +115,8 @@ function fillMessage(node, msg) {
     body.innerHTML = msg.content ? renderMarkdown(msg.content)
       : msg.pending ? pendingHtml(msg)
       : '<p class="muted">(stopped before the first token)</p>';
+    const bar = body.querySelector(".prompt-progress .bar i");
+    if (bar) bar.style.width = `${Number(bar.dataset.pct)}%`;
   } else {
     body.textContent = msg.content;
     const long = isLong(msg.content);
@@ -474,9 +478,14 @@ function bindSettings() {
     el[key].addEventListener("input", () => {
       state.settings[key] = el[key].value;
       store.saveSettings(state.settings);
-      if (key === "apiKey") api.setApiKey(el[key].value);
+      if (key === "apiKey") {
+        api.setApiKey(el[key].value);
+        store.saveApiKey(el[key].value, el.rememberKey.checked);
+      }
     });
   }
+  el.rememberKey.checked = store.loadApiKey().remembered;
+  el.rememberKey.addEventListener("change", () => store.saveApiKey(el.apiKey.value, el.rememberKey.checked));
   el.apiKey.addEventListener("change", () => loadModel());
   api.setApiKey(state.settings.apiKey);
 }

@@ -51,6 +51,18 @@ md.renderer.rules.fence = (tokens, idx) => {
 md.renderer.rules.table_open = () => '<div class="table-wrap"><table>\n';
 md.renderer.rules.table_close = () => "</table></div>\n";
 
+// Table cells' alignment as a class, not a style attribute: the page's Content-Security-Policy
+// allows no inline styles.
+for (const rule of ["th_open", "td_open"]) {
+  md.renderer.rules[rule] = (tokens, idx, options, env, self) => {
+    const token = tokens[idx];
+    const align = /text-align:\s*(left|right|center)/.exec(token.attrGet("style") || "");
+    token.attrs = (token.attrs || []).filter(([name]) => name !== "style");
+    if (align) token.attrJoin("class", `align-${align[1]}`);
+    return self.renderToken(tokens, idx, options);
+  };
+}
+
 // Render markdown to an HTML string that is safe to assign to innerHTML.
 export function renderMarkdown(source) {
   return md.render(String(source ?? ""));

@@ -1,0 +1,126 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` (Anthropic's Messages API).
+
+A message is served like a chat completion (``serving.serve``: one job, a stream or a
+body, closed however the response ends), so every cancel route works on it: a client
+that disconnects, ``POST /v1/requests/{id}/cancel`` with the message's id (``msg_...``,
+also in ``X-Request-Id``), a deadline (``--request-timeout`` or the body's ``timeout``
+extension) and the server's shutdown; the answer then ends with ``stop_reason:
+"cancelled"``. The prompt goes through the prompt memory, so a next turn that repeats
+this answer continues from its exact token ids, and its usage reports the reused tokens
+as ``cache_read_input_tokens``. Errors are in Anthropic's shape (``errors.py``). The routes
+follow Anthropic's API, not this server's OpenAPI description, so they are left out of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
+from bargein.server.anthropic.errors import error_response
+from bargein.server.anthropic.request import (
+    Conversation,
+    CountTokensRequest,
+    MessagesRequest,
+    conversation,
+    output_constraint,
+)
+from bargein.server.anthropic.shape import MessagesShape
+from bargein.server.context import Ctx, ServerContext
+from bargein.server.errors import APIError, from_engine_exception
+from bargein.server.generation import request_id_for
+from bargein.server.json_body import read_body
+from bargein.server.limits import check_limits
+from bargein.server.prompts import ChatPrompt
+from bargein.server.reasoning import ReasoningFormat, thinking_for, thinking_kwargs
+from bargein.server.serving import Generation, serve
+from bargein.server.structured import compile_in_pool
+from bargein.server.tools import prompt_messages, tool_syntax_for
+from bargein.server.validation import effective_timeout, resolve_max_tokens
+
+router = APIRouter()
+
+
+async def _answered(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
+    """``work``'s response, or its error in Anthropic's shape."""
+    try:
+        return await work()
+    except APIError as exc:
+        return error_response(exc, getattr(request.state, "request_id", None))
+    except Exception as exc:
+        mapped = from_engine_exception(exc)
+        if mapped is None:
+            raise
+        return error_response(mapped, getattr(request.state, "request_id", None))
+
+
+@router.post("/v1/messages", include_in_schema=False)
+async def messages(request: Request, ctx: Ctx) -> Response:
+    return await _answered(request, lambda: _messages(request, ctx))
+
+
+@router.post("/v1/messages/count_tokens", include_in_schema=False)
+async def count_tokens(request: Request, ctx: Ctx) -> Response:
+    return await _answered(request, lambda: _count_tokens(request, ctx))
+
+
+async def _prompt(ctx: ServerContext, body: CountTokensRequest) -> tuple[Conversation, ChatPrompt]:
+    """The body's conversation and its prompt (rendered and tokenized in the pool)."""
+    template = ctx.tokenizer.chat_template
+
+    def translate() -> tuple[Conversation, list[dict[str, Any]], Any]:
+        conv = conversation(body, tool_syntax_for(template))
+        return conv, *prompt_messages(conv.messages, conv.plan, template)
+
+    conv, rendered, template_tools = await ctx.prompts.run(translate)
+    prompt = await ctx.prompts.chat(rendered, template_tools, template_kwargs=thinking_kwargs(template, conv.thinking))
+    return conv, prompt
+
+
+async def _count_tokens(request: Request, ctx: Ctx) -> Response:
+    body = await read_body(request, CountTokensRequest)
+    _, prompt = await _prompt(ctx, body)
+    return JSONResponse({"input_tokens": len(prompt.token_ids)})
+
+
+async def _messages(request: Request, ctx: ServerContext) -> Response:
+    received = time.monotonic()
+    request_id = request_id_for(request, "msg_")
+    body = await read_body(request, MessagesRequest)
+    check_limits(SimpleNamespace(messages=body.messages, stop=body.stop_sequences), ctx.settings)
+    max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", ctx.settings, None)
+    timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
+    constraint = output_constraint(body)
+    conv, prompt = await _prompt(ctx, body)
+    if conv.plan.constraint() is not None:
+        if constraint is not None:
+            raise APIError(400, "output_config.format cannot be combined with tool_choice any or tool",
+                           param="tool_choice", code="invalid_value")
+        constraint = conv.plan.constraint()
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                                top_p=1.0 if body.top_p is None else body.top_p,
+                                top_k=body.top_k,
+                                stop=list(body.stop_sequences or ()), constraint=constraint)
+    except InvalidSamplingParams as exc:
+        raise APIError(400, str(exc).replace(exc.field, _FIELDS.get(exc.field, exc.field), 1),
+                       param=_FIELDS.get(exc.field, exc.field), code="invalid_value") from None
+    await compile_in_pool(ctx, constraint, "tool_choice" if conv.plan.constraint() else "output_config.format")
+    template = ctx.tokenizer.chat_template
+    gen = Generation("messages", request_id, received, [prompt.token_ids], params, timeout=timeout,
+                     stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
+    shape = MessagesShape(request_id, ctx.model_name, ctx.tokenizer, eos_token_ids=ctx.model.eos_token_ids,
+                          stop_sequences=body.stop_sequences or (),
+                          thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
+                                                constrained=constraint is not None),
+                          tool_names={t.name for t in conv.plan.tools} if conv.plan.offered else None,
+                          syntax=conv.plan.syntax)
+    return await serve(request, ctx, gen, shape)
+
+
+_FIELDS = {"stop": "stop_sequences"}  # SamplingParams' names -> the Messages API's

@@ -1,0 +1,202 @@
+"""Reasoning content: a thinking model's thoughts split from its answer's text.
+
+A model whose chat template marks thinking (``loader.chat_template.thinking_markers``:
+``<think>...</think>`` and the other pairs in use) writes its thoughts between the
+markers, either after an opening marker the template already wrote into the generation
+prompt (Qwen3, DeepSeek-R1) or one it writes itself at the start of its answer. With
+``--reasoning-format separate`` (the default) every API returns them apart from the
+answer: chat completions' ``reasoning_content`` (streamed as its own delta), Responses'
+reasoning items, Messages' thinking blocks, Ollama's ``message.thinking``. With ``none``
+the text stays as the model wrote it, markers included.
+
+The split is a view of the text only: the engine's tokens, the prompt memory and the
+cache are untouched, so a cancel mid-thought keeps exactly what was generated (C3), and
+the answer's token ids are what the next turn continues from.
+
+Rules (:class:`ReasoningSplitter`): an opening marker counts only before any answer text
+(a model that mentions ``<think>`` in its answer is not thinking); white space around a
+thought and right after its closing marker is dropped, as the templates write it back;
+a marker split across deltas is held until it is whole, so the result does not depend on
+how the text arrives.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from bargein.loader.chat_template import has_thinking_switch, thinking_markers
+from bargein.server.tools import CallEnd, CallStart, ToolCallParser, ToolEvent, ToolSyntax
+
+
+class ReasoningFormat(enum.StrEnum):
+    NONE = "none"  # thoughts stay in the answer's text, markers included
+    SEPARATE = "separate"  # thoughts are returned apart (reasoning_content, thinking blocks)
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """How one answer's thoughts are marked: the markers, and whether the prompt already
+    opened a thought (the answer then starts inside it)."""
+
+    open: str
+    close: str
+    starts_inside: bool
+
+
+def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *,
+                 constrained: bool = False) -> Thinking | None:
+    """The thinking of an answer to ``prompt_text`` (rendered by ``template``); None when
+    thoughts are not split (format ``none``, a template that marks no thinking, or an
+    answer ``constrained`` by a grammar from its first token: a JSON object or a forced
+    call has no thoughts, even after a prompt that opened one)."""
+    markers = thinking_markers(template)
+    if fmt == ReasoningFormat.NONE or markers is None or constrained:
+        return None
+    open_, close = markers
+    return Thinking(open_, close, prompt_text.rfind(open_) > prompt_text.rfind(close))
+
+
+def thinking_kwargs(template: str | None, enabled: bool | None) -> dict[str, bool]:
+    """The template variables for a client's thinking switch (None: the template's default)."""
+    if enabled is None or not has_thinking_switch(template):
+        return {}
+    return {"enable_thinking": enabled}
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """The next piece of the answer's thoughts."""
+
+    text: str
+
+
+AnswerEvent = ReasoningDelta | ToolEvent  # a str is answer text
+
+
+class ReasoningSplitter:
+    """Splits an answer's text, delta by delta, into thoughts and answer text, in order."""
+
+    def __init__(self, thinking: Thinking):
+        self.thinking = thinking
+        self.inside = thinking.starts_inside
+        self.thought_started = False  # some non-space text of the current thought went out
+        self.answered = False  # some non-space answer text went out: no thought opens after it
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> list[str | ReasoningDelta]:
+        buf, out = self._held + text, []
+        while True:
+            if self.inside:
+                at = buf.find(self.thinking.close)
+                if at < 0:
+                    keep = 0 if final else _held_back(buf, self.thinking.close)
+                    piece = buf[:len(buf) - keep]
+                    self._thought(out, piece.rstrip() if final else piece)
+                    buf = buf[len(buf) - keep:]
+                    break
+                self._thought(out, buf[:at].rstrip())
+                buf, self.inside, self.thought_started = buf[at + len(self.thinking.close):], False, False
+                continue
+            if not self.answered:  # an opening marker may still come: only spaces so far
+                stripped = buf.lstrip()
+                if stripped.startswith(self.thinking.open):
+                    buf, self.inside = stripped[len(self.thinking.open):], True
+                    continue
+                if not final and (not stripped or self.thinking.open.startswith(stripped)):
+                    break  # all spaces, or the start of an opening marker: wait
+                buf = stripped
+                self.answered = bool(buf)
+            out.append(buf)
+            buf = ""
+            break
+        self._held = buf
+        return [piece for piece in out if piece != ""]
+
+    def _thought(self, out: list[str | ReasoningDelta], text: str) -> None:
+        if not self.thought_started:
+            text = text.lstrip()
+        if text:
+            self.thought_started = True
+            out.append(ReasoningDelta(text))
+
+
+class AnswerParser:
+    """An answer's text, delta by delta, as thoughts, answer text and tool calls.
+
+    Thoughts are split first (``thinking``: None keeps them in the text); the answer text
+    then goes through a :class:`ToolCallParser` when tools are offered (``tool_names``).
+    ``reasoning``, ``text`` and ``calls`` hold the whole answer so far.
+    """
+
+    def __init__(self, thinking: Thinking | None, tool_names: set[str] | None, syntax: ToolSyntax | None = None):
+        self.splitter = ReasoningSplitter(thinking) if thinking is not None else None
+        self.tools = ToolCallParser(tool_names, syntax) if tool_names is not None else None
+        self.reasoning_parts: list[str] = []
+        self.text_parts: list[str] = []
+
+    def feed(self, text: str, final: bool = False) -> list[AnswerEvent]:
+        pieces = self.splitter.feed(text, final) if self.splitter is not None else [text]
+        events: list[AnswerEvent] = []
+        answer = ""
+        for piece in pieces:
+            if isinstance(piece, ReasoningDelta):
+                events += self._answer(answer, False)
+                answer = ""
+                self.reasoning_parts.append(piece.text)
+                events.append(piece)
+            else:
+                answer += piece
+        events += self._answer(answer, final)
+        return events
+
+    def _answer(self, text: str, final: bool) -> list[AnswerEvent]:
+        if self.tools is None:
+            if text:
+                self.text_parts.append(text)
+            return [text] if text else []
+        if not text and not final:
+            return []
+        content, events = self.tools.feed(text, final=final)
+        self.text_parts.append(content)
+        return list(events)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def calls(self) -> list:
+        return self.tools.calls if self.tools is not None else []
+
+
+def parse_answer(text: str, thinking: Thinking | None, tool_names: set[str] | None,
+                 syntax: ToolSyntax | None = None) -> AnswerParser:
+    """A whole answer parsed at once (non-streamed bodies): the same result as its deltas."""
+    parser = AnswerParser(thinking, tool_names, syntax)
+    parser.feed(text, final=True)
+    return parser
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _held_back(text: str, close: str) -> int:
+    """What a thought's text must hold back: a closing marker's start, and the spaces
+    before it (dropped if the marker completes)."""
+    partial = _partial_suffix(text, close)
+    rest = text[:len(text) - partial]
+    return partial + len(rest) - len(rest.rstrip())
+
+
+__all__ = ["AnswerEvent", "AnswerParser", "CallEnd", "CallStart", "ReasoningDelta", "ReasoningFormat",
+           "ReasoningSplitter", "Thinking", "parse_answer", "thinking_for", "thinking_kwargs"]
