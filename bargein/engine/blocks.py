@@ -46,7 +46,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bargein.engine.block_holders import BlockHolders
-from bargein.engine.block_keys import BlockHash, ChainBlock, KeyChanges, SpillCandidate, chain_hash, namespace_root
+from bargein.engine.block_keys import (
+    BlockHash,
+    ChainBlock,
+    KeyChanges,
+    SpillCandidate,
+    chain_hash,
+    namespace_root,
+)
 
 
 @dataclass(frozen=True)
