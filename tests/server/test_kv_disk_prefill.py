@@ -31,13 +31,15 @@ BLOCK = 16
 SPEC = TinySpec(max_position_embeddings=4096)
 NO_CONTROL = {str(tiny_tokenizer().token_to_id(t)): -100 for t in SPECIAL_TOKENS}
 TURN = {"temperature": 0, "max_tokens": 8, "ignore_eos": True, "logit_bias": NO_CONTROL, "return_token_ids": True}
-# 16 prompt tokens a step: a ~1,000-token prompt is read in ~60 steps, so a cancel sent
-# once half is read lands long before the end.
-ARGS = ("--max-num-batched-tokens", "16", "--kv-tokens", "4096", "--log-level", "warning", "--debug-endpoints")
+# 16 prompt tokens a step and no step-time target (which would size chunks by time): a
+# ~2,000-token prompt is read in ~125 steps, so a cancel sent once half is read lands long
+# before the end.
+ARGS = ("--max-num-batched-tokens", "16", "--max-step-ms", "0", "--kv-tokens", "4096", "--log-level", "warning",
+        "--debug-endpoints")
 
 
 def long_prompt(seed: int) -> list[dict]:
-    words = " ".join(f"w{(seed * 7919 + i * 104729) % 100003}" for i in range(200))
+    words = " ".join(f"w{(seed * 7919 + i * 104729) % 100003}" for i in range(400))
     return [{"role": "user", "content": words}]
 
 
