@@ -198,15 +198,17 @@ class LocalBackend:
 
     async def state(self) -> dict[str, Any]:
         saved = await self.conv.save()
-        return {"token_ids": list(saved.token_ids)}
+        return {"token_ids": list(saved.token_ids), "model_fingerprint": saved.model_fingerprint,
+                "kv_fingerprint": saved.kv_fingerprint}
 
     async def restore(self, data: dict[str, Any]) -> None:
         """Continues from a saved file's tokens (their K/V is reused if still cached)."""
         from bargein.engine.conversation import Conversation, ConversationState
 
         if "token_ids" in data:
-            state = ConversationState(tuple(int(t) for t in data["token_ids"]), str(data.get("model", "")))
-            conv = Conversation.load(self.ae, state)  # ValueError if another model saved it
+            state = ConversationState(tuple(int(t) for t in data["token_ids"]), str(data.get("model", "")),
+                                      str(data.get("model_fingerprint", "")))
+            conv = Conversation.load(self.ae, state)  # ConversationFileMismatch (a ValueError): another model's
         else:  # saved against a server: the tokens are computed with the next message
             conv = Conversation.open(self.ae)
         old, self.conv = self.conv, conv

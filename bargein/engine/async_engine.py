@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from bargein.engine.client import EngineInfo
 from bargein.engine.engine import Engine
 from bargein.engine.grammar import Grammars
+from bargein.engine.kv_disk.fingerprint import files_digest, identity_files
 from bargein.engine.messages import ConversationMessage, OpenConversation
 from bargein.engine.outputs import OutputProcessor, RequestDelta, StepOutcome, end_found_by_consumer
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput
@@ -58,6 +59,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._error: BaseException | None = None
+        self._fingerprints: tuple[str, str] | None = None  # (model files, disk tier), once known
 
     @classmethod
     def from_pretrained(cls, ref: str | None = None, **kwargs: object) -> AsyncEngine:
@@ -74,9 +76,24 @@ class AsyncEngine:
     def describe(self) -> EngineInfo:
         e = self.engine
         pipe = e.config.pipeline
+        model_fp, kv_fp = self._model_fingerprints()
         return EngineInfo(e.model_name, e.max_model_len, e.model_config.vocab_size, frozenset(e.eos_token_ids),
                           e.pool.block_size, e.pool.num_blocks, e.config.precision,
-                          pipeline_stages=0 if pipe is None else pipe.stages)
+                          pipeline_stages=0 if pipe is None else pipe.stages,
+                          model_fingerprint=model_fp, kv_fingerprint=kv_fp)
+
+    def _model_fingerprints(self) -> tuple[str, str]:
+        """The model files' digest and the disk tier's fingerprint ("" where unknown),
+        computed once (the files' digest reads about 1 MiB of samples per model file)."""
+        if self._fingerprints is None:
+            e = self.engine
+            if e.disk is not None:
+                fp = e.disk.tier.fingerprint
+                self._fingerprints = (fp.files_digest, fp.digest.hex())
+            else:
+                identity = e.model_identity
+                self._fingerprints = ("" if identity is None else files_digest(identity_files(identity)), "")
+        return self._fingerprints
 
     def new_request_id(self) -> str:
         return self.engine.new_request_id()

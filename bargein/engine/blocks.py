@@ -32,7 +32,9 @@ pool drops (evicted from the cached LRU, or overwritten after a rewind) is repor
 a :class:`~bargein.engine.block_keys.SpillCandidate`, so the caller copies its K/V out before the block id is
 written again; and ``uncached_full_blocks`` / ``adopt_loaded`` let the caller look up the
 full blocks past a memory prefix hit on disk and register those it read back, as cached
-blocks that ``match_prefix`` then hits like any other.
+blocks that ``match_prefix`` then hits like any other. With spills tracked, ``holders``
+also records which table first held each key (``block_holders.py``): a closed
+conversation's own blocks are not written to disk again (``holders.close``).
 
 This module holds no tensors and imports no torch.
 """
@@ -43,6 +45,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from bargein.engine.block_holders import BlockHolders
 from bargein.engine.block_keys import (
     BlockHash,
     ChainBlock,
@@ -125,6 +128,7 @@ class BlockPool:
         self.key_changes: KeyChanges | None = None
         # Off unless a disk tier drains it: full blocks whose contents were dropped.
         self.spills: list[SpillCandidate] | None = None
+        self.holders: BlockHolders | None = None  # with spills: who held each key (block_holders.py)
 
     def track_key_changes(self) -> None:
         """Starts recording registered and dropped full-block keys (see ``drain_key_changes``)."""
@@ -139,6 +143,7 @@ class BlockPool:
     def track_spills(self) -> None:
         """Starts reporting full blocks whose contents are dropped (see ``drain_spills``)."""
         self.spills = []
+        self.holders = BlockHolders()
 
     def drain_spills(self) -> list[SpillCandidate]:
         """The blocks dropped since the last drain, oldest first (tracking must be on).
@@ -262,7 +267,7 @@ class BlockPool:
             del self._hash_to_block[content.key]
             if self.key_changes is not None:
                 self.key_changes.keys[content.key] = False
-            if self.spills is not None:
+            if self.spills is not None and not self.holders.is_closed(content.key):  # type: ignore[union-attr]
                 self.spills.append(SpillCandidate(ChainBlock(content.key, content.parent, content.tokens), block))
         siblings = self._children.get(content.parent)
         if siblings is not None:
@@ -308,6 +313,8 @@ class BlockPool:
             self._ref(block)
             table.block_ids.append(block)
             table.hashes.append(h)
+            if self.holders is not None:
+                self.holders.note(h, table)
             self.prefix_hit_blocks += 1
             parent = h
         hit = len(table.block_ids) * bs
@@ -390,6 +397,8 @@ class BlockPool:
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
             table.hashes.append(h)
+            if self.holders is not None:
+                self.holders.note(h, table)
             block = table.block_ids[i]
             if self.enable_prefix_caching and h not in self._hash_to_block and block not in self._content:
                 self._register(block, _Content(parent, tokens, h))
@@ -420,7 +429,10 @@ class BlockPool:
         """A new table sharing every block of ``table`` (copy on write later)."""
         for block in table.block_ids:
             self._ref(block)
-        return BlockTable(list(table.block_ids), list(table.hashes), table.root)
+        forked = BlockTable(list(table.block_ids), list(table.hashes), table.root)
+        for h in forked.hashes if self.holders is not None else ():
+            self.holders.note(h, forked)  # type: ignore[union-attr]
+        return forked
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Keeps only the blocks holding the first ``num_tokens`` positions."""
@@ -454,7 +466,8 @@ class BlockPool:
         """Every full registered block, referenced or cached, as spill candidates (a
         shutdown writes them all to disk). Changes nothing."""
         return [SpillCandidate(ChainBlock(c.key, c.parent, c.tokens), block)
-                for block, c in self._content.items() if c.key is not None]
+                for block, c in self._content.items()
+                if c.key is not None and not (self.holders is not None and self.holders.is_closed(c.key))]
 
     def adopt_loaded(self, blocks: Sequence[ChainBlock], reserve: int = 1) -> list[tuple[ChainBlock, int]]:
         """Registers blocks read back from disk as cached blocks, so ``match_prefix`` hits

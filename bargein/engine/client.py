@@ -54,6 +54,10 @@ class EngineInfo:
     replicas: int = 0  # engines behind this client (0: one, in this process)
     # A prefix hit covers every matching token, a partly filled last block included (C7).
     supports_partial_block_reuse: bool = True
+    # A digest of the model's files (weights, tokenizer): what Conversation.save files carry
+    # and load checks ("": unknown, e.g. in-memory weights without an identity).
+    model_fingerprint: str = ""
+    kv_fingerprint: str = ""  # the disk tier's full fingerprint digest ("": no tier)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bargein.engine.admission import encode_prompt
-from bargein.engine.client import EngineClient
+from bargein.engine.client import EngineClient, EngineInfo
 from bargein.engine.constraint import Constraint
 from bargein.engine.messages import (
     AppendToConversation,
@@ -53,7 +53,10 @@ from bargein.engine.request import CancelReason, FinishReason, RequestOutput
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.streams import RequestStream
 
-_STATE_VERSION = 1
+# 2: the model's fingerprint (its files' digest) and the disk tier's; 1 (no fingerprint,
+# checked by model name only) still loads.
+_STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 
 
 class ConversationClosed(RuntimeError):
@@ -64,30 +67,57 @@ class ConversationBusy(RuntimeError):
     """generate() was called while an earlier answer is still being consumed."""
 
 
+class ConversationFileMismatch(ValueError):
+    """A saved conversation belongs to another model than the engine's: its token ids
+    would mean other text there, so it is refused rather than continued."""
+
+
 @dataclass(frozen=True)
 class ConversationState:
-    """What ``save`` captures: the tokens, and the model they belong to.
+    """What ``save`` captures: the tokens, and the model they belong to (its name, the
+    digest of its files, and the disk tier's fingerprint when the engine had one).
 
-    K/V is not saved: loading into an engine that still caches the prefix reuses it;
-    otherwise the tokens are computed with the next prompt.
+    K/V is not saved: loading into an engine that still caches the prefix, in memory or
+    on its disk tier, reuses it; otherwise the tokens are computed with the next prompt.
     """
 
     token_ids: tuple[int, ...]
     model: str
+    model_fingerprint: str = ""  # EngineInfo.model_fingerprint ("": unknown)
+    kv_fingerprint: str = ""  # EngineInfo.kv_fingerprint ("": no disk tier)
 
     def to_json(self) -> str:
-        return json.dumps({"version": _STATE_VERSION, "model": self.model, "token_ids": list(self.token_ids)})
+        return json.dumps({"version": _STATE_VERSION, "model": self.model,
+                           "model_fingerprint": self.model_fingerprint, "kv_fingerprint": self.kv_fingerprint,
+                           "token_ids": list(self.token_ids)})
 
     @classmethod
     def from_json(cls, text: str) -> ConversationState:
         try:
             data = json.loads(text)
-            if data.get("version") != _STATE_VERSION:
-                raise ValueError(f"unsupported conversation file version {data.get('version')!r}")
+            if not isinstance(data, dict) or "token_ids" not in data:
+                raise ValueError("no token_ids")
+            if data.get("version") not in _READABLE_VERSIONS:
+                raise ValueError(f"format version {data.get('version')!r}; this bargein reads "
+                                 f"{', '.join(map(str, _READABLE_VERSIONS))}")
             tokens = tuple(int(t) for t in data["token_ids"])
-            return cls(tokens, str(data.get("model", "")))
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not a bargein conversation file: {exc}") from None
+            return cls(tokens, str(data.get("model", "")), str(data.get("model_fingerprint", "")),
+                       str(data.get("kv_fingerprint", "")))
+        except (KeyError, TypeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+            raise ValueError(f"not a usable bargein conversation file: {exc}") from None
+
+    def check_model(self, info: EngineInfo) -> None:
+        """Raises ConversationFileMismatch unless this state belongs to ``info``'s model:
+        by the files' digest when both are known, else by the model's name."""
+        if self.model_fingerprint and info.model_fingerprint:
+            if self.model_fingerprint != info.model_fingerprint:
+                raise ConversationFileMismatch(
+                    f"the conversation was saved with another model ({self.model!r}, fingerprint "
+                    f"{self.model_fingerprint[:16]}) than this engine's ({info.model_name!r}, fingerprint "
+                    f"{info.model_fingerprint[:16]}): its token ids would be other text here")
+        elif self.model and self.model != info.model_name:
+            raise ConversationFileMismatch(f"the conversation was saved with model {self.model!r}, "
+                                           f"not {info.model_name!r}")
 
 
 @dataclass
@@ -122,10 +152,7 @@ class Conversation:
     def load(cls, engine: EngineClient, state: ConversationState | str | os.PathLike) -> Conversation:
         """A conversation from ``save()``'s state or the file it wrote (K/V reused if still cached)."""
         loaded = load_state(state)
-        model_name = engine.describe().model_name
-        if loaded.model and loaded.model != model_name:
-            raise ValueError(f"the conversation was saved with model {loaded.model!r}, "
-                             f"not {model_name!r}")
+        loaded.check_model(engine.describe())
         return cls.open(engine, loaded.token_ids)
 
     # -- state --------------------------------------------------------------------
@@ -219,7 +246,9 @@ class Conversation:
 
     async def save(self, path: str | os.PathLike | None = None) -> ConversationState:
         """Captures the conversation; also writes it as JSON to ``path`` when given."""
-        state = ConversationState(tuple(await self.tokens()), self._engine.describe().model_name)
+        info = self._engine.describe()
+        state = ConversationState(tuple(await self.tokens()), info.model_name, info.model_fingerprint,
+                                  info.kv_fingerprint)
         if path is not None:
             Path(path).write_text(state.to_json())
         return state

@@ -35,6 +35,7 @@ from bargein.engine.request import CancelReason, FinishReason, Request, Sequence
 
 if TYPE_CHECKING:
     from bargein.engine.blocks import BlockPool
+    from bargein.engine.disk_cache import DiskCache
     from bargein.engine.scheduler import Scheduler
 
 
@@ -156,6 +157,7 @@ class EngineConversations:
     """The engine's conversation operations (mixed into :class:`~bargein.engine.engine.Engine`)."""
 
     scheduler: Scheduler
+    disk: DiskCache | None
 
     def conversation(self, message: ConversationMessage) -> Any:
         """Applies a conversation message (see :mod:`bargein.engine.messages`); returns its answer."""
@@ -197,7 +199,15 @@ class EngineConversations:
 
     def close_conversation(self, conversation_id: str) -> None:
         """Closes a conversation, cancelling its request if one is generating (its last
-        delta comes in the next step's outcome, with everything else that finished)."""
+        delta comes in the next step's outcome, with everything else that finished). With
+        a disk tier, the blocks only it held are deleted from disk too."""
+        held = self.scheduler.conversations.get(conversation_id)
+        disk = self.disk
+        if held is not None and disk is not None:
+            seqs = [r.sequence for r in self.scheduler.requests.values() if r.sequence is not held.sequence]
+            seqs += [c.sequence for c in self.scheduler.conversations.values() if c is not held]
+            others = [(s.token_ids, s.block_table.root) for s in seqs]
+            disk.forget_closed(held.sequence.block_table, held.sequence.token_ids, others)
         self.scheduler.close_conversation(conversation_id)
 
 

@@ -16,11 +16,17 @@ it reads and writes are the runner's and nobody else's at that moment:
   copied out of the caches (one gather per cache tensor) and queued for the writer
   thread, before the runner's next forward or copy writes their ids. Only the copy is
   on the step path; hashing and the file write are not.
+- ``forget_closed``: a closed conversation's full blocks that only it ever held are
+  deleted from disk (queued after any write of them) and not written again; blocks a
+  cached prefix or another sequence shares stay (``block_holders.py`` says which).
 - ``close``: at shutdown every full registered block (conversations' and cached
   prefixes') is written, within a time limit, then the tier is closed.
 
 The tier is used only with the in-process runner: a pipeline's K/V lives on its stages,
-which would each need a tier of their own (not built yet).
+which would each need a tier of their own. Its pieces are here (``stage_fingerprint``
+names a stage's layer range, ``stage_tier_directory`` its directory) but the stages do
+not use them yet: the head would have to tell each stage which block ids to write and
+read by key.
 """
 
 from __future__ import annotations
@@ -29,19 +35,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from bargein.config import CacheConfig
-from bargein.engine.block_keys import ChainBlock, SpillCandidate
-from bargein.engine.blocks import BlockPool
+from bargein.engine.block_keys import BlockHash, ChainBlock, SpillCandidate, chain_hash
+from bargein.engine.blocks import BlockPool, BlockTable
 from bargein.engine.kv_disk.block_file import BlockRecord
-from bargein.engine.kv_disk.fingerprint import (
-    ModelFingerprint,
-    file_identity,
-    model_files,
-    sources_digest,
-)
+from bargein.engine.kv_disk.fingerprint import ModelFingerprint, identity_files, sources_digest
 from bargein.engine.kv_disk.payload import KVPair, extract_blocks, write_block
 from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.kv_disk.tier import DiskTier
@@ -61,13 +62,19 @@ def kernels_digest() -> str:
     return sources_digest(sorted(folder.glob("*.c")) + sorted(folder.glob("*.h")))
 
 
+def stage_tier_directory(base: str | os.PathLike[str], layer_range: tuple[int, int]) -> Path:
+    """Where a pipeline stage holding layers ``[start, end)`` keeps its own tier:
+    ``base/stage-<start>-<end>`` (its fingerprint names the same range, so a stage never
+    reads another range's K/V even if directories are mixed up)."""
+    start, end = layer_range
+    return Path(base) / f"stage-{start}-{end}"
+
+
 def stage_fingerprint(stages: Sequence, block_size: int, model_identity: str | os.PathLike[str]) -> ModelFingerprint:
     """The fingerprint of K/V computed by ``stages`` (consecutive LlamaStages) over the
     model ``model_identity``: its file or folder, or a string naming in-memory weights."""
     first = stages[0]
-    path = Path(model_identity)
-    files = (tuple(file_identity(f) for f in model_files(path)) if path.exists()
-             else (("id", 0, str(model_identity)),))
+    files = identity_files(model_identity)
     precision = f"{'fast' if first.kernels.fast else 'exact'}/{first.dtype}/{first.device.type}"
     return ModelFingerprint(files, precision, str(first.kv_dtype), block_size, (stages[0].start, stages[-1].end),
                             kernels=kernels_digest())
@@ -125,6 +132,27 @@ class DiskCache:
     def after_schedule(self) -> None:
         """Copies the blocks the schedule evicted out of the caches and queues them."""
         self._spill(self.pool.drain_spills())
+        holders = self.pool.holders
+        if holders is not None and len(holders) > 4 * (self.pool.num_blocks + self.tier.index.num_blocks) + 1024:
+            registered = self.pool.registered_keys()
+            holders.prune(lambda k: k in registered or k in self.tier)
+
+    def forget_closed(self, table: BlockTable, token_ids: Sequence[int],
+                      others: Iterable[tuple[Sequence[int], BlockHash | None]]) -> list[BlockHash]:
+        """Deletes from disk the full blocks of a closing conversation (``table``, holding
+        ``token_ids``) that only it held and that none of the ``others`` (every other live
+        sequence's tokens and namespace root) contains; returns their keys. Call before the
+        pool releases it."""
+        holders = self.pool.holders
+        bs = self.pool.block_size
+        own = [] if holders is None else holders.close(table, chain_keys(token_ids, bs, table.root))
+        if own:
+            live: set[BlockHash] = set()
+            for tokens, root in others:
+                live.update(chain_keys(tokens, bs, root))
+            own = [k for k in own if k not in live]
+            self.tier.delete(own)
+        return own
 
     def _spill(self, candidates: Sequence[SpillCandidate], timeout: float = 0.0) -> int:
         fresh = [c for c in candidates if c.block.key not in self.tier]
@@ -172,14 +200,33 @@ class DiskCache:
         """Writes every full registered block (at most ``timeout`` seconds, then what is
         left is dropped, never half-written) and closes the tier. True if all was written."""
         deadline = time.monotonic() + timeout
+        self.write_registered(timeout)
+        return self.tier.close(max(0.0, deadline - time.monotonic()))
+
+    def write_registered(self, timeout: float) -> None:
+        """Queues every full registered block not on disk yet (and what the last schedule
+        evicted), waiting at most ``timeout`` seconds for room in the writer's queue (0:
+        queues what fits now, drops the rest)."""
+        deadline = time.monotonic() + timeout
         self.after_schedule()
-        candidates = self.pool.registered_blocks()
+        # Tails first: the tier's LRU then drops a chain's last blocks before its first ones
+        # (a block is of use only after its parent; registration order is head first).
+        candidates = self.pool.registered_blocks()[::-1]
         for i in range(0, len(candidates), _SHUTDOWN_BATCH):
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 < timeout:
                 break
-            self._spill(candidates[i:i + _SHUTDOWN_BATCH], timeout=left)
-        return self.tier.close(max(0.0, deadline - time.monotonic()))
+            self._spill(candidates[i:i + _SHUTDOWN_BATCH], timeout=max(0.0, left))
 
     def stats(self) -> DiskTierStats:
         return self.tier.stats()
+
+
+def chain_keys(token_ids: Sequence[int], block_size: int, root: BlockHash | None = None) -> list[BlockHash]:
+    """The chained keys of the full blocks of ``token_ids``, from ``root`` (its namespace)."""
+    keys: list[BlockHash] = []
+    parent: BlockHash | None = root
+    for i in range(len(token_ids) // block_size):
+        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        keys.append(parent)
+    return keys

@@ -88,7 +88,7 @@ class Engine(EngineConversations):
         cache = self.config.cache
         self.runner: Runner = model if isinstance(model, Runner) else self._local_runner(model)
         self.model_config: ModelConfig = self.runner.model_config
-        self.tokenizer, self.model_name = tokenizer, model_name
+        self.tokenizer, self.model_name, self.model_identity = tokenizer, model_name, model_identity
         self.pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)

@@ -125,6 +125,14 @@ def decode(data: bytes, *, key: BlockHash, fingerprint: bytes) -> BlockRecord:
     return BlockRecord(key, parent_key, tokens, payload)
 
 
+def header_fingerprint(data: bytes) -> bytes | None:
+    """The fingerprint digest a block file's header names (None if it has no whole
+    header): for tools that check a directory without knowing the model."""
+    if len(data) < _HEADER.size:
+        return None
+    return _HEADER.unpack_from(data)[5]
+
+
 def _checksum(header: bytes, tokens: bytes, payload: bytes) -> bytes:
     h = hashlib.blake2b(header, digest_size=_CHECKSUM_SIZE)
     h.update(tokens)

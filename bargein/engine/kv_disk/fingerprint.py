@@ -48,6 +48,23 @@ def file_identity(path: str | os.PathLike[str]) -> tuple[str, int, str]:
     return p.name, size, h.hexdigest()
 
 
+def identity_files(model_identity: str | os.PathLike[str]) -> tuple[tuple[str, int, str], ...]:
+    """``file_identity`` of each file of the model at ``model_identity`` (a file or a
+    folder); for a string that names no path (in-memory weights), that string alone."""
+    path = Path(model_identity)
+    if path.exists():
+        return tuple(file_identity(f) for f in model_files(path))
+    return (("id", 0, str(model_identity)),)
+
+
+def files_digest(files: tuple[tuple[str, int, str], ...]) -> str:
+    """A hex digest of a model's files' identities alone: which weights (and tokenizer),
+    whatever the precision or layout. ``Conversation.save`` files carry it."""
+    h = hashlib.blake2b(digest_size=16, person=b"bargein-model")
+    h.update(repr(files).encode())
+    return h.hexdigest()
+
+
 def model_files(path: str | os.PathLike[str]) -> list[Path]:
     """The files a model is read from: a GGUF file itself, or a folder's weights and configs."""
     p = Path(path)
@@ -81,6 +98,10 @@ class ModelFingerprint:
         h.update(repr((self.files, self.precision, self.kv_dtype, self.block_size, self.layer_range,
                        self.numerics_version, self.kernels)).encode())
         return h.digest()
+
+    @property
+    def files_digest(self) -> str:
+        return files_digest(self.files)
 
     @property
     def short(self) -> str:

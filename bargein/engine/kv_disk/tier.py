@@ -320,9 +320,10 @@ class DiskTier:
             if found is None or found.parent != block.parent:
                 break
             records.append(found)
-            self.index.touch(block.key)
-            _touch(self.directory / file_name(block.key, self._short))  # the LRU order survives a restart
             self.counters.read.add(time.perf_counter() - start)
+        for record in reversed(records):  # the head most recently used: the LRU drops tails first
+            self.index.touch(record.key)
+            _touch(self.directory / file_name(record.key, self._short))  # the LRU order survives a restart
         with self.counters.lock:
             self.counters.hits += len(records)
             self.counters.misses += len(wanted) - len(records)
