@@ -61,6 +61,13 @@ class PlainTextEncoder:
         self._plain: HFTokenizer | None = None
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, HFTokenizer]:
+        """Pickled (a tokenizer shipped to a Ray node) without its lock and lazy copy."""
+        return {"backend": self._backend}
+
+    def __setstate__(self, state: dict[str, HFTokenizer]) -> None:
+        self.__init__(state["backend"])
+
     def encode(self, text: str) -> list[int]:
         with self._lock:
             if self._plain is None:
