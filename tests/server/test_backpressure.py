@@ -24,10 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.request import FinishReason
-from bargein.server.app import create_app, finish_shutdown
-from bargein.server.settings import ServerSettings
+from tests.server.inprocess_app import inprocess_app
 from tests.tiny_engine import ByteTokenizer, tiny_engine
 
 BUFFER = 8  # stream_buffer_tokens
@@ -47,16 +45,8 @@ class ChatByteTokenizer(ByteTokenizer):
 async def tiny_app(**settings: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     core = tiny_engine(num_blocks=256)
     core.tokenizer = ChatByteTokenizer()
-    engine = AsyncEngine(core)
-    app = create_app(engine, ServerSettings(**settings))
-    ctx = app.state.ctx
-    ctx.loop = asyncio.get_running_loop()
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny") as client:
-            yield app, client
-    finally:
-        await finish_shutdown(ctx)
+    async with inprocess_app(core, **settings) as (app, client):
+        yield app, client
 
 
 class StoppedReader:

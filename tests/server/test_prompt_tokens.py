@@ -6,7 +6,6 @@ plain text, by the reference ``tokenizers`` object of the tiny ChatML model."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,10 +13,8 @@ import httpx
 import pytest
 
 from bargein.config import CacheConfig, EngineConfig
-from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.engine import Engine
-from bargein.server.app import create_app, finish_shutdown
-from bargein.server.settings import ServerSettings
+from tests.server.inprocess_app import inprocess_app
 from tests.tiny_models import SPECIAL_TOKENS, TinySpec, tiny_tokenizer, tiny_weights, write_gguf
 
 IM_START, IM_END = (tiny_tokenizer().token_to_id(t) for t in SPECIAL_TOKENS[1:])
@@ -34,16 +31,8 @@ def model_path(tmp_path_factory) -> Path:
 async def client(model_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     core = Engine.from_pretrained(str(model_path), EngineConfig(cache=CacheConfig(block_size=4, num_blocks=256),
                                                                device="cpu", dtype="float32"), progress=False)
-    engine = AsyncEngine(core)
-    app = create_app(engine, ServerSettings())
-    ctx = app.state.ctx
-    ctx.loop = asyncio.get_running_loop()
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny") as c:
-            yield c
-    finally:
-        await finish_shutdown(ctx)
+    async with inprocess_app(core) as (_, c):
+        yield c
 
 
 def control(text: str) -> list[int]:

@@ -20,11 +20,9 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.request import FinishReason, RequestOutput, Usage
 from bargein.loader.chat_template import render_chat_template
 from bargein.server.anthropic.shape import MessagesShape, signature
-from bargein.server.app import create_app, finish_shutdown
 from bargein.server.generation import Slot
 from bargein.server.ollama.shape import OllamaShape
 from bargein.server.openai_stream import ChatShape
@@ -37,6 +35,7 @@ from bargein.server.reasoning import (
 )
 from bargein.server.settings import ServerSettings, SettingsError
 from bargein.server.tool_syntax import HERMES
+from tests.server.inprocess_app import inprocess_app
 from tests.tiny_engine import ByteTokenizer, tiny_engine
 
 THINKING_TEMPLATE = (
@@ -70,17 +69,8 @@ class ThinkingByteTokenizer(ByteTokenizer):
 async def thinking_app(**settings) -> AsyncIterator[httpx.AsyncClient]:
     core = tiny_engine(num_blocks=256)
     core.tokenizer = ThinkingByteTokenizer()
-    engine = AsyncEngine(core)
-    app = create_app(engine, ServerSettings(**settings))
-    ctx = app.state.ctx
-    ctx.loop = asyncio.get_running_loop()
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny",
-                                     timeout=60) as client:
-            yield client
-    finally:
-        await finish_shutdown(ctx)
+    async with inprocess_app(core, timeout=60, **settings) as (_, client):
+        yield client
 
 
 GREEDY = {"ignore_eos": True, "temperature": 0}

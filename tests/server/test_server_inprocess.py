@@ -7,16 +7,14 @@ a body before returning it); streams are tested against real servers.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 import pytest
 
-from bargein.engine.async_engine import AsyncEngine
-from bargein.server.app import create_app, finish_shutdown
 from bargein.server.settings import ServerSettings, SettingsError
+from tests.server.inprocess_app import inprocess_app
 from tests.tiny_engine import ByteTokenizer, tiny_engine
 
 
@@ -32,16 +30,8 @@ class ChatByteTokenizer(ByteTokenizer):
 async def tiny_app(**settings) -> AsyncIterator[httpx.AsyncClient]:
     core = tiny_engine(num_blocks=128)
     core.tokenizer = ChatByteTokenizer()
-    engine = AsyncEngine(core)
-    app = create_app(engine, ServerSettings(**settings))
-    ctx = app.state.ctx
-    ctx.loop = asyncio.get_running_loop()
-    engine.start()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny") as client:
-            yield client
-    finally:
-        await finish_shutdown(ctx)
+    async with inprocess_app(core, **settings) as (_, client):
+        yield client
 
 
 IGNORE_EOS = {"ignore_eos": True, "temperature": 0}  # random weights: an EOS would end answers early
