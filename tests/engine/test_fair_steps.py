@@ -19,7 +19,7 @@ from bargein.engine.async_engine import AsyncEngine
 from bargein.engine.blocks import BlockPool
 from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
-from bargein.engine.request import CancelReason, FinishReason, Request, Sequence
+from bargein.engine.request import CancelReason, FinishReason
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
 from bargein.engine.step_budget import MIN_PROMPT_CHUNK
@@ -31,6 +31,7 @@ from bargein.engine.step_time import (
     plan_features,
 )
 from tests.dense_reference import random_weights
+from tests.engine.test_scheduler_plans import add
 from tests.tiny_engine import TINY, ByteTokenizer, prompt
 
 COST = StepCost(overhead=0.010, per_token=0.0005, per_pair=2e-8)  # 10 ms a step, 0.5 ms a token
@@ -58,15 +59,6 @@ def timed_scheduler(num_blocks: int = 1200, max_num_seqs: int = 16, batched: int
     s = Scheduler(config, BlockPool(num_blocks, 16, True), 16384, frozenset({0}))
     s.step_timer = FixedTimer(COST)
     return s
-
-
-def add(s: Scheduler, rid: str, tokens: list[int], max_tokens: int = 4) -> Request:
-    s.ids.claim(rid)
-    req = Request(request_id=rid, sequence=Sequence(rid, list(tokens)),
-                  params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                  prompt_len=len(tokens), new_prompt_tokens=len(tokens))
-    s.add(req)
-    return req
 
 
 class Token:
