@@ -15,6 +15,7 @@ found the stop.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -43,6 +44,9 @@ class RequestDelta:
     error: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     cancel_requested: tuple[float, int] | None = None  # (monotonic time, engine step) of the cancel, for latency
+    # When the engine made it (time.monotonic on its thread); a merge keeps the earlier one,
+    # so a coalesced delta reports its oldest token. Comparable across processes of one host.
+    emitted_at: float = field(default_factory=time.monotonic, compare=False)
 
     def merge(self, later: RequestDelta) -> None:
         """Folds a later delta of the same request into this one (O(its new tokens))."""
@@ -132,19 +136,20 @@ class OutputProcessor:
         if self._detok.stop_matched is not None:
             self.finished = True
             usage = Usage(self._usage.prompt_tokens, len(self._token_ids), self._usage.cached_tokens)
-            out = self._output(new, pieces, logprobs, usage, FinishReason.STOP, None, None)
+            out = self._output(new, pieces, logprobs, usage, FinishReason.STOP, None, None, delta.emitted_at)
             return Processed(out, stop_delivered=len(self._token_ids))
         if delta.finished:
             self.finished = True
             pieces.append(self._detok.flush())
             return Processed(self._output(new, pieces, logprobs, self._usage, delta.finish_reason,
-                                          delta.cancel_reason, delta.error))
+                                          delta.cancel_reason, delta.error, delta.emitted_at))
         if not new:
             return Processed(None)
-        return Processed(self._output(new, pieces, logprobs, self._usage, None, None, None))
+        return Processed(self._output(new, pieces, logprobs, self._usage, None, None, None, delta.emitted_at))
 
     def _output(self, new: list[int], pieces: list[str], logprobs: tuple[TokenLogprob, ...], usage: Usage,
-                reason: FinishReason | None, cancel_reason: CancelReason | None, error: str | None) -> RequestOutput:
+                reason: FinishReason | None, cancel_reason: CancelReason | None, error: str | None,
+                emitted_at: float | None) -> RequestOutput:
         final = self.finished
         return RequestOutput(
             request_id=self.request_id,
@@ -159,6 +164,7 @@ class OutputProcessor:
             error=error,
             new_logprobs=logprobs,
             prompt_token_ids=self._prompt if final else (),
+            emitted_at=emitted_at,
         )
 
 

@@ -163,6 +163,7 @@ class RequestOutput:
     error: str | None = None
     new_logprobs: tuple[TokenLogprob, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
+    emitted_at: float | None = field(default=None, compare=False)  # its delta's time.monotonic() on the engine thread (its oldest token's)
 
 
 @dataclass

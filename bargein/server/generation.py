@@ -293,6 +293,8 @@ class JobRunner:
                 if out.finished:
                     remaining -= 1
                 yield slot, out
+                if out.new_token_ids and out.emitted_at is not None:  # its events are sent by now
+                    self.metrics.send_delay.observe(time.monotonic() - out.emitted_at)
         finally:
             self.abandon(job, exit_reason)
 

@@ -44,6 +44,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 DURATION_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 CANCEL_STEP_BUCKETS = (0, 1, 2, 3, 5, 10, 20, 50)
+SEND_DELAY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _RATE_WINDOW_S = 10.0
 
@@ -132,6 +133,11 @@ class ServerMetrics:
                                   registry=r)
         self.step_time = Histogram("bargein_step_duration_seconds", "Duration of one engine step (a forward).",
                                    buckets=STEP_BUCKETS, registry=r)
+        self.send_delay = Histogram("bargein_output_send_delay_seconds",
+                                    "From the engine thread emitting a token delta to the server having "
+                                    "written its stream events to the connection (or processed it, for "
+                                    "a whole answer): the server's own cost per output.",
+                                    buckets=SEND_DELAY_BUCKETS, registry=r)
         self.cancel_latency = Histogram("bargein_cancel_latency_seconds",
                                         "From a cancel being requested to the request leaving the batch.",
                                         buckets=LATENCY_BUCKETS, registry=r)
