@@ -234,7 +234,10 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("bargein_kv_cache_usage_ratio", "Share of KV blocks referenced by live sequences.",
                                 value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
         yield GaugeMetricFamily("bargein_requests_waiting", "Requests queued (the queue length).", value=s.waiting)
-        yield GaugeMetricFamily("bargein_requests_running", "Requests in the running batch.", value=s.running)
+        yield GaugeMetricFamily("bargein_requests_running", "Requests in the running batch, paused ones not counted.",
+                                value=s.running - s.paused)
+        yield GaugeMetricFamily("bargein_requests_paused",
+                                "Requests paused because their client stopped reading (backpressure).", value=s.paused)
         if s.kv_disk is not None:
             yield from _disk_tier_metrics(s.kv_disk)
 
