@@ -198,3 +198,29 @@ def test_the_gate_admits_each_tenants_queue_in_order_and_forgets_empty_lines():
 
 async def _status_is(client: httpx.AsyncClient, key: str, request_id: str, status: str) -> bool:
     return (await listed(client, key)).get(request_id) == status
+
+
+def test_the_serve_flags_set_the_limits_and_refuse_what_cannot_work(tmp_path):
+    import argparse
+
+    from bargein.cli.serve import _access_settings, _add_serve_arguments
+    from bargein.server.settings import ServerSettings, SettingsError
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
+
+    def settings(*flags: str) -> ServerSettings:
+        parser = argparse.ArgumentParser()
+        _add_serve_arguments(parser)
+        return ServerSettings(**_access_settings(parser.parse_args(["--api-keys", str(keys), *flags])))
+
+    s = settings("--max-in-flight-per-tenant", "2", "--max-queued-per-tenant", "0", "--operator-tenants", "bob",
+                 "--max-tenant-series", "5")
+    assert (s.max_in_flight_per_tenant, s.max_queued_per_tenant, s.operator_tenants, s.max_tenant_series) == \
+        (2, 0, ("bob",), 5)
+    with pytest.raises(SettingsError, match="needs max in flight"):
+        settings("--max-queued-per-tenant", "3")
+    with pytest.raises(SettingsError, match="carol"):
+        settings("--operator-tenants", "carol")
+    with pytest.raises(SettingsError, match="at least 1"):
+        settings("--max-in-flight-per-tenant", "0")
