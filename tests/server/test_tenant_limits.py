@@ -115,7 +115,12 @@ async def hold(app: Any, client: httpx.AsyncClient, key: str, request_id: str) -
 async def test_beyond_its_limit_in_flight_a_tenant_queues_then_is_refused_naming_the_limit():
     async with app_with_keys(max_in_flight_per_tenant=2, max_queued_per_tenant=1) as (app, client):
         held = [await hold(app, client, ALICE, f"alice-held-{i}") for i in range(2)]
-        assert set((await listed(client, ALICE)).values()) <= {"running", "paused"}
+
+        async def both_in_the_engine() -> bool:  # not in alice's own queue: scheduled, maybe paused already
+            statuses = await listed(client, ALICE)
+            return len(statuses) == 2 and set(statuses.values()) <= {"running", "paused"}
+
+        await until(both_in_the_engine)
 
         queued = completion(client, ALICE, "alice-queued")
         await until(lambda: _status_is(client, ALICE, "alice-queued", "queued"))
