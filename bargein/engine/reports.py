@@ -15,6 +15,8 @@ from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepR
 
 def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters,
                  kv_disk: DiskTierStats | None = None) -> EngineStats:
+    paused_since = [scheduler.paused_since[r.request_id] for r in scheduler.running
+                    if r.request_id in scheduler.paused_since]
     return EngineStats(
         kv_blocks_total=pool.num_blocks,
         kv_blocks_free=pool.num_free,
@@ -22,7 +24,8 @@ def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters
         kv_blocks_used=pool.num_referenced,
         block_size=pool.block_size,
         running=len(scheduler.running),
-        paused=sum(r.request_id in scheduler.paused for r in scheduler.running),
+        paused=len(paused_since),
+        paused_longest_s=time.monotonic() - min(paused_since) if paused_since else 0.0,
         waiting=len(scheduler.waiting),
         conversations=len(scheduler.conversations),
         steps=counters.steps,

@@ -32,6 +32,7 @@ class EngineStats:
     cancelled: dict[str, int]  # by cancel reason
     kv_disk: DiskTierStats | None = None  # the disk tier's, when the engine has one
     paused: int = 0  # of ``running``, those paused: their client stopped reading (backpressure)
+    paused_longest_s: float = 0.0  # how long the longest-paused of them has been paused (0: none)
 
 
 @dataclass(frozen=True)
@@ -106,5 +107,6 @@ def merge_stats(parts: Sequence[EngineStats], block_size: int) -> EngineStats:
                "conversations", "paused", "steps", "prefix_cache_hit_tokens", "prefix_cache_hit_blocks",
                "prefix_cache_query_blocks", "computed_tokens", "generated_tokens", "preemptions")
     return EngineStats(block_size=block_size, finished=tally("finished"), cancelled=tally("cancelled"),
+                       paused_longest_s=max((s.paused_longest_s for s in parts), default=0.0),
                        kv_disk=merge_disk_stats([s.kv_disk for s in parts if s.kv_disk is not None]),
                        **{name: total(name) for name in numeric})

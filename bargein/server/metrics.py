@@ -247,6 +247,9 @@ class _EngineCollector(Collector):
                                 value=s.running - s.paused)
         yield GaugeMetricFamily("bargein_requests_paused",
                                 "Requests paused because their client stopped reading (backpressure).", value=s.paused)
+        yield GaugeMetricFamily("bargein_requests_paused_longest_seconds",
+                                "How long the longest-paused request has been paused (0: none is).",
+                                value=s.paused_longest_s)
         if s.kv_disk is not None:
             yield from _disk_tier_metrics(s.kv_disk)
 

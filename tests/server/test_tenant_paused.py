@@ -48,6 +48,7 @@ async def test_a_request_whose_client_stopped_reading_is_listed_and_counted_as_p
         metrics = (await client.get("/metrics")).text
         assert _metric(metrics, "bargein_requests_paused") == 1
         assert _metric(metrics, "bargein_requests_running") == 0  # a paused request is not counted running
+        assert _metric(metrics, "bargein_requests_paused_longest_seconds") >= first["paused_s"]
 
         r = await client.post(f"/v1/requests/{request_id}/cancel")
         assert r.json()["status"] == "cancelled"
@@ -58,6 +59,7 @@ async def test_a_request_whose_client_stopped_reading_is_listed_and_counted_as_p
         await until(gone)
         metrics = (await client.get("/metrics")).text
         assert _metric(metrics, "bargein_requests_paused") == 0
+        assert _metric(metrics, "bargein_requests_paused_longest_seconds") == 0
         reader.task.cancel()  # its final chunk waits in a send that never returns
         await asyncio.gather(reader.task, return_exceptions=True)
 
