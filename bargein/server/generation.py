@@ -100,6 +100,7 @@ class Job:
     stalled: asyncio.Event = field(default_factory=asyncio.Event)  # its consumer stopped reading: end it
     tenant: str = ""  # who asked (the Tenant's name)
     work: EngineWork | None = None  # what its slots submit to the engine
+    queued_at: float | None = None  # time.monotonic() when it joined its tenant's queue (None: it did not)
     admitted: float | None = None  # time.monotonic() when handed to the engine (after its tenant's queue)
 
     def __post_init__(self) -> None:
@@ -197,24 +198,32 @@ class JobRunner:
             try:
                 self._submit(job)
             except BaseException:
-                self.gate.leave(tenant, request_id)
+                self._admit(self.gate.leave(tenant, request_id))
                 raise
         else:
             self._waiting[request_id] = job
+            job.queued_at = time.monotonic()
         self.registry.add(request_id, [s.engine_id for s in slots], endpoint, tenant)
         self._open[id(job)] = job
         return job
 
-    def _submit(self, job: Job) -> None:
-        """Hands the job's slots to the engine. Raises the mapped APIError; nothing of the
-        job stays submitted then."""
+    def _submit(self, job: Job, waited: float = 0.0) -> None:
+        """Hands the job's slots (those not ended while it waited) to the engine, their
+        deadline less the ``waited`` seconds in the tenant's queue. Raises the mapped
+        APIError; nothing of the job stays submitted then."""
         work = job.work
         assert work is not None
+        timeout = None if work.timeout is None else work.timeout - waited
+        if timeout is not None and timeout <= 0:
+            self._end_waiting(job, CancelReason.DEADLINE)
+            return
         try:
             for slot in job.slots:
+                if slot.queue.unsubmitted_end is not None:
+                    continue
                 _, stream = self.engine.submit(work.prompts[slot.prompt_index],
                                                _choice_params(work.params, slot.index % work.n, work.n),
-                                               request_id=slot.engine_id, timeout=work.timeout,
+                                               request_id=slot.engine_id, timeout=timeout,
                                                constraint_from=work.constraint_from)
                 if job.buffer_tokens is not None:
                     stream.limit_unread(job.buffer_tokens)
@@ -241,7 +250,7 @@ class JobRunner:
                 self._end_waiting(job, CancelReason.SHUTDOWN)
                 continue
             try:
-                self._submit(job)
+                self._submit(job, time.monotonic() - (job.queued_at or job.received))
             except Exception as exc:
                 log.warning("%s could not start after waiting in its tenant's queue: %s", request_id, exc)
                 message = exc.message if isinstance(exc, APIError) else f"{type(exc).__name__}: {exc}"
@@ -267,12 +276,16 @@ class JobRunner:
         job = self._waiting.get(request_id) if request_id is not None else None
         if job is None:
             return self.engine.abort(engine_id, reason)
+        result = AbortResult.ALREADY_FINISHED
         for slot in job.slots:
             if slot.engine_id == engine_id and slot.queue.unsubmitted_end is None:
                 prompt = job.work.prompts[slot.prompt_index] if job.work else ()
                 slot.queue.end_unsubmitted(unsubmitted_final(slot, len(prompt), reason))
-                return AbortResult.CANCELLED
-        return AbortResult.ALREADY_FINISHED
+                result = AbortResult.CANCELLED
+        if all(slot.queue.unsubmitted_end is not None for slot in job.slots):  # nothing left to run: out of the line
+            del self._waiting[job.request_id]
+            self.gate.leave(job.tenant, job.request_id)
+        return result
 
     async def outputs(self, job: Job, *, exit_reason: CancelReason = CancelReason.DISCONNECT
                       ) -> AsyncIterator[tuple[Slot, RequestOutput]]:

@@ -185,6 +185,23 @@ async def test_a_request_cancelled_while_queued_ends_without_running_and_frees_i
         assert (await asyncio.wait_for(again, 60)).status_code == 200
 
 
+@pytest.mark.anyio
+async def test_a_queued_requests_deadline_counts_its_wait_in_the_tenants_queue():
+    async with app_with_keys(max_in_flight_per_tenant=1, max_queued_per_tenant=1) as (app, client):
+        held = await hold(app, client, ALICE, "alice-held")
+        queued = asyncio.ensure_future(client.post(
+            "/v1/completions", headers={**auth(ALICE), "X-Request-Id": "alice-late"},
+            json={"prompt": PROMPT, "max_tokens": 50, "timeout": 0.2, **GREEDY}))
+        await until(lambda: _status_is(client, ALICE, "alice-late", "queued"))
+        await asyncio.sleep(0.3)  # past its deadline while it waits (no bound is asserted on time)
+        await held.close(client, ALICE)
+        body = (await asyncio.wait_for(queued, 60)).json()
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "cancelled" and body["usage"]["completion_tokens"] == 0, body
+        stats = await app.state.ctx.engine.stats()
+        assert stats.cancelled.get("deadline") is None  # ended in the queue: the engine never had it
+
+
 def test_the_gate_admits_each_tenants_queue_in_order_and_forgets_empty_lines():
     gate = TenantGate(TenantLimits(max_in_flight=2, max_queued=2))
     assert [gate.enter("a", r) for r in ("a1", "a2", "a3", "a4")] == [True, True, False, False]
