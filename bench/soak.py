@@ -36,8 +36,13 @@ referenced, nothing in flight), RSS every ``--rss-every`` seconds, cancel latenc
 the client's side (ms, cancel sent -> cancelled chunk) and the engine's (steps, from the
 ``/metrics`` histogram). Prints a table and one JSON object on the last line.
 
+The ``tenants`` mode (``--mode tenants``, issue 34) is the shared-server soak instead:
+two tenants, hostile schemas, long prompts, background responses; see ``soak_tenants.py``.
+
     .venv/bin/python bench/soak.py --clients 64 --duration 600      # the full soak
     .venv/bin/python bench/soak.py --clients 10 --duration 25       # a quick one
+    .venv/bin/python bench/soak.py --mode tenants --duration 600    # issue 34's two-tenant soak
+    .venv/bin/python bench/soak.py --mode tenants --duration 30 --clients 2  # a quick check
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import soak_tenants  # noqa: E402
 from common import format_table, histogram_quantile, machine_info, percentile, rnd  # noqa: E402
 from step_trace import StepTrace  # noqa: E402
 
@@ -390,11 +396,7 @@ async def run(base: str, args: argparse.Namespace, pid: int | None) -> dict:
         await asyncio.gather(soak.sample_rss(pid, deadline, args.rss_every), soak.watch_lag(deadline),
                              *(soak.client(deadline) for _ in range(args.clients)))
         elapsed = time.monotonic() - started
-        for _ in range(600):  # disconnects and abandons settle within a step each
-            kv = (await http.get(f"{base}/debug/kv")).json()
-            if not (kv["running"] or kv["waiting"] or kv["engine_live_requests"] or kv["live_requests"]):
-                break
-            await asyncio.sleep(0.1)
+        kv = await soak_tenants.settled_kv(http, base)  # disconnects and abandons settle within a step each
         stop_trace.set()
         await follow
         after = (await http.get(f"{base}/metrics")).text
@@ -414,7 +416,7 @@ async def run(base: str, args: argparse.Namespace, pid: int | None) -> dict:
     period_ms = trace.period_s(soak.gaps_from) * 1000
     lag_during = [lag for at, lag in t.client_lag if _inside(windows, at, at + LAG_TICK_S + lag)]
     return {
-        "clients": args.clients, "duration_s": elapsed, "requests": sum(t.outcomes.values()),
+        "mode": "clients", "clients": args.clients, "duration_s": elapsed, "requests": sum(t.outcomes.values()),
         "outcomes": dict(sorted(t.outcomes.items())), "unexpected_errors": t.outcomes.get("unexpected", 0),
         "unexpected_samples": t.unexpected,
         "leaked_blocks": kv["kv_blocks_used"], "kv_ok": kv["ok"], "kv_error": kv["error"],
@@ -521,9 +523,20 @@ def report(result: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("clients", "tenants"), default="clients",
+                   help="clients: every client behaviour (issue 14); tenants: the shared server, two tenants "
+                        "(issue 34, soak_tenants.py) (default: %(default)s)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds (default: %(default)s)")
-    p.add_argument("--clients", type=int, default=64, help="(default: %(default)s)")
+    p.add_argument("--clients", type=int, default=None,
+                   help="clients (default: 64); in the tenants mode, per tenant (default: 4)")
     p.add_argument("--url", default=None, help="a running server (started with --debug-endpoints)")
+    p.add_argument("--keys", nargs=2, default=None, metavar=("KEY_A", "KEY_B"),
+                   help="tenants mode with --url: two keys of different tenants")
+    p.add_argument("--max-step-ms", type=float, default=250.0,
+                   help="tenants mode: the server's step target; the gaps' p99 is judged against two "
+                        "(default: %(default)s)")
+    p.add_argument("--long-words", type=int, default=1500,
+                   help="tenants mode: words in a long prompt (default: %(default)s)")
     p.add_argument("--pid", type=int, default=None, help="with --url: the server's pid, for RSS")
     p.add_argument("--rss-every", type=float, default=30.0, help="seconds between RSS samples")
     p.add_argument("--seed", type=int, default=0)
@@ -534,11 +547,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the JSON result here")
     p.add_argument("--dump", default=None, metavar="PATH",
                    help="write the raw series (stream waits, 4 MB windows, client lag, steps) as JSON, to study")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.clients is None:
+        args.clients = 64 if args.mode == "clients" else 4
+    if args.mode == "tenants" and args.url is not None and args.keys is None:
+        p.error("--mode tenants with --url needs --keys KEY_A KEY_B (two tenants' keys)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.mode == "tenants":
+        return _print(_tenants(args), args, soak_tenants.report)
     server = None
     if args.url is None:
         from tests.conftest import ServerProcess  # the tests' way of running bargein serve
@@ -551,7 +571,19 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         if server is not None:
             server.stop()
-    report(result)
+    return _print(result, args, report)
+
+
+def _tenants(args: argparse.Namespace) -> dict:
+    if args.url is not None:
+        return asyncio.run(soak_tenants.run(args.url, list(args.keys), args))
+    with soak_tenants.tenant_server(args) as (base, keys):
+        return asyncio.run(soak_tenants.run(base, keys, args))
+
+
+def _print(result: dict, args: argparse.Namespace, table) -> dict:
+    """The mode's table, then the whole result as one JSON line (also to ``--json``)."""
+    table(result)
     line = json.dumps(rnd(result))
     print(line)
     if args.json:

@@ -72,8 +72,18 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     access.add_argument("--shared-prefix-cache", action="store_true", default=s.shared_prefix_cache,
                         help="let every tenant reuse every other's cached prompt tokens (one user with many "
                              "keys); by default a tenant cannot probe another's prompts through cached_tokens")
-    access.add_argument("--max-requests-per-tenant", type=int, default=s.max_requests_per_tenant, metavar="N",
-                        help="answer 429 when one API key's tenant already has N requests in flight or queued")
+    access.add_argument("--max-in-flight-per-tenant", type=int, default=s.max_in_flight_per_tenant, metavar="N",
+                        help="hand at most N of one tenant's requests to the engine at once; the next ones wait "
+                             "in the tenant's own queue (default: no limit)")
+    access.add_argument("--max-queued-per-tenant", type=int, default=s.max_queued_per_tenant, metavar="N",
+                        help="with --max-in-flight-per-tenant: at most N of a tenant's requests wait; more get 429 "
+                             "naming the limit (default: only --max-queue bounds them)")
+    access.add_argument("--operator-tenants", default=None, metavar="NAME,...",
+                        help="tenants whose keys read every tenant's series in /metrics (a scraper's key); "
+                             "others read their own")
+    access.add_argument("--max-tenant-series", type=int, default=s.max_tenant_series, metavar="N",
+                        help="tenants with their own /metrics series (by name); the rest share '_other' "
+                             "(default: %(default)s)")
     access.add_argument("--allowed-hosts", default=None, metavar="NAME,...",
                         help="Host header names the server answers to, '*' for any (default: localhost, "
                              "127.0.0.1, ::1 and the --host address; others get 403, which stops DNS "
@@ -315,7 +325,9 @@ def _access_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise SettingsError(str(exc)) from None
     hosts = (args.env_allowed_hosts or ()) if args.allowed_hosts is None else args.allowed_hosts.split(",")
     return {"api_key": key or None, "api_keys": keys, "shared_prefix_cache": args.shared_prefix_cache,
-            "max_requests_per_tenant": args.max_requests_per_tenant,
+            "max_in_flight_per_tenant": args.max_in_flight_per_tenant,
+            "max_queued_per_tenant": args.max_queued_per_tenant, "max_tenant_series": args.max_tenant_series,
+            "operator_tenants": tuple(t.strip() for t in (args.operator_tenants or "").split(",") if t.strip()),
             "allowed_hosts": allowed_host_names(hosts, args.host)}
 
 

@@ -40,18 +40,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bargein.distributed.route_decision import Candidate, RoutingWeights, decide
-from bargein.engine.block_keys import BlockHash, KeyChanges, chain_hash
+from bargein.engine.block_keys import BlockHash, KeyChanges, chain_hash, namespace_root
 
 log = logging.getLogger("bargein.distributed")
 
 POLICIES = ("affine", "round_robin", "least_loaded")
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[BlockHash]:
+def block_hashes(tokens: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[BlockHash]:
     """The keys a replica's block pool gives the full blocks of ``tokens`` (hash i covers
-    tokens [0, (i+1)*block_size)): the same chained BLAKE2b, so reported keys compare."""
+    tokens [0, (i+1)*block_size)) in the prefix-cache namespace ``cache_salt`` (a tenant's,
+    ``SamplingParams.cache_salt``; None the common one): the same chained BLAKE2b from the
+    same namespace root, so reported keys compare, and a prompt matches only blocks cached
+    in its own namespace."""
     hashes: list[BlockHash] = []
-    prev: BlockHash | None = None
+    prev: BlockHash | None = namespace_root(cache_salt)
     for start in range(0, len(tokens) - block_size + 1, block_size):
         prev = chain_hash(prev, tokens[start:start + block_size])
         hashes.append(prev)
@@ -198,15 +201,19 @@ class Router:
         self._indexes = [PrefixIndex() for _ in range(self.num_replicas)]
         self._weights = RoutingWeights(self.block_size, self.queue_cost_tokens, self.max_imbalance)
 
-    def choose(self, tokens: Sequence[int], *, exclude: frozenset[int] = frozenset(),
+    def choose(self, tokens: Sequence[int], *, cache_salt: str | None = None, exclude: frozenset[int] = frozenset(),
                reserve_tokens: int = 0, count: bool = True) -> Route | None:
         """The replica for a request with these prompt tokens, counted as dispatched there
         (unless ``count`` is False: a conversation handle being placed, not a request).
 
-        ``reserve_tokens``: room the answer will want (its ``max_tokens``), for the memory
-        check. None when no replica is up (outside ``exclude``).
+        ``cache_salt``: the request's prefix-cache namespace (its ``SamplingParams``'): its
+        prompt matches only blocks cached under the same namespace, as in the engine, so
+        another tenant's cached prompt neither draws it (a timing side channel across
+        replicas) nor counts as a hit it will not get. ``reserve_tokens``: room the answer
+        will want (its ``max_tokens``), for the memory check. None when no replica is up
+        (outside ``exclude``).
         """
-        hashes = tuple(block_hashes(tokens, self.block_size))
+        hashes = tuple(block_hashes(tokens, self.block_size, cache_salt))
         with self._lock:
             up = [i for i, r in enumerate(self.replicas) if r.up and i not in exclude]
             if not up:

@@ -15,6 +15,8 @@ from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepR
 
 def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters,
                  kv_disk: DiskTierStats | None = None) -> EngineStats:
+    paused_since = [scheduler.paused_since[r.request_id] for r in scheduler.running
+                    if r.request_id in scheduler.paused_since]
     return EngineStats(
         kv_blocks_total=pool.num_blocks,
         kv_blocks_free=pool.num_free,
@@ -22,6 +24,8 @@ def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters
         kv_blocks_used=pool.num_referenced,
         block_size=pool.block_size,
         running=len(scheduler.running),
+        paused=len(paused_since),
+        paused_longest_s=time.monotonic() - min(paused_since) if paused_since else 0.0,
         waiting=len(scheduler.waiting),
         conversations=len(scheduler.conversations),
         steps=counters.steps,
@@ -54,20 +58,24 @@ def steps_after(counters: EngineCounters, index: int) -> list[StepRecord]:
 
 def request_infos(scheduler: Scheduler) -> list[RequestInfo]:
     """Queued and running requests, oldest first. ``session_id`` is the wire name of the
-    conversation a request generates onto."""
+    conversation a request generates onto. A running request whose consumer stopped
+    reading (backpressure, ``Scheduler.pause``) is ``paused``, with the seconds since."""
     now = time.monotonic()
     names = {RequestStatus.WAITING: "queued", RequestStatus.RUNNING: "running",
              RequestStatus.PREEMPTED: "preempted"}
     infos = []
     for req in sorted(scheduler.requests.values(), key=lambda r: r.arrival_time):
+        status = names.get(req.status, req.status.name.lower())
+        paused_since = scheduler.paused_since.get(req.request_id) if status == "running" else None
         infos.append(RequestInfo(
             request_id=req.request_id,
-            status=names.get(req.status, req.status.name.lower()),
+            status=status if paused_since is None else "paused",
             prompt_tokens=req.prompt_len,
             prompt_computed=min(req.sequence.num_computed, req.prompt_len),
             completion_tokens=req.num_output_tokens,
             age_s=now - req.arrival_time,
             deadline_s=None if req.deadline is None else max(0.0, req.deadline - now),
             session_id=None if req.owns_sequence else req.sequence.seq_id,
+            paused_s=None if paused_since is None else now - paused_since,
         ))
     return infos

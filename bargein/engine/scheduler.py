@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, KeysView
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +99,7 @@ class Scheduler(StepFilling, SchedulerConversations):
         self.num_preemptions = self.num_reclaimed_conversations = 0  # counters, ever (tests and stats)
         self.num_computed_tokens = self.num_prefix_hit_tokens = 0  # tokens computed by forwards; prefix hits
         self.held: set[str] = set()  # waiting requests not admitted yet: engine/disk_cache.py reads their K/V
-        self.paused: set[str] = set()  # requests whose consumer stopped reading: not scheduled (``pause``)
+        self.paused_since: dict[str, float] = {}  # request -> monotonic time its consumer stopped reading
         self.step_timer = StepTimer()  # measured step times (the engine feeds it), for ``max_step_ms``
 
     # -- the lifecycle ----------------------------------------------------------------
@@ -175,10 +175,15 @@ class Scheduler(StepFilling, SchedulerConversations):
         """Stops scheduling a running request (its consumer's buffer is full); it keeps its
         blocks and tokens, and goes on from there after ``resume``. Unknown ids are ignored."""
         if request_id in self.requests:
-            self.paused.add(request_id)
+            self.paused_since.setdefault(request_id, time.monotonic())
 
     def resume(self, request_id: str) -> None:
-        self.paused.discard(request_id)
+        self.paused_since.pop(request_id, None)
+
+    @property
+    def paused(self) -> KeysView[str]:
+        """Requests whose consumer stopped reading (``pause``): not scheduled."""
+        return self.paused_since.keys()
 
     @property
     def has_work(self) -> bool:
@@ -422,7 +427,7 @@ class Scheduler(StepFilling, SchedulerConversations):
             self.waiting.remove(req)
         del self.requests[req.request_id]
         self._pending_finish.pop(req.request_id, None)
-        self.paused.discard(req.request_id)
+        self.paused_since.pop(req.request_id, None)
         if req.owns_sequence:
             seq = req.sequence
             self.pool.release(seq.block_table, seq.token_ids, seq.num_computed)

@@ -18,7 +18,7 @@ class EngineStats:
     kv_blocks_cached: int
     kv_blocks_used: int
     block_size: int
-    running: int
+    running: int  # in the running batch, paused ones included
     waiting: int
     conversations: int
     steps: int
@@ -31,6 +31,8 @@ class EngineStats:
     finished: dict[str, int]  # by finish reason
     cancelled: dict[str, int]  # by cancel reason
     kv_disk: DiskTierStats | None = None  # the disk tier's, when the engine has one
+    paused: int = 0  # of ``running``, those paused: their client stopped reading (backpressure)
+    paused_longest_s: float = 0.0  # how long the longest-paused of them has been paused (0: none)
 
 
 @dataclass(frozen=True)
@@ -38,13 +40,14 @@ class RequestInfo:
     """One queued or running request, as ``GET /v1/requests`` lists it."""
 
     request_id: str
-    status: str  # "queued" | "running" | "preempted"
+    status: str  # "queued" | "running" | "paused" | "preempted"
     prompt_tokens: int  # the request's prompt length
     prompt_computed: int  # prompt tokens with K/V computed so far (prefix-cache hits included)
     completion_tokens: int
     age_s: float
     deadline_s: float | None  # seconds left until its deadline
     session_id: str | None
+    paused_s: float | None = None  # seconds since its client stopped reading (status "paused")
 
 
 STEP_HISTORY = 8192  # recent steps kept in ``EngineCounters.recent_steps``
@@ -101,8 +104,9 @@ def merge_stats(parts: Sequence[EngineStats], block_size: int) -> EngineStats:
         return out
 
     numeric = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_used", "running", "waiting",
-               "conversations", "steps", "prefix_cache_hit_tokens", "prefix_cache_hit_blocks",
+               "conversations", "paused", "steps", "prefix_cache_hit_tokens", "prefix_cache_hit_blocks",
                "prefix_cache_query_blocks", "computed_tokens", "generated_tokens", "preemptions")
     return EngineStats(block_size=block_size, finished=tally("finished"), cancelled=tally("cancelled"),
+                       paused_longest_s=max((s.paused_longest_s for s in parts), default=0.0),
                        kv_disk=merge_disk_stats([s.kv_disk for s in parts if s.kv_disk is not None]),
                        **{name: total(name) for name in numeric})

@@ -20,6 +20,7 @@ from fastapi import Depends, Request
 from bargein.engine.client import EngineClient, EngineInfo
 from bargein.server.generation import JobRunner
 from bargein.server.metrics import ServerMetrics
+from bargein.server.metrics_tenants import TenantSeries
 from bargein.server.middleware import scope_tenant
 from bargein.server.openai_format import system_fingerprint
 from bargein.server.prompt_memory import PromptMemory
@@ -28,6 +29,7 @@ from bargein.server.registry import RequestRegistry
 from bargein.server.responses_store import ResponseStore
 from bargein.server.settings import ServerSettings
 from bargein.server.stalls import StallWatch
+from bargein.server.tenant_gate import TenantLimits
 from bargein.server.tenants import Tenant
 
 
@@ -61,8 +63,11 @@ class ServerContext:
     def __post_init__(self) -> None:
         s = self.settings
         core = self.model = self.engine.describe()
+        self.metrics.tenants = TenantSeries(s.key_table().tenants, max_series=s.max_tenant_series,
+                                            operators=s.operator_tenants)
+        limits = TenantLimits(s.max_in_flight_per_tenant, s.max_queued_per_tenant)
         self.jobs = JobRunner(self.engine, self.registry, self.metrics, max_queue=s.max_queue,
-                              max_per_tenant=s.max_requests_per_tenant, draining=lambda: self.draining,
+                              tenant_limits=limits, draining=lambda: self.draining,
                               stream_buffer_tokens=s.stream_buffer_tokens, stall_timeout=s.stream_stall_timeout)
         self.responses = ResponseStore(s.max_stored_responses)
         self.memory = PromptMemory(s.continuation_memory_entries, s.continuation_memory_tokens)

@@ -21,6 +21,11 @@ that takes nothing for ``stall_timeout`` seconds while the buffer is full sets
 ``job.stalled``: its response ends, and the job is abandoned with reason ``disconnect``,
 keeping exactly the tokens taken from the engine (C3).
 
+Tenants (``tenant_gate.py``): a job whose tenant has its limit of requests in flight is
+registered *queued*, its slots unsubmitted; it is handed to the engine when one of the
+tenant's jobs closes, or ends cancelled without having run (a cancel while queued, the
+server draining). ``abort`` is the cancel routes' way in, for both kinds.
+
 Shutdown (``force_finish``): after the engine had its chance to answer every request,
 any slot still without a final output gets one made here (cancelled, reason
 ``shutdown``), so no stream or collector is left waiting.
@@ -39,12 +44,23 @@ from typing import TypeVar
 from fastapi import Request
 
 from bargein.engine.client import EngineClient
-from bargein.engine.request import CancelReason, FinishReason, RequestOutput, TokenLogprob, Usage
+from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput
 from bargein.engine.sampling import MAX_SEED, SamplingParams
-from bargein.engine.streams import RequestStream
 from bargein.server.errors import REQUEST_ID, APIError, from_engine_exception
+from bargein.server.job_slots import (
+    FinalHook,
+    ForcedEnd,
+    Progress,
+    Slot,
+    SlotOutputs,
+    failed_final,
+    is_forced,
+    shutdown_final,
+    unsubmitted_final,
+)
 from bargein.server.metrics import ServerMetrics
-from bargein.server.registry import RequestRegistry, engine_id_for
+from bargein.server.registry import RequestRegistry, RequestSummary, engine_id_for
+from bargein.server.tenant_gate import NO_TENANT_LIMITS, TenantGate, TenantLimits
 
 log = logging.getLogger("bargein.server")
 T = TypeVar("T")
@@ -55,79 +71,15 @@ class ClientGone(Exception):
     """The client disconnected before the answer was ready; its request was cancelled."""
 
 
-class SlotOutputs:
-    """One engine request's outputs as the job reads them, plus a forced end at shutdown.
-
-    ``get`` returns the next :class:`RequestOutput` (read through the engine stream's
-    processor, O(new tokens)) or ``_FORCED_END`` once ``force_end`` was called. A ``get``
-    that is cancelled (a pump stopped, a ``wait_for`` ran out) loses nothing: the read in
-    progress is kept and handed to the next ``get``.
-    """
-
-    def __init__(self, engine: EngineClient, stream: RequestStream):
-        self._engine = engine
-        self.stream = stream
-        self._reading: asyncio.Future[RequestOutput] | None = None
-        self._forced = asyncio.Event()
-
-    @property
-    def num_delivered(self) -> int:
-        """Output tokens turned into outputs so far (what the client can have seen)."""
-        return self.stream.processor.num_delivered
-
-    def force_end(self) -> None:
-        self._forced.set()
-
-    async def get(self) -> RequestOutput | _ForcedEnd:
-        if self._forced.is_set():
-            return _FORCED_END
-        if self._reading is None:
-            self._reading = asyncio.ensure_future(self._engine.next_output(self.stream))
-        forced = asyncio.ensure_future(self._forced.wait())
-        try:
-            await asyncio.wait({self._reading, forced}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            forced.cancel()
-        if self._reading.done():
-            reading, self._reading = self._reading, None
-            return reading.result()
-        return _FORCED_END
-
-
 @dataclass(frozen=True)
-class Slot:
-    """One engine request of a job: which prompt, which choice, and its output index."""
+class EngineWork:
+    """What a job's slots submit: slot ``(p, j)`` runs ``prompts[p]`` as choice ``j`` of ``n``."""
 
-    engine_id: str
-    queue: SlotOutputs
-    index: int  # the choice index the client sees
-    prompt_index: int
-
-
-@dataclass
-class Progress:
-    """One slot's outputs so far: deltas accumulated, and the final output once it came."""
-
-    pieces: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    last_usage: Usage | None = None
-    final: RequestOutput | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        self.pieces.append(out.delta_text)
-        self.token_ids.extend(out.new_token_ids)
-        self.logprobs.extend(out.new_logprobs)
-        self.last_usage = out.usage
-        if out.finished:
-            self.final = out
-
-    @property
-    def text(self) -> str:
-        return self.final.text if self.final is not None else "".join(self.pieces)
-
-
-FinalHook = Callable[[Slot, RequestOutput], None]
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    timeout: float | None
+    constraint_from: int | None
 
 
 @dataclass
@@ -146,6 +98,10 @@ class Job:
     buffered: int = 0  # tokens in ``merged``
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set when the consumer took from ``merged``
     stalled: asyncio.Event = field(default_factory=asyncio.Event)  # its consumer stopped reading: end it
+    tenant: str = ""  # who asked (the Tenant's name)
+    work: EngineWork | None = None  # what its slots submit to the engine
+    queued_at: float | None = None  # time.monotonic() when it joined its tenant's queue (None: it did not)
+    admitted: float | None = None  # time.monotonic() when handed to the engine (after its tenant's queue)
 
     def __post_init__(self) -> None:
         self.progress = {slot.index: Progress() for slot in self.slots}
@@ -176,24 +132,16 @@ def request_id_for(request: Request, prefix: str) -> str:
     return request.state.request_id
 
 
-class _ForcedEnd:
-    """Put into a slot's queue at shutdown: end this slot now with what was delivered."""
-
-
-_FORCED_END = _ForcedEnd()
-_FORCED_SUFFIX = "(shutdown)"  # on the request_id of a final output made by force_finish
-
-
 class JobRunner:
     """Starts jobs on the engine and streams their outputs, with metrics and bookkeeping.
 
     Dependencies are given, not looked up: the engine, the registry of live HTTP
-    requests, the metrics, the queue limits (all tenants, one tenant) and a ``draining``
-    check (shutdown began).
+    requests, the metrics, the queue limits (all tenants; each tenant's in flight and
+    queued, ``tenant_gate.py``) and a ``draining`` check (shutdown began).
     """
 
     def __init__(self, engine: EngineClient, registry: RequestRegistry, metrics: ServerMetrics, *,
-                 max_queue: int | None, draining: Callable[[], bool], max_per_tenant: int | None = None,
+                 max_queue: int | None, draining: Callable[[], bool], tenant_limits: TenantLimits = NO_TENANT_LIMITS,
                  stream_buffer_tokens: int | None = None, stall_timeout: float | None = None):
         self.engine = engine
         self.stream_buffer_tokens = stream_buffer_tokens
@@ -201,28 +149,23 @@ class JobRunner:
         self.registry = registry
         self.metrics = metrics
         self.max_queue = max_queue
-        self.max_per_tenant = max_per_tenant
+        self.gate = TenantGate(tenant_limits)
         self._draining = draining
         self._open: dict[int, Job] = {}  # by id(job): jobs not yet closed
+        self._waiting: dict[str, Job] = {}  # by request id: jobs queued behind their tenant's in-flight limit
         self._late: set[asyncio.Task] = set()
 
     def check_capacity(self, request_id: str, tenant: str = "") -> None:
-        """Refuses a new request when shutting down, over the queue limit (the server's or
-        the tenant's) or reusing a live id."""
+        """Refuses a new request when shutting down, over the server's queue limit or
+        reusing a live id. (The tenant's limits are the gate's, ``start``.)"""
         if self._draining():
             self.metrics.rejected["shutting_down"] += 1
             raise APIError(503, "the server is shutting down", code="shutting_down")
         limit = self.max_queue
         if limit is not None and len(self.registry) >= limit:
-            self.metrics.rejected["queue_full"] += 1
+            self.metrics.reject(tenant, "queue_full")
             raise APIError(429, f"the server already has {len(self.registry)} requests in flight "
                                 f"(--max-queue {limit}); retry later", code="queue_full",
-                           headers={"Retry-After": "1"})
-        per_tenant = self.max_per_tenant
-        if per_tenant is not None and self.registry.count(tenant) >= per_tenant:
-            self.metrics.rejected["tenant_queue_full"] += 1
-            raise APIError(429, f"this API key already has {per_tenant} requests in flight or queued "
-                                f"(--max-requests-per-tenant {per_tenant}); retry later", code="queue_full",
                            headers={"Retry-After": "1"})
         if request_id in self.registry:
             raise APIError(409, f"request id {request_id!r} is already in use", param="X-Request-Id",
@@ -232,36 +175,117 @@ class JobRunner:
               params: SamplingParams, *, n: int = 1, timeout: float | None = None,
               received: float | None = None, on_final: FinalHook | None = None,
               constraint_from: int | None = None, streamed: bool = False, tenant: str = "") -> Job:
-        """Submits every (prompt, choice) to the engine and registers the job under ``tenant``.
+        """Submits every (prompt, choice) to the engine and registers the job under ``tenant``;
+        or, when the tenant has its limit in flight, registers it queued (submitted when one
+        of the tenant's requests ends, ``tenant_gate.py``).
 
         ``streamed``: its consumer is a client's stream, bounded (module doc, backpressure).
-        Raises APIError; on failure nothing stays submitted.
+        Raises APIError (the tenant's 429 among them); on failure nothing stays submitted.
         """
         self.check_capacity(request_id, tenant)
-        slots: list[Slot] = []
+        work = EngineWork([list(p) for p in prompts], params, n, timeout, constraint_from)
+        slots = [Slot(engine_id_for(request_id, p * n + j), SlotOutputs(self.engine), p * n + j, p)
+                 for p in range(len(prompts)) for j in range(n)]
+        job = Job(request_id, endpoint, slots, received or time.monotonic(), on_final, tenant=tenant, work=work)
+        if streamed and self.stream_buffer_tokens is not None:
+            job.buffer_tokens, job.stall_timeout = self.stream_buffer_tokens, self.stall_timeout
         try:
-            for p, prompt in enumerate(prompts):
-                for j in range(n):
-                    index = p * n + j
-                    rid, stream = self.engine.submit(list(prompt), _choice_params(params, j, n),
-                                                     request_id=engine_id_for(request_id, index), timeout=timeout,
-                                                     constraint_from=constraint_from)
-                    slots.append(Slot(rid, SlotOutputs(self.engine, stream), index, p))
+            in_flight = self.gate.enter(tenant, request_id)
+        except APIError as refusal:
+            self.metrics.reject(tenant, refusal.code or "tenant_limit")
+            raise
+        if in_flight:
+            try:
+                self._submit(job)
+            except BaseException:
+                self._admit(self.gate.leave(tenant, request_id))
+                raise
+        else:
+            self._waiting[request_id] = job
+            job.queued_at = time.monotonic()
+        self.registry.add(request_id, [s.engine_id for s in slots], endpoint, tenant)
+        self._open[id(job)] = job
+        return job
+
+    def _submit(self, job: Job, waited: float = 0.0) -> None:
+        """Hands the job's slots (those not ended while it waited) to the engine, their
+        deadline less the ``waited`` seconds in the tenant's queue. Raises the mapped
+        APIError; nothing of the job stays submitted then."""
+        work = job.work
+        assert work is not None
+        timeout = None if work.timeout is None else work.timeout - waited
+        if timeout is not None and timeout <= 0:
+            self._end_waiting(job, CancelReason.DEADLINE)
+            return
+        try:
+            for slot in job.slots:
+                if slot.queue.unsubmitted_end is not None:
+                    continue
+                _, stream = self.engine.submit(work.prompts[slot.prompt_index],
+                                               _choice_params(work.params, slot.index % work.n, work.n),
+                                               request_id=slot.engine_id, timeout=timeout,
+                                               constraint_from=work.constraint_from)
+                if job.buffer_tokens is not None:
+                    stream.limit_unread(job.buffer_tokens)
+                slot.queue.attach(stream)
         except Exception as exc:
-            for slot in slots:
-                self.engine.abort(slot.engine_id, CancelReason.ERROR)
+            for slot in job.slots:
+                if slot.queue.submitted:
+                    self.engine.abort(slot.engine_id, CancelReason.ERROR)
             mapped = from_engine_exception(exc)
             if mapped is None:
                 raise
             raise mapped from None
-        self.registry.add(request_id, [s.engine_id for s in slots], endpoint, tenant)
-        job = Job(request_id, endpoint, slots, received or time.monotonic(), on_final)
-        if streamed and self.stream_buffer_tokens is not None:
-            job.buffer_tokens, job.stall_timeout = self.stream_buffer_tokens, self.stall_timeout
-            for slot in slots:
-                slot.queue.stream.limit_unread(self.stream_buffer_tokens)
-        self._open[id(job)] = job
-        return job
+        job.admitted = time.monotonic()
+        self.metrics.tenants.queued_for(job.tenant, job.admitted - job.received)
+
+    def _admit(self, request_ids: list[str]) -> None:
+        """Queued jobs whose tenant has room in flight again: to the engine (while the
+        server drains, ended as cancelled instead: nothing new starts)."""
+        for request_id in request_ids:
+            job = self._waiting.pop(request_id, None)
+            if job is None:
+                continue
+            if self._draining():
+                self._end_waiting(job, CancelReason.SHUTDOWN)
+                continue
+            try:
+                self._submit(job, time.monotonic() - (job.queued_at or job.received))
+            except Exception as exc:
+                log.warning("%s could not start after waiting in its tenant's queue: %s", request_id, exc)
+                message = exc.message if isinstance(exc, APIError) else f"{type(exc).__name__}: {exc}"
+                self._end_waiting(job, None, message)
+
+    def _end_waiting(self, job: Job, reason: CancelReason | None, error: str | None = None) -> None:
+        for slot in job.slots:
+            if not slot.queue.submitted and slot.queue.unsubmitted_end is None:
+                prompt = job.work.prompts[slot.prompt_index] if job.work else ()
+                slot.queue.end_unsubmitted(unsubmitted_final(slot, len(prompt), reason, error))
+
+    def waiting(self, tenant: str) -> list[RequestSummary]:
+        """``tenant``'s jobs waiting in its queue, as ``GET /v1/requests`` lists them."""
+        now = time.monotonic()
+        return [RequestSummary(job.request_id, "queued", sum(len(p) for p in job.work.prompts), 0, 0,
+                               now - job.received, None)
+                for job in self._waiting.values() if job.tenant == tenant and job.work is not None]
+
+    def abort(self, engine_id: str, reason: CancelReason = CancelReason.USER) -> AbortResult:
+        """Cancels one engine request of a job: in the engine, or, for a job still queued
+        in its tenant's line, here (it ends without having run). The cancel routes' abort."""
+        request_id = self.registry.owner(engine_id)
+        job = self._waiting.get(request_id) if request_id is not None else None
+        if job is None:
+            return self.engine.abort(engine_id, reason)
+        result = AbortResult.ALREADY_FINISHED
+        for slot in job.slots:
+            if slot.engine_id == engine_id and slot.queue.unsubmitted_end is None:
+                prompt = job.work.prompts[slot.prompt_index] if job.work else ()
+                slot.queue.end_unsubmitted(unsubmitted_final(slot, len(prompt), reason))
+                result = AbortResult.CANCELLED
+        if all(slot.queue.unsubmitted_end is not None for slot in job.slots):  # nothing left to run: out of the line
+            del self._waiting[job.request_id]
+            self.gate.leave(job.tenant, job.request_id)
+        return result
 
     async def outputs(self, job: Job, *, exit_reason: CancelReason = CancelReason.DISCONNECT
                       ) -> AsyncIterator[tuple[Slot, RequestOutput]]:
@@ -301,7 +325,7 @@ class JobRunner:
     @staticmethod
     def _take(job: Job, slot: Slot, out: RequestOutput) -> None:
         job.progress[slot.index].add(out)
-        if out.finished and job.on_final is not None and not _is_forced(out):
+        if out.finished and job.on_final is not None and not is_forced(out):
             job.on_final(slot, out)
 
     async def collect(self, job: Job, *, exit_reason: CancelReason = CancelReason.DISCONNECT) -> Job:
@@ -326,13 +350,18 @@ class JobRunner:
         while not job.merged.empty():  # delivered by the engine but not read: still part of the answer
             self._take(job, *job.merged.get_nowait())
         unfinished = [slot for slot in job.slots if (final := job.progress[slot.index].final) is None
-                      or _is_forced(final)]
+                      or is_forced(final)]
         for slot in unfinished:  # the engine keeps exactly what the client was handed (C3)
-            self.engine.abort(slot.engine_id, reason, delivered=slot.queue.num_delivered)
+            if slot.queue.submitted:
+                self.engine.abort(slot.engine_id, reason, delivered=slot.queue.num_delivered)
+        self._waiting.pop(job.request_id, None)
+        self._admit(self.gate.leave(job.tenant, job.request_id))
         self.registry.finish(job.request_id)
-        self.metrics.record_outcome(job.endpoint, job_outcome(job, reason))
+        outcome = job_outcome(job, reason)
+        self.metrics.record_outcome(job.endpoint, outcome)
         self.metrics.duration.observe(time.monotonic() - job.received)
-        unanswered = [slot for slot in unfinished if job.progress[slot.index].final is None]
+        self.metrics.tenants.finished(job.tenant, outcome, *job_tokens(job))
+        unanswered = [slot for slot in unfinished if job.progress[slot.index].final is None and slot.queue.submitted]
         if unanswered and job.on_final is not None:
             task = asyncio.ensure_future(self._late_finals(job, unanswered))
             self._late.add(task)
@@ -344,7 +373,7 @@ class JobRunner:
             try:
                 while True:
                     out = await asyncio.wait_for(slot.queue.get(), LATE_FINAL_WAIT_S)
-                    if isinstance(out, _ForcedEnd):
+                    if isinstance(out, ForcedEnd):
                         break
                     if out.finished:
                         assert job.on_final is not None
@@ -383,9 +412,9 @@ async def _pump(job: Job, slot: Slot, merged: asyncio.Queue) -> None:
             item = await slot.queue.get()
         except Exception as exc:  # reading the output failed: end the slot, never leave the job waiting
             log.exception("reading the outputs of %s failed", slot.engine_id)
-            item = _failed_final(slot, job.progress[slot.index], f"{type(exc).__name__}: {exc}")
-        if isinstance(item, _ForcedEnd):
-            item = _shutdown_final(slot, job.progress[slot.index])
+            item = failed_final(slot, job.progress[slot.index], f"{type(exc).__name__}: {exc}")
+        if isinstance(item, ForcedEnd):
+            item = shutdown_final(slot, job.progress[slot.index])
         merged.put_nowait((slot, item))
         job.buffered += len(item.new_token_ids)
         if item.finished:
@@ -405,26 +434,15 @@ async def _room_in_buffer(job: Job) -> bool:
     return True
 
 
-def _shutdown_final(slot: Slot, progress: Progress) -> RequestOutput:
-    """The final output of a slot the engine did not end in time: what was delivered."""
-    usage = progress.last_usage or Usage(0, 0, 0)
-    return RequestOutput(
-        request_id=slot.engine_id + _FORCED_SUFFIX, new_token_ids=(), token_ids=tuple(progress.token_ids),
-        delta_text="", text="".join(progress.pieces), finished=True, finish_reason=FinishReason.CANCELLED,
-        usage=usage, cancel_reason=CancelReason.SHUTDOWN)
-
-
-def _failed_final(slot: Slot, progress: Progress, error: str) -> RequestOutput:
-    """The final output of a slot whose outputs could not be read: an error, with what was delivered."""
-    return RequestOutput(
-        request_id=slot.engine_id + _FORCED_SUFFIX, new_token_ids=(), token_ids=tuple(progress.token_ids),
-        delta_text="", text="".join(progress.pieces), finished=True, finish_reason=FinishReason.ERROR,
-        usage=progress.last_usage or Usage(0, 0, 0), error=f"reading the answer failed: {error}")
-
-
-def _is_forced(out: RequestOutput) -> bool:
-    """Made by ``force_finish``, not the engine: its token ids are not known to be exact."""
-    return out.request_id.endswith(_FORCED_SUFFIX)
+def job_tokens(job: Job) -> tuple[int, int]:
+    """The job's (prompt, completion) tokens: each prompt once, every choice's answer."""
+    prompt = completion = 0
+    for slot in job.slots:
+        usage = job.progress[slot.index].last_usage
+        if usage is not None:
+            completion += usage.completion_tokens
+            prompt += usage.prompt_tokens if slot.index % (job.work.n if job.work else 1) == 0 else 0
+    return prompt, completion
 
 
 def job_outcome(job: Job, exit_reason: CancelReason) -> str:

@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.stats import EngineStats
 from bargein.server.cluster import cluster_snapshot
+from bargein.server.metrics_tenants import TenantSeries, TenantView
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -159,6 +160,12 @@ class ServerMetrics:
         self._cluster = _ClusterCollector()
         r.register(self._cluster)
         self.cursor = SampleCursor()
+        self.tenants = TenantSeries()  # per-tenant series; the app sets its tenants (context.py)
+
+    def reject(self, tenant: str, reason: str) -> None:
+        """A request refused before running (a 429): server-wide and in its tenant's series."""
+        self.rejected[reason] += 1
+        self.tenants.refused(tenant, reason)
 
     def record_outcome(self, endpoint: str, outcome: str) -> None:
         self.http_requests.labels(endpoint, outcome).inc()
@@ -178,13 +185,15 @@ class ServerMetrics:
             for steps in samples.cancel_latency_steps:
                 self.cancel_steps.observe(steps)
 
-    def render(self, live_requests: int) -> bytes:
-        """The exposition text (``generate_latest``)."""
+    def render(self, live_requests: int, reader: str | None = None) -> bytes:
+        """The exposition text (``generate_latest``): the server-wide series, and the
+        per-tenant ones that ``reader`` (a tenant name; None: everything) may see."""
         self._live.set(live_requests)
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(TenantView(self.tenants, reader))
 
-    async def scrape(self, engine: Any, live_requests: int) -> bytes:
-        """Reads the engine's snapshot and new samples (between steps), then renders.
+    async def scrape(self, engine: Any, live_requests: int, reader: str | None = None) -> bytes:
+        """Reads the engine's snapshot and new samples (between steps), then renders for
+        ``reader`` (``metrics_tenants.py``: a tenant reads its own series only).
 
         ``engine`` is the app's ``EngineClient``; when it is not alive, the last snapshot is
         rendered, so counters never go back.
@@ -196,7 +205,7 @@ class ServerMetrics:
             self.observe_engine(stats, samples)
             if engine.describe().pipeline_stages:  # a pipeline: its stages answer off the loop
                 self._cluster.info = await asyncio.to_thread(cluster_snapshot, engine)
-        return self.render(live_requests)
+        return self.render(live_requests, reader)
 
 
 class _EngineCollector(Collector):
@@ -240,7 +249,13 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("bargein_kv_cache_usage_ratio", "Share of KV blocks referenced by live sequences.",
                                 value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
         yield GaugeMetricFamily("bargein_requests_waiting", "Requests queued (the queue length).", value=s.waiting)
-        yield GaugeMetricFamily("bargein_requests_running", "Requests in the running batch.", value=s.running)
+        yield GaugeMetricFamily("bargein_requests_running", "Requests in the running batch, paused ones not counted.",
+                                value=s.running - s.paused)
+        yield GaugeMetricFamily("bargein_requests_paused",
+                                "Requests paused because their client stopped reading (backpressure).", value=s.paused)
+        yield GaugeMetricFamily("bargein_requests_paused_longest_seconds",
+                                "How long the longest-paused request has been paused (0: none is).",
+                                value=s.paused_longest_s)
         if s.kv_disk is not None:
             yield from _disk_tier_metrics(s.kv_disk)
 

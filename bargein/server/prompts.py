@@ -150,7 +150,10 @@ class PromptBuilder:
         def work() -> KnownText:
             return KnownText(prompt_text, prompt_ids, tuple(answer), prompt_text + self._decode(answer))
 
-        future = asyncio.get_running_loop().run_in_executor(self.pool, work)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.pool, work)
+        except RuntimeError:  # the pool was shut down: a late final during shutdown has no one to serve
+            return
         self._remembering.add(future)
 
         def done(f: asyncio.Future) -> None:

@@ -54,18 +54,20 @@ class RequestSummary:
     """One HTTP request as ``GET /v1/requests`` lists it."""
 
     id: str
-    status: str  # "queued" | "running"
+    status: str  # "queued" | "running" | "paused" (its client stopped reading: backpressure)
     prompt_tokens: int
     prompt_computed: int  # prompt tokens with K/V so far: equal to prompt_tokens once the prompt is read
     completion_tokens: int
     age_s: float
     deadline_s: float | None
+    paused_s: float | None = None  # seconds since its client stopped reading, while paused
 
     def as_dict(self) -> dict:
         return {"id": self.id, "status": self.status, "prompt_tokens": self.prompt_tokens,
                 "prompt_computed": self.prompt_computed,
                 "completion_tokens": self.completion_tokens, "age_s": round(self.age_s, 3),
-                "deadline_s": None if self.deadline_s is None else round(self.deadline_s, 3)}
+                "deadline_s": None if self.deadline_s is None else round(self.deadline_s, 3),
+                "paused_s": None if self.paused_s is None else round(self.paused_s, 3)}
 
 
 class RequestRegistry:
@@ -139,7 +141,9 @@ class RequestRegistry:
 
     def summarize(self, infos: list[RequestInfo], tenant: str | None = None) -> list[RequestSummary]:
         """Engine request infos grouped by the HTTP request they belong to, oldest first;
-        with ``tenant``, only that tenant's."""
+        with ``tenant``, only that tenant's. A request is ``paused`` when any of its engine
+        requests is (they share one client, which stopped reading), else ``running`` when
+        any runs, else ``queued``."""
         groups: dict[str, list[RequestInfo]] = {}
         for info in infos:
             request_id = self._by_engine_id.get(info.request_id, info.request_id)
@@ -148,13 +152,16 @@ class RequestRegistry:
         summaries = []
         for request_id, group in groups.items():
             deadlines = [i.deadline_s for i in group if i.deadline_s is not None]
+            paused = [i.paused_s for i in group if i.paused_s is not None]
+            statuses = {i.status for i in group}
             summaries.append(RequestSummary(
                 id=request_id,
-                status="running" if any(i.status == "running" for i in group) else "queued",
+                status="paused" if paused else "running" if "running" in statuses else "queued",
                 prompt_tokens=group[0].prompt_tokens,
                 prompt_computed=min(i.prompt_computed for i in group),
                 completion_tokens=sum(i.completion_tokens for i in group),
                 age_s=max(i.age_s for i in group),
                 deadline_s=min(deadlines) if deadlines else None,
+                paused_s=max(paused) if paused else None,
             ))
         return sorted(summaries, key=lambda s: -s.age_s)

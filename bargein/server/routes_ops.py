@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.stats import STEP_HISTORY, EngineStats
 from bargein.server.cluster import cluster_snapshot
-from bargein.server.context import Ctx
+from bargein.server.context import Caller, Ctx
 from bargein.server.metrics import CONTENT_TYPE
 
 router = APIRouter()
@@ -37,8 +37,9 @@ async def health(ctx: Ctx) -> JSONResponse:
 
 
 @router.get("/metrics")
-async def metrics(ctx: Ctx) -> Response:
-    text = await ctx.metrics.scrape(ctx.engine, live_requests=len(ctx.registry))
+async def metrics(ctx: Ctx, tenant: Caller) -> Response:
+    """Prometheus text; per-tenant series only the caller's own (``metrics_tenants.py``)."""
+    text = await ctx.metrics.scrape(ctx.engine, live_requests=len(ctx.registry), reader=tenant.name)
     return Response(text, media_type=CONTENT_TYPE)
 
 

@@ -1,7 +1,9 @@
 """Requests in flight: list them, and cancel one, several or all.
 
-All cancel surfaces end in the same engine abort (reason ``user``); the request's own
-response then ends with ``finish_reason: "cancelled"`` at the next step boundary.
+All cancel surfaces end in the same abort (reason ``user``, ``JobRunner.abort``): the
+engine's, or, for a request still waiting in its tenant's queue, the job runner's (it ends
+without having run); the request's own response then ends with ``finish_reason:
+"cancelled"`` at the next step boundary.
 ``POST /v1/requests/{id}/cancel`` is canonical; ``POST /v1/chat/cancel`` takes the id in
 the body. Unknown ids are 404; finished ones 200 with ``"status": "already_finished"``.
 
@@ -26,7 +28,7 @@ router = APIRouter()
 
 
 def cancel_one(ctx: ServerContext, request_id: str, tenant: Tenant) -> dict[str, Any]:
-    result = ctx.registry.cancel(request_id, ctx.engine.abort, CancelReason.USER, tenant.name)
+    result = ctx.registry.cancel(request_id, ctx.jobs.abort, CancelReason.USER, tenant.name)
     if result == AbortResult.NOT_FOUND:
         raise not_found("request", request_id, param="request_id")
     return {"id": request_id, "object": "request.cancel", "status": result.value}
@@ -47,13 +49,13 @@ async def cancel_many(body: CancelManyRequest, ctx: Ctx, tenant: Caller) -> dict
     """``{"all": true}`` cancels everything the caller has in flight; ``{"ids": [...]}`` those requests."""
     if body.all:
         ids = ctx.registry.live_ids(tenant.name)
-        results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER, tenant.name) for i in ids}
+        results = {i: ctx.registry.cancel(i, ctx.jobs.abort, CancelReason.USER, tenant.name) for i in ids}
         if tenant.is_anonymous:
             # requests made through another surface of the same engine (a conversation): by engine id
             others = [i for i in ctx.engine.live_request_ids() if ctx.registry.owner(i) is None]
             results.update({i: ctx.engine.abort(i, CancelReason.USER) for i in others})
     elif body.ids is not None:
-        results = {i: ctx.registry.cancel(i, ctx.engine.abort, CancelReason.USER, tenant.name) for i in body.ids}
+        results = {i: ctx.registry.cancel(i, ctx.jobs.abort, CancelReason.USER, tenant.name) for i in body.ids}
     else:
         raise APIError(400, 'give {"all": true} or {"ids": [...]}', param="all", code="invalid_value")
     return {"object": "request.cancel", "status": "cancelled",
@@ -64,5 +66,8 @@ async def cancel_many(body: CancelManyRequest, ctx: Ctx, tenant: Caller) -> dict
 
 @router.get("/v1/requests")
 async def list_requests(ctx: Ctx, tenant: Caller) -> dict[str, Any]:
+    """The caller's requests, oldest first: in the engine (queued, running or paused) and
+    waiting in the tenant's own queue (``queued``, behind its limit in flight)."""
     infos = await ctx.engine.requests()
-    return {"object": "list", "data": [s.as_dict() for s in ctx.registry.summarize(infos, tenant.name)]}
+    summaries = ctx.registry.summarize(infos, tenant.name) + ctx.jobs.waiting(tenant.name)
+    return {"object": "list", "data": [s.as_dict() for s in sorted(summaries, key=lambda s: -s.age_s)]}

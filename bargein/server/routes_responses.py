@@ -297,7 +297,7 @@ async def cancel_response(response_id: str, ctx: Ctx, tenant: Caller) -> dict[st
     """Cancels a response still generating and returns it once settled (idempotent)."""
     stored = _stored(ctx, response_id, tenant)
     if not stored.is_final:
-        ctx.registry.cancel(response_id, ctx.engine.abort, CancelReason.USER, tenant.name)
+        ctx.registry.cancel(response_id, ctx.jobs.abort, CancelReason.USER, tenant.name)
         with contextlib.suppress(TimeoutError):  # answer with what is known by then
             await asyncio.wait_for(stored.done.wait(), CANCEL_WAIT_S)
     return stored.to_dict()
@@ -307,6 +307,6 @@ async def cancel_response(response_id: str, ctx: Ctx, tenant: Caller) -> dict[st
 async def delete_response(response_id: str, ctx: Ctx, tenant: Caller) -> dict[str, Any]:
     stored = _stored(ctx, response_id, tenant)
     if not stored.is_final:
-        ctx.registry.cancel(response_id, ctx.engine.abort, CancelReason.USER, tenant.name)
+        ctx.registry.cancel(response_id, ctx.jobs.abort, CancelReason.USER, tenant.name)
     ctx.responses.pop(response_id, tenant.name)
     return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -49,7 +49,13 @@ class ServerSettings:
     # CLI always gives names: LOOPBACK_HOSTS and the --host address unless told others).
     allowed_hosts: tuple[str, ...] | None = None
     shared_prefix_cache: bool = False  # every tenant reuses every other's prefix-cache entries
-    max_requests_per_tenant: int | None = None  # live (queued or running) requests of one tenant; more get 429
+    # Per tenant (tenant_gate.py): requests handed to the engine at once; more wait in the
+    # tenant's own queue, of at most max_queued_per_tenant (None: only --max-queue bounds it);
+    # beyond both, 429 naming the limit.
+    max_in_flight_per_tenant: int | None = None
+    max_queued_per_tenant: int | None = None
+    operator_tenants: tuple[str, ...] = ()  # tenants whose keys read every tenant's series in /metrics
+    max_tenant_series: int = 64  # tenants with their own /metrics series; the rest share "_other"
     request_timeout: float | None = None  # seconds; a deadline for every request
     max_queue: int | None = None  # live requests at most; more get 429
     max_body_bytes: int = 4 * 1024**2
@@ -88,14 +94,26 @@ class ServerSettings:
             raise SettingsError(f"request timeout must be positive, got {self.request_timeout}")
         if self.max_queue is not None and self.max_queue < 1:
             raise SettingsError(f"max queue must be at least 1, got {self.max_queue}")
-        if self.max_requests_per_tenant is not None and self.max_requests_per_tenant < 1:
-            raise SettingsError(f"max requests per tenant must be at least 1, got {self.max_requests_per_tenant}")
+        if self.max_in_flight_per_tenant is not None and self.max_in_flight_per_tenant < 1:
+            raise SettingsError(f"max in flight per tenant must be at least 1, got {self.max_in_flight_per_tenant}")
+        if self.max_queued_per_tenant is not None:
+            if self.max_queued_per_tenant < 0:
+                raise SettingsError(f"max queued per tenant must not be negative, got {self.max_queued_per_tenant}")
+            if self.max_in_flight_per_tenant is None:
+                raise SettingsError("max queued per tenant needs max in flight per tenant: a tenant's requests "
+                                    "queue only behind its limit in flight")
+        if self.max_tenant_series < 0:
+            raise SettingsError(f"max tenant series must not be negative, got {self.max_tenant_series}")
         if self.api_key is not None and len(self.api_key) < 1:
             raise SettingsError("the API key must not be empty")
         try:
             self.key_table()
         except KeyFileError as exc:
             raise SettingsError(str(exc)) from None
+        unknown = sorted(set(self.operator_tenants) - self.key_table().tenants)
+        if unknown:
+            raise SettingsError(f"operator tenants {', '.join(unknown)} have no API key (name tenants of the "
+                                f"keys file, or 'default' for --api-key)")
         if self.max_body_bytes < 1024:
             raise SettingsError(f"max body size must be at least 1 KiB, got {self.max_body_bytes}")
         if self.max_stored_responses < 1:
@@ -145,7 +163,9 @@ class ServerSettings:
             api_key=env.str("API_KEY", None) or None,
             allowed_hosts=tuple(h for h in (env.str("ALLOWED_HOSTS", "") or "").split(",") if h.strip()) or None,
             shared_prefix_cache=env.bool("SHARED_PREFIX_CACHE", False),
-            max_requests_per_tenant=env.int("MAX_REQUESTS_PER_TENANT", None),
+            max_in_flight_per_tenant=env.int("MAX_IN_FLIGHT_PER_TENANT", None),
+            max_queued_per_tenant=env.int("MAX_QUEUED_PER_TENANT", None),
+            max_tenant_series=env.int("MAX_TENANT_SERIES", defaults.max_tenant_series),
             request_timeout=env.float("REQUEST_TIMEOUT", None),
             max_queue=env.int("MAX_QUEUE", None),
             max_body_bytes=env.size("MAX_BODY", defaults.max_body_bytes),

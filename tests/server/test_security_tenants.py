@@ -3,7 +3,7 @@ read, delete or continue another's requests and stored responses, cannot probe a
 prompt through ``cached_tokens``, and cannot take all the server's queue.
 
 A real server on loopback around the tiny engine (``tiny_live_server``), three keys for
-two tenants (alice has two clients), at most 3 live requests per tenant.
+two tenants (alice has two clients), at most 3 requests per tenant in flight and none queued.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ LONG = 400  # output tokens of a request that must stay live while the test look
 
 @pytest.fixture(scope="module")
 def server():
-    with tiny_live_server(api_keys=KEYS, max_requests_per_tenant=PER_TENANT, debug_endpoints=True) as live:
+    with tiny_live_server(api_keys=KEYS, max_in_flight_per_tenant=PER_TENANT, max_queued_per_tenant=0,
+                          debug_endpoints=True) as live:
         yield live
         live.wait_idle()
         kv = httpx.get(f"{live.base_url}/debug/kv", headers=auth(ALICE), timeout=30).json()
@@ -154,7 +155,7 @@ def test_a_tenant_over_its_limit_gets_429_and_the_other_is_served(slow):
     ids = [_background(server, ALICE)["id"] for _ in range(PER_TENANT)]
     over = httpx.post(f"{server.base_url}/v1/completions", headers=auth(ALICE_PHONE), timeout=60,
                       json={"prompt": "hi", "max_tokens": 2})
-    assert over.status_code == 429 and over.json()["error"]["code"] == "queue_full", over.text
+    assert over.status_code == 429 and over.json()["error"]["code"] == "tenant_in_flight_limit", over.text
     assert "per-tenant" in over.json()["error"]["message"]
     served = httpx.post(f"{server.base_url}/v1/completions", headers=auth(BOB), timeout=60,
                         json={"prompt": "hi", "max_tokens": 2, **GREEDY})

@@ -151,7 +151,7 @@ class ReplicaSet(ReplicaConversations):
                 check_length(length, f.max_model_len, "the conversation")  # the head's copy never runs ahead
                 route = self.router.assign(conversation.replica, len(conversation.tokens) + len(tokens))
             else:
-                route = self.router.choose(tokens, reserve_tokens=params.max_tokens or 0)
+                route = self.router.choose(tokens, cache_salt=params.cache_salt, reserve_tokens=params.max_tokens or 0)
             if route is None:
                 raise EngineDeadError("no replica is up")
             self.records.recent.pop(request_id, None)
@@ -421,7 +421,8 @@ class ReplicaSet(ReplicaConversations):
                         tombstoned=rec.request_id in self.tombstones, why=why, now=time.monotonic())
         route: Route | None = None
         if not isinstance(choice, End):
-            route = self.router.choose(choice.tokens, reserve_tokens=choice.reserve_tokens)
+            route = self.router.choose(choice.tokens, cache_salt=rec.params.cache_salt,
+                                        reserve_tokens=choice.reserve_tokens)
             if route is None:
                 choice = End(FinishReason.ERROR, error=f"no replica is left to run it: {why}")
         if isinstance(choice, End):
