@@ -18,12 +18,19 @@ Rules (:class:`ReasoningSplitter`): an opening marker counts only before any ans
 thought and right after its closing marker is dropped, as the templates write it back;
 a marker split across deltas is held until it is whole, so the result does not depend on
 how the text arrives.
+
+Usage counts the thoughts' tokens (``reasoning_tokens`` in chat completions'
+``completion_tokens_details`` and Responses' ``output_tokens_details``): the answer's
+tokens up to the end of the thought's closing marker (all of them for an answer cut
+mid-thought), found from the token ids themselves (:func:`reasoning_token_count`).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bargein.loader.chat_template import has_thinking_switch, thinking_markers
 from bargein.server.tools import CallEnd, CallStart, ToolCallParser, ToolEvent, ToolSyntax
@@ -83,9 +90,19 @@ class ReasoningSplitter:
         self.thought_started = False  # some non-space text of the current thought went out
         self.answered = False  # some non-space answer text went out: no thought opens after it
         self._held = ""
+        self._fed = 0  # characters of the answer fed so far
+        self._closed_at = 0  # characters of the answer up to the last closing marker's end
+
+    @property
+    def thought_chars(self) -> int:
+        """How many leading characters of the answer so far are thought (markers included):
+        all of them while a thought is open."""
+        return self._fed if self.inside else self._closed_at
 
     def feed(self, text: str, final: bool = False) -> list[str | ReasoningDelta]:
         buf, out = self._held + text, []
+        start = self._fed - len(self._held)  # where ``buf`` begins in the answer, kept as buf is cut
+        self._fed += len(text)
         while True:
             if self.inside:
                 at = buf.find(self.thinking.close)
@@ -96,11 +113,14 @@ class ReasoningSplitter:
                     buf = buf[len(buf) - keep:]
                     break
                 self._thought(out, buf[:at].rstrip())
-                buf, self.inside, self.thought_started = buf[at + len(self.thinking.close):], False, False
+                cut = at + len(self.thinking.close)
+                start, self._closed_at = start + cut, start + cut
+                buf, self.inside, self.thought_started = buf[cut:], False, False
                 continue
             if not self.answered:  # an opening marker may still come: only spaces so far
                 stripped = buf.lstrip()
                 if stripped.startswith(self.thinking.open):
+                    start += len(buf) - len(stripped) + len(self.thinking.open)
                     buf, self.inside = stripped[len(self.thinking.open):], True
                     continue
                 if not final and (not stripped or self.thinking.open.startswith(stripped)):
@@ -173,6 +193,29 @@ class AnswerParser:
     def calls(self) -> list:
         return self.tools.calls if self.tools is not None else []
 
+    @property
+    def thought_chars(self) -> int:
+        """Leading characters of the answer that are thought (``ReasoningSplitter.thought_chars``)."""
+        return self.splitter.thought_chars if self.splitter is not None else 0
+
+
+def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_chars: int) -> int:
+    """How many of an answer's ``token_ids`` write its first ``thought_chars`` characters:
+    the fewest whose text reaches that far (a binary search over decoded prefixes, so a
+    token that spans the thought's end counts as thought). Decoded as answers' text is by
+    default (special tokens left out): markers the splitter saw are in that text."""
+    if thought_chars <= 0:
+        return 0
+    ids = list(token_ids)
+    low, high = 0, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if len(tokenizer.decode(ids[:mid])) >= thought_chars:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
 
 def parse_answer(text: str, thinking: Thinking | None, tool_names: set[str] | None,
                  syntax: ToolSyntax | None = None) -> AnswerParser:
@@ -199,4 +242,5 @@ def _held_back(text: str, close: str) -> int:
 
 
 __all__ = ["AnswerEvent", "AnswerParser", "CallEnd", "CallStart", "ReasoningDelta", "ReasoningFormat",
-           "ReasoningSplitter", "Thinking", "parse_answer", "thinking_for", "thinking_kwargs"]
+           "ReasoningSplitter", "Thinking", "parse_answer", "reasoning_token_count", "thinking_for",
+           "thinking_kwargs"]

@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput
-from bargein.server.reasoning import AnswerEvent, ReasoningDelta, ReasoningSplitter
+from bargein.server.reasoning import (
+    AnswerEvent,
+    ReasoningDelta,
+    ReasoningSplitter,
+    reasoning_token_count,
+)
 from bargein.server.tools import CallStart, ToolCall, ToolCallParser
 
 FINAL_STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
@@ -47,6 +52,7 @@ class StoredResponse:
     calls: ToolCallParser | None = None  # with tools offered: the answer's text -> content and function calls
     order: list[int | None] = field(default_factory=list)  # output items as they appeared: None message, i call i
     thoughts: ReasoningSplitter | None = None  # a template that marks thinking: thoughts -> a reasoning item
+    tokenizer: Any = field(default=None, repr=False)  # with ``thoughts``: counts the thoughts' tokens in usage
     reasoning: str = ""  # the thoughts so far (the reasoning item, first of the output when not empty)
     answer_start: int | None = None  # continuing an answer: where in prompt_token_ids that answer began
     return_token_ids: bool = False  # the extension: the exact prompt and output token ids in the object
@@ -60,6 +66,11 @@ class StoredResponse:
     incomplete_reason: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     tenant: str = ""  # the creator's Tenant name: only it reads, continues or cancels this response
+
+    def _reasoning_tokens(self, final: RequestOutput) -> int:
+        if self.thoughts is None or self.tokenizer is None:
+            return 0
+        return reasoning_token_count(self.tokenizer, final.token_ids, self.thoughts.thought_chars)
 
     @property
     def message_id(self) -> str:
@@ -121,7 +132,8 @@ class StoredResponse:
         # cache_write_tokens: the prompt tokens computed here, whose K/V the prefix cache keeps
         details = {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.prompt_tokens - u.cached_tokens}
         self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": details,
-                      "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": u.completion_tokens,
+                      "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(out)},
                       "total_tokens": u.total_tokens}
         if out.finish_reason == FinishReason.STOP:
             self.status = "completed"

@@ -254,6 +254,7 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
     thinking = thinking_for(ctx.tokenizer.chat_template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
                             constrained=constraint is not None)
     stored.thoughts = ReasoningSplitter(thinking) if thinking is not None else None
+    stored.tokenizer = ctx.tokenizer
     if text_format is not None:
         stored.text_format = text_format
     gen = Generation("responses", response_id, received, [tokens], params, timeout=timeout, stream=body.stream,

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput, Usage
-from bargein.server.anthropic.errors import error_payload
+from bargein.server.error_shapes import anthropic_payload
 from bargein.server.generation import Job, Slot
 from bargein.server.openai_format import cancel_fields
 from bargein.server.openai_stream import final_or_raise
@@ -151,7 +151,7 @@ class MessagesShape:
                                             "usage": usage_fields(out.usage)})
 
     def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
-        yield named_event("error", error_payload(out.error or "generation failed", 500))
+        yield named_event("error", anthropic_payload(out.error or "generation failed", 500))
 
     def closing(self, usage: dict[str, Any]) -> Iterable[str]:
         if self.started:

@@ -1,0 +1,85 @@
+"""Usage counts the thoughts' tokens: chat completions' ``completion_tokens_details`` and
+Responses' ``output_tokens_details.reasoning_tokens``.
+
+On the shapes, with outputs made here from byte tokens (one token per character), an
+answer that closes its thought midway counts exactly the tokens up to the closing
+marker's end, streamed or not, however the deltas are cut. On the tiny thinking model
+(``test_reasoning.thinking_app``), whose random weights never close a thought, every
+output token is a thought.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bargein.engine.request import FinishReason, RequestOutput, Usage
+from bargein.server.generation import Slot
+from bargein.server.openai_stream import ChatShape
+from bargein.server.reasoning import Thinking, parse_answer, reasoning_token_count
+from tests.server.test_reasoning import ASK, GREEDY, ThinkingByteTokenizer, thinking_app
+from tests.tiny_engine import ByteTokenizer
+
+INSIDE = Thinking("<think>", "</think>", True)
+OPENS = Thinking("<think>", "</think>", False)
+SLOT = Slot("r-0", None, 0, 0)
+ANSWERS = [  # (thinking, answer, tokens of thought)
+    (INSIDE, "\nabcde</think>\n\nHello", len("\nabcde</think>")),
+    (OPENS, "  <think>hm</think>Yes", len("  <think>hm</think>")),
+    (INSIDE, "still thinking when cut", len("still thinking when cut")),
+    (OPENS, "No thought. <think>x</think>", 0),
+]
+
+
+def outputs(text: str, cuts: list[int]) -> list[RequestOutput]:
+    """The answer as byte-token outputs, cut at ``cuts``; the last one final."""
+    ids = list(text.encode())
+    bounds = [0, *cuts, len(ids)]
+    outs = []
+    for i in range(len(bounds) - 1):
+        last = i == len(bounds) - 2
+        piece = ids[bounds[i]:bounds[i + 1]]
+        outs.append(RequestOutput("r-0", tuple(piece), tuple(ids) if last else (), bytes(piece).decode(),
+                                  text if last else "", last, FinishReason.STOP if last else None,
+                                  Usage(10, bounds[i + 1], 0)))
+    return outs
+
+
+@pytest.mark.parametrize("thinking,answer,expected", ANSWERS)
+def test_the_thoughts_tokens_are_counted_however_the_answer_streams(thinking, answer, expected):
+    tokenizer = ByteTokenizer()
+    parsed = parse_answer(answer, thinking, None)
+    assert reasoning_token_count(tokenizer, list(answer.encode()), parsed.thought_chars) == expected
+    for cuts in ([], [1], [3, 9], list(range(1, len(answer)))):
+        shape = ChatShape({"id": "c"}, tokenizer, logprobs=False, include_usage=True, thinking=thinking)
+        for out in outputs(answer, cuts):
+            list(shape.content(SLOT, out))
+            if out.finished:
+                list(shape.final(SLOT, out))
+        *_, usage_chunk, done = shape.closing({"completion_tokens": len(answer)})
+        usage = json.loads(usage_chunk[6:])["usage"]
+        assert usage["completion_tokens_details"] == {"reasoning_tokens": expected}, cuts
+
+
+def test_no_thinking_no_details():
+    shape = ChatShape({"id": "c"}, ByteTokenizer(), logprobs=False, include_usage=True)
+    *_, usage_chunk, _ = shape.closing({"completion_tokens": 3})
+    assert "completion_tokens_details" not in json.loads(usage_chunk[6:])["usage"]
+
+
+@pytest.mark.anyio
+async def test_a_thought_cut_by_max_tokens_is_all_reasoning_tokens():
+    assert ThinkingByteTokenizer.chat_template  # the tiny model's template opens a thought
+    async with thinking_app() as client:
+        chat = (await client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 9, **GREEDY})).json()
+        assert chat["usage"]["completion_tokens"] == 9
+        assert chat["usage"]["completion_tokens_details"] == {"reasoning_tokens": 9}
+        streamed = await client.post("/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True}, **GREEDY})
+        usage = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")][-1]
+        assert usage["usage"]["completion_tokens_details"] == {"reasoning_tokens": 9}
+        response = (await client.post("/v1/responses", json={"input": "Why?", "max_output_tokens": 7,
+                                                             **GREEDY})).json()
+        assert response["usage"]["output_tokens"] == 7
+        assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 7}
