@@ -83,6 +83,8 @@ def conversation(body: CountTokensRequest) -> Conversation:
     prefill = body.messages[-1].get("role") == "assistant"
     if prefill:
         _check_prefill(len(body.messages) - 1, messages[-1])
+        if not messages[-1]["content"]:  # an empty prefill: the answer is a new turn, as Anthropic reads it
+            messages, prefill = messages[:-1], False
     return Conversation(messages, _thinking(body.thinking), prefill)
 
 
