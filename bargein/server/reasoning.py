@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bargein.loader.chat_template import has_thinking_switch, thinking_markers
-from bargein.server.tools import CallEnd, CallStart, ToolCallParser, ToolEvent, ToolSyntax
+from bargein.server.tool_syntax import call_parser
+from bargein.server.tools import CallEnd, CallStart, ToolEvent, ToolSyntax
 
 
 class ReasoningFormat(enum.StrEnum):
@@ -145,13 +146,13 @@ class AnswerParser:
     """An answer's text, delta by delta, as thoughts, answer text and tool calls.
 
     Thoughts are split first (``thinking``: None keeps them in the text); the answer text
-    then goes through a :class:`ToolCallParser` when tools are offered (``tool_names``).
+    then goes through the syntax's call parser (``tool_syntax.call_parser``) when tools are offered (``tool_names``).
     ``reasoning``, ``text`` and ``calls`` hold the whole answer so far.
     """
 
     def __init__(self, thinking: Thinking | None, tool_names: set[str] | None, syntax: ToolSyntax | None = None):
         self.splitter = ReasoningSplitter(thinking) if thinking is not None else None
-        self.tools = ToolCallParser(tool_names, syntax) if tool_names is not None else None
+        self.tools = call_parser(tool_names, syntax) if tool_names is not None else None
         self.reasoning_parts: list[str] = []
         self.text_parts: list[str] = []
 

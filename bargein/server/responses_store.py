@@ -26,6 +26,7 @@ from bargein.server.reasoning import (
     ReasoningSplitter,
     reasoning_token_count,
 )
+from bargein.server.tool_syntax_xml import XmlToolCallParser
 from bargein.server.tools import CallStart, ToolCall, ToolCallParser
 
 FINAL_STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
@@ -49,7 +50,7 @@ class StoredResponse:
     template_tools: list[dict[str, Any]] | None = None  # tools the chat template rendered itself
     tools: list[dict[str, Any]] = field(default_factory=list)  # the request's tools and tool_choice, echoed
     tool_choice: Any = "auto"
-    calls: ToolCallParser | None = None  # with tools offered: the answer's text -> content and function calls
+    calls: ToolCallParser | XmlToolCallParser | None = None  # with tools offered: the answer's text -> content and function calls
     order: list[int | None] = field(default_factory=list)  # output items as they appeared: None message, i call i
     thoughts: ReasoningSplitter | None = None  # a template that marks thinking: thoughts -> a reasoning item
     tokenizer: Any = field(default=None, repr=False)  # with ``thoughts``: counts the thoughts' tokens in usage

@@ -48,7 +48,8 @@ from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
 from bargein.server.tenants import Tenant
-from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan, tool_syntax_for
+from bargein.server.tool_syntax import call_parser
+from bargein.server.tools import ToolPlan, tool_plan, tool_syntax_for
 from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.validation import check_structured, effective_timeout, resolve_max_tokens
 
@@ -161,7 +162,7 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
         previous_response_id=body.previous_response_id, background=body.background, store=body.store,
         metadata=body.metadata or {}, user=body.user, template_tools=template_tools,
         tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        calls=ToolCallParser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
+        calls=call_parser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
@@ -208,7 +209,7 @@ async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResp
         previous_response_id=prev.id, background=body.background, store=body.store,
         metadata=body.metadata or {}, user=body.user, template_tools=prev.template_tools,
         tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        calls=ToolCallParser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
+        calls=call_parser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
