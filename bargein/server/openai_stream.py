@@ -166,8 +166,9 @@ class ChatShape:
             if out.delta_text or lps:
                 yield self._delta(slot, {"content": out.delta_text}, lps)
             return
-        parser = self.parsers.setdefault(slot.index, AnswerParser(self.thinking, self.tool_names, self.syntax))
-        events = parser.feed(out.delta_text, final=out.finished)
+        parser = self.parsers.setdefault(slot.index, AnswerParser(self.thinking, self.tool_names, self.syntax,
+                                                                          self.tokenizer))
+        events = parser.feed(out.delta_text, final=out.finished, token_ids=out.new_token_ids)
         if lps and not any(isinstance(e, str | ReasoningDelta) for e in events):
             yield self._delta(slot, {"content": ""}, lps)
         for event in events:
@@ -224,7 +225,8 @@ class ChatShape:
             message: dict[str, Any] = {"role": "assistant", "content": final.text, "refusal": None}
             parser = None
             if self.tool_names is not None or self.thinking is not None:
-                parser = parse_answer(final.text, self.thinking, self.tool_names, self.syntax)
+                parser = parse_answer(final.text, self.thinking, self.tool_names, self.syntax, self.tokenizer,
+                                      final.token_ids)
                 message["content"] = parser.text
                 if self.thinking is not None:
                     message["reasoning_content"] = parser.reasoning or None

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bargein.loader.chat_template import has_thinking_switch, thinking_markers
-from bargein.server.tool_syntax import call_parser
-from bargein.server.tools import CallEnd, CallStart, ToolEvent, ToolSyntax
+from bargein.server.control_markers import guard_for, untagged
+from bargein.server.tool_syntax import HERMES, call_parser
+from bargein.server.tools import ArgumentsDelta, CallEnd, CallStart, ToolEvent, ToolSyntax
 
 
 class ReasoningFormat(enum.StrEnum):
@@ -53,16 +54,28 @@ class Thinking:
 
 
 def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *,
-                 constrained: bool = False) -> Thinking | None:
+                 constrained: bool = False, tokenizer: Any = None, prompt_ids: Sequence[int] = ()) -> Thinking | None:
     """The thinking of an answer to ``prompt_text`` (rendered by ``template``); None when
     thoughts are not split (format ``none``, a template that marks no thinking, or an
     answer ``constrained`` by a grammar from its first token: a JSON object or a forced
-    call has no thoughts, even after a prompt that opened one)."""
+    call has no thoughts, even after a prompt that opened one).
+
+    The answer starts inside a thought when the prompt's last opening marker comes after
+    its last closing one. Given the ``tokenizer`` and the prompt's ids, markers that are
+    one token of the vocabulary are found by their ids: message content is tokenized as
+    text, so a user who writes ``<think>`` does not open a thought (``control_markers``)."""
     markers = thinking_markers(template)
     if fmt == ReasoningFormat.NONE or markers is None or constrained:
         return None
     open_, close = markers
-    return Thinking(open_, close, prompt_text.rfind(open_) > prompt_text.rfind(close))
+    guard = guard_for(tokenizer, markers) if prompt_ids else None
+    ids = {marker: token_id for token_id, marker in guard.markers.items()} if guard is not None else {}
+    if open_ in ids and close in ids:
+        where = {token_id: i for i, token_id in enumerate(prompt_ids)}  # each id's last place
+        inside = where.get(ids[open_], -1) > where.get(ids[close], -1)
+    else:
+        inside = prompt_text.rfind(open_) > prompt_text.rfind(close)
+    return Thinking(open_, close, inside)
 
 
 def thinking_kwargs(template: str | None, enabled: bool | None) -> dict[str, bool]:
@@ -146,17 +159,35 @@ class AnswerParser:
     """An answer's text, delta by delta, as thoughts, answer text and tool calls.
 
     Thoughts are split first (``thinking``: None keeps them in the text); the answer text
-    then goes through the syntax's call parser (``tool_syntax.call_parser``) when tools are offered (``tool_names``).
-    ``reasoning``, ``text`` and ``calls`` hold the whole answer so far.
+    then goes through the syntax's call parser (``tool_syntax.call_parser``) when tools
+    are offered (``tool_names``). ``reasoning``, ``text`` and ``calls`` hold the whole
+    answer so far.
+
+    Given the ``tokenizer``, markers that are one token of its vocabulary count only where
+    the model wrote them as that token (``control_markers``): feed each output's
+    ``token_ids`` with its text.
     """
 
-    def __init__(self, thinking: Thinking | None, tool_names: set[str] | None, syntax: ToolSyntax | None = None):
+    def __init__(self, thinking: Thinking | None, tool_names: set[str] | None, syntax: ToolSyntax | None = None,
+                 tokenizer: Any = None):
+        syntax = syntax or HERMES
+        offered = tool_names is not None
+        self.guard = guard_for(tokenizer, [*((thinking.open, thinking.close) if thinking is not None else ()),
+                                           *((syntax.open, syntax.close) if offered else ())])
+        if self.guard is not None:
+            protect = self.guard.protect
+            if thinking is not None:
+                thinking = replace(thinking, open=protect(thinking.open), close=protect(thinking.close))
+            syntax = replace(syntax, open=protect(syntax.open),
+                             close=protect(syntax.close) if syntax.close is not None else None)
         self.splitter = ReasoningSplitter(thinking) if thinking is not None else None
         self.tools = call_parser(tool_names, syntax) if tool_names is not None else None
         self.reasoning_parts: list[str] = []
         self.text_parts: list[str] = []
 
-    def feed(self, text: str, final: bool = False) -> list[AnswerEvent]:
+    def feed(self, text: str, final: bool = False, token_ids: Sequence[int] = ()) -> list[AnswerEvent]:
+        if self.guard is not None:
+            text = self.guard.tag(text, token_ids)
         pieces = self.splitter.feed(text, final) if self.splitter is not None else [text]
         events: list[AnswerEvent] = []
         answer = ""
@@ -164,8 +195,10 @@ class AnswerParser:
             if isinstance(piece, ReasoningDelta):
                 events += self._answer(answer, False)
                 answer = ""
-                self.reasoning_parts.append(piece.text)
-                events.append(piece)
+                piece = ReasoningDelta(untagged(piece.text))
+                if piece.text:
+                    self.reasoning_parts.append(piece.text)
+                    events.append(piece)
             else:
                 answer += piece
         events += self._answer(answer, final)
@@ -173,14 +206,19 @@ class AnswerParser:
 
     def _answer(self, text: str, final: bool) -> list[AnswerEvent]:
         if self.tools is None:
+            text = untagged(text)
             if text:
                 self.text_parts.append(text)
             return [text] if text else []
         if not text and not final:
             return []
         content, events = self.tools.feed(text, final=final)
-        self.text_parts.append(content)
-        return list(events)
+        self.text_parts.append(untagged(content))
+        if self.guard is None:
+            return list(events)
+        for call in self.tools.calls:
+            call.arguments = untagged(call.arguments)
+        return [e for e in map(_untagged_event, events) if e != ""]
 
     @property
     def reasoning(self) -> str:
@@ -197,7 +235,18 @@ class AnswerParser:
     @property
     def thought_chars(self) -> int:
         """Leading characters of the answer that are thought (``ReasoningSplitter.thought_chars``)."""
-        return self.splitter.thought_chars if self.splitter is not None else 0
+        if self.splitter is None:
+            return 0
+        chars = self.splitter.thought_chars
+        return self.guard.plain_chars(chars) if self.guard is not None else chars
+
+
+def _untagged_event(event: AnswerEvent) -> AnswerEvent:
+    if isinstance(event, str):
+        return untagged(event)
+    if isinstance(event, ArgumentsDelta):
+        return ArgumentsDelta(event.index, untagged(event.text))
+    return event
 
 
 def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_chars: int) -> int:
@@ -219,10 +268,12 @@ def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_char
 
 
 def parse_answer(text: str, thinking: Thinking | None, tool_names: set[str] | None,
-                 syntax: ToolSyntax | None = None) -> AnswerParser:
-    """A whole answer parsed at once (non-streamed bodies): the same result as its deltas."""
-    parser = AnswerParser(thinking, tool_names, syntax)
-    parser.feed(text, final=True)
+                 syntax: ToolSyntax | None = None, tokenizer: Any = None, token_ids: Sequence[int] = ()
+                 ) -> AnswerParser:
+    """A whole answer parsed at once (non-streamed bodies): the same result as its deltas
+    (``token_ids``: the answer's, to tell control-token markers by; see AnswerParser)."""
+    parser = AnswerParser(thinking, tool_names, syntax, tokenizer)
+    parser.feed(text, final=True, token_ids=token_ids)
     return parser
 
 

@@ -143,7 +143,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
                       include_usage=_include_usage(body), token_ids=body.return_token_ids,
                       tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax,
                       thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
-                                            constrained=constraint is not None))
+                                            constrained=constraint is not None, tokenizer=ctx.tokenizer,
+                                            prompt_ids=prompt.token_ids))
     return await serve(request, ctx, gen, shape)
 
 

@@ -291,7 +291,8 @@ def call_parser(names: set[str], syntax: ToolSyntax | None = None) -> ToolCallPa
     syntax = syntax or HERMES
     if syntax.name == QWEN3_XML.name:
         schemas = {name: syntax.schemas.get(name, {}) for name in names}
-        return XmlToolCallParser(schemas, lambda body, index: json_call(body, names, syntax.arguments_key, index))
+        return XmlToolCallParser(schemas, lambda body, index: json_call(body, names, syntax.arguments_key, index),
+                                 syntax.open, syntax.close or "")
     return ToolCallParser(names, syntax)
 
 

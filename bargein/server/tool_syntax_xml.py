@@ -110,10 +110,11 @@ class XmlToolCallParser:
     """Splits an answer's text, delta by delta, into content and XML tool calls, in order.
 
     ``schemas``: each known tool's parameters schema, by name (the types to coerce to).
-    ``judge_json(body)``: a JSON call body inside the tags as a ToolCall, or None.
+    ``judge_json(body, index)``: a JSON call body inside the tags as a ToolCall, or None.
     """
 
-    def __init__(self, schemas: Mapping[str, Any], judge_json: Any):
+    def __init__(self, schemas: Mapping[str, Any], judge_json: Any, open_tag: str = OPEN, close_tag: str = CLOSE):
+        self.open, self.close = open_tag, close_tag  # the call's tags (control_markers may tag them)
         self.schemas = schemas
         self.judge_json = judge_json
         self.calls: list[ToolCall] = []
@@ -140,9 +141,9 @@ class XmlToolCallParser:
         return "".join(self.content)
 
     def _content(self, buf: str, events: list[ToolEvent], final: bool) -> tuple[str, bool]:
-        at = buf.find(OPEN)
+        at = buf.find(self.open)
         if at < 0:
-            keep = 0 if final else partial_suffix(buf, OPEN)
+            keep = 0 if final else partial_suffix(buf, self.open)
             events.append(buf[:len(buf) - keep])
             return buf[len(buf) - keep:], False
         events.append(buf[:at])
@@ -151,7 +152,7 @@ class XmlToolCallParser:
 
     def _head(self, buf: str, events: list[ToolEvent], final: bool) -> tuple[str, bool]:
         """``buf`` starts with ``<tool_call>``: an XML call that streams, or a body judged whole."""
-        rest = buf[len(OPEN):].lstrip()
+        rest = buf[len(self.open):].lstrip()
         if rest.startswith(FUNCTION) and ">" in rest:
             name = rest[len(FUNCTION):rest.index(">")]
             if name in self.schemas:
@@ -162,14 +163,14 @@ class XmlToolCallParser:
                 return rest[rest.index(">") + 1:], True
         elif not final and (not rest or FUNCTION.startswith(rest[:len(FUNCTION)])) and ">" not in rest:
             return buf, False  # the head is still arriving
-        end = buf.find(CLOSE)
+        end = buf.find(self.close)
         if end < 0:  # something else: held until the closing tag, then judged whole
             if final:
                 events.append(buf)
                 return "", False
             return buf, False
-        whole = buf[:end + len(CLOSE)]
-        self._judge_whole(whole[len(OPEN):-len(CLOSE)], whole, events)
+        whole = buf[:end + len(self.close)]
+        self._judge_whole(whole[len(self.open):-len(self.close)], whole, events)
         self._state = "content"
         return buf[len(whole):], True
 
@@ -198,14 +199,14 @@ class XmlToolCallParser:
         return buf, False
 
     def _tail(self, buf: str, events: list[ToolEvent], final: bool) -> tuple[str, bool]:
-        end = buf.find(CLOSE)
+        end = buf.find(self.close)
         if end < 0 and not final:
             return buf, False
         call = self.calls[-1]
         call.done = True
         events.append(CallEnd(call.index))
         self._state = "content"
-        return (buf[end + len(CLOSE):], True) if end >= 0 else ("", False)
+        return (buf[end + len(self.close):], True) if end >= 0 else ("", False)
 
     def _piece(self, call: ToolCall, text: str, events: list[ToolEvent]) -> None:
         call.arguments += text

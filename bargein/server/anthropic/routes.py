@@ -95,7 +95,8 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
     shape = MessagesShape(request_id, ctx.model_name, ctx.tokenizer, eos_token_ids=ctx.model.eos_token_ids,
                           stop_sequences=body.stop_sequences or (),
                           thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
-                                                constrained=constraint is not None),
+                                                constrained=constraint is not None, tokenizer=ctx.tokenizer,
+                                                prompt_ids=prompt.token_ids),
                           tool_names={t.name for t in plan.tools} if plan.offered else None,
                           syntax=plan.syntax)
     return await serve(request, ctx, gen, shape)

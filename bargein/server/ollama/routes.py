@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from bargein.engine.constraint import Constraint
 from bargein.loader import ChatTemplateError
+from bargein.server.chat_text import RenderedChat, render_chat
 from bargein.server.context import Ctx, ServerContext, bargein_version
 from bargein.server.errors import APIError
 from bargein.server.generation import request_id_for
@@ -94,8 +95,10 @@ async def _chat(request: Request, ctx: ServerContext) -> Response:
                      on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
     shape = OllamaShape(ctx.model_name, chat=True, received=received,
                         thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
-                                              constrained=constraint is not None),
-                        tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax)
+                                              constrained=constraint is not None, tokenizer=ctx.tokenizer,
+                                              prompt_ids=prompt.token_ids),
+                        tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax,
+                        tokenizer=ctx.tokenizer)
     return await serve(request, ctx, gen, shape, media_type=NDJSON)
 
 
@@ -126,16 +129,18 @@ async def _generate(request: Request, ctx: ServerContext) -> Response:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
             {"role": "user", "content": body.prompt}]
         kwargs = thinking_kwargs(template, thinking_switch(body.think))
-        prompt_text = await ctx.prompts.run(lambda: _render(ctx, messages, kwargs))
-        ids = await ctx.prompts.run(lambda: ctx.tokenizer.encode(prompt_text, add_special_tokens=False))
+        rendered = await ctx.prompts.run(lambda: _render(ctx, messages, kwargs))
+        prompt_text = rendered.text
+        # The prompt and system text as the user wrote them: only the template's text becomes control tokens.
+        ids = await ctx.prompts.run(lambda: rendered.encoder(ctx.tokenizer)(prompt_text))
         thinking = thinking_for(template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
-                                constrained=constraint is not None)
+                                constrained=constraint is not None, tokenizer=ctx.tokenizer, prompt_ids=ids)
     tokens = context + ids
     check_prompt_length(len(tokens), ctx.max_model_len, "prompt")
     gen = Generation("ollama_generate", request_id, received, [tokens], params,
                      timeout=effective_timeout(body.timeout, ctx.settings.request_timeout), stream=body.stream)
     shape = OllamaShape(ctx.model_name, chat=False, received=received, thinking=thinking, tool_names=None,
-                        syntax=tool_syntax_for(template))
+                        syntax=tool_syntax_for(template), tokenizer=ctx.tokenizer)
     return await serve(request, ctx, gen, shape, media_type=NDJSON)
 
 
@@ -146,9 +151,9 @@ async def _structured(ctx: ServerContext, body: ChatRequest | GenerateRequest,
     return await check_structured(ctx, None, make_plan, param="format", read_format=lambda: format_constraint(body.format))
 
 
-def _render(ctx: ServerContext, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+def _render(ctx: ServerContext, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> RenderedChat:
     try:
-        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return render_chat(ctx.tokenizer, messages, None, "prompt", kwargs)
     except ChatTemplateError as exc:
         raise APIError(400, f"the chat template could not render the prompt: {exc}; send raw: true",
                        param="prompt") from None
