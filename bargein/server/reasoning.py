@@ -34,6 +34,7 @@ from typing import Any
 
 from bargein.loader.chat_template import has_thinking_switch, thinking_markers
 from bargein.server.control_markers import guard_for, untagged
+from bargein.server.errors import APIError
 from bargein.server.tool_syntax import HERMES, call_parser
 from bargein.server.tools import ArgumentsDelta, CallEnd, CallStart, ToolEvent, ToolSyntax
 
@@ -76,6 +77,20 @@ def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *
     else:
         inside = prompt_text.rfind(open_) > prompt_text.rfind(close)
     return Thinking(open_, close, inside)
+
+
+REASONING_EFFORTS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True}
+
+
+def effort_switch(effort: str | None, param: str = "reasoning_effort") -> bool | None:
+    """OpenAI's ``reasoning_effort`` as the thinking switch: ``none`` off, any other level
+    on (the template's switch has no levels); None leaves the template's default."""
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"{param} must be one of {list(REASONING_EFFORTS)}, got {effort!r}", param=param,
+                       code="invalid_value")
+    return REASONING_EFFORTS[effort]
 
 
 def thinking_kwargs(template: str | None, enabled: bool | None) -> dict[str, bool]:
@@ -294,5 +309,5 @@ def _held_back(text: str, close: str) -> int:
 
 
 __all__ = ["AnswerEvent", "AnswerParser", "CallEnd", "CallStart", "ReasoningDelta", "ReasoningFormat",
-           "ReasoningSplitter", "Thinking", "parse_answer", "reasoning_token_count", "thinking_for",
+           "ReasoningSplitter", "Thinking", "effort_switch", "parse_answer", "reasoning_token_count", "thinking_for",
            "thinking_kwargs"]

@@ -83,3 +83,14 @@ async def test_a_thought_cut_by_max_tokens_is_all_reasoning_tokens():
                                                              **GREEDY})).json()
         assert response["usage"]["output_tokens"] == 7
         assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 7}
+        # OpenAI's reasoning_effort is the thinking switch: "none" closes the thought in the prompt.
+        off = (await client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **GREEDY,
+                                                               "reasoning_effort": "none",
+                                                               "return_token_ids": True})).json()
+        assert ByteTokenizer().decode(off["choices"][0]["prompt_token_ids"]).endswith("<think>\n\n</think>\n\n")
+        assert off["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+        on = (await client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 5, **GREEDY,
+                                                              "reasoning_effort": "low"})).json()
+        assert on["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}
+        bad = await client.post("/v1/chat/completions", json={"messages": ASK, "reasoning_effort": "max"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
