@@ -28,10 +28,13 @@ mid-thought), found from the token ids themselves (:func:`reasoning_token_count`
 from __future__ import annotations
 
 import enum
+import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from bargein.engine.constraint import Constraint
 from bargein.loader.chat_template import has_thinking_switch, thinking_markers
 from bargein.server.control_markers import guard_for, untagged
 from bargein.server.errors import APIError
@@ -77,6 +80,38 @@ def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *
     else:
         inside = prompt_text.rfind(open_) > prompt_text.rfind(close)
     return Thinking(open_, close, inside)
+
+
+def budget_constraint(thinking: Thinking, budget: int, tokenizer: Any) -> Constraint:
+    """A grammar that caps the answer's thought at ``budget`` tokens (Anthropic's
+    ``thinking.budget_tokens``): the thought runs until the model closes it or the budget
+    is spent, then the closing marker is written for it and the answer goes on, free.
+
+    A thought the prompt opened (``starts_inside``) begins at once; otherwise the answer
+    may open one first (or answer without thinking). A closing marker that is a special
+    token is written as that token (``<[id]>``), so plain text ``</think>`` stays thought."""
+    close_id = _special_id(tokenizer, thinking.close)
+    close = f"<[{close_id}]>" if close_id is not None else json.dumps(thinking.close)
+    thought_text = "/(?s:.*)/" if close_id is not None else \
+        f"/(?s:.*)/ & ~/(?s:.*){_regex(thinking.close)}(?s:.*)/"
+    lines = [f"thought[max_tokens={budget}]: THOUGHT", f"THOUGHT: {thought_text}", "answer: ANSWER"]
+    if thinking.starts_inside:
+        lines = [f"start: thought {close} answer", *lines, "ANSWER: /(?s:.*)/"]
+    else:  # an answer without a thought must not begin with one
+        lines = [f"start: answer | WS {json.dumps(thinking.open)} thought {close} answer", *lines, "WS: /\\s*/",
+                 f"ANSWER: /(?s:.*)/ & ~/\\s*{_regex(thinking.open)}(?s:.*)/"]
+    return Constraint("lark", "\n".join(lines) + "\n")
+
+
+def _special_id(tokenizer: Any, marker: str) -> int | None:
+    """The id of ``marker`` when it is one special token (the grammar names it by id)."""
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_token_ids else None
+
+
+def _regex(text: str) -> str:
+    """``text`` as a literal inside a Lark /regex/."""
+    return re.escape(text).replace("/", "\\/")
 
 
 REASONING_EFFORTS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True}
@@ -309,5 +344,5 @@ def _held_back(text: str, close: str) -> int:
 
 
 __all__ = ["AnswerEvent", "AnswerParser", "CallEnd", "CallStart", "ReasoningDelta", "ReasoningFormat",
-           "ReasoningSplitter", "Thinking", "effort_switch", "parse_answer", "reasoning_token_count", "thinking_for",
+           "ReasoningSplitter", "Thinking", "budget_constraint", "effort_switch", "parse_answer", "reasoning_token_count", "thinking_for",
            "thinking_kwargs"]

@@ -1,4 +1,4 @@
-"""Usage counts the thoughts' tokens: chat completions' ``completion_tokens_details`` and
+"""Usage counts the thoughts' tokens, and Anthropic's thinking budget caps them: chat completions' ``completion_tokens_details`` and
 Responses' ``output_tokens_details.reasoning_tokens``.
 
 On the shapes, with outputs made here from byte tokens (one token per character), an
@@ -14,12 +14,21 @@ import json
 
 import pytest
 
+import bargein.server.anthropic.request as anthropic_request
+from bargein.engine.grammar import check_constraint
 from bargein.engine.request import FinishReason, RequestOutput, Usage
+from bargein.engine.sampling import SamplingParams
 from bargein.server.generation import Slot
 from bargein.server.openai_stream import ChatShape
-from bargein.server.reasoning import Thinking, parse_answer, reasoning_token_count
+from bargein.server.reasoning import (
+    Thinking,
+    budget_constraint,
+    parse_answer,
+    reasoning_token_count,
+)
+from tests.engine.test_engine import run_until_finished
 from tests.server.test_reasoning import ASK, GREEDY, ThinkingByteTokenizer, thinking_app
-from tests.tiny_engine import ByteTokenizer
+from tests.tiny_engine import ByteTokenizer, collector, tiny_engine
 
 INSIDE = Thinking("<think>", "</think>", True)
 OPENS = Thinking("<think>", "</think>", False)
@@ -94,3 +103,32 @@ async def test_a_thought_cut_by_max_tokens_is_all_reasoning_tokens():
         assert on["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}
         bad = await client.post("/v1/chat/completions", json={"messages": ASK, "reasoning_effort": "max"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
+
+
+# -- Anthropic's thinking budget ------------------------------------------------------------
+def test_the_budget_grammar_closes_the_thought_after_budget_tokens():
+    engine = tiny_engine(num_blocks=256)
+    engine.tokenizer = ThinkingByteTokenizer()
+    prompt_ids = list(b"<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    constraint = budget_constraint(INSIDE, 5, engine.tokenizer)
+    rid = collector(engine).add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=24, constraint=constraint))
+    final = next(o for o in run_until_finished(engine, rid) if o.finished)
+    assert bytes(final.token_ids[5:13]) == b"</think>"  # 5 tokens of thought, then the closing marker
+    assert len(final.token_ids) == 24 and b"</think>" not in bytes(final.token_ids[:5])
+    parsed = parse_answer(final.text, INSIDE, None)
+    assert reasoning_token_count(ByteTokenizer(), final.token_ids, parsed.thought_chars) == 13
+    check_constraint(budget_constraint(OPENS, 5, engine.tokenizer))  # a thought the answer may open
+
+
+@pytest.mark.anyio
+async def test_messages_thinking_budget_is_enforced(monkeypatch):
+    monkeypatch.setattr(anthropic_request, "MIN_THINKING_BUDGET", 4)  # the tiny model's context is 512 tokens
+    body = {"model": "m", "max_tokens": 20, "temperature": 0, "messages": ASK,
+            "thinking": {"type": "enabled", "budget_tokens": 4}}
+    async with thinking_app() as client:
+        message = (await client.post("/v1/messages", json=body)).json()
+        assert [b["type"] for b in message["content"]] == ["thinking", "text"], message  # 4 byte tokens, then text
+        assert message["stop_reason"] == "max_tokens" and message["usage"]["output_tokens"] == 20
+        unbudgeted = (await client.post("/v1/messages", json={**body, "thinking": {"type": "adaptive"}})).json()
+        assert [b["type"] for b in unbudgeted["content"]] == ["thinking"]  # random weights never close it
+        assert len(message["content"][0]["thinking"].encode()) <= 4 < len(unbudgeted["content"][0]["thinking"].encode())

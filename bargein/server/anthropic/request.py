@@ -12,7 +12,8 @@
   constrain the answer to one call whose input follows the schema;
 - ``thinking`` (``enabled`` / ``adaptive`` / ``disabled``) is the template's thinking
   switch; ``enabled`` needs ``budget_tokens``, validated as Anthropic does (at least
-  ``MIN_THINKING_BUDGET``, less than ``max_tokens``);
+  ``MIN_THINKING_BUDGET``, less than ``max_tokens``) and enforced: the thought is cut at
+  that many tokens, closed, and the answer goes on (``reasoning.budget_constraint``);
 - ``output_config.format`` (``{"type": "json_schema", "schema": ...}``) constrains the
   answer to the schema, as ``response_format`` does; ``output_config.effort`` is ignored;
 - a final assistant message is a prefill: the answer continues its text, in the same

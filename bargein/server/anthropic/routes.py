@@ -36,8 +36,14 @@ from bargein.server.generation import request_id_for
 from bargein.server.json_body import read_body
 from bargein.server.limits import check_limits
 from bargein.server.prompts import ChatPrompt
-from bargein.server.reasoning import ReasoningFormat, thinking_for, thinking_kwargs
+from bargein.server.reasoning import (
+    ReasoningFormat,
+    budget_constraint,
+    thinking_for,
+    thinking_kwargs,
+)
 from bargein.server.serving import Generation, serve
+from bargein.server.structured import compile_in_pool
 from bargein.server.tools import ToolPlan, prompt_messages, tool_syntax_for
 from bargein.server.validation import check_structured, effective_timeout, resolve_max_tokens
 
@@ -79,8 +85,14 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
                                               param="output_config.format", read_format=lambda: output_constraint(body),
                                               schema_at="output_config.format.schema")
     max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", ctx.settings, None)
-    thinking_budget(body.thinking, max_tokens)
+    budget = thinking_budget(body.thinking, max_tokens)
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
+    prompt = await _prompt(ctx, conv, plan)
+    thinking = thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
+                            constrained=constraint is not None, tokenizer=ctx.tokenizer, prompt_ids=prompt.token_ids)
+    if budget is not None and thinking is not None:  # (an answer constrained from its start has no thought)
+        constraint = budget_constraint(thinking, budget, ctx.tokenizer)
+        await compile_in_pool(ctx, constraint, "thinking.budget_tokens")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
                                 top_p=1.0 if body.top_p is None else body.top_p,
@@ -89,14 +101,11 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
     except InvalidSamplingParams as exc:
         raise APIError(400, str(exc).replace(exc.field, _FIELDS.get(exc.field, exc.field), 1),
                        param=_FIELDS.get(exc.field, exc.field), code="invalid_value") from None
-    prompt = await _prompt(ctx, conv, plan)
     gen = Generation("messages", request_id, received, [prompt.token_ids], params, timeout=timeout,
                      stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
     shape = MessagesShape(request_id, ctx.model_name, ctx.tokenizer, eos_token_ids=ctx.model.eos_token_ids,
                           stop_sequences=body.stop_sequences or (),
-                          thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
-                                                constrained=constraint is not None, tokenizer=ctx.tokenizer,
-                                                prompt_ids=prompt.token_ids),
+                          thinking=thinking,
                           tool_names={t.name for t in plan.tools} if plan.offered else None,
                           syntax=plan.syntax)
     return await serve(request, ctx, gen, shape)
