@@ -9,6 +9,9 @@ is one token of the vocabulary, the parsers act only on an occurrence the model 
 that token (by its id), never on the same characters spelled by other tokens. Markers the
 vocabulary spells with several tokens (the byte-level test tokenizers, SmolLM2's
 ``<tool_call>``) are read in the text as before: there is nothing else to tell them by.
+Nor are markers that are *special* tokens (left out of the text when decoding): what the
+parsers see of those was written as text (a forced call's grammar writes its markers as
+text), so guarding them would hide every call.
 
 How: :class:`MarkerGuard` sees each output's new token ids beside its text, finds where
 in the text each control token of a marker begins (the decoded length of the tokens
@@ -83,14 +86,15 @@ class MarkerGuard:
 
 
 def guard_for(tokenizer: Any, markers: Iterable[str | None]) -> MarkerGuard | None:
-    """The guard of the ``markers`` that are one token of ``tokenizer``'s vocabulary, or
-    None when none is (then the text is read as it is)."""
+    """The guard of the ``markers`` that are one token of ``tokenizer``'s vocabulary (and
+    not a special token, which decoding leaves out), or None when none is (then the text
+    is read as it is)."""
     if tokenizer is None:
         return None
     found: dict[int, str] = {}
     for marker in markers:
         if marker:
             ids = tokenizer.encode(marker, add_special_tokens=False)
-            if len(ids) == 1:
+            if len(ids) == 1 and ids[0] not in tokenizer.special_token_ids:
                 found[ids[0]] = marker
     return MarkerGuard(tokenizer, found) if found else None

@@ -82,31 +82,24 @@ def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *
     return Thinking(open_, close, inside)
 
 
-def budget_constraint(thinking: Thinking, budget: int, tokenizer: Any) -> Constraint:
+def budget_constraint(thinking: Thinking, budget: int) -> Constraint:
     """A grammar that caps the answer's thought at ``budget`` tokens (Anthropic's
     ``thinking.budget_tokens``): the thought runs until the model closes it or the budget
     is spent, then the closing marker is written for it and the answer goes on, free.
 
     A thought the prompt opened (``starts_inside``) begins at once; otherwise the answer
-    may open one first (or answer without thinking). A closing marker that is a special
-    token is written as that token (``<[id]>``), so plain text ``</think>`` stays thought."""
-    close_id = _special_id(tokenizer, thinking.close)
-    close = f"<[{close_id}]>" if close_id is not None else json.dumps(thinking.close)
-    thought_text = "/(?s:.*)/" if close_id is not None else \
-        f"/(?s:.*)/ & ~/(?s:.*){_regex(thinking.close)}(?s:.*)/"
-    lines = [f"thought[max_tokens={budget}]: THOUGHT", f"THOUGHT: {thought_text}", "answer: ANSWER"]
+    may open one first (or answer without thinking). The markers are text to the grammar:
+    forced, the closing one is tokenized as the tokenizer writes it (one token where the
+    vocabulary has one), so the parsers read it as the model's own."""
+    lines = [f"thought[max_tokens={budget}]: THOUGHT",
+             f"THOUGHT: /(?s:.*)/ & ~/(?s:.*){_regex(thinking.close)}(?s:.*)/", "answer: ANSWER"]
+    close = json.dumps(thinking.close)
     if thinking.starts_inside:
         lines = [f"start: thought {close} answer", *lines, "ANSWER: /(?s:.*)/"]
     else:  # an answer without a thought must not begin with one
         lines = [f"start: answer | WS {json.dumps(thinking.open)} thought {close} answer", *lines, "WS: /\\s*/",
                  f"ANSWER: /(?s:.*)/ & ~/\\s*{_regex(thinking.open)}(?s:.*)/"]
     return Constraint("lark", "\n".join(lines) + "\n")
-
-
-def _special_id(tokenizer: Any, marker: str) -> int | None:
-    """The id of ``marker`` when it is one special token (the grammar names it by id)."""
-    ids = tokenizer.encode(marker, add_special_tokens=False)
-    return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_token_ids else None
 
 
 def _regex(text: str) -> str:

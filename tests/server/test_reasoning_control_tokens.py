@@ -32,9 +32,11 @@ CONTROL = {257: "<think>", 258: "</think>", 259: "<tool_call>"}
 
 
 class ControlTokenizer(ByteTokenizer):
-    """Bytes, with ``<think>``, ``</think>`` and ``<tool_call>`` as control tokens."""
+    """Bytes, with ``<think>``, ``</think>`` and ``<tool_call>`` as control tokens (added
+    tokens that decoding keeps, as Qwen's are; only EOS is special)."""
 
     special_texts = tuple(CONTROL.values())
+    special_token_ids = frozenset({256})
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids, at = [], 0
@@ -128,10 +130,15 @@ def test_every_shape_gives_the_guarded_reading():
     assert stored.usage["output_tokens_details"] == {"reasoning_tokens": len(THOUGHT.encode()) + 1}
 
 
-def test_a_marker_the_vocabulary_spells_in_bytes_is_not_guarded():
+class SpecialMarkersTokenizer(ControlTokenizer):
+    special_token_ids = frozenset({256, *CONTROL})  # decoding leaves them out
+
+
+def test_a_marker_spelled_in_bytes_or_a_special_token_is_not_guarded():
     assert guard_for(ByteTokenizer(), ["<think>", "</think>"]) is None
     guard = guard_for(TOK, ["<think>", "</tool_call>"])
     assert guard.protect("<think>") == TAG + "<think>" and guard.protect("</tool_call>") == "</tool_call>"
+    assert guard_for(SpecialMarkersTokenizer(), ["<think>", "<tool_call>"]) is None
 
 
 OPENS_NOT = ThinkingByteTokenizer.chat_template.replace("{{ '<think>\\n' }}", "{{ '' }}")  # no thought opened

@@ -110,14 +110,14 @@ def test_the_budget_grammar_closes_the_thought_after_budget_tokens():
     engine = tiny_engine(num_blocks=256)
     engine.tokenizer = ThinkingByteTokenizer()
     prompt_ids = list(b"<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n<think>\n")
-    constraint = budget_constraint(INSIDE, 5, engine.tokenizer)
+    constraint = budget_constraint(INSIDE, 5)
     rid = collector(engine).add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=24, constraint=constraint))
     final = next(o for o in run_until_finished(engine, rid) if o.finished)
     assert bytes(final.token_ids[5:13]) == b"</think>"  # 5 tokens of thought, then the closing marker
     assert len(final.token_ids) == 24 and b"</think>" not in bytes(final.token_ids[:5])
     parsed = parse_answer(final.text, INSIDE, None)
     assert reasoning_token_count(ByteTokenizer(), final.token_ids, parsed.thought_chars) == 13
-    check_constraint(budget_constraint(OPENS, 5, engine.tokenizer))  # a thought the answer may open
+    check_constraint(budget_constraint(OPENS, 5))  # a thought the answer may open
 
 
 @pytest.mark.anyio
