@@ -28,16 +28,12 @@ mid-thought), found from the token ids themselves (:func:`reasoning_token_count`
 from __future__ import annotations
 
 import enum
-import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bargein.engine.constraint import Constraint
-from bargein.loader.chat_template import has_thinking_switch, thinking_markers
+from bargein.loader.chat_template import thinking_markers
 from bargein.server.control_markers import guard_for, untagged
-from bargein.server.errors import APIError
 from bargein.server.tool_syntax import HERMES, call_parser
 from bargein.server.tools import ArgumentsDelta, CallEnd, CallStart, ToolEvent, ToolSyntax
 
@@ -80,52 +76,6 @@ def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *
     else:
         inside = prompt_text.rfind(open_) > prompt_text.rfind(close)
     return Thinking(open_, close, inside)
-
-
-def budget_constraint(thinking: Thinking, budget: int) -> Constraint:
-    """A grammar that caps the answer's thought at ``budget`` tokens (Anthropic's
-    ``thinking.budget_tokens``): the thought runs until the model closes it or the budget
-    is spent, then the closing marker is written for it and the answer goes on, free.
-
-    A thought the prompt opened (``starts_inside``) begins at once; otherwise the answer
-    may open one first (or answer without thinking). The markers are text to the grammar:
-    forced, the closing one is tokenized as the tokenizer writes it (one token where the
-    vocabulary has one), so the parsers read it as the model's own."""
-    lines = [f"thought[max_tokens={budget}]: THOUGHT",
-             f"THOUGHT: /(?s:.*)/ & ~/(?s:.*){_regex(thinking.close)}(?s:.*)/", "answer: ANSWER"]
-    close = json.dumps(thinking.close)
-    if thinking.starts_inside:
-        lines = [f"start: thought {close} answer", *lines, "ANSWER: /(?s:.*)/"]
-    else:  # an answer without a thought must not begin with one
-        lines = [f"start: answer | WS {json.dumps(thinking.open)} thought {close} answer", *lines, "WS: /\\s*/",
-                 f"ANSWER: /(?s:.*)/ & ~/\\s*{_regex(thinking.open)}(?s:.*)/"]
-    return Constraint("lark", "\n".join(lines) + "\n")
-
-
-def _regex(text: str) -> str:
-    """``text`` as a literal inside a Lark /regex/."""
-    return re.escape(text).replace("/", "\\/")
-
-
-REASONING_EFFORTS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True}
-
-
-def effort_switch(effort: str | None, param: str = "reasoning_effort") -> bool | None:
-    """OpenAI's ``reasoning_effort`` as the thinking switch: ``none`` off, any other level
-    on (the template's switch has no levels); None leaves the template's default."""
-    if effort is None:
-        return None
-    if effort not in REASONING_EFFORTS:
-        raise APIError(400, f"{param} must be one of {list(REASONING_EFFORTS)}, got {effort!r}", param=param,
-                       code="invalid_value")
-    return REASONING_EFFORTS[effort]
-
-
-def thinking_kwargs(template: str | None, enabled: bool | None) -> dict[str, bool]:
-    """The template variables for a client's thinking switch (None: the template's default)."""
-    if enabled is None or not has_thinking_switch(template):
-        return {}
-    return {"enable_thinking": enabled}
 
 
 @dataclass(frozen=True)
@@ -337,5 +287,4 @@ def _held_back(text: str, close: str) -> int:
 
 
 __all__ = ["AnswerEvent", "AnswerParser", "CallEnd", "CallStart", "ReasoningDelta", "ReasoningFormat",
-           "ReasoningSplitter", "Thinking", "budget_constraint", "effort_switch", "parse_answer", "reasoning_token_count", "thinking_for",
-           "thinking_kwargs"]
+           "ReasoningSplitter", "Thinking", "parse_answer", "reasoning_token_count", "thinking_for"]

@@ -27,9 +27,10 @@ from bargein.server.generation import request_id_for
 from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ChatShape, CompletionShape
-from bargein.server.reasoning import ReasoningFormat, effort_switch, thinking_for, thinking_kwargs
+from bargein.server.reasoning import ReasoningFormat, thinking_for
 from bargein.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from bargein.server.serving import Generation, serve
+from bargein.server.thinking_switch import effort_switch, thinking_kwargs
 from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.tools import tool_plan, tool_syntax_for
 from bargein.server.validation import (

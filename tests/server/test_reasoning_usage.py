@@ -22,10 +22,10 @@ from bargein.server.generation import Slot
 from bargein.server.openai_stream import ChatShape
 from bargein.server.reasoning import (
     Thinking,
-    budget_constraint,
     parse_answer,
     reasoning_token_count,
 )
+from bargein.server.thinking_switch import budget_constraint
 from tests.engine.test_engine import run_until_finished
 from tests.server.test_reasoning import ASK, GREEDY, ThinkingByteTokenizer, thinking_app
 from tests.tiny_engine import ByteTokenizer, collector, tiny_engine

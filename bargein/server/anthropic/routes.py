@@ -36,14 +36,10 @@ from bargein.server.generation import request_id_for
 from bargein.server.json_body import read_body
 from bargein.server.limits import check_limits
 from bargein.server.prompts import ChatPrompt
-from bargein.server.reasoning import (
-    ReasoningFormat,
-    budget_constraint,
-    thinking_for,
-    thinking_kwargs,
-)
+from bargein.server.reasoning import ReasoningFormat, thinking_for
 from bargein.server.serving import Generation, serve
 from bargein.server.structured import compile_in_pool
+from bargein.server.thinking_switch import budget_constraint, thinking_kwargs
 from bargein.server.tools import ToolPlan, prompt_messages, tool_syntax_for
 from bargein.server.validation import check_structured, effective_timeout, resolve_max_tokens
 

@@ -42,8 +42,9 @@ from bargein.server.ollama.request import (
 )
 from bargein.server.ollama.shape import NDJSON, OllamaShape, now_iso
 from bargein.server.prompts import check_prompt_length
-from bargein.server.reasoning import ReasoningFormat, thinking_for, thinking_kwargs
+from bargein.server.reasoning import ReasoningFormat, thinking_for
 from bargein.server.serving import Generation, serve
+from bargein.server.thinking_switch import thinking_kwargs
 from bargein.server.tools import ToolPlan, prompt_messages, tool_plan, tool_syntax_for
 from bargein.server.validation import check_structured, effective_timeout
 
