@@ -2,7 +2,7 @@
 
 A real server on loopback around the tiny engine (``tiny_live_server``) with a key, a
 Host list, a small body limit and a queue of one. Each refusal the middleware or a route
-makes (401, 403, 413, 400, 429, 503) is sent by the official ``anthropic`` SDK (which
+makes (401, 403, 413, 400, 429, 503, and a 500 for an unexpected failure) is sent by the official ``anthropic`` SDK (which
 must raise its own typed error, with the message and Anthropic's error type), the
 official ``ollama`` client (``ResponseError`` with the message and the status) and an
 OpenAI-shaped request, so the shape follows the route family and nothing else.
@@ -17,6 +17,8 @@ import httpx
 import ollama
 import pytest
 
+import bargein.server.anthropic.routes as anthropic_routes
+import bargein.server.ollama.routes as ollama_routes
 from bargein.server.error_shapes import ErrorFamily, error_family
 from tests.conftest import wait_until
 from tests.server.tiny_live_server import tiny_live_server
@@ -138,3 +140,16 @@ def test_an_overloaded_queue_and_the_shutdown_drain(server):
         server.ctx.draining = False
     message = claude(server).messages.create(model="m", max_tokens=2, messages=ASK)  # served again
     assert message.usage.output_tokens >= 1
+
+
+def test_an_unexpected_failure_is_a_500_in_each_shape(server, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("internal detail that must not leak")
+
+    monkeypatch.setattr(anthropic_routes, "conversation", fail)
+    monkeypatch.setattr(ollama_routes, "chat_messages", fail)
+    anthropic_error(anthropic.InternalServerError, "api_error", "the error is logged",
+                    lambda: claude(server).messages.create(model="m", max_tokens=2, messages=ASK))
+    ollama_error(500, "the error is logged", lambda: llama(server).chat(model="m", messages=ASK))
+    monkeypatch.undo()
+    assert llama(server).chat(model="m", messages=ASK, options={"num_predict": 1}).done
