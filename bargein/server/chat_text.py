@@ -16,6 +16,11 @@ text, so such an edit may not apply to those messages; a template that takes con
 naming the control token. Messages without special-token text render and tokenize exactly
 as before (no spans, one encode), so prompts, cache keys and continuations are unchanged
 for them.
+
+A prefill (``continue_final``: the last message is the assistant's, and the answer goes on
+from its text, as Anthropic's Messages API and vLLM's ``continue_final_message`` do) is
+rendered without a generation prompt and cut right after the last message's text, so the
+template's end-of-turn after it is not in the prompt.
 """
 
 from __future__ import annotations
@@ -60,24 +65,39 @@ class RenderedChat:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, param: str,
-                template_kwargs: dict[str, Any] | None = None) -> RenderedChat:
+                template_kwargs: dict[str, Any] | None = None, *, continue_final: bool = False) -> RenderedChat:
     """The rendered prompt and where user-written content lies in it (see the module doc).
-    ``template_kwargs`` are the template's own variables (``enable_thinking``).
+    ``template_kwargs`` are the template's own variables (``enable_thinking``);
+    ``continue_final``: the prompt ends inside the last message, after its text (a prefill).
 
     Raises the template's ChatTemplateError as ``apply_chat_template`` does.
     """
-    extra = template_kwargs or {}
+    prefill = messages[-1].get("content") if continue_final and messages else None
+    if not prefill:  # no prefill, or an empty one: the answer is a new turn
+        return _render(tokenizer, messages, tools, param, template_kwargs or {}, True)
+    rendered = _render(tokenizer, messages, tools, param, template_kwargs or {}, False)
+    cut = rendered.text.rfind(prefill)
+    if cut < 0:
+        raise APIError(400, "this model's chat template does not write a final assistant message's text as it is, "
+                            "so the answer cannot continue it; end with a user message", param=param,
+                       code="invalid_value")
+    cut += len(prefill)
+    return RenderedChat(rendered.text[:cut], tuple((a, min(b, cut)) for a, b in rendered.content_spans if a < cut))
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, param: str, extra: dict[str, Any],
+            add_generation_prompt: bool) -> RenderedChat:
     forged = _special_text_in(tokenizer.special_texts, messages)
     if forged is None:
-        return RenderedChat(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
-                                                          **extra), ())
-    plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **extra)
+        return RenderedChat(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          tools=tools, **extra), ())
+    plain = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
     texts = [plain, *(m["content"] for m in messages if isinstance(m.get("content"), str))]
     open_mark, close_mark = next(((o, c) for o, c in _MARKERS if not any(o in t or c in t for t in texts)),
                                  _MARKERS[0])
     marked = [{**m, "content": f"{open_mark}{m['content']}{close_mark}"} if _holds(tokenizer.special_texts, m)
               else m for m in messages]
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tools=tools, **extra)
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
     text, spans = _take_out_markers(rendered, open_mark, close_mark)
     if text is None:
         raise APIError(400, f"a message's content holds the control token {forged!r} as text, and this model's "

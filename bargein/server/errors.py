@@ -1,11 +1,12 @@
-"""Errors in the OpenAI shape, from one place.
+"""Errors from one place, in the shape of the API a request belongs to.
 
-Every error the server answers looks like OpenAI's::
+An error on the OpenAI routes looks like OpenAI's::
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
-Routes raise :class:`APIError`; ``install_error_handlers`` turns it, FastAPI's validation
-errors and the engine's typed errors into that shape. Any other exception is answered by
+and on the Anthropic and Ollama routes like theirs (``error_shapes.py`` picks the shape by
+path). Routes raise :class:`APIError`; ``install_error_handlers`` turns it, FastAPI's
+validation errors and the engine's typed errors into that shape. Any other exception is answered by
 ``GuardMiddleware`` with ``internal_error()``: a 500 whose body names no internals, one
 logged traceback, and a connection that stays usable. A failure in one request never
 reaches the engine loop or other requests.
@@ -26,6 +27,7 @@ from bargein.engine.engine import EngineError
 from bargein.engine.sampling import InvalidSamplingParams
 from bargein.loader import ChatTemplateError
 from bargein.loader.tokenizer import UnencodableTextError
+from bargein.server.error_shapes import ErrorFamily, error_family, error_payload, openai_payload
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # what a client may choose as X-Request-Id
 
@@ -49,16 +51,20 @@ class APIError(Exception):
         self.type = type or _TYPES.get(status, "server_error")
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+    def body(self, family: ErrorFamily = ErrorFamily.OPENAI, request_id: str | None = None) -> dict[str, Any]:
+        return error_payload(family, self.status, self.message, type=self.type, param=self.param, code=self.code,
+                             request_id=request_id)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "", request_id: str | None = None) -> JSONResponse:
+        """The answer to a request for ``path``, in its API's error shape."""
+        return JSONResponse(self.body(error_family(path), request_id), status_code=self.status,
+                            headers=self.headers)
 
 
 def error_body(message: str, *, type: str = "server_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """An error in the OpenAI shape (a stream's error event on the OpenAI routes)."""
+    return openai_payload(message, type=type, param=param, code=code)
 
 
 def from_engine_exception(exc: Exception) -> APIError | None:
@@ -89,10 +95,17 @@ def _validation_param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(parts) or None
 
 
-def _with_request_id(request: Request, response: JSONResponse) -> JSONResponse:
-    """Echoes the request's id on an error too: the one a route assigned, else the client's."""
+def _request_id(request: Request) -> str | None:
+    """The request's id: the one a route assigned, else the client's (when well formed)."""
     request_id = getattr(request.state, "request_id", None) or request.headers.get("x-request-id")
-    if request_id and REQUEST_ID.fullmatch(request_id):
+    return request_id if request_id and REQUEST_ID.fullmatch(request_id) else None
+
+
+def answer(request: Request, error: APIError) -> JSONResponse:
+    """``error`` answered to ``request``: in its API's shape, with its id echoed."""
+    request_id = _request_id(request)
+    response = error.response(request.url.path, request_id)
+    if request_id is not None:
         response.headers["X-Request-Id"] = request_id
     return response
 
@@ -100,7 +113,7 @@ def _with_request_id(request: Request, response: JSONResponse) -> JSONResponse:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return _with_request_id(request, exc.response())
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -111,7 +124,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message, param = "the request body is not valid JSON", None
         else:
             message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return _with_request_id(request, APIError(400, message, param=param, code="invalid_value").response())
+        return answer(request, APIError(400, message, param=param, code="invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -121,13 +134,13 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
             message = f"{request.method} is not allowed on {request.url.path}; use {allowed or 'another method'}"
-        return APIError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+        return answer(request, APIError(exc.status_code, message, headers=getattr(exc, "headers", None)))
 
     async def _mapped(request: Request, exc: Exception) -> JSONResponse:
         mapped = from_engine_exception(exc)
         if mapped is None:  # not one of ours after all: the catch-all in middleware.py answers 500
             raise exc
-        return _with_request_id(request, mapped.response())
+        return answer(request, mapped)
 
     # By type, so Starlette's ExceptionMiddleware answers them and nothing is re-raised;
     # anything else reaches GuardMiddleware, which answers 500 (see internal_error).

@@ -18,9 +18,12 @@ In order, ``GuardMiddleware``:
   the routes unchanged; a body not declared JSON is a 415;
 - adds the security headers (``auth.SECURITY_HEADERS``: CSP, nosniff, no framing) to
   every response;
-- answers any exception the app lets escape with one generic 500 in the OpenAI shape and
+- answers any exception the app lets escape with one generic 500 and
   logs its traceback once. Not re-raising keeps uvicorn from logging it again and from
   closing the keep-alive connection, which stays usable for the next request.
+
+Every refusal and the 500 are in the error shape of the request's API (OpenAI, Anthropic
+or Ollama: ``error_shapes.error_family`` by path).
 
 ``Traffic`` counts the requests being answered, so the shutdown drain knows when every
 request that arrived before it has its answer.
@@ -34,7 +37,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from bargein.server.auth import BODY_METHODS, SECURITY_HEADERS, AccessRule
@@ -231,5 +233,5 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def _send_error(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-    response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-    await response(scope, receive, send)
+    """A refusal in the error shape of the API the request's path belongs to (error_shapes.py)."""
+    await error.response(scope["path"])(scope, receive, send)

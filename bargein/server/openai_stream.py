@@ -40,6 +40,7 @@ from bargein.server.reasoning import (
     ReasoningDelta,
     Thinking,
     parse_answer,
+    reasoning_token_count,
 )
 from bargein.server.responses_store import StoredResponse
 from bargein.server.sse import DONE, data_event, named_event
@@ -140,6 +141,7 @@ class ChatShape:
         self.thinking = thinking
         self.syntax = syntax
         self.parsers: dict[int, AnswerParser] = {}  # per choice, streamed
+        self.reasoning_tokens: dict[int, int] = {}  # per finished choice, with thinking split
 
     def _finish_reason(self, out: RequestOutput, parser: AnswerParser | None) -> str | None:
         if parser is not None and parser.calls and out.finish_reason == FinishReason.STOP:
@@ -164,8 +166,9 @@ class ChatShape:
             if out.delta_text or lps:
                 yield self._delta(slot, {"content": out.delta_text}, lps)
             return
-        parser = self.parsers.setdefault(slot.index, AnswerParser(self.thinking, self.tool_names, self.syntax))
-        events = parser.feed(out.delta_text, final=out.finished)
+        parser = self.parsers.setdefault(slot.index, AnswerParser(self.thinking, self.tool_names, self.syntax,
+                                                                          self.tokenizer))
+        events = parser.feed(out.delta_text, final=out.finished, token_ids=out.new_token_ids)
         if lps and not any(isinstance(e, str | ReasoningDelta) for e in events):
             yield self._delta(slot, {"content": ""}, lps)
         for event in events:
@@ -187,7 +190,19 @@ class ChatShape:
         return self._chunk([{"index": slot.index, "delta": delta, "logprobs": {"content": lps} if lps else None,
                              "finish_reason": None}])
 
+    def _count_reasoning(self, index: int, out: RequestOutput, parser: AnswerParser | None) -> None:
+        if self.thinking is not None:
+            chars = parser.thought_chars if parser is not None else 0
+            self.reasoning_tokens[index] = reasoning_token_count(self.tokenizer, out.token_ids, chars)
+
+    def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """With thinking split, usage says how many output tokens were thoughts."""
+        if self.thinking is None:
+            return usage
+        return {**usage, "completion_tokens_details": {"reasoning_tokens": sum(self.reasoning_tokens.values())}}
+
     def final(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
+        self._count_reasoning(slot.index, out, self.parsers.get(slot.index))
         yield self._chunk([{"index": slot.index, "delta": {}, "logprobs": None,
                             "finish_reason": self._finish_reason(out, self.parsers.get(slot.index)),
                             **cancel_fields(out), **(token_id_fields(out) if self.token_ids else {})}])
@@ -197,7 +212,8 @@ class ChatShape:
 
     def closing(self, usage: dict[str, Any]) -> Iterable[str]:
         if self.include_usage:
-            yield data_event({**self.head, "object": "chat.completion.chunk", "choices": [], "usage": usage})
+            yield data_event({**self.head, "object": "chat.completion.chunk", "choices": [],
+                              "usage": self._usage(usage)})
         yield DONE
 
     def body(self, job: Job) -> dict[str, Any]:
@@ -209,17 +225,19 @@ class ChatShape:
             message: dict[str, Any] = {"role": "assistant", "content": final.text, "refusal": None}
             parser = None
             if self.tool_names is not None or self.thinking is not None:
-                parser = parse_answer(final.text, self.thinking, self.tool_names, self.syntax)
+                parser = parse_answer(final.text, self.thinking, self.tool_names, self.syntax, self.tokenizer,
+                                      final.token_ids)
                 message["content"] = parser.text
                 if self.thinking is not None:
                     message["reasoning_content"] = parser.reasoning or None
                 if parser.calls:
                     message["content"] = parser.text or None
                     message["tool_calls"] = [call.to_dict() for call in parser.calls]
+            self._count_reasoning(slot.index, final, parser)
             choices.append({"index": slot.index, "message": message, "logprobs": logprobs,
                             "finish_reason": self._finish_reason(final, parser), **cancel_fields(final),
                             **(token_id_fields(final) if self.token_ids else {})})
-        return {**self.head, "object": "chat.completion", "choices": choices, "usage": usage_of(job)}
+        return {**self.head, "object": "chat.completion", "choices": choices, "usage": self._usage(usage_of(job))}
 
     def closed(self, reason: CancelReason) -> None:
         pass

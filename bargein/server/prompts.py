@@ -76,10 +76,11 @@ class PromptBuilder:
 
     async def chat(self, messages: list[dict[str, Any]], tools: Any = None, *, param: str = "messages",
                    more_known: Callable[[], Sequence[KnownText]] | None = None,
-                   template_kwargs: dict[str, Any] | None = None) -> ChatPrompt:
+                   template_kwargs: dict[str, Any] | None = None, continue_final: bool = False) -> ChatPrompt:
         """The rendered chat prompt's token ids, token-exact over remembered answers.
 
-        ``template_kwargs`` are the template's own variables (``enable_thinking``).
+        ``template_kwargs`` are the template's own variables (``enable_thinking``);
+        ``continue_final``: the answer continues the last (assistant) message's text.
 
         ``more_known`` (called in the pool) adds pairs to those in memory: a
         ``previous_response_id``'s, which must work even once memory has dropped it.
@@ -91,7 +92,8 @@ class PromptBuilder:
 
         def work() -> tuple[str, Continuation]:
             try:
-                rendered = render_chat(self.tokenizer, messages, tools, param, template_kwargs)
+                rendered = render_chat(self.tokenizer, messages, tools, param, template_kwargs,
+                                       continue_final=continue_final)
             except ChatTemplateError as exc:
                 raise APIError(400, f"the chat template could not render the messages: {exc}",
                                param=param) from None

@@ -18,15 +18,24 @@ Rules (:class:`ReasoningSplitter`): an opening marker counts only before any ans
 thought and right after its closing marker is dropped, as the templates write it back;
 a marker split across deltas is held until it is whole, so the result does not depend on
 how the text arrives.
+
+Usage counts the thoughts' tokens (``reasoning_tokens`` in chat completions'
+``completion_tokens_details`` and Responses' ``output_tokens_details``): the answer's
+tokens up to the end of the thought's closing marker (all of them for an answer cut
+mid-thought), found from the token ids themselves (:func:`reasoning_token_count`).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
-from bargein.loader.chat_template import has_thinking_switch, thinking_markers
-from bargein.server.tools import CallEnd, CallStart, ToolCallParser, ToolEvent, ToolSyntax
+from bargein.loader.chat_template import thinking_markers
+from bargein.server.control_markers import guard_for, untagged
+from bargein.server.tool_syntax import HERMES, call_parser
+from bargein.server.tools import ArgumentsDelta, CallEnd, CallStart, ToolEvent, ToolSyntax
 
 
 class ReasoningFormat(enum.StrEnum):
@@ -45,23 +54,28 @@ class Thinking:
 
 
 def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *,
-                 constrained: bool = False) -> Thinking | None:
+                 constrained: bool = False, tokenizer: Any = None, prompt_ids: Sequence[int] = ()) -> Thinking | None:
     """The thinking of an answer to ``prompt_text`` (rendered by ``template``); None when
     thoughts are not split (format ``none``, a template that marks no thinking, or an
     answer ``constrained`` by a grammar from its first token: a JSON object or a forced
-    call has no thoughts, even after a prompt that opened one)."""
+    call has no thoughts, even after a prompt that opened one).
+
+    The answer starts inside a thought when the prompt's last opening marker comes after
+    its last closing one. Given the ``tokenizer`` and the prompt's ids, markers that are
+    one token of the vocabulary are found by their ids: message content is tokenized as
+    text, so a user who writes ``<think>`` does not open a thought (``control_markers``)."""
     markers = thinking_markers(template)
     if fmt == ReasoningFormat.NONE or markers is None or constrained:
         return None
     open_, close = markers
-    return Thinking(open_, close, prompt_text.rfind(open_) > prompt_text.rfind(close))
-
-
-def thinking_kwargs(template: str | None, enabled: bool | None) -> dict[str, bool]:
-    """The template variables for a client's thinking switch (None: the template's default)."""
-    if enabled is None or not has_thinking_switch(template):
-        return {}
-    return {"enable_thinking": enabled}
+    guard = guard_for(tokenizer, markers) if prompt_ids else None
+    ids = {marker: token_id for token_id, marker in guard.markers.items()} if guard is not None else {}
+    if open_ in ids and close in ids:
+        where = {token_id: i for i, token_id in enumerate(prompt_ids)}  # each id's last place
+        inside = where.get(ids[open_], -1) > where.get(ids[close], -1)
+    else:
+        inside = prompt_text.rfind(open_) > prompt_text.rfind(close)
+    return Thinking(open_, close, inside)
 
 
 @dataclass(frozen=True)
@@ -83,9 +97,19 @@ class ReasoningSplitter:
         self.thought_started = False  # some non-space text of the current thought went out
         self.answered = False  # some non-space answer text went out: no thought opens after it
         self._held = ""
+        self._fed = 0  # characters of the answer fed so far
+        self._closed_at = 0  # characters of the answer up to the last closing marker's end
+
+    @property
+    def thought_chars(self) -> int:
+        """How many leading characters of the answer so far are thought (markers included):
+        all of them while a thought is open."""
+        return self._fed if self.inside else self._closed_at
 
     def feed(self, text: str, final: bool = False) -> list[str | ReasoningDelta]:
         buf, out = self._held + text, []
+        start = self._fed - len(self._held)  # where ``buf`` begins in the answer, kept as buf is cut
+        self._fed += len(text)
         while True:
             if self.inside:
                 at = buf.find(self.thinking.close)
@@ -96,11 +120,14 @@ class ReasoningSplitter:
                     buf = buf[len(buf) - keep:]
                     break
                 self._thought(out, buf[:at].rstrip())
-                buf, self.inside, self.thought_started = buf[at + len(self.thinking.close):], False, False
+                cut = at + len(self.thinking.close)
+                start, self._closed_at = start + cut, start + cut
+                buf, self.inside, self.thought_started = buf[cut:], False, False
                 continue
             if not self.answered:  # an opening marker may still come: only spaces so far
                 stripped = buf.lstrip()
                 if stripped.startswith(self.thinking.open):
+                    start += len(buf) - len(stripped) + len(self.thinking.open)
                     buf, self.inside = stripped[len(self.thinking.open):], True
                     continue
                 if not final and (not stripped or self.thinking.open.startswith(stripped)):
@@ -125,17 +152,35 @@ class AnswerParser:
     """An answer's text, delta by delta, as thoughts, answer text and tool calls.
 
     Thoughts are split first (``thinking``: None keeps them in the text); the answer text
-    then goes through a :class:`ToolCallParser` when tools are offered (``tool_names``).
-    ``reasoning``, ``text`` and ``calls`` hold the whole answer so far.
+    then goes through the syntax's call parser (``tool_syntax.call_parser``) when tools
+    are offered (``tool_names``). ``reasoning``, ``text`` and ``calls`` hold the whole
+    answer so far.
+
+    Given the ``tokenizer``, markers that are one token of its vocabulary count only where
+    the model wrote them as that token (``control_markers``): feed each output's
+    ``token_ids`` with its text.
     """
 
-    def __init__(self, thinking: Thinking | None, tool_names: set[str] | None, syntax: ToolSyntax | None = None):
+    def __init__(self, thinking: Thinking | None, tool_names: set[str] | None, syntax: ToolSyntax | None = None,
+                 tokenizer: Any = None):
+        syntax = syntax or HERMES
+        offered = tool_names is not None
+        self.guard = guard_for(tokenizer, [*((thinking.open, thinking.close) if thinking is not None else ()),
+                                           *((syntax.open, syntax.close) if offered else ())])
+        if self.guard is not None:
+            protect = self.guard.protect
+            if thinking is not None:
+                thinking = replace(thinking, open=protect(thinking.open), close=protect(thinking.close))
+            syntax = replace(syntax, open=protect(syntax.open),
+                             close=protect(syntax.close) if syntax.close is not None else None)
         self.splitter = ReasoningSplitter(thinking) if thinking is not None else None
-        self.tools = ToolCallParser(tool_names, syntax) if tool_names is not None else None
+        self.tools = call_parser(tool_names, syntax) if tool_names is not None else None
         self.reasoning_parts: list[str] = []
         self.text_parts: list[str] = []
 
-    def feed(self, text: str, final: bool = False) -> list[AnswerEvent]:
+    def feed(self, text: str, final: bool = False, token_ids: Sequence[int] = ()) -> list[AnswerEvent]:
+        if self.guard is not None:
+            text = self.guard.tag(text, token_ids)
         pieces = self.splitter.feed(text, final) if self.splitter is not None else [text]
         events: list[AnswerEvent] = []
         answer = ""
@@ -143,8 +188,10 @@ class AnswerParser:
             if isinstance(piece, ReasoningDelta):
                 events += self._answer(answer, False)
                 answer = ""
-                self.reasoning_parts.append(piece.text)
-                events.append(piece)
+                piece = ReasoningDelta(untagged(piece.text))
+                if piece.text:
+                    self.reasoning_parts.append(piece.text)
+                    events.append(piece)
             else:
                 answer += piece
         events += self._answer(answer, final)
@@ -152,14 +199,19 @@ class AnswerParser:
 
     def _answer(self, text: str, final: bool) -> list[AnswerEvent]:
         if self.tools is None:
+            text = untagged(text)
             if text:
                 self.text_parts.append(text)
             return [text] if text else []
         if not text and not final:
             return []
         content, events = self.tools.feed(text, final=final)
-        self.text_parts.append(content)
-        return list(events)
+        self.text_parts.append(untagged(content))
+        if self.guard is None:
+            return list(events)
+        for call in self.tools.calls:
+            call.arguments = untagged(call.arguments)
+        return [e for e in map(_untagged_event, events) if e != ""]
 
     @property
     def reasoning(self) -> str:
@@ -173,12 +225,48 @@ class AnswerParser:
     def calls(self) -> list:
         return self.tools.calls if self.tools is not None else []
 
+    @property
+    def thought_chars(self) -> int:
+        """Leading characters of the answer that are thought (``ReasoningSplitter.thought_chars``)."""
+        if self.splitter is None:
+            return 0
+        chars = self.splitter.thought_chars
+        return self.guard.plain_chars(chars) if self.guard is not None else chars
+
+
+def _untagged_event(event: AnswerEvent) -> AnswerEvent:
+    if isinstance(event, str):
+        return untagged(event)
+    if isinstance(event, ArgumentsDelta):
+        return ArgumentsDelta(event.index, untagged(event.text))
+    return event
+
+
+def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_chars: int) -> int:
+    """How many of an answer's ``token_ids`` write its first ``thought_chars`` characters:
+    the fewest whose text reaches that far (a binary search over decoded prefixes, so a
+    token that spans the thought's end counts as thought). Decoded as answers' text is by
+    default (special tokens left out): markers the splitter saw are in that text."""
+    if thought_chars <= 0:
+        return 0
+    ids = list(token_ids)
+    low, high = 0, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if len(tokenizer.decode(ids[:mid])) >= thought_chars:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
 
 def parse_answer(text: str, thinking: Thinking | None, tool_names: set[str] | None,
-                 syntax: ToolSyntax | None = None) -> AnswerParser:
-    """A whole answer parsed at once (non-streamed bodies): the same result as its deltas."""
-    parser = AnswerParser(thinking, tool_names, syntax)
-    parser.feed(text, final=True)
+                 syntax: ToolSyntax | None = None, tokenizer: Any = None, token_ids: Sequence[int] = ()
+                 ) -> AnswerParser:
+    """A whole answer parsed at once (non-streamed bodies): the same result as its deltas
+    (``token_ids``: the answer's, to tell control-token markers by; see AnswerParser)."""
+    parser = AnswerParser(thinking, tool_names, syntax, tokenizer)
+    parser.feed(text, final=True, token_ids=token_ids)
     return parser
 
 
@@ -199,4 +287,4 @@ def _held_back(text: str, close: str) -> int:
 
 
 __all__ = ["AnswerEvent", "AnswerParser", "CallEnd", "CallStart", "ReasoningDelta", "ReasoningFormat",
-           "ReasoningSplitter", "Thinking", "parse_answer", "thinking_for", "thinking_kwargs"]
+           "ReasoningSplitter", "Thinking", "parse_answer", "reasoning_token_count", "thinking_for"]

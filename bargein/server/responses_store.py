@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput
-from bargein.server.reasoning import AnswerEvent, ReasoningDelta, ReasoningSplitter
+from bargein.server.reasoning import AnswerEvent, AnswerParser, reasoning_token_count
+from bargein.server.tool_syntax_xml import XmlToolCallParser
 from bargein.server.tools import CallStart, ToolCall, ToolCallParser
 
 FINAL_STATUSES = frozenset({"completed", "incomplete", "cancelled", "failed"})
@@ -44,9 +45,11 @@ class StoredResponse:
     template_tools: list[dict[str, Any]] | None = None  # tools the chat template rendered itself
     tools: list[dict[str, Any]] = field(default_factory=list)  # the request's tools and tool_choice, echoed
     tool_choice: Any = "auto"
-    calls: ToolCallParser | None = None  # with tools offered: the answer's text -> content and function calls
     order: list[int | None] = field(default_factory=list)  # output items as they appeared: None message, i call i
-    thoughts: ReasoningSplitter | None = None  # a template that marks thinking: thoughts -> a reasoning item
+    # The answer's text -> thoughts (a template that marks thinking: a reasoning item), content
+    # and, with tools offered, function calls (reasoning.AnswerParser, built by the route).
+    answer: AnswerParser = field(default_factory=lambda: AnswerParser(None, None))
+    tokenizer: Any = field(default=None, repr=False)  # with thoughts: counts their tokens in usage
     reasoning: str = ""  # the thoughts so far (the reasoning item, first of the output when not empty)
     answer_start: int | None = None  # continuing an answer: where in prompt_token_ids that answer began
     return_token_ids: bool = False  # the extension: the exact prompt and output token ids in the object
@@ -60,6 +63,11 @@ class StoredResponse:
     incomplete_reason: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     tenant: str = ""  # the creator's Tenant name: only it reads, continues or cancels this response
+
+    def _reasoning_tokens(self, final: RequestOutput) -> int:
+        if self.answer.splitter is None or self.tokenizer is None:
+            return 0
+        return reasoning_token_count(self.tokenizer, final.token_ids, self.answer.thought_chars)
 
     @property
     def message_id(self) -> str:
@@ -80,37 +88,28 @@ class StoredResponse:
     def is_final(self) -> bool:
         return self.status in FINAL_STATUSES
 
+    @property
+    def calls(self) -> ToolCallParser | XmlToolCallParser | None:
+        """The answer's call parser (tools offered), or None."""
+        return self.answer.tools
+
     def apply(self, out: RequestOutput) -> list[AnswerEvent]:
         """Takes in one engine output: deltas as they come, the cumulative fields at the end.
         Returns what it added, in order: thoughts, content text, and with tools offered the
         function calls' events."""
-        delta, events = out.delta_text, []
-        if self.thoughts is not None:
-            pieces = self.thoughts.feed(delta, final=out.finished)
-            thoughts = [p for p in pieces if isinstance(p, ReasoningDelta)]
-            self.reasoning += "".join(t.text for t in thoughts)
-            events += thoughts
-            delta = "".join(p for p in pieces if isinstance(p, str))
-        if self.calls is not None:
-            _, call_events = self.calls.feed(delta, final=out.finished)
-            events += call_events
-            self.text = self.calls.text
-            for event in call_events:
+        events = self.answer.feed(out.delta_text, final=out.finished, token_ids=out.new_token_ids)
+        self.reasoning = self.answer.reasoning
+        if self.items_open_as_they_come:
+            for event in events:
                 if isinstance(event, CallStart):
                     self.order.append(event.call.index)
                 elif isinstance(event, str) and None not in self.order:
                     self.order.append(None)
-        elif delta:
-            events.append(delta)
-            if self.thoughts is not None and None not in self.order:
-                self.order.append(None)
+        plain = not self.items_open_as_they_come  # no thoughts, no tools: the text as it came
+        self.text = out.text if plain and out.finished else self.answer.text
         if out.finished:
-            if self.calls is None:
-                self.text = out.text if self.thoughts is None else self.text + delta
             self.output_token_ids = list(out.token_ids)
         else:
-            if self.calls is None:
-                self.text += delta
             self.output_token_ids.extend(out.new_token_ids)
         if self.status == "queued" and (out.new_token_ids or out.finished):
             self.status = "in_progress"
@@ -121,7 +120,8 @@ class StoredResponse:
         # cache_write_tokens: the prompt tokens computed here, whose K/V the prefix cache keeps
         details = {"cached_tokens": u.cached_tokens, "cache_write_tokens": u.prompt_tokens - u.cached_tokens}
         self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": details,
-                      "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": u.completion_tokens,
+                      "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(out)},
                       "total_tokens": u.total_tokens}
         if out.finish_reason == FinishReason.STOP:
             self.status = "completed"
@@ -148,7 +148,7 @@ class StoredResponse:
     @property
     def items_open_as_they_come(self) -> bool:
         """Output items appear in ``order`` (tools offered, or thoughts first)."""
-        return self.calls is not None or self.thoughts is not None
+        return self.answer.tools is not None or self.answer.splitter is not None
 
     def reasoning_item(self) -> dict[str, Any]:
         done = self.is_final or bool(self.order)  # the thought ended: an answer began after it

@@ -27,9 +27,10 @@ from bargein.server.generation import request_id_for
 from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ChatShape, CompletionShape
-from bargein.server.reasoning import ReasoningFormat, thinking_for, thinking_kwargs
+from bargein.server.reasoning import ReasoningFormat, thinking_for
 from bargein.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from bargein.server.serving import Generation, serve
+from bargein.server.thinking_switch import effort_switch, thinking_kwargs
 from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.tools import tool_plan, tool_syntax_for
 from bargein.server.validation import (
@@ -135,7 +136,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     params = sampling_params(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              renames={"max_tokens": max_field, "logprobs": "top_logprobs"}, constraint=constraint)
     messages, template_tools = tool_messages(messages, plan, template)
-    prompt = await ctx.prompts.chat(messages, template_tools, template_kwargs=chat_template_kwargs(body, template))
+    template_kwargs = chat_template_kwargs(body, template, body.reasoning_effort)
+    prompt = await ctx.prompts.chat(messages, template_tools, template_kwargs=template_kwargs)
     gen = Generation("chat", request_id, received, [prompt.token_ids], params, n=body.n, timeout=timeout,
                      stream=body.stream, on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out),
                      cache_salt=body.cache_salt)
@@ -143,21 +145,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
                       include_usage=_include_usage(body), token_ids=body.return_token_ids,
                       tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax,
                       thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
-                                            constrained=constraint is not None))
+                                            constrained=constraint is not None, tokenizer=ctx.tokenizer,
+                                            prompt_ids=prompt.token_ids))
     return await serve(request, ctx, gen, shape)
 
 
 _RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "self", "source"})
 
 
-def chat_template_kwargs(body: ChatCompletionRequest | Any, template: str | None) -> dict[str, Any]:
+def chat_template_kwargs(body: ChatCompletionRequest | Any, template: str | None,
+                         reasoning_effort: str | None = None) -> dict[str, Any]:
     """The template variables a chat request sets: ``chat_template_kwargs`` (as vLLM and
-    llama.cpp take them), where the thinking switch is ``enable_thinking``."""
+    llama.cpp take them), where the thinking switch is ``enable_thinking``; without it,
+    OpenAI's ``reasoning_effort`` sets the switch (``reasoning.effort_switch``)."""
     kwargs = dict(body.chat_template_kwargs or {})
     enabled = kwargs.pop("enable_thinking", None)
     if enabled is not None and not isinstance(enabled, bool):
         raise APIError(400, "chat_template_kwargs.enable_thinking must be a boolean",
                        param="chat_template_kwargs.enable_thinking", code="invalid_value")
+    if enabled is None:
+        enabled = effort_switch(reasoning_effort)
     bad = [k for k in kwargs if k in _RESERVED_TEMPLATE_VARIABLES or not k.isidentifier()]
     if bad:
         raise APIError(400, f"chat_template_kwargs may not set {bad[0]!r} (names are identifiers, and not one of "

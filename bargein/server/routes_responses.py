@@ -42,13 +42,13 @@ from bargein.server.limits import check_limits
 from bargein.server.openai_format import sampling_params
 from bargein.server.openai_stream import ResponsesShape
 from bargein.server.prompts import check_prompt_length
-from bargein.server.reasoning import ReasoningFormat, ReasoningSplitter, thinking_for
+from bargein.server.reasoning import AnswerParser, ReasoningFormat, thinking_for
 from bargein.server.responses_store import ResponseIdTaken, StoredResponse
 from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
 from bargein.server.tenants import Tenant
-from bargein.server.tools import ToolCallParser, ToolPlan, tool_plan, tool_syntax_for
+from bargein.server.tools import ToolPlan, tool_plan, tool_syntax_for
 from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.validation import check_structured, effective_timeout, resolve_max_tokens
 
@@ -161,7 +161,6 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
         previous_response_id=body.previous_response_id, background=body.background, store=body.store,
         metadata=body.metadata or {}, user=body.user, template_tools=template_tools,
         tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        calls=ToolCallParser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
@@ -208,7 +207,6 @@ async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResp
         previous_response_id=prev.id, background=body.background, store=body.store,
         metadata=body.metadata or {}, user=body.user, template_tools=prev.template_tools,
         tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
-        calls=ToolCallParser({t.name for t in plan.tools}, plan.syntax) if plan.offered else None,
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
@@ -252,8 +250,10 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
         constraint_from = answer_start if constraint is not None else None
     stored.id, stored.return_token_ids, stored.tenant = response_id, body.return_token_ids, tenant.name
     thinking = thinking_for(ctx.tokenizer.chat_template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
-                            constrained=constraint is not None)
-    stored.thoughts = ReasoningSplitter(thinking) if thinking is not None else None
+                            constrained=constraint is not None, tokenizer=ctx.tokenizer, prompt_ids=tokens)
+    stored.answer = AnswerParser(thinking, {t.name for t in plan.tools} if plan.offered else None, plan.syntax,
+                                 ctx.tokenizer)
+    stored.tokenizer = ctx.tokenizer
     if text_format is not None:
         stored.text_format = text_format
     gen = Generation("responses", response_id, received, [tokens], params, timeout=timeout, stream=body.stream,

@@ -124,6 +124,8 @@ class ChatCompletionRequest(SamplingFields):
                                    "in each choice (streamed: in its final chunk)")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="extension: the chat "
                                                         "template's variables, e.g. enable_thinking")
+    reasoning_effort: str | None = Field(default=None, description="the thinking switch: 'none' off, "
+                                         "'minimal', 'low', 'medium' or 'high' on")
 
 
 class CompletionRequest(SamplingFields):

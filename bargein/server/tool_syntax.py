@@ -8,9 +8,13 @@ The syntax is chosen from the chat template's conventions (:func:`tool_syntax_fo
 - ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``, a list after the
   marker, to the answer's end;
 - ``llama3``: Llama 3.1-3.3's JSON calls, ``{"name": "f", "parameters": {...}}`` as the
-  whole answer (several joined by ``;``), optionally after ``<|python_tag|>``.
+  whole answer (several joined by ``;``), optionally after ``<|python_tag|>``;
+- ``qwen3_xml``: Qwen3-Coder's ``<tool_call><function=f><parameter=p>value</parameter>
+  </function></tool_call>``, parameters coerced to their schema's types
+  (``tool_syntax_xml``).
 
-:class:`ToolCallParser` turns the answer's text deltas into content and calls: a call's
+:func:`call_parser` gives the syntax's parser. :class:`ToolCallParser` (the JSON
+syntaxes) turns the answer's text deltas into content and calls: a call's
 id and name as soon as its head is written, then its arguments piece by piece as they
 are generated, then its end. Text that only looks like a call is content.
 """
@@ -19,23 +23,41 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from bargein.server.tool_events import (
+    ArgumentsDelta,
+    CallEnd,
+    CallStart,
+    ToolCall,
+    ToolEvent,
+    partial_suffix,
+)
+from bargein.server.tool_syntax_xml import XmlToolCallParser, write_xml
+
+__all__ = ["HERMES", "LLAMA3", "MISTRAL", "QWEN3_XML", "ArgumentsDelta", "CallEnd", "CallStart", "ToolCall",
+           "ToolCallParser", "ToolEvent", "ToolSyntax", "XmlToolCallParser", "call_parser", "tool_syntax_for"]
 
 
 @dataclass(frozen=True)
 class ToolSyntax:
     """How one family writes tool calls."""
 
-    name: str  # "hermes" | "mistral" | "llama3"
+    name: str  # "hermes" | "mistral" | "llama3" | "qwen3_xml"
     open: str  # the marker before a call (hermes) or before the calls (mistral, llama3)
     close: str | None  # the marker after each call; None: JSON objects to the answer's end
     arguments_key: str = "arguments"
     bare_start: bool = False  # an answer that begins with a call's JSON needs no marker (llama3)
+    # The offered tools' parameter schemas by name (``tools.tool_plan`` binds them): the XML
+    # syntax coerces parameter values to their types.
+    schemas: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def write(self, calls: list[tuple[str, str]]) -> str:
         """Calls ``(name, arguments JSON)`` written in this syntax (compact, arguments verbatim)."""
+        if self.name == "qwen3_xml":
+            return write_xml(calls)
         bodies = [f'{{"name":{json.dumps(name)},"{self.arguments_key}":{arguments}}}' for name, arguments in calls]
         if self.close is not None:
             return "".join(f"{self.open}{body}{self.close}" for body in bodies)
@@ -51,12 +73,15 @@ class ToolSyntax:
 HERMES = ToolSyntax("hermes", "<tool_call>", "</tool_call>")
 MISTRAL = ToolSyntax("mistral", "[TOOL_CALLS]", None)
 LLAMA3 = ToolSyntax("llama3", "<|python_tag|>", None, arguments_key="parameters", bare_start=True)
-SYNTAXES = {s.name: s for s in (HERMES, MISTRAL, LLAMA3)}
+QWEN3_XML = ToolSyntax("qwen3_xml", "<tool_call>", "</tool_call>")  # a forced call: JSON inside the tags
+SYNTAXES = {s.name: s for s in (HERMES, MISTRAL, LLAMA3, QWEN3_XML)}
 
 
 def tool_syntax_for(template: str | None) -> ToolSyntax:
     """The syntax the chat template's model is trained on (Hermes when the template says none)."""
     source = template or ""
+    if "<function=" in source and "<parameter=" in source:
+        return QWEN3_XML
     if "[TOOL_CALLS]" in source:
         return MISTRAL
     if "<|python_tag|>" in source or ("ipython" in source and '"parameters"' in source):
@@ -64,41 +89,6 @@ def tool_syntax_for(template: str | None) -> ToolSyntax:
     return HERMES
 
 
-@dataclass
-class ToolCall:
-    index: int
-    name: str
-    arguments: str  # the JSON text as the model wrote it (so far, while the call streams)
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-    done: bool = False  # its closing tag arrived
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass(frozen=True)
-class CallStart:
-    """A call begins: its id and name are known, its arguments not yet."""
-
-    call: ToolCall
-
-
-@dataclass(frozen=True)
-class ArgumentsDelta:
-    """The next piece of call ``index``'s arguments text, as generated."""
-
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class CallEnd:
-    """Call ``index``'s closing tag arrived: its arguments are complete."""
-
-    index: int
-
-
-ToolEvent = str | CallStart | ArgumentsDelta | CallEnd  # a str is content text
 
 
 
@@ -189,7 +179,7 @@ class ToolCallParser:
             self._begun = bool(stripped) or final
         at = buf.find(syntax.open)
         if at < 0:
-            keep = 0 if final else _partial_suffix(buf, syntax.open)
+            keep = 0 if final else partial_suffix(buf, syntax.open)
             self._emit(events, buf[:len(buf) - keep])
             return buf[len(buf) - keep:], False
         self._emit(events, buf[:at])
@@ -278,18 +268,32 @@ class ToolCallParser:
         return call
 
     def _parse(self, body: str) -> ToolCall | None:
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        key = self.syntax.arguments_key
-        if not isinstance(value, dict) or value.get("name") not in self.names or not isinstance(value.get(key), dict):
-            return None
-        return ToolCall(len(self.calls), value["name"], _raw_arguments(body, value[key], key))
+        return json_call(body, self.names, self.syntax.arguments_key, len(self.calls))
 
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+
+def json_call(body: str, names: set[str] | Mapping[str, Any], key: str, index: int) -> ToolCall | None:
+    """A call written whole as JSON (``{"name": ..., <key>: {...}}``) naming a known tool, or None."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names or not isinstance(value.get(key), dict):
+        return None
+    return ToolCall(index, value["name"], _raw_arguments(body, value[key], key))
+
+
+def call_parser(names: set[str], syntax: ToolSyntax | None = None) -> ToolCallParser | XmlToolCallParser:
+    """The parser of ``syntax``'s calls to the tools ``names`` (both report the same events)."""
+    syntax = syntax or HERMES
+    if syntax.name == QWEN3_XML.name:
+        schemas = {name: syntax.schemas.get(name, {}) for name in names}
+        return XmlToolCallParser(schemas, lambda body, index: json_call(body, names, syntax.arguments_key, index),
+                                 syntax.open, syntax.close or "")
+    return ToolCallParser(names, syntax)
 
 
 class _ValueScanner:
@@ -353,11 +357,3 @@ def _raw_arguments(body: str, arguments: dict[str, Any], name: str = "arguments"
         except json.JSONDecodeError:
             pass
     return json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

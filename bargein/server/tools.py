@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bargein.engine.constraint import Constraint
@@ -102,6 +102,7 @@ def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, A
     names = [t.name for t in parsed]
     if len(set(names)) != len(names):
         raise APIError(400, "tools must have distinct function names", param="tools", code="invalid_value")
+    syntax = replace(syntax, schemas={t.name: t.parameters for t in parsed})  # the XML syntax coerces by them
     choice = tool_choice if tool_choice is not None else ("auto" if parsed else "none")
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):

@@ -52,17 +52,26 @@ def check_response_format(value: dict[str, Any] | None, param: str = "response_f
 
 
 async def check_structured(ctx: Any, response_format: dict[str, Any] | None, make_plan: Callable[[], ToolPlan],
-                           param: str = "response_format", nested: bool = True
-                           ) -> tuple[Constraint | None, ToolPlan]:
+                           param: str = "response_format", nested: bool = True, *,
+                           read_format: Callable[[], Constraint | None] | None = None,
+                           schema_at: str | None = None) -> tuple[Constraint | None, ToolPlan]:
     """Step 3 of ``FIELD_ORDER``: ``response_format`` (``param``), then the tools
     (``make_plan`` validates them); the answer's constraint (the format's, or the forced
     tool call's) compiled. All of it off the event loop, within the schema budget
-    (``structured.prepare_constraint``)."""
+    (``structured.prepare_constraint``).
+
+    Other APIs spell the format their own way (Anthropic's ``output_config.format``,
+    Ollama's ``format``): ``read_format`` then reads it instead of ``response_format``,
+    and ``schema_at`` is where its schema sits (what a refusal of the grammar names)."""
     def work() -> tuple[Constraint | None, str, ToolPlan]:
-        constraint = check_response_format(response_format, param, nested)
+        if read_format is None:
+            constraint = check_response_format(response_format, param, nested)
+            where_schema = schema_param(response_format, param, nested)
+        else:
+            constraint, where_schema = read_format(), schema_at or param
         plan = make_plan()
         if plan.constraint() is None:
-            return constraint, schema_param(response_format, param, nested), plan
+            return constraint, where_schema, plan
         if constraint is not None:
             raise APIError(400, f"{param} cannot be combined with a required or named tool_choice",
                            param="tool_choice", code="invalid_value")

@@ -170,7 +170,8 @@ def test_errors_are_in_anthropic_shape(client, server):
     bad = [
         ({"model": "m", "messages": ASK}, "max_tokens"),
         ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
-        ({"model": "m", "max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": "The"}]}, "prefill"),
+        ({"model": "m", "max_tokens": 5, "messages": [*ASK, {"role": "assistant", "content": "The "}]},
+         "trailing whitespace"),
         ({"model": "m", "max_tokens": 5, "messages": ASK, "tools": TOOLS, "tool_choice": {"type": "x"}},
          "tool_choice"),
         ({"model": "m", "max_tokens": 5, "messages": ASK, "temperature": 7}, "temperature"),

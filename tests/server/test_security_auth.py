@@ -20,6 +20,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.server.app import STATIC_DIR, create_app
+from bargein.server.error_shapes import ErrorFamily, error_family
 from bargein.server.responses_store import ResponseStore
 from bargein.server.settings import ServerSettings
 from bargein.server.tenants import TenantKey
@@ -61,9 +62,19 @@ def test_every_route_in_the_table_needs_a_key_but_the_public_list(server):
             if r.status_code != 401:
                 open_routes.add((method, path))
                 continue
-            assert r.json()["error"]["code"] == "invalid_api_key"
+            assert _is_auth_error(path, r.json()), (path, r.text)
             assert r.headers["WWW-Authenticate"] == "Bearer"
     assert open_routes == PUBLIC_ROUTES
+
+
+def _is_auth_error(path: str, body: dict) -> bool:
+    """A 401's body, in the error shape of the route's API (error_shapes.py)."""
+    family = error_family(path)
+    if family == ErrorFamily.ANTHROPIC:
+        return body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    if family == ErrorFamily.OLLAMA:
+        return set(body) == {"error"} and "API key" in body["error"]
+    return body["error"]["code"] == "invalid_api_key"
 
 
 def test_the_alias_get_of_a_stored_response_without_a_key_is_401(server):

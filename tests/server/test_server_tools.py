@@ -13,6 +13,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from bargein.engine.request import FinishReason, RequestOutput, Usage
 from bargein.server.openai_stream import ResponsesShape
+from bargein.server.reasoning import AnswerParser
 from bargein.server.responses_store import StoredResponse
 from bargein.server.tools import ArgumentsDelta, CallEnd, CallStart, ToolCallParser
 
@@ -201,7 +202,7 @@ def test_responses_auto_events_open_items_as_they_appear():
     event_types = {t.model_fields["type"].annotation.__args__[0]: t
                    for t in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
     stored = StoredResponse(id="resp_1", model="m", prompt_messages=[], conversation=[], prompt_token_ids=[1],
-                            calls=ToolCallParser({"get_time"}), tools=RESPONSES_TOOLS)
+                            answer=AnswerParser(None, {"get_time"}), tools=RESPONSES_TOOLS)
     shape = ResponsesShape(stored)
     pieces = ["Sure. ", '<tool_call>{"name":"get_time","argu', 'ments":{"zone":', '"UTC"}}</tool_call>']
     events = list(shape.opening([]))

@@ -11,12 +11,17 @@
   ``any``, ``tool`` by name, ``none``) are the OpenAI tools' plan: ``any`` and ``tool``
   constrain the answer to one call whose input follows the schema;
 - ``thinking`` (``enabled`` / ``adaptive`` / ``disabled``) is the template's thinking
-  switch; ``budget_tokens`` is accepted and not enforced (``max_tokens`` bounds the answer);
+  switch; ``enabled`` needs ``budget_tokens``, validated as Anthropic does (at least
+  ``MIN_THINKING_BUDGET``, less than ``max_tokens``) and enforced: the thought is cut at
+  that many tokens, closed, and the answer goes on (``reasoning.budget_constraint``);
 - ``output_config.format`` (``{"type": "json_schema", "schema": ...}``) constrains the
-  answer to the schema, as ``response_format`` does; ``output_config.effort`` is ignored.
+  answer to the schema, as ``response_format`` does; ``output_config.effort`` is ignored;
+- a final assistant message is a prefill: the answer continues its text, in the same
+  turn (``Conversation.prefill``); it must be text without trailing white space, as
+  Anthropic requires.
 
-Images, documents and server tools are refused with a 400 that names the block, as is a
-final assistant message (prefill), which this server does not continue.
+Images, documents and server tools are refused with a 400 that names the block (this
+server's models read text only).
 """
 
 from __future__ import annotations
@@ -57,23 +62,41 @@ class MessagesRequest(CountTokensRequest):
     timeout: float | None = Field(default=None, description="extension: seconds until the request is cancelled")
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's least budget_tokens
+
+
 @dataclass(frozen=True)
 class Conversation:
-    """A Messages body's prompt side: template messages, the tool plan, the thinking switch."""
+    """A Messages body's prompt side: template messages, the thinking switch, and whether
+    the last message is an assistant's prefill that the answer continues."""
 
     messages: list[dict[str, Any]]
-    plan: ToolPlan
     thinking: bool | None  # None: the template's default
+    prefill: bool = False
 
 
-def conversation(body: CountTokensRequest, syntax: ToolSyntax) -> Conversation:
+def conversation(body: CountTokensRequest) -> Conversation:
+    """The body's messages as the template takes them; a 400 names the first bad block.
+    Grows with the input: call it off the event loop."""
     messages = [{"role": "system", "content": _system_text(body.system)}] if body.system else []
     for i, message in enumerate(body.messages):
         messages += _message(i, message)
-    if body.messages[-1].get("role") == "assistant":
-        raise APIError(400, "a final assistant message (prefill) is not supported; end with a user message",
-                       param=f"messages.{len(body.messages) - 1}", code="invalid_value")
-    return Conversation(messages, _plan(body, syntax), _thinking(body.thinking))
+    prefill = body.messages[-1].get("role") == "assistant"
+    if prefill:
+        _check_prefill(len(body.messages) - 1, messages[-1])
+        if not messages[-1]["content"]:  # an empty prefill: the answer is a new turn, as Anthropic reads it
+            messages, prefill = messages[:-1], False
+    return Conversation(messages, _thinking(body.thinking), prefill)
+
+
+def _check_prefill(i: int, message: dict[str, Any]) -> None:
+    where = f"messages.{i}"
+    if message.get("tool_calls") or message.get("reasoning_content"):
+        raise APIError(400, f"{where}: a final assistant message (a prefill) may hold only text blocks",
+                       param=f"{where}.content", code="invalid_value")
+    if message["content"] != message["content"].rstrip():
+        raise APIError(400, f"{where}: final assistant content cannot end with trailing whitespace",
+                       param=f"{where}.content", code="invalid_value")
 
 
 def _system_text(system: str | list[dict[str, Any]]) -> str:
@@ -143,7 +166,9 @@ def _tool_use(where: str, block: dict[str, Any]) -> dict[str, Any]:
                                                                ensure_ascii=False)}}
 
 
-def _plan(body: CountTokensRequest, syntax: ToolSyntax) -> ToolPlan:
+def tool_plan_of(body: CountTokensRequest, syntax: ToolSyntax) -> ToolPlan:
+    """``tools`` and ``tool_choice`` as the OpenAI tools' plan; the tools' schemas are
+    checked, so call it where ``validation.check_structured`` runs it (off the loop)."""
     tools = []
     for i, tool in enumerate(body.tools or ()):
         if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
@@ -179,8 +204,27 @@ def _thinking(thinking: dict[str, Any] | None) -> bool | None:
     return kind != "disabled"
 
 
+def thinking_budget(thinking: dict[str, Any] | None, max_tokens: int | None) -> int | None:
+    """``thinking.budget_tokens`` checked as Anthropic checks it: an integer of at least
+    ``MIN_THINKING_BUDGET`` when thinking is ``enabled``, less than ``max_tokens``."""
+    if thinking is None or thinking.get("type") != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise APIError(400, "thinking.enabled.budget_tokens: Field required (an integer)",
+                       param="thinking.budget_tokens", code="invalid_value")
+    if budget < MIN_THINKING_BUDGET:
+        raise APIError(400, f"thinking.enabled.budget_tokens: Input should be greater than or equal to "
+                            f"{MIN_THINKING_BUDGET}", param="thinking.budget_tokens", code="invalid_value")
+    if max_tokens is not None and max_tokens <= budget:
+        raise APIError(400, "`max_tokens` must be greater than `thinking.budget_tokens`",
+                       param="max_tokens", code="invalid_value")
+    return budget
+
+
 def output_constraint(body: MessagesRequest) -> Constraint | None:
-    """The constraint ``output_config.format`` asks for (None: free text)."""
+    """The constraint ``output_config.format`` asks for (None: free text). Builds and
+    checks the schema's grammar: call it where ``validation.check_structured`` runs it."""
     fmt = (body.output_config or {}).get("format")
     if fmt is None:
         return None

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput, Usage
-from bargein.server.anthropic.errors import error_payload
+from bargein.server.error_shapes import anthropic_payload
 from bargein.server.generation import Job, Slot
 from bargein.server.openai_format import cancel_fields
 from bargein.server.openai_stream import final_or_raise
@@ -77,7 +77,7 @@ class MessagesShape:
         self.thinking = thinking
         self.tool_names = tool_names
         self.syntax = syntax
-        self.parser = AnswerParser(thinking, tool_names, syntax)
+        self.parser = AnswerParser(thinking, tool_names, syntax, tokenizer)
         self.started = False
         self.block: str | None = None  # the open block's kind
         self.index = -1  # the open (or last) block's index
@@ -100,7 +100,7 @@ class MessagesShape:
 
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
         yield from self._start(out.usage)
-        for event in self.parser.feed(out.delta_text, final=out.finished):
+        for event in self.parser.feed(out.delta_text, final=out.finished, token_ids=out.new_token_ids):
             yield from self._event(event)
 
     def _event(self, event: AnswerEvent) -> Iterable[str]:
@@ -151,7 +151,7 @@ class MessagesShape:
                                             "usage": usage_fields(out.usage)})
 
     def error(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
-        yield named_event("error", error_payload(out.error or "generation failed", 500))
+        yield named_event("error", anthropic_payload(out.error or "generation failed", 500))
 
     def closing(self, usage: dict[str, Any]) -> Iterable[str]:
         if self.started:
@@ -164,7 +164,7 @@ class MessagesShape:
     def body(self, job: Job) -> dict[str, Any]:
         [slot] = job.slots
         final = final_or_raise(job, slot)
-        parsed = parse_answer(final.text, self.thinking, self.tool_names, self.syntax)
+        parsed = parse_answer(final.text, self.thinking, self.tool_names, self.syntax, self.tokenizer, final.token_ids)
         reason, sequence = self.stop_reason(final, bool(parsed.calls))
         return {**self._message(self.blocks(parsed)), "stop_reason": reason, "stop_sequence": sequence,
                 **cancel_fields(final), "usage": usage_fields(final.usage)}

@@ -7,7 +7,7 @@ model lists name the one served. Generation goes through the one serving path
 next step boundary, streamed or not, as everywhere else; a cancel by id (``X-Request-Id``)
 and deadlines work too. Chat prompts use the prompt memory (a history that repeats an
 answer continues from its exact tokens); ``/api/generate`` continues exactly from a
-previous answer's ``context``. Errors are Ollama's ``{"error": "..."}``. The routes follow
+previous answer's ``context``. Errors are Ollama's ``{"error": "..."}`` (``error_shapes.py``, by path). The routes follow
 Ollama's API, not this server's OpenAPI description, so they are left out of it.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
@@ -23,9 +23,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from bargein.engine.constraint import Constraint
 from bargein.loader import ChatTemplateError
+from bargein.server.chat_text import RenderedChat, render_chat
 from bargein.server.context import Ctx, ServerContext, bargein_version
-from bargein.server.errors import APIError, from_engine_exception
+from bargein.server.errors import APIError
 from bargein.server.generation import request_id_for
 from bargein.server.json_body import read_body
 from bargein.server.limits import check_limits
@@ -40,36 +42,24 @@ from bargein.server.ollama.request import (
 )
 from bargein.server.ollama.shape import NDJSON, OllamaShape, now_iso
 from bargein.server.prompts import check_prompt_length
-from bargein.server.reasoning import ReasoningFormat, thinking_for, thinking_kwargs
+from bargein.server.reasoning import ReasoningFormat, thinking_for
 from bargein.server.serving import Generation, serve
-from bargein.server.structured import compile_in_pool
-from bargein.server.tools import prompt_messages, tool_plan, tool_syntax_for
-from bargein.server.validation import effective_timeout
+from bargein.server.thinking_switch import thinking_kwargs
+from bargein.server.tools import ToolPlan, prompt_messages, tool_plan, tool_syntax_for
+from bargein.server.validation import check_structured, effective_timeout
 
 router = APIRouter()
 OLLAMA_API_VERSION = "0.12.0"  # the Ollama release whose API shapes these routes follow
 
 
-async def _answered(work: Callable[[], Awaitable[Response]]) -> Response:
-    try:
-        return await work()
-    except APIError as exc:
-        return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
-    except Exception as exc:
-        mapped = from_engine_exception(exc)
-        if mapped is None:
-            raise
-        return JSONResponse({"error": mapped.message}, status_code=mapped.status)
-
-
 @router.post("/api/chat", include_in_schema=False)
 async def chat(request: Request, ctx: Ctx) -> Response:
-    return await _answered(lambda: _chat(request, ctx))
+    return await _chat(request, ctx)
 
 
 @router.post("/api/generate", include_in_schema=False)
 async def generate(request: Request, ctx: Ctx) -> Response:
-    return await _answered(lambda: _generate(request, ctx))
+    return await _generate(request, ctx)
 
 
 def _check_limits(ctx: ServerContext, body: ChatRequest | GenerateRequest) -> None:
@@ -94,13 +84,11 @@ async def _chat(request: Request, ctx: ServerContext) -> Response:
         return _loaded(ctx, chat=True)
     _check_limits(ctx, body)
     template = ctx.tokenizer.chat_template
-    plan = tool_plan(body.tools, None, tool_syntax_for(template))
-    constraint = format_constraint(body.format)
+    messages = await ctx.prompts.run(lambda: chat_messages(body.messages))  # grows with the input: off the loop
+    constraint, plan = await _structured(ctx, body, lambda: tool_plan(body.tools, None, tool_syntax_for(template)))
     params = sampling_params(body, default_max_tokens=ctx.settings.default_max_tokens,
                              limit=ctx.settings.max_tokens_limit, constraint=constraint)
-    await compile_in_pool(ctx, constraint, "format")
-    messages, template_tools = await ctx.prompts.run(lambda: prompt_messages(chat_messages(body.messages), plan,
-                                                                              template))
+    messages, template_tools = await ctx.prompts.run(lambda: prompt_messages(messages, plan, template))
     prompt = await ctx.prompts.chat(messages, template_tools,
                                     template_kwargs=thinking_kwargs(template, thinking_switch(body.think)))
     gen = Generation("ollama_chat", request_id, received, [prompt.token_ids], params,
@@ -108,8 +96,10 @@ async def _chat(request: Request, ctx: ServerContext) -> Response:
                      on_final=lambda slot, out: ctx.prompts.remember(prompt.text, out))
     shape = OllamaShape(ctx.model_name, chat=True, received=received,
                         thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
-                                              constrained=constraint is not None),
-                        tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax)
+                                              constrained=constraint is not None, tokenizer=ctx.tokenizer,
+                                              prompt_ids=prompt.token_ids),
+                        tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax,
+                        tokenizer=ctx.tokenizer)
     return await serve(request, ctx, gen, shape, media_type=NDJSON)
 
 
@@ -124,10 +114,9 @@ async def _generate(request: Request, ctx: ServerContext) -> Response:
         return _loaded(ctx, chat=False)
     _check_limits(ctx, body)
     template = ctx.tokenizer.chat_template
-    constraint = format_constraint(body.format)
+    constraint, _ = await _structured(ctx, body, lambda: tool_plan(None, None))
     params = sampling_params(body, default_max_tokens=ctx.settings.default_max_tokens,
                              limit=ctx.settings.max_tokens_limit, constraint=constraint)
-    await compile_in_pool(ctx, constraint, "format")
     context = list(body.context or ())
     bad = [t for t in context if not 0 <= t < ctx.vocab_size]
     if bad:
@@ -141,22 +130,31 @@ async def _generate(request: Request, ctx: ServerContext) -> Response:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
             {"role": "user", "content": body.prompt}]
         kwargs = thinking_kwargs(template, thinking_switch(body.think))
-        prompt_text = await ctx.prompts.run(lambda: _render(ctx, messages, kwargs))
-        ids = await ctx.prompts.run(lambda: ctx.tokenizer.encode(prompt_text, add_special_tokens=False))
+        rendered = await ctx.prompts.run(lambda: _render(ctx, messages, kwargs))
+        prompt_text = rendered.text
+        # The prompt and system text as the user wrote them: only the template's text becomes control tokens.
+        ids = await ctx.prompts.run(lambda: rendered.encoder(ctx.tokenizer)(prompt_text))
         thinking = thinking_for(template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
-                                constrained=constraint is not None)
+                                constrained=constraint is not None, tokenizer=ctx.tokenizer, prompt_ids=ids)
     tokens = context + ids
     check_prompt_length(len(tokens), ctx.max_model_len, "prompt")
     gen = Generation("ollama_generate", request_id, received, [tokens], params,
                      timeout=effective_timeout(body.timeout, ctx.settings.request_timeout), stream=body.stream)
     shape = OllamaShape(ctx.model_name, chat=False, received=received, thinking=thinking, tool_names=None,
-                        syntax=tool_syntax_for(template))
+                        syntax=tool_syntax_for(template), tokenizer=ctx.tokenizer)
     return await serve(request, ctx, gen, shape, media_type=NDJSON)
 
 
-def _render(ctx: ServerContext, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+async def _structured(ctx: ServerContext, body: ChatRequest | GenerateRequest,
+                      make_plan: Callable[[], ToolPlan]) -> tuple[Constraint | None, ToolPlan]:
+    """``format`` and the tools, checked and compiled as the OpenAI routes do: off the event
+    loop, within the schema budget, with the same 400s."""
+    return await check_structured(ctx, None, make_plan, param="format", read_format=lambda: format_constraint(body.format))
+
+
+def _render(ctx: ServerContext, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> RenderedChat:
     try:
-        return ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return render_chat(ctx.tokenizer, messages, None, "prompt", kwargs)
     except ChatTemplateError as exc:
         raise APIError(400, f"the chat template could not render the prompt: {exc}; send raw: true",
                        param="prompt") from None
@@ -197,16 +195,13 @@ async def version() -> dict[str, Any]:
 
 @router.post("/api/show", include_in_schema=False)
 async def show(request: Request, ctx: Ctx) -> Response:
-    async def work() -> Response:
-        await read_body(request, ShowRequest)
-        template = ctx.tokenizer.chat_template or ""
-        capabilities = ["completion", "tools"]
-        if thinking_for(template, "", ReasoningFormat.SEPARATE) is not None:
-            capabilities.append("thinking")
-        return JSONResponse({"modelfile": "", "parameters": "", "template": template, "details": _details(ctx),
-                             "model_info": {"general.architecture": "llama", "general.name": ctx.model_name,
-                                            "llama.context_length": ctx.max_model_len,
-                                            "general.vocab_size": ctx.vocab_size},
-                             "capabilities": capabilities, "modified_at": _iso(ctx.created)})
-
-    return await _answered(work)
+    await read_body(request, ShowRequest)
+    template = ctx.tokenizer.chat_template or ""
+    capabilities = ["completion", "tools"]
+    if thinking_for(template, "", ReasoningFormat.SEPARATE) is not None:
+        capabilities.append("thinking")
+    return JSONResponse({"modelfile": "", "parameters": "", "template": template, "details": _details(ctx),
+                         "model_info": {"general.architecture": "llama", "general.name": ctx.model_name,
+                                        "llama.context_length": ctx.max_model_len,
+                                        "general.vocab_size": ctx.vocab_size},
+                         "capabilities": capabilities, "modified_at": _iso(ctx.created)})

@@ -49,14 +49,15 @@ class OllamaShape:
     """One ``/api/chat`` (``chat``) or ``/api/generate`` answer, streamed or as one object."""
 
     def __init__(self, model: str, *, chat: bool, received: float, thinking: Thinking | None,
-                 tool_names: set[str] | None, syntax: ToolSyntax):
+                 tool_names: set[str] | None, syntax: ToolSyntax, tokenizer: Any = None):
         self.model = model
         self.chat = chat
         self.received = received
         self.thinking = thinking
         self.tool_names = tool_names
         self.syntax = syntax
-        self.parser = AnswerParser(thinking, tool_names, syntax)
+        self.tokenizer = tokenizer  # tells control-token markers from their text (control_markers)
+        self.parser = AnswerParser(thinking, tool_names, syntax, tokenizer)
         self.first_output: float | None = None  # when the prompt had been read
 
     def _line(self, text: str = "", thought: str = "", calls: list[ToolCall] = (), **extra: Any) -> str:
@@ -78,7 +79,7 @@ class OllamaShape:
         return ()
 
     def content(self, slot: Slot, out: RequestOutput) -> Iterable[str]:
-        for event in self.parser.feed(out.delta_text, final=out.finished):
+        for event in self.parser.feed(out.delta_text, final=out.finished, token_ids=out.new_token_ids):
             if isinstance(event, str):
                 yield self._line(event, done=False)
             elif isinstance(event, ReasoningDelta):
@@ -113,7 +114,7 @@ class OllamaShape:
     def body(self, job: Job) -> dict[str, Any]:
         [slot] = job.slots
         final = final_or_raise(job, slot)
-        parsed = parse_answer(final.text, self.thinking, self.tool_names, self.syntax)
+        parsed = parse_answer(final.text, self.thinking, self.tool_names, self.syntax, self.tokenizer, final.token_ids)
         return json.loads(self._line(parsed.text, parsed.reasoning, parsed.calls, **self._done(final)))
 
     def closed(self, reason: CancelReason) -> None:
