@@ -131,6 +131,14 @@ class MoEFeedForward(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    def chosen_experts(self, x: torch.Tensor) -> torch.Tensor:
+        """The experts (T, k) each row of x (the layer's input, after its norm) chooses, as
+        this layer's precision routes it."""
+        if self.table is not None:
+            return self.kernels.native.moe.route(x.contiguous(), self.route_matrix, self.num_experts, self.topk,
+                                                 self.norm_topk_prob, torch.get_num_threads())[0]
+        return self.route(x)[1]
+
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         native, threads = self.kernels.native, torch.get_num_threads()
         ids, weights, gate = native.moe.route(x, self.route_matrix, self.num_experts, self.topk,
