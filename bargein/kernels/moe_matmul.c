@@ -132,6 +132,7 @@ typedef struct {
 typedef struct {
     const item_t *items;
     int64_t num_items;
+    const int64_t *cost;  /* (num_items + 1): the items' running cost (rows x columns), for sharing out */
     const float *in;      /* (P, in_width), rows grouped by expert */
     int64_t in_width;
     float *out;           /* (P, out_width) */
@@ -146,7 +147,13 @@ typedef struct {
 static void run_items(void *arg, int index, int count) {
     const phase_t *job = (const phase_t *)arg;
     float *tmp = job->scratch + (int64_t)index * job->scratch_floats;
-    for (int64_t t = job->num_items * index / count; t < job->num_items * (index + 1) / count; t++) {
+    /* A thread takes the items that start within its share of the total cost: experts chosen
+     * by many rows cost more than those chosen by few. */
+    const int64_t total = job->cost[job->num_items];
+    const int64_t from = total * index / count, to = total * (index + 1) / count;
+    int64_t t = 0;
+    while (t < job->num_items && job->cost[t] < from) t++;
+    for (; t < job->num_items && job->cost[t] < to; t++) {
         const item_t *it = &job->items[t];
         const bargein_qseg_t *seg = &it->w->segs[it->seg];
         const int64_t cols = seg->rows - it->col0 < MOE_TILE ? seg->rows - it->col0 : MOE_TILE;
@@ -226,7 +233,15 @@ static int64_t tiles_of(const bargein_qmat_t *const *w, int64_t experts) {
     return count;
 }
 
-static int run_phase(phase_t *job, int num_threads) {
+static int run_phase(phase_t *job, int64_t *cost, int num_threads) {
+    cost[0] = 0;
+    for (int64_t t = 0; t < job->num_items; t++) {
+        const item_t *it = &job->items[t];
+        const int64_t rows = job->first[it->expert + 1] - job->first[it->expert];
+        const int64_t left = it->w->segs[it->seg].rows - it->col0;
+        cost[t + 1] = cost[t] + rows * (left < MOE_TILE ? left : MOE_TILE);
+    }
+    job->cost = cost;
     int threads = job->num_items < num_threads ? (int)job->num_items : num_threads;
     if (threads < 1) threads = 1;
     for (int i = 0; i < threads; i++) job->status[i] = 0;
@@ -250,13 +265,14 @@ int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter
     int64_t *fill = calloc((size_t)experts, sizeof(int64_t));
     const int64_t num_items = tiles_of(gate, experts) + tiles_of(up, experts) + tiles_of(down, experts);
     item_t *items = malloc(sizeof(item_t) * (size_t)(num_items > 0 ? num_items : 1));
+    int64_t *cost = malloc(sizeof(int64_t) * (size_t)(num_items + 1));
     float *xg = malloc(sizeof(float) * (size_t)(pairs * hidden > 0 ? pairs * hidden : 1));
     float *gu = malloc(sizeof(float) * (size_t)(pairs * 2 * inter > 0 ? pairs * 2 * inter : 1));
     float *h = malloc(sizeof(float) * (size_t)(pairs * inter > 0 ? pairs * inter : 1));
     float *out = malloc(sizeof(float) * (size_t)(pairs * hidden > 0 ? pairs * hidden : 1));
     int *statuses = malloc(sizeof(int) * (size_t)num_threads);
     float *scratch = NULL;
-    if (!first || !pos || !fill || !items || !xg || !gu || !h || !out || !statuses) goto done;
+    if (!first || !pos || !fill || !items || !cost || !xg || !gu || !h || !out || !statuses) goto done;
     /* Group the (row, slot) pairs by expert, rows in order within an expert. */
     for (int64_t i = 0; i < pairs; i++) first[ids[i] + 1]++;
     int64_t most = 0;
@@ -275,15 +291,15 @@ int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter
     /* gate and up: one region */
     int64_t count = list_items(items, gate, first, experts, 0);
     count += list_items(items + count, up, first, experts, inter);
-    phase_t job = {items, count, xg, hidden, gu, 2 * inter, first, scratch, scratch_floats, statuses, exact, isa};
-    if ((status = run_phase(&job, num_threads))) goto done;
+    phase_t job = {items, count, NULL, xg, hidden, gu, 2 * inter, first, scratch, scratch_floats, statuses, exact, isa};
+    if ((status = run_phase(&job, cost, num_threads))) goto done;
     swiglu_t act = {gu, h, pairs, inter};
     const int64_t act_threads = pairs / 4 < num_threads ? pairs / 4 : num_threads;
     bargein_parallel_run(swiglu_rows, &act, act_threads > 1 ? (int)act_threads : 1);
     /* down: another */
     job.num_items = list_items(items, down, first, experts, 0);
     job.in = h, job.in_width = inter, job.out = out, job.out_width = hidden;
-    if ((status = run_phase(&job, num_threads))) goto done;
+    if ((status = run_phase(&job, cost, num_threads))) goto done;
     combine_t sum = {out, weights, pos, y, m, hidden, topk};
     const int64_t sum_threads = m / 4 < num_threads ? m / 4 : num_threads;
     bargein_parallel_run(combine_rows, &sum, sum_threads > 1 ? (int)sum_threads : 1);
@@ -293,6 +309,7 @@ done:
     free(pos);
     free(fill);
     free(items);
+    free(cost);
     free(xg);
     free(gu);
     free(h);
