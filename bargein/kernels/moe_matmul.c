@@ -55,7 +55,13 @@ typedef struct {
 int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, float *y, int exact, int num_threads,
                         int isa);
 
-#define MOE_TILE 64 /* output columns per work item */
+/* Output columns per work item: about ITEMS_PER_THREAD items per thread over the chosen
+ * experts' columns, in multiples of 16 within [MIN_TILE, MAX_TILE]. Few items keep the
+ * per-call cost (scratch, activation quantization) small against the blocks read; enough
+ * of them keep every thread busy. A column's result does not depend on its tile. */
+#define ITEMS_PER_THREAD 8
+#define MIN_TILE 32
+#define MAX_TILE 512
 
 /* ---- routing ------------------------------------------------------------------------- */
 
@@ -138,9 +144,10 @@ typedef struct {
     float *out;           /* (P, out_width) */
     int64_t out_width;
     const int64_t *first; /* (experts + 1): an expert's first grouped row */
-    float *scratch;       /* per thread: max rows of an expert x MOE_TILE */
+    float *scratch;       /* per thread: max rows of an expert x tile */
     int64_t scratch_floats;
     int *status;          /* per thread */
+    int64_t tile;
     int exact, isa;
 } phase_t;
 
@@ -156,7 +163,7 @@ static void run_items(void *arg, int index, int count) {
     for (; t < job->num_items && job->cost[t] < to; t++) {
         const item_t *it = &job->items[t];
         const bargein_qseg_t *seg = &it->w->segs[it->seg];
-        const int64_t cols = seg->rows - it->col0 < MOE_TILE ? seg->rows - it->col0 : MOE_TILE;
+        const int64_t cols = seg->rows - it->col0 < job->tile ? seg->rows - it->col0 : job->tile;
         bargein_qseg_t part = *seg; /* the tile's rows of the segment, in place */
         part.rows = cols;
         if (seg->order) part.order = seg->order + it->col0;
@@ -212,13 +219,13 @@ static void combine_rows(void *arg, int index, int count) {
 
 /* The work items of matrices w[e] for the experts with rows: each segment's rows in tiles. */
 static int64_t list_items(item_t *items, const bargein_qmat_t *const *w, const int64_t *first, int64_t experts,
-                          int64_t out_base) {
+                          int64_t out_base, int64_t tile) {
     int64_t count = 0;
     for (int64_t e = 0; e < experts; e++) {
         if (first[e + 1] == first[e]) continue; /* no row chose it: never read */
         int64_t col = out_base;
         for (int64_t s = 0; s < w[e]->num_segs; s++) {
-            for (int64_t c = 0; c < w[e]->segs[s].rows; c += MOE_TILE)
+            for (int64_t c = 0; c < w[e]->segs[s].rows; c += tile)
                 items[count++] = (item_t){e, s, c, col + c, w[e]};
             col += w[e]->segs[s].rows;
         }
@@ -226,11 +233,25 @@ static int64_t list_items(item_t *items, const bargein_qmat_t *const *w, const i
     return count;
 }
 
-static int64_t tiles_of(const bargein_qmat_t *const *w, int64_t experts) {
+static int64_t tiles_of(const bargein_qmat_t *const *w, int64_t experts, int64_t tile) {
     int64_t count = 0;
     for (int64_t e = 0; e < experts; e++)
-        for (int64_t s = 0; s < w[e]->num_segs; s++) count += (w[e]->segs[s].rows + MOE_TILE - 1) / MOE_TILE;
+        for (int64_t s = 0; s < w[e]->num_segs; s++) count += (w[e]->segs[s].rows + tile - 1) / tile;
     return count;
+}
+
+/* The tile for this call (see ITEMS_PER_THREAD), from the columns of the experts rows chose. */
+static int64_t tile_for(const int64_t *ids, int64_t pairs, int64_t experts, int64_t columns_per_expert,
+                        int num_threads) {
+    int64_t chosen = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        int used = 0;
+        for (int64_t i = 0; i < pairs && !used; i++) used = ids[i] == e;
+        chosen += used;
+    }
+    int64_t tile = chosen * columns_per_expert / ((int64_t)ITEMS_PER_THREAD * num_threads);
+    tile = (tile + 15) / 16 * 16;
+    return tile < MIN_TILE ? MIN_TILE : tile > MAX_TILE ? MAX_TILE : tile;
 }
 
 static int run_phase(phase_t *job, int64_t *cost, int num_threads) {
@@ -239,7 +260,7 @@ static int run_phase(phase_t *job, int64_t *cost, int num_threads) {
         const item_t *it = &job->items[t];
         const int64_t rows = job->first[it->expert + 1] - job->first[it->expert];
         const int64_t left = it->w->segs[it->seg].rows - it->col0;
-        cost[t + 1] = cost[t] + rows * (left < MOE_TILE ? left : MOE_TILE);
+        cost[t + 1] = cost[t] + rows * (left < job->tile ? left : job->tile);
     }
     job->cost = cost;
     int threads = job->num_items < num_threads ? (int)job->num_items : num_threads;
@@ -263,7 +284,8 @@ int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter
     int64_t *first = calloc((size_t)experts + 1, sizeof(int64_t));
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)(pairs > 0 ? pairs : 1));
     int64_t *fill = calloc((size_t)experts, sizeof(int64_t));
-    const int64_t num_items = tiles_of(gate, experts) + tiles_of(up, experts) + tiles_of(down, experts);
+    const int64_t tile = tile_for(ids, pairs, experts, 2 * inter + hidden, num_threads);
+    const int64_t num_items = tiles_of(gate, experts, tile) + tiles_of(up, experts, tile) + tiles_of(down, experts, tile);
     item_t *items = malloc(sizeof(item_t) * (size_t)(num_items > 0 ? num_items : 1));
     int64_t *cost = malloc(sizeof(int64_t) * (size_t)(num_items + 1));
     float *xg = malloc(sizeof(float) * (size_t)(pairs * hidden > 0 ? pairs * hidden : 1));
@@ -285,19 +307,20 @@ int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter
         pos[i] = p;
         memcpy(xg + p * hidden, x + (i / topk) * hidden, sizeof(float) * (size_t)hidden);
     }
-    const int64_t scratch_floats = (most * MOE_TILE + 15) / 16 * 16;
+    const int64_t scratch_floats = (most * tile + 15) / 16 * 16;
     scratch = malloc(sizeof(float) * (size_t)(scratch_floats * num_threads > 0 ? scratch_floats * num_threads : 1));
     if (!scratch) goto done;
     /* gate and up: one region */
-    int64_t count = list_items(items, gate, first, experts, 0);
-    count += list_items(items + count, up, first, experts, inter);
-    phase_t job = {items, count, NULL, xg, hidden, gu, 2 * inter, first, scratch, scratch_floats, statuses, exact, isa};
+    int64_t count = list_items(items, gate, first, experts, 0, tile);
+    count += list_items(items + count, up, first, experts, inter, tile);
+    phase_t job = {items, count, NULL, xg, hidden, gu, 2 * inter, first, scratch, scratch_floats, statuses, tile,
+                   exact, isa};
     if ((status = run_phase(&job, cost, num_threads))) goto done;
     swiglu_t act = {gu, h, pairs, inter};
     const int64_t act_threads = pairs / 4 < num_threads ? pairs / 4 : num_threads;
     bargein_parallel_run(swiglu_rows, &act, act_threads > 1 ? (int)act_threads : 1);
     /* down: another */
-    job.num_items = list_items(items, down, first, experts, 0);
+    job.num_items = list_items(items, down, first, experts, 0, tile);
     job.in = h, job.in_width = inter, job.out = out, job.out_width = hidden;
     if ((status = run_phase(&job, cost, num_threads))) goto done;
     combine_t sum = {out, weights, pos, y, m, hidden, topk};
