@@ -269,8 +269,9 @@ class LlamaStage(nn.Module):
     @property
     def graph_safe(self) -> bool:
         """Whether a CUDA graph of a decode step replays correctly: the windowed attention
-        path loops over sequences by their Python-side lengths, which a graph would freeze."""
-        return all(layer.attention.is_plain for layer in self.layers)
+        path loops over sequences by their Python-side lengths, and an MoE layer over the
+        experts its rows chose, which a graph would freeze."""
+        return self.config.moe is None and all(layer.attention.is_plain for layer in self.layers)
 
     @property
     def kv_dtype(self) -> torch.dtype:
