@@ -10,7 +10,7 @@ table this prints the issue's targets, each with the measured value:
 - MoE / dense of the same active bytes, bargein, 1 stream: >= 0.7.
 
     python bench/make_moe_gguf.py --out /tmp/moe
-    python bench/bench_moe.py /tmp/moe/qwen3moe-2b.Q4_K_M.gguf /tmp/moe/qwen3-dense-a04b.Q4_K_M.gguf [--precision fast]
+    python bench/bench_moe.py /tmp/moe/qwen3moe-2b.Q4_K_M.gguf /tmp/moe/qwen3-dense-2b.Q4_K_M.gguf [--precision fast]
 
 ``--quick``: 4 streams of 8 tokens, one load, a 128-token prefill (a smoke run).
 """

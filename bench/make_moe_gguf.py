@@ -6,8 +6,8 @@ files, whose tokenizer, converter call and quantization this reuses): a Hugging 
 folder written tensor by tensor, converted by llama.cpp's own converter, quantized by
 ``llama-quantize`` (Q4_K_M by default).
 
-    python bench/make_moe_gguf.py --out /tmp/moe            # -> qwen3moe-2b.Q4_K_M.gguf, qwen3-dense-a04b.Q4_K_M.gguf
-    python bench/bench_moe.py /tmp/moe/qwen3moe-2b.Q4_K_M.gguf /tmp/moe/qwen3-dense-a04b.Q4_K_M.gguf
+    python bench/make_moe_gguf.py --out /tmp/moe            # -> qwen3moe-2b.Q4_K_M.gguf, qwen3-dense-2b.Q4_K_M.gguf
+    python bench/bench_moe.py /tmp/moe/qwen3moe-2b.Q4_K_M.gguf /tmp/moe/qwen3-dense-2b.Q4_K_M.gguf
 
 The MoE: 16 layers, hidden 1024, 48 experts of 768, top 8 (renormalised, as Qwen3-MoE),
 16 query / 4 KV heads of 128, vocabulary 32768, the head tied to the embedding (as the
@@ -120,9 +120,12 @@ def main() -> None:
     parser.add_argument("--llama-bin", type=Path, default=LLAMA_BIN, help="llama.cpp's binaries (llama-quantize)")
     parser.add_argument("--small", action="store_true", help="tiny shapes, to check the chain")
     parser.add_argument("--only", choices=("moe", "dense"), help="write one of the two files")
+    parser.add_argument("--layers", type=int, help="this many layers instead (a quicker file of the same width)")
     args = parser.parse_args()
-    shape = SMALL_MOE if args.small else MOE
+    shape = dict(SMALL_MOE if args.small else MOE)
     size = "small" if args.small else "2b"
+    if args.layers:
+        shape["num_hidden_layers"], size = args.layers, f"{size}-{args.layers}l"
     args.out.mkdir(parents=True, exist_ok=True)
     for kind in ("moe", "dense"):
         if args.only and kind != args.only:
@@ -138,7 +141,7 @@ def main() -> None:
                 dense = dense_shape(shape)
                 (folder / "config.json").write_text(json.dumps(hf_config("qwen3", dense), indent=1))
                 write_dense_weights(folder, "qwen3", dense)
-                stem = f"qwen3-dense-{'small' if args.small else 'a04b'}"
+                stem = f"qwen3-dense-{size}"
             print(convert(folder, args.out / stem, args.quant, args.llama_cpp, args.llama_bin))
 
 

@@ -21,6 +21,9 @@ from tests.model.moe_files import NAMES, model_path
 from tests.tiny_engine import collector
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# Qwen3-MoE's renormalised top k, and Qwen2-MoE's plain top k with a shared expert (Mixtral's
+# routing is Qwen3-MoE's; tests/model/test_moe_families.py covers its parity).
+CONTRACT_NAMES = [n for n in NAMES if n != "mixtral"]
 
 
 @functools.cache
@@ -50,7 +53,7 @@ def _run(engine: Engine, rid: str) -> list[int]:
 
 
 @pytest.mark.parametrize("precision", ["exact", "fast"])
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CONTRACT_NAMES)
 def test_cancel_continue_fork_rewind_equal_no_cancel(name: str, precision: str) -> None:
     engine = _engine(name, precision, True)
     p = _tokens(9, seed=9)
