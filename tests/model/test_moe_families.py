@@ -55,7 +55,7 @@ def _first_layer_experts(eng: Engine, tokens: list[int]) -> list[set[int]]:
 def _batches(eng: Engine) -> dict[str, list[int]]:
     """One-token prompts: an anchor, then tokens whose first-layer experts are disjoint from
     the anchor's and each other's; and the anchor with tokens that all share its first expert."""
-    candidates = list(range(3, 131))
+    candidates = list(range(3, 67))
     experts = _first_layer_experts(eng, candidates)
     anchor, shared_expert = candidates[0], min(experts[0])
     disjoint, used = [anchor], set(experts[0])
