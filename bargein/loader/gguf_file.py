@@ -64,6 +64,7 @@ class GGUFFile:
         self.fields: dict[str, Any] = parsed.fields
         self.tensors: dict[str, TensorInfo] = parsed.tensors
         self._mapped: np.ndarray | None = None  # the whole file, mapped on first use
+        self._stacked: tuple[str, torch.Tensor] | None = None  # the stacked experts :meth:`expert` last widened
 
     def mapped(self) -> np.ndarray:
         """The whole file as a read-only uint8 array over one memory map (made on first call).
@@ -107,9 +108,13 @@ class GGUFFile:
         if blocks and qtype in QUANT_TYPES:
             per_expert = info.n_bytes // shape[0]
             return QuantWeight.of(qtype, self.view(name)[e * per_expert:(e + 1) * per_expert], shape[1], shape[2])
-        if getattr(self, "_stacked_name", None) != name:  # experts of one tensor are read one after another
-            self._stacked_name, self._stacked = name, self.tensor(name)
-        return self._stacked[e]
+        if self._stacked is None or self._stacked[0] != name:  # experts of one tensor are read one after another
+            self._stacked = (name, self.tensor(name))
+        return self._stacked[1][e]
+
+    def forget_stacked(self) -> None:
+        """Drop :meth:`expert`'s widened stacked tensor (the experts taken from it keep their views)."""
+        self._stacked = None
 
     def has(self, key: str) -> bool:
         return key in self.fields
@@ -350,6 +355,7 @@ def load_gguf_weights(
         if GGMLQuantizationType(f.tensors[gguf_name].tensor_type) in QUANT_TYPES:
             stored += f.tensors[gguf_name].n_bytes
             widened += weights[canon].numel() * weights[canon].element_size()
+    f.forget_stacked()
     if widened and device.type != "cpu":
         log.warning("the file's quantized matrices (%.0f MiB of blocks) are widened to %.0f MiB of %s on upload "
                     "to %s", stored / 2**20, widened / 2**20, str(dtype).removeprefix("torch."), device)
