@@ -38,6 +38,37 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward layers (Qwen2/3-MoE, Mixtral).
+
+    Each token's router logits (one per expert) are softmaxed over all experts; the
+    ``experts_per_token`` largest probabilities choose the experts, and their weights are
+    those probabilities, divided by their sum where ``norm_topk_prob`` (Qwen3-MoE, and
+    Mixtral, whose softmax over the chosen logits is the same). The layer's output is the
+    weighted sum of the chosen experts' SwiGLU MLPs (``expert_intermediate_size`` wide),
+    plus, where ``shared_expert_intermediate_size`` (Qwen2-MoE), a shared SwiGLU MLP
+    scaled by ``sigmoid(x . shared_gate)``. ``dense_layers``: layers with a dense MLP instead.
+    """
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts per token ({self.experts_per_token}) must be within 1..{self.num_experts}")
+        if self.expert_intermediate_size < 1:
+            raise ValueError(f"expert_intermediate_size must be positive, got {self.expert_intermediate_size}")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer`` (a global index) is a mixture of experts (else a dense MLP)."""
+        return layer not in self.dense_layers
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder of the Llama family and its relatives, as read from a checkpoint.
 
@@ -54,7 +85,8 @@ class ModelConfig:
       ``sliding_window`` positions only (Mistral: every layer; Gemma: interleaved);
       ``local_rope_theta``: their RoPE base, unscaled (Gemma 3); None: the global one;
     - ``rotary_dim``: RoPE on that many leading dimensions of each head (Phi-4-mini);
-      None: all of them.
+      None: all of them;
+    - ``moe``: mixture-of-experts MLPs (see :class:`MoEConfig`); None: dense MLPs.
     """
 
     vocab_size: int
@@ -83,6 +115,7 @@ class ModelConfig:
     local_layers: tuple[int, ...] = ()
     local_rope_theta: float | None = None
     rotary_dim: int | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -114,7 +147,7 @@ class ModelConfig:
         """Whether the layers are Llama's (what the fused fast forward, fast_forward.c, runs)."""
         return not (self.qk_norm or self.sandwich_norms or self.activation != "silu" or self.embed_scale
                     or self.attn_softcap or self.final_softcap or self.query_scale is not None
-                    or self.local_layers or self.local_rope_theta is not None)
+                    or self.local_layers or self.local_rope_theta is not None or self.moe is not None)
 
 
 @dataclass(frozen=True)

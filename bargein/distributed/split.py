@@ -138,13 +138,24 @@ class MatrixWidths:
         return self.stored.get(name, self.dense)
 
 
+def layer_matrices(config: ModelConfig, layer: int) -> tuple[str, ...]:
+    """Layer ``layer``'s matrices (canonical names): Q, K, V, O and the MLP's three, or for a
+    mixture-of-experts layer its router, every expert's three and a shared expert's: an MoE
+    layer is weighed by all its bytes, as its memory is (the experts dominate it)."""
+    if config.moe is None or not config.moe.is_sparse(layer):
+        return tuple(f"layers.{layer}.{m}" for m in LAYER_MATRICES)
+    prefix = f"layers.{layer}."
+    return tuple(n for n in wanted_tensors(config, layer, layer + 1)
+                 if n.startswith(prefix) and len(expected_shape(config, n) or ()) == 2)
+
+
 def head_layers(config: ModelConfig, widths: MatrixWidths = MatrixWidths()) -> float:
     """The LM head's work per row in layers' worth: the bytes the stage reads for it over
-    those of an average layer's matrices (Q, K, V, O and the three feed-forward ones),
+    those of an average layer's matrices (:func:`layer_matrices`),
     times 1 + ``_LAYER_OTHER_WORK`` for the rest of a layer's work. The head is
     ``embed.weight`` when tied to the embedding, else ``lm_head.weight``."""
-    layer_bytes = sum(math.prod(expected_shape(config, f"layers.{i}.{m}") or ()) * widths.of(f"layers.{i}.{m}")
-                      for i in range(config.num_layers) for m in LAYER_MATRICES) / config.num_layers
+    layer_bytes = sum(math.prod(expected_shape(config, m) or ()) * widths.of(m)
+                      for i in range(config.num_layers) for m in layer_matrices(config, i)) / config.num_layers
     head = "embed.weight" if config.tie_word_embeddings else "lm_head.weight"
     head_bytes = config.vocab_size * config.hidden_size * widths.of(head)
     return head_bytes / (layer_bytes * (1 + _LAYER_OTHER_WORK))

@@ -32,7 +32,7 @@ from bargein.loader.families import norm_offset, stored_rows
 from bargein.loader.gguf_file import PERMUTED_ARCHS, open_gguf, qk_row_order, unpermute_qk
 from bargein.loader.hf_folder import _open as open_safetensors
 from bargein.loader.hf_folder import _weight_map, text_model_names
-from bargein.loader.names import wanted_tensors
+from bargein.loader.names import expert_index, wanted_tensors
 from bargein.loader.source import ModelSource
 
 Fingerprint = tuple[tuple[str, int], ...]
@@ -102,7 +102,10 @@ def read_stored(source: ModelSource, config: ModelConfig, layer_range: tuple[int
             if info is None:
                 raise CorruptModelError(f"{source.path}: tensor {name!r} is missing")
             shape = tuple(int(d) for d in reversed(info.shape.tolist()))
-            tensors[canon] = StoredTensor(np.asarray(info.data), shape, int(info.tensor_type))
+            data = np.asarray(info.data)
+            if (e := expert_index(canon)) is not None:  # its slice of the stacked experts, alone
+                data, shape = data.reshape(shape[0], -1)[e], shape[1:]
+            tensors[canon] = StoredTensor(data, shape, int(info.tensor_type))
         return StoredWeights(tensors, f.get("general.architecture"))
     where = _weight_map(source.path)
     tensors = {}

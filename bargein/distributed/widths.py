@@ -50,7 +50,7 @@ def stage_widths(source: ModelSource, model_config: ModelConfig, config: EngineC
         info = tensors.get(gguf_name)
         try:
             if info is None or GGMLQuantizationType(info.tensor_type) not in QUANT_TYPES \
-                    or len(info.torch_shape) != 2:
+                    or len(info.torch_shape) not in (2, 3):  # 3: an MoE layer's stacked experts
                 continue  # a missing or unknown tensor is the loader's to report
         except ValueError:
             continue

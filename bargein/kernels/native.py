@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.moe_native import MoEKernels
 from bargein.kernels.native_structs import (
     FastEmbed,
     FastHead,
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "decode_attention.c", "block_matmul.c", "quant_matmul.c", "attention_f16.c", "rowwise.c", "parallel.c",
-    "fast_forward.c", "gguf_matmul.c"))
+    "fast_forward.c", "gguf_matmul.c", "moe_matmul.c"))
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "simd.h", "gguf_types.h", "x86_simd.h"))
 # -ffp-contract=off: a multiply and an add stay two roundings unless the source asks for a
 # fused one, so the `fast` kernels' instruction-set paths round alike (see quant_matmul.c).
@@ -108,6 +109,7 @@ class NativeKernels:
         self._gguf_rows.restype = _INT
         self._gguf_rows.argtypes = [_P, _P, _I64, _P, _INT]
         self.q8_isa = self._chosen_q8_isa()
+        self.moe = MoEKernels(library)  # routing and grouped experts (moe_matmul.c)
 
     def _chosen_q8_isa(self) -> int:
         """The int8 instruction set to use here, or the one ``BARGEIN_Q8_ISA`` (c, avx2, vnni) names."""

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from bargein.config import ROPE_SCALINGS, ModelConfig, RopeScaling
+from bargein.config import ROPE_SCALINGS, ModelConfig, MoEConfig, RopeScaling
 from bargein.loader.errors import UnsupportedModelError
 
 # HF architecture -> family
@@ -30,10 +30,11 @@ HF_FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3", "Phi3ForCausalLM": "phi3",
+    **{"Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe", "MixtralForCausalLM": "mixtral"},
 }
 # GGUF general.architecture -> family (Mistral's GGUFs are "llama")
 GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3",
-                 "phi3": "phi3"}
+                 "phi3": "phi3", **{"qwen3moe": "qwen3moe", "qwen2moe": "qwen2moe"}}
 GEMMA = ("gemma2", "gemma3")
 # The feature fields of ModelConfig (what a family sets beyond the shape).
 Features = dict[str, Any]
@@ -268,3 +269,81 @@ def _gguf_rope_scaling(get: Any, tensors: Any, path: Path) -> RopeScaling | None
                            beta_slow=float(get("rope.scaling.yarn_beta_slow", 1.0)), attention_factor=attention)
     raise UnsupportedModelError(
         f"{path}: RoPE scaling type {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
+
+
+# --- mixtures of experts ----------------------------------------------------------------------
+# A Mixtral GGUF says architecture "llama": llama.expert_count marks it (see gguf_moe).
+
+# An MoE layer's canonical suffix -> (GGUF suffix, HF suffix); "{e}" is the expert's index. In a
+# GGUF each of the experts' matrices is one stacked tensor (experts, rows, k): expert e is its
+# slice e (see bargein.loader.names.expert_index).
+MOE_LAYER = {
+    "router.weight": ("ffn_gate_inp.weight", "mlp.gate.weight"),
+    "experts.{e}.w1.weight": ("ffn_gate_exps.weight", "mlp.experts.{e}.gate_proj.weight"),
+    "experts.{e}.w3.weight": ("ffn_up_exps.weight", "mlp.experts.{e}.up_proj.weight"),
+    "experts.{e}.w2.weight": ("ffn_down_exps.weight", "mlp.experts.{e}.down_proj.weight"),
+}
+MIXTRAL_LAYER = {
+    "router.weight": ("ffn_gate_inp.weight", "block_sparse_moe.gate.weight"),
+    "experts.{e}.w1.weight": ("ffn_gate_exps.weight", "block_sparse_moe.experts.{e}.w1.weight"),
+    "experts.{e}.w3.weight": ("ffn_up_exps.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+    "experts.{e}.w2.weight": ("ffn_down_exps.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+}
+SHARED_EXPERT = {  # Qwen2-MoE
+    "shared.w1.weight": ("ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight"),
+    "shared.w3.weight": ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"),
+    "shared.w2.weight": ("ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight"),
+    "shared_gate.weight": ("ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight"),
+}
+DENSE_MLP = ("w1.weight", "w2.weight", "w3.weight")
+
+
+def moe_layer_tensors(config: ModelConfig) -> dict[str, tuple[str, str]]:
+    """An MoE layer's canonical suffix -> (GGUF suffix, HF suffix), one entry per expert's
+    matrix ("{e}" filled in), in place of the dense MLP's (see :func:`layer_tensors`)."""
+    assert config.moe is not None
+    table = {k: v for k, v in layer_tensors(config).items() if k not in DENSE_MLP}
+    experts = MIXTRAL_LAYER if config.family == "mixtral" else MOE_LAYER
+    for canon, (gguf, hf) in experts.items():
+        for e in range(config.moe.num_experts if "{e}" in canon else 1):
+            table[canon.format(e=e)] = (gguf, hf.format(e=e))
+    if config.moe.shared_expert_intermediate_size:
+        table.update(SHARED_EXPERT)
+    return table
+
+
+def hf_moe(family: str, cfg: dict[str, Any]) -> Features:
+    """The MoE fields (``moe``, and Qwen3-MoE's Q/K norm) of an MoE family's config.json;
+    nothing for a dense family."""
+    if family not in ("qwen3moe", "qwen2moe", "mixtral"):
+        return {}
+    layers = int(cfg["num_hidden_layers"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only_mlp = set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step)
+    moe = MoEConfig(num_experts=experts, experts_per_token=int(cfg["num_experts_per_tok"]),
+                    expert_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+                    norm_topk_prob=family == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                    dense_layers=dense)
+    return {"moe": moe, **({"qk_norm": True} if family == "qwen3moe" else {})}
+
+
+def gguf_moe(arch: str, get: Any, has_tensor: Any, layers: int, feed_forward: int) -> Features:
+    """The MoE fields from GGUF metadata, as llama.cpp reads them: ``{arch}.expert_count``
+    (``get(key, default)`` reads ``{arch}.key``) makes the file an MoE, whatever the
+    architecture says (Mixtral's is "llama", which then names the family "mixtral"); a layer
+    without a router tensor (``has_tensor(name)``) is dense. llama.cpp renormalises the
+    chosen weights for Qwen3-MoE and Mixtral, not for Qwen2-MoE."""
+    experts = int(get("expert_count", 0) or 0)
+    if not experts:
+        return {}
+    family = "mixtral" if arch == "llama" else GGUF_FAMILIES.get(arch, arch)
+    norm = get("expert_weights_norm", None)
+    moe = MoEConfig(num_experts=experts, experts_per_token=int(get("expert_used_count", 2)),
+                    expert_intermediate_size=int(get("expert_feed_forward_length", 0) or feed_forward),
+                    norm_topk_prob=bool(norm) if norm is not None else family != "qwen2moe",
+                    shared_expert_intermediate_size=int(get("expert_shared_feed_forward_length", 0) or 0),
+                    dense_layers=tuple(i for i in range(layers) if not has_tensor(f"blk.{i}.ffn_gate_inp.weight")))
+    return {"family": family, "moe": moe, **({"qk_norm": True} if family == "qwen3moe" else {})}

@@ -36,9 +36,9 @@ from bargein.kernels.dequant import SUPPORTED_TYPES, dequantize
 from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
-from bargein.loader.families import GGUF_FAMILIES, gguf_features, stored_rows
+from bargein.loader.families import GGUF_FAMILIES, gguf_features, gguf_moe, stored_rows
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
-from bargein.loader.names import check_layer_range, wanted_tensors
+from bargein.loader.names import check_layer_range, expert_index, wanted_tensors
 
 SUPPORTED_ARCHS = tuple(GGUF_FAMILIES)
 # The types whose blocks BlockWeight holds as they are: (bits, bytes before the quants).
@@ -64,6 +64,7 @@ class GGUFFile:
         self.fields: dict[str, Any] = parsed.fields
         self.tensors: dict[str, TensorInfo] = parsed.tensors
         self._mapped: np.ndarray | None = None  # the whole file, mapped on first use
+        self._stacked: tuple[str, torch.Tensor] | None = None  # the stacked experts :meth:`expert` last widened
 
     def mapped(self) -> np.ndarray:
         """The whole file as a read-only uint8 array over one memory map (made on first call).
@@ -94,6 +95,26 @@ class GGUFFile:
         if GGMLQuantizationType(info.tensor_type) not in QUANT_TYPES or len(shape) != 2:
             return None
         return QuantWeight.of(GGMLQuantizationType(info.tensor_type), self.view(name), *shape)
+
+    def expert(self, name: str, e: int, blocks: bool) -> torch.Tensor | QuantWeight:
+        """Expert ``e``'s matrix of a stacked expert tensor (experts, rows, k): with ``blocks``
+        and a block type the kernels read, a QuantWeight over its slice of the mapped file
+        (no copy); else float32, a view of the stacked tensor dequantized once per name."""
+        info = self.info(name)
+        shape = info.torch_shape
+        if len(shape) != 3 or not 0 <= e < shape[0]:
+            raise CorruptModelError(f"{self.path}: tensor {name!r} of shape {tuple(shape)} has no expert {e}")
+        qtype = GGMLQuantizationType(info.tensor_type)
+        if blocks and qtype in QUANT_TYPES:
+            per_expert = info.n_bytes // shape[0]
+            return QuantWeight.of(qtype, self.view(name)[e * per_expert:(e + 1) * per_expert], shape[1], shape[2])
+        if self._stacked is None or self._stacked[0] != name:  # experts of one tensor are read one after another
+            self._stacked = (name, self.tensor(name))
+        return self._stacked[1][e]
+
+    def forget_stacked(self) -> None:
+        """Drop :meth:`expert`'s widened stacked tensor (the experts taken from it keep their views)."""
+        self._stacked = None
 
     def has(self, key: str) -> bool:
         return key in self.fields
@@ -238,6 +259,8 @@ def read_gguf_config(path: Path, name: str) -> ModelConfig:
 
     features = gguf_features(GGUF_FAMILIES[arch], lambda k, default=None: f.get(key(k), default), small_tensor,
                              path, num_layers, head_dim, hidden, num_heads)
+    features.update(gguf_moe(arch, lambda k, default=None: f.get(key(k), default), f.tensors.__contains__,
+                             num_layers, int(f.require(key("feed_forward_length")))))
     return ModelConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -312,6 +335,10 @@ def load_gguf_weights(
     for canon, gguf_name in _progress(wanted.items(), len(wanted), config.name, progress):
         heads = config.num_heads if ".wq." in canon else config.num_kv_heads
         permuted = arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon)
+        if (e := expert_index(canon)) is not None:  # a slice of the layer's stacked experts
+            expert = f.expert(gguf_name, e, blocks)
+            weights[canon] = expert if isinstance(expert, QuantWeight) else expert.to(device=device, dtype=dtype)
+            continue
         rows = stored_rows(config, canon)  # a share of a fused matrix, or partial rotary's order
         held = f.quant(gguf_name) if blocks else None
         if held is not None:
@@ -328,6 +355,7 @@ def load_gguf_weights(
         if GGMLQuantizationType(f.tensors[gguf_name].tensor_type) in QUANT_TYPES:
             stored += f.tensors[gguf_name].n_bytes
             widened += weights[canon].numel() * weights[canon].element_size()
+    f.forget_stacked()
     if widened and device.type != "cpu":
         log.warning("the file's quantized matrices (%.0f MiB of blocks) are widened to %.0f MiB of %s on upload "
                     "to %s", stored / 2**20, widened / 2**20, str(dtype).removeprefix("torch."), device)

@@ -19,6 +19,7 @@ from bargein.loader.errors import CorruptModelError, UnsupportedModelError
 from bargein.loader.families import (
     HF_FAMILIES,
     hf_features,
+    hf_moe,
     hf_text_config,
     norm_offset,
     stored_rows,
@@ -68,9 +69,10 @@ def read_hf_config(folder: Path, name: str) -> ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
             # Qwen2 always has q/k/v biases; Llama declares them with attention_bias
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False))
+            or (arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))),  # Qwen1.5-MoE: always
             name=name,
-            **hf_features(family, cfg, path),
+            **{**hf_features(family, cfg, path), **hf_moe(family, cfg)},
         )
     except KeyError as exc:
         raise CorruptModelError(f"{path}: required key {exc.args[0]!r} is missing") from None

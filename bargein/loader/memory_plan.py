@@ -23,6 +23,7 @@ from bargein.kernels.quant_weight import QUANT_TYPES
 from bargein.loader.errors import LoaderError
 from bargein.loader.gguf_file import open_gguf
 from bargein.loader.names import expected_shape, wanted_tensors
+from bargein.loader.parameters import describe_parameters
 from bargein.loader.source import ModelSource
 
 MiB = 1 << 20
@@ -48,6 +49,7 @@ class MemoryPlan:
     kv_tokens: int
     runtime_bytes: int
     available_bytes: int | None  # the system's available memory when planned; None if unknown
+    parameters: str = ""  # the model's parameter counts, total and (an MoE's) active per token
 
     @property
     def private_bytes(self) -> int:
@@ -63,6 +65,8 @@ class MemoryPlan:
                 f"{self.private_weight_bytes / MiB:,.0f} MiB private, KV cache {self.kv_bytes / MiB:,.0f} MiB "
                 f"({self.kv_tokens:,} tokens), runtime ~{self.runtime_bytes / MiB:,.0f} MiB: "
                 f"expected RSS ~{self.expected_rss / MiB:,.0f} MiB")
+        if self.parameters:
+            line = f"{self.parameters}; {line}"
         if self.available_bytes is not None:
             line += f" of {self.available_bytes / MiB:,.0f} MiB available"
             if self.expected_rss > self.available_bytes:
@@ -111,7 +115,8 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
         tokens = config.cache.counted_blocks * block
     else:
         tokens = config.cache.memory_bytes // (per_token * block) * block
-    plan = MemoryPlan(mapped, private, tokens * per_token, tokens, RUNTIME_BYTES, available)
+    plan = MemoryPlan(mapped, private, tokens * per_token, tokens, RUNTIME_BYTES, available,
+                      describe_parameters(model_config) if model_config.moe is not None else "")
     if available is not None and plan.private_bytes > available:
         raise MemoryPlanError(
             f"{source.path}: this needs ~{plan.private_bytes / MiB:,.0f} MiB of private memory (weights "
@@ -134,7 +139,9 @@ def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: 
             private += 4 * numel
         return mapped, private
     tensors = open_gguf(source.path).tensors
-    names = [gguf for gguf, _ in wanted.values()] + (["rope_freqs.weight"] if "rope_freqs.weight" in tensors else [])
+    # dict.fromkeys: an MoE layer's experts are one stacked tensor, named by each expert's entry
+    names = list(dict.fromkeys(gguf for gguf, _ in wanted.values())) + (["rope_freqs.weight"] if "rope_freqs.weight"
+                                                                        in tensors else [])
     for name in names:
         info = tensors.get(name)
         if info is None:
@@ -146,7 +153,7 @@ def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: 
             qtype = GGMLQuantizationType(info.tensor_type)
         except ValueError:
             continue  # an unknown type: the loader refuses it by name
-        if reads_blocks and qtype in QUANT_TYPES and len(info.torch_shape) == 2:
+        if reads_blocks and qtype in QUANT_TYPES and len(info.torch_shape) in (2, 3):  # 3: stacked experts
             mapped += info.n_bytes
         else:
             private += 4 * numel

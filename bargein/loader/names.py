@@ -6,7 +6,7 @@ that a family stores inside a fused one names that stored tensor (see ``stored_r
 from __future__ import annotations
 
 from bargein.config import ModelConfig
-from bargein.loader.families import layer_tensors
+from bargein.loader.families import layer_tensors, moe_layer_tensors
 
 BIAS_TENSORS: dict[str, tuple[str, str]] = {
     "wq.bias": ("attn_q.bias", "self_attn.q_proj.bias"),
@@ -43,11 +43,14 @@ def wanted_tensors(config: ModelConfig, start: int, end: int) -> dict[str, tuple
     last = end == config.num_layers
     if start == 0 or (last and config.tie_word_embeddings):
         wanted["embed.weight"] = GLOBAL_TENSORS["embed.weight"]
-    per_layer = layer_tensors(config)
-    if config.attention_bias:
-        per_layer.update(BIAS_TENSORS)
+    dense_layer = layer_tensors(config)
+    moe_layer = moe_layer_tensors(config) if config.moe is not None else dense_layer
+    for table in (dense_layer, moe_layer):
+        if config.attention_bias:
+            table.update(BIAS_TENSORS)
     for i in range(start, end):
-        for suffix, (gguf_suffix, hf_suffix) in per_layer.items():
+        sparse = config.moe is not None and config.moe.is_sparse(i)
+        for suffix, (gguf_suffix, hf_suffix) in (moe_layer if sparse else dense_layer).items():
             wanted[f"layers.{i}.{suffix}"] = (
                 f"blk.{i}.{gguf_suffix}",
                 f"model.layers.{i}.{hf_suffix}",
@@ -59,6 +62,13 @@ def wanted_tensors(config: ModelConfig, start: int, end: int) -> dict[str, tuple
     return wanted
 
 
+def expert_index(canon: str) -> int | None:
+    """The expert a canonical MoE weight belongs to (``layers.{i}.experts.{e}.*``), else None:
+    in a GGUF, its slice of the stacked tensor the table names."""
+    parts = canon.split(".")
+    return int(parts[3]) if len(parts) > 4 and parts[0] == "layers" and parts[2] == "experts" else None
+
+
 def expected_shape(config: ModelConfig, canon: str) -> tuple[int, ...] | None:
     """The torch shape a canonical tensor must have; None for ones without a fixed shape."""
     h, q, kv = (
@@ -67,6 +77,15 @@ def expected_shape(config: ModelConfig, canon: str) -> tuple[int, ...] | None:
         config.num_kv_heads * config.head_dim,
     )
     suffix = canon.split(".", 2)[-1] if canon.startswith("layers.") else canon
+    if config.moe is not None:  # experts.{e}.w1.weight -> expert.w1.weight
+        suffix = "expert." + suffix.split(".", 2)[-1] if suffix.startswith("experts.") else suffix
+        moe_inter, shared = config.moe.expert_intermediate_size, config.moe.shared_expert_intermediate_size
+        moe_shapes = {"router.weight": (config.moe.num_experts, h), "expert.w1.weight": (moe_inter, h),
+                      "expert.w3.weight": (moe_inter, h), "expert.w2.weight": (h, moe_inter),
+                      "shared.w1.weight": (shared, h), "shared.w3.weight": (shared, h),
+                      "shared.w2.weight": (h, shared), "shared_gate.weight": (1, h)}
+        if suffix in moe_shapes:
+            return moe_shapes[suffix]
     return {
         "embed.weight": (config.vocab_size, h),
         "lm_head.weight": (config.vocab_size, h),

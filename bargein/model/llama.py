@@ -42,6 +42,7 @@ from bargein.model.attention import (
 from bargein.model.block_weights import TokenEmbedding, Weight, cat_rows, dense
 from bargein.model.fused_layers import FusedLayers
 from bargein.model.linear import Linear
+from bargein.model.moe import MoEFeedForward
 from bargein.model.rope import RotaryEmbedding, apply_rotary
 
 Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin for the forward's tokens
@@ -151,6 +152,16 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
+def _mlp(config: ModelConfig, take: Take, layer: int, kernels: KernelSet, fp32_weights: bool) -> nn.Module:
+    """Layer ``layer``'s MLP: dense, or a mixture of experts (with Qwen2-MoE's shared expert)."""
+    prefix, moe = f"layers.{layer}", config.moe
+    if moe is None or not moe.is_sparse(layer):
+        return FeedForward(take, prefix, kernels, fp32_weights, config.activation)
+    shared = (FeedForward(take, f"{prefix}.shared", kernels, fp32_weights)
+              if moe.shared_expert_intermediate_size else None)
+    return MoEFeedForward(moe, take, prefix, kernels, shared)
+
+
 class TransformerBlock(nn.Module):
     """``h = x + attn(norm(x)); out = h + mlp(norm(h))``; with ``sandwich_norms`` (Gemma) the
     attention's and the MLP's outputs are normed too before they are added."""
@@ -162,7 +173,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = RMSNorm(dense(take(f"{prefix}.attn_norm.weight")), eps, kernels)
         self.attention = Attention(config, take, layer, kernels, fp32_weights)
         self.ffn_norm = RMSNorm(dense(take(f"{prefix}.ffn_norm.weight")), eps, kernels)
-        self.feed_forward = FeedForward(take, prefix, kernels, fp32_weights, config.activation)
+        self.feed_forward = _mlp(config, take, layer, kernels, fp32_weights)
         self.post_attn_norm = self.post_ffn_norm = None
         if config.sandwich_norms:
             self.post_attn_norm = RMSNorm(dense(take(f"{prefix}.post_attn_norm.weight")), eps, kernels)
@@ -258,8 +269,9 @@ class LlamaStage(nn.Module):
     @property
     def graph_safe(self) -> bool:
         """Whether a CUDA graph of a decode step replays correctly: the windowed attention
-        path loops over sequences by their Python-side lengths, which a graph would freeze."""
-        return all(layer.attention.is_plain for layer in self.layers)
+        path loops over sequences by their Python-side lengths, and an MoE layer over the
+        experts its rows chose, which a graph would freeze."""
+        return self.config.moe is None and all(layer.attention.is_plain for layer in self.layers)
 
     @property
     def kv_dtype(self) -> torch.dtype:

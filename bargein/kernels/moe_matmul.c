@@ -1,0 +1,343 @@
+/*
+ * Mixture-of-experts feed-forward on the CPU: routing, the experts' SwiGLU MLPs grouped by
+ * expert, and the weighted sum, one call each per layer and step.
+ *
+ * Routing (bargein_moe_route). For row r of x (m, hidden) and router R (rows_w, hidden):
+ *   logit[e] = <x[r], R[e]>, summed in 8 lanes (lane l takes i = l mod 8, in order), the
+ *              lanes then added ((0+4)+(1+5))+((2+6)+(3+7));
+ *   p = softmax(logit[0 .. experts)) (max subtracted, expf, summed in expert order);
+ *   the top `topk` of p, largest first (a tie goes to the lower expert), as ids[r, s] and
+ *   weights[r, s] = p, divided by their sum (in slot order) where `norm`;
+ *   where rows_w == experts + 1 (Qwen2-MoE's shared-expert gate as R's last row),
+ *   gate[r] = 1 / (1 + expf(-logit[experts])).
+ *
+ * Experts (bargein_moe_experts). Each expert e has gate, up (inter, hidden) and down
+ * (hidden, inter) matrices in a GGUF file's blocks (bargein_qmat_t, read in place: a slice
+ * of a stacked expert tensor in the mapped file). The rows that chose e are gathered (in
+ * row order), and every (expert, matrix, column tile) is one work item: gguf_matmul.c's
+ * bargein_gguf_matmul over the tile's rows of the matrix (a descriptor pointing into the
+ * expert's blocks, no copy) for all of the expert's rows at once, on one thread. The work
+ * items of gate and up share one parallel region, those of down another; an expert no
+ * row chose has no work item and is not read. Between them h = silu(g) * u with
+ * silu(a) = a / (1 + expf(-a)), and at the end
+ *   y[r] = w[r, 0] * out[r, 0] + w[r, 1] * out[r, 1] + ... (slot order, each product and
+ *          sum rounded: the library is built with -ffp-contract=off).
+ *
+ * Invariance. bargein_gguf_matmul's output for a row depends on that row, the column and
+ * the weight only (not on the row count, the tile, the thread count or the instruction
+ * set; see gguf_matmul.c), and everything else here is row by row in a fixed order: so a
+ * token's y depends on nothing but its own row, whichever rows share the step and
+ * whichever experts they chose.
+ *
+ * Returns 0; -1 when scratch memory could not be had; -6 for an expert id outside
+ * [0, experts); any other status is bargein_gguf_matmul's.
+ */
+#include "parallel.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* gguf_matmul.c's matrix descriptor (the same layout; see there). */
+typedef struct {
+    int64_t type;
+    const uint8_t *data;
+    int64_t row_bytes, rows;
+    const int64_t *order;
+} bargein_qseg_t;
+
+typedef struct {
+    const bargein_qseg_t *segs;
+    int64_t num_segs, n, k;
+} bargein_qmat_t;
+
+int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, float *y, int exact, int num_threads,
+                        int isa);
+
+/* Output columns per work item: about ITEMS_PER_THREAD items per thread over the chosen
+ * experts' columns, in multiples of 16 within [MIN_TILE, MAX_TILE]. Few items keep the
+ * per-call cost (scratch, activation quantization) small against the blocks read; enough
+ * of them keep every thread busy. A column's result does not depend on its tile. */
+#define ITEMS_PER_THREAD 8
+#define MIN_TILE 32
+#define MAX_TILE 512
+
+/* ---- routing ------------------------------------------------------------------------- */
+
+typedef struct {
+    const float *x, *router;
+    int64_t m, hidden, experts, rows_w, topk;
+    int norm;
+    int64_t *ids;
+    float *weights, *gate;
+} route_t;
+
+static float dot8(const float *a, const float *b, int64_t n) {
+    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += a[i + l] * b[i + l];
+    for (int l = 0; i < n; i++, l++) lanes[l] += a[i] * b[i];
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+static void route_rows(void *arg, int index, int count) {
+    const route_t *job = (const route_t *)arg;
+    float *logit = malloc(sizeof(float) * (size_t)job->rows_w);
+    if (!logit) return; /* the caller checks ids[0] = -1 marks left */
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        const float *x = job->x + r * job->hidden;
+        for (int64_t e = 0; e < job->rows_w; e++) logit[e] = dot8(x, job->router + e * job->hidden, job->hidden);
+        float mx = logit[0];
+        for (int64_t e = 1; e < job->experts; e++) mx = logit[e] > mx ? logit[e] : mx;
+        float sum = 0.0f;
+        for (int64_t e = 0; e < job->experts; e++) sum += expf(logit[e] - mx);
+        int64_t *ids = job->ids + r * job->topk;
+        float *w = job->weights + r * job->topk;
+        float chosen = 0.0f;
+        for (int64_t s = 0; s < job->topk; s++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < job->experts; e++) {
+                int taken = 0;
+                for (int64_t t = 0; t < s; t++) taken |= ids[t] == e;
+                if (!taken && (best < 0 || logit[e] > logit[best])) best = e;
+            }
+            ids[s] = best;
+            w[s] = expf(logit[best] - mx) / sum;
+            chosen += w[s];
+        }
+        if (job->norm)
+            for (int64_t s = 0; s < job->topk; s++) w[s] /= chosen;
+        if (job->rows_w > job->experts) job->gate[r] = 1.0f / (1.0f + expf(-logit[job->experts]));
+    }
+    free(logit);
+}
+
+/* ids (m, topk) int64, weights (m, topk) float, gate (m) float (read only where rows_w ==
+ * experts + 1). Returns 0, or -1 when scratch memory could not be had. */
+int bargein_moe_route(const float *x, int64_t m, int64_t hidden, const float *router, int64_t experts,
+                      int64_t rows_w, int64_t topk, int norm, int64_t *ids, float *weights, float *gate,
+                      int num_threads) {
+    for (int64_t i = 0; i < m * topk; i++) ids[i] = -1;
+    route_t job = {x, router, m, hidden, experts, rows_w, topk, norm, ids, weights, gate};
+    const int64_t threads = m / 4 < num_threads ? m / 4 : num_threads;
+    bargein_parallel_run(route_rows, &job, threads > 1 ? (int)threads : 1);
+    for (int64_t i = 0; i < m * topk; i++)
+        if (ids[i] < 0) return -1;
+    return 0;
+}
+
+/* ---- experts ------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t expert, seg, col0, out_col; /* out_col: the tile's first column in the output row */
+    const bargein_qmat_t *w;
+} item_t;
+
+typedef struct {
+    const item_t *items;
+    int64_t num_items;
+    const int64_t *cost;  /* (num_items + 1): the items' running cost (rows x columns), for sharing out */
+    const float *in;      /* (P, in_width), rows grouped by expert */
+    int64_t in_width;
+    float *out;           /* (P, out_width) */
+    int64_t out_width;
+    const int64_t *first; /* (experts + 1): an expert's first grouped row */
+    float *scratch;       /* per thread: max rows of an expert x tile */
+    int64_t scratch_floats;
+    int *status;          /* per thread */
+    int64_t tile;
+    int exact, isa;
+} phase_t;
+
+static void run_items(void *arg, int index, int count) {
+    const phase_t *job = (const phase_t *)arg;
+    float *tmp = job->scratch + (int64_t)index * job->scratch_floats;
+    /* A thread takes the items that start within its share of the total cost: experts chosen
+     * by many rows cost more than those chosen by few. */
+    const int64_t total = job->cost[job->num_items];
+    const int64_t from = total * index / count, to = total * (index + 1) / count;
+    int64_t t = 0;
+    while (t < job->num_items && job->cost[t] < from) t++;
+    for (; t < job->num_items && job->cost[t] < to; t++) {
+        const item_t *it = &job->items[t];
+        const bargein_qseg_t *seg = &it->w->segs[it->seg];
+        const int64_t cols = seg->rows - it->col0 < job->tile ? seg->rows - it->col0 : job->tile;
+        bargein_qseg_t part = *seg; /* the tile's rows of the segment, in place */
+        part.rows = cols;
+        if (seg->order) part.order = seg->order + it->col0;
+        else part.data = seg->data + it->col0 * seg->row_bytes;
+        const bargein_qmat_t tile = {&part, 1, cols, it->w->k};
+        const int64_t r0 = job->first[it->expert], rows = job->first[it->expert + 1] - r0;
+        const int status = bargein_gguf_matmul(job->in + r0 * job->in_width, rows, &tile, tmp, job->exact, 1, job->isa);
+        if (status) {
+            job->status[index] = status;
+            return;
+        }
+        for (int64_t i = 0; i < rows; i++)
+            memcpy(job->out + (r0 + i) * job->out_width + it->out_col, tmp + i * cols, sizeof(float) * (size_t)cols);
+    }
+}
+
+typedef struct {
+    float *gu;  /* (P, 2 inter): [g | u] */
+    float *h;   /* (P, inter) */
+    int64_t rows, inter;
+} swiglu_t;
+
+static void swiglu_rows(void *arg, int index, int count) {
+    const swiglu_t *job = (const swiglu_t *)arg;
+    for (int64_t r = job->rows * index / count; r < job->rows * (index + 1) / count; r++) {
+        const float *g = job->gu + r * 2 * job->inter, *u = g + job->inter;
+        float *h = job->h + r * job->inter;
+        for (int64_t i = 0; i < job->inter; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+typedef struct {
+    const float *out, *weights;
+    const int64_t *pos; /* (m, topk): the grouped row of (r, s) */
+    float *y;
+    int64_t m, hidden, topk;
+} combine_t;
+
+static void combine_rows(void *arg, int index, int count) {
+    const combine_t *job = (const combine_t *)arg;
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        float *y = job->y + r * job->hidden;
+        for (int64_t s = 0; s < job->topk; s++) {
+            const float w = job->weights[r * job->topk + s];
+            const float *o = job->out + job->pos[r * job->topk + s] * job->hidden;
+            if (s == 0)
+                for (int64_t i = 0; i < job->hidden; i++) y[i] = w * o[i];
+            else
+                for (int64_t i = 0; i < job->hidden; i++) y[i] += w * o[i];
+        }
+    }
+}
+
+/* The work items of matrices w[e] for the experts with rows: each segment's rows in tiles. */
+static int64_t list_items(item_t *items, const bargein_qmat_t *const *w, const int64_t *first, int64_t experts,
+                          int64_t out_base, int64_t tile) {
+    int64_t count = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        if (first[e + 1] == first[e]) continue; /* no row chose it: never read */
+        int64_t col = out_base;
+        for (int64_t s = 0; s < w[e]->num_segs; s++) {
+            for (int64_t c = 0; c < w[e]->segs[s].rows; c += tile)
+                items[count++] = (item_t){e, s, c, col + c, w[e]};
+            col += w[e]->segs[s].rows;
+        }
+    }
+    return count;
+}
+
+static int64_t tiles_of(const bargein_qmat_t *const *w, int64_t experts, int64_t tile) {
+    int64_t count = 0;
+    for (int64_t e = 0; e < experts; e++)
+        for (int64_t s = 0; s < w[e]->num_segs; s++) count += (w[e]->segs[s].rows + tile - 1) / tile;
+    return count;
+}
+
+/* The tile for this call (see ITEMS_PER_THREAD), from the columns of the experts rows chose. */
+static int64_t tile_for(const int64_t *ids, int64_t pairs, int64_t experts, int64_t columns_per_expert,
+                        int num_threads) {
+    int64_t chosen = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        int used = 0;
+        for (int64_t i = 0; i < pairs && !used; i++) used = ids[i] == e;
+        chosen += used;
+    }
+    int64_t tile = chosen * columns_per_expert / ((int64_t)ITEMS_PER_THREAD * num_threads);
+    tile = (tile + 15) / 16 * 16;
+    return tile < MIN_TILE ? MIN_TILE : tile > MAX_TILE ? MAX_TILE : tile;
+}
+
+static int run_phase(phase_t *job, int64_t *cost, int num_threads) {
+    cost[0] = 0;
+    for (int64_t t = 0; t < job->num_items; t++) {
+        const item_t *it = &job->items[t];
+        const int64_t rows = job->first[it->expert + 1] - job->first[it->expert];
+        const int64_t left = it->w->segs[it->seg].rows - it->col0;
+        cost[t + 1] = cost[t] + rows * (left < job->tile ? left : job->tile);
+    }
+    job->cost = cost;
+    int threads = job->num_items < num_threads ? (int)job->num_items : num_threads;
+    if (threads < 1) threads = 1;
+    for (int i = 0; i < threads; i++) job->status[i] = 0;
+    bargein_parallel_run(run_items, job, threads);
+    for (int i = 0; i < threads; i++)
+        if (job->status[i]) return job->status[i];
+    return 0;
+}
+
+int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter, const bargein_qmat_t *const *gate,
+                        const bargein_qmat_t *const *up, const bargein_qmat_t *const *down, int64_t experts,
+                        const int64_t *ids, const float *weights, int64_t topk, float *y, int exact,
+                        int num_threads, int isa) {
+    const int64_t pairs = m * topk;
+    for (int64_t i = 0; i < pairs; i++)
+        if (ids[i] < 0 || ids[i] >= experts) return -6;
+    if (num_threads < 1) num_threads = 1;
+    int status = -1;
+    int64_t *first = calloc((size_t)experts + 1, sizeof(int64_t));
+    int64_t *pos = malloc(sizeof(int64_t) * (size_t)(pairs > 0 ? pairs : 1));
+    int64_t *fill = calloc((size_t)experts, sizeof(int64_t));
+    const int64_t tile = tile_for(ids, pairs, experts, 2 * inter + hidden, num_threads);
+    const int64_t num_items = tiles_of(gate, experts, tile) + tiles_of(up, experts, tile) + tiles_of(down, experts, tile);
+    item_t *items = malloc(sizeof(item_t) * (size_t)(num_items > 0 ? num_items : 1));
+    int64_t *cost = malloc(sizeof(int64_t) * (size_t)(num_items + 1));
+    float *xg = malloc(sizeof(float) * (size_t)(pairs * hidden > 0 ? pairs * hidden : 1));
+    float *gu = malloc(sizeof(float) * (size_t)(pairs * 2 * inter > 0 ? pairs * 2 * inter : 1));
+    float *h = malloc(sizeof(float) * (size_t)(pairs * inter > 0 ? pairs * inter : 1));
+    float *out = malloc(sizeof(float) * (size_t)(pairs * hidden > 0 ? pairs * hidden : 1));
+    int *statuses = malloc(sizeof(int) * (size_t)num_threads);
+    float *scratch = NULL;
+    if (!first || !pos || !fill || !items || !cost || !xg || !gu || !h || !out || !statuses) goto done;
+    /* Group the (row, slot) pairs by expert, rows in order within an expert. */
+    for (int64_t i = 0; i < pairs; i++) first[ids[i] + 1]++;
+    int64_t most = 0;
+    for (int64_t e = 0; e < experts; e++) {
+        most = first[e + 1] > most ? first[e + 1] : most;
+        first[e + 1] += first[e];
+    }
+    for (int64_t i = 0; i < pairs; i++) {
+        const int64_t e = ids[i], p = first[e] + fill[e]++;
+        pos[i] = p;
+        memcpy(xg + p * hidden, x + (i / topk) * hidden, sizeof(float) * (size_t)hidden);
+    }
+    const int64_t scratch_floats = (most * tile + 15) / 16 * 16;
+    scratch = malloc(sizeof(float) * (size_t)(scratch_floats * num_threads > 0 ? scratch_floats * num_threads : 1));
+    if (!scratch) goto done;
+    /* gate and up: one region */
+    int64_t count = list_items(items, gate, first, experts, 0, tile);
+    count += list_items(items + count, up, first, experts, inter, tile);
+    phase_t job = {items, count, NULL, xg, hidden, gu, 2 * inter, first, scratch, scratch_floats, statuses, tile,
+                   exact, isa};
+    if ((status = run_phase(&job, cost, num_threads))) goto done;
+    swiglu_t act = {gu, h, pairs, inter};
+    const int64_t act_threads = pairs / 4 < num_threads ? pairs / 4 : num_threads;
+    bargein_parallel_run(swiglu_rows, &act, act_threads > 1 ? (int)act_threads : 1);
+    /* down: another */
+    job.num_items = list_items(items, down, first, experts, 0, tile);
+    job.in = h, job.in_width = inter, job.out = out, job.out_width = hidden;
+    if ((status = run_phase(&job, cost, num_threads))) goto done;
+    combine_t sum = {out, weights, pos, y, m, hidden, topk};
+    const int64_t sum_threads = m / 4 < num_threads ? m / 4 : num_threads;
+    bargein_parallel_run(combine_rows, &sum, sum_threads > 1 ? (int)sum_threads : 1);
+    status = 0;
+done:
+    free(first);
+    free(pos);
+    free(fill);
+    free(items);
+    free(cost);
+    free(xg);
+    free(gu);
+    free(h);
+    free(out);
+    free(statuses);
+    free(scratch);
+    return status;
+}
