@@ -31,7 +31,12 @@ from bargein.loader.errors import (
     UnsupportedModelError,
 )
 from bargein.loader.families import missing_window_warning, with_sliding_window
-from bargein.loader.gguf_file import close_gguf_files, load_gguf_weights, open_gguf, read_gguf_config
+from bargein.loader.gguf_file import (
+    close_gguf_files,
+    load_gguf_weights,
+    open_gguf,
+    read_gguf_config,
+)
 from bargein.loader.hf_folder import load_hf_weights, read_hf_config
 from bargein.loader.names import check_layer_range, expected_shape
 from bargein.loader.source import ModelSource, resolve_model_ref
