@@ -109,13 +109,6 @@ class ModelConfig:
         """The attention scores' scale."""
         return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
 
-    @property
-    def is_plain(self) -> bool:
-        """Whether the layers are Llama's (what the fused fast forward, fast_forward.c, runs)."""
-        return not (self.qk_norm or self.sandwich_norms or self.activation != "silu" or self.embed_scale
-                    or self.attn_softcap or self.final_softcap or self.query_scale is not None
-                    or self.local_layers or self.local_rope_theta is not None)
-
 
 @dataclass(frozen=True)
 class CacheConfig:
