@@ -142,13 +142,6 @@ class ModelConfig:
         """The attention scores' scale."""
         return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
 
-    @property
-    def is_plain(self) -> bool:
-        """Whether the layers are Llama's (what the fused fast forward, fast_forward.c, runs)."""
-        return not (self.qk_norm or self.sandwich_norms or self.activation != "silu" or self.embed_scale
-                    or self.attn_softcap or self.final_softcap or self.query_scale is not None
-                    or self.local_layers or self.local_rope_theta is not None or self.moe is not None)
-
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -324,10 +317,15 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = CUDA_GRAPH_BATCH_SIZES
     # Several machines: the model split into stages on a Ray cluster (None: this process).
     pipeline: PipelineConfig | None = None
+    # The model's sliding window, over what its file says (bargein.loader.families.
+    # with_sliding_window): 0 none, N > 0 N positions; None: the file's.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.sliding_window is not None and self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be 0 (none) or a number of positions; got {self.sliding_window}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
         base, _, index = self.device.partition(":")

@@ -111,6 +111,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.set_defaults(kv_disk_size_default=kv_disk_size)
     p.add_argument("--max-model-len", type=int, default=max_model_len, metavar="N",
                    help="context length (default: the model's)")
+    p.add_argument("--sliding-window", type=int, default=None, metavar="N",
+                   help="the model's sliding window: N positions for its local layers, and for every layer of a "
+                        "file that marks none (a Mistral GGUF, whose window llama.cpp's converter drops); 0 for "
+                        "none (default: the file's)")
     p.add_argument("--max-num-seqs", type=int, default=max_num_seqs, metavar="N",
                    help="sequences in one batch (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=max_batched, metavar="N",
@@ -252,7 +256,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
                                       max_step_ms=args.max_step_ms or None),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype, precision=args.precision,
-            pipeline=pipeline)
+            pipeline=pipeline, sliding_window=args.sliding_window)
         _check_replica_flags(args)
         if kv_auto and (args.replicas is not None or config.pipeline is not None):
             raise SettingsError("--kv-memory auto sizes one process's KV cache; give a size for pipeline stages "

@@ -39,7 +39,7 @@ def load_in_process(engine_class: type[Engine], ref: str | None, config: EngineC
         raise EngineError("a pipeline of stages is built by bargein.build_engine(ref, config), "
                           "not Engine.from_pretrained")
     source = resolve_model_ref(ref)
-    model_config = load_config(source)
+    model_config = load_config(source, sliding_window=config.sliding_window)
     device = resolve_device(config.device)
     max_len = config.max_model_len or model_config.max_position_embeddings
     if config.cache.counted_blocks is not None:  # no sequence outgrows the pool: no position past it

@@ -13,6 +13,18 @@
  *   g    = silu(h @ W1.T) * (h @ W3.T)                   bargein_q8_block_matmul, bargein_silu_mul
  *   x    = x + g @ W2.T                                  bargein_q8_block_matmul, then one add
  *
+ * with the features some families add (each NULL or 0 where a model has none; see
+ * bargein.config.ModelConfig):
+ *   - the embedding rows times embed_scale (Gemma's sqrt(hidden)), one float multiply;
+ *   - q_norm, k_norm: each head of q and k RMS-normed (rows of head_dim) before RoPE
+ *     (Qwen3, Gemma 3), gathered into rows of their own as the Python side reshapes them;
+ *   - a local layer's own RoPE tables (Gemma 3) and its window, the score scale and soft cap
+ *     (bargein_paged_attention_f16_ex), partial rotary being in the tables themselves;
+ *   - post_attn_norm, post_ffn_norm: the attention's and the MLP's outputs RMS-normed before
+ *     they are added (Gemma 2/3);
+ *   - GeGLU (bargein_gelu_tanh_mul) in place of SwiGLU, and the logits soft-capped
+ *     (bargein_softcap) after the head.
+ *
  * so its results (the hidden states and the K/V written) are bit for bit those of the
  * per-operation path: every kernel computes a row by the same code whatever the number of
  * rows and threads, and an add of two floats rounds alike in C and in PyTorch. What the
@@ -59,10 +71,13 @@ void bargein_silu_mul(const float *x, float *y, int64_t m, int64_t n, int num_th
 void bargein_rope_store_f16(const float *qkv, const float *cos, const float *sin, const int64_t *slots,
                             uint16_t *k_cache, uint16_t *v_cache, float *q_out, int64_t num_tokens, int num_heads,
                             int num_kv_heads, int head_dim, int num_threads);
-int bargein_paged_attention_f16(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                const int64_t *block_tables, int64_t table_width, const int64_t *query_seq,
-                                const int64_t *query_ctx, float *out, int64_t num_queries, int num_heads,
-                                int num_kv_heads, int head_dim, int block_size, float scale, int num_threads);
+int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                   const int64_t *block_tables, int64_t table_width, const int64_t *query_seq,
+                                   const int64_t *query_ctx, float *out, int64_t num_queries, int num_heads,
+                                   int num_kv_heads, int head_dim, int block_size, float scale, int64_t window,
+                                   float softcap, int num_threads);
+void bargein_gelu_tanh_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads);
+void bargein_softcap(const float *x, float *y, int64_t m, int64_t n, float cap, int num_threads);
 
 /* A weight held in blocks, as bargein_q8_block_matmul reads it: (n, k), mins NULL for Q8_0;
  * or, where quant is not NULL, a GGUF matrix (gguf_matmul.c's bargein_qmat_t) and n, k. */
@@ -74,20 +89,30 @@ typedef struct {
 } bargein_q8_weight_t;
 
 /* One decoder layer: its norms' weights (hidden,), the fused projections, the qkv bias
- * (NULL if none) and its caches (num_slots, num_kv_heads, head_dim) float16. */
+ * (NULL if none) and its caches (num_slots, num_kv_heads, head_dim) float16; then the
+ * families' features: the per-head norms' weights (head_dim,) and the post-norms' (hidden,),
+ * NULL where none; its sliding window (0: none); local: its RoPE angles are the shape's
+ * local tables. */
 typedef struct {
     const float *attn_norm, *ffn_norm, *qkv_bias;
     bargein_q8_weight_t wqkv, wo, w13, w2;
     uint16_t *k_cache, *v_cache;
+    const float *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm;
+    int64_t window, local;
 } bargein_fast_layer_t;
 
-/* The shapes every layer shares, and the RoPE tables (num_positions, head_dim) float32. */
+/* The shapes every layer shares, and the RoPE tables (num_positions, head_dim) float32; then
+ * the families' features: the score soft cap and the logits' (0: none), the embedding scale
+ * (0: none), gelu (GeGLU, else SwiGLU), the local layers' RoPE tables (NULL: the global ones). */
 typedef struct {
     int64_t hidden, intermediate, num_slots;
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     float eps, scale;
     const float *cos_table, *sin_table;
     int64_t num_positions;
+    float softcap, final_softcap, embed_scale;
+    int64_t gelu;
+    const float *local_cos_table, *local_sin_table;
 } bargein_fast_shape_t;
 
 /* The final norm and LM head, and where their logits go: (num_rows, weight.n) float32 for
@@ -152,8 +177,29 @@ static void add_into(float *x, const float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = x[i] + y[i];
 }
 
-static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hidden, float eps, int threads,
-                    int isa) {
+/* RMS-norms each of `heads` heads (head_dim d) at column `first` of every token's row of qkv
+ * (m rows of `width`), in place: gathered into rows of d (gather), normed into out, put back. */
+static void norm_heads(float *qkv, int64_t m, int64_t width, int64_t first, int64_t heads, int64_t d,
+                       const float *w, float eps, float *gather, float *out, int threads) {
+    for (int64_t t = 0; t < m; t++)
+        memcpy(gather + t * heads * d, qkv + t * width + first, sizeof(float) * (size_t)(heads * d));
+    bargein_rms_norm(gather, w, out, m * heads, d, eps, threads);
+    for (int64_t t = 0; t < m; t++)
+        memcpy(qkv + t * width + first, out + t * heads * d, sizeof(float) * (size_t)(heads * d));
+}
+
+/* x += y, or x += rms_norm(y, post_norm) (into scratch) where the layer has a post-norm. */
+static void add_branch(float *x, const float *y, const float *post_norm, float *scratch, int64_t m, int64_t hidden,
+                       float eps, int threads) {
+    if (post_norm) {
+        bargein_rms_norm(y, post_norm, scratch, m, hidden, eps, threads);
+        y = scratch;
+    }
+    add_into(x, y, m * hidden);
+}
+
+static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hidden, float eps, float final_softcap,
+                    int threads, int isa) {
     const int64_t r = head->num_rows > 0 ? head->num_rows : 1;
     float *rows = malloc(sizeof(float) * (size_t)(r * hidden)), *normed = malloc(sizeof(float) * (size_t)(r * hidden));
     int status = -1;
@@ -162,6 +208,8 @@ static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hid
             memcpy(rows + i * hidden, x + head->rows[i] * hidden, sizeof(float) * (size_t)hidden);
         bargein_rms_norm(rows, head->norm, normed, head->num_rows, hidden, eps, threads);
         status = matmul(normed, head->num_rows, &head->weight, head->logits, threads, isa);
+        if (status == 0 && final_softcap > 0.0f)
+            bargein_softcap(head->logits, head->logits, head->num_rows, head->weight.n, final_softcap, threads);
     }
     free(rows);
     free(normed);
@@ -192,11 +240,20 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
     float *gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * inter));
     float *act = malloc(sizeof(float) * (size_t)(rows * inter));
     float *cos = malloc(sizeof(float) * (size_t)(rows * d)), *sin = malloc(sizeof(float) * (size_t)(rows * d));
-    int status = (normed && qkv && q && attn && proj && gate_up && act && cos && sin) ? 0 : -1;
+    const int has_local = shape->local_cos_table && shape->local_sin_table;
+    float *local_cos = has_local ? malloc(sizeof(float) * (size_t)(rows * d)) : cos;
+    float *local_sin = has_local ? malloc(sizeof(float) * (size_t)(rows * d)) : sin;
+    int status = (normed && qkv && q && attn && proj && gate_up && act && cos && sin && local_cos && local_sin) ? 0 : -1;
     if (status == 0 && embed) status = embed_rows(embed, x, m, hidden, num_threads);
+    if (status == 0 && shape->embed_scale != 0.0f)
+        for (int64_t j = 0; j < m * hidden; j++) x[j] = x[j] * shape->embed_scale;
     for (int64_t t = 0; t < m && status == 0; t++) { /* each token's angles, shared by every layer */
         memcpy(cos + t * d, shape->cos_table + positions[t] * d, sizeof(float) * (size_t)d);
         memcpy(sin + t * d, shape->sin_table + positions[t] * d, sizeof(float) * (size_t)d);
+        if (has_local) {
+            memcpy(local_cos + t * d, shape->local_cos_table + positions[t] * d, sizeof(float) * (size_t)d);
+            memcpy(local_sin + t * d, shape->local_sin_table + positions[t] * d, sizeof(float) * (size_t)d);
+        }
     }
     for (int i = 0; i < num_layers && status == 0; i++) {
         const bargein_fast_layer_t *layer = &layers[i];
@@ -205,21 +262,33 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
         if (layer->qkv_bias)
             for (int64_t t = 0; t < m; t++)
                 for (int64_t j = 0; j < qkv_width; j++) qkv[t * qkv_width + j] += layer->qkv_bias[j];
-        bargein_rope_store_f16(qkv, cos, sin, slots, layer->k_cache, layer->v_cache, q, m, (int)heads, (int)kv_heads,
-                               (int)d, num_threads);
-        if ((status = bargein_paged_attention_f16(q, layer->k_cache, layer->v_cache, block_tables, table_width,
-                                                  token_seq, token_ctx, attn, m, (int)heads, (int)kv_heads, (int)d,
-                                                  (int)shape->block_size, shape->scale, num_threads)))
+        /* q and attn are free until RoPE writes q: the heads' scratch rows */
+        if (layer->q_norm) norm_heads(qkv, m, qkv_width, 0, heads, d, layer->q_norm, shape->eps, attn, q, num_threads);
+        if (layer->k_norm)
+            norm_heads(qkv, m, qkv_width, q_width, kv_heads, d, layer->k_norm, shape->eps, attn, q, num_threads);
+        bargein_rope_store_f16(qkv, layer->local ? local_cos : cos, layer->local ? local_sin : sin, slots,
+                               layer->k_cache, layer->v_cache, q, m, (int)heads, (int)kv_heads, (int)d, num_threads);
+        if ((status = bargein_paged_attention_f16_ex(q, layer->k_cache, layer->v_cache, block_tables, table_width,
+                                                     token_seq, token_ctx, attn, m, (int)heads, (int)kv_heads, (int)d,
+                                                     (int)shape->block_size, shape->scale, layer->window,
+                                                     shape->softcap, num_threads)))
             break;
         if ((status = matmul(attn, m, &layer->wo, proj, num_threads, isa))) break;
-        add_into(x, proj, m * hidden);
+        add_branch(x, proj, layer->post_attn_norm, normed, m, hidden, shape->eps, num_threads);
         bargein_rms_norm(x, layer->ffn_norm, normed, m, hidden, shape->eps, num_threads);
         if ((status = matmul(normed, m, &layer->w13, gate_up, num_threads, isa))) break;
-        bargein_silu_mul(gate_up, act, m, inter, num_threads);
+        if (shape->gelu)
+            bargein_gelu_tanh_mul(gate_up, act, m, inter, num_threads);
+        else
+            bargein_silu_mul(gate_up, act, m, inter, num_threads);
         if ((status = matmul(act, m, &layer->w2, proj, num_threads, isa))) break;
-        add_into(x, proj, m * hidden);
+        add_branch(x, proj, layer->post_ffn_norm, normed, m, hidden, shape->eps, num_threads);
     }
-    if (status == 0 && head) status = run_head(head, x, hidden, shape->eps, num_threads, isa);
+    if (status == 0 && head) status = run_head(head, x, hidden, shape->eps, shape->final_softcap, num_threads, isa);
+    if (has_local) {
+        free(local_cos);
+        free(local_sin);
+    }
     free(normed);
     free(qkv);
     free(q);

@@ -76,7 +76,8 @@ class FastLayer(ctypes.Structure):
     """One decoder layer of the fused fast forward (fast_forward.c's bargein_fast_layer_t)."""
 
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv_bias", _P), ("wqkv", Q8Weight), ("wo", Q8Weight),
-                ("w13", Q8Weight), ("w2", Q8Weight), ("k_cache", _P), ("v_cache", _P)]
+                ("w13", Q8Weight), ("w2", Q8Weight), ("k_cache", _P), ("v_cache", _P), ("q_norm", _P),
+                ("k_norm", _P), ("post_attn_norm", _P), ("post_ffn_norm", _P), ("window", _I64), ("local", _I64)]
 
 
 class FastShape(ctypes.Structure):
@@ -85,7 +86,9 @@ class FastShape(ctypes.Structure):
 
     _fields_ = [("hidden", _I64), ("intermediate", _I64), ("num_slots", _I64), ("num_heads", _I64),
                 ("num_kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("cos_table", _P), ("sin_table", _P), ("num_positions", _I64)]
+                ("scale", ctypes.c_float), ("cos_table", _P), ("sin_table", _P), ("num_positions", _I64),
+                ("softcap", ctypes.c_float), ("final_softcap", ctypes.c_float), ("embed_scale", ctypes.c_float),
+                ("gelu", _I64), ("local_cos_table", _P), ("local_sin_table", _P)]
 
 
 class FastEmbed(ctypes.Structure):

@@ -15,6 +15,7 @@ the file format. Every error is a LoaderError subclass whose message names the f
 from __future__ import annotations
 
 import contextlib
+import logging
 import struct
 from collections.abc import Iterator
 
@@ -29,7 +30,13 @@ from bargein.loader.errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from bargein.loader.gguf_file import close_gguf_files, load_gguf_weights, read_gguf_config
+from bargein.loader.families import missing_window_warning, with_sliding_window
+from bargein.loader.gguf_file import (
+    close_gguf_files,
+    load_gguf_weights,
+    open_gguf,
+    read_gguf_config,
+)
 from bargein.loader.hf_folder import load_hf_weights, read_hf_config
 from bargein.loader.names import check_layer_range, expected_shape
 from bargein.loader.source import ModelSource, resolve_model_ref
@@ -52,6 +59,8 @@ __all__ = [
 ]
 
 
+log = logging.getLogger(__name__)
+
 # What parsing a malformed file raises below the loader's own checks (the gguf reader,
 # int() of a string field, a reshape of a wrong-sized tensor, a division by a zero count).
 _MALFORMED = (ValueError, TypeError, IndexError, KeyError, OverflowError, ZeroDivisionError,
@@ -70,11 +79,22 @@ def _malformed_is_corrupt(source: ModelSource, what: str,
         raise CorruptModelError(f"{source.path}: malformed {what} ({type(exc).__name__}: {exc})") from exc
 
 
-def load_config(source: ModelSource) -> ModelConfig:
-    """The architecture of ``source``; ``config.name`` is the served model id."""
+def load_config(source: ModelSource, *, sliding_window: int | None = None) -> ModelConfig:
+    """The architecture of ``source``; ``config.name`` is the served model id.
+
+    ``sliding_window`` (``--sliding-window``) overrides the file's window, see
+    :func:`~bargein.loader.families.with_sliding_window`; without it, a GGUF of a family
+    trained with a window that carries none is loaded as it is, with a warning."""
     with _malformed_is_corrupt(source, "model metadata"):
         read = read_gguf_config if source.kind == "gguf" else read_hf_config
         config = read(source.path, source.name)
+        if sliding_window is None and source.kind == "gguf":
+            f = open_gguf(source.path)
+            names = [str(f.get("general.name") or ""), str(f.get("general.basename") or ""), source.path.name]
+            if (warning := missing_window_warning(config, names, source.path)) is not None:
+                log.warning(warning)
+    if sliding_window is not None:
+        config = with_sliding_window(config, sliding_window)
     _check_sizes(config, source)
     return config
 

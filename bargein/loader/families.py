@@ -15,6 +15,7 @@ Conventions normalised at load time, so the model has one of each:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,41 @@ def hf_rope_scaling(params: dict[str, Any], path: Path, max_positions: int) -> R
         return RopeScaling(float(params["factor"]), kind=kind)
     return RopeScaling(float(params["factor"]), float(params["low_freq_factor"]), float(params["high_freq_factor"]),
                        original)
+
+
+# --- Sliding windows a file does not carry -----------------------------------------------
+
+# Model names (a GGUF's general.name or basename, or its file name) of families trained with
+# a sliding window that llama.cpp's converter does not write: Mistral 7B v0.1 (4096 tokens;
+# later Mistral 7B versions have none, and a name does not always tell them apart).
+WINDOW_TRAINED = {"mistral": 4096}
+
+
+def with_sliding_window(config: ModelConfig, window: int) -> ModelConfig:
+    """``config`` with the user's sliding window (``--sliding-window``): 0 makes every layer
+    attend to the whole context; N > 0 gives the model's local layers a window of N
+    positions, and every layer where the file marks none local (a Mistral GGUF)."""
+    if window < 0:
+        raise ValueError(f"a sliding window is 0 (none) or a number of positions, got {window}")
+    if window == 0:
+        return dataclasses.replace(config, sliding_window=None, local_layers=())
+    return dataclasses.replace(config, sliding_window=window,
+                               local_layers=config.local_layers or tuple(range(config.num_layers)))
+
+
+def missing_window_warning(config: ModelConfig, names: list[str], path: Path) -> str | None:
+    """A warning where a GGUF named like a family trained with a sliding window (``names``:
+    its general.name, basename, file name) carries none: it runs with global attention, as
+    llama.cpp runs it, which differs from the trained model past the window."""
+    if config.sliding_window or config.family != "llama":
+        return None
+    for family, window in WINDOW_TRAINED.items():
+        if any(family in name.lower() for name in names if name):
+            return (f"{path}: this {family.capitalize()} GGUF carries no sliding window (llama.cpp's converter "
+                    f"does not write one), so every layer attends to the whole context, as llama.cpp runs it; "
+                    f"if the model was trained with a window ({family.capitalize()} 7B v0.1: {window} tokens), "
+                    f"pass --sliding-window {window} (0 silences this)")
+    return None
 
 
 # --- GGUF metadata --------------------------------------------------------------------------

@@ -8,7 +8,8 @@ biases, RoPE tables: pointers in ctypes structures), and each forward then makes
 call that runs them all, with the first stage's embedding lookup and the last stage's
 final norm and LM head, with the very
 kernels the per-operation path calls, in the same order, so that the logits, hidden states
-and K/V written are bit for bit the same (tests/test_fused_forward.py).
+and K/V written are bit for bit the same (tests/kernels/test_fused_forward.py; the families'
+features, tests/kernels/test_fused_families.py).
 
 The caches are the caller's (the runner's); their pointers are written into the array
 when a forward brings caches other than the last ones, and the array keeps those
@@ -45,14 +46,15 @@ class FusedLayers:
 
     def __init__(self, native: NativeKernels, config: ModelConfig, layers: ctypes.Array[FastLayer],
                  rope: tuple[torch.Tensor, torch.Tensor], embed: FastEmbed | None, head: FastHead | None,
-                 keep: list[object]):
+                 keep: list[object], local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 embed_scale: bool = False):
         self.native = native
         self.config = config
         self._layers = layers
         self._embed = embed
         self._head = head
         self.vocab_size = head.weight.n if head is not None else 0
-        self._keep = [*keep, *rope]  # the tensors the structures point into
+        self._keep = [*keep, *rope, *(local_rope or ())]  # the tensors the structures point into
         self._caches: tuple[KVCache, ...] = ()
         # The structures hold per-call pointers (caches, ids, logits): one call at a time,
         # should two engines share this model (the kernels share one thread pool anyway).
@@ -61,8 +63,14 @@ class FusedLayers:
         self._shape = FastShape(hidden=config.hidden_size, intermediate=config.intermediate_size, num_slots=0,
                                 num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
                                 head_dim=config.head_dim, block_size=0, eps=config.rms_norm_eps,
-                                scale=config.head_dim ** -0.5, cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
-                                num_positions=cos.shape[0])
+                                scale=config.scale, cos_table=cos.data_ptr(), sin_table=sin.data_ptr(),
+                                num_positions=cos.shape[0], softcap=config.attn_softcap or 0.0,
+                                final_softcap=config.final_softcap or 0.0,
+                                # the multiplier LlamaStage.forward applies, rounded to float32 alike
+                                embed_scale=config.hidden_size ** 0.5 if embed_scale else 0.0,
+                                gelu=config.activation == "gelu_tanh",
+                                local_cos_table=local_rope[0].data_ptr() if local_rope else None,
+                                local_sin_table=local_rope[1].data_ptr() if local_rope else None)
 
     @property
     def has_embed(self) -> bool:
@@ -77,16 +85,21 @@ class FusedLayers:
     @classmethod
     def build(cls, config: ModelConfig, blocks: Sequence[torch.nn.Module], rope: tuple[torch.Tensor, torch.Tensor],
               native: NativeKernels, embed: torch.nn.Module | None = None,
-              head: tuple[torch.nn.Module, torch.nn.Module] | None = None) -> FusedLayers | None:
+              head: tuple[torch.nn.Module, torch.nn.Module] | None = None,
+              local_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+              embed_scale: bool = False) -> FusedLayers | None:
         """The fused form of ``blocks`` (TransformerBlocks of a fast model), with ``rope``'s
-        cos and sin tables (positions, head_dim), for the first stage its ``embed``
+        cos and sin tables (positions, head_dim) and the local layers' own (``local_rope``,
+        Gemma 3; None: they use ``rope``), for the first stage its ``embed``
         (TokenEmbedding) and for the last ``head`` (the final RMSNorm and the LM head's
-        Linear); None where a layer does not fit the C side's contract (a weight not held
-        in blocks, a bias where the fused call takes none, a tensor not float32 and
-        contiguous): then the model keeps running its layers one operation at a time. An
-        embedding or head that does not fit is left to the caller (see ``has_embed``,
-        ``has_head``)."""
-        if not all(_float32(t) and t.shape == (t.shape[0], config.head_dim) for t in rope):
+        Linear); ``embed_scale``: the stage's input is scaled by sqrt(hidden) (the first stage
+        of a Gemma), whether or not the call looks the embedding up. None where a layer does
+        not fit the C side's contract (a weight not held in blocks, a bias where the fused call
+        takes none, a tensor not float32 and contiguous): then the model keeps running its
+        layers one operation at a time. An embedding or head that does not fit is left to the
+        caller (see ``has_embed``, ``has_head``)."""
+        tables = [*rope, *(local_rope or ())]
+        if not all(_float32(t) and t.shape == (rope[0].shape[0], config.head_dim) for t in tables):
             return None
         keep: list[object] = []
         array = (FastLayer * len(blocks))()
@@ -104,10 +117,17 @@ class FusedLayers:
                     or any(lin.bias is not None for lin in (attention.wo, ffn.w13, ffn.w2)) \
                     or (bias is not None and not _float32(bias)):
                 return None
-            keep += [*norms, bias]
+            features = _feature_norms(block, config)
+            if features is None:
+                return None
+            keep += [*norms, bias, *(t for t in features if t is not None)]
             slot.attn_norm, slot.ffn_norm = norms[0].data_ptr(), norms[1].data_ptr()
             slot.qkv_bias = bias.data_ptr() if bias is not None else None
             slot.wqkv, slot.wo, slot.w13, slot.w2 = weights
+            slot.q_norm, slot.k_norm, slot.post_attn_norm, slot.post_ffn_norm = (
+                t.data_ptr() if t is not None else None for t in features)
+            slot.window = attention.window or 0
+            slot.local = attention.is_local and local_rope is not None
         fused_head = None
         if head is not None:
             norm, lm_head = head
@@ -130,7 +150,7 @@ class FusedLayers:
             elif _float32(table) and table.dim() == 2 and table.shape[1] == config.hidden_size:
                 keep.append(table)
                 fused_embed = FastEmbed(dense=table.data_ptr(), vocab=table.shape[0])
-        return cls(native, config, array, rope, fused_embed, fused_head, keep)
+        return cls(native, config, array, rope, fused_embed, fused_head, keep, local_rope, embed_scale)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,6 +202,18 @@ class FusedLayers:
         self._shape.num_slots = first.shape[0] * first.shape[1]
         self._shape.block_size = first.shape[1]
         self._caches = tuple(kv_caches)
+
+
+def _feature_norms(block: torch.nn.Module, config: ModelConfig) -> list[torch.Tensor | None] | None:
+    """The weights of a block's per-head Q/K norms (head_dim,) and post-norms (hidden,), each
+    None where the block has none; None where one is not a float32 vector of its size."""
+    attention = block.attention
+    norms = [attention.q_norm, attention.k_norm, block.post_attn_norm, block.post_ffn_norm]
+    sizes = [config.head_dim, config.head_dim, config.hidden_size, config.hidden_size]
+    weights = [norm.weight if norm is not None else None for norm in norms]
+    if any(w is not None and not (_float32(w) and w.shape == (size,)) for w, size in zip(weights, sizes, strict=True)):
+        return None
+    return weights
 
 
 def _weight(linear: torch.nn.Module, keep: list[object]) -> Q8Weight | None:

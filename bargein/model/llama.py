@@ -240,9 +240,12 @@ class LlamaStage(nn.Module):
         self.local_rope = (RotaryEmbedding(config, positions, freq_factors, local=True)
                            if config.local_rope_theta is not None else None)
         self.kernels = kernels
+        local = (self.local_rope.cos, self.local_rope.sin) if self.local_rope is not None else None
         self.fused = (FusedLayers.build(config, list(self.layers), (self.rope.cos, self.rope.sin), kernels.native,
-                                        self.embed, (self.norm, self.lm_head) if self.is_last else None)
-                      if fuse_layers and kernels.fast and kernels.native is not None and config.is_plain else None)
+                                        self.embed, (self.norm, self.lm_head) if self.is_last else None,
+                                        local_rope=local, embed_scale=self.is_first and config.embed_scale)
+                      if fuse_layers and kernels.fast and kernels.native is not None and config.moe is None
+                      else None)  # an MoE layer is no dense MLP: it runs one operation at a time
 
     @property
     def num_layers(self) -> int:

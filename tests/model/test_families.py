@@ -5,7 +5,8 @@ converter (tests/data/families), against transformers' own implementation.
   every step, checked in one teacher-forced forward), with prompts longer than the
   sliding window (8) where the family has one;
 - ``fast``: over 256 teacher-forced positions the top-1 token agrees with transformers'
-  at >= 95% of them, and the largest logit difference stays under the bound below
+  at >= 95% of them (Gemma: 92%, see MIN_AGREEMENT), only near ties flip, and the
+  largest logit difference stays under the bound below
   (FAST_MAX_LOGIT_DIFF; the measured values are in docs/families.md).
 """
 
@@ -30,10 +31,12 @@ PROMPT_LEN = 20  # > the sliding window (8): local layers drop their earliest ke
 # int8 activations and float16 K/V against float32: the largest logit difference as a share of
 # the largest logit (measured 1-4%, see docs/families.md)
 FAST_MAX_LOGIT_DIFF = 0.08
-# Top-1 agreement over the 256 positions. Gemma's tiny models reach 0.93 only: every
-# disagreement is a near tie, and the per-layer error is the other families' (it grows
-# over Gemma 3's six layers; see docs/families.md), so the issue's 95% is not met for them.
-MIN_AGREEMENT = {"gemma2": 0.90, "gemma3": 0.90}
+# Top-1 agreement over the 256 positions. Gemma's tiny random models: llama.cpp itself, on the
+# same files quantized to Q8_0 (int8 weights and activations, as `fast`), agrees at 93.4%
+# (Gemma 2) and 93.0% (Gemma 3), and bargein at 93.4% and 92.6% with a smaller mean logit
+# difference (bench/family_agreement.py, docs/families.md): their normed branches carry each
+# layer's int8 error at full size into the logits. So 95% is out of reach of int8 for them.
+MIN_AGREEMENT = {"gemma2": 0.92, "gemma3": 0.92}
 
 
 def _tokens(n: int, seed: int) -> list[int]:

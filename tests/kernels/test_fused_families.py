@@ -1,0 +1,81 @@
+"""The fused fast forward (fast_forward.c) runs every family's layers: per-head Q/K norms
+(Qwen3, Gemma 3), post-norms, GeGLU, scaled embeddings, soft caps and query scale (Gemma 2),
+local layers with their own RoPE base and window (Gemma 3, Mistral), partial rotary (Phi-3),
+and gives the per-operation path's logits and K/V bit for bit, over prompt chunks and
+decodes past the sliding window (8), at 1 and 2 threads, for whole models and a middle stage.
+
+The models are the committed tiny family files (tests/data/families), both formats: the
+folder's float32 weights become 8-bit blocks in ``fast``, the GGUF's are read as stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from bargein.config import ModelConfig
+from bargein.kernels.ops import resolve_kernels
+from bargein.loader import load_config, load_weights, resolve_model_ref
+from bargein.model.llama import LlamaStage
+from tests.kernels.test_fused_forward import BLOCK, STEPS, assert_same_caches, run
+from tests.model.family_files import FORMATS, NAMES, model_path
+
+FAST = resolve_kernels("cpu", precision="fast")
+pytestmark = pytest.mark.skipif(not FAST.fast, reason="no native kernels here: fast runs as exact")
+
+
+@functools.cache
+def _model(name: str, fmt: str) -> tuple[ModelConfig, dict]:
+    source = resolve_model_ref(model_path(name, fmt))
+    config = load_config(source)
+    return config, dict(load_weights(source, config, blocks=True, progress=False))
+
+
+def _pair(name: str, fmt: str, layer_range: tuple[int, int] | None = None,
+          **changes: object) -> tuple[LlamaStage, LlamaStage]:
+    config, weights = _model(name, fmt)
+    config = dataclasses.replace(config, **changes)
+    fused = LlamaStage(config, weights, layer_range, kernels=FAST)
+    per_op = LlamaStage(config, weights, layer_range, kernels=FAST, fuse_layers=False)
+    assert fused.fused is not None and per_op.fused is None
+    assert fused.fused.has_head == fused.is_last and fused.fused.has_embed == fused.is_first
+    return fused, per_op
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", NAMES)
+def test_each_family_fused_gives_the_per_operation_bits(name: str, fmt: str, num_threads: int) -> None:
+    fused, per_op = _pair(name, fmt)
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        caches_fused, caches_per_op = fused.make_kv_caches(40, BLOCK), per_op.make_kv_caches(40, BLOCK)
+        for steps in STEPS:
+            got, want = run(fused, caches_fused, steps), run(per_op, caches_per_op, steps)
+            assert torch.equal(got, want), steps
+            assert_same_caches(caches_fused, caches_per_op)
+    finally:
+        torch.set_num_threads(before)
+    assert caches_fused[-1].k.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_gemma_middle_stage_across_local_and_global_layers(name: str) -> None:
+    """Layers [1, 6) of Gemma 3 hold four local layers and its global one (Gemma 2 alternates):
+    no embedding scale in a stage that is not the first, each layer's own RoPE and window;
+    a query scale other than head_dim^-0.5 (the 27B models')."""
+    config, _ = _model(name, "gguf")
+    fused, per_op = _pair(name, "gguf", (1, config.num_layers), query_scale=0.2)
+    assert {layer.attention.is_local for layer in fused.layers} == {True, False}
+    caches_fused, caches_per_op = fused.make_kv_caches(40, BLOCK), per_op.make_kv_caches(40, BLOCK)
+    for n, steps in enumerate(STEPS):
+        hidden = torch.randn(sum(len(new) for _, new, _ in steps), config.hidden_size,
+                             generator=torch.Generator().manual_seed(n))
+        kept = hidden.clone()
+        got, want = run(fused, caches_fused, steps, hidden), run(per_op, caches_per_op, steps, hidden)
+        assert torch.equal(got, want) and torch.equal(hidden, kept)
+        assert_same_caches(caches_fused, caches_per_op)
