@@ -18,7 +18,13 @@ import weakref
 
 import torch
 
-from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from bargein.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
 from bargein.engine.outputs import OutputCollector

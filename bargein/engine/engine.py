@@ -69,8 +69,8 @@ from bargein.engine.scheduler import Scheduler
 from bargein.engine.speculative.build import build_speculation
 from bargein.engine.speculative.controller import Speculation
 from bargein.engine.speculative.proposer import Proposer
-from bargein.engine.step_sampling import sample_step
 from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord
+from bargein.engine.step_sampling import sample_step
 from bargein.model.llama import LlamaStage
 
 log = logging.getLogger("bargein.engine")

@@ -18,7 +18,13 @@ from collections.abc import Sequence
 
 import torch
 
-from bargein.engine.sampler import RowSampling, SampledToken, SamplingState, row_sampling, sample_rows
+from bargein.engine.sampler import (
+    RowSampling,
+    SampledToken,
+    SamplingState,
+    row_sampling,
+    sample_rows,
+)
 
 
 def can_verify(state: SamplingState | None) -> bool:
