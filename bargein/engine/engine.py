@@ -477,7 +477,8 @@ class Engine(EngineConversations):
     # -- reporting (engine thread) ----------------------------------------------------
     def stats(self) -> EngineStats:
         return reports.engine_stats(self.scheduler, self.pool, self.counters,
-                                    kv_disk=None if self.disk is None else self.disk.stats())
+                                    kv_disk=None if self.disk is None else self.disk.stats(),
+                                    speculation=None if self.speculation is None else self.speculation.counts())
 
     def steps_after(self, index: int) -> list[StepRecord]:
         """The recent steps whose index is above ``index``, oldest first (see ``reports``)."""

@@ -31,6 +31,10 @@ class EngineStats:
     finished: dict[str, int]  # by finish reason
     cancelled: dict[str, int]  # by cancel reason
     kv_disk: DiskTierStats | None = None  # the disk tier's, when the engine has one
+    # Speculative decoding: guesses verified, and of those confirmed (delivered unless a
+    # cancel or a stop came first). ``generated_tokens`` counts delivered tokens only.
+    speculative_drafted_tokens: int = 0
+    speculative_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,8 @@ def merge_stats(parts: Sequence[EngineStats], block_size: int) -> EngineStats:
 
     numeric = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_used", "running", "waiting",
                "conversations", "steps", "prefix_cache_hit_tokens", "prefix_cache_hit_blocks",
-               "prefix_cache_query_blocks", "computed_tokens", "generated_tokens", "preemptions")
+               "prefix_cache_query_blocks", "computed_tokens", "generated_tokens", "preemptions",
+               "speculative_drafted_tokens", "speculative_accepted_tokens")
     return EngineStats(block_size=block_size, finished=tally("finished"), cancelled=tally("cancelled"),
                        kv_disk=merge_disk_stats([s.kv_disk for s in parts if s.kv_disk is not None]),
                        **{name: total(name) for name in numeric})
