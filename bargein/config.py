@@ -198,7 +198,8 @@ class SpeculativeConfig:
     ``draft_model``, with its own paged K/V). Whatever the method, a request's tokens are
     exactly those it gets without speculation (greedy and seeded sampled alike).
     ``max_draft_tokens``: the most guesses verified per step (k adapts below it to the
-    request's acceptance rate). ``ngram_min``/``ngram_max``: the suffix lengths prompt lookup
+    request's acceptance rate and a guess's cost). ``guess_cost``: a guess row's time in
+    one-row decode steps; None: measured from the engine's steps (0.35 until it has). ``ngram_min``/``ngram_max``: the suffix lengths prompt lookup
     matches, longest first. ``max_batch``: speculation backs off (plain decodes) when a step
     carries more decode rows than this, where a wider batch already uses the weights' reads
     that speculation would (bench/bench_speculative.py measures the crossover).
@@ -210,6 +211,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     max_batch: int = 4
+    guess_cost: float | None = None
     draft_model: str | None = None
     draft_kv_tokens: int = 16384
 
@@ -221,6 +223,8 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft' needs a draft model (--draft-model PATH)")
         if self.max_draft_tokens < 1 or self.max_batch < 1 or self.draft_kv_tokens < 1:
             raise ValueError("max_draft_tokens, max_batch and draft_kv_tokens must be at least 1")
+        if self.guess_cost is not None and not self.guess_cost >= 0:
+            raise ValueError(f"guess_cost must be 0 or more, got {self.guess_cost}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
 

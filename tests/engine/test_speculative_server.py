@@ -35,7 +35,7 @@ def _metric(text: str, name: str) -> float:
 @pytest.mark.anyio
 async def test_answers_usage_and_metrics_with_speculation_and_a_request_that_opts_out() -> None:
     (plain,) = tiny_engine(speculative="off").generate([BODY["prompt"]], _params())
-    async with inprocess_app(tiny_engine(speculative=SpeculativeConfig(method="ngram"))) as (_, client):
+    async with inprocess_app(tiny_engine(speculative=SpeculativeConfig(method="ngram", guess_cost=0.1))) as (_, client):
         spec = (await client.post("/v1/completions", json=BODY)).json()
         drafted = _metric((await client.get("/metrics")).text, "bargein_speculative_drafted_tokens")
         out = (await client.post("/v1/completions", json={**BODY, "speculative": False})).json()
