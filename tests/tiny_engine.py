@@ -7,8 +7,10 @@ are token lists, so no test depends on a real vocabulary.
 ``float32``) choose where these engines run, so the same contract tests run on a GPU
 (scripts/gpu_check.sh sets ``cuda``). ``precision`` (default ``BARGEIN_TEST_PRECISION``,
 else ``exact``) picks the engine's precision mode. ``speculative`` (default
-``BARGEIN_TEST_SPECULATIVE``, else off) turns on speculative decoding ("ngram"), so the
-whole contract suite can run with it: the answers must not change.
+``BARGEIN_TEST_SPECULATIVE``, else off) turns on speculative decoding, so the whole
+contract suite can run with it: the answers must not change. "ngram" is prompt lookup;
+"draft" a draft model with the engine's own weights, whose guesses are all right: every
+decode step then yields several tokens (tests that count steps see fewer of them).
 """
 
 from __future__ import annotations
@@ -78,8 +80,9 @@ def tiny_engine(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
                 precision: str | None = None, speculative: SpeculativeConfig | str | None = None,
                 draft_proposer=None) -> Engine:
     speculative = speculative or os.environ.get("BARGEIN_TEST_SPECULATIVE", "off")
+    own_draft = speculative == "draft"
     if isinstance(speculative, str):
-        speculative = SpeculativeConfig(method=speculative)
+        speculative = SpeculativeConfig(method="ngram" if own_draft else speculative, guess_cost=0.1)
     config = EngineConfig(
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
@@ -88,6 +91,12 @@ def tiny_engine(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
         speculative=speculative,
     )
     model = build_model(TINY, dict(tiny_weights(seed)), config, max_positions=TINY.max_position_embeddings)
+    if own_draft and draft_proposer is None:
+        from bargein.engine.speculative.draft_model import DraftModelProposer
+
+        draft = build_model(TINY, dict(tiny_weights(seed)), config, max_positions=TINY.max_position_embeddings)
+        draft_proposer = DraftModelProposer(draft, kv_tokens=1024, block_size=block_size,
+                                            target_vocab_size=TINY.vocab_size)
     return Engine(model, ByteTokenizer(), config, model_name="tiny", draft_proposer=draft_proposer)
 
 
