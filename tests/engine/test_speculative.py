@@ -12,13 +12,14 @@ only accepted full blocks registered; and the scheduling: opt-out, back-off, k a
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 
 import pytest
 import torch
 
-from bargein.config import SpeculativeConfig
+from bargein.config import EngineConfig, SpeculativeConfig
 from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
 from bargein.engine.plan import ScheduledChunk, StepPlan
@@ -29,7 +30,7 @@ from bargein.engine.speculative.draft_model import DraftModelProposer
 from bargein.engine.speculative.ngram import NgramProposer
 from bargein.engine.speculative.proposer import DraftRequest
 from tests.dense_reference import random_weights
-from tests.tiny_engine import EOS, TINY, collector, prompt, tiny_engine, tiny_weights
+from tests.tiny_engine import EOS, TINY, collector, prompt, target_device, tiny_engine, tiny_weights
 
 K = 4
 # A fixed guess cost: which guesses are made must not depend on this machine's step times.
@@ -72,8 +73,9 @@ class ScriptedProposer:
 def _draft(seed: int, precision: str) -> DraftModelProposer:
     """A draft model of the tiny family: the target's own weights (seed 0) or random ones."""
     weights = tiny_weights(0) if seed == 0 else random_weights(TINY, seed=seed)
-    engine = tiny_engine(precision=precision)  # for its config: the same device, dtype, precision
-    stage = build_model(TINY, dict(weights), engine.config, max_positions=TINY.max_position_embeddings)
+    config = EngineConfig(device=target_device(), dtype=os.environ.get("BARGEIN_TEST_DTYPE", "float32"),
+                          precision=precision)  # as tiny_engine's
+    stage = build_model(TINY, dict(weights), config, max_positions=TINY.max_position_embeddings)
     return DraftModelProposer(stage, kv_tokens=512, block_size=4, target_vocab_size=TINY.vocab_size)
 
 
@@ -181,8 +183,8 @@ def test_a_cancel_at_every_position_inside_a_verification_step_keeps_only_delive
     p, follow_up = prompt(10, 50), prompt(5, 51)
     truth = baseline(precision, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), prompts=[p])
     plain = tiny_engine(precision=precision, speculative="off")
+    engine = tiny_engine(precision=precision, speculative=SPEC, draft_proposer=ScriptedProposer(truth, miss=False))
     for j in range(K + 2):
-        engine = tiny_engine(precision=precision, speculative=SPEC, draft_proposer=ScriptedProposer(truth, miss=False))
         conversation = engine.open_conversation()
         rid, before = _verification_step(engine, conversation, p)
         assert engine.abort(rid, delivered=len(before) + j) == AbortResult.CANCELLED
