@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from bargein.config import EngineConfig, SpeculativeConfig
+from bargein.engine.block_keys import chain_hash
 from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
 from bargein.engine.plan import ScheduledChunk, StepPlan
@@ -145,6 +146,25 @@ def test_a_seeded_sampled_stream_is_identical_with_and_without_speculation(preci
     assert answers(engine, SEEDED) == truth
     assert engine.speculation.counts().drafted_tokens > 0
     assert_clean(engine)
+
+
+@pytest.mark.parametrize("proposer", ["scripted", "draft-random"])
+def test_only_blocks_of_accepted_tokens_are_ever_registered(proposer: str) -> None:
+    """The one rule of every block index (prefix cache, router, KV disk tier): each key the
+    pool ever held names a full block of the answers as delivered, never a rejected guess."""
+    truth = baseline("exact", GREEDY)
+    engine = speculating("exact", proposer, truth)
+    engine.pool.track_key_changes()
+    assert answers(engine, GREEDY) == truth
+    expected = set()
+    for tokens in truth:
+        parent = None
+        for i in range(len(tokens) // 4):
+            parent = chain_hash(parent, tokens[i * 4:(i + 1) * 4])
+            expected.add(parent)
+    ever = set(engine.pool.drain_key_changes().keys)  # every key registered (or dropped) since tracking began
+    assert engine.speculation.counts().drafted_tokens > engine.speculation.counts().accepted_tokens  # misses
+    assert ever and ever <= expected and engine.pool.registered_keys() <= expected
 
 
 def test_a_stop_token_inside_the_confirmed_run_ends_the_answer_there() -> None:
