@@ -78,13 +78,14 @@ def tiny_engine(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
                 max_num_batched_tokens: int = 64, seed: int = 0, prefix_caching: bool = True,
                 device: str | None = None, dtype: str | None = None, cuda_graphs: bool = True,
                 precision: str | None = None, speculative: SpeculativeConfig | str | None = None,
-                draft_proposer=None) -> Engine:
+                draft_proposer=None, kv_disk_dir: str | None = None) -> Engine:
     speculative = speculative or os.environ.get("BARGEIN_TEST_SPECULATIVE", "off")
     own_draft = speculative == "draft"
     if isinstance(speculative, str):
         speculative = SpeculativeConfig(method="ngram" if own_draft else speculative, guess_cost=0.1)
     config = EngineConfig(
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+                          kv_disk_dir=kv_disk_dir),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         device=device or target_device(), dtype=dtype or os.environ.get("BARGEIN_TEST_DTYPE", "float32"),
         cuda_graphs=cuda_graphs, precision=precision or os.environ.get("BARGEIN_TEST_PRECISION", "exact"),
@@ -97,7 +98,8 @@ def tiny_engine(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
         draft = build_model(TINY, dict(tiny_weights(seed)), config, max_positions=TINY.max_position_embeddings)
         draft_proposer = DraftModelProposer(draft, kv_tokens=1024, block_size=block_size,
                                             target_vocab_size=TINY.vocab_size)
-    return Engine(model, ByteTokenizer(), config, model_name="tiny", draft_proposer=draft_proposer)
+    return Engine(model, ByteTokenizer(), config, model_name="tiny", draft_proposer=draft_proposer,
+                  model_identity=None if kv_disk_dir is None else f"tiny-seed-{seed}")
 
 
 def reference_greedy(tokens: list[int], n: int, seed: int = 0) -> list[int]:

@@ -23,6 +23,7 @@ from bargein.config import EngineConfig, SpeculativeConfig
 from bargein.engine.block_keys import chain_hash
 from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
+from bargein.engine.kv_disk.block_file import parse_name
 from bargein.engine.plan import ScheduledChunk, StepPlan
 from bargein.engine.request import AbortResult, FinishReason
 from bargein.engine.sampling import SamplingParams
@@ -148,23 +149,33 @@ def test_a_seeded_sampled_stream_is_identical_with_and_without_speculation(preci
     assert_clean(engine)
 
 
-@pytest.mark.parametrize("proposer", ["scripted", "draft-random"])
-def test_only_blocks_of_accepted_tokens_are_ever_registered(proposer: str) -> None:
-    """The one rule of every block index (prefix cache, router, KV disk tier): each key the
-    pool ever held names a full block of the answers as delivered, never a rejected guess."""
-    truth = baseline("exact", GREEDY)
-    engine = speculating("exact", proposer, truth)
-    engine.pool.track_key_changes()
-    assert answers(engine, GREEDY) == truth
-    expected = set()
-    for tokens in truth:
+def _block_keys(sequences: Sequence[Sequence[int]]) -> set[bytes]:
+    """The chained keys of every full block of ``sequences``."""
+    keys = set()
+    for tokens in sequences:
         parent = None
         for i in range(len(tokens) // 4):
             parent = chain_hash(parent, tokens[i * 4:(i + 1) * 4])
-            expected.add(parent)
+            keys.add(parent)
+    return keys
+
+
+@pytest.mark.parametrize("proposer", ["scripted", "draft-random"])
+def test_only_blocks_of_accepted_tokens_are_ever_registered(proposer: str, tmp_path) -> None:
+    """The one rule of every block index (prefix cache, router, KV disk tier): each key the
+    pool ever held, and each block the disk tier wrote, names a full block of the answers
+    as delivered, never a rejected guess."""
+    truth = baseline("exact", GREEDY)
+    engine = speculating("exact", proposer, truth, num_blocks=24, kv_disk_dir=str(tmp_path))  # a small pool: evictions
+    engine.pool.track_key_changes()
+    assert answers(engine, GREEDY) == truth
+    expected = _block_keys(truth)
     ever = set(engine.pool.drain_key_changes().keys)  # every key registered (or dropped) since tracking began
     assert engine.speculation.counts().drafted_tokens > engine.speculation.counts().accepted_tokens  # misses
     assert ever and ever <= expected and engine.pool.registered_keys() <= expected
+    assert engine.close_kv_disk()
+    on_disk = {parsed[0] for f in tmp_path.iterdir() if (parsed := parse_name(f.name)) is not None}
+    assert on_disk and on_disk <= expected
 
 
 def test_a_stop_token_inside_the_confirmed_run_ends_the_answer_there() -> None:
