@@ -212,6 +212,53 @@ class SchedulerConfig:
             raise ValueError(f"max_step_ms must be a positive number of milliseconds, got {self.max_step_ms}")
 
 
+SPECULATIVE_METHODS = ("off", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/speculative/): cheap guesses verified in one forward.
+
+    ``method``: "off"; "ngram" (prompt lookup: the answer's last tokens matched against the
+    prompt and the answer so far); "draft" (a small model of the same vocabulary at
+    ``draft_model``, with its own paged K/V). Whatever the method, a request's tokens are
+    exactly those it gets without speculation (greedy and seeded sampled alike).
+    ``max_draft_tokens``: the most guesses verified per step (k adapts below it to the
+    request's acceptance rate and a guess's cost). ``guess_cost``: a guess row's time in
+    one-row decode steps; None: measured from the engine's steps (0.35 until it has). ``ngram_min``/``ngram_max``: the suffix lengths prompt lookup
+    matches, longest first. ``max_batch``: speculation backs off (plain decodes) when a step
+    carries more decode rows than this, where a wider batch already uses the weights' reads
+    that speculation would (bench/bench_speculative.py measures the crossover).
+    ``draft_kv_tokens``: the draft model's own KV cache, in token slots.
+    """
+
+    method: str = "off"
+    max_draft_tokens: int = 5
+    ngram_min: int = 2
+    ngram_max: int = 4
+    max_batch: int = 4
+    guess_cost: float | None = None
+    draft_model: str | None = None
+    draft_kv_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}; "
+                             f"got {self.method!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs a draft model (--draft-model PATH)")
+        if self.max_draft_tokens < 1 or self.max_batch < 1 or self.draft_kv_tokens < 1:
+            raise ValueError("max_draft_tokens, max_batch and draft_kv_tokens must be at least 1")
+        if self.guess_cost is not None and not self.guess_cost >= 0:
+            raise ValueError(f"guess_cost must be 0 or more, got {self.guess_cost}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 PIPELINE_TRANSPORTS = ("auto", "graph", "calls")
 
 
@@ -320,6 +367,8 @@ class EngineConfig:
     # The model's sliding window, over what its file says (bargein.loader.families.
     # with_sliding_window): 0 none, N > 0 N positions; None: the file's.
     sliding_window: int | None = None
+    # Speculative decoding (off by default; answers are the same either way).
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

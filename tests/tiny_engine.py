@@ -6,7 +6,11 @@ are token lists, so no test depends on a real vocabulary.
 ``BARGEIN_TEST_DEVICE`` (default ``cpu``) and ``BARGEIN_TEST_DTYPE`` (default
 ``float32``) choose where these engines run, so the same contract tests run on a GPU
 (scripts/gpu_check.sh sets ``cuda``). ``precision`` (default ``BARGEIN_TEST_PRECISION``,
-else ``exact``) picks the engine's precision mode.
+else ``exact``) picks the engine's precision mode. ``speculative`` (default
+``BARGEIN_TEST_SPECULATIVE``, else off) turns on speculative decoding, so the whole
+contract suite can run with it: the answers must not change. "ngram" is prompt lookup;
+"draft" a draft model with the engine's own weights, whose guesses are all right: every
+decode step then yields several tokens (tests that count steps see fewer of them).
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ import weakref
 
 import torch
 
-from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from bargein.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
 from bargein.engine.outputs import OutputCollector
@@ -67,15 +77,29 @@ def target_device() -> str:
 def tiny_engine(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
                 max_num_batched_tokens: int = 64, seed: int = 0, prefix_caching: bool = True,
                 device: str | None = None, dtype: str | None = None, cuda_graphs: bool = True,
-                precision: str | None = None) -> Engine:
+                precision: str | None = None, speculative: SpeculativeConfig | str | None = None,
+                draft_proposer=None, kv_disk_dir: str | None = None) -> Engine:
+    speculative = speculative or os.environ.get("BARGEIN_TEST_SPECULATIVE", "off")
+    own_draft = speculative == "draft"
+    if isinstance(speculative, str):
+        speculative = SpeculativeConfig(method="ngram" if own_draft else speculative, guess_cost=0.1)
     config = EngineConfig(
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching,
+                          kv_disk_dir=kv_disk_dir),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         device=device or target_device(), dtype=dtype or os.environ.get("BARGEIN_TEST_DTYPE", "float32"),
         cuda_graphs=cuda_graphs, precision=precision or os.environ.get("BARGEIN_TEST_PRECISION", "exact"),
+        speculative=speculative,
     )
     model = build_model(TINY, dict(tiny_weights(seed)), config, max_positions=TINY.max_position_embeddings)
-    return Engine(model, ByteTokenizer(), config, model_name="tiny")
+    if own_draft and draft_proposer is None:
+        from bargein.engine.speculative.draft_model import DraftModelProposer
+
+        draft = build_model(TINY, dict(tiny_weights(seed)), config, max_positions=TINY.max_position_embeddings)
+        draft_proposer = DraftModelProposer(draft, kv_tokens=1024, block_size=block_size,
+                                            target_vocab_size=TINY.vocab_size)
+    return Engine(model, ByteTokenizer(), config, model_name="tiny", draft_proposer=draft_proposer,
+                  model_identity=None if kv_disk_dir is None else f"tiny-seed-{seed}")
 
 
 def reference_greedy(tokens: list[int], n: int, seed: int = 0) -> list[int]:

@@ -52,6 +52,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
         api_key_file = env.str("API_KEY_FILE", None)
         api_keys_file = env.str("API_KEYS", None)
         dtype = env.str("DTYPE", "auto")
+        speculative = env.str("SPECULATIVE", None)
+        draft_model = env.str("DRAFT_MODEL", None)
     except SettingsError as exc:
         raise CliError(str(exc), EXIT_USAGE) from None
     s = env_settings
@@ -134,6 +136,15 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache: auto is bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
     add_precision_argument(p)
+    p.add_argument("--speculative", default=speculative, choices=["off", "ngram", "draft"],
+                   help="speculative decoding, which never changes an answer: ngram guesses the next tokens "
+                        "from the prompt and the answer so far (editing, quoting), draft from --draft-model; "
+                        "a request opts out with \"speculative\": false (default: off, or draft with "
+                        "--draft-model)")
+    p.add_argument("--draft-model", default=draft_model, metavar="REF",
+                   help="a small model with the model's tokenizer (.gguf or HF folder) for --speculative draft")
+    p.add_argument("--speculative-tokens", type=int, default=None, metavar="N",
+                   help="most guesses verified per step; fewer while guesses miss (default: 5)")
     p.add_argument("--max-body", default=str(s.max_body_bytes), metavar="SIZE",
                    help="largest request body, e.g. 4MiB (default: %(default)s bytes)")
     p.add_argument("--default-max-tokens", type=int, default=s.default_max_tokens, metavar="N",
@@ -256,7 +267,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
                                       max_step_ms=args.max_step_ms or None),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype, precision=args.precision,
-            pipeline=pipeline, sliding_window=args.sliding_window)
+            pipeline=pipeline, sliding_window=args.sliding_window,
+            speculative=_speculative(args, pipeline is not None))
         _check_replica_flags(args)
         if kv_auto and (args.replicas is not None or config.pipeline is not None):
             raise SettingsError("--kv-memory auto sizes one process's KV cache; give a size for pipeline stages "
@@ -305,6 +317,20 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
 
     app = create_app(engine if args.replicas is not None else AsyncEngine(engine), settings)
     return _Ready(app, settings, sock, announce)
+
+
+def _speculative(args: argparse.Namespace, pipeline: bool) -> Any:
+    """SpeculativeConfig from --speculative, --draft-model and --speculative-tokens."""
+    from bargein.config import SpeculativeConfig
+    from bargein.server.settings import SettingsError
+
+    method = args.speculative or ("draft" if args.draft_model else "off")
+    if method != "off" and pipeline:
+        raise SettingsError("--speculative runs with the model in one process, not on pipeline stages")
+    if args.draft_model and method != "draft":
+        raise SettingsError(f"--draft-model is for --speculative draft, not {method}")
+    tokens = {} if args.speculative_tokens is None else {"max_draft_tokens": args.speculative_tokens}
+    return SpeculativeConfig(method=method, draft_model=args.draft_model, **tokens)
 
 
 def _access_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -62,11 +62,15 @@ from bargein.engine.request import (
     Sequence as TokenSequence,
 )
 from bargein.engine.request_ids import IdInUse
-from bargein.engine.runner import KVLost, ModelRunner, Runner, RunnerHealth, StepFailed, StepResult
-from bargein.engine.sampler import RowSampling, SampledToken, Sampler, SamplingState, row_sampling
+from bargein.engine.runner import KVLost, ModelRunner, Runner, RunnerHealth, StepFailed
+from bargein.engine.sampler import RowSampling, Sampler, SamplingState, row_sampling
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.scheduler import Scheduler
+from bargein.engine.speculative.build import build_speculation
+from bargein.engine.speculative.controller import Speculation
+from bargein.engine.speculative.proposer import Proposer
 from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord
+from bargein.engine.step_sampling import sample_step
 from bargein.model.llama import LlamaStage
 
 log = logging.getLogger("bargein.engine")
@@ -79,11 +83,13 @@ class Engine(EngineConversations):
 
     def __init__(self, model: LlamaStage | Sequence[LlamaStage] | Runner, tokenizer: Any,
                  config: EngineConfig | None = None, *, model_name: str = "model",
-                 model_identity: str | os.PathLike[str] | None = None):
+                 model_identity: str | os.PathLike[str] | None = None, draft_proposer: Proposer | None = None):
         """``model``: the stages to run in this process, or a runner that drives them
         elsewhere (a pipeline on a Ray cluster); the runner sizes the KV pool.
         ``model_identity``: the model's file or folder (or a string naming in-memory
-        weights), from which the disk tier's fingerprint starts (``cache.kv_disk_dir``)."""
+        weights), from which the disk tier's fingerprint starts (``cache.kv_disk_dir``).
+        ``draft_proposer``: speculative decoding's guesser, instead of the one
+        ``config.speculative`` names (a draft model built in memory)."""
         self.config = config or EngineConfig()
         cache = self.config.cache
         self.runner: Runner = model if isinstance(model, Runner) else self._local_runner(model)
@@ -96,6 +102,7 @@ class Engine(EngineConversations):
         self.disk: DiskCache | None = (DiskCache.open(cache, self.runner, self.pool, self.scheduler, model_identity)
                                        if cache.kv_disk_dir else None)
         self.sampler = Sampler()
+        self.speculation: Speculation | None = build_speculation(self.config, self.runner, proposer=draft_proposer)
         self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.counters = EngineCounters()
         self._inbox: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
@@ -281,7 +288,9 @@ class Engine(EngineConversations):
             return self._outcome()
         plan = result.plan
         try:
-            sampled = self._sample(result)
+            sampled = sample_step(result, self.scheduler.requests, self.sampler)
+            if self.speculation is not None:
+                self.speculation.observe(plan, sampled)
         except Exception as exc:
             log.exception("step %d failed", plan.step)
             self.scheduler.fail_step(plan, f"the model step failed: {type(exc).__name__}: {exc}")
@@ -297,27 +306,6 @@ class Engine(EngineConversations):
             self.counters.steps, time.monotonic(), forward_s, len(plan.chunks), plan.num_tokens,
             sum(1 for c in plan.chunks if len(c.token_ids) == 1)))
         return outcome
-
-    def _sample(self, result: StepResult) -> dict[str, SampledToken]:
-        """Each live sampling chunk's token: picked by the runner (plain rows of a
-        pipeline's last stage) or sampled here from its logits row."""
-        plan = result.plan
-        rows = plan.sampled  # a property that builds a tuple: once, not per row
-        chosen = result.tokens or {}
-        # close_conversation may have ended a request of a plan still in flight: skip it.
-        live = [i for i, c in enumerate(rows) if c.request_id in self.scheduler.requests]
-        sampled = {rows[i].request_id: SampledToken(chosen[i], None, ()) for i in live if i in chosen}
-        need = [i for i in live if i not in chosen]
-        if not need:
-            return sampled
-        logit_rows = [i for i in range(len(rows)) if i not in chosen]  # rows result.logits holds
-        where = {row: k for k, row in enumerate(logit_rows)}
-        picks = [where[i] for i in need]
-        logits = result.logits if picks == list(range(len(logit_rows))) else result.logits[picks]
-        chunks = [rows[i] for i in need]
-        states = [self.scheduler.requests[c.request_id].sampling for c in chunks]
-        tokens = self.sampler.sample(logits, states)
-        return sampled | {c.request_id: t for c, t in zip(chunks, tokens, strict=True)}
 
     def _row_sampling(self, request_id: str) -> RowSampling | None:
         """For a runner that picks plain rows' tokens itself (engine thread, at submit)."""
@@ -347,6 +335,8 @@ class Engine(EngineConversations):
         while runner.num_in_flight < runner.max_in_flight:
             share = self._micro_batch_seqs()
             plan = self.scheduler.schedule() if share is None else self.scheduler.schedule(share)
+            if self.speculation is not None and not plan.is_empty:
+                plan = self.speculation.extend(plan, self.scheduler)
             if self.disk is not None:
                 self.disk.after_schedule()  # evicted blocks leave before the forward writes their ids
             if plan.is_empty:
@@ -384,6 +374,8 @@ class Engine(EngineConversations):
             self.counters.generated_tokens += len(delta.new_token_ids)
             if delta.finished:
                 self._count_finish(delta)
+                if self.speculation is not None:
+                    self.speculation.forget(delta.request_id)
         return outcome
 
     def _drain_inbox(self) -> None:
@@ -485,7 +477,8 @@ class Engine(EngineConversations):
     # -- reporting (engine thread) ----------------------------------------------------
     def stats(self) -> EngineStats:
         return reports.engine_stats(self.scheduler, self.pool, self.counters,
-                                    kv_disk=None if self.disk is None else self.disk.stats())
+                                    kv_disk=None if self.disk is None else self.disk.stats(),
+                                    speculation=None if self.speculation is None else self.speculation.counts())
 
     def steps_after(self, index: int) -> list[StepRecord]:
         """The recent steps whose index is above ``index``, oldest first (see ``reports``)."""

@@ -10,11 +10,12 @@ from bargein.engine.blocks import BlockPool
 from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.request import RequestStatus
 from bargein.engine.scheduler import Scheduler
+from bargein.engine.speculative.controller import SpeculationCounts
 from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord
 
 
 def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters,
-                 kv_disk: DiskTierStats | None = None) -> EngineStats:
+                 kv_disk: DiskTierStats | None = None, speculation: SpeculationCounts | None = None) -> EngineStats:
     paused_since = [scheduler.paused_since[r.request_id] for r in scheduler.running
                     if r.request_id in scheduler.paused_since]
     return EngineStats(
@@ -38,6 +39,8 @@ def engine_stats(scheduler: Scheduler, pool: BlockPool, counters: EngineCounters
         finished=dict(counters.finished),
         cancelled=dict(counters.cancelled),
         kv_disk=kv_disk,
+        speculative_drafted_tokens=speculation.drafted_tokens if speculation else 0,
+        speculative_accepted_tokens=speculation.accepted_tokens if speculation else 0,
     )
 
 

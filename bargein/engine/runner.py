@@ -34,7 +34,8 @@ from bargein.model.llama import LlamaStage
 
 @dataclass(frozen=True)
 class StepResult:
-    """A plan that ran, and float32 logits of its sampled positions (len(plan.sampled), vocab).
+    """A plan that ran, and float32 logits of its sampled positions (len(plan.sampled), vocab;
+    a chunk with guesses has ``chunk.num_logits`` consecutive rows, see ``ScheduledChunk``).
 
     A runner may pick plain rows' tokens itself (``tokens``: plan row -> token id, as
     ``sampler.sample_rows`` does); ``logits`` then holds only the other rows, in plan order.
@@ -252,14 +253,15 @@ class ModelRunner:
                             batch_sizes=batch_sizes, capture=capture)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Runs the plan's forward; returns float32 logits (len(plan.sampled), vocab)."""
+        """Runs the plan's forward; returns float32 logits (one row per ``chunk.num_logits``)."""
         for caches in self.kv_caches:
             for src, dst in plan.block_copies:
                 for cache in caches:
                     cache.copy_block(src, dst)
         if plan.is_empty:
             return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device)
-        if self.decode_graphs is not None and (logits := self.decode_graphs.run(plan)) is not None:
+        if (self.decode_graphs is not None and not plan.has_drafts
+                and (logits := self.decode_graphs.run(plan)) is not None):
             return logits
         x, pos, meta, indices = plan_inputs(plan, self.block_size, self.device, decode_batch=self._decode_batch)
         for stage, caches in zip(self.stages, self.kv_caches, strict=True):
@@ -279,14 +281,14 @@ def plan_inputs(plan: StepPlan, block_size: int, device: torch.device, *, decode
     positions: list[int] = []
     logits_indices: list[int] = []
     for chunk in plan.chunks:
-        ids.extend(chunk.token_ids)
-        positions.extend(range(chunk.start_pos, chunk.context_len))
-        if chunk.sample:
-            logits_indices.append(len(ids) - 1)
+        query = chunk.query_ids  # a chunk's guesses follow its tokens (speculative decoding)
+        ids.extend(query)
+        positions.extend(range(chunk.start_pos, chunk.start_pos + len(query)))
+        logits_indices.extend(range(len(ids) - chunk.num_logits, len(ids)))
     meta = AttentionMetadata.build(
         block_tables=[list(c.block_table) for c in plan.chunks],
-        query_lens=[len(c.token_ids) for c in plan.chunks],
-        context_lens=[c.context_len for c in plan.chunks],
+        query_lens=[len(c.query_ids) for c in plan.chunks],
+        context_lens=[c.start_pos + len(c.query_ids) for c in plan.chunks],
         block_size=block_size,
         device=device,
         decode_batch=decode_batch,

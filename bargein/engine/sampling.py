@@ -73,6 +73,9 @@ class SamplingParams:
       computed by requests with the same salt, and its own K/V is reused only by them.
       None is the common namespace. Not a sampling setting, but carried with them so that
       every path to the engine (local, pipeline, replicas) takes it unchanged.
+    - ``speculative``: False opts this request out of the engine's speculative decoding
+      (``--speculative``). Not a sampling setting either: the tokens are the same both
+      ways; only the work per token differs.
     """
 
     max_tokens: int | None = 256
@@ -94,6 +97,7 @@ class SamplingParams:
     n: int = 1
     constraint: Constraint | None = None
     cache_salt: str | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -121,7 +125,7 @@ class SamplingParams:
         put("logit_bias", _logit_bias(self.logit_bias))
         put("stop", _stop(self.stop))
         put("stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParams(
                     name, f"{name} must be a bool, got {getattr(self, name)!r}"

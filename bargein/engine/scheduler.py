@@ -248,8 +248,11 @@ class Scheduler(StepFilling, SchedulerConversations):
         """Applies a plan whose forward finished; the changes go into the step's outcome.
 
         ``sampled`` maps each sampling chunk's request id to its sampled token (an object
-        with ``token_id``, and the raw log-probabilities the consumer packs). Requests
-        finished while the plan was in flight end here, without their sampled token.
+        with ``token_id``, and the raw log-probabilities the consumer packs), or, for a
+        chunk with guesses, to the tuple of tokens its verification confirmed (guesses
+        1..m and the token after them). Requests finished while the plan was in flight end
+        here, without their sampled tokens. A chunk's guesses count as computed only where
+        confirmed; the blocks past the sequence's tokens are given back (C3).
         """
         self._in_flight.pop(plan.step, None)
         self._measure(plan)
@@ -265,17 +268,28 @@ class Scheduler(StepFilling, SchedulerConversations):
             if pending is not None:
                 self._finish(req, pending.reason, cancel_reason=pending.cancel_reason, error=pending.error,
                              delivered=pending.delivered)
+            elif not chunk.sample:
                 continue
-            if not chunk.sample:
-                continue
-            if self.ids.cancel_claim(req.request_id) is not None:
+            elif self.ids.cancel_claim(req.request_id) is not None:
                 # A cancel claimed this request after the inbox was read: it ends
                 # cancelled, as its abort answered, and this token is not delivered (C2).
                 self._finish(req, FinishReason.CANCELLED)
-                continue
-            token = sampled[chunk.request_id]
+            else:
+                value = sampled[chunk.request_id]
+                self._append_sampled(req, value if isinstance(value, tuple) else (value,))
+            if chunk.draft_token_ids:
+                self._drop_unconfirmed(seq)
+
+    def _append_sampled(self, req: Request, tokens: tuple[Any, ...]) -> None:
+        """Appends a step's sampled tokens, in order, up to the first that ends the request.
+        All but the last were computed in the step (confirmed guesses): their K/V is kept."""
+        seq = req.sequence
+        for j, token in enumerate(tokens):
             reason = self._stop_reason(req, token.token_id)
             seq.token_ids.append(token.token_id)
+            if j < len(tokens) - 1:
+                seq.num_computed += 1
+                self.num_computed_tokens += 1
             if req.sampling is not None and not req.sampling.accept(token.token_id):
                 reason = FinishReason.ERROR  # unreachable while masks hold; never a silent pass
             if req.first_token_time is None:
@@ -284,10 +298,20 @@ class Scheduler(StepFilling, SchedulerConversations):
             delta.new_token_ids.append(token.token_id)
             delta.new_logprobs.append(token)
             req.num_reported += 1
-            if reason == FinishReason.ERROR:
-                self._finish(req, reason, error="the sampled token does not match the request's grammar")
-            elif reason is not None:
-                self._finish(req, reason)
+            if reason is not None:
+                break
+        if len(tokens) > 1:
+            self.pool.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+        if reason == FinishReason.ERROR:
+            self._finish(req, reason, error="the sampled token does not match the request's grammar")
+        elif reason is not None:
+            self._finish(req, reason)
+
+    def _drop_unconfirmed(self, seq: Sequence) -> None:
+        """Gives back the blocks past a sequence's tokens, which only unconfirmed guesses
+        wrote. Slots of such guesses in its last kept block lie past ``num_computed``: the
+        next chunk of the sequence writes them before any attention reads them."""
+        self.pool.truncate(seq.block_table, seq.num_tokens)
 
     def _measure(self, plan: StepPlan) -> None:
         """Feeds the step timer: planned to applied is one step's time (forward, sampling and
@@ -308,6 +332,7 @@ class Scheduler(StepFilling, SchedulerConversations):
             self._pending_finish.pop(chunk.request_id, None)
             req = self.requests.get(chunk.request_id)
             if req is not None:
+                self._drop_unconfirmed(req.sequence)  # a no-op unless the chunk had guesses
                 self._finish(req, FinishReason.ERROR, error=error)
 
     def invalidate_kv(self) -> int:

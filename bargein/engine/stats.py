@@ -33,6 +33,10 @@ class EngineStats:
     kv_disk: DiskTierStats | None = None  # the disk tier's, when the engine has one
     paused: int = 0  # of ``running``, those paused: their client stopped reading (backpressure)
     paused_longest_s: float = 0.0  # how long the longest-paused of them has been paused (0: none)
+    # Speculative decoding: guesses verified, and of those confirmed (delivered unless a
+    # cancel or a stop came first). ``generated_tokens`` counts delivered tokens only.
+    speculative_drafted_tokens: int = 0
+    speculative_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,8 @@ def merge_stats(parts: Sequence[EngineStats], block_size: int) -> EngineStats:
 
     numeric = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_blocks_used", "running", "waiting",
                "conversations", "paused", "steps", "prefix_cache_hit_tokens", "prefix_cache_hit_blocks",
-               "prefix_cache_query_blocks", "computed_tokens", "generated_tokens", "preemptions")
+               "prefix_cache_query_blocks", "computed_tokens", "generated_tokens", "preemptions",
+               "speculative_drafted_tokens", "speculative_accepted_tokens")
     return EngineStats(block_size=block_size, finished=tally("finished"), cancelled=tally("cancelled"),
                        paused_longest_s=max((s.paused_longest_s for s in parts), default=0.0),
                        kv_disk=merge_disk_stats([s.kv_disk for s in parts if s.kv_disk is not None]),

@@ -10,13 +10,15 @@ This module imports no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from bargein.engine.blocks import OutOfBlocks
-from bargein.engine.plan import ScheduledChunk
+from bargein.engine.plan import ScheduledChunk, StepPlan
 from bargein.engine.request import FinishReason, RequestEvent, RequestStatus
 from bargein.engine.step_budget import StepBudget
 
@@ -136,3 +138,29 @@ class StepFilling:
         has_decode = any(r.sequence.num_pending == 1 for r in itertools.islice(schedulable, room))
         return cap if has_decode else math.inf
 
+
+    def add_drafts(self: Scheduler, plan: StepPlan, drafts: Mapping[str, tuple[int, ...]]) -> StepPlan:
+        """The plan with guesses after its decode chunks (speculative decoding).
+
+        ``drafts``: request id -> guessed tokens, for requests whose chunk in ``plan``
+        (just scheduled, not submitted) decodes one token. Each guess gets a K/V slot after
+        the chunk's token, in blocks made writable now; where the pool has no room the
+        chunk goes without guesses (speculation never preempts). The slots of guesses the
+        forward does not confirm are given back in ``update`` before anything reads them.
+        """
+        chunks, copies = [], list(plan.block_copies)
+        for chunk in plan.chunks:
+            guess = drafts.get(chunk.request_id, ())
+            req = self.requests.get(chunk.request_id)
+            if not guess or req is None or not chunk.sample or len(chunk.token_ids) != 1:
+                chunks.append(chunk)
+                continue
+            table = req.sequence.block_table
+            try:
+                copies += self.pool.ensure_writable(table, chunk.context_len, chunk.context_len + len(guess))
+            except OutOfBlocks:
+                chunks.append(chunk)
+                continue
+            chunks.append(dataclasses.replace(chunk, draft_token_ids=tuple(guess),
+                                              block_table=tuple(table.block_ids)))
+        return StepPlan(plan.step, tuple(chunks), tuple(copies))

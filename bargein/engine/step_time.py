@@ -43,7 +43,7 @@ def attended_pairs(num_tokens: int, start_pos: int) -> int:
 def plan_features(plan: StepPlan) -> tuple[int, int]:
     """(tokens, attended pairs) of a step's plan: what its time is modelled from."""
     tokens = plan.num_tokens
-    pairs = sum(attended_pairs(len(c.token_ids), c.start_pos) for c in plan.chunks)
+    pairs = sum(attended_pairs(len(c.query_ids), c.start_pos) for c in plan.chunks)  # guesses too
     return tokens, pairs
 
 

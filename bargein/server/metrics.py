@@ -239,7 +239,11 @@ class _EngineCollector(Collector):
                 ("bargein_prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache.",
                  s.prefix_cache_hit_tokens),
                 ("bargein_engine_steps", "Engine steps (forwards).", s.steps),
-                ("bargein_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions)):
+                ("bargein_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions),
+                ("bargein_speculative_drafted_tokens", "Speculative guesses verified (not counted in usage).",
+                 s.speculative_drafted_tokens),
+                ("bargein_speculative_accepted_tokens", "Speculative guesses the model confirmed.",
+                 s.speculative_accepted_tokens)):
             yield CounterMetricFamily(name, help, value=value)
         blocks = GaugeMetricFamily("bargein_kv_blocks", "KV cache blocks by state.", labels=["state"])
         for state, n in (("used", s.kv_blocks_used), ("cached", s.kv_blocks_cached), ("free", s.kv_blocks_free),

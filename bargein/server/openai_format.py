@@ -13,7 +13,8 @@ from bargein.server.errors import APIError
 from bargein.server.schemas import SamplingFields
 
 _PASSTHROUGH = ("top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens")
+                "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+                "speculative")
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None,

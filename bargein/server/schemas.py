@@ -3,8 +3,9 @@
 Types are checked here; ranges are checked once, by ``SamplingParams`` (whose errors name
 the field). Unknown fields are ignored, as tools built for the OpenAI API send many.
 Extensions beyond OpenAI: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens`` and ``timeout`` (seconds, a
-deadline after which the request is cancelled with reason ``deadline``).
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``timeout`` (seconds, a
+deadline after which the request is cancelled with reason ``deadline``) and ``speculative``
+(false: this request opts out of the server's ``--speculative`` decoding).
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class SamplingFields(_Body):
     cache_salt: str | None = Field(default=None, max_length=256,
                                    description="a prefix-cache namespace: only requests with the same salt (and "
                                                "API key) reuse each other's cached prompt tokens")
+    speculative: bool | None = Field(default=None, description="false: no speculative decoding for this request "
+                                                               "(the answer is the same either way)")
 
 
 class ChatMessage(BaseModel):
