@@ -82,6 +82,8 @@
 #define TILE 16 /* output columns per unit of work */
 #define GEMM_MIN_ROWS_VNNI 8 /* below this, few-row passes decode each block in registers */
 #define GEMM_MIN_ROWS_AVX2 8
+#define K_GEMM_MIN_ROWS 24 /* the K chain's few-row pass shares each decode across its rows and
+                              * sums lanes once per superblock: it beats the tile to 16 rows or more */
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
 
@@ -1232,19 +1234,32 @@ static TARGET_VNNI void group_vnni(int type, GROUP_ARGS, int rows) {
  * its eight mins as int16 (mn): the twelve packed bytes four to a word, as k_scale_min reads them. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void k_scales_mins(const uint8_t *b, __m256i *sc,
                                                                              __m128i *mn) {
-    uint32_t w[3];
-    memcpy(w, b + 4, 12);
+    uint32_t w0, w1, w2; /* three loads from the block (one 12-byte copy went through the stack) */
+    memcpy(&w0, b + 4, 4);
+    memcpy(&w1, b + 8, 4);
+    memcpy(&w2, b + 12, 4);
     const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, two = 0x03030303u;
-    const __m128i v = _mm_setr_epi32((int)(w[0] & six), (int)((w[2] & four) | (((w[0] >> 6) & two) << 4)),
-                                     (int)(w[1] & six), (int)(((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4)));
+    const __m128i v = _mm_setr_epi32((int)(w0 & six), (int)((w2 & four) | (((w0 >> 6) & two) << 4)),
+                                     (int)(w1 & six), (int)(((w2 >> 4) & four) | (((w1 >> 6) & two) << 4)));
     *sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
     *mn = _mm_cvtepu8_epi16(_mm_srli_si128(v, 8));
 }
 
-/* The int16 lane i of each 128-bit lane, repeated over that lane (an in-lane byte shuffle). */
-static inline TARGET_AVX2 __attribute__((always_inline)) __m256i lane_word(__m256i v, int lo, int hi) {
-    return _mm256_shuffle_epi8(v, _mm256_setr_m128i(_mm_set1_epi16((short)(((2 * lo + 1) << 8) | (2 * lo))),
-                                                    _mm_set1_epi16((short)(((2 * hi + 1) << 8) | (2 * hi)))));
+/* Byte shuffles repeating an int16 lane over each 128-bit lane: LANE_WORDS[j] takes word
+ * j of both lanes (Q4_K, Q5_K), LANE_WORDS[8 + j] word 2j % 8 of the low lane and
+ * (2j + 1) % 8 of the high one (Q6_K's halves). A table: built from immediates, the
+ * compiler rematerialized them in the loop. */
+static const uint8_t LANE_WORDS[12][32] __attribute__((aligned(32))) = {
+#define W16(i) 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, \
+               2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1
+    {W16(0), W16(0)}, {W16(1), W16(1)}, {W16(2), W16(2)}, {W16(3), W16(3)},
+    {W16(4), W16(4)}, {W16(5), W16(5)}, {W16(6), W16(6)}, {W16(7), W16(7)},
+    {W16(0), W16(1)}, {W16(2), W16(3)}, {W16(4), W16(5)}, {W16(6), W16(7)},
+#undef W16
+};
+
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i lane_word(__m256i v, int table) {
+    return _mm256_shuffle_epi8(v, _mm256_load_si256((const __m256i *)LANE_WORDS[table]));
 }
 
 /* Eight columns' eight int32 lanes summed into one lane per column, in column order. */
@@ -1294,8 +1309,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
             for (int r = 0; r < ROWS_N; r++) dc[r] = _mm256_setzero_si256();                               \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                          \
                 const __m256i u = quants32(TYPE, blk, j);                                                  \
-                const __m256i scale = Q6 ? lane_word(j < 4 ? sc_a : sc_b, (2 * j) % 8, (2 * j + 1) % 8)    \
-                                         : lane_word(sc_a, j, j);                                          \
+                const __m256i scale = Q6 ? lane_word(j < 4 ? sc_a : sc_b, 8 + j % 4) : lane_word(sc_a, j); \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                 \
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(a->kq + (r0 + r) * k + t * 256 + 32 * j)); \
                     dc[r] = SCALED_ADD(dc[r], _mm256_maddubs_epi16(u, x), scale);                          \
@@ -1546,7 +1560,7 @@ static void run_tiles(void *arg, int index, int count) {
             continue;
         }
 #ifdef GGUF_X86
-        if (job->m < job->gemm_min_rows) {
+        if (job->m < (k_chain_type(seg->type) ? K_GEMM_MIN_ROWS : job->gemm_min_rows)) {
             /* the next tile's columns, fetched while this one's are read (same segment only) */
             const int64_t next = t + 1 < t1 && job->tile_seg[t + 1] == job->tile_seg[t] ? job->tile_col[t + 1] : -1;
             run_groups_x86(job, seg, &info, col0, j0, cols, next);
@@ -1611,8 +1625,12 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
                  NULL, NULL, NULL, NULL, 0};
-    job.scratch_bytes = isa == ISA_C ? (int64_t)sizeof(float) * (m > 0 ? m : 1)
-                                     : 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4);
+    /* tiles are built for many rows on the vector paths only; otherwise a float per row
+     * (the C columns' sums): a tile's scratch for one row would be mapped and unmapped
+     * by malloc on every call once k is large */
+    const int tiles = !exact && isa != ISA_C && m >= (job.gemm_min_rows < K_GEMM_MIN_ROWS ? job.gemm_min_rows : K_GEMM_MIN_ROWS);
+    job.scratch_bytes = tiles ? 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4)
+                              : (int64_t)sizeof(float) * (m > 0 ? m : 1);
     job.scratch_bytes = (job.scratch_bytes + 63) / 64 * 64;
     int status = 0;
     if (exact) a.xsum16 = malloc(sizeof(float) * 2 * cells);
