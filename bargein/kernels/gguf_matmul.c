@@ -417,12 +417,15 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const in
     case T_Q4_1: case T_Q5_1:
         ps[c] = f16c(b), pm[c] = f16c(b + 2);
         return;
-    case T_Q4_K: case T_Q5_K: { /* the K chain: d, -dmin once; six-bit scales and mins as integers per 32 */
+    case T_Q4_K: case T_Q5_K: { /* the K chain: d, -dmin once; six-bit scales as integers per 32,
+                                 * mins as int16 pairs (2p, 2p + 1) at [p * stride + c] */
         ps[c] = f16c(b), pm[c] = -f16c(b + 2);
         for (int j = 0; j < 8; j++) {
             int sc, mn;
             k_scale_min(b + 4, j, &sc, &mn);
-            psc[2 * j * stride + c] = sc, pmn[2 * j * stride + c] = mn;
+            psc[2 * j * stride + c] = sc;
+            if (j % 2) pmn[j / 2 * stride + c] |= mn << 16;
+            else pmn[j / 2 * stride + c] = mn;
         }
         return;
     }
@@ -689,9 +692,9 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
 /* The K chain over the tile (Q4_K, Q5_K: MIN is 1; Q6_K: 0, offset 32), rows r0 ..
  * r0 + ROWS_N - 1: per superblock, each 32-block's (each half's) dot products for 16
  * columns times the integer scales from the panels, summed in int32 (exact, so in any
- * order), then the header's float steps once. Panels (params_at): sc (and mn) at
- * [(2 * b) * TILE + c] per 32-block b (Q6_K: sc per half at [h * TILE + c]), d and -dmin
- * at the superblock's first 32-block. */
+ * order), then the header's float steps once. Panels (params_at): sc at [(2 * b) * TILE +
+ * c] per 32-block b (Q6_K: per half at [h * TILE + c]), the mins as int16 pairs at
+ * [(16 t + p) * TILE + c], d and -dmin at the superblock's first 32-block. */
 #define TILE_K_BODY(ROWS_MAX)                                                                              \
     const acts_t *a = job->a;                                                                              \
     const int64_t k = job->k, supers = k / 256;                                                            \
@@ -745,10 +748,13 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
                 if (MIN) {                                                                                 \
                     const int16_t *s32 = a->ks32 + (r0 + r) * (k / 32) + t * 8;                            \
                     __m256i mk = _mm256_setzero_si256();                                                   \
-                    for (int j = 0; j < 8; j++)                                                            \
-                        mk = _mm256_add_epi32(mk, _mm256_mullo_epi32(                                      \
-                            _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * (t * 8 + j) * TILE + 8 * v)), \
-                            _mm256_set1_epi32(s32[j])));                                                   \
+                    for (int p = 0; p < 4; p++) { /* mins and sums as int16 pairs: one madd per two */     \
+                        int32_t pair;                                                                      \
+                        memcpy(&pair, s32 + 2 * p, 4);                                                     \
+                        mk = _mm256_add_epi32(mk, _mm256_madd_epi16(                                       \
+                            _mm256_loadu_si256((const __m256i *)(tl->pmn + (t * 16 + p) * TILE + 8 * v)),  \
+                            _mm256_set1_epi32(pair)));                                                     \
+                    }                                                                                      \
                     acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mk), _mm256_mul_ps(nm, xd), acc[r][v]); \
                 }                                                                                          \
             }                                                                                              \
@@ -821,15 +827,16 @@ static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const qinfo
 static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_vnni_t(const job_t *job, const tile_t *tl,
                                                                              int64_t j0, int cols, int64_t r0,
                                                                              const int ROWS_N, const int MIN) {
-    TILE_K_BODY(3)
+    TILE_K_BODY(4)
 }
 #undef DOT_GROUP
 
-/* Returns the rows done (three at a time: the integer sums take registers too). */
+/* Returns the rows done (four at a time at most). */
 static TARGET_VNNI int rows_k_vnni(const job_t *job, const tile_t *tl, int64_t type, int64_t j0, int cols,
                                    int64_t r0, int rows) {
     const int min = type != T_Q6_K;
-    switch (rows < 3 ? rows : 3) {
+    switch (rows < 4 ? rows : 4) {
+    case 4: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 4, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 4, 0); return 4;
     case 3: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 3, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 3, 0); return 3;
     case 2: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 2, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 2, 0); return 2;
     default: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 1, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 1, 0); return 1;
