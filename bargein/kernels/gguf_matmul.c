@@ -383,9 +383,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i quants32(const 
     case T_Q5_K: {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (TYPE == T_Q4_K ? 16 : 48) + 32 * (j / 2)));
         __m256i u = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
-        if (TYPE == T_Q5_K) {
+        if (TYPE == T_Q5_K) { /* bit j of each qh byte to 0x10 in one 16-bit shift: no bit crosses a byte into it */
             const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
-            u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), low1), 4));
+            const __m256i moved = j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+            u = _mm256_or_si256(u, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
         }
         return u;
     }
