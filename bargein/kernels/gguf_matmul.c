@@ -7,9 +7,9 @@
  * one block type, its stored rows read in place (row_bytes apart, never written) through
  * an optional row order (output row i of the segment reads stored row order[i]).
  *
- * `fast`. Each row of x is quantized per block of 32 exactly as quant_matmul.c does (d =
- * max|x| / 127, xq = rint(x / d), xs = d * sum(xq)); S_lo and S_hi are the integer sums
- * of xq over each half of 16. For output y[r, j], with the 32-blocks b of column j in
+ * `fast`, the 32 chain (every type but the K chain's below). Each row of x is quantized
+ * per block of 32 exactly as quant_matmul.c does (d = max|x| / 127, xq = rint(x / d),
+ * xs = d * sum(xq)); S_lo and S_hi are the integer sums of xq over each half of 16. For output y[r, j], with the 32-blocks b of column j in
  * order, D_lo and D_hi the exact integer dot products of its quants with xq over each half:
  *
  *   acc = 0
@@ -20,10 +20,32 @@
  *       KIND_SPLIT_MIN:  acc = fma((float)(mn_lo * S_lo + mn_hi * S_hi), m_b * d[r, b], acc)
  *   y[r, j] = acc
  *
- * Every integer is exact in int32 and in float (|D| < 2^24). For Q4_1 and Q8_0 this is
- * quant_matmul.c's chain with its scales and mins, so a weight read here from the file's
- * blocks gives the bits a BlockWeight of the same blocks gives there. The chain depends
- * on nothing but row r, column j and k: work is split over output columns (tiles of 16
+ * The K chain (Q4_K, Q5_K, Q6_K: superblocks of 256 with integer sub-scales, as
+ * llama.cpp's q8_K dot products). Each row of x is quantized per superblock of 256 (kd =
+ * max|x| / 127, kq = rint(x / kd)), with kq's integer sums per 32 (S32_j) and per 16
+ * (S16_h). For output y[r, j], over the superblocks t of column j in order, with D_j
+ * (D_h) the exact integer dot product of the unsigned quants u of 32-block j (of half h)
+ * with kq, sc and mn the block's integer scales and mins, d and dmin its float16 fields:
+ *
+ *   acc = 0
+ *   for t = 0, 1, ..., k/256 - 1:
+ *       Q4_K, Q5_K:  D = sum_j sc_j * D_j,  M = sum_j mn_j * S32_j
+ *                    acc = fma((float)D, d * kd[r, t], acc)
+ *                    acc = fma((float)M, (-dmin) * kd[r, t], acc)
+ *       Q6_K:        D = sum_h sc_h * (D_h - 32 * S16_h)
+ *                    acc = fma((float)D, d * kd[r, t], acc)
+ *   y[r, j] = acc
+ *
+ * D and M are exact int32 sums (so any order of summing gives them); (float)D rounds to
+ * nearest even where |D| >= 2^24, the same on every path. Per superblock, one float step
+ * (two with mins) instead of one per 32-block, and no per-32 activation scale: the
+ * few-row path keeps each column's integer lanes for the whole superblock and sums the
+ * lanes across columns once per superblock, not once per 32-block.
+ *
+ * On the 32 chain every integer is exact in int32 and in float (|D| < 2^24). For Q4_1
+ * and Q8_0 it is quant_matmul.c's chain with its scales and mins, so a weight read here
+ * from the file's blocks gives the bits a BlockWeight of the same blocks gives there.
+ * Either chain depends on nothing but row r, column j and k: work is split over output columns (tiles of 16
  * within a segment), so every row count, thread count and instruction-set path (plain C,
  * AVX2, AVX-512 VNNI on 256-bit registers) gives the same bits.
  *
@@ -60,6 +82,8 @@
 #define TILE 16 /* output columns per unit of work */
 #define GEMM_MIN_ROWS_VNNI 8 /* below this, few-row passes decode each block in registers */
 #define GEMM_MIN_ROWS_AVX2 8
+#define K_GEMM_MIN_ROWS 24 /* the K chain's few-row pass shares each decode across its rows and
+                              * sums lanes once per superblock: it beats the tile to 16 rows or more */
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
 
@@ -85,13 +109,42 @@ typedef struct {
     float *d, *s;    /* (m, nb) */
     int32_t *s16;    /* (m, 2 nb): S_lo, S_hi */
     float *xsum16;   /* exact: (m, 2 nb) float sums of x per half */
+    /* the K chain's (k_chain_type): per superblock of 256, kd = max|x| / 127 and kq =
+     * rint(x / kd), with kq's sums per 16 (ks16) and per 32 (ks32); NULL when no segment
+     * of the matrix is of such a type */
+    int8_t *kq;      /* (m, k) */
+    float *kd;       /* (m, k / 256) */
+    int16_t *ks16, *ks32; /* (m, k / 16), (m, k / 32) */
     int64_t m, k, nb;
     int exact;
 } acts_t;
 
+/* Row r's superblock t quantized for the K chain from its 256 values x (plain C). */
+static void quantize_superblock_c(const acts_t *a, int64_t r, int64_t t, const float *x) {
+    float amax = 0.0f;
+    for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    int8_t *q = a->kq + r * a->k + t * 256;
+    int16_t *s16 = a->ks16 + r * (a->k / 16) + t * 16, *s32 = a->ks32 + r * (a->k / 32) + t * 8;
+    for (int h = 0; h < 16; h++) {
+        int sum = 0;
+        for (int i = 16 * h; i < 16 * h + 16; i++) {
+            const int v = (int)rintf(x[i] * inv);
+            q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+            sum += q[i];
+        }
+        s16[h] = (int16_t)sum;
+    }
+    for (int j = 0; j < 8; j++) s32[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
+    a->kd[r * (a->k / 256) + t] = d;
+}
+
 static void quantize_rows(void *arg, int index, int count) {
     const acts_t *a = (const acts_t *)arg;
-    for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++)
+    for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++) {
+        if (a->kq)
+            for (int64_t t = 0; t < a->k / 256; t++) quantize_superblock_c(a, r, t, a->x + r * a->k + t * 256);
+        if (!a->q && !a->exact) continue;
         for (int64_t b = 0; b < a->nb; b++) {
             const float *x = a->x + r * a->k + b * 32;
             if (a->exact) {
@@ -117,6 +170,7 @@ static void quantize_rows(void *arg, int index, int count) {
             a->s16[r * 2 * a->nb + 2 * b] = sum[0];
             a->s16[r * 2 * a->nb + 2 * b + 1] = sum[1];
         }
+    }
 }
 
 /* ---- the job ------------------------------------------------------------------------ */
@@ -139,6 +193,65 @@ static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
 }
 
 /* ---- plain C ------------------------------------------------------------------------ */
+
+/* Whether a type's blocks take the K chain (see the header). */
+static inline int k_chain_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+/* A K-chain superblock's float d and -dmin (0 for Q6_K) and its integer scales: per 32
+ * sc[0..7] and mn[0..7] (Q4_K, Q5_K), per 16 sc[0..15] (Q6_K). */
+static inline void k_chain_params_c(int type, const uint8_t *b, float *d, float *neg_dmin, int32_t *sc,
+                                    int32_t *mn) {
+    if (type == T_Q6_K) {
+        *d = gguf_f16(b + 208), *neg_dmin = 0.0f;
+        for (int i = 0; i < 16; i++) sc[i] = (int8_t)b[192 + i];
+        return;
+    }
+    *d = gguf_f16(b), *neg_dmin = -gguf_f16(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        k_scale_min(b + 4, j, &s, &m);
+        sc[j] = s, mn[j] = m;
+    }
+}
+
+/* Column j (row i of segment seg, a K-chain type) for every row of x, fast. */
+static void column_k_chain_c(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t i, int64_t j,
+                             float *acc) {
+    const acts_t *a = job->a;
+    const uint8_t *row = column_row(seg, i);
+    const int64_t k = job->k, supers = k / 256;
+    uint8_t u[256];
+    int32_t sc[16], mn[8];
+    float d, neg_dmin;
+    for (int64_t r = 0; r < job->m; r++) acc[r] = 0.0f;
+    for (int64_t t = 0; t < supers; t++) {
+        const uint8_t *blk = row + t * info->bytes;
+        k_chain_params_c((int)seg->type, blk, &d, &neg_dmin, sc, mn);
+        gguf_quants_c((int)seg->type, blk, u);
+        for (int64_t r = 0; r < job->m; r++) {
+            const int8_t *x = a->kq + r * k + t * 256;
+            int32_t D = 0, M = 0;
+            if (seg->type == T_Q6_K) {
+                for (int h = 0; h < 16; h++) {
+                    int32_t dot = 0;
+                    for (int l = 16 * h; l < 16 * h + 16; l++) dot += ((int32_t)u[l] - 32) * x[l];
+                    D += sc[h] * dot;
+                }
+            } else {
+                for (int s = 0; s < 8; s++) {
+                    int32_t dot = 0;
+                    for (int l = 32 * s; l < 32 * s + 32; l++) dot += (int32_t)u[l] * x[l];
+                    D += sc[s] * dot;
+                    M += mn[s] * a->ks32[r * (k / 32) + t * 8 + s];
+                }
+            }
+            const float xd = a->kd[r * supers + t];
+            acc[r] = fmaf((float)D, d * xd, acc[r]);
+            if (seg->type != T_Q6_K) acc[r] = fmaf((float)M, neg_dmin * xd, acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < job->m; r++) job->y[r * job->n + j] = acc[r];
+}
 
 /* Column j (row i of segment seg) for every row of x, fast. acc: m floats of scratch. */
 static void column_fast_c(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t i, int64_t j,
@@ -270,9 +383,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i quants32(const 
     case T_Q5_K: {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (TYPE == T_Q4_K ? 16 : 48) + 32 * (j / 2)));
         __m256i u = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, low4);
-        if (TYPE == T_Q5_K) {
+        if (TYPE == T_Q5_K) { /* bit j of each qh byte to 0x10 in one 16-bit shift: no bit crosses a byte into it */
             const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 16));
-            u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), low1), 4));
+            const __m256i moved = j <= 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+            u = _mm256_or_si256(u, _mm256_and_si256(moved, _mm256_set1_epi8(0x10)));
         }
         return u;
     }
@@ -304,13 +418,15 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const in
     case T_Q4_1: case T_Q5_1:
         ps[c] = f16c(b), pm[c] = f16c(b + 2);
         return;
-    case T_Q4_K: case T_Q5_K: { /* six-bit scales and mins times d and -dmin, straight to the panels */
-        const float d = f16c(b), dmin = f16c(b + 2);
+    case T_Q4_K: case T_Q5_K: { /* the K chain: d, -dmin once; six-bit scales as integers per 32,
+                                 * mins as int16 pairs (2p, 2p + 1) at [p * stride + c] */
+        ps[c] = f16c(b), pm[c] = -f16c(b + 2);
         for (int j = 0; j < 8; j++) {
             int sc, mn;
             k_scale_min(b + 4, j, &sc, &mn);
-            ps[j * stride + c] = d * (float)sc;
-            pm[j * stride + c] = -(dmin * (float)mn);
+            psc[2 * j * stride + c] = sc;
+            if (j % 2) pmn[j / 2 * stride + c] |= mn << 16;
+            else pmn[j / 2 * stride + c] = mn;
         }
         return;
     }
@@ -331,48 +447,70 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const in
 }
 
 
+/* max|x| over blocks32 blocks of 32 floats (a max: the order does not matter). */
+static inline TARGET_AVX2 __attribute__((always_inline)) float amax_avx2(const float *x, int blocks32) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4 * blocks32; i++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+}
+
+/* 32 floats x as rint(x * inv) clamped to +-127 into out, with the sums of each half of 16. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(const float *x, float inv, int8_t *out,
+                                                                               int32_t sums[2]) {
+    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+    const __m256 scale = _mm256_set1_ps(inv);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 rounded = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), scale),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rounded), top), bottom);
+    }
+    for (int half = 0; half < 2; half++) {
+        const __m256i lo = q[2 * half], hi = q[2 * half + 1];
+        const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+        const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+        _mm_storeu_si128((__m128i *)(out + 16 * half), _mm_packs_epi16(lo16, hi16));
+        const __m256i sum = _mm256_add_epi32(lo, hi);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        sums[half] = _mm_cvtsi128_si32(s4);
+    }
+}
+
 /* quantize_rows on AVX2: the same values (the same float operations, round to nearest even). */
 static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
     const acts_t *a = (const acts_t *)arg;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
-    for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++)
+    for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++) {
+        if (a->kq)
+            for (int64_t t = 0; t < a->k / 256; t++) {
+                const float *x = a->x + r * a->k + t * 256;
+                const float d = amax_avx2(x, 8) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+                int16_t *s16 = a->ks16 + r * (a->k / 16) + t * 16, *s32 = a->ks32 + r * (a->k / 32) + t * 8;
+                for (int j = 0; j < 8; j++) {
+                    int32_t sums[2];
+                    quantize32_avx2(x + 32 * j, inv, a->kq + r * a->k + t * 256 + 32 * j, sums);
+                    s16[2 * j] = (int16_t)sums[0], s16[2 * j + 1] = (int16_t)sums[1];
+                    s32[j] = (int16_t)(sums[0] + sums[1]);
+                }
+                a->kd[r * (a->k / 256) + t] = d;
+            }
+        if (!a->q) continue;
         for (int64_t b = 0; b < a->nb; b++) {
             const float *x = a->x + r * a->k + b * 32;
-            __m256 v[4];
-            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float amax = _mm_cvtss_f32(m4);
-            const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            const __m256 scale = _mm256_set1_ps(inv);
-            __m256i q[4];
-            for (int i = 0; i < 4; i++) {
-                const __m256 rounded =
-                    _mm256_round_ps(_mm256_mul_ps(v[i], scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rounded), top), bottom);
-            }
-            int8_t *out = a->q + r * a->k + b * 32;
+            const float d = amax_avx2(x, 1) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
             int32_t sums[2];
-            for (int half = 0; half < 2; half++) {
-                const __m256i lo = q[2 * half], hi = q[2 * half + 1];
-                const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
-                const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-                _mm_storeu_si128((__m128i *)(out + 16 * half), _mm_packs_epi16(lo16, hi16));
-                const __m256i sum = _mm256_add_epi32(lo, hi);
-                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-                sums[half] = _mm_cvtsi128_si32(s4);
-            }
+            quantize32_avx2(x, inv, a->q + r * a->k + b * 32, sums);
             a->d[r * a->nb + b] = d;
             a->s[r * a->nb + b] = d * (float)(sums[0] + sums[1]);
             a->s16[r * 2 * a->nb + 2 * b] = sums[0];
             a->s16[r * 2 * a->nb + 2 * b + 1] = sums[1];
         }
+    }
 }
 
 /* Per-thread tile scratch: tile 16 * k bytes (32-byte vectors tile[(b * 8 + g) * 2 + v]:
@@ -396,6 +534,18 @@ static tile_t tile_scratch(const job_t *job, int index) {
     t.pmn = t.psc + 2 * nb * TILE;
     return t;
 }
+
+/* The types on the 32 chain (the few-row group kernels); the K chain's have their own. */
+#define TYPES_32_CHAIN(CALL)                                                                               \
+    case T_Q4_0: CALL(T_Q4_0); break;                                                                      \
+    case T_Q4_1: CALL(T_Q4_1); break;                                                                      \
+    case T_Q5_0: CALL(T_Q5_0); break;                                                                      \
+    case T_Q5_1: CALL(T_Q5_1); break;                                                                      \
+    case T_Q8_0: CALL(T_Q8_0); break;                                                                      \
+    case T_Q2_K: CALL(T_Q2_K); break;                                                                      \
+    case T_Q3_K: CALL(T_Q3_K); break;                                                                      \
+    case T_IQ4_NL: CALL(T_IQ4_NL); break;                                                                  \
+    default: CALL(T_IQ4_XS);
 
 #define TYPE_CASES(CALL)                                                                                   \
     case T_Q4_0: CALL(T_Q4_0); break;                                                                      \
@@ -540,6 +690,107 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
 }
 #define ROWS_AVX2 2
 
+/* The K chain over the tile (Q4_K, Q5_K: MIN is 1; Q6_K: 0, offset 32), rows r0 ..
+ * r0 + ROWS_N - 1: per superblock, each 32-block's (each half's) dot products for 16
+ * columns times the integer scales from the panels, summed in int32 (exact, so in any
+ * order), then the header's float steps once. Panels (params_at): sc at [(2 * b) * TILE +
+ * c] per 32-block b (Q6_K: per half at [h * TILE + c]), the mins as int16 pairs at
+ * [(16 t + p) * TILE + c], d and -dmin at the superblock's first 32-block. */
+#define TILE_K_BODY(ROWS_MAX)                                                                              \
+    const acts_t *a = job->a;                                                                              \
+    const int64_t k = job->k, supers = k / 256;                                                            \
+    const __m256i *tile = (const __m256i *)tl->tile;                                                       \
+    const __m256i ones = _mm256_set1_epi16(1);                                                             \
+    (void)ones;                                                                                            \
+    __m256 acc[ROWS_MAX][2];                                                                               \
+    for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                          \
+    for (int64_t t = 0; t < supers; t++) {                                                                 \
+        __m256i dk[ROWS_MAX][2];                                                                           \
+        for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();                     \
+        for (int j = 0; j < 8; j++) {                                                                      \
+            const int64_t b = t * 8 + j;                                                                   \
+            __m256i dlo[ROWS_MAX][2], dhi[ROWS_MAX][2];                                                    \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
+                const int16_t *s16 = a->ks16 + (r0 + r) * (k / 16) + 2 * b;                                \
+                dlo[r][0] = dlo[r][1] = _mm256_set1_epi32(MIN ? 0 : -32 * s16[0]);                         \
+                dhi[r][0] = dhi[r][1] = _mm256_set1_epi32(MIN ? 0 : -32 * s16[1]);                         \
+            }                                                                                              \
+            const __m256i *wb = tile + b * 16;                                                             \
+            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {                                          \
+                const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);  \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                 \
+                    int32_t four;                                                                          \
+                    memcpy(&four, a->kq + (r0 + r) * k + 32 * b + 4 * g, 4);                               \
+                    const __m256i xv = _mm256_set1_epi32(four);                                            \
+                    if (!MIN && g >= 4) {                                                                  \
+                        dhi[r][0] = DOT_GROUP(dhi[r][0], w0, xv, 0);                                       \
+                        dhi[r][1] = DOT_GROUP(dhi[r][1], w1, xv, 1);                                       \
+                    } else {                                                                               \
+                        dlo[r][0] = DOT_GROUP(dlo[r][0], w0, xv, 0);                                       \
+                        dlo[r][1] = DOT_GROUP(dlo[r][1], w1, xv, 1);                                       \
+                    }                                                                                      \
+                }                                                                                          \
+            }                                                                                              \
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {                                          \
+                const __m256i sc0 = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v)); \
+                const __m256i sc1 = _mm256_loadu_si256((const __m256i *)(tl->psc + (2 * b + 1) * TILE + 8 * v)); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                 \
+                    dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_mullo_epi32(dlo[r][v], sc0));             \
+                    if (!MIN) dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_mullo_epi32(dhi[r][v], sc1));   \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        const int64_t at = t * 8 * TILE;                                                                   \
+        _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {                                              \
+            const __m256 d = _mm256_loadu_ps(tl->ps + at + 8 * v), nm = _mm256_loadu_ps(tl->pm + at + 8 * v); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
+                const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);                            \
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dk[r][v]), _mm256_mul_ps(d, xd), acc[r][v]); \
+                if (MIN) {                                                                                 \
+                    const int16_t *s32 = a->ks32 + (r0 + r) * (k / 32) + t * 8;                            \
+                    __m256i mk = _mm256_setzero_si256();                                                   \
+                    for (int p = 0; p < 4; p++) { /* mins and sums as int16 pairs: one madd per two */     \
+                        int32_t pair;                                                                      \
+                        memcpy(&pair, s32 + 2 * p, 4);                                                     \
+                        mk = _mm256_add_epi32(mk, _mm256_madd_epi16(                                       \
+                            _mm256_loadu_si256((const __m256i *)(tl->pmn + (t * 16 + p) * TILE + 8 * v)),  \
+                            _mm256_set1_epi32(pair)));                                                     \
+                    }                                                                                      \
+                    acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mk), _mm256_mul_ps(nm, xd), acc[r][v]); \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int r = 0; r < ROWS_N; r++)                                                                       \
+        for (int v = 0; v < 2; v++) {                                                                      \
+            const int64_t c0 = 8 * v;                                                                      \
+            if (c0 >= cols) break;                                                                         \
+            float lanes[8];                                                                                \
+            _mm256_storeu_ps(lanes, acc[r][v]);                                                            \
+            float *out = job->y + (r0 + r) * job->n + j0 + c0;                                             \
+            for (int c = 0; c < 8 && c0 + c < cols; c++) out[c] = lanes[c];                                \
+        }
+
+#define DOT_GROUP(ACC, W, X, V) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones))
+static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k_avx2_t(const job_t *job, const tile_t *tl,
+                                                                             int64_t j0, int cols, int64_t r0,
+                                                                             const int ROWS_N, const int MIN) {
+    TILE_K_BODY(2)
+}
+#undef DOT_GROUP
+
+static TARGET_AVX2 void rows_k_avx2(const job_t *job, const tile_t *tl, int64_t type, int64_t j0, int cols,
+                                    int64_t r0, int rows) {
+    const int min = type != T_Q6_K;
+    if (rows == 2) {
+        if (min) rows_k_avx2_t(job, tl, j0, cols, r0, 2, 1);
+        else rows_k_avx2_t(job, tl, j0, cols, r0, 2, 0);
+    } else {
+        if (min) rows_k_avx2_t(job, tl, j0, cols, r0, 1, 1);
+        else rows_k_avx2_t(job, tl, j0, cols, r0, 1, 0);
+    }
+}
+
 #ifdef GGUF_VNNI
 #define PREP
 #define DOT_GROUP(ACC, W, X, V) _mm256_dpbusd_epi32(ACC, W, X)
@@ -570,6 +821,26 @@ static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const qinfo
     case KIND_MIN: VNNI_ROWS(KIND_MIN, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
     case KIND_SPLIT: VNNI_ROWS(KIND_SPLIT, 4) return rows < 4 ? rows : 4;
     default: VNNI_ROWS(KIND_SPLIT_MIN, 4) return rows < 4 ? rows : 4;
+    }
+}
+
+#define DOT_GROUP(ACC, W, X, V) _mm256_dpbusd_epi32(ACC, W, X)
+static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_vnni_t(const job_t *job, const tile_t *tl,
+                                                                             int64_t j0, int cols, int64_t r0,
+                                                                             const int ROWS_N, const int MIN) {
+    TILE_K_BODY(4)
+}
+#undef DOT_GROUP
+
+/* Returns the rows done (four at a time at most). */
+static TARGET_VNNI int rows_k_vnni(const job_t *job, const tile_t *tl, int64_t type, int64_t j0, int cols,
+                                   int64_t r0, int rows) {
+    const int min = type != T_Q6_K;
+    switch (rows < 4 ? rows : 4) {
+    case 4: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 4, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 4, 0); return 4;
+    case 3: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 3, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 3, 0); return 3;
+    case 2: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 2, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 2, 0); return 2;
+    default: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 1, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 1, 0); return 1;
     }
 }
 #endif /* GGUF_VNNI */
@@ -644,55 +915,6 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void half_pairs8(const 
     low_halves16(w, _mm256_srli_epi32(w, 16), first, second);
 }
 
-/* Q4_K/Q5_K: the per-32 s = d * sc and m = -(dmin * mn) of eight columns' superblocks at
- * byte `at`, into panels [j * 8 + c]: each column's twelve packed bytes unpacked four
- * scales (mins) to a 32-bit word (the bit layout k_scale_min reads one at a time), widened
- * and scaled eight at once, then transposed; the same float operations, so the same bits. */
-static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const uint8_t *const *col, int64_t at,
-                                                                         float *ps, float *pm) {
-    __m256 rs[8], rm[8];
-    for (int c = 0; c < 8; c++) {
-        const uint8_t *b = col[c] + at;
-        uint32_t w[3];
-        memcpy(w, b + 4, 12);
-        const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, two = 0x03030303u;
-        const uint32_t sc_lo = w[0] & six, mn_lo = w[1] & six;
-        const uint32_t sc_hi = (w[2] & four) | (((w[0] >> 6) & two) << 4);
-        const uint32_t mn_hi = ((w[2] >> 4) & four) | (((w[1] >> 6) & two) << 4);
-        const __m128i sc = _mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0), mn = _mm_setr_epi32((int)mn_lo, (int)mn_hi, 0, 0);
-        const __m256 d = _mm256_set1_ps(f16c(b)), dmin = _mm256_set1_ps(f16c(b + 2));
-        rs[c] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
-        rm[c] = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn))),
-                              _mm256_set1_ps(-0.0f));
-    }
-    transpose8(rs);
-    transpose8(rm);
-    for (int j = 0; j < 8; j++) _mm256_storeu_ps(ps + j * 8, rs[j]), _mm256_storeu_ps(pm + j * 8, rm[j]);
-}
-
-/* Q6_K: eight columns' d into every per-32 panel row, their sixteen int8 scales widened
- * and transposed into the per-16 panel [i * 8 + c]. d is the last two of the block's 210
- * bytes, read as the high half of the word at 206 (never past the block). */
-static inline TARGET_AVX2 __attribute__((always_inline)) void q6k_params8(const uint8_t *const *col, int64_t at,
-                                                                           float *ps, int32_t *psc) {
-    __m256 d, unused;
-    const __m256i w = _mm256_srli_epi32(words8(col, at + 206), 16);
-    low_halves16(w, w, &d, &unused);
-    for (int j = 0; j < 8; j++) _mm256_storeu_ps(ps + j * 8, d);
-    __m256 lo[8], hi[8];
-    for (int c = 0; c < 8; c++) {
-        const __m128i v = _mm_loadu_si128((const __m128i *)(col[c] + at + 192));
-        lo[c] = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(v));
-        hi[c] = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
-    }
-    transpose8(lo);
-    transpose8(hi);
-    for (int i = 0; i < 8; i++) {
-        _mm256_storeu_si256((__m256i *)(psc + i * 8), _mm256_castps_si256(lo[i]));
-        _mm256_storeu_si256((__m256i *)(psc + (8 + i) * 8), _mm256_castps_si256(hi[i]));
-    }
-}
-
 /* The parameters of eight columns' blocks at byte `at` of their rows into panels [sub * 8 + c]. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const int TYPE, const uint8_t *const *col,
                                                                             int64_t at, float *ps, float *pm,
@@ -700,14 +922,6 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const
     if (type_qk(TYPE) == 32) { /* d (and m) are the block's first halves: eight conversions at once */
         _mm256_storeu_ps(ps, halves8(col, at));
         if (TYPE == T_Q4_1 || TYPE == T_Q5_1) _mm256_storeu_ps(pm, halves8(col, at + 2));
-        return;
-    }
-    if (TYPE == T_Q4_K || TYPE == T_Q5_K) {
-        k_params8(col, at, ps, pm);
-        return;
-    }
-    if (TYPE == T_Q6_K) {
-        q6k_params8(col, at, ps, psc);
         return;
     }
     for (int c = 0; c < 8; c++) params_at(TYPE, col[c] + at, ps, pm, psc, pmn, 8, c);
@@ -984,7 +1198,7 @@ static TARGET_AVX2 void group_avx2(int type, GROUP_ARGS, int rows) {
 #define GROUP_AVX2(TY)                                                                                     \
     if (rows == 2) group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                              \
     else group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 1, TY)
-    switch (type) { TYPE_CASES(GROUP_AVX2) }
+    switch (type) { TYPES_32_CHAIN(GROUP_AVX2) }
 #undef GROUP_AVX2
 }
 
@@ -1017,8 +1231,169 @@ static TARGET_VNNI void group_vnni(int type, GROUP_ARGS, int rows) {
     case 2: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 2, TY); break;                              \
     default: group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 1, TY);                                    \
     }
-    switch (type) { TYPE_CASES(GROUP_VNNI) }
+    switch (type) { TYPES_32_CHAIN(GROUP_VNNI) }
 #undef GROUP_VNNI
+}
+#endif
+
+/* ---- x86, few rows, the K chain: a superblock of eight columns at a time -------------- */
+
+/* A Q4_K/Q5_K superblock's eight six-bit scales as int16 in both 128-bit lanes (sc) and
+ * its eight mins as int16 (mn): the twelve packed bytes four to a word, as k_scale_min reads them. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_scales_mins(const uint8_t *b, __m256i *sc,
+                                                                             __m128i *mn) {
+    uint32_t w0, w1, w2; /* three loads from the block (one 12-byte copy went through the stack) */
+    memcpy(&w0, b + 4, 4);
+    memcpy(&w1, b + 8, 4);
+    memcpy(&w2, b + 12, 4);
+    const uint32_t six = 0x3F3F3F3Fu, four = 0x0F0F0F0Fu, two = 0x03030303u;
+    const __m128i v = _mm_setr_epi32((int)(w0 & six), (int)((w2 & four) | (((w0 >> 6) & two) << 4)),
+                                     (int)(w1 & six), (int)(((w2 >> 4) & four) | (((w1 >> 6) & two) << 4)));
+    *sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
+    *mn = _mm_cvtepu8_epi16(_mm_srli_si128(v, 8));
+}
+
+/* Byte shuffles repeating an int16 lane over each 128-bit lane: LANE_WORDS[j] takes word
+ * j of both lanes (Q4_K, Q5_K), LANE_WORDS[8 + j] word 2j % 8 of the low lane and
+ * (2j + 1) % 8 of the high one (Q6_K's halves). A table: built from immediates, the
+ * compiler rematerialized them in the loop. */
+static const uint8_t LANE_WORDS[12][32] __attribute__((aligned(32))) = {
+#define W16(i) 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, \
+               2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1
+    {W16(0), W16(0)}, {W16(1), W16(1)}, {W16(2), W16(2)}, {W16(3), W16(3)},
+    {W16(4), W16(4)}, {W16(5), W16(5)}, {W16(6), W16(6)}, {W16(7), W16(7)},
+    {W16(0), W16(1)}, {W16(2), W16(3)}, {W16(4), W16(5)}, {W16(6), W16(7)},
+#undef W16
+};
+
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i lane_word(__m256i v, int table) {
+    return _mm256_shuffle_epi8(v, _mm256_load_si256((const __m256i *)LANE_WORDS[table]));
+}
+
+/* Eight columns' eight int32 lanes summed into one lane per column, in column order. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8(const __m256i v[8]) {
+    const __m256i h0 = SUM_PAIRS64(SUM_PAIRS32(v[0], v[1]), SUM_PAIRS32(v[2], v[3]));
+    const __m256i h1 = SUM_PAIRS64(SUM_PAIRS32(v[4], v[5]), SUM_PAIRS32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+/* Eight columns' four int32 lanes summed into one lane per column, in column order. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_128(const __m128i v[8]) {
+    __m256i w[4];
+    for (int c = 0; c < 4; c++) w[c] = _mm256_setr_m128i(v[c], v[c + 4]);
+    return SUM_PAIRS64(SUM_PAIRS32(w[0], w[1]), SUM_PAIRS32(w[2], w[3]));
+}
+
+/* Columns j0 .. j0 + 7 (col[c] their rows, the last repeated) of a Q4_K, Q5_K or Q6_K
+ * segment for rows r0 .. r0 + ROWS_N - 1, the K chain: per superblock and column, each
+ * 32-block's quants decoded in registers, their byte products with the row's int8
+ * activations paired to int16 (maddubs: |u x| pairs stay below 2^15) and multiplied by
+ * the block's (half's) integer scale into int32 lanes (SCALED_ADD), summed over the
+ * superblock; Q6_K's offset comes off as 32 * sum(sc * S16), Q4_K/Q5_K's mins as
+ * sum(mn * S32) apart. Then once per superblock the eight columns' lanes are summed into
+ * one lane each and the header's float steps run, one column to a lane. */
+#define K_GROUP_BODY(ROWS_MAX)                                                                             \
+    const acts_t *a = job->a;                                                                              \
+    const int64_t k = job->k, supers = k / 256;                                                            \
+    const int Q6 = TYPE == T_Q6_K;                                                                         \
+    __m256 acc[ROWS_MAX];                                                                                  \
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();                                        \
+    for (int64_t t = 0; t < supers; t++) {                                                                 \
+        const int64_t at = t * bytes;                                                                      \
+        if (ahead) prefetch_step(ahead, t);                                                                \
+        __m256i cd[ROWS_MAX][8];                                                                           \
+        __m128i cm[ROWS_MAX][8];                                                                           \
+        for (int c = 0; c < 8; c++) {                                                                      \
+            const uint8_t *blk = col[c] + at;                                                              \
+            __m256i sc_a, sc_b = _mm256_setzero_si256(), sc16 = _mm256_setzero_si256();                    \
+            __m128i mn = _mm_setzero_si128();                                                              \
+            if (Q6) {                                                                                      \
+                sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));                \
+                sc_a = _mm256_permute4x64_epi64(sc16, 0x44), sc_b = _mm256_permute4x64_epi64(sc16, 0xEE);  \
+            } else {                                                                                       \
+                k_scales_mins(blk, &sc_a, &mn);                                                            \
+            }                                                                                              \
+            __m256i dc[ROWS_MAX];                                                                          \
+            for (int r = 0; r < ROWS_N; r++) dc[r] = _mm256_setzero_si256();                               \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                          \
+                const __m256i u = quants32(TYPE, blk, j);                                                  \
+                const __m256i scale = Q6 ? lane_word(j < 4 ? sc_a : sc_b, 8 + j % 4) : lane_word(sc_a, j); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                 \
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->kq + (r0 + r) * k + t * 256 + 32 * j)); \
+                    dc[r] = SCALED_ADD(dc[r], _mm256_maddubs_epi16(u, x), scale);                          \
+                }                                                                                          \
+            }                                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
+                if (Q6) {                                                                                  \
+                    const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->ks16 + (r0 + r) * (k / 16) + t * 16)); \
+                    dc[r] = _mm256_sub_epi32(dc[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, s16), 5));   \
+                } else {                                                                                   \
+                    const __m128i s32 = _mm_loadu_si128((const __m128i *)(a->ks32 + (r0 + r) * (k / 32) + t * 8)); \
+                    cm[r][c] = _mm_madd_epi16(mn, s32);                                                    \
+                }                                                                                          \
+                cd[r][c] = dc[r];                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        __m256 d, neg_dmin = _mm256_setzero_ps();                                                          \
+        if (Q6) {                                                                                          \
+            const __m256i w = _mm256_srli_epi32(words8(col, at + 206), 16); /* d: the block's last two bytes */ \
+            low_halves16(w, w, &d, &neg_dmin);                                                             \
+        } else {                                                                                           \
+            half_pairs8(col, at, &d, &neg_dmin);                                                           \
+            neg_dmin = _mm256_xor_ps(neg_dmin, _mm256_set1_ps(-0.0f));                                     \
+        }                                                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+            const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);                                \
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_columns8(cd[r])), _mm256_mul_ps(d, xd), acc[r]); \
+            if (!Q6)                                                                                       \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_columns8_128(cm[r])), _mm256_mul_ps(neg_dmin, xd), acc[r]); \
+        }                                                                                                  \
+    }                                                                                                      \
+    for (int r = 0; r < ROWS_N; r++) {                                                                     \
+        float lanes[8];                                                                                    \
+        _mm256_storeu_ps(lanes, acc[r]);                                                                   \
+        float *out = job->y + (r0 + r) * job->n + j0;                                                      \
+        for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
+    }
+
+#define SCALED_ADD(ACC, P, S) _mm256_add_epi32(ACC, _mm256_madd_epi16(P, S))
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_group_avx2_t(GROUP_ARGS, const int ROWS_N,
+                                                                             const int TYPE) {
+    K_GROUP_BODY(2)
+}
+#undef SCALED_ADD
+
+#define K_GROUP_TYPES(CALL)                                                                                \
+    case T_Q4_K: CALL(T_Q4_K); break;                                                                      \
+    case T_Q5_K: CALL(T_Q5_K); break;                                                                      \
+    default: CALL(T_Q6_K);
+
+static TARGET_AVX2 void k_group_avx2(int type, GROUP_ARGS, int rows) {
+#define K_GROUP_AVX2(TY)                                                                                   \
+    if (rows == 2) k_group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                            \
+    else k_group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 1, TY)
+    switch (type) { K_GROUP_TYPES(K_GROUP_AVX2) }
+#undef K_GROUP_AVX2
+}
+
+#ifdef GGUF_VNNI
+#define SCALED_ADD(ACC, P, S) _mm256_dpwssd_epi32(ACC, P, S)
+static inline TARGET_VNNI __attribute__((always_inline)) void k_group_vnni_t(GROUP_ARGS, const int ROWS_N,
+                                                                             const int TYPE) {
+    K_GROUP_BODY(4)
+}
+#undef SCALED_ADD
+
+static TARGET_VNNI void k_group_vnni(int type, GROUP_ARGS, int rows) {
+#define K_GROUP_VNNI(TY)                                                                                   \
+    switch (rows) {                                                                                        \
+    case 4: k_group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 4, TY); break;                            \
+    case 3: k_group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 3, TY); break;                            \
+    case 2: k_group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 2, TY); break;                            \
+    default: k_group_vnni_t(job, col, ahead, bytes, j0, cols, r0, 1, TY);                                  \
+    }
+    switch (type) { K_GROUP_TYPES(K_GROUP_VNNI) }
+#undef K_GROUP_VNNI
 }
 #endif
 
@@ -1037,6 +1412,20 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
         const int group_cols = cols - 8 * v < 8 ? cols - 8 * v : 8;
         for (int64_t r0 = 0; r0 < job->m;) {
             const ahead_t *ahead = r0 == 0 && next_col0 >= 0 ? &ahead_cols : NULL;
+            if (k_chain_type(seg->type)) {
+#ifdef GGUF_VNNI
+                if (job->isa == ISA_VNNI) {
+                    const int rows = (int)(job->m - r0 < GROUP_ROWS_VNNI ? job->m - r0 : GROUP_ROWS_VNNI);
+                    k_group_vnni((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+                    r0 += rows;
+                    continue;
+                }
+#endif
+                const int rows = (int)(job->m - r0 < GROUP_ROWS_AVX2 ? job->m - r0 : GROUP_ROWS_AVX2);
+                k_group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+                r0 += rows;
+                continue;
+            }
 #ifdef GGUF_VNNI
             if (job->isa == ISA_VNNI) {
                 const int rows = (int)(job->m - r0 < GROUP_ROWS_VNNI ? job->m - r0 : GROUP_ROWS_VNNI);
@@ -1173,12 +1562,13 @@ static void run_tiles(void *arg, int index, int count) {
             float *acc = (float *)(job->scratch + (int64_t)index * job->scratch_bytes);
             for (int c = 0; c < cols; c++) {
                 if (job->a->exact) column_exact_c(job, seg, &info, col0 + c, j0 + c, acc);
+                else if (k_chain_type(seg->type)) column_k_chain_c(job, seg, &info, col0 + c, j0 + c, acc);
                 else column_fast_c(job, seg, &info, col0 + c, j0 + c, acc);
             }
             continue;
         }
 #ifdef GGUF_X86
-        if (job->m < job->gemm_min_rows) {
+        if (job->m < (k_chain_type(seg->type) ? K_GEMM_MIN_ROWS : job->gemm_min_rows)) {
             /* the next tile's columns, fetched while this one's are read (same segment only) */
             const int64_t next = t + 1 < t1 && job->tile_seg[t + 1] == job->tile_seg[t] ? job->tile_col[t + 1] : -1;
             run_groups_x86(job, seg, &info, col0, j0, cols, next);
@@ -1188,6 +1578,18 @@ static void run_tiles(void *arg, int index, int count) {
         build_tile(job, &tl, seg, &info, col0);
         for (int64_t r0 = 0; r0 < job->m;) {
             const int left = (int)(job->m - r0 < 64 ? job->m - r0 : 64);
+            if (k_chain_type(seg->type)) {
+#ifdef GGUF_VNNI
+                if (job->isa == ISA_VNNI) {
+                    r0 += rows_k_vnni(job, &tl, seg->type, j0, cols, r0, left);
+                    continue;
+                }
+#endif
+                const int rows = left < 2 ? left : 2;
+                rows_k_avx2(job, &tl, seg->type, j0, cols, r0, rows);
+                r0 += rows;
+                continue;
+            }
 #ifdef GGUF_VNNI
             if (job->isa == ISA_VNNI) {
                 r0 += rows_vnni(job, &tl, &info, j0, cols, r0, left);
@@ -1223,25 +1625,44 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     if (num_threads > num_tiles) num_threads = (int)num_tiles;
     if (num_threads < 1) num_threads = 1;
     const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
-    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
+    int has_k = 0, has_32 = 0; /* segments on the K chain, on the 32 chain */
+    for (int64_t s = 0; s < w->num_segs; s++) {
+        if (k_chain_type(w->segs[s].type)) has_k = 1;
+        else has_32 = 1;
+    }
+    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
                  NULL, NULL, NULL, NULL, 0};
-    job.scratch_bytes = isa == ISA_C ? (int64_t)sizeof(float) * (m > 0 ? m : 1)
-                                     : 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4);
+    /* tiles are built for many rows on the vector paths only; otherwise a float per row
+     * (the C columns' sums): a tile's scratch for one row would be mapped and unmapped
+     * by malloc on every call once k is large */
+    const int tiles = !exact && isa != ISA_C && m >= (job.gemm_min_rows < K_GEMM_MIN_ROWS ? job.gemm_min_rows : K_GEMM_MIN_ROWS);
+    job.scratch_bytes = tiles ? 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4)
+                              : (int64_t)sizeof(float) * (m > 0 ? m : 1);
     job.scratch_bytes = (job.scratch_bytes + 63) / 64 * 64;
     int status = 0;
     if (exact) a.xsum16 = malloc(sizeof(float) * 2 * cells);
     else {
-        a.q = malloc((size_t)(m * k > 0 ? m * k : 1));
-        a.d = malloc(sizeof(float) * cells);
-        a.s = malloc(sizeof(float) * cells);
-        a.s16 = malloc(sizeof(int32_t) * 2 * cells);
+        if (has_32) {
+            a.q = malloc((size_t)(m * k > 0 ? m * k : 1));
+            a.d = malloc(sizeof(float) * cells);
+            a.s = malloc(sizeof(float) * cells);
+            a.s16 = malloc(sizeof(int32_t) * 2 * cells);
+        }
+        if (has_k) {
+            a.kq = malloc((size_t)(m * k > 0 ? m * k : 1));
+            a.kd = malloc(sizeof(float) * cells); /* more than m * k / 256 */
+            a.ks16 = malloc(sizeof(int16_t) * 2 * cells);
+            a.ks32 = malloc(sizeof(int16_t) * cells);
+        }
     }
     job.tile_seg = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     job.tile_col = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     job.seg_start = malloc(sizeof(int64_t) * (size_t)(w->num_segs + 1));
     job.scratch = aligned_alloc(64, (size_t)(job.scratch_bytes * num_threads));
-    if ((exact ? !a.xsum16 : (!a.q || !a.d || !a.s || !a.s16)) || !job.tile_seg || !job.tile_col || !job.seg_start ||
+    if ((exact ? !a.xsum16
+               : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.ks16 || !a.ks32)))) ||
+        !job.tile_seg || !job.tile_col || !job.seg_start ||
         !job.scratch) {
         status = -1;
         goto done;
@@ -1265,6 +1686,10 @@ done:
     free(a.s);
     free(a.s16);
     free(a.xsum16);
+    free(a.kq);
+    free(a.kd);
+    free(a.ks16);
+    free(a.ks32);
     free(job.tile_seg);
     free(job.tile_col);
     free(job.seg_start);

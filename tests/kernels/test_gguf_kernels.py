@@ -55,10 +55,15 @@ def reference_values(weight: QuantWeight) -> np.ndarray:
     return np.concatenate([gguf_dequantize(s) for s in weight.segments])
 
 
-def int8_activations(x: np.ndarray) -> np.ndarray:
-    """x as the fast kernels round it: per block of 32, d * rint(x / d), d = max|x| / 127 (float32 steps)."""
+# The types on the K chain (gguf_matmul.c): activations rounded per superblock of 256.
+K_CHAIN = (T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def int8_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """x as the fast kernels round it: per block (32, or 256 for the K chain), d * rint(x / d),
+    d = max|x| / 127 (float32 steps)."""
     m, k = x.shape
-    blocks = x.reshape(m, k // 32, 32).astype(np.float32)
+    blocks = x.reshape(m, k // block, block).astype(np.float32)
     d = (np.abs(blocks).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
     inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
     q = np.clip(np.rint((blocks * inv).astype(np.float32)), -127, 127)
@@ -123,7 +128,7 @@ def test_fast_is_the_int8_product(qtype):
     x = rng.standard_normal((13, k)).astype(np.float32)
     x[3] = 0.0  # an all-zero row: d = 0
     y = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(weight), 2, isa="c").numpy()
-    xq = int8_activations(x)
+    xq = int8_activations(x, 256 if qtype in K_CHAIN else 32)
     assert (np.abs(y - xq @ w.T) <= fast_bound(xq, w)).all()
 
 
@@ -153,11 +158,11 @@ def test_mixed_segments_and_orders(isa):
     w = reference_values(weight).astype(np.float64)
     x = rng.standard_normal((33, 512)).astype(np.float32)
     whole = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(weight), 3, isa=isa)
-    xq = int8_activations(x)
-    assert (np.abs(whole.numpy() - xq @ w.T) <= fast_bound(xq, w)).all()
-    # each segment alone gives its columns' bits
+    # each segment alone gives its columns' bits, each the int8 product of its chain
     start = 0
     for segment in weight.segments:
+        xq, ws = int8_activations(x, 256 if segment.qtype in K_CHAIN else 32), w[start:start + segment.rows]
+        assert (np.abs(whole.numpy()[:, start:start + segment.rows] - xq @ ws.T) <= fast_bound(xq, ws)).all()
         alone = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(QuantWeight((segment,))), 1, isa="c")
         assert torch.equal(alone, whole[:, start:start + segment.rows])
         start += segment.rows
