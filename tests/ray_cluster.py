@@ -98,5 +98,5 @@ def nodes_with_and_without_the_file(cluster, root: Path, resource_prefix: str) -
     try:
         yield TwoHomes(homes, with_file, without_file, resource)
     finally:
-        for node in (with_file, without_file):
-            cluster.remove_node(node, allow_graceful=False)
+        for node in (with_file, without_file):  # gracefully: Ray forgets them at once (killed: ~15 s later)
+            cluster.remove_node(node, allow_graceful=True)

@@ -79,11 +79,15 @@ class Nodes:
     def remove(self, node_id: str) -> None:
         """The node dies, with every process on it. ``remove_node`` kills a simulated node's
         raylet, but its worker processes (a stage's actor) outlive it for a while and go
-        on answering calls that reach them directly; a real node's death takes them at once."""
+        on answering calls that reach them directly; a real node's death takes them at once.
+        So its workers are SIGKILLed first (what the pipeline sees); then the raylet stops
+        with SIGTERM, which tells Ray the node is gone at once: killed outright, Ray would
+        list it as alive until its health checks fail (~15 s), and a later test's stage
+        could be placed on it meanwhile."""
         node = next(n for n in self.nodes if n.node_id == node_id)
         self.nodes.remove(node)
         _kill_children(node.all_processes["raylet"][0].process.pid)
-        self.cluster.remove_node(node, allow_graceful=False)
+        self.cluster.remove_node(node, allow_graceful=True)
 
     def wait_gone(self, node_id: str, timeout_s: float = 60.0) -> None:
         """Until Ray's node table no longer lists the node as alive."""
@@ -95,10 +99,11 @@ class Nodes:
             time.sleep(0.2)
 
     def remove_all(self) -> None:
+        """Gracefully: Ray forgets the nodes at once, so no later module's actor lands on one."""
         for node in list(self.nodes):
             self.nodes.remove(node)
             with contextlib.suppress(Exception):
-                self.cluster.remove_node(node, allow_graceful=False)
+                self.cluster.remove_node(node, allow_graceful=True)
 
 
 def _kill_children(pid: int) -> None:
