@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from common import base_parser, emit, format_table, machine_info, median  # noqa: E402
 
 from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from bargein.distributed.replicas import ReplicaOptions, ReplicaSet, start_replicas  # noqa: E402
+from bargein.distributed.replicas import BuildWith, ReplicaOptions, ReplicaSet, start_replicas  # noqa: E402
 from bargein.distributed.router import Router  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.block_keys import KeyChanges  # noqa: E402
@@ -155,7 +155,7 @@ def router_overhead(args: Any) -> dict[str, Any]:
     choose_ms = 1000 * median(samples)
 
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    group = start_replicas(lambda: stand_in_engine(0.0, 8), 1, ReplicaOptions(num_cpus=0.5))
+    group = start_replicas(BuildWith(lambda: stand_in_engine(0.0, 8)), 1, ReplicaOptions(num_cpus=0.5))
     local = AsyncEngine(stand_in_engine(0.0, 8))
 
     async def round_trips(engine: Any, n: int) -> tuple[list[float], list[float]]:
@@ -193,7 +193,7 @@ def hit_rates(args: Any) -> list[dict[str, Any]]:
     for k, (policy, blocks) in enumerate((("affine", 1024), ("round_robin", 1024), ("least_loaded", 1024),
                                           ("affine", SMALL_KV_BLOCKS), ("round_robin", SMALL_KV_BLOCKS),
                                           ("affine", TINY_KV_BLOCKS))):
-        group = start_replicas(functools.partial(tiny_model_engine, blocks), 3,
+        group = start_replicas(BuildWith(functools.partial(tiny_model_engine, blocks)), 3,
                                   ReplicaOptions(num_cpus=0.5, routing=policy))
         try:
             row = asyncio.run(_conversations(group, policy, conversations, turns, seed=1000 * (k % 3 + 1)))
@@ -251,7 +251,7 @@ def throughput(args: Any) -> list[dict[str, Any]]:
     tokens = 16 if args.quick else 48
     rows = []
     for n in (1, 2, 3, 4):
-        group = start_replicas(lambda: stand_in_engine(step_s, batch), n, ReplicaOptions(num_cpus=0.5))
+        group = start_replicas(BuildWith(lambda: stand_in_engine(step_s, batch)), n, ReplicaOptions(num_cpus=0.5))
         params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         rng = random.Random(n)
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.started import STARTED, count
+
 # Tests that give a process a home of its own (Ray nodes with their own HOME, namespace
 # hosts) would otherwise build the native kernels again in each home, ~25 s of CPU each:
 # the session pins the kernel cache where this machine's library already is.
@@ -74,6 +76,7 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("BARGEIN_")}
         self.proc = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         os.close(fd)
+        count("bargein servers")
         return self
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> ServerProcess:
@@ -86,7 +89,7 @@ class ServerProcess:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(0.05)  # a start is seconds; a late poll adds up over the session
         self.stop()
         raise RuntimeError(f"bargein serve did not become ready in {timeout:.0f} s:\n{self.log()}")
 
@@ -191,6 +194,21 @@ def listed_requests(server: ServerProcess) -> dict[str, dict]:
     body = httpx.get(f"{server.base_url}/v1/requests", headers=server.headers, timeout=10).json()
     assert body["object"] == "list"
     return {entry["id"]: entry for entry in body["data"]}
+
+
+def pytest_sessionstart(session) -> None:
+    """The native kernels, built before any test starts a process (a build is ~25 s of CPU
+    on a fresh machine): every server, CLI and Ray worker of the session then loads this
+    one build instead of compiling its own beside another's."""
+    from bargein.kernels.native import load_native_kernels
+
+    load_native_kernels()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The costly set-ups this run started (``tests/started.py``)."""
+    if STARTED:
+        terminalreporter.write_line("started: " + ", ".join(f"{n} {what}" for what, n in sorted(STARTED.items())))
 
 
 @pytest.fixture

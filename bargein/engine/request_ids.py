@@ -56,6 +56,11 @@ class RequestIds:
         got = self._outcome.get(request_id)
         return got if isinstance(got, CancelReason) else None
 
+    def end_claimed(self, request_id: str) -> bool:
+        """Whether an end (not a cancel) claimed this request's outcome (a read; may be stale by a moment)."""
+        got = self._outcome.get(request_id)
+        return got is not None and not isinstance(got, CancelReason)
+
     def claim_end(self, request_id: str) -> CancelReason | None:
         """Claims the outcome for an end found outside the engine (a consumer's stop
         string); returns the cancel reason if a cancel got there first."""

@@ -108,31 +108,44 @@ def _check_idle(engine: Engine) -> None:
     assert not engine.scheduler.requests and not engine.runner.num_in_flight
 
 
+@pytest.fixture(scope="module")
+def expected(local: Engine) -> list:
+    """The single engine's results of ``_mixed_batch`` (the same every time: greedy, seeded)."""
+    return _mixed_batch(local)
+
+
+@pytest.fixture(scope="module")
+def graph(model: str) -> Iterator[Engine]:
+    """The module's two-stage graph pipeline (a fresh one for the first test that uses it,
+    the transport test below); a lost stage's test recovers it for the tests after it."""
+    pipe = build_engine(model, _config(stages=2), progress=False)
+    assert pipe.runner.transport.kind == "graph"
+    yield pipe
+    pipe.close()
+
+
 @pytest.mark.parametrize(("stages", "transport", "kind"), [
     (2, "auto", "graph"), (3, "auto", "graph"), (2, "calls", "calls")])
-def test_each_transport_gives_the_single_engine_s_tokens(model: str, local: Engine, stages: int, transport: str,
-                                                         kind: str) -> None:
-    """One plan per stage in flight (three with three stages), on one node."""
-    pipe = build_engine(model, _config(stages=stages, transport=transport), progress=False)
+def test_each_transport_gives_the_single_engine_s_tokens(model: str, expected: list, stages: int, transport: str,
+                                                         kind: str, request: pytest.FixtureRequest) -> None:
+    """One plan per stage in flight (three with three stages), on one node. The two-stage
+    graph is the module's (built here, fresh), not one more pipeline of the same kind."""
+    shared = (stages, transport) == (2, "auto")
+    pipe = request.getfixturevalue("graph") if shared else \
+        build_engine(model, _config(stages=stages, transport=transport), progress=False)
     try:
         assert pipe.runner.transport.kind == kind
         assert runner_body(pipe.runner.describe())["transport"] == kind
         assert pipe.runner.max_in_flight == stages
-        assert _mixed_batch(pipe) == _mixed_batch(local)
+        assert not any(c.plans for c in pipe.runner.stage_counters())  # a fresh pipeline
+        assert _mixed_batch(pipe) == expected
         counters = pipe.runner.stage_counters()
         assert len({c.plans for c in counters}) == 1 and counters[0].plans > 0
         assert all(c.hidden_bytes_out > 0 for c in counters[:-1]) and counters[-1].hidden_bytes_out == 0
         _check_idle(pipe)
     finally:
-        pipe.close()
-
-
-@pytest.fixture(scope="module")
-def graph(model: str) -> Iterator[Engine]:
-    pipe = build_engine(model, _config(stages=2), progress=False)
-    assert pipe.runner.transport.kind == "graph"
-    yield pipe
-    pipe.close()
+        if not shared:
+            pipe.close()
 
 
 def test_in_a_graph_a_plan_that_fails_on_a_stage_fails_alone(graph: Engine, local: Engine) -> None:
@@ -172,16 +185,20 @@ def test_in_a_graph_a_cancel_stops_every_stage_and_continuing_equals_no_cancel(g
 
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
 def test_in_a_graph_a_lost_stage_is_recreated_and_every_stream_continues_token_exact(
-        model: str, local: Engine, fault: str) -> None:
+        graph: Engine, expected: list, fault: str) -> None:
     """The last stage's process is killed, or the first stage's process stops answering
     (SIGSTOP: the watchdog's heartbeat goes unanswered and it kills it), mid-stream. The
     graph is torn down, the stage re-created on this node and a new graph compiled; every
-    sequence recomputes from its tokens and the results equal the fault-free run's."""
-    pipe = build_engine(model, _config(stages=2), progress=False)
-    runner = pipe.runner
+    sequence recomputes from its tokens and the results equal the fault-free run's.
+
+    Both faults hit the module's pipeline, one after the other (the frozen one finds a
+    pipeline that already recovered once): each counts its own loss and recovery."""
+    pipe, runner = graph, graph.runner
     stopped: list[int] = []
+    losses, recoveries, kv_losses = runner.recovery.losses, runner.recovery.recoveries, pipe.counters.kv_losses
+    recomputed = pipe.counters.recomputed_tokens
     try:
-        assert runner.transport.kind == "graph"
+        assert runner.transport.kind == "graph" and pipe.runner_health().state == "ok"
         victim = runner.actors[1 if fault == "killed" else 0]
         _, pid = ray.get(victim.ping.remote())
         fired: list[bool] = []
@@ -196,13 +213,12 @@ def test_in_a_graph_a_lost_stage_is_recreated_and_every_stream_continues_token_e
                     stopped.append(pid)
 
         got = _mixed_batch(pipe, fault_once)
-        assert fired and got == _mixed_batch(local)
-        assert runner.recovery.losses == 1 and runner.recovery.recoveries == 1
-        assert pipe.counters.kv_losses == 1 and pipe.counters.recomputed_tokens > 0
+        assert fired and got == expected
+        assert (runner.recovery.losses - losses, runner.recovery.recoveries - recoveries) == (1, 1)
+        assert pipe.counters.kv_losses - kv_losses == 1 and pipe.counters.recomputed_tokens > recomputed
         assert runner.transport.kind == "graph" and pipe.runner_health().state == "ok"
         _check_idle(pipe)
     finally:
-        pipe.close()
         for p in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)

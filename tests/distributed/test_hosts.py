@@ -29,6 +29,7 @@ import pytest
 
 from bargein.kernels.native import cache_dir
 from tests.net_hosts import Host, Hosts, make_hosts, remove_hosts, skip_or_fail, unavailable
+from tests.started import count
 from tests.tiny_models import SPECIAL_TOKENS, TinySpec, tiny_tokenizer, tiny_weights, write_gguf
 
 pytest.importorskip("ray")
@@ -79,6 +80,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         skip_or_fail(why)
     root = tmp_path_factory.mktemp("hosts")
     hosts = make_hosts(3, root)
+    count("Ray clusters")
+    count("Ray nodes", 3)
     try:
         # The kernels this process built, shared: each host compiling its own takes minutes on 2 cores.
         kernels = str(cache_dir().parent)
@@ -116,6 +119,7 @@ class Server:
             sys.executable, "-m", "bargein.cli", "serve", "--model", cluster.model, "--ray", cluster.address,
             "--host", cluster.head.ip, "--port", str(port), "--kv-tokens", "2048", "--debug-endpoints", *flags],
             self.log)
+        count("bargein servers")
 
     def wait_ready(self, timeout: float = 240) -> Server:
         deadline = time.monotonic() + timeout
@@ -126,7 +130,7 @@ class Server:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.25)
+            time.sleep(0.05)
         raise AssertionError(f"serve not ready in {timeout} s:\n{self.log.read_text()[-4000:]}")
 
     def stop(self) -> None:

@@ -16,12 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.started import count
+
 pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_pipelines_on_one_node_run_a_compiled_graph_and_keep_the_contract() -> None:
+    count("Ray clusters")  # the subprocess's one-node Ray instance
+    count("Ray nodes")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/distributed/graph_pipeline_checks.py"], cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]

@@ -79,11 +79,15 @@ class Nodes:
     def remove(self, node_id: str) -> None:
         """The node dies, with every process on it. ``remove_node`` kills a simulated node's
         raylet, but its worker processes (a stage's actor) outlive it for a while and go
-        on answering calls that reach them directly; a real node's death takes them at once."""
+        on answering calls that reach them directly; a real node's death takes them at once.
+        So its workers are SIGKILLed first (what the pipeline sees); then the raylet stops
+        with SIGTERM, which tells Ray the node is gone at once: killed outright, Ray would
+        list it as alive until its health checks fail (~15 s), and a later test's stage
+        could be placed on it meanwhile."""
         node = next(n for n in self.nodes if n.node_id == node_id)
         self.nodes.remove(node)
         _kill_children(node.all_processes["raylet"][0].process.pid)
-        self.cluster.remove_node(node, allow_graceful=False)
+        self.cluster.remove_node(node, allow_graceful=True)
 
     def wait_gone(self, node_id: str, timeout_s: float = 60.0) -> None:
         """Until Ray's node table no longer lists the node as alive."""
@@ -95,10 +99,11 @@ class Nodes:
             time.sleep(0.2)
 
     def remove_all(self) -> None:
+        """Gracefully: Ray forgets the nodes at once, so no later module's actor lands on one."""
         for node in list(self.nodes):
             self.nodes.remove(node)
             with contextlib.suppress(Exception):
-                self.cluster.remove_node(node, allow_graceful=False)
+                self.cluster.remove_node(node, allow_graceful=True)
 
 
 def _kill_children(pid: int) -> None:
@@ -195,6 +200,79 @@ def _pipeline(model: str, nodes: Nodes, recovery_timeout_s: float = 60.0) -> Eng
     return build_engine(model, _config(nodes.resource, recovery_timeout_s), progress=False)
 
 
+def test_without_capacity_requests_fail_clearly_and_the_server_heals_when_a_node_returns(
+        model: str, local: Engine, pool: Nodes) -> None:
+    """First in the module: the pool's first two nodes, and no spare (a lost stage has
+    nowhere to go). Removing a spare would cost a wait for Ray to declare it dead."""
+    nodes = pool
+    if len(nodes.nodes) < 2:
+        nodes.add(2 - len(nodes.nodes))
+    while len(nodes.nodes) > 2:  # run after the others (-k, a reordering): the spare goes
+        spare = nodes.nodes[-1].node_id
+        nodes.remove(spare)
+        nodes.wait_gone(spare)
+    pipe = _pipeline(model, nodes, RECOVERY_TIMEOUT_S)
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = local.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+
+    async def main() -> None:
+        engine = AsyncEngine(pipe)
+        app = create_app(engine, ServerSettings())
+        ctx = app.state.ctx
+        ctx.loop = asyncio.get_running_loop()
+        engine.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                         timeout=60) as client:
+                ok = (await client.post("/v1/completions", json=body)).json()
+                assert ok["choices"][0]["text"] == want.text
+                lost = pipe.runner.placements[1]
+                await asyncio.to_thread(nodes.remove, lost.node_id)
+                started = time.monotonic()
+                async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as streamed:
+                    events = [line async for line in streamed.aiter_lines() if line.startswith("data: ")]
+                took = time.monotonic() - started
+                assert took < 10, took
+                # The engine ends the request with finish_reason "error"; a stream carries its message.
+                error = json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+                assert events[-1] == "data: [DONE]"
+                stage = f"pipeline stage 1 (layers {lost.layers[0]}-{lost.layers[1]}) on node {lost.node_address}"
+                assert stage in error and f"no node could host it within {RECOVERY_TIMEOUT_S:g} s" in error
+                health = await client.get("/health")
+                assert health.status_code == 503 and health.json()["status"] == "degraded"
+                assert stage in health.json()["message"]
+                started = time.monotonic()
+                again = await client.post("/v1/completions", json=body)  # degraded: fails at once
+                assert time.monotonic() - started < 2
+                assert again.status_code == 500 and stage in again.json()["error"]["message"]
+                metrics = (await client.get("/metrics")).text
+                assert "bargein_pipeline_degraded 1.0" in metrics
+
+                nodes.add(1)  # capacity returns (Ray adds nodes from the main thread only): the server heals by itself
+                ends = time.monotonic() + 60
+                while (await client.get("/health")).json()["status"] != "ok":
+                    assert time.monotonic() < ends, "the pipeline did not recover"
+                    await asyncio.sleep(0.2)
+                healed = (await client.post("/v1/completions", json=body)).json()
+                assert healed["choices"][0]["finish_reason"] == "length"
+                assert healed["choices"][0]["text"] == want.text
+                info = (await client.get("/v1/cluster")).json()
+                assert info["health"] == "ok" and info["recovery"]["recoveries"] == 1
+                assert info["recovery"]["restarts"] == [0, 1]
+                metrics = (await client.get("/metrics")).text
+                assert 'bargein_stage_restarts_total{stage="1"} 1.0' in metrics
+                assert "bargein_pipeline_recoveries_total 1.0" in metrics
+                assert "bargein_pipeline_degraded 0.0" in metrics
+        finally:
+            await finish_shutdown(ctx)
+
+    try:
+        asyncio.run(main())
+        _check_idle_accounting(pipe)
+    finally:
+        pipe.close()
+
+
 def test_a_stage_whose_node_dies_mid_stream_is_recreated_and_every_stream_continues_token_exact(
         model: str, local: Engine, nodes: Nodes) -> None:
     pipe = _pipeline(model, nodes)  # two stages and a spare
@@ -289,73 +367,6 @@ def test_a_plan_past_its_deadline_loses_its_stage_which_is_recreated_and_streams
         assert runner.recovery.restarts[1] >= 1 and runner.recovery.recoveries == runner.recovery.losses
         assert pipe.counters.kv_losses == runner.recovery.losses and pipe.counters.recomputed_tokens > 0
         assert pipe.runner_health().state == "ok"
-        _check_idle_accounting(pipe)
-    finally:
-        pipe.close()
-
-
-def test_without_capacity_requests_fail_clearly_and_the_server_heals_when_a_node_returns(
-        model: str, local: Engine, nodes: Nodes) -> None:
-    spare = nodes.nodes[-1].node_id
-    nodes.remove(spare)  # no spare: a lost stage has nowhere to go
-    nodes.wait_gone(spare)
-    pipe = _pipeline(model, nodes, RECOVERY_TIMEOUT_S)
-    body = {"model": "tiny", "prompt": [5, 6, 7, 8, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    want = local.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
-
-    async def main() -> None:
-        engine = AsyncEngine(pipe)
-        app = create_app(engine, ServerSettings())
-        ctx = app.state.ctx
-        ctx.loop = asyncio.get_running_loop()
-        engine.start()
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                         timeout=60) as client:
-                ok = (await client.post("/v1/completions", json=body)).json()
-                assert ok["choices"][0]["text"] == want.text
-                lost = pipe.runner.placements[1]
-                await asyncio.to_thread(nodes.remove, lost.node_id)
-                started = time.monotonic()
-                async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as streamed:
-                    events = [line async for line in streamed.aiter_lines() if line.startswith("data: ")]
-                took = time.monotonic() - started
-                assert took < 10, took
-                # The engine ends the request with finish_reason "error"; a stream carries its message.
-                error = json.loads(events[-2].removeprefix("data: "))["error"]["message"]
-                assert events[-1] == "data: [DONE]"
-                stage = f"pipeline stage 1 (layers {lost.layers[0]}-{lost.layers[1]}) on node {lost.node_address}"
-                assert stage in error and f"no node could host it within {RECOVERY_TIMEOUT_S:g} s" in error
-                health = await client.get("/health")
-                assert health.status_code == 503 and health.json()["status"] == "degraded"
-                assert stage in health.json()["message"]
-                started = time.monotonic()
-                again = await client.post("/v1/completions", json=body)  # degraded: fails at once
-                assert time.monotonic() - started < 2
-                assert again.status_code == 500 and stage in again.json()["error"]["message"]
-                metrics = (await client.get("/metrics")).text
-                assert "bargein_pipeline_degraded 1.0" in metrics
-
-                nodes.add(1)  # capacity returns (Ray adds nodes from the main thread only): the server heals by itself
-                ends = time.monotonic() + 60
-                while (await client.get("/health")).json()["status"] != "ok":
-                    assert time.monotonic() < ends, "the pipeline did not recover"
-                    await asyncio.sleep(0.2)
-                healed = (await client.post("/v1/completions", json=body)).json()
-                assert healed["choices"][0]["finish_reason"] == "length"
-                assert healed["choices"][0]["text"] == want.text
-                info = (await client.get("/v1/cluster")).json()
-                assert info["health"] == "ok" and info["recovery"]["recoveries"] == 1
-                assert info["recovery"]["restarts"] == [0, 1]
-                metrics = (await client.get("/metrics")).text
-                assert 'bargein_stage_restarts_total{stage="1"} 1.0' in metrics
-                assert "bargein_pipeline_recoveries_total 1.0" in metrics
-                assert "bargein_pipeline_degraded 0.0" in metrics
-        finally:
-            await finish_shutdown(ctx)
-
-    try:
-        asyncio.run(main())
         _check_idle_accounting(pipe)
     finally:
         pipe.close()

@@ -24,7 +24,7 @@ pytest.importorskip("ray")
 import ray  # noqa: E402
 
 from bargein.cli.cluster import format_cluster  # noqa: E402
-from bargein.distributed.replicas import ReplicaOptions, ReplicaSet, start_replicas  # noqa: E402
+from bargein.distributed.replicas import BuildWith, ReplicaOptions, ReplicaSet, start_replicas  # noqa: E402
 from bargein.engine.admission import Admitted  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.constraint import Constraint  # noqa: E402
@@ -79,8 +79,8 @@ def replicas(ray_cluster) -> ReplicaSet:
     # queue_cost_tokens=0: a shared prefix of a block or two draws requests to where it is
     # cached whatever the queue, so the failover tests can gather their requests on one
     # replica (the load-aware rule is tested in test_router.py and on the namespace hosts).
-    group = start_replicas(build_replica_engine, 2, ReplicaOptions(num_cpus=1, call_timeout_s=5.0,
-                                                                   hang_timeout_s=4.0, queue_cost_tokens=0))
+    group = start_replicas(BuildWith(build_replica_engine), 2,
+                           ReplicaOptions(num_cpus=1, call_timeout_s=5.0, hang_timeout_s=4.0, queue_cost_tokens=0))
     yield group
     group.close()
 
@@ -223,7 +223,7 @@ def test_a_failover_that_races_a_cancel_drops_its_dispatch(replicas):
         submitted = {i: c.submitted for i, c in owner_counters(replicas).items()}
         dropped = replicas.dropped_late
         with replicas.records.lock:  # as _lose does, after the cancel claimed the request
-            rec.outcome = CancelReason.USER
+            assert replicas.records.ids.request_cancel(rid, CancelReason.USER) == AbortResult.CANCELLED
             replicas.tombstones.add(rid)
             replicas._resubmit(rec, "a test")
         out = await replicas.next_output(stream)
@@ -510,8 +510,8 @@ def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster)
     """One replica that Ray may not restart: killed mid-stream, its request and a
     conversation's answer end with finish_reason "error" naming the loss, after the tokens
     already delivered; the conversation then says it was lost."""
-    group = start_replicas(build_replica_engine, 1, ReplicaOptions(num_cpus=0, max_restarts=0,
-                                                                      call_timeout_s=5.0))
+    group = start_replicas(BuildWith(build_replica_engine), 1,
+                           ReplicaOptions(num_cpus=0, max_restarts=0, call_timeout_s=5.0))
     try:
         async def main():
             rid, stream = group.submit([4, 4, 4, 4, 4], ENDLESS)

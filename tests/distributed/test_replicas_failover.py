@@ -5,11 +5,11 @@ replica's deltas read as the original request's."""
 from __future__ import annotations
 
 from bargein.distributed.replicas.failover import End, Resubmit, as_sent, decide, translate
-from bargein.distributed.replicas.records import DONE, ConversationRecord, LiveRequest, RecordStore
+from bargein.distributed.replicas.records import ConversationRecord, LiveRequest, RecordStore
 from bargein.distributed.router import Route
 from bargein.engine.constraint import Constraint
 from bargein.engine.outputs import RequestDelta
-from bargein.engine.request import CancelReason, FinishReason, Usage
+from bargein.engine.request import AbortResult, CancelReason, FinishReason, Usage
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.stats import RequestInfo
 
@@ -31,14 +31,14 @@ def test_a_request_resumes_from_its_prompt_and_output_with_the_rest_of_its_budge
 
 
 def test_a_cancel_that_raced_the_loss_ends_it_as_dropped_late():
-    claimed = decide(live(outcome=CancelReason.DISCONNECT), None, tombstoned=False, why="lost", now=NOW)
+    claimed = decide(live(), None, cancel=CancelReason.DISCONNECT, tombstoned=False, why="lost", now=NOW)
     assert claimed == End(FinishReason.CANCELLED, CancelReason.DISCONNECT, dropped_late=True)
     tombstoned = decide(live(), None, tombstoned=True, why="lost", now=NOW)
     assert tombstoned == End(FinishReason.CANCELLED, CancelReason.USER, dropped_late=True)
 
 
 def test_done_full_and_expired_requests_end():
-    assert decide(live(outcome=DONE), None, tombstoned=False, why="x", now=NOW) == End(FinishReason.STOP)
+    assert decide(live(), None, stopped=True, tombstoned=False, why="x", now=NOW) == End(FinishReason.STOP)
     full = live(params=SamplingParams(max_tokens=2))
     assert decide(full, None, tombstoned=False, why="x", now=NOW) == End(FinishReason.LENGTH)
     expired = live(deadline=NOW)
@@ -81,3 +81,29 @@ def test_the_store_remembers_an_answer_in_its_conversation():
     store.remember(rec, 0)
     assert store.conversations["conv-1"].tokens == [1, 2, 3, 4, 7, 8]
     assert store.recent["r1"].conversation == "conv-1"
+
+
+def test_a_claimed_request_keeps_only_what_was_delivered():
+    rec = live(output=(7, 8))
+    translate(rec, RequestDelta("r1", new_token_ids=[9]), claimed=True)
+    assert rec.output == [7, 8]
+
+
+def test_the_store_s_outcome_claims_are_the_engine_s_request_ids():
+    """One claim-once memory (``RequestIds``): a cancel or the consumer's end claims a live
+    request once; ``remember`` releases the id, which may then be used again."""
+    store = RecordStore()
+    store.ids.claim("a")
+    store.ids.claim("b")
+    assert not store.claimed("a") and not store.claimed("b")
+    assert store.ids.request_cancel("a", CancelReason.DEADLINE) == AbortResult.CANCELLED
+    assert store.ids.claim_end("a") == CancelReason.DEADLINE  # the cancel got there first
+    assert store.ids.claim_end("b") is None and store.ids.end_claimed("b")
+    assert store.ids.request_cancel("b", CancelReason.USER) == AbortResult.ALREADY_FINISHED
+    assert store.claimed("a") and store.claimed("b")
+    assert (store.ids.cancel_claim("a"), store.ids.end_claimed("a")) == (CancelReason.DEADLINE, False)
+    for rid in ("a", "b"):
+        store.remember(LiveRequest(rid, None, [1], SamplingParams(), None, Route(1, 0)), 1)
+    assert store.ids.request_cancel("a", CancelReason.USER) == AbortResult.ALREADY_FINISHED
+    store.ids.claim("a")  # a finished id may be reused, and starts unclaimed
+    assert not store.claimed("a")

@@ -1,15 +1,11 @@
-"""Where replicas run (issue 17): replicas that are pipelines, and a replica on a node
-without the model file.
+"""Where replicas run (issue 17): replicas that are pipelines (a replica on a node without
+the model file: ``test_shipped_weights.py``).
 
-Both add simulated nodes to the shared cluster for their own test and remove them after:
-
-- 2 replicas of 2 pipeline stages on 4 one-CPU nodes: every stage on a node of its own,
-  greedy outputs equal one engine's, a cancel stops the request on every stage of the
-  replica that runs it (the stages' plan logs), ``/v1/cluster`` shows the stages; and 2 x
-  3 stages do not fit, refused in one line (library and ``bargein serve``, exit 1).
-- 2 whole-model replicas on two added nodes, the model given as ``~/models/tiny.gguf``:
-  one node's home has the file, the other's is empty, so its replica is built from the
-  Q8_0 tensors the head shipped in stored form (counted: put once, received once).
+2 replicas of 2 pipeline stages on 4 one-CPU nodes (the shared cluster and one node the
+test adds and removes after): every stage on a node of its own, greedy outputs equal one
+engine's, a cancel stops the request on every stage of the replica that runs it (the
+stages' plan logs), ``/v1/cluster`` shows the stages; and 2 x 3 stages do not fit,
+refused in one line (library and ``bargein serve``, exit 1).
 """
 
 from __future__ import annotations
@@ -27,16 +23,12 @@ from bargein.cli.cluster import format_cluster  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.distributed.errors import PipelineSetupError  # noqa: E402
 from bargein.distributed.replicas import ReplicaOptions, ReplicaSet, launch_replicas  # noqa: E402
-from bargein.distributed.split import stage_weight_bytes  # noqa: E402
-from bargein.distributed.weights import read_stored  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.request import CancelReason, FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
-from bargein.loader import load_config, resolve_model_ref  # noqa: E402
 from bargein.server.app import create_app  # noqa: E402
-from bargein.server.cluster import cluster_snapshot  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
-from tests.ray_cluster import MB, OBJECT_STORE_MB, add_nodes_with_and_without_the_file  # noqa: E402
+from tests.ray_cluster import MB, OBJECT_STORE_MB  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
 
 SPEC = TinySpec(num_layers=4)
@@ -123,41 +115,3 @@ def test_replicas_that_are_pipelines(ray_cluster, tmp_path, capsys):
             group.close()
         ray_cluster.remove_node(extra)
 
-
-def test_a_replica_on_a_node_without_the_model_file_gets_the_weights_from_the_head(ray_cluster, tmp_path,
-                                                                                     monkeypatch):
-    homes = add_nodes_with_and_without_the_file(
-        ray_cluster, tmp_path, monkeypatch, lambda p: write_gguf(p, SPEC, tiny_weights(SPEC), tensor_type="Q8_0"),
-        "replica")
-    path, resource = homes.path, homes.resource
-    group = None
-    try:
-        group = launch_replicas("~/models/tiny.gguf", _config(), ray_cluster.address, 2,
-                                ReplicaOptions(resources={resource: 1}, call_timeout_s=10.0))
-        source = resolve_model_ref(str(path))
-        model_config = load_config(source)
-        stored = read_stored(source, model_config, (0, model_config.num_layers)).nbytes
-        assert stored < stage_weight_bytes(model_config, (0, model_config.num_layers), 4) / 3  # Q8_0 bytes
-        infos = group.replica_infos()
-        lacking = homes.without_file.node_id
-        assert {i.node_id for i in infos.values()} == {n.node_id for n in homes.nodes}
-        assert {i.node_id: (i.weights_from, i.weights_received_bytes) for i in infos.values()} == {
-            homes.with_file.node_id: ("file", 0), lacking: ("head", stored)}
-        assert group.weights_shipped_bytes == stored and len(group.nodes_without_file) == 1
-
-        local = Engine.from_pretrained(str(path), _config(), progress=False)
-        expected = [list(o.token_ids) for o in local.generate(PROMPTS, GREEDY)]
-
-        async def main_():
-            return await asyncio.gather(*(_collect(group, p, GREEDY) for p in PROMPTS))
-
-        results = asyncio.run(main_())
-        assert [tokens for _, tokens, _ in results] == expected
-        assert all(r["routed"] > 0 for r in group.router.snapshot())  # both replicas answered
-        assert cluster_snapshot(group)["weights_shipped_bytes"] == stored
-        asyncio.run(group.check_block_accounting())
-    finally:
-        if group is not None:
-            group.close()
-        for node in homes.nodes:
-            ray_cluster.remove_node(node)

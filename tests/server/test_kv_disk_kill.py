@@ -47,6 +47,7 @@ from bargein.engine.kv_disk.block_file import (
     parse_name,
 )
 from tests.conftest import REPO, STARTUP_TIMEOUT_S, free_port
+from tests.started import count
 from tests.tiny_models import SPECIAL_TOKENS, TinySpec, tiny_tokenizer, tiny_weights, write_gguf
 
 pytestmark = pytest.mark.slow
@@ -72,6 +73,7 @@ class Zygote:
         fd, log = tempfile.mkstemp(prefix="bargein-kill-", suffix=".log")
         os.close(fd)
         self.proc.stdin.write(json.dumps({"args": ["--port", str(port), *args], "log": log}) + "\n")
+        count("bargein servers")
         return Child(int(self.proc.stdout.readline()), port, Path(log))
 
     def close(self) -> None:
@@ -203,9 +205,11 @@ def test_kill_9_while_the_writer_is_busy_never_gives_a_wrong_answer_nor_keeps_a_
             client.join()
             server.signal(signal.SIGTERM)
             deadline = time.monotonic() + 5
-            while not list(kv.glob(f"{TMP_PREFIX}*.{server.pid}")) and time.monotonic() < deadline:
+            writing = False  # no wait past the server's exit: with nothing left to flush it exits at once
+            while not (writing := bool(list(kv.glob(f"{TMP_PREFIX}*.{server.pid}")))) and server.alive \
+                    and time.monotonic() < deadline:
                 time.sleep(0.0005)
-            mid_flush += time.monotonic() < deadline
+            mid_flush += writing
             time.sleep(rng.uniform(0.0, 0.02))
         server.kill_and_wait()
         client.join()

@@ -15,8 +15,9 @@ Ray is an optional extra: importing this package needs none (launching does).
 
 from __future__ import annotations
 
+from bargein.distributed.replicas.actor import BuildWith, EngineBuilder
 from bargein.distributed.replicas.facade import ReplicaSet
 from bargein.distributed.replicas.launch import launch_replicas, start_replicas
 from bargein.distributed.replicas.options import ReplicaOptions
 
-__all__ = ["ReplicaOptions", "ReplicaSet", "launch_replicas", "start_replicas"]
+__all__ = ["BuildWith", "EngineBuilder", "ReplicaOptions", "ReplicaSet", "launch_replicas", "start_replicas"]

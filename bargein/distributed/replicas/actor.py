@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -44,7 +44,31 @@ from bargein.engine.stats import EngineStats, RequestInfo
 
 log = logging.getLogger("bargein.distributed")
 
-EngineBuilder = Callable[[], Engine]  # picklable: runs on the replica's node
+@dataclass(frozen=True)
+class WeightsOrigin:
+    """Where a replica's weights came from: "file" (its node's copy), "head" (shipped),
+    or "stages" (a pipeline: each stage says for itself in its ``/v1/cluster`` entry)."""
+
+    source: str
+    received_bytes: int = 0
+
+
+class EngineBuilder(Protocol):
+    """Builds a replica's engine on the replica's node (picklable: it travels there, and
+    runs again when Ray restarts the replica). ``build`` returns the engine and where its
+    weights came from (None: the builder does not know, e.g. :class:`BuildWith`)."""
+
+    def build(self) -> tuple[Engine, WeightsOrigin | None]: ...
+
+
+@dataclass(frozen=True)
+class BuildWith:
+    """An :class:`EngineBuilder` from a plain picklable function (tests, embedders)."""
+
+    make: Callable[[], Engine]
+
+    def build(self) -> tuple[Engine, WeightsOrigin | None]:
+        return self.make(), None
 
 
 @dataclass(frozen=True)
@@ -114,10 +138,7 @@ class ReplicaWorker:
 
             build = ray.get(ray.get_actor(build).get.remote(index))
         self.index = index
-        # A ReplicaModel says where its weights came from; any other builder is taken as is.
-        built = build.build() if hasattr(build, "build") else (build(), None)
-        self.engine: Engine = built[0]
-        self.weights_origin = built[1]
+        self.engine, self.weights_origin = build.build()
         self.engine.pool.track_key_changes()  # reported with each batch: the router's index follows it
         self.started = time.time()
         self.counters = ReplicaCounters()

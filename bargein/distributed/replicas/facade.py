@@ -32,7 +32,7 @@ from bargein.distributed.replicas.conversations import ReplicaConversations
 from bargein.distributed.replicas.failover import End, as_sent, decide, translate
 from bargein.distributed.replicas.options import ReplicaOptions
 from bargein.distributed.replicas.poller import Poller, PollerHooks
-from bargein.distributed.replicas.records import DONE, ConversationRecord, LiveRequest, RecordStore
+from bargein.distributed.replicas.records import ConversationRecord, LiveRequest, RecordStore
 from bargein.distributed.router import Route, Router, Tombstones
 from bargein.engine.admission import Admitted, EngineError, admit, check_length
 from bargein.engine.async_engine import EngineDeadError, stream_outputs
@@ -43,6 +43,7 @@ from bargein.engine.messages import (
 )
 from bargein.engine.outputs import OutputProcessor, RequestDelta, end_found_by_consumer
 from bargein.engine.request import AbortResult, CancelReason, FinishReason, RequestOutput
+from bargein.engine.request_ids import IdInUse
 from bargein.engine.runner import RunnerHealth
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.stats import EngineCounters, EngineStats, RequestInfo, StepRecord, merge_stats
@@ -139,25 +140,16 @@ class ReplicaSet(ReplicaConversations):
         stream = RequestStream(request_id, asyncio.get_running_loop(),
                                OutputProcessor(request_id, params, self.facts.tokenizer))
         with self.records.lock:
-            if request_id in self.records.live:
-                raise EngineError(f"request id {request_id!r} is in use")
-            conversation = None if conversation_id is None else self.records.conversation(conversation_id)
-            if conversation is not None:
-                if any(r.conversation == conversation_id for r in self.records.live.values()):
-                    raise EngineError(f"conversation {conversation_id} is already generating")
-                length = len(conversation.tokens) + len(tokens)
-                if not conversation.tokens and not tokens:
-                    raise EngineError("the conversation is empty: prompt it first")
-                check_length(length, f.max_model_len, "the conversation")  # the head's copy never runs ahead
-                route = self.router.assign(conversation.replica, len(conversation.tokens) + len(tokens))
-            else:
-                route = self.router.choose(tokens, cache_salt=params.cache_salt, reserve_tokens=params.max_tokens or 0)
-            if route is None:
-                raise EngineDeadError("no replica is up")
-            self.records.recent.pop(request_id, None)
-            self.tombstones.discard(request_id)  # a reused id starts clean
-            rec = LiveRequest(request_id, stream, tokens, params, None if timeout is None else time.monotonic() + timeout,
-                        route, constraint_from, conversation_id)
+            try:
+                self.records.ids.claim(request_id)
+            except IdInUse:
+                raise EngineError(f"request id {request_id!r} is in use") from None
+            try:
+                rec = self._route(request_id, tokens, params, timeout, stream, conversation_id, constraint_from)
+            except BaseException:
+                self.records.ids.forget(request_id)
+                raise
+            conversation = None if conversation_id is None else self.records.conversations[conversation_id]
             open_tokens = None
             if conversation is not None:
                 if conversation.unopened:
@@ -165,8 +157,32 @@ class ReplicaSet(ReplicaConversations):
                 conversation.tokens += tokens
                 rec.conversation_base = len(conversation.tokens)
             self.records.live[request_id] = rec
-        self.actors[route.replica].submit.remote(request_id, admitted, open_tokens=open_tokens)
+        self.actors[rec.replica].submit.remote(request_id, admitted, open_tokens=open_tokens)
         return request_id, stream
+
+    def _route(self, request_id: str, tokens: list[int], params: SamplingParams, timeout: float | None,
+               stream: RequestStream, conversation_id: str | None, constraint_from: int | None) -> LiveRequest:
+        """Under the lock, for ``submit``: the request's record with its route (EngineError
+        for a conversation that cannot take it, EngineDeadError when no replica is up)."""
+        f = self.facts
+        conversation = None if conversation_id is None else self.records.conversation(conversation_id)
+        if conversation is not None:
+            if any(r.conversation == conversation_id for r in self.records.live.values()):
+                raise EngineError(f"conversation {conversation_id} is already generating")
+            length = len(conversation.tokens) + len(tokens)
+            if not conversation.tokens and not tokens:
+                raise EngineError("the conversation is empty: prompt it first")
+            check_length(length, f.max_model_len, "the conversation")  # the head's copy never runs ahead
+            route = self.router.assign(conversation.replica, len(conversation.tokens) + len(tokens))
+        else:
+            route = self.router.choose(tokens, cache_salt=params.cache_salt, reserve_tokens=params.max_tokens or 0)
+        if route is None:
+            raise EngineDeadError("no replica is up")
+        self.records.recent.pop(request_id, None)
+        self.tombstones.discard(request_id)  # a reused id starts clean
+        return LiveRequest(request_id, stream, tokens, params,
+                           None if timeout is None else time.monotonic() + timeout, route, constraint_from,
+                           conversation_id)
 
     async def next_output(self, stream: RequestStream) -> RequestOutput:
         processor = stream.processor
@@ -209,9 +225,7 @@ class ReplicaSet(ReplicaConversations):
                     if conversation is not None:
                         del conversation.tokens[done.conversation_base + delivered:]
                 return AbortResult.ALREADY_FINISHED
-            if rec.outcome is None:
-                rec.outcome = reason
-            claimed = isinstance(rec.outcome, CancelReason)
+            claimed = self.records.ids.request_cancel(request_id, reason) == AbortResult.CANCELLED
             if claimed:
                 self.tombstones.add(request_id)
             if delivered is not None:
@@ -229,11 +243,10 @@ class ReplicaSet(ReplicaConversations):
         rec = self.records.live.get(request_id)
         if rec is None:
             return None
-        if rec.outcome is None:
-            rec.outcome = DONE
+        cancelled = self.records.ids.claim_end(request_id)
         del rec.output[delivered:]
         self.actors[rec.replica].finish.remote(request_id, reason, max(0, delivered - rec.offset))
-        return rec.outcome if isinstance(rec.outcome, CancelReason) else None
+        return cancelled
 
     def abort_all(self, reason: CancelReason = CancelReason.USER) -> list[str]:
         return [rid for rid in list(self.records.live) if self.abort(rid, reason) == AbortResult.CANCELLED]
@@ -278,6 +291,8 @@ class ReplicaSet(ReplicaConversations):
         with self.records.lock:
             left = list(self.records.live.values())
             self.records.live.clear()
+            for rec in left:
+                self.records.ids.release(rec.request_id)
         for rec in left:
             rec.stream.push(RequestDelta(rec.request_id, finished=True, finish_reason=FinishReason.CANCELLED,
                                          cancel_reason=CancelReason.SHUTDOWN))
@@ -370,7 +385,7 @@ class ReplicaSet(ReplicaConversations):
                 rec = self.records.live.get(delta.request_id)
                 if rec is None or rec.replica != index:
                     continue  # a request that moved on (failover) or ended here already
-                translate(rec, delta)
+                translate(rec, delta, claimed=self.records.claimed(rec.request_id))
                 if delta.finished:
                     del self.records.live[rec.request_id]
                     self.records.remember(rec, index)
@@ -417,7 +432,9 @@ class ReplicaSet(ReplicaConversations):
     def _resubmit(self, rec: LiveRequest, why: str) -> None:
         """Under the lock: dispatches ``rec`` again, or ends it (see :mod:`.failover`)."""
         conversation = self.records.conversations.get(rec.conversation) if rec.conversation else None
+        ids = self.records.ids
         choice = decide(rec, None if conversation is None else conversation.tokens,
+                        cancel=ids.cancel_claim(rec.request_id), stopped=ids.end_claimed(rec.request_id),
                         tombstoned=rec.request_id in self.tombstones, why=why, now=time.monotonic())
         route: Route | None = None
         if not isinstance(choice, End):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bargein.distributed.replicas.records import DONE, LiveRequest
+from bargein.distributed.replicas.records import LiveRequest
 from bargein.engine.outputs import RequestDelta
 from bargein.engine.request import CancelReason, FinishReason, Usage
 from bargein.engine.sampling import SamplingParams
@@ -43,18 +43,19 @@ class End:
     dropped_late: bool = False  # a cancel won the race with the failover
 
 
-def decide(rec: LiveRequest, conversation_tokens: list[int] | None, *, tombstoned: bool, why: str,
-           now: float) -> Resubmit | End:
+def decide(rec: LiveRequest, conversation_tokens: list[int] | None, *, cancel: CancelReason | None = None,
+           stopped: bool = False, tombstoned: bool, why: str, now: float) -> Resubmit | End:
     """The fate of ``rec`` after its replica was lost (``why``).
 
     ``conversation_tokens``: the head's copy of the conversation ``rec`` extends (None: it
-    was closed, or the request has none); ``tombstoned``: a cancel of its id was sent."""
+    was closed, or the request has none); its outcome claim (``RecordStore.ids``):
+    ``cancel``, the reason of a cancel that claimed it, or ``stopped``, its consumer found
+    its end (a stop string); ``tombstoned``: a cancel of its id was sent."""
     params, produced = rec.params, len(rec.output)
-    if isinstance(rec.outcome, CancelReason) or tombstoned:
-        reason = rec.outcome if isinstance(rec.outcome, CancelReason) else CancelReason.USER
-        return End(FinishReason.CANCELLED, reason, dropped_late=True)
-    if rec.outcome == DONE or (params.max_tokens is not None and produced >= params.max_tokens):
-        return End(FinishReason.STOP if rec.outcome == DONE else FinishReason.LENGTH)
+    if cancel is not None or tombstoned:
+        return End(FinishReason.CANCELLED, cancel or CancelReason.USER, dropped_late=True)
+    if stopped or (params.max_tokens is not None and produced >= params.max_tokens):
+        return End(FinishReason.STOP if stopped else FinishReason.LENGTH)
     if rec.deadline is not None and rec.deadline <= now:
         return End(FinishReason.CANCELLED, CancelReason.DEADLINE)
     if rec.conversation is not None and conversation_tokens is None:
@@ -72,9 +73,10 @@ def decide(rec: LiveRequest, conversation_tokens: list[int] | None, *, tombstone
                     constraint_from=constraint_from, reserve_tokens=max(0, (params.max_tokens or 0) - produced))
 
 
-def translate(rec: LiveRequest, delta: RequestDelta) -> None:
-    """Makes a resumed replica's delta read as the original request's (in place)."""
-    if rec.outcome is None:  # after a cancel or a stop, ``output`` is what was delivered
+def translate(rec: LiveRequest, delta: RequestDelta, *, claimed: bool = False) -> None:
+    """Makes a resumed replica's delta read as the original request's (in place).
+    ``claimed``: the request's outcome is claimed (``RecordStore.claimed``)."""
+    if not claimed:  # after a cancel or a stop, ``output`` is what was delivered
         rec.output.extend(delta.new_token_ids)
     if delta.prompt_token_ids is not None:
         if rec.prompt_sent:

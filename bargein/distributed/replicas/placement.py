@@ -26,6 +26,7 @@ from typing import Any
 from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.engines import pipeline_engine
 from bargein.distributed.errors import PipelineSetupError
+from bargein.distributed.replicas.actor import WeightsOrigin
 from bargein.distributed.weights import (
     Fingerprint,
     fingerprint,
@@ -36,15 +37,6 @@ from bargein.distributed.weights import (
 from bargein.engine.device import build_model, one_torch_thread, resolve_device, resolve_dtype
 from bargein.engine.engine import Engine
 from bargein.engine.kv_disk.fingerprint import file_identity, model_files
-
-
-@dataclass(frozen=True)
-class WeightsOrigin:
-    """Where a replica's weights came from: "file" (its node's copy), "head" (shipped),
-    or "stages" (a pipeline: each stage says for itself in its ``/v1/cluster`` entry)."""
-
-    source: str
-    received_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,9 +53,6 @@ class ReplicaModel:
     shipped: list[Any] | None = None  # [ObjectRef of StoredWeights]: in a list, so Ray does not fetch it
     prefer_shipped: bool = False  # use the shipped copy even where the node has the file (tests)
     kv_identity: str | None = None  # the head's model files, named for the disk tier of shipped weights
-
-    def __call__(self) -> Engine:
-        return self.build()[0]
 
     def build(self) -> tuple[Engine, WeightsOrigin]:
         path = os.path.expanduser(self.node_path)

@@ -1,7 +1,7 @@
 """The head's records of the replica set, in one store with one lock.
 
 - :class:`LiveRequest`: a request in flight: its owning replica (the router's route),
-  prompt, params, deadline, the output tokens received so far and its outcome claim. A
+  prompt, params, deadline and the output tokens received so far. A
   cancel (by id, disconnect, deadline on the head, shutdown) reads the owner here and
   goes to that replica only: no broadcast, no lookup that can miss.
 - :class:`FinishedRequest`: a request that ended, remembered so a late cancel answers
@@ -9,6 +9,10 @@
 - :class:`ConversationRecord`: a conversation pinned to the replica that holds its K/V,
   with the head's copy of its tokens, so a lost replica's conversations are opened
   again elsewhere.
+
+Which ids are in use and how each request's outcome was claimed (by a cancel, or by the
+end its consumer found) is the engine's own :class:`~bargein.engine.request_ids.RequestIds`
+(``RecordStore.ids``): one claim-once memory, on one machine and on replicas alike.
 
 The lock is held by the facade's and the pollers' short critical sections, never across
 the wait of a Ray call.
@@ -23,12 +27,11 @@ from dataclasses import dataclass, field
 
 from bargein.distributed.router import Route
 from bargein.engine.engine import EngineError
-from bargein.engine.request import CancelReason
+from bargein.engine.request_ids import RequestIds
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.streams import RequestStream
 
 RECENT_FINISHED = 4096  # finished ids remembered (an abort of one answers "already finished")
-DONE = "done"  # a request's outcome claimed by its end (a stop string), not by a cancel
 
 
 @dataclass
@@ -49,7 +52,6 @@ class LiveRequest:
     offset: int = 0  # output tokens the current replica got in its prompt (resumed)
     prompt_sent: bool = False  # the stream had the first delta (with prompt_token_ids)
     cached_tokens: int | None = None  # from the first replica's usage
-    outcome: CancelReason | str | None = None  # claimed by a cancel or by the consumer's end (DONE)
     resumes: int = 0
 
     @property
@@ -79,10 +81,12 @@ class ConversationRecord:
 
 
 class RecordStore:
-    """Live and recently finished requests and conversations, under one lock."""
+    """Live and recently finished requests and conversations, under one lock; their ids'
+    outcome claims in ``ids`` (lock-free, see the module doc)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self.ids = RequestIds(memory=RECENT_FINISHED)
         self.live: dict[str, LiveRequest] = {}
         self.recent: OrderedDict[str, FinishedRequest] = OrderedDict()
         self.conversations: dict[str, ConversationRecord] = {}
@@ -97,13 +101,20 @@ class RecordStore:
         return record
 
     def remember(self, rec: LiveRequest, replica: int) -> None:
-        """Under the lock: ``rec`` ended on ``replica``; its conversation (if any) holds its answer."""
+        """Under the lock: ``rec`` ended on ``replica`` (its final delta is being pushed; it
+        is no longer live): its id may be used again; its conversation (if any) holds its answer."""
+        self.ids.release(rec.request_id)
         self.recent[rec.request_id] = FinishedRequest(replica, rec.conversation, rec.conversation_base, rec.offset)
         conversation = self.conversations.get(rec.conversation) if rec.conversation else None
         if conversation is not None:
             conversation.tokens[rec.conversation_base:] = rec.output
         while len(self.recent) > RECENT_FINISHED:
             self.recent.popitem(last=False)
+
+    def claimed(self, request_id: str) -> bool:
+        """Whether the request's outcome is claimed (a cancel, or the end its consumer found):
+        from then on its ``output`` is what was delivered, and later tokens are not kept."""
+        return self.ids.cancel_claim(request_id) is not None or self.ids.end_claimed(request_id)
 
     def on_replica(self, index: int) -> list[LiveRequest]:
         """The requests running on replica ``index``."""
