@@ -65,6 +65,7 @@
  * Returns 0; -1 when scratch memory could not be had; -2 when the forced instruction set
  * is not this CPU's; -3 when a segment's type has no kernels.
  */
+#include "gguf_matrix.h"
 #include "gguf_types.h"
 #include "parallel.h"
 
@@ -89,17 +90,6 @@ enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
 
 int bargein_q8_isa_available(int isa); /* quant_matmul.c */
 
-typedef struct {
-    int64_t type;
-    const uint8_t *data;
-    int64_t row_bytes, rows;
-    const int64_t *order;
-} bargein_qseg_t;
-
-typedef struct {
-    const bargein_qseg_t *segs;
-    int64_t num_segs, n, k;
-} bargein_qmat_t;
 
 /* ---- activations -------------------------------------------------------------------- */
 

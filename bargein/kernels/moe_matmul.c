@@ -32,6 +32,7 @@
  * Returns 0; -1 when scratch memory could not be had; -6 for an expert id outside
  * [0, experts); any other status is bargein_gguf_matmul's.
  */
+#include "gguf_matrix.h"
 #include "parallel.h"
 
 #include <math.h>
@@ -39,21 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* gguf_matmul.c's matrix descriptor (the same layout; see there). */
-typedef struct {
-    int64_t type;
-    const uint8_t *data;
-    int64_t row_bytes, rows;
-    const int64_t *order;
-} bargein_qseg_t;
 
-typedef struct {
-    const bargein_qseg_t *segs;
-    int64_t num_segs, n, k;
-} bargein_qmat_t;
-
-int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, float *y, int exact, int num_threads,
-                        int isa);
 
 /* Output columns per work item: about ITEMS_PER_THREAD items per thread over the chosen
  * experts' columns, in multiples of 16 within [MIN_TILE, MAX_TILE]. Few items keep the
