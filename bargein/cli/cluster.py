@@ -95,11 +95,11 @@ def format_replicas(info: dict[str, Any]) -> str:
     the stages of replicas that are pipelines."""
     lines = [f"{info['num_replicas']} replicas ({info['routing']} routing), {info['kv_blocks']} KV blocks each; "
              f"{info.get('resubmitted', 0)} requests resubmitted after a loss"]
-    header = ("REPLICA", "UP", "NODE", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
+    header = ("REPLICA", "UP", "NODE", "THREADS", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
     rows = []
     for r in info["replicas"]:
         node = str(r.get("node_address") or r.get("node_id", "?"))[:15]  # an address; an id before it answered
-        rows.append((str(r["index"]), "yes" if r["up"] else "no", node, str(r["load"]),
+        rows.append((str(r["index"]), "yes" if r["up"] else "no", node, str(r.get("threads") or "?"), str(r["load"]),
                      str(r["routed"]), f"{100 * r.get('cache_hit_rate', 0.0):.0f}%",
                      f"{100 * r['predicted_hit_rate']:.0f}%", f"{r['moved_out']}", f"{r['lost']}"))
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]

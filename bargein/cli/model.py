@@ -69,21 +69,33 @@ def plan_memory(ref: str | None, config: Any, *, kv_auto: bool) -> Any:
     return replace(config, cache=replace(config.cache, memory_bytes=memory.kv_bytes)) if kv_auto else config
 
 
-def launch_replicas(ref: str | None, config: Any, address: str, num_replicas: int) -> Any:
+def launch_replicas(ref: str | None, config: Any, address: str, num_replicas: int,
+                    threads: int | None = None) -> Any:
     """N engine replicas on the Ray cluster (each a pipeline when ``config.pipeline`` is
-    set); a node without the model file gets the weights shipped from here."""
+    set); a node without the model file gets the weights shipped from here.
+
+    ``threads`` (``--threads``): each whole-model replica's compute threads, and the CPUs it
+    takes on its node (Ray then puts no more replicas on a node than its CPUs hold); default
+    1. A pipeline replica's stages take them from ``config.pipeline.threads_per_stage``."""
     from bargein.build import build_replicas
+    from bargein.distributed.replicas import ReplicaOptions
     from bargein.loader import resolve_model_ref
 
+    if threads is not None and threads < 1:
+        raise CliError(f"--threads must be at least 1, got {threads}", EXIT_USAGE)
     try:
         source = resolve_model_ref(ref)  # fails fast here for a bad reference
     except _load_errors() as exc:
         raise model_error(exc) from None
     stages = f" as pipelines of {config.pipeline.stages} stages" if config.pipeline else ""
     print(f"bargein: starting {num_replicas} replicas of {source.name}{stages} on Ray", file=sys.stderr, flush=True)
+    if config.pipeline is None:
+        how = "--threads" if threads else "default; --threads N to change"
+        print(f"bargein: {threads or 1} compute threads per replica ({how})", file=sys.stderr, flush=True)
+    options = ReplicaOptions(threads=threads or 1, num_cpus=threads or 1)
     started = time.perf_counter()
     replicas = build_replicas(str(source.path) if ref is None or not str(ref).startswith("~") else str(ref),
-                              config, address, num_replicas)
+                              config, address, num_replicas, options)
     print(f"bargein: {num_replicas} replicas ready in {time.perf_counter() - started:.1f} s", file=sys.stderr,
           flush=True)
     return replicas

@@ -291,7 +291,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.replicas is not None:
-            engine = launch_replicas(args.model, config, args.ray, args.replicas)
+            engine = launch_replicas(args.model, config, args.ray, args.replicas, args.threads)
         elif config.pipeline is not None:
             engine = load_engine(args.model, config, report=True)
         else:

@@ -63,6 +63,7 @@ import torch
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.weights import Fingerprint, has_model_copy, materialize
+from bargein.distributed.worker_env import worker_runtime_env
 from bargein.engine.device import build_model, one_torch_thread, resolve_device, resolve_dtype
 from bargein.engine.plan import StepPlan
 from bargein.engine.runner import plan_inputs
@@ -437,4 +438,4 @@ def stage_actor(config: EngineConfig, on_node: Any) -> Any:
         options["resources"] = {pipe.node_resource: 0.001}
     if on_node is not None:
         options["scheduling_strategy"] = on_node
-    return ray.remote(**options)(StageWorker)
+    return ray.remote(**options, **worker_runtime_env())(StageWorker)  # the head's wait policy (worker_env)

@@ -79,6 +79,8 @@ class ReplicaEntry:
     weights_from: str | None = None
     weights_received_bytes: int = 0
     pipeline: RunnerInfo | None = None  # a replica that is a pipeline: its stages
+    threads: int | None = None  # its compute threads
+    wait_policy: str | None = None  # how they wait between kernels ("GOMP_SPINCOUNT=100")
 
 
 @dataclass(frozen=True)

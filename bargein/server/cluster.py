@@ -100,7 +100,7 @@ def _replica(r: ReplicaEntry) -> dict[str, Any]:
                  steps=s.steps, generated_tokens=s.generated_tokens,
                  submitted=r.submitted, resumed=r.resumed, aborts=dict(r.aborts or {}),
                  dropped_late=r.dropped_late, evictions=r.evictions, weights_from=r.weights_from,
-                 weights_received_bytes=r.weights_received_bytes)
+                 weights_received_bytes=r.weights_received_bytes, threads=r.threads, wait_policy=r.wait_policy)
     if r.pipeline is not None:
         body = runner_body(r.pipeline)
         entry.update(stages=body["stages"], pipeline_health=body.get("health"))

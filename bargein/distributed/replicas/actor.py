@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from bargein.distributed.router import Tombstones
+from bargein.distributed.worker_env import describe_wait_policy
 from bargein.engine.admission import Admitted
 from bargein.engine.block_keys import KeyChanges
 from bargein.engine.engine import Engine, EngineError
@@ -126,6 +127,8 @@ class ReplicaInfo:
     weights_from: str | None = None  # "file", "head" (shipped) or "stages" (a pipeline's, per stage)
     weights_received_bytes: int = 0
     pipeline: RunnerInfo | None = None  # a replica that is a pipeline: its stages
+    threads: int = 1  # its compute threads (torch's intra-op threads, which the kernels share)
+    wait_policy: str = ""  # how those threads wait between kernels ("GOMP_SPINCOUNT=100")
 
 
 class ReplicaWorker:
@@ -310,7 +313,8 @@ class ReplicaWorker:
                            pipeline=runner if runner.pipeline is not None else None,
                            weights_from=None if self.weights_origin is None else self.weights_origin.source,
                            weights_received_bytes=0 if self.weights_origin is None
-                           else self.weights_origin.received_bytes)
+                           else self.weights_origin.received_bytes,
+                           threads=torch.get_num_threads(), wait_policy=describe_wait_policy())
 
     async def shutdown(self, timeout: float = 10.0) -> int:
         """Cancels everything (reason ``shutdown``), waits for the engine to answer, stops stepping."""

@@ -32,7 +32,8 @@ def describe(replica_set: ReplicaSet) -> ReplicaSetInfo:
                 i, routing[i], replica_set.lost[i], replica_set.restarted[i], node_id=info.node_id, pid=info.pid,
                 stats=info.stats, submitted=c.submitted, resumed=c.resumed, aborts=dict(c.aborts),
                 dropped_late=c.dropped_late, evictions=info.evictions, weights_from=info.weights_from,
-                weights_received_bytes=info.weights_received_bytes, pipeline=info.pipeline)
+                weights_received_bytes=info.weights_received_bytes, pipeline=info.pipeline,
+                threads=info.threads, wait_policy=info.wait_policy)
         entries.append(entry)
     return ReplicaSetInfo(tuple(entries), replica_set.options.stages_per_replica, replica_set.options.routing,
                           replica_set.facts.num_blocks, replica_set.resubmitted, replica_set.dropped_late,

@@ -18,6 +18,7 @@ from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.replicas.actor import EngineBuilder, ReplicaWorker, kill
 from bargein.distributed.replicas.facade import ReplicaSet
 from bargein.distributed.replicas.options import ReplicaOptions
+from bargein.distributed.worker_env import worker_runtime_env
 
 try:
     import ray
@@ -55,8 +56,11 @@ def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas:
     if options.on_head_node:
         placement["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
             ray.get_runtime_context().get_node_id(), soft=False)
+    # The head's OpenMP wait policy goes with every replica (see worker_env): its node's
+    # raylet may have been started without it.
     actor_class = ray.remote(num_cpus=options.num_cpus, max_restarts=options.max_restarts,
-                             max_task_retries=0, max_concurrency=64, **placement)(ReplicaWorker)
+                             max_task_retries=0, max_concurrency=64, **placement,
+                             **worker_runtime_env())(ReplicaWorker)
     # The builders wait in a named store on this node and each replica fetches its own by
     # the store's name: a constructor argument that is (or holds) an object reference
     # makes Ray log, for an actor that may restart, an error that its restart will fail,
@@ -124,7 +128,7 @@ def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
         plans = plan_stage_nodes(num_replicas, pipe.stages, stage_nodes, pipe.threads_per_stage)
         model, shipping = replica_model(ref, config, nodes)
         builds = [with_stage_nodes(model, plan) for plan in plans]
-        options = replace(options, num_cpus=0, on_head_node=True, stages_per_replica=pipe.stages)
+        options = replace(options, num_cpus=0, threads=1, on_head_node=True, stages_per_replica=pipe.stages)
     else:
         model, shipping = replica_model(ref, config, nodes, ship=ship)
         builds = model if config.cache.kv_disk_dir is None else [model] * num_replicas
