@@ -1,62 +1,150 @@
-"""How fast each node computes, measured at start so the layer split can give a slow node
-fewer layers.
+"""How fast each node computes the model's layers, measured on the node at start (and
+cached there), so that the layer split gives a slow node fewer layers.
 
-``calibration_rate(threads, hidden)`` runs on a node (a Ray task pinned to it, with the
-threads a stage there will have) a short burst of the work a stage does per layer: a
-16-row float32 matmul against a (hidden x 4*hidden) matrix, repeated for about
-:data:`CALIBRATION_S`, and returns the matmuls per second. It is a proxy for a layer's
-forward, not the model's: it needs no weights on the node and takes the same time
-whatever the model. Nodes are measured one after another, so that on machines that
-share cores (namespace hosts) one node's burst does not slow another's, twice over,
-keeping each node's best (a burst that met other work on the machine counts less). The
-pipeline measures one node per address: nodes at one address share its CPUs.
+The measurement (:func:`layer_rate`, run on the node by a Ray task pinned to it, with the
+threads a stage there will have) times what a stage does for each layer of a decode step:
+a ``ROWS``-row float32 matmul against each of the model's layer matrices, in the model's
+shapes (:class:`LayerShapes`: Q, K, V, O and the MLP's three), repeated for about
+:data:`CALIBRATION_S`; the answer is layers per second. A matrix wider than
+:data:`MAX_TIMED_ROWS` output rows is timed on that many rows and its time scaled up (a
+row's cost is its input width), so an 8B model's node allocates tens of megabytes, not a
+layer's gigabyte. It needs no weights on the node. It is a proxy for the stage's own
+kernels (``fast`` reads quantized blocks): what it must get right is how nodes compare.
+
+The rate is cached on the node (:func:`node_rate`), one JSON file per node and model,
+under ``~/.cache/bargein/calibration`` (that node's home), keyed by the node's address,
+the layer shapes, the threads, the CPUs the measuring process may use (its affinity and
+its cgroup's CPU quota: :func:`~bargein.distributed.node_cpus.usable_cpus`) and torch's version: a node whose CPU limit
+or threads change is measured afresh, and a cached rate is used for
+:data:`CACHE_MAX_AGE_S` at most.
+
+Nodes are measured one after another, so that on machines that share cores (namespace
+hosts) one node's burst does not slow another's; each twice in a row, keeping the best
+(a burst that met other work on the machine counts less). The pipeline measures one
+node per address: nodes at one address share its CPUs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from bargein.config import ModelConfig
+from bargein.distributed.node_cpus import usable_cpus
+from bargein.distributed.split import layer_matrices
+from bargein.loader.names import expected_shape
 
 CALIBRATION_S = 0.15
-ROWS = 16
+ROWS = 16  # a decode step's rows: the work a node's share of a busy pipeline is
+MAX_TIMED_ROWS = 2048
+CACHE_MAX_AGE_S = 6 * 3600.0
+CACHE_DIR = "~/.cache/bargein/calibration"
 
 
-def calibration_rate(threads: int, hidden: int = 1024) -> float:
-    """Runs on the node: layer-sized matmuls per second with ``threads`` threads."""
+@dataclass(frozen=True)
+class LayerShapes:
+    """The (output, input) sizes of one layer's matrices: what the calibration times."""
+
+    matrices: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> LayerShapes:
+        """A middle layer's matrices (:func:`~bargein.distributed.split.layer_matrices`)."""
+        layer = config.num_layers // 2
+        shapes = (expected_shape(config, name) for name in layer_matrices(config, layer))
+        return cls(tuple((s[0], s[1]) for s in shapes if s is not None and len(s) == 2))
+
+    @property
+    def key(self) -> str:
+        return "-".join(f"{o}x{i}" for o, i in self.matrices)
+
+
+@dataclass(frozen=True)
+class NodeSpeed:
+    """One node's measured speed."""
+
+    layers_per_s: float  # the model's layers (their matrices, ROWS rows) per second
+    cpus: float  # the CPUs the measuring process could use (affinity, cgroup quota)
+    cached: bool  # read from the node's cache, not measured now
+
+
+def layer_rate(threads: int, shapes: LayerShapes, seconds: float = CALIBRATION_S) -> float:
+    """Runs on the node: the layers per second of ``shapes`` with ``threads`` threads."""
     import torch
 
     torch.set_num_threads(threads)
-    x = torch.randn(ROWS, hidden)
-    w = torch.randn(hidden, 4 * hidden)
-    torch.mm(x, w)  # warm: first-call allocation and thread start-up
-    done, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < CALIBRATION_S:
-        torch.mm(x, w)
-        done += 1
-    return done / elapsed
+    timed = [(torch.randn(min(out, MAX_TIMED_ROWS), k), out / min(out, MAX_TIMED_ROWS)) for out, k in shapes.matrices]
+    inputs = {k: torch.randn(ROWS, k) for _, k in shapes.matrices}
+    for w, _ in timed:  # warm: first-call allocation and thread start-up
+        torch.mm(inputs[w.shape[1]], w.t())
+    layer_s, layers, started = 0.0, 0, time.perf_counter()
+    while time.perf_counter() - started < seconds or layers == 0:
+        for w, scale in timed:
+            t = time.perf_counter()
+            torch.mm(inputs[w.shape[1]], w.t())
+            layer_s += (time.perf_counter() - t) * scale
+        layers += 1
+    return layers / layer_s
 
 
-def measure_nodes(node_ids: Sequence[str], threads: int, timeout_s: float = 30.0) -> dict[str, float]:
-    """Each node's calibration rate (Ray must be connected); a node that does not answer in
-    time is left out (the split then treats it as the others)."""
+def cache_key(address: str, threads: int, shapes: LayerShapes, cpus: float) -> str:
+    import torch
+
+    what = json.dumps([address, threads, shapes.key, round(cpus, 2), torch.__version__, ROWS])
+    return hashlib.blake2b(what.encode(), digest_size=12).hexdigest()
+
+
+def node_rate(address: str, threads: int, shapes: LayerShapes, refresh: bool = False,
+              directory: str = CACHE_DIR) -> NodeSpeed:
+    """Runs on the node: its rate from its cache (see the module doc), else measured now
+    and cached. ``refresh``: measure even where a cached rate is fresh."""
+    cpus = usable_cpus()
+    path = Path(os.path.expanduser(directory)) / f"{cache_key(address, threads, shapes, cpus)}.json"
+    if not refresh:
+        try:
+            entry = json.loads(path.read_text())
+            if time.time() - entry["measured_at"] < CACHE_MAX_AGE_S and entry["layers_per_s"] > 0:
+                return NodeSpeed(float(entry["layers_per_s"]), cpus, cached=True)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: measure
+    rate = max(layer_rate(threads, shapes), layer_rate(threads, shapes))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps({"layers_per_s": rate, "measured_at": time.time(), "address": address,
+                                       "threads": threads, "shapes": shapes.key, "cpus": cpus}))
+        partial.replace(path)  # atomic: a reader sees a whole entry or none
+    except OSError:
+        pass  # a node without a writable home still answers
+    return NodeSpeed(rate, cpus, cached=False)
+
+
+def measure_nodes(nodes: Mapping[str, str], threads: int, shapes: LayerShapes, *, refresh: bool = False,
+                  timeout_s: float = 60.0) -> dict[str, NodeSpeed]:
+    """Each node's speed (``nodes``: Ray node id -> its address; Ray must be connected),
+    one node after another; a node that does not answer in time is left out (the split
+    then weighs none by speed)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(num_cpus=0)(calibration_rate)
-    rates: dict[str, float] = {}
-    unanswered: set[str] = set()
-    for _ in range(2):
-        for node in dict.fromkeys(node_ids):
-            if node in unanswered:
-                continue
-            ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(threads)
-            ready, _ = ray.wait([ref], timeout=timeout_s)
-            try:
-                if not ready:
-                    raise TimeoutError
-                rates[node] = max(rates.get(node, 0.0), float(ray.get(ref)))
-            except (TimeoutError, ray.exceptions.RayError):
-                ray.cancel(ref, force=True)
-                unanswered.add(node)
-                rates.pop(node, None)
-    return rates
+    task = ray.remote(num_cpus=0)(node_rate)
+    speeds: dict[str, NodeSpeed] = {}
+    for node, address in nodes.items():
+        ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+            address, threads, shapes, refresh)
+        ready, _ = ray.wait([ref], timeout=timeout_s)
+        try:
+            if not ready:
+                raise TimeoutError
+            speed = ray.get(ref)
+            if math.isfinite(speed.layers_per_s):
+                speeds[node] = speed
+        except (TimeoutError, ray.exceptions.RayError):
+            ray.cancel(ref, force=True)
+    return speeds

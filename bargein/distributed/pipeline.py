@@ -78,7 +78,7 @@ try:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from bargein.distributed.calibrate import measure_nodes
+    from bargein.distributed.calibrate import LayerShapes, measure_nodes
     from bargein.distributed.health import RecoveryStats, first_line
     from bargein.distributed.recovery import StageRecovery
     from bargein.distributed.stage import StageCounters, stage_actor
@@ -131,12 +131,14 @@ def check_layout(num_stages: int, model_config: ModelConfig, given: LayerRanges 
 
 
 def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfig,
-                 given: LayerRanges | None, widths: MatrixWidths) -> tuple[list[StagePlacement], str]:
+                 given: LayerRanges | None, widths: MatrixWidths, *,
+                 recalibrate: bool = False) -> tuple[list[StagePlacement], str]:
     """Stage i on the i-th node by memory (cycling when stages outnumber nodes); layers
     split so that each stage's work (the last one's LM head included, priced by the bytes
     stages read per value of each matrix, ``widths``) is in proportion to its share of its
     node's memory times its node's speed factor (measured, see ``calibrate``), unless
-    ``given``. Returns the placements and one line saying what the split weighed."""
+    ``given``. Returns the placements and one line saying what the split weighed.
+    ``recalibrate``: measure every node now, not from its cached calibration."""
     resource = config.pipeline.node_resource if config.pipeline else None
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
              and (resource is None or n["Resources"].get(resource, 0) > 0)]
@@ -160,18 +162,17 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
     if given is not None:
         ranges, reason = check_split(given, num_layers), "as given (--stage-layers)"
     else:
-        factors = None
+        rates = None
         if len(set(addresses)) > 1:  # nodes at one address share its CPUs: nothing to weigh
             one_per_address = {n["NodeManagerAddress"]: n["NodeID"] for n in chosen}
-            rates = measure_nodes(list(one_per_address.values()), config.pipeline.threads_per_stage
-                                  if config.pipeline else 1)
-            if len(rates) == len(one_per_address):
-                by_address = dict(zip(one_per_address, speed_factors([rates[n] for n in one_per_address.values()]),
-                                      strict=True))
-                factors = [by_address[a] for a in addresses]
-        weights = [m * f for m, f in zip(shares, factors or [1.0] * len(shares), strict=True)]
+            speeds = measure_nodes({node: address for address, node in one_per_address.items()},
+                                   config.pipeline.threads_per_stage if config.pipeline else 1,
+                                   LayerShapes.of(model_config), refresh=recalibrate)
+            if len(speeds) == len(one_per_address):
+                rates = [speeds[one_per_address[a]].layers_per_s for a in addresses]
+        weights = [m * f for m, f in zip(shares, speed_factors(rates) if rates else [1.0] * len(shares), strict=True)]
         ranges = split_by_memory(num_layers, weights, head_layers(model_config, widths))
-        reason = split_reason(addresses, shares, factors)
+        reason = split_reason(addresses, shares, rates)
     return [StagePlacement(i, ranges[i], n["NodeID"], n["NodeManagerAddress"], shares[i])
             for i, n in enumerate(chosen)], reason
 

@@ -99,13 +99,18 @@ def speed_factors(rates: Sequence[float]) -> list[float]:
     return [1.0 if r / fastest >= SLOW_NODE else max(r / fastest, 0.01) for r in rates]
 
 
-def split_reason(addresses: Sequence[str], memories: Sequence[float], factors: Sequence[float] | None) -> str:
-    """One line saying what the automatic split weighed: each stage's node, memory share and speed factor."""
+def split_reason(addresses: Sequence[str], memories: Sequence[float], rates: Sequence[float] | None) -> str:
+    """One line saying what the automatic split weighed: each stage's node, its memory share
+    and, where measured (``rates``: the calibration's layers per second), its speed and
+    the factor :func:`speed_factors` made of it."""
+    factors = speed_factors(rates) if rates is not None else None
     parts = []
-    for address, memory, factor in zip(addresses, memories, factors or [1.0] * len(memories), strict=True):
+    for i, (address, memory) in enumerate(zip(addresses, memories, strict=True)):
         part = f"{address} {memory / 2**20:.0f} MiB"
-        parts.append(part + (f" x{factor:.2f} speed" if factors is not None else ""))
-    what = "memory and measured speed" if factors is not None else "memory"
+        if rates is not None and factors is not None:
+            part += f" {rates[i]:.0f} layers/s x{factors[i]:.2f}"
+        parts.append(part)
+    what = "memory and measured speed" if rates is not None else "memory"
     return f"by {what}: " + ", ".join(parts)
 
 

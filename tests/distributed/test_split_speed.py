@@ -1,12 +1,21 @@
 """The layer split weighs each node's measured speed as well as its memory (split.speed_factors,
-split_reason) and the calibration that measures it (calibrate.calibration_rate), without Ray."""
+split_reason) and the calibration that measures it (calibrate: the model's layer shapes,
+cached per node and model, the CPUs a cgroup quota allows), without Ray."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
-from bargein.distributed.calibrate import calibration_rate
+from bargein.distributed import calibrate
+from bargein.distributed.calibrate import LayerShapes, layer_rate, node_rate
+from bargein.distributed.node_cpus import usable_cpus
 from bargein.distributed.split import SLOW_NODE, speed_factors, split_by_memory, split_reason
+from tests import cpu_limits
+from tests.tiny_models import TinySpec, tiny_config
 
 
 def test_only_a_clearly_slower_node_is_weighed_down() -> None:
@@ -24,11 +33,58 @@ def test_a_slow_node_gets_fewer_layers_than_its_memory_alone_would_give() -> Non
 
 def test_the_reason_names_each_node_its_memory_and_its_speed() -> None:
     mib = 2**20
-    assert split_reason(["10.0.0.11", "10.0.0.12"], [600 * mib, 300 * mib], [1.0, 0.25]) == (
-        "by memory and measured speed: 10.0.0.11 600 MiB x1.00 speed, 10.0.0.12 300 MiB x0.25 speed")
+    assert split_reason(["10.0.0.11", "10.0.0.12"], [600 * mib, 300 * mib], [812.4, 203.0]) == (
+        "by memory and measured speed: 10.0.0.11 600 MiB 812 layers/s x1.00, 10.0.0.12 300 MiB 203 layers/s x0.25")
     assert split_reason(["a", "a"], [mib, mib], None) == "by memory: a 1 MiB, a 1 MiB"
 
 
-def test_the_calibration_measures_a_positive_rate() -> None:
-    pytest.importorskip("torch")
-    assert calibration_rate(1, hidden=64) > 0
+def test_the_calibration_times_the_models_own_layer_matrices() -> None:
+    spec = TinySpec(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2)
+    shapes = LayerShapes.of(tiny_config(spec))
+    # Q, K, V, O, then the MLP's gate, down and up projections: (output, input)
+    assert shapes.matrices == ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (64, 128), (128, 64))
+    assert layer_rate(1, shapes, seconds=0.02) > 0
+    # A matrix wider than MAX_TIMED_ROWS is timed on that many rows and scaled, not allocated whole.
+    assert layer_rate(1, LayerShapes(((calibrate.MAX_TIMED_ROWS * 64, 16),)), seconds=0.01) > 0
+
+
+def test_a_nodes_rate_is_cached_per_node_model_and_threads(tmp_path, monkeypatch) -> None:
+    measured: list[tuple[int, LayerShapes]] = []
+
+    def fake_rate(threads: int, shapes: LayerShapes, seconds: float = 0.0) -> float:
+        measured.append((threads, shapes))
+        return 100.0 * threads + len(measured)
+
+    monkeypatch.setattr(calibrate, "layer_rate", fake_rate)
+    shapes, other = LayerShapes(((64, 64),)), LayerShapes(((128, 64),))
+    first = node_rate("10.0.0.11", 1, shapes, directory=str(tmp_path))
+    assert (first.layers_per_s, first.cached, len(measured)) == (102.0, False, 2)  # best of two bursts
+    again = node_rate("10.0.0.11", 1, shapes, directory=str(tmp_path))
+    assert (again.layers_per_s, again.cached, len(measured)) == (102.0, True, 2)
+    # Another model, other threads, another node (its address), or refresh (the same entry): measured afresh.
+    assert not node_rate("10.0.0.11", 1, other, directory=str(tmp_path)).cached
+    assert not node_rate("10.0.0.11", 2, shapes, directory=str(tmp_path)).cached
+    assert not node_rate("10.0.0.12", 1, shapes, directory=str(tmp_path)).cached
+    assert not node_rate("10.0.0.11", 1, shapes, refresh=True, directory=str(tmp_path)).cached
+    assert len(measured) == 10
+    entries = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert len(entries) == 4 and not list(tmp_path.glob("*.tmp"))
+    # Too old: measured again.
+    monkeypatch.setattr(calibrate, "CACHE_MAX_AGE_S", 0.0)
+    assert not node_rate("10.0.0.11", 1, shapes, directory=str(tmp_path)).cached
+
+
+def test_a_cgroup_quota_lowers_the_cpus_a_node_offers() -> None:
+    assert 0 < usable_cpus() <= len(__import__("os").sched_getaffinity(0))
+    why = cpu_limits.unavailable()
+    if why:
+        pytest.skip(why)
+    # Imported before the limit (the child waits for a line), asked under it.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from bargein.distributed.node_cpus import "
+                              "usable_cpus; print(flush=True); sys.stdin.readline(); print(usable_cpus())"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "\n"
+    with cpu_limits.cpu_group([child.pid], cpus=0.25):
+        out, _ = child.communicate("go\n", timeout=60)
+    assert float(out) == 0.25
+    assert child.returncode == 0

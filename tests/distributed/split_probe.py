@@ -1,0 +1,36 @@
+"""Run on a namespace host (``python -m tests.distributed.split_probe ADDRESS MODEL``):
+connects to the Ray cluster at ADDRESS and prints, as one JSON line, the automatic layer
+split of a 2-stage pipeline of MODEL (``pipeline.place_stages``, every node measured
+afresh) and then each node's speed as a second, cached look-up answers it. No stage is
+started: the test sees the split a server would use without loading one."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from bargein.config import EngineConfig, PipelineConfig
+from bargein.distributed.calibrate import LayerShapes, measure_nodes
+from bargein.distributed.connect import connect
+from bargein.distributed.pipeline import place_stages
+from bargein.distributed.widths import stage_widths
+from bargein.loader import load_config, resolve_model_ref
+
+
+def main(address: str, model: str) -> None:
+    source = resolve_model_ref(os.path.expanduser(model))
+    model_config = load_config(source)
+    config = EngineConfig(pipeline=PipelineConfig(stages=2, ray_address=address))
+    connect(address, 2)
+    placements, reason = place_stages(2, model_config, config, None, stage_widths(source, model_config, config),
+                                      recalibrate=True)
+    speeds = measure_nodes({p.node_id: p.node_address for p in placements}, 1, LayerShapes.of(model_config))
+    print(json.dumps({"layers": [list(p.layers) for p in placements],
+                      "addresses": [p.node_address for p in placements], "reason": reason,
+                      "cached": {p.node_address: speeds[p.node_id].cached for p in placements},
+                      "cpus": {p.node_address: speeds[p.node_id].cpus for p in placements}}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
