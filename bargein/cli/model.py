@@ -81,8 +81,6 @@ def launch_replicas(ref: str | None, config: Any, address: str, num_replicas: in
     from bargein.distributed.replicas import ReplicaOptions
     from bargein.loader import resolve_model_ref
 
-    if threads is not None and threads < 1:
-        raise CliError(f"--threads must be at least 1, got {threads}", EXIT_USAGE)
     try:
         source = resolve_model_ref(ref)  # fails fast here for a bad reference
     except _load_errors() as exc:

@@ -400,6 +400,8 @@ def _check_replica_flags(args: argparse.Namespace) -> None:
         raise CliError("--replicas needs a Ray cluster: add --ray [auto|ADDRESS|local]", EXIT_SETUP)
     if args.replicas < 1:
         raise CliError(f"--replicas must be at least 1, got {args.replicas}", EXIT_SETUP)
+    if args.threads is not None and args.threads < 1:
+        raise CliError(f"--threads must be at least 1, got {args.threads}", EXIT_USAGE)
 
 
 COMMAND = Command("run the OpenAI-compatible server and the web chat", _add_serve_arguments, _run_serve)
