@@ -7,18 +7,25 @@ process talks to the servers at h0's address only.
 
 Shown: the join refuses without the token and the cluster check finds every node; the
 pipeline across hosts answers token for token as one process does; a cancel by id stops
-every stage; a follow-up turn is served from the cache; 16 concurrent chats that share a
-system prompt are balanced over the replicas while each conversation's turns stay on
-their replica; a host that loses every process (h2) costs a pause, not the answers.
+every stage; a follow-up turn is served from the cache; a host made slow (a cgroup CPU
+quota) is measured so and gets fewer layers than its memory alone would give it; the
+replicas run with the server's ``--threads`` and wait policy; 16 concurrent chats that
+share a system prompt are balanced over the replicas while each conversation's turns stay
+on their replica; a host whose link goes down mid-answer costs that answer a pause (it
+resumes, token for token, on the other replica, which keeps serving), and the host is
+back in the cluster once its link is; a host that loses every process (h2) costs a
+pause, not the answers.
 
-One set of hosts and one Ray cluster for the module (about a minute on 2 cores).
+One set of hosts and one Ray cluster for the module (about two minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +35,7 @@ import httpx
 import pytest
 
 from bargein.kernels.native import cache_dir
+from tests import cpu_limits
 from tests.net_hosts import Host, Hosts, make_hosts, remove_hosts, skip_or_fail, unavailable
 from tests.started import count
 from tests.tiny_models import SPECIAL_TOKENS, TinySpec, tiny_tokenizer, tiny_weights, write_gguf
@@ -112,11 +120,11 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 class Server:
     """``bargein serve`` on the head host, reached at the head's address."""
 
-    def __init__(self, cluster: Cluster, port: int, *flags: str):
+    def __init__(self, cluster: Cluster, port: int, *flags: str, env: tuple[str, ...] = ()):
         self.url = f"http://{cluster.head.ip}:{port}"
         self.log = cluster.head.home / f"serve-{port}.log"
         self.proc = cluster.head.popen([
-            sys.executable, "-m", "bargein.cli", "serve", "--model", cluster.model, "--ray", cluster.address,
+            "env", *env, sys.executable, "-m", "bargein.cli", "serve", "--model", cluster.model, "--ray", cluster.address,
             "--host", cluster.head.ip, "--port", str(port), "--kv-tokens", "2048", "--debug-endpoints", *flags],
             self.log)
         count("bargein servers")
@@ -201,6 +209,9 @@ def test_the_pipeline_spans_the_hosts_and_answers_as_one_process(cluster: Cluste
     # are alike, so memory decides), and the reason names each host.
     assert info["split"].startswith("by memory and measured speed: ")
     assert f"{cluster.hosts[1].ip} 600 MiB" in info["split"] and f"{cluster.hosts[2].ip} 300 MiB" in info["split"]
+    for host in cluster.hosts.hosts[1:]:  # each host's rate is cached in its own home, for its address
+        (entry,) = [json.loads(p.read_text()) for p in (host.home / ".cache/bargein/calibration").glob("*.json")]
+        assert entry["address"] == host.ip and entry["layers_per_s"] > 0 and entry["threads"] == 1
     body = pipeline.chat([{"role": "user", "content": "Tell me about the sea, please."}], max_tokens=24)
     (choice,) = body["choices"]
     assert choice["token_ids"] == _expected(reference, choice["prompt_token_ids"], 24)
@@ -243,9 +254,34 @@ def test_a_follow_up_turn_is_served_from_the_cache(pipeline: Server) -> None:
     assert cached >= len(choice["prompt_token_ids"]) + len(choice["token_ids"]) - 1
 
 
+def test_a_slow_host_gets_fewer_layers_than_its_memory_would_give_it(cluster: Cluster) -> None:
+    """h1 (600 MiB, twice h2's memory) is made slow with a cgroup CPU quota of 0.3 CPU; h2
+    gets the largest CPU weight, so that it measures a whole core however loaded this
+    machine is. The split a 2-stage server would use (tests/distributed/split_probe.py, on
+    h0, every node measured afresh) gives h1 fewer layers than memory alone does (4 of 6),
+    and says why; the rates are then cached on each host."""
+    why = cpu_limits.unavailable()
+    if why:
+        skip_or_fail(why)
+    slow, fast = cluster.hosts[1], cluster.hosts[2]
+    with cpu_limits.cpu_group(slow.pids(), cpus=0.3), cpu_limits.cpu_group(fast.pids(), weight_max=True):
+        done = cluster.head.run([sys.executable, "-m", "tests.distributed.split_probe", cluster.address,
+                                 cluster.model], timeout=240)
+    probe = json.loads(_ok(done, "split probe").strip().splitlines()[-1])
+    assert probe["addresses"] == [slow.ip, fast.ip]
+    assert probe["memory_only"] == [[0, 4], [4, 6]]
+    assert probe["layers"][0][1] < 4, probe["reason"]  # the slow host: fewer layers than memory gives it
+    factors = {part.split()[0]: float(part.rsplit("x", 1)[1]) for part in probe["reason"].split(": ", 1)[1].split(", ")}
+    assert factors[slow.ip] < 0.5 and factors[fast.ip] == 1.0, probe["reason"]
+    assert probe["cached"] == {slow.ip: True, fast.ip: True}
+
+
 @pytest.fixture(scope="module")
 def replicas(cluster: Cluster, pipeline: Server) -> Iterator[Server]:
-    server = Server(cluster, REPLICA_PORT, "--replicas", "2")
+    # --threads 2: each replica takes 2 of its host's 4 CPUs (one per host: the pipeline's
+    # stages hold one on each). A wait policy of the server's own, unlike the nodes' (set by
+    # bargein cluster join), shows that the server hands its own to the replicas.
+    server = Server(cluster, REPLICA_PORT, "--replicas", "2", "--threads", "2", env=("GOMP_SPINCOUNT=250",))
     try:
         yield server.wait_ready()
     finally:
@@ -259,6 +295,8 @@ def _routed(server: Server) -> list[int]:
 def test_replicas_sit_on_both_hosts_and_show_their_addresses(cluster: Cluster, replicas: Server) -> None:
     info = replicas.cluster()
     assert sorted(r["node_address"] for r in info["replicas"]) == sorted(h.ip for h in cluster.hosts.hosts[1:])
+    assert [(r["threads"], r["wait_policy"]) for r in info["replicas"]] == [(2, "GOMP_SPINCOUNT=250")] * 2
+    assert "2 compute threads per replica (--threads)" in replicas.log.read_text()
     # Ray's "the actor restart will fail" error, which a replica's builder (the shipped
     # model: an object reference) once caused at every start, is not logged.
     assert "core_worker" not in replicas.log.read_text()
@@ -284,6 +322,82 @@ def test_chats_sharing_a_system_prompt_are_balanced_and_turns_stay_on_their_repl
             third = moved
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             history = history + [{"role": "assistant", "content": body["choices"][0]["message"]["content"]}]
+
+
+def _stream_chat(server: Server, messages: list[dict], max_tokens: int, first: threading.Event) -> dict:
+    """A streamed greedy chat; sets ``first`` at its first content; returns the final choice
+    (with its token ids) and when it ended."""
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=180,
+                      json={"model": "tiny", "messages": messages, "max_tokens": max_tokens, "stream": True,
+                            **GREEDY}) as r:
+        assert r.status_code == 200, r.read()
+        final = None
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[len("data: "):])
+            for choice in chunk.get("choices", ()):
+                if choice["delta"].get("content"):
+                    first.set()
+                if choice.get("finish_reason"):
+                    final = choice
+    assert final is not None, "the stream ended without a final chunk"
+    return final | {"ended": time.monotonic()}
+
+
+def _wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(0.2)
+
+
+def test_a_host_whose_link_goes_down_mid_answer_costs_a_pause_and_rejoins(cluster: Cluster, replicas: Server,
+                                                                          reference) -> None:
+    """Two answers are generating, one on each host's replica, when h2's cable is pulled
+    (its veth down): the one on h1 goes on; the one on h2 pauses until the head finds the
+    replica lost (its poll unanswered for 10 s) and resumes on h1 from the tokens
+    delivered, token for token; a new chat is served meanwhile. The link comes back within
+    Ray's node-death timeout: h2 is a node of the cluster again and its replica answers."""
+    lost, answer = cluster.hosts[2], 230
+    on_lost = next(r["index"] for r in replicas.cluster()["replicas"] if r["node_address"] == lost.ip)
+    before = replicas.cluster()
+    chats = [[{"role": "user", "content": f"Tell a long story, number {n}."}] for n in range(2)]
+    # Pulled at the first streamed content of either: the answer on h2 (a tiny model's 230
+    # tokens take a fraction of a second) must not be over yet.
+    started = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = [pool.submit(_stream_chat, replicas, m, answer, started) for m in chats]
+        assert started.wait(60), "the answers did not start"
+        lost.link(up=False)
+        try:
+            down_at = time.monotonic()
+            finals = [a.result(timeout=120) for a in answers]
+            # Meanwhile the other replica serves a new chat, token for token.
+            body = replicas.chat([{"role": "user", "content": "Are you still there?"}], max_tokens=8)
+            (choice,) = body["choices"]
+            assert choice["token_ids"] == _expected(reference, choice["prompt_token_ids"], 8)
+            after = replicas.cluster()
+        finally:
+            lost.link(up=True)
+    routed = [a["routed"] - b["routed"] for a, b in zip(after["replicas"], before["replicas"], strict=True)]
+    assert routed[1 - on_lost] >= 2 and routed[on_lost] == 1, routed  # one answer started on each host
+    for final in finals:
+        assert final["finish_reason"] == "length"
+        assert final["token_ids"] == _expected(reference, final["prompt_token_ids"], answer)
+    assert after["replicas"][on_lost]["lost"] == before["replicas"][on_lost]["lost"] + 1
+    assert after["resubmitted"] == before["resubmitted"] + 1  # the answer on h2, resumed on h1
+    assert max(f["ended"] for f in finals) - down_at >= 5  # that one waited for the loss to be found
+    # The link is back: h2 is in the cluster, every replica answers again.
+    _wait_for(lambda: all(r["up"] for r in replicas.cluster()["replicas"]), 180, "the lost replica back")
+    out = _ok(cluster.head.bargein("cluster", "check", "--ray", cluster.address), "cluster check")
+    assert "the Ray cluster is ready: 3 nodes" in out and lost.ip in out
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        bodies = list(pool.map(lambda n: replicas.chat([{"role": "user", "content": f"Again {n}?"}], max_tokens=8),
+                               range(4)))
+    for body in bodies:
+        (choice,) = body["choices"]
+        assert choice["token_ids"] == _expected(reference, choice["prompt_token_ids"], 8)
 
 
 def test_a_host_that_loses_every_process_costs_a_pause_not_the_answers(cluster: Cluster, pipeline: Server,
