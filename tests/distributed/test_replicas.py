@@ -270,8 +270,9 @@ def test_v1_requests_merges_replicas_and_v1_cluster_and_metrics_show_them(replic
     assert all(a["choices"][0]["finish_reason"] == "cancelled" for a in answers)
     assert cluster["num_replicas"] == 2 and len(cluster["replicas"]) == 2
     assert all(r["up"] and r["routed"] > 0 and "cache_hit_rate" in r for r in cluster["replicas"])
+    assert all(r["threads"] == 1 and r["wait_policy"] for r in cluster["replicas"])  # ReplicaOptions' default
     text = format_cluster(cluster)
-    assert "2 replicas" in text and "REPLICA" in text
+    assert "2 replicas" in text and "REPLICA" in text and "THREADS" in text
     assert 'bargein_replica_routed_total{replica="0"}' in metrics and 'bargein_replica_up{replica="1"} 1.0' in metrics
     run(replicas.check_block_accounting())
 
