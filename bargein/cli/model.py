@@ -75,8 +75,10 @@ def launch_replicas(ref: str | None, config: Any, address: str, num_replicas: in
     set); a node without the model file gets the weights shipped from here.
 
     ``threads`` (``--threads``): each whole-model replica's compute threads, and the CPUs it
-    takes on its node (Ray then puts no more replicas on a node than its CPUs hold); default
-    1. A pipeline replica's stages take them from ``config.pipeline.threads_per_stage``."""
+    takes on its node (Ray then puts no more replicas on a node than its CPUs hold); default:
+    per node, what the node offers shared among the replicas placed there
+    (``bargein.distributed.replicas.slots``). A pipeline replica's stages take theirs from
+    ``config.pipeline.threads_per_stage``."""
     from bargein.build import build_replicas
     from bargein.distributed.replicas import ReplicaOptions
     from bargein.loader import resolve_model_ref
@@ -88,9 +90,11 @@ def launch_replicas(ref: str | None, config: Any, address: str, num_replicas: in
     stages = f" as pipelines of {config.pipeline.stages} stages" if config.pipeline else ""
     print(f"bargein: starting {num_replicas} replicas of {source.name}{stages} on Ray", file=sys.stderr, flush=True)
     if config.pipeline is None:
-        how = "--threads" if threads else "default; --threads N to change"
-        print(f"bargein: {threads or 1} compute threads per replica ({how})", file=sys.stderr, flush=True)
-    options = ReplicaOptions(threads=threads or 1, num_cpus=threads or 1)
+        what = (f"{threads} compute threads per replica (--threads)" if threads else
+                "compute threads per replica: what its node offers, shared among the replicas there "
+                "(default; --threads N to set)")
+        print(f"bargein: {what}", file=sys.stderr, flush=True)
+    options = ReplicaOptions(threads=threads, num_cpus=threads or 1)
     started = time.perf_counter()
     replicas = build_replicas(str(source.path) if ref is None or not str(ref).startswith("~") else str(ref),
                               config, address, num_replicas, options)

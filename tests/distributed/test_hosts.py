@@ -9,7 +9,7 @@ Shown: the join refuses without the token and the cluster check finds every node
 pipeline across hosts answers token for token as one process does; a cancel by id stops
 every stage; a follow-up turn is served from the cache; a host made slow (a cgroup CPU
 quota) is measured so and gets fewer layers than its memory alone would give it; the
-replicas run with the server's ``--threads`` and wait policy; 16 concurrent chats that
+replicas run with the threads their host offers and the server's wait policy; 16 concurrent chats that
 share a system prompt are balanced over the replicas while each conversation's turns stay
 on their replica; a host whose link goes down mid-answer costs that answer a pause (it
 resumes, token for token, on the other replica, which keeps serving), and the host is
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import shutil
 import sys
 import threading
@@ -48,12 +49,14 @@ PORT, REPLICA_PORT = 8000, 8001
 NO_CONTROL = {str(tiny_tokenizer().token_to_id(t)): -100 for t in SPECIAL_TOKENS}
 GREEDY = {"temperature": 0, "ignore_eos": True, "logit_bias": NO_CONTROL, "return_token_ids": True}
 SYSTEM = {"role": "system", "content": "You are a careful assistant; answer briefly."}  # the tiny model holds 256
-# Each host's Ray node: CPUs (logical: there are two real cores for all) and memory, which
-# the layer split reads (h1 gets more layers than h2). The head offers no CPU: stages and
-# replicas go to h1 and h2.
+# Each host's Ray node: CPUs (logical: this machine's cores are shared by all; two more
+# than there are, so that a replica taking what its host offers, every core, fits beside a
+# pipeline stage and, on h1, a stage re-created there) and memory, which the layer split
+# reads (h1 gets more layers than h2). The head offers no CPU: stages and replicas go to h1 and h2.
+CORES = len(os.sched_getaffinity(0))
 NODE_FLAGS = {0: ("--num-cpus", "0", "--memory", "300MiB"),
-              1: ("--num-cpus", "4", "--memory", "600MiB"),
-              2: ("--num-cpus", "4", "--memory", "300MiB")}
+              1: ("--num-cpus", str(CORES + 2), "--memory", "600MiB"),
+              2: ("--num-cpus", str(CORES + 2), "--memory", "300MiB")}
 
 
 @dataclass
@@ -278,10 +281,11 @@ def test_a_slow_host_gets_fewer_layers_than_its_memory_would_give_it(cluster: Cl
 
 @pytest.fixture(scope="module")
 def replicas(cluster: Cluster, pipeline: Server) -> Iterator[Server]:
-    # --threads 2: each replica takes 2 of its host's 4 CPUs (one per host: the pipeline's
-    # stages hold one on each). A wait policy of the server's own, unlike the nodes' (set by
-    # bargein cluster join), shows that the server hands its own to the replicas.
-    server = Server(cluster, REPLICA_PORT, "--replicas", "2", "--threads", "2", env=("GOMP_SPINCOUNT=250",))
+    # No --threads: each replica gets what its host offers, a thread per core (the CPUs its
+    # processes may use; Ray declares two more), and takes as many Ray CPUs (one replica per
+    # host: the pipeline's stages hold one on each). A wait policy of the server's own, unlike the
+    # nodes' (set by bargein cluster join), shows that the server hands its own to the replicas.
+    server = Server(cluster, REPLICA_PORT, "--replicas", "2", env=("GOMP_SPINCOUNT=250",))
     try:
         yield server.wait_ready()
     finally:
@@ -295,8 +299,9 @@ def _routed(server: Server) -> list[int]:
 def test_replicas_sit_on_both_hosts_and_show_their_addresses(cluster: Cluster, replicas: Server) -> None:
     info = replicas.cluster()
     assert sorted(r["node_address"] for r in info["replicas"]) == sorted(h.ip for h in cluster.hosts.hosts[1:])
-    assert [(r["threads"], r["wait_policy"]) for r in info["replicas"]] == [(2, "GOMP_SPINCOUNT=250")] * 2
-    assert "2 compute threads per replica (--threads)" in replicas.log.read_text()
+    # Each replica has what its host offers: the CPUs its processes may use (fewer than Ray's).
+    assert [(r["threads"], r["wait_policy"]) for r in info["replicas"]] == [(CORES, "GOMP_SPINCOUNT=250")] * 2
+    assert "compute threads per replica: what its node offers" in replicas.log.read_text()
     # Ray's "the actor restart will fail" error, which a replica's builder (the shipped
     # model: an object reference) once caused at every start, is not logged.
     assert "core_worker" not in replicas.log.read_text()

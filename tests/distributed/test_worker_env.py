@@ -1,5 +1,5 @@
-"""What the head hands its Ray workers (distributed/worker_env.py) and the replica flags
-``serve`` checks before anything starts, without Ray."""
+"""What the head hands its Ray workers (distributed/worker_env.py), and how ``serve``'s
+``--threads`` becomes each replica's threads (checked before anything starts), without Ray."""
 
 from __future__ import annotations
 
@@ -24,3 +24,20 @@ def test_serve_refuses_replica_threads_under_one_before_starting(capsys) -> None
 
     assert main(["serve", "--port", "0", "--ray", "local", "--replicas", "2", "--threads", "0"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "bargein: error: --threads must be at least 1, got 0"
+
+
+def test_serve_threads_become_each_replicas_threads_and_cpus(tmp_path, monkeypatch, capsys) -> None:
+    import bargein.build
+    from bargein.cli.model import launch_replicas
+    from bargein.config import EngineConfig
+    from tests.tiny_models import TinySpec, tiny_weights, write_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_gguf(model, TinySpec(), tiny_weights(TinySpec()), tensor_type="Q8_0")
+    given = []
+    monkeypatch.setattr(bargein.build, "build_replicas", lambda ref, config, address, n, options: given.append(options))
+    launch_replicas(str(model), EngineConfig(), "local", 2, threads=3)
+    assert "3 compute threads per replica (--threads)" in capsys.readouterr().err
+    launch_replicas(str(model), EngineConfig(), "local", 2)
+    assert "compute threads per replica: what its node offers" in capsys.readouterr().err
+    assert [(o.threads, o.num_cpus) for o in given] == [(3, 3), (None, 1)]  # None: per node (replicas/slots.py)

@@ -7,7 +7,8 @@
 - ``failover``: the pure decision what becomes of a lost replica's request;
 - ``actor``: the replica itself, a whole engine inside a Ray actor;
 - ``launch``: starting the set, all or nothing; ``placement``: where replicas and their
-  stages go, and the weights shipped to nodes without the file; ``options``;
+  stages go, and the weights shipped to nodes without the file; ``slots``: each replica's
+  node and threads from what the nodes offer; ``options``;
 - ``metrics``: per-replica Prometheus series.
 
 Ray is an optional extra: importing this package needs none (launching does).

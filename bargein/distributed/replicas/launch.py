@@ -9,6 +9,8 @@ that all N x M stages fit (PipelineSetupError, one line, when they do not).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
@@ -18,6 +20,7 @@ from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.replicas.actor import EngineBuilder, ReplicaWorker, kill
 from bargein.distributed.replicas.facade import ReplicaSet
 from bargein.distributed.replicas.options import ReplicaOptions
+from bargein.distributed.replicas.slots import ReplicaSlot, plan_replica_slots
 from bargein.distributed.worker_env import worker_runtime_env
 
 try:
@@ -27,13 +30,17 @@ except ModuleNotFoundError as exc:  # the optional extra is missing: start_repli
         raise
     ray = None
 
+log = logging.getLogger("bargein.distributed")
+
 
 def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas: int,
-                   options: ReplicaOptions | None = None) -> ReplicaSet:
+                   options: ReplicaOptions | None = None, slots: Sequence[ReplicaSlot] | None = None) -> ReplicaSet:
     """Starts ``num_replicas`` actors (Ray must be connected) and waits until all have loaded.
 
     ``build``: one builder for every replica, or one per replica (pipelines whose stages
-    go to different nodes). All or nothing: on any failure the actors started (and, owned
+    go to different nodes). ``slots``: each replica's node (preferred: Ray may restart it
+    elsewhere), threads and CPUs; default ``options.threads`` and ``options.num_cpus``
+    wherever Ray finds room. All or nothing: on any failure the actors started (and, owned
     by them, their stages) are killed and PipelineSetupError says why in one line.
     """
     options = options or ReplicaOptions()
@@ -44,10 +51,13 @@ def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas:
     builds = list(build) if isinstance(build, Sequence) else [build] * num_replicas
     if len(builds) != num_replicas:
         raise ValueError(f"{len(builds)} builders were given for {num_replicas} replicas")
-    cpus = ray.cluster_resources().get("CPU", 0)
-    if options.num_cpus * num_replicas > cpus:
-        raise PipelineSetupError(f"{num_replicas} replicas need {options.num_cpus * num_replicas:g} CPUs "
-                                 f"({options.num_cpus:g} each), but the cluster has {cpus:g}")
+    slots = list(slots or [ReplicaSlot(None, options.threads or 1, options.num_cpus)] * num_replicas)
+    cpus, needed = ray.cluster_resources().get("CPU", 0), sum(slot.num_cpus for slot in slots)
+    if needed > cpus:
+        each = {slot.num_cpus for slot in slots}
+        raise PipelineSetupError(f"{num_replicas} replicas need {needed:g} CPUs"
+                                 + (f" ({each.pop():g} each)" if len(each) == 1 else "")
+                                 + f", but the cluster has {cpus:g}")
     placement: dict[str, Any] = {}
     if options.resources:
         placement["resources"] = dict(options.resources)
@@ -70,7 +80,8 @@ def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas:
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     store = ray.remote(num_cpus=0, max_restarts=0)(BuilderStore).options(
         name=store_name, scheduling_strategy=here).remote(builds)
-    actors = [actor_class.remote(i, store_name, options.threads) for i in range(num_replicas)]
+    actors = [actor_class.options(**_slot_options(slot)).remote(i, store_name, slot.threads)
+              for i, slot in enumerate(slots)]
     try:
         pings = [a.ping.remote() for a in actors]
         ready, _ = ray.wait(pings, num_returns=num_replicas, timeout=options.start_timeout_s)
@@ -89,6 +100,17 @@ def start_replicas(build: EngineBuilder | Sequence[EngineBuilder], num_replicas:
     group = ReplicaSet(actors, facts, options, started)
     group.builder_store = store
     return group
+
+
+def _slot_options(slot: ReplicaSlot) -> dict[str, Any]:
+    """A replica's own actor options: its CPUs, and its node as a preference (a replica Ray
+    restarts after its node is lost goes where there is room)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    options: dict[str, Any] = {"num_cpus": slot.num_cpus}
+    if slot.node_id is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(slot.node_id, soft=True)
+    return options
 
 
 class BuilderStore:
@@ -122,6 +144,7 @@ def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
         raise PipelineSetupError("the Ray cluster has no live node with a CPU" +
                                  (f" offering {', '.join(wanted)}" if wanted else ""))
     builds: EngineBuilder | list[EngineBuilder]
+    slots: list[ReplicaSlot] | None = None
     if pipe is not None:
         stage_nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
                        and (pipe.node_resource is None or n["Resources"].get(pipe.node_resource, 0) > 0)]
@@ -132,13 +155,36 @@ def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
     else:
         model, shipping = replica_model(ref, config, nodes, ship=ship)
         builds = model if config.cache.kv_disk_dir is None else [model] * num_replicas
+        if options.threads is None:  # per node: what each offers, shared among its replicas
+            slots = plan_replica_slots(num_replicas, nodes, _usable_cpus(nodes))
+            for i, slot in enumerate(slots):
+                log.info("replica %d: node %s, %d compute threads", i, slot.node_id, slot.threads)
     if config.cache.kv_disk_dir is not None:  # one tier directory per replica
         builds = [with_own_kv_disk(b, i) for i, b in enumerate(builds)]
-    group = start_replicas(builds, num_replicas, options)
+    group = start_replicas(builds, num_replicas, options, slots)
     group.builds = builds  # holds the shipped weights' reference: a restarted replica fetches them again
     group.weights_shipped_bytes = shipping.shipped_bytes
     group.nodes_without_file = shipping.nodes_without_file
     return group
+
+
+def _usable_cpus(nodes: list[dict[str, Any]], timeout_s: float = 30.0) -> dict[str, float]:
+    """The CPUs a process may use on each node (a task pinned there); one that does not
+    answer is left out (it then offers its Ray CPUs)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from bargein.distributed.node_cpus import usable_cpus
+
+    task = ray.remote(num_cpus=0)(usable_cpus)
+    refs = {n["NodeID"]: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            .remote() for n in nodes}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    answered = {}
+    for node, ref in refs.items():
+        if ref in ready:
+            with contextlib.suppress(ray.exceptions.RayError):  # it failed: as if it had not answered
+                answered[node] = float(ray.get(ref))
+    return answered
 
 
 def _cause(exc: BaseException) -> str:

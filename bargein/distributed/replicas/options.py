@@ -10,7 +10,7 @@ class ReplicaOptions:
     """How replicas are placed and kept: Ray resources, restarts, deadlines."""
 
     num_cpus: float = 1.0
-    threads: int = 1
+    threads: int | None = 1  # each replica's compute threads; None: per node (replicas/slots.py)
     max_restarts: int = -1  # Ray re-creates a lost replica (forever by default)
     call_timeout_s: float = 10.0  # a poll (or ping) not answered by then: the replica is lost
     start_timeout_s: float = 300.0  # loading the model on every replica
