@@ -7,8 +7,9 @@ a ``ROWS``-row float32 matmul against each of the model's layer matrices, in the
 shapes (:class:`LayerShapes`: Q, K, V, O and the MLP's three), repeated for about
 :data:`CALIBRATION_S`; the answer is layers per second. A matrix wider than
 :data:`MAX_TIMED_ROWS` output rows is timed on that many rows and its time scaled up (a
-row's cost is its input width), so an 8B model's node allocates tens of megabytes, not a
-layer's gigabyte. It needs no weights on the node. It is a proxy for the stage's own
+row's cost is its input width), and matrices of one shape (a mixture-of-experts layer's
+experts) are timed once and counted for each, so an 8B model's node allocates tens of
+megabytes, not a layer's gigabyte. It needs no weights on the node. It is a proxy for the stage's own
 kernels (``fast`` reads quantized blocks): what it must get right is how nodes compare.
 
 The rate is cached on the node (:func:`node_rate`), one JSON file per node and model,
@@ -31,6 +32,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +81,10 @@ def layer_rate(threads: int, shapes: LayerShapes, seconds: float = CALIBRATION_S
     import torch
 
     torch.set_num_threads(threads)
-    timed = [(torch.randn(min(out, MAX_TIMED_ROWS), k), out / min(out, MAX_TIMED_ROWS)) for out, k in shapes.matrices]
+    # One weight per distinct shape, its time counted once per matrix of that shape (a
+    # mixture-of-experts layer's experts share one): memory stays that of a few matrices.
+    timed = [(torch.randn(min(out, MAX_TIMED_ROWS), k), count * out / min(out, MAX_TIMED_ROWS))
+             for (out, k), count in Counter(shapes.matrices).items()]
     inputs = {k: torch.randn(ROWS, k) for _, k in shapes.matrices}
     for w, _ in timed:  # warm: first-call allocation and thread start-up
         torch.mm(inputs[w.shape[1]], w.t())

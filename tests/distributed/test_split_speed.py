@@ -46,6 +46,9 @@ def test_the_calibration_times_the_models_own_layer_matrices() -> None:
     assert layer_rate(1, shapes, seconds=0.02) > 0
     # A matrix wider than MAX_TIMED_ROWS is timed on that many rows and scaled, not allocated whole.
     assert layer_rate(1, LayerShapes(((calibrate.MAX_TIMED_ROWS * 64, 16),)), seconds=0.01) > 0
+    # 64 experts of one shape: timed once, counted 64 times (slower per layer than one matrix).
+    one, experts = LayerShapes(((256, 256),)), LayerShapes(((256, 256),) * 64)
+    assert layer_rate(1, experts, seconds=0.05) < layer_rate(1, one, seconds=0.05) / 8
 
 
 def test_a_nodes_rate_is_cached_per_node_model_and_threads(tmp_path, monkeypatch) -> None:
