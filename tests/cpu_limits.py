@@ -31,9 +31,14 @@ def unavailable() -> str | None:
     """Why a CPU cgroup cannot be made here, or None."""
     if os.geteuid() != 0:
         return "cgroups need root"
-    root, _ = _root()
+    root, v2 = _root()
     if not root.is_dir() or not os.access(root, os.W_OK):
         return f"no writable cgroup cpu controller at {root}"
+    if v2:
+        try:  # a container's cgroup root that holds processes cannot give controllers to children
+            (root / "cgroup.subtree_control").write_text("+cpu")
+        except OSError as exc:
+            return f"cannot enable the cpu controller for child cgroups of {root}: {exc.strerror or exc}"
     return None
 
 
@@ -43,9 +48,8 @@ def cpu_group(pids: Iterable[int] = (), *, cpus: float | None = None, weight_max
     (a quota over 100 ms periods), and with ``weight_max`` the largest CPU weight."""
     root, v2 = _root()
     group = root / f"bargein-test-{random.getrandbits(32):08x}"
-    if v2:
-        with contextlib.suppress(OSError):  # the controller enabled for children (may already be)
-            (root / "cgroup.subtree_control").write_text("+cpu")
+    if v2:  # the controller enabled for children (unavailable() says where it cannot be)
+        (root / "cgroup.subtree_control").write_text("+cpu")
     group.mkdir()
     try:
         if cpus is not None:
