@@ -133,3 +133,11 @@ def collector(engine: Engine) -> OutputCollector:
     if engine not in _COLLECTORS:
         _COLLECTORS[engine] = OutputCollector(engine)
     return _COLLECTORS[engine]
+
+
+def run_until_finished(engine: Engine, request_id: str) -> list:
+    """Steps ``engine`` until ``request_id`` finishes; that request's outputs, the last one final."""
+    outputs = []
+    while not outputs or not outputs[-1].finished:
+        outputs += [o for o in collector(engine).step() if o.request_id == request_id]
+    return outputs

@@ -9,19 +9,16 @@ import pytest
 from bargein.engine.engine import EngineError
 from bargein.engine.request import AbortResult, CancelReason, FinishReason
 from bargein.engine.sampling import InvalidSamplingParams, SamplingParams
-from tests.tiny_engine import EOS, collector, prompt, reference_greedy, tiny_engine
+from tests.tiny_engine import (
+    EOS,
+    collector,
+    prompt,
+    reference_greedy,
+    run_until_finished,
+    tiny_engine,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-def run_until_finished(engine, request_id):
-    outputs = []
-    while True:
-        for out in collector(engine).step():
-            if out.request_id == request_id:
-                outputs.append(out)
-                if out.finished:
-                    return outputs
 
 
 def test_batched_greedy_matches_the_reference_token_for_token() -> None:

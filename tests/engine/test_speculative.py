@@ -32,7 +32,16 @@ from bargein.engine.speculative.draft_model import DraftModelProposer
 from bargein.engine.speculative.ngram import NgramProposer
 from bargein.engine.speculative.proposer import DraftRequest
 from tests.dense_reference import random_weights
-from tests.tiny_engine import EOS, TINY, collector, prompt, target_device, tiny_engine, tiny_weights
+from tests.tiny_engine import (
+    EOS,
+    TINY,
+    collector,
+    prompt,
+    run_until_finished,
+    target_device,
+    tiny_engine,
+    tiny_weights,
+)
 
 K = 4
 # A fixed guess cost: which guesses are made must not depend on this machine's step times.
@@ -228,19 +237,12 @@ def test_a_cancel_at_every_position_inside_a_verification_step_keeps_only_delive
         engine.check_block_accounting()
         held = seq.num_computed
         rid2 = collector(engine).add_request(follow_up, GREEDY, conversation_id=conversation)
-        final = _run(engine, rid2)[-1]
+        final = run_until_finished(engine, rid2)[-1]
         assert final.usage.cached_tokens == held  # C7: every computed token reused
         (fresh,) = plain.generate([kept + follow_up], GREEDY)
         assert final.token_ids == fresh.token_ids, j
         engine.close_conversation(conversation)
         assert_clean(engine)
-
-
-def _run(engine: Engine, request_id: str) -> list:
-    outs = []
-    while not outs or not outs[-1].finished:
-        outs += [o for o in collector(engine).step() if o.request_id == request_id]
-    return outs
 
 
 def test_a_cancel_during_the_verification_forward_drops_every_token_of_the_step() -> None:

@@ -26,9 +26,8 @@ from bargein.server.reasoning import (
     reasoning_token_count,
 )
 from bargein.server.thinking_switch import budget_constraint
-from tests.engine.test_engine import run_until_finished
 from tests.server.test_reasoning import ASK, GREEDY, ThinkingByteTokenizer, thinking_app
-from tests.tiny_engine import ByteTokenizer, collector, tiny_engine
+from tests.tiny_engine import ByteTokenizer, collector, run_until_finished, tiny_engine
 
 INSIDE = Thinking("<think>", "</think>", True)
 OPENS = Thinking("<think>", "</think>", False)
