@@ -1,0 +1,38 @@
+"""Which blocks a sequence may give back when every layer attends within a sliding window.
+
+A query at position ``p`` of a layer with window ``W`` reads positions
+``max(0, p - W + 1) .. p`` only (``model/attention.py``, ``kernels/attention_f16.c``,
+``kernels/fast_forward.c``). Where *every* layer is such a layer (Mistral with its window),
+a sequence with ``num_computed`` tokens of K/V never reads a position before
+``num_computed - W`` again, as long as it only grows: its next query is at
+``num_computed`` at the earliest, or at ``num_computed - 1`` when the last token is
+recomputed to sample from it (``Scheduler.add`` after a cancel dropped the last sample),
+which reads from ``num_computed - W`` on. The blocks wholly before that position are
+given back to the pool (a registered one stays in the prefix cache as any released
+block).
+
+What can move a sequence back is a cut (a rewind, a stop string, ``delivered=``): to
+``n`` tokens, its next query may read from ``n - W`` on; if that reaches a dropped block
+the sequence can no longer continue from its K/V, and the scheduler releases the table
+and recomputes the sequence from its tokens (usually hitting the prefix cache, where the
+dropped blocks went), see :func:`holds_window_after_cut`.
+
+A model with some global layers (Gemma: local layers interleaved with global ones) keeps
+every block: its global layers read them all.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+
+def blocks_outside_window(num_computed: int, window: int, block_size: int) -> int:
+    """How many leading blocks no query of a sequence with ``num_computed`` tokens of
+    K/V reads again (while it only grows): those wholly before ``num_computed - window``."""
+    return max(0, num_computed - window) // block_size
+
+
+def holds_window_after_cut(num_dropped: int, num_tokens: int, window: int, block_size: int) -> bool:
+    """Whether a table that dropped ``num_dropped`` leading blocks, cut to ``num_tokens``
+    tokens, still holds every block its next query reads."""
+    return num_dropped == 0 or num_dropped * block_size <= num_tokens - window
