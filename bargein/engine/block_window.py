@@ -7,15 +7,17 @@ a sequence with ``num_computed`` tokens of K/V never reads a position before
 ``num_computed - W`` again, as long as it only grows: its next query is at
 ``num_computed`` at the earliest, or at ``num_computed - 1`` when the last token is
 recomputed to sample from it (``Scheduler.add`` after a cancel dropped the last sample),
-which reads from ``num_computed - W`` on. The blocks wholly before that position are
-given back to the pool (a registered one stays in the prefix cache as any released
-block).
+which reads from ``num_computed - W`` on. The pool gives back the blocks wholly before
+``num_computed - W - block_size`` (a registered one stays in the prefix cache as any
+released block): one block of slack, so that the cuts that follow generation (a stop
+string the consumer found in the last tokens, ``delivered=``, a short rewind) keep the
+K/V. A sequence holds at most ``ceil(W / block_size) + 2`` blocks instead of all of them.
 
-What can move a sequence back is a cut (a rewind, a stop string, ``delivered=``): to
-``n`` tokens, its next query may read from ``n - W`` on; if that reaches a dropped block
-the sequence can no longer continue from its K/V, and the scheduler releases the table
-and recomputes the sequence from its tokens (usually hitting the prefix cache, where the
-dropped blocks went), see :func:`holds_window_after_cut`.
+What can move a sequence back further is a longer cut: to ``n`` tokens, its next query
+may read from ``n - W`` on; if that reaches a dropped block the sequence can no longer
+continue from its K/V, and the scheduler releases the table and recomputes the sequence
+from its tokens (hitting the prefix cache, where the dropped blocks went, while they are
+cached), see :func:`holds_window_after_cut`.
 
 A model with some global layers (Gemma: local layers interleaved with global ones) keeps
 every block: its global layers read them all.
@@ -27,9 +29,10 @@ from __future__ import annotations
 
 
 def blocks_outside_window(num_computed: int, window: int, block_size: int) -> int:
-    """How many leading blocks no query of a sequence with ``num_computed`` tokens of
-    K/V reads again (while it only grows): those wholly before ``num_computed - window``."""
-    return max(0, num_computed - window) // block_size
+    """How many leading blocks a sequence with ``num_computed`` tokens of K/V gives back:
+    those wholly before ``num_computed - window - block_size`` (no query reads them again
+    while it grows or is cut by at most a block)."""
+    return max(0, num_computed - window - block_size) // block_size
 
 
 def holds_window_after_cut(num_dropped: int, num_tokens: int, window: int, block_size: int) -> bool:

@@ -1,7 +1,8 @@
 """Blocks given back outside a sliding window (issue 25, item 3): the pool's side, no torch.
 
 Window 8, blocks of 4: a sequence with ``c`` tokens of K/V holds blocks from the one
-holding position ``c - 8`` on (its next query, at ``c - 1`` or later, reads from there).
+holding position ``c - 8 - 4`` on (its next query, at ``c - 1`` or later, reads from
+``c - 8``; one block of slack keeps the K/V through a short cut).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ def grown(pool: BlockPool, tokens: list[int], *, step: int = 1) -> BlockTable:
         pool.ensure_writable(table, c - step, c)
         pool.register_full_blocks(table, tokens, c)
         pool.drop_outside_window(table, c)
-        held = -(-c // BS) - max(0, c - W) // BS
-        assert (table.num_dropped, len(table.block_ids)) == (max(0, c - W) // BS, held), c
+        held = -(-c // BS) - max(0, c - W - BS) // BS
+        assert (table.num_dropped, len(table.block_ids)) == (max(0, c - W - BS) // BS, held), c
         pool.check_invariants([table])
     return table
 
@@ -30,18 +31,18 @@ def grown(pool: BlockPool, tokens: list[int], *, step: int = 1) -> BlockTable:
 def test_the_rule_keeps_what_a_query_at_c_minus_1_reads() -> None:
     for c in range(64):
         dropped = blocks_outside_window(c, W, BS)
-        assert dropped * BS <= max(0, c - W)  # position c - W, read by a query at c - 1, is held
-        assert (dropped + 1) * BS > c - W  # and nothing more is kept than that block on
+        assert dropped * BS <= max(0, c - W - BS)  # position c - W, read by a query at c - 1, is held,
+        assert (dropped + 1) * BS > c - W - BS  # and a block before it, and nothing more
     assert holds_window_after_cut(0, 3, W, BS)
     assert holds_window_after_cut(2, 16, W, BS) and not holds_window_after_cut(2, 15, W, BS)
 
 
-def test_a_growing_sequence_holds_at_most_the_window_and_two_blocks() -> None:
+def test_a_growing_sequence_holds_the_window_and_at_most_two_blocks_more() -> None:
     pool = BlockPool(8, BS, enable_prefix_caching=False, window=W)
     table = grown(pool, list(range(60)))
-    assert table.num_dropped == 13 and table.num_blocks == 15 and len(table.block_ids) == 2
-    assert pool.num_free == 6 and pool.dropped_blocks == 13  # without a prefix cache, dropped is free
-    assert table.forward_ids() == (table.block_ids[0],) * 13 + tuple(table.block_ids)
+    assert table.num_dropped == 12 and table.num_blocks == 15 and len(table.block_ids) == 3
+    assert pool.num_free == 5 and pool.dropped_blocks == 12  # without a prefix cache, dropped is free
+    assert table.forward_ids() == (table.block_ids[0],) * 12 + tuple(table.block_ids)
     pool.release(table)
     assert pool.num_free == 8 and table.num_dropped == 0
     pool.check_invariants([])
@@ -51,21 +52,21 @@ def test_dropped_registered_blocks_stay_in_the_prefix_cache() -> None:
     pool = BlockPool(32, BS, window=W)
     tokens = list(range(100, 130))
     table = grown(pool, tokens, step=3)
-    assert pool.num_cached == table.num_dropped == 5  # registered, released, evictable
+    assert pool.num_cached == table.num_dropped == 4  # registered, released, evictable
     pool.release(table, tokens, len(tokens))
     again = BlockTable()
     hit, copies = pool.match_prefix(again, tokens + [7], max_tokens=30)
     # The whole chain is still cached: a hit of all 30 tokens (the partial block copied),
-    # of which the blocks before position 22 are dropped again at once.
+    # of which the blocks before position 18 are dropped again at once.
     assert hit == 30 and len(copies) == 1
-    assert again.num_dropped == 5 and len(again.block_ids) == 3
+    assert again.num_dropped == 4 and len(again.block_ids) == 4
     pool.check_invariants([again])
 
 
 def test_a_hit_stops_where_the_chain_was_evicted() -> None:
     pool = BlockPool(6, BS, window=W)
     tokens = list(range(40))
-    table = grown(pool, tokens[:24], step=4)  # blocks 0-3 dropped (cached), 4-5 held
+    table = grown(pool, tokens[:24], step=4)  # blocks 0-2 dropped (cached), 3-5 held
     other = BlockTable()
     pool.ensure_writable(other, 0, 4)  # takes a free block... none left: evicts block 0
     assert pool.evictions == 1
@@ -89,13 +90,13 @@ def test_fork_shares_the_held_blocks_and_the_dropped_count() -> None:
 def test_a_cut_inside_the_window_truncates_and_one_across_it_is_refused() -> None:
     pool = BlockPool(16, BS, window=W)
     tokens = list(range(30))
-    table = grown(pool, tokens)  # 30 computed: blocks 0-4 (positions 0-19) dropped
-    assert table.num_dropped == 5
-    assert pool.keeps_window(table, 28) and not pool.keeps_window(table, 27)
-    pool.truncate(table, 28)
-    assert table.num_blocks == 7 and len(table.hashes) == 7
+    table = grown(pool, tokens)  # 30 computed: blocks 0-3 (positions 0-15) dropped
+    assert table.num_dropped == 4
+    assert pool.keeps_window(table, 24) and not pool.keeps_window(table, 23)
+    pool.truncate(table, 24)
+    assert table.num_blocks == 6 and len(table.hashes) == 6
     with pytest.raises(ValueError, match="outside the window"):
-        pool.truncate(table, 27)
+        pool.truncate(table, 23)
     pool.check_invariants([table])
 
 
