@@ -35,6 +35,26 @@ def blocks_outside_window(num_computed: int, window: int, block_size: int) -> in
     return max(0, num_computed - window - block_size) // block_size
 
 
+def longest_window_hit(cached: list[bool], window: int | None, block_size: int) -> tuple[int, int]:
+    """The longest prefix hit over full blocks of which ``cached[i]`` says which are cached:
+    (blocks hit, leading blocks of them left dropped).
+
+    Without a window every block of the hit must be cached. With one, a hit of ``k``
+    blocks (``k * block_size`` tokens of K/V) needs only the blocks a sequence of that
+    length holds (from ``blocks_outside_window`` on): the rest is never read again."""
+    if window is None:
+        hits = next((i for i, c in enumerate(cached) if not c), len(cached))
+        return hits, 0
+    best, last_miss = (0, 0), -1
+    for k in range(1, len(cached) + 1):
+        if not cached[k - 1]:
+            last_miss = k - 1
+        dropped = blocks_outside_window(k * block_size, window, block_size)
+        if last_miss < dropped:
+            best = (k, dropped)
+    return best
+
+
 def holds_window_after_cut(num_dropped: int, num_tokens: int, window: int, block_size: int) -> bool:
     """Whether a table that dropped ``num_dropped`` leading blocks, cut to ``num_tokens``
     tokens, still holds every block its next query reads."""

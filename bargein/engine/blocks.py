@@ -45,7 +45,11 @@ from bargein.engine.block_disk import DiskTierLookups
 from bargein.engine.block_holders import BlockHolders
 from bargein.engine.block_keys import BlockHash, ChainBlock, KeyChanges, SpillCandidate, chain_hash
 from bargein.engine.block_table import BlockContent, BlockTable, OutOfBlocks
-from bargein.engine.block_window import blocks_outside_window, holds_window_after_cut
+from bargein.engine.block_window import (
+    blocks_outside_window,
+    holds_window_after_cut,
+    longest_window_hit,
+)
 
 __all__ = ["BlockPool", "BlockTable", "OutOfBlocks"]
 
@@ -239,31 +243,44 @@ class BlockPool(DiskTierLookups):
 
         Full blocks are shared by key (checked against their tokens). Then, at token
         granularity, the cached block after the last full hit that shares the most leading
-        tokens with the rest is copied into a fresh block (copy on write). A hit longer
-        than the window keeps only the blocks the window reaches (``drop_outside_window``);
-        a hit stops at the first block of the chain that is no longer cached, and the
-        rest is recomputed.
+        tokens with the rest is copied into a fresh block (copy on write).
+
+        Without a window a hit stops at the first block of the chain that is not cached.
+        With one (every layer local) it needs only the cached blocks its window reaches
+        (``block_window.longest_window_hit``): blocks before them may have been evicted,
+        since the chained key of a later block already vouches for every token before it;
+        the table counts them as dropped.
         """
         assert not table.block_ids and not table.num_dropped, "match_prefix needs an empty block table"
         if not self.enable_prefix_caching or max_tokens <= 0:
             return 0, []
         parent = table.root
         bs = self.block_size
+        keys: list[BlockHash] = []
+        found: list[int | None] = []  # each full block's cached id, None where it is not cached
         for i in range(min(max_tokens, len(token_ids)) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
             self.prefix_query_blocks += 1
             block = self._hash_to_block.get(h)
             if block is None or self._content[block].tokens != tokens:
-                break
-            self._ref(block)
-            table.block_ids.append(block)
-            table.hashes.append(h)
-            if self.holders is not None:
-                self.holders.note(h, table)
-            self.prefix_hit_blocks += 1
+                if self.window is None:
+                    break
+                block = None
+            keys.append(h)
+            found.append(block)
             parent = h
-        hit = len(table.block_ids) * bs
+        hits, dropped = longest_window_hit([b is not None for b in found], self.window, bs)
+        for i in range(dropped, hits):
+            self._ref(found[i])  # type: ignore[arg-type]
+            table.block_ids.append(found[i])  # type: ignore[arg-type]
+        table.hashes.extend(keys[:hits])
+        table.num_dropped = dropped
+        for h in table.hashes if self.holders is not None else ():
+            self.holders.note(h, table)  # type: ignore[union-attr]
+        self.prefix_hit_blocks += hits
+        parent = keys[hits - 1] if hits else table.root
+        hit = hits * bs
         partial, copies = self._match_partial(table, parent, token_ids[hit:min(max_tokens, hit + bs)])
         self.drop_outside_window(table, hit + partial)
         return hit + partial, copies

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from bargein.engine.block_window import blocks_outside_window, holds_window_after_cut
+from bargein.engine.block_window import (
+    blocks_outside_window,
+    holds_window_after_cut,
+    longest_window_hit,
+)
 from bargein.engine.blocks import BlockPool, BlockTable
 
 W, BS = 8, 4
@@ -63,16 +67,33 @@ def test_dropped_registered_blocks_stay_in_the_prefix_cache() -> None:
     pool.check_invariants([again])
 
 
-def test_a_hit_stops_where_the_chain_was_evicted() -> None:
+def test_a_hit_longer_than_the_window_survives_the_eviction_of_blocks_before_it() -> None:
     pool = BlockPool(6, BS, window=W)
     tokens = list(range(40))
     table = grown(pool, tokens[:24], step=4)  # blocks 0-2 dropped (cached), 3-5 held
     other = BlockTable()
-    pool.ensure_writable(other, 0, 4)  # takes a free block... none left: evicts block 0
+    pool.ensure_writable(other, 0, 4)  # no block is free: evicts block 0, the oldest
     assert pool.evictions == 1
     pool.release(table, tokens, 24)
     probe = BlockTable()
-    assert pool.match_prefix(probe, tokens[:24], max_tokens=23) == (0, [])  # block 0 is gone: recompute
+    hit, copies = pool.match_prefix(probe, tokens[:24], max_tokens=23)
+    # 5 full blocks (20 tokens) need only blocks 2-4; block 5's first 3 tokens are copied.
+    assert hit == 23 and len(copies) == 1
+    assert probe.num_dropped == 2 and len(probe.hashes) == 5 and len(probe.block_ids) == 4
+    pool.check_invariants([probe, other])
+    no_window = BlockPool(4, BS)
+    assert no_window.match_prefix(BlockTable(), tokens, 23) == (0, [])
+
+
+def test_the_longest_hit_needs_only_the_blocks_its_window_reaches() -> None:
+    # Window 8, blocks of 4: a hit of k blocks needs blocks from (4k - 12) // 4 on.
+    assert longest_window_hit([True] * 6, None, BS) == (6, 0)
+    assert longest_window_hit([True, False, True, True], None, BS) == (1, 0)
+    assert longest_window_hit([False, False, True, True, True, True], W, BS) == (6, 3)
+    assert longest_window_hit([True, True, True, False, True, True, True], W, BS) == (7, 4)  # 7 need 4-6
+    assert longest_window_hit([True, True, True, True, False, True], W, BS) == (4, 1)  # 5 and 6 need block 4
+    assert longest_window_hit([False, True, True, True, True, False], W, BS) == (5, 2)
+    assert longest_window_hit([False], W, BS) == (0, 0)
 
 
 def test_fork_shares_the_held_blocks_and_the_dropped_count() -> None:
