@@ -130,6 +130,12 @@ class ModelConfig:
             raise ValueError("local layers need a sliding window")
 
     @property
+    def every_layer_window(self) -> int | None:
+        """The sliding window when every layer attends within it (Mistral), so that a
+        sequence's blocks before it are never read again; None where some layer is global."""
+        return self.sliding_window if len(self.local_layers) == self.num_layers else None
+
+    @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,8 +26,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-LLAMA_CPP = Path("/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
-LLAMA_BIN = Path("/work/llamacpp/build/bin")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.llama_convert import LLAMA_BIN, LLAMA_CPP, convert_to_gguf, quantize  # noqa: E402
 
 # Qwen3-1.7B's shape; Gemma 3 1B's with hidden 1024 (its 1152 is not a multiple of 256).
 SHAPES = {
@@ -123,20 +121,6 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
                          "{% endif %}"}))
 
 
-_CONVERT = """
-import sys
-from pathlib import Path
-root = Path(sys.argv[1])
-sys.path.insert(0, str(root)); sys.path.insert(1, str(root / "gguf-py"))
-import convert_hf_to_gguf
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"  # the synthetic BPE's hash is unknown to it
-TextModel._set_vocab_sentencepiece = TextModel._set_vocab_gpt2  # it is in tokenizer.json, not a .model
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f16"]
-convert_hf_to_gguf.main()
-"""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(SHAPES), required=True)
@@ -154,11 +138,8 @@ def main() -> None:
         write_tokenizer(folder, shape["vocab_size"])
         (folder / "config.json").write_text(json.dumps(hf_config(args.family, shape), indent=1))
         write_weights(folder, args.family, shape)
-        f16 = args.out / f"{stem}.F16.gguf"
-        subprocess.run([sys.executable, "-c", _CONVERT, str(args.llama_cpp), str(folder), str(f16)], check=True)
-    out = args.out / f"{stem}.{args.quant}.gguf"
-    env = {**os.environ, "LD_LIBRARY_PATH": str(args.llama_bin)}
-    subprocess.run([str(args.llama_bin / "llama-quantize"), str(f16), str(out), args.quant], check=True, env=env)
+        f16 = convert_to_gguf(folder, args.out / f"{stem}.F16.gguf", outtype="f16", llama_cpp=args.llama_cpp)
+    out = quantize(f16, args.out / f"{stem}.{args.quant}.gguf", args.quant, llama_bin=args.llama_bin)
     f16.unlink()
     print(out)
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,8 +31,11 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_family_gguf import _CONVERT, LLAMA_BIN, LLAMA_CPP, hf_config, write_tokenizer  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from make_family_gguf import hf_config, write_tokenizer  # noqa: E402
 from make_family_gguf import write_weights as write_dense_weights  # noqa: E402
+
+from tests.llama_convert import LLAMA_BIN, LLAMA_CPP, convert_to_gguf, quantize  # noqa: E402
 
 MOE = dict(hidden_size=1024, moe_intermediate_size=768, num_experts=48, num_experts_per_tok=8,
            num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=32768)
@@ -103,11 +104,9 @@ def write_moe_weights(folder: Path, s: dict, seed: int = 0) -> None:
 
 
 def convert(folder: Path, out: Path, quant: str, llama_cpp: Path, llama_bin: Path) -> Path:
-    f16 = out.with_suffix(".F16.gguf")
-    subprocess.run([sys.executable, "-c", _CONVERT, str(llama_cpp), str(folder), str(f16)], check=True)
-    final = out.with_suffix(f".{quant}.gguf")
-    env = {**os.environ, "LD_LIBRARY_PATH": str(llama_bin)}
-    subprocess.run([str(llama_bin / "llama-quantize"), str(f16), str(final), quant], check=True, env=env)
+    """``folder`` converted to float16 by llama.cpp's converter, then quantized to ``quant``."""
+    f16 = convert_to_gguf(folder, out.with_suffix(".F16.gguf"), outtype="f16", llama_cpp=llama_cpp)
+    final = quantize(f16, out.with_suffix(f".{quant}.gguf"), quant, llama_bin=llama_bin)
     f16.unlink()
     return final
 

@@ -32,7 +32,7 @@ from bargein.loader.families import norm_offset, stored_rows
 from bargein.loader.gguf_file import PERMUTED_ARCHS, open_gguf, qk_row_order, unpermute_qk
 from bargein.loader.hf_folder import _open as open_safetensors
 from bargein.loader.hf_folder import _weight_map, text_model_names
-from bargein.loader.names import expert_index, wanted_tensors
+from bargein.loader.names import gguf_location, wanted_tensors
 from bargein.loader.source import ModelSource
 
 Fingerprint = tuple[tuple[str, int], ...]
@@ -97,13 +97,14 @@ def read_stored(source: ModelSource, config: ModelConfig, layer_range: tuple[int
         if "rope_freqs.weight" in f.tensors:
             names["rope_freq_factors"] = "rope_freqs.weight"
         tensors = {}
-        for canon, name in names.items():
+        for canon, stacked in names.items():
+            name, e = gguf_location(f.tensors, canon, stacked)
             info = f.tensors.get(name)
             if info is None:
                 raise CorruptModelError(f"{source.path}: tensor {name!r} is missing")
             shape = tuple(int(d) for d in reversed(info.shape.tolist()))
             data = np.asarray(info.data)
-            if (e := expert_index(canon)) is not None:  # its slice of the stacked experts, alone
+            if e is not None:  # its slice of the stacked experts, alone
                 data, shape = data.reshape(shape[0], -1)[e], shape[1:]
             tensors[canon] = StoredTensor(data, shape, int(info.tensor_type))
         return StoredWeights(tensors, f.get("general.architecture"))

@@ -22,7 +22,7 @@ from bargein.engine.device import resolve_dtype
 from bargein.kernels.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 from bargein.kernels.quant_weight import QUANT_TYPES
 from bargein.loader.gguf_file import open_gguf
-from bargein.loader.names import wanted_tensors
+from bargein.loader.names import gguf_location, wanted_tensors
 from bargein.loader.source import ModelSource
 
 
@@ -47,7 +47,7 @@ def stage_widths(source: ModelSource, model_config: ModelConfig, config: EngineC
     tensors = open_gguf(source.path).tensors
     stored: dict[str, float] = {}
     for canon, (gguf_name, _) in wanted_tensors(model_config, 0, model_config.num_layers).items():
-        info = tensors.get(gguf_name)
+        info = tensors.get(gguf_location(tensors, canon, gguf_name)[0])
         try:
             if info is None or GGMLQuantizationType(info.tensor_type) not in QUANT_TYPES \
                     or len(info.torch_shape) not in (2, 3):  # 3: an MoE layer's stacked experts

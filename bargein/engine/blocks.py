@@ -26,15 +26,12 @@ parent's key and its tokens. A later sequence that matches every full block up t
 there and then starts with some of the tokens of a cached block that follows the same
 parent (full or partial) gets a copy of that block and reuses those tokens too.
 
-A disk tier below the pool (``bargein.engine.kv_disk``) hooks in at two places, both
-plain data: with ``track_spills()`` on, every full registered block whose contents the
-pool drops (evicted from the cached LRU, or overwritten after a rewind) is reported as
-a :class:`~bargein.engine.block_keys.SpillCandidate`, so the caller copies its K/V out before the block id is
-written again; and ``uncached_full_blocks`` / ``adopt_loaded`` let the caller look up the
-full blocks past a memory prefix hit on disk and register those it read back, as cached
-blocks that ``match_prefix`` then hits like any other. With spills tracked, ``holders``
-also records which table first held each key (``block_holders.py``): a closed
-conversation's own blocks are not written to disk again (``holders.close``).
+Where every layer of the model attends within a sliding window (``window``), a sequence
+gives back the blocks no query of it reads again as it grows (``drop_outside_window``,
+the rule in ``block_window.py``); its table counts them as dropped.
+
+A disk tier below the pool hooks in through plain data (``block_disk.py``). The table,
+the content record and ``OutOfBlocks`` are in ``block_table.py``.
 
 This module holds no tensors and imports no torch.
 """
@@ -43,73 +40,39 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
+from bargein.engine.block_disk import DiskTierLookups
 from bargein.engine.block_holders import BlockHolders
-from bargein.engine.block_keys import (
-    BlockHash,
-    ChainBlock,
-    KeyChanges,
-    SpillCandidate,
-    chain_hash,
-    namespace_root,
+from bargein.engine.block_keys import BlockHash, ChainBlock, KeyChanges, SpillCandidate, chain_hash
+from bargein.engine.block_table import BlockContent, BlockTable, OutOfBlocks
+from bargein.engine.block_window import (
+    blocks_outside_window,
+    holds_window_after_cut,
+    longest_window_hit,
 )
 
+__all__ = ["BlockPool", "BlockTable", "OutOfBlocks"]
 
-@dataclass(frozen=True)
-class _Content:
-    """What a cached or registered block holds: its tokens, after the block keyed ``parent``.
 
-    ``key`` is set for a full, registered block; None for a partial one.
+class BlockPool(DiskTierLookups):
+    """A fixed pool of ``num_blocks`` KV blocks of ``block_size`` token slots each.
+
+    ``window``: the sliding window every layer of the model attends within, so that a
+    sequence's blocks before it are given back (``drop_outside_window``); None where
+    some layer reads every position (or to keep every block regardless).
     """
 
-    parent: BlockHash | None
-    tokens: tuple[int, ...]
-    key: BlockHash | None
-
-
-@dataclass
-class BlockTable:
-    """A sequence's blocks, in position order, and how many leading ones are registered.
-
-    ``hashes[i]`` is the chain hash of block i; only the first ``len(hashes)`` blocks
-    are full, computed and registered in the prefix cache (or deliberately left out of
-    it because an identical block was registered first). ``root`` is the key block 0
-    chains from: its prefix-cache namespace (``block_keys.namespace_root``); None is the
-    common one.
-    """
-
-    block_ids: list[int] = field(default_factory=list)
-    hashes: list[BlockHash] = field(default_factory=list)
-    root: BlockHash | None = None
-
-    @classmethod
-    def in_namespace(cls, cache_salt: str | None) -> BlockTable:
-        """An empty table whose keys chain from ``cache_salt``'s namespace (None: the common one)."""
-        return cls(root=namespace_root(cache_salt))
-
-    @property
-    def last_key(self) -> BlockHash | None:
-        """The key the next full block chains from."""
-        return self.hashes[-1] if self.hashes else self.root
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-
-class OutOfBlocks(Exception):
-    """Not enough free or evictable blocks for an allocation; nothing was changed."""
-
-
-class BlockPool:
-    """A fixed pool of ``num_blocks`` KV blocks of ``block_size`` token slots each."""
-
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 window: int | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        if window is not None and window <= 0:
+            raise ValueError(f"window must be a positive number of positions; got {window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self.dropped_blocks = 0  # blocks given back outside the window, ever (stats and tests)
         self._ref_counts = [0] * num_blocks
         # Free blocks; a list used as a stack, so recently freed (warm) blocks go first.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -117,7 +80,7 @@ class BlockPool:
         # O(1) removal from the middle when a prefix hit revives a cached block.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[BlockHash, int] = {}  # full registered blocks by key
-        self._content: dict[int, _Content] = {}  # registered (full) and cached partial blocks
+        self._content: dict[int, BlockContent] = {}  # registered (full) and cached partial blocks
         # Blocks with known content, by the key of the block before them: where a
         # token-granular match looks once full-block keys stop matching.
         self._children: dict[BlockHash | None, dict[int, None]] = {}
@@ -139,23 +102,6 @@ class BlockPool:
         assert self.key_changes is not None, "track_key_changes() first"
         changes, self.key_changes = self.key_changes, KeyChanges()
         return changes
-
-    def track_spills(self) -> None:
-        """Starts reporting full blocks whose contents are dropped (see ``drain_spills``)."""
-        self.spills = []
-        self.holders = BlockHolders()
-
-    def drain_spills(self) -> list[SpillCandidate]:
-        """The blocks dropped since the last drain, oldest first (tracking must be on).
-
-        Drain after each ``schedule`` and after each ``adopt_loaded``, and copy their
-        K/V out before anything writes their ids again: the runner's next forward or
-        copies, or the adopted payloads. Done in that order on the step thread, each id
-        in a drain still holds the K/V of the block it names.
-        """
-        assert self.spills is not None, "track_spills() first"
-        spills, self.spills = self.spills, []
-        return spills
 
     def registered_keys(self) -> set[BlockHash]:
         """The keys of every full block a prefix can hit now (what key changes track)."""
@@ -213,6 +159,7 @@ class BlockPool:
         if tables is not None:
             counted = [0] * self.num_blocks
             for table in tables:
+                assert table.num_dropped <= len(table.hashes), "a table dropped a block it had not registered"
                 for b in table.block_ids:
                     counted[b] += 1
             assert counted == self._ref_counts, "reference counts differ from the block tables"
@@ -249,7 +196,7 @@ class BlockPool:
         self._ref_counts[block] = 1
         return block
 
-    def _register(self, block: int, content: _Content) -> None:
+    def _register(self, block: int, content: BlockContent) -> None:
         self._content[block] = content
         if content.key is not None:
             self._hash_to_block[content.key] = block
@@ -297,28 +244,45 @@ class BlockPool:
         Full blocks are shared by key (checked against their tokens). Then, at token
         granularity, the cached block after the last full hit that shares the most leading
         tokens with the rest is copied into a fresh block (copy on write).
+
+        Without a window a hit stops at the first block of the chain that is not cached.
+        With one (every layer local) it needs only the cached blocks its window reaches
+        (``block_window.longest_window_hit``): blocks before them may have been evicted,
+        since the chained key of a later block already vouches for every token before it;
+        the table counts them as dropped.
         """
-        assert not table.block_ids, "match_prefix needs an empty block table"
+        assert not table.block_ids and not table.num_dropped, "match_prefix needs an empty block table"
         if not self.enable_prefix_caching or max_tokens <= 0:
             return 0, []
         parent = table.root
         bs = self.block_size
+        keys: list[BlockHash] = []
+        found: list[int | None] = []  # each full block's cached id, None where it is not cached
         for i in range(min(max_tokens, len(token_ids)) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
             self.prefix_query_blocks += 1
             block = self._hash_to_block.get(h)
             if block is None or self._content[block].tokens != tokens:
-                break
-            self._ref(block)
-            table.block_ids.append(block)
-            table.hashes.append(h)
-            if self.holders is not None:
-                self.holders.note(h, table)
-            self.prefix_hit_blocks += 1
+                if self.window is None:
+                    break
+                block = None
+            keys.append(h)
+            found.append(block)
             parent = h
-        hit = len(table.block_ids) * bs
+        hits, dropped = longest_window_hit([b is not None for b in found], self.window, bs)
+        for i in range(dropped, hits):
+            self._ref(found[i])  # type: ignore[arg-type]
+            table.block_ids.append(found[i])  # type: ignore[arg-type]
+        table.hashes.extend(keys[:hits])
+        table.num_dropped = dropped
+        for h in table.hashes if self.holders is not None else ():
+            self.holders.note(h, table)  # type: ignore[union-attr]
+        self.prefix_hit_blocks += hits
+        parent = keys[hits - 1] if hits else table.root
+        hit = hits * bs
         partial, copies = self._match_partial(table, parent, token_ids[hit:min(max_tokens, hit + bs)])
+        self.drop_outside_window(table, hit + partial)
         return hit + partial, copies
 
     def _match_partial(self, table: BlockTable, parent: BlockHash | None,
@@ -347,14 +311,14 @@ class BlockPool:
         """Indices of the table's existing blocks that positions [num_computed, num_tokens) touch."""
         if num_computed >= num_tokens:
             return range(0)
-        last = min(len(table.block_ids), -(-num_tokens // self.block_size))
+        last = min(table.num_blocks, -(-num_tokens // self.block_size))
         return range(num_computed // self.block_size, last)
 
     def blocks_needed(self, table: BlockTable, num_computed: int, num_tokens: int) -> int:
         """How many blocks ``ensure_writable`` would take from the pool."""
-        needed = max(0, -(-num_tokens // self.block_size) - len(table.block_ids))
+        needed = max(0, -(-num_tokens // self.block_size) - table.num_blocks)
         shared = self._written_blocks(table, num_computed, num_tokens)
-        return needed + sum(self._ref_counts[table.block_ids[i]] > 1 for i in shared)
+        return needed + sum(self._ref_counts[table.block(i)] > 1 for i in shared)
 
     def ensure_writable(self, table: BlockTable, num_computed: int, num_tokens: int) -> list[tuple[int, int]]:
         """Makes positions ``[num_computed, num_tokens)`` writable by this table alone.
@@ -368,18 +332,18 @@ class BlockPool:
         copies: list[tuple[int, int]] = []
         written = self._written_blocks(table, num_computed, num_tokens)
         for i in written:
-            block = table.block_ids[i]
+            block = table.block(i)
             if self._ref_counts[block] > 1:
                 fresh = self._take_block()
                 copies.append((block, fresh))
                 self._unref(block)
-                table.block_ids[i] = fresh
+                table.block_ids[i - table.num_dropped] = fresh
             elif block in self._content:
                 # Registered but ours alone (after a rewind): forget its key, then write.
                 self._unregister(block)
         if written:
             del table.hashes[written.start:]
-        while len(table.block_ids) * self.block_size < num_tokens:
+        while table.num_blocks * self.block_size < num_tokens:
             table.block_ids.append(self._take_block())
         return copies
 
@@ -391,7 +355,7 @@ class BlockPool:
         final, so ``num_computed`` must count only such tokens.
         """
         bs = self.block_size
-        while len(table.hashes) < min(num_computed // bs, len(table.block_ids)):
+        while len(table.hashes) < min(num_computed // bs, table.num_blocks):
             i = len(table.hashes)
             parent = table.last_key
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -399,9 +363,9 @@ class BlockPool:
             table.hashes.append(h)
             if self.holders is not None:
                 self.holders.note(h, table)
-            block = table.block_ids[i]
+            block = table.block(i)
             if self.enable_prefix_caching and h not in self._hash_to_block and block not in self._content:
-                self._register(block, _Content(parent, tokens, h))
+                self._register(block, BlockContent(parent, tokens, h))
 
     def release(self, table: BlockTable, token_ids: Sequence[int] = (), num_computed: int = 0) -> None:
         """Drops the table's references; registered blocks become cached, others free.
@@ -415,85 +379,64 @@ class BlockPool:
         """
         i = len(table.hashes)
         bs = self.block_size
-        if (self.enable_prefix_caching and i < len(table.block_ids) and num_computed > i * bs
-                and self._ref_counts[table.block_ids[i]] == 1 and table.block_ids[i] not in self._content):
+        if (self.enable_prefix_caching and i < table.num_blocks and num_computed > i * bs
+                and self._ref_counts[table.block(i)] == 1 and table.block(i) not in self._content):
             end = min(num_computed, (i + 1) * bs, len(token_ids))
             if end > i * bs:
-                self._register(table.block_ids[i], _Content(table.last_key, tuple(token_ids[i * bs:end]), None))
+                self._register(table.block(i), BlockContent(table.last_key, tuple(token_ids[i * bs:end]), None))
         for block in reversed(table.block_ids):
             self._unref(block)
         table.block_ids.clear()
         table.hashes.clear()
+        table.num_dropped = 0
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A new table sharing every block of ``table`` (copy on write later)."""
         for block in table.block_ids:
             self._ref(block)
-        forked = BlockTable(list(table.block_ids), list(table.hashes), table.root)
+        forked = BlockTable(list(table.block_ids), list(table.hashes), table.root, table.num_dropped)
         for h in forked.hashes if self.holders is not None else ():
             self.holders.note(h, forked)  # type: ignore[union-attr]
         return forked
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
-        """Keeps only the blocks holding the first ``num_tokens`` positions."""
-        keep = -(-num_tokens // self.block_size)
+        """Keeps only the blocks holding the first ``num_tokens`` positions. A cut that
+        ``keeps_window`` refuses must release the table instead (ValueError)."""
+        if not self.keeps_window(table, num_tokens):
+            raise ValueError(f"cutting to {num_tokens} tokens reaches blocks dropped outside the window")
+        keep = -(-num_tokens // self.block_size) - table.num_dropped
         for block in reversed(table.block_ids[keep:]):
             self._unref(block)
         del table.block_ids[keep:]
         del table.hashes[num_tokens // self.block_size:]
 
-    # -- the disk tier's lookups ---------------------------------------------------
-    def uncached_full_blocks(self, token_ids: Sequence[int], max_tokens: int,
-                             root: BlockHash | None = None) -> list[ChainBlock]:
-        """The full blocks of ``token_ids`` (within its first ``max_tokens``, chained from
-        ``root``: its namespace) after the longest prefix of full blocks registered here,
-        with their chained keys: what a disk tier may hold. Changes nothing and counts nothing."""
-        if not self.enable_prefix_caching:
-            return []
-        bs = self.block_size
-        parent = root
-        wanted: list[ChainBlock] = []
-        for i in range(min(max_tokens, len(token_ids)) // bs):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(parent, tokens)
-            block = None if wanted else self._hash_to_block.get(h)  # once one misses, all after do
-            if block is None or self._content[block].tokens != tokens:
-                wanted.append(ChainBlock(h, parent, tokens))
-            parent = h
-        return wanted
+    # -- sliding windows ---------------------------------------------------------------
+    def drop_outside_window(self, table: BlockTable, num_computed: int) -> int:
+        """Gives back the table's leading blocks that no query of its sequence (with
+        ``num_computed`` tokens of K/V, growing from here) reads again, when every layer
+        attends within ``window`` (``block_window.py``); returns how many it gave back.
 
-    def registered_blocks(self) -> list[SpillCandidate]:
-        """Every full registered block, referenced or cached, as spill candidates (a
-        shutdown writes them all to disk). Changes nothing."""
-        return [SpillCandidate(ChainBlock(c.key, c.parent, c.tokens), block)
-                for block, c in self._content.items()
-                if c.key is not None and not (self.holders is not None and self.holders.is_closed(c.key))]
-
-    def adopt_loaded(self, blocks: Sequence[ChainBlock], reserve: int = 1) -> list[tuple[ChainBlock, int]]:
-        """Registers blocks read back from disk as cached blocks, so ``match_prefix`` hits
-        them; returns (block, block id) for each one adopted, whose K/V the caller must
-        write into that id before the next forward.
-
-        Blocks already registered (computed meanwhile) are passed over. At most
-        ``num_available - reserve`` blocks are taken, from the free list or by evicting
-        the least recently used cached ones (never one adopted here); evicted full
-        blocks become spill candidates, which the caller must copy out *before* writing
-        the adopted payloads into their ids. Only full blocks whose tokens chain to
-        their key (the disk tier checks each file) may be given.
+        Call once the table's full blocks are registered (``register_full_blocks``): a
+        dropped block is released as any other, so a registered one stays in the prefix
+        cache (cached, evictable) and a later sequence with the same tokens hits it.
         """
-        if not self.enable_prefix_caching:
-            return []
-        budget = self.num_available - reserve
-        adopted: list[tuple[ChainBlock, int]] = []
-        for chain_block in blocks:
-            if len(chain_block.tokens) != self.block_size:
-                raise ValueError("only full blocks can be adopted")
-            if chain_block.key in self._hash_to_block:
-                continue
-            if len(adopted) >= budget:
-                break
-            block = self._take_block()
-            self._register(block, _Content(chain_block.parent, chain_block.tokens, chain_block.key))
-            self._unref(block)  # cached: at the most recently used end
-            adopted.append((chain_block, block))
-        return adopted
+        if self.window is None:
+            return 0
+        drop = min(blocks_outside_window(num_computed, self.window, self.block_size), len(table.hashes),
+                   table.num_blocks - 1) - table.num_dropped
+        if drop <= 0:
+            return 0
+        for block in table.block_ids[:drop]:
+            self._unref(block)
+        del table.block_ids[:drop]
+        table.num_dropped += drop
+        self.dropped_blocks += drop
+        return drop
+
+    def keeps_window(self, table: BlockTable, num_tokens: int) -> bool:
+        """Whether ``table`` cut to ``num_tokens`` tokens still holds every block its next
+        query reads; if not, the sequence must release it and recompute (a rewind or a
+        stop string across the window of a sequence that dropped blocks)."""
+        if self.window is None:
+            return not table.num_dropped
+        return holds_window_after_cut(table.num_dropped, num_tokens, self.window, self.block_size)

@@ -95,7 +95,7 @@ class Engine(EngineConversations):
         self.runner: Runner = model if isinstance(model, Runner) else self._local_runner(model)
         self.model_config: ModelConfig = self.runner.model_config
         self.tokenizer, self.model_name, self.model_identity = tokenizer, model_name, model_identity
-        self.pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.pool = BlockPool(self.runner.num_blocks, cache.block_size, cache.enable_prefix_caching, window=self.model_config.every_layer_window)
         max_len = self.config.max_model_len or self.model_config.max_position_embeddings
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self.scheduler = Scheduler(self.config.scheduler, self.pool, max_len, self.eos_token_ids)

@@ -264,6 +264,7 @@ class Scheduler(StepFilling, SchedulerConversations):
             seq.num_computed = chunk.context_len
             self.num_computed_tokens += len(chunk.token_ids)
             self.pool.register_full_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+            self.pool.drop_outside_window(seq.block_table, seq.num_computed)  # all-local models (block_window.py)
             pending = self._pending_finish.pop(chunk.request_id, None)
             if pending is not None:
                 self._finish(req, pending.reason, cancel_reason=pending.cancel_reason, error=pending.error,
@@ -389,7 +390,7 @@ class Scheduler(StepFilling, SchedulerConversations):
             request_id=req.request_id,
             token_ids=tuple(seq.token_ids[start:start + n]),
             start_pos=start,
-            block_table=tuple(seq.block_table.block_ids),
+            block_table=seq.block_table.forward_ids(),
             sample=start + n == seq.num_tokens,
         )
 
@@ -475,6 +476,8 @@ class Scheduler(StepFilling, SchedulerConversations):
         """Keeps the first ``num_tokens`` tokens of a sequence (never grows it)."""
         if num_tokens >= seq.num_tokens:
             return
+        if not self.pool.keeps_window(seq.block_table, num_tokens):
+            self._drop_kv(seq)  # it gave back blocks its window would read again: recomputed (or hit) later
         del seq.token_ids[num_tokens:]
         seq.num_computed = min(seq.num_computed, num_tokens)
         self.pool.truncate(seq.block_table, num_tokens)

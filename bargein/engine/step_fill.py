@@ -162,5 +162,5 @@ class StepFilling:
                 chunks.append(chunk)
                 continue
             chunks.append(dataclasses.replace(chunk, draft_token_ids=tuple(guess),
-                                              block_table=tuple(table.block_ids)))
+                                              block_table=table.forward_ids()))
         return StepPlan(plan.step, tuple(chunks), tuple(copies))

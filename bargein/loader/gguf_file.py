@@ -38,7 +38,7 @@ from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
 from bargein.loader.families import GGUF_FAMILIES, gguf_features, gguf_moe, stored_rows
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
-from bargein.loader.names import check_layer_range, expert_index, wanted_tensors
+from bargein.loader.names import check_layer_range, gguf_location, wanted_tensors
 
 SUPPORTED_ARCHS = tuple(GGUF_FAMILIES)
 # The types whose blocks BlockWeight holds as they are: (bits, bytes before the quants).
@@ -335,7 +335,8 @@ def load_gguf_weights(
     for canon, gguf_name in _progress(wanted.items(), len(wanted), config.name, progress):
         heads = config.num_heads if ".wq." in canon else config.num_kv_heads
         permuted = arch in PERMUTED_ARCHS and (".wq." in canon or ".wk." in canon)
-        if (e := expert_index(canon)) is not None:  # a slice of the layer's stacked experts
+        gguf_name, e = gguf_location(f.tensors, canon, gguf_name)  # an expert's own tensor is read as any matrix
+        if e is not None:  # a slice of the layer's stacked experts
             expert = f.expert(gguf_name, e, blocks)
             weights[canon] = expert if isinstance(expert, QuantWeight) else expert.to(device=device, dtype=dtype)
             continue

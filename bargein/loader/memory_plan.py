@@ -22,7 +22,7 @@ from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.quant_weight import QUANT_TYPES
 from bargein.loader.errors import LoaderError
 from bargein.loader.gguf_file import open_gguf
-from bargein.loader.names import expected_shape, wanted_tensors
+from bargein.loader.names import expected_shape, gguf_location, wanted_tensors
 from bargein.loader.parameters import describe_parameters
 from bargein.loader.source import ModelSource
 
@@ -140,7 +140,7 @@ def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: 
         return mapped, private
     tensors = open_gguf(source.path).tensors
     # dict.fromkeys: an MoE layer's experts are one stacked tensor, named by each expert's entry
-    names = list(dict.fromkeys(gguf for gguf, _ in wanted.values())) + (["rope_freqs.weight"] if "rope_freqs.weight"
+    names = list(dict.fromkeys(gguf_location(tensors, c, gguf)[0] for c, (gguf, _) in wanted.items())) + (["rope_freqs.weight"] if "rope_freqs.weight"
                                                                         in tensors else [])
     for name in names:
         info = tensors.get(name)

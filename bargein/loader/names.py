@@ -5,6 +5,8 @@ that a family stores inside a fused one names that stored tensor (see ``stored_r
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from bargein.config import ModelConfig
 from bargein.loader.families import layer_tensors, moe_layer_tensors
 
@@ -67,6 +69,27 @@ def expert_index(canon: str) -> int | None:
     in a GGUF, its slice of the stacked tensor the table names."""
     parts = canon.split(".")
     return int(parts[3]) if len(parts) > 4 and parts[0] == "layers" and parts[2] == "experts" else None
+
+
+# A stacked expert tensor's name part -> the part of each expert's own tensor in older files
+# (llama.cpp's LLM_TENSOR_FFN_*_EXP, "blk.%d.ffn_gate.%d": Mixtral GGUFs converted before 2024-04).
+PER_EXPERT_GGUF = {"ffn_gate_exps": "ffn_gate", "ffn_up_exps": "ffn_up", "ffn_down_exps": "ffn_down"}
+
+
+def gguf_location(tensors: Container[str], canon: str, gguf_name: str) -> tuple[str, int | None]:
+    """Where a canonical weight lies in a GGUF holding ``tensors`` (``gguf_name`` as
+    :func:`wanted_tensors` names it): (tensor name, expert index to slice it at, or None).
+
+    An expert's matrix is its slice of the layer's stacked tensor (``blk.N.ffn_gate_exps``),
+    or, in a file that has no stacked tensor but one tensor per expert
+    (``blk.N.ffn_gate.E.weight``), that whole tensor. A missing tensor is named as stacked,
+    for the loader to report."""
+    e = expert_index(canon)
+    if e is None or gguf_name in tensors:
+        return gguf_name, e
+    blk, layer, part, suffix = gguf_name.split(".")
+    single = f"{blk}.{layer}.{PER_EXPERT_GGUF.get(part, part)}.{e}.{suffix}"
+    return (single, None) if single in tensors else (gguf_name, e)
 
 
 def expected_shape(config: ModelConfig, canon: str) -> tuple[int, ...] | None:

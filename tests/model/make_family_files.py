@@ -6,19 +6,15 @@ Run it where llama-cpp-python's sdist is unpacked (the converter is pure Python)
 
     python tests/model/make_family_files.py [--llama-cpp DIR]
 
-The converter picks a tokenizer by the hash of its pre-tokenizer's output and refuses one
-it does not know; the tiny byte-level BPE here is unknown to it, so the conversion runs
-with that lookup answered "gpt-2" and with the SentencePiece vocabularies that Gemma 2 and Phi-3
-expect read as GPT-2 ones (tokenizer.json). Every tensor and every architecture key is written by the
+The conversion (tests/llama_convert.py) answers the converter's tokenizer lookup for the
+tiny byte-level BPE here; every tensor and every architecture key is written by the
 converter's own code for the family: that is what the tests check against.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,29 +22,11 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.llama_convert import LLAMA_CPP, convert_to_gguf  # noqa: E402
 from tests.model.family_specs import FAMILIES, FamilySpec  # noqa: E402
 from tests.tiny_models import SPECIAL_TOKENS, tiny_tokenizer  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "families"
-DEFAULT_LLAMA_CPP = Path("/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
-
-# Run in a child process: the converter's package and its vendored gguf stay out of ours.
-_CONVERT = """
-import sys
-from pathlib import Path
-root = Path(sys.argv[1])
-sys.path.insert(0, str(root)); sys.path.insert(1, str(root / "gguf-py"))
-import convert_hf_to_gguf
-from conversion.base import TextModel
-TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-TextModel._set_vocab_sentencepiece = TextModel._set_vocab_gpt2
-from conversion.phi import Phi3MiniModel
-Phi3MiniModel.set_vocab = TextModel._set_vocab_gpt2
-sys.argv = ["convert_hf_to_gguf.py", sys.argv[2], "--outfile", sys.argv[3], "--outtype", "f32"]
-convert_hf_to_gguf.main()
-"""
-
-
 def save_hf(spec: FamilySpec, folder: Path) -> None:
     tok = tiny_tokenizer()
     config = getattr(transformers, spec.config_class)(vocab_size=tok.get_vocab_size(), bos_token_id=0,
@@ -82,7 +60,7 @@ def save_hf(spec: FamilySpec, folder: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA_CPP, help="llama.cpp's source tree")
+    parser.add_argument("--llama-cpp", type=Path, default=LLAMA_CPP, help="llama.cpp's source tree")
     parser.add_argument("families", nargs="*", help="only these (default: all)")
     args = parser.parse_args()
     for spec in FAMILIES:
@@ -91,8 +69,7 @@ def main() -> None:
         out = DATA / spec.name
         shutil.rmtree(out, ignore_errors=True)
         save_hf(spec, out / "hf")
-        subprocess.run([sys.executable, "-c", _CONVERT, str(args.llama_cpp), str(out / "hf"), str(out / "model.gguf")],
-                       check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        convert_to_gguf(out / "hf", out / "model.gguf", llama_cpp=args.llama_cpp)
         print(f"{spec.name}: {out}")
 
 

@@ -14,9 +14,7 @@ and a wrong expert, weight or normalisation changes the answer.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +22,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.model.make_family_files import _CONVERT, DEFAULT_LLAMA_CPP  # noqa: E402
+from tests.llama_convert import LLAMA_CPP, convert_to_gguf  # noqa: E402
 from tests.model.moe_specs import MOE_FAMILIES, MoESpec  # noqa: E402
 from tests.tiny_models import SPECIAL_TOKENS, tiny_tokenizer  # noqa: E402
 
@@ -54,7 +52,7 @@ def save_hf(spec: MoESpec, folder: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-cpp", type=Path, default=DEFAULT_LLAMA_CPP, help="llama.cpp's source tree")
+    parser.add_argument("--llama-cpp", type=Path, default=LLAMA_CPP, help="llama.cpp's source tree")
     parser.add_argument("names", nargs="*", help="only these (default: all)")
     args = parser.parse_args()
     for spec in MOE_FAMILIES:
@@ -63,8 +61,7 @@ def main() -> None:
         out = DATA / spec.name
         shutil.rmtree(out, ignore_errors=True)
         save_hf(spec, out / "hf")
-        subprocess.run([sys.executable, "-c", _CONVERT, str(args.llama_cpp), str(out / "hf"), str(out / "model.gguf")],
-                       check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        convert_to_gguf(out / "hf", out / "model.gguf", llama_cpp=args.llama_cpp)
         print(f"{spec.name}: {out}")
 
 
