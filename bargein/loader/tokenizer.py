@@ -110,8 +110,10 @@ class Tokenizer:
     def __post_init__(self) -> None:
         added = self.backend.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
-        # The texts ``encode`` turns into control tokens (``encode_as_text`` does not).
+        # The texts ``encode`` turns into control tokens (``encode_as_text`` does not): special
+        # ones, and markers (added tokens decoding keeps: Qwen's ``<tool_call>``, ``<think>``).
         self.special_texts: tuple[str, ...] = tuple(t.content for t in added.values() if t.special)
+        self.marker_texts: tuple[str, ...] = tuple(t.content for t in added.values() if not t.special)
         self._plain_text = PlainTextEncoder(self.backend)
         self._added_ids = frozenset(added)
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
@@ -129,11 +131,13 @@ class Tokenizer:
         (``encoding.encode_one``)."""
         return encode_one(self.backend, text, add_special_tokens=add_special_tokens)
 
-    def encode_as_text(self, text: str) -> list[int]:
-        """Token ids of ``text`` as plain text, no BOS/EOS: a special token's text written in
-        it (a user typing ``<|im_end|>``) becomes the tokens that spell it, never the control
-        token (``encoding.PlainTextEncoder``). Same errors as ``encode``."""
-        return self._plain_text.encode(text)
+    def encode_as_text(self, text: str, *, keep_markers: bool = False) -> list[int]:
+        """Token ids of ``text`` as plain text, no BOS/EOS: an added token's text written in it
+        (a user typing ``<|im_end|>`` or ``<tool_call>``) becomes the tokens that spell it,
+        never the control token (``encoding.PlainTextEncoder``). ``keep_markers``: only
+        special tokens are spelled; markers stay one token (the model's own answer, repeated
+        in a history). Same errors as ``encode``."""
+        return self._plain_text.encode(text, keep_markers=keep_markers)
 
     def at_least_tokens(self, text: str) -> int:
         """A lower bound on ``len(encode(text, add_special_tokens=False))``, without encoding.
