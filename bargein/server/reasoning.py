@@ -69,7 +69,8 @@ def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *
         return None
     open_, close = markers
     guard = guard_for(tokenizer, markers) if prompt_ids else None
-    ids = {marker: token_id for token_id, marker in guard.markers.items()} if guard is not None else {}
+    ids = {marker: token_id for token_id, marker in (*guard.markers.items(), *guard.inserted.items())
+           } if guard is not None else {}
     if open_ in ids and close in ids:
         where = {token_id: i for i, token_id in enumerate(prompt_ids)}  # each id's last place
         inside = where.get(ids[open_], -1) > where.get(ids[close], -1)
@@ -158,15 +159,16 @@ class AnswerParser:
 
     Given the ``tokenizer``, markers that are one token of its vocabulary count only where
     the model wrote them as that token (``control_markers``): feed each output's
-    ``token_ids`` with its text.
+    ``token_ids`` with its text. ``keeps_special``: the text holds special tokens' text
+    (the request's ``skip_special_tokens`` is false).
     """
 
     def __init__(self, thinking: Thinking | None, tool_names: set[str] | None, syntax: ToolSyntax | None = None,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, keeps_special: bool = False):
         syntax = syntax or HERMES
         offered = tool_names is not None
         self.guard = guard_for(tokenizer, [*((thinking.open, thinking.close) if thinking is not None else ()),
-                                           *((syntax.open, syntax.close) if offered else ())])
+                                           *((syntax.open, syntax.close) if offered else ())], keeps_special)
         if self.guard is not None:
             protect = self.guard.protect
             if thinking is not None:
@@ -261,11 +263,11 @@ def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_char
 
 
 def parse_answer(text: str, thinking: Thinking | None, tool_names: set[str] | None,
-                 syntax: ToolSyntax | None = None, tokenizer: Any = None, token_ids: Sequence[int] = ()
-                 ) -> AnswerParser:
+                 syntax: ToolSyntax | None = None, tokenizer: Any = None, token_ids: Sequence[int] = (),
+                 keeps_special: bool = False) -> AnswerParser:
     """A whole answer parsed at once (non-streamed bodies): the same result as its deltas
     (``token_ids``: the answer's, to tell control-token markers by; see AnswerParser)."""
-    parser = AnswerParser(thinking, tool_names, syntax, tokenizer)
+    parser = AnswerParser(thinking, tool_names, syntax, tokenizer, keeps_special)
     parser.feed(text, final=True, token_ids=token_ids)
     return parser
 

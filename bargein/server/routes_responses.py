@@ -242,7 +242,7 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
                                        "tool_choice": prev.tool_choice if prev.tools else None})
     new_turn = input_messages(body.input) if prev is None else []  # validation in FIELD_ORDER (validation.py)
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
-    syntax = tool_syntax_for(ctx.tokenizer.chat_template)
+    syntax = tool_syntax_for(ctx.tokenizer.chat_template, ctx.tokenizer)
     constraint, plan = await check_structured(ctx, text_format,
                                               lambda: tool_plan(*chat_tools(body.tools, body.tool_choice), syntax),
                                               "text.format", nested=False)
@@ -264,7 +264,7 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
     thinking = thinking_for(ctx.tokenizer.chat_template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
                             constrained=constraint is not None, tokenizer=ctx.tokenizer, prompt_ids=tokens)
     stored.answer = AnswerParser(thinking, {t.name for t in plan.tools} if plan.offered else None, plan.syntax,
-                                 ctx.tokenizer)
+                                 ctx.tokenizer, keeps_special=not params.skip_special_tokens)
     stored.tokenizer = ctx.tokenizer
     if text_format is not None:
         stored.text_format = text_format

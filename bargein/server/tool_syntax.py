@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bargein.server.tool_events import (
@@ -53,6 +53,9 @@ class ToolSyntax:
     # The offered tools' parameter schemas by name (``tools.tool_plan`` binds them): the XML
     # syntax coerces parameter values to their types.
     schemas: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # The id of ``open`` where the vocabulary has it as one special token (Mistral's
+    # [TOOL_CALLS]): decoding leaves it out of the text, so a forced call writes the token.
+    open_token: int | None = None
 
     def write(self, calls: list[tuple[str, str]]) -> str:
         """Calls ``(name, arguments JSON)`` written in this syntax (compact, arguments verbatim)."""
@@ -69,17 +72,39 @@ class ToolSyntax:
             return self.open, self.close
         return (self.open + "[", "]") if self.name == "mistral" else ("", "")
 
+    def forced_lark(self) -> tuple[str, str]:
+        """``forced_frame`` as Lark expressions: text as literals, the opening marker as
+        its token where it is one special token (``open_token``), never as its spelling."""
+        before, after = self.forced_frame()
+        head = ""
+        if self.open_token is not None and before.startswith(self.open):
+            head, before = f"<[{self.open_token}]>", before[len(self.open):]
+        return " ".join(p for p in (head, _lark_literal(before)) if p), _lark_literal(after)
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
 
 HERMES = ToolSyntax("hermes", "<tool_call>", "</tool_call>")
 MISTRAL = ToolSyntax("mistral", "[TOOL_CALLS]", None)
 LLAMA3 = ToolSyntax("llama3", "<|python_tag|>", None, arguments_key="parameters", bare_start=True)
-QWEN3_XML = ToolSyntax("qwen3_xml", "<tool_call>", "</tool_call>")  # a forced call: JSON inside the tags
+QWEN3_XML = ToolSyntax("qwen3_xml", "<tool_call>", "</tool_call>")  # a forced call: its XML (tool_grammar_xml)
 SYNTAXES = {s.name: s for s in (HERMES, MISTRAL, LLAMA3, QWEN3_XML)}
 
 
-def tool_syntax_for(template: str | None) -> ToolSyntax:
-    """The syntax the chat template's model is trained on (Hermes when the template says none)."""
-    source = template or ""
+def tool_syntax_for(template: str | None, tokenizer: Any = None) -> ToolSyntax:
+    """The syntax the chat template's model is trained on (Hermes when the template says
+    none); given the ``tokenizer``, with ``open_token`` bound (``ToolSyntax.open_token``)."""
+    syntax = _family(template or "")
+    if tokenizer is not None:
+        ids = tokenizer.encode(syntax.open, add_special_tokens=False)
+        if len(ids) == 1 and ids[0] in tokenizer.special_token_ids:
+            syntax = replace(syntax, open_token=ids[0])
+    return syntax
+
+
+def _family(source: str) -> ToolSyntax:
     if "<function=" in source and "<parameter=" in source:
         return QWEN3_XML
     if "[TOOL_CALLS]" in source:
@@ -87,9 +112,6 @@ def tool_syntax_for(template: str | None) -> ToolSyntax:
     if "<|python_tag|>" in source or ("ipython" in source and '"parameters"' in source):
         return LLAMA3
     return HERMES
-
-
-
 
 
 def _head(key: str) -> re.Pattern[str]:

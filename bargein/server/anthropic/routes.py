@@ -77,7 +77,8 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
     conv = await ctx.prompts.run(lambda: conversation(body))  # grows with the input: off the loop
     template = ctx.tokenizer.chat_template
     # The format and the tools' schemas: checked and compiled off the loop, within the schema budget.
-    constraint, plan = await check_structured(ctx, None, lambda: tool_plan_of(body, tool_syntax_for(template)),
+    syntax = tool_syntax_for(template, ctx.tokenizer)
+    constraint, plan = await check_structured(ctx, None, lambda: tool_plan_of(body, syntax),
                                               param="output_config.format", read_format=lambda: output_constraint(body),
                                               schema_at="output_config.format.schema")
     max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", ctx.settings, None)
