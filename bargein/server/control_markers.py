@@ -55,9 +55,9 @@ class MarkerGuard:
     """Tags the markers an answer's tokens wrote as control tokens, output by output.
 
     One guard per answer (it keeps the answer's token bytes). ``tag`` takes each output's
-    ``delta_text`` and ``new_token_ids`` in order; ``tag_offsets`` are where added
-    characters went in the tagged text, with how many (so positions in it can be mapped
-    back to the answer's own text).
+    ``delta_text`` and ``new_token_ids`` in order; ``tag_offsets`` are where tag
+    characters went in the tagged text (so positions in it can be mapped back to the
+    answer's text, inserted markers' text included: :meth:`plain_chars`).
 
     ``markers``: control token id -> its text, for markers whose text the answer's text
     holds; ``inserted``: the same for special tokens the answer's text leaves out.
@@ -69,7 +69,7 @@ class MarkerGuard:
         self.markers = markers
         self.inserted = inserted or {}
         self.keeps_special = keeps_special  # the answer's text holds special tokens' text
-        self.tag_offsets: list[tuple[int, int]] = []  # (offset in the tagged text, characters added there)
+        self.tag_offsets: list[int] = []  # where tag characters are in the tagged text
         self._bytes = bytearray()  # the answer's bytes so far, as the detokenizer reads its tokens
         self._plain = 0  # characters of the answer's text tagged so far
         self._tagged = 0  # characters of tagged text given out so far
@@ -97,6 +97,8 @@ class MarkerGuard:
                     continue
                 found = max(at, local)
                 added = INSERTED + marker + TAG
+                start = self._tagged + sum(map(len, out)) + len(text[at:found])
+                self.tag_offsets += [start, start + 1 + len(marker)]
             else:
                 found = text.find(marker, max(at, local - _SLACK))
                 if not 0 <= found <= local + _SLACK:
@@ -104,8 +106,8 @@ class MarkerGuard:
                         waiting.append((place, marker, inserted))  # its text has not arrived yet
                     continue
                 added = TAG
+                self.tag_offsets.append(self._tagged + sum(map(len, out)) + len(text[at:found]))
             out.append(text[at:found])
-            self.tag_offsets.append((self._tagged + sum(map(len, out)), len(added)))
             out.append(added)
             at = found
         out.append(text[at:])
@@ -115,10 +117,23 @@ class MarkerGuard:
         self._tagged += len(tagged)
         return tagged
 
+    @property
+    def counts_special_text(self) -> bool:
+        """Whether :meth:`plain_chars` counts special tokens' text (inserted or kept): then
+        it is a position in the text decoded with special tokens kept."""
+        return self.keeps_special or bool(self.inserted)
+
     def plain_chars(self, tagged_chars: int) -> int:
-        """The answer's characters that ``tagged_chars`` characters of tagged text stand for."""
-        return tagged_chars - sum(min(added, tagged_chars - offset) for offset, added in self.tag_offsets
-                                  if offset < tagged_chars)
+        """The answer's characters that ``tagged_chars`` characters of tagged text stand for
+        (an inserted marker's text counted, ``counts_special_text``)."""
+        return tagged_chars - sum(1 for offset in self.tag_offsets if offset < tagged_chars)
+
+
+def special_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` where it is one special token of ``tokenizer``'s vocabulary (a
+    grammar must then write that token, ``<[id]>``, never its spelling), else None."""
+    ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None and text else []
+    return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_token_ids else None
 
 
 def guard_for(tokenizer: Any, markers: Iterable[str | None], keeps_special: bool = False) -> MarkerGuard | None:

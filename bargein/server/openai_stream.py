@@ -40,7 +40,6 @@ from bargein.server.reasoning import (
     ReasoningDelta,
     Thinking,
     parse_answer,
-    reasoning_token_count,
 )
 from bargein.server.responses_store import StoredResponse
 from bargein.server.sse import DONE, data_event, named_event
@@ -193,8 +192,7 @@ class ChatShape:
 
     def _count_reasoning(self, index: int, out: RequestOutput, parser: AnswerParser | None) -> None:
         if self.thinking is not None:
-            chars = parser.thought_chars if parser is not None else 0
-            self.reasoning_tokens[index] = reasoning_token_count(self.tokenizer, out.token_ids, chars)
+            self.reasoning_tokens[index] = parser.thought_tokens(self.tokenizer, out.token_ids) if parser else 0
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """With thinking split, usage says how many output tokens were thoughts."""

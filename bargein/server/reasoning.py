@@ -175,6 +175,7 @@ class AnswerParser:
                 thinking = replace(thinking, open=protect(thinking.open), close=protect(thinking.close))
             syntax = replace(syntax, open=protect(syntax.open),
                              close=protect(syntax.close) if syntax.close is not None else None)
+        self.keeps_special = keeps_special
         self.splitter = ReasoningSplitter(thinking) if thinking is not None else None
         self.tools = call_parser(tool_names, syntax) if tool_names is not None else None
         self.reasoning_parts: list[str] = []
@@ -229,11 +230,23 @@ class AnswerParser:
 
     @property
     def thought_chars(self) -> int:
-        """Leading characters of the answer that are thought (``ReasoningSplitter.thought_chars``)."""
+        """Leading characters of the answer that are thought (``ReasoningSplitter.thought_chars``),
+        in the text decoded with special tokens kept where ``counts_special_text``."""
         if self.splitter is None:
             return 0
         chars = self.splitter.thought_chars
         return self.guard.plain_chars(chars) if self.guard is not None else chars
+
+    @property
+    def counts_special_text(self) -> bool:
+        """Whether ``thought_chars`` counts special tokens' text (a marker that is a special
+        token, or a request that keeps them): count its tokens with them kept."""
+        return self.keeps_special or (self.guard is not None and self.guard.counts_special_text)
+
+    def thought_tokens(self, tokenizer: Any, token_ids: Sequence[int]) -> int:
+        """How many of the answer's ``token_ids`` are thought (``reasoning_token_count``)."""
+        return reasoning_token_count(tokenizer, token_ids, self.thought_chars,
+                                     skip_special_tokens=not self.counts_special_text)
 
 
 def _untagged_event(event: AnswerEvent) -> AnswerEvent:
@@ -244,18 +257,21 @@ def _untagged_event(event: AnswerEvent) -> AnswerEvent:
     return event
 
 
-def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_chars: int) -> int:
+def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_chars: int, *,
+                          skip_special_tokens: bool = True) -> int:
     """How many of an answer's ``token_ids`` write its first ``thought_chars`` characters:
     the fewest whose text reaches that far (a binary search over decoded prefixes, so a
     token that spans the thought's end counts as thought). Decoded as answers' text is by
-    default (special tokens left out): markers the splitter saw are in that text."""
+    default (special tokens left out), or with them kept where the thought's markers are
+    special tokens (``AnswerParser.counts_special_text``): markers the splitter saw are in
+    that text."""
     if thought_chars <= 0:
         return 0
     ids = list(token_ids)
     low, high = 0, len(ids)
     while low < high:
         mid = (low + high) // 2
-        if len(tokenizer.decode(ids[:mid])) >= thought_chars:
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=skip_special_tokens)) >= thought_chars:
             high = mid
         else:
             low = mid + 1

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput
-from bargein.server.reasoning import AnswerEvent, AnswerParser, reasoning_token_count
+from bargein.server.reasoning import AnswerEvent, AnswerParser
 from bargein.server.tool_syntax_xml import XmlToolCallParser
 from bargein.server.tools import CallStart, ToolCall, ToolCallParser
 
@@ -69,7 +69,7 @@ class StoredResponse:
     def _reasoning_tokens(self, final: RequestOutput) -> int:
         if self.answer.splitter is None or self.tokenizer is None:
             return 0
-        return reasoning_token_count(self.tokenizer, final.token_ids, self.answer.thought_chars)
+        return self.answer.thought_tokens(self.tokenizer, final.token_ids)
 
     @property
     def message_id(self) -> str:

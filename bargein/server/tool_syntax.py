@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bargein.server.control_markers import special_token_id
 from bargein.server.tool_events import (
     ArgumentsDelta,
     CallEnd,
@@ -97,11 +98,8 @@ def tool_syntax_for(template: str | None, tokenizer: Any = None) -> ToolSyntax:
     """The syntax the chat template's model is trained on (Hermes when the template says
     none); given the ``tokenizer``, with ``open_token`` bound (``ToolSyntax.open_token``)."""
     syntax = _family(template or "")
-    if tokenizer is not None:
-        ids = tokenizer.encode(syntax.open, add_special_tokens=False)
-        if len(ids) == 1 and ids[0] in tokenizer.special_token_ids:
-            syntax = replace(syntax, open_token=ids[0])
-    return syntax
+    token = special_token_id(tokenizer, syntax.open)
+    return syntax if token is None else replace(syntax, open_token=token)
 
 
 def _family(source: str) -> ToolSyntax:

@@ -24,13 +24,16 @@ import httpx
 import pytest
 
 from bargein.engine.request import FinishReason, RequestOutput, Usage
+from bargein.engine.sampling import SamplingParams
 from bargein.loader.chat_template import render_chat_template
 from bargein.server.reasoning import AnswerParser, Thinking
+from bargein.server.thinking_switch import budget_constraint
 from bargein.server.tool_syntax import MISTRAL, QWEN3_XML, tool_syntax_for
 from bargein.server.tools import tool_plan
+from tests.engine.test_engine import run_until_finished
 from tests.server.inprocess_app import inprocess_app
 from tests.server.test_tool_syntax_xml import CoderByteTokenizer
-from tests.tiny_engine import ByteTokenizer, tiny_engine
+from tests.tiny_engine import ByteTokenizer, collector, tiny_engine
 
 TIME = {"type": "object", "properties": {
     "zone": {"enum": ["UTC", "CET"]}, "hours": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -191,11 +194,24 @@ def test_only_the_special_token_opens_calls(ids, content, calls, keeps_special, 
     assert [(c.name, c.arguments) for c in parser.calls] == calls
 
 
+@pytest.mark.parametrize("keeps_special", [False, True])
 @pytest.mark.parametrize("streamed", [False, True])
-def test_only_the_special_tokens_mark_a_thought(streamed):
+def test_only_the_special_tokens_mark_a_thought_and_count_in_it(streamed, keeps_special):
     ids = [THINK, *b"I quote [/THINK] here", END_THINK, *b"Answer."]
-    parser = parsed(ids, False, streamed, Thinking("[THINK]", "[/THINK]", False))
+    parser = parsed(ids, keeps_special, streamed, Thinking("[THINK]", "[/THINK]", False))
     assert (parser.reasoning, parser.text) == ("I quote [/THINK] here", "Answer.")
+    assert parser.thought_tokens(TOK, ids) == len(ids) - len(b"Answer.")  # both markers' tokens included
+
+
+def test_the_thinking_budget_writes_a_special_closing_marker_as_its_token():
+    engine = tiny_engine(num_blocks=64)
+    engine.tokenizer = TOK
+    constraint = budget_constraint(Thinking("[THINK]", "[/THINK]", True), 5, TOK)
+    assert f"<[{END_THINK}]>" in constraint.text
+    rid = collector(engine).add_request(list(b"[INST]Why?[/INST][THINK]"), SamplingParams(
+        temperature=0, max_tokens=9, constraint=constraint))
+    final = next(o for o in run_until_finished(engine, rid) if o.finished)
+    assert final.token_ids[5] == END_THINK and END_THINK not in final.token_ids[:5]
 
 
 def test_the_forced_frame_writes_the_special_token():

@@ -88,7 +88,7 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
     thinking = thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
                             constrained=constraint is not None, tokenizer=ctx.tokenizer, prompt_ids=prompt.token_ids)
     if budget is not None and thinking is not None:  # (an answer constrained from its start has no thought)
-        constraint = budget_constraint(thinking, budget)
+        constraint = budget_constraint(thinking, budget, ctx.tokenizer)
         await compile_in_pool(ctx, constraint, "thinking.budget_tokens")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
