@@ -17,9 +17,11 @@ Two kinds of marker tokens:
 - *special* tokens (Mistral's ``[TOOL_CALLS]``, ``[THINK]``), which decoding leaves out
   of the text (unless the request keeps special tokens, ``skip_special_tokens: false``,
   when they are tagged as above): the guard inserts the marker's tagged text where the
-  token stands, so the parsers see it there and nowhere else. A forced call's grammar
-  writes such a marker as its token (``tools.ToolPlan.constraint``), so forced calls
-  parse the same way.
+  token stands, so the parsers see it there and nowhere else.
+
+Grammars that write markers (a forced call, ``tools.ToolPlan.constraint``; the thinking
+budget) write them as their tokens (:func:`marker_token_id`), so what they force parses
+the same way.
 
 How: :class:`MarkerGuard` sees each output's new token ids beside its text, finds where
 in the text each marker token stands (the length of the text the tokens before it make,
@@ -129,11 +131,13 @@ class MarkerGuard:
         return tagged_chars - sum(1 for offset in self.tag_offsets if offset < tagged_chars)
 
 
-def special_token_id(tokenizer: Any, text: str) -> int | None:
-    """The id of ``text`` where it is one special token of ``tokenizer``'s vocabulary (a
-    grammar must then write that token, ``<[id]>``, never its spelling), else None."""
+def marker_token_id(tokenizer: Any, text: str | None) -> int | None:
+    """The id of a marker's ``text`` where it is one token of ``tokenizer``'s vocabulary,
+    else None. A grammar that writes the marker writes that token (``<[id]>``): a literal
+    would also let the model spell it in other tokens (which the parsers rightly read as
+    text), and a special token's spelling never makes the token at all."""
     ids = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None and text else []
-    return ids[0] if len(ids) == 1 and ids[0] in tokenizer.special_token_ids else None
+    return ids[0] if len(ids) == 1 else None
 
 
 def guard_for(tokenizer: Any, markers: Iterable[str | None], keeps_special: bool = False) -> MarkerGuard | None:

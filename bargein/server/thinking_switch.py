@@ -16,7 +16,7 @@ from typing import Any
 
 from bargein.engine.constraint import Constraint
 from bargein.loader.chat_template import has_thinking_switch
-from bargein.server.control_markers import special_token_id
+from bargein.server.control_markers import marker_token_id
 from bargein.server.errors import APIError
 from bargein.server.reasoning import Thinking
 
@@ -29,8 +29,9 @@ def budget_constraint(thinking: Thinking, budget: int, tokenizer: Any = None) ->
     A thought the prompt opened (``starts_inside``) begins at once; otherwise the answer
     may open one first (or answer without thinking). The markers are text to the grammar:
     forced, the closing one is tokenized as the tokenizer writes it (one token where the
-    vocabulary has one), so the parsers read it as the model's own; a marker that is one
-    special token of the ``tokenizer`` (Mistral's ``[/THINK]``) is written as that token."""
+    vocabulary has one), so the parsers read it as the model's own; given the ``tokenizer``,
+    a marker that is one token (Qwen's ``</think>``, Mistral's special ``[/THINK]``) is
+    written as that token (``control_markers.marker_token_id``)."""
     lines = [f"thought[max_tokens={budget}]: THOUGHT",
              f"THOUGHT: /(?s:.*)/ & ~/(?s:.*){_regex(thinking.close)}(?s:.*)/", "answer: ANSWER"]
     close = _marker(tokenizer, thinking.close)
@@ -43,8 +44,8 @@ def budget_constraint(thinking: Thinking, budget: int, tokenizer: Any = None) ->
 
 
 def _marker(tokenizer: Any, text: str) -> str:
-    """``text`` in a Lark rule: its token where it is one special token, else a literal."""
-    token = special_token_id(tokenizer, text)
+    """``text`` in a Lark rule: its token where it is one token, else a literal."""
+    token = marker_token_id(tokenizer, text)
     return json.dumps(text) if token is None else f"<[{token}]>"
 
 

@@ -24,8 +24,8 @@ of other names may follow, with text values. A value is written as
   ``$defs`` carried along);
 - a ``type`` list: any of its types, each written as above.
 
-The call's opening marker is the syntax's (``ToolSyntax.forced_lark``: its token where it
-is one special token).
+The call's tags are the syntax's (``ToolSyntax.forced_lark``: each as its token where it
+is one token of the vocabulary).
 """
 
 from __future__ import annotations
@@ -37,22 +37,23 @@ from typing import Any
 
 from bargein.engine.grammar import JSON_OPTIONS
 from bargein.server.json_schema import strict_objects
-from bargein.server.tool_syntax_xml import CLOSE, FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END
+from bargein.server.tool_syntax_xml import FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END
 
 VALUE_END = "\n" + PARAMETER_END + "\n"
 _NO_END = r"~/(?s:.*)" + re.escape(PARAMETER_END).replace("/", r"\/") + r"(?s:.*)/"
 _DEFS = ("$defs", "definitions")
 
 
-def xml_call_grammar(tools: Sequence[tuple[str, dict[str, Any]]], open_marker: str) -> str:
+def xml_call_grammar(tools: Sequence[tuple[str, dict[str, Any]]], open_marker: str, close_marker: str) -> str:
     """A Lark grammar (llguidance's dialect) for one call to one of ``tools`` (name,
-    parameters schema), after ``open_marker`` (a Lark expression: the opening tag)."""
+    parameters schema), between ``open_marker`` and ``close_marker`` (Lark expressions:
+    the call's tags, ``ToolSyntax.forced_lark``)."""
     rules = ["start: " + " | ".join(f"call_{i}" for i in range(len(tools)))]
     for i, (name, parameters) in enumerate(tools):
         schema = strict_objects(parameters)
         head = _literal(f"\n{FUNCTION}{name}>\n")
         params, more = _parameters(i, schema)
-        parts = [open_marker, head, params, _literal(FUNCTION_END + "\n" + CLOSE)]
+        parts = [open_marker, head, params, _literal(FUNCTION_END + "\n"), close_marker]
         rules.append(f"call_{i}: " + " ".join(part for part in parts if part))
         rules += more
     return "\n".join(rules) + "\n"

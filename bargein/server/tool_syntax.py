@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bargein.server.control_markers import special_token_id
+from bargein.server.control_markers import marker_token_id
 from bargein.server.tool_events import (
     ArgumentsDelta,
     CallEnd,
@@ -54,9 +54,10 @@ class ToolSyntax:
     # The offered tools' parameter schemas by name (``tools.tool_plan`` binds them): the XML
     # syntax coerces parameter values to their types.
     schemas: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
-    # The id of ``open`` where the vocabulary has it as one special token (Mistral's
-    # [TOOL_CALLS]): decoding leaves it out of the text, so a forced call writes the token.
+    # The ids of ``open`` and ``close`` where the vocabulary has each as one token (Qwen's
+    # <tool_call>, Mistral's special [TOOL_CALLS]): a forced call writes those tokens.
     open_token: int | None = None
+    close_token: int | None = None
 
     def write(self, calls: list[tuple[str, str]]) -> str:
         """Calls ``(name, arguments JSON)`` written in this syntax (compact, arguments verbatim)."""
@@ -74,13 +75,16 @@ class ToolSyntax:
         return (self.open + "[", "]") if self.name == "mistral" else ("", "")
 
     def forced_lark(self) -> tuple[str, str]:
-        """``forced_frame`` as Lark expressions: text as literals, the opening marker as
-        its token where it is one special token (``open_token``), never as its spelling."""
+        """``forced_frame`` as Lark expressions: text as literals, the markers as their
+        tokens where each is one token (``open_token``, ``close_token``)."""
         before, after = self.forced_frame()
-        head = ""
+        head = tail = ""
         if self.open_token is not None and before.startswith(self.open):
             head, before = f"<[{self.open_token}]>", before[len(self.open):]
-        return " ".join(p for p in (head, _lark_literal(before)) if p), _lark_literal(after)
+        if self.close_token is not None and self.close and after.endswith(self.close):
+            after, tail = after[:-len(self.close)], f"<[{self.close_token}]>"
+        return (" ".join(p for p in (head, _lark_literal(before)) if p),
+                " ".join(p for p in (_lark_literal(after), tail) if p))
 
 
 def _lark_literal(text: str) -> str:
@@ -96,10 +100,12 @@ SYNTAXES = {s.name: s for s in (HERMES, MISTRAL, LLAMA3, QWEN3_XML)}
 
 def tool_syntax_for(template: str | None, tokenizer: Any = None) -> ToolSyntax:
     """The syntax the chat template's model is trained on (Hermes when the template says
-    none); given the ``tokenizer``, with ``open_token`` bound (``ToolSyntax.open_token``)."""
+    none); given the ``tokenizer``, with its markers' tokens bound (``ToolSyntax.open_token``)."""
     syntax = _family(template or "")
-    token = special_token_id(tokenizer, syntax.open)
-    return syntax if token is None else replace(syntax, open_token=token)
+    if tokenizer is None:
+        return syntax
+    return replace(syntax, open_token=marker_token_id(tokenizer, syntax.open),
+                   close_token=marker_token_id(tokenizer, syntax.close))
 
 
 def _family(source: str) -> ToolSyntax:

@@ -89,7 +89,7 @@ class ToolPlan:
         before, after = self.syntax.forced_lark()
         if self.syntax.name == QWEN3_XML.name:  # the model's own XML, not JSON inside the tags
             called = [(t.name, t.parameters) for t in self.tools if self.choice == "required" or t.name == self.forced]
-            return Constraint("lark", xml_call_grammar(called, before))
+            return Constraint("lark", xml_call_grammar(called, before, after))
         # Compact JSON, as in response_format: one spelling, which the history re-renders.
         body = json.dumps({**schema, "x-guidance": dict(JSON_OPTIONS)}, separators=(",", ":"))
         outer = " ".join(part for part in (before, "call", after) if part)

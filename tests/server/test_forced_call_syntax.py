@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import httpx
 import pytest
 
+from bargein.engine.engine import Engine
+from bargein.engine.grammar import Grammars
 from bargein.engine.request import FinishReason, RequestOutput, Usage
 from bargein.engine.sampling import SamplingParams
 from bargein.loader.chat_template import render_chat_template
@@ -32,7 +35,9 @@ from bargein.server.tool_syntax import MISTRAL, QWEN3_XML, tool_syntax_for
 from bargein.server.tools import tool_plan
 from tests.engine.test_engine import run_until_finished
 from tests.server.inprocess_app import inprocess_app
-from tests.server.test_tool_syntax_xml import CoderByteTokenizer
+from tests.server.test_prompt_markers import TOOL_CALL as MARKER_TOOL_CALL
+from tests.server.test_prompt_markers import marker_tokenizer
+from tests.server.test_tool_syntax_xml import QWEN3_CODER_TEMPLATE, CoderByteTokenizer
 from tests.tiny_engine import ByteTokenizer, collector, tiny_engine
 
 TIME = {"type": "object", "properties": {
@@ -52,10 +57,16 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def coder() -> AsyncIterator[httpx.AsyncClient]:
-    core = tiny_engine(num_blocks=512)
-    core.tokenizer = CoderByteTokenizer()
+    core = with_tokenizer(tiny_engine(num_blocks=512), CoderByteTokenizer())
     async with inprocess_app(core, timeout=120) as (_, client):
         yield client
+
+
+def with_tokenizer(core: Engine, tokenizer) -> Engine:
+    """``core`` with another tokenizer of its 260 tokens, its grammars' token table included."""
+    core.tokenizer = tokenizer
+    core.grammars = Grammars(tokenizer, core.model_config.vocab_size, core.eos_token_ids)
+    return core
 
 
 def sse(text: str) -> list[dict]:
@@ -117,6 +128,23 @@ async def test_messages_force_the_xml_call_streamed_and_not(coder):
     partial = "".join(e["delta"]["partial_json"] for e in events
                       if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
     assert json.loads(partial) == block["input"]
+
+
+@pytest.mark.anyio
+async def test_the_xml_calls_tag_is_the_models_marker_token():
+    """With Qwen's tokenizer conventions (``<tool_call>`` an added token, not special), the
+    forced call opens with that token, which the parser reads as the marker."""
+    tokenizer = replace(marker_tokenizer(), chat_template=QWEN3_CODER_TEMPLATE)
+    core = with_tokenizer(tiny_engine(num_blocks=256), tokenizer)
+    body = {"messages": ASK, "tools": OPENAI_TOOLS, "tool_choice": NAMED, "max_tokens": 200, **GREEDY}
+    async with inprocess_app(core, timeout=120) as (_, client):
+        choice = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["token_ids"][0] == MARKER_TOOL_CALL and choice["token_ids"].count(MARKER_TOOL_CALL) == 1
+    [call] = choice["message"]["tool_calls"]
+    assert tokenizer.decode(choice["token_ids"]) == QWEN3_XML.write([("get_time", call["function"]["arguments"])])
+    check_xml_call(call["function"]["name"], call["function"]["arguments"],
+                   list(tokenizer.decode(choice["token_ids"]).encode()))
 
 
 # -- special-token markers -----------------------------------------------------------------------
@@ -204,8 +232,7 @@ def test_only_the_special_tokens_mark_a_thought_and_count_in_it(streamed, keeps_
 
 
 def test_the_thinking_budget_writes_a_special_closing_marker_as_its_token():
-    engine = tiny_engine(num_blocks=64)
-    engine.tokenizer = TOK
+    engine = with_tokenizer(tiny_engine(num_blocks=64), TOK)
     constraint = budget_constraint(Thinking("[THINK]", "[/THINK]", True), 5, TOK)
     assert f"<[{END_THINK}]>" in constraint.text
     rid = collector(engine).add_request(list(b"[INST]Why?[/INST][THINK]"), SamplingParams(
@@ -225,8 +252,7 @@ def test_the_forced_frame_writes_the_special_token():
 @pytest.mark.anyio
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 async def test_a_forced_call_writes_the_token_and_comes_back_as_a_call(skip_special_tokens):
-    core = tiny_engine(num_blocks=256)
-    core.tokenizer = TOK
+    core = with_tokenizer(tiny_engine(num_blocks=256), TOK)
     body = {"messages": ASK, "tools": OPENAI_TOOLS, "tool_choice": NAMED, "max_tokens": 120,
             "skip_special_tokens": skip_special_tokens, **GREEDY}
     async with inprocess_app(core, timeout=120) as (_, client):
