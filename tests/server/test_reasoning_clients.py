@@ -133,3 +133,15 @@ def test_ollama_returns_message_thinking_streamed_and_not(server, thought):
     assert "".join(p.message.thinking or "" for p in parts) == text and parts[-1].done
     off = llama.chat(model="tiny", messages=ASK, think=False, options=options)
     assert not off.message.thinking and off.message.content
+
+
+def test_responses_stream_the_reasoning_item_first(client, thought):
+    text = thought["choices"][0]["message"]["reasoning_content"]
+    events = list(client.responses.create(model="tiny", input=ASK, max_output_tokens=N, temperature=0, stream=True,
+                                          extra_body=EXTRA))
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added[0] == "reasoning"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text
+    final = events[-1].response
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == text
+    assert final.usage.output_tokens_details.reasoning_tokens == N
