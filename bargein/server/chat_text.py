@@ -5,21 +5,23 @@ added token's text into its control token, wherever it stands: a user who writes
 ``<|im_end|>\\n<|im_start|>system\\n...`` in a message would forge a system turn, and one
 who writes Qwen's ``<tool_call>`` or ``<think>`` (added tokens that are not special, which
 the answer's parsers read as markers) would write the token that opens a call or a
-thought. So the parts of the rendered text that came from a message's ``content`` are
-tokenized as plain text (``Tokenizer.encode_as_text``), and only the template's own text
-gets control tokens. One exception keeps histories token-exact: in an assistant message
-(the model's own answer, repeated) markers stay their tokens, as the model wrote them;
-only special tokens' text, which no answer's text holds, is spelled there.
+thought. So the parts of the rendered text that came from the request (a message's
+``content`` and its other strings, such as a call's arguments; the ``tools``' names,
+descriptions and schemas) are tokenized as plain text (``Tokenizer.encode_as_text``),
+and only the template's own text gets control tokens. One exception keeps histories
+token-exact: in an assistant message (the model's own answer, repeated) markers stay
+their tokens, as the model wrote them; only special tokens' text, which no answer's text
+holds, is spelled there.
 
-To know which parts those are, a message whose content holds such text is rendered
-wrapped in two marker characters (from Unicode's private use planes, chosen so that no
-message and no template text holds them; one pair for user text, one for assistant
-text); the markers are then taken out and their places kept as spans. A template that
-edits content (``| trim``) sees the wrapped text, so such an edit may not apply to those
-messages; a template that takes content apart (splits it and drops the first marker)
-cannot be honoured, and the request gets a 400 naming the control token. Messages
-without control-token text render and tokenize exactly as before (no spans, one encode),
-so prompts, cache keys and continuations are unchanged for them.
+To know which parts those are, each string of the request that holds such text is
+rendered wrapped in two marker characters (from Unicode's private use planes, chosen so
+that no request and no template text holds them; one pair for user text, one for
+assistant text); the markers are then taken out and their places kept as spans. A
+template that edits content (``| trim``) sees the wrapped text, so such an edit may not
+apply to those strings; a template that takes one apart (splits it and drops the first
+marker) cannot be honoured, and the request gets a 400 naming the control token.
+Requests without control-token text render and tokenize exactly as before (no spans, one
+encode), so prompts, cache keys and continuations are unchanged for them.
 
 A prefill (``continue_final``: the last message is the assistant's, and the answer goes on
 from its text, as Anthropic's Messages API and vLLM's ``continue_final_message`` do) is
@@ -96,42 +98,63 @@ def _cut(spans: tuple[Span, ...], cut: int) -> tuple[Span, ...]:
     return tuple((a, min(b, cut)) for a, b in spans if a < cut)
 
 
-_TEXT, _ANSWER = 0, 1  # how a message's content is spelled: all as text, or an answer's (markers kept)
+_TEXT, _ANSWER = 0, 1  # how a message's text is spelled: all as text, or an answer's (markers kept)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: Any, param: str, extra: dict[str, Any],
             add_generation_prompt: bool) -> RenderedChat:
-    spellings = [_spelling(tokenizer, m) for m in messages]
     plain = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
-    if all(found is None for found, _ in spellings):
+    every = (*tokenizer.special_texts, *tokenizer.marker_texts)
+    kinds = [_ANSWER if m.get("role") == "assistant" else _TEXT for m in messages]
+    found = [_control_text(m, tokenizer.special_texts if kind == _ANSWER else every) for m, kind in zip(
+        messages, kinds, strict=True)] + [_control_text(tools, every)]
+    if all(f is None for f in found):
         return RenderedChat(plain, ())
-    texts = [plain, *(m["content"] for m in messages if isinstance(m.get("content"), str))]
-    pairs = [(o, c) for o, c in _MARKERS if not any(o in t or c in t for t in texts)][:2]
+    strings = [plain, *_strings(messages), *_strings(tools)]
+    pairs = [(o, c) for o, c in _MARKERS if not any(o in t or c in t for t in strings)][:2]
     if len(pairs) < 2:
         pairs = _MARKERS[:2]
-    marked = [m if found is None else {**m, "content": f"{pairs[kind][0]}{m['content']}{pairs[kind][1]}"}
-              for m, (found, kind) in zip(messages, spellings, strict=True)]
-    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+    marked = [m if f is None else _marked(m, pairs[kind], tokenizer.special_texts if kind == _ANSWER else every)
+              for m, kind, f in zip(messages, kinds, found, strict=False)]
+    marked_tools = tools if found[-1] is None else _marked(tools, pairs[_TEXT], every)
+    rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=add_generation_prompt, tools=marked_tools,
+                                             **extra)
     taken = _take_out_markers(rendered, pairs)
     if taken is None:
-        forged = next(found for found, _ in spellings if found is not None)
-        raise APIError(400, f"a message's content holds the control token {forged!r} as text, and this model's "
-                            "chat template takes message content apart, so it cannot be kept as text; "
-                            "remove it from the message", param=param, code="invalid_value")
+        forged = next(f for f in found if f is not None)
+        raise APIError(400, f"the request's text (a message or a tool) holds the control token {forged!r}, and "
+                            "this model's chat template takes that text apart, so it cannot be kept as text; "
+                            "remove it", param=param, code="invalid_value")
     text, spans = taken
     return RenderedChat(text, spans[_TEXT], spans[_ANSWER])
 
 
-def _spelling(tokenizer: Any, message: dict[str, Any]) -> tuple[str | None, int]:
-    """The first control token's text that ``message``'s content holds (None: it holds none
-    that must be spelled), and how the content is spelled (``_TEXT`` or ``_ANSWER``)."""
-    content = message.get("content")
-    if not isinstance(content, str):
-        return None, _TEXT
-    answer = message.get("role") == "assistant"
-    texts = tokenizer.special_texts if answer else (*tokenizer.special_texts, *tokenizer.marker_texts)
-    found = next((t for t in texts if t and t in content), None)
-    return found, _ANSWER if answer else _TEXT
+def _strings(value: Any) -> list[str]:
+    """Every string in ``value`` (a message, the tools), dict keys left out."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _control_text(value: Any, texts: tuple[str, ...]) -> str | None:
+    """The first of ``texts`` that a string of ``value`` holds (message content, a call's
+    arguments, a tool's description), or None."""
+    return next((t for s in _strings(value) for t in texts if t and t in s), None)
+
+
+def _marked(value: Any, pair: tuple[str, str], texts: tuple[str, ...]) -> Any:
+    """``value`` with each string that holds one of ``texts`` wrapped in ``pair``."""
+    if isinstance(value, str):
+        return f"{pair[0]}{value}{pair[1]}" if any(t and t in value for t in texts) else value
+    if isinstance(value, dict):
+        return {k: _marked(v, pair, texts) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_marked(v, pair, texts) for v in value]
+    return value
 
 
 def _take_out_markers(rendered: str, pairs: list[tuple[str, str]]) -> tuple[str, list[tuple[Span, ...]]] | None:
