@@ -54,10 +54,19 @@ class ToolSyntax:
     # The offered tools' parameter schemas by name (``tools.tool_plan`` binds them): the XML
     # syntax coerces parameter values to their types.
     schemas: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
-    # The ids of ``open`` and ``close`` where the vocabulary has each as one token (Qwen's
-    # <tool_call>, Mistral's special [TOOL_CALLS]): a forced call writes those tokens.
-    open_token: int | None = None
-    close_token: int | None = None
+    # The model's tokenizer (``tool_syntax_for`` binds it): a forced call writes each marker
+    # that is one token of its vocabulary as that token (``open_token``, ``close_token``).
+    tokenizer: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def open_token(self) -> int | None:
+        """The id of ``open`` where it is one token (Qwen's <tool_call>, Mistral's special
+        [TOOL_CALLS]); encoded only when a forced call asks, never per request."""
+        return marker_token_id(self.tokenizer, self.open)
+
+    @property
+    def close_token(self) -> int | None:
+        return marker_token_id(self.tokenizer, self.close)
 
     def write(self, calls: list[tuple[str, str]]) -> str:
         """Calls ``(name, arguments JSON)`` written in this syntax (compact, arguments verbatim)."""
@@ -79,10 +88,11 @@ class ToolSyntax:
         tokens where each is one token (``open_token``, ``close_token``)."""
         before, after = self.forced_frame()
         head = tail = ""
-        if self.open_token is not None and before.startswith(self.open):
-            head, before = f"<[{self.open_token}]>", before[len(self.open):]
-        if self.close_token is not None and self.close and after.endswith(self.close):
-            after, tail = after[:-len(self.close)], f"<[{self.close_token}]>"
+        open_token, close_token = self.open_token, self.close_token
+        if open_token is not None and before.startswith(self.open):
+            head, before = f"<[{open_token}]>", before[len(self.open):]
+        if close_token is not None and self.close and after.endswith(self.close):
+            after, tail = after[:-len(self.close)], f"<[{close_token}]>"
         return (" ".join(p for p in (head, _lark_literal(before)) if p),
                 " ".join(p for p in (_lark_literal(after), tail) if p))
 
@@ -100,12 +110,9 @@ SYNTAXES = {s.name: s for s in (HERMES, MISTRAL, LLAMA3, QWEN3_XML)}
 
 def tool_syntax_for(template: str | None, tokenizer: Any = None) -> ToolSyntax:
     """The syntax the chat template's model is trained on (Hermes when the template says
-    none); given the ``tokenizer``, with its markers' tokens bound (``ToolSyntax.open_token``)."""
+    none); given the ``tokenizer``, bound to it (``ToolSyntax.open_token``)."""
     syntax = _family(template or "")
-    if tokenizer is None:
-        return syntax
-    return replace(syntax, open_token=marker_token_id(tokenizer, syntax.open),
-                   close_token=marker_token_id(tokenizer, syntax.close))
+    return syntax if tokenizer is None else replace(syntax, tokenizer=tokenizer)
 
 
 def _family(source: str) -> ToolSyntax:
