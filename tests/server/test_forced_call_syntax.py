@@ -31,7 +31,7 @@ from bargein.engine.sampling import SamplingParams
 from bargein.loader.chat_template import render_chat_template
 from bargein.server.reasoning import AnswerParser, Thinking
 from bargein.server.thinking_switch import budget_constraint
-from bargein.server.tool_syntax import MISTRAL, QWEN3_XML, tool_syntax_for
+from bargein.server.tool_syntax import LLAMA3, MISTRAL, QWEN3_XML, tool_syntax_for
 from bargein.server.tools import tool_plan
 from tests.engine.test_engine import run_until_finished
 from tests.server.inprocess_app import inprocess_app
@@ -274,3 +274,27 @@ async def test_a_forced_call_writes_the_token_and_comes_back_as_a_call(skip_spec
             "model": "m", "max_tokens": 120, "messages": ASK, "temperature": 0,
             "tools": [{"name": "get_time", "input_schema": TIME}], "tool_choice": {"type": "any"}})).json()
         assert [b["type"] for b in message["content"]] == ["tool_use"] and message["stop_reason"] == "tool_use"
+
+
+class LlamaByteTokenizer(MistralByteTokenizer):
+    """Bytes, with Llama 3's ``<|python_tag|>`` as the special token 257."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [257] if text == "<|python_tag|>" else list(text.encode())
+
+    def token_bytes(self, token_id: int, *, skip_special_tokens: bool = True) -> bytes:
+        if token_id == 257:
+            return b"" if skip_special_tokens else b"<|python_tag|>"
+        return ByteTokenizer.token_bytes(self, token_id, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_llama3s_python_tag_is_read_by_its_id(streamed):
+    tok, call = LlamaByteTokenizer(), b'{"name": "f", "parameters": {"x": 1}}'
+    for ids, content, calls in (([257, *call], "", [("f", '{"x": 1}')]),
+                                ([*b"Sure: <|python_tag|>", *call], "Sure: <|python_tag|>" + call.decode(), [])):
+        parser = AnswerParser(None, {"f"}, LLAMA3, tok)
+        pieces = [([t], tok.token_bytes(t).decode()) for t in ids] if streamed else [(ids, tok.decode(ids))]
+        for i, (new, text) in enumerate(pieces):
+            parser.feed(text, final=i == len(pieces) - 1, token_ids=new)
+        assert (parser.text, [(c.name, c.arguments) for c in parser.calls]) == (content, calls)
