@@ -43,12 +43,13 @@ class ByteTokenizer:
     eos_token_ids = frozenset({EOS})
     special_token_ids = frozenset({256, 257, 258, 259})
     special_texts: tuple[str, ...] = ()  # no text encodes to a special token: bytes only
+    marker_texts: tuple[str, ...] = ()  # nor to an added token that is not special
     chat_template = None
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
-    def encode_as_text(self, text: str) -> list[int]:
+    def encode_as_text(self, text: str, *, keep_markers: bool = False) -> list[int]:
         return list(text.encode())
 
     def token_bytes(self, token_id: int, *, skip_special_tokens: bool = True) -> bytes:

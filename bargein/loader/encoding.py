@@ -7,13 +7,16 @@ Unicode (a lone surrogate from a JSON ``"\\ud800"`` escape) raises
 ``UnencodableTextError`` (a ``ValueError``) instead of the backend's ``TypeError``;
 checked only when the backend refuses, so valid text pays nothing.
 
-``PlainTextEncoder`` encodes with special tokens' text treated as text: what a user wrote
+``PlainTextEncoder`` encodes with added tokens' text treated as text: what a user wrote
 in a chat message, where ``<|im_end|>`` must stay the characters the user typed and never
-become the control token that ends a turn (issue 34).
+become the control token that ends a turn (issue 34), nor ``<tool_call>`` or ``<think>``
+(Qwen's added tokens that are not special, but that the answer's parsers read as markers)
+the token that opens a call or a thought.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -49,16 +52,19 @@ def encode_one(backend: HFTokenizer, text: str, *, add_special_tokens: bool) -> 
 
 
 class PlainTextEncoder:
-    """Encodes text with special tokens' text as plain text; thread-safe.
+    """Encodes text with added tokens' text as plain text; thread-safe.
 
     The backend's ``encode_special_tokens`` flag is its own state, so it is set on a copy
     (made on first use: a copy of a 49k vocabulary takes a fraction of a second), never on
-    the shared backend that renders prompts for other requests.
+    the shared backend that renders prompts for other requests. The flag spells out only
+    special tokens, so the copy that spells every added token marks them all special
+    first (an added token's ``special`` changes nothing else in encoding). Two copies:
+    ``keep_markers`` keeps the non-special added tokens (markers) as their ids.
     """
 
     def __init__(self, backend: HFTokenizer):
         self._backend = backend
-        self._plain: HFTokenizer | None = None
+        self._copies: dict[bool, HFTokenizer] = {}  # keep_markers -> its copy
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, HFTokenizer]:
@@ -68,10 +74,21 @@ class PlainTextEncoder:
     def __setstate__(self, state: dict[str, HFTokenizer]) -> None:
         self.__init__(state["backend"])
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, keep_markers: bool = False) -> list[int]:
         with self._lock:
-            if self._plain is None:
-                plain = HFTokenizer.from_str(self._backend.to_str())
-                plain.encode_special_tokens = True
-                self._plain = plain
-        return encode_one(self._plain, text, add_special_tokens=False)
+            plain = self._copies.get(keep_markers)
+            if plain is None:
+                plain = self._copies[keep_markers] = _spelling_copy(self._backend, keep_markers)
+        return encode_one(plain, text, add_special_tokens=False)
+
+
+def _spelling_copy(backend: HFTokenizer, keep_markers: bool) -> HFTokenizer:
+    """A copy of ``backend`` that spells out special tokens' text (and, unless
+    ``keep_markers``, every added token's)."""
+    state = json.loads(backend.to_str())
+    if not keep_markers:
+        for added in state.get("added_tokens") or ():
+            added["special"] = True
+    copy = HFTokenizer.from_str(json.dumps(state))
+    copy.encode_special_tokens = True
+    return copy

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,12 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from bargein.loader.byte_alphabet import (
+    BYTE_OF_CHAR,
+    bytes_to_unicode,
+    in_byte_alphabet,
+    is_byte_piece,
+)
 from bargein.loader.chat_template import render_chat_template
 from bargein.loader.encoding import (
     PlainTextEncoder,
@@ -59,35 +64,6 @@ _PRE_SPLITS = {
 }
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table used by byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_BYTE_OF_CHAR = {c: b for b, c in bytes_to_unicode().items()}
-# A character outside that alphabet; a regex search is ~4x faster than set(piece) <= alphabet,
-# which counts at start-up over a 49k vocabulary.
-_OUTSIDE_BYTE_ALPHABET = re.compile("[^" + re.escape("".join(sorted(_BYTE_OF_CHAR))) + "]")
-
-
-def in_byte_alphabet(text: str) -> bool:
-    """Whether every character of ``text`` is one of GPT-2's byte alphabet."""
-    return _OUTSIDE_BYTE_ALPHABET.search(text) is None
-
-
-def _is_byte_piece(piece: str) -> bool:
-    """A SentencePiece byte-fallback piece, ``<0x0A>``: one byte of text."""
-    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
-
-
 @dataclass
 class Tokenizer:
     """Text <-> token ids, plus what generation and chat need from the tokenizer.
@@ -110,8 +86,10 @@ class Tokenizer:
     def __post_init__(self) -> None:
         added = self.backend.get_added_tokens_decoder()
         self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
-        # The texts ``encode`` turns into control tokens (``encode_as_text`` does not).
+        # The texts ``encode`` turns into control tokens (``encode_as_text`` does not): special
+        # ones, and markers (added tokens decoding keeps: Qwen's ``<tool_call>``, ``<think>``).
         self.special_texts: tuple[str, ...] = tuple(t.content for t in added.values() if t.special)
+        self.marker_texts: tuple[str, ...] = tuple(t.content for t in added.values() if not t.special)
         self._plain_text = PlainTextEncoder(self.backend)
         self._added_ids = frozenset(added)
         self.vocab_size: int = self.backend.get_vocab_size(with_added_tokens=True)
@@ -129,11 +107,13 @@ class Tokenizer:
         (``encoding.encode_one``)."""
         return encode_one(self.backend, text, add_special_tokens=add_special_tokens)
 
-    def encode_as_text(self, text: str) -> list[int]:
-        """Token ids of ``text`` as plain text, no BOS/EOS: a special token's text written in
-        it (a user typing ``<|im_end|>``) becomes the tokens that spell it, never the control
-        token (``encoding.PlainTextEncoder``). Same errors as ``encode``."""
-        return self._plain_text.encode(text)
+    def encode_as_text(self, text: str, *, keep_markers: bool = False) -> list[int]:
+        """Token ids of ``text`` as plain text, no BOS/EOS: an added token's text written in it
+        (a user typing ``<|im_end|>`` or ``<tool_call>``) becomes the tokens that spell it,
+        never the control token (``encoding.PlainTextEncoder``). ``keep_markers``: only
+        special tokens are spelled; markers stay one token (the model's own answer, repeated
+        in a history). Same errors as ``encode``."""
+        return self._plain_text.encode(text, keep_markers=keep_markers)
 
     def at_least_tokens(self, text: str) -> int:
         """A lower bound on ``len(encode(text, add_special_tokens=False))``, without encoding.
@@ -161,7 +141,7 @@ class Tokenizer:
         lengths = [len(piece.encode("utf-8")) for piece, i in vocab.items() if i in self._added_ids]
         plain = [piece for piece, i in vocab.items() if i not in self._added_ids]
         if not self.byte_level:
-            lengths += [1 if _is_byte_piece(p) else len(p.encode("utf-8")) - 2 * p.count("▁") for p in plain]
+            lengths += [1 if is_byte_piece(p) else len(p.encode("utf-8")) - 2 * p.count("▁") for p in plain]
         elif in_byte_alphabet("".join(plain)):  # usually: one search instead of one per piece
             lengths.append(max(map(len, plain), default=1))
         else:
@@ -196,9 +176,9 @@ class Tokenizer:
             return piece.encode("utf-8")
         if self.byte_level:
             if in_byte_alphabet(piece):
-                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+                return bytes(BYTE_OF_CHAR[c] for c in piece)
             return piece.encode("utf-8")
-        if _is_byte_piece(piece):
+        if is_byte_piece(piece):
             return bytes([int(piece[3:5], 16)])
         return piece.replace("▁", " ").encode("utf-8")
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from bargein.server.error_shapes import ErrorFamily, error_family
 from bargein.server.errors import APIError
 from bargein.server.settings import LOOPBACK_HOSTS
 from bargein.server.tenants import ANONYMOUS, KeyTable, Tenant
@@ -143,5 +144,13 @@ class AccessRule:
             return tenant, None
         if self.is_public(method, path):
             return ANONYMOUS, None
-        message = "invalid API key" if token else "missing API key: send 'Authorization: Bearer <key>'"
+        message = "invalid API key" if token else f"missing API key: send {key_header_for(path)}"
         return None, APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def key_header_for(path: str) -> str:
+    """How the clients of ``path``'s API send a key (both headers are accepted everywhere):
+    Anthropic's SDK sends ``x-api-key``; OpenAI's and Ollama's send a Bearer token."""
+    if error_family(path) == ErrorFamily.ANTHROPIC:
+        return "'x-api-key: <key>' (or 'Authorization: Bearer <key>')"
+    return "'Authorization: Bearer <key>' (or 'x-api-key: <key>')"

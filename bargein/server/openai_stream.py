@@ -40,7 +40,6 @@ from bargein.server.reasoning import (
     ReasoningDelta,
     Thinking,
     parse_answer,
-    reasoning_token_count,
 )
 from bargein.server.responses_store import StoredResponse
 from bargein.server.sse import DONE, data_event, named_event
@@ -131,8 +130,9 @@ class ChatShape:
 
     def __init__(self, head: dict[str, Any], tokenizer: Any, *, logprobs: bool, include_usage: bool,
                  token_ids: bool = False, tool_names: set[str] | None = None, thinking: Thinking | None = None,
-                 syntax: ToolSyntax | None = None):
+                 syntax: ToolSyntax | None = None, keeps_special: bool = False):
         self.head = head  # id, created, model, system_fingerprint
+        self.keeps_special = keeps_special  # the text holds special tokens' (skip_special_tokens false)
         self.tokenizer = tokenizer
         self.logprobs = logprobs
         self.include_usage = include_usage
@@ -167,7 +167,7 @@ class ChatShape:
                 yield self._delta(slot, {"content": out.delta_text}, lps)
             return
         parser = self.parsers.setdefault(slot.index, AnswerParser(self.thinking, self.tool_names, self.syntax,
-                                                                          self.tokenizer))
+                                                                          self.tokenizer, self.keeps_special))
         events = parser.feed(out.delta_text, final=out.finished, token_ids=out.new_token_ids)
         if lps and not any(isinstance(e, str | ReasoningDelta) for e in events):
             yield self._delta(slot, {"content": ""}, lps)
@@ -192,8 +192,7 @@ class ChatShape:
 
     def _count_reasoning(self, index: int, out: RequestOutput, parser: AnswerParser | None) -> None:
         if self.thinking is not None:
-            chars = parser.thought_chars if parser is not None else 0
-            self.reasoning_tokens[index] = reasoning_token_count(self.tokenizer, out.token_ids, chars)
+            self.reasoning_tokens[index] = parser.thought_tokens(self.tokenizer, out.token_ids) if parser else 0
 
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         """With thinking split, usage says how many output tokens were thoughts."""
@@ -226,7 +225,7 @@ class ChatShape:
             parser = None
             if self.tool_names is not None or self.thinking is not None:
                 parser = parse_answer(final.text, self.thinking, self.tool_names, self.syntax, self.tokenizer,
-                                      final.token_ids)
+                                      final.token_ids, self.keeps_special)
                 message["content"] = parser.text
                 if self.thinking is not None:
                     message["reasoning_content"] = parser.reasoning or None

@@ -69,7 +69,8 @@ def thinking_for(template: str | None, prompt_text: str, fmt: ReasoningFormat, *
         return None
     open_, close = markers
     guard = guard_for(tokenizer, markers) if prompt_ids else None
-    ids = {marker: token_id for token_id, marker in guard.markers.items()} if guard is not None else {}
+    ids = {marker: token_id for token_id, marker in (*guard.markers.items(), *guard.inserted.items())
+           } if guard is not None else {}
     if open_ in ids and close in ids:
         where = {token_id: i for i, token_id in enumerate(prompt_ids)}  # each id's last place
         inside = where.get(ids[open_], -1) > where.get(ids[close], -1)
@@ -158,21 +159,23 @@ class AnswerParser:
 
     Given the ``tokenizer``, markers that are one token of its vocabulary count only where
     the model wrote them as that token (``control_markers``): feed each output's
-    ``token_ids`` with its text.
+    ``token_ids`` with its text. ``keeps_special``: the text holds special tokens' text
+    (the request's ``skip_special_tokens`` is false).
     """
 
     def __init__(self, thinking: Thinking | None, tool_names: set[str] | None, syntax: ToolSyntax | None = None,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, keeps_special: bool = False):
         syntax = syntax or HERMES
         offered = tool_names is not None
         self.guard = guard_for(tokenizer, [*((thinking.open, thinking.close) if thinking is not None else ()),
-                                           *((syntax.open, syntax.close) if offered else ())])
+                                           *((syntax.open, syntax.close) if offered else ())], keeps_special)
         if self.guard is not None:
             protect = self.guard.protect
             if thinking is not None:
                 thinking = replace(thinking, open=protect(thinking.open), close=protect(thinking.close))
             syntax = replace(syntax, open=protect(syntax.open),
                              close=protect(syntax.close) if syntax.close is not None else None)
+        self.keeps_special = keeps_special
         self.splitter = ReasoningSplitter(thinking) if thinking is not None else None
         self.tools = call_parser(tool_names, syntax) if tool_names is not None else None
         self.reasoning_parts: list[str] = []
@@ -227,11 +230,23 @@ class AnswerParser:
 
     @property
     def thought_chars(self) -> int:
-        """Leading characters of the answer that are thought (``ReasoningSplitter.thought_chars``)."""
+        """Leading characters of the answer that are thought (``ReasoningSplitter.thought_chars``),
+        in the text decoded with special tokens kept where ``counts_special_text``."""
         if self.splitter is None:
             return 0
         chars = self.splitter.thought_chars
         return self.guard.plain_chars(chars) if self.guard is not None else chars
+
+    @property
+    def counts_special_text(self) -> bool:
+        """Whether ``thought_chars`` counts special tokens' text (a marker that is a special
+        token, or a request that keeps them): count its tokens with them kept."""
+        return self.keeps_special or (self.guard is not None and self.guard.counts_special_text)
+
+    def thought_tokens(self, tokenizer: Any, token_ids: Sequence[int]) -> int:
+        """How many of the answer's ``token_ids`` are thought (``reasoning_token_count``)."""
+        return reasoning_token_count(tokenizer, token_ids, self.thought_chars,
+                                     skip_special_tokens=not self.counts_special_text)
 
 
 def _untagged_event(event: AnswerEvent) -> AnswerEvent:
@@ -242,18 +257,21 @@ def _untagged_event(event: AnswerEvent) -> AnswerEvent:
     return event
 
 
-def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_chars: int) -> int:
+def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_chars: int, *,
+                          skip_special_tokens: bool = True) -> int:
     """How many of an answer's ``token_ids`` write its first ``thought_chars`` characters:
     the fewest whose text reaches that far (a binary search over decoded prefixes, so a
     token that spans the thought's end counts as thought). Decoded as answers' text is by
-    default (special tokens left out): markers the splitter saw are in that text."""
+    default (special tokens left out), or with them kept where the thought's markers are
+    special tokens (``AnswerParser.counts_special_text``): markers the splitter saw are in
+    that text."""
     if thought_chars <= 0:
         return 0
     ids = list(token_ids)
     low, high = 0, len(ids)
     while low < high:
         mid = (low + high) // 2
-        if len(tokenizer.decode(ids[:mid])) >= thought_chars:
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=skip_special_tokens)) >= thought_chars:
             high = mid
         else:
             low = mid + 1
@@ -261,11 +279,11 @@ def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int], thought_char
 
 
 def parse_answer(text: str, thinking: Thinking | None, tool_names: set[str] | None,
-                 syntax: ToolSyntax | None = None, tokenizer: Any = None, token_ids: Sequence[int] = ()
-                 ) -> AnswerParser:
+                 syntax: ToolSyntax | None = None, tokenizer: Any = None, token_ids: Sequence[int] = (),
+                 keeps_special: bool = False) -> AnswerParser:
     """A whole answer parsed at once (non-streamed bodies): the same result as its deltas
     (``token_ids``: the answer's, to tell control-token markers by; see AnswerParser)."""
-    parser = AnswerParser(thinking, tool_names, syntax, tokenizer)
+    parser = AnswerParser(thinking, tool_names, syntax, tokenizer, keeps_special)
     parser.feed(text, final=True, token_ids=token_ids)
     return parser
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bargein.engine.request import CancelReason, FinishReason, RequestOutput
-from bargein.server.reasoning import AnswerEvent, AnswerParser, reasoning_token_count
+from bargein.server.reasoning import AnswerEvent, AnswerParser
 from bargein.server.tool_syntax_xml import XmlToolCallParser
 from bargein.server.tools import CallStart, ToolCall, ToolCallParser
 
@@ -43,6 +43,8 @@ class StoredResponse:
     user: str | None = None
     text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})  # the request's text.format
     template_tools: list[dict[str, Any]] | None = None  # tools the chat template rendered itself
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the template's switches (enable_thinking)
+    reasoning_effort: str | None = None  # the request's reasoning.effort, echoed
     tools: list[dict[str, Any]] = field(default_factory=list)  # the request's tools and tool_choice, echoed
     tool_choice: Any = "auto"
     order: list[int | None] = field(default_factory=list)  # output items as they appeared: None message, i call i
@@ -67,7 +69,7 @@ class StoredResponse:
     def _reasoning_tokens(self, final: RequestOutput) -> int:
         if self.answer.splitter is None or self.tokenizer is None:
             return 0
-        return reasoning_token_count(self.tokenizer, final.token_ids, self.answer.thought_chars)
+        return self.answer.thought_tokens(self.tokenizer, final.token_ids)
 
     @property
     def message_id(self) -> str:
@@ -184,7 +186,7 @@ class StoredResponse:
             "temperature": self.params.get("temperature"), "top_p": self.params.get("top_p"),
             "parallel_tool_calls": False, "tool_choice": self.tool_choice, "tools": self.tools, "truncation": "disabled",
             "text": {"format": self.text_format}, "store": self.store, "metadata": self.metadata,
-            "user": self.user, "usage": self.usage,
+            "user": self.user, "usage": self.usage, "reasoning": {"effort": self.reasoning_effort, "summary": None},
         }
         if self.cancel_reason is not None:
             body["cancel_reason"] = self.cancel_reason.value

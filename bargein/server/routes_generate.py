@@ -126,7 +126,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     check_n(body.n)
     template = ctx.tokenizer.chat_template
     constraint, plan = await check_structured(ctx, body.response_format,
-                                              lambda: tool_plan(body.tools, body.tool_choice, tool_syntax_for(template)))
+                                              lambda: tool_plan(body.tools, body.tool_choice,
+                                                                tool_syntax_for(template, ctx.tokenizer)))
     use_mct = body.max_completion_tokens is not None
     max_field = "max_completion_tokens" if use_mct else "max_tokens"
     max_tokens = resolve_max_tokens(body.max_completion_tokens if use_mct else body.max_tokens, max_field,
@@ -144,6 +145,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, ctx: C
     shape = ChatShape(ctx.head(request_id), ctx.tokenizer, logprobs=body.logprobs,
                       include_usage=_include_usage(body), token_ids=body.return_token_ids,
                       tool_names={t.name for t in plan.tools} if plan.offered else None, syntax=plan.syntax,
+                      keeps_special=not params.skip_special_tokens,
                       thinking=thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
                                             constrained=constraint is not None, tokenizer=ctx.tokenizer,
                                             prompt_ids=prompt.token_ids))

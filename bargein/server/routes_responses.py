@@ -48,6 +48,7 @@ from bargein.server.routes_generate import content_text, openai_route
 from bargein.server.schemas import ResponseRequest
 from bargein.server.serving import Generation, serve, serve_in_background
 from bargein.server.tenants import Tenant
+from bargein.server.thinking_switch import effort_switch, thinking_kwargs
 from bargein.server.tools import ToolPlan, tool_plan, tool_syntax_for
 from bargein.server.tools import prompt_messages as tool_messages
 from bargein.server.validation import check_structured, effective_timeout, resolve_max_tokens
@@ -135,13 +136,21 @@ def _previous_known(ctx: ServerContext, prev: StoredResponse) -> Callable[[], li
     """The previous response's exact (text -> ids), computed in the tokenizer pool."""
     def known() -> list[KnownText]:
         prompt_text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True,
-                                                        tools=prev.template_tools)
+                                                        tools=prev.template_tools, **prev.template_kwargs)
         return [ctx.prompts.known_answer(prompt_text, prev.question_token_ids, prev.answer_token_ids)]
     return known
 
 
+def reasoning_switch(value: dict[str, Any] | None) -> bool | None:
+    """The Responses API's ``reasoning.effort`` as the thinking switch, as chat completions'
+    ``reasoning_effort`` is (``thinking_switch.effort_switch``); None: the template's default."""
+    if value is None:
+        return None
+    return effort_switch(value.get("effort"), "reasoning.effort")
+
+
 async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[str, Any]], plan: ToolPlan,
-                 tenant: Tenant) -> tuple[StoredResponse, str, list[int]]:
+                 tenant: Tenant, template_kwargs: dict[str, Any]) -> tuple[StoredResponse, str, list[int]]:
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     prev = _previous(ctx, body.previous_response_id, tenant) if body.previous_response_id else None
     if prev is None:
@@ -154,13 +163,14 @@ async def _build(ctx: ServerContext, body: ResponseRequest, new_turn: list[dict[
     # The tools section (or the template's own rendering of tools) goes with every turn,
     # so a follow-up with the same tools renders the previous prompt as its prefix.
     prompt_messages, template_tools = tool_messages(system + conversation, plan, ctx.tokenizer.chat_template)
-    prompt = await ctx.prompts.chat(prompt_messages, template_tools, param="input", more_known=more_known)
+    prompt = await ctx.prompts.chat(prompt_messages, template_tools, param="input", more_known=more_known,
+                                    template_kwargs=template_kwargs)
     stored = StoredResponse(
         id="", model=ctx.model_name, prompt_messages=prompt_messages, conversation=conversation,
         prompt_token_ids=prompt.token_ids, instructions=body.instructions,
         previous_response_id=body.previous_response_id, background=body.background, store=body.store,
-        metadata=body.metadata or {}, user=body.user, template_tools=template_tools,
-        tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        metadata=body.metadata or {}, user=body.user, template_tools=template_tools, template_kwargs=template_kwargs,
+        reasoning_effort=(body.reasoning or {}).get("effort"), tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
@@ -193,7 +203,7 @@ async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResp
         if constraint is not None:
             grammars.matcher(constraint, tokens[start:])  # raises if the answer so far is not of this format
         text = ctx.tokenizer.apply_chat_template(prev.prompt_messages, add_generation_prompt=True,
-                                                 tools=prev.template_tools)
+                                                 tools=prev.template_tools, **prev.template_kwargs)
         return text + ctx.tokenizer.decode(tokens[start:], skip_special_tokens=False)
 
     try:
@@ -206,7 +216,8 @@ async def _continued(ctx: ServerContext, body: ResponseRequest, prev: StoredResp
         prompt_token_ids=tokens, answer_start=start, instructions=prev.instructions,
         previous_response_id=prev.id, background=body.background, store=body.store,
         metadata=body.metadata or {}, user=body.user, template_tools=prev.template_tools,
-        tools=body.tools or [], tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
+        template_kwargs=prev.template_kwargs, reasoning_effort=prev.reasoning_effort, tools=body.tools or [],
+        tool_choice=body.tool_choice if body.tool_choice is not None else "auto",
         params={"temperature": 1.0 if body.temperature is None else body.temperature,
                 "top_p": 1.0 if body.top_p is None else body.top_p, "max_output_tokens": body.max_output_tokens},
     )
@@ -231,7 +242,7 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
                                        "tool_choice": prev.tool_choice if prev.tools else None})
     new_turn = input_messages(body.input) if prev is None else []  # validation in FIELD_ORDER (validation.py)
     text_format = (body.text or {}).get("format") if isinstance(body.text, dict) else None
-    syntax = tool_syntax_for(ctx.tokenizer.chat_template)
+    syntax = tool_syntax_for(ctx.tokenizer.chat_template, ctx.tokenizer)
     constraint, plan = await check_structured(ctx, text_format,
                                               lambda: tool_plan(*chat_tools(body.tools, body.tool_choice), syntax),
                                               "text.format", nested=False)
@@ -242,9 +253,10 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
     timeout = effective_timeout(body.timeout, ctx.settings.request_timeout)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=None, renames={"max_tokens": "max_output_tokens"},
                              constraint=constraint)
+    template_kwargs = thinking_kwargs(ctx.tokenizer.chat_template, reasoning_switch(body.reasoning))
     constraint_from = None
     if prev is None:
-        stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan, tenant)
+        stored, prompt_text, tokens = await _build(ctx, body, new_turn, plan, tenant, template_kwargs)
     else:
         stored, prompt_text, tokens, answer_start = await _continued(ctx, body, prev, plan, constraint)
         constraint_from = answer_start if constraint is not None else None
@@ -252,7 +264,7 @@ async def create_response(body: ResponseRequest, request: Request, ctx: Ctx, ten
     thinking = thinking_for(ctx.tokenizer.chat_template, prompt_text, ReasoningFormat(ctx.settings.reasoning_format),
                             constrained=constraint is not None, tokenizer=ctx.tokenizer, prompt_ids=tokens)
     stored.answer = AnswerParser(thinking, {t.name for t in plan.tools} if plan.offered else None, plan.syntax,
-                                 ctx.tokenizer)
+                                 ctx.tokenizer, keeps_special=not params.skip_special_tokens)
     stored.tokenizer = ctx.tokenizer
     if text_format is not None:
         stored.text_format = text_format

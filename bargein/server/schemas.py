@@ -156,6 +156,7 @@ class ResponseRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None  # function tools: {"type": "function", "name", "parameters", ...}
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": "none" | "minimal" | ... | "high"}: the thinking switch
     return_token_ids: bool = False  # extension: prompt_token_ids and token_ids in the response object
 
 

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from bargein.engine.constraint import Constraint
 from bargein.loader.chat_template import has_thinking_switch
+from bargein.server.control_markers import marker_token_id
 from bargein.server.errors import APIError
 from bargein.server.reasoning import Thinking
 
 
-def budget_constraint(thinking: Thinking, budget: int) -> Constraint:
+def budget_constraint(thinking: Thinking, budget: int, tokenizer: Any = None) -> Constraint:
     """A grammar that caps the answer's thought at ``budget`` tokens (Anthropic's
     ``thinking.budget_tokens``): the thought runs until the model closes it or the budget
     is spent, then the closing marker is written for it and the answer goes on, free.
@@ -27,16 +29,24 @@ def budget_constraint(thinking: Thinking, budget: int) -> Constraint:
     A thought the prompt opened (``starts_inside``) begins at once; otherwise the answer
     may open one first (or answer without thinking). The markers are text to the grammar:
     forced, the closing one is tokenized as the tokenizer writes it (one token where the
-    vocabulary has one), so the parsers read it as the model's own."""
+    vocabulary has one), so the parsers read it as the model's own; given the ``tokenizer``,
+    a marker that is one token (Qwen's ``</think>``, Mistral's special ``[/THINK]``) is
+    written as that token (``control_markers.marker_token_id``)."""
     lines = [f"thought[max_tokens={budget}]: THOUGHT",
              f"THOUGHT: /(?s:.*)/ & ~/(?s:.*){_regex(thinking.close)}(?s:.*)/", "answer: ANSWER"]
-    close = json.dumps(thinking.close)
+    close = _marker(tokenizer, thinking.close)
     if thinking.starts_inside:
         lines = [f"start: thought {close} answer", *lines, "ANSWER: /(?s:.*)/"]
     else:  # an answer without a thought must not begin with one
-        lines = [f"start: answer | WS {json.dumps(thinking.open)} thought {close} answer", *lines, "WS: /\\s*/",
+        lines = [f"start: answer | WS {_marker(tokenizer, thinking.open)} thought {close} answer", *lines, "WS: /\\s*/",
                  f"ANSWER: /(?s:.*)/ & ~/\\s*{_regex(thinking.open)}(?s:.*)/"]
     return Constraint("lark", "\n".join(lines) + "\n")
+
+
+def _marker(tokenizer: Any, text: str) -> str:
+    """``text`` in a Lark rule: its token where it is one token, else a literal."""
+    token = marker_token_id(tokenizer, text)
+    return json.dumps(text) if token is None else f"<[{token}]>"
 
 
 def _regex(text: str) -> str:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bargein.server.control_markers import marker_token_id
 from bargein.server.tool_events import (
     ArgumentsDelta,
     CallEnd,
@@ -53,6 +54,19 @@ class ToolSyntax:
     # The offered tools' parameter schemas by name (``tools.tool_plan`` binds them): the XML
     # syntax coerces parameter values to their types.
     schemas: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # The model's tokenizer (``tool_syntax_for`` binds it): a forced call writes each marker
+    # that is one token of its vocabulary as that token (``open_token``, ``close_token``).
+    tokenizer: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def open_token(self) -> int | None:
+        """The id of ``open`` where it is one token (Qwen's <tool_call>, Mistral's special
+        [TOOL_CALLS]); encoded only when a forced call asks, never per request."""
+        return marker_token_id(self.tokenizer, self.open)
+
+    @property
+    def close_token(self) -> int | None:
+        return marker_token_id(self.tokenizer, self.close)
 
     def write(self, calls: list[tuple[str, str]]) -> str:
         """Calls ``(name, arguments JSON)`` written in this syntax (compact, arguments verbatim)."""
@@ -69,17 +83,39 @@ class ToolSyntax:
             return self.open, self.close
         return (self.open + "[", "]") if self.name == "mistral" else ("", "")
 
+    def forced_lark(self) -> tuple[str, str]:
+        """``forced_frame`` as Lark expressions: text as literals, the markers as their
+        tokens where each is one token (``open_token``, ``close_token``)."""
+        before, after = self.forced_frame()
+        head = tail = ""
+        open_token, close_token = self.open_token, self.close_token
+        if open_token is not None and before.startswith(self.open):
+            head, before = f"<[{open_token}]>", before[len(self.open):]
+        if close_token is not None and self.close and after.endswith(self.close):
+            after, tail = after[:-len(self.close)], f"<[{close_token}]>"
+        return (" ".join(p for p in (head, _lark_literal(before)) if p),
+                " ".join(p for p in (_lark_literal(after), tail) if p))
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False) if text else ""
+
 
 HERMES = ToolSyntax("hermes", "<tool_call>", "</tool_call>")
 MISTRAL = ToolSyntax("mistral", "[TOOL_CALLS]", None)
 LLAMA3 = ToolSyntax("llama3", "<|python_tag|>", None, arguments_key="parameters", bare_start=True)
-QWEN3_XML = ToolSyntax("qwen3_xml", "<tool_call>", "</tool_call>")  # a forced call: JSON inside the tags
+QWEN3_XML = ToolSyntax("qwen3_xml", "<tool_call>", "</tool_call>")  # a forced call: its XML (tool_grammar_xml)
 SYNTAXES = {s.name: s for s in (HERMES, MISTRAL, LLAMA3, QWEN3_XML)}
 
 
-def tool_syntax_for(template: str | None) -> ToolSyntax:
-    """The syntax the chat template's model is trained on (Hermes when the template says none)."""
-    source = template or ""
+def tool_syntax_for(template: str | None, tokenizer: Any = None) -> ToolSyntax:
+    """The syntax the chat template's model is trained on (Hermes when the template says
+    none); given the ``tokenizer``, bound to it (``ToolSyntax.open_token``)."""
+    syntax = _family(template or "")
+    return syntax if tokenizer is None else replace(syntax, tokenizer=tokenizer)
+
+
+def _family(source: str) -> ToolSyntax:
     if "<function=" in source and "<parameter=" in source:
         return QWEN3_XML
     if "[TOOL_CALLS]" in source:
@@ -87,9 +123,6 @@ def tool_syntax_for(template: str | None) -> ToolSyntax:
     if "<|python_tag|>" in source or ("ipython" in source and '"parameters"' in source):
         return LLAMA3
     return HERMES
-
-
-
 
 
 def _head(key: str) -> re.Pattern[str]:

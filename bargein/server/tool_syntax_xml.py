@@ -21,8 +21,9 @@ declare, stays a string.
 :class:`XmlToolCallParser` reports the events of ``tool_events``: the call's start once
 ``<function=NAME>`` names a known tool, each parameter as one arguments piece once its
 closing tag arrives, the object's end at ``</function>``, the call's end at the closing
-tag. Inside ``<tool_call>`` the model may write a JSON call instead (Qwen3's own syntax,
-and what a forced call's grammar writes): it is judged whole at the closing tag. Text that
+tag. Inside ``<tool_call>`` the model may write a JSON call instead (Qwen3's own syntax):
+it is judged whole at the closing tag. A forced call is written in the XML
+(``tool_grammar_xml``). Text that
 only looks like a call is content. The result does not depend on how the text is split.
 """
 

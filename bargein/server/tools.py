@@ -31,8 +31,10 @@ from bargein.engine.grammar import JSON_OPTIONS
 from bargein.server.errors import APIError
 from bargein.server.json_schema import strict_objects
 from bargein.server.structured import schema_constraint
+from bargein.server.tool_grammar_xml import xml_call_grammar
 from bargein.server.tool_syntax import (
     HERMES,
+    QWEN3_XML,
     ArgumentsDelta,
     CallEnd,
     CallStart,
@@ -84,15 +86,14 @@ class ToolPlan:
             schema = next(t for t in self.tools if t.name == self.forced).call_schema(key)
         else:
             return None
+        before, after = self.syntax.forced_lark()
+        if self.syntax.name == QWEN3_XML.name:  # the model's own XML, not JSON inside the tags
+            called = [(t.name, t.parameters) for t in self.tools if self.choice == "required" or t.name == self.forced]
+            return Constraint("lark", xml_call_grammar(called, before, after))
         # Compact JSON, as in response_format: one spelling, which the history re-renders.
         body = json.dumps({**schema, "x-guidance": dict(JSON_OPTIONS)}, separators=(",", ":"))
-        before, after = self.syntax.forced_frame()
-        outer = " ".join(part for part in (_lark_literal(before), "call", _lark_literal(after)) if part)
+        outer = " ".join(part for part in (before, "call", after) if part)
         return Constraint("lark", f"start: {outer}\ncall: %json {body}\n")
-
-
-def _lark_literal(text: str) -> str:
-    return json.dumps(text) if text else ""
 
 
 def tool_plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,

@@ -193,6 +193,14 @@ def test_the_api_key_is_checked_as_x_api_key(server_factory):
     wrong = anthropic.Anthropic(base_url=guarded.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
         wrong.messages.count_tokens(model="m", messages=ASK)
+    bearer = httpx.post(f"{guarded.base_url}/v1/messages/count_tokens", json={"model": "m", "messages": ASK},
+                        headers={"Authorization": f"Bearer {GUARDED_KEY}"}, timeout=30)
+    assert bearer.status_code == 200  # both headers are accepted on every route
+    missing = httpx.post(f"{guarded.base_url}/v1/messages", json={"model": "m", "max_tokens": 1, "messages": ASK},
+                         timeout=30)
+    assert missing.status_code == 401 and missing.json()["error"] == {  # the header Anthropic's clients send
+        "type": "authentication_error",
+        "message": "missing API key: send 'x-api-key: <key>' (or 'Authorization: Bearer <key>')"}
 
 
 def test_output_config_format_constrains_the_answer(client):

@@ -130,4 +130,5 @@ def test_the_api_key_guards_the_routes(server_factory):
         assert httpx.get(f"{guarded.base_url}{path}", timeout=10).status_code == 401
     with pytest.raises(ollama.ResponseError) as info:
         ollama.Client(host=guarded.base_url).chat(model="m", messages=ASK)
-    assert info.value.status_code == 401
+    assert info.value.status_code == 401  # the header the ollama client's users set (as for Ollama's cloud)
+    assert info.value.error == "missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"

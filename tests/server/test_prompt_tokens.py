@@ -109,6 +109,7 @@ class SplittingTemplate:
     """A tokenizer whose template takes content apart (keeps what follows the last turn end)."""
 
     special_texts = ("<|im_end|>",)
+    marker_texts = ()
 
     def apply_chat_template(self, messages, *, add_generation_prompt=True, tools=None):
         return "".join(f"[{m['role']}]{m['content'].split('<|im_end|>')[-1]}" for m in messages)
@@ -131,8 +132,8 @@ class Tagging:
     def encode(self, text, *, add_special_tokens=True):
         return [("c", text)]
 
-    def encode_as_text(self, text):
-        return [("t", text)]
+    def encode_as_text(self, text, *, keep_markers=False):
+        return [("a" if keep_markers else "t", text)]
 
 
 def test_a_continuation_encodes_the_rest_of_the_text_with_the_content_spans_it_still_holds():

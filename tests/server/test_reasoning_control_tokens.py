@@ -17,7 +17,7 @@ import pytest
 
 from bargein.engine.request import FinishReason, RequestOutput, Usage
 from bargein.server.anthropic.shape import MessagesShape
-from bargein.server.control_markers import TAG, guard_for
+from bargein.server.control_markers import INSERTED, TAG, guard_for
 from bargein.server.generation import Slot
 from bargein.server.ollama.shape import OllamaShape
 from bargein.server.openai_stream import ChatShape, ResponsesShape
@@ -134,11 +134,15 @@ class SpecialMarkersTokenizer(ControlTokenizer):
     special_token_ids = frozenset({256, *CONTROL})  # decoding leaves them out
 
 
-def test_a_marker_spelled_in_bytes_or_a_special_token_is_not_guarded():
+def test_a_marker_spelled_in_bytes_is_not_guarded_and_a_special_one_is_inserted():
     assert guard_for(ByteTokenizer(), ["<think>", "</think>"]) is None
     guard = guard_for(TOK, ["<think>", "</tool_call>"])
     assert guard.protect("<think>") == TAG + "<think>" and guard.protect("</tool_call>") == "</tool_call>"
-    assert guard_for(SpecialMarkersTokenizer(), ["<think>", "<tool_call>"]) is None
+    # Special tokens are left out of the decoded text: their text is inserted where the token stands
+    # (test_forced_call_syntax reads Mistral's markers that way), or tagged where the text keeps it.
+    special = guard_for(SpecialMarkersTokenizer(), ["<think>", "<tool_call>"])
+    assert special.protect("<think>") == INSERTED + "<think>" + TAG
+    assert guard_for(SpecialMarkersTokenizer(), ["<think>"], keeps_special=True).protect("<think>") == TAG + "<think>"
 
 
 OPENS_NOT = ThinkingByteTokenizer.chat_template.replace("{{ '<think>\\n' }}", "{{ '' }}")  # no thought opened

@@ -52,7 +52,7 @@ CASES = [  # (answer text, content, calls as (name, arguments))
      [("get_weather", '{"days":"three","extra":"42"}')]),
     ("<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "", [("get_time", "{}")]),
     ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>', "",
-     [("get_time", '{"zone": "CET"}')]),  # Qwen3's JSON inside the tags (and a forced call's)
+     [("get_time", '{"zone": "CET"}')]),  # Qwen3's JSON inside the tags
     (xml_call("unknown", a="1"), xml_call("unknown", a="1"), []),  # an unknown tool: content
     ("I would write <tool_call> here.", "I would write <tool_call> here.", []),
 ]

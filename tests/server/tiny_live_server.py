@@ -49,10 +49,11 @@ class TinyServer:
 
 
 @contextmanager
-def tiny_live_server(**settings) -> Iterator[TinyServer]:
-    """Serves the tiny engine with ``ServerSettings(**settings)`` until the block ends."""
+def tiny_live_server(tokenizer=None, **settings) -> Iterator[TinyServer]:
+    """Serves the tiny engine with ``ServerSettings(**settings)`` until the block ends
+    (``tokenizer``: another byte tokenizer, a chat template of its own)."""
     core = tiny_engine(num_blocks=256)
-    core.tokenizer = ChatByteTokenizer()
+    core.tokenizer = tokenizer or ChatByteTokenizer()
     port = free_port()
     app = create_app(AsyncEngine(core), ServerSettings(port=port, **settings))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))

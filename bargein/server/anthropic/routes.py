@@ -77,7 +77,8 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
     conv = await ctx.prompts.run(lambda: conversation(body))  # grows with the input: off the loop
     template = ctx.tokenizer.chat_template
     # The format and the tools' schemas: checked and compiled off the loop, within the schema budget.
-    constraint, plan = await check_structured(ctx, None, lambda: tool_plan_of(body, tool_syntax_for(template)),
+    syntax = tool_syntax_for(template, ctx.tokenizer)
+    constraint, plan = await check_structured(ctx, None, lambda: tool_plan_of(body, syntax),
                                               param="output_config.format", read_format=lambda: output_constraint(body),
                                               schema_at="output_config.format.schema")
     max_tokens = resolve_max_tokens(body.max_tokens, "max_tokens", ctx.settings, None)
@@ -87,7 +88,7 @@ async def _messages(request: Request, ctx: ServerContext) -> Response:
     thinking = thinking_for(template, prompt.text, ReasoningFormat(ctx.settings.reasoning_format),
                             constrained=constraint is not None, tokenizer=ctx.tokenizer, prompt_ids=prompt.token_ids)
     if budget is not None and thinking is not None:  # (an answer constrained from its start has no thought)
-        constraint = budget_constraint(thinking, budget)
+        constraint = budget_constraint(thinking, budget, ctx.tokenizer)
         await compile_in_pool(ctx, constraint, "thinking.budget_tokens")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,

@@ -85,7 +85,7 @@ async def _chat(request: Request, ctx: ServerContext) -> Response:
     _check_limits(ctx, body)
     template = ctx.tokenizer.chat_template
     messages = await ctx.prompts.run(lambda: chat_messages(body.messages))  # grows with the input: off the loop
-    constraint, plan = await _structured(ctx, body, lambda: tool_plan(body.tools, None, tool_syntax_for(template)))
+    constraint, plan = await _structured(ctx, body, lambda: tool_plan(body.tools, None, tool_syntax_for(template, ctx.tokenizer)))
     params = sampling_params(body, default_max_tokens=ctx.settings.default_max_tokens,
                              limit=ctx.settings.max_tokens_limit, constraint=constraint)
     messages, template_tools = await ctx.prompts.run(lambda: prompt_messages(messages, plan, template))
