@@ -1,0 +1,101 @@
+/* gguf_matmul.c's `fast` ARM64 paths: NEON, and NEON with the dot-product extension
+ * (sdot), chosen at run time (isa 3 and 4; see neon_q8_matmul.h). Included by
+ * gguf_matmul.c after its plain C, where job_t, acts_t and the chains are defined.
+ *
+ * A tile's columns go four at a time, one to a float lane. Each quad is decoded once per
+ * call by the plain-C decoder into scratch: the quants as signed bytes q = u - off (every
+ * type's fit in int8), the per-32 (32 chain) or per-superblock (K chain) parameters
+ * block-major, four columns to a vector. Then each row passes over the quad: per 32-block
+ * (per superblock) the exact int32 dot products (sixteen-byte dot products summed across
+ * lanes by pairwise adds; integers, so any order gives the plain C's), and per lane the
+ * plain C's float steps in its order (gguf_matmul.c's header): the same bits on every path. */
+#ifndef BARGEIN_NEON_GGUF_MATMUL_H
+#define BARGEIN_NEON_GGUF_MATMUL_H
+
+#include "arm64_simd.h"
+
+/* A quad's decoded parameters, block-major, one column to a lane. */
+typedef struct {
+    float s[4], m[4];                  /* per 32-block */
+    int32_t sc[2][4], mn[2][4];        /* per half (sc = 1, mn = 0 where the type has none) */
+} neon_p32_t;
+typedef struct {
+    float d[4], neg_dmin[4];           /* per superblock */
+    int32_t sc[16][4], mn[8][4];       /* Q6_K: sc per 16; Q4_K, Q5_K: sc and mn per 32 */
+} neon_pk_t;
+
+/* Scratch one thread needs for a quad of columns of length k. */
+static inline int64_t neon_gguf_scratch_bytes(int64_t k) {
+    return 4 * k + (int64_t)sizeof(neon_p32_t) * (k / 32) + (int64_t)sizeof(neon_pk_t) * (k / 256 + 1) + 64;
+}
+
+/* The quad of columns col0 .. col0 + 3 of seg (past its rows: the last row again) into
+ * scratch: q (4, k) signed quants, then the parameters (p32 or pk by the chain). */
+static void neon_gguf_decode_quad(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t col0,
+                                  int8_t *q, void *params) {
+    const int64_t k = job->k, blocks = k / info->qk;
+    const int type = (int)seg->type, subs = info->qk / 32;
+    neon_p32_t *p32 = (neon_p32_t *)params;
+    neon_pk_t *pk = (neon_pk_t *)params;
+    for (int c = 0; c < 4; c++) {
+        const uint8_t *row = column_row(seg, col0 + c < seg->rows ? col0 + c : seg->rows - 1);
+        for (int64_t t = 0; t < blocks; t++) {
+            const uint8_t *blk = row + t * info->bytes;
+            dblock_t o;
+            if (k_chain_type(type)) {
+                int32_t sc[16], mn[8];
+                k_chain_params_c(type, blk, &pk[t].d[c], &pk[t].neg_dmin[c], sc, mn);
+                for (int i = 0; i < 16; i++) pk[t].sc[i][c] = type == T_Q6_K || i < 8 ? sc[i] : 0;
+                for (int i = 0; i < 8; i++) pk[t].mn[i][c] = type == T_Q6_K ? 0 : mn[i];
+                gguf_quants_c(type, blk, o.u);
+            } else {
+                gguf_decode_c(type, blk, &o);
+                for (int sb = 0; sb < subs; sb++) {
+                    neon_p32_t *p = &p32[t * subs + sb];
+                    p->s[c] = o.s[sb], p->m[c] = o.m[sb];
+                    for (int h = 0; h < 2; h++) p->sc[h][c] = o.sc[2 * sb + h], p->mn[h][c] = o.mn[2 * sb + h];
+                }
+            }
+            for (int i = 0; i < info->qk; i++) q[c * k + t * info->qk + i] = (int8_t)((int)o.u[i] - info->off);
+        }
+    }
+}
+
+#define GG_DOT dot16_neon
+#define GG_NAME(name) name##_neon
+#define GG_TARGET
+#include "neon_gguf_body.h"
+#undef GG_DOT
+#undef GG_NAME
+#undef GG_TARGET
+
+#ifdef BARGEIN_DOTPROD
+#define GG_DOT vdotq_s32
+#define GG_NAME(name) name##_dotprod
+#define GG_TARGET TARGET_DOTPROD
+#include "neon_gguf_body.h"
+#undef GG_DOT
+#undef GG_NAME
+#undef GG_TARGET
+#endif
+
+/* A tile's cols columns from col0 of seg (output columns from j0), every row, on the
+ * job's ARM64 path; scratch: neon_gguf_scratch_bytes(k). */
+static void neon_gguf_tile(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t col0,
+                           int64_t j0, int cols, uint8_t *scratch) {
+    int8_t *q = (int8_t *)scratch;
+    void *params = scratch + ((4 * job->k + 63) / 64) * 64;
+    for (int c0 = 0; c0 < cols; c0 += 4) {
+        const int n = cols - c0 < 4 ? cols - c0 : 4;
+        neon_gguf_decode_quad(job, seg, info, col0 + c0, q, params);
+#ifdef BARGEIN_DOTPROD
+        if (job->isa == ISA_DOTPROD) {
+            gguf_quad_rows_dotprod(job, seg, info, q, params, j0 + c0, n);
+            continue;
+        }
+#endif
+        gguf_quad_rows_neon(job, seg, info, q, params, j0 + c0, n);
+    }
+}
+
+#endif
