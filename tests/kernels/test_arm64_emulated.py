@@ -7,10 +7,11 @@ library bargein loads here (its AVX2 / AVX-512 VNNI paths).
 
 What must hold, exactly:
 - in each run, every int8-matmul instruction set and thread count gives its plain C's bits;
-- every ARM64 run gives the x86-64 run's bits, case by case, so a mixed cluster's stages
-  and replicas agree (contract C4). Not the cases that call libm's tanhf (GeGLU, soft
-  capping): glibc's tanhf itself rounds apart on x86-64 and AArch64 (about 1 input in
-  8,600), which no kernel path can undo; those are held to the first rule only.
+- every ARM64 run gives the x86-64 run's bits, case by case (up to a whole two-layer fused
+  forward, embedding to logits and K/V), so a mixed cluster's stages and replicas agree
+  (contract C4). Not the cases that call libm's tanhf (GeGLU, soft capping): glibc's tanhf
+  itself rounds apart on x86-64 and AArch64 (about 1 input in 8,600), which no kernel path
+  can undo; those are held to the first rule only.
 
 Needs gcc-aarch64-linux-gnu and qemu-user (Debian; ``scripts/bootstrap.sh --test`` installs
 them when run as root). The two ARM64 builds are cached by their sources, so a rerun costs
@@ -40,8 +41,12 @@ BUILDS = {"armv8-a": build_flags.ARM64_BASE_MARCH, "armv8.2-a+dotprod": build_fl
 # Runs: (build, qemu CPU). cortex-a57 is ARMv8.0 (no sdot); max has every extension qemu knows.
 RUNS = {"neon": ("armv8-a", "cortex-a57"), "sdot": ("armv8-a", "max"), "sdot-build": ("armv8.2-a+dotprod", "max")}
 # Cases whose numbers go through libm's tanhf, whose bits differ between x86-64's and
-# AArch64's glibc (see the module docstring).
-LIBM_TANH = ("gelu_tanh_mul/", "softcap/")
+# AArch64's glibc (see the module docstring): GeGLU, soft caps (of logits and of scores).
+LIBM_TANH = ("gelu_tanh_mul/", "softcap/", "fast_layers/gelu=1")
+
+
+def _calls_tanhf(case: str) -> bool:
+    return case.startswith(LIBM_TANH) or (case.startswith("attention_f16") and "softcap=0," not in f"{case},")
 ISA_C, ISA_NEON, ISA_DOTPROD = native.Q8_ISAS["c"], native.Q8_ISAS["neon"], native.Q8_ISAS["dotprod"]
 
 missing = [tool for tool in (CROSS_CC, QEMU) if shutil.which(tool) is None]
@@ -129,7 +134,7 @@ def test_every_arm64_path_and_thread_count_gives_the_plain_c_bits(arm64_runs, ru
     kinds = {case.split("/")[0] for case in run if case != "isas"}
     assert kinds >= {"gguf_fast", "gguf_exact_c", "gguf_rows", "q8_block", "block_float", "attention_f16",
                      "attention_f16_decode", "rope_store_f16", "decode_attention", "rms_norm", "silu_mul",
-                     "gelu_tanh_mul", "softcap", "moe_route", "moe_experts"}
+                     "gelu_tanh_mul", "softcap", "moe_route", "moe_experts", "fast_layers"}
     types = {case.split("/")[1] for case in run if case.startswith("gguf_fast/")}
     assert types >= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     failed = {case: paths for case, paths in run.items() if any(v.startswith("status=") for v in paths.values())}
@@ -139,7 +144,7 @@ def test_every_arm64_path_and_thread_count_gives_the_plain_c_bits(arm64_runs, ru
             continue
         reference = paths.get(f"isa={ISA_C},t=1", paths.get("t=1"))
         assert {path: value for path, value in paths.items() if value != reference} == {}, case
-        if case.startswith(("gguf_fast/", "q8_block/", "moe_experts/")):  # every instruction set ran
+        if case.startswith(("gguf_fast/", "q8_block/", "moe_experts/", "fast_layers/")):  # every instruction set ran
             assert {int(p.split(",")[0].removeprefix("isa=")) for p in paths} == set(_isas(run)), case
 
 
@@ -152,9 +157,9 @@ def test_arm64_gives_the_x86_64_bits(arm64_runs, x86_run, run_name: str) -> None
     def reference(paths: dict[str, str]) -> str:
         return paths.get(f"isa={ISA_C},t=1", paths.get("t=1"))
 
-    apart = [case for case in x86_run if case != "isas" and not case.startswith(LIBM_TANH)
-             and reference(run[case]) != reference(x86_run[case])]
-    assert apart == []
+    compared = [case for case in x86_run if case != "isas" and not _calls_tanhf(case)]
+    assert len(compared) > 0.9 * len(x86_run)
+    assert [case for case in compared if reference(run[case]) != reference(x86_run[case])] == []
 
 
 def test_build_flags_per_architecture() -> None:

@@ -49,6 +49,49 @@ int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter
                         const int64_t *ids, const float *weights, int64_t topk, float *y, int exact,
                         int num_threads, int isa);
 
+/* fast_forward.c's descriptors, field for field (as bargein/kernels/native_structs.py
+ * mirrors them for Python). */
+typedef struct {
+    const uint8_t *qs;
+    const float *scales, *mins;
+    int64_t n, k, bits;
+    const void *quant;
+} fast_weight_t;
+typedef struct {
+    const float *attn_norm, *ffn_norm, *qkv_bias;
+    fast_weight_t wqkv, wo, w13, w2;
+    uint16_t *k_cache, *v_cache;
+    const float *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm;
+    int64_t window, local;
+} fast_layer_t;
+typedef struct {
+    int64_t hidden, intermediate, num_slots;
+    int64_t num_heads, num_kv_heads, head_dim, block_size;
+    float eps, scale;
+    const float *cos_table, *sin_table;
+    int64_t num_positions;
+    float softcap, final_softcap, embed_scale;
+    int64_t gelu;
+    const float *local_cos_table, *local_sin_table;
+} fast_shape_t;
+typedef struct {
+    const float *norm;
+    fast_weight_t weight;
+    const int64_t *rows;
+    int64_t num_rows;
+    float *logits;
+} fast_head_t;
+typedef struct {
+    const float *dense;
+    fast_weight_t blocks;
+    const int64_t *ids;
+    int64_t vocab;
+} fast_embed_t;
+int bargein_fast_layers(const fast_layer_t *layers, int num_layers, const fast_shape_t *shape, float *x, int64_t m,
+                        const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
+                        int64_t table_width, const int64_t *token_seq, const int64_t *token_ctx,
+                        const fast_embed_t *embed, const fast_head_t *head, int num_threads, int isa);
+
 #define NUM_ISAS 5
 static const int THREADS[] = {1, 3};
 static int isas[NUM_ISAS], num_isas;
@@ -347,6 +390,87 @@ static void moe_case(const gguf_type_t *t, int64_t m) {
     free(x), free(router), free(ids), free(weights), free(y);
 }
 
+/* ---- the fused fast forward: two layers, embedding to logits -------------------------- */
+
+/* A GGUF weight (n, k) of type t: its blocks, segment and matrix kept in *keep. */
+typedef struct {
+    uint8_t *data;
+    bargein_qseg_t seg;
+    bargein_qmat_t mat;
+} gguf_weight_t;
+static fast_weight_t gguf_weight(gguf_weight_t *keep, const gguf_type_t *t, int64_t n, int64_t k) {
+    keep->data = gguf_rows(t, n, k);
+    keep->seg = (bargein_qseg_t){t->type, keep->data, k / t->qk * t->bytes, n, NULL};
+    keep->mat = (bargein_qmat_t){&keep->seg, 1, n, k};
+    return (fast_weight_t){NULL, NULL, NULL, n, k, 0, &keep->mat};
+}
+/* A BlockWeight (n, k) of bits 4 or 8; its arrays freed by the caller through keep. */
+static fast_weight_t block_weight(void **keep, int bits, int64_t n, int64_t k) {
+    const int64_t nb = k / 32, bytes = bits == 4 ? 16 : 32;
+    uint8_t *qs = checked(malloc((size_t)(n * nb * bytes)));
+    fill_bytes(qs, n * nb * bytes);
+    if (bits == 8)
+        for (int64_t i = 0; i < n * nb * bytes; i++) qs[i] = qs[i] == 0x80 ? 0x81 : qs[i];
+    float *scales = checked(malloc(sizeof(float) * (size_t)(n * nb))), *mins = checked(malloc(sizeof(float) * (size_t)(n * nb)));
+    fill_floats(scales, n * nb, 0.01f), fill_floats(mins, n * nb, 0.05f);
+    keep[0] = qs, keep[1] = scales, keep[2] = mins;
+    return (fast_weight_t){qs, scales, bits == 4 ? mins : NULL, n, k, bits, NULL};
+}
+
+/* Seven tokens, a prompt of six (sequence 0) and one decode (sequence 1), embedded, through
+ * a layer of GGUF weights (Q4_K, Q6_K, Q4_0, and a 4-bit BlockWeight) and a layer of 8-bit
+ * BlockWeights with a sliding window of 4, to the logits of the last two (a Q8_0 head);
+ * SwiGLU, or GeGLU with soft caps. Hashes the logits, the residual stream and the caches. */
+static void fused_case(int gelu, float softcap) {
+    const int64_t hidden = 256, inter = 256, heads = 4, kv = 2, d = 64, bs = 8, slots_n = 32, vocab = 97, m = 7;
+    const int64_t qkv_n = (heads + 2 * kv) * d, positions_n = 16;
+    gguf_weight_t g[4];
+    void *keep[5][3];
+    fast_layer_t layers[2];
+    float *norms = checked(malloc(sizeof(float) * 5 * (size_t)hidden));
+    fill_floats(norms, 5 * hidden, 1.0f);
+    uint16_t *caches = checked(calloc((size_t)(4 * slots_n * kv * d), 2));
+    layers[0] = (fast_layer_t){norms, norms + hidden, NULL, gguf_weight(&g[0], &TYPES[7], qkv_n, hidden),
+                               gguf_weight(&g[1], &TYPES[9], hidden, heads * d), gguf_weight(&g[2], &TYPES[0], 2 * inter, hidden),
+                               block_weight(keep[0], 4, hidden, inter), caches, caches + slots_n * kv * d,
+                               NULL, NULL, NULL, NULL, 0, 0};
+    layers[1] = (fast_layer_t){norms + 2 * hidden, norms + 3 * hidden, NULL, block_weight(keep[1], 8, qkv_n, hidden),
+                               block_weight(keep[2], 8, hidden, heads * d), block_weight(keep[3], 8, 2 * inter, hidden),
+                               block_weight(keep[4], 8, hidden, inter), caches + 2 * slots_n * kv * d,
+                               caches + 3 * slots_n * kv * d, NULL, NULL, NULL, NULL, 4, 0};
+    float *tables = checked(malloc(sizeof(float) * 2 * (size_t)(positions_n * d)));
+    fill_floats(tables, 2 * positions_n * d, 1.0f);
+    const fast_shape_t shape = {hidden, inter, slots_n, heads, kv, d, bs, 1e-5f, 0.125f, tables,
+                                tables + positions_n * d, positions_n, softcap, softcap, 0.0f, gelu, NULL, NULL};
+    float *embedding = checked(malloc(sizeof(float) * (size_t)(vocab * hidden)));
+    fill_floats(embedding, vocab * hidden, 1.0f);
+    const int64_t ids[7] = {5, 96, 0, 41, 41, 7, 63}, positions[7] = {0, 1, 2, 3, 4, 5, 0};
+    const int64_t slots[7] = {0, 1, 2, 3, 4, 5, 16}, tables_bt[2] = {0, 2}, seq[7] = {0, 0, 0, 0, 0, 0, 1};
+    const int64_t ctx[7] = {1, 2, 3, 4, 5, 6, 1}, head_rows[2] = {5, 6};
+    const fast_embed_t embed = {embedding, {NULL, NULL, NULL, 0, 0, 0, NULL}, ids, vocab};
+    float *logits = checked(malloc(sizeof(float) * 2 * (size_t)vocab)), *x = checked(malloc(sizeof(float) * (size_t)(m * hidden)));
+    const fast_head_t head = {norms + 4 * hidden, gguf_weight(&g[3], &TYPES[4], vocab, hidden), head_rows, 2, logits};
+    char name[64], path[32];
+    snprintf(name, sizeof name, "fast_layers/gelu=%d,softcap=%g", gelu, softcap);
+    for (int i = 0; i < num_isas; i++)
+        for (int th = 0; th < 2; th++) {
+            snprintf(path, sizeof path, "isa=%d,t=%d", isas[i], THREADS[th]);
+            memset(caches, 0, 2 * (size_t)(4 * slots_n * kv * d));
+            const int status = bargein_fast_layers(layers, 2, &shape, x, m, positions, slots, tables_bt, 1, seq, ctx,
+                                                   &embed, &head, THREADS[th], isas[i]);
+            if (status) {
+                fail(name, path, status);
+                continue;
+            }
+            uint64_t parts[3] = {fnv(logits, sizeof(float) * 2 * (size_t)vocab), fnv(x, sizeof(float) * (size_t)(m * hidden)),
+                                 fnv(caches, 2 * (size_t)(4 * slots_n * kv * d))};
+            report(name, path, parts, sizeof parts);
+        }
+    for (int i = 0; i < 4; i++) free(g[i].data);
+    for (int i = 0; i < 5; i++) free(keep[i][0]), free(keep[i][1]), free(keep[i][2]);
+    free(norms), free(caches), free(tables), free(embedding), free(logits), free(x);
+}
+
 int main(void) {
     char list[32] = "", *at = list;
     for (int isa = 0; isa < NUM_ISAS; isa++)
@@ -377,5 +501,7 @@ int main(void) {
     rowwise_case(9, 256);
     moe_case(&TYPES[7], 5);
     moe_case(&TYPES[4], 3);
+    fused_case(0, 0.0f);
+    fused_case(1, 30.0f); /* GeGLU and soft caps: libm's tanhf */
     return 0;
 }
