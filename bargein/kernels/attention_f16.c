@@ -274,6 +274,9 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
         }
     }
 }
+#elif defined(BARGEIN_NEON)
+#define ONE_QUERY_PATH 1
+#include "neon_attention_f16.h"
 #endif
 
 /* Takes work items (a tile and a share of its heads) until none is left; one short of
