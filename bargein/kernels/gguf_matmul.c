@@ -1681,6 +1681,9 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
 #ifdef GGUF_X86
     if (isa != ISA_C && !exact) quantize = quantize_rows_avx2; /* exact: the C loop sums x per half */
 #endif
+#ifdef GGUF_ARM64
+    if (isa != ISA_C && !exact) quantize = neon_gguf_quantize_rows;
+#endif
     bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
     bargein_parallel_run(run_tiles, &job, num_threads);
 done:

@@ -61,6 +61,27 @@ static void neon_gguf_decode_quad(const job_t *job, const bargein_qseg_t *seg, c
     }
 }
 
+/* quantize_rows on NEON for `fast` (not exact): the same bytes, scales and sums. */
+static void neon_gguf_quantize_rows(void *arg, int index, int count) {
+    const acts_t *a = (const acts_t *)arg;
+    const int64_t k = a->k, nb = a->nb;
+    for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++) {
+        for (int64_t t = 0; a->kq && t < k / 256; t++) {
+            int32_t s16[16];
+            a->kd[r * (k / 256) + t] = neon_quantize(a->x + r * k + t * 256, 256, a->kq + r * k + t * 256, s16);
+            for (int h = 0; h < 16; h++) a->ks16[r * (k / 16) + t * 16 + h] = (int16_t)s16[h];
+            for (int j = 0; j < 8; j++) a->ks32[r * (k / 32) + t * 8 + j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
+        }
+        for (int64_t b = 0; a->q && b < nb; b++) {
+            int32_t s16[2];
+            const float d = neon_quantize(a->x + r * k + b * 32, 32, a->q + r * k + b * 32, s16);
+            a->d[r * nb + b] = d;
+            a->s[r * nb + b] = d * (float)(s16[0] + s16[1]);
+            a->s16[r * 2 * nb + 2 * b] = s16[0], a->s16[r * 2 * nb + 2 * b + 1] = s16[1];
+        }
+    }
+}
+
 #define GG_DOT dot16_neon
 #define GG_NAME(name) name##_neon
 #define GG_TARGET

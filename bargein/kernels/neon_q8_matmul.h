@@ -27,6 +27,29 @@ static void neon_q8_panels(const qjob_t *job, int64_t j0, float *panels) {
     }
 }
 
+/* quantize_rows on NEON: the same bytes, scales and sums (neon_quantize). */
+static void neon_q8_quantize_rows(void *arg, int index, int count) {
+    const quant_job_t *job = (const quant_job_t *)arg;
+    const int64_t nb = job->nb;
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        int8_t *row = job->xq + r * job->pairs * PAIR_BYTES;
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t q[BLOCK], *lo = row + (b / 2) * PAIR_BYTES + (b % 2) * (BLOCK / 2);
+            int32_t sums[2];
+            const float d = neon_quantize(job->x + r * job->k + b * BLOCK, BLOCK, q, sums);
+            memcpy(lo, q, BLOCK / 2);
+            memcpy(lo + BLOCK, q + BLOCK / 2, BLOCK / 2);
+            job->xd[r * nb + b] = d;
+            job->xs[r * nb + b] = d * (float)(sums[0] + sums[1]);
+            job->xc[r * nb + b] = 128 * (sums[0] + sums[1]);
+        }
+        if (nb % 2) { /* the last pair's missing block: zeros, as quantize_rows writes */
+            memset(row + (nb / 2) * PAIR_BYTES + BLOCK / 2, 0, BLOCK / 2);
+            memset(row + (nb / 2) * PAIR_BYTES + BLOCK + BLOCK / 2, 0, BLOCK / 2);
+        }
+    }
+}
+
 #define Q8_DOT dot16_neon
 #define Q8_NAME(name) name##_neon
 #define Q8_TARGET

@@ -757,6 +757,9 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
 #ifdef BARGEIN_X86
     if (isa != ISA_C) quantize = quantize_rows_avx2;
 #endif
+#ifdef BARGEIN_ARM64
+    if (isa != ISA_C) quantize = neon_q8_quantize_rows;
+#endif
     bargein_parallel_run(quantize, &quant, quant_threads > 1 ? (int)quant_threads : 1);
     qjob_t job = {xq, xd, xs, xc, qs, scales, mins, y, panels, tiles, m, k, n, nb, pairs, bits};
     run_t run = {&job, NULL, 1, NULL, 0};
