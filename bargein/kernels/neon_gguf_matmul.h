@@ -3,8 +3,9 @@
  * gguf_matmul.c after its plain C, where job_t, acts_t and the chains are defined.
  *
  * A tile's columns go four at a time, one to a float lane. Each quad is decoded once per
- * call by the plain-C decoder into scratch: the quants as signed bytes q = u - off (every
- * type's fit in int8), the per-32 (32 chain) or per-superblock (K chain) parameters
+ * call into scratch (the quants by NEON for Q4_0, Q4_1, Q8_0, IQ4_NL, IQ4_XS, Q4_K and
+ * Q6_K, the rest and the scales by the plain-C decoder): the quants as signed bytes
+ * q = u - off (every type's fit in int8), the per-32 (32 chain) or per-superblock (K chain) parameters
  * block-major, four columns to a vector. Then each row passes over the quad: per 32-block
  * (per superblock) the exact int32 dot products (sixteen-byte dot products summed across
  * lanes by pairwise adds; integers, so any order gives the plain C's), and per lane the
@@ -29,6 +30,53 @@ static inline int64_t neon_gguf_scratch_bytes(int64_t k) {
     return 4 * k + (int64_t)sizeof(neon_p32_t) * (k / 32) + (int64_t)sizeof(neon_pk_t) * (k / 256 + 1) + 64;
 }
 
+/* Sixteen bytes' low and high nibbles, as signed bytes less off. */
+static inline void neon_nibbles(const uint8_t *qs, int8_t off, int8_t *lo, int8_t *hi) {
+    const uint8x16_t v = vld1q_u8(qs);
+    vst1q_s8(lo, vsubq_s8(vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0x0F))), vdupq_n_s8(off)));
+    vst1q_s8(hi, vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), vdupq_n_s8(off)));
+}
+
+/* Sixteen bytes' nibbles through the IQ4 value table (the values are q = u - 128). */
+static inline void neon_iq4_nibbles(const uint8_t *qs, int8_t *lo, int8_t *hi) {
+    const int8x16_t table = vld1q_s8(KVALUES_IQ4NL);
+    const uint8x16_t v = vld1q_u8(qs);
+    vst1q_s8(lo, vqtbl1q_s8(table, vandq_u8(v, vdupq_n_u8(0x0F))));
+    vst1q_s8(hi, vqtbl1q_s8(table, vshrq_n_u8(v, 4)));
+}
+
+/* A block's quants as signed bytes q = u - off (gguf_quants_c's values, in its order),
+ * with NEON for the common types; 0 for the others (the caller decodes them in C). */
+static inline int neon_quants(int type, const uint8_t *b, int8_t *q) {
+    switch (type) {
+    case T_Q4_0: neon_nibbles(b + 2, 8, q, q + 16); return 1;
+    case T_Q4_1: neon_nibbles(b + 4, 0, q, q + 16); return 1;
+    case T_Q8_0: memcpy(q, b + 2, 32); return 1;
+    case T_IQ4_NL: neon_iq4_nibbles(b + 2, q, q + 16); return 1;
+    case T_IQ4_XS:
+        for (int i = 0; i < 8; i++) neon_iq4_nibbles(b + 8 + 16 * i, q + 32 * i, q + 32 * i + 16);
+        return 1;
+    case T_Q4_K:
+        for (int g = 0; g < 4; g++)
+            for (int h = 0; h < 2; h++) neon_nibbles(b + 16 + 32 * g + 16 * h, 0, q + 64 * g + 16 * h, q + 64 * g + 32 + 16 * h);
+        return 1;
+    case T_Q6_K: /* value 128 h + 32 s + l from ql's nibbles and qh's bit pairs, less 32 */
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l += 16) {
+                const uint8x16_t a = vld1q_u8(b + 64 * h + l), c = vld1q_u8(b + 64 * h + 32 + l);
+                const uint8x16_t hb = vld1q_u8(b + 128 + 32 * h + l), low4 = vdupq_n_u8(0x0F), two = vdupq_n_u8(0x30);
+                const uint8x16_t u[4] = {vorrq_u8(vandq_u8(a, low4), vandq_u8(vshlq_n_u8(hb, 4), two)),
+                                         vorrq_u8(vandq_u8(c, low4), vandq_u8(vshlq_n_u8(hb, 2), two)),
+                                         vorrq_u8(vshrq_n_u8(a, 4), vandq_u8(hb, two)),
+                                         vorrq_u8(vshrq_n_u8(c, 4), vandq_u8(vshrq_n_u8(hb, 2), two))};
+                for (int s = 0; s < 4; s++)
+                    vst1q_s8(q + 128 * h + 32 * s + l, vsubq_s8(vreinterpretq_s8_u8(u[s]), vdupq_n_s8(32)));
+            }
+        return 1;
+    }
+    return 0;
+}
+
 /* The quad of columns col0 .. col0 + 3 of seg (past its rows: the last row again) into
  * scratch: q (4, k) signed quants, then the parameters (p32 or pk by the chain). */
 static void neon_gguf_decode_quad(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t col0,
@@ -47,16 +95,18 @@ static void neon_gguf_decode_quad(const job_t *job, const bargein_qseg_t *seg, c
                 k_chain_params_c(type, blk, &pk[t].d[c], &pk[t].neg_dmin[c], sc, mn);
                 for (int i = 0; i < 16; i++) pk[t].sc[i][c] = type == T_Q6_K || i < 8 ? sc[i] : 0;
                 for (int i = 0; i < 8; i++) pk[t].mn[i][c] = type == T_Q6_K ? 0 : mn[i];
-                gguf_quants_c(type, blk, o.u);
             } else {
-                gguf_decode_c(type, blk, &o);
+                gguf_params_c(type, blk, &o);
                 for (int sb = 0; sb < subs; sb++) {
                     neon_p32_t *p = &p32[t * subs + sb];
                     p->s[c] = o.s[sb], p->m[c] = o.m[sb];
                     for (int h = 0; h < 2; h++) p->sc[h][c] = o.sc[2 * sb + h], p->mn[h][c] = o.mn[2 * sb + h];
                 }
             }
-            for (int i = 0; i < info->qk; i++) q[c * k + t * info->qk + i] = (int8_t)((int)o.u[i] - info->off);
+            int8_t *qb = q + c * k + t * info->qk;
+            if (neon_quants(type, blk, qb)) continue;
+            gguf_quants_c(type, blk, o.u);
+            for (int i = 0; i < info->qk; i++) qb[i] = (int8_t)((int)o.u[i] - info->off);
         }
     }
 }
