@@ -12,11 +12,12 @@ Linux or a Graviton; on x86-64 it measures the plain C, AVX2 and AVX-512 VNNI pa
    the least disturbed run), and the speed-up over plain C measured in the same run. Every
    path's output is checked to equal plain C's, bit for bit, on this machine.
 2. Engine: ``bench/bench_model.py``'s decode tokens/s (1 and 8 sequences) and prefill
-   tokens/s, in a fresh process per path (``BARGEIN_Q8_ISA``), unless ``--no-engine``.
+   tokens/s, in a fresh process per path (``BARGEIN_Q8_ISA``), unless ``--no-engine``
+   (``--quick``: bench_model's quick run with a 128-token prompt).
 
 Prints the tables, then one JSON line.
 
-    python bench/bench_arm64.py [--quick] [--json PATH] [--threads N] [--no-engine]
+    python bench/bench_arm64.py [--quick] [--json PATH] [--threads N] [--no-engine] [--paths neon dotprod]
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def engine_rows(paths: list[str], threads: int | None, quick: bool) -> list[dict
         with tempfile.TemporaryDirectory() as folder:
             out = Path(folder) / "model.json"
             command = [sys.executable, str(ROOT / "bench" / "bench_model.py"), "--no-dense", "--no-rss",
-                       "--json", str(out), *(["--quick"] if quick else []),
+                       "--json", str(out), *(["--quick", "--prompt-len", "128"] if quick else []),
                        *(["--threads", str(threads)] if threads else [])]
             done = subprocess.run(command, env={**os.environ, "BARGEIN_Q8_ISA": path}, capture_output=True,
                                   text=True)
@@ -111,16 +112,21 @@ def main() -> None:
     parser = base_parser(__doc__)
     parser.add_argument("--no-engine", action="store_true", help="kernels only")
     parser.add_argument("--shape", default="2048x2048", help="n x k of the kernel cases (default %(default)s)")
+    parser.add_argument("--paths", nargs="+", choices=sorted(Q8_ISAS), default=None,
+                        help="the paths to measure (default: every one this CPU runs); the kernels always run plain C too, "
+                             "as their baseline")
     args = parser.parse_args()
     kernels = load_native_kernels()
     if kernels is None:
         raise SystemExit("bench_arm64: the native kernels did not build here (see the log); nothing to measure")
     threads = args.threads or torch.get_num_threads()
-    paths = [name for name in Q8_ISAS if kernels.q8_isa_available(name)]
+    paths = [name for name in Q8_ISAS if kernels.q8_isa_available(name) and (not args.paths or name in args.paths
+                                                                              or name == "c")]
     n, k = map(int, args.shape.split("x"))
     started = time.perf_counter()
     kernel = kernel_rows(kernels, paths, n, k, threads, 0.2 if args.quick else 1.0)
-    engine = [] if args.no_engine else engine_rows(paths, args.threads, args.quick)
+    engine = [] if args.no_engine else engine_rows([p for p in paths if not args.paths or p in args.paths],
+                                                   args.threads, args.quick)
     info = machine_info()
     info.update({"arm64": build_flags.is_arm64(), "cpu_features": sorted(build_flags.cpu_features()),
                  "library": kernels.path.name, "paths": paths})
