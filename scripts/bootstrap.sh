@@ -69,6 +69,18 @@ if [[ $WANT_TEST == 1 ]] && ! command -v ip >/dev/null; then
     fi
 fi
 
+# The ARM64 kernels are checked bit for bit on x86-64 (tests/kernels/test_arm64_emulated.py):
+# cross-built with Debian's gcc-aarch64-linux-gnu, run under qemu-user's qemu-aarch64.
+if [[ $WANT_TEST == 1 ]] && ! { command -v aarch64-linux-gnu-gcc && command -v qemu-aarch64; } >/dev/null; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        echo "bootstrap: installing Debian's gcc-aarch64-linux-gnu and qemu-user for the ARM64 kernel tests"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user >/dev/null
+    else
+        echo "bootstrap: the ARM64 cross tools are missing; install Debian's 'gcc-aarch64-linux-gnu' and" \
+             "'qemu-user' packages (as root) for tests/kernels/test_arm64_emulated.py" >&2
+    fi
+fi
+
 if [[ $WANT_TEST == 1 && ! -x /usr/bin/chromium ]]; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         echo "bootstrap: installing Debian's chromium for the web UI tests"

@@ -109,6 +109,8 @@ static inline void widen_row(const uint16_t *src, float *dst, int n) {
     int i = 0;
 #if defined(BARGEIN_AVX2) && defined(__F16C__)
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#elif defined(BARGEIN_NEON)
+    neon_widen_halves(src, dst, n, &i);
 #endif
     for (; i < n; i++) dst[i] = half_to_float(src[i]);
 }
@@ -121,6 +123,10 @@ static inline float dot(const float *a, const float *b, int n) {
     __m256 acc = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     total = hsum256(acc);
+#elif defined(BARGEIN_NEON)
+    int64_t at = 0;
+    total = neon_dot(a, b, n, &at);
+    i = (int)at;
 #endif
     for (; i < n; i++) total += a[i] * b[i];
     return total;
@@ -153,6 +159,8 @@ static float softmax_row(float *s, int64_t ctx) {
         vsum = _mm256_add_ps(vsum, e);
     }
     sum = hsum256(vsum);
+#elif defined(BARGEIN_NEON)
+    sum = neon_exp_shift(s, m, ctx, &t);
 #endif
     for (; t < ctx; t++) {
         s[t] = expf(s[t] - m);
@@ -212,6 +220,8 @@ static void attend_tile(const f16_batch_t *b, int64_t first, int n, int h0, int 
                 const __m256 vw = _mm256_set1_ps(w);
                 for (; d + 8 <= d_len; d += 8)
                     _mm256_storeu_ps(a + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + d), _mm256_loadu_ps(a + d)));
+#elif defined(BARGEIN_NEON)
+                neon_axpy(a, v, w, d_len, &d);
 #endif
                 for (; d < d_len; d++) a[d] += w * v[d];
             }
@@ -264,6 +274,9 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
         }
     }
 }
+#elif defined(BARGEIN_NEON)
+#define ONE_QUERY_PATH 1
+#include "neon_attention_f16.h"
 #endif
 
 /* Takes work items (a tile and a share of its heads) until none is left; one short of
@@ -352,6 +365,8 @@ static void store_halves(const float *src, uint16_t *dst, int n) {
 #if defined(BARGEIN_AVX2) && defined(__F16C__)
     for (; i + 8 <= n; i += 8)
         _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(BARGEIN_NEON)
+    neon_store_halves(src, dst, n, &i);
 #endif
     for (; i < n; i++) dst[i] = float_to_half(src[i]);
 }

@@ -17,6 +17,9 @@
  */
 #include "parallel.h"
 #include "simd.h"
+#ifdef BARGEIN_NEON
+#include "neon_block_matmul.h"
+#endif
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -121,6 +124,10 @@ static inline __attribute__((always_inline)) void dot_rows_bits(const job_t *job
     }
 #undef BARGEIN_ROW
     for (int r = 0; r < count; r++) out[r] = hsum256(acc[r]);
+#elif defined(BARGEIN_NEON)
+    (void)width;
+    neon_block_dot_rows(job->x + r0 * k, k, job->qs + j * nb * (bits == 4 ? BLOCK / 2 : BLOCK), scales, bits, nb,
+                        count, out);
 #else
     float w[BLOCK];
     (void)bits;

@@ -87,6 +87,18 @@ static void score_keys(const batch_t *b, const float *qs, const int64_t *offsets
                 }
                 continue;
             }
+#elif defined(BARGEIN_NEON)
+            if (d_len % 8 == 0) { /* the AVX2 body's arithmetic (arm64_simd.h) */
+                for (int g0 = 0; g0 < group; g0 += QUERY_GROUP) {
+                    const int n = group - g0 < QUERY_GROUP ? group - g0 : QUERY_GROUP;
+                    const float *q[QUERY_GROUP];
+                    for (int g = 0; g < QUERY_GROUP; g++) q[g] = qs + (int64_t)(kv * group + g0 + (g < n ? g : 0)) * d_len;
+                    float lanes[QUERY_GROUP];
+                    vst1q_f32(lanes, neon_dot4(q, k, d_len));
+                    for (int g = 0; g < n; g++) scores[(int64_t)(kv * group + g0 + g) * ctx + t] = lanes[g] * b->scale;
+                }
+                continue;
+            }
 #endif
             for (int g = 0; g < group; g++) {
                 const float *q = qs + (int64_t)(kv * group + g) * d_len;
@@ -113,6 +125,8 @@ static float softmax_row(float *s, int64_t ctx) {
         vsum = _mm256_add_ps(vsum, e);
     }
     sum = hsum256(vsum);
+#elif defined(BARGEIN_NEON)
+    sum = neon_exp_shift(s, m, ctx, &t);
 #endif
     for (; t < ctx; t++) {
         s[t] = expf(s[t] - m);
@@ -139,6 +153,8 @@ static void weigh_values(const batch_t *b, const int64_t *offsets, int64_t ctx, 
             const __m256 vw = _mm256_set1_ps(w);
             for (; d + 8 <= d_len; d += 8)
                 _mm256_storeu_ps(a + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(v + d), _mm256_loadu_ps(a + d)));
+#elif defined(BARGEIN_NEON)
+            neon_axpy(a, v, w, d_len, &d);
 #endif
             for (; d < d_len; d++) a[d] += w * v[d];
         }

@@ -79,6 +79,9 @@
 #define GGUF_VNNI 1
 #endif
 #endif
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define GGUF_ARM64 1 /* NEON and sdot paths: neon_gguf_matmul.h */
+#endif
 
 #define TILE 16 /* output columns per unit of work */
 #define GEMM_MIN_ROWS_VNNI 8 /* below this, few-row passes decode each block in registers */
@@ -89,6 +92,7 @@
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
 
 int bargein_q8_isa_available(int isa); /* quant_matmul.c */
+int bargein_q8_isa_best(void);
 
 
 /* ---- activations -------------------------------------------------------------------- */
@@ -310,6 +314,10 @@ static void column_exact_c(const job_t *job, const bargein_qseg_t *seg, const qi
     }
     for (int64_t r = 0; r < job->m; r++) job->y[r * job->n + j] = acc[r];
 }
+
+#ifdef GGUF_ARM64
+#include "neon_gguf_matmul.h"
+#endif
 
 /* ---- x86 vector paths: a tile of 16 columns, decoded once per call ------------------ */
 
@@ -1557,6 +1565,9 @@ static void run_tiles(void *arg, int index, int count) {
             }
             continue;
         }
+#ifdef GGUF_ARM64
+        neon_gguf_tile(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
+#endif
 #ifdef GGUF_X86
         if (job->m < (k_chain_type(seg->type) ? K_GEMM_MIN_ROWS : job->gemm_min_rows)) {
             /* the next tile's columns, fetched while this one's are read (same segment only) */
@@ -1605,8 +1616,7 @@ static int check_types(const bargein_qmat_t *w) {
 int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, float *y, int exact, int num_threads,
                         int isa) {
     if (check_types(w)) return -3;
-    if (isa < 0)
-        isa = bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
+    if (isa < 0) isa = bargein_q8_isa_best();
     if (!bargein_q8_isa_available(isa)) return -2;
     if (exact && isa == ISA_VNNI) isa = ISA_AVX2; /* exact has a C and an AVX2 path */
     const int64_t k = w->k, nb = k / 32, n = w->n;
@@ -1629,6 +1639,9 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     const int tiles = !exact && isa != ISA_C && m >= (job.gemm_min_rows < K_GEMM_MIN_ROWS ? job.gemm_min_rows : K_GEMM_MIN_ROWS);
     job.scratch_bytes = tiles ? 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4)
                               : (int64_t)sizeof(float) * (m > 0 ? m : 1);
+#ifdef GGUF_ARM64
+    if (!exact && isa != ISA_C) job.scratch_bytes = neon_gguf_scratch_bytes(k);
+#endif
     job.scratch_bytes = (job.scratch_bytes + 63) / 64 * 64;
     int status = 0;
     if (exact) a.xsum16 = malloc(sizeof(float) * 2 * cells);
@@ -1667,6 +1680,9 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     bargein_task_fn quantize = quantize_rows;
 #ifdef GGUF_X86
     if (isa != ISA_C && !exact) quantize = quantize_rows_avx2; /* exact: the C loop sums x per half */
+#endif
+#ifdef GGUF_ARM64
+    if (isa != ISA_C && !exact) quantize = neon_gguf_quantize_rows;
 #endif
     bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
     bargein_parallel_run(run_tiles, &job, num_threads);

@@ -6,7 +6,7 @@ spends most of a decode step's attention time copying and re-reading keys. The C
 source next to this module does it in one pass over the cache.
 
 The library is built with the machine's C compiler (``$CC``, else ``cc`` or ``gcc``),
-with ``-O3 -march=native``, into a cache folder keyed by the source, the compiler and
+with ``-O3`` and the architecture's flags (build_flags.py: ``-march=native`` on x86-64), into a cache folder keyed by the source, the compiler and
 the CPU, so that it is built once per machine (a few seconds) and shared by every
 process. The compiler enters the key as the file it resolves to, with that file's size
 and modification time (an upgrade or another compiler changes them), so that a start
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bargein.kernels import build_flags
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.moe_native import MoEKernels
 from bargein.kernels.native_structs import (
@@ -47,17 +48,16 @@ log = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "decode_attention.c", "block_matmul.c", "quant_matmul.c", "attention_f16.c", "rowwise.c", "parallel.c",
     "fast_forward.c", "gguf_matmul.c", "moe_matmul.c"))
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "simd.h", "gguf_types.h", "gguf_matrix.h", "x86_simd.h"))
-# -ffp-contract=off: a multiply and an add stay two roundings unless the source asks for a
-# fused one, so the `fast` kernels' instruction-set paths round alike (see quant_matmul.c).
-_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
-# Tried in order until one builds: -march=native is missing on some compilers and CPUs,
-# OpenMP on some compilers (then parallel.c uses a thread pool of its own).
-_VARIANTS = (("-march=native", "-fopenmp"), ("-march=native",), ("-fopenmp",), ())
+_HEADERS = tuple(Path(__file__).with_name(name) for name in (
+    "parallel.h", "simd.h", "gguf_types.h", "gguf_matrix.h", "x86_simd.h", "arm64_simd.h", "neon_block_matmul.h",
+    "neon_q8_matmul.h", "neon_q8_body.h", "neon_gguf_matmul.h", "neon_gguf_body.h", "neon_attention_f16.h"))
+_FLAGS = build_flags.COMMON_FLAGS
+# Tried in order until one builds (build_flags.py: per architecture and CPU).
+_VARIANTS = build_flags.compile_variants()
 _P = ctypes.c_void_p
 _I64, _INT = ctypes.c_int64, ctypes.c_int
 # The int8 matmul's instruction sets, by the number quant_matmul.c knows them by.
-Q8_ISAS = {"c": 0, "avx2": 1, "vnni": 2}
+Q8_ISAS = {"c": 0, "avx2": 1, "vnni": 2, "neon": 3, "dotprod": 4}
 
 
 class NativeKernels:
@@ -112,7 +112,8 @@ class NativeKernels:
         self.moe = MoEKernels(library)  # routing and grouped experts (moe_matmul.c)
 
     def _chosen_q8_isa(self) -> int:
-        """The int8 instruction set to use here, or the one ``BARGEIN_Q8_ISA`` (c, avx2, vnni) names."""
+        """The int8 instruction set to use here, or the one ``BARGEIN_Q8_ISA`` (c, avx2, vnni,
+        neon, dotprod) names."""
         forced = os.environ.get("BARGEIN_Q8_ISA", "").strip().lower()
         if forced:
             if forced not in Q8_ISAS or not self.q8_isa_available(forced):
@@ -121,10 +122,11 @@ class NativeKernels:
             return Q8_ISAS[forced]
         # VNNI before AVX2: one vpdpbusd for maddubs + madd, and twice the registers (on the
         # Zen 4 measured, 1.1-1.3x AVX2's speed from 1 to 512 rows: bench/bench_q8_matmul.py).
-        return next(Q8_ISAS[n] for n in ("vnni", "avx2", "c") if self.q8_isa_available(n))
+        # On ARM64, sdot before plain NEON (one instruction for a widening multiply and two adds).
+        return next(Q8_ISAS[n] for n in ("vnni", "avx2", "dotprod", "neon", "c") if self.q8_isa_available(n))
 
     def q8_isa_available(self, name: str) -> bool:
-        """Whether this CPU runs the int8 matmul's ``name`` path (c, avx2 or vnni)."""
+        """Whether this CPU runs the int8 matmul's ``name`` path (c, avx2, vnni, neon or dotprod)."""
         return bool(self._q8_isa_available(Q8_ISAS[name]))
 
     def q8_block_matmul(self, x: torch.Tensor, weight: BlockWeight, num_threads: int,
@@ -380,16 +382,6 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_signature() -> str:
-    """The CPU's model and feature flags, since -march=native code is only good on its like."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
-
-
 def _compiler_identity(compiler: str) -> str:
     """The compiler as the file it resolves to, with its size and modification time: what
     changes when it is upgraded or another one is chosen, read without running it (running
@@ -405,7 +397,7 @@ def library_path(compiler: str, target_dir: Path) -> Path:
     compiler cannot be read."""
     source = b"\0".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(b"\0".join([source, repr((_VARIANTS, _FLAGS)).encode(), _compiler_identity(compiler).encode(),
-                                     platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
+                                     platform.machine().encode(), build_flags.cpu_signature().encode()])).hexdigest()[:16]
     return target_dir / f"bargein_kernels_{key}.so"
 
 
@@ -429,6 +421,7 @@ def build_library(compiler: str, target_dir: Path) -> Path:
             except subprocess.CalledProcessError:
                 if i == len(_VARIANTS) - 1:
                     raise  # the plainest build failed too: the compiler's message goes up
+                log.info("the native kernels did not build with %r; trying the next flags", variant)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -469,7 +462,10 @@ def load_native_kernels() -> NativeKernels | None:
         return None
     try:
         path = build_library(compiler, cache_dir())
-        return NativeKernels(ctypes.CDLL(str(path)), path)
+        kernels = NativeKernels(ctypes.CDLL(str(path)), path)
+        if note := build_flags.arm64_fallback_note(kernels.q8_isa_available("dotprod")):
+            log.warning(note)
+        return kernels
     except subprocess.CalledProcessError as exc:
         log.warning("building the native kernels failed; using PyTorch kernels (slower):\n%s", exc.stderr)
     except (OSError, subprocess.TimeoutExpired) as exc:

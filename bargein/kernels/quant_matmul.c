@@ -49,7 +49,8 @@
  * subtracts 128 * sum(xq) (exact, in int32); AVX2 takes |q| and moves q's sign onto x.
  *
  * The instruction set is chosen at run time from the CPU (isa < 0: VNNI where present,
- * else AVX2, else plain C), or forced (tests): 0 plain C, 1 AVX2, 2 AVX-512 VNNI.
+ * else AVX2, else plain C; on ARM64 sdot where present, else NEON), or forced (tests):
+ * 0 plain C, 1 AVX2, 2 AVX-512 VNNI, 3 NEON, 4 NEON with sdot (neon_q8_matmul.h).
  * Returns 0, -1 when scratch memory could not be had, -2 when the forced instruction set
  * is not available here.
  */
@@ -68,6 +69,9 @@
 #if defined(__clang__) ? __clang_major__ >= 7 : __GNUC__ >= 9
 #define BARGEIN_VNNI 1
 #endif
+#endif
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define BARGEIN_ARM64 1 /* NEON and sdot paths: neon_q8_matmul.h */
 #endif
 
 #define BLOCK 32
@@ -162,6 +166,10 @@ static float output_c(const qjob_t *job, int64_t r, int64_t j) {
     }
     return acc;
 }
+
+#ifdef BARGEIN_ARM64
+#include "neon_q8_matmul.h"
+#endif
 
 /* ---- x86: AVX2, and AVX-512 VNNI on 256-bit registers ------------------------------- */
 
@@ -645,7 +653,18 @@ int bargein_q8_isa_available(int isa) {
                __builtin_cpu_supports("avx512vnni");
 #endif
 #endif
+#ifdef BARGEIN_ARM64
+    return neon_isa_available(isa);
+#endif
     return 0;
+}
+
+/* The fastest instruction set this CPU runs (what isa < 0 chooses). */
+int bargein_q8_isa_best(void) {
+#ifdef BARGEIN_ARM64
+    return neon_isa_available(ISA_DOTPROD) ? ISA_DOTPROD : ISA_NEON;
+#endif
+    return bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
 }
 
 
@@ -674,6 +693,14 @@ static void run_groups(void *arg, int index, int count) {
             for (int64_t r = 0; r < job->m; r++) job->y[r * job->n + j] = output_c(job, r, j);
         return;
     }
+#ifdef BARGEIN_ARM64
+    float *panels = job->panels + (int64_t)index * 4 * job->nb * GROUP;
+    for (int64_t g = g0; g < g1; g++) {
+        neon_q8_panels(job, g * GROUP, panels);
+        for (int64_t r0 = 0; r0 < job->m; r0 += run->rows)
+            run->group(job, panels, g * GROUP, r0, job->m - r0 < run->rows ? (int)(job->m - r0) : run->rows);
+    }
+#endif
 #ifdef BARGEIN_X86
     float *panels = job->panels + (int64_t)index * 4 * job->nb * GROUP;
     if (run->gemm) {
@@ -703,8 +730,7 @@ static void run_groups(void *arg, int index, int count) {
 
 int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
                             const float *mins, int bits, int64_t n, float *y, int num_threads, int isa) {
-    if (isa < 0)
-        isa = bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
+    if (isa < 0) isa = bargein_q8_isa_best();
     if (!bargein_q8_isa_available(isa)) return -2;
     const int64_t nb = k / BLOCK, pairs = (nb + 1) / 2, groups = (n + GROUP - 1) / GROUP;
     if (num_threads > groups) num_threads = (int)groups;
@@ -731,6 +757,9 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
 #ifdef BARGEIN_X86
     if (isa != ISA_C) quantize = quantize_rows_avx2;
 #endif
+#ifdef BARGEIN_ARM64
+    if (isa != ISA_C) quantize = neon_q8_quantize_rows;
+#endif
     bargein_parallel_run(quantize, &quant, quant_threads > 1 ? (int)quant_threads : 1);
     qjob_t job = {xq, xd, xs, xc, qs, scales, mins, y, panels, tiles, m, k, n, nb, pairs, bits};
     run_t run = {&job, NULL, 1, NULL, 0};
@@ -738,6 +767,12 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     if (isa == ISA_AVX2) run = (run_t){&job, group_avx2, ROWS_AVX2, gemm ? gemm_avx2 : NULL, GEMM_ROWS_AVX2};
 #ifdef BARGEIN_VNNI
     if (isa == ISA_VNNI) run = (run_t){&job, group_vnni, ROWS_VNNI, gemm ? gemm_vnni : NULL, GEMM_ROWS};
+#endif
+#endif
+#ifdef BARGEIN_ARM64
+    if (isa == ISA_NEON) run = (run_t){&job, q8_group_neon, ROWS_NEON, NULL, 0};
+#ifdef BARGEIN_DOTPROD
+    if (isa == ISA_DOTPROD) run = (run_t){&job, q8_group_dotprod, ROWS_NEON, NULL, 0};
 #endif
 #endif
     bargein_parallel_run(run_groups, &run, num_threads);

@@ -41,6 +41,8 @@ static void rms_norm_rows(void *arg, int index, int count) {
             acc = _mm256_fmadd_ps(v, v, acc);
         }
         sum = hsum256(acc);
+#elif defined(BARGEIN_NEON)
+        sum = neon_sum_squares(x, n, &i);
 #endif
         for (; i < n; i++) sum += x[i] * x[i];
         const float inv = 1.0f / sqrtf(sum / (float)n + job->eps);
@@ -68,6 +70,8 @@ static void silu_mul_rows(void *arg, int index, int count) {
             const __m256 s = _mm256_div_ps(num, _mm256_add_ps(one, e));
             _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(b + i)));
         }
+#elif defined(BARGEIN_NEON)
+        neon_silu_mul(a, b, y, n, &i);
 #endif
         for (; i < n; i++) y[i] = silu(a[i]) * b[i];
     }

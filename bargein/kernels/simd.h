@@ -31,6 +31,8 @@ static inline __m256 exp256(__m256 x) {
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#include "arm64_simd.h" /* BARGEIN_NEON: the same arithmetic as the AVX2 bodies */
 #endif
 
 #endif

@@ -1,0 +1,183 @@
+"""The ARM64 kernels (NEON, and sdot from the dot-product extension), checked bit for bit on
+this x86-64 machine: tests/kernels/arm64/kernel_harness.c runs every `fast` kernel on fixed
+inputs and prints a hash of each output per path. It is cross-built with the kernel
+sources for ARM64 and run under qemu-aarch64 on an ARMv8.0 CPU (no dot product: the NEON
+paths) and on qemu's ``max`` CPU (the sdot paths), and built for this machine against the
+library bargein loads here (its AVX2 / AVX-512 VNNI paths).
+
+What must hold, exactly:
+- in each run, every int8-matmul instruction set and thread count gives its plain C's bits;
+- every ARM64 run gives the x86-64 run's bits, case by case (up to a whole two-layer fused
+  forward, embedding to logits and K/V), so a mixed cluster's stages and replicas agree
+  (contract C4). Not the cases that call libm's tanhf (GeGLU, soft capping): glibc's tanhf
+  itself rounds apart on x86-64 and AArch64 (about 1 input in 8,600), which no kernel path
+  can undo; those are held to the first rule only.
+
+Needs gcc-aarch64-linux-gnu and qemu-user (Debian; ``scripts/bootstrap.sh --test`` installs
+them when run as root). The two ARM64 builds are cached by their sources, so a rerun costs
+only the emulated runs (a few seconds).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from bargein.kernels import build_flags, native
+
+KERNELS_DIR = Path(native.__file__).parent
+HARNESS = Path(__file__).with_name("arm64") / "kernel_harness.c"
+CROSS_CC = "aarch64-linux-gnu-gcc"
+QEMU = "qemu-aarch64"
+SYSROOT = "/usr/aarch64-linux-gnu"
+# Builds: the library's flags on a CPU without and with the dot-product extension.
+BUILDS = {"armv8-a": build_flags.ARM64_BASE_MARCH, "armv8.2-a+dotprod": build_flags.ARM64_DOTPROD_MARCH}
+# Runs: (build, qemu CPU). cortex-a57 is ARMv8.0 (no sdot); max has every extension qemu knows.
+RUNS = {"neon": ("armv8-a", "cortex-a57"), "sdot": ("armv8-a", "max"), "sdot-build": ("armv8.2-a+dotprod", "max")}
+# Cases whose numbers go through libm's tanhf, whose bits differ between x86-64's and
+# AArch64's glibc (see the module docstring): GeGLU, soft caps (of logits and of scores).
+LIBM_TANH = ("gelu_tanh_mul/", "softcap/", "fast_layers/gelu=1")
+
+
+def _calls_tanhf(case: str) -> bool:
+    return case.startswith(LIBM_TANH) or (case.startswith("attention_f16") and "softcap=0," not in f"{case},")
+ISA_C, ISA_NEON, ISA_DOTPROD = native.Q8_ISAS["c"], native.Q8_ISAS["neon"], native.Q8_ISAS["dotprod"]
+
+missing = [tool for tool in (CROSS_CC, QEMU) if shutil.which(tool) is None]
+needs_cross_tools = pytest.mark.skipif(bool(missing), reason=f"{', '.join(missing)} not installed: the ARM64 cross tools "
+                                "(apt-get install gcc-aarch64-linux-gnu qemu-user; scripts/bootstrap.sh --test as root)")
+
+
+def _sources() -> list[Path]:
+    return [*native._SOURCES]
+
+
+def _cross_build(march: str, folder: Path) -> Path:
+    """The harness and the kernels for ARM64 with the library's flags and ``march``, built
+    once per source, compiler and flags."""
+    flags = [f for f in build_flags.COMMON_FLAGS if f not in ("-shared", "-fPIC")] + [march, "-fopenmp"]
+    inputs = [HARNESS, *_sources(), *native._HEADERS]
+    key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in inputs), repr(flags).encode(),
+                                     native._compiler_identity(CROSS_CC).encode()])).hexdigest()[:16]
+    binary = folder / f"harness-{march.removeprefix('-march=')}-{key}"
+    if not binary.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = binary.with_suffix(f".tmp{os.getpid()}")
+        subprocess.run([CROSS_CC, *flags, f"-I{KERNELS_DIR}", "-o", str(tmp), str(HARNESS),
+                        *map(str, _sources()), "-lm"], check=True, capture_output=True, text=True, timeout=600)
+        os.replace(tmp, binary)
+    return binary
+
+
+def _parse(output: str) -> dict[str, dict[str, str]]:
+    """case -> path -> hash (or status=N), from the harness's lines."""
+    cases: dict[str, dict[str, str]] = {}
+    for line in output.splitlines():
+        case, path, value = line.split("\t")
+        cases.setdefault(case, {})[path] = value
+    return cases
+
+
+def _run(command: list[str]) -> dict[str, dict[str, str]]:
+    done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_WAIT_POLICY": "passive"})
+    return _parse(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def arm64_runs() -> dict[str, dict[str, dict[str, str]]]:
+    """Each run of RUNS: its cases' hashes by path."""
+    folder = native.cache_dir() / "arm64-harness"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        binaries = dict(zip(BUILDS, pool.map(lambda march: _cross_build(march, folder), BUILDS.values()),
+                            strict=True))
+        runs = {name: pool.submit(_run, [QEMU, "-L", SYSROOT, "-cpu", cpu, str(binaries[build])])
+                for name, (build, cpu) in RUNS.items()}
+        return {name: future.result() for name, future in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def x86_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+    """The harness on this machine, against the library bargein itself loads here: built
+    with -march=native, so on a CPU with AVX2, FMA and F16C its float kernels are the AVX2
+    bodies that the ARM64 ones mirror (on another CPU there is no such node to agree with)."""
+    kernels = native.load_native_kernels()
+    compiler = native._compiler()
+    if kernels is None or compiler is None:
+        pytest.skip("no native kernels on this machine to compare with")
+    if platform.machine() != "x86_64" or not {"avx2", "fma", "f16c"} <= build_flags.cpu_features():
+        pytest.skip("the x86-64 reference is the AVX2 build, and this CPU has no AVX2, FMA and F16C")
+    binary = tmp_path_factory.mktemp("x86-harness") / "harness"
+    subprocess.run([compiler, "-O2", "-std=c11", f"-I{KERNELS_DIR}", "-o", str(binary), str(HARNESS), str(kernels.path),
+                    "-lm"], check=True, capture_output=True, text=True, timeout=300)
+    return _run([str(binary)])
+
+
+def _isas(run: dict[str, dict[str, str]]) -> list[int]:
+    return [int(n) for n in run["isas"]["-"].split(",")]
+
+
+@needs_cross_tools
+def test_each_emulated_cpu_runs_the_paths_its_features_allow(arm64_runs) -> None:
+    """Chosen at run time from the CPU's features (getauxval), not from the build's -march."""
+    assert _isas(arm64_runs["neon"]) == [ISA_C, ISA_NEON]
+    assert _isas(arm64_runs["sdot"]) == [ISA_C, ISA_NEON, ISA_DOTPROD]
+    assert _isas(arm64_runs["sdot-build"]) == [ISA_C, ISA_NEON, ISA_DOTPROD]
+
+
+@needs_cross_tools
+@pytest.mark.parametrize("run_name", list(RUNS))
+def test_every_arm64_path_and_thread_count_gives_the_plain_c_bits(arm64_runs, run_name: str) -> None:
+    run = arm64_runs[run_name]
+    kinds = {case.split("/")[0] for case in run if case != "isas"}
+    assert kinds >= {"gguf_fast", "gguf_exact_c", "gguf_rows", "q8_block", "block_float", "attention_f16",
+                     "attention_f16_decode", "rope_store_f16", "decode_attention", "rms_norm", "silu_mul",
+                     "gelu_tanh_mul", "softcap", "moe_route", "moe_experts", "fast_layers"}
+    types = {case.split("/")[1] for case in run if case.startswith("gguf_fast/")}
+    assert types >= {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+    failed = {case: paths for case, paths in run.items() if any(v.startswith("status=") for v in paths.values())}
+    assert not failed
+    for case, paths in run.items():
+        if case == "isas":
+            continue
+        reference = paths.get(f"isa={ISA_C},t=1", paths.get("t=1"))
+        assert {path: value for path, value in paths.items() if value != reference} == {}, case
+        if case.startswith(("gguf_fast/", "q8_block/", "moe_experts/", "fast_layers/")):  # every instruction set ran
+            assert {int(p.split(",")[0].removeprefix("isa=")) for p in paths} == set(_isas(run)), case
+
+
+@needs_cross_tools
+@pytest.mark.parametrize("run_name", list(RUNS))
+def test_arm64_gives_the_x86_64_bits(arm64_runs, x86_run, run_name: str) -> None:
+    run = arm64_runs[run_name]
+    assert set(run) == set(x86_run)
+
+    def reference(paths: dict[str, str]) -> str:
+        return paths.get(f"isa={ISA_C},t=1", paths.get("t=1"))
+
+    compared = [case for case in x86_run if case != "isas" and not _calls_tanhf(case)]
+    assert len(compared) > 0.9 * len(x86_run)
+    assert [case for case in compared if reference(run[case]) != reference(x86_run[case])] == []
+
+
+def test_build_flags_per_architecture() -> None:
+    x86 = build_flags.compile_variants("x86_64", frozenset({"avx2"}))
+    assert x86[0] == ("-march=native", "-fopenmp") and not any("armv8" in f for v in x86 for f in v)
+    with_dot = build_flags.compile_variants("aarch64", frozenset({"asimd", "asimddp"}))
+    assert with_dot[0] == (build_flags.ARM64_DOTPROD_MARCH, "-fopenmp")
+    assert (build_flags.ARM64_BASE_MARCH,) in with_dot and with_dot[-1] == ()
+    without = build_flags.compile_variants("aarch64", frozenset({"asimd"}))  # a Pi 4: never a dotprod -march
+    assert not any(build_flags.ARM64_DOTPROD_MARCH in v for v in without)
+    assert not any(f.startswith("-m") and "avx" in f for v in (*with_dot, *without) for f in v)
+    assert build_flags.cpu_features("processor\t: 0\nFeatures\t: fp asimd asimddp\n") == {"fp", "asimd", "asimddp"}
+    assert build_flags.arm64_fallback_note(False, "aarch64", frozenset({"asimddp"})) is not None
+    assert build_flags.arm64_fallback_note(True, "aarch64", frozenset({"asimddp"})) is None
+    assert build_flags.arm64_fallback_note(False, "aarch64", frozenset({"asimd"})) is None
+    assert build_flags.arm64_fallback_note(False, "x86_64", frozenset()) is None
