@@ -162,6 +162,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="408 when a request's headers take longer (default: %(default)s)")
     p.add_argument("--body-timeout", type=float, default=s.body_timeout, metavar="S",
                    help="408 when a request's body takes longer after its headers (default: %(default)s)")
+    p.add_argument("--sse-keepalive", type=float, default=s.sse_keepalive_s, metavar="S",
+                   help="a stream quiet for S seconds (a long prefill) sends an SSE comment with the prompt's "
+                        "progress, so proxies and clients do not time out; 0: never (default: %(default)s)")
     p.add_argument("--reasoning-format", default=s.reasoning_format, choices=["none", "separate"],
                    help="a thinking model's thoughts: 'separate' returns them apart (reasoning_content, "
                         "thinking blocks), 'none' leaves them in the answer's text (default: %(default)s)")
@@ -246,7 +249,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
             default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-            reasoning_format=args.reasoning_format, **{name: getattr(args, name) for name in LIMIT_FLAGS})
+            reasoning_format=args.reasoning_format, sse_keepalive_s=args.sse_keepalive,
+            **{name: getattr(args, name) for name in LIMIT_FLAGS})
         if args.max_step_ms is not None and args.max_step_ms < 0:
             raise SettingsError(f"--max-step-ms must be 0 (no time target) or more, got {args.max_step_ms}")
         if args.max_model_len is not None and args.max_model_len < 2:
