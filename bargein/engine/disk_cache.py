@@ -44,6 +44,7 @@ from bargein.engine.kv_disk.fingerprint import ModelFingerprint, identity_files,
 from bargein.engine.kv_disk.kv_tier import KVTier, KVTierHost
 from bargein.engine.kv_disk.local_tier import LocalKVTier
 from bargein.engine.kv_disk.stats import DiskTierStats
+from bargein.engine.request import Sequence as TokenSequence
 from bargein.engine.runner import ModelRunner, Runner
 from bargein.engine.scheduler import Scheduler
 
@@ -185,13 +186,23 @@ class DiskCache:
         self._ready.clear()
         for done in self.tier.drain_loaded():
             self.scheduler.held.discard(done.ticket)
-            if done.ticket not in self.scheduler.requests or not done.records:
+            req = self.scheduler.requests.get(done.ticket)
+            if req is None or not done.records:
                 self.tier.install(done, ())  # nothing to place: the load is forgotten
                 continue
-            adopted = self.pool.adopt_loaded([ChainBlock(r.key, r.parent, r.tokens) for r in done.records])
+            # The request's memory prefix goes first, so adopting what was read after it never evicts it.
+            loaded = [ChainBlock(r.key, r.parent, r.tokens) for r in done.records]
+            adopted = self.pool.adopt_loaded(self._memory_prefix(req.sequence) + loaded)
             self._spill(self.pool.drain_spills())  # what adopting evicted, before its ids are written
             self.tier.install(done, [(block.key, block_id) for block, block_id in adopted])
             self.loaded_blocks += len(adopted)
+
+    def _memory_prefix(self, seq: TokenSequence) -> list[ChainBlock]:
+        """The sequence's leading full blocks registered in the pool now (as the scheduler's
+        match counts them: the last token is always computed)."""
+        limit, bs = seq.num_tokens - 1, self.pool.block_size
+        n = limit // bs - len(self.pool.uncached_full_blocks(seq.token_ids, limit, seq.block_table.root))
+        return chain_blocks(seq.token_ids[:n * bs], bs, seq.block_table.root)
 
     # -- shutdown and reporting --------------------------------------------------------
     def close(self, timeout: float = 10.0) -> bool:
@@ -220,11 +231,18 @@ class DiskCache:
         return self.tier.stats()
 
 
-def chain_keys(token_ids: Sequence[int], block_size: int, root: BlockHash | None = None) -> list[BlockHash]:
-    """The chained keys of the full blocks of ``token_ids``, from ``root`` (its namespace)."""
-    keys: list[BlockHash] = []
+def chain_blocks(token_ids: Sequence[int], block_size: int, root: BlockHash | None = None) -> list[ChainBlock]:
+    """The full blocks of ``token_ids`` with their chained keys, from ``root`` (its namespace)."""
+    blocks: list[ChainBlock] = []
     parent: BlockHash | None = root
     for i in range(len(token_ids) // block_size):
-        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
-        keys.append(parent)
-    return keys
+        tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        key = chain_hash(parent, tokens)
+        blocks.append(ChainBlock(key, parent, tokens))
+        parent = key
+    return blocks
+
+
+def chain_keys(token_ids: Sequence[int], block_size: int, root: BlockHash | None = None) -> list[BlockHash]:
+    """The chained keys of the full blocks of ``token_ids``, from ``root`` (its namespace)."""
+    return [b.key for b in chain_blocks(token_ids, block_size, root)]

@@ -12,6 +12,10 @@ every answer is compared with a single-process engine without the tier. The scen
    its tokens (as ``Conversation.load`` does): every one of those blocks is read back from
    the two stages' tiers (``cached_tokens`` counts them, exactly), the answer is the
    reference's, and the block accounting is clean.
+   Then blocks evicted while it runs (a one-shot prompt's cached blocks, pushed out by a
+   longer prompt in a small pool) are written by every stage (the spills ride the
+   plans) and read back for the same prompt again: all of its full blocks hit, the
+   answer is the reference's.
 3. One stage is killed and re-created (its tier re-opened from its directory, where one
    block's file was removed meanwhile): the next turn reads back only the blocks that
    every stage has (the ones before the removed one: a block is used only if all stages
@@ -29,6 +33,7 @@ ray = pytest.importorskip("ray")
 
 from bargein.build import build_engine  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
+from bargein.distributed.stage_tiers import StageTiers  # noqa: E402
 from bargein.engine.disk_cache import chain_keys  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.kv_disk.block_file import SUFFIX, parse_name  # noqa: E402
@@ -41,18 +46,22 @@ BLOCK = 4
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPT = [(i * 37) % 200 + 3 for i in range(13)]
 FOLLOW_UPS = ([11, 12, 13], [21, 22], [31, 32, 33, 34])
+ONE_SHOT = [(i * 53) % 200 + 7 for i in range(41)]  # 10 full blocks and the token sampled from
+PUSHES_OUT = [(i * 71) % 200 + 3 for i in range(64)]
+POOL_BLOCKS = 32  # the pipeline's: the one-shot prompt's blocks are evicted by the 64-token one
 
 
 def _config(kv_disk: Path | None = None, pipeline: bool = True) -> EngineConfig:
     return EngineConfig(
-        cache=CacheConfig(block_size=BLOCK, num_blocks=64, kv_disk_dir=None if kv_disk is None else str(kv_disk)),
+        cache=CacheConfig(block_size=BLOCK, num_blocks=POOL_BLOCKS if pipeline else 64, kv_disk_dir=None if kv_disk is None else str(kv_disk)),
         scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), device="cpu", dtype="float32",
         pipeline=PipelineConfig(stages=2, heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, step_timeout_s=20.0)
         if pipeline else None)
 
 
-def turn(engine: Engine, conversation: str, tokens: list[int], timeout_s: float = 120.0) -> tuple[list[int], int]:
-    """One greedy turn on the conversation: (answer tokens, cached tokens)."""
+def turn(engine: Engine, conversation: str | None, tokens: list[int], timeout_s: float = 120.0
+         ) -> tuple[list[int], int]:
+    """One greedy turn on the conversation (None: a prompt of its own): (answer tokens, cached tokens)."""
     collector = OutputCollector(engine)
     rid = collector.add_request(tokens, GREEDY, conversation_id=conversation)
     ends = time.monotonic() + timeout_s
@@ -76,10 +85,10 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(model: str) -> list[list[int]]:
-    """The three turns' answers from one process without the tier."""
+    """The three turns' answers, then the one-shot prompt's, from one process without the tier."""
     local = Engine.from_pretrained(model, _config(pipeline=False), progress=False)
     conversation = local.open_conversation(PROMPT)
-    return [turn(local, conversation, f)[0] for f in FOLLOW_UPS]
+    return [turn(local, conversation, f)[0] for f in FOLLOW_UPS] + [turn(local, None, ONE_SHOT)[0]]
 
 
 def test_a_restarted_pipeline_and_a_restarted_stage_continue_from_each_stages_own_tier(
@@ -112,6 +121,20 @@ def test_a_restarted_pipeline_and_a_restarted_stage_continue_from_each_stages_ow
         answer, cached = turn(second, conversation, FOLLOW_UPS[1])
         assert answer == reference[1] and cached == written * BLOCK
         assert second.disk.stats().hits == written and second.disk.loaded_blocks == written
+        second.check_block_accounting()
+
+        # 2b. Blocks evicted mid-run: every stage writes them (the spills ride the plans) and reads them back.
+        assert turn(second, None, ONE_SHOT) == (reference[3], 0)
+        turn(second, None, PUSHES_OUT)
+        tiers = second.disk.tier
+        assert isinstance(tiers, StageTiers)
+        ends = time.monotonic() + 60
+        while any(s is None or s.queued_writes for s in tiers.stage_stats()):
+            assert time.monotonic() < ends, "the stages' writers did not drain"
+            time.sleep(0.05)
+        hits = tiers.hits
+        assert turn(second, None, ONE_SHOT) == (reference[3], len(ONE_SHOT) - 1)  # every full block
+        assert tiers.hits > hits  # some of them came from disk: they had been evicted
         second.check_block_accounting()
 
         # 3. Stage 1 is lost and re-created; its directory lost block 1's file meanwhile.
