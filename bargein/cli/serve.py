@@ -106,7 +106,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep full KV blocks that leave memory (evicted, or at shutdown) in DIR, so a "
                         "conversation's next turn after a restart reads them back instead of recomputing "
                         "them; files are private (0600), one server and one model per DIR, replicas use "
-                        f"DIR/replica-N, pipeline stages run without it (default: {kv_disk or 'off'})")
+                        f"DIR/replica-N, pipeline stages DIR/stage-A-B on their nodes (default: {kv_disk or 'off'})")
     p.add_argument("--kv-disk-size", default=None, metavar="SIZE",
                    help=f"most disk the --kv-disk tier takes, least recently used blocks go first, "
                         f"e.g. 20GiB (default: {kv_disk_size})")
@@ -367,8 +367,8 @@ def _access_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _kv_disk(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
     """CacheConfig's disk tier fields from --kv-disk/--kv-disk-size (or $BARGEIN_KV_DISK and
-    $BARGEIN_KV_DISK_SIZE). A pipeline's K/V lives on its stages, which have no tier (yet):
-    serve says so here, once, and the engines are built without it (not once per replica)."""
+    $BARGEIN_KV_DISK_SIZE). The directory is checked here unless the tier lives elsewhere:
+    replicas and pipeline stages make theirs (DIR/replica-N, DIR/stage-A-B) on their own nodes."""
     from bargein.server.settings import SettingsError, parse_size
 
     if args.kv_disk is None:
@@ -376,12 +376,8 @@ def _kv_disk(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
             raise SettingsError("--kv-disk-size sizes the disk tier: give --kv-disk DIR too")
         return {}
     size = parse_size(args.kv_disk_size or args.kv_disk_size_default)
-    if pipeline:
-        print("bargein: warning: --kv-disk is not used with pipeline stages (each stage would need a tier "
-              "of its own): running without the disk tier", file=sys.stderr, flush=True)
-        return {}
     directory = os.path.abspath(os.path.expanduser(args.kv_disk))
-    if args.replicas is None:  # replicas make theirs on their own nodes
+    if args.replicas is None and not pipeline:
         _usable_directory(directory)
     return {"kv_disk_dir": directory, "kv_disk_bytes": size}
 
