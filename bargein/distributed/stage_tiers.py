@@ -41,6 +41,7 @@ from typing import Any
 import ray
 
 from bargein.config import CacheConfig
+from bargein.distributed.health import first_line
 from bargein.distributed.stage_disk import StageTierOpened
 from bargein.engine.block_keys import BlockHash, ChainBlock, SpillCandidate
 from bargein.engine.kv_disk.block_file import BlockRecord, file_size
@@ -102,11 +103,18 @@ class StageTiers:
                         cache.kv_disk_bytes, sum(sizes))
             return None
         files = identity_files(model_identity)
-        opened = ray.get([a.open_kv_disk.remote(cache.kv_disk_dir, files, blocks) for a in actors])
+        refs = [a.open_kv_disk.remote(cache.kv_disk_dir, files, blocks) for a in actors]
+        opened: list[StageTierOpened | None] = []
+        for ref in refs:
+            try:
+                opened.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as exc:  # e.g. a node where DIR cannot be made
+                log.warning("kv disk: a stage cannot use %s: %s", cache.kv_disk_dir, first_line(exc))
+                opened.append(None)
         if any(o is None for o in opened):
             ray.get([a.kv_disk_close.remote([], 0.0) for a in actors])
-            log.warning("kv disk: a stage's directory under %s is in use by another server: running without the "
-                        "disk tier", cache.kv_disk_dir)
+            log.warning("kv disk: not every stage has its tier under %s (in use by another server, or "
+                        "unusable): running without the disk tier", cache.kv_disk_dir)
             return None
         return cls(runner, cache.kv_disk_dir, files, blocks, opened, on_loaded)
 
