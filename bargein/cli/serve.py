@@ -106,7 +106,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep full KV blocks that leave memory (evicted, or at shutdown) in DIR, so a "
                         "conversation's next turn after a restart reads them back instead of recomputing "
                         "them; files are private (0600), one server and one model per DIR, replicas use "
-                        f"DIR/replica-N, pipeline stages run without it (default: {kv_disk or 'off'})")
+                        f"DIR/replica-N, pipeline stages DIR/stage-A-B on their nodes (default: {kv_disk or 'off'})")
     p.add_argument("--kv-disk-size", default=None, metavar="SIZE",
                    help=f"most disk the --kv-disk tier takes, least recently used blocks go first, "
                         f"e.g. 20GiB (default: {kv_disk_size})")
@@ -162,6 +162,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="408 when a request's headers take longer (default: %(default)s)")
     p.add_argument("--body-timeout", type=float, default=s.body_timeout, metavar="S",
                    help="408 when a request's body takes longer after its headers (default: %(default)s)")
+    p.add_argument("--sse-keepalive", type=float, default=s.sse_keepalive_s, metavar="S",
+                   help="a stream quiet for S seconds (a long prefill) sends an SSE comment with the prompt's "
+                        "progress, so proxies and clients do not time out; 0: never (default: %(default)s)")
     p.add_argument("--reasoning-format", default=s.reasoning_format, choices=["none", "separate"],
                    help="a thinking model's thoughts: 'separate' returns them apart (reasoning_content, "
                         "thinking blocks), 'none' leaves them in the answer's text (default: %(default)s)")
@@ -246,7 +249,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
             default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit,
             header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-            reasoning_format=args.reasoning_format, **{name: getattr(args, name) for name in LIMIT_FLAGS})
+            reasoning_format=args.reasoning_format, sse_keepalive_s=args.sse_keepalive,
+            **{name: getattr(args, name) for name in LIMIT_FLAGS})
         if args.max_step_ms is not None and args.max_step_ms < 0:
             raise SettingsError(f"--max-step-ms must be 0 (no time target) or more, got {args.max_step_ms}")
         if args.max_model_len is not None and args.max_model_len < 2:
@@ -363,8 +367,8 @@ def _access_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def _kv_disk(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
     """CacheConfig's disk tier fields from --kv-disk/--kv-disk-size (or $BARGEIN_KV_DISK and
-    $BARGEIN_KV_DISK_SIZE). A pipeline's K/V lives on its stages, which have no tier (yet):
-    serve says so here, once, and the engines are built without it (not once per replica)."""
+    $BARGEIN_KV_DISK_SIZE). The directory is checked here unless the tier lives elsewhere:
+    replicas and pipeline stages make theirs (DIR/replica-N, DIR/stage-A-B) on their own nodes."""
     from bargein.server.settings import SettingsError, parse_size
 
     if args.kv_disk is None:
@@ -372,12 +376,8 @@ def _kv_disk(args: argparse.Namespace, pipeline: bool) -> dict[str, Any]:
             raise SettingsError("--kv-disk-size sizes the disk tier: give --kv-disk DIR too")
         return {}
     size = parse_size(args.kv_disk_size or args.kv_disk_size_default)
-    if pipeline:
-        print("bargein: warning: --kv-disk is not used with pipeline stages (each stage would need a tier "
-              "of its own): running without the disk tier", file=sys.stderr, flush=True)
-        return {}
     directory = os.path.abspath(os.path.expanduser(args.kv_disk))
-    if args.replicas is None:  # replicas make theirs on their own nodes
+    if args.replicas is None and not pipeline:
         _usable_directory(directory)
     return {"kv_disk_dir": directory, "kv_disk_bytes": size}
 

@@ -18,7 +18,7 @@ def pipeline_engine(ref: str | None, config: EngineConfig) -> Engine:
     model_config = load_config(source, sliding_window=config.sliding_window)
     node_path = str(ref) if ref is not None and str(ref).startswith("~") else None
     runner = PipelineRunner.start(source, model_config, config, node_path=node_path)
-    return Engine(runner, load_tokenizer(source), config, model_name=source.name)
+    return Engine(runner, load_tokenizer(source), config, model_name=source.name, model_identity=str(source.path))
 
 
 def any_engine(ref: str | None, config: EngineConfig, *, progress: bool = True) -> Engine:

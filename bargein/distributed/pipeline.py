@@ -34,17 +34,18 @@ keeps trying, so it heals by itself when capacity returns.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
-from bargein.config import EngineConfig, ModelConfig
+from bargein.config import CacheConfig, EngineConfig, ModelConfig
 from bargein.distributed.connect import connect
 from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.split import (
@@ -82,6 +83,7 @@ try:
     from bargein.distributed.health import RecoveryStats, first_line
     from bargein.distributed.recovery import StageRecovery
     from bargein.distributed.stage import StageCounters, stage_actor
+    from bargein.distributed.stage_tiers import StageTiers
     from bargein.distributed.transport import (
         ActorCalls,
         CompiledGraph,
@@ -227,6 +229,7 @@ class PipelineRunner(StageRecovery):
         self._recovery: threading.Thread | None = None
         self.recovery = RecoveryStats(len(actors))
         self._found_lost: dict[int, str] = {}  # stages the watchdog killed, with why
+        self.kv_tier: StageTiers | None = None  # the stages' own disk tiers (open_kv_tier), driven by the plans
         self.transport = self._open_transport()
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name="bargein-stage-watchdog")
         self._watchdog.start()
@@ -329,7 +332,8 @@ class PipelineRunner(StageRecovery):
             raise RuntimeError(f"{self.max_in_flight} plans are in flight: collect() one first")
         if not self._ready.is_set():
             raise RuntimeError(self._lost_message or "the pipeline is recovering a lost stage")
-        payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        ops = () if self.kv_tier is None else self.kv_tier.take_ops()
+        payload = pickle.dumps(replace(plan, kv_disk=ops) if ops else plan, protocol=pickle.HIGHEST_PROTOCOL)
         rows = self._rows_payload(plan)
         self._seq += 1
         try:
@@ -378,6 +382,17 @@ class PipelineRunner(StageRecovery):
     def _done_with_oldest(self) -> None:
         with self._lock:
             self._in_flight.popleft()
+
+    def open_kv_tier(self, cache: CacheConfig, model_identity: str | os.PathLike[str],
+                     on_loaded: Callable[[], object]) -> StageTiers | None:
+        """Each stage opens its own disk tier for its layers (``stage_tiers``; ``KVTierHost``)."""
+        self.kv_tier = StageTiers.open(self, cache, model_identity, on_loaded)
+        return self.kv_tier
+
+    def current_actors(self) -> list[Any]:
+        """The stage actors now (the recovery thread replaces a lost one)."""
+        with self._lock:
+            return list(self.actors)
 
     def _open_transport(self, strict: bool = True) -> ActorCalls | CompiledGraph:
         """``strict``: at start, a forced graph across nodes is refused; after a recovery

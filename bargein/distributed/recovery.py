@@ -46,6 +46,7 @@ class StageRecovery:
     _found_lost: dict[int, str]
     transport: Any
     _seq: int
+    kv_tier: Any  # the stages' disk tiers (stage_tiers.StageTiers) or None
 
     def _wait_for(self, plan: Any, handle: Any, seq: int, submitted: float) -> tuple:
         """The plan's result, waited for until the step deadline (the watchdog meanwhile
@@ -122,6 +123,8 @@ class StageRecovery:
             f"on node {self.placements[i].node_address} was lost: {reason}" for i, reason in sorted(lost.items())) \
             or why or "the pipeline was lost"
         log.warning("%s", message)
+        if self.kv_tier is not None:
+            self.kv_tier.lost()
         with self._lock:
             self._in_flight.clear()
             self._found_lost.clear()
@@ -199,6 +202,8 @@ class StageRecovery:
                 return None
         try:
             ray.get(ready)
+            if self.kv_tier is not None:
+                self.kv_tier.reopen(actor)
             counters: StageCounters = ray.get(actor.read_counters.remote())
         except BaseException:
             ray.kill(actor)

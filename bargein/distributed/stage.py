@@ -38,6 +38,11 @@ form). Either way a GGUF's Q4_1/Q8_0 matrices stay in their stored blocks and th
 is built as the single-process engine builds its model (``build_model``), so it holds
 the same weights bit for bit. Without either source, it fails to start, saying so.
 
+Disk tier: with ``--kv-disk``, each stage keeps its own layers' blocks on its node
+(``stage_disk``): the head opens it (``open_kv_disk``), reads go on the stage's disk
+thread (``kv_disk_read``), and the operations a plan carries (``StepPlan.kv_disk``:
+spills, installs of what was read, deletions) run before its block copies and forward.
+
 Health: ``ping`` runs in its own concurrency group (its own thread), so the head's
 heartbeat is answered while a plan computes and never queues behind plans; a stage
 that does not answer it is dead or hung. Other calls (counters, weights) may run beside
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import pickle
 import threading
@@ -62,9 +68,15 @@ import ray
 import torch
 
 from bargein.config import EngineConfig, ModelConfig
+from bargein.distributed.stage_disk import StageDisk, StageTierOpened
 from bargein.distributed.weights import Fingerprint, has_model_copy, materialize
 from bargein.distributed.worker_env import worker_runtime_env
+from bargein.engine.block_keys import ChainBlock
 from bargein.engine.device import build_model, one_torch_thread, resolve_device, resolve_dtype
+from bargein.engine.disk_cache import stage_fingerprint, stage_tier_directory
+from bargein.engine.kv_disk.lock import DirectoryBusy
+from bargein.engine.kv_disk.stage_ops import KVDiskOp
+from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.plan import StepPlan
 from bargein.engine.runner import plan_inputs
 from bargein.engine.sampler import RowSampling, sample_rows
@@ -74,6 +86,8 @@ from bargein.loader import close_model_files, load_weights
 from bargein.loader.source import ModelSource
 from bargein.model.attention import KVCache
 from bargein.model.llama import LlamaStage
+
+log = logging.getLogger("bargein.distributed")
 
 LOG_LENGTH = 4096  # plans remembered per stage for the executed log
 TIMELINE_LENGTH = 1024  # plans remembered per stage for the timeline (a benchmark's run)
@@ -200,6 +214,7 @@ class StageWorker:
         self.device = device
         self.caches: list[KVCache] = []
         self.block_size = 0
+        self.disk: StageDisk | None = None  # this stage's own disk tier, once the head opened it
         self.inputs = PrefetchedInputs()
         self.next_stage: Any = None  # the next stage's actor handle; None for the last stage
         self._last_started = -1  # plans must come in order
@@ -220,6 +235,40 @@ class StageWorker:
         """K/V for every block id of the head's pool (block ids 0 .. num_blocks - 1)."""
         self.caches = self.stage.make_kv_caches(num_blocks, block_size)
         self.block_size = block_size
+
+    def open_kv_disk(self, base: str, files: tuple[tuple[str, int, str], ...], blocks: int) -> StageTierOpened | None:
+        """Opens this stage's own tier in ``base/stage-<start>-<end>`` on this node (``~``:
+        this node's home), for the model whose files' identities are ``files`` (computed
+        by the head), bounded to ``blocks`` blocks; None if another process owns it."""
+        layers = (self.stage.start, self.stage.end)
+        fingerprint = stage_fingerprint([self.stage], self.block_size, "", files=files)
+        try:
+            self.disk = StageDisk(stage_tier_directory(os.path.expanduser(base), layers), fingerprint,
+                                  [(c.k, c.v) for c in self.caches], blocks)
+        except DirectoryBusy as exc:
+            log.warning("kv disk: stage %d: %s", self.counters.index, exc)
+            return None
+        return self.disk.opened()
+
+    @ray.method(concurrency_group="disk")
+    def kv_disk_read(self, ticket: str, wanted: list[ChainBlock]) -> int:
+        """Reads a chain from this stage's tier for the head (beside the plans); how many blocks."""
+        return 0 if self.disk is None else self.disk.read(ticket, wanted)
+
+    @ray.method(concurrency_group="disk")
+    def kv_disk_apply(self, ops: list[KVDiskOp]) -> None:
+        """Operations the head sends outside a plan (deletions while the pipeline is idle)."""
+        if self.disk is not None:
+            self.disk.apply(ops)
+
+    @ray.method(concurrency_group="disk")
+    def kv_disk_stats(self) -> DiskTierStats | None:
+        return None if self.disk is None else self.disk.stats()
+
+    def kv_disk_close(self, ops: list[KVDiskOp], timeout: float) -> bool:
+        """Shutdown: applies the last operations, writes within ``timeout`` seconds, closes the tier."""
+        disk, self.disk = self.disk, None
+        return True if disk is None else disk.close(ops, timeout)
 
     def connect_next(self, handles: list[Any]) -> None:
         """Where this stage sends its hidden states: ``[handle]`` of the next stage's
@@ -364,6 +413,8 @@ class StageWorker:
         return (out.numpy(), time.time())
 
     def _forward(self, plan: StepPlan, hidden: torch.Tensor | None) -> torch.Tensor:
+        if plan.kv_disk and self.disk is not None:  # before any block is written (stage_ops)
+            self.disk.apply(plan.kv_disk)
         for src, dst in plan.block_copies:
             for cache in self.caches:
                 cache.copy_block(src, dst)
@@ -428,12 +479,12 @@ def held_weights(stage: LlamaStage) -> dict[str, torch.Tensor]:
 
 def stage_actor(config: EngineConfig, on_node: Any) -> Any:
     """The stage actor class with its options: a CPU per torch thread, the node resource
-    if one is set, a health thread for the heartbeat and an inputs thread that takes in
-    the next plans' hidden states while one computes, never restarted by Ray (the head
-    re-creates a lost stage itself, knowing its K/V is gone)."""
+    if one is set, a health thread for the heartbeat, an inputs thread that takes in the
+    next plans' hidden states while one computes and a disk thread (its tier's reads),
+    never restarted by Ray (the head re-creates a lost stage, knowing its K/V is gone)."""
     pipe = config.pipeline
     options: dict[str, Any] = {"num_cpus": pipe.threads_per_stage, "max_restarts": 0,
-                               "concurrency_groups": {"health": 1, "inputs": 1}}
+                               "concurrency_groups": {"health": 1, "inputs": 1, "disk": 1}}
     if pipe.node_resource is not None:
         options["resources"] = {pipe.node_resource: 0.001}
     if on_node is not None:

@@ -80,13 +80,12 @@ class DiskTierLookups:
         them; returns (block, block id) for each one adopted, whose K/V the caller must
         write into that id before the next forward.
 
-        Blocks already registered (computed meanwhile) are passed over. At most
-        ``num_available - reserve`` blocks are taken, from the free list or by evicting
-        the least recently used cached ones (never one adopted here); evicted full
-        blocks become spill candidates, which the caller must copy out *before* writing
-        the adopted payloads into their ids. Only full blocks whose tokens chain to
-        their key (the disk tier checks each file) may be given.
-        """
+        Blocks already registered (a memory prefix, or computed meanwhile) are passed over
+        and made most recently used. At most ``num_available - reserve`` blocks are taken,
+        free or by evicting the least recently used cached ones (never one given here);
+        evicted full blocks become spill candidates, which the caller must copy out
+        *before* writing the adopted payloads into their ids. Only full blocks whose
+        tokens chain to their key (the disk tier checks each file) may be given."""
         if not self.enable_prefix_caching:
             return []
         budget = self.num_available - reserve
@@ -94,7 +93,9 @@ class DiskTierLookups:
         for chain_block in blocks:
             if len(chain_block.tokens) != self.block_size:
                 raise ValueError("only full blocks can be adopted")
-            if chain_block.key in self._hash_to_block:
+            if (held := self._hash_to_block.get(chain_block.key)) is not None:
+                if held in self._evictable:  # so that adopting the rest does not evict it
+                    self._evictable.move_to_end(held)
                 continue
             if len(adopted) >= budget:
                 break

@@ -22,11 +22,10 @@ it reads and writes are the runner's and nobody else's at that moment:
 - ``close``: at shutdown every full registered block (conversations' and cached
   prefixes') is written, within a time limit, then the tier is closed.
 
-The tier is used only with the in-process runner: a pipeline's K/V lives on its stages,
-which would each need a tier of their own. Its pieces are here (``stage_fingerprint``
-names a stage's layer range, ``stage_tier_directory`` its directory) but the stages do
-not use them yet: the head would have to tell each stage which block ids to write and
-read by key.
+The tier's K/V store is a ``kv_disk.kv_tier.KVTier``: with the in-process runner, one
+``LocalKVTier`` over its caches; with a runner that holds the K/V elsewhere (a pipeline,
+a ``KVTierHost``), what that runner opens: its stages' own tiers, one per layer range
+(``stage_tier_directory``, ``stage_fingerprint``), driven through its plans.
 """
 
 from __future__ import annotations
@@ -41,11 +40,11 @@ from pathlib import Path
 from bargein.config import CacheConfig
 from bargein.engine.block_keys import BlockHash, ChainBlock, SpillCandidate, chain_hash
 from bargein.engine.blocks import BlockPool, BlockTable
-from bargein.engine.kv_disk.block_file import BlockRecord
 from bargein.engine.kv_disk.fingerprint import ModelFingerprint, identity_files, sources_digest
-from bargein.engine.kv_disk.payload import KVPair, extract_blocks, write_block
+from bargein.engine.kv_disk.kv_tier import KVTier, KVTierHost
+from bargein.engine.kv_disk.local_tier import LocalKVTier
 from bargein.engine.kv_disk.stats import DiskTierStats
-from bargein.engine.kv_disk.tier import DiskTier
+from bargein.engine.request import Sequence as TokenSequence
 from bargein.engine.runner import ModelRunner, Runner
 from bargein.engine.scheduler import Scheduler
 
@@ -70,11 +69,13 @@ def stage_tier_directory(base: str | os.PathLike[str], layer_range: tuple[int, i
     return Path(base) / f"stage-{start}-{end}"
 
 
-def stage_fingerprint(stages: Sequence, block_size: int, model_identity: str | os.PathLike[str]) -> ModelFingerprint:
+def stage_fingerprint(stages: Sequence, block_size: int, model_identity: str | os.PathLike[str], *,
+                      files: tuple[tuple[str, int, str], ...] | None = None) -> ModelFingerprint:
     """The fingerprint of K/V computed by ``stages`` (consecutive LlamaStages) over the
-    model ``model_identity``: its file or folder, or a string naming in-memory weights."""
+    model ``model_identity``: its file or folder, or a string naming in-memory weights
+    (or ``files``, its files' identities as another process computed them)."""
     first = stages[0]
-    files = identity_files(model_identity)
+    files = identity_files(model_identity) if files is None else files
     precision = f"{'fast' if first.kernels.fast else 'exact'}/{first.dtype}/{first.device.type}"
     return ModelFingerprint(files, precision, str(first.kv_dtype), block_size, (stages[0].start, stages[-1].end),
                             kernels=kernels_digest())
@@ -83,11 +84,9 @@ def stage_fingerprint(stages: Sequence, block_size: int, model_identity: str | o
 class DiskCache:
     """One engine's use of a :class:`DiskTier` (see the module docstring)."""
 
-    def __init__(self, tier: DiskTier, pool: BlockPool, scheduler: Scheduler, caches: Sequence[KVPair],
-                 ready: threading.Event):
+    def __init__(self, tier: KVTier, pool: BlockPool, scheduler: Scheduler, ready: threading.Event):
         """``ready`` is set by the tier's ``on_loaded`` (a load finished)."""
         self.tier, self.pool, self.scheduler = tier, pool, scheduler
-        self.caches = list(caches)
         self._ready = ready
         self._looked_up: set[str] = set()  # requests already looked up on disk
         self.loaded_blocks = 0  # blocks adopted from disk, ever
@@ -97,26 +96,33 @@ class DiskCache:
     def open(cls, cache: CacheConfig, runner: Runner, pool: BlockPool, scheduler: Scheduler,
              model_identity: str | os.PathLike[str] | None) -> DiskCache | None:
         """The engine's disk cache per ``cache.kv_disk_dir``; None (after one warning) when
-        it cannot be used: not an in-process runner, no model identity, prefix caching
-        off, or the directory owned by another server."""
-        reason = ("the disk tier needs the in-process runner (a pipeline's stages would each need their own)"
-                  if not isinstance(runner, ModelRunner) else
+        it cannot be used: a runner that neither runs in this process nor opens a tier of
+        its own, no model identity, prefix caching off, or the directory owned by another
+        server."""
+        reason = ("the disk tier needs the in-process runner or a pipeline"
+                  if not isinstance(runner, ModelRunner | KVTierHost) else
                   "the disk tier needs the model's file or an identity for its weights" if model_identity is None
                   else "prefix caching is off" if not cache.enable_prefix_caching else None)
         if reason is not None:
             log.warning("%s: running without it", reason)
             return None
-        assert isinstance(runner, ModelRunner) and model_identity is not None and cache.kv_disk_dir is not None
-        fingerprint = stage_fingerprint(runner.stages, cache.block_size, model_identity)
+        assert model_identity is not None and cache.kv_disk_dir is not None
         ready = threading.Event()
-        tier = DiskTier.open(cache.kv_disk_dir, fingerprint, cache.kv_disk_bytes, on_loaded=ready.set)
+        tier: KVTier | None
+        if isinstance(runner, ModelRunner):
+            fingerprint = stage_fingerprint(runner.stages, cache.block_size, model_identity)
+            pairs = [(c.k, c.v) for stage_caches in runner.kv_caches for c in stage_caches]
+            tier = LocalKVTier.open(cache.kv_disk_dir, fingerprint, cache.kv_disk_bytes, caches=pairs,
+                                    on_loaded=ready.set)
+        else:
+            assert isinstance(runner, KVTierHost)
+            tier = runner.open_kv_tier(cache, model_identity, ready.set)
         if tier is None:
             return None
         report = tier.rebuild
         log.info("kv disk: %d blocks (%.1f MiB) in %s, indexed in %.0f ms", report.blocks, report.bytes / 2**20,
-                 tier.directory, report.seconds * 1000)
-        pairs = [(c.k, c.v) for stage_caches in runner.kv_caches for c in stage_caches]
-        return cls(tier, pool, scheduler, pairs, ready)
+                 cache.kv_disk_dir, report.seconds * 1000)
+        return cls(tier, pool, scheduler, ready)
 
     # -- each step ----------------------------------------------------------------------
     def before_schedule(self) -> None:
@@ -133,7 +139,7 @@ class DiskCache:
         """Copies the blocks the schedule evicted out of the caches and queues them."""
         self._spill(self.pool.drain_spills())
         holders = self.pool.holders
-        if holders is not None and len(holders) > 4 * (self.pool.num_blocks + self.tier.index.num_blocks) + 1024:
+        if holders is not None and len(holders) > 4 * (self.pool.num_blocks + self.tier.num_blocks) + 1024:
             registered = self.pool.registered_keys()
             holders.prune(lambda k: k in registered or k in self.tier)
 
@@ -155,13 +161,7 @@ class DiskCache:
         return own
 
     def _spill(self, candidates: Sequence[SpillCandidate], timeout: float = 0.0) -> int:
-        fresh = [c for c in candidates if c.block.key not in self.tier]
-        payloads = extract_blocks(self.caches, [c.block_id for c in fresh])
-        written = 0
-        for c, payload in zip(fresh, payloads, strict=True):
-            b = c.block
-            written += self.tier.spill(BlockRecord(b.key, b.parent, b.tokens, payload), timeout)
-        return written
+        return self.tier.spill_blocks(candidates, timeout)
 
     def _look_up_waiting(self) -> None:
         scheduler = self.scheduler
@@ -186,14 +186,23 @@ class DiskCache:
         self._ready.clear()
         for done in self.tier.drain_loaded():
             self.scheduler.held.discard(done.ticket)
-            if done.ticket not in self.scheduler.requests or not done.records:
+            req = self.scheduler.requests.get(done.ticket)
+            if req is None or not done.records:
+                self.tier.install(done, ())  # nothing to place: the load is forgotten
                 continue
-            payloads = {r.key: r.payload for r in done.records}
-            adopted = self.pool.adopt_loaded([ChainBlock(r.key, r.parent, r.tokens) for r in done.records])
+            # The request's memory prefix goes first, so adopting what was read after it never evicts it.
+            loaded = [ChainBlock(r.key, r.parent, r.tokens) for r in done.records]
+            adopted = self.pool.adopt_loaded(self._memory_prefix(req.sequence) + loaded)
             self._spill(self.pool.drain_spills())  # what adopting evicted, before its ids are written
-            for block, block_id in adopted:
-                write_block(self.caches, block_id, payloads[block.key])
+            self.tier.install(done, [(block.key, block_id) for block, block_id in adopted])
             self.loaded_blocks += len(adopted)
+
+    def _memory_prefix(self, seq: TokenSequence) -> list[ChainBlock]:
+        """The sequence's leading full blocks registered in the pool now (as the scheduler's
+        match counts them: the last token is always computed)."""
+        limit, bs = seq.num_tokens - 1, self.pool.block_size
+        n = limit // bs - len(self.pool.uncached_full_blocks(seq.token_ids, limit, seq.block_table.root))
+        return chain_blocks(seq.token_ids[:n * bs], bs, seq.block_table.root)
 
     # -- shutdown and reporting --------------------------------------------------------
     def close(self, timeout: float = 10.0) -> bool:
@@ -222,11 +231,18 @@ class DiskCache:
         return self.tier.stats()
 
 
-def chain_keys(token_ids: Sequence[int], block_size: int, root: BlockHash | None = None) -> list[BlockHash]:
-    """The chained keys of the full blocks of ``token_ids``, from ``root`` (its namespace)."""
-    keys: list[BlockHash] = []
+def chain_blocks(token_ids: Sequence[int], block_size: int, root: BlockHash | None = None) -> list[ChainBlock]:
+    """The full blocks of ``token_ids`` with their chained keys, from ``root`` (its namespace)."""
+    blocks: list[ChainBlock] = []
     parent: BlockHash | None = root
     for i in range(len(token_ids) // block_size):
-        parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
-        keys.append(parent)
-    return keys
+        tokens = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        key = chain_hash(parent, tokens)
+        blocks.append(ChainBlock(key, parent, tokens))
+        parent = key
+    return blocks
+
+
+def chain_keys(token_ids: Sequence[int], block_size: int, root: BlockHash | None = None) -> list[BlockHash]:
+    """The chained keys of the full blocks of ``token_ids``, from ``root`` (its namespace)."""
+    return [b.key for b in chain_blocks(token_ids, block_size, root)]

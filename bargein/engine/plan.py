@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bargein.engine.kv_disk.stage_ops import KVDiskOp
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
@@ -45,11 +47,16 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One forward: chunks in order, and block copies to make before it (copy on write)."""
+    """One forward: chunks in order, and block copies to make before it (copy on write).
+
+    ``kv_disk``: for stages that hold the K/V elsewhere (a pipeline's), the disk tier's
+    operations to apply before anything else (``kv_disk/stage_ops.py``); always empty
+    for the in-process runner, whose engine does them itself between steps."""
 
     step: int
     chunks: tuple[ScheduledChunk, ...]
     block_copies: tuple[tuple[int, int], ...] = ()
+    kv_disk: tuple[KVDiskOp, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,7 @@ from bargein.engine.request import CancelReason
 from bargein.engine.sampling import SamplingParams
 from bargein.server.context import ServerContext, tenant_of
 from bargein.server.generation import ClientGone, FinalHook, Job, unless_disconnected
+from bargein.server.keepalive import job_prompt_progress, with_keepalives
 from bargein.server.openai_stream import Shape, collect, event_stream
 from bargein.server.sse import EventStream
 from bargein.server.tenants import ANONYMOUS, Tenant, prefix_namespace
@@ -78,8 +79,12 @@ async def serve(request: Request, ctx: ServerContext, gen: Generation, shape: Sh
         shape.closed(reason)
 
     if gen.stream:
-        return EventStream(event_stream(ctx.jobs, job, shape), on_close=close, headers=headers, media_type=media_type,
-                           stalled=job.stalled)
+        events = event_stream(ctx.jobs, job, shape)
+        interval = ctx.settings.sse_keepalive_s
+        if interval > 0 and media_type == "text/event-stream":  # comments are SSE's: NDJSON has none
+            events = with_keepalives(events, interval,
+                                     job_prompt_progress(ctx.engine, [slot.engine_id for slot in job.slots]))
+        return EventStream(events, on_close=close, headers=headers, media_type=media_type, stalled=job.stalled)
     try:
         await unless_disconnected(request, collect(ctx.jobs, job, shape))
     except ClientGone:

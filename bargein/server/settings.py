@@ -83,6 +83,9 @@ class ServerSettings:
     # bounded by it), and is cancelled (reason ``disconnect``) after this many seconds without a read.
     stream_buffer_tokens: int = 64
     stream_stall_timeout: float = 30.0
+    # A stream that sent nothing for this many seconds (a long prefill, a read from the disk
+    # tier) sends an SSE comment with the prompt's progress (keepalive.py); 0: never.
+    sse_keepalive_s: float = 15.0
     # A background Responses request that gives no max_output_tokens generates at most this
     # many (else it could run to the end of the context, holding a slot of the queue limit).
     background_max_output_tokens: int = 1024
@@ -136,6 +139,8 @@ class ServerSettings:
         for name in ("header_timeout", "body_timeout", "stream_stall_timeout"):
             if not getattr(self, name) > 0:
                 raise SettingsError(f"{name.replace('_', ' ')} must be positive, got {getattr(self, name)}")
+        if not self.sse_keepalive_s >= 0:
+            raise SettingsError(f"the SSE keep-alive interval must not be negative, got {self.sse_keepalive_s}")
         if self.reasoning_format not in ("none", "separate"):
             raise SettingsError(f"reasoning format must be 'none' or 'separate', got {self.reasoning_format!r}")
         for name in ("max_messages", "max_stop", "max_stop_chars", "max_logit_bias", "max_n"):
@@ -184,6 +189,7 @@ class ServerSettings:
             body_timeout=env.float("BODY_TIMEOUT", defaults.body_timeout),
             stream_buffer_tokens=env.int("STREAM_BUFFER_TOKENS", defaults.stream_buffer_tokens),
             stream_stall_timeout=env.float("STREAM_STALL_TIMEOUT", defaults.stream_stall_timeout),
+            sse_keepalive_s=env.float("SSE_KEEPALIVE", defaults.sse_keepalive_s),
             background_max_output_tokens=env.int("BACKGROUND_MAX_OUTPUT_TOKENS",
                                                  defaults.background_max_output_tokens),
             **{name: env.int(name.upper(), getattr(defaults, name)) for name in LIMIT_FLAGS},

@@ -71,14 +71,13 @@ def test_kv_disk_flags(tmp_path):
                           "--kv-disk", "a-file/kv", "Not a directory")
 
 
-def test_kv_disk_is_refused_once_for_pipeline_stages(tmp_path, capsys):
+def test_kv_disk_for_pipeline_stages_is_made_by_the_stages(tmp_path, capsys):
     from argparse import Namespace
 
     from bargein.cli.serve import _kv_disk
 
     args = Namespace(kv_disk=str(tmp_path / "kv"), kv_disk_size="1GiB", kv_disk_size_default="20GiB", replicas=None)
-    assert _kv_disk(args, pipeline=False) == {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_bytes": 1 << 30}
+    expected = {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_bytes": 1 << 30}
+    assert _kv_disk(args, pipeline=True) == expected and not (tmp_path / "kv").exists()  # stages make DIR/stage-A-B
+    assert _kv_disk(args, pipeline=False) == expected and (tmp_path / "kv").is_dir()
     assert capsys.readouterr().err == ""
-    assert _kv_disk(args, pipeline=True) == {}  # the engines are built without it: no warning per stage
-    (line,) = capsys.readouterr().err.splitlines()
-    assert "--kv-disk is not used with pipeline stages" in line

@@ -1,6 +1,7 @@
 """The disk tier through the Python Engine API: a conversation survives a restart (the
 next turn's cached tokens come from disk, and its greedy tokens equal an engine that
-never restarted), blocks evicted from a small pool come back from disk, and a bad file
+never restarted), blocks evicted from a small pool come back from disk (also behind a
+prefix still in memory), and a bad file
 only costs a recompute. Tiny random-weight models, on the CPU."""
 
 from __future__ import annotations
@@ -97,6 +98,25 @@ def test_blocks_evicted_from_a_small_pool_come_back_from_disk(tmp_path: Path) ->
     assert engine.disk.stats().hits >= 8 and engine.disk.loaded_blocks >= 8
     assert list(again.token_ids) == reference_greedy(shared + [2], GREEDY.max_tokens)
     assert first.usage.cached_tokens == 0
+    engine.check_block_accounting()
+    engine.close()
+
+
+def test_a_prefix_half_in_memory_half_on_disk_is_reused_whole(tmp_path: Path) -> None:
+    """The pool evicts a sequence's last blocks first: its head stays in memory, its tail
+    goes to disk. Reading the tail back must not evict the head it continues (adopting
+    makes the memory prefix most recently used first), so every full block is reused."""
+    engine = disk_engine(tmp_path, num_blocks=24)
+    shared = prompt(40, 3)  # 10 full blocks
+    once = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    turn(engine, shared + [1], params=once)
+    turn(engine, prompt(56, 4), params=once)  # 15 blocks: pushes out part of the shared prefix
+    left = engine.pool.uncached_full_blocks(shared + [2], 40)
+    assert 0 < len(left) < 10, "the prefix's tail should have left memory, its head stayed"
+    engine.disk.tier.flush(10)
+    again = turn(engine, shared + [2])
+    assert again.usage.cached_tokens == 40 and engine.disk.loaded_blocks == len(left)
+    assert list(again.token_ids) == reference_greedy(shared + [2], GREEDY.max_tokens)
     engine.check_block_accounting()
     engine.close()
 

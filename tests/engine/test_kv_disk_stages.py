@@ -1,7 +1,7 @@
 """Pipeline stages' own tiers, as units: each stage's fingerprint names its layer range
 (and so differs from another stage's and from the whole model's), each has its own
 directory, a stage's block round-trips through its tier bit for bit, and a block file
-another stage wrote is refused. (The stages' actors do not use a tier yet.) Tiny
+another stage wrote is refused (the actors use them: tests/distributed/test_pipeline_kv_disk.py). Tiny
 random-weight model, CPU."""
 
 from __future__ import annotations

@@ -88,6 +88,11 @@ def parse_name(name: str) -> tuple[BlockHash, str] | None:
         return None
 
 
+def file_size(num_tokens: int, payload_bytes: int) -> int:
+    """Bytes of the file of a block of ``num_tokens`` tokens and ``payload_bytes`` of K/V."""
+    return _HEADER.size + _CHECKSUM_SIZE + 8 * num_tokens + payload_bytes
+
+
 def encode(record: BlockRecord, fingerprint: bytes) -> bytes:
     """The bytes of a block file."""
     flags = _HAS_PARENT if record.parent is not None else 0

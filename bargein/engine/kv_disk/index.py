@@ -66,6 +66,11 @@ class DiskIndex:
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._sizes
 
+    def lru_keys(self) -> list[BlockHash]:
+        """Every key, least recently used first."""
+        with self._lock:
+            return list(self._sizes)
+
     def leading_present(self, keys: Sequence[BlockHash]) -> int:
         """How many of ``keys``, from the first, are all on disk."""
         n = 0

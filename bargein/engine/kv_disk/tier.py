@@ -130,6 +130,10 @@ class DiskTier:
     def rebuild(self) -> RebuildReport:
         return self.rebuild_report
 
+    @property
+    def num_blocks(self) -> int:
+        return self.index.num_blocks
+
     # -- the step thread's side: queue work, read answers, never wait on the disk ------
     def __contains__(self, key: BlockHash) -> bool:
         return key in self.index
@@ -299,13 +303,15 @@ class DiskTier:
                 if self._closing:
                     return
                 ticket, wanted = self._loads.popleft()
-            records = self._read_chain(wanted)
+            records = self.read_chain(wanted)
             with self._load_cond:
                 self._loaded.append(Loaded(ticket, len(wanted), records))
             if self._on_loaded is not None:
                 self._on_loaded()
 
-    def _read_chain(self, wanted: tuple[ChainBlock, ...]) -> tuple[BlockRecord, ...]:
+    def read_chain(self, wanted: Sequence[ChainBlock]) -> tuple[BlockRecord, ...]:
+        """Reads ``wanted`` (a chain, in order) on the caller's thread (the reader's, or a
+        pipeline stage's disk thread) up to the first block missing or bad; counts hits."""
         records: list[BlockRecord] = []
         for block in wanted:
             if self._closing or block.key not in self.index:
