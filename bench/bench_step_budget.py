@@ -1,8 +1,7 @@
 """The step time target swept (issue 34): what ``--max-step-ms`` buys and costs.
 
-``bargein serve`` defaults to ``--max-step-ms 250``, a number chosen by reasoning (a step
-well under a human's notice of a stalled stream, several decode steps' worth of prompt per
-step on 2 cores). This measures it: the bundled model, one engine with the server's
+``bargein serve`` defaults to ``--max-step-ms 100`` (chosen from this sweep and from
+``step_budget_sim.py``'s, see ``bargein/cli/serve.py``). This measures it: the bundled model, one engine with the server's
 scheduler settings, and for each target (``--budgets``, e.g. 50,100,250,500,none) the
 same mixed load for ``--seconds``:
 

@@ -22,13 +22,14 @@ from bargein.cli.common import Command, add_precision_argument
 from bargein.cli.errors import EXIT_FAILURE, EXIT_SETUP, EXIT_USAGE, CliError
 from bargein.cli.threads import add_threads_argument, apply_threads
 
-# The step time target's default. On a 2-core machine with the default model, issue 34's
-# probe measured a 512-token step at up to 7.4 s late in a long prompt, and a decode step
-# of a few streams takes tens of ms: 250 ms keeps a short request behind a long prompt at
-# about 0.5 s to its first token and a cancel at about 0.25 s, while a prompt chunk still
-# carries tens to hundreds of tokens (and never fewer than what a step's fixed cost buys:
-# engine/step_budget.py), so a prefill loses little to per-step costs.
-DEFAULT_MAX_STEP_MS = 250.0
+# The step time target's default, from issue 34's sweep (bench/step_budget_sim.py, the
+# bundled model's step costs on 2 cores; bench/bench_step_budget.py on the engine): 8
+# streams decoding and a 2,000-token prompt every 3 s. With running prompts read oldest
+# first, 100 ms keeps the streams' inter-token p50/p99 at ~100/~125 ms (no target: p99 over
+# 2 s) and reads ~83% of the prompt tokens that no target reads (250 ms: ~90%, at 250 ms a
+# token); a short request behind a long prompt answers in about two steps, a cancel in one.
+# A model whose decode step alone nears 100 ms wants more (--max-step-ms).
+DEFAULT_MAX_STEP_MS = 100.0
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
