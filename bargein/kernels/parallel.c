@@ -13,9 +13,13 @@
  * needs, and the same step took 50 ms against 18 (see bargein/cli/threads.py). So the
  * spin adapts: a spinning thread looks at the clock as it spins, and a gap in what it saw
  * means it was descheduled, which happens only when more threads want to run than there
- * are cores. Then nobody spins for a while (CALM_MIN_NS), doubled each time spinning is
- * descheduled again soon after it resumed (up to CALM_MAX_NS), and reset after a calm
- * period passes clean: on a quiet machine threads spin, on a busy one they sleep at once.
+ * are cores; so does a worker that ends its index much later than the caller ends its own,
+ * and the caller's own count of involuntary switches (looked at every few calls). Then workers spin only a few microseconds for a while (CALM_MIN_NS), doubled
+ * each time spinning is descheduled again soon after it resumed (up to CALM_MAX_NS), and
+ * reset after a calm period passes clean: on a quiet machine threads spin, on a busy one
+ * they sleep almost at once and are not woken (the caller takes their indices; waiting
+ * for workers that run its call's indices it spins a little longer: they end about when
+ * its own index does).
  *
  * Work is claimed, not assigned: the caller runs index 0, then takes any index no worker
  * has claimed yet, so a worker that is descheduled (or still waking) costs its share of
@@ -23,12 +27,14 @@
  * no result: every kernel computes each output by the same code for any index and count.
  * The pool is process state by nature; a child made by fork() starts with an empty one.
  */
+#define _GNU_SOURCE /* RUSAGE_THREAD */
 #include "parallel.h"
 
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sys/resource.h>
 #include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -40,10 +46,13 @@
 
 #define MAX_WORKERS 255
 #define SPIN_NS 200000       /* the longest a thread spins for work (or for the workers) */
+#define CALM_SPIN_NS 3000    /* while calm, a worker still spins this long: a kernel right after */
+#define CALM_WAIT_NS 20000   /* while calm, the caller spins this long for running workers */
 #define SPIN_CHECK 32        /* relax rounds between two looks at the clock */
 #define PREEMPTED_NS 50000   /* a gap this long between two looks: the thread was descheduled */
 #define CALM_MIN_NS 2000000  /* no spinning for this long after a descheduled spin ... */
 #define CALM_MAX_NS 256000000 /* ... doubled while it happens again, up to this */
+#define PREEMPT_CHECK 16     /* calls between two looks at the caller's involuntary switches */
 
 /* The current call, one word: generation (32 bits), count (16), next index to claim (16).
  * A claim is a compare-and-swap on it, so a worker that comes late can never take an index
@@ -80,8 +89,9 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* A spinning thread was descheduled at `now`: calm down, longer if it was soon again. */
-static void spin_was_preempted(int64_t now) {
+/* A thread was seen descheduled at `now` (a spinning one, or a worker the caller waited
+ * for): calm down, longer if it was soon again. */
+static void contention_seen(int64_t now) {
     const int64_t until = atomic_load_explicit(&pool.calm_until, memory_order_relaxed);
     int64_t calm = atomic_load_explicit(&pool.calm_ns, memory_order_relaxed);
     if (now < until) return; /* another thread saw it already */
@@ -93,12 +103,15 @@ static void spin_was_preempted(int64_t now) {
 
 typedef int (*ready_fn)(void);
 
-/* Spins until ready() or the spin's end; 1 if ready. No spin while calm (see the top). */
-static inline int spin_until(ready_fn ready) {
+/* Spins until ready() or the spin's end; 1 if ready. While calm (see the top), a spin for
+ * work is cut to CALM_SPIN_NS, and the caller's spin for workers running their indices
+ * (`for_workers`: they end about when the caller's own did, unless descheduled, and then
+ * the caller's core is better given up) to CALM_WAIT_NS. */
+static inline int spin_until(ready_fn ready, int for_workers) {
     if (ready()) return 1;
     int64_t last = now_ns();
-    if (last < atomic_load_explicit(&pool.calm_until, memory_order_relaxed)) return 0;
-    const int64_t end = last + SPIN_NS;
+    const int calm = last < atomic_load_explicit(&pool.calm_until, memory_order_relaxed);
+    const int64_t end = last + (!calm ? SPIN_NS : for_workers ? CALM_WAIT_NS : CALM_SPIN_NS);
     for (;;) {
         for (int i = 0; i < SPIN_CHECK; i++) {
             if (ready()) return 1;
@@ -106,7 +119,7 @@ static inline int spin_until(ready_fn ready) {
         }
         const int64_t now = now_ns();
         if (now - last > PREEMPTED_NS) {
-            spin_was_preempted(now);
+            contention_seen(now);
             return ready();
         }
         if (now > end) return ready();
@@ -156,7 +169,7 @@ static void run_claims(void) {
 static void *worker_main(void *unused) {
     (void)unused;
     for (;;) {
-        if (!spin_until(work_claimable)) {
+        if (!spin_until(work_claimable, 0)) {
             pthread_mutex_lock(&pool.lock);
             atomic_fetch_add(&pool.sleepers, 1);
             while (!work_claimable()) pthread_cond_wait(&pool.wake, &pool.lock);
@@ -169,6 +182,24 @@ static void *worker_main(void *unused) {
 }
 
 static int call_count; /* the running call's count, for all_done (read under `submit`) */
+static unsigned calls;  /* calls made, and the caller's involuntary switches when last looked */
+static long caller_switches = -1;
+
+/* Whether the calling thread was descheduled against its will since the last look, every
+ * PREEMPT_CHECK calls (a system call). The caller runs most of a step: when it is the
+ * thread that loses its core, no spin of a worker sees it. */
+static int caller_was_preempted(void) {
+#ifdef RUSAGE_THREAD
+    if (++calls % PREEMPT_CHECK) return 0;
+    struct rusage usage;
+    if (getrusage(RUSAGE_THREAD, &usage) != 0) return 0;
+    const long before = caller_switches;
+    caller_switches = usage.ru_nivcsw;
+    return before >= 0 && usage.ru_nivcsw > before;
+#else
+    return 0;
+#endif
+}
 
 static int all_done(void) { return atomic_load(&pool.done) >= call_count - 1; }
 
@@ -207,19 +238,30 @@ void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
     atomic_store(&pool.done, 0);
     const uint32_t gen = WORK_GEN(atomic_load(&pool.work)) + 1;
     atomic_store(&pool.work, WORK(gen, count, 1)); /* publishes fn and arg with it */
-    if (atomic_load(&pool.sleepers) > 0) {
+    /* While calm, sleeping workers are left asleep: with more threads wanting the cores than
+     * there are cores, a woken worker mostly makes the caller wait for it (measured: one
+     * stream beside a busy loop decoded faster on one thread than on two). */
+    if (atomic_load(&pool.sleepers) > 0 && now_ns() >= atomic_load_explicit(&pool.calm_until, memory_order_relaxed)) {
         pthread_mutex_lock(&pool.lock);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
+    const int64_t started = now_ns();
     fn(arg, 0, count);
+    const int64_t own = now_ns() - started;
     run_claims(); /* what no worker has taken yet */
-    if (!spin_until(all_done)) {
+    const int64_t waiting = now_ns();
+    if (!spin_until(all_done, 1)) {
         pthread_mutex_lock(&pool.lock);
         atomic_store(&pool.caller_asleep, 1);
         while (!all_done()) pthread_cond_wait(&pool.finished, &pool.lock);
         atomic_store(&pool.caller_asleep, 0);
         pthread_mutex_unlock(&pool.lock);
+        /* Indices are even shares: a worker that ends this much later than the caller's own
+         * index took was descheduled while it ran. */
+        const int64_t now = now_ns();
+        if (now - waiting > own + SPIN_NS) contention_seen(now);
     }
+    if (caller_was_preempted()) contention_seen(now_ns());
     pthread_mutex_unlock(&pool.submit);
 }
