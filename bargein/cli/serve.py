@@ -27,7 +27,8 @@ from bargein.cli.threads import add_threads_argument, apply_threads
 # streams decoding and a 2,000-token prompt every 3 s. With running prompts read oldest
 # first, 100 ms keeps the streams' inter-token p50/p99 at ~100/~125 ms (no target: p99 over
 # 2 s) and reads ~83% of the prompt tokens that no target reads (250 ms: ~90%, at 250 ms a
-# token); a short request behind a long prompt answers in about two steps, a cancel in one.
+# token; one real run on a shared machine: 61% and 73%); a short request behind a long
+# prompt answers in about two steps, a cancel in one.
 # A model whose decode step alone nears 100 ms wants more (--max-step-ms).
 DEFAULT_MAX_STEP_MS = 100.0
 
