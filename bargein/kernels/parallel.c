@@ -182,8 +182,9 @@ static void *worker_main(void *unused) {
 }
 
 static int call_count; /* the running call's count, for all_done (read under `submit`) */
-static unsigned calls;  /* calls made, and the caller's involuntary switches when last looked */
-static long caller_switches = -1;
+/* per calling thread: its calls, and its involuntary switches when last looked */
+static _Thread_local unsigned calls;
+static _Thread_local long caller_switches = -1;
 
 /* Whether the calling thread was descheduled against its will since the last look, every
  * PREEMPT_CHECK calls (a system call). The caller runs most of a step: when it is the
