@@ -1,7 +1,8 @@
 """The step time target swept (issue 34): what ``--max-step-ms`` buys and costs.
 
-``bargein serve`` defaults to ``--max-step-ms 100`` (chosen from this sweep and from
-``step_budget_sim.py``'s, see ``bargein/cli/serve.py``). This measures it: the bundled model, one engine with the server's
+``bargein serve`` defaults to ``--max-step-ms 250`` (chosen from this sweep, from
+``step_budget_sim.py``'s and from the tenants soak, see ``bargein/cli/serve.py``). This
+measures it: the bundled model, one engine with the server's
 scheduler settings, and for each target (``--budgets``, e.g. 50,100,250,500,none) the
 same mixed load for ``--seconds``:
 
