@@ -1,8 +1,8 @@
 """The step time target swept (issue 34): what ``--max-step-ms`` buys and costs.
 
-``bargein serve`` defaults to ``--max-step-ms 250``, a number chosen by reasoning (a step
-well under a human's notice of a stalled stream, several decode steps' worth of prompt per
-step on 2 cores). This measures it: the bundled model, one engine with the server's
+``bargein serve`` defaults to ``--max-step-ms 250`` (chosen from this sweep, from
+``step_budget_sim.py``'s and from the tenants soak, see ``bargein/cli/serve.py``). This
+measures it: the bundled model, one engine with the server's
 scheduler settings, and for each target (``--budgets``, e.g. 50,100,250,500,none) the
 same mixed load for ``--seconds``:
 
@@ -12,7 +12,13 @@ same mixed load for ``--seconds``:
 - a long prompt of ``--long-tokens`` random tokens (no prefix-cache hits) every
   ``--long-every`` seconds, one token each: its time to first token (p50, max), which a
   small target stretches (its prompt is cut in small chunks) and a large one shortens;
-- the throughput of it all: generated and prompt tokens per second, and steps per second.
+- the throughput of it all: generated tokens per second, prompt tokens per second counted
+  two ways (``prompt_tok_s``: long prompts answered; ``prompt_computed_tok_s``: prompt
+  tokens the forwards computed, answered or not, the streams' own included), steps per
+  second and the step time (p50, p99).
+
+``step_budget_sim.py`` replays the same load against the scheduler alone in virtual time
+(a fixed cost model), which the machine's load does not move.
 
 Targets run interleaved round by round (``--rounds``), so a shared machine's load swings
 land on every target alike; each figure is the median over rounds. The engine is driven
@@ -82,15 +88,19 @@ def run_one(engine, budget: float | None, seconds: float, streams: int, long_tok
     itl: list[float] = []
     ttft: list[float] = []
     generated = prompt_tokens = steps = 0
+    step_ms: list[float] = []
+    computed_before = engine.scheduler.num_computed_tokens
     started = time.perf_counter()
     next_long = started + long_every / 2
     while (now := time.perf_counter()) - started < seconds:
         if now >= next_long:
             longs[collector.add_request(tokens(long_tokens), long_params)] = now
             next_long += long_every
+        began = time.perf_counter()
         outputs = collector.step()
         steps += 1
         ended = time.perf_counter()
+        step_ms.append((ended - began) * 1000)
         for out in outputs:
             rid = out.request_id
             if out.new_token_ids and rid in live_streams:
@@ -106,6 +116,7 @@ def run_one(engine, budget: float | None, seconds: float, streams: int, long_tok
                 last_token.pop(rid, None)
                 live_streams.add(collector.add_request(tokens(STREAM_PROMPT_TOKENS), stream_params))
     elapsed = time.perf_counter() - started
+    prompt_computed = engine.scheduler.num_computed_tokens - computed_before - generated
     for rid in [*live_streams, *longs]:
         engine.abort(rid, CancelReason.USER)
     while collector.pending:
@@ -115,7 +126,9 @@ def run_one(engine, budget: float | None, seconds: float, streams: int, long_tok
             "long_ttft_p50_s": percentile(ttft, 50), "long_ttft_max_s": max(ttft, default=float("nan")),
             "long_prompts_answered": len(ttft), "long_prompts_unanswered": len(longs),
             "generated_tok_s": generated / elapsed, "prompt_tok_s": prompt_tokens / elapsed,
-            "steps_per_s": steps / elapsed}
+            "steps_per_s": steps / elapsed,
+            "prompt_computed_tok_s": prompt_computed / elapsed,
+            "step_p50_ms": percentile(step_ms, 50), "step_p99_ms": percentile(step_ms, 99)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -147,7 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
               "server_default_max_step_ms": DEFAULT_MAX_STEP_MS, "targets": rows,
               "runs": runs, "machine": machine_info()}
     columns = ["max_step_ms", "itl_p50_ms", "itl_p99_ms", "itl_max_ms", "long_ttft_p50_s", "long_ttft_max_s",
-               "generated_tok_s", "prompt_tok_s", "steps_per_s", "long_prompts_unanswered"]
+               "generated_tok_s", "prompt_tok_s", "prompt_computed_tok_s", "steps_per_s", "step_p50_ms",
+               "step_p99_ms", "long_prompts_unanswered"]
     emit("step time target sweep (medians over rounds)", [("per target", format_table(rows, columns))], result,
          args.json)
     return result

@@ -533,7 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keys", nargs=2, default=None, metavar=("KEY_A", "KEY_B"),
                    help="tenants mode with --url: two keys of different tenants")
     p.add_argument("--max-step-ms", type=float, default=250.0,
-                   help="tenants mode: the server's step target; the gaps' p99 is judged against two "
+                   help="tenants mode: the server's step target (its own default, 250); the gaps' p99 is judged against two "
                         "(default: %(default)s)")
     p.add_argument("--long-words", type=int, default=1500,
                    help="tenants mode: words in a long prompt (default: %(default)s)")

@@ -22,12 +22,14 @@ from bargein.cli.common import Command, add_precision_argument
 from bargein.cli.errors import EXIT_FAILURE, EXIT_SETUP, EXIT_USAGE, CliError
 from bargein.cli.threads import add_threads_argument, apply_threads
 
-# The step time target's default. On a 2-core machine with the default model, issue 34's
-# probe measured a 512-token step at up to 7.4 s late in a long prompt, and a decode step
-# of a few streams takes tens of ms: 250 ms keeps a short request behind a long prompt at
-# about 0.5 s to its first token and a cancel at about 0.25 s, while a prompt chunk still
-# carries tens to hundreds of tokens (and never fewer than what a step's fixed cost buys:
-# engine/step_budget.py), so a prefill loses little to per-step costs.
+# The step time target's default, from issue 34's sweep (bench/step_budget_sim.py, the
+# bundled model's step costs on 2 cores; bench/bench_step_budget.py on the engine): 8
+# streams decoding and a 2,000-token prompt every 3 s. With running prompts read oldest
+# first, 250 ms reads ~90% of the prompt tokens that no target reads (one real run on a
+# shared machine: 73%) at ~250 ms a token for the streams (no target: p99 over 2 s). 100
+# ms halves that (~83%; real: 61%), but on a loaded 2-core machine its steps overshoot by
+# the chunks every prompt is owed, and the tenants soak's token gaps then missed its bound
+# of two targets (p99 241 ms against 200; with 250: 386 against 500), so 250 stays.
 DEFAULT_MAX_STEP_MS = 250.0
 
 

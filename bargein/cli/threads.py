@@ -1,19 +1,23 @@
 """``--threads N`` of ``serve``, ``run`` and ``chat``, and how the compute threads wait.
 
-The model runs on PyTorch's intra-op threads, which the native kernels share (they run
-on the same OpenMP threads). The default is what the machine offers this process: the
-CPUs it may run on (``sched_getaffinity``: a container's or ``taskset``'s limit
-counts), and the command says so when it starts.
+The model runs on PyTorch's intra-op threads and, in ``fast`` precision (the CPU default),
+on the native kernels' own pool (``bargein/kernels/parallel.c``) with as many threads.
+The default is what the machine offers this process: the CPUs it may run on
+(``sched_getaffinity``: a container's or ``taskset``'s limit counts), and the command
+says so when it starts.
 
-Waiting. Between two kernels an OpenMP thread spins before it sleeps; GNU OpenMP's
-default is some 300,000 rounds (hundreds of microseconds). On a quiet machine that makes
-back-to-back kernels start at once; on a machine where something else runs (a browser, a
-compile, another server or a pipeline stage of another model), threads that spin hold
-cores the thread they wait for needs, and a step that took milliseconds takes a
+Waiting. Between two kernels a compute thread spins before it sleeps. On a quiet machine
+spinning makes back-to-back kernels start at once; on a machine where something else runs
+(a browser, a compile, another server or a pipeline stage of another model), threads that
+spin hold cores the thread they wait for needs, and a step that took milliseconds takes a
 scheduler time slice per kernel. Measured on a busy 2-core machine, greedy decoding with
-the default spin ran an order of magnitude slower than with a short one (100 rounds) or
-none (``OMP_WAIT_POLICY=passive``), which ran alike; 1,000 and 20,000 rounds were in
-between. So ``GOMP_SPINCOUNT`` is set to :data:`SPIN_COUNT` unless the user set it or
+GNU OpenMP's default spin (some 300,000 rounds) ran an order of magnitude slower than with
+a short one (100 rounds) or none (``OMP_WAIT_POLICY=passive``). The kernels' pool decides
+for itself, as it goes: its threads spin while nothing else wants their cores and stop
+when they see themselves descheduled (one stream decodes as fast as with a long spin on a
+quiet machine, and as with none on a busy one). What is left on OpenMP's threads, PyTorch's
+own operations (the ``exact`` precision's matmuls, sampling), keeps the safe short spin:
+``GOMP_SPINCOUNT`` is set to :data:`SPIN_COUNT` unless the user set it or
 ``OMP_WAIT_POLICY``. It must be in the environment before the OpenMP runtime loads (with
 torch), so :func:`settle_waiting` runs first thing in ``bargein``'s ``main``; Ray nodes
 started by ``bargein cluster`` inherit it through their environment.

@@ -7,7 +7,7 @@ A fresh prompt, a prompt chunk, a prefix-cache hit and a decode are all that one
 Each step takes, within a token budget, the pending tokens of running requests (oldest
 first; one token for a decode, a chunk for a long prompt) and then admits waiting
 requests. With a time target (``max_step_ms``) the step is fair instead: decodes, then a
-first chunk of every waiting request, then the next chunks of running prompts, each sized
+first chunk of every waiting request, then the next chunks of running prompts (oldest first), each sized
 from measured step times (``step_budget.py``, ``step_time.py``); the placement itself is
 in ``step_fill.py``. Requests whose consumer stopped reading are paused (``pause``). When blocks run out it first takes back blocks that nobody is computing with
 (waiting requests' and idle conversations'), then preempts the newest running request
@@ -220,8 +220,8 @@ class Scheduler(StepFilling, SchedulerConversations):
 
         Without a time target, running requests come first (oldest first), then waiting
         ones. With ``max_step_ms`` the step is fair: decodes first, then a first chunk
-        for every waiting request, then the running prompts' next chunks, each sized by
-        ``StepBudget`` so the step's modelled time stays under the target.
+        for every waiting request, then the running prompts' next chunks, oldest first,
+        each sized by ``StepBudget`` so the step's modelled time stays under the target.
         """
         room = self.config.max_num_seqs if max_seqs is None else max_seqs
         busy = self.in_flight | self.paused
@@ -229,9 +229,12 @@ class Scheduler(StepFilling, SchedulerConversations):
                                      self.config.max_step_ms, self.step_timer)
         fill = PlanFill(room, set(busy))
         if budget.timed:
+            # Waiting requests share the time with the running prompts, which take their
+            # part in turn, oldest first: sharing it among them all would leave every long
+            # prompt half read under a steady stream of them, none answered (issue 34).
             waits = self.held | self.paused
-            fill.prompts_left = sum(1 for r in self.waiting if r.request_id not in waits) + sum(
-                1 for r in self.running if r.request_id not in busy and r.sequence.num_pending > 1)
+            fill.prompts_left = sum(1 for r in self.waiting if r.request_id not in waits) + any(
+                r.request_id not in busy and r.sequence.num_pending > 1 for r in self.running)
             self._continue_running(fill, budget, prompts=False)
             self._admit_waiting(fill, budget)
             self._continue_running(fill, budget, decodes=False)

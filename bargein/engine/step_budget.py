@@ -9,12 +9,14 @@ Three limits apply to every step's plan:
 
 A decode (one pending token) costs one token of the budget and its time, and is never
 refused while a token is left. A prompt chunk is sized to the time left, split evenly
-between the prompts still to be placed in this step (``share``), but is never smaller
-than ``MIN_PROMPT_CHUNK`` tokens, nor than the tokens whose time equals a step's measured
-fixed cost (or its whole prompt, if shorter) while the token budget and the prompt room
-allow. So a step overshoots the target only by those floors, and every prompt placed in
-a step makes progress: a waiting request always gets its first chunk into the next step,
-and a long prefill always advances. Without a time target the budget is the two token limits alone, as before.
+between the prompts still to be placed in this step (``share``). A chunk that is owed
+progress (``owed``: a waiting request's first chunk, and the oldest running prompt's next
+one) is never smaller than ``MIN_PROMPT_CHUNK`` tokens, nor than the tokens whose time
+equals a step's measured fixed cost (or its whole prompt, if shorter) while the token
+budget and the prompt room allow; any other chunk gets the time left, or nothing. So a
+step overshoots the target only by those floors, a waiting request always gets its first
+chunk into the next step, and the oldest long prefill always advances. Without a time
+target the budget is the two token limits alone, as before.
 
 Plain data and arithmetic, no torch; one instance lives for one ``schedule`` call.
 """
@@ -54,11 +56,12 @@ class StepBudget:
     def exhausted(self) -> bool:
         return self.tokens <= 0
 
-    def take(self, pending: int, start_pos: int, share: int = 1) -> int:
+    def take(self, pending: int, start_pos: int, share: int = 1, *, owed: bool = True) -> int:
         """Tokens of a sequence's ``pending`` (from ``start_pos``) to compute in this step.
 
         ``share``: the prompts still to be placed in this step, this one included; a prompt
-        gets at least its even share of the time left. 0 means it cannot be placed now.
+        gets at least its even share of the time left. ``owed``: a prompt chunk gets its
+        floor whatever the time left (see the module doc). 0 means it cannot be placed now.
         """
         most = min(pending, self.tokens)
         if pending == 1:
@@ -67,12 +70,13 @@ class StepBudget:
         if not self.timed or most == 0:
             return most
         n = most if self.explore_limit is None else min(most, self.explore_limit)
-        floor = MIN_PROMPT_CHUNK
-        if self.cost is not None:
+        floor = MIN_PROMPT_CHUNK if owed else 0
+        if self.cost is not None and owed:
             # Where a step's fixed cost alone is near the target (a loaded machine), chunks
             # sized to the time left would shrink to nothing and a prompt would take forever:
             # a chunk always gets the tokens that cost as much as that fixed cost.
             floor = max(floor, min(n, self.cost.tokens_within(self.cost.overhead, start_pos)))
+        if self.cost is not None:
             n = min(n, self.cost.tokens_within(self.seconds / max(share, 1), start_pos))
         return max(n, min(floor, most))
 

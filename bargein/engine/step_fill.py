@@ -36,6 +36,7 @@ class PlanFill:
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
     prompts_left: int = 1  # prompts still to place (a timed step shares its time among them)
+    continued_prompt: bool = False  # a running prompt's chunk is placed: later ones are owed nothing
 
     def add(self, chunk: ScheduledChunk) -> None:
         self.chunks.append(chunk)
@@ -57,10 +58,11 @@ class StepFilling:
             is_prompt = seq.num_pending > 1
             if not (prompts if is_prompt else decodes):
                 continue
-            n = budget.take(seq.num_pending, seq.num_computed, fill.prompts_left)
+            n = budget.take(seq.num_pending, seq.num_computed, fill.prompts_left, owed=not fill.continued_prompt)
             fill.prompts_left -= is_prompt
             if n == 0:
                 continue
+            fill.continued_prompt |= is_prompt
             while req.status == RequestStatus.RUNNING:
                 try:
                     fill.copies += self.pool.ensure_writable(seq.block_table, seq.num_computed, seq.num_computed + n)

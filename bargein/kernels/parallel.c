@@ -2,91 +2,209 @@
  * The thread pool behind bargein_parallel_run (see parallel.h).
  *
  * A kernel call lasts from tens of microseconds (a small matmul of one decoding row) to
- * milliseconds, and a decode step makes a hundred or more of them: starting threads per
- * call would cost as much as the work. Workers therefore stay alive, spin briefly after
- * a task (the next call usually follows within microseconds), then sleep on a condition
- * variable so that an idle engine takes no CPU. The spins are short, and the caller
- * waiting for the workers yields its core after a short spin: on a machine where other
- * work holds cores, a thread that spins holds the core the thread it waits for needs,
- * and every call then lasts a scheduler time slice (see bargein/cli/threads.py, which
- * sets the same policy for OpenMP). The pool is process state by nature; a child made
- * by fork() starts with an empty one.
+ * milliseconds, and a decode step makes hundreds of them: starting threads per call would
+ * cost as much as the work, and so does waking a sleeping thread (a futex call and, on a
+ * virtual machine, an interrupt to a halted CPU: tens of microseconds each time). So
+ * workers stay alive and, after a task, spin a little while for the next one.
+ *
+ * Whether spinning pays depends on the machine. On a quiet one it halves a one-stream
+ * decode step (issue 29: 9.9 against 20 ms with OpenMP's spin on and off); where other
+ * programs want the cores, a spinning thread holds a core that the thread it waits for
+ * needs, and the same step took 50 ms against 18 (see bargein/cli/threads.py). So the
+ * spin adapts: a spinning thread looks at the clock as it spins, and a gap in what it saw
+ * means it was descheduled, which happens only when more threads want to run than there
+ * are cores; so does a worker that ends its index much later than the caller ends its own,
+ * and the caller's own count of involuntary switches (looked at every few calls). Then workers spin only a few microseconds for a while (CALM_MIN_NS), doubled
+ * each time spinning is descheduled again soon after it resumed (up to CALM_MAX_NS), and
+ * reset after a calm period passes clean: on a quiet machine threads spin, on a busy one
+ * they sleep almost at once and are not woken (the caller takes their indices; waiting
+ * for workers that run its call's indices it spins a little longer: they end about when
+ * its own index does).
+ *
+ * Work is claimed, not assigned: the caller runs index 0, then takes any index no worker
+ * has claimed yet, so a worker that is descheduled (or still waking) costs its share of
+ * the call, never a wait for a scheduler time slice. Which thread runs an index changes
+ * no result: every kernel computes each output by the same code for any index and count.
+ * The pool is process state by nature; a child made by fork() starts with an empty one.
  */
+#define _GNU_SOURCE /* RUSAGE_THREAD */
 #include "parallel.h"
-
-#ifdef _OPENMP
-/* Built with OpenMP, the kernels run on the process's OpenMP threads: in a process that
- * has loaded PyTorch, the very threads PyTorch uses (the dynamic linker hands this
- * library the libgomp already loaded), so the two never compete for the cores. */
-#include <omp.h>
-
-void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
-    if (count <= 1) {
-        fn(arg, 0, 1);
-        return;
-    }
-#pragma omp parallel num_threads(count)
-    fn(arg, omp_get_thread_num(), omp_get_num_threads());
-}
-
-#else /* no OpenMP: a pool of our own */
 
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <sys/resource.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
 #else
 #define CPU_RELAX() ((void)0)
 #endif
 
 #define MAX_WORKERS 255
-#define SPIN_ROUNDS 200 /* a few microseconds of spinning before sleeping (or yielding) */
+#define SPIN_NS 200000       /* the longest a thread spins for work (or for the workers) */
+#define CALM_SPIN_NS 3000    /* while calm, a worker still spins this long: a kernel right after */
+#define CALM_WAIT_NS 20000   /* while calm, the caller spins this long for running workers */
+#define SPIN_CHECK 32        /* relax rounds between two looks at the clock */
+#define PREEMPTED_NS 50000   /* a gap this long between two looks: the thread was descheduled */
+#define CALM_MIN_NS 2000000  /* no spinning for this long after a descheduled spin ... */
+#define CALM_MAX_NS 256000000 /* ... doubled while it happens again, up to this */
+#define PREEMPT_CHECK 16     /* calls between two looks at the caller's involuntary switches */
+
+/* The current call, one word: generation (32 bits), count (16), next index to claim (16).
+ * A claim is a compare-and-swap on it, so a worker that comes late can never take an index
+ * of a newer call with an older call's task: the generation differs. */
+#define WORK(gen, count, next) (((uint64_t)(gen) << 32) | ((uint64_t)(count) << 16) | (uint64_t)(next))
+#define WORK_GEN(w) ((uint32_t)((w) >> 32))
+#define WORK_COUNT(w) ((int)(((w) >> 16) & 0xffff))
+#define WORK_NEXT(w) ((int)((w) & 0xffff))
 
 typedef struct {
-    pthread_mutex_t submit;  /* one call at a time */
-    pthread_mutex_t lock;    /* guards sleeping and waking */
-    pthread_cond_t wake;
-    atomic_uint generation;  /* bumped once per call */
-    atomic_int pending;      /* workers still running the current call's task */
-    bargein_task_fn fn;
+    pthread_mutex_t submit;   /* one call at a time */
+    pthread_mutex_t lock;     /* guards sleeping and waking, both ways */
+    pthread_cond_t wake;      /* workers: there is work */
+    pthread_cond_t finished;  /* the caller: every claimed index has returned */
+    _Atomic uint64_t work;
+    atomic_int done;          /* indices other than 0 that have returned, this call */
+    atomic_int sleepers;      /* workers asleep on `wake` */
+    atomic_int caller_asleep;
+    bargein_task_fn fn;       /* written before `work` is published, read after a claim */
     void *arg;
-    int count;
-    int started;             /* worker threads alive */
-    unsigned birth[MAX_WORKERS + 1]; /* the generation before each worker's first call */
+    int started;              /* worker threads alive */
+    /* the spin policy */
+    _Atomic int64_t calm_until; /* no spinning before this (CLOCK_MONOTONIC ns) */
+    _Atomic int64_t calm_ns;    /* the last calm period's length, 0: none recently */
 } pool_t;
 
-static pool_t pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0,
-                      0, 0, 0, 0, {0}};
+static pool_t pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+                      PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
-static void *worker_main(void *arg) {
-    const int index = (int)(intptr_t)arg; /* 1-based */
-    /* Not the generation now: the call that started this thread may have bumped it already. */
-    unsigned seen = pool.birth[index];
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* A thread was seen descheduled at `now` (a spinning one, or a worker the caller waited
+ * for): calm down, longer if it was soon again. */
+static void contention_seen(int64_t now) {
+    const int64_t until = atomic_load_explicit(&pool.calm_until, memory_order_relaxed);
+    int64_t calm = atomic_load_explicit(&pool.calm_ns, memory_order_relaxed);
+    if (now < until) return; /* another thread saw it already */
+    calm = (calm > 0 && now - until < calm) ? 2 * calm : CALM_MIN_NS; /* soon again: double */
+    if (calm > CALM_MAX_NS) calm = CALM_MAX_NS;
+    atomic_store_explicit(&pool.calm_ns, calm, memory_order_relaxed);
+    atomic_store_explicit(&pool.calm_until, now + calm, memory_order_relaxed);
+}
+
+typedef int (*ready_fn)(void);
+
+/* Spins until ready() or the spin's end; 1 if ready. While calm (see the top), a spin for
+ * work is cut to CALM_SPIN_NS, and the caller's spin for workers running their indices
+ * (`for_workers`: they end about when the caller's own did, unless descheduled, and then
+ * the caller's core is better given up) to CALM_WAIT_NS. */
+static inline int spin_until(ready_fn ready, int for_workers) {
+    if (ready()) return 1;
+    int64_t last = now_ns();
+    const int calm = last < atomic_load_explicit(&pool.calm_until, memory_order_relaxed);
+    const int64_t end = last + (!calm ? SPIN_NS : for_workers ? CALM_WAIT_NS : CALM_SPIN_NS);
     for (;;) {
-        unsigned now;
-        int spins = 0;
-        while ((now = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen && spins < SPIN_ROUNDS) {
+        for (int i = 0; i < SPIN_CHECK; i++) {
+            if (ready()) return 1;
             CPU_RELAX();
-            spins++;
         }
-        if (now == seen) {
+        const int64_t now = now_ns();
+        if (now - last > PREEMPTED_NS) {
+            contention_seen(now);
+            return ready();
+        }
+        if (now > end) return ready();
+        last = now;
+    }
+}
+
+/* The two predicates a thread may sleep on load in sequential consistency: with the waker's
+ * store-then-check of the sleeper flags, either the sleeper sees the news or the waker sees
+ * the sleeper (no lost wake-up). */
+static int work_claimable(void) {
+    const uint64_t w = atomic_load(&pool.work);
+    return WORK_NEXT(w) < WORK_COUNT(w);
+}
+
+/* Claims an index of the current call; 0 when none is left. */
+static int claim(int *index, int *count, bargein_task_fn *fn, void **arg) {
+    uint64_t w = atomic_load_explicit(&pool.work, memory_order_acquire);
+    while (WORK_NEXT(w) < WORK_COUNT(w)) {
+        if (atomic_compare_exchange_weak_explicit(&pool.work, &w, w + 1, memory_order_acq_rel,
+                                                  memory_order_acquire)) {
+            *index = WORK_NEXT(w);
+            *count = WORK_COUNT(w);
+            *fn = pool.fn;
+            *arg = pool.arg;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Runs every index still unclaimed; the caller's own index 0 is not among them. */
+static void run_claims(void) {
+    int index, count;
+    bargein_task_fn fn;
+    void *arg;
+    while (claim(&index, &count, &fn, &arg)) {
+        fn(arg, index, count);
+        if (atomic_fetch_add(&pool.done, 1) + 1 == count - 1 && atomic_load(&pool.caller_asleep)) {
             pthread_mutex_lock(&pool.lock);
-            while ((now = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+            pthread_cond_signal(&pool.finished);
             pthread_mutex_unlock(&pool.lock);
         }
-        seen = now;
-        if (index < pool.count) {
-            pool.fn(pool.arg, index, pool.count);
-            atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+    }
+}
+
+static void *worker_main(void *unused) {
+    (void)unused;
+    for (;;) {
+        if (!spin_until(work_claimable, 0)) {
+            pthread_mutex_lock(&pool.lock);
+            atomic_fetch_add(&pool.sleepers, 1);
+            while (!work_claimable()) pthread_cond_wait(&pool.wake, &pool.lock);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.lock);
         }
+        run_claims();
     }
     return NULL;
 }
+
+static int call_count; /* the running call's count, for all_done (read under `submit`) */
+/* per calling thread: its calls, and its involuntary switches when last looked */
+static _Thread_local unsigned calls;
+static _Thread_local long caller_switches = -1;
+
+/* Whether the calling thread was descheduled against its will since the last look, every
+ * PREEMPT_CHECK calls (a system call). The caller runs most of a step: when it is the
+ * thread that loses its core, no spin of a worker sees it. */
+static int caller_was_preempted(void) {
+#ifdef RUSAGE_THREAD
+    if (++calls % PREEMPT_CHECK) return 0;
+    struct rusage usage;
+    if (getrusage(RUSAGE_THREAD, &usage) != 0) return 0;
+    const long before = caller_switches;
+    caller_switches = usage.ru_nivcsw;
+    return before >= 0 && usage.ru_nivcsw > before;
+#else
+    return 0;
+#endif
+}
+
+static int all_done(void) { return atomic_load(&pool.done) >= call_count - 1; }
 
 static void reset_in_child(void) {
     /* Only the forking thread survives fork(): forget the workers, unlock what it held. */
@@ -95,7 +213,10 @@ static void reset_in_child(void) {
     pool.submit = fresh;
     pool.lock = fresh;
     pool.wake = fresh_cond;
+    pool.finished = fresh_cond;
     pool.started = 0;
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.caller_asleep, 0);
 }
 
 static void install_atfork(void) { pthread_atfork(NULL, NULL, reset_in_child); }
@@ -110,26 +231,40 @@ void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
     pthread_mutex_lock(&pool.submit);
     while (pool.started < count - 1) {
         pthread_t thread;
-        pool.birth[pool.started + 1] = atomic_load(&pool.generation);
-        if (pthread_create(&thread, NULL, worker_main, (void *)(intptr_t)(pool.started + 1)) != 0) break;
+        if (pthread_create(&thread, NULL, worker_main, NULL) != 0) break; /* the caller claims their share */
         pthread_detach(thread);
         pool.started++;
     }
-    const int workers = count - 1 < pool.started ? count - 1 : pool.started;
     pool.fn = fn;
     pool.arg = arg;
-    pool.count = workers + 1;
-    atomic_store(&pool.pending, workers);
-    pthread_mutex_lock(&pool.lock);
-    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.lock);
-    fn(arg, 0, workers + 1);
-    for (int spins = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; spins++) {
-        if (spins < SPIN_ROUNDS) CPU_RELAX();
-        else sched_yield(); /* a worker was descheduled: let it have this core */
+    call_count = count;
+    atomic_store(&pool.done, 0);
+    const uint32_t gen = WORK_GEN(atomic_load(&pool.work)) + 1;
+    atomic_store(&pool.work, WORK(gen, count, 1)); /* publishes fn and arg with it */
+    /* While calm, sleeping workers are left asleep: with more threads wanting the cores than
+     * there are cores, a woken worker mostly makes the caller wait for it (measured: one
+     * stream beside a busy loop decoded faster on one thread than on two). */
+    if (atomic_load(&pool.sleepers) > 0 && now_ns() >= atomic_load_explicit(&pool.calm_until, memory_order_relaxed)) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
     }
+    const int64_t started = now_ns();
+    fn(arg, 0, count);
+    const int64_t own = now_ns() - started;
+    run_claims(); /* what no worker has taken yet */
+    const int64_t waiting = now_ns();
+    if (!spin_until(all_done, 1)) {
+        pthread_mutex_lock(&pool.lock);
+        atomic_store(&pool.caller_asleep, 1);
+        while (!all_done()) pthread_cond_wait(&pool.finished, &pool.lock);
+        atomic_store(&pool.caller_asleep, 0);
+        pthread_mutex_unlock(&pool.lock);
+        /* Indices are even shares: a worker that ends this much later than the caller's own
+         * index took was descheduled while it ran. */
+        const int64_t now = now_ns();
+        if (now - waiting > own + SPIN_NS) contention_seen(now);
+    }
+    if (caller_was_preempted()) contention_seen(now_ns());
     pthread_mutex_unlock(&pool.submit);
 }
-
-#endif /* _OPENMP */

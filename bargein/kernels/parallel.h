@@ -3,9 +3,11 @@
 #define BARGEIN_PARALLEL_H
 
 /* Runs fn(arg, index, n) once for each index in [0, n), index 0 on the calling thread
- * and the others on pool threads, and returns when all have returned. n is at most
- * count: fewer when threads could not be started, so fn must share out its work by the
- * n it is given. Calls from several threads are served one at a time. */
+ * and each other one on whichever thread claims it first (a pool thread, or the calling
+ * thread when the pool's are slow to come: busy elsewhere, or asleep), and returns when
+ * all have returned. fn must share out its work by the index and n it is given, and may
+ * not wait for another index (two may run on one thread, one after the other). Calls
+ * from several threads are served one at a time; a call with count 1 runs fn at once. */
 typedef void (*bargein_task_fn)(void *arg, int index, int count);
 void bargein_parallel_run(bargein_task_fn fn, void *arg, int count);
 

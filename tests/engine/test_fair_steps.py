@@ -161,6 +161,32 @@ def test_every_waiting_request_gets_a_first_chunk_beside_the_decodes_and_the_lon
     assert modelled_seconds(plan) <= TARGET_MS / 1000 + floor
 
 
+def test_running_prompts_go_on_oldest_first_so_long_prompts_are_answered_in_turn():
+    """Several long prompts at once (issue 34's sweep: one every 3 s, more than the machine
+    reads): each gets its first chunk at once, then the oldest takes the time left and the
+    others wait their turn, so they are answered one after another as without a target.
+    Sharing the time among them all left every one half read and answered none."""
+    s = timed_scheduler()
+    add(s, "decoder", [3, 4, 5], max_tokens=10**4)
+    step(s)
+    longs = [f"long{i}" for i in range(4)]
+    for i, rid in enumerate(longs):
+        add(s, rid, long_prompt(1500 + i), max_tokens=1)
+    plan = step(s)
+    assert [c.request_id for c in plan.chunks] == ["decoder", *longs]  # a first chunk each, the next step
+    answered = []
+    while len(answered) < len(longs):
+        unanswered = [rid for rid in longs if rid in s.requests]
+        plan = step(s)
+        prompts = [c for c in plan.chunks if len(c.token_ids) > 1]
+        assert plan.chunks[0].request_id == "decoder" and prompts[0].request_id == unanswered[0]
+        assert modelled_seconds(plan) <= TARGET_MS / 1000  # no floor for the ones behind
+        # A younger prompt gets time only where the oldest's last chunk left some over.
+        assert len(prompts) == 1 or prompts[0].context_len == 1500 + longs.index(unanswered[0])
+        answered += [rid for rid in unanswered if rid not in s.requests]
+    assert answered == longs
+
+
 def test_a_cancel_during_a_long_prefill_leaves_no_later_step_with_it():
     s = timed_scheduler()
     add(s, "long", long_prompt(7600), max_tokens=1)
