@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "decode_attention.c", "block_matmul.c", "quant_matmul.c", "attention_f16.c", "rowwise.c", "parallel.c",
-    "fast_forward.c", "gguf_matmul.c", "moe_matmul.c"))
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "simd.h", "gguf_types.h", "gguf_matrix.h", "x86_simd.h"))
+    "fast_forward.c", "gguf_matmul.c", "moe_matmul.c", "half_matmul.c"))
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel.h", "simd.h", "gguf_types.h", "gguf_matrix.h", "x86_simd.h", "half_matmul.h"))
 # -ffp-contract=off: a multiply and an add stay two roundings unless the source asks for a
 # fused one, so the `fast` kernels' instruction-set paths round alike (see quant_matmul.c).
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off")
