@@ -164,7 +164,19 @@ def dequant_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
+def dequant_f16(blocks: torch.Tensor) -> torch.Tensor:
+    # one little-endian IEEE half per "block" of 2 bytes, widened exactly
+    return blocks.contiguous().view(torch.float16).float()
+
+
+def dequant_bf16(blocks: torch.Tensor) -> torch.Tensor:
+    # one bfloat16 per "block" of 2 bytes: the top half of a float32, widened exactly
+    return blocks.contiguous().view(torch.bfloat16).float()
+
+
 DEQUANTIZERS: dict[GGMLQuantizationType, Dequantizer] = {
+    GGMLQuantizationType.F16: dequant_f16,
+    GGMLQuantizationType.BF16: dequant_bf16,
     GGMLQuantizationType.Q8_0: dequant_q8_0,
     GGMLQuantizationType.Q4_0: dequant_q4_0,
     GGMLQuantizationType.Q4_1: dequant_q4_1,

@@ -61,12 +61,15 @@
  * `exact`. y[r, j] = sum over halves of 16 in order of es * <q, x> (+ em * sum x), in
  * float32 from float32 x: the dequantized values' product to float rounding.
  *
+ * F16 and BF16 segments are half_matmul.c's (float32 activations in both precisions).
+ *
  * isa: < 0 the best here, 0 plain C, 1 AVX2, 2 AVX-512 VNNI (exact ignores it).
  * Returns 0; -1 when scratch memory could not be had; -2 when the forced instruction set
  * is not this CPU's; -3 when a segment's type has no kernels.
  */
 #include "gguf_matrix.h"
 #include "gguf_types.h"
+#include "half_matmul.h"
 #include "parallel.h"
 
 #include <stdlib.h>
@@ -1608,6 +1611,7 @@ static void run_tiles(void *arg, int index, int count) {
 static int check_types(const bargein_qmat_t *w) {
     for (int64_t s = 0; s < w->num_segs; s++) {
         qinfo_t info;
+        if (half_type(w->segs[s].type)) continue;
         if (gguf_qinfo((int)w->segs[s].type, &info) || w->k % info.qk) return -3;
     }
     return 0;
@@ -1618,17 +1622,20 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     if (check_types(w)) return -3;
     if (isa < 0) isa = bargein_q8_isa_best();
     if (!bargein_q8_isa_available(isa)) return -2;
+    int64_t num_tiles = 0; /* of the block types' segments; the 16-bit floats' are half_matmul.c's */
+    for (int64_t s = 0; s < w->num_segs; s++)
+        if (!half_type(w->segs[s].type)) num_tiles += (w->segs[s].rows + TILE - 1) / TILE;
+    if (num_tiles < w->n && bargein_half_matmul(x, m, w, y, num_threads, isa)) return -2;
+    if (num_tiles == 0) return 0;
     if (exact && isa == ISA_VNNI) isa = ISA_AVX2; /* exact has a C and an AVX2 path */
     const int64_t k = w->k, nb = k / 32, n = w->n;
-    int64_t num_tiles = 0;
-    for (int64_t s = 0; s < w->num_segs; s++) num_tiles += (w->segs[s].rows + TILE - 1) / TILE;
     if (num_threads > num_tiles) num_threads = (int)num_tiles;
     if (num_threads < 1) num_threads = 1;
     const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
     int has_k = 0, has_32 = 0; /* segments on the K chain, on the 32 chain */
     for (int64_t s = 0; s < w->num_segs; s++) {
         if (k_chain_type(w->segs[s].type)) has_k = 1;
-        else has_32 = 1;
+        else if (!half_type(w->segs[s].type)) has_32 = 1;
     }
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
@@ -1673,7 +1680,8 @@ int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     int64_t tile = 0, start = 0;
     for (int64_t s = 0; s < w->num_segs; s++) {
         job.seg_start[s] = start;
-        for (int64_t c = 0; c < w->segs[s].rows; c += TILE) job.tile_seg[tile] = s, job.tile_col[tile++] = c;
+        for (int64_t c = 0; c < w->segs[s].rows && !half_type(w->segs[s].type); c += TILE)
+            job.tile_seg[tile] = s, job.tile_col[tile++] = c;
         start += w->segs[s].rows;
     }
     const int64_t quant_threads = m / 16 < num_threads ? m / 16 : num_threads;
@@ -1714,6 +1722,10 @@ typedef struct {
 } rows_job_t;
 
 static void dequantize_row(const bargein_qseg_t *seg, int64_t i, int64_t k, float *out, int avx2) {
+    if (half_type(seg->type)) {
+        bargein_half_row(seg, i, k, out, avx2);
+        return;
+    }
     qinfo_t info = {32, 0, 0, KIND_PLAIN};
     gguf_qinfo((int)seg->type, &info);
     const uint8_t *row = column_row(seg, i);

@@ -6,8 +6,9 @@ kernels read (:data:`~bargein.kernels.quant_weight.QUANT_TYPES`) becomes a
 :class:`~bargein.kernels.quant_weight.QuantWeight` over a view of the map, so start-up
 reads nothing through Python, no private copy of a weight exists, and the pages are the
 page cache's, shared with every process serving the same file (RSS counts them as
-file-backed, not anonymous). Norms and biases (small, float) are copied out; any other
-tensor (F16/BF16/F32 matrices) is dequantized to float32, tensor by tensor.
+file-backed, not anonymous). F16 and BF16 matrices are such weights too (16-bit rows,
+half_matmul.c), never widened. Norms and biases (small, float) are copied out; any other
+tensor (F32 matrices) is read as float32, tensor by tensor.
 
 llama.cpp stores Q/K of the ``llama`` architecture in an interleaved RoPE layout; it is
 put back into the Hugging Face "rotate_half" layout here, so the model sees one layout:

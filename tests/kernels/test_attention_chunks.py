@@ -1,0 +1,55 @@
+"""The float16 attention's prompt path over contexts of several key chunks (attention_f16.c's
+attend_chunked: keys taken 64 at a time, each output's chain continued from chunk to
+chunk): every query of a prompt tile gets the bits it gets alone (a decode, attend_one),
+with and without a sliding window that starts inside a chunk, and the float64 attention
+to float rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bargein.kernels.native import load_native_kernels
+
+KERNELS = load_native_kernels()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here")
+
+
+def case(num_heads: int, num_kv_heads: int, head_dim: int, seq_lens: list[int], block_size: int = 16):
+    """Random float16 caches, shuffled block tables, and every position of each sequence as a query."""
+    g = torch.Generator().manual_seed(head_dim + len(seq_lens))
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + 1
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).half()
+                        for _ in range(2))
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in per_seq:
+        tables.append(order[used:used + n] + [0] * (max(per_seq) - n))
+        used += n
+    seq = torch.tensor([i for i, n in enumerate(seq_lens) for _ in range(n)])
+    ctx = torch.tensor([p + 1 for n in seq_lens for p in range(n)])
+    q = torch.randn(len(seq), num_heads, head_dim, generator=g)
+    return q, k_cache, v_cache, torch.tensor(tables), seq, ctx
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 128)])
+@pytest.mark.parametrize("window", [None, 50])
+def test_prompt_tiles_over_many_key_chunks_equal_each_query_alone(num_heads, num_kv_heads, head_dim, window):
+    q, kc, vc, tables, seq, ctx = case(num_heads, num_kv_heads, head_dim, [150, 3, 70])
+    scale = head_dim ** -0.5
+    got = KERNELS.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, 3, window=window)
+    block_size, group = kc.shape[1], num_heads // num_kv_heads
+    for t in (0, 63, 64, 65, 100, 149, 150, 152, 153, 200, 222):
+        alone = KERNELS.paged_attention_f16(q[t:t + 1].contiguous(), kc, vc, tables, seq[t:t + 1].contiguous(),
+                                            ctx[t:t + 1].contiguous(), scale, 2, window=window)
+        assert torch.equal(alone[0], got[t]), t
+        n = int(ctx[t])
+        first = max(0, n - window) if window else 0
+        table = tables[seq[t]].tolist()
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(first, n)]
+        keys = kc.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        values = vc.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)
+        want = F.scaled_dot_product_attention(q[t].double().unsqueeze(1), keys, values, scale=scale).squeeze(1)
+        torch.testing.assert_close(got[t].double(), want, rtol=1e-4, atol=1e-5)
