@@ -10,6 +10,7 @@ budget, as is a runaway one until the last ``needed + STEER_MARGIN`` tokens.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -17,7 +18,14 @@ import torch
 
 from bargein.engine.grammar import GrammarMasks, Grammars
 from bargein.engine.json_steering import STEER_MARGIN, SteeringClasses
-from bargein.engine.xml_steering import CALL_END, FUNCTION_END, PARAMETER, VALUE_END, XmlCallTracker, XmlPhase
+from bargein.engine.xml_steering import (
+    CALL_END,
+    FUNCTION_END,
+    PARAMETER,
+    VALUE_END,
+    XmlCallTracker,
+    XmlPhase,
+)
 from bargein.server import tool_syntax_xml
 from bargein.server.tool_syntax import QWEN3_XML
 from bargein.server.tools import tool_plan
@@ -27,7 +35,7 @@ NOTE = {"type": "object", "properties": {
     "title": {"type": "string"}, "tag": {"enum": ["work", "home"]}, "extra": {"type": "string"},
     "body": {"type": "string"}, "meta": {"type": "object"}, "count": {"type": "integer"}},
     "required": ["title", "body", "meta"]}
-OPEN = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}  # extras allowed
+OPEN = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"], "additionalProperties": True}
 TOOLS = [{"type": "function", "function": {"name": "note", "parameters": NOTE}},
          {"type": "function", "function": {"name": "say", "parameters": OPEN}}]
 CALL = re.compile(r"<tool_call>\n<function=(\w+)>\n((?:<parameter=[^>\n]+>\n(?s:.*?)\n</parameter>\n)*)"
@@ -136,7 +144,7 @@ def test_steering_waits_for_the_margin(grammars):
     forced = constraint({"type": "function", "function": {"name": "note"}})
     free, _ = _walk(grammars, forced, None, 300)
     steered, _ = _walk(grammars, forced, 300, 300)
-    same = next(i for i, (a, b) in enumerate(zip(free, steered)) if a != b)
+    same = next(i for i, (a, b) in enumerate(zip(free, steered, strict=False)) if a != b)
     # Closing from a value of the first parameter: its tag, two required parameters, the call's end.
     assert 300 - same <= 14 + 2 * (len(b"<parameter=title>\n") + len(VALUE_END) + 1) + 24 + STEER_MARGIN + 2
 
@@ -158,3 +166,29 @@ def test_an_early_end_is_unchanged(grammars):
     assert ended and bytes(free[:-1]) == script
     steered, _ = _walk(grammars, forced, len(free) + STEER_MARGIN + 40, 300, _scripted(script))
     assert steered == free
+
+
+NOTE_HEAD = b"<tool_call>\n<function=note>\n<parameter=title>\nHi\n</parameter>\n"
+STARTS = {  # a start the model writes, then it runs away: in a JSON value, an extra's name, an optional text
+    "json_value": (NOTE_HEAD + b'<parameter=body>\nb\n</parameter>\n<parameter=meta>\n{"k":[{"a":["', "note"),
+    "extra_name": (b"<tool_call>\n<function=say>\n<parameter=text>\nhi\n</parameter>\n<parameter=zz", "say"),
+    "optional_text": (NOTE_HEAD + b"<parameter=extra>\n", "note"),
+}
+
+
+@pytest.mark.parametrize("budget", [190, 230, 300])
+@pytest.mark.parametrize("start", sorted(STARTS))
+def test_a_runaway_anywhere_in_the_call_closes(grammars, start, budget):
+    script, name = STARTS[start]
+
+    def logits(vocab: int, step: int) -> torch.Tensor:
+        return _scripted(script)(vocab, step) if step < len(script) else _runaway(vocab, step)
+
+    tokens, ended = _walk(grammars, constraint({"type": "function", "function": {"name": name}}), budget, budget,
+                          logits)
+    assert ended and bytes(tokens[:len(script)]) == script, bytes(t for t in tokens if t < 256)
+    params = _check_call(tokens)
+    if start == "json_value":
+        assert json.loads(params["meta"])["k"][0]["a"][0].startswith("a")
+    if start == "extra_name":
+        assert any(key.startswith("zz") for key in params)
