@@ -1,9 +1,8 @@
 """Constraint: what a constrained request's output must match (plain data, no torch).
 
 Carried by ``SamplingParams.constraint``; the engine compiles it with the grammar engine
-(:mod:`bargein.engine.grammar`). Hashable and compared by value (its text, and the XML-call
-hint that goes with that text); the text is also the
-key of the compiled-grammar cache.
+(:mod:`bargein.engine.grammar`). Hashable and compared by value (its text, and the
+XML-call hint that goes with that text): the key of the compiled-grammar cache.
 """
 
 from __future__ import annotations
