@@ -103,16 +103,18 @@ class XmlCallTracker:
         pending = self.pending
         after = PARAMETER + pending[0].encode() + b">\n" if pending else FUNCTION_END
         opened_value = 0  # a value still to open and close for this part
+        tail = FUNCTION_END + CALL_END  # what ends the call after this part and the pending parameters
         if self.phase == XmlPhase.VALUE:
             overlap = next(k for k in range(len(VALUE_END) - 1, -1, -1) if self.value.endswith(VALUE_END[:k]))
             rest, target = VALUE_END[overlap:], VALUE_END[overlap:] + after
         elif after.startswith(self.tag):  # the tag heading for </function> or the next required one
             rest = target = after[len(self.tag):]
             pending, opened_value = pending[1:], int(bool(pending))
+            tail = tail if opened_value else CALL_END  # ``rest`` is the rest of </function>
         else:  # an opening tag the grammar chose instead: its name ends at '>'
             rest = target = b">\n"
             opened_value = 1
-        needed = classes.token_count(rest) + classes.token_count(FUNCTION_END + CALL_END) + 1  # + end of sequence
+        needed = classes.token_count(rest) + classes.token_count(tail) + 1  # + end of sequence
         needed += opened_value * (classes.token_count(VALUE_END) + 1)
         needed += sum(classes.token_count(PARAMETER + p.encode() + b">\n" + VALUE_END) + 1 for p in pending)
         if tokens_left > needed + STEER_MARGIN:
