@@ -417,7 +417,7 @@ class Engine(EngineConversations):
                 start = req.prompt_len if req.constraint_from is None else req.constraint_from
                 if start > req.prompt_len:
                     raise EngineError(f"constraint_from {start} is past the conversation's end ({req.prompt_len})")
-                req.sampling.grammar = self.grammars.matcher(req.params.constraint, tokens[start:], budget=req.params.max_tokens)
+                req.sampling.grammar = self.grammars.matcher(req.params.constraint, tokens[start:], budget=min(req.params.max_tokens or self.max_model_len, self.max_model_len - req.prompt_len))  # the context ends it too
         except Exception as exc:  # a bad request must never take the loop down
             if req.request_id in self.scheduler.requests:
                 self.scheduler.finish([req.request_id], FinishReason.ERROR, error=str(exc))

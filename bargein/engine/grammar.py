@@ -36,13 +36,8 @@ import torch
 
 from bargein.engine.constraint import Constraint
 from bargein.engine.grammar_probe import ProbeFailed, ProbeOverBudget, probe
-from bargein.engine.json_steering import (
-    STEER_MARGIN,
-    JsonState,
-    JsonTracker,
-    SteeringClasses,
-    steer,
-)
+from bargein.engine.json_steering import JsonTracker, SteeringClasses, steer
+from bargein.engine.xml_steering import XmlCallTracker
 
 # Compact JSON (no optional whitespace): a small model cannot loop on blank space, and
 # a constrained answer has one spelling, which keeps re-rendered histories token-exact.
@@ -108,7 +103,7 @@ class GrammarMatcher:
     no steering."""
 
     def __init__(self, matcher: llg.LLMatcher, vocab_size: int, *, budget: int | None = None,
-                 tracker: JsonTracker | None = None, classes: SteeringClasses | None = None):
+                 tracker: JsonTracker | XmlCallTracker | None = None, classes: SteeringClasses | None = None):
         self._m = matcher
         self.vocab_size = vocab_size  # tokens the grammar knows; any later logit column is forbidden
         self.budget = budget
@@ -133,14 +128,9 @@ class GrammarMatcher:
     def preferred(self) -> tuple[np.ndarray, ...]:
         """The tokens to narrow this row's mask to now, best first (empty: the grammar's
         mask as is): steering starts when the budget left is about what closing needs."""
-        tracker = self._tracker
-        if self.budget is None or tracker is None or self._classes is None:
+        if self.budget is None or self._tracker is None or self._classes is None:
             return ()
-        if tracker.state in (JsonState.DONE, JsonState.OUTSIDE):
-            return ()
-        if self.budget - self.generated > tracker.tokens_to_close + STEER_MARGIN:
-            return ()
-        return self._classes.for_state(tracker.state, in_array=bool(tracker.stack) and tracker.stack[-1] == "[")
+        return self._tracker.preferred(self._classes, self.budget - self.generated)
 
     @property
     def is_complete(self) -> bool:
@@ -199,8 +189,7 @@ class Grammars:
         template = self._template(constraint)
         table = self._table
         assert table is not None and self._classes is not None
-        tracker = JsonTracker.starting(outside=constraint.kind == "lark")
-        matcher = GrammarMatcher(template.deep_copy(), self.grammar_vocab_size, tracker=tracker,
+        matcher = GrammarMatcher(template.deep_copy(), self.grammar_vocab_size, tracker=_tracker(constraint),
                                  classes=self._classes)
         matcher.start_budget(None, table.tokens)
         for i, token_id in enumerate(replay):
@@ -273,6 +262,14 @@ class Grammars:
                 self._classes = SteeringClasses(table.tokens, (n + 31) // 32)
                 self._table = table
             return self._ll_tokenizer
+
+
+def _tracker(constraint: Constraint) -> JsonTracker | XmlCallTracker:
+    """What follows the answer for steering: a forced XML call's own tracker, else JSON
+    (in a Lark grammar, from its first '{')."""
+    if constraint.xml_call is not None:
+        return XmlCallTracker(dict(constraint.xml_call))
+    return JsonTracker.starting(outside=constraint.kind == "lark")
 
 
 class _TokenTable:

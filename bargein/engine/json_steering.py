@@ -72,6 +72,16 @@ class JsonTracker:
                    JsonState.VALUE: 2}.get(self.state, 0)
         return len(self.stack) + pending + 1
 
+    def preferred(self, classes: SteeringClasses, tokens_left: int) -> tuple[np.ndarray, ...]:
+        """The tokens to narrow the mask to with ``tokens_left`` of the budget, best first
+        (empty: the grammar's mask as is): steering starts when the budget left is about
+        what closing needs."""
+        if self.state in (JsonState.DONE, JsonState.OUTSIDE):
+            return ()
+        if tokens_left > self.tokens_to_close + STEER_MARGIN:
+            return ()
+        return classes.for_state(self.state, in_array=bool(self.stack) and self.stack[-1] == "[")
+
     def _char(self, c: str) -> None:
         state = self.state
         if state in (JsonState.STRING, JsonState.KEY_STRING):
@@ -117,6 +127,7 @@ class JsonTracker:
         self.state = JsonState.AFTER_VALUE if self.stack else JsonState.DONE
 
 
+_LONGEST = 32  # the longest token token_count looks for, in bytes
 _SHORT_VALUES = {b'""', b"{}", b"[]", b"true", b"false", b"null", b'"', *(str(d).encode() for d in range(10))}
 
 
@@ -124,6 +135,9 @@ class SteeringClasses:
     """Per JSON state, the tokens that move an answer towards its end (bitmasks)."""
 
     def __init__(self, token_bytes: Sequence[bytes], words: int):
+        self._token_bytes, self._words = token_bytes, words
+        self._ids: dict[bytes, list[int]] | None = None  # token ids by their bytes (made on first use)
+        self._prefixes: dict[bytes, np.ndarray] = {}
         def mask(pred) -> np.ndarray:
             bits = np.zeros(words * 32, dtype=np.uint8)
             for i, data in enumerate(token_bytes):
@@ -138,6 +152,35 @@ class SteeringClasses:
             JsonState.VALUE: (values,), JsonState.STRING: (close_string,), JsonState.KEY_STRING: (close_string,),
             JsonState.AFTER_VALUE: (closers,), JsonState.KEY: (closers,)}
         self._array_value = (closers, values)  # ']' ends an array at once; else a short item
+
+    def _ids_by_bytes(self) -> dict[bytes, list[int]]:
+        if self._ids is None:
+            ids: dict[bytes, list[int]] = {}
+            for i, data in enumerate(self._token_bytes):
+                if data:
+                    ids.setdefault(data, []).append(i)
+            self._ids = ids
+        return self._ids
+
+    def text_prefixes(self, text: bytes) -> np.ndarray:
+        """The tokens that spell a start of ``text`` (a bitmask; cached per text: the
+        closing texts of a tool call's syntax are few)."""
+        found = self._prefixes.get(text)
+        if found is None:
+            ids = self._ids_by_bytes()
+            bits = np.zeros(self._words * 32, dtype=np.uint8)
+            for k in range(1, len(text) + 1):
+                bits[ids.get(text[:k], [])] = 1
+            found = self._prefixes[text] = np.packbits(bits, bitorder="little").view(np.int32)
+        return found
+
+    def token_count(self, text: bytes) -> int:
+        """About how many tokens ``text`` takes: the longest token at each step."""
+        ids, count, at = self._ids_by_bytes(), 0, 0
+        while at < len(text):
+            at = next((end for end in range(min(len(text), at + _LONGEST), at, -1) if text[at:end] in ids), at + 1)
+            count += 1
+        return count
 
     def for_state(self, state: JsonState, in_array: bool = False) -> tuple[np.ndarray, ...]:
         """The tokens to prefer in ``state``, best first (empty: no preference)."""

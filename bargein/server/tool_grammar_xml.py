@@ -59,6 +59,17 @@ def xml_call_grammar(tools: Sequence[tuple[str, dict[str, Any]]], open_marker: s
     return "\n".join(rules) + "\n"
 
 
+def required_parameters(tools: Sequence[tuple[str, dict[str, Any]]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Per tool, the required parameters ``xml_call_grammar`` writes, in its order (for
+    ``Constraint.xml_call``: the engine steers the call to close within its budget)."""
+    out = []
+    for name, parameters in tools:
+        properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+        required = parameters.get("required") if isinstance(parameters.get("required"), list) else []
+        out.append((name, tuple(key for key in properties if key in required)))
+    return tuple(out)
+
+
 def _parameters(i: int, schema: dict[str, Any]) -> tuple[str, list[str]]:
     """The parameters' expression of tool ``i`` and the rules it uses."""
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}

@@ -31,7 +31,7 @@ from bargein.engine.grammar import JSON_OPTIONS
 from bargein.server.errors import APIError
 from bargein.server.json_schema import strict_objects
 from bargein.server.structured import schema_constraint
-from bargein.server.tool_grammar_xml import xml_call_grammar
+from bargein.server.tool_grammar_xml import required_parameters, xml_call_grammar
 from bargein.server.tool_syntax import (
     HERMES,
     QWEN3_XML,
@@ -89,7 +89,7 @@ class ToolPlan:
         before, after = self.syntax.forced_lark()
         if self.syntax.name == QWEN3_XML.name:  # the model's own XML, not JSON inside the tags
             called = [(t.name, t.parameters) for t in self.tools if self.choice == "required" or t.name == self.forced]
-            return Constraint("lark", xml_call_grammar(called, before, after))
+            return Constraint("lark", xml_call_grammar(called, before, after), xml_call=required_parameters(called))
         # Compact JSON, as in response_format: one spelling, which the history re-renders.
         body = json.dumps({**schema, "x-guidance": dict(JSON_OPTIONS)}, separators=(",", ":"))
         outer = " ".join(part for part in (before, "call", after) if part)
