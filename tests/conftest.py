@@ -4,7 +4,9 @@
 debug endpoints; the server tests and the web UI tests share it. ``server_factory``
 starts servers with other options (an API key, a small queue, a deadline), once per
 distinct option set per session, since loading the model takes seconds. Every server
-is started with the project's own command, ``python -m bargein.cli serve``.
+is started with the project's own command, ``python -m bargein.cli serve``. Under
+pytest-xdist (``make test``) each worker has its own session, so its own servers, and
+gets its tests a module at a time (``tests/workers.py``).
 
 ``check_kv`` (used by the server tests after each test) waits until the servers are
 idle and asserts the engine's KV block accounting (contract C5) through ``/debug/kv``.
@@ -26,6 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import workers
 from tests.started import STARTED, count
 
 # Tests that give a process a home of its own (Ray nodes with their own HOME, namespace
@@ -70,10 +73,11 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         fd, name = tempfile.mkstemp(prefix="bargein-serve-", suffix=".log")
         self.log_path = Path(name)
-        command = [sys.executable, "-m", "bargein.cli", "serve", "--port", str(self.port), *self.args]
+        argv = ["serve", "--port", str(self.port), *self.args]
         if self.api_key:
-            command += ["--api-key", self.api_key]
+            argv += ["--api-key", self.api_key]
         env = {k: v for k, v in os.environ.items() if not k.startswith("BARGEIN_")}
+        command = [sys.executable, "-m", "bargein.cli", *argv]
         self.proc = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         os.close(fd)
         count("bargein servers")
@@ -196,17 +200,48 @@ def listed_requests(server: ServerProcess) -> dict[str, dict]:
     return {entry["id"]: entry for entry in body["data"]}
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (the controller and a run without
+    xdist are not)."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session) -> None:
     """The native kernels, built before any test starts a process (a build is ~25 s of CPU
     on a fresh machine): every server, CLI and Ray worker of the session then loads this
-    one build instead of compiling its own beside another's."""
+    one build instead of compiling its own beside another's. Under xdist the controller
+    builds them before it starts the workers (xdist's own hook runs last)."""
+    if _is_worker(session.config):
+        return
     from bargein.kernels.native import load_native_kernels
 
     load_native_kernels()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _is_worker(config):
+        workers.group_items(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Modules (and shared-fixture groups) as units of work, heaviest first (``tests/workers.py``)."""
+    return workers.ModuleScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+def pytest_sessionfinish(session) -> None:
+    if _is_worker(session.config):  # sent to the controller, which sums the workers' counts
+        session.config.workeroutput["started"] = dict(STARTED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    STARTED.update(getattr(node, "workeroutput", {}).get("started", {}))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The costly set-ups this run started (``tests/started.py``)."""
+    """The costly set-ups this run started (``tests/started.py``), in all its workers."""
     if STARTED:
         terminalreporter.write_line("started: " + ", ".join(f"{n} {what}" for what, n in sorted(STARTED.items())))
 
