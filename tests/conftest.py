@@ -4,9 +4,10 @@
 debug endpoints; the server tests and the web UI tests share it. ``server_factory``
 starts servers with other options (an API key, a small queue, a deadline), once per
 distinct option set per session, since loading the model takes seconds. Every server
-is started with the project's own command, ``python -m bargein.cli serve``. Under
-pytest-xdist (``make test``) each worker has its own session, so its own servers, and
-gets its tests a module at a time (``tests/workers.py``).
+runs the project's own command, ``bargein serve``, forked from a process that imported
+bargein once (``tests/forked_servers.py``: a start then costs the model load, not the
+imports). Under pytest-xdist (``make test``) each worker has its own session, so its own
+servers, and gets its tests a module at a time (``tests/workers.py``).
 
 ``check_kv`` (used by the server tests after each test) waits until the servers are
 idle and asserts the engine's KV block accounting (contract C5) through ``/debug/kv``.
@@ -15,20 +16,20 @@ idle and asserts the engine's KV block accounting (contract C5) through ``/debug
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests import workers
+from tests import forked_servers, workers
 from tests.started import STARTED, count
 
 # Tests that give a process a home of its own (Ray nodes with their own HOME, namespace
@@ -39,6 +40,7 @@ if not (os.environ.get("BARGEIN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME"))
 
 STARTUP_TIMEOUT_S = float(os.environ.get("BARGEIN_TEST_STARTUP_TIMEOUT", "240"))
 IDLE_TIMEOUT_S = 60.0
+SERVING_LINE = re.compile(r"^bargein: serving .* at http://\S+:(\d+) ", re.MULTILINE)
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -50,16 +52,20 @@ def free_port() -> int:
 
 @dataclass
 class ServerProcess:
-    """One ``bargein serve`` subprocess; its output goes to ``log_path``."""
+    """One ``bargein serve`` process; its output goes to ``log_path``. It listens on a port
+it picks (``--port 0``, so no two servers of parallel workers can race for one), read
+from its serving line by :meth:`wait_ready`."""
 
     args: tuple[str, ...]
     api_key: str | None = None
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
+    port: int | None = None
+    proc: subprocess.Popen | forked_servers.ForkedProcess | None = None
     log_path: Path | None = None
 
     @property
     def base_url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server's port is known once it is ready: call wait_ready() first")
         return f"http://127.0.0.1:{self.port}"
 
     @property
@@ -73,13 +79,12 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         fd, name = tempfile.mkstemp(prefix="bargein-serve-", suffix=".log")
         self.log_path = Path(name)
-        argv = ["serve", "--port", str(self.port), *self.args]
+        argv = ["serve", "--port", "0", *self.args]
         if self.api_key:
             argv += ["--api-key", self.api_key]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("BARGEIN_")}
-        command = [sys.executable, "-m", "bargein.cli", *argv]
-        self.proc = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         os.close(fd)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("BARGEIN_")}
+        self.proc = forked_servers.popen(argv, self.log_path, env)
         count("bargein servers")
         return self
 
@@ -88,6 +93,11 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if not self.running:
                 raise RuntimeError(f"bargein serve exited with {self.proc.returncode}:\n{self.log()}")
+            if self.port is None and (serving := SERVING_LINE.search(self.log_path.read_text(errors="replace"))):
+                self.port = int(serving[1])
+            if self.port is None:
+                time.sleep(0.05)
+                continue
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return self
