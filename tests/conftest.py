@@ -241,15 +241,14 @@ def pytest_sessionstart(session) -> None:
     load_native_kernels()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _is_worker(config):
-        workers.group_items(items)
+        workers.check_groups(items)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Modules (and shared-fixture groups) as units of work, heaviest first (``tests/workers.py``)."""
+    """Modules (and groups of modules) as units of work, heaviest first (``tests/workers.py``)."""
     return workers.ModuleScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
