@@ -1,6 +1,7 @@
 """``bargein serve`` processes forked from one process that imported bargein once.
 
-Most of a server start's CPU is imports (torch, FastAPI, pydantic: 2-3 s of CPU each
+Opt-in, with BARGEIN_TEST_FORK_SERVERS=1 (``tests/conftest.py`` says why it is not the
+default). Most of a server start's CPU is imports (torch, FastAPI, pydantic: 2-3 s of CPU each
 time), and the suite starts dozens of servers. So one process per test process (the
 *zygote*, ``python -m tests.forked_servers``) imports them once, then forks each server:
 the child runs the command line's own entry point (``bargein.cli.entry.main``) with the
