@@ -24,9 +24,14 @@ ray: $(VENV)/.stamp-ray
 serve: $(VENV)/.stamp-runtime
 	$(VENV)/bin/bargein serve $(ARGS)
 
+# Two pytest-xdist workers, a module (or a shared Ray cluster's tests) at a time, the
+# heaviest first (tests/workers.py); `make test WORKERS=0` runs in one process.
+WORKERS ?= 2
+XDIST   := $(if $(filter 0,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist loadgroup)
+
 test: $(VENV)/.stamp-test
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q --durations=30 $(ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=30 $(ARGS)
 
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check bargein tests bench

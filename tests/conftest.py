@@ -4,7 +4,11 @@
 debug endpoints; the server tests and the web UI tests share it. ``server_factory``
 starts servers with other options (an API key, a small queue, a deadline), once per
 distinct option set per session, since loading the model takes seconds. Every server
-is started with the project's own command, ``python -m bargein.cli serve``.
+is started with the project's own command, ``python -m bargein.cli serve`` (or, with
+BARGEIN_TEST_FORK_SERVERS=1, its entry point forked from a process that imported bargein
+once: ``tests/forked_servers.py``). Under pytest-xdist (``make test``) each worker has
+its own session, so its own servers, and gets its tests a module at a time
+(``tests/workers.py``).
 
 ``check_kv`` (used by the server tests after each test) waits until the servers are
 idle and asserts the engine's KV block accounting (contract C5) through ``/debug/kv``.
@@ -13,19 +17,23 @@ idle and asserts the engine's KV block accounting (contract C5) through ``/debug
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bargein.cli.threads import settle_waiting
+from tests import forked_servers, workers
 from tests.started import STARTED, count
 
 # Tests that give a process a home of its own (Ray nodes with their own HOME, namespace
@@ -34,8 +42,25 @@ from tests.started import STARTED, count
 if not (os.environ.get("BARGEIN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")):
     os.environ["BARGEIN_CACHE_DIR"] = str(Path.home() / ".cache" / "bargein")
 
+# The OpenMP wait of bargein's own commands (bargein/cli/threads.py), for the models this
+# session runs in its own processes, set before anything loads torch (and the runtime with
+# it) and inherited by every process it starts. With GNU OpenMP's default, a thread spins
+# 300,000 rounds between kernels and holds a core the other worker (or a server) needs:
+# three engine test modules took 51.7 s of CPU with the default, 9.7 s with this (same
+# loaded machine, the same 38 tests).
+settle_waiting()
+if "torch" in sys.modules:
+    warnings.warn("torch was loaded before tests/conftest.py: GOMP_SPINCOUNT comes too late", stacklevel=1)
+
+# Servers forked from a pre-imported process (tests/forked_servers.py) cost ~0.5 s of CPU
+# a start instead of ~2.7, but are opt-in: with them, test_server_hardening's
+# test_a_stream_misses_no_step_while_4mb_inputs_are_refused failed 1 run in 4 (a chunk of
+# 3 tokens), with plain processes 0 in 4 (same machine, same minutes); the cause is not
+# found yet, and a server that behaves other than `bargein serve` would hide bugs.
+FORK_SERVERS = os.environ.get("BARGEIN_TEST_FORK_SERVERS") == "1"
 STARTUP_TIMEOUT_S = float(os.environ.get("BARGEIN_TEST_STARTUP_TIMEOUT", "240"))
 IDLE_TIMEOUT_S = 60.0
+SERVING_LINE = re.compile(r"^bargein: serving .* at http://\S+:(\d+) ", re.MULTILINE)
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -47,16 +72,20 @@ def free_port() -> int:
 
 @dataclass
 class ServerProcess:
-    """One ``bargein serve`` subprocess; its output goes to ``log_path``."""
+    """One ``bargein serve`` process; its output goes to ``log_path``. It listens on a port
+it picks (``--port 0``, so no two servers of parallel workers can race for one), read
+from its serving line by :meth:`wait_ready`."""
 
     args: tuple[str, ...]
     api_key: str | None = None
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
+    port: int | None = None
+    proc: subprocess.Popen | forked_servers.ForkedProcess | None = None
     log_path: Path | None = None
 
     @property
     def base_url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server's port is known once it is ready: call wait_ready() first")
         return f"http://127.0.0.1:{self.port}"
 
     @property
@@ -70,12 +99,17 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         fd, name = tempfile.mkstemp(prefix="bargein-serve-", suffix=".log")
         self.log_path = Path(name)
-        command = [sys.executable, "-m", "bargein.cli", "serve", "--port", str(self.port), *self.args]
+        argv = ["serve", "--port", "0", *self.args]
         if self.api_key:
-            command += ["--api-key", self.api_key]
+            argv += ["--api-key", self.api_key]
         env = {k: v for k, v in os.environ.items() if not k.startswith("BARGEIN_")}
-        self.proc = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        os.close(fd)
+        if FORK_SERVERS:
+            os.close(fd)
+            self.proc = forked_servers.popen(argv, self.log_path, env)
+        else:
+            command = [sys.executable, "-m", "bargein.cli", *argv]
+            self.proc = subprocess.Popen(command, stdout=fd, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+            os.close(fd)
         count("bargein servers")
         return self
 
@@ -84,6 +118,11 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if not self.running:
                 raise RuntimeError(f"bargein serve exited with {self.proc.returncode}:\n{self.log()}")
+            if self.port is None and (serving := SERVING_LINE.search(self.log_path.read_text(errors="replace"))):
+                self.port = int(serving[1])
+            if self.port is None:
+                time.sleep(0.05)
+                continue
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return self
@@ -196,17 +235,47 @@ def listed_requests(server: ServerProcess) -> dict[str, dict]:
     return {entry["id"]: entry for entry in body["data"]}
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """Whether this process is a pytest-xdist worker (the controller and a run without
+    xdist are not)."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session) -> None:
     """The native kernels, built before any test starts a process (a build is ~25 s of CPU
     on a fresh machine): every server, CLI and Ray worker of the session then loads this
-    one build instead of compiling its own beside another's."""
+    one build instead of compiling its own beside another's. Under xdist the controller
+    builds them before it starts the workers (xdist's own hook runs last)."""
+    if _is_worker(session.config):
+        return
     from bargein.kernels.native import load_native_kernels
 
     load_native_kernels()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _is_worker(config):
+        workers.check_groups(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Modules (and groups of modules) as units of work, heaviest first (``tests/workers.py``)."""
+    return workers.ModuleScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+def pytest_sessionfinish(session) -> None:
+    if _is_worker(session.config):  # sent to the controller, which sums the workers' counts
+        session.config.workeroutput["started"] = dict(STARTED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    STARTED.update(getattr(node, "workeroutput", {}).get("started", {}))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The costly set-ups this run started (``tests/started.py``)."""
+    """The costly set-ups this run started (``tests/started.py``), in all its workers."""
     if STARTED:
         terminalreporter.write_line("started: " + ", ".join(f"{n} {what}" for what, n in sorted(STARTED.items())))
 

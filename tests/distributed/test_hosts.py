@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -85,11 +86,13 @@ def _join(host: Host, address: str, token_copy: Path, flags: tuple[str, ...]) ->
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[Cluster]:
+def cluster() -> Iterator[Cluster]:
     why = unavailable()
     if why:
         skip_or_fail(why)
-    root = tmp_path_factory.mktemp("hosts")
+    # Not under pytest's temp dir: an xdist worker's is deeper, and Ray's socket paths in a
+    # host's temp dir would pass the 107 bytes AF_UNIX allows.
+    root = Path(tempfile.mkdtemp(prefix="bargein-hosts-"))
     hosts = make_hosts(3, root)
     count("Ray clusters")
     count("Ray nodes", 3)
@@ -118,6 +121,7 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
         yield Cluster(hosts, "~/models/tiny.gguf", hosts[0].home / "models" / "tiny.gguf")
     finally:
         remove_hosts(hosts)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 class Server:

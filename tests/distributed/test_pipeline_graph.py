@@ -23,6 +23,7 @@ pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(450)  # past the subprocess's own 400 s (the suite's default is 300)
 def test_pipelines_on_one_node_run_a_compiled_graph_and_keep_the_contract() -> None:
     count("Ray clusters")  # the subprocess's one-node Ray instance
     count("Ray nodes")

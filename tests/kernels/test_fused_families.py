@@ -14,13 +14,17 @@ import dataclasses
 import functools
 
 import pytest
-import torch
 
 from bargein.config import ModelConfig
 from bargein.kernels.ops import resolve_kernels
 from bargein.loader import load_config, load_weights, resolve_model_ref
 from bargein.model.llama import LlamaStage
-from tests.kernels.test_fused_forward import BLOCK, STEPS, assert_same_caches, run
+from tests.kernels.fused_checks import (
+    STEPS,
+    assert_hidden_forwards_equal,
+    assert_token_forwards_equal,
+    fused_and_per_op,
+)
 from tests.model.family_files import FORMATS, NAMES, model_path
 
 FAST = resolve_kernels("cpu", precision="fast")
@@ -37,30 +41,15 @@ def _model(name: str, fmt: str) -> tuple[ModelConfig, dict]:
 def _pair(name: str, fmt: str, layer_range: tuple[int, int] | None = None,
           **changes: object) -> tuple[LlamaStage, LlamaStage]:
     config, weights = _model(name, fmt)
-    config = dataclasses.replace(config, **changes)
-    fused = LlamaStage(config, weights, layer_range, kernels=FAST)
-    per_op = LlamaStage(config, weights, layer_range, kernels=FAST, fuse_layers=False)
-    assert fused.fused is not None and per_op.fused is None
-    assert fused.fused.has_head == fused.is_last and fused.fused.has_embed == fused.is_first
-    return fused, per_op
+    return fused_and_per_op(dataclasses.replace(config, **changes), weights, layer_range, FAST)
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", NAMES)
 def test_each_family_fused_gives_the_per_operation_bits(name: str, fmt: str, num_threads: int) -> None:
-    fused, per_op = _pair(name, fmt)
-    before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        caches_fused, caches_per_op = fused.make_kv_caches(40, BLOCK), per_op.make_kv_caches(40, BLOCK)
-        for steps in STEPS:
-            got, want = run(fused, caches_fused, steps), run(per_op, caches_per_op, steps)
-            assert torch.equal(got, want), steps
-            assert_same_caches(caches_fused, caches_per_op)
-    finally:
-        torch.set_num_threads(before)
-    assert caches_fused[-1].k.abs().sum() > 0
+    caches = assert_token_forwards_equal(*_pair(name, fmt), num_threads)
+    assert caches[-1].k.abs().sum() > 0
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
@@ -71,11 +60,4 @@ def test_a_gemma_middle_stage_across_local_and_global_layers(name: str) -> None:
     config, _ = _model(name, "gguf")
     fused, per_op = _pair(name, "gguf", (1, config.num_layers), query_scale=0.2)
     assert {layer.attention.is_local for layer in fused.layers} == {True, False}
-    caches_fused, caches_per_op = fused.make_kv_caches(40, BLOCK), per_op.make_kv_caches(40, BLOCK)
-    for n, steps in enumerate(STEPS):
-        hidden = torch.randn(sum(len(new) for _, new, _ in steps), config.hidden_size,
-                             generator=torch.Generator().manual_seed(n))
-        kept = hidden.clone()
-        got, want = run(fused, caches_fused, steps, hidden), run(per_op, caches_per_op, steps, hidden)
-        assert torch.equal(got, want) and torch.equal(hidden, kept)
-        assert_same_caches(caches_fused, caches_per_op)
+    assert_hidden_forwards_equal(fused, per_op, STEPS)

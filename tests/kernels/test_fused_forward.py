@@ -15,13 +15,23 @@ import torch
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BlockWeight, quantize_8bit
 from bargein.kernels.ops import resolve_kernels
-from bargein.model.attention import AttentionMetadata, KVCache
+from bargein.model.attention import AttentionMetadata
 from bargein.model.llama import LlamaStage
+from tests.kernels.fused_checks import (
+    BLOCK,
+    STEPS,
+    TABLES,
+    A,
+    assert_hidden_forwards_equal,
+    assert_same_caches,
+    assert_token_forwards_equal,
+    fused_and_per_op,
+    run,
+)
 from tests.tiny_engine import TINY, tiny_weights
 
 FAST = resolve_kernels("cpu", precision="fast")
 pytestmark = pytest.mark.skipif(not FAST.fast, reason="no native kernels here: fast runs as exact")
-BLOCK = 4
 BIASED = dataclasses.replace(TINY, num_layers=3, attention_bias=True)
 TIED = dataclasses.replace(TINY, tie_word_embeddings=True)
 
@@ -61,69 +71,16 @@ def weights(config: ModelConfig, seed: int, embed: str) -> dict[str, torch.Tenso
 
 def stage_pair(config: ModelConfig, layer_range: tuple[int, int] | None = None,
                embed: str = "q4") -> tuple[LlamaStage, LlamaStage]:
-    """The same weights as a fused stage and a per-operation one."""
-    w = weights(config, 0, embed)
-    fused = LlamaStage(config, w, layer_range, kernels=FAST)
-    per_op = LlamaStage(config, w, layer_range, kernels=FAST, fuse_layers=False)
-    assert fused.fused is not None and per_op.fused is None
-    assert fused.fused.has_head == fused.is_last and fused.fused.has_embed == fused.is_first
-    return fused, per_op
-
-
-def token_stream(seed: int, n: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-# Forwards over three sequences' tables: (seq, tokens, already cached) per sequence, in turn;
-# prompt chunks, decodes and both mixed in one forward, with 1, 3 and many rows.
-TABLES = {0: list(range(0, 12)), 1: list(range(12, 24)), 2: list(range(24, 36))}
-A, B, C = token_stream(1, 40), token_stream(2, 33), token_stream(3, 9)
-STEPS = [
-    [(0, A[:1], 0)],                                  # one row
-    [(0, A[1:4], 1)],                                 # three rows, one chunk
-    [(1, B[:20], 0), (0, A[4:5], 4)],                 # a long chunk beside a decode
-    [(0, A[5:6], 5), (1, B[20:21], 20), (2, C, 0)],   # two decodes and a whole prompt
-    [(2, [7], 9), (0, A[6:30], 6), (1, B[21:24], 21)],
-    [(0, A[30:31], 30)],
-]
-
-
-def run(stage: LlamaStage, caches: list[KVCache], steps: list[tuple[int, list[int], int]],
-        inputs: torch.Tensor | None = None, rows: str = "all") -> torch.Tensor:
-    """One forward; logits of every row, of each sequence's last row ("last") or of all
-    rows by default (None: the stage's own default)."""
-    ids = torch.tensor([t for _, new, _ in steps for t in new])
-    positions = torch.tensor([done + i for _, new, done in steps for i in range(len(new))])
-    meta = AttentionMetadata.build(block_tables=[TABLES[s] for s, _, _ in steps],
-                                   query_lens=[len(new) for _, new, _ in steps],
-                                   context_lens=[done + len(new) for _, new, done in steps], block_size=BLOCK)
-    x = ids if inputs is None else inputs
-    ends = torch.tensor([len(new) for _, new, _ in steps]).cumsum(0) - 1
-    indices = {"all": torch.arange(len(ids)), "last": ends, None: None}[rows]
-    return stage(x, positions, meta, caches, indices if stage.is_last else None)
-
-
-def assert_same_caches(a: list[KVCache], b: list[KVCache]) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert x.k.dtype == torch.float16 and torch.equal(x.k, y.k) and torch.equal(x.v, y.v)
+    """The same random weights as a fused stage and a per-operation one."""
+    return fused_and_per_op(config, weights(config, 0, embed), layer_range, FAST)
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize(("config", "embed"), [(TINY, "q4"), (BIASED, "q8"), (TIED, "dense")],
                          ids=["llama-q4-embed", "qkv-bias-q8-embed", "tied-head-dense-embed"])
 def test_the_fused_layers_give_the_per_operation_bits(config: ModelConfig, embed: str, num_threads: int) -> None:
-    fused, per_op = stage_pair(config, embed=embed)
-    before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        caches_fused, caches_per_op = fused.make_kv_caches(40, BLOCK), per_op.make_kv_caches(40, BLOCK)
-        for steps in STEPS:
-            got, want = run(fused, caches_fused, steps), run(per_op, caches_per_op, steps)
-            assert torch.equal(got, want), steps
-            assert_same_caches(caches_fused, caches_per_op)
-    finally:
-        torch.set_num_threads(before)
-    assert caches_fused[0].k.abs().sum() > 0  # something was written
+    caches = assert_token_forwards_equal(*stage_pair(config, embed=embed), num_threads)
+    assert caches[0].k.abs().sum() > 0  # something was written
 
 
 @pytest.mark.parametrize("rows", ["last", None])
@@ -140,14 +97,7 @@ def test_a_middle_stage_is_fused_and_leaves_its_input_alone() -> None:
     config = dataclasses.replace(BIASED, num_layers=4)
     fused, per_op = stage_pair(config, (1, 3))
     assert not fused.is_first and not fused.is_last
-    caches_fused, caches_per_op = fused.make_kv_caches(40, BLOCK), per_op.make_kv_caches(40, BLOCK)
-    for n, steps in enumerate(STEPS[:4]):
-        hidden = torch.randn(sum(len(new) for _, new, _ in steps), config.hidden_size,
-                             generator=torch.Generator().manual_seed(n))
-        kept = hidden.clone()
-        got, want = run(fused, caches_fused, steps, hidden), run(per_op, caches_per_op, steps, hidden)
-        assert torch.equal(got, want) and torch.equal(hidden, kept)
-        assert_same_caches(caches_fused, caches_per_op)
+    assert_hidden_forwards_equal(fused, per_op, STEPS[:4])
 
 
 def test_other_caches_are_bound_when_a_forward_brings_them() -> None:

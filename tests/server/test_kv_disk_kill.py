@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bargein.cli.threads import settle_waiting
 from bargein.engine.block_keys import chain_hash
 from bargein.engine.kv_disk.block_file import (
     SUFFIX,
@@ -64,6 +65,7 @@ class Zygote:
 
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("BARGEIN_")}
+        settle_waiting(env)  # the OpenMP wait of bargein's main, which its children would set too late
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.server.test_kv_disk_kill"], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         assert self.proc.stdout.readline().strip() == "ready"

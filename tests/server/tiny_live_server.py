@@ -18,8 +18,8 @@ from starlette.routing import Mount
 
 from bargein.engine.async_engine import AsyncEngine
 from bargein.server.app import create_app
+from bargein.server.listen import bind_socket
 from bargein.server.settings import ServerSettings
-from tests.conftest import free_port
 from tests.server.test_server_inprocess import ChatByteTokenizer
 from tests.tiny_engine import tiny_engine
 
@@ -54,10 +54,11 @@ def tiny_live_server(tokenizer=None, **settings) -> Iterator[TinyServer]:
     (``tokenizer``: another byte tokenizer, a chat template of its own)."""
     core = tiny_engine(num_blocks=256)
     core.tokenizer = tokenizer or ChatByteTokenizer()
-    port = free_port()
+    sock = bind_socket("127.0.0.1", 0)  # a port of its own at once: parallel test workers never race for one
+    port = sock.getsockname()[1]
     app = create_app(AsyncEngine(core), ServerSettings(port=port, **settings))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, name="tiny-live-server", daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tiny-live-server", daemon=True)
     thread.start()
     live = TinyServer(app, port)
     execute = core.runner.execute

@@ -1,0 +1,98 @@
+"""The suite over pytest-xdist workers (``make test`` runs ``-n 2 --dist loadgroup``).
+
+Work is handed out a module at a time, so that a module's own fixtures (its servers,
+models and engines, most of them module-scoped) are set up once, on one worker. The
+modules of :data:`GROUPED_MODULES` are one unit per group instead: the modules that use
+the session's Ray cluster, or start a Ray instance of their own, all run on one worker,
+in order, so that one cluster is started for them and no two Ray instances start or run
+beside each other; the two modules of the portable kernel build share that build.
+
+The groups are by module, read from node ids in the controller: xdist's own
+``xdist_group`` marks do nothing under pytest 9 (xdist 3.8 renames an item by setting
+``_nodeid``, which pytest 9 no longer reads). Each worker checks the table as it
+collects (:func:`check_groups`): a test that uses a fixture of :data:`SHARED_FIXTURES`
+from a module outside that fixture's group stops the run with the module to add.
+
+The worker that frees up takes the heaviest unit left (longest processing time first):
+started last, a long module would keep one worker busy while the other idles. Weights
+are :data:`SECONDS` (measured) or, for a unit not listed there, its number of tests
+times :data:`SECONDS_PER_TEST`; an estimate only orders the work, nothing depends on it.
+
+Without xdist (``pytest -p no:xdist``) none of this is used: the tests run in order, in
+one process, as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist is a test extra; without it the suite runs in one process
+    LoadScopeScheduling = object
+
+# Session fixtures that cost seconds and must not run twice (or two at once), and the
+# group whose modules may use them.
+SHARED_FIXTURES = {
+    "ray_cluster": "ray",  # a Ray cluster of 3 nodes (tests/ray_cluster.py)
+    "portable_kernels": "portable-kernels",  # a ~25 s build (tests/kernels/conftest.py)
+}
+
+GROUPED_MODULES = {
+    "tests/distributed/test_pipeline.py": "ray",
+    "tests/distributed/test_pipeline_recovery.py": "ray",
+    "tests/distributed/test_replicas.py": "ray",
+    "tests/distributed/test_replicas_placement.py": "ray",
+    "tests/distributed/test_shipped_weights.py": "ray",
+    # Ray instances of their own (namespace hosts; a one-node instance in a subprocess):
+    # two starting at once on a loaded 2-core machine miss each other's start-up timeouts.
+    "tests/distributed/test_hosts.py": "ray",
+    "tests/distributed/test_pipeline_graph.py": "ray",
+    "tests/kernels/test_native_kernels.py": "portable-kernels",
+    "tests/kernels/test_quant_kernels.py": "portable-kernels",
+}
+
+# Units that take longer than their test count says, in seconds of one run under
+# `-p no:xdist` (their order is what matters). The rest weigh SECONDS_PER_TEST a test.
+SECONDS = {
+    "ray": 380.0,  # the shared cluster's tests, the namespace hosts' and the compiled graph's
+    "portable-kernels": 40.0,
+    "tests/server/test_server_hardening.py": 30.0,
+    "tests/model/test_reference_parity.py": 34.0,
+    "tests/model/test_perplexity.py": 16.0,
+}
+SECONDS_PER_TEST = 0.3
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def check_groups(items: list[pytest.Item]) -> None:
+    """Raises UsageError for a test that uses a :data:`SHARED_FIXTURES` fixture from a
+    module that is not in that fixture's group (its worker would start a second one)."""
+    for item in items:
+        for name in getattr(item, "fixturenames", ()):
+            group = SHARED_FIXTURES.get(name)
+            if group is not None and GROUPED_MODULES.get(module_of(item.nodeid)) != group:
+                raise pytest.UsageError(f"{item.nodeid} uses {name}: add its module to tests/workers.py's "
+                                        f"GROUPED_MODULES as {group!r}")
+
+
+class ModuleScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with a module (or a group of modules) as the unit of work,
+    the heaviest unit first."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        module = module_of(nodeid)
+        return GROUPED_MODULES.get(module, module)
+
+    def _assign_work_unit(self, node) -> None:
+        heaviest = max(self.workqueue, key=lambda unit: weight(unit, len(self.workqueue[unit])))
+        self.workqueue.move_to_end(heaviest, last=False)  # the base class hands out the first unit
+        super()._assign_work_unit(node)
+
+
+def weight(unit: str, num_tests: int) -> float:
+    """The estimated seconds of one unit of work."""
+    return SECONDS.get(unit, SECONDS_PER_TEST * num_tests)
