@@ -44,6 +44,9 @@ GROUPED_MODULES = {
     "tests/distributed/test_replicas.py": "ray",
     "tests/distributed/test_replicas_placement.py": "ray",
     "tests/distributed/test_shipped_weights.py": "ray",
+    "tests/distributed/test_moe_ray.py": "ray",
+    "tests/distributed/test_pipeline_kv_disk.py": "ray",
+    "tests/distributed/test_replicas_tenants.py": "ray",
     # Ray instances of their own (namespace hosts; a one-node instance in a subprocess):
     # two starting at once on a loaded 2-core machine miss each other's start-up timeouts.
     "tests/distributed/test_hosts.py": "ray",
