@@ -49,48 +49,13 @@ int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter
                         const int64_t *ids, const float *weights, int64_t topk, float *y, int exact,
                         int num_threads, int isa);
 
-/* fast_forward.c's descriptors, field for field (as bargein/kernels/native_structs.py
- * mirrors them for Python). */
-typedef struct {
-    const uint8_t *qs;
-    const float *scales, *mins;
-    int64_t n, k, bits;
-    const void *quant;
-} fast_weight_t;
-typedef struct {
-    const float *attn_norm, *ffn_norm, *qkv_bias;
-    fast_weight_t wqkv, wo, w13, w2;
-    uint16_t *k_cache, *v_cache;
-    const float *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm;
-    int64_t window, local;
-} fast_layer_t;
-typedef struct {
-    int64_t hidden, intermediate, num_slots;
-    int64_t num_heads, num_kv_heads, head_dim, block_size;
-    float eps, scale;
-    const float *cos_table, *sin_table;
-    int64_t num_positions;
-    float softcap, final_softcap, embed_scale;
-    int64_t gelu;
-    const float *local_cos_table, *local_sin_table;
-} fast_shape_t;
-typedef struct {
-    const float *norm;
-    fast_weight_t weight;
-    const int64_t *rows;
-    int64_t num_rows;
-    float *logits;
-} fast_head_t;
-typedef struct {
-    const float *dense;
-    fast_weight_t blocks;
-    const int64_t *ids;
-    int64_t vocab;
-} fast_embed_t;
-int bargein_fast_layers(const fast_layer_t *layers, int num_layers, const fast_shape_t *shape, float *x, int64_t m,
-                        const int64_t *positions, const int64_t *slots, const int64_t *block_tables,
-                        int64_t table_width, const int64_t *token_seq, const int64_t *token_ctx,
-                        const fast_embed_t *embed, const fast_head_t *head, int num_threads, int isa);
+/* fast_forward.c's descriptors, by the names this harness uses. */
+#include "fast_forward.h"
+typedef bargein_q8_weight_t fast_weight_t;
+typedef bargein_fast_layer_t fast_layer_t;
+typedef bargein_fast_shape_t fast_shape_t;
+typedef bargein_fast_head_t fast_head_t;
+typedef bargein_fast_embed_t fast_embed_t;
 
 #define NUM_ISAS 5
 static const int THREADS[] = {1, 3};
