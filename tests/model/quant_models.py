@@ -22,6 +22,9 @@ import torch
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from bargein.kernels.quant_weight import QuantWeight
+from bargein.loader import load_config, load_weights, resolve_model_ref
+from bargein.loader.gguf_file import open_gguf
 from tests.tiny_models import TinySpec, gguf_name, llama_cpp_permute, tiny_weights, write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -130,3 +133,17 @@ def transformers_greedy(spec: TinySpec, weights: dict[str, torch.Tensor], prompt
         for _ in range(n):
             tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt):]
+
+
+def assert_matrices_view_the_file(path: Path, spec: TinySpec = SPEC) -> None:
+    """Every matrix of ``path`` (the layers', the embedding and the head) loads as views of
+    the file's one mapping, never a copy."""
+    source = resolve_model_ref(path)
+    weights = load_weights(source, load_config(source), progress=False, blocks=True)
+    mapped = open_gguf(path).mapped()
+    start, end = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
+    matrices = [w for w in weights.values() if isinstance(w, QuantWeight)]
+    assert len(matrices) == 7 * spec.num_layers + 2  # every matrix, the embedding and the head
+    for w in matrices:
+        for segment in w.segments:
+            assert start <= segment.data.data_ptr() and segment.data.data_ptr() + segment.data.nbytes <= end

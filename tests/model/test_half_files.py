@@ -17,11 +17,13 @@ from bargein.config import CacheConfig, EngineConfig
 from bargein.engine.engine import Engine
 from bargein.engine.sampling import SamplingParams
 from bargein.kernels.native import load_native_kernels
-from bargein.kernels.quant_weight import QuantWeight
-from bargein.loader import load_config, load_weights, resolve_model_ref
-from bargein.loader.gguf_file import open_gguf
 from bargein.model.linear import Linear
-from tests.model.quant_models import SPEC, transformers_greedy, write_quant_gguf
+from tests.model.quant_models import (
+    SPEC,
+    assert_matrices_view_the_file,
+    transformers_greedy,
+    write_quant_gguf,
+)
 from tests.tiny_models import TinySpec
 
 TYPES = ["F16", "BF16"]
@@ -70,16 +72,7 @@ def test_fast_reads_the_16_bit_rows_and_answers_alike_alone_and_batched(files, q
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_matrices_are_views_of_the_mapped_file(files, qtype: str) -> None:
-    path = files[qtype][0]
-    source = resolve_model_ref(path)
-    weights = load_weights(source, load_config(source), progress=False, blocks=True)
-    mapped = open_gguf(path).mapped()
-    start, end = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
-    matrices = [w for w in weights.values() if isinstance(w, QuantWeight)]
-    assert len(matrices) == 7 * SPEC.num_layers + 2  # every matrix, the embedding and the head
-    for w in matrices:
-        for segment in w.segments:
-            assert start <= segment.data.data_ptr() and segment.data.data_ptr() + segment.data.nbytes <= end
+    assert_matrices_view_the_file(files[qtype][0])
 
 
 _RSS_SCRIPT = """

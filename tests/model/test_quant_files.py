@@ -17,11 +17,17 @@ from bargein.config import CacheConfig, EngineConfig
 from bargein.engine.engine import Engine
 from bargein.engine.sampling import SamplingParams
 from bargein.kernels.ggml_types import GGMLQuantizationType
-from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
+from bargein.kernels.quant_weight import QUANT_TYPES
 from bargein.loader import load_config, load_weights, resolve_model_ref
 from bargein.loader.gguf_file import open_gguf
 from bargein.model.linear import Linear
-from tests.model.quant_models import MIXES, SPEC, transformers_greedy, write_quant_gguf
+from tests.model.quant_models import (
+    MIXES,
+    SPEC,
+    assert_matrices_view_the_file,
+    transformers_greedy,
+    write_quant_gguf,
+)
 from tests.tiny_engine import collector
 from tests.tiny_models import TinySpec
 
@@ -77,16 +83,9 @@ def test_fast_answers_a_sequence_alike_alone_and_batched(files, mix: str) -> Non
 @pytest.mark.parametrize("mix", [typed("Q4_K_M"), typed("IQ4_NL")])
 def test_weights_are_views_of_the_mapped_file(files, mix: str) -> None:
     path = files[mix][0]
-    source = resolve_model_ref(path)
-    cfg = load_config(source)
-    weights = load_weights(source, cfg, progress=False, blocks=True)
+    assert_matrices_view_the_file(path)
     mapped = open_gguf(path).mapped()
     start, end = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
-    matrices = [w for w in weights.values() if isinstance(w, QuantWeight)]
-    assert len(matrices) == 7 * SPEC.num_layers + 2  # every matrix, the embedding and the head
-    for w in matrices:
-        for segment in w.segments:
-            assert start <= segment.data.data_ptr() and segment.data.data_ptr() + segment.data.nbytes <= end
     engine = Engine.from_pretrained(str(path), config("exact"), progress=False)
     model = engine.runner.stages[0]
     held = [s.data.data_ptr() for m in model.modules() if isinstance(m, Linear) for s in m.quant.segments]
