@@ -136,6 +136,16 @@ def collector(engine: Engine) -> OutputCollector:
     return _COLLECTORS[engine]
 
 
+def step_until_delivered(engine: Engine, count: int) -> list[int]:
+    """Steps ``engine`` until its one running request has delivered at least ``count``
+    tokens (a step may deliver several); those tokens."""
+    delivered: list[int] = []
+    while len(delivered) < count:
+        for out in collector(engine).step():
+            delivered += out.new_token_ids
+    return delivered
+
+
 def run_until_finished(engine: Engine, request_id: str) -> list:
     """Steps ``engine`` until ``request_id`` finishes; that request's outputs, the last one final."""
     outputs = []

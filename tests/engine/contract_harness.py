@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
 from bargein.engine.engine import Engine
 from bargein.engine.sampling import SamplingParams
-from tests.tiny_engine import collector
+from tests.tiny_engine import collector, step_until_delivered
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -75,10 +75,7 @@ def check_cancel_continue_fork_rewind(harness: ContractHarness, name: str, preci
     conv = engine.open_conversation()
     rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                                         conversation_id=conv)
-    delivered: list[int] = []
-    while len(delivered) < 3:
-        for out in collector(engine).step():
-            delivered += out.new_token_ids
+    delivered = step_until_delivered(engine, 3)
     engine.abort(rid)
     collector(engine).step()
     assert engine.conversation_tokens(conv) == p + delivered  # C3

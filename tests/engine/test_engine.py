@@ -15,6 +15,7 @@ from tests.tiny_engine import (
     prompt,
     reference_greedy,
     run_until_finished,
+    step_until_delivered,
     tiny_engine,
 )
 
@@ -111,10 +112,7 @@ def test_cancel_between_steps_keeps_exactly_the_delivered_tokens() -> None:
     engine = tiny_engine()
     p = prompt(9, 11)
     rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    delivered = []
-    while len(delivered) < 4:
-        for out in collector(engine).step():
-            delivered += out.new_token_ids
+    delivered = step_until_delivered(engine, 4)
     assert engine.abort(rid) == AbortResult.CANCELLED
     final = collector(engine).step()
     assert len(final) == 1 and final[0].finished
@@ -229,10 +227,7 @@ def test_prefix_reuse_computes_only_new_tokens() -> None:
     engine = tiny_engine(block_size=4)
     p = prompt(30, 18)
     rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    delivered: list[int] = []
-    while len(delivered) < 5:
-        for out in collector(engine).step():
-            delivered += out.new_token_ids
+    delivered = step_until_delivered(engine, 5)
     engine.abort(rid)
     collector(engine).step()
     tokens = p + delivered + prompt(7, 19)
@@ -254,10 +249,7 @@ def test_continuation_after_a_plain_answer_reuses_every_computed_token(how: str,
     p = prompt(13, 40)
     params = SamplingParams(temperature=0, max_tokens=6 if how == "finished" else 50, ignore_eos=True)
     rid = collector(engine).add_request(p, params)
-    delivered: list[int] = []
-    while len(delivered) < 6:
-        for out in collector(engine).step():
-            delivered += out.new_token_ids
+    delivered = step_until_delivered(engine, 6)
     if how == "cancelled":
         assert engine.abort(rid) == AbortResult.CANCELLED
         collector(engine).step()

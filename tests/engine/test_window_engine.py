@@ -21,7 +21,7 @@ from bargein.config import CacheConfig, EngineConfig, SchedulerConfig
 from bargein.engine.device import build_model
 from bargein.engine.engine import Engine
 from bargein.engine.sampling import SamplingParams
-from tests.tiny_engine import TINY, ByteTokenizer, collector, tiny_weights
+from tests.tiny_engine import TINY, ByteTokenizer, collector, step_until_delivered, tiny_weights
 
 W, BS = 8, 4
 WINDOWED = dataclasses.replace(TINY, sliding_window=W, local_layers=tuple(range(TINY.num_layers)))
@@ -115,10 +115,7 @@ def test_cancel_continue_fork_rewind_after_blocks_were_dropped(precision: str) -
     conv = engine.open_conversation()
     rid = collector(engine).add_request(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
                                         conversation_id=conv)
-    delivered: list[int] = []
-    while len(delivered) < 14:
-        for out in collector(engine).step():
-            delivered += out.new_token_ids
+    delivered = step_until_delivered(engine, 14)
     engine.abort(rid)
     collector(engine).step()
     assert engine.conversation_tokens(conv) == p + delivered  # C3

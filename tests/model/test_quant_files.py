@@ -28,7 +28,7 @@ from tests.model.quant_models import (
     transformers_greedy,
     write_quant_gguf,
 )
-from tests.tiny_engine import collector
+from tests.tiny_engine import collector, step_until_delivered
 from tests.tiny_models import TinySpec
 
 TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q2_K", "Q3_K", "Q4_K_M"]
@@ -100,10 +100,7 @@ def test_continuing_after_a_cancel_equals_no_cancel(files, precision: str) -> No
     conversation = engine.open_conversation()
     rid = collector(engine).add_request(PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                                         conversation_id=conversation)
-    delivered: list[int] = []
-    while len(delivered) < 3:
-        for out in collector(engine).step():
-            delivered += out.new_token_ids
+    delivered = step_until_delivered(engine, 3)
     engine.abort(rid)
     collector(engine).step()
     follow_up = [11, 12, 13, 14]
