@@ -114,6 +114,27 @@ def test_the_size_bound_evicts_the_least_recently_used_files(make_tier) -> None:
     assert tier.stats().bytes == 3 * size <= tier.stats().max_bytes
 
 
+def test_the_bound_holds_on_disk_at_every_instant_so_a_kill_cannot_leave_it_exceeded(make_tier, monkeypatch) -> None:
+    # A process killed between writing a file and deleting the ones it evicts would leave
+    # the directory over its bound: the evicted files must be gone before the new one lands.
+    records = chain(list(range(4 * 6)), payload_size=1000)
+    size = len(encode(records[0], FP.digest))
+    real_write = tier_module.write_file
+    seen: list[int] = []
+
+    def checked_write(directory, key, data, short):
+        seen.append(sum(p.stat().st_size for p in directory.glob("*.kvb")) + len(data))
+        real_write(directory, key, data, short)
+
+    monkeypatch.setattr(tier_module, "write_file", checked_write)
+    tier = make_tier(max_bytes=3 * size)
+    for r in records:
+        tier.spill(r)
+    assert tier.flush(10)
+    assert seen == [size, 2 * size] + [3 * size] * 4  # never a fourth file, even for an instant
+    assert tier.stats().writes == 6 and tier.stats().blocks == 3
+
+
 def test_delete_removes_blocks_even_when_their_write_is_still_queued(make_tier) -> None:
     records = chain(list(range(4 * 3)))
     tier = make_tier()
@@ -128,13 +149,13 @@ def test_delete_removes_blocks_even_when_their_write_is_still_queued(make_tier) 
 
 def test_a_full_write_queue_drops_and_counts_instead_of_blocking(make_tier, monkeypatch) -> None:
     release = threading.Event()
-    real_write = tier_module.write_block
+    real_write = tier_module.write_file
 
     def slow_write(*args, **kwargs):
         release.wait(10)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(tier_module, "write_block", slow_write)
+    monkeypatch.setattr(tier_module, "write_file", slow_write)
     records = chain(list(range(4 * 5)))
     tier = make_tier(max_queued_writes=2)
     start = time.perf_counter()
@@ -148,13 +169,13 @@ def test_a_full_write_queue_drops_and_counts_instead_of_blocking(make_tier, monk
 
 
 def test_close_drops_what_the_time_limit_leaves_and_never_half_a_file(make_tier, monkeypatch) -> None:
-    real_write = tier_module.write_block
+    real_write = tier_module.write_file
 
     def slow_write(*args, **kwargs):
         time.sleep(0.2)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(tier_module, "write_block", slow_write)
+    monkeypatch.setattr(tier_module, "write_file", slow_write)
     records = chain(list(range(4 * 10)))
     tier = make_tier()
     for r in records:
@@ -197,20 +218,20 @@ def test_the_directory_and_files_are_private(make_tier, tmp_path: Path) -> None:
 
 
 def test_a_shutdown_spill_waits_for_room_within_its_time_limit(make_tier, monkeypatch) -> None:
-    real_write = tier_module.write_block
+    real_write = tier_module.write_file
 
     def slow_write(*args, **kwargs):
         time.sleep(0.05)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(tier_module, "write_block", slow_write)
+    monkeypatch.setattr(tier_module, "write_file", slow_write)
     records = chain(list(range(4 * 6)))
     tier = make_tier(max_queued_writes=1)
     assert all(tier.spill(r, timeout=5.0) for r in records)  # each waits for the one before
     assert tier.flush(10) and tier.stats().writes == 6 and tier.stats().dropped_writes == 0
     blocked = chain(list(range(100, 108)))
     release = threading.Event()
-    monkeypatch.setattr(tier_module, "write_block", lambda *a, **k: release.wait(10) and real_write(*a, **k))
+    monkeypatch.setattr(tier_module, "write_file", lambda *a, **k: release.wait(10) and real_write(*a, **k))
     assert tier.spill(blocked[0])
     start = time.perf_counter()
     assert not tier.spill(blocked[1], timeout=0.1)  # no room within the limit: dropped
@@ -219,7 +240,7 @@ def test_a_shutdown_spill_waits_for_room_within_its_time_limit(make_tier, monkey
 
 
 def test_a_full_disk_drops_blocks_with_one_warning_and_the_tier_goes_on(make_tier, monkeypatch, caplog) -> None:
-    real_write = tier_module.write_block
+    real_write = tier_module.write_file
     full = True
 
     def maybe_full(*args, **kwargs):
@@ -227,7 +248,7 @@ def test_a_full_disk_drops_blocks_with_one_warning_and_the_tier_goes_on(make_tie
             raise OSError(28, "No space left on device")
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(tier_module, "write_block", maybe_full)
+    monkeypatch.setattr(tier_module, "write_file", maybe_full)
     records = chain(list(range(4 * 4)))
     tier = make_tier()
     with caplog.at_level(logging.WARNING, "bargein.kv_disk"):

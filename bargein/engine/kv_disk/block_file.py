@@ -146,14 +146,20 @@ def _checksum(header: bytes, tokens: bytes, payload: bytes) -> bytes:
 
 
 def write_block(directory: Path, record: BlockRecord, fingerprint: bytes, fingerprint_short: str) -> int:
-    """Writes ``record`` atomically as its file in ``directory`` (mode 0600); returns its size.
+    """Encodes ``record`` and writes it as its file (:func:`write_file`); returns its size."""
+    data = encode(record, fingerprint)
+    write_file(directory, record.key, data, fingerprint_short)
+    return len(data)
+
+
+def write_file(directory: Path, key: BlockHash, data: bytes, fingerprint_short: str) -> None:
+    """Writes the encoded block ``data`` atomically as ``key``'s file in ``directory`` (mode 0600).
 
     The data is fsynced before the rename, so after a crash the final name holds the
     whole file or does not exist. The directory entry's own durability is the caller's
     (one directory fsync per flush, not per block).
     """
-    data = encode(record, fingerprint)
-    final = directory / file_name(record.key, fingerprint_short)
+    final = directory / file_name(key, fingerprint_short)
     tmp = directory / f"{TMP_PREFIX}{final.name}.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -167,7 +173,6 @@ def write_block(directory: Path, record: BlockRecord, fingerprint: bytes, finger
         raise
     os.close(fd)
     os.replace(tmp, final)
-    return len(data)
 
 
 def read_block(directory: Path, key: BlockHash, fingerprint: bytes, fingerprint_short: str,

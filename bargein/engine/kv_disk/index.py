@@ -90,14 +90,26 @@ class DiskIndex:
             old = self._sizes.pop(key, None)
             if old is not None:
                 self._bytes -= old
+        evicted = self.make_room(size) or []
+        with self._lock:
+            self._sizes[key] = size
+            self._bytes += size
+            return True, evicted
+
+    def make_room(self, size: int) -> list[BlockHash] | None:
+        """Forgets least recently used blocks until ``size`` more bytes fit; returns their
+        keys (the caller deletes their files before writing the new one, so the bound holds
+        on disk even if the process dies between the two), or None if ``size`` exceeds
+        the whole bound."""
+        with self._lock:
+            if size > self.max_bytes:
+                return None
             evicted = []
             while self._bytes + size > self.max_bytes:
                 victim, victim_size = self._sizes.popitem(last=False)
                 self._bytes -= victim_size
                 evicted.append(victim)
-            self._sizes[key] = size
-            self._bytes += size
-            return True, evicted
+            return evicted
 
     def touch(self, key: BlockHash) -> None:
         """Marks a block most recently used (a hit)."""

@@ -44,10 +44,11 @@ from bargein.engine.block_keys import BlockHash, ChainBlock
 from bargein.engine.kv_disk.block_file import (
     BlockRecord,
     Skipped,
+    encode,
     file_name,
     read_block,
     remove_file,
-    write_block,
+    write_file,
 )
 from bargein.engine.kv_disk.fingerprint import ModelFingerprint
 from bargein.engine.kv_disk.index import DiskIndex, RebuildReport
@@ -272,14 +273,16 @@ class DiskTier:
         if record.key in self.index:
             return
         start = time.perf_counter()
-        size = write_block(self.directory, record, self._fp, self._short)
-        kept, evicted = self.index.add(record.key, size)
-        if not kept:
-            evicted.append(record.key)
-        for key in evicted:
+        data = encode(record, self._fp)
+        evicted = self.index.make_room(len(data))
+        if evicted is None:  # larger than the whole bound: not kept
+            return
+        for key in evicted:  # before the new file exists: the bound holds on disk across a kill -9
             self._unlink(key)
+        write_file(self.directory, record.key, data, self._short)
+        self.index.add(record.key, len(data))
         with self.counters.lock:
-            self.counters.writes += kept
+            self.counters.writes += 1
             self.counters.write.add(time.perf_counter() - start)
 
     def _delete(self, keys: tuple[BlockHash, ...]) -> None:
