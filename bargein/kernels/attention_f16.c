@@ -35,6 +35,7 @@
  */
 #include "parallel.h"
 #include "simd.h"
+#include "tanh.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -138,10 +139,10 @@ static inline int64_t first_position(const f16_batch_t *b, int64_t ctx) {
 }
 
 /* A score as the softmax takes it: the dot product times the scale, soft-capped where asked
- * (one scalar tanhf, the same in every path). */
+ * (one scalar bargein_tanhf, the same in every path and on every architecture). */
 static inline float score(const f16_batch_t *b, float dot_product) {
     const float s = dot_product * b->scale;
-    return b->softcap > 0.0f ? b->softcap * tanhf(s / b->softcap) : s;
+    return b->softcap > 0.0f ? b->softcap * bargein_tanhf(s / b->softcap) : s;
 }
 
 /* Turns a row of scores into exp(s - max) in place; returns 1 / their sum. */

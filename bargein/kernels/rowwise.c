@@ -9,12 +9,14 @@
  *   gelu mul:  y[r, i] = gelu_tanh(a[r, i]) * b[r, i], likewise (GeGLU, Gemma), with
  *              gelu_tanh(a) = a / 2 * (1 + tanh(sqrt(2 / pi) * (a + 0.044715 a^3)))
  *   soft cap:  y[r, i] = cap * tanh(x[r, i] / cap), x and y (m, n) (Gemma 2's logits)
- * The last two use libm's scalar tanhf on every element, so no vector path can round apart.
+ * The last two use bargein_tanhf (tanh.h) on every element, one scalar call, so no vector path
+ * can round apart and the bits are the same on x86-64 and AArch64 (libm's tanhf's are not).
  *
  * Rows are shared out among threads whole. Float32, contiguous.
  */
 #include "parallel.h"
 #include "simd.h"
+#include "tanh.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -86,7 +88,7 @@ static void gelu_tanh_mul_rows(void *arg, int index, int count) {
         float *y = job->y + r * n;
         for (int64_t i = 0; i < n; i++) {
             const float x = a[i], inner = k * (x + 0.044715f * x * x * x);
-            y[i] = 0.5f * x * (1.0f + tanhf(inner)) * b[i];
+            y[i] = 0.5f * x * (1.0f + bargein_tanhf(inner)) * b[i];
         }
     }
 }
@@ -96,7 +98,7 @@ static void softcap_rows(void *arg, int index, int count) {
     const int64_t n = job->n;
     const float cap = job->eps;
     for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++)
-        for (int64_t i = 0; i < n; i++) job->y[r * n + i] = cap * tanhf(job->x[r * n + i] / cap);
+        for (int64_t i = 0; i < n; i++) job->y[r * n + i] = cap * bargein_tanhf(job->x[r * n + i] / cap);
 }
 
 static int row_threads(int64_t m, int num_threads) {

@@ -40,6 +40,29 @@ def test_softcap_matches_the_reference_and_is_row_invariant() -> None:
     assert torch.equal(KERNELS.softcap(x[3:4].contiguous(), 30.0, 1), got[3:4])
 
 
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between float32 tensors (ordered bit patterns)."""
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int32).long()
+        return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+    return (ordered(got) - ordered(want)).abs()
+
+
+def test_the_kernels_tanh_is_within_two_ulp_everywhere_and_exact_at_its_limits() -> None:
+    # Every float32 in [0.5, 16) and a fine grid elsewhere; a cap of 1 makes softcap tanh itself.
+    dense = torch.arange(0x3F000000, 0x41800000, 7, dtype=torch.int32).view(torch.float32)
+    grid = torch.cat([dense, torch.linspace(-0.5, 0.5, 200_001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-42])])
+    x = torch.cat([grid, -dense]).reshape(1, -1).contiguous()
+    got = KERNELS.softcap(x, 1.0, 2)
+    want = torch.tanh(x.double()).float()
+    assert _ulps(got, want).max().item() <= 2
+    special = torch.tensor([[float("inf"), -float("inf"), float("nan"), 9.1, -9.1, 1e30]])
+    out = KERNELS.softcap(special, 1.0, 1)[0].tolist()
+    assert out[:2] == [1.0, -1.0] and out[2] != out[2] and out[3:] == [1.0, -1.0, 1.0]
+    assert torch.equal(KERNELS.softcap(torch.tensor([[-0.0]]), 1.0, 1).view(torch.int32),
+                       torch.tensor([[-0.0]]).view(torch.int32))  # the sign of zero is kept
+
+
 def _case(head_dim: int, ctx: int, block_size: int = 4, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads = 4, 2
