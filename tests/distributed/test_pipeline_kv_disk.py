@@ -20,11 +20,18 @@ every answer is compared with a single-process engine without the tier. The scen
    block's file was removed meanwhile): the next turn reads back only the blocks that
    every stage has (the ones before the removed one: a block is used only if all stages
    hold it) and recomputes the rest, with the reference's answer.
+4. Closing the conversation deletes its blocks' files in every stage's directory (the
+   deletion rides to the stages while the pipeline is idle).
+5. The cancellation contract's harness (``tests/engine/contract_harness.py``: cancel,
+   continue, fork, rewind, close, a prefix hit; C3, C4, C5, C7) on the same pipeline,
+   with every stage's tier on, after the recovery: answers equal a process without a
+   prefix cache, token for token; only new tokens are computed; accounting clean.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -39,6 +46,8 @@ from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.kv_disk.block_file import SUFFIX, parse_name  # noqa: E402
 from bargein.engine.outputs import OutputCollector  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
+from tests.engine.contract_harness import GREEDY as CONTRACT_GREEDY  # noqa: E402
+from tests.engine.contract_harness import Turns, check_cancel_continue_fork_rewind  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
 
 SPEC = TinySpec(num_layers=4)
@@ -150,6 +159,39 @@ def test_a_restarted_pipeline_and_a_restarted_stage_continue_from_each_stages_ow
         answer, cached = turn(second, conversation, FOLLOW_UPS[2])
         assert answer == reference[2] and cached == 1 * BLOCK  # block 0 alone is on both stages
         second.check_block_accounting()
+
+        # 4. Closing the conversation deletes its blocks' files on every stage.
+        keys = set(chain_keys(second.conversation_tokens(conversation), BLOCK))
+        on_disk = [keys & stage_files(d).keys() for d in directories]
+        assert len(on_disk[0]) >= written and len(on_disk[1]) >= written - 1  # block 1's file went on stage 1
+        second.close_conversation(conversation)
+        ends = time.monotonic() + 60
+        while any(keys & stage_files(d).keys() for d in directories):
+            assert time.monotonic() < ends, "a stage kept a closed conversation's files"
+            time.sleep(0.05)
+
+        # 5. The contract (C3, C4, C5, C7) with every stage's tier on, after the recovery.
+        check_cancel_continue_fork_rewind(PipelineHarness(second, model), "tiny", "exact",
+                                          Turns(prompt_len=13, seed_offset=13, rewind_back=7))
     finally:
         second.close()
+
+
+class PipelineHarness:
+    """The contract harness's two engines for one pipeline: the pipeline itself (with the
+    prefix cache and the tier) and, for the references, one process without a prefix cache."""
+
+    def __init__(self, pipeline: Engine, model: str):
+        self.pipeline = pipeline
+        config = _config(pipeline=False)
+        self.local = Engine.from_pretrained(model, replace(config, cache=replace(config.cache, enable_prefix_caching=False)),
+                                            progress=False)
+
+    def engine(self, name: str, precision: str, prefix_caching: bool) -> Engine:
+        assert prefix_caching and precision == "exact"  # the pipeline's: float32, exact
+        return self.pipeline
+
+    def no_cancel(self, name: str, precision: str, prompt: list[int]) -> list[int]:
+        (out,) = self.local.generate([prompt], CONTRACT_GREEDY)
+        return list(out.token_ids)
 
