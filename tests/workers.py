@@ -46,6 +46,7 @@ GROUPED_MODULES = {
     "tests/distributed/test_shipped_weights.py": "ray",
     "tests/distributed/test_moe_ray.py": "ray",
     "tests/distributed/test_pipeline_kv_disk.py": "ray",
+    "tests/distributed/test_pipeline_kv_disk_server.py": "ray",
     "tests/distributed/test_replicas_tenants.py": "ray",
     # Ray instances of their own (namespace hosts; a one-node instance in a subprocess):
     # two starting at once on a loaded 2-core machine miss each other's start-up timeouts.

@@ -68,7 +68,7 @@ import ray
 import torch
 
 from bargein.config import EngineConfig, ModelConfig
-from bargein.distributed.stage_disk import StageDisk, StageTierOpened
+from bargein.distributed.stage_disk import StageDisk, StageTierBusy, StageTierOpened
 from bargein.distributed.weights import Fingerprint, has_model_copy, materialize
 from bargein.distributed.worker_env import worker_runtime_env
 from bargein.engine.block_keys import ChainBlock
@@ -236,18 +236,18 @@ class StageWorker:
         self.caches = self.stage.make_kv_caches(num_blocks, block_size)
         self.block_size = block_size
 
-    def open_kv_disk(self, base: str, files: tuple[tuple[str, int, str], ...], blocks: int) -> StageTierOpened | None:
+    def open_kv_disk(self, base: str, files: tuple[tuple[str, int, str], ...], blocks: int
+                     ) -> StageTierOpened | StageTierBusy:
         """Opens this stage's own tier in ``base/stage-<start>-<end>`` on this node (``~``:
         this node's home), for the model whose files' identities are ``files`` (computed
-        by the head), bounded to ``blocks`` blocks; None if another process owns it."""
+        by the head), bounded to ``blocks`` blocks; who holds it if another process does."""
         layers = (self.stage.start, self.stage.end)
         fingerprint = stage_fingerprint([self.stage], self.block_size, "", files=files)
         try:
             self.disk = StageDisk(stage_tier_directory(os.path.expanduser(base), layers), fingerprint,
                                   [(c.k, c.v) for c in self.caches], blocks)
         except DirectoryBusy as exc:
-            log.warning("kv disk: stage %d: %s", self.counters.index, exc)
-            return None
+            return StageTierBusy(str(exc))  # the head says it (this log does not reach the server's)
         return self.disk.opened()
 
     @ray.method(concurrency_group="disk")

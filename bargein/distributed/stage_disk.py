@@ -52,6 +52,14 @@ class StageTierOpened:
     capacity_blocks: int
 
 
+@dataclass(frozen=True)
+class StageTierBusy:
+    """A stage's answer when another process holds its directory's lock: who (the message
+    of ``DirectoryBusy``: the directory and the holder's pid on the stage's node)."""
+
+    reason: str
+
+
 class StageDisk:
     """A stage's tier over its caches, and the loads it read for the head (see module doc)."""
 

@@ -42,7 +42,7 @@ import ray
 
 from bargein.config import CacheConfig
 from bargein.distributed.health import first_line
-from bargein.distributed.stage_disk import StageTierOpened
+from bargein.distributed.stage_disk import StageTierBusy, StageTierOpened
 from bargein.engine.block_keys import BlockHash, ChainBlock, SpillCandidate
 from bargein.engine.kv_disk.block_file import BlockRecord, file_size
 from bargein.engine.kv_disk.fingerprint import ModelFingerprint, identity_files
@@ -54,6 +54,7 @@ from bargein.engine.kv_disk.tier import Loaded
 log = logging.getLogger("bargein.distributed")
 
 _REOPEN_TRIES_S = 10.0  # a re-created stage waits this long at most for the lost one's lock to go
+_BUSY_WAIT_S = 5.0  # at start, for the stages of a server killed moments ago to let their directories go
 
 
 class StageTiers:
@@ -91,8 +92,9 @@ class StageTiers:
     @classmethod
     def open(cls, runner: Any, cache: CacheConfig, model_identity: str | os.PathLike[str],
              on_loaded: Callable[[], object]) -> StageTiers | None:
-        """Opens every stage's tier, or none (after one warning): the bound too small for
-        one block per stage, or a stage's directory owned by another process."""
+        """Opens every stage's tier, or none (after a warning that says why): the bound too
+        small for one block per stage, a stage's directory unusable, or owned by another
+        process (named, once the wait for a killed server's stages is over: ``_open_stages``)."""
         assert cache.kv_disk_dir is not None
         actors = list(runner.actors)
         bs = cache.block_size
@@ -103,20 +105,14 @@ class StageTiers:
                         cache.kv_disk_bytes, sum(sizes))
             return None
         files = identity_files(model_identity)
-        refs = [a.open_kv_disk.remote(cache.kv_disk_dir, files, blocks) for a in actors]
-        opened: list[StageTierOpened | None] = []
-        for ref in refs:
-            try:
-                opened.append(ray.get(ref))
-            except ray.exceptions.RayTaskError as exc:  # e.g. a node where DIR cannot be made
-                log.warning("kv disk: a stage cannot use %s: %s", cache.kv_disk_dir, first_line(exc))
-                opened.append(None)
-        if any(o is None for o in opened):
+        opened = _open_stages(actors, cache.kv_disk_dir, files, blocks)
+        refused = [o for o in opened if not isinstance(o, StageTierOpened)]
+        if refused:
             ray.get([a.kv_disk_close.remote([], 0.0) for a in actors])
-            log.warning("kv disk: not every stage has its tier under %s (in use by another server, or "
-                        "unusable): running without the disk tier", cache.kv_disk_dir)
+            for reason in refused:
+                log.warning("kv disk: %s: the pipeline runs without the disk tier", reason)
             return None
-        return cls(runner, cache.kv_disk_dir, files, blocks, opened, on_loaded)
+        return cls(runner, cache.kv_disk_dir, files, blocks, opened, on_loaded)  # type: ignore[arg-type]
 
     # -- KVTier ----------------------------------------------------------------------------
     @property
@@ -218,14 +214,12 @@ class StageTiers:
     def reopen(self, actor: Any) -> None:
         """A re-created stage opens its tier (the recovery thread); its keys are applied
         on the engine's thread. Retries while the lost stage's lock is still held."""
-        deadline = time.monotonic() + _REOPEN_TRIES_S
-        while True:
-            opened = ray.get(actor.open_kv_disk.remote(self._base, self._files, self._blocks))
-            if opened is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        (opened,) = _open_stages([actor], self._base, self._files, self._blocks, _REOPEN_TRIES_S)
+        if not isinstance(opened, StageTierOpened):
+            log.warning("kv disk: the re-created stage has no tier (%s): no block is read back until a restart",
+                        opened)
         with self._lock:
-            self._reopened.append(opened)
+            self._reopened.append(opened if isinstance(opened, StageTierOpened) else None)
 
     def stage_stats(self, timeout: float = 30.0) -> list[DiskTierStats | None]:
         """Every stage's own counters, now (for tests and benchmarks)."""
@@ -266,6 +260,29 @@ class StageTiers:
             read_seconds_mean=most("read_seconds_mean"), read_seconds_max=most("read_seconds_max"),
             write_seconds_mean=most("write_seconds_mean"), write_seconds_max=most("write_seconds_max"),
             rebuild_seconds=self._rebuild.seconds)
+
+
+def _open_stages(actors: Sequence[Any], base: str, files: tuple[tuple[str, int, str], ...], blocks: int,
+                 busy_wait_s: float = _BUSY_WAIT_S) -> list[StageTierOpened | str]:
+    """Each stage's tier opened, or why not. A directory another process holds is asked
+    for again every 0.2 s for ``busy_wait_s``: the stages of a server killed moments ago
+    (``kill -9``, a crash) hold their locks until Ray has ended their processes, which
+    takes a moment after the head's death; a server that really runs on the directory
+    still holds it after the wait, and is named."""
+    answers: list[StageTierOpened | str | None] = [None] * len(actors)
+    deadline = time.monotonic() + busy_wait_s
+    while True:
+        asked = [i for i, a in enumerate(answers) if a is None or isinstance(a, StageTierBusy)]
+        refs = [actors[i].open_kv_disk.remote(base, files, blocks) for i in asked]
+        for i, ref in zip(asked, refs, strict=True):
+            try:
+                answers[i] = ray.get(ref)
+            except ray.exceptions.RayError as exc:  # e.g. a node where DIR cannot be made
+                answers[i] = f"a stage cannot use {base}: {first_line(exc)}"
+        if not any(isinstance(a, StageTierBusy) for a in answers) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return [a.reason if isinstance(a, StageTierBusy) else a for a in answers]  # type: ignore[misc]
 
 
 def _count(ref: Any) -> int:

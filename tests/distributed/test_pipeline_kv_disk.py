@@ -16,15 +16,26 @@ every answer is compared with a single-process engine without the tier. The scen
    longer prompt in a small pool) are written by every stage (the spills ride the
    plans) and read back for the same prompt again: all of its full blocks hit, the
    answer is the reference's.
-3. One stage is killed and re-created (its tier re-opened from its directory, where one
-   block's file was removed meanwhile): the next turn reads back only the blocks that
+3. One stage's process is killed (SIGKILL, right after a prompt whose evicted blocks its
+   writer is writing) and re-created (its tier re-opened from its directory, where one
+   block's file was removed meanwhile): every file left is whole, what the kill left
+   mid-write is gone, and the next turn reads back only the blocks that
    every stage has (the ones before the removed one: a block is used only if all stages
    hold it) and recomputes the rest, with the reference's answer.
+4. Closing the conversation deletes its blocks' files in every stage's directory (the
+   deletion rides to the stages while the pipeline is idle).
+5. The cancellation contract's harness (``tests/engine/contract_harness.py``: cancel,
+   continue, fork, rewind, close, a prefix hit; C3, C4, C5, C7) on the same pipeline,
+   with every stage's tier on, after the recovery: answers equal a process without a
+   prefix cache, token for token; only new tokens are computed; accounting clean.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,9 +47,17 @@ from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerC
 from bargein.distributed.stage_tiers import StageTiers  # noqa: E402
 from bargein.engine.disk_cache import chain_keys  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
-from bargein.engine.kv_disk.block_file import SUFFIX, parse_name  # noqa: E402
+from bargein.engine.kv_disk.block_file import (  # noqa: E402
+    SUFFIX,
+    TMP_PREFIX,
+    decode,
+    header_fingerprint,
+    parse_name,
+)
 from bargein.engine.outputs import OutputCollector  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
+from tests.engine.contract_harness import GREEDY as CONTRACT_GREEDY  # noqa: E402
+from tests.engine.contract_harness import Turns, check_cancel_continue_fork_rewind  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
 
 SPEC = TinySpec(num_layers=4)
@@ -48,6 +67,7 @@ PROMPT = [(i * 37) % 200 + 3 for i in range(13)]
 FOLLOW_UPS = ([11, 12, 13], [21, 22], [31, 32, 33, 34])
 ONE_SHOT = [(i * 53) % 200 + 7 for i in range(41)]  # 10 full blocks and the token sampled from
 PUSHES_OUT = [(i * 71) % 200 + 3 for i in range(64)]
+PUSHES_OUT_AGAIN = [(i * 89) % 200 + 5 for i in range(64)]
 POOL_BLOCKS = 32  # the pipeline's: the one-shot prompt's blocks are evicted by the 64-token one
 
 
@@ -138,18 +158,59 @@ def test_a_restarted_pipeline_and_a_restarted_stage_continue_from_each_stages_ow
         assert tiers.hits > hits  # some of them came from disk: they had been evicted
         second.check_block_accounting()
 
-        # 3. Stage 1 is lost and re-created; its directory lost block 1's file meanwhile.
+        # 3. Stage 1's process is killed (SIGKILL) right after a prompt whose evictions its
+        # writer is writing, and re-created; its directory lost block 1's file meanwhile.
         runner = second.runner
         key = chain_keys(tokens, BLOCK)[1]  # the conversation's second block
         (directories[1] / f"{key.hex()}.{files[1][key]}{SUFFIX}").unlink()
-        ray.kill(runner.actors[1], no_restart=True)
+        turn(second, None, PUSHES_OUT_AGAIN)  # evicts PUSHES_OUT's blocks: the stages write them
+        _, pid = ray.get(runner.actors[1].ping.remote())
+        os.kill(pid, signal.SIGKILL)
         probe = second.open_conversation([5, 6, 7])  # its turn finds the loss and waits out the recovery
         turn(second, probe, [8])
         second.close_conversation(probe)
         assert runner.recovery.restarts == [0, 1] and second.runner_health().state == "ok"
+        assert not list(directories[1].glob(f"{TMP_PREFIX}*"))  # the re-created stage removed what the kill left
+        for d in directories:  # whole files only
+            for path in d.glob(f"*{SUFFIX}"):
+                data = path.read_bytes()
+                decode(data, key=parse_name(path.name)[0], fingerprint=header_fingerprint(data) or b"")
         answer, cached = turn(second, conversation, FOLLOW_UPS[2])
         assert answer == reference[2] and cached == 1 * BLOCK  # block 0 alone is on both stages
         second.check_block_accounting()
+
+        # 4. Closing the conversation deletes its blocks' files on every stage.
+        keys = set(chain_keys(second.conversation_tokens(conversation), BLOCK))
+        on_disk = [keys & stage_files(d).keys() for d in directories]
+        assert len(on_disk[0]) >= written and len(on_disk[1]) >= written - 1  # block 1's file went on stage 1
+        second.close_conversation(conversation)
+        ends = time.monotonic() + 60
+        while any(keys & stage_files(d).keys() for d in directories):
+            assert time.monotonic() < ends, "a stage kept a closed conversation's files"
+            time.sleep(0.05)
+
+        # 5. The contract (C3, C4, C5, C7) with every stage's tier on, after the recovery.
+        check_cancel_continue_fork_rewind(PipelineHarness(second, model), "tiny", "exact",
+                                          Turns(prompt_len=13, seed_offset=13, rewind_back=7))
     finally:
         second.close()
+
+
+class PipelineHarness:
+    """The contract harness's two engines for one pipeline: the pipeline itself (with the
+    prefix cache and the tier) and, for the references, one process without a prefix cache."""
+
+    def __init__(self, pipeline: Engine, model: str):
+        self.pipeline = pipeline
+        config = _config(pipeline=False)
+        self.local = Engine.from_pretrained(model, replace(config, cache=replace(config.cache, enable_prefix_caching=False)),
+                                            progress=False)
+
+    def engine(self, name: str, precision: str, prefix_caching: bool) -> Engine:
+        assert prefix_caching and precision == "exact"  # the pipeline's: float32, exact
+        return self.pipeline
+
+    def no_cancel(self, name: str, precision: str, prompt: list[int]) -> list[int]:
+        (out,) = self.local.generate([prompt], CONTRACT_GREEDY)
+        return list(out.token_ids)
 
