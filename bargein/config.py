@@ -298,7 +298,7 @@ class PipelineConfig:
     ray_address: str = "auto"
     stage_layers: tuple[tuple[int, int], ...] | None = None
     micro_batches: int | None = None  # None: one per stage
-    threads_per_stage: int = 1
+    threads_per_stage: int | None = 1  # None: per node, what it offers (distributed/stage_threads.py)
     ship_weights: tuple[int, ...] = ()
     step_timeout_s: float = 60.0
     heartbeat_interval_s: float = 0.5
@@ -322,7 +322,7 @@ class PipelineConfig:
             raise ValueError(f"{len(self.stage_layers)} layer ranges were given for {self.stages} stages")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError("micro_batches must be at least 1")
-        if self.threads_per_stage < 1:
+        if self.threads_per_stage is not None and self.threads_per_stage < 1:
             raise ValueError("threads_per_stage must be at least 1")
 
     @property

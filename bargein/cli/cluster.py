@@ -49,8 +49,8 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 def format_cluster(info: dict[str, Any]) -> str:
     """A summary line (health, recoveries, head traffic), then one line per stage:
-    layers, node, memory, weights' origin, plans, mean step, mean transfer in, idle,
-    restarts."""
+    layers, node, compute threads, memory, weights' origin, plans, mean step, mean
+    transfer in, idle, restarts."""
     if info.get("replicas"):
         return format_replicas(info)
     if not info.get("pipeline"):
@@ -72,18 +72,19 @@ def format_cluster(info: dict[str, Any]) -> str:
     lines.append(summary)
     if info.get("split"):
         lines.append(f"layers split {info['split']}")
-    header = ("STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE", "RESTARTS")
+    if info.get("wait_policy"):
+        lines.append(f"stage threads wait with {info['wait_policy']}")
+    header = ("STAGE", "LAYERS", "NODE", "THREADS", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE", "RESTARTS")
     rows = []
     for s in info["stages"]:
+        where = (str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", s["node_address"], str(s.get("threads") or "?"),
+                 f"{s['node_memory_bytes'] / 2**30:.1f}GiB")
         if s.get("state", "ok") != "ok":  # lost, being re-created: no counters to show
-            rows.append((str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", s["node_address"],
-                         f"{s['node_memory_bytes'] / 2**30:.1f}GiB", s["state"], "-", "-", "-", "-",
-                         str(s.get("restarts", 0))))
+            rows.append((*where, s["state"], "-", "-", "-", "-", str(s.get("restarts", 0))))
             continue
         step = "-" if s.get("mean_step_ms") is None else f"{s['mean_step_ms']:.1f}ms"
         xfer = "-" if s.get("mean_transfer_ms") is None else f"{s['mean_transfer_ms']:.2f}ms"
-        rows.append((str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", s["node_address"],
-                     f"{s['node_memory_bytes'] / 2**30:.1f}GiB", s["weights_from"], str(s["plans"]), step, xfer,
+        rows.append((*where, s["weights_from"], str(s["plans"]), step, xfer,
                      f"{100 * s['idle_fraction']:.0f}%", str(s.get("restarts", 0))))
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (header, *rows)]

@@ -130,11 +130,12 @@ def node_rate(address: str, threads: int, shapes: LayerShapes, refresh: bool = F
     return NodeSpeed(rate, cpus, cached=False)
 
 
-def measure_nodes(nodes: Mapping[str, str], threads: int, shapes: LayerShapes, *, refresh: bool = False,
-                  timeout_s: float = 60.0) -> dict[str, NodeSpeed]:
-    """Each node's speed (``nodes``: Ray node id -> its address; Ray must be connected),
-    one node after another; a node that does not answer in time is left out (the split
-    then weighs none by speed)."""
+def measure_nodes(nodes: Mapping[str, str], threads: Mapping[str, int], shapes: LayerShapes, *,
+                  refresh: bool = False, timeout_s: float = 60.0) -> dict[str, NodeSpeed]:
+    """Each node's speed (``nodes``: Ray node id -> its address; Ray must be connected)
+    with the threads a stage or replica will have there (``threads``: node id -> threads;
+    1 where left out), one node after another; a node that does not answer in time is
+    left out (the split then weighs none by speed)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -142,7 +143,7 @@ def measure_nodes(nodes: Mapping[str, str], threads: int, shapes: LayerShapes, *
     speeds: dict[str, NodeSpeed] = {}
     for node, address in nodes.items():
         ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-            address, threads, shapes, refresh)
+            address, threads.get(node, 1), shapes, refresh)
         ready, _ = ray.wait([ref], timeout=timeout_s)
         try:
             if not ready:

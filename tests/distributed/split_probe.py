@@ -29,7 +29,8 @@ def main(address: str, model: str) -> None:
     placements, reason = place_stages(2, model_config, config, None, widths, recalibrate=True)
     memory_only = split_by_memory(model_config.num_layers, [p.node_memory_bytes for p in placements],
                                   head_layers(model_config, widths))
-    speeds = measure_nodes({p.node_id: p.node_address for p in placements}, 1, LayerShapes.of(model_config))
+    speeds = measure_nodes({p.node_id: p.node_address for p in placements}, {p.node_id: p.threads for p in placements},
+                           LayerShapes.of(model_config))
     print(json.dumps({"layers": [list(p.layers) for p in placements],
                       "addresses": [p.node_address for p in placements], "reason": reason,
                       "memory_only": [list(r) for r in memory_only],
