@@ -70,3 +70,15 @@ def test_the_weights_are_shown_and_refused_in_the_wrong_number() -> None:
     least = Router(2, BS, policy="least_loaded")
     least.set_speeds([100.0, 25.0])
     assert Counter(least.choose(_chat(n)).replica for n in range(10)) == Counter({0: 8, 1: 2})
+
+
+def test_a_node_measured_again_keeps_and_caches_its_best_rate(tmp_path) -> None:
+    """What measure_nodes asks of a node that looked slow: measured again, the better of the
+    two rates is its answer and its cached rate."""
+    from bargein.distributed.calibrate import LayerShapes, node_rate
+
+    shapes = LayerShapes(((64, 64),))
+    best = 1e12  # above anything a measurement gives
+    again = node_rate("10.0.0.11", 1, shapes, refresh=True, directory=str(tmp_path), at_least=best)
+    assert again.layers_per_s == best and not again.cached
+    assert node_rate("10.0.0.11", 1, shapes, directory=str(tmp_path)).layers_per_s == best  # cached

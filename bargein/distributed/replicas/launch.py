@@ -137,6 +137,8 @@ def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
 
     options = options or ReplicaOptions()
     pipe = config.pipeline
+    if pipe is not None and pipe.threads_per_stage is None:  # planned per replica set: a thread a stage
+        config = replace(config, pipeline=(pipe := replace(pipe, threads_per_stage=1)))
     connect(address, num_replicas * (pipe.stages if pipe else 1))
     wanted = dict(options.resources or {})
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
