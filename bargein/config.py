@@ -289,6 +289,8 @@ class PipelineConfig:
     (``ray start --resources='{"bargein": 1}'``); None: any node with a CPU.
     ``node_ids``: the Ray node of each stage, given (replicas that are pipelines: the
     replica set plans every replica's stages at once); None: by memory, as above.
+    ``threads_per_stage``: each stage's compute threads (and Ray CPUs); None: what its
+    node offers, shared among the stages placed there (``distributed/stage_threads.py``).
     ``transport``: how plans and hidden states move (``bargein.distributed.transport``):
     "auto" is a Ray compiled graph where every stage runs on the head's node and it has
     cores to spare, actor calls elsewhere; "graph" (one node only) and "calls" force one.

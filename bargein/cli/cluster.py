@@ -92,15 +92,17 @@ def format_cluster(info: dict[str, Any]) -> str:
 
 
 def format_replicas(info: dict[str, Any]) -> str:
-    """One line per engine replica: up, node, load, routed, cache hit rates, losses; then
-    the stages of replicas that are pipelines."""
+    """One line per engine replica: up, node, threads, routing weight (its measured speed's
+    share of the fastest), load, routed, cache hit rates, losses; then the stages of
+    replicas that are pipelines."""
     lines = [f"{info['num_replicas']} replicas ({info['routing']} routing), {info['kv_blocks']} KV blocks each; "
              f"{info.get('resubmitted', 0)} requests resubmitted after a loss"]
-    header = ("REPLICA", "UP", "NODE", "THREADS", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
+    header = ("REPLICA", "UP", "NODE", "THREADS", "SPEED", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
     rows = []
     for r in info["replicas"]:
         node = str(r.get("node_address") or r.get("node_id", "?"))[:15]  # an address; an id before it answered
-        rows.append((str(r["index"]), "yes" if r["up"] else "no", node, str(r.get("threads") or "?"), str(r["load"]),
+        rows.append((str(r["index"]), "yes" if r["up"] else "no", node, str(r.get("threads") or "?"),
+                     f"x{r.get('speed', 1.0):.2f}", str(r["load"]),
                      str(r["routed"]), f"{100 * r.get('cache_hit_rate', 0.0):.0f}%",
                      f"{100 * r['predicted_hit_rate']:.0f}%", f"{r['moved_out']}", f"{r['lost']}"))
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]

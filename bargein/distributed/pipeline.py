@@ -143,7 +143,8 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
     split so that each stage's work (the last one's LM head included, priced by the bytes
     stages read per value of each matrix, ``widths``) is in proportion to its share of its
     node's memory times its node's speed factor (measured, see ``calibrate``), unless
-    ``given``. Returns the placements and one line saying what the split weighed.
+    ``given``. Each stage's threads: as given, else its node's offer (``stage_threads``).
+    Returns the placements and one line saying what the split weighed.
     ``recalibrate``: measure every node now, not from its cached calibration."""
     resource = config.pipeline.node_resource if config.pipeline else None
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0

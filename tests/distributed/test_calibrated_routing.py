@@ -82,3 +82,15 @@ def test_a_node_measured_again_keeps_and_caches_its_best_rate(tmp_path) -> None:
     again = node_rate("10.0.0.11", 1, shapes, refresh=True, directory=str(tmp_path), at_least=best)
     assert again.layers_per_s == best and not again.cached
     assert node_rate("10.0.0.11", 1, shapes, directory=str(tmp_path)).layers_per_s == best  # cached
+
+
+def test_bargein_cluster_shows_each_replicas_routing_weight() -> None:
+    from bargein.cli.cluster import format_cluster
+
+    router = Router(2, BS)
+    router.set_speeds([100.0, 40.0])
+    replicas = [{"index": i, **r, "lost": 0, "threads": 2} for i, r in enumerate(router.snapshot())]
+    table = format_cluster({"replicas": replicas, "num_replicas": 2, "routing": "affine", "kv_blocks": 64})
+    header, fast, slow = table.splitlines()[1:4]
+    assert header.split()[3:5] == ["THREADS", "SPEED"]
+    assert fast.split()[3:5] == ["2", "x1.00"] and slow.split()[3:5] == ["2", "x0.40"]
