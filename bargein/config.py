@@ -289,6 +289,8 @@ class PipelineConfig:
     (``ray start --resources='{"bargein": 1}'``); None: any node with a CPU.
     ``node_ids``: the Ray node of each stage, given (replicas that are pipelines: the
     replica set plans every replica's stages at once); None: by memory, as above.
+    ``threads_per_stage``: each stage's compute threads (and Ray CPUs); None: what its
+    node offers, shared among the stages placed there (``distributed/stage_threads.py``).
     ``transport``: how plans and hidden states move (``bargein.distributed.transport``):
     "auto" is a Ray compiled graph where every stage runs on the head's node and it has
     cores to spare, actor calls elsewhere; "graph" (one node only) and "calls" force one.
@@ -298,7 +300,7 @@ class PipelineConfig:
     ray_address: str = "auto"
     stage_layers: tuple[tuple[int, int], ...] | None = None
     micro_batches: int | None = None  # None: one per stage
-    threads_per_stage: int = 1
+    threads_per_stage: int | None = 1  # None: per node, what it offers (distributed/stage_threads.py)
     ship_weights: tuple[int, ...] = ()
     step_timeout_s: float = 60.0
     heartbeat_interval_s: float = 0.5
@@ -322,7 +324,7 @@ class PipelineConfig:
             raise ValueError(f"{len(self.stage_layers)} layer ranges were given for {self.stages} stages")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError("micro_batches must be at least 1")
-        if self.threads_per_stage < 1:
+        if self.threads_per_stage is not None and self.threads_per_stage < 1:
             raise ValueError("threads_per_stage must be at least 1")
 
     @property

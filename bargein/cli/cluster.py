@@ -49,8 +49,8 @@ def run_cluster(args: argparse.Namespace) -> int:
 
 def format_cluster(info: dict[str, Any]) -> str:
     """A summary line (health, recoveries, head traffic), then one line per stage:
-    layers, node, memory, weights' origin, plans, mean step, mean transfer in, idle,
-    restarts."""
+    layers, node, compute threads, memory, weights' origin, plans, mean step, mean
+    transfer in, idle, restarts."""
     if info.get("replicas"):
         return format_replicas(info)
     if not info.get("pipeline"):
@@ -72,18 +72,19 @@ def format_cluster(info: dict[str, Any]) -> str:
     lines.append(summary)
     if info.get("split"):
         lines.append(f"layers split {info['split']}")
-    header = ("STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE", "RESTARTS")
+    if info.get("wait_policy"):
+        lines.append(f"stage threads wait with {info['wait_policy']}")
+    header = ("STAGE", "LAYERS", "NODE", "THREADS", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE", "RESTARTS")
     rows = []
     for s in info["stages"]:
+        where = (str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", s["node_address"], str(s.get("threads") or "?"),
+                 f"{s['node_memory_bytes'] / 2**30:.1f}GiB")
         if s.get("state", "ok") != "ok":  # lost, being re-created: no counters to show
-            rows.append((str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", s["node_address"],
-                         f"{s['node_memory_bytes'] / 2**30:.1f}GiB", s["state"], "-", "-", "-", "-",
-                         str(s.get("restarts", 0))))
+            rows.append((*where, s["state"], "-", "-", "-", "-", str(s.get("restarts", 0))))
             continue
         step = "-" if s.get("mean_step_ms") is None else f"{s['mean_step_ms']:.1f}ms"
         xfer = "-" if s.get("mean_transfer_ms") is None else f"{s['mean_transfer_ms']:.2f}ms"
-        rows.append((str(s["index"]), f"{s['layers'][0]}-{s['layers'][1]}", s["node_address"],
-                     f"{s['node_memory_bytes'] / 2**30:.1f}GiB", s["weights_from"], str(s["plans"]), step, xfer,
+        rows.append((*where, s["weights_from"], str(s["plans"]), step, xfer,
                      f"{100 * s['idle_fraction']:.0f}%", str(s.get("restarts", 0))))
     widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in (header, *rows)]
@@ -91,15 +92,17 @@ def format_cluster(info: dict[str, Any]) -> str:
 
 
 def format_replicas(info: dict[str, Any]) -> str:
-    """One line per engine replica: up, node, load, routed, cache hit rates, losses; then
-    the stages of replicas that are pipelines."""
+    """One line per engine replica: up, node, threads, routing weight (its measured speed's
+    share of the fastest), load, routed, cache hit rates, losses; then the stages of
+    replicas that are pipelines."""
     lines = [f"{info['num_replicas']} replicas ({info['routing']} routing), {info['kv_blocks']} KV blocks each; "
              f"{info.get('resubmitted', 0)} requests resubmitted after a loss"]
-    header = ("REPLICA", "UP", "NODE", "THREADS", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
+    header = ("REPLICA", "UP", "NODE", "THREADS", "SPEED", "LOAD", "ROUTED", "HIT", "PREDICTED", "MOVED", "LOST")
     rows = []
     for r in info["replicas"]:
         node = str(r.get("node_address") or r.get("node_id", "?"))[:15]  # an address; an id before it answered
-        rows.append((str(r["index"]), "yes" if r["up"] else "no", node, str(r.get("threads") or "?"), str(r["load"]),
+        rows.append((str(r["index"]), "yes" if r["up"] else "no", node, str(r.get("threads") or "?"),
+                     f"x{r.get('speed', 1.0):.2f}", str(r["load"]),
                      str(r["routed"]), f"{100 * r.get('cache_hit_rate', 0.0):.0f}%",
                      f"{100 * r['predicted_hit_rate']:.0f}%", f"{r['moved_out']}", f"{r['lost']}"))
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]

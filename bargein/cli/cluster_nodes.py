@@ -1,20 +1,22 @@
 """``bargein cluster start | join | check``: a Ray cluster of machines, with its token.
 
     bargein cluster start [--node-ip IP] [--port 6379]          on the head machine
-    bargein cluster join HEAD[:6379] --token-file FILE          on every other machine
+    bargein cluster join HEAD[:6379] --token-file FILE [--rejoin]   on every other machine
     bargein cluster check [--ray HEAD:6379]                      on the head: is it fit to run on?
 
 ``start`` makes the head's token where it has none (``~/.ray/auth_token``) and starts
 Ray's head with token authentication; ``join`` installs the copied token, finds the
 address this machine reaches the head from, and starts a Ray node there; both wrap
-``ray start`` (see :mod:`bargein.distributed.join`) and print what to run next.
+``ray start`` (see :mod:`bargein.distributed.join`) and print what to run next. With
+``--rejoin``, ``join`` stays in the foreground and starts the node again whenever it left
+the cluster (Ray declared it dead: :mod:`bargein.distributed.rejoin`).
 ``check`` lists the cluster's problems one line each (exit 1 when there is one).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import threading
 from pathlib import Path
 
 from bargein.cli.errors import EXIT_SETUP, EXIT_USAGE, CliError
@@ -43,6 +45,10 @@ def add_join_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=None, metavar="FILE",
                    help="a copy of the head's ~/.ray/auth_token (default: the one this machine already holds, "
                         "or $RAY_AUTH_TOKEN)")
+    p.add_argument("--rejoin", action="store_true",
+                   help="stay in the foreground and join again whenever this node leaves the cluster (Ray declares "
+                        "a machine dead when it is unreachable past its health checks, and never takes that node "
+                        "back), once the head answers; run it as a service")
     add_node_arguments(p, head=False)
 
 
@@ -80,8 +86,10 @@ def run_join(args: argparse.Namespace) -> int:
         check_reachable,
         install_token,
         local_token,
+        run_ray_start,
         split_address,
     )
+    from bargein.distributed.rejoin import keep_joined, start_node
 
     try:
         host, port = split_address(args.head)
@@ -95,10 +103,16 @@ def run_join(args: argparse.Namespace) -> int:
                            "--token-file FILE (or set RAY_AUTH_TOKEN)", EXIT_SETUP)
         check_reachable(host, port)
         node_ip = args.node_ip or address_towards(host, port)
-        _ray_start(NodeStart(node_ip, head_address=f"{host}:{port}", **_node_resources(args)))
+        start = NodeStart(node_ip, head_address=f"{host}:{port}", **_node_resources(args))
+        raylet = start_node(start, run_ray_start)
     except PipelineSetupError as exc:
         raise CliError(str(exc), EXIT_SETUP) from None
     print(f"bargein: this machine ({node_ip}) joined the Ray cluster at {host}:{port}", flush=True)
+    if args.rejoin:
+        print("bargein: watching this node; it joins again whenever it leaves the cluster (Ctrl-C to stop "
+              "watching; the node keeps running)", flush=True)
+        keep_joined(start, run_ray_start, lambda line: print(f"bargein: {line}", flush=True), raylet,
+                    threading.Event())
     return 0
 
 
@@ -134,17 +148,11 @@ def _node_resources(args: argparse.Namespace) -> dict:
 
 
 def _ray_start(start) -> None:
-    """Runs ``ray start`` with token authentication on; its own output goes to a log line
-    on failure (it is long, and its advice about `ray stop` would mislead here)."""
+    """``ray start`` for ``start`` (:func:`~bargein.distributed.join.run_ray_start`), a failure one CliError line."""
     from bargein.distributed.errors import PipelineSetupError
-    from bargein.distributed.join import ray_executable, token_environment
+    from bargein.distributed.join import run_ray_start
 
     try:
-        argv = start.command(ray_executable())
+        run_ray_start(start)
     except PipelineSetupError as exc:
         raise CliError(str(exc), EXIT_SETUP) from None
-    done = subprocess.run(argv, env=token_environment(), capture_output=True, text=True)
-    if done.returncode != 0:
-        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line or "error" in line] or lines[-1:]
-        raise CliError(f"`ray start` failed: {errors[-1].strip() if errors else done.returncode}", EXIT_SETUP)

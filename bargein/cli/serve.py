@@ -264,7 +264,8 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
             stages=args.pipeline_stages or 2, ray_address=args.ray, micro_batches=args.micro_batches,
             stage_layers=None if args.stage_layers is None else parse_stage_layers(args.stage_layers),
             recovery_timeout_s=args.stage_recovery_timeout, node_resource=args.stage_resource,
-            transport=args.pipeline_transport, threads_per_stage=args.threads or 1)
+            transport=args.pipeline_transport,  # no --threads: per node (a replica's stages: 1)
+            threads_per_stage=(args.threads or 1) if args.replicas is not None else args.threads)
         kv_auto = (args.kv_memory or args.kv_memory_default) == "auto" and args.kv_tokens is None
         config = EngineConfig(
             cache=CacheConfig(memory_bytes=0 if kv_auto else parse_size(args.kv_memory or args.kv_memory_default),

@@ -21,8 +21,13 @@ or threads change is measured afresh, and a cached rate is used for
 
 Nodes are measured one after another, so that on machines that share cores (namespace
 hosts) one node's burst does not slow another's; each twice in a row, keeping the best
-(a burst that met other work on the machine counts less). The pipeline measures one
-node per address: nodes at one address share its CPUs.
+(a burst that met other work on the machine counts less). A node measured now that looks
+under half as fast as the fastest (:data:`~bargein.distributed.split.SLOW_NODE`: what the
+split and the router weigh down) is measured again, up to :data:`CONFIRM_ROUNDS` times,
+keeping its best, and its cache keeps that best: a slow machine stays slow, while one
+that merely met a busy moment (other programs, a loaded shared machine) is seen at its
+speed (a cached rate is such a best already). The pipeline measures one node per
+address: nodes at one address share its CPUs.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from pathlib import Path
 
 from bargein.config import ModelConfig
 from bargein.distributed.node_cpus import usable_cpus
-from bargein.distributed.split import layer_matrices
+from bargein.distributed.split import SLOW_NODE, layer_matrices
 from bargein.loader.names import expected_shape
 
 CALIBRATION_S = 0.15
@@ -47,6 +52,7 @@ ROWS = 16  # a decode step's rows: the work a node's share of a busy pipeline is
 MAX_TIMED_ROWS = 2048
 CACHE_MAX_AGE_S = 6 * 3600.0
 CACHE_DIR = "~/.cache/bargein/calibration"
+CONFIRM_ROUNDS = 3  # more measurements of a node that looks under SLOW_NODE of the fastest
 
 
 @dataclass(frozen=True)
@@ -106,9 +112,10 @@ def cache_key(address: str, threads: int, shapes: LayerShapes, cpus: float) -> s
 
 
 def node_rate(address: str, threads: int, shapes: LayerShapes, refresh: bool = False,
-              directory: str = CACHE_DIR) -> NodeSpeed:
+              directory: str = CACHE_DIR, at_least: float = 0.0) -> NodeSpeed:
     """Runs on the node: its rate from its cache (see the module doc), else measured now
-    and cached. ``refresh``: measure even where a cached rate is fresh."""
+    and cached. ``refresh``: measure even where a cached rate is fresh; ``at_least``: a
+    rate already measured, kept (and cached) if this measurement is lower."""
     cpus = usable_cpus()
     path = Path(os.path.expanduser(directory)) / f"{cache_key(address, threads, shapes, cpus)}.json"
     if not refresh:
@@ -118,7 +125,7 @@ def node_rate(address: str, threads: int, shapes: LayerShapes, refresh: bool = F
                 return NodeSpeed(float(entry["layers_per_s"]), cpus, cached=True)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none yet, or unreadable: measure
-    rate = max(layer_rate(threads, shapes), layer_rate(threads, shapes))
+    rate = max(layer_rate(threads, shapes), layer_rate(threads, shapes), at_least)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.tmp")
@@ -130,26 +137,38 @@ def node_rate(address: str, threads: int, shapes: LayerShapes, refresh: bool = F
     return NodeSpeed(rate, cpus, cached=False)
 
 
-def measure_nodes(nodes: Mapping[str, str], threads: int, shapes: LayerShapes, *, refresh: bool = False,
-                  timeout_s: float = 60.0) -> dict[str, NodeSpeed]:
-    """Each node's speed (``nodes``: Ray node id -> its address; Ray must be connected),
-    one node after another; a node that does not answer in time is left out (the split
-    then weighs none by speed)."""
+def measure_nodes(nodes: Mapping[str, str], threads: Mapping[str, int], shapes: LayerShapes, *,
+                  refresh: bool = False, timeout_s: float = 60.0) -> dict[str, NodeSpeed]:
+    """Each node's speed (``nodes``: Ray node id -> its address; Ray must be connected)
+    with the threads a stage or replica will have there (``threads``: node id -> threads;
+    1 where left out), one node after another; a node that does not answer in time is
+    left out (the split then weighs none by speed)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(num_cpus=0)(node_rate)
-    speeds: dict[str, NodeSpeed] = {}
-    for node, address in nodes.items():
+
+    def measure(node: str, again: bool, at_least: float = 0.0) -> NodeSpeed | None:
         ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-            address, threads, shapes, refresh)
+            nodes[node], threads.get(node, 1), shapes, again, CACHE_DIR, at_least)
         ready, _ = ray.wait([ref], timeout=timeout_s)
         try:
             if not ready:
                 raise TimeoutError
             speed = ray.get(ref)
-            if math.isfinite(speed.layers_per_s):
-                speeds[node] = speed
+            return speed if math.isfinite(speed.layers_per_s) else None
         except (TimeoutError, ray.exceptions.RayError):
             ray.cancel(ref, force=True)
+            return None
+
+    speeds = {node: speed for node in nodes if (speed := measure(node, refresh)) is not None}
+    for _ in range(CONFIRM_ROUNDS):  # a node that looks slow: measured again, keeping its best
+        fastest = max((s.layers_per_s for s in speeds.values()), default=0.0)
+        doubtful = [node for node, s in speeds.items() if not s.cached and s.layers_per_s < SLOW_NODE * fastest]
+        if not doubtful:
+            break
+        for node in doubtful:
+            again = measure(node, True, speeds[node].layers_per_s)
+            if again is not None:
+                speeds[node] = again
     return speeds

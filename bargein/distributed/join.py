@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,3 +137,14 @@ class NodeStart:
             if value is not None:
                 argv += [flag, str(value)]
         return argv
+
+
+def run_ray_start(start: NodeStart) -> None:
+    """Runs ``ray start`` for ``start`` with token authentication on; a failure is one
+    PipelineSetupError line (Ray's own output is long, and its advice about `ray stop`
+    would mislead here)."""
+    done = subprocess.run(start.command(ray_executable()), env=token_environment(), capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "error" in line] or lines[-1:]
+        raise PipelineSetupError(f"`ray start` failed: {errors[-1].strip() if errors else done.returncode}")

@@ -60,6 +60,7 @@ from bargein.distributed.split import (
 )
 from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
 from bargein.distributed.widths import stage_widths
+from bargein.distributed.worker_env import describe_wait_policy
 from bargein.engine.device import resolve_dtype
 from bargein.engine.plan import StepPlan
 from bargein.engine.runner import (
@@ -83,6 +84,7 @@ try:
     from bargein.distributed.health import RecoveryStats, first_line
     from bargein.distributed.recovery import StageRecovery
     from bargein.distributed.stage import StageCounters, stage_actor
+    from bargein.distributed.stage_threads import stage_threads
     from bargein.distributed.stage_tiers import StageTiers
     from bargein.distributed.transport import (
         ActorCalls,
@@ -111,6 +113,8 @@ class StagePlacement:
     node_id: str
     node_address: str
     node_memory_bytes: int  # this stage's share of its node's memory
+    threads: int = 1  # its compute threads (stage_threads)
+    num_cpus: float = 1.0  # the Ray CPUs its actor takes
 
 
 @dataclass
@@ -139,7 +143,8 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
     split so that each stage's work (the last one's LM head included, priced by the bytes
     stages read per value of each matrix, ``widths``) is in proportion to its share of its
     node's memory times its node's speed factor (measured, see ``calibrate``), unless
-    ``given``. Returns the placements and one line saying what the split weighed.
+    ``given``. Each stage's threads: as given, else its node's offer (``stage_threads``).
+    Returns the placements and one line saying what the split weighed.
     ``recalibrate``: measure every node now, not from its cached calibration."""
     resource = config.pipeline.node_resource if config.pipeline else None
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
@@ -161,22 +166,23 @@ def place_stages(num_stages: int, model_config: ModelConfig, config: EngineConfi
     if num_stages > num_layers:
         raise PipelineSetupError(f"{num_stages} stages were asked for, but the model has only {num_layers} layers")
     addresses = [n["NodeManagerAddress"] for n in chosen]
+    threads = stage_threads(chosen, config.pipeline.threads_per_stage if config.pipeline else 1)
     if given is not None:
         ranges, reason = check_split(given, num_layers), "as given (--stage-layers)"
     else:
         rates = None
         if len(set(addresses)) > 1:  # nodes at one address share its CPUs: nothing to weigh
             one_per_address = {n["NodeManagerAddress"]: n["NodeID"] for n in chosen}
-            speeds = measure_nodes({node: address for address, node in one_per_address.items()},
-                                   config.pipeline.threads_per_stage if config.pipeline else 1,
+            per_node = {n["NodeID"]: t.threads for n, t in zip(chosen, threads, strict=True)}
+            speeds = measure_nodes({node: address for address, node in one_per_address.items()}, per_node,
                                    LayerShapes.of(model_config), refresh=recalibrate)
             if len(speeds) == len(one_per_address):
                 rates = [speeds[one_per_address[a]].layers_per_s for a in addresses]
         weights = [m * f for m, f in zip(shares, speed_factors(rates) if rates else [1.0] * len(shares), strict=True)]
         ranges = split_by_memory(num_layers, weights, head_layers(model_config, widths))
         reason = split_reason(addresses, shares, rates)
-    return [StagePlacement(i, ranges[i], n["NodeID"], n["NodeManagerAddress"], shares[i])
-            for i, n in enumerate(chosen)], reason
+    return [StagePlacement(i, ranges[i], n["NodeID"], n["NodeManagerAddress"], shares[i], t.threads, t.num_cpus)
+            for i, (n, t) in enumerate(zip(chosen, threads, strict=True))], reason
 
 
 @dataclass(frozen=True)
@@ -251,7 +257,7 @@ class PipelineRunner(StageRecovery):
                                           stage_widths(source, model_config, config))
         if pipe.transport == "graph":  # refused now, not after every stage has loaded
             pick_transport("graph", [p.node_id for p in placements], ray.get_runtime_context().get_node_id(),
-                           0.0, pipe.threads_per_stage)
+                           0.0, 1)
         actors: list[Any] = []
         try:
             runner = cls._start_stages(source, model_config, config, placements, actors,
@@ -290,9 +296,9 @@ class PipelineRunner(StageRecovery):
                 traffic.weights_shipped_bytes += stored.nbytes
                 shipped = [ray.put(stored)]
             spec = _StageSource(source.kind, node_path, expected, p.index in pipe.ship_weights)
-            actors.append(stage_actor(config, on_node).remote(
+            actors.append(stage_actor(config, on_node, p.num_cpus).remote(
                 p.index, config, model_config, spec.kind, spec.node_path, spec.expected, p.layers, shipped,
-                spec.prefer_shipped, pipe.threads_per_stage))
+                spec.prefer_shipped, p.threads))
         block_size = config.cache.block_size
         try:
             per_block = ray.get([a.kv_bytes_per_block.remote(block_size) for a in actors])
@@ -305,8 +311,8 @@ class PipelineRunner(StageRecovery):
                        for p in placements]
             num_blocks = max(_MIN_BLOCKS, min(b // per for b, per in zip(budgets, per_block, strict=True)))
         ray.get([a.allocate.remote(num_blocks, block_size) for a in actors])
-        log.info("pipeline of %d stages: %s; %d KV blocks", len(actors),
-                 ", ".join(f"layers {p.layers[0]}-{p.layers[1]} on {p.node_address}" for p in placements),
+        log.info("pipeline of %d stages: %s; %d KV blocks", len(actors), ", ".join(
+            f"layers {p.layers[0]}-{p.layers[1]} on {p.node_address}, {p.threads} threads" for p in placements),
                  num_blocks)
         return cls(actors, placements, model_config, num_blocks, block_size, config, traffic, source, node_path)
 
@@ -398,7 +404,8 @@ class PipelineRunner(StageRecovery):
         """``strict``: at start, a forced graph across nodes is refused; after a recovery
         it falls back to actor calls."""
         return open_transport(self.pipe.transport, self.actors, [p.node_id for p in self.placements],
-                              self.pipe.threads_per_stage, self.capacity, self.pipe.step_timeout_s, strict=strict)
+                              max(p.threads for p in self.placements), self.capacity, self.pipe.step_timeout_s,
+                              strict=strict)
 
     def close(self) -> None:
         """Closes the transport and kills the stage actors (the Ray connection stays, for
@@ -445,7 +452,7 @@ class PipelineRunner(StageRecovery):
         with self._lock:
             placements = list(self.placements)
         stages = tuple(
-            StageInfo(p.index, tuple(p.layers), p.node_address, node_id=p.node_id,
+            StageInfo(p.index, tuple(p.layers), p.node_address, node_id=p.node_id, threads=p.threads,
                       node_memory_bytes=p.node_memory_bytes, restarts=self.recovery.restarts[p.index],
                       work=None if c is None else StageWork(
                           c.weights_from, c.weights_received_bytes, c.plans, c.tokens, c.busy_s, c.wait_s,
@@ -456,5 +463,5 @@ class PipelineRunner(StageRecovery):
             transport=self.transport.kind if self.transport is not None else None, health=health,
             recovery=RecoveryInfo(r.losses, r.recoveries, tuple(r.restarts), tuple(r.recover_seconds)),
             head_traffic=TrafficInfo(**asdict(self.traffic)), logits_transfer_s=self.logits_transfer_s,
-            split_reason=self.split_reason)
+            split_reason=self.split_reason, wait_policy=describe_wait_policy())
         return RunnerInfo(self.num_blocks, self.max_in_flight, stages, pipeline)

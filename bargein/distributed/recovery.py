@@ -192,9 +192,9 @@ class StageRecovery:
         # Put (not send) the stored tensors: they cross the network only if the node lacks the file.
         shipped = [ray.put(read_stored(self.source, self.model_config, p.layers))]
         expected = fingerprint(self.source)
-        actor = stage_actor(self.config, None).remote(
+        actor = stage_actor(self.config, None, p.num_cpus).remote(  # the threads it was planned with
             i, self.config, self.model_config, self.source.kind, self.node_path, expected, p.layers, shipped,
-            prefer, self.pipe.threads_per_stage)
+            prefer, p.threads)
         ready = actor.allocate.remote(self.num_blocks, self.block_size)
         while not ray.wait([ready], timeout=0.5)[0]:  # pending until a node has room
             if self._closing.is_set():

@@ -17,7 +17,9 @@ router knowing about conversations.
 conversation's next turn stays on the replica that generated its last answer (the index
 marks blocks a replica registered that no prompt routed there held: answers), a cached
 prefix draws a request only where it is worth more than the queue it joins, and the least
-loaded replica takes the rest. A conversation *moves* off its replica when that replica
+loaded replica takes the rest. Load is weighed by each replica's measured speed
+(:meth:`Router.set_speeds`, from its node's calibration): a slow replica's requests count
+for more, so new conversations go to replicas in proportion to their speed. A conversation *moves* off its replica when that replica
 carries ``max_imbalance`` more live requests than the least loaded one, or lacks the KV
 blocks the request needs while another has them; moves are counted and logged. A replica
 that is down is never chosen; its index is cleared, since its K/V died with it (a
@@ -40,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bargein.distributed.route_decision import Candidate, RoutingWeights, decide
+from bargein.distributed.split import speed_factors
 from bargein.engine.block_keys import BlockHash, KeyChanges, chain_hash, namespace_root
 
 log = logging.getLogger("bargein.distributed")
@@ -174,6 +177,13 @@ class ReplicaRouting:
     moved_in: int = 0
     moved_out: int = 0
     available_blocks: int | None = None  # KV blocks it can allocate (last report), None: not known yet
+    layers_per_s: float | None = None  # its node's calibrated speed (set_speeds); None: not measured
+    speed: float = 1.0  # the weight routing gives it: its share of the fastest replica's speed
+
+    @property
+    def queue(self) -> float:
+        """Its live requests plus one, in the fastest replica's time (route_decision)."""
+        return (self.load + 1) / self.speed
 
     @property
     def hit_rate(self) -> float:
@@ -224,11 +234,11 @@ class Router:
                 chosen = up[self._next % len(up)]
                 self._next += 1
             elif self.policy == "least_loaded":
-                chosen = min(up, key=lambda i: (self.replicas[i].load, i))
+                chosen = min(up, key=lambda i: (self.replicas[i].queue, i))
             else:
                 candidates = [Candidate(i, self.replicas[i].load, matches[i],
                                         self._indexes[i].continues(hashes, matches[i]),
-                                        self.replicas[i].available_blocks) for i in up]
+                                        self.replicas[i].available_blocks, self.replicas[i].speed) for i in up]
                 decision = decide(candidates, len(tokens), self._weights, reserve_tokens)
                 chosen, moved_from, why = decision.replica, decision.moved_from, decision.why_moved
             route = Route(chosen, matches[chosen] * self.block_size, moved_from, hashes if count else ())
@@ -238,6 +248,21 @@ class Router:
         if moved_from is not None:
             log.info("a conversation moves from replica %d to replica %d (%s)", moved_from, chosen, why)
         return route
+
+    def set_speeds(self, layers_per_s: Sequence[float | None]) -> None:
+        """Each replica's measured speed (its node's calibration: layers per second with
+        its threads). Routing weighs a replica by its share of the fastest one's speed, as
+        the layer split weighs nodes (:func:`~bargein.distributed.split.speed_factors`: only
+        a replica under half as fast as the fastest is weighed down, so measurement noise
+        between equal machines changes nothing). A replica not measured (None) leaves every
+        weight at 1: speeds that cannot all be compared are not used."""
+        if len(layers_per_s) != self.num_replicas:
+            raise ValueError(f"{len(layers_per_s)} speeds were given for {self.num_replicas} replicas")
+        measured = [r for r in layers_per_s if r is not None and r > 0]
+        factors = speed_factors(measured) if len(measured) == self.num_replicas else [1.0] * self.num_replicas
+        with self._lock:
+            for r, rate, factor in zip(self.replicas, layers_per_s, factors, strict=True):
+                r.layers_per_s, r.speed = rate, factor
 
     def update_memory(self, replica: int, available_blocks: int) -> None:
         """A replica's KV blocks an allocation could take now (free plus evictable), from its last batch."""
@@ -303,5 +328,6 @@ class Router:
             return [{"up": r.up, "load": r.load, "routed": r.routed, "prompt_tokens": r.prompt_tokens,
                      "predicted_hit_tokens": r.matched_tokens, "predicted_hit_rate": round(r.hit_rate, 4),
                      "moved_in": r.moved_in, "moved_out": r.moved_out, "index_blocks": len(self._indexes[i]),
-                     "available_blocks": r.available_blocks}
+                     "available_blocks": r.available_blocks, "speed": round(r.speed, 4),
+                     "layers_per_s": None if r.layers_per_s is None else round(r.layers_per_s, 1)}
                     for i, r in enumerate(self.replicas)]

@@ -477,13 +477,13 @@ def held_weights(stage: LlamaStage) -> dict[str, torch.Tensor]:
     return out
 
 
-def stage_actor(config: EngineConfig, on_node: Any) -> Any:
+def stage_actor(config: EngineConfig, on_node: Any, num_cpus: float) -> Any:
     """The stage actor class with its options: a CPU per torch thread, the node resource
     if one is set, a health thread for the heartbeat, an inputs thread that takes in the
     next plans' hidden states while one computes and a disk thread (its tier's reads),
     never restarted by Ray (the head re-creates a lost stage, knowing its K/V is gone)."""
     pipe = config.pipeline
-    options: dict[str, Any] = {"num_cpus": pipe.threads_per_stage, "max_restarts": 0,
+    options: dict[str, Any] = {"num_cpus": num_cpus, "max_restarts": 0,
                                "concurrency_groups": {"health": 1, "inputs": 1, "disk": 1}}
     if pipe.node_resource is not None:
         options["resources"] = {pipe.node_resource: 0.001}

@@ -95,6 +95,7 @@ class StageInfo:
     device: str | None = None  # a stage in this process
     node_id: str | None = None  # a stage on a Ray node (a pipeline's)
     node_memory_bytes: int | None = None
+    threads: int | None = None  # a pipeline stage's compute threads
     restarts: int = 0
     work: StageWork | None = None  # a pipeline stage's counters; None while it is lost
 
@@ -132,6 +133,7 @@ class PipelineInfo:
     head_traffic: TrafficInfo
     logits_transfer_s: float
     split_reason: str = ""  # what the automatic layer split weighed (node memory, measured speed)
+    wait_policy: str = ""  # how the stages' OpenMP threads wait, as the head hands it to them (worker_env)
 
 
 @dataclass(frozen=True)

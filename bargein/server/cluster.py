@@ -50,6 +50,7 @@ def runner_body(info: RunnerInfo, counters: EngineCounters | None = None) -> dic
         "head_traffic": asdict(pipe.head_traffic) | {"total": pipe.head_traffic.total},
         "logits_transfer_s": pipe.logits_transfer_s,
         "split": pipe.split_reason,
+        "wait_policy": pipe.wait_policy,
         "stages": [_pipeline_stage(s) for s in info.stages],
     }
 
@@ -57,6 +58,7 @@ def runner_body(info: RunnerInfo, counters: EngineCounters | None = None) -> dic
 def _pipeline_stage(s: StageInfo) -> dict[str, Any]:
     entry: dict[str, Any] = {"index": s.index, "layers": list(s.layers), "node_id": s.node_id,
                              "node_address": s.node_address, "node_memory_bytes": s.node_memory_bytes,
+                             "threads": s.threads,
                              "state": "ok" if s.work is not None else "lost", "restarts": s.restarts}
     w = s.work
     if w is not None:

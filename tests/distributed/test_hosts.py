@@ -1,20 +1,23 @@
 """Several machines as the README sets them up, on three network-namespace hosts
 (tests/net_hosts.py): a Ray head on h0 started with ``bargein cluster start``, h1 and h2
 joined with ``bargein cluster join`` after the head's token is copied to them (each host
-has its own HOME, so the copy is what lets them in), then ``bargein serve`` on h0 with a
-2-stage pipeline over h1 and h2, and a second server with 2 replicas there. The test
+has its own HOME, so the copy is what lets them in; h2's join runs on with ``--rejoin``),
+then ``bargein serve`` on h0 with a 2-stage pipeline over h1 and h2, and a second server
+with 2 replicas there. The test
 process talks to the servers at h0's address only.
 
 Shown: the join refuses without the token and the cluster check finds every node; the
-pipeline across hosts answers token for token as one process does; a cancel by id stops
-every stage; a follow-up turn is served from the cache; a host made slow (a cgroup CPU
-quota) is measured so and gets fewer layers than its memory alone would give it; the
-replicas run with the threads their host offers and the server's wait policy; 16 concurrent chats that
-share a system prompt are balanced over the replicas while each conversation's turns stay
-on their replica; a host whose link goes down mid-answer costs that answer a pause (it
-resumes, token for token, on the other replica, which keeps serving), and the host is
-back in the cluster once its link is; a host that loses every process (h2) costs a
-pause, not the answers.
+pipeline across hosts answers token for token as one process does, each stage with the
+threads its host offers; a cancel by id stops every stage; a follow-up turn is served
+from the cache; a host made slow (a cgroup CPU quota) is measured so, gets fewer layers
+than its memory alone would give it and a smaller routing weight; the replicas run with
+the threads their host offers and the server's wait policy, weighed by their hosts'
+measured speed; 16 concurrent chats that share a system prompt are balanced over the
+replicas while each conversation's turns stay on their replica; a host whose link goes
+down mid-answer costs that answer a pause (it resumes, token for token, on the other
+replica, which keeps serving), and when the link stays down until Ray declares the host
+dead, h2's ``bargein cluster join --rejoin`` brings it back into the cluster by itself; a
+host that loses every process (h2) costs a pause, not the answers.
 
 One set of hosts and one Ray cluster for the module (about two minutes on 2 cores).
 """
@@ -36,6 +39,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bargein.distributed.split import speed_factors
 from bargein.kernels.native import cache_dir
 from tests import cpu_limits
 from tests.net_hosts import Host, Hosts, make_hosts, remove_hosts, skip_or_fail, unavailable
@@ -50,14 +54,21 @@ PORT, REPLICA_PORT = 8000, 8001
 NO_CONTROL = {str(tiny_tokenizer().token_to_id(t)): -100 for t in SPECIAL_TOKENS}
 GREEDY = {"temperature": 0, "ignore_eos": True, "logit_bias": NO_CONTROL, "return_token_ids": True}
 SYSTEM = {"role": "system", "content": "You are a careful assistant; answer briefly."}  # the tiny model holds 256
-# Each host's Ray node: CPUs (logical: this machine's cores are shared by all; two more
-# than there are, so that a replica taking what its host offers, every core, fits beside a
-# pipeline stage and, on h1, a stage re-created there) and memory, which the layer split
-# reads (h1 gets more layers than h2). The head offers no CPU: stages and replicas go to h1 and h2.
+# Each host's Ray node: CPUs (logical: this machine's cores are shared by all; four times
+# as many as there are, so that on h1 a pipeline stage and a replica, each taking what its
+# host offers (every core), fit beside h2's replica and stage when they are re-created
+# there) and memory, which the layer split reads (h1 gets more layers than h2). The head
+# offers no CPU: stages and replicas go to h1 and h2.
 CORES = len(os.sched_getaffinity(0))
 NODE_FLAGS = {0: ("--num-cpus", "0", "--memory", "300MiB"),
-              1: ("--num-cpus", str(CORES + 2), "--memory", "600MiB"),
-              2: ("--num-cpus", str(CORES + 2), "--memory", "300MiB")}
+              1: ("--num-cpus", str(4 * CORES), "--memory", "600MiB"),
+              2: ("--num-cpus", str(4 * CORES), "--memory", "300MiB")}
+# How soon the head declares an unreachable node dead (Ray's health checks, read by its GCS
+# from the environment): 4 checks of 1.5 s unanswered, about 10 s, not Ray's minute, so the
+# link test's host is declared dead while its link is down. A raylet would have to stall 6 s
+# to be declared dead wrongly.
+FAST_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1500",
+              "RAY_health_check_failure_threshold": "4"}
 
 
 @dataclass
@@ -65,6 +76,7 @@ class Cluster:
     hosts: Hosts
     model: str  # the model's path on every host that has it: ~/models/tiny.gguf
     local_model: Path  # h0's copy, which this process reads for the reference
+    rejoin_log: Path  # what `bargein cluster join --rejoin` on h2 says
 
     @property
     def head(self) -> Host:
@@ -83,6 +95,20 @@ def _ok(done, what: str) -> str:
 def _join(host: Host, address: str, token_copy: Path, flags: tuple[str, ...]) -> str:
     return _ok(host.bargein("cluster", "join", address, "--token-file", str(token_copy), "--temp-dir",
                             str(host.temp_dir), "--object-store-memory", "80MiB", *flags), f"join on {host.name}")
+
+
+def _join_and_rejoin(host: Host, address: str, token_copy: Path, flags: tuple[str, ...]) -> Path:
+    """``bargein cluster join --rejoin`` on ``host``, left running (its log returned) once joined."""
+    log = host.home / "rejoin.log"
+    watcher = host.popen([sys.executable, "-m", "bargein.cli", "cluster", "join", address, "--token-file",
+                          str(token_copy), "--temp-dir", str(host.temp_dir), "--object-store-memory", "80MiB",
+                          *flags, "--rejoin"], log)
+    deadline = time.monotonic() + 120
+    while "watching this node" not in log.read_text():
+        assert watcher.poll() is None, f"join --rejoin on {host.name} ended:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"join --rejoin on {host.name}: not joined in 120 s"
+        time.sleep(0.1)
+    return log
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +133,7 @@ def cluster() -> Iterator[Cluster]:
             (host.home / "models").mkdir()
             write_gguf(host.home / "models" / "tiny.gguf", SPEC, weights, tensor_type="Q8_0")
         head = hosts[0]
+        head.env |= FAST_DEATH  # for the head's processes (its GCS), and the servers there (no effect)
         started = _ok(head.bargein("cluster", "start", "--node-ip", head.ip, "--temp-dir", str(head.temp_dir),
                                    "--object-store-memory", "80MiB", *NODE_FLAGS[0]), "cluster start")
         assert f"bargein cluster join {head.ip}:6379 --token-file COPY" in started
@@ -115,10 +142,11 @@ def cluster() -> Iterator[Cluster]:
         assert refused.returncode == 1 and "no token: copy the head's ~/.ray/auth_token" in refused.stderr
         token_copy = root / "token-copy"  # what a user's scp does
         shutil.copy(head.home / ".ray" / "auth_token", token_copy)
-        for i in (1, 2):
-            assert f"({hosts[i].ip}) joined the Ray cluster at {address}" in _join(hosts[i], address, token_copy,
-                                                                                  NODE_FLAGS[i])
-        yield Cluster(hosts, "~/models/tiny.gguf", hosts[0].home / "models" / "tiny.gguf")
+        assert f"({hosts[1].ip}) joined the Ray cluster at {address}" in _join(hosts[1], address, token_copy,
+                                                                              NODE_FLAGS[1])
+        rejoin_log = _join_and_rejoin(hosts[2], address, token_copy, NODE_FLAGS[2])  # h2 watches its node
+        assert f"({hosts[2].ip}) joined the Ray cluster at {address}" in rejoin_log.read_text()
+        yield Cluster(hosts, "~/models/tiny.gguf", hosts[0].home / "models" / "tiny.gguf", rejoin_log)
     finally:
         remove_hosts(hosts)
         shutil.rmtree(root, ignore_errors=True)
@@ -216,9 +244,13 @@ def test_the_pipeline_spans_the_hosts_and_answers_as_one_process(cluster: Cluste
     # are alike, so memory decides), and the reason names each host.
     assert info["split"].startswith("by memory and measured speed: ")
     assert f"{cluster.hosts[1].ip} 600 MiB" in info["split"] and f"{cluster.hosts[2].ip} 300 MiB" in info["split"]
-    for host in cluster.hosts.hosts[1:]:  # each host's rate is cached in its own home, for its address
+    # No --threads: each stage has what its host offers (the CPUs its processes may use, fewer than
+    # Ray's), and its host was measured with them; each host's rate is cached in its own home.
+    assert [s["threads"] for s in info["stages"]] == [CORES, CORES]
+    assert info["wait_policy"] == "GOMP_SPINCOUNT=100"  # bargein's own, as the head runs with it
+    for host in cluster.hosts.hosts[1:]:
         (entry,) = [json.loads(p.read_text()) for p in (host.home / ".cache/bargein/calibration").glob("*.json")]
-        assert entry["address"] == host.ip and entry["layers_per_s"] > 0 and entry["threads"] == 1
+        assert entry["address"] == host.ip and entry["layers_per_s"] > 0 and entry["threads"] == CORES
     body = pipeline.chat([{"role": "user", "content": "Tell me about the sea, please."}], max_tokens=24)
     (choice,) = body["choices"]
     assert choice["token_ids"] == _expected(reference, choice["prompt_token_ids"], 24)
@@ -275,6 +307,11 @@ def test_a_slow_host_gets_fewer_layers_than_its_memory_would_give_it(cluster: Cl
         done = cluster.head.run([sys.executable, "-m", "tests.distributed.split_probe", cluster.address,
                                  cluster.model], timeout=240)
     probe = json.loads(_ok(done, "split probe").strip().splitlines()[-1])
+    # The router weighs replicas on these hosts by the same rates: of 16 new chats at once,
+    # the slow host's replica gets fewer than half (tests/distributed/test_calibrated_routing.py
+    # has the exact shares).
+    assert probe["routing_weights"][0] < 0.5 and probe["routing_weights"][1] == 1.0
+    assert probe["routed"][0] < probe["routed"][1] and sum(probe["routed"]) == 16
     assert probe["addresses"] == [slow.ip, fast.ip]
     assert probe["memory_only"] == [[0, 4], [4, 6]]
     assert probe["layers"][0][1] < 4, probe["reason"]  # the slow host: fewer layers than memory gives it
@@ -305,6 +342,12 @@ def test_replicas_sit_on_both_hosts_and_show_their_addresses(cluster: Cluster, r
     assert sorted(r["node_address"] for r in info["replicas"]) == sorted(h.ip for h in cluster.hosts.hosts[1:])
     # Each replica has what its host offers: the CPUs its processes may use (fewer than Ray's).
     assert [(r["threads"], r["wait_policy"]) for r in info["replicas"]] == [(CORES, "GOMP_SPINCOUNT=250")] * 2
+    # Each replica's host was measured (its calibration, with its threads) and the router weighs
+    # each by its share of the fastest (hosts within half of each other's speed weigh the same:
+    # these share one machine's cores, and one measured slow is measured again).
+    rates = [r["layers_per_s"] for r in info["replicas"]]
+    assert all(rate > 0 for rate in rates), info["replicas"]
+    assert [r["speed"] for r in info["replicas"]] == [round(f, 4) for f in speed_factors(rates)]
     assert "compute threads per replica: what its node offers" in replicas.log.read_text()
     # Ray's "the actor restart will fail" error, which a replica's builder (the shipped
     # model: an object reference) once caused at every start, is not logged.
@@ -361,13 +404,15 @@ def _wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def test_a_host_whose_link_goes_down_mid_answer_costs_a_pause_and_rejoins(cluster: Cluster, replicas: Server,
-                                                                          reference) -> None:
+def test_a_host_whose_link_stays_down_past_its_death_costs_a_pause_and_rejoins(cluster: Cluster, replicas: Server,
+                                                                                reference) -> None:
     """Two answers are generating, one on each host's replica, when h2's cable is pulled
     (its veth down): the one on h1 goes on; the one on h2 pauses until the head finds the
-    replica lost (its poll unanswered for 10 s) and resumes on h1 from the tokens
-    delivered, token for token; a new chat is served meanwhile. The link comes back within
-    Ray's node-death timeout: h2 is a node of the cluster again and its replica answers."""
+    replica lost and resumes on h1 from the tokens delivered, token for token; a new chat
+    is served meanwhile. The link stays down until Ray has declared h2 dead (Ray restarts
+    its replica on h1), so that when it comes back h2's raylet ends and Ray would never
+    take that node back: ``bargein cluster join --rejoin`` on h2 starts the node again, by
+    itself, and the cluster check runs a task on it."""
     lost, answer = cluster.hosts[2], 230
     on_lost = next(r["index"] for r in replicas.cluster()["replicas"] if r["node_address"] == lost.ip)
     before = replicas.cluster()
@@ -387,6 +432,9 @@ def test_a_host_whose_link_goes_down_mid_answer_costs_a_pause_and_rejoins(cluste
             (choice,) = body["choices"]
             assert choice["token_ids"] == _expected(reference, choice["prompt_token_ids"], 8)
             after = replicas.cluster()
+            # Ray restarts the lost replica only once it has declared its node dead: then on h1.
+            _wait_for(lambda: all(r["up"] for r in replicas.cluster()["replicas"]), 120, "the replica restarted")
+            assert replicas.cluster()["replicas"][on_lost]["node_address"] == cluster.hosts[1].ip
         finally:
             lost.link(up=True)
     routed = [a["routed"] - b["routed"] for a, b in zip(after["replicas"], before["replicas"], strict=True)]
@@ -396,11 +444,13 @@ def test_a_host_whose_link_goes_down_mid_answer_costs_a_pause_and_rejoins(cluste
         assert final["token_ids"] == _expected(reference, final["prompt_token_ids"], answer)
     assert after["replicas"][on_lost]["lost"] == before["replicas"][on_lost]["lost"] + 1
     assert after["resubmitted"] == before["resubmitted"] + 1  # the answer on h2, resumed on h1
-    assert max(f["ended"] for f in finals) - down_at >= 5  # that one waited for the loss to be found
-    # The link is back: h2 is in the cluster, every replica answers again.
-    _wait_for(lambda: all(r["up"] for r in replicas.cluster()["replicas"]), 180, "the lost replica back")
+    assert max(f["ended"] for f in finals) - down_at >= 2  # that one waited for the loss to be found
+    # The link is back: h2's old node ends, and the watch on h2 starts it again.
+    again = f"this machine ({lost.ip}) joined the Ray cluster at {cluster.address} again"
+    _wait_for(lambda: again in cluster.rejoin_log.read_text(), 120, "h2 joined again")
+    assert "this node left the Ray cluster" in cluster.rejoin_log.read_text()
     out = _ok(cluster.head.bargein("cluster", "check", "--ray", cluster.address), "cluster check")
-    assert "the Ray cluster is ready: 3 nodes" in out and lost.ip in out
+    assert "the Ray cluster is ready: 3 nodes" in out and lost.ip in out  # a task ran on h2's new node
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         bodies = list(pool.map(lambda n: replicas.chat([{"role": "user", "content": f"Again {n}?"}], max_tokens=8),
                                range(4)))

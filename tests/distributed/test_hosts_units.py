@@ -91,3 +91,64 @@ def test_join_without_a_token_or_with_a_bad_file_stops_before_ray(home, capsys) 
     install_token("x")
     assert main(["cluster", "join", "127.0.0.1:1"]) == 1  # nothing listens there
     assert "no Ray head answers at 127.0.0.1:1 from this machine" in capsys.readouterr().err
+
+
+def test_a_node_that_left_the_cluster_joins_again_once_the_head_answers(tmp_path) -> None:
+    """``bargein cluster join --rejoin``'s watch (distributed/rejoin.py) with stand-ins: a
+    "raylet" is a sleeping process with a raylet's command line, the head a listening
+    socket, ``ray start`` a function that starts a stand-in raylet. The first raylet ends
+    (Ray declared the node dead) while the head does not answer: the watch says so once,
+    waits, and starts the node again as soon as the head answers."""
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from bargein.distributed.rejoin import keep_joined, raylets, start_node
+
+    raylet = tmp_path / "bin" / "raylet"
+    raylet.parent.mkdir()
+    raylet.symlink_to(sys.executable)
+    head = socket.socket()
+    head.bind(("127.0.0.1", 0))
+    port = head.getsockname()[1]
+    start = NodeStart("127.0.0.77", head_address=f"127.0.0.1:{port}", temp_dir=str(tmp_path / "ray"))
+    started: list[subprocess.Popen] = []
+
+    def ray_start(s: NodeStart) -> None:
+        assert s == start  # the same node again: address, CPUs, memory, temp dir
+        started.append(subprocess.Popen([str(raylet), "-c", "import time; time.sleep(60)",
+                                         f"--node_ip_address={s.node_ip}", f"--temp_dir={s.temp_dir}"]))
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    lines: list[str] = []
+    stop = threading.Event()
+    try:
+        watched = start_node(start, ray_start)
+        assert {p.pid for p in watched} == {started[0].pid}
+        assert raylets("127.0.0.78") == set()  # another node's address: not ours
+        watch = threading.Thread(target=keep_joined, args=(start, ray_start, lines.append, watched, stop),
+                                 kwargs={"poll_s": 0.02, "retry_s": 0.05})
+        watch.start()
+        started[0].kill()  # the node is declared dead; the head is unreachable for now
+        wait_for(lambda: any(line.startswith("not yet: no Ray head answers") for line in lines), "no retry said")
+        time.sleep(0.3)  # tries meanwhile are not said again, and start nothing
+        assert len(started) == 1 and sum(line.startswith("not yet") for line in lines) == 1
+        head.listen()  # the head answers again
+        wait_for(lambda: len(started) == 2 and any("again" in line for line in lines[-1:]), "no rejoin")
+        assert lines[0].startswith("this node left the Ray cluster (its raylet ended: Ray declared the node dead")
+        assert lines[-1] == f"this machine (127.0.0.77) joined the Ray cluster at 127.0.0.1:{port} again"
+        time.sleep(0.2)  # the new raylet lives: nothing more happens
+        assert len(started) == 2 and started[1].poll() is None
+    finally:
+        stop.set()
+        for p in started:
+            p.kill()
+            p.wait()
+        head.close()

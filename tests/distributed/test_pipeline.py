@@ -25,6 +25,7 @@ from bargein.cli.cluster import format_cluster  # noqa: E402
 from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.distributed.pipeline import PipelineRunner  # noqa: E402
 from bargein.distributed.stage import held_weights  # noqa: E402
+from bargein.distributed.worker_env import describe_wait_policy  # noqa: E402
 from bargein.engine.async_engine import AsyncEngine  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.plan import ScheduledChunk, StepPlan  # noqa: E402
@@ -413,11 +414,15 @@ def test_v1_cluster_lists_the_stages_and_the_server_answers_through_the_pipeline
     assert all(s["mean_transfer_ms"] > 0 for s in info["stages"][1:])
     # The simulated nodes share one address (one machine's CPUs): split by memory alone.
     assert info["split"].startswith("by memory: ")
+    # Threads as the Python API's default (1 a stage); the wait policy the head hands the stages.
+    assert [s["threads"] for s in info["stages"]] == [1] * len(setup.ranges)
+    assert info["wait_policy"] == describe_wait_policy() != ""
     table = format_cluster(info).splitlines()
-    assert len(table) == 4 + len(setup.ranges) and table[1] == "health ok; 0 recoveries"
-    assert table[2] == f"layers split {info['split']}"
-    assert table[3].split() == ["STAGE", "LAYERS", "NODE", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER", "IDLE",
-                                "RESTARTS"]
+    assert len(table) == 5 + len(setup.ranges) and table[1] == "health ok; 0 recoveries"
+    assert table[2] == f"layers split {info['split']}" and table[3] == f"stage threads wait with {info['wait_policy']}"
+    assert table[4].split() == ["STAGE", "LAYERS", "NODE", "THREADS", "MEMORY", "WEIGHTS", "PLANS", "STEP", "XFER",
+                                "IDLE", "RESTARTS"]
+    assert [row.split()[3] for row in table[5:]] == ["1"] * len(setup.ranges)
     assert single == {"object": "cluster", "pipeline": False, "num_stages": 1, "max_in_flight": 1,
                       "kv_blocks": 40, "stages": [{"index": 0, "layers": [0, 6], "node_address": "local",
                                                    "device": "cpu"}]}

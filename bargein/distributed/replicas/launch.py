@@ -9,7 +9,6 @@ that all N x M stages fit (PipelineSetupError, one line, when they do not).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid
 from collections.abc import Sequence
@@ -17,10 +16,12 @@ from dataclasses import replace
 from typing import Any
 
 from bargein.distributed.errors import PipelineSetupError
+from bargein.distributed.node_cpus import measure_usable_cpus
 from bargein.distributed.replicas.actor import EngineBuilder, ReplicaWorker, kill
 from bargein.distributed.replicas.facade import ReplicaSet
 from bargein.distributed.replicas.options import ReplicaOptions
 from bargein.distributed.replicas.slots import ReplicaSlot, plan_replica_slots
+from bargein.distributed.replicas.speeds import weigh_by_speed
 from bargein.distributed.worker_env import worker_runtime_env
 
 try:
@@ -136,6 +137,8 @@ def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
 
     options = options or ReplicaOptions()
     pipe = config.pipeline
+    if pipe is not None and pipe.threads_per_stage is None:  # planned per replica set: a thread a stage
+        config = replace(config, pipeline=(pipe := replace(pipe, threads_per_stage=1)))
     connect(address, num_replicas * (pipe.stages if pipe else 1))
     wanted = dict(options.resources or {})
     nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0
@@ -156,35 +159,18 @@ def launch_replicas(ref: str, config: Any, address: str, num_replicas: int,
         model, shipping = replica_model(ref, config, nodes, ship=ship)
         builds = model if config.cache.kv_disk_dir is None else [model] * num_replicas
         if options.threads is None:  # per node: what each offers, shared among its replicas
-            slots = plan_replica_slots(num_replicas, nodes, _usable_cpus(nodes))
+            slots = plan_replica_slots(num_replicas, nodes, measure_usable_cpus(n["NodeID"] for n in nodes))
             for i, slot in enumerate(slots):
                 log.info("replica %d: node %s, %d compute threads", i, slot.node_id, slot.threads)
     if config.cache.kv_disk_dir is not None:  # one tier directory per replica
         builds = [with_own_kv_disk(b, i) for i, b in enumerate(builds)]
     group = start_replicas(builds, num_replicas, options, slots)
+    if pipe is None:  # whole-model replicas: the router weighs each by its node's measured speed
+        weigh_by_speed(group)
     group.builds = builds  # holds the shipped weights' reference: a restarted replica fetches them again
     group.weights_shipped_bytes = shipping.shipped_bytes
     group.nodes_without_file = shipping.nodes_without_file
     return group
-
-
-def _usable_cpus(nodes: list[dict[str, Any]], timeout_s: float = 30.0) -> dict[str, float]:
-    """The CPUs a process may use on each node (a task pinned there); one that does not
-    answer is left out (it then offers its Ray CPUs)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from bargein.distributed.node_cpus import usable_cpus
-
-    task = ray.remote(num_cpus=0)(usable_cpus)
-    refs = {n["NodeID"]: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-            .remote() for n in nodes}
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    answered = {}
-    for node, ref in refs.items():
-        if ref in ready:
-            with contextlib.suppress(ray.exceptions.RayError):  # it failed: as if it had not answered
-                answered[node] = float(ray.get(ref))
-    return answered
 
 
 def _cause(exc: BaseException) -> str:

@@ -2,7 +2,7 @@
 is given no ``--threads``: per node, from what the node offers.
 
 A node offers the smaller of its Ray CPUs and the CPUs its processes may use (measured
-there: affinity and cgroup quota, :func:`~bargein.distributed.node_cpus.usable_cpus`; a
+there: affinity and cgroup quota, :func:`~bargein.distributed.node_cpus.node_offer`; a
 Ray node may declare more logical CPUs than it has). Replicas go one at a time to the
 node that would then give each of its replicas the most whole threads (ties: the node
 with fewer replicas, then more memory), and each replica on a node gets an equal share
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bargein.distributed.errors import PipelineSetupError
+from bargein.distributed.node_cpus import node_offer
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,7 @@ def plan_replica_slots(num_replicas: int, nodes: Sequence[Mapping[str, Any]],
     ``usable_cpus``: node id -> the CPUs measured there (a node left out offers its Ray
     CPUs). Raises PipelineSetupError, in one line, when the replicas do not fit one Ray
     CPU each."""
-    offers = {n["NodeID"]: min(n["Resources"].get("CPU", 0), usable_cpus.get(n["NodeID"], math.inf))
-              for n in nodes}
+    offers = {n["NodeID"]: node_offer(n, usable_cpus) for n in nodes}
     ray_cpus = {n["NodeID"]: int(n["Resources"].get("CPU", 0)) for n in nodes}
     memory = {n["NodeID"]: n["Resources"].get("memory", 0) for n in nodes}
     if num_replicas > sum(ray_cpus.values()):
