@@ -240,39 +240,113 @@ static void attend_tile(const f16_batch_t *b, int64_t first, int n, int h0, int 
 #define ONE_QUERY_PATH 1
 static inline __m256 load_halves(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* hsum256 of four vectors at once: lane i is hsum256 of the i-th, by the same adds of the
+ * same pairs (lane j + lane j + 4, then (0 + 2) + (1 + 3)), so the very same float. */
+static inline __m128 hsum256_x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m128 sa = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 sb = _mm_add_ps(_mm256_castps256_ps128(b), _mm256_extractf128_ps(b, 1));
+    const __m128 sc = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+    const __m128 sd = _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+    const __m128 ab = _mm_add_ps(_mm_unpacklo_ps(sa, sb), _mm_unpackhi_ps(sa, sb)); /* a02 b02 a13 b13 */
+    const __m128 cd = _mm_add_ps(_mm_unpacklo_ps(sc, sd), _mm_unpackhi_ps(sc, sd)); /* c02 d02 c13 d13 */
+    return _mm_add_ps(_mm_movelh_ps(ab, cd), _mm_movehl_ps(cd, ab));
+}
+
+/* s[i] = score of query head q against the keys k + i * stride, i < n (consecutive
+ * positions of one block): four keys' chains at once, each the single fused multiply-add
+ * chain over the head of the one-key loop below. */
+static inline void score_run(const f16_batch_t *b, const float *q, const uint16_t *k, int64_t n, int64_t stride,
+                             float *s) {
+    const int d_len = b->head_dim;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4, k += 4 * stride) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int d = 0; d < d_len; d += 8) {
+            const __m256 qd = _mm256_loadu_ps(q + d);
+            a0 = _mm256_fmadd_ps(qd, load_halves(k + d), a0);
+            a1 = _mm256_fmadd_ps(qd, load_halves(k + stride + d), a1);
+            a2 = _mm256_fmadd_ps(qd, load_halves(k + 2 * stride + d), a2);
+            a3 = _mm256_fmadd_ps(qd, load_halves(k + 3 * stride + d), a3);
+        }
+        float lanes[4];
+        _mm_storeu_ps(lanes, hsum256_x4(a0, a1, a2, a3));
+        for (int j = 0; j < 4; j++) s[i + j] = score(b, lanes[j]);
+    }
+    for (; i < n; i++, k += stride) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int d = 0; d < d_len; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_halves(k + d), acc);
+        s[i] = score(b, hsum256(acc));
+    }
+}
+
+#define PREFETCH_BLOCKS 1 /* a decode asks for the rows of the block after the one it reads */
+/* Asks for block blk's rows (values [col, col + width) of each) of a cache ahead of their
+ * use, if the context reaches the block: the block table scatters blocks over the pool,
+ * where the hardware prefetcher cannot follow. */
+static inline void prefetch_block(const f16_batch_t *b, const uint16_t *cache, const int64_t *table, int64_t blk,
+                                  int64_t ctx, int64_t col, int64_t width) {
+    const int64_t bs = b->block_size, row_len = (int64_t)b->num_kv_heads * b->head_dim;
+    if (blk * bs >= ctx) return;
+    const int64_t rows = (blk + 1) * bs < ctx ? bs : ctx - blk * bs;
+    const char *p = (const char *)(cache + (table[blk] * bs) * row_len + col);
+    for (int64_t r = 0; r < rows; r++, p += row_len * (int64_t)sizeof(uint16_t))
+        for (int64_t c = 0; c < width * (int64_t)sizeof(uint16_t); c += 64) __builtin_prefetch(p + c, 0, 3);
+}
+
 /* A tile of one query (a decode), for head_dim a multiple of 64: the very arithmetic of
  * attend_tile for it (each score one fused multiply-add chain over the head, summed by
  * hsum256, times the scale; the same softmax; each output value one chain of fused
- * multiply-adds over the positions in order, times 1 / sum), in another loop order: head
- * by head, the query and 64 output values held in registers and the keys and values
- * widened as they are read. So the bits are attend_tile's, at a fraction of its loads
- * and stores. scores is max_context scratch. */
-static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *scores) {
-    const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim, bs = b->block_size;
-    const int64_t row_len = (int64_t)b->num_kv_heads * d_len, per_q = (int64_t)n_heads * d_len;
+ * multiply-adds over the positions in order, times 1 / sum), in another loop order: a
+ * block of positions at a time (one table look-up per block, not a division per key, and
+ * the next block asked for ahead), every head of [h0, h1) reading the block's rows while
+ * they are in L1 (from memory once, not once per query head of a group), four keys'
+ * scores at once (their chains overlap instead of waiting on each other), each output
+ * value's chain continued from block to block through acc, and the keys and values widened
+ * as they are read. So the bits are attend_tile's, at a fraction of its loads and stores.
+ * scores is (heads, max_context) scratch, acc (heads, head_dim). */
+static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *scores, float *acc) {
+    const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim;
+    const int64_t row_len = (int64_t)b->num_kv_heads * d_len, per_q = (int64_t)n_heads * d_len, bs = b->block_size;
     const int64_t *table = b->block_tables + b->query_seq[qi] * b->table_width;
-    const int64_t ctx = b->query_ctx[qi], start = first_position(b, ctx);
-    for (int h = h0; h < h1; h++) {
-        const float *q = b->q + qi * per_q + (int64_t)h * d_len;
-        const int64_t off = (int64_t)(h / group) * d_len;
-        for (int64_t t = start; t < ctx; t++) {
-            const uint16_t *k = b->k_cache + (table[t / bs] * bs + t % bs) * row_len + off;
-            __m256 acc = _mm256_setzero_ps();
-            for (int d = 0; d < d_len; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_halves(k + d), acc);
-            scores[t - start] = score(b, hsum256(acc));
-        }
-        const __m256 inv = _mm256_set1_ps(softmax_row(scores, ctx - start));
-        float *out = b->out + qi * per_q + (int64_t)h * d_len;
-        for (int d0 = 0; d0 < d_len; d0 += 64) {
-            __m256 a[8];
-            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-            for (int64_t t = start; t < ctx; t++) {
-                const uint16_t *v = b->v_cache + (table[t / bs] * bs + t % bs) * row_len + off + d0;
-                const __m256 w = _mm256_set1_ps(scores[t - start]);
-                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, load_halves(v + 8 * j), a[j]);
+    const int64_t ctx = b->query_ctx[qi], start = first_position(b, ctx), len = ctx - start;
+    const int64_t col = (int64_t)(h0 / group) * d_len, width = (int64_t)((h1 - 1) / group + 1) * d_len - col;
+    const float *q = b->q + qi * per_q;
+    for (int64_t t = start, blk = start / bs; t < ctx; blk++) { /* positions [t, end) of block blk */
+        const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
+        const uint16_t *k = b->k_cache + (table[blk] * bs + t - blk * bs) * row_len;
+        prefetch_block(b, b->k_cache, table, blk + PREFETCH_BLOCKS, ctx, col, width);
+        for (int h = h0; h < h1; h++)
+            score_run(b, q + (int64_t)h * d_len, k + (int64_t)(h / group) * d_len, end - t, row_len,
+                      scores + (int64_t)(h - h0) * len + t - start);
+        t = end;
+    }
+    float inv[h1 - h0];
+    for (int h = h0; h < h1; h++) inv[h - h0] = softmax_row(scores + (int64_t)(h - h0) * len, len);
+    for (int64_t t = start, blk = start / bs; t < ctx; blk++) {
+        const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
+        const uint16_t *v = b->v_cache + (table[blk] * bs + t - blk * bs) * row_len;
+        prefetch_block(b, b->v_cache, table, blk + PREFETCH_BLOCKS, ctx, col, width);
+        for (int h = h0; h < h1; h++) {
+            const float *s = scores + (int64_t)(h - h0) * len - start;
+            for (int d0 = 0; d0 < d_len; d0 += 64) {
+                const uint16_t *vh = v + (int64_t)(h / group) * d_len + d0;
+                float *sum = acc + (int64_t)(h - h0) * d_len + d0;
+                __m256 a[8];
+                for (int j = 0; j < 8; j++) a[j] = t == start ? _mm256_setzero_ps() : _mm256_loadu_ps(sum + 8 * j);
+                for (int64_t u = t; u < end; u++, vh += row_len) {
+                    const __m256 w = _mm256_set1_ps(s[u]);
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, load_halves(vh + 8 * j), a[j]);
+                }
+                for (int j = 0; j < 8; j++) _mm256_storeu_ps(sum + 8 * j, a[j]);
             }
-            for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(a[j], inv));
         }
+        t = end;
+    }
+    for (int h = h0; h < h1; h++) {
+        const __m256 scale = _mm256_set1_ps(inv[h - h0]);
+        float *out = b->out + qi * per_q + (int64_t)h * d_len;
+        const float *sum = acc + (int64_t)(h - h0) * d_len;
+        for (int d = 0; d < d_len; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(sum + d), scale));
     }
 }
 
@@ -373,7 +447,7 @@ static void run_worker(void *arg, int index, int count) {
             const int h0 = heads * part / parts, h1 = heads * (part + 1) / parts;
 #ifdef ONE_QUERY_PATH
             if (n == 1 && b->head_dim % 64 == 0) {
-                attend_one(b, first, h0, h1, scores);
+                attend_one(b, first, h0, h1, scores, acc);
                 continue;
             }
 #endif

@@ -6,8 +6,10 @@
 #ifndef BARGEIN_NEON_ATTENTION_F16_H
 #define BARGEIN_NEON_ATTENTION_F16_H
 
-/* Query qi over query heads [h0, h1), head_dim a multiple of 64; scores: max_context floats. */
-static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *scores) {
+/* Query qi over query heads [h0, h1), head_dim a multiple of 64; scores: max_context floats
+ * (acc, the x86 path's (heads, head_dim) scratch, is not needed here). */
+static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *scores, float *acc) {
+    (void)acc;
     const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim, bs = b->block_size;
     const int64_t row_len = (int64_t)b->num_kv_heads * d_len, per_q = (int64_t)n_heads * d_len;
     const int64_t *table = b->block_tables + b->query_seq[qi] * b->table_width;
