@@ -191,6 +191,10 @@ def test_a_conversation_longer_than_the_pool(precision: str) -> None:
                 assert not out.finished, out  # not ended for want of blocks
                 delivered += out.new_token_ids
             engine.check_block_accounting()
+            seq = engine.scheduler.requests[rid].sequence
+            c, dropped = seq.num_computed, max(0, seq.num_computed - W - BS) // BS
+            # to the block: it holds exactly the blocks from c - W - BS on, never more than the pool
+            assert (seq.block_table.num_dropped, engine.pool.num_referenced) == (dropped, -(-c // BS) - dropped)
             assert engine.pool.num_referenced <= 6
     finally:
         engine.runner.submit = submit
