@@ -6,10 +6,18 @@ a shortfall is bargein's: it quantizes each committed tiny GGUF (tests/data/fami
 Q8_0 with llama.cpp's ``llama-quantize`` and runs it through llama.cpp (``llama_cpp`` in
 the venv, which quantizes activations to Q8_0 blocks against Q8_0 weights, as ``fast``
 does to int8 per block of 32), and prints, against transformers in float32 on the same
-tokens: llama.cpp on the float32 file (its float path), llama.cpp on Q8_0, and bargein
-``fast`` on the float32 file (which it holds as Q8_0 blocks).
+tokens: llama.cpp on the float32 file (its float path), llama.cpp on Q8_0, bargein ``fast``
+on the float32 file (which it holds as Q8_0 blocks, against int8 activations) and on the
+file converted to F16 by ``llama-quantize`` (which ``fast`` reads in place against float32
+activations: no int8 anywhere).
 
-    python bench/family_agreement.py gemma2 gemma3 qwen3
+``--ablate`` also says where ``fast`` diverges from ``exact``: the float32 file in ``fast``,
+one operation at a time (``fuse_layers`` off), with parts of it replaced by ``exact``'s
+modules of the same file (float32 weights and activations): each kind of matmul, the LM
+head, all matmuls. What is left when every matmul is ``exact``'s is the rest of ``fast``
+(float16 K/V, the native norms, GeGLU, soft caps, embedding and query scales, attention).
+
+    python bench/family_agreement.py gemma2 gemma3 qwen3 [--ablate]
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.model.family_files import DATA, NAMES, all_logits, engine, reference_logits  # noqa: E402
+from bargein.config import CacheConfig, EngineConfig  # noqa: E402
+from bargein.engine.engine import Engine  # noqa: E402
+from tests.model.family_files import DATA, NAMES, all_logits, reference_logits  # noqa: E402
 
 QUANTIZE = Path("/work/llamacpp/build/bin/llama-quantize")
 POSITIONS = 256
@@ -48,9 +58,40 @@ def _llama_cpp_logits(path: Path, tokens: list[int]) -> torch.Tensor:
     return torch.tensor(np.array(llm.scores[:len(tokens)]), dtype=torch.float32)
 
 
+def _engine(path: Path | str, precision: str) -> Engine:
+    config = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=17), precision=precision, device="cpu",
+                          max_model_len=POSITIONS)
+    return Engine.from_pretrained(str(path), config, progress=False)
+
+
+# ablation rows: label -> the parts of each layer (and "head") taken from exact
+PARTS = {"wqkv": ("wqkv",), "wo": ("wo",), "w13 (gate, up)": ("w13",), "w2 (down)": ("w2",), "LM head": ("head",),
+         "every layer matmul": ("wqkv", "wo", "w13", "w2"), "every matmul": ("wqkv", "wo", "w13", "w2", "head")}
+
+
+def _ablation(path: Path, tokens: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """fast's logits with parts replaced by exact's modules (see the module doc)."""
+    exact = _engine(path, "exact").runner.stages[0]
+    out = []
+    for label, parts in {"fast, one operation at a time": (), **PARTS}.items():
+        eng = _engine(path, "fast")
+        stage = eng.runner.stages[0]
+        stage.fused = None  # the per-operation path (bit for bit the fused one), whose modules can be swapped
+        for mine, theirs in zip(stage.layers, exact.layers, strict=True):
+            for part in parts:
+                owner = "attention" if part in ("wqkv", "wo") else "feed_forward"
+                if part != "head":
+                    setattr(getattr(mine, owner), part, getattr(getattr(theirs, owner), part))
+        if "head" in parts:
+            stage.lm_head = exact.lm_head
+        out.append((f"fast, {label} exact" if parts else label, all_logits(eng, tokens)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", default=list(NAMES), help=f"families (default: all of {NAMES})")
+    parser.add_argument("--ablate", action="store_true", help="also fast with parts replaced by exact's")
     args = parser.parse_args()
     rng = random.Random(3)  # the tokens of test_fast_agrees_with_transformers_over_256_positions
     tokens = [rng.randrange(3, 300) for _ in range(POSITIONS)]
@@ -58,17 +99,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.names:
             f32 = DATA / name / "model.gguf"
-            q8 = Path(tmp) / f"{name}.Q8_0.gguf"
-            subprocess.run([str(QUANTIZE), str(f32), str(q8), "Q8_0"], check=True, capture_output=True)
+            q8, f16 = Path(tmp) / f"{name}.Q8_0.gguf", Path(tmp) / f"{name}.F16.gguf"
+            for out, qtype in ((q8, "Q8_0"), (f16, "F16")):
+                subprocess.run([str(QUANTIZE), str(f32), str(out), qtype], check=True, capture_output=True)
             want = reference_logits(name, "gguf", tokens)
-            fast = engine(name, "gguf", "fast", max_model_len=POSITIONS, block_size=16, num_blocks=17)
-            for label, got in (("llama.cpp F32", _llama_cpp_logits(f32, tokens)),
-                               ("llama.cpp Q8_0", _llama_cpp_logits(q8, tokens)),
-                               ("bargein fast", all_logits(fast, tokens))):
-                rows.append({"family": name, "run": label, **_compare(got, want)})
-    print(f"{'family':8} {'run':16} {'top-1':>7} {'max|diff|':>10} {'mean|diff|':>10}")
+            runs = [("llama.cpp F32", _llama_cpp_logits(f32, tokens)),
+                    ("llama.cpp Q8_0", _llama_cpp_logits(q8, tokens)),
+                    ("bargein fast", all_logits(_engine(f32, "fast"), tokens)),
+                    ("bargein fast, F16 file", all_logits(_engine(f16, "fast"), tokens))]
+            if args.ablate:
+                runs += _ablation(f32, tokens)
+            rows += [{"family": name, "run": label, **_compare(got, want)} for label, got in runs]
+    print(f"{'family':8} {'run':40} {'top-1':>7} {'max|diff|':>10} {'mean|diff|':>10}")
     for r in rows:
-        print(f"{r['family']:8} {r['run']:16} {r['agreement']:7.3f} {r['max_abs_diff']:10.4f} "
+        print(f"{r['family']:8} {r['run']:40} {r['agreement']:7.3f} {r['max_abs_diff']:10.4f} "
               f"{r['mean_abs_diff']:10.4f}")
     print(json.dumps(rows))
 

@@ -19,13 +19,22 @@ continue from its K/V, and the scheduler releases the table and recomputes the s
 from its tokens (hitting the prefix cache, where the dropped blocks went, while they are
 cached), see :func:`holds_window_after_cut`.
 
+So an all-local model's context is not bounded by the pool: a sequence of any length
+holds at most its window's blocks and those of the chunk it computes. What bounds it is
+the chunk: a prompt chunk of ``n`` tokens needs its own blocks beside the window's, so a
+chunk is at most :func:`max_chunk_tokens`, the most that one sequence alone can always
+fit; where the pool cannot hold a window and one more token, the context stays bounded by
+the pool, as for any model (:func:`longest_context`).
+
 A model with some global layers (Gemma: local layers interleaved with global ones) keeps
-every block: its global layers read them all.
+every block: its global layers read them all, and its context is bounded by the pool.
 
 This module imports no torch.
 """
 
 from __future__ import annotations
+
+from bargein.config import EngineConfig, ModelConfig
 
 
 def blocks_outside_window(num_computed: int, window: int, block_size: int) -> int:
@@ -59,3 +68,36 @@ def holds_window_after_cut(num_dropped: int, num_tokens: int, window: int, block
     """Whether a table that dropped ``num_dropped`` leading blocks, cut to ``num_tokens``
     tokens, still holds every block its next query reads."""
     return num_dropped == 0 or num_dropped * block_size <= num_tokens - window
+
+
+def max_chunk_tokens(num_blocks: int, window: int, block_size: int) -> int:
+    """The most tokens one chunk of a sequence may compute so that the sequence alone
+    always fits a pool of ``num_blocks`` (0 or less: not even one token).
+
+    Computing ``n`` tokens from ``c`` holds blocks ``blocks_outside_window(c) ..
+    ceil((c + n) / block_size)``; the most that is, over every ``c``, is ``1 + ceil((window
+    + n + block_size - 1) / block_size)`` (``c`` one short of a block past ``window +
+    block_size``), which is at most ``num_blocks`` exactly when ``n <= (num_blocks - 2) *
+    block_size - window + 1``."""
+    return (num_blocks - 2) * block_size - window + 1
+
+
+def longest_context(num_blocks: int, block_size: int, window: int | None) -> int | None:
+    """The longest sequence a pool of ``num_blocks`` blocks can hold: every position's
+    block without a window (or with one that some layer ignores: pass None); None (no bound)
+    where every layer attends within ``window`` and a sequence's window fits beside a chunk
+    of at least one token (:func:`max_chunk_tokens`)."""
+    if window is not None and max_chunk_tokens(num_blocks, window, block_size) >= 1:
+        return None
+    return num_blocks * block_size
+
+
+def max_positions(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The positions a model built for ``config`` must cover (its RoPE tables):
+    ``max_model_len`` (else the model's own), bounded by the longest sequence of a pool of
+    ``cache.num_blocks`` where the config counts them (none for an all-local model)."""
+    positions = config.max_model_len or model_config.max_position_embeddings
+    blocks, block_size = config.cache.counted_blocks, config.cache.block_size
+    if blocks is None:
+        return positions
+    return min(positions, longest_context(blocks, block_size, model_config.every_layer_window) or positions)

@@ -48,7 +48,9 @@ from bargein.engine.block_table import BlockContent, BlockTable, OutOfBlocks
 from bargein.engine.block_window import (
     blocks_outside_window,
     holds_window_after_cut,
+    longest_context,
     longest_window_hit,
+    max_chunk_tokens,
 )
 
 __all__ = ["BlockPool", "BlockTable", "OutOfBlocks"]
@@ -440,3 +442,21 @@ class BlockPool(DiskTierLookups):
         if self.window is None:
             return not table.num_dropped
         return holds_window_after_cut(table.num_dropped, num_tokens, self.window, self.block_size)
+
+    @property
+    def max_sequence_tokens(self) -> int | None:
+        """The longest sequence this pool holds (``block_window.longest_context``): all its
+        slots, or None (no bound) where every layer is local and a window fits beside a
+        chunk, since such a sequence gives blocks back as it grows."""
+        return longest_context(self.num_blocks, self.block_size, self.window)
+
+    @property
+    def max_chunk_tokens(self) -> int | None:
+        """The most tokens a prompt chunk may compute where ``max_sequence_tokens`` is None,
+        so that one sequence alone always fits (``block_window.max_chunk_tokens``); None
+        where no such bound applies (every block of a sequence is kept anyway)."""
+        if self.max_sequence_tokens is not None:
+            return None
+        assert self.window is not None
+        return max_chunk_tokens(self.num_blocks, self.window, self.block_size)
+

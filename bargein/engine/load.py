@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from bargein.config import EngineConfig
 from bargein.engine.admission import EngineError
+from bargein.engine.block_window import max_positions
 from bargein.engine.device import (
     build_model,
     one_torch_thread,
@@ -41,9 +42,7 @@ def load_in_process(engine_class: type[Engine], ref: str | None, config: EngineC
     source = resolve_model_ref(ref)
     model_config = load_config(source, sliding_window=config.sliding_window)
     device = resolve_device(config.device)
-    max_len = config.max_model_len or model_config.max_position_embeddings
-    if config.cache.counted_blocks is not None:  # no sequence outgrows the pool: no position past it
-        max_len = min(max_len, config.cache.counted_blocks * config.cache.block_size)
+    max_len = max_positions(config, model_config)  # no position past the pool's longest sequence
     with one_torch_thread():
         # Each tensor goes to the device as it is read: no whole-model copy in host memory.
         # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model

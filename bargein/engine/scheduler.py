@@ -83,7 +83,7 @@ class Scheduler(StepFilling, SchedulerConversations):
     def __init__(self, config: SchedulerConfig, pool: BlockPool, max_model_len: int,
                  eos_token_ids: frozenset[int]):
         self.config, self.pool = config, pool
-        self.max_model_len = min(max_model_len, pool.num_blocks * pool.block_size)
+        self.max_model_len = min(max_model_len, pool.max_sequence_tokens or max_model_len)  # all-local: no bound
         self.eos_token_ids = eos_token_ids
         self.ids = RequestIds()  # the one memory of request ids, readable from any thread
         self.waiting: deque[Request] = deque()

@@ -132,13 +132,16 @@ class StepFilling:
 
     def _prompt_room(self: Scheduler, busy: frozenset[str], room: int) -> float:
         """Prompt tokens this step may carry: ``max_mixed_prefill_tokens`` when it will carry
-        a decode (a running sequence with one token to compute), else no cap of its own."""
+        a decode (a running sequence with one token to compute), else no cap of its own; for
+        an all-local model at most the pool's ``max_chunk_tokens``, so that a sequence longer
+        than the pool computes its prompt in chunks that fit beside its window."""
+        chunk = self.pool.max_chunk_tokens or math.inf
         cap = self.config.max_mixed_prefill_tokens
         if cap is None:
-            return math.inf
+            return chunk
         schedulable = (r for r in self.running if r.status == RequestStatus.RUNNING and r.request_id not in busy)
         has_decode = any(r.sequence.num_pending == 1 for r in itertools.islice(schedulable, room))
-        return cap if has_decode else math.inf
+        return min(cap, chunk) if has_decode else chunk
 
 
     def add_drafts(self: Scheduler, plan: StepPlan, drafts: Mapping[str, tuple[int, ...]]) -> StepPlan:

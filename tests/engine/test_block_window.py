@@ -7,14 +7,21 @@ holding position ``c - 8 - 4`` on (its next query, at ``c - 1`` or later, reads 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from bargein.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from bargein.engine.block_window import (
     blocks_outside_window,
     holds_window_after_cut,
+    longest_context,
     longest_window_hit,
+    max_chunk_tokens,
+    max_positions,
 )
-from bargein.engine.blocks import BlockPool, BlockTable
+from bargein.engine.blocks import BlockPool, BlockTable, OutOfBlocks
+from bargein.engine.scheduler import Scheduler
 
 W, BS = 8, 4
 
@@ -131,3 +138,60 @@ def test_no_window_keeps_every_block() -> None:
     assert pool.keeps_window(table, 1)
     with pytest.raises(ValueError, match="window"):
         BlockPool(4, BS, window=0)
+
+
+def _grows_in_chunks(num_blocks: int, chunk: int, first: int, length: int = 120) -> bool:
+    """Whether one sequence alone grows to ``length`` tokens in a pool of ``num_blocks``,
+    computing ``first`` tokens, then ``chunk`` at a time (dropping after each, as the
+    scheduler does); False at the first chunk the pool cannot hold."""
+    pool, table, tokens = BlockPool(num_blocks, BS, window=W), BlockTable(), list(range(length))
+    c = 0
+    while c < length:
+        n = min(first if c == 0 else chunk, length - c)
+        try:
+            pool.ensure_writable(table, c, c + n)
+        except OutOfBlocks:
+            return False
+        c += n
+        pool.register_full_blocks(table, tokens, c)
+        pool.drop_outside_window(table, c)
+        pool.check_invariants([table])
+    return True
+
+
+@pytest.mark.parametrize("num_blocks", [4, 6, 9])
+def test_a_chunk_of_max_chunk_tokens_always_fits_and_one_more_token_does_not(num_blocks: int) -> None:
+    """The bound is exact: every phase of a sequence (its first chunk of 1..n tokens) fits
+    chunks of ``max_chunk_tokens`` in the pool alone, and chunks one token longer overflow
+    it at some phase."""
+    n = max_chunk_tokens(num_blocks, W, BS)
+    assert n == (num_blocks - 2) * BS - W + 1 >= 1
+    assert all(_grows_in_chunks(num_blocks, n, first) for first in range(1, n + 1))
+    assert not all(_grows_in_chunks(num_blocks, n + 1, first) for first in range(1, n + 2))
+
+
+def test_an_all_local_pool_bounds_chunks_not_the_context() -> None:
+    assert longest_context(4, BS, W) is None  # a window (8) and a chunk of 1 fit 4 blocks of 4
+    assert longest_context(3, BS, W) == 12  # a window and one token do not: the pool bounds it
+    assert longest_context(5, BS, None) == 20  # some layer global: every block is kept
+    pool = BlockPool(6, BS, window=W)
+    assert (pool.max_sequence_tokens, pool.max_chunk_tokens) == (None, 9)
+    pool = BlockPool(6, BS)
+    assert (pool.max_sequence_tokens, pool.max_chunk_tokens) == (24, None)
+    for window, num_blocks, expected in ((W, 6, 512), (W, 3, 12), (None, 6, 24)):
+        scheduler = Scheduler(SchedulerConfig(), BlockPool(num_blocks, BS, window=window), 512, frozenset())
+        assert scheduler.max_model_len == expected
+
+
+def test_the_rope_tables_cover_an_all_local_models_context() -> None:
+    """``max_positions``: what the loader builds the RoPE tables for (a counted pool bounds
+    them only where it bounds the context)."""
+    local = ModelConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=W,
+                        local_layers=(0, 1))
+    mixed = dataclasses.replace(local, local_layers=(0,))
+    counted = EngineConfig(cache=CacheConfig(block_size=BS, num_blocks=6))
+    assert max_positions(counted, local) == 512
+    assert max_positions(counted, mixed) == 24
+    assert max_positions(EngineConfig(cache=CacheConfig(block_size=BS, num_blocks=6), max_model_len=100), local) == 100
+    assert max_positions(EngineConfig(), mixed) == 512

@@ -28,10 +28,11 @@ WINDOWED = dataclasses.replace(TINY, sliding_window=W, local_layers=tuple(range(
 
 
 @functools.cache
-def _engine(precision: str, prefix_caching: bool, keep_all: bool, num_blocks: int = 64) -> Engine:
+def _engine(precision: str, prefix_caching: bool, keep_all: bool, num_blocks: int = 64,
+            batched_tokens: int = 5) -> Engine:
     # Prompt chunks of 5 tokens: prefills span steps and share them with other rows' decodes.
     config = EngineConfig(cache=CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
-                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=5),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=batched_tokens),
                           precision=precision, device="cpu", dtype="float32")
     model = build_model(WINDOWED, dict(tiny_weights(0)), config, max_positions=WINDOWED.max_position_embeddings)
     engine = Engine(model, ByteTokenizer(), config, model_name="windowed")
@@ -164,3 +165,54 @@ def test_cancel_continue_fork_rewind_after_blocks_were_dropped(precision: str) -
     (out,) = engine.generate([tokens], greedy)
     assert out.usage.cached_tokens > 2 * W
     assert list(out.token_ids) == _reference(precision, tokens, 6)
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_a_conversation_longer_than_the_pool(precision: str) -> None:
+    """An all-local model's context is not bounded by the pool: 6 blocks of 4 (24 tokens)
+    hold a conversation of 150. Prompt chunks are cut to the pool's ``max_chunk_tokens``
+    (9: a window of 8 plus 9 tokens always fit 6 blocks) although a step may carry 64; the
+    pool is counted at every step; the answers, a cancel and its continuation equal an
+    engine that keeps every block and computes the same chunks (a step of 9 tokens)."""
+    engine = _engine(precision, True, False, num_blocks=6, batched_tokens=64)
+    assert engine.pool.max_chunk_tokens == 9 and engine.max_model_len == WINDOWED.max_position_embeddings
+    reference = _engine(precision, False, True, num_blocks=64, batched_tokens=9)
+    prompt = _tokens(60, seed=11)
+    conv = engine.open_conversation()
+    rid = collector(engine).add_request(prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                                        conversation_id=conv)
+    chunks: list[int] = []  # the size of every chunk the runner computes
+    submit = engine.runner.submit
+    engine.runner.submit = lambda plan: (chunks.extend(len(c.token_ids) for c in plan.chunks), submit(plan))[1]
+    delivered: list[int] = []
+    try:
+        while len(delivered) < 40:
+            for out in collector(engine).step():
+                assert not out.finished, out  # not ended for want of blocks
+                delivered += out.new_token_ids
+            engine.check_block_accounting()
+            seq = engine.scheduler.requests[rid].sequence
+            c, dropped = seq.num_computed, max(0, seq.num_computed - W - BS) // BS
+            # to the block: it holds exactly the blocks from c - W - BS on, never more than the pool
+            assert (seq.block_table.num_dropped, engine.pool.num_referenced) == (dropped, -(-c // BS) - dropped)
+            assert engine.pool.num_referenced <= 6
+    finally:
+        engine.runner.submit = submit
+    engine.abort(rid)
+    collector(engine).step()
+    assert max(chunks) == 9  # the pool's cap, not the step's 64
+    (want,) = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert delivered == list(want.token_ids)
+    assert engine.conversation_tokens(conv) == prompt + delivered  # C3
+
+    follow = _tokens(40, seed=12)
+    rid = collector(engine).add_request(follow, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                        conversation_id=conv)
+    answer = _run(engine, rid)
+    (want,) = reference.generate([prompt + delivered + follow], SamplingParams(temperature=0, max_tokens=10,
+                                                                               ignore_eos=True))
+    assert answer == list(want.token_ids)  # C4, 150 tokens through a pool of 24 slots
+    engine.close_conversation(conv)
+    collector(engine).step()
+    engine.check_block_accounting()
+    assert engine.pool.num_referenced == 0

@@ -34,6 +34,7 @@ from bargein.distributed.weights import (
     materialize,
     read_stored,
 )
+from bargein.engine.block_window import max_positions
 from bargein.engine.device import build_model, one_torch_thread, resolve_device, resolve_dtype
 from bargein.engine.engine import Engine
 from bargein.engine.kv_disk.fingerprint import file_identity, model_files
@@ -68,9 +69,7 @@ class ReplicaModel:
         stored = ray.get(self.shipped[0])
         config = self.config
         device = resolve_device(config.device)
-        max_len = config.max_model_len or self.model_config.max_position_embeddings
-        if config.cache.counted_blocks is not None:
-            max_len = min(max_len, config.cache.counted_blocks * config.cache.block_size)
+        max_len = max_positions(config, self.model_config)
         with one_torch_thread():
             weights = materialize(stored, self.model_config, resolve_dtype(config.dtype, device), device)
             model = build_model(self.model_config, weights, config, max_positions=max_len)
