@@ -261,11 +261,21 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
     """The tokens ``Sampler.sample`` picks for plain rows (same truncation, same noise)."""
     logits = logits.float()
     if all(r.params.greedy for r in rows):
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits)
     kept = truncate_logits(logits, [r.params for r in rows])
     generator = torch.Generator(device=logits.device)
     noise = [_row_noise(r.params.greedy, generator, r.seed, r.token_index, logits) for r in rows]
-    return (kept + torch.stack(noise)).argmax(dim=-1).tolist()
+    return argmax_rows(kept + torch.stack(noise))
+
+
+def argmax_rows(values: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima, as ``torch.argmax``), on one thread
+    on the CPU: torch reduces several vocabulary-wide rows in an OpenMP region, whose
+    fork and join (and its threads' spinning after it, against the kernels' own pool)
+    cost more than the reduction (speculative verification reduces 1 + k rows a step)."""
+    if values.device.type != "cpu":
+        return values.argmax(dim=-1).tolist()
+    return values.numpy().argmax(axis=-1).tolist()
 
 
 _MASK64 = (1 << 64) - 1
