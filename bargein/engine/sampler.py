@@ -143,7 +143,7 @@ class Sampler:
         allowed = self.grammar_masks.apply(logits, [s.grammar for s in states])
         if all(_plain_greedy(state) for state in states):
             # Fast path: nothing to adjust and nothing to report, one batched argmax.
-            return [SampledToken(t, None, ()) for t in allowed.argmax(dim=-1).tolist()]
+            return [SampledToken(t, None, ()) for t in argmax_rows(allowed)]
         kept = truncate_logits(adjust_logits(allowed, states), [s.params for s in states])
         token_ids = (kept + _gumbel_noise(logits, states)).argmax(dim=-1)  # (B,)
         return _with_logprobs(logits, token_ids, states)
@@ -272,7 +272,7 @@ def argmax_rows(values: torch.Tensor) -> list[int]:
     """Each row's argmax (the first of equal maxima, as ``torch.argmax``), on one thread
     on the CPU: torch reduces several vocabulary-wide rows in an OpenMP region, whose
     fork and join (and its threads' spinning after it, against the kernels' own pool)
-    cost more than the reduction (speculative verification reduces 1 + k rows a step)."""
+    cost more than the reduction (a batch's decodes, speculative verification's 1 + k rows)."""
     if values.device.type != "cpu":
         return values.argmax(dim=-1).tolist()
     return values.numpy().argmax(axis=-1).tolist()
