@@ -212,14 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "bench": "speculative", "model": engine.model_name, "precision": args.precision, "max_tokens": max_tokens,
         "rounds": rounds, "machine": info, "streams": streams, "batch": batch, "crossover_streams": crossover,
-        "verify_model": args.verify_model if os.path.exists(args.verify_model) else None, "verify_cost": verify,
+        "verify_model": args.verify_model if verify and os.path.exists(args.verify_model) else None, "verify_cost": verify,
         "targets": {name: {"target": t, "speedup": next((r["speedup"] for r in streams
                                                         if r["workload"] == name and r["method"] == "ngram"), None)}
                     for name, t in targets.items()},
     }
     sections_out = [("1 stream, with and without speculation", format_table(streams))]
     if batch:
-        sections_out.append((f"streams (editing), speculation forced; crossover at {crossover}", format_table(batch)))
+        sections_out.append((f"streams (editing), max_batch lifted; crossover at {crossover}", format_table(batch)))
     if verify:
         sections_out.append(("verification step: one decode row with k guesses", format_table(verify)))
     emit("speculative decoding", sections_out, result, args.json)
