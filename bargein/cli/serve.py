@@ -146,7 +146,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=draft_model, metavar="REF",
                    help="a small model with the model's tokenizer (.gguf or HF folder) for --speculative draft")
     p.add_argument("--speculative-tokens", type=int, default=None, metavar="N",
-                   help="most guesses verified per step; fewer while guesses miss (default: 5)")
+                   help="most guesses verified per step; fewer while guesses miss (default: 6)")
     p.add_argument("--max-body", default=str(s.max_body_bytes), metavar="SIZE",
                    help="largest request body, e.g. 4MiB (default: %(default)s bytes)")
     p.add_argument("--default-max-tokens", type=int, default=s.default_max_tokens, metavar="N",

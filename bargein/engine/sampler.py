@@ -143,7 +143,7 @@ class Sampler:
         allowed = self.grammar_masks.apply(logits, [s.grammar for s in states])
         if all(_plain_greedy(state) for state in states):
             # Fast path: nothing to adjust and nothing to report, one batched argmax.
-            return [SampledToken(t, None, ()) for t in allowed.argmax(dim=-1).tolist()]
+            return [SampledToken(t, None, ()) for t in argmax_rows(allowed)]
         kept = truncate_logits(adjust_logits(allowed, states), [s.params for s in states])
         token_ids = (kept + _gumbel_noise(logits, states)).argmax(dim=-1)  # (B,)
         return _with_logprobs(logits, token_ids, states)
@@ -261,11 +261,21 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
     """The tokens ``Sampler.sample`` picks for plain rows (same truncation, same noise)."""
     logits = logits.float()
     if all(r.params.greedy for r in rows):
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits)
     kept = truncate_logits(logits, [r.params for r in rows])
     generator = torch.Generator(device=logits.device)
     noise = [_row_noise(r.params.greedy, generator, r.seed, r.token_index, logits) for r in rows]
-    return (kept + torch.stack(noise)).argmax(dim=-1).tolist()
+    return argmax_rows(kept + torch.stack(noise))
+
+
+def argmax_rows(values: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima, as ``torch.argmax``), on one thread
+    on the CPU: torch reduces several vocabulary-wide rows in an OpenMP region, whose
+    fork and join (and its threads' spinning after it, against the kernels' own pool)
+    cost more than the reduction (a batch's decodes, speculative verification's 1 + k rows)."""
+    if values.device.type != "cpu":
+        return values.argmax(dim=-1).tolist()
+    return values.numpy().argmax(axis=-1).tolist()
 
 
 _MASK64 = (1 << 64) - 1

@@ -26,6 +26,7 @@ from bargein.engine.engine import Engine
 from bargein.engine.kv_disk.block_file import parse_name
 from bargein.engine.plan import ScheduledChunk, StepPlan
 from bargein.engine.request import AbortResult, FinishReason
+from bargein.engine.sampler import argmax_rows
 from bargein.engine.sampling import SamplingParams
 from bargein.engine.speculative.controller import guesses_that_pay
 from bargein.engine.speculative.draft_model import DraftModelProposer
@@ -361,6 +362,18 @@ def test_guesses_pay_while_their_chance_exceeds_their_cost() -> None:
     assert guesses_that_pay(0.99, 0.0, 5) == 5
 
 
+def test_verification_picks_each_rows_argmax_as_torch_does() -> None:
+    """The one-thread argmax that verification uses takes the first of equal maxima, as
+    torch.argmax (and so the decode path's sampler) does: a tie can never change a token."""
+    logits = torch.randn(7, 300, generator=torch.Generator().manual_seed(3))
+    logits[1, 10] = logits[1, 200] = logits[1].max() + 1  # a tie: the first one wins
+    logits[2] = 0.0
+    logits[3, 5] = float("inf")
+    logits[4, 9] = float("nan")
+    assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits)[1:3] == [10, 0]
+
+
 def test_prompt_lookup_guesses_what_followed_the_longest_earlier_match() -> None:
     lookup = NgramProposer(ngram_min=2, ngram_max=3)
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
@@ -368,7 +381,12 @@ def test_prompt_lookup_guesses_what_followed_the_longest_earlier_match() -> None
     assert lookup.propose([DraftRequest("a", tokens, 3)]) == {"a": (4, 5, 9)}
     assert lookup.propose([DraftRequest("a", tokens + [4], 2)]) == {"a": (5, 9)}  # extended incrementally
     assert lookup.propose([DraftRequest("a", [6, 6, 5], 2)]) == {}  # cut tail: index rebuilt, no match
-    assert lookup.propose([DraftRequest("b", [1, 1, 1, 1], 4)]) == {"b": (1,)}
+    # A run that repeats itself: the guesses go on past the text's end, as long as the match.
+    assert lookup.propose([DraftRequest("b", [1, 1, 1, 1], 4)]) == {"b": (1, 1, 1)}
+    assert lookup.propose([DraftRequest("c", [8, 5, 6, 5, 6, 5, 6], 8)]) == {"c": (5, 6, 5, 6)}  # matched 4 back
+    # No more guesses than the match is long: "5 6" matched 2 tokens back, "9 5 6" 3 tokens.
+    assert lookup.propose([DraftRequest("d", [5, 6, 1, 2, 3, 4, 9, 5, 6], 5)]) == {"d": (1, 2)}
+    assert lookup.propose([DraftRequest("e", [9, 5, 6, 1, 2, 3, 4, 9, 5, 6], 5)]) == {"e": (1, 2, 3)}
 
 
 def test_the_draft_model_rolls_its_kv_back_and_gives_every_block_back() -> None:

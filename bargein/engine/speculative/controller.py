@@ -102,7 +102,7 @@ class Speculation:
         if not decodes or len(decodes) > self.config.max_batch:
             return plan
         room = self.max_num_batched_tokens - plan.num_tokens
-        cost = self._guess_cost(plan, scheduler, decodes)
+        cost: float | None = None  # worked out once a request wants more than a probe (a resting chat never does)
         asks = []
         for chunk in decodes:
             req = scheduler.requests.get(chunk.request_id)
@@ -112,8 +112,12 @@ class Speculation:
             if pace.rest:
                 pace.rest -= 1
                 continue
-            k = 1 if pace.probe else guesses_that_pay(pace.alpha, cost, self.config.max_draft_tokens)
-            pace.probe = False
+            if pace.probe:
+                k, pace.probe = 1, False
+            else:
+                if cost is None:
+                    cost = self._guess_cost(plan, scheduler, decodes)
+                k = guesses_that_pay(pace.alpha, cost, self.config.max_draft_tokens)
             if k == 0:
                 pace.rests += 1
                 pace.rest, pace.probe = min(_MAX_REST, 2 ** pace.rests), True

@@ -5,6 +5,20 @@ wins) are looked up among the earlier tokens of its prompt and answer; the token
 followed their latest earlier occurrence are the guesses. Editing a given file or quoting
 a given text repeats long runs of the prompt, so most guesses there are right. No model,
 no torch: an index of n-grams per request, extended as the answer grows.
+
+Two refinements, for a guess row costs about a quarter of a one-row decode on a CPU, so a
+wrong guess is not free (replaying the greedy answer of bench/bench_speculative.py's
+editing workload with at most 6 guesses: acceptance 0.70 against 0.59, 2.33 tokens a step
+against 2.15):
+
+- How far the match goes. The match is followed backwards past the n-gram (up to k
+  tokens), and no more guesses are made than the match is long: a text that
+  agreed with an earlier passage for 30 tokens likely goes on agreeing, one that agreed
+  for 2 likely does not for long.
+- Runs that repeat themselves. When the earlier occurrence ends near the end of the text
+  (a line that repeats, a loop), the guesses run past the text's end and copy the guesses
+  made before them, as an overlapping copy does, so a period of 2 tokens still gives k
+  guesses, not 2.
 """
 
 from __future__ import annotations
@@ -38,12 +52,22 @@ class _NgramIndex:
 
     def lookup(self, k: int) -> tuple[int, ...]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        matching suffix; () if no suffix of ``ngram_min`` or more tokens occurred before."""
+        matching suffix, no more than the match is long; () if no suffix of ``ngram_min``
+        or more tokens occurred before. Guess j is the token at ``after + j``, or, past
+        the text's end, guess ``after + j - len(tokens)`` (the run repeats)."""
         tokens = self.tokens
-        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            after = self.next_after.get(tuple(tokens[len(tokens) - n:]))
-            if after is not None:
-                return tuple(tokens[after:after + k])
+        end = len(tokens)
+        for n in range(min(self.ngram_max, end - 1), self.ngram_min - 1, -1):
+            after = self.next_after.get(tuple(tokens[end - n:]))
+            if after is None:
+                continue
+            matched = n  # tokens[after - matched:after] == tokens[end - matched:]
+            while matched < k and after > matched and tokens[after - matched - 1] == tokens[end - matched - 1]:
+                matched += 1
+            guesses = tokens[after:after + min(k, matched)]
+            while len(guesses) < min(k, matched):  # past the end: the guesses repeat themselves
+                guesses.append(guesses[after + len(guesses) - end])
+            return tuple(guesses)
         return ()
 
 

@@ -43,8 +43,19 @@ def verify(logits: torch.Tensor, drafts: Sequence[int], state: SamplingState) ->
     if plain is None:
         raise ValueError("a request whose sampling is not plain cannot be verified row by row")
     rows = [RowSampling(plain.params, plain.seed, plain.token_index + j) for j in range(len(drafts) + 1)]
-    targets = sample_rows(logits, rows)
-    m = 0
-    while m < len(drafts) and drafts[m] == targets[m]:
-        m += 1
-    return tuple(SampledToken(t, None, ()) for t in targets[:m + 1])
+    if plain.params.greedy:  # an argmax is cheap: every row at once
+        targets = sample_rows(logits, rows)
+        m = 0
+        while m < len(drafts) and drafts[m] == targets[m]:
+            m += 1
+        return tuple(SampledToken(t, None, ()) for t in targets[:m + 1])
+    # A sampled row costs about what a decode's forward does on a CPU (its truncation sorts
+    # the vocabulary), so rows are drawn in order and only until the first miss: a step
+    # draws as many rows as it yields tokens, as decoding without guesses would.
+    out: list[SampledToken] = []
+    for j, row in enumerate(rows):
+        token = sample_rows(logits[j:j + 1], [row])[0]
+        out.append(SampledToken(token, None, ()))
+        if j == len(drafts) or token != drafts[j]:
+            break
+    return tuple(out)
