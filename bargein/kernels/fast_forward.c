@@ -83,14 +83,7 @@ void bargein_softcap(const float *x, float *y, int64_t m, int64_t n, float cap, 
 
 #include "fast_forward.h" /* and gguf_matrix.h: bargein_gguf_matmul */
 
-/* moe_matmul.c's */
-int bargein_moe_route(const float *x, int64_t m, int64_t hidden, const float *router, int64_t experts,
-                      int64_t rows_w, int64_t topk, int norm, int64_t *ids, float *weights, float *gate,
-                      int num_threads);
-int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter, const bargein_qmat_t *const *gate,
-                        const bargein_qmat_t *const *up, const bargein_qmat_t *const *down, int64_t experts,
-                        const int64_t *ids, const float *weights, int64_t topk, float *y, int exact,
-                        int num_threads, int isa);
+#include "moe_matmul.h"
 
 static int embed_rows(const bargein_fast_embed_t *e, float *x, int64_t m, int64_t hidden, int threads) {
     const bargein_q8_weight_t *w = &e->blocks;
@@ -161,7 +154,7 @@ static void add_branch(float *x, const float *y, const float *post_norm, float *
  * then, with a shared expert, y = y + gate * shared(x) (a product, then a sum: two roundings,
  * as PyTorch's two operations). */
 static int moe_mlp(const bargein_fast_moe_t *moe, const float *x, int64_t m, int64_t hidden, float *y, int threads,
-                   int isa) {
+                   int isa, bargein_moe_scratch_t *scratch) {
     const int64_t rows = m > 0 ? m : 1, k = moe->topk, shared = moe->shared_w13.n ? moe->shared_w2.k : 0;
     int64_t *ids = malloc(sizeof(int64_t) * (size_t)(rows * k));
     float *weights = malloc(sizeof(float) * (size_t)(rows * k)), *gate = malloc(sizeof(float) * (size_t)rows);
@@ -173,8 +166,8 @@ static int moe_mlp(const bargein_fast_moe_t *moe, const float *x, int64_t m, int
         status = bargein_moe_route(x, m, hidden, moe->router, moe->experts, moe->rows_w, k, (int)moe->norm, ids,
                                    weights, gate, threads);
     if (status == 0) {
-        status = bargein_moe_experts(x, m, hidden, moe->inter, moe->gate, moe->up, moe->down, moe->experts, ids,
-                                     weights, k, y, 0, threads, isa);
+        status = bargein_moe_experts_in(x, m, hidden, moe->inter, moe->gate, moe->up, moe->down, moe->experts, ids,
+                                        weights, k, y, 0, threads, isa, scratch);
         if (status == -3) status = -7;
     }
     if (status == 0 && shared) {
@@ -240,6 +233,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
     float *local_cos = has_local ? malloc(sizeof(float) * (size_t)(rows * d)) : cos;
     float *local_sin = has_local ? malloc(sizeof(float) * (size_t)(rows * d)) : sin;
     int status = (normed && qkv && q && attn && proj && gate_up && act && cos && sin && local_cos && local_sin) ? 0 : -1;
+    bargein_moe_scratch_t moe_scratch = {NULL, 0}; /* the MoE layers' buffers, shared by them */
     if (status == 0 && embed) status = embed_rows(embed, x, m, hidden, num_threads);
     if (status == 0 && shape->embed_scale != 0.0f)
         for (int64_t j = 0; j < m * hidden; j++) x[j] = x[j] * shape->embed_scale;
@@ -273,7 +267,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
         add_branch(x, proj, layer->post_attn_norm, normed, m, hidden, shape->eps, num_threads);
         bargein_rms_norm(x, layer->ffn_norm, normed, m, hidden, shape->eps, num_threads);
         if (layer->moe) {
-            if ((status = moe_mlp(layer->moe, normed, m, hidden, proj, num_threads, isa))) break;
+            if ((status = moe_mlp(layer->moe, normed, m, hidden, proj, num_threads, isa, &moe_scratch))) break;
         } else {
             if ((status = matmul(normed, m, &layer->w13, gate_up, num_threads, isa))) break;
             if (shape->gelu)
@@ -289,6 +283,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
         free(local_cos);
         free(local_sin);
     }
+    bargein_moe_scratch_free(&moe_scratch);
     free(normed);
     free(qkv);
     free(q);
