@@ -50,7 +50,7 @@
  * of them keep every thread busy. A column's result does not depend on its tile. */
 #define ITEMS_PER_THREAD 8
 #define MIN_TILE 32
-#define MAX_TILE 512
+#define MAX_TILE 1024 /* a tile of all of gate's and up's columns, or down's, writes no copy */
 
 /* ---- routing ------------------------------------------------------------------------- */
 
@@ -185,12 +185,15 @@ static void run_items(void *arg, int index, int count) {
         if (it->w2) parts[1] = seg_part(&it->w2->segs[it->seg2], it->col0, cols);
         const bargein_qmat_t tile = {parts, it->w2 ? 2 : 1, width, it->w->k};
         const int64_t r0 = job->first[it->expert], rows = job->first[it->expert + 1] - r0;
-        const int status = bargein_gguf_matmul(job->in + r0 * job->in_width, rows, &tile, tmp, job->exact, 1, job->isa);
+        /* an item of all the output's columns, in their order, writes the output rows itself */
+        const int whole = width == job->out_width && it->out_col == 0 && (!it->w2 || it->out_col2 == cols);
+        float *y = whole ? job->out + r0 * job->out_width : tmp;
+        const int status = bargein_gguf_matmul(job->in + r0 * job->in_width, rows, &tile, y, job->exact, 1, job->isa);
         if (status) {
             job->status[index] = status;
             return;
         }
-        for (int64_t i = 0; i < rows; i++) {
+        for (int64_t i = 0; i < rows && !whole; i++) {
             float *row = job->out + (r0 + i) * job->out_width;
             memcpy(row + it->out_col, tmp + i * width, sizeof(float) * (size_t)cols);
             if (it->w2) memcpy(row + it->out_col2, tmp + i * width + cols, sizeof(float) * (size_t)cols);
