@@ -24,6 +24,9 @@
  *     they are added (Gemma 2/3);
  *   - GeGLU (bargein_gelu_tanh_mul) in place of SwiGLU, and the logits soft-capped
  *     (bargein_softcap) after the head.
+ *   - a mixture of experts in place of the MLP (layer->moe; Qwen2/3-MoE, Mixtral): routing,
+ *     the chosen experts and their weighted sum (moe_matmul.c), and a shared expert
+ *     behind its sigmoid gate (Qwen2-MoE), as bargein/model/moe.py's fast path runs them.
  *
  * so its results (the hidden states and the K/V written) are bit for bit those of the
  * per-operation path: every kernel computes a row by the same code whatever the number of
@@ -64,7 +67,6 @@
 /* The exported kernels of the other files in this folder. */
 int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
                             const float *mins, int bits, int64_t n, float *y, int num_threads, int isa);
-int bargein_gguf_matmul(const float *x, int64_t m, const void *w, float *y, int exact, int num_threads, int isa);
 int bargein_gguf_dequantize_rows(const void *w, const int64_t *ids, int64_t count, float *out, int num_threads);
 void bargein_rms_norm(const float *x, const float *w, float *y, int64_t m, int64_t n, float eps, int num_threads);
 void bargein_silu_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads);
@@ -79,7 +81,9 @@ int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, cons
 void bargein_gelu_tanh_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads);
 void bargein_softcap(const float *x, float *y, int64_t m, int64_t n, float cap, int num_threads);
 
-#include "fast_forward.h"
+#include "fast_forward.h" /* and gguf_matrix.h: bargein_gguf_matmul */
+
+#include "moe_matmul.h"
 
 static int embed_rows(const bargein_fast_embed_t *e, float *x, int64_t m, int64_t hidden, int threads) {
     const bargein_q8_weight_t *w = &e->blocks;
@@ -145,6 +149,44 @@ static void add_branch(float *x, const float *y, const float *post_norm, float *
     add_into(x, y, m * hidden);
 }
 
+/* y = the mixture of experts' MLP of x (m, hidden), as MoEFeedForward's fast path computes it:
+ * routing, the chosen experts grouped by expert with their weighted sum (moe_matmul.c),
+ * then, with a shared expert, y = y + gate * shared(x) (a product, then a sum: two roundings,
+ * as PyTorch's two operations). */
+static int moe_mlp(const bargein_fast_moe_t *moe, const float *x, int64_t m, int64_t hidden, float *y, int threads,
+                   int isa, bargein_moe_scratch_t *scratch) {
+    const int64_t rows = m > 0 ? m : 1, k = moe->topk, shared = moe->shared_w13.n ? moe->shared_w2.k : 0;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(rows * k));
+    float *weights = malloc(sizeof(float) * (size_t)(rows * k)), *gate = malloc(sizeof(float) * (size_t)rows);
+    float *gate_up = shared ? malloc(sizeof(float) * (size_t)(rows * 2 * shared)) : NULL;
+    float *act = shared ? malloc(sizeof(float) * (size_t)(rows * shared)) : NULL;
+    float *out = shared ? malloc(sizeof(float) * (size_t)(rows * hidden)) : NULL;
+    int status = ids && weights && gate && (!shared || (gate_up && act && out)) ? 0 : -1;
+    if (status == 0)
+        status = bargein_moe_route(x, m, hidden, moe->router, moe->experts, moe->rows_w, k, (int)moe->norm, ids,
+                                   weights, gate, threads);
+    if (status == 0) {
+        status = bargein_moe_experts_in(x, m, hidden, moe->inter, moe->gate, moe->up, moe->down, moe->experts, ids,
+                                        weights, k, y, 0, threads, isa, scratch);
+        if (status == -3) status = -7;
+    }
+    if (status == 0 && shared) {
+        if ((status = matmul(x, m, &moe->shared_w13, gate_up, threads, isa)) == 0) {
+            bargein_silu_mul(gate_up, act, m, shared, threads);
+            status = matmul(act, m, &moe->shared_w2, out, threads, isa);
+        }
+        for (int64_t r = 0; r < m && status == 0; r++)
+            for (int64_t i = 0; i < hidden; i++) y[r * hidden + i] = y[r * hidden + i] + gate[r] * out[r * hidden + i];
+    }
+    free(ids);
+    free(weights);
+    free(gate);
+    free(gate_up);
+    free(act);
+    free(out);
+    return status;
+}
+
 static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hidden, float eps, float final_softcap,
                     int threads, int isa) {
     const int64_t r = head->num_rows > 0 ? head->num_rows : 1;
@@ -191,6 +233,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
     float *local_cos = has_local ? malloc(sizeof(float) * (size_t)(rows * d)) : cos;
     float *local_sin = has_local ? malloc(sizeof(float) * (size_t)(rows * d)) : sin;
     int status = (normed && qkv && q && attn && proj && gate_up && act && cos && sin && local_cos && local_sin) ? 0 : -1;
+    bargein_moe_scratch_t moe_scratch = {NULL, 0}; /* the MoE layers' buffers, shared by them */
     if (status == 0 && embed) status = embed_rows(embed, x, m, hidden, num_threads);
     if (status == 0 && shape->embed_scale != 0.0f)
         for (int64_t j = 0; j < m * hidden; j++) x[j] = x[j] * shape->embed_scale;
@@ -223,12 +266,16 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
         if ((status = matmul(attn, m, &layer->wo, proj, num_threads, isa))) break;
         add_branch(x, proj, layer->post_attn_norm, normed, m, hidden, shape->eps, num_threads);
         bargein_rms_norm(x, layer->ffn_norm, normed, m, hidden, shape->eps, num_threads);
-        if ((status = matmul(normed, m, &layer->w13, gate_up, num_threads, isa))) break;
-        if (shape->gelu)
-            bargein_gelu_tanh_mul(gate_up, act, m, inter, num_threads);
-        else
-            bargein_silu_mul(gate_up, act, m, inter, num_threads);
-        if ((status = matmul(act, m, &layer->w2, proj, num_threads, isa))) break;
+        if (layer->moe) {
+            if ((status = moe_mlp(layer->moe, normed, m, hidden, proj, num_threads, isa, &moe_scratch))) break;
+        } else {
+            if ((status = matmul(normed, m, &layer->w13, gate_up, num_threads, isa))) break;
+            if (shape->gelu)
+                bargein_gelu_tanh_mul(gate_up, act, m, inter, num_threads);
+            else
+                bargein_silu_mul(gate_up, act, m, inter, num_threads);
+            if ((status = matmul(act, m, &layer->w2, proj, num_threads, isa))) break;
+        }
         add_branch(x, proj, layer->post_ffn_norm, normed, m, hidden, shape->eps, num_threads);
     }
     if (status == 0 && head) status = run_head(head, x, hidden, shape->eps, shape->final_softcap, num_threads, isa);
@@ -236,6 +283,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
         free(local_cos);
         free(local_sin);
     }
+    bargein_moe_scratch_free(&moe_scratch);
     free(normed);
     free(qkv);
     free(q);

@@ -8,6 +8,8 @@
 
 #include <stdint.h>
 
+#include "gguf_matrix.h"
+
 /* A weight held in blocks, as bargein_q8_block_matmul reads it: (n, k), mins NULL for Q8_0;
  * or, where quant is not NULL, a GGUF matrix (gguf_matmul.c's bargein_qmat_t) and n, k. */
 typedef struct {
@@ -17,17 +19,33 @@ typedef struct {
     const void *quant;
 } bargein_q8_weight_t;
 
+/* A mixture-of-experts MLP as bargein/model/moe.py's `fast` path runs it (moe_matmul.c): the
+ * router (rows_w, hidden) float32, whose row `experts` is the shared expert's gate where
+ * rows_w == experts + 1; the top `topk` of `experts`, their weights renormalised where
+ * `norm`; each expert's gate and up (inter, hidden) and down (hidden, inter) GGUF matrices
+ * (arrays of `experts` pointers); and the shared expert's fused gate/up (2 s, hidden) and
+ * down (hidden, s), or shared_w13.n == 0 where there is none. */
+typedef struct {
+    const float *router;
+    int64_t experts, rows_w, topk, norm, inter;
+    const bargein_qmat_t *const *gate;
+    const bargein_qmat_t *const *up;
+    const bargein_qmat_t *const *down;
+    bargein_q8_weight_t shared_w13, shared_w2;
+} bargein_fast_moe_t;
+
 /* One decoder layer: its norms' weights (hidden,), the fused projections, the qkv bias
  * (NULL if none) and its caches (num_slots, num_kv_heads, head_dim) float16; then the
  * families' features: the per-head norms' weights (head_dim,) and the post-norms' (hidden,),
  * NULL where none; its sliding window (0: none); local: its RoPE angles are the shape's
- * local tables. */
+ * local tables; moe: its MLP is a mixture of experts (w13 and w2 unused), NULL where dense. */
 typedef struct {
     const float *attn_norm, *ffn_norm, *qkv_bias;
     bargein_q8_weight_t wqkv, wo, w13, w2;
     uint16_t *k_cache, *v_cache;
     const float *q_norm, *k_norm, *post_attn_norm, *post_ffn_norm;
     int64_t window, local;
+    const bargein_fast_moe_t *moe;
 } bargein_fast_layer_t;
 
 /* The shapes every layer shares, and the RoPE tables (num_positions, head_dim) float32; then

@@ -14,11 +14,13 @@
  * Experts (bargein_moe_experts). Each expert e has gate, up (inter, hidden) and down
  * (hidden, inter) matrices in a GGUF file's blocks (bargein_qmat_t, read in place: a slice
  * of a stacked expert tensor in the mapped file). The rows that chose e are gathered (in
- * row order), and every (expert, matrix, column tile) is one work item: gguf_matmul.c's
- * bargein_gguf_matmul over the tile's rows of the matrix (a descriptor pointing into the
- * expert's blocks, no copy) for all of the expert's rows at once, on one thread. The work
- * items of gate and up share one parallel region, those of down another; an expert no
- * row chose has no work item and is not read. Between them h = silu(g) * u with
+ * row order), and every (expert, column tile) of gate and up together, and of down, is one
+ * work item: gguf_matmul.c's bargein_gguf_matmul over the tile's rows of the matrices (a
+ * descriptor pointing into the expert's blocks, no copy: gate's and up's tiles as two
+ * segments of one matrix, so that the rows' activations are quantized once for both) for
+ * all of the expert's rows at once, on one thread. The work items of gate and up share one
+ * parallel region, those of down another; an expert no row chose has no work item and is
+ * not read. Between them h = silu(g) * u with
  * silu(a) = a / (1 + expf(-a)), and at the end
  *   y[r] = w[r, 0] * out[r, 0] + w[r, 1] * out[r, 1] + ... (slot order, each product and
  *          sum rounded: the library is built with -ffp-contract=off).
@@ -32,7 +34,7 @@
  * Returns 0; -1 when scratch memory could not be had; -6 for an expert id outside
  * [0, experts); any other status is bargein_gguf_matmul's.
  */
-#include "gguf_matrix.h"
+#include "moe_matmul.h"
 #include "parallel.h"
 
 #include <math.h>
@@ -48,7 +50,7 @@
  * of them keep every thread busy. A column's result does not depend on its tile. */
 #define ITEMS_PER_THREAD 8
 #define MIN_TILE 32
-#define MAX_TILE 512
+#define MAX_TILE 1024 /* a tile of all of gate's and up's columns, or down's, writes no copy */
 
 /* ---- routing ------------------------------------------------------------------------- */
 
@@ -60,11 +62,22 @@ typedef struct {
     float *weights, *gate;
 } route_t;
 
+/* Eight lanes as one vector (GCC and Clang lower it to the target's registers: one AVX
+ * register, two SSE or NEON ones): a lane's multiply and add round as the scalar ones do
+ * (no fma: -ffp-contract=off), so every target gives the per-lane loop's bits. */
+typedef float lanes8_t __attribute__((vector_size(32)));
+
 static float dot8(const float *a, const float *b, int64_t n) {
-    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    lanes8_t acc = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int l = 0; l < 8; l++) lanes[l] += a[i + l] * b[i + l];
+    for (; i + 8 <= n; i += 8) {
+        lanes8_t va, vb;
+        memcpy(&va, a + i, sizeof va);
+        memcpy(&vb, b + i, sizeof vb);
+        acc = acc + va * vb;
+    }
+    float lanes[8];
+    memcpy(lanes, &acc, sizeof lanes);
     for (int l = 0; i < n; i++, l++) lanes[l] += a[i] * b[i];
     return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
 }
@@ -117,9 +130,12 @@ int bargein_moe_route(const float *x, int64_t m, int64_t hidden, const float *ro
 
 /* ---- experts ------------------------------------------------------------------------- */
 
+/* One work item: columns [col0, col0 + tile) of segment `seg` of one expert's matrix w, into
+ * output columns from out_col; where w2 is set, the same columns of its segment seg2 too (up's
+ * tile beside gate's: one matmul, one quantization of the rows), into columns from out_col2. */
 typedef struct {
-    int64_t expert, seg, col0, out_col; /* out_col: the tile's first column in the output row */
-    const bargein_qmat_t *w;
+    int64_t expert, seg, col0, out_col, seg2, out_col2;
+    const bargein_qmat_t *w, *w2;
 } item_t;
 
 typedef struct {
@@ -131,12 +147,26 @@ typedef struct {
     float *out;           /* (P, out_width) */
     int64_t out_width;
     const int64_t *first; /* (experts + 1): an expert's first grouped row */
-    float *scratch;       /* per thread: max rows of an expert x tile */
+    float *scratch;       /* per thread: max rows of an expert x 2 tiles */
     int64_t scratch_floats;
     int *status;          /* per thread */
     int64_t tile;
     int exact, isa;
 } phase_t;
+
+static int64_t item_cols(const item_t *it, int64_t tile) {
+    const int64_t left = it->w->segs[it->seg].rows - it->col0;
+    return left < tile ? left : tile;
+}
+
+/* Rows [col0, col0 + cols) of a segment, in place. */
+static bargein_qseg_t seg_part(const bargein_qseg_t *seg, int64_t col0, int64_t cols) {
+    bargein_qseg_t part = *seg;
+    part.rows = cols;
+    if (seg->order) part.order = seg->order + col0;
+    else part.data = seg->data + col0 * seg->row_bytes;
+    return part;
+}
 
 static void run_items(void *arg, int index, int count) {
     const phase_t *job = (const phase_t *)arg;
@@ -149,21 +179,25 @@ static void run_items(void *arg, int index, int count) {
     while (t < job->num_items && job->cost[t] < from) t++;
     for (; t < job->num_items && job->cost[t] < to; t++) {
         const item_t *it = &job->items[t];
-        const bargein_qseg_t *seg = &it->w->segs[it->seg];
-        const int64_t cols = seg->rows - it->col0 < job->tile ? seg->rows - it->col0 : job->tile;
-        bargein_qseg_t part = *seg; /* the tile's rows of the segment, in place */
-        part.rows = cols;
-        if (seg->order) part.order = seg->order + it->col0;
-        else part.data = seg->data + it->col0 * seg->row_bytes;
-        const bargein_qmat_t tile = {&part, 1, cols, it->w->k};
+        const int64_t cols = item_cols(it, job->tile), width = it->w2 ? 2 * cols : cols;
+        bargein_qseg_t parts[2];
+        parts[0] = seg_part(&it->w->segs[it->seg], it->col0, cols);
+        if (it->w2) parts[1] = seg_part(&it->w2->segs[it->seg2], it->col0, cols);
+        const bargein_qmat_t tile = {parts, it->w2 ? 2 : 1, width, it->w->k};
         const int64_t r0 = job->first[it->expert], rows = job->first[it->expert + 1] - r0;
-        const int status = bargein_gguf_matmul(job->in + r0 * job->in_width, rows, &tile, tmp, job->exact, 1, job->isa);
+        /* an item of all the output's columns, in their order, writes the output rows itself */
+        const int whole = width == job->out_width && it->out_col == 0 && (!it->w2 || it->out_col2 == cols);
+        float *y = whole ? job->out + r0 * job->out_width : tmp;
+        const int status = bargein_gguf_matmul(job->in + r0 * job->in_width, rows, &tile, y, job->exact, 1, job->isa);
         if (status) {
             job->status[index] = status;
             return;
         }
-        for (int64_t i = 0; i < rows; i++)
-            memcpy(job->out + (r0 + i) * job->out_width + it->out_col, tmp + i * cols, sizeof(float) * (size_t)cols);
+        for (int64_t i = 0; i < rows && !whole; i++) {
+            float *row = job->out + (r0 + i) * job->out_width;
+            memcpy(row + it->out_col, tmp + i * width, sizeof(float) * (size_t)cols);
+            if (it->w2) memcpy(row + it->out_col2, tmp + i * width + cols, sizeof(float) * (size_t)cols);
+        }
     }
 }
 
@@ -204,17 +238,36 @@ static void combine_rows(void *arg, int index, int count) {
     }
 }
 
-/* The work items of matrices w[e] for the experts with rows: each segment's rows in tiles. */
-static int64_t list_items(item_t *items, const bargein_qmat_t *const *w, const int64_t *first, int64_t experts,
-                          int64_t out_base, int64_t tile) {
+/* Whether w2's segments pair with w's (the same number, each of the same rows). */
+static int pairable(const bargein_qmat_t *w, const bargein_qmat_t *w2) {
+    if (w->num_segs != w2->num_segs || w->k != w2->k) return 0;
+    for (int64_t s = 0; s < w->num_segs; s++)
+        if (w->segs[s].rows != w2->segs[s].rows) return 0;
+    return 1;
+}
+
+/* The work items of matrices w[e] (into output columns from out_base) and, where w2 is not
+ * NULL, w2[e] (from out_base2), for the experts with rows: each segment's rows in tiles, a
+ * tile of w2 beside the same tile of w where their segments pair. */
+static int64_t list_items(item_t *items, const bargein_qmat_t *const *w, const bargein_qmat_t *const *w2,
+                          const int64_t *first, int64_t experts, int64_t out_base, int64_t out_base2, int64_t tile) {
     int64_t count = 0;
     for (int64_t e = 0; e < experts; e++) {
         if (first[e + 1] == first[e]) continue; /* no row chose it: never read */
-        int64_t col = out_base;
+        const int paired = w2 && pairable(w[e], w2[e]);
+        int64_t col = out_base, col2 = out_base2;
         for (int64_t s = 0; s < w[e]->num_segs; s++) {
             for (int64_t c = 0; c < w[e]->segs[s].rows; c += tile)
-                items[count++] = (item_t){e, s, c, col + c, w[e]};
+                items[count++] = (item_t){e, s, c, col + c, s, col2 + c, w[e], paired ? w2[e] : NULL};
             col += w[e]->segs[s].rows;
+            col2 += w[e]->segs[s].rows;
+        }
+        if (!w2 || paired) continue;
+        col2 = out_base2;
+        for (int64_t s = 0; s < w2[e]->num_segs; s++) {
+            for (int64_t c = 0; c < w2[e]->segs[s].rows; c += tile)
+                items[count++] = (item_t){e, s, c, col2 + c, 0, 0, w2[e], NULL};
+            col2 += w2[e]->segs[s].rows;
         }
     }
     return count;
@@ -228,14 +281,9 @@ static int64_t tiles_of(const bargein_qmat_t *const *w, int64_t experts, int64_t
 }
 
 /* The tile for this call (see ITEMS_PER_THREAD), from the columns of the experts rows chose. */
-static int64_t tile_for(const int64_t *ids, int64_t pairs, int64_t experts, int64_t columns_per_expert,
-                        int num_threads) {
+static int64_t tile_for(const int64_t *first, int64_t experts, int64_t columns_per_expert, int num_threads) {
     int64_t chosen = 0;
-    for (int64_t e = 0; e < experts; e++) {
-        int used = 0;
-        for (int64_t i = 0; i < pairs && !used; i++) used = ids[i] == e;
-        chosen += used;
-    }
+    for (int64_t e = 0; e < experts; e++) chosen += first[e + 1] > first[e];
     int64_t tile = chosen * columns_per_expert / ((int64_t)ITEMS_PER_THREAD * num_threads);
     tile = (tile + 15) / 16 * 16;
     return tile < MIN_TILE ? MIN_TILE : tile > MAX_TILE ? MAX_TILE : tile;
@@ -246,8 +294,7 @@ static int run_phase(phase_t *job, int64_t *cost, int num_threads) {
     for (int64_t t = 0; t < job->num_items; t++) {
         const item_t *it = &job->items[t];
         const int64_t rows = job->first[it->expert + 1] - job->first[it->expert];
-        const int64_t left = it->w->segs[it->seg].rows - it->col0;
-        cost[t + 1] = cost[t] + rows * (left < job->tile ? left : job->tile);
+        cost[t + 1] = cost[t] + rows * item_cols(it, job->tile) * (it->w2 ? 2 : 1);
     }
     job->cost = cost;
     int threads = job->num_items < num_threads ? (int)job->num_items : num_threads;
@@ -259,10 +306,35 @@ static int run_phase(phase_t *job, int64_t *cost, int num_threads) {
     return 0;
 }
 
-int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter, const bargein_qmat_t *const *gate,
-                        const bargein_qmat_t *const *up, const bargein_qmat_t *const *down, int64_t experts,
-                        const int64_t *ids, const float *weights, int64_t topk, float *y, int exact,
-                        int num_threads, int isa) {
+void bargein_moe_scratch_free(bargein_moe_scratch_t *scratch) {
+    free(scratch->data);
+    scratch->data = NULL;
+    scratch->bytes = 0;
+}
+
+/* `counts` float buffers of the given sizes, 64-byte aligned, from `scratch` (grown if it
+ * is too small); 0, or -1 when memory could not be had. */
+static int take_floats(bargein_moe_scratch_t *scratch, int count, const int64_t *sizes, float **out) {
+    size_t total = 0;
+    for (int i = 0; i < count; i++) total += ((size_t)(sizes[i] > 0 ? sizes[i] : 1) * sizeof(float) + 63) / 64 * 64;
+    if (scratch->bytes < total) {
+        bargein_moe_scratch_free(scratch);
+        if (!(scratch->data = aligned_alloc(64, total))) return -1;
+        scratch->bytes = total;
+    }
+    char *at = scratch->data;
+    for (int i = 0; i < count; i++) {
+        out[i] = (float *)at;
+        at += ((size_t)(sizes[i] > 0 ? sizes[i] : 1) * sizeof(float) + 63) / 64 * 64;
+    }
+    return 0;
+}
+
+int bargein_moe_experts_in(const float *x, int64_t m, int64_t hidden, int64_t inter,
+                           const bargein_qmat_t *const *gate, const bargein_qmat_t *const *up,
+                           const bargein_qmat_t *const *down, int64_t experts, const int64_t *ids,
+                           const float *weights, int64_t topk, float *y, int exact, int num_threads, int isa,
+                           bargein_moe_scratch_t *scratch) {
     const int64_t pairs = m * topk;
     for (int64_t i = 0; i < pairs; i++)
         if (ids[i] < 0 || ids[i] >= experts) return -6;
@@ -271,17 +343,10 @@ int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter
     int64_t *first = calloc((size_t)experts + 1, sizeof(int64_t));
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)(pairs > 0 ? pairs : 1));
     int64_t *fill = calloc((size_t)experts, sizeof(int64_t));
-    const int64_t tile = tile_for(ids, pairs, experts, 2 * inter + hidden, num_threads);
-    const int64_t num_items = tiles_of(gate, experts, tile) + tiles_of(up, experts, tile) + tiles_of(down, experts, tile);
-    item_t *items = malloc(sizeof(item_t) * (size_t)(num_items > 0 ? num_items : 1));
-    int64_t *cost = malloc(sizeof(int64_t) * (size_t)(num_items + 1));
-    float *xg = malloc(sizeof(float) * (size_t)(pairs * hidden > 0 ? pairs * hidden : 1));
-    float *gu = malloc(sizeof(float) * (size_t)(pairs * 2 * inter > 0 ? pairs * 2 * inter : 1));
-    float *h = malloc(sizeof(float) * (size_t)(pairs * inter > 0 ? pairs * inter : 1));
-    float *out = malloc(sizeof(float) * (size_t)(pairs * hidden > 0 ? pairs * hidden : 1));
     int *statuses = malloc(sizeof(int) * (size_t)num_threads);
-    float *scratch = NULL;
-    if (!first || !pos || !fill || !items || !cost || !xg || !gu || !h || !out || !statuses) goto done;
+    item_t *items = NULL;
+    int64_t *cost = NULL;
+    if (!first || !pos || !fill || !statuses) goto done;
     /* Group the (row, slot) pairs by expert, rows in order within an expert. */
     for (int64_t i = 0; i < pairs; i++) first[ids[i] + 1]++;
     int64_t most = 0;
@@ -289,25 +354,30 @@ int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter
         most = first[e + 1] > most ? first[e + 1] : most;
         first[e + 1] += first[e];
     }
+    const int64_t tile = tile_for(first, experts, 2 * inter + hidden, num_threads);
+    const int64_t num_items = tiles_of(gate, experts, tile) + tiles_of(up, experts, tile) + tiles_of(down, experts, tile);
+    items = malloc(sizeof(item_t) * (size_t)(num_items > 0 ? num_items : 1));
+    cost = malloc(sizeof(int64_t) * (size_t)(num_items + 1));
+    const int64_t scratch_floats = (most * 2 * tile + 15) / 16 * 16;
+    const int64_t sizes[5] = {pairs * hidden, pairs * 2 * inter, pairs * inter, pairs * hidden,
+                              scratch_floats * num_threads};
+    float *buffers[5];
+    if (!items || !cost || take_floats(scratch, 5, sizes, buffers)) goto done;
+    float *xg = buffers[0], *gu = buffers[1], *h = buffers[2], *out = buffers[3];
     for (int64_t i = 0; i < pairs; i++) {
         const int64_t e = ids[i], p = first[e] + fill[e]++;
         pos[i] = p;
         memcpy(xg + p * hidden, x + (i / topk) * hidden, sizeof(float) * (size_t)hidden);
     }
-    const int64_t scratch_floats = (most * tile + 15) / 16 * 16;
-    scratch = malloc(sizeof(float) * (size_t)(scratch_floats * num_threads > 0 ? scratch_floats * num_threads : 1));
-    if (!scratch) goto done;
     /* gate and up: one region */
-    int64_t count = list_items(items, gate, first, experts, 0, tile);
-    count += list_items(items + count, up, first, experts, inter, tile);
-    phase_t job = {items, count, NULL, xg, hidden, gu, 2 * inter, first, scratch, scratch_floats, statuses, tile,
-                   exact, isa};
+    phase_t job = {items, list_items(items, gate, up, first, experts, 0, inter, tile), NULL, xg, hidden, gu,
+                   2 * inter, first, buffers[4], scratch_floats, statuses, tile, exact, isa};
     if ((status = run_phase(&job, cost, num_threads))) goto done;
     swiglu_t act = {gu, h, pairs, inter};
     const int64_t act_threads = pairs / 4 < num_threads ? pairs / 4 : num_threads;
     bargein_parallel_run(swiglu_rows, &act, act_threads > 1 ? (int)act_threads : 1);
     /* down: another */
-    job.num_items = list_items(items, down, first, experts, 0, tile);
+    job.num_items = list_items(items, down, NULL, first, experts, 0, 0, tile);
     job.in = h, job.in_width = inter, job.out = out, job.out_width = hidden;
     if ((status = run_phase(&job, cost, num_threads))) goto done;
     combine_t sum = {out, weights, pos, y, m, hidden, topk};
@@ -320,11 +390,17 @@ done:
     free(fill);
     free(items);
     free(cost);
-    free(xg);
-    free(gu);
-    free(h);
-    free(out);
     free(statuses);
-    free(scratch);
+    return status;
+}
+
+int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter, const bargein_qmat_t *const *gate,
+                        const bargein_qmat_t *const *up, const bargein_qmat_t *const *down, int64_t experts,
+                        const int64_t *ids, const float *weights, int64_t topk, float *y, int exact,
+                        int num_threads, int isa) {
+    bargein_moe_scratch_t scratch = {NULL, 0};
+    const int status = bargein_moe_experts_in(x, m, hidden, inter, gate, up, down, experts, ids, weights, topk, y,
+                                              exact, num_threads, isa, &scratch);
+    bargein_moe_scratch_free(&scratch);
     return status;
 }

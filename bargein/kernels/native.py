@@ -49,7 +49,7 @@ _SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "decode_attention.c", "block_matmul.c", "quant_matmul.c", "attention_f16.c", "rowwise.c", "parallel.c",
     "fast_forward.c", "gguf_matmul.c", "moe_matmul.c", "half_matmul.c"))
 _HEADERS = tuple(Path(__file__).with_name(name) for name in (
-    "parallel.h", "simd.h", "gguf_types.h", "gguf_matrix.h", "x86_simd.h", "half_matmul.h", "fast_forward.h",
+    "parallel.h", "simd.h", "gguf_types.h", "gguf_matrix.h", "moe_matmul.h", "x86_simd.h", "half_matmul.h", "fast_forward.h",
     "arm64_simd.h", "neon_block_matmul.h", "neon_q8_matmul.h", "neon_q8_body.h", "neon_gguf_matmul.h",
     "neon_gguf_body.h", "neon_attention_f16.h", "tanh.h"))
 _FLAGS = build_flags.COMMON_FLAGS

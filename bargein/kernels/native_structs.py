@@ -72,12 +72,23 @@ def describe_quant(weight: QuantWeight) -> QuantMatrix:
     return matrix
 
 
+class FastMoE(ctypes.Structure):
+    """A mixture-of-experts MLP of the fused fast forward (fast_forward.c's bargein_fast_moe_t):
+    gate, up and down are arrays of ``experts`` QuantMatrixC addresses (an ExpertTable's)."""
+
+    _fields_ = [("router", _P), ("experts", _I64), ("rows_w", _I64), ("topk", _I64), ("norm", _I64),
+                ("inter", _I64), ("gate", _P), ("up", _P), ("down", _P), ("shared_w13", Q8Weight),
+                ("shared_w2", Q8Weight)]
+
+
 class FastLayer(ctypes.Structure):
-    """One decoder layer of the fused fast forward (fast_forward.c's bargein_fast_layer_t)."""
+    """One decoder layer of the fused fast forward (fast_forward.c's bargein_fast_layer_t);
+    ``moe``: the address of its FastMoE, None where its MLP is dense."""
 
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("qkv_bias", _P), ("wqkv", Q8Weight), ("wo", Q8Weight),
                 ("w13", Q8Weight), ("w2", Q8Weight), ("k_cache", _P), ("v_cache", _P), ("q_norm", _P),
-                ("k_norm", _P), ("post_attn_norm", _P), ("post_ffn_norm", _P), ("window", _I64), ("local", _I64)]
+                ("k_norm", _P), ("post_attn_norm", _P), ("post_ffn_norm", _P), ("window", _I64), ("local", _I64),
+                ("moe", _P)]
 
 
 class FastShape(ctypes.Structure):

@@ -9,7 +9,8 @@ call that runs them all, with the first stage's embedding lookup and the last st
 final norm and LM head, with the very
 kernels the per-operation path calls, in the same order, so that the logits, hidden states
 and K/V written are bit for bit the same (tests/kernels/test_fused_forward.py; the families'
-features, tests/kernels/test_fused_families.py).
+features, tests/kernels/test_fused_families.py; mixtures of experts,
+tests/kernels/test_fused_moe.py).
 
 The caches are the caller's (the runner's); their pointers are written into the array
 when a forward brings caches other than the last ones, and the array keeps those
@@ -20,6 +21,7 @@ since the structures carry each call's pointers.
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 import threading
 from collections.abc import Sequence
@@ -39,6 +41,7 @@ from bargein.kernels.native_structs import (
 )
 from bargein.kernels.quant_weight import QuantWeight
 from bargein.model.attention import AttentionMetadata, KVCache
+from bargein.model.moe import MoEFeedForward
 
 
 class FusedLayers:
@@ -105,16 +108,22 @@ class FusedLayers:
         array = (FastLayer * len(blocks))()
         for slot, block in zip(array, blocks, strict=True):
             attention, ffn = block.attention, block.feed_forward
-            weights = [_weight(lin, keep) for lin in (attention.wqkv, attention.wo, ffn.w13, ffn.w2)]
+            moe = None
+            if isinstance(ffn, MoEFeedForward):  # its MLP is the experts' (w13, w2 unused)
+                if (moe := ffn.fused_description(functools.partial(_weight, keep=keep))) is None:
+                    return None
+                keep += [moe, ffn]
+            mlp = [ffn.w13, ffn.w2] if moe is None else []
+            weights = [_weight(lin, keep) for lin in (attention.wqkv, attention.wo, *mlp)]
             norms = [block.attn_norm.weight, block.ffn_norm.weight]
             bias = attention.wqkv.bias
             c = config
             q_width, qkv_width = c.num_heads * c.head_dim, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
             shapes = [(qkv_width, c.hidden_size), (c.hidden_size, q_width), (2 * c.intermediate_size, c.hidden_size),
-                      (c.hidden_size, c.intermediate_size)]
+                      (c.hidden_size, c.intermediate_size)][:len(weights)]
             if any(w is None or (w.n, w.k) != shape for w, shape in zip(weights, shapes, strict=True)) \
                     or not all(_float32(t) for t in norms) \
-                    or any(lin.bias is not None for lin in (attention.wo, ffn.w13, ffn.w2)) \
+                    or any(lin.bias is not None for lin in (attention.wo, *mlp)) \
                     or (bias is not None and not _float32(bias)):
                 return None
             features = _feature_norms(block, config)
@@ -123,7 +132,11 @@ class FusedLayers:
             keep += [*norms, bias, *(t for t in features if t is not None)]
             slot.attn_norm, slot.ffn_norm = norms[0].data_ptr(), norms[1].data_ptr()
             slot.qkv_bias = bias.data_ptr() if bias is not None else None
-            slot.wqkv, slot.wo, slot.w13, slot.w2 = weights
+            slot.wqkv, slot.wo = weights[:2]
+            if moe is None:
+                slot.w13, slot.w2 = weights[2:]
+            else:
+                slot.moe = ctypes.addressof(moe)
             slot.q_norm, slot.k_norm, slot.post_attn_norm, slot.post_ffn_norm = (
                 t.data_ptr() if t is not None else None for t in features)
             slot.window = attention.window or 0

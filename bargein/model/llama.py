@@ -244,8 +244,7 @@ class LlamaStage(nn.Module):
         self.fused = (FusedLayers.build(config, list(self.layers), (self.rope.cos, self.rope.sin), kernels.native,
                                         self.embed, (self.norm, self.lm_head) if self.is_last else None,
                                         local_rope=local, embed_scale=self.is_first and config.embed_scale)
-                      if fuse_layers and kernels.fast and kernels.native is not None and config.moe is None
-                      else None)  # an MoE layer is no dense MLP: it runs one operation at a time
+                      if fuse_layers and kernels.fast and kernels.native is not None else None)
 
     @property
     def num_layers(self) -> int:

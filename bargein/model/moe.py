@@ -14,10 +14,13 @@ expert no token chooses), from a folder, dense tensors.
   (moe_matmul.c), with int8 activations against the experts' blocks; a token's output
   depends on its own row only, not on which rows share the step or which experts they
   chose. Dense experts (a folder's) are quantized to Q8_0 blocks once, at construction.
+  Inside a fused stage (:mod:`bargein.model.fused_layers`) the same calls run from C
+  (:meth:`MoEFeedForward.fused_description`), with the same bits.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 
@@ -28,6 +31,7 @@ from torch import nn
 from bargein.config import MoEConfig
 from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.moe_native import ExpertTable
+from bargein.kernels.native_structs import FastMoE, Q8Weight
 from bargein.kernels.ops import KernelSet
 from bargein.kernels.quant_weight import QuantWeight
 from bargein.model.block_weights import Weight, cat_rows, dense
@@ -108,6 +112,30 @@ class MoEFeedForward(nn.Module):
         if self.table is not None:
             return self.table.nbytes
         return sum(_held_bytes(lin) for e in self.experts for lin in (e.w13, e.w2))
+
+    def fused_description(self, weight_of: Callable[[Linear], Q8Weight | None]) -> FastMoE | None:
+        """This layer as the fused fast forward reads it (fast_forward.c's bargein_fast_moe_t),
+        pointing into this module's router and expert table: the caller keeps the module
+        alive while the description is used. ``weight_of`` describes a Linear's blocks (the
+        shared expert's). None where the experts have no native table or the shared
+        expert's linears are not held in blocks without a bias: the stage then runs per
+        operation."""
+        table = self.table
+        if table is None:
+            return None
+        shared = Q8Weight(), Q8Weight()  # n == 0: none
+        if self.shared is not None:
+            w13, w2 = (self.shared.w13, self.shared.w2)
+            held = weight_of(w13), weight_of(w2)
+            if held[0] is None or held[1] is None or w13.bias is not None or w2.bias is not None \
+                    or self.shared.activation != "silu" or held[0].k != table.hidden \
+                    or (held[1].n, 2 * held[1].k) != (table.hidden, held[0].n):
+                return None
+            shared = held
+        return FastMoE(router=self.route_matrix.data_ptr(), experts=self.num_experts,
+                       rows_w=self.route_matrix.shape[0], topk=self.topk, norm=int(self.norm_topk_prob),
+                       inter=table.inter, gate=ctypes.addressof(table.gate), up=ctypes.addressof(table.up),
+                       down=ctypes.addressof(table.down), shared_w13=shared[0], shared_w2=shared[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.table is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2:
