@@ -37,35 +37,43 @@ def offsets(window: int, passes: int) -> list[int]:
     return [p * window // passes for p in range(passes)]
 
 
-def bargein_perplexity(path: str, ids: list[int], window: int, precision: str, passes: int) -> float:
-    import torch
+def pooled(passes: list[np.ndarray]) -> tuple[float, list[float]]:
+    """The perplexity of every pass's scored tokens together, and of each pass alone."""
+    return (math.exp(float(np.concatenate(passes).mean())),
+            [math.exp(float(nll.mean())) for nll in passes])
 
+
+def bargein_perplexity(path: str, ids: list[int], window: int, precision: str,
+                       passes: int) -> tuple[float, list[float]]:
     from bargein import CacheConfig, Engine, EngineConfig
     from tests.perplexity import score
 
     config = EngineConfig(precision=precision, cache=CacheConfig(kv_tokens=window + 64), max_model_len=window + 64)
     engine = Engine.from_pretrained(path, config, progress=False)
-    nll = torch.cat([score(engine, ids, window, offset).nll for offset in offsets(window, passes)])
-    return math.exp(nll.mean().item())
+    return pooled([score(engine, ids, window, offset).nll.numpy() for offset in offsets(window, passes)])
 
 
-def llama_perplexity(path: str, ids: list[int], window: int, threads: int | None, passes: int) -> float:
+def llama_perplexity(path: str, ids: list[int], window: int, threads: int | None,
+                     passes: int) -> tuple[float, list[float]]:
     from llama_cpp import Llama  # type: ignore[import-not-found]
 
     from tests.perplexity import windows
 
     llm = Llama(model_path=path, n_ctx=window, n_batch=window, logits_all=True, verbose=False,
                 **({"n_threads": threads, "n_threads_batch": threads} if threads else {}))
-    nll: list[np.ndarray] = []
-    for start, stop in (w for offset in offsets(window, passes) for w in windows(len(ids), window, offset)):
-        chunk = ids[start:stop]
-        llm.reset()
-        llm.eval(chunk)
-        logits = np.asarray(llm.scores[:len(chunk) - 1], dtype=np.float64)  # row i predicts chunk[i + 1]
-        top = logits.max(-1, keepdims=True)
-        log_z = top[:, 0] + np.log(np.exp(logits - top).sum(-1))
-        nll.append(log_z - logits[np.arange(len(chunk) - 1), chunk[1:]])
-    return math.exp(float(np.concatenate(nll).mean()))
+    per_pass: list[np.ndarray] = []
+    for offset in offsets(window, passes):
+        nll: list[np.ndarray] = []
+        for start, stop in windows(len(ids), window, offset):
+            chunk = ids[start:stop]
+            llm.reset()
+            llm.eval(chunk)
+            logits = np.asarray(llm.scores[:len(chunk) - 1], dtype=np.float64)  # row i predicts chunk[i + 1]
+            top = logits.max(-1, keepdims=True)
+            log_z = top[:, 0] + np.log(np.exp(logits - top).sum(-1))
+            nll.append(log_z - logits[np.arange(len(chunk) - 1), chunk[1:]])
+        per_pass.append(np.concatenate(nll))
+    return pooled(per_pass)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -90,11 +98,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "offsets": args.offsets}
         for precision in ("fast", "exact"):
             started = time.perf_counter()
-            row[f"bargein_{precision}"] = bargein_perplexity(path, ids, args.window, precision, args.offsets)
+            row[f"bargein_{precision}"], row[f"bargein_{precision}_passes"] = bargein_perplexity(
+                path, ids, args.window, precision, args.offsets)
             row[f"bargein_{precision}_s"] = time.perf_counter() - started
         try:
             started = time.perf_counter()
-            row["llama_cpp"] = llama_perplexity(path, ids, args.window, args.threads, args.offsets)
+            row["llama_cpp"], row["llama_cpp_passes"] = llama_perplexity(path, ids, args.window, args.threads,
+                                                                         args.offsets)
             row["llama_cpp_s"] = time.perf_counter() - started
             for precision in ("fast", "exact"):
                 row[f"{precision}_vs_llama_cpp_pct"] = 100 * (row[f"bargein_{precision}"] / row["llama_cpp"] - 1)
@@ -102,8 +112,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["llama_cpp"] = "llama_cpp (llama-cpp-python) is not importable"
         rows.append(row)
     result = {"benchmark": "perplexity", "machine": machine_info(), "rows": rows}
+    columns = [c for c in rows[0] if not c.endswith("_passes")]  # each pass's perplexity: in the JSON
     emit("Perplexity on tests/data/public_domain.txt", [("same windows and scored positions on both sides",
-                                                         format_table(rows))], result, args.json)
+                                                         format_table(rows, columns))], result, args.json)
     return result
 
 
