@@ -2,11 +2,15 @@
 
 The text is cut into windows of ``window`` tokens, each scored from a fresh context (no
 window sees another), which keeps the cost linear in the text's length. Every token of a
-window but the first is predicted from the ones before it.
+window but the first is predicted from the ones before it. An ``offset`` shifts the cuts
+(the first window is then the first ``offset`` tokens): scoring the same text at several
+offsets averages over contexts, which ``bench/bench_perplexity.py`` uses to shrink the
+run-to-run spread that int8 rounding gives a short text.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,12 +61,20 @@ def text_ids(engine: Engine, num_tokens: int) -> list[int]:
     return ids[:num_tokens]
 
 
-def score(engine: Engine, ids: list[int], window: int = 512) -> Scores:
-    """Scores of ``ids`` in windows of ``window`` tokens, each a single prefill."""
+def windows(num_tokens: int, window: int, offset: int = 0) -> list[tuple[int, int]]:
+    """[start, stop) of each window over ``num_tokens`` tokens: cuts at ``offset`` (mod
+    ``window``) and every ``window`` tokens after it; a window of fewer than 2 tokens
+    scores nothing and is left out."""
+    cuts = sorted({0, num_tokens, *range(offset % window, num_tokens, window)})
+    return [(start, stop) for start, stop in itertools.pairwise(cuts) if stop - start >= 2]
+
+
+def score(engine: Engine, ids: list[int], window: int = 512, offset: int = 0) -> Scores:
+    """Scores of ``ids`` in :func:`windows` of ``window`` tokens, each a single prefill."""
     (stage,) = engine.runner.stages
     nll, top1 = [], []
-    for start in range(0, len(ids), window):
-        chunk = ids[start:start + window]
+    for start, stop in windows(len(ids), window, offset):
+        chunk = ids[start:stop]
         table = BlockTable()
         engine.pool.ensure_writable(table, 0, len(chunk))
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.perplexity import bundled_engines, score, text_ids
+from tests.perplexity import bundled_engines, score, text_ids, windows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 NUM_TOKENS = 2048
@@ -33,3 +33,12 @@ def test_fast_perplexity_is_within_one_percent_of_exact() -> None:
     assert 5 < exact.perplexity < 100  # the text is English the model knows: not noise, not memorised
     assert abs(ratio - 1) <= 0.01
     assert agreement >= 0.90
+
+
+def test_windows_cut_at_the_offset_and_every_window_after_it() -> None:
+    assert windows(2048, 512) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+    assert windows(2048, 512, 128) == [(0, 128), (128, 640), (640, 1152), (1152, 1664), (1664, 2048)]
+    assert windows(2048, 512, 640) == windows(2048, 512, 128)  # the offset counts modulo the window
+    # A window of one token predicts nothing: left out at either end.
+    assert windows(1025, 512) == [(0, 512), (512, 1024)]
+    assert windows(1024, 512, 1) == [(1, 513), (513, 1024)]
