@@ -262,20 +262,35 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return workers.ModuleScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
+UNIT_CLOCK = workers.UnitClock()  # this worker's seconds per unit of work
+WORKER_LINES: list[str] = []  # in the controller: one line per worker, as each ends
+
+
+def pytest_runtest_logreport(report) -> None:
+    UNIT_CLOCK.add(report.nodeid, report.duration)
+
+
 def pytest_sessionfinish(session) -> None:
     if _is_worker(session.config):  # sent to the controller, which sums the workers' counts
         session.config.workeroutput["started"] = dict(STARTED)
+        session.config.workeroutput["clock"] = UNIT_CLOCK.output()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    STARTED.update(getattr(node, "workeroutput", {}).get("started", {}))
+    output = getattr(node, "workeroutput", {})
+    STARTED.update(output.get("started", {}))
+    if "clock" in output:
+        WORKER_LINES.append(workers.describe_worker(node.gateway.id, output["clock"]))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The costly set-ups this run started (``tests/started.py``), in all its workers."""
+    """The costly set-ups this run started (``tests/started.py``), in all its workers, and
+    each worker's time by unit of work (``tests/workers.py``): the critical path."""
     if STARTED:
         terminalreporter.write_line("started: " + ", ".join(f"{n} {what}" for what, n in sorted(STARTED.items())))
+    for line in WORKER_LINES:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture

@@ -24,6 +24,8 @@ one process, as before.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 try:
@@ -87,8 +89,7 @@ class ModuleScheduling(LoadScopeScheduling):
     the heaviest unit first."""
 
     def _split_scope(self, nodeid: str) -> str:
-        module = module_of(nodeid)
-        return GROUPED_MODULES.get(module, module)
+        return unit_of(nodeid)
 
     def _assign_work_unit(self, node) -> None:
         heaviest = max(self.workqueue, key=lambda unit: weight(unit, len(self.workqueue[unit])))
@@ -99,3 +100,36 @@ class ModuleScheduling(LoadScopeScheduling):
 def weight(unit: str, num_tests: int) -> float:
     """The estimated seconds of one unit of work."""
     return SECONDS.get(unit, SECONDS_PER_TEST * num_tests)
+
+
+class UnitClock:
+    """The seconds each unit of work took on one worker (its tests' set-up, call and
+    tear-down, as ``--durations`` counts them), and the worker's own time from its start
+    to its end: sent to the controller, which prints one line per worker, so that a run
+    shows its critical path (the worker that finished last, and with what)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.units: dict[str, float] = {}
+
+    def add(self, nodeid: str, seconds: float) -> None:
+        unit = unit_of(nodeid)
+        self.units[unit] = self.units.get(unit, 0.0) + seconds
+
+    def output(self) -> dict:
+        return {"wall": time.monotonic() - self.started, "units": self.units}
+
+
+def describe_worker(name: str, output: dict, shown: int = 4) -> str:
+    """One line: a worker's wall time, its busiest units and how many others."""
+    units = sorted(output["units"].items(), key=lambda item: -item[1])
+    busy = sum(seconds for _, seconds in units)
+    top = ", ".join(f"{unit} {seconds:.0f}" for unit, seconds in units[:shown])
+    rest = f" and {len(units) - shown} more" if len(units) > shown else ""
+    return f"{name}: {output['wall']:.0f} s, {busy:.0f} s in tests: {top}{rest}"
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module, or the module's group."""
+    module = module_of(nodeid)
+    return GROUPED_MODULES.get(module, module)
