@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from bargein.cli.threads import settle_waiting
-from tests import forked_servers, native_build, workers
+from tests import forked_servers, native_build, ray_starts, workers
 from tests.started import STARTED, count
 
 # Tests that give a process a home of its own (Ray nodes with their own HOME, namespace
@@ -248,6 +248,7 @@ def pytest_sessionstart(session) -> None:
     builds them before it starts the workers (xdist's own hook runs last)."""
     if _is_worker(session.config):
         return
+    ray_starts.name_the_lock()  # before xdist starts the workers, which inherit it
     native_build.build_or_stop()  # under CI=true, a failed or timed-out build stops the run
 
 
