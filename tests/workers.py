@@ -69,6 +69,8 @@ SECONDS = {
     "portable-kernels": 45.0,
     "tests/server/test_server_hardening.py": 35.0,
     "tests/model/test_perplexity.py": 20.0,
+    "tests/server/test_structured_finish.py": 16.0,
+    "tests/server/test_api_fuzz.py": 14.0,
 }
 SECONDS_PER_TEST = 0.3
 
