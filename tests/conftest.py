@@ -55,9 +55,9 @@ if "torch" in sys.modules:
 # Servers forked from a pre-imported process (tests/forked_servers.py) cost ~0.5 s of CPU
 # a start instead of ~2.7 (the suite starts ~40). They were opt-in because
 # test_server_hardening's test_a_stream_misses_no_step_while_4mb_inputs_are_refused failed
-# 1 run in 4 with them and 0 in 4 without; run interleaved on one loaded machine (load
-# 30-40), plain processes failed it too (1 of 6, a chunk of 4 tokens, then 9) and forked
-# ones did not (0 of 6): the failure comes with load, not with the fork. The one
+# 1 run in 4 with them and 0 in 4 without. Run 6 times each, interleaved, on one loaded
+# machine (load 22-41): plain processes failed it 2 times (chunks of 9 and 4 tokens),
+# forked ones 2 times (7 and 3): the failure comes with load, not with the fork. The one
 # difference measured, a forked child's first full collection copying the pages the
 # zygote's objects sit on (14k page faults, +20% on that one collection), is taken at
 # start instead (tests/forked_servers.py). BARGEIN_TEST_FORK_SERVERS=0 starts plain ones.
