@@ -25,13 +25,14 @@ serve: $(VENV)/.stamp-runtime
 	$(VENV)/bin/bargein serve $(ARGS)
 
 # Two pytest-xdist workers, a module (or a shared Ray cluster's tests) at a time, the
-# heaviest first (tests/workers.py); `make test WORKERS=0` runs in one process.
+# heaviest first (tests/workers.py); `make test WORKERS=0` runs in one process. -rs lists
+# every skip with its reason; the run ends with each worker's time by unit of work.
 WORKERS ?= 2
 XDIST   := $(if $(filter 0,$(WORKERS)),-p no:xdist,-n $(WORKERS) --dist loadgroup)
 
 test: $(VENV)/.stamp-test
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q $(XDIST) --durations=30 $(ARGS)
+	$(PY) -m pytest -q -rs $(XDIST) --durations=30 $(ARGS)
 
 lint: $(VENV)/.stamp-test
 	$(VENV)/bin/ruff check bargein tests bench

@@ -4,9 +4,9 @@
 debug endpoints; the server tests and the web UI tests share it. ``server_factory``
 starts servers with other options (an API key, a small queue, a deadline), once per
 distinct option set per session, since loading the model takes seconds. Every server
-is started with the project's own command, ``python -m bargein.cli serve`` (or, with
-BARGEIN_TEST_FORK_SERVERS=1, its entry point forked from a process that imported bargein
-once: ``tests/forked_servers.py``). Under pytest-xdist (``make test``) each worker has
+is started with the project's own entry point, forked from a process that imported
+bargein once (``tests/forked_servers.py``), or with BARGEIN_TEST_FORK_SERVERS=0 as its own
+command, ``python -m bargein.cli serve``. Under pytest-xdist (``make test``) each worker has
 its own session, so its own servers, and gets its tests a module at a time
 (``tests/workers.py``).
 
@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from bargein.cli.threads import settle_waiting
-from tests import forked_servers, workers
+from tests import forked_servers, native_build, ray_starts, workers
 from tests.started import STARTED, count
 
 # Tests that give a process a home of its own (Ray nodes with their own HOME, namespace
@@ -53,11 +53,15 @@ if "torch" in sys.modules:
     warnings.warn("torch was loaded before tests/conftest.py: GOMP_SPINCOUNT comes too late", stacklevel=1)
 
 # Servers forked from a pre-imported process (tests/forked_servers.py) cost ~0.5 s of CPU
-# a start instead of ~2.7, but are opt-in: with them, test_server_hardening's
-# test_a_stream_misses_no_step_while_4mb_inputs_are_refused failed 1 run in 4 (a chunk of
-# 3 tokens), with plain processes 0 in 4 (same machine, same minutes); the cause is not
-# found yet, and a server that behaves other than `bargein serve` would hide bugs.
-FORK_SERVERS = os.environ.get("BARGEIN_TEST_FORK_SERVERS") == "1"
+# a start instead of ~2.7 (the suite starts ~40). They were opt-in because
+# test_server_hardening's test_a_stream_misses_no_step_while_4mb_inputs_are_refused failed
+# 1 run in 4 with them and 0 in 4 without. Run 6 times each, interleaved, on one loaded
+# machine (load 22-41): plain processes failed it 2 times (chunks of 9 and 4 tokens),
+# forked ones 2 times (7 and 3): the failure comes with load, not with the fork. The one
+# difference measured, a forked child's first full collection copying the pages the
+# zygote's objects sit on (14k page faults, +20% on that one collection), is taken at
+# start instead (tests/forked_servers.py). BARGEIN_TEST_FORK_SERVERS=0 starts plain ones.
+FORK_SERVERS = os.environ.get("BARGEIN_TEST_FORK_SERVERS", "1") != "0"
 STARTUP_TIMEOUT_S = float(os.environ.get("BARGEIN_TEST_STARTUP_TIMEOUT", "240"))
 IDLE_TIMEOUT_S = 60.0
 SERVING_LINE = re.compile(r"^bargein: serving .* at http://\S+:(\d+) ", re.MULTILINE)
@@ -248,9 +252,8 @@ def pytest_sessionstart(session) -> None:
     builds them before it starts the workers (xdist's own hook runs last)."""
     if _is_worker(session.config):
         return
-    from bargein.kernels.native import load_native_kernels
-
-    load_native_kernels()
+    ray_starts.name_the_lock()  # before xdist starts the workers, which inherit it
+    native_build.build_or_stop()  # under CI=true, a failed or timed-out build stops the run
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -264,20 +267,35 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return workers.ModuleScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
+UNIT_CLOCK = workers.UnitClock()  # this worker's seconds per unit of work
+WORKER_LINES: list[str] = []  # in the controller: one line per worker, as each ends
+
+
+def pytest_runtest_logreport(report) -> None:
+    UNIT_CLOCK.add(report.nodeid, report.duration)
+
+
 def pytest_sessionfinish(session) -> None:
     if _is_worker(session.config):  # sent to the controller, which sums the workers' counts
         session.config.workeroutput["started"] = dict(STARTED)
+        session.config.workeroutput["clock"] = UNIT_CLOCK.output()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error) -> None:
-    STARTED.update(getattr(node, "workeroutput", {}).get("started", {}))
+    output = getattr(node, "workeroutput", {})
+    STARTED.update(output.get("started", {}))
+    if "clock" in output:
+        WORKER_LINES.append(workers.describe_worker(node.gateway.id, output["clock"]))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """The costly set-ups this run started (``tests/started.py``), in all its workers."""
+    """The costly set-ups this run started (``tests/started.py``), in all its workers, and
+    each worker's time by unit of work (``tests/workers.py``): the critical path."""
     if STARTED:
         terminalreporter.write_line("started: " + ", ".join(f"{n} {what}" for what, n in sorted(STARTED.items())))
+    for line in WORKER_LINES:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture

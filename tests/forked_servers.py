@@ -1,7 +1,7 @@
 """``bargein serve`` processes forked from one process that imported bargein once.
 
-Opt-in, with BARGEIN_TEST_FORK_SERVERS=1 (``tests/conftest.py`` says why it is not the
-default). Most of a server start's CPU is imports (torch, FastAPI, pydantic: 2-3 s of CPU each
+On unless BARGEIN_TEST_FORK_SERVERS=0 (``tests/conftest.py`` says what was checked).
+Most of a server start's CPU is imports (torch, FastAPI, pydantic: 2-3 s of CPU each
 time), and the suite starts dozens of servers. So one process per test process (the
 *zygote*, ``python -m tests.forked_servers``) imports them once, then forks each server:
 the child runs the command line's own entry point (``bargein.cli.entry.main``) with the
@@ -181,6 +181,7 @@ def _monitor(job: dict) -> None:
 
 
 def _become_server(job: dict) -> None:
+    import gc
     import random
 
     import numpy as np
@@ -198,6 +199,10 @@ def _become_server(job: dict) -> None:
     os.environ.update(job["env"])
     random.seed()
     np.random.seed()
+    # A collection writes to every tracked object, and those the zygote imported sit on
+    # pages this child shares with it: the first one copies them (~14k page faults). Taken
+    # here, before the server answers anything, not in the middle of a request.
+    gc.collect()
     sys.argv = [sys.executable, *job["argv"]]
     raise SystemExit(main(job["argv"]))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ray_starts import one_at_a_time
 from tests.started import count
 
 MB = 1024**2
@@ -28,22 +29,24 @@ def ray_cluster() -> Iterator[object]:
     from ray.cluster_utils import Cluster
 
     head, *others = NODE_MEMORY_MB
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "memory": head * MB, "object_store_memory": OBJECT_STORE_MB * MB,
-        "include_dashboard": False})
+    with one_at_a_time():  # not beside another Ray instance's start (tests/ray_starts.py)
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "memory": head * MB, "object_store_memory": OBJECT_STORE_MB * MB,
+            "include_dashboard": False})
+        for memory in others:
+            cluster.add_node(num_cpus=1, memory=memory * MB, object_store_memory=OBJECT_STORE_MB * MB)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
     count("Ray clusters")
-    count("Ray nodes")
+    count("Ray nodes", len(NODE_MEMORY_MB))
     add_node = cluster.add_node
 
-    def counted_add_node(**kwargs):  # every node a test adds, counted
+    def counted_add_node(**kwargs):  # every node a test adds, counted, and started alone
         count("Ray nodes")
-        return add_node(**kwargs)
+        with one_at_a_time():
+            return add_node(**kwargs)
 
     cluster.add_node = counted_add_node
-    for memory in others:
-        cluster.add_node(num_cpus=1, memory=memory * MB, object_store_memory=OBJECT_STORE_MB * MB)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     try:
         yield cluster
     finally:

@@ -29,6 +29,7 @@ from bargein.engine.request import FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.cluster import runner_body  # noqa: E402
 from tests.pipeline_plans import check_a_failing_plan_fails_alone  # noqa: E402
+from tests.ray_starts import one_at_a_time  # noqa: E402
 from tests.tiny_models import TinySpec, tiny_weights, write_gguf  # noqa: E402
 
 SPEC = TinySpec(num_layers=6)
@@ -49,7 +50,8 @@ def model(tmp_path_factory) -> Iterator[str]:
     # Ray's CPUs, not the machine's: a CPU for each stage of the module's pipeline and of a
     # test's own (a re-created stage included), so "auto" picks a graph (one CPU per stage
     # thread, see transport.pick_transport) and no stage waits for room.
-    ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
+    with one_at_a_time():  # not beside another Ray instance's start (tests/ray_starts.py)
+        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
     try:
         yield str(write_gguf(tmp_path_factory.mktemp("graph") / "tiny.gguf", SPEC, tiny_weights(SPEC),
                              tensor_type="Q8_0"))

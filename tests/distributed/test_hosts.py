@@ -43,6 +43,7 @@ from bargein.distributed.split import speed_factors
 from bargein.kernels.native import cache_dir
 from tests import cpu_limits
 from tests.net_hosts import Host, Hosts, make_hosts, remove_hosts, skip_or_fail, unavailable
+from tests.ray_starts import one_at_a_time
 from tests.started import count
 from tests.tiny_models import SPECIAL_TOKENS, TinySpec, tiny_tokenizer, tiny_weights, write_gguf
 
@@ -93,13 +94,19 @@ def _ok(done, what: str) -> str:
 
 
 def _join(host: Host, address: str, token_copy: Path, flags: tuple[str, ...]) -> str:
-    return _ok(host.bargein("cluster", "join", address, "--token-file", str(token_copy), "--temp-dir",
-                            str(host.temp_dir), "--object-store-memory", "80MiB", *flags), f"join on {host.name}")
+    with one_at_a_time():  # not beside another Ray instance's start (tests/ray_starts.py)
+        return _ok(host.bargein("cluster", "join", address, "--token-file", str(token_copy), "--temp-dir",
+                                str(host.temp_dir), "--object-store-memory", "80MiB", *flags), f"join on {host.name}")
 
 
 def _join_and_rejoin(host: Host, address: str, token_copy: Path, flags: tuple[str, ...]) -> Path:
     """``bargein cluster join --rejoin`` on ``host``, left running (its log returned) once joined."""
     log = host.home / "rejoin.log"
+    with one_at_a_time():  # not beside another Ray instance's start (tests/ray_starts.py)
+        return _start_rejoin(host, address, token_copy, flags, log)
+
+
+def _start_rejoin(host: Host, address: str, token_copy: Path, flags: tuple[str, ...], log: Path) -> Path:
     watcher = host.popen([sys.executable, "-m", "bargein.cli", "cluster", "join", address, "--token-file",
                           str(token_copy), "--temp-dir", str(host.temp_dir), "--object-store-memory", "80MiB",
                           *flags, "--rejoin"], log)
@@ -134,8 +141,9 @@ def cluster() -> Iterator[Cluster]:
             write_gguf(host.home / "models" / "tiny.gguf", SPEC, weights, tensor_type="Q8_0")
         head = hosts[0]
         head.env |= FAST_DEATH  # for the head's processes (its GCS), and the servers there (no effect)
-        started = _ok(head.bargein("cluster", "start", "--node-ip", head.ip, "--temp-dir", str(head.temp_dir),
-                                   "--object-store-memory", "80MiB", *NODE_FLAGS[0]), "cluster start")
+        with one_at_a_time():
+            started = _ok(head.bargein("cluster", "start", "--node-ip", head.ip, "--temp-dir", str(head.temp_dir),
+                                       "--object-store-memory", "80MiB", *NODE_FLAGS[0]), "cluster start")
         assert f"bargein cluster join {head.ip}:6379 --token-file COPY" in started
         address = f"{head.ip}:6379"
         refused = hosts[1].bargein("cluster", "join", address)  # no token copied yet

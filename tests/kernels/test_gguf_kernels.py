@@ -19,11 +19,12 @@ import torch
 
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.dequant import DEQUANTIZERS
-from bargein.kernels.native import Q8_ISAS, load_native_kernels
+from bargein.kernels.native import load_native_kernels
 from bargein.kernels.native_structs import describe_quant
 from bargein.kernels.ops import KernelSet
 from bargein.kernels.quant_weight import QuantSegment, QuantWeight
 from tests.gguf_blocks import TYPES, T, gguf_dequantize, random_blocks, random_weight
+from tests.kernels.isa_params import isa_params
 
 KERNELS = load_native_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here; the reference path is tested")
@@ -32,12 +33,7 @@ TYPE_IDS = [t.name for t in TYPES]
 ROWS = [1, 3, 7, 13, 33]
 
 
-def isa_param(name: str):
-    runs = KERNELS is not None and KERNELS.q8_isa_available(name)
-    return pytest.param(name, marks=pytest.mark.skipif(not runs, reason=f"this CPU has no {name} path"), id=name)
-
-
-ISAS = [isa_param(name) for name in Q8_ISAS]
+ISAS = isa_params(KERNELS)  # this architecture's paths only
 
 
 def rng_for(*key: object) -> np.random.Generator:

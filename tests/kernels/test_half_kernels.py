@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from bargein.kernels.ggml_types import GGMLQuantizationType as T
-from bargein.kernels.native import Q8_ISAS, load_native_kernels
+from bargein.kernels.native import load_native_kernels
 from bargein.kernels.native_structs import describe_quant
 from bargein.kernels.ops import KernelSet
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantSegment, QuantWeight
 from tests.gguf_blocks import random_weight
+from tests.kernels.isa_params import isa_params
 
 KERNELS = load_native_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here; the reference path is tested")
@@ -30,12 +31,7 @@ ROWS = [1, 2, 3, 5, 7, 13, 33]
 ODD_K = 203  # not a multiple of 8: the padded last step
 
 
-def isa_param(name: str):
-    runs = KERNELS is not None and KERNELS.q8_isa_available(name)
-    return pytest.param(name, marks=pytest.mark.skipif(not runs, reason=f"this CPU has no {name} path"), id=name)
-
-
-ISAS = [isa_param(name) for name in Q8_ISAS]
+ISAS = isa_params(KERNELS)  # this architecture's paths only
 
 
 def half_weight(qtype: T, n: int, k: int, seed: int, order: bool = False) -> QuantWeight:

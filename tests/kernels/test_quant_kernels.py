@@ -21,18 +21,14 @@ from bargein.kernels import ops
 from bargein.kernels.block_quant import BLOCK, BlockWeight, quantize_8bit, recover_blocks
 from bargein.kernels.native import Q8_ISAS, NativeKernelError, NativeKernels, load_native_kernels
 from bargein.kernels.ops import resolve_kernels
+from tests.kernels.isa_params import isa_params
 
 KERNELS = load_native_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here; the fallback is tested below")
 THREADS = [1, 2, 3]
 
 
-def isa_param(name: str):
-    runs = KERNELS is not None and KERNELS.q8_isa_available(name)
-    return pytest.param(name, marks=pytest.mark.skipif(not runs, reason=f"this CPU has no {name} path"), id=name)
-
-
-ISAS = [isa_param(name) for name in Q8_ISAS]
+ISAS = isa_params(KERNELS)  # this architecture's paths only
 
 
 def q4_weight(n: int, k: int, g: torch.Generator) -> BlockWeight:

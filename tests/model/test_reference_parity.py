@@ -6,6 +6,8 @@ position of a chat, and the same greedy continuations, token for token.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -32,9 +34,26 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference():
     transformers = pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
     source = resolve_model_ref(None)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(source.path.parent), gguf_file=source.path.name, torch_dtype=torch.float32)
+    # transformers parses the file twice (config, then tensors) and builds gguf-py's name
+    # table once per module of the model (~400 times): over half of a ~24 s load on CI.
+    # Within this load, one parse and one table per key serve every call; what is read
+    # and dequantized, and how, is transformers' and gguf-py's own.
+    readers: dict[str, object] = {}
+    parse = gguf.GGUFReader
+
+    def read_once(path, *args, **kwargs):
+        if str(path) not in readers:
+            readers[str(path)] = parse(path, *args, **kwargs)
+        return readers[str(path)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", read_once)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(source.path.parent), gguf_file=source.path.name, torch_dtype=torch.float32)
+    assert list(readers) == [str(source.path)]  # the one file, parsed once
     return model.eval()
 
 
