@@ -3,10 +3,9 @@
  * gguf_matmul.c after its plain C, where job_t, acts_t and the chains are defined.
  *
  * A tile's columns go four at a time, one to a float lane. Each quad is decoded once per
- * call into scratch (the quants by NEON for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, IQ4_XS,
- * Q4_K, Q5_K and Q6_K; Q2_K, Q3_K and the scales by the plain-C decoder): the quants as signed bytes
- * q = u - off (every type's fit in int8), the per-32 (32 chain) or per-superblock (K chain) parameters
- * block-major, four columns to a vector. Then each row passes over the quad: per 32-block
+ * call into scratch (the quants by NEON, every type; the scales by the plain-C decoder):
+ * the quants as signed bytes q = u - off (every type's fit in int8), the per-32 (32 chain)
+ * or per-superblock (K chain) parameters block-major, four columns to a vector. Then each row passes over the quad: per 32-block
  * (per superblock) the exact int32 dot products (sixteen-byte dot products summed across
  * lanes by pairwise adds; integers, so any order gives the plain C's), and per lane the
  * plain C's float steps in its order (gguf_matmul.c's header): the same bits on every path. */
@@ -76,6 +75,24 @@ static inline void neon_q5_k_quants(const uint8_t *b, int8_t *q) {
         }
 }
 
+/* Q2_K's (hmask 0) and Q3_K's (hmask = the block) 256 quants: quant 128 h + 32 s + l is bits
+ * 2s of qs[32 h + l], and for Q3_K 4 more where bit 4 h + s of hmask[l] is set, less 4. */
+static inline void neon_q23_k_quants(const uint8_t *qs, const uint8_t *hmask, int8_t *q) {
+    const uint8x16_t three = vdupq_n_u8(3), four = vdupq_n_u8(4);
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l += 16) {
+            uint8x16_t v = vld1q_u8(qs + 32 * h + l);
+            for (int s = 0; s < 4; s++, v = vshrq_n_u8(v, 2)) {
+                uint8x16_t u = vandq_u8(v, three);
+                if (hmask) {
+                    const uint8x16_t bit = vdupq_n_u8((uint8_t)(1u << (4 * h + s)));
+                    u = vsubq_u8(vorrq_u8(u, vandq_u8(vtstq_u8(vld1q_u8(hmask + l), bit), four)), four);
+                }
+                vst1q_s8(q + 128 * h + 32 * s + l, vreinterpretq_s8_u8(u));
+            }
+        }
+}
+
 /* A block's quants as signed bytes q = u - off (gguf_quants_c's values, in its order),
  * with NEON for the common types; 0 for the others (the caller decodes them in C). */
 static inline int neon_quants(int type, const uint8_t *b, int8_t *q) {
@@ -85,6 +102,8 @@ static inline int neon_quants(int type, const uint8_t *b, int8_t *q) {
     case T_Q5_0: neon_nibbles(b + 6, 0, q, q + 16), neon_high_bits32(b + 2, 16, q, q + 16); return 1;
     case T_Q5_1: neon_nibbles(b + 8, 0, q, q + 16), neon_high_bits32(b + 4, 0, q, q + 16); return 1;
     case T_Q5_K: neon_q5_k_quants(b, q); return 1;
+    case T_Q2_K: neon_q23_k_quants(b + 16, NULL, q); return 1;
+    case T_Q3_K: neon_q23_k_quants(b + 32, b, q); return 1;
     case T_Q8_0: memcpy(q, b + 2, 32); return 1;
     case T_IQ4_NL: neon_iq4_nibbles(b + 2, q, q + 16); return 1;
     case T_IQ4_XS:
