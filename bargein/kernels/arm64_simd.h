@@ -26,6 +26,8 @@
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1UL << 20) /* the kernel's bit for the dot-product instructions */
 #endif
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
 #endif
 
 /* Compilers that know the dot-product extension build its path as a function target
@@ -40,11 +42,23 @@
 #endif
 #endif
 
-/* Whether this CPU runs sdot (Linux: the kernel's hardware capabilities; elsewhere only
- * where the whole build targets it). */
+#if defined(__APPLE__)
+/* Whether macOS's integer sysctl name is set (0 where it is missing or not 1). */
+static inline int darwin_sysctl_set(const char *name) {
+    int value = 0;
+    size_t size = sizeof value;
+    return sysctlbyname(name, &value, &size, NULL, 0) == 0 && value == 1;
+}
+#endif
+
+/* Whether this CPU runs sdot (Linux: the kernel's hardware capabilities; macOS: the sysctl
+ * hw.optional.arm.FEAT_DotProd, before macOS 12 hw.optional.armv8_2_dotprod, the names
+ * build_flags.py reads too; elsewhere only where the whole build targets it). */
 static inline int arm64_has_dotprod(void) {
 #if defined(__linux__)
     return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__APPLE__)
+    return darwin_sysctl_set("hw.optional.arm.FEAT_DotProd") || darwin_sysctl_set("hw.optional.armv8_2_dotprod");
 #elif defined(__ARM_FEATURE_DOTPROD)
     return 1;
 #else

@@ -3,10 +3,9 @@
  * gguf_matmul.c after its plain C, where job_t, acts_t and the chains are defined.
  *
  * A tile's columns go four at a time, one to a float lane. Each quad is decoded once per
- * call into scratch (the quants by NEON for Q4_0, Q4_1, Q8_0, IQ4_NL, IQ4_XS, Q4_K and
- * Q6_K, the rest and the scales by the plain-C decoder): the quants as signed bytes
- * q = u - off (every type's fit in int8), the per-32 (32 chain) or per-superblock (K chain) parameters
- * block-major, four columns to a vector. Then each row passes over the quad: per 32-block
+ * call into scratch (the quants by NEON, every type; the scales by the plain-C decoder):
+ * the quants as signed bytes q = u - off (every type's fit in int8), the per-32 (32 chain)
+ * or per-superblock (K chain) parameters block-major, four columns to a vector. Then each row passes over the quad: per 32-block
  * (per superblock) the exact int32 dot products (sixteen-byte dot products summed across
  * lanes by pairwise adds; integers, so any order gives the plain C's), and per lane the
  * plain C's float steps in its order (gguf_matmul.c's header): the same bits on every path. */
@@ -45,12 +44,66 @@ static inline void neon_iq4_nibbles(const uint8_t *qs, int8_t *lo, int8_t *hi) {
     vst1q_s8(hi, vqtbl1q_s8(table, vshrq_n_u8(v, 4)));
 }
 
+/* The fifth bit (0x10) of 32 quants from the 32 bits at qh4 (bit i for quant i, as
+ * high_bits32), or-ed into lo (quants 0..15) and hi (16..31), then less off. */
+static inline void neon_high_bits32(const uint8_t *qh4, int8_t off, int8_t *lo, int8_t *hi) {
+    uint32_t qh;
+    memcpy(&qh, qh4, 4);
+    static const uint8_t lane_bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    static const uint8_t lo_byte[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+    const uint8x16_t bits = vld1q_u8(lane_bit), five = vdupq_n_u8(0x10);
+    const uint8x16_t bytes = vcombine_u8(vcreate_u8((uint64_t)qh), vcreate_u8(0));
+    const uint8x16_t lo_idx = vld1q_u8(lo_byte), hi_idx = vaddq_u8(lo_idx, vdupq_n_u8(2));
+    const uint8x16_t lo_set = vandq_u8(vtstq_u8(vqtbl1q_u8(bytes, lo_idx), bits), five);
+    const uint8x16_t hi_set = vandq_u8(vtstq_u8(vqtbl1q_u8(bytes, hi_idx), bits), five);
+    vst1q_s8(lo, vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vreinterpretq_u8_s8(vld1q_s8(lo)), lo_set)), vdupq_n_s8(off)));
+    vst1q_s8(hi, vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(vreinterpretq_u8_s8(vld1q_s8(hi)), hi_set)), vdupq_n_s8(off)));
+}
+
+/* Q5_K's 256 quants: Q4_K's nibbles with bit j of qh[l] as the fifth bit of quant 32 j + l. */
+static inline void neon_q5_k_quants(const uint8_t *b, int8_t *q) {
+    const uint8x16_t five = vdupq_n_u8(0x10);
+    for (int g = 0; g < 4; g++)
+        for (int h = 0; h < 2; h++) {
+            const uint8x16_t v = vld1q_u8(b + 48 + 32 * g + 16 * h), qh = vld1q_u8(b + 16 + 16 * h);
+            const uint8x16_t lo = vorrq_u8(vandq_u8(v, vdupq_n_u8(0x0F)),
+                                           vandq_u8(vtstq_u8(qh, vdupq_n_u8((uint8_t)(1u << (2 * g)))), five));
+            const uint8x16_t hi = vorrq_u8(vshrq_n_u8(v, 4),
+                                           vandq_u8(vtstq_u8(qh, vdupq_n_u8((uint8_t)(1u << (2 * g + 1)))), five));
+            vst1q_s8(q + 64 * g + 16 * h, vreinterpretq_s8_u8(lo));
+            vst1q_s8(q + 64 * g + 32 + 16 * h, vreinterpretq_s8_u8(hi));
+        }
+}
+
+/* Q2_K's (hmask 0) and Q3_K's (hmask = the block) 256 quants: quant 128 h + 32 s + l is bits
+ * 2s of qs[32 h + l], and for Q3_K 4 more where bit 4 h + s of hmask[l] is set, less 4. */
+static inline void neon_q23_k_quants(const uint8_t *qs, const uint8_t *hmask, int8_t *q) {
+    const uint8x16_t three = vdupq_n_u8(3), four = vdupq_n_u8(4);
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l += 16) {
+            uint8x16_t v = vld1q_u8(qs + 32 * h + l);
+            for (int s = 0; s < 4; s++, v = vshrq_n_u8(v, 2)) {
+                uint8x16_t u = vandq_u8(v, three);
+                if (hmask) {
+                    const uint8x16_t bit = vdupq_n_u8((uint8_t)(1u << (4 * h + s)));
+                    u = vsubq_u8(vorrq_u8(u, vandq_u8(vtstq_u8(vld1q_u8(hmask + l), bit), four)), four);
+                }
+                vst1q_s8(q + 128 * h + 32 * s + l, vreinterpretq_s8_u8(u));
+            }
+        }
+}
+
 /* A block's quants as signed bytes q = u - off (gguf_quants_c's values, in its order),
  * with NEON for the common types; 0 for the others (the caller decodes them in C). */
 static inline int neon_quants(int type, const uint8_t *b, int8_t *q) {
     switch (type) {
     case T_Q4_0: neon_nibbles(b + 2, 8, q, q + 16); return 1;
     case T_Q4_1: neon_nibbles(b + 4, 0, q, q + 16); return 1;
+    case T_Q5_0: neon_nibbles(b + 6, 0, q, q + 16), neon_high_bits32(b + 2, 16, q, q + 16); return 1;
+    case T_Q5_1: neon_nibbles(b + 8, 0, q, q + 16), neon_high_bits32(b + 4, 0, q, q + 16); return 1;
+    case T_Q5_K: neon_q5_k_quants(b, q); return 1;
+    case T_Q2_K: neon_q23_k_quants(b + 16, NULL, q); return 1;
+    case T_Q3_K: neon_q23_k_quants(b + 32, b, q); return 1;
     case T_Q8_0: memcpy(q, b + 2, 32); return 1;
     case T_IQ4_NL: neon_iq4_nibbles(b + 2, q, q + 16); return 1;
     case T_IQ4_XS:

@@ -173,3 +173,56 @@ def test_build_flags_per_architecture() -> None:
     assert build_flags.arm64_fallback_note(True, "aarch64", frozenset({"asimddp"})) is None
     assert build_flags.arm64_fallback_note(False, "aarch64", frozenset({"asimd"})) is None
     assert build_flags.arm64_fallback_note(False, "x86_64", frozenset()) is None
+
+
+def test_darwin_features_from_sysctl() -> None:
+    """macOS has no /proc/cpuinfo: its sysctls name the features, by the same names."""
+    def mac(values: dict[str, str]):
+        return lambda name: values.get(name)
+
+    m1 = build_flags.darwin_features(mac({"hw.optional.arm.FEAT_DotProd": "1", "hw.optional.neon": "1"}))
+    assert m1 == {"asimddp", "asimd"}
+    assert build_flags.darwin_features(mac({"hw.optional.armv8_2_dotprod": "1", "hw.optional.neon": "1"})) == m1
+    assert build_flags.darwin_features(mac({"hw.optional.arm.FEAT_DotProd": "0", "hw.optional.neon": "1"})) == {"asimd"}
+    assert build_flags.darwin_features(mac({})) == frozenset()
+    assert build_flags.compile_variants("arm64", m1)[0] == (build_flags.ARM64_DOTPROD_MARCH, "-fopenmp")
+    assert build_flags.arm64_fallback_note(False, "arm64", m1) is not None
+
+    asked: list[str] = []
+
+    def sysctl(name: str) -> str | None:
+        asked.append(name)
+        return "1"
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build_flags, "read_sysctl", sysctl)
+        assert build_flags.cpu_features(system="Darwin") == {"asimddp", "asimd"}
+        assert "hw.optional.arm.FEAT_DotProd" in asked
+        patch.setattr(build_flags.platform, "system", lambda: "Darwin")
+        assert build_flags.compile_variants("arm64")[0] == (build_flags.ARM64_DOTPROD_MARCH, "-fopenmp")
+        assert "asimddp" in build_flags.cpu_signature()
+
+
+def test_read_sysctl_missing_tool() -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build_flags.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("sysctl")))
+        assert build_flags.read_sysctl("hw.optional.arm.FEAT_DotProd") is None
+    assert build_flags.darwin_features(lambda name: None) == frozenset()
+
+
+@needs_cross_tools
+def test_darwin_runtime_dotprod_check(tmp_path: Path) -> None:
+    """arm64_simd.h's macOS branch (sysctlbyname), built for AArch64 as if for macOS against a
+    stand-in sysctlbyname and run under qemu: either sysctl name set means sdot, none does not."""
+    binary = tmp_path / "darwin_dotprod"
+    arm64_dir = HARNESS.parent
+    subprocess.run([CROSS_CC, "-std=c11", "-O1", "-U__linux__", "-D__APPLE__", f"-I{arm64_dir / 'darwin_include'}",
+                    f"-I{KERNELS_DIR}", "-o", str(binary), str(arm64_dir / "darwin_dotprod.c")],
+                   check=True, capture_output=True, text=True, timeout=120)
+
+    def has_dotprod(set_name: str) -> str:
+        return subprocess.run([QEMU, "-L", SYSROOT, str(binary)], check=True, capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "SET": set_name}).stdout.strip()
+
+    assert [has_dotprod(name) for name in ("hw.optional.arm.FEAT_DotProd", "hw.optional.armv8_2_dotprod",
+                                           "hw.optional.neon", "")] == ["1", "1", "0", "0"]
