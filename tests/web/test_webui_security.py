@@ -91,7 +91,8 @@ def test_the_key_stays_in_the_session_unless_remembered(chat: Chat, browser) -> 
     chat.page.check("#remember-key")
     stored = _storage(chat)
     assert stored["local"] == KEY and stored["session"] is None
-    second.reload()
+    second.reload()  # its script fills the field from storage once it runs: wait for that, then check
+    second.wait_for_function("key => document.querySelector('#api-key').value === key", arg=KEY)
     assert second.input_value("#api-key") == KEY and second.is_checked("#remember-key")
     second.uncheck("#remember-key")
     assert _storage(chat)["local"] is None
