@@ -148,7 +148,9 @@ def test_responses_forced_call_streamed_equals_not_streamed(client):
                 assert event.arguments == "".join(pieces)
             elif event.type == "response.completed":
                 final = event.response
-    assert len(pieces) > 2 and "".join(pieces) == call.arguments  # streamed as generated, the same answer
+    # Streamed as generated (more than one piece; a slow reader may get several tokens in one
+    # delta, which on a loaded machine left just 1-2 pieces), and the same answer.
+    assert len(pieces) > 1 and "".join(pieces) == call.arguments
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
                           "response.completed"]
