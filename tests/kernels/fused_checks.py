@@ -4,16 +4,29 @@ chunks and decodes; logits and K/V compared bit for bit."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 
 from bargein.config import ModelConfig
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.ops import KernelSet
+from bargein.loader import load_config, load_weights, resolve_model_ref
 from bargein.model.attention import AttentionMetadata, KVCache
 from bargein.model.llama import LlamaStage
 
 BLOCK = 4
 NUM_BLOCKS = 40
+
+
+@functools.cache
+def load_blocks(path: str | Path) -> tuple[ModelConfig, dict]:
+    """A model file's config and its weights as the fused forward takes them (blocks), loaded
+    once per path for the module's cases."""
+    source = resolve_model_ref(path)
+    config = load_config(source)
+    return config, dict(load_weights(source, config, blocks=True, progress=False))
 
 
 def token_stream(seed: int, n: int) -> list[int]:

@@ -11,19 +11,18 @@ folder's float32 weights become 8-bit blocks in ``fast``, the GGUF's are read as
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import pytest
 
 from bargein.config import ModelConfig
 from bargein.kernels.ops import resolve_kernels
-from bargein.loader import load_config, load_weights, resolve_model_ref
 from bargein.model.llama import LlamaStage
 from tests.kernels.fused_checks import (
     STEPS,
     assert_hidden_forwards_equal,
     assert_token_forwards_equal,
     fused_and_per_op,
+    load_blocks,
 )
 from tests.model.family_files import FORMATS, NAMES, model_path
 
@@ -31,11 +30,8 @@ FAST = resolve_kernels("cpu", precision="fast")
 pytestmark = pytest.mark.skipif(not FAST.fast, reason="no native kernels here: fast runs as exact")
 
 
-@functools.cache
 def _model(name: str, fmt: str) -> tuple[ModelConfig, dict]:
-    source = resolve_model_ref(model_path(name, fmt))
-    config = load_config(source)
-    return config, dict(load_weights(source, config, blocks=True, progress=False))
+    return load_blocks(model_path(name, fmt))
 
 
 def _pair(name: str, fmt: str, layer_range: tuple[int, int] | None = None,

@@ -10,20 +10,18 @@ become Q8_0 blocks in ``fast``, the GGUF's are read as stored.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from bargein.config import ModelConfig
 from bargein.kernels.ops import resolve_kernels
-from bargein.loader import load_config, load_weights, resolve_model_ref
 from bargein.model.moe import MoEFeedForward
 from tests.kernels.fused_checks import (
     STEPS,
     assert_hidden_forwards_equal,
     assert_token_forwards_equal,
     fused_and_per_op,
+    load_blocks,
 )
 from tests.model.moe_files import FORMATS, NAMES, model_path
 
@@ -31,11 +29,8 @@ FAST = resolve_kernels("cpu", precision="fast")
 pytestmark = pytest.mark.skipif(not FAST.fast, reason="no native kernels here: fast runs as exact")
 
 
-@functools.cache
 def _model(name: str, fmt: str) -> tuple[ModelConfig, dict]:
-    source = resolve_model_ref(model_path(name, fmt))
-    config = load_config(source)
-    return config, dict(load_weights(source, config, blocks=True, progress=False))
+    return load_blocks(model_path(name, fmt))
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "gguf_matrix.h"
+#include "moe_matmul.h" /* the MoE entry points, declared once */
 
 int bargein_q8_isa_available(int isa);
 int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
@@ -41,13 +42,6 @@ void bargein_rms_norm(const float *x, const float *w, float *y, int64_t m, int64
 void bargein_silu_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads);
 void bargein_gelu_tanh_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads);
 void bargein_softcap(const float *x, float *y, int64_t m, int64_t n, float cap, int num_threads);
-int bargein_moe_route(const float *x, int64_t m, int64_t hidden, const float *router, int64_t experts,
-                      int64_t rows_w, int64_t topk, int norm, int64_t *ids, float *weights, float *gate,
-                      int num_threads);
-int bargein_moe_experts(const float *x, int64_t m, int64_t hidden, int64_t inter, const bargein_qmat_t *const *gate,
-                        const bargein_qmat_t *const *up, const bargein_qmat_t *const *down, int64_t experts,
-                        const int64_t *ids, const float *weights, int64_t topk, float *y, int exact,
-                        int num_threads, int isa);
 
 /* fast_forward.c's descriptors, by the names this harness uses. */
 #include "fast_forward.h"
