@@ -44,7 +44,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from bargein.config import EngineConfig  # noqa: E402
-from bargein.engine.block_keys import chain_hash  # noqa: E402
+from bargein.distributed.router import block_hashes  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.kv_disk.block_file import (  # noqa: E402
     TMP_PREFIX,
@@ -127,11 +127,8 @@ def expected(reference: Engine, answer: dict) -> list[int]:
 
 
 def block_keys(tokens: list[int]) -> list[bytes]:
-    keys, parent = [], None
-    for i in range(len(tokens) // BLOCK):
-        parent = chain_hash(parent, tokens[i * BLOCK:(i + 1) * BLOCK])
-        keys.append(parent)
-    return keys
+    """The keys the server's pool gives the full blocks of ``tokens`` (the common namespace)."""
+    return block_hashes(tokens, BLOCK)
 
 
 def check_stage_files(kv: Path, known: set[bytes]) -> list[set[bytes]]:

@@ -38,7 +38,7 @@ import httpx
 import pytest
 
 from bargein.cli.threads import settle_waiting
-from bargein.engine.block_keys import chain_hash
+from bargein.distributed.router import block_hashes
 from bargein.engine.kv_disk.block_file import (
     SUFFIX,
     TMP_PREFIX,
@@ -132,11 +132,8 @@ def chat(server: Child, i: int) -> dict:
 
 
 def block_keys(tokens: list[int]) -> list[bytes]:
-    keys, parent = [], None
-    for i in range(len(tokens) // BLOCK):
-        parent = chain_hash(parent, tokens[i * BLOCK:(i + 1) * BLOCK])
-        keys.append(parent)
-    return keys
+    """The keys the server's pool gives the full blocks of ``tokens`` (the common namespace)."""
+    return block_hashes(tokens, BLOCK)
 
 
 def check_files(kv: Path, known: set[bytes]) -> tuple[int, int]:
