@@ -463,9 +463,16 @@ int main(void) {
     const int64_t rows[] = {1, 3, 9, 25};
     for (int t = 0; t < NUM_TYPES; t++)
         for (int r = 0; r < 4; r++) gguf_case(&TYPES[t], NULL, rows[r], 37, 512);
+    /* the ARM64 sdot tiles' types (one scale, and a min, per 32) from their threshold of 4
+     * rows on: whole and partial passes of 6 rows */
+    const int64_t tile_rows[] = {4, 7, 16, 33};
+    for (int t = 0; t < NUM_TYPES; t++)
+        if (TYPES[t].qk == 32 || TYPES[t].type == 23)
+            for (int r = 0; r < 4; r++) gguf_case(&TYPES[t], NULL, tile_rows[r], 37, 512);
     gguf_case(&TYPES[0], &TYPES[9], 3, 37, 512); /* Q4_0 over Q6_K, through a row order */
     gguf_case(&TYPES[7], &TYPES[4], 9, 37, 512); /* Q4_K over Q8_0 */
     for (int r = 0; r < 4; r++) block_case(4, rows[r], 37, 96), block_case(8, rows[r], 37, 96);
+    for (int r = 0; r < 4; r++) block_case(4, tile_rows[r], 37, 96), block_case(8, tile_rows[r], 37, 96);
     block_case(4, 17, 41, 256);
     block_case(8, 17, 41, 256);
     for (int d = 0; d < 2; d++) {
