@@ -33,8 +33,11 @@
 #ifdef BARGEIN_DOTPROD
 
 #define NEON_TILE_ROWS 6     /* rows per pass: 4 registers each (int and float sums, activations) */
-#define NEON_TILE_MIN_ROWS 4 /* from here on the paths pack tiles (unmeasured: fewer instructions
-                              * per row than the row kernels from 2 rows; packing costs a pass) */
+/* From this many rows on the paths pack tiles. Unmeasured (no ARM64 machine here): a row over
+ * the tile takes fewer instructions than over the row kernels, but packing is one more pass
+ * over the weights, which one to three rows (decode) do not pay back; bench/bench_arm64.py
+ * measures 1, 8, 32 and 128 rows on a real machine. */
+#define NEON_TILE_MIN_ROWS 4
 
 /* One block's parameters for the quad's four columns. */
 typedef struct {
