@@ -4,7 +4,7 @@
  *
  * Bit-identity with the x86 paths. The float kernels that simd.h's AVX2 bodies speed up
  * (attention, the row-wise ops, the float block matmul) fix their summation order by the
- * AVX2 body: eight float lanes, fused multiply-adds, hsum256's tree, exp256's polynomial.
+ * AVX2 body: eight float lanes, fused multiply-adds, hsum256's tree, exp256's chain.
  * f32x8 below is those eight lanes as two NEON registers, and every helper here does, lane
  * for lane, the operation of the AVX2 helper it mirrors (vfmaq_f32 is one rounding like
  * vfmadd; vrndmq_f32 is floor; vcvtq_s32_f32 truncates like cvttps), so an ARM64 node and
@@ -18,6 +18,8 @@
 
 #include <arm_neon.h>
 #include <stdint.h>
+
+#include "exp.h"
 
 #define BARGEIN_NEON 1
 
@@ -151,9 +153,17 @@ static inline float f8_hsum(f32x8 v) {
     return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);
 }
 
-/* exp256, lane for lane (Cephes' expf for x <= 0). */
+/* The lanes of x one by one through bargein_expf (exp256_lanes' NEON twin). */
+static __attribute__((noinline)) float32x4_t exp4_lanes(float32x4_t x) {
+    float v[4];
+    vst1q_f32(v, x);
+    for (int i = 0; i < 4; i++) v[i] = bargein_expf(v[i]);
+    return vld1q_f32(v);
+}
+
+/* exp256, lane for lane: bargein_expf's bits for every float (exp.h). */
 static inline float32x4_t exp4_mirror(float32x4_t x) {
-    x = vmaxnmq_f32(x, vdupq_n_f32(-87.3365478515625f)); /* maxps: a NaN gives the bound, as here */
+    if (vminvq_u32(vcaleq_f32(x, vdupq_n_f32(BARGEIN_EXP_FAST_LIMIT))) == 0) return exp4_lanes(x); /* also NaN */
     float32x4_t fx = vfmaq_f32(vdupq_n_f32(0.5f), x, vdupq_n_f32(1.44269504088896341f));
     fx = vrndmq_f32(fx);
     x = vfmsq_f32(x, fx, vdupq_n_f32(0.693359375f));

@@ -320,6 +320,7 @@ static void column_exact_c(const job_t *job, const bargein_qseg_t *seg, const qi
 
 #ifdef GGUF_ARM64
 #include "neon_gguf_matmul.h"
+#include "neon_gguf_tile.h" /* many rows with sdot, 32 chain */
 #endif
 
 /* ---- x86 vector paths: a tile of 16 columns, decoded once per call ------------------ */
@@ -1569,6 +1570,10 @@ static void run_tiles(void *arg, int index, int count) {
             continue;
         }
 #ifdef GGUF_ARM64
+        if (neon_gguf_tiled(job, seg, &info)) {
+            neon_gguf_tile_columns(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
+            continue;
+        }
         neon_gguf_tile(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
 #endif
 #ifdef GGUF_X86

@@ -306,6 +306,26 @@ static void rowwise_case(int64_t m, int64_t n) {
     free(x), free(w), free(y);
 }
 
+/* SiLU over the inputs whose exp glibc 2.36 rounds apart on x86-64 and AArch64 (e^32.564632,
+ * e^-63.099461: what a / (1 + expf(-a)) met at these a) and the exp's range limits, in the
+ * vector bodies and in the scalar tail (n = 11: one eight, three more). */
+static void exp_edges_case(void) {
+    static const uint32_t bits[11] = {0xC202422F, 0x427C65D9, 0x4202422F, 0xC27C65D9, 0xC2B17218, 0x42CFF1B5,
+                                      0xC2AEAC51, 0x3F800000, 0xC202422F, 0x427C65D9, 0xC2AEAC51};
+    float x[44], y[22];
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 11; i++) {
+            memcpy(&x[22 * r + i], &bits[(i + 3 * r) % 11], 4);
+            x[22 * r + 11 + i] = 1.0f + (float)i / 8.0f;
+        }
+    char path[16];
+    for (int th = 0; th < 2; th++) {
+        snprintf(path, sizeof path, "t=%d", THREADS[th]);
+        bargein_silu_mul(x, y, 2, 11, THREADS[th]);
+        report("silu_mul/exp_edges", path, y, sizeof y);
+    }
+}
+
 /* ---- mixture of experts: routing, and the grouped experts on every instruction set ---- */
 
 static void moe_case(const gguf_type_t *t, int64_t m) {
@@ -443,9 +463,16 @@ int main(void) {
     const int64_t rows[] = {1, 3, 9, 25};
     for (int t = 0; t < NUM_TYPES; t++)
         for (int r = 0; r < 4; r++) gguf_case(&TYPES[t], NULL, rows[r], 37, 512);
+    /* the ARM64 sdot tiles' types (one scale, and a min, per 32) from their threshold of 4
+     * rows on: whole and partial passes of 6 rows */
+    const int64_t tile_rows[] = {4, 7, 16, 33};
+    for (int t = 0; t < NUM_TYPES; t++)
+        if (TYPES[t].qk == 32 || TYPES[t].type == 23)
+            for (int r = 0; r < 4; r++) gguf_case(&TYPES[t], NULL, tile_rows[r], 37, 512);
     gguf_case(&TYPES[0], &TYPES[9], 3, 37, 512); /* Q4_0 over Q6_K, through a row order */
     gguf_case(&TYPES[7], &TYPES[4], 9, 37, 512); /* Q4_K over Q8_0 */
     for (int r = 0; r < 4; r++) block_case(4, rows[r], 37, 96), block_case(8, rows[r], 37, 96);
+    for (int r = 0; r < 4; r++) block_case(4, tile_rows[r], 37, 96), block_case(8, tile_rows[r], 37, 96);
     block_case(4, 17, 41, 256);
     block_case(8, 17, 41, 256);
     for (int d = 0; d < 2; d++) {
@@ -457,6 +484,7 @@ int main(void) {
         decode_attention_case(dims[d]);
     }
     rowwise_case(5, 67);
+    exp_edges_case();
     rowwise_case(9, 256);
     moe_case(&TYPES[7], 5);
     moe_case(&TYPES[4], 3);
