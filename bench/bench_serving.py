@@ -85,8 +85,8 @@ def parse_args() -> argparse.Namespace:
     g.add_argument("--goodput-window", type=float, default=20.0, help="seconds of arrivals per run")
     g.add_argument("--goodput-min-requests", type=int, default=8)
     g.add_argument("--goodput-max-runs", type=int, default=10, help="runs per server at most")
-    g.add_argument("--goodput-budget", type=float, default=170.0, help="no run starts after this many "
-                   "seconds of the search (per server)")
+    g.add_argument("--goodput-budget", type=float, default=190.0, help="seconds of the search per server: a "
+                   "run starts only if its arrivals and the longest wait for its last request still fit")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--cut-after", type=int, default=24, help="content events before a cut-off answer is cut")

@@ -199,14 +199,15 @@ def crossing(tallies: Sequence[RunTally], share: float) -> float | None:
 
 
 def search(run_at: Callable[[float, int], RunTally], plan: SearchPlan,
-           out_of_time: Callable[[], bool] = lambda: False) -> list[RunTally]:
+           fits: Callable[[float], bool] = lambda rate: True) -> list[RunTally]:
     """Runs ``run_at(rate, repeat)`` (``repeat``: how many runs that rate already had) at
     the rates :func:`next_rate` picks, until it says done, ``plan.max_runs`` runs, or
-    ``out_of_time()`` before a run. Returns the runs in the order they ran."""
+    ``fits(rate)`` says a run at the next rate no longer fits the time left. Returns the
+    runs in the order they ran."""
     tallies: list[RunTally] = []
-    while len(tallies) < plan.max_runs and not out_of_time():
+    while len(tallies) < plan.max_runs:
         rate = next_rate(tallies, plan)
-        if rate is None:
+        if rate is None or not fits(rate):
             break
         tallies.append(run_at(rate, sum(t.rate == rate for t in tallies)))
     return tallies

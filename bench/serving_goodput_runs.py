@@ -4,9 +4,11 @@ Each run sends Poisson arrivals at one offered rate for about ``window_s`` secon
 (``max(min_requests, round(rate * window_s))`` requests, input and output as the other
 rate workloads), a seeded share of them cancelled by the client a fixed delay after
 sending; it ends as soon as its verdict is certain (``serving_goodput.settled``), which
-bounds a run to its arrivals plus ``Slo.longest_wait_s`` (14.7 s at output 128). Before
-each run the server is let finish what it still works on (its own gauges), so no run
-inherits another's backlog; that wait is reported (``drain_before_s``).
+bounds a run to its arrivals plus ``Slo.longest_wait_s`` (14.7 s at output 128). A run
+starts only if that much still fits the server's time budget. Before each run the server
+is let finish what it still works on (its own gauges; a server that keeps computing the
+requests whose clients left takes a while), so no run inherits another's backlog; that
+wait is reported (``drain_before_s``) and counts against the budget.
 
 Seeds: every rate's first run uses the same seed (arrival gaps that scale with the rate,
 the same prompts and the same cancelled requests: common random numbers, so rates differ
@@ -50,7 +52,7 @@ class GoodputLoad:
     cancel_after_s: float = 1.0
     window_s: float = 20.0  # arrivals span about this long at any rate
     min_requests: int = 8
-    budget_s: float = 170.0  # no run starts after this long (per server)
+    budget_s: float = 190.0  # per server: a run starts only if its arrivals and longest wait fit
     seed: int = 0
 
     def requests(self, rate: float) -> int:
@@ -84,7 +86,12 @@ def measure_goodput(server: Server, target: Target, maker: PromptMaker, load: Go
         return RunTally(rate, met, judged, stopped)
 
     started = time.monotonic()
-    tallies = search(run_at, plan, lambda: time.monotonic() - started > load.budget_s)
+
+    def fits(rate: float) -> bool:  # the arrivals' expected span and the longest a request is waited for
+        longest = load.requests(rate) / rate + slo.longest_wait_s(load.output_tokens)
+        return time.monotonic() - started + longest <= load.budget_s
+
+    tallies = search(run_at, plan, fits)
     return {"load": asdict(load), "plan": asdict(plan), "slo": asdict(slo), **summary(tallies, plan),
             "seconds": time.monotonic() - started, "runs_detail": rows}
 

@@ -174,10 +174,9 @@ def test_the_run_limit_and_the_time_limit_end_a_search_that_never_misses():
     assert ran == [1.0, 2.0, 4.0, 8.0]
     s = summary(tallies, SearchPlan(max_runs=4))
     assert s["max_slo_rate"] == 8.0 and s["lowest_failing_rate"] is None and not s["complete"]
-    clock = iter([False, False, True])
     run_at, ran = simulated(capacity=math.inf)
-    search(run_at, SearchPlan(), out_of_time=lambda: next(clock))
-    assert ran == [1.0, 2.0]
+    search(run_at, SearchPlan(), fits=lambda rate: rate < 5.0)  # time left for a run at 4, not at 8
+    assert ran == [1.0, 2.0, 4.0]
     assert next_rate([], SearchPlan(start=0.7)) == 0.7
 
 
