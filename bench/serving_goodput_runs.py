@@ -5,10 +5,10 @@ Each run sends Poisson arrivals at one offered rate for about ``window_s`` secon
 rate workloads), a seeded share of them cancelled by the client a fixed delay after
 sending; it ends as soon as its verdict is certain (``serving_goodput.settled``), which
 bounds a run to its arrivals plus ``Slo.longest_wait_s`` (14.7 s at output 128). A run
-starts only if that much still fits the server's time budget. Before each run the server
-is let finish what it still works on (its own gauges; a server that keeps computing the
-requests whose clients left takes a while), so no run inherits another's backlog; that
-wait is reported (``drain_before_s``) and counts against the budget.
+starts only if that much still fits the server's time budget. After each run (and before
+the first) the server is let finish what it still works on (its own gauges; a server that
+keeps computing the requests whose clients left takes a while), so no run inherits
+another's backlog; that wait is reported (``drain_after_s``) and counts against the budget.
 
 Seeds: every rate's first run uses the same seed (arrival gaps that scale with the rate,
 the same prompts and the same cancelled requests: common random numbers, so rates differ
@@ -69,7 +69,6 @@ def measure_goodput(server: Server, target: Target, maker: PromptMaker, load: Go
         judged = n - cancelled_count(n, load.cancel_share)
         seed = load.seed + REPEAT_SEED_STEP * repeat
         prompts = maker.prompts(n, load.input_tokens, seed + 3)
-        drain = server.wait_idle()
         cpu0 = server.cpu_seconds()
 
         def stop(records, now: float) -> bool:
@@ -77,15 +76,18 @@ def measure_goodput(server: Server, target: Target, maker: PromptMaker, load: Go
 
         run = asyncio.run(run_rate(target, prompts, rate, load.output_tokens, cancel_share=load.cancel_share,
                                    cancel_after_s=load.cancel_after_s, seed=seed, stop_when=stop))
+        cpu_share = (server.cpu_seconds() - cpu0) / run.duration
+        drain = server.wait_idle()
         met = tally(run.records, slo)
         stopped = len(run.records) < n or any(r.outcome == "stopped" for r in run.records)
         rows.append({"rate": rate, "repeat": repeat, "planned": n, "sent": len(run.records), "judged": judged,
                      "met": met, "share": met / judged, "passed": passes(met, judged, plan.share),
-                     "ended_early": stopped, "drain_before_s": drain, **summarize(run, slo),
-                     "server_cpu_share": (server.cpu_seconds() - cpu0) / run.duration})
+                     "ended_early": stopped, "drain_after_s": drain, **summarize(run, slo),
+                     "server_cpu_share": cpu_share})
         return RunTally(rate, met, judged, stopped)
 
     started = time.monotonic()
+    drain_before = server.wait_idle()  # what an earlier workload left
 
     def fits(rate: float) -> bool:  # the arrivals' expected span and the longest a request is waited for
         longest = load.requests(rate) / rate + slo.longest_wait_s(load.output_tokens)
@@ -93,7 +95,7 @@ def measure_goodput(server: Server, target: Target, maker: PromptMaker, load: Go
 
     tallies = search(run_at, plan, fits)
     return {"load": asdict(load), "plan": asdict(plan), "slo": asdict(slo), **summary(tallies, plan),
-            "seconds": time.monotonic() - started, "runs_detail": rows}
+            "seconds": time.monotonic() - started, "drain_before_s": drain_before, "runs_detail": rows}
 
 
 def goodput_sections(results: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
