@@ -76,7 +76,7 @@ def measure_goodput(server: Server, target: Target, maker: PromptMaker, load: Go
 
         run = asyncio.run(run_rate(target, prompts, rate, load.output_tokens, cancel_share=load.cancel_share,
                                    cancel_after_s=load.cancel_after_s, seed=seed, stop_when=stop))
-        cpu_share = (server.cpu_seconds() - cpu0) / run.duration
+        cpu_share = (server.cpu_seconds() - cpu0) / max(run.duration, 1e-6)
         drain = server.wait_idle()
         met = tally(run.records, slo)
         stopped = len(run.records) < n or any(r.outcome == "stopped" for r in run.records)
