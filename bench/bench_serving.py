@@ -83,7 +83,8 @@ def parse_args() -> argparse.Namespace:
                    "within this factor of the sustained one")
     g.add_argument("--goodput-repeats", type=int, default=2, help="runs of the boundary rate")
     g.add_argument("--goodput-window", type=float, default=20.0, help="seconds of arrivals per run")
-    g.add_argument("--goodput-min-requests", type=int, default=8)
+    g.add_argument("--goodput-min-requests", type=int, default=13, help="requests per run at least (13: "
+                   "10 judged, so that 90%% lets one miss)")
     g.add_argument("--goodput-max-runs", type=int, default=10, help="runs per server at most")
     g.add_argument("--goodput-budget", type=float, default=190.0, help="seconds of the search per server: a "
                    "run starts only if its arrivals and the longest wait for its last request still fit")
@@ -100,6 +101,7 @@ def parse_args() -> argparse.Namespace:
         args.rate_requests, args.conversations, args.turns, args.cut_after = 8, 2, 4, 8
         args.rates = "1.0"
         args.goodput_window, args.goodput_budget, args.goodput_max_runs = 5.0, 30.0, 3
+        args.goodput_min_requests = 5
     return args
 
 

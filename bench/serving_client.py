@@ -290,10 +290,13 @@ async def run_rate(target: Target, prompts: Sequence[str], rate: float, max_toke
 
     ``stop_when(records, now)``, asked every ``poll_s`` with the requests sent so far (in
     sending order): once it is true, nothing more is sent and the requests in flight are
-    closed (outcome ``stopped``); the run's records are then the ones sent."""
+    closed (outcome ``stopped``); the run's records are then the ones sent, and it ends
+    when it stopped (not at its last event: a stopped run may have had none)."""
     rng = random.Random(seed)
     gaps = [rng.expovariate(rate) for _ in prompts]
     cancels = _cancel_plan(len(prompts), cancel_share, seed + 1)
+
+    stopped_at: list[float] = []
 
     async def load() -> list[Record]:
         records: list[Record] = []
@@ -313,7 +316,8 @@ async def run_rate(target: Target, prompts: Sequence[str], rate: float, max_toke
             await sender
         else:
             while not (sender.done() and all(t.done() for t in tasks)):
-                if stop_when(records, time.perf_counter()):
+                if stop_when(records, now := time.perf_counter()):
+                    stopped_at.append(now)
                     sender.cancel()
                     break
                 await asyncio.sleep(poll_s)
@@ -326,7 +330,9 @@ async def run_rate(target: Target, prompts: Sequence[str], rate: float, max_toke
                 record.outcome, record.ended = "stopped", True
         return records
 
-    return await _timed(load)
+    run = await _timed(load)
+    run.ended = max([run.ended, *stopped_at])
+    return run
 
 
 async def run_conversations(target: Target, openings: Sequence[Sequence[str]], max_tokens: int,

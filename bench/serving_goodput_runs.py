@@ -51,7 +51,7 @@ class GoodputLoad:
     cancel_share: float = 0.2
     cancel_after_s: float = 1.0
     window_s: float = 20.0  # arrivals span about this long at any rate
-    min_requests: int = 8
+    min_requests: int = 13  # 10 judged at a 20% cancel share: the least that lets one request miss
     budget_s: float = 190.0  # per server: a run starts only if its arrivals and longest wait fit
     seed: int = 0
 

@@ -225,6 +225,7 @@ def test_the_load_stops_when_the_verdict_is_settled_and_closes_what_is_in_flight
     run, seen = asyncio.run(main())
     assert time.perf_counter() - started < 10.0  # settled at 0.2 s; without the stop: 30 s, then a hang
     assert 1 <= len(run.records) <= 10
+    assert run.duration > 0.2  # the run ends at its stop, which waited for a first miss: 0.2 s after a send
     assert all(r.ended and r.outcome == "stopped" for r in run.records)
     assert sum(r.cancel_planned for r in run.records) <= 2 and tally(run.records, slo) == 0
     assert 1 <= seen.count("open") <= len(run.records) and seen.count("closed") == seen.count("open")
