@@ -324,7 +324,9 @@ async def run_rate(target: Target, prompts: Sequence[str], rate: float, max_toke
             await asyncio.gather(sender, return_exceptions=True)
             for t in tasks:
                 t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(outcome, Exception):  # not a CancelledError: a fault of this client, not a result
+                raise outcome
         for record in records:  # a task cancelled before it first ran never marked its record
             if not record.ended:
                 record.outcome, record.ended = "stopped", True
