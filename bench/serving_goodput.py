@@ -66,6 +66,20 @@ class Slo:
         return self.ttft_s + self.itl_s * (max_tokens - 1)
 
 
+@dataclass(frozen=True)
+class RunTally:
+    """One run at one offered rate: ``met`` of ``judged`` requests within the SLOs."""
+
+    rate: float  # offered requests/s, cancelled ones included
+    met: int  # a run stopped because its rate failed counts only what met before the stop
+    judged: int
+    stopped: bool = False  # ended early because the verdict was certain
+
+    @property
+    def share(self) -> float:
+        return self.met / self.judged if self.judged else math.nan
+
+
 def passes(met: int, judged: int, share: float) -> bool:
     """Whether ``met`` of ``judged`` requests is at least ``share`` (none judged: no)."""
     return judged > 0 and met >= share * judged - _EPS
@@ -100,32 +114,22 @@ def misses(records: Sequence[Any], slo: Slo, now: float, max_tokens: int) -> int
 
 
 def settled(records: Sequence[Any], planned: int, judged: int, slo: Slo, share: float, now: float,
-            max_tokens: int) -> bool:
-    """Whether a run's verdict is already certain, so the run may stop early.
+            max_tokens: int, prior: Sequence[RunTally] = ()) -> bool:
+    """Whether the verdict on a run's rate is already certain, so the run may stop early.
 
     ``records`` are the requests sent so far (in sending order) of ``planned``, of which
-    ``judged`` are not planned to be cancelled. Certain when more judged requests surely
-    missed than the share allows (it fails whatever comes), or when every request was
-    sent and no judged request is still undecided (ended, or surely missed)."""
-    if misses(records, slo, now, max_tokens) > allowed_misses(judged, share):
+    ``judged`` are not planned to be cancelled; ``prior``: the rate's earlier runs, whose
+    requests are pooled with these (:func:`boundary`). Certain when more judged requests
+    surely missed, these and the earlier runs' together, than the pooled share allows (the
+    rate fails whatever comes), or when every request was sent and no judged request is
+    still undecided (ended, or surely missed)."""
+    prior_misses = sum(t.judged - t.met for t in prior)
+    pooled_judged = judged + sum(t.judged for t in prior)
+    if misses(records, slo, now, max_tokens) + prior_misses > allowed_misses(pooled_judged, share):
         return True
     if len(records) < planned:
         return False
     return all(r.ended or slo.surely_missed(r, now, max_tokens) for r in judged_records(records))
-
-
-@dataclass(frozen=True)
-class RunTally:
-    """One run at one offered rate: ``met`` of ``judged`` requests within the SLOs."""
-
-    rate: float  # offered requests/s, cancelled ones included
-    met: int
-    judged: int
-    stopped: bool = False  # ended early because the verdict was certain
-
-    @property
-    def share(self) -> float:
-        return self.met / self.judged if self.judged else math.nan
 
 
 @dataclass(frozen=True)
@@ -198,18 +202,18 @@ def crossing(tallies: Sequence[RunTally], share: float) -> float | None:
     return lo + (hi - lo) * (s_lo - share) / (s_lo - s_hi)
 
 
-def search(run_at: Callable[[float, int], RunTally], plan: SearchPlan,
+def search(run_at: Callable[[float, list[RunTally]], RunTally], plan: SearchPlan,
            fits: Callable[[float], bool] = lambda rate: True) -> list[RunTally]:
-    """Runs ``run_at(rate, repeat)`` (``repeat``: how many runs that rate already had) at
-    the rates :func:`next_rate` picks, until it says done, ``plan.max_runs`` runs, or
-    ``fits(rate)`` says a run at the next rate no longer fits the time left. Returns the
-    runs in the order they ran."""
+    """Runs ``run_at(rate, prior)`` (``prior``: that rate's earlier runs) at the rates
+    :func:`next_rate` picks, until it says done, ``plan.max_runs`` runs, or ``fits(rate)``
+    says a run at the next rate no longer fits the time left. Returns the runs in the
+    order they ran."""
     tallies: list[RunTally] = []
     while len(tallies) < plan.max_runs:
         rate = next_rate(tallies, plan)
         if rate is None or not fits(rate):
             break
-        tallies.append(run_at(rate, sum(t.rate == rate for t in tallies)))
+        tallies.append(run_at(rate, [t for t in tallies if t.rate == rate]))
     return tallies
 
 

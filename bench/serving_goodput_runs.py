@@ -64,15 +64,15 @@ def measure_goodput(server: Server, target: Target, maker: PromptMaker, load: Go
     """Runs the search against ``server``; returns its summary and every run's row."""
     rows: list[dict[str, Any]] = []
 
-    def run_at(rate: float, repeat: int) -> RunTally:
-        n = load.requests(rate)
+    def run_at(rate: float, prior: list[RunTally]) -> RunTally:
+        n, repeat = load.requests(rate), len(prior)
         judged = n - cancelled_count(n, load.cancel_share)
         seed = load.seed + REPEAT_SEED_STEP * repeat
         prompts = maker.prompts(n, load.input_tokens, seed + 3)
         cpu0 = server.cpu_seconds()
 
         def stop(records, now: float) -> bool:
-            return settled(records, n, judged, slo, plan.share, now, load.output_tokens)
+            return settled(records, n, judged, slo, plan.share, now, load.output_tokens, prior)
 
         run = asyncio.run(run_rate(target, prompts, rate, load.output_tokens, cancel_share=load.cancel_share,
                                    cancel_after_s=load.cancel_after_s, seed=seed, stop_when=stop))

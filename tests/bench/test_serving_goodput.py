@@ -108,14 +108,26 @@ def test_a_run_is_settled_once_the_misses_exceed_the_share_or_nothing_judged_is_
     assert settled(all_sent, 20, 16, SLO, 0.9, now=6.0, max_tokens=MAX_TOKENS)  # a cancel in flight waits not
 
 
+def test_a_repeat_is_settled_on_the_share_pooled_with_the_rates_earlier_runs():
+    """A rate passes on its runs' pooled share, so a repeat stops only when the pooled
+    verdict is certain: 16 + 16 judged allow 3 misses together, where 16 alone allow 1."""
+    two_misses = [done(first=2.5), done(first=2.5)] + [flying(sent=5.0)]
+    assert settled(two_misses, 20, 16, SLO, 0.9, now=5.5, max_tokens=MAX_TOKENS)
+    assert not settled(two_misses, 20, 16, SLO, 0.9, now=5.5, max_tokens=MAX_TOKENS, prior=[RunTally(1.0, 16, 16)])
+    assert not settled(two_misses, 20, 16, SLO, 0.9, now=5.5, max_tokens=MAX_TOKENS, prior=[RunTally(1.0, 15, 16)])
+    three = two_misses + [done(first=None, last=None, tokens=0, outcome="error")]
+    assert settled(three, 20, 16, SLO, 0.9, now=5.5, max_tokens=MAX_TOKENS, prior=[RunTally(1.0, 15, 16)])
+
+
 def simulated(capacity: float, below: float = 1.0, above: float = 0.5, judged: int = 20, noise=None):
     """A server whose SLO share is ``below`` at rates up to ``capacity`` and ``above`` past it;
     ``noise(rate, repeat)`` may override the share. Returns run_at and the rates it ran."""
     ran: list[float] = []
 
-    def run_at(rate: float, repeat: int) -> RunTally:
+    def run_at(rate: float, prior: list[RunTally]) -> RunTally:
+        assert all(t.rate == rate for t in prior)
         ran.append(rate)
-        share = noise(rate, repeat) if noise else None
+        share = noise(rate, len(prior)) if noise else None
         if share is None:
             share = below if rate <= capacity else above
         return RunTally(rate, round(share * judged), judged)
