@@ -14,7 +14,6 @@ No Ray here: the caller does the shipping.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from bargein.config import ModelConfig
+from bargein.distributed.model_copy import Fingerprint, file_fingerprint, has_model_copy  # noqa: F401 (stage.py)
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.dequant import dequantize
 from bargein.kernels.ggml_types import GGMLQuantizationType
@@ -35,7 +35,6 @@ from bargein.loader.hf_folder import _weight_map, text_model_names
 from bargein.loader.names import gguf_location, wanted_tensors
 from bargein.loader.source import ModelSource
 
-Fingerprint = tuple[tuple[str, int], ...]
 Weight = torch.Tensor | BlockWeight | QuantWeight
 
 
@@ -68,24 +67,8 @@ class StoredWeights:
 
 
 def fingerprint(source: ModelSource) -> Fingerprint:
-    """Names and sizes of the files a model is read from: a node whose copy at the same
-    path matches reads it itself."""
-    path = Path(source.path)
-    if source.kind == "gguf":
-        return ((path.name, path.stat().st_size),)
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json"))
-    return tuple((p.name, p.stat().st_size) for p in files)
-
-
-def has_model_copy(path: str, kind: str, expected: Fingerprint) -> bool:
-    """True if this machine holds the same model files at ``path`` (run on the node;
-    ``~`` is this node's home directory)."""
-    path = os.path.expanduser(path)
-    source = ModelSource(kind, Path(path), "")  # type: ignore[arg-type]
-    try:
-        return os.path.exists(path) and fingerprint(source) == expected
-    except OSError:
-        return False
+    """Names and sizes of the files a model is read from (:mod:`bargein.distributed.model_copy`)."""
+    return file_fingerprint(Path(source.path), source.kind)
 
 
 def read_stored(source: ModelSource, config: ModelConfig, layer_range: tuple[int, int]) -> StoredWeights:
