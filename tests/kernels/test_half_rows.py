@@ -79,4 +79,10 @@ def test_a_fast_linear_over_a_dense_weight_reads_16_bit_rows_not_int8() -> None:
     want = x.double() @ w.half().double().t()
     got = linear(x)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)  # float activations: no int8 error
-    assert torch.equal(linear(x[1:2]), got[1:2])  # a row's bits do not depend on its batch
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):  # a row's bits depend on neither its batch nor the thread count
+            torch.set_num_threads(threads)
+            assert torch.equal(linear(x[1:2]), got[1:2]) and torch.equal(linear(x), got), threads
+    finally:
+        torch.set_num_threads(before)
