@@ -31,6 +31,9 @@ BF16 = GGMLQuantizationType.BF16
 HALF_DTYPES = {torch.float16: F16, torch.bfloat16: BF16}
 _TORCH_DTYPE = {F16: torch.float16, BF16: torch.bfloat16}
 F16_MAX = 65504.0  # the largest finite float16
+# An MoE layer's routing rows (canonical name suffixes): float32 logits that choose experts,
+# read as stored by the routing kernel, not a matmul's weight; the rule leaves them float32.
+ROUTING_WEIGHTS = ("router.weight", "shared_gate.weight")
 
 
 def narrowed_type(weight: torch.Tensor) -> GGMLQuantizationType:

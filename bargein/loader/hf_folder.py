@@ -160,6 +160,28 @@ class MappedSafetensors:
             return torch.from_numpy(raw).view(dtype).reshape(entry["shape"])
 
 
+def stored_dtypes(folder: Path, config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Canonical name -> (safetensors dtype, stored shape) of every tensor the whole model
+    reads, from the files' headers alone (nothing mapped or read besides them)."""
+    wanted = {canon: hf_name for canon, (_, hf_name) in wanted_tensors(config, 0, config.num_layers).items()}
+    where = _weight_map(folder)
+    wanted = text_model_names(wanted, where)
+    headers: dict[Path, dict[str, Any]] = {}
+    out = {}
+    for canon, hf_name in wanted.items():
+        file = where.get(hf_name)
+        if file is None:
+            continue  # the loader reports it
+        if file not in headers:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                headers[file] = json.loads(f.read(size))
+        entry = headers[file].get(hf_name)
+        if entry is not None:
+            out[canon] = (entry["dtype"], tuple(entry["shape"]))
+    return out
+
+
 def load_hf_weights(
     folder: Path,
     config: ModelConfig,

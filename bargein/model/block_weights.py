@@ -21,14 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from bargein.kernels.block_quant import BlockWeight
-from bargein.kernels.half_rows import half_rows
+from bargein.kernels.half_rows import ROUTING_WEIGHTS, half_rows
 from bargein.kernels.ops import TORCH_KERNELS, KernelSet
 from bargein.kernels.quant_weight import QuantWeight
 
 Weight = torch.Tensor | BlockWeight | QuantWeight
-# An MoE layer's routing rows: float32 logits the routing kernel reads as they are (a
-# top-k choice is not a matmul's output to round), not a matmul kernel's weight.
-ROUTING_WEIGHTS = ("router.weight", "shared_gate.weight")
 
 
 def fast_weight(name: str, weight: Weight) -> Weight:

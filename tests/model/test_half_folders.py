@@ -107,3 +107,25 @@ def test_fast_holds_16_bit_rows_and_answers_alike_alone_and_batched(folders, dty
     _, batched, _ = engine.generate([[9, 8, 7, 6, 5, 4, 3, 2, 1] * 3, PROMPT, [200, 201]], GREEDY)
     assert list(batched.token_ids) == list(alone.token_ids)
     assert list(alone.token_ids)[:4] == transformers_greedy(SPEC, reference, PROMPT, 4)
+
+
+@pytest.mark.parametrize(("dtype", "precision"), [("BF16", "exact"), ("BF16", "fast"), ("F32", "fast"),
+                                                  ("F32", "exact")])
+def test_memory_plan_states_the_16_bit_rows(folders, dtype: str, precision: str) -> None:
+    """The plan counts what the rule holds: 16-bit matrices mapped (2 bytes a value, file-backed),
+    float32 ones narrowed to 2 private bytes in ``fast``, 4 in ``exact``; vectors 4."""
+    from bargein.loader.memory_plan import plan_memory
+
+    folder, reference = folders[dtype]
+    source = resolve_model_ref(str(folder))
+    config = EngineConfig(device="cpu", precision=precision, cache=CacheConfig(block_size=4, num_blocks=64))
+    plan = plan_memory(source, load_config(source), config, available=1 << 40)
+    matrices = sum(w.numel() for w in reference.values() if w.dim() == 2)
+    vectors = sum(w.numel() for w in reference.values() if w.dim() == 1)
+    reads_rows = load_native_kernels() is not None
+    if dtype == "BF16" and reads_rows:
+        assert (plan.mapped_weight_bytes, plan.private_weight_bytes) == (2 * matrices, 4 * vectors)
+    elif precision == "fast" and reads_rows:
+        assert (plan.mapped_weight_bytes, plan.private_weight_bytes) == (0, 2 * matrices + 4 * vectors)
+    else:
+        assert (plan.mapped_weight_bytes, plan.private_weight_bytes) == (0, 4 * (matrices + vectors))
