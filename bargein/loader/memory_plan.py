@@ -150,8 +150,8 @@ def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: 
         return mapped, private
     tensors = open_gguf(source.path).tensors
     # dict.fromkeys: an MoE layer's experts are one stacked tensor, named by each expert's entry
-    names = list(dict.fromkeys(gguf_location(tensors, c, gguf)[0] for c, (gguf, _) in wanted.items())) + (["rope_freqs.weight"] if "rope_freqs.weight"
-                                                                        in tensors else [])
+    canon_of = {gguf_location(tensors, c, gguf)[0]: c for c, (gguf, _) in wanted.items()}
+    names = list(canon_of) + (["rope_freqs.weight"] if "rope_freqs.weight" in tensors else [])
     for name in names:
         info = tensors.get(name)
         if info is None:
@@ -165,6 +165,9 @@ def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: 
             continue  # an unknown type: the loader refuses it by name
         if reads_blocks and qtype in QUANT_TYPES and len(info.torch_shape) in (2, 3):  # 3: stacked experts
             mapped += info.n_bytes
+        elif fast and qtype == GGMLQuantizationType.F32 and len(info.torch_shape) in (2, 3) \
+                and not canon_of.get(name, "").endswith(ROUTING_WEIGHTS):
+            private += 2 * numel  # float32 narrowed to 16-bit rows (bargein.kernels.half_rows)
         else:
             private += 4 * numel
     return mapped, private

@@ -122,10 +122,27 @@ def test_memory_plan_states_the_16_bit_rows(folders, dtype: str, precision: str)
     plan = plan_memory(source, load_config(source), config, available=1 << 40)
     matrices = sum(w.numel() for w in reference.values() if w.dim() == 2)
     vectors = sum(w.numel() for w in reference.values() if w.dim() == 1)
-    reads_rows = load_native_kernels() is not None
+    reads_rows = config.native_kernels  # what the plan assumes, compiler or not
     if dtype == "BF16" and reads_rows:
         assert (plan.mapped_weight_bytes, plan.private_weight_bytes) == (2 * matrices, 4 * vectors)
     elif precision == "fast" and reads_rows:
         assert (plan.mapped_weight_bytes, plan.private_weight_bytes) == (0, 2 * matrices + 4 * vectors)
     else:
         assert (plan.mapped_weight_bytes, plan.private_weight_bytes) == (0, 4 * (matrices + vectors))
+
+
+def test_memory_plan_of_a_float32_gguf_narrows_its_matrices_in_fast(tmp_path) -> None:
+    """A GGUF's F32 matrices: 2 private bytes a value in ``fast`` (16-bit rows), 4 in ``exact``."""
+    from bargein.loader.memory_plan import plan_memory
+    from tests.tiny_models import write_gguf
+
+    weights = tiny_weights(SPEC, seed=7)
+    path = write_gguf(tmp_path / "tiny.f32.gguf", SPEC, weights, tensor_type="F32")
+    source = resolve_model_ref(str(path))
+    matrices = sum(w.numel() for w in weights.values() if w.dim() == 2)
+    vectors = sum(w.numel() for w in weights.values() if w.dim() == 1)
+    for precision in ("fast", "exact"):
+        config = EngineConfig(device="cpu", precision=precision, cache=CacheConfig(block_size=4, num_blocks=64))
+        plan = plan_memory(source, load_config(source), config, available=1 << 40)
+        narrowed = precision == "fast"  # the plan assumes the native kernels (config.native_kernels)
+        assert plan.private_weight_bytes == (2 if narrowed else 4) * matrices + 4 * vectors, precision
