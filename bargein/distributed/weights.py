@@ -26,6 +26,7 @@ from bargein.distributed.model_copy import Fingerprint, file_fingerprint, has_mo
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.dequant import dequantize
 from bargein.kernels.ggml_types import GGMLQuantizationType
+from bargein.kernels.half_rows import HALF_DTYPES, half_rows
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError
 from bargein.loader.families import norm_offset, stored_rows
@@ -107,8 +108,8 @@ def materialize(stored: StoredWeights, config: ModelConfig, dtype: torch.dtype,
                 device: torch.device, *, blocks: bool = False) -> dict[str, Weight]:
     """Canonical weights from stored form, as the loader would have produced them from the
     file (``load_weights`` with the same ``blocks``): with ``blocks``, a GGUF's matrices of
-    the kernels' block types become QuantWeights over the shipped bytes (no copy), never
-    widened to float32."""
+    the kernels' block types and a folder's F16/BF16 matrices become QuantWeights over the
+    shipped bytes (no copy), never widened to float32."""
     weights: dict[str, Weight] = {}
     for canon in list(stored.tensors):
         t = stored.tensors[canon]
@@ -122,6 +123,10 @@ def materialize(stored: StoredWeights, config: ModelConfig, dtype: torch.dtype,
                 raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(-1))
             held = QuantWeight.of(GGMLQuantizationType(t.ggml_type), raw, *t.shape)
             held = held.reorder_rows(qk_row_order(held.shape[0], heads)) if permuted else held
+            weights[canon] = held.reorder_rows(rows) if (rows := stored_rows(config, canon)) is not None else held
+            continue
+        if t.ggml_type is None and blocks and len(t.shape) == 2 and t.data.dtype in HALF_DTYPES:
+            held = half_rows(t.data)  # an F16/BF16 matrix: its 16-bit rows, as the loader holds them
             weights[canon] = held.reorder_rows(rows) if (rows := stored_rows(config, canon)) is not None else held
             continue
         if t.ggml_type is None:
