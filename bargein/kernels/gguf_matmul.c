@@ -139,6 +139,9 @@ static inline int k_chain_multiple(float amax32, float amax) {
  * d = amax / 127 (the float operations every path does, in this order); 0 where amax is 0. */
 static inline float k_chain_step(float amax, int m) { return amax / 127.0f * (float)m * 0.0625f; }
 
+/* The superblock's float unit kd = d / 16 (exact: a power of two). */
+static inline float k_chain_unit(float amax) { return amax / 127.0f * 0.0625f; }
+
 /* Row r's superblock t quantized for the K chain from its 256 values x (plain C). */
 static void quantize_superblock_c(const acts_t *a, int64_t r, int64_t t, const float *x) {
     float amax = 0.0f, amax32[8];
@@ -164,7 +167,7 @@ static void quantize_superblock_c(const acts_t *a, int64_t r, int64_t t, const f
         }
         s32[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
     }
-    a->kd[r * (a->k / 256) + t] = amax / 127.0f * 0.0625f;
+    a->kd[r * (a->k / 256) + t] = k_chain_unit(amax);
 }
 
 static void quantize_rows(void *arg, int index, int count) {
@@ -534,7 +537,7 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                     s16[2 * j] = (int16_t)sums[0], s16[2 * j + 1] = (int16_t)sums[1];
                     s32[j] = (int16_t)(sums[0] + sums[1]);
                 }
-                a->kd[r * (a->k / 256) + t] = amax / 127.0f * 0.0625f;
+                a->kd[r * (a->k / 256) + t] = k_chain_unit(amax);
             }
         if (!a->q) continue;
         for (int64_t b = 0; b < a->nb; b++) {
@@ -747,11 +750,12 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
         for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();                     \
         for (int j = 0; j < 8; j++) {                                                                      \
             const int64_t b = t * 8 + j;                                                                   \
-            __m256i dlo[ROWS_MAX][2], dhi[ROWS_MAX][2], mv[ROWS_MAX];                                      \
+            __m256i dlo[ROWS_MAX][2], dhi[ROWS_MAX][2], mv[ROWS_MAX]; /* mv: K_M_IN_DOT's */               \
+            (void)mv;                                                                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
                 const int16_t *s16 = a->ks16 + (r0 + r) * (k / 16) + 2 * b;                                \
                 const int m = a->km[(r0 + r) * (k / 32) + b], off = K_M_IN_DOT ? -32 * m : -32;            \
-                mv[r] = K_M_IN_DOT ? _mm256_set1_epi16((int16_t)m) : _mm256_set1_epi32(m);                 \
+                if (K_M_IN_DOT) mv[r] = _mm256_set1_epi16((int16_t)m);                                     \
                 dlo[r][0] = dlo[r][1] = _mm256_set1_epi32(MIN ? 0 : off * s16[0]);                         \
                 dhi[r][0] = dhi[r][1] = _mm256_set1_epi32(MIN ? 0 : off * s16[1]);                         \
             }                                                                                              \
@@ -777,7 +781,8 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                 \
                     __m256i e = _mm256_mullo_epi32(dlo[r][v], sc0);                                        \
                     if (!MIN) e = _mm256_add_epi32(e, _mm256_mullo_epi32(dhi[r][v], sc1));                 \
-                    if (!K_M_IN_DOT) e = _mm256_mullo_epi32(e, mv[r]);                                     \
+                    if (!K_M_IN_DOT) /* broadcast here: a register held over the block's dots spills */    \
+                        e = _mm256_mullo_epi32(e, _mm256_set1_epi32(a->km[(r0 + r) * (k / 32) + b]));      \
                     dk[r][v] = _mm256_add_epi32(dk[r][v], e);                                              \
                 }                                                                                          \
             }                                                                                              \

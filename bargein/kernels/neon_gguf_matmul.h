@@ -183,7 +183,7 @@ static void neon_gguf_quantize_rows(void *arg, int index, int count) {
                 a->ks16[r * (k / 16) + t * 16 + 2 * j + 1] = (int16_t)s16[1];
                 a->ks32[r * (k / 32) + t * 8 + j] = (int16_t)(s16[0] + s16[1]);
             }
-            a->kd[r * (k / 256) + t] = amax / 127.0f * 0.0625f;
+            a->kd[r * (k / 256) + t] = k_chain_unit(amax);
         }
         for (int64_t b = 0; a->q && b < nb; b++) {
             int32_t s16[2];
