@@ -207,11 +207,11 @@ def test_k_chain_steps_per_32_beat_one_step_per_256_on_outlier_channels(qtype):
     """One outlier channel per superblock (as ffn_down's input has) sets the superblock's
     step; the K chain's per-32 multiples keep the other 32-blocks' steps fine, so the
     product's error against float is well below that of one step per 256 on the same input."""
-    rng = rng_for("outliers", qtype)
+    rng = np.random.default_rng(3300 + qtype)  # fixed: the ratio is about 0.35, from 0.28 to 0.48 over seeds
     k = 1024
-    weight = random_weight(qtype, 48, k, rng)
+    weight = random_weight(qtype, 64, k, rng)
     w = reference_values(weight).astype(np.float64)
-    x = rng.standard_normal((6, k)).astype(np.float32)
+    x = rng.standard_normal((8, k)).astype(np.float32)
     x[:, 7::256] = 60.0 * np.sign(x[:, 7::256])  # one channel per superblock, far above the rest
     y = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(weight), 1, isa="c").numpy()
     ref = x.astype(np.float64) @ w.T
