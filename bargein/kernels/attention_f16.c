@@ -55,6 +55,7 @@ typedef struct {
     const int64_t *tile_starts; /* tile i: queries [tile_starts[i], tile_starts[i + 1]) */
     int64_t num_tiles;
     int head_parts;    /* each tile's query heads are split into this many work items */
+    int prompt_path;   /* tiles of several queries take attend_prompt (tiles of PROMPT_QUERY_TILE) */
     atomic_llong next; /* the next work item a thread may take */
 } f16_batch_t;
 
@@ -363,6 +364,8 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
 
 #define PROMPT_PATH 1
 #include "attention_prompt_x86.h"
+/* Whether tiles of several queries take attend_prompt. */
+static inline int takes_prompt_path(int head_dim) { return head_dim % 16 == 0; }
 #elif defined(BARGEIN_NEON)
 #define ONE_QUERY_PATH 1
 #include "neon_attention_f16.h"
@@ -375,15 +378,20 @@ static void run_worker(void *arg, int index, int count) {
     (void)count;
     f16_batch_t *b = (f16_batch_t *)arg;
     const int64_t cap = b->max_context > 0 ? b->max_context : 1;
-    float *scores = malloc(sizeof(float) * QUERY_TILE * (size_t)b->num_heads * (size_t)cap);
-    /* row: one widened KV row for attend_tile, or a chunk of widened keys for attend_prompt */
+    /* Rows of scores and sums: attend_tile's (tile, heads), or attend_prompt's (tile, group)
+     * and attend_one's (heads); row: one widened KV row for attend_tile, or a chunk of
+     * widened keys for attend_prompt. */
+    size_t rows = QUERY_TILE * (size_t)b->num_heads, row_rows = (size_t)b->num_kv_heads;
 #ifdef PROMPT_PATH
-    const size_t row_rows = b->num_kv_heads > PROMPT_KEY_CHUNK ? (size_t)b->num_kv_heads : PROMPT_KEY_CHUNK;
-#else
-    const size_t row_rows = (size_t)b->num_kv_heads;
+    if (b->prompt_path) {
+        const size_t group = (size_t)(b->num_heads / b->num_kv_heads);
+        rows = PROMPT_QUERY_TILE * group > (size_t)b->num_heads ? PROMPT_QUERY_TILE * group : (size_t)b->num_heads;
+        row_rows = PROMPT_KEY_CHUNK;
+    }
 #endif
+    float *scores = malloc(sizeof(float) * rows * (size_t)cap);
     float *row = malloc(sizeof(float) * row_rows * (size_t)b->head_dim);
-    float *acc = malloc(sizeof(float) * QUERY_TILE * (size_t)b->num_heads * (size_t)b->head_dim);
+    float *acc = malloc(sizeof(float) * rows * (size_t)b->head_dim);
     const int parts = b->head_parts, heads = b->num_heads;
     if (scores && row && acc)
         for (int64_t item; (item = atomic_fetch_add(&b->next, 1)) < b->num_tiles * parts;) {
@@ -397,7 +405,7 @@ static void run_worker(void *arg, int index, int count) {
             }
 #endif
 #ifdef PROMPT_PATH
-            if (b->head_dim % 16 == 0) {
+            if (b->prompt_path) {
                 attend_prompt(b, first, n, h0, h1, scores, acc, row);
                 continue;
             }
@@ -417,8 +425,13 @@ int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, cons
     int64_t *tile_starts = malloc(sizeof(int64_t) * (size_t)(num_queries + 1));
     if (!tile_starts) return -1;
     int64_t num_tiles = 0;
+#ifdef PROMPT_PATH
+    const int prompt_path = takes_prompt_path(head_dim), tile = prompt_path ? PROMPT_QUERY_TILE : QUERY_TILE;
+#else
+    const int prompt_path = 0, tile = QUERY_TILE;
+#endif
     for (int64_t i = 0; i < num_queries; i++)
-        if (i == 0 || query_seq[i] != query_seq[i - 1] || i - tile_starts[num_tiles - 1] == QUERY_TILE)
+        if (i == 0 || query_seq[i] != query_seq[i - 1] || i - tile_starts[num_tiles - 1] == tile)
             tile_starts[num_tiles++] = i;
     tile_starts[num_tiles] = num_queries;
     /* Fewer tiles than threads (one decoding sequence): the tiles' heads are shared out too. */
@@ -426,7 +439,7 @@ int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, cons
     if (num_threads > num_tiles * head_parts) num_threads = (int)(num_tiles * head_parts);
     f16_batch_t batch = {q,         k_cache,      v_cache,   block_tables, query_seq,  query_ctx,  out,
                          num_queries, table_width, 0,        num_heads,    num_kv_heads, head_dim, block_size,
-                         scale,     softcap,      window,    tile_starts,  num_tiles,  head_parts, 0};
+                         scale,     softcap,      window,    tile_starts,  num_tiles,  head_parts, prompt_path, 0};
     for (int64_t i = 0; i < num_queries; i++)
         batch.max_context = query_ctx[i] > batch.max_context ? query_ctx[i] : batch.max_context;
     bargein_parallel_run(run_worker, &batch, num_threads);

@@ -1,6 +1,8 @@
 /*
- * attention_f16.c's prompt path on x86 (AVX2 + F16C): a tile of up to QUERY_TILE queries of
- * one sequence over query heads [h0, h1), head_dim a multiple of 16, register-tiled.
+ * attention_f16.c's prompt path on x86 (AVX2 + F16C): a tile of up to PROMPT_QUERY_TILE
+ * queries of one sequence over query heads [h0, h1), head_dim a multiple of 16,
+ * register-tiled. (A tile of one query, a decode, takes attend_one where head_dim is a
+ * multiple of 64.)
  *
  * Same bits as attend_tile (and so as attend_one, a decode): each score is one fused
  * multiply-add chain over the head in eight lanes, hsum256's tree, times the scale (soft
@@ -9,16 +11,20 @@
  * differs, and no value's chain is split or reordered by it:
  *
  * - The tile is done one KV head at a time. Its rows are the (query, head) pairs that read
- *   that KV head: QUERY_TILE queries times the heads of a group (24 to 32 rows in GQA models).
+ *   that KV head: PROMPT_QUERY_TILE queries times the heads of a group (96 to 128 rows in
+ *   GQA models), so that each key and value row is fetched once for that many (the caches
+ *   of a long context do not fit in L2: fetched once per 8 queries, the wait for them was a
+ *   third of the time at 4,096 positions).
  * - Keys come PROMPT_KEY_CHUNK at a time, widened to float32 once into an L1 scratch that
  *   every row then reads (before, every row widened every key and value itself).
  * - Scores: 4 rows x 3 keys per step, their twelve chains (one per score, each over the
  *   head in order) in registers, so they overlap instead of waiting on each other. Every
- *   row gets a score for every key of the tile's span, those past its own context too:
- *   they are never read (the softmax and the values take the row's own positions only).
- * - Values: 4 rows x 16 values of the head per step, the sums in registers across a
+ *   row of a step gets a score for every key up to the step's longest context, those past
+ *   its own too: they are never read (the softmax and the values take the row's own
+ *   positions only).
+ * - Values: 6 rows x 16 values of the head per step, the sums in registers across a
  *   chunk's keys; a row's chain goes on in memory (acc) from chunk to chunk and, where the
- *   four rows' positions differ inside a chunk (the causal edge, a window's start), the
+ *   six rows' positions differ inside a chunk (the causal edge, a window's start), the
  *   positions only some rows see are added row by row before and after the shared ones,
  *   keeping each row's order.
  *
@@ -27,6 +33,7 @@
 #ifndef BARGEIN_ATTENTION_PROMPT_X86_H
 #define BARGEIN_ATTENTION_PROMPT_X86_H
 
+#define PROMPT_QUERY_TILE 32 /* queries of one sequence per tile (attention_f16.c shares tiles out) */
 #define PROMPT_KEY_CHUNK 48 /* keys widened per step: 48 x head_dim floats stay in L1 (12 KB at 64) */
 #define SCORE_ROWS 4        /* rows x keys of a score step: 12 accumulators + 3 keys in 16 registers */
 #define SCORE_KEYS 3
@@ -93,30 +100,35 @@ static inline __attribute__((always_inline)) void score_step(const f16_batch_t *
 /* score_chunk's body for one head size (d_len a constant where inlined with one). */
 static inline __attribute__((always_inline)) void score_chunk_body(const f16_batch_t *b, const prompt_row_t *rows,
                                                                    int n_rows, const float *k, int64_t n_keys,
-                                                                   int64_t at, int d_len) {
-    int r = 0;
-    for (; r + SCORE_ROWS <= n_rows; r += SCORE_ROWS) {
+                                                                   int64_t at, int64_t pos, int d_len) {
+    for (int r = 0; r < n_rows;) {
+        const int R = n_rows - r < SCORE_ROWS ? 1 : SCORE_ROWS;
+        int64_t keys = 0; /* the keys before these rows' longest context */
+        for (int i = r; i < r + R; i++) keys = rows[i].hi - pos > keys ? rows[i].hi - pos : keys;
+        keys = keys < n_keys ? keys : n_keys;
         int64_t t = 0;
-        for (; t + SCORE_KEYS <= n_keys; t += SCORE_KEYS)
-            score_step(b, rows + r, SCORE_ROWS, k + t * d_len, SCORE_KEYS, at + t, d_len);
-        for (; t < n_keys; t++) score_step(b, rows + r, SCORE_ROWS, k + t * d_len, 1, at + t, d_len);
-    }
-    for (; r < n_rows; r++) {
-        int64_t t = 0;
-        for (; t + SCORE_KEYS <= n_keys; t += SCORE_KEYS)
-            score_step(b, rows + r, 1, k + t * d_len, SCORE_KEYS, at + t, d_len);
-        for (; t < n_keys; t++) score_step(b, rows + r, 1, k + t * d_len, 1, at + t, d_len);
+        if (R == SCORE_ROWS) {
+            for (; t + SCORE_KEYS <= keys; t += SCORE_KEYS)
+                score_step(b, rows + r, SCORE_ROWS, k + t * d_len, SCORE_KEYS, at + t, d_len);
+            for (; t < keys; t++) score_step(b, rows + r, SCORE_ROWS, k + t * d_len, 1, at + t, d_len);
+        } else {
+            for (; t + SCORE_KEYS <= keys; t += SCORE_KEYS)
+                score_step(b, rows + r, 1, k + t * d_len, SCORE_KEYS, at + t, d_len);
+            for (; t < keys; t++) score_step(b, rows + r, 1, k + t * d_len, 1, at + t, d_len);
+        }
+        r += R;
     }
 }
 
-/* Scores of rows[0, n_rows) against n_keys widened keys k, written at index at onwards of
- * each row's scores. The common head size 64 gets its own fully unrolled copy. */
+/* Scores of rows[0, n_rows) against n_keys widened keys k of positions pos, pos + 1, ...,
+ * written at index at onwards of each row's scores (keys past all of a step's rows'
+ * contexts are skipped). The common head size 64 gets its own fully unrolled copy. */
 static __attribute__((noinline)) void score_chunk(const f16_batch_t *b, const prompt_row_t *rows, int n_rows,
-                                                  const float *k, int64_t n_keys, int64_t at) {
+                                                  const float *k, int64_t n_keys, int64_t at, int64_t pos) {
     if (b->head_dim == 64)
-        score_chunk_body(b, rows, n_rows, k, n_keys, at, 64);
+        score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, 64);
     else
-        score_chunk_body(b, rows, n_rows, k, n_keys, at, b->head_dim);
+        score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, b->head_dim);
 }
 
 /* Values [d, d + 16) of rows[0, R)'s sums, continued over positions [t0, t1) of the chunk
@@ -184,14 +196,15 @@ static __attribute__((noinline)) void value_chunk(const f16_batch_t *b, const pr
 }
 
 /* The tile of queries [first, first + n) over query heads [h0, h1) (see the top of this file).
- * scores: (QUERY_TILE x group, max_context) floats; acc: (QUERY_TILE x group, head_dim);
+ * scores: (PROMPT_QUERY_TILE x group, max_context) floats; acc: (PROMPT_QUERY_TILE x group,
+ * head_dim);
  * kv_rows: PROMPT_KEY_CHUNK x head_dim. */
 static void attend_prompt(const f16_batch_t *b, int64_t first, int n, int h0, int h1, float *scores, float *acc,
                           float *kv_rows) {
     const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim;
     const int64_t per_q = (int64_t)n_heads * d_len;
     const int64_t *table = b->block_tables + b->query_seq[first] * b->table_width;
-    int64_t ctx[QUERY_TILE], start[QUERY_TILE], earliest = INT64_MAX, longest = 0;
+    int64_t ctx[PROMPT_QUERY_TILE], start[PROMPT_QUERY_TILE], earliest = INT64_MAX, longest = 0;
     for (int i = 0; i < n; i++) {
         ctx[i] = b->query_ctx[first + i], start[i] = first_position(b, ctx[i]);
         longest = ctx[i] > longest ? ctx[i] : longest;
@@ -200,7 +213,7 @@ static void attend_prompt(const f16_batch_t *b, int64_t first, int n, int h0, in
     const int64_t span = longest - earliest;
     for (int kv = h0 / group; kv <= (h1 - 1) / group; kv++) {
         const int ha = kv * group > h0 ? kv * group : h0, hb = (kv + 1) * group < h1 ? (kv + 1) * group : h1;
-        prompt_row_t rows[QUERY_TILE * group];
+        prompt_row_t rows[PROMPT_QUERY_TILE * group];
         int n_rows = 0;
         for (int i = 0; i < n; i++)
             for (int h = ha; h < hb; h++, n_rows++)
@@ -210,9 +223,9 @@ static void attend_prompt(const f16_batch_t *b, int64_t first, int n, int h0, in
             const int64_t c1 = c0 + PROMPT_KEY_CHUNK < span ? c0 + PROMPT_KEY_CHUNK : span;
             const int64_t next = c1 + PROMPT_KEY_CHUNK < span ? c1 + PROMPT_KEY_CHUNK : span;
             widen_chunk(b, b->k_cache, table, kv, earliest + c0, earliest + c1, earliest + next, kv_rows);
-            score_chunk(b, rows, n_rows, kv_rows, c1 - c0, c0);
+            score_chunk(b, rows, n_rows, kv_rows, c1 - c0, c0, earliest + c0);
         }
-        float inv[QUERY_TILE * group];
+        float inv[PROMPT_QUERY_TILE * group];
         for (int r = 0; r < n_rows; r++) {
             inv[r] = softmax_row(rows[r].s + rows[r].lo - earliest, rows[r].hi - rows[r].lo);
             memset(rows[r].acc, 0, sizeof(float) * (size_t)d_len);

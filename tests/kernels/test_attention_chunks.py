@@ -1,7 +1,7 @@
 """The float16 attention's prompt path over contexts of several key chunks (attention_f16.c's
-attend_prompt on x86, attention_prompt_x86.h: a tile's (query, head) rows of one KV head
-register-tiled, keys widened 48 at a time, each output's chain continued from chunk to
-chunk): every query of a prompt tile gets the bits it gets alone (a decode: attend_one,
+attend_prompt on x86, attention_prompt_x86.h: tiles of up to 32 queries, their (query,
+head) rows of one KV head register-tiled, keys widened 48 at a time, each output's chain
+continued from chunk to chunk): every query of a prompt tile gets the bits it gets alone (a decode: attend_one,
 or attend_tile where the head size is not a multiple of 64), whatever the group size (rows
 not a multiple of the register tiles), a sliding window that starts inside a chunk, a soft
 cap, or the thread count (1 or 3, heads shared out where tiles are few); and the float64
