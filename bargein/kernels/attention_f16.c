@@ -55,6 +55,7 @@ typedef struct {
     const int64_t *tile_starts; /* tile i: queries [tile_starts[i], tile_starts[i + 1]) */
     int64_t num_tiles;
     int head_parts;    /* each tile's query heads are split into this many work items */
+    int prompt_path;   /* tiles of several queries take attend_prompt (tiles of PROMPT_QUERY_TILE) */
     atomic_llong next; /* the next work item a thread may take */
 } f16_batch_t;
 
@@ -148,9 +149,20 @@ static inline float score(const f16_batch_t *b, float dot_product) {
 /* Turns a row of scores into exp(s - max) in place; returns 1 / their sum. */
 static float softmax_row(float *s, int64_t ctx) {
     float m = s[0];
-    for (int64_t t = 1; t < ctx; t++) m = s[t] > m ? s[t] : m;
+    int64_t t = 1;
+#ifdef BARGEIN_AVX2
+    /* max_ps(x, m) is x > m ? x : m, the scalar step's choice lane by lane: the same largest
+     * score (NaN only where s[0] is) in any order; only a zero's sign may differ, which
+     * s - m and so the exponentials do not see. */
+    __m256 vmax = _mm256_set1_ps(m);
+    for (; t + 8 <= ctx; t += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(s + t), vmax);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
+#endif
+    for (; t < ctx; t++) m = s[t] > m ? s[t] : m;
     float sum = 0.0f;
-    int64_t t = 0;
+    t = 0;
 #ifdef BARGEIN_AVX2
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
@@ -350,80 +362,10 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
     }
 }
 
-#define CHUNKED_PATH 1
-#define KEY_CHUNK 64 /* keys whose rows stay in L1 while every query and head of a tile reads them */
-
-/* A tile of several queries of one sequence, for head_dim a multiple of 64: attend_one's
- * arithmetic for each query (so attend_tile's bits), with the keys taken a chunk at a
- * time and every query and head of the tile reading the chunk's key and value rows while
- * they are in L1 (each output value's chain over the positions continues from chunk to
- * chunk in order, through acc). The scores' layout is attend_tile's; acc is (tile, heads,
- * head_dim) scratch. */
-static void attend_chunked(const f16_batch_t *b, int64_t first, int n, int h0, int h1, float *scores, float *acc) {
-    const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim, bs = b->block_size;
-    const int64_t row_len = (int64_t)b->num_kv_heads * d_len, per_q = (int64_t)n_heads * d_len, cap = b->max_context;
-    const int64_t *table = b->block_tables + b->query_seq[first] * b->table_width;
-    int64_t ctx[QUERY_TILE], start[QUERY_TILE], earliest = INT64_MAX, longest = 0, slot[KEY_CHUNK];
-    for (int i = 0; i < n; i++) {
-        ctx[i] = b->query_ctx[first + i], start[i] = first_position(b, ctx[i]);
-        longest = ctx[i] > longest ? ctx[i] : longest;
-        earliest = start[i] < earliest ? start[i] : earliest;
-    }
-    for (int64_t c0 = earliest; c0 < longest; c0 += KEY_CHUNK) {
-        const int64_t c1 = c0 + KEY_CHUNK < longest ? c0 + KEY_CHUNK : longest;
-        for (int64_t t = c0; t < c1; t++) slot[t - c0] = (table[t / bs] * bs + t % bs) * row_len;
-        for (int i = 0; i < n; i++) {
-            const int64_t lo = c0 > start[i] ? c0 : start[i], hi = c1 < ctx[i] ? c1 : ctx[i], len = ctx[i] - start[i];
-            for (int h = h0; h < h1 && lo < hi; h++) {
-                const float *q = b->q + (first + i) * per_q + (int64_t)h * d_len;
-                const int64_t off = (int64_t)(h / group) * d_len;
-                float *s = scores + (int64_t)i * n_heads * cap + (int64_t)h * len - start[i];
-                for (int64_t t = lo; t < hi; t++) {
-                    const uint16_t *k = b->k_cache + slot[t - c0] + off;
-                    __m256 a = _mm256_setzero_ps();
-                    for (int d0 = 0; d0 < d_len; d0 += 64) /* one chain: 64 at a time, unrolled */
-                        for (int d = d0; d < d0 + 64; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_halves(k + d), a);
-                    s[t] = score(b, hsum256(a));
-                }
-            }
-        }
-    }
-    float inv[QUERY_TILE][n_heads];
-    for (int i = 0; i < n; i++)
-        for (int h = h0; h < h1; h++)
-            inv[i][h] = softmax_row(scores + (int64_t)i * n_heads * cap + (int64_t)h * (ctx[i] - start[i]), ctx[i] - start[i]);
-    for (int64_t c0 = earliest; c0 < longest; c0 += KEY_CHUNK) {
-        const int64_t c1 = c0 + KEY_CHUNK < longest ? c0 + KEY_CHUNK : longest;
-        for (int64_t t = c0; t < c1; t++) slot[t - c0] = (table[t / bs] * bs + t % bs) * row_len;
-        for (int i = 0; i < n; i++) {
-            const int64_t lo = c0 > start[i] ? c0 : start[i], hi = c1 < ctx[i] ? c1 : ctx[i], len = ctx[i] - start[i];
-            for (int h = h0; h < h1 && lo < hi; h++) {
-                const int64_t off = (int64_t)(h / group) * d_len;
-                const float *s = scores + (int64_t)i * n_heads * cap + (int64_t)h * len - start[i];
-                for (int d0 = 0; d0 < d_len; d0 += 64) {
-                    float *out = acc + i * per_q + (int64_t)h * d_len + d0;
-                    __m256 a[8];
-                    for (int j = 0; j < 8; j++) a[j] = lo == start[i] ? _mm256_setzero_ps() : _mm256_loadu_ps(out + 8 * j);
-                    for (int64_t t = lo; t < hi; t++) {
-                        const uint16_t *v = b->v_cache + slot[t - c0] + off + d0;
-                        const __m256 w = _mm256_set1_ps(s[t]);
-                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, load_halves(v + 8 * j), a[j]);
-                    }
-                    for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + 8 * j, a[j]);
-                }
-            }
-        }
-    }
-    for (int i = 0; i < n; i++) {
-        float *out = b->out + (first + i) * per_q;
-        for (int h = h0; h < h1; h++) {
-            const __m256 scale = _mm256_set1_ps(inv[i][h]);
-            for (int d = 0; d < d_len; d += 8)
-                _mm256_storeu_ps(out + (int64_t)h * d_len + d,
-                                 _mm256_mul_ps(_mm256_loadu_ps(acc + i * per_q + (int64_t)h * d_len + d), scale));
-        }
-    }
-}
+#define PROMPT_PATH 1
+#include "attention_prompt_x86.h"
+/* Whether tiles of several queries take attend_prompt. */
+static inline int takes_prompt_path(int head_dim) { return head_dim % 16 == 0; }
 #elif defined(BARGEIN_NEON)
 #define ONE_QUERY_PATH 1
 #include "neon_attention_f16.h"
@@ -436,9 +378,20 @@ static void run_worker(void *arg, int index, int count) {
     (void)count;
     f16_batch_t *b = (f16_batch_t *)arg;
     const int64_t cap = b->max_context > 0 ? b->max_context : 1;
-    float *scores = malloc(sizeof(float) * QUERY_TILE * (size_t)b->num_heads * (size_t)cap);
-    float *row = malloc(sizeof(float) * (size_t)b->num_kv_heads * (size_t)b->head_dim);
-    float *acc = malloc(sizeof(float) * QUERY_TILE * (size_t)b->num_heads * (size_t)b->head_dim);
+    /* Rows of scores and sums: attend_tile's (tile, heads), or attend_prompt's (tile, group)
+     * and attend_one's (heads); row: one widened KV row for attend_tile, or a chunk of
+     * widened keys for attend_prompt. */
+    size_t rows = QUERY_TILE * (size_t)b->num_heads, row_rows = (size_t)b->num_kv_heads;
+#ifdef PROMPT_PATH
+    if (b->prompt_path) {
+        const size_t group = (size_t)(b->num_heads / b->num_kv_heads);
+        rows = PROMPT_QUERY_TILE * group > (size_t)b->num_heads ? PROMPT_QUERY_TILE * group : (size_t)b->num_heads;
+        row_rows = PROMPT_KEY_CHUNK;
+    }
+#endif
+    float *scores = malloc(sizeof(float) * rows * (size_t)cap);
+    float *row = malloc(sizeof(float) * row_rows * (size_t)b->head_dim);
+    float *acc = malloc(sizeof(float) * rows * (size_t)b->head_dim);
     const int parts = b->head_parts, heads = b->num_heads;
     if (scores && row && acc)
         for (int64_t item; (item = atomic_fetch_add(&b->next, 1)) < b->num_tiles * parts;) {
@@ -451,9 +404,9 @@ static void run_worker(void *arg, int index, int count) {
                 continue;
             }
 #endif
-#ifdef CHUNKED_PATH
-            if (b->head_dim % 64 == 0) {
-                attend_chunked(b, first, n, h0, h1, scores, acc);
+#ifdef PROMPT_PATH
+            if (b->prompt_path) {
+                attend_prompt(b, first, n, h0, h1, scores, acc, row);
                 continue;
             }
 #endif
@@ -472,8 +425,13 @@ int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, cons
     int64_t *tile_starts = malloc(sizeof(int64_t) * (size_t)(num_queries + 1));
     if (!tile_starts) return -1;
     int64_t num_tiles = 0;
+#ifdef PROMPT_PATH
+    const int prompt_path = takes_prompt_path(head_dim), tile = prompt_path ? PROMPT_QUERY_TILE : QUERY_TILE;
+#else
+    const int prompt_path = 0, tile = QUERY_TILE;
+#endif
     for (int64_t i = 0; i < num_queries; i++)
-        if (i == 0 || query_seq[i] != query_seq[i - 1] || i - tile_starts[num_tiles - 1] == QUERY_TILE)
+        if (i == 0 || query_seq[i] != query_seq[i - 1] || i - tile_starts[num_tiles - 1] == tile)
             tile_starts[num_tiles++] = i;
     tile_starts[num_tiles] = num_queries;
     /* Fewer tiles than threads (one decoding sequence): the tiles' heads are shared out too. */
@@ -481,7 +439,7 @@ int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, cons
     if (num_threads > num_tiles * head_parts) num_threads = (int)(num_tiles * head_parts);
     f16_batch_t batch = {q,         k_cache,      v_cache,   block_tables, query_seq,  query_ctx,  out,
                          num_queries, table_width, 0,        num_heads,    num_kv_heads, head_dim, block_size,
-                         scale,     softcap,      window,    tile_starts,  num_tiles,  head_parts, 0};
+                         scale,     softcap,      window,    tile_starts,  num_tiles,  head_parts, prompt_path, 0};
     for (int64_t i = 0; i < num_queries; i++)
         batch.max_context = query_ctx[i] > batch.max_context ? query_ctx[i] : batch.max_context;
     bargein_parallel_run(run_worker, &batch, num_threads);

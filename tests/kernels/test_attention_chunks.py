@@ -1,8 +1,11 @@
 """The float16 attention's prompt path over contexts of several key chunks (attention_f16.c's
-attend_chunked: keys taken 64 at a time, each output's chain continued from chunk to
-chunk): every query of a prompt tile gets the bits it gets alone (a decode, attend_one),
-with and without a sliding window that starts inside a chunk, and the float64 attention
-to float rounding."""
+attend_prompt on x86, attention_prompt_x86.h: tiles of up to 32 queries, their (query,
+head) rows of one KV head register-tiled, keys widened 48 at a time, each output's chain
+continued from chunk to chunk): every query of a prompt tile gets the bits it gets alone (a decode: attend_one,
+or attend_tile where the head size is not a multiple of 64), whatever the group size (rows
+not a multiple of the register tiles), a sliding window that starts inside a chunk, a soft
+cap, or the thread count (1 or 3, heads shared out where tiles are few); and the float64
+attention to float rounding."""
 
 from __future__ import annotations
 
@@ -34,22 +37,32 @@ def case(num_heads: int, num_kv_heads: int, head_dim: int, seq_lens: list[int], 
     return q, k_cache, v_cache, torch.tensor(tables), seq, ctx
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 128)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "softcap"),
+                         [(9, 3, 64, None), (4, 2, 128, None), (32, 8, 64, None), (6, 2, 96, 2.0), (5, 5, 64, 3.0)])
 @pytest.mark.parametrize("window", [None, 50])
-def test_prompt_tiles_over_many_key_chunks_equal_each_query_alone(num_heads, num_kv_heads, head_dim, window):
+def test_prompt_tiles_over_many_key_chunks_equal_each_query_alone(num_heads, num_kv_heads, head_dim, softcap, window):
     q, kc, vc, tables, seq, ctx = case(num_heads, num_kv_heads, head_dim, [150, 3, 70])
     scale = head_dim ** -0.5
-    got = KERNELS.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, 3, window=window)
+    got = KERNELS.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, 3, window=window, softcap=softcap)
+    one_thread = KERNELS.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, 1, window=window, softcap=softcap)
+    assert torch.equal(one_thread, got)
     block_size, group = kc.shape[1], num_heads // num_kv_heads
-    for t in (0, 63, 64, 65, 100, 149, 150, 152, 153, 200, 222):
+    for t in (0, 1, 47, 48, 49, 63, 64, 65, 96, 100, 149, 150, 152, 153, 200, 222):
         alone = KERNELS.paged_attention_f16(q[t:t + 1].contiguous(), kc, vc, tables, seq[t:t + 1].contiguous(),
-                                            ctx[t:t + 1].contiguous(), scale, 2, window=window)
+                                            ctx[t:t + 1].contiguous(), scale, 2, window=window, softcap=softcap)
         assert torch.equal(alone[0], got[t]), t
+        # A short prompt (fewer tiles than threads: heads shared out, a group split between them).
+        few = KERNELS.paged_attention_f16(q[t:t + 3].contiguous(), kc, vc, tables, seq[t:t + 3].contiguous(),
+                                          ctx[t:t + 3].contiguous(), scale, 3, window=window, softcap=softcap)
+        assert torch.equal(few, got[t:t + 3]), t
         n = int(ctx[t])
         first = max(0, n - window) if window else 0
         table = tables[seq[t]].tolist()
         slots = [table[p // block_size] * block_size + p % block_size for p in range(first, n)]
         keys = kc.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)
         values = vc.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1).transpose(0, 1)
-        want = F.scaled_dot_product_attention(q[t].double().unsqueeze(1), keys, values, scale=scale).squeeze(1)
+        scores = q[t].double().unsqueeze(1) @ keys.transpose(1, 2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        want = (F.softmax(scores, dim=-1) @ values).squeeze(1)
         torch.testing.assert_close(got[t].double(), want, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,248 @@
+/*
+ * attention_f16.c's prompt path on x86 (AVX2 + F16C): a tile of up to PROMPT_QUERY_TILE
+ * queries of one sequence over query heads [h0, h1), head_dim a multiple of 16,
+ * register-tiled. (A tile of one query, a decode, takes attend_one where head_dim is a
+ * multiple of 64.)
+ *
+ * Same bits as attend_tile (and so as attend_one, a decode): each score is one fused
+ * multiply-add chain over the head in eight lanes, hsum256's tree, times the scale (soft
+ * capped where asked); the same softmax_row; each output value one chain of fused
+ * multiply-adds over the row's positions in order, times 1 / sum. Only the loop order
+ * differs, and no value's chain is split or reordered by it:
+ *
+ * - The tile is done one KV head at a time. Its rows are the (query, head) pairs that read
+ *   that KV head: PROMPT_QUERY_TILE queries times the heads of a group (96 to 128 rows in
+ *   GQA models), so that each key and value row is fetched once for that many (the caches
+ *   of a long context do not fit in L2: fetched once per 8 queries, the wait for them was a
+ *   third of the time at 4,096 positions).
+ * - Keys come PROMPT_KEY_CHUNK at a time, widened to float32 once into an L1 scratch that
+ *   every row then reads (before, every row widened every key and value itself).
+ * - Scores: 4 rows x 3 keys per step, their twelve chains (one per score, each over the
+ *   head in order) in registers, so they overlap instead of waiting on each other. Every
+ *   row of a step gets a score for every key up to the step's longest context, those past
+ *   its own too: they are never read (the softmax and the values take the row's own
+ *   positions only).
+ * - Values: 6 rows x 16 values of the head per step, the sums in registers across a
+ *   chunk's keys; a row's chain goes on in memory (acc) from chunk to chunk and, where the
+ *   six rows' positions differ inside a chunk (the causal edge, a window's start), the
+ *   positions only some rows see are added row by row before and after the shared ones,
+ *   keeping each row's order.
+ *
+ * Included by attention_f16.c after score(), softmax_row(), load_halves() and hsum256_x4().
+ */
+#ifndef BARGEIN_ATTENTION_PROMPT_X86_H
+#define BARGEIN_ATTENTION_PROMPT_X86_H
+
+#define PROMPT_QUERY_TILE 32 /* queries of one sequence per tile (attention_f16.c shares tiles out) */
+#define PROMPT_KEY_CHUNK 48 /* keys widened per step: 48 x head_dim floats stay in L1 (12 KB at 64) */
+#define SCORE_ROWS 4        /* rows x keys of a score step: 12 accumulators + 3 keys in 16 registers */
+#define SCORE_KEYS 3
+#define VALUE_ROWS 6 /* rows x 16 values of a value step: 12 accumulators + 2 values + 1 weight */
+
+/* One (query, head) pair of the tile: its query head, its scores (at position - earliest),
+ * its output sums (head_dim floats) and the positions it attends to, [lo, hi). */
+typedef struct {
+    const float *q;
+    float *s, *acc;
+    int64_t lo, hi;
+} prompt_row_t;
+
+/* Positions [c0, c1) of one KV head's cache (keys or values), widened into dst (rows of
+ * head_dim floats): the conversion is exact, so every reader sees the cached values. The
+ * rows of [c1, next) are asked for meanwhile: the block table scatters them over the pool,
+ * where the hardware prefetcher cannot follow, and the chunk's arithmetic hides their wait.
+ * Positions are walked block by block (one table look-up per block, no division per row). */
+static inline void widen_chunk(const f16_batch_t *b, const uint16_t *cache, const int64_t *table, int kv,
+                               int64_t c0, int64_t c1, int64_t next, float *dst) {
+    const int d_len = b->head_dim;
+    const int64_t bs = b->block_size, row_len = (int64_t)b->num_kv_heads * d_len;
+    int64_t blk = c0 / bs, off = c0 % bs;
+    for (int64_t t = c0; t < next; t++) {
+        const uint16_t *src = cache + (table[blk] * bs + off) * row_len + (int64_t)kv * d_len;
+        if (t < c1) {
+            for (int d = 0; d < d_len; d += 8) _mm256_storeu_ps(dst + d, load_halves(src + d));
+            dst += d_len;
+        } else {
+            for (int64_t c = 0; c < d_len * (int64_t)sizeof(uint16_t); c += 64) _mm_prefetch((const char *)src + c, _MM_HINT_T0);
+        }
+        if (++off == bs) blk++, off = 0;
+    }
+}
+
+/* Scores of rows[0, R) against keys k (C rows of d_len floats, positions at, at + 1, ...
+ * of the rows' scores): R x C chains at once, each over the head in order. R, C and (where
+ * the caller makes it so) d_len are constants after inlining. */
+static inline __attribute__((always_inline)) void score_step(const f16_batch_t *b, const prompt_row_t *rows, int R,
+                                                             const float *k, int C, int64_t at, int d_len) {
+    __m256 acc[SCORE_ROWS][SCORE_KEYS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int d = 0; d < d_len; d += 8) {
+        __m256 kd[SCORE_KEYS];
+        for (int c = 0; c < C; c++) kd[c] = _mm256_loadu_ps(k + (int64_t)c * d_len + d);
+        for (int r = 0; r < R; r++) {
+            const __m256 qd = _mm256_loadu_ps(rows[r].q + d);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(qd, kd[c], acc[r][c]);
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        if (R == SCORE_ROWS && b->softcap <= 0.0f) { /* score() for four rows: the dot product times the scale */
+            float lanes[4];
+            _mm_storeu_ps(lanes, _mm_mul_ps(hsum256_x4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]),
+                                            _mm_set1_ps(b->scale)));
+            for (int r = 0; r < R; r++) rows[r].s[at + c] = lanes[r];
+        } else {
+            for (int r = 0; r < R; r++) rows[r].s[at + c] = score(b, hsum256(acc[r][c]));
+        }
+    }
+}
+
+/* score_chunk's body for one head size (d_len a constant where inlined with one). */
+static inline __attribute__((always_inline)) void score_chunk_body(const f16_batch_t *b, const prompt_row_t *rows,
+                                                                   int n_rows, const float *k, int64_t n_keys,
+                                                                   int64_t at, int64_t pos, int d_len) {
+    for (int r = 0; r < n_rows;) {
+        const int R = n_rows - r < SCORE_ROWS ? 1 : SCORE_ROWS;
+        int64_t keys = 0; /* the keys before these rows' longest context */
+        for (int i = r; i < r + R; i++) keys = rows[i].hi - pos > keys ? rows[i].hi - pos : keys;
+        keys = keys < n_keys ? keys : n_keys;
+        int64_t t = 0;
+        if (R == SCORE_ROWS) {
+            for (; t + SCORE_KEYS <= keys; t += SCORE_KEYS)
+                score_step(b, rows + r, SCORE_ROWS, k + t * d_len, SCORE_KEYS, at + t, d_len);
+            for (; t < keys; t++) score_step(b, rows + r, SCORE_ROWS, k + t * d_len, 1, at + t, d_len);
+        } else {
+            for (; t + SCORE_KEYS <= keys; t += SCORE_KEYS)
+                score_step(b, rows + r, 1, k + t * d_len, SCORE_KEYS, at + t, d_len);
+            for (; t < keys; t++) score_step(b, rows + r, 1, k + t * d_len, 1, at + t, d_len);
+        }
+        r += R;
+    }
+}
+
+/* Scores of rows[0, n_rows) against n_keys widened keys k of positions pos, pos + 1, ...,
+ * written at index at onwards of each row's scores (keys past all of a step's rows'
+ * contexts are skipped). The common head size 64 gets its own fully unrolled copy. */
+static __attribute__((noinline)) void score_chunk(const f16_batch_t *b, const prompt_row_t *rows, int n_rows,
+                                                  const float *k, int64_t n_keys, int64_t at, int64_t pos) {
+    if (b->head_dim == 64)
+        score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, 64);
+    else
+        score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, b->head_dim);
+}
+
+/* Values [d, d + 16) of rows[0, R)'s sums, continued over positions [t0, t1) of the chunk
+ * whose widened values v (rows of d_len floats) start at position c0; a row's weight of
+ * position t is at its s[t - earliest]. */
+static inline __attribute__((always_inline)) void value_step(const prompt_row_t *rows, int R, const float *v,
+                                                             int d_len, int64_t c0, int64_t t0, int64_t t1,
+                                                             int64_t earliest, int d) {
+    __m256 a[VALUE_ROWS][2];
+    const float *w[VALUE_ROWS];
+    for (int r = 0; r < R; r++) {
+        a[r][0] = _mm256_loadu_ps(rows[r].acc + d);
+        a[r][1] = _mm256_loadu_ps(rows[r].acc + d + 8);
+        w[r] = rows[r].s + t0 - earliest;
+    }
+    const float *vt = v + (t0 - c0) * d_len + d;
+    for (int64_t i = 0; i < t1 - t0; i++, vt += d_len) {
+        const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 wr = _mm256_broadcast_ss(w[r] + i);
+            a[r][0] = _mm256_fmadd_ps(wr, v0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(wr, v1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(rows[r].acc + d, a[r][0]);
+        _mm256_storeu_ps(rows[r].acc + d + 8, a[r][1]);
+    }
+}
+
+/* Every row's sums continued over its positions within [c0, c1): for each group of
+ * VALUE_ROWS rows, the positions all of them see in one register-tiled pass, those only
+ * some see row by row before and after it, so each row's chain stays in position order. */
+static __attribute__((noinline)) void value_chunk(const f16_batch_t *b, const prompt_row_t *rows, int n_rows,
+                                                  const float *v, int64_t c0, int64_t c1, int64_t earliest) {
+    const int d_len = b->head_dim;
+    for (int r0 = 0; r0 < n_rows; r0 += VALUE_ROWS) {
+        const int R = n_rows - r0 < VALUE_ROWS ? n_rows - r0 : VALUE_ROWS;
+        const prompt_row_t *group = rows + r0;
+        int64_t shared_lo = c0, shared_hi = c1;
+        for (int r = 0; r < R; r++) {
+            shared_lo = group[r].lo > shared_lo ? group[r].lo : shared_lo;
+            shared_hi = group[r].hi < shared_hi ? group[r].hi : shared_hi;
+        }
+        if (shared_hi < shared_lo) shared_hi = shared_lo; /* no position seen by all: row by row */
+        for (int d = 0; d < d_len; d += 16) {
+            for (int r = 0; r < R; r++) { /* before the shared positions */
+                const int64_t lo = group[r].lo > c0 ? group[r].lo : c0;
+                const int64_t hi = group[r].hi < shared_lo ? group[r].hi : shared_lo;
+                if (lo < hi) value_step(group + r, 1, v, d_len, c0, lo, hi, earliest, d);
+            }
+            if (shared_lo < shared_hi) {
+                if (R == VALUE_ROWS)
+                    value_step(group, VALUE_ROWS, v, d_len, c0, shared_lo, shared_hi, earliest, d);
+                else
+                    for (int r = 0; r < R; r++) value_step(group + r, 1, v, d_len, c0, shared_lo, shared_hi, earliest, d);
+            }
+            for (int r = 0; r < R; r++) { /* after them */
+                const int64_t lo = group[r].lo > shared_hi ? group[r].lo : shared_hi;
+                const int64_t hi = group[r].hi < c1 ? group[r].hi : c1;
+                if (lo < hi) value_step(group + r, 1, v, d_len, c0, lo, hi, earliest, d);
+            }
+        }
+    }
+}
+
+/* The tile of queries [first, first + n) over query heads [h0, h1) (see the top of this file).
+ * scores: (PROMPT_QUERY_TILE x group, max_context) floats; acc: (PROMPT_QUERY_TILE x group,
+ * head_dim);
+ * kv_rows: PROMPT_KEY_CHUNK x head_dim. */
+static void attend_prompt(const f16_batch_t *b, int64_t first, int n, int h0, int h1, float *scores, float *acc,
+                          float *kv_rows) {
+    const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim;
+    const int64_t per_q = (int64_t)n_heads * d_len;
+    const int64_t *table = b->block_tables + b->query_seq[first] * b->table_width;
+    int64_t ctx[PROMPT_QUERY_TILE], start[PROMPT_QUERY_TILE], earliest = INT64_MAX, longest = 0;
+    for (int i = 0; i < n; i++) {
+        ctx[i] = b->query_ctx[first + i], start[i] = first_position(b, ctx[i]);
+        longest = ctx[i] > longest ? ctx[i] : longest;
+        earliest = start[i] < earliest ? start[i] : earliest;
+    }
+    const int64_t span = longest - earliest;
+    for (int kv = h0 / group; kv <= (h1 - 1) / group; kv++) {
+        const int ha = kv * group > h0 ? kv * group : h0, hb = (kv + 1) * group < h1 ? (kv + 1) * group : h1;
+        prompt_row_t rows[PROMPT_QUERY_TILE * group];
+        int n_rows = 0;
+        for (int i = 0; i < n; i++)
+            for (int h = ha; h < hb; h++, n_rows++)
+                rows[n_rows] = (prompt_row_t){b->q + (first + i) * per_q + (int64_t)h * d_len, scores + n_rows * span,
+                                              acc + (int64_t)n_rows * d_len, start[i], ctx[i]};
+        for (int c0 = 0; c0 < span; c0 += PROMPT_KEY_CHUNK) {
+            const int64_t c1 = c0 + PROMPT_KEY_CHUNK < span ? c0 + PROMPT_KEY_CHUNK : span;
+            const int64_t next = c1 + PROMPT_KEY_CHUNK < span ? c1 + PROMPT_KEY_CHUNK : span;
+            widen_chunk(b, b->k_cache, table, kv, earliest + c0, earliest + c1, earliest + next, kv_rows);
+            score_chunk(b, rows, n_rows, kv_rows, c1 - c0, c0, earliest + c0);
+        }
+        float inv[PROMPT_QUERY_TILE * group];
+        for (int r = 0; r < n_rows; r++) {
+            inv[r] = softmax_row(rows[r].s + rows[r].lo - earliest, rows[r].hi - rows[r].lo);
+            memset(rows[r].acc, 0, sizeof(float) * (size_t)d_len);
+        }
+        for (int64_t c0 = earliest; c0 < longest; c0 += PROMPT_KEY_CHUNK) {
+            const int64_t c1 = c0 + PROMPT_KEY_CHUNK < longest ? c0 + PROMPT_KEY_CHUNK : longest;
+            const int64_t next = c1 + PROMPT_KEY_CHUNK < longest ? c1 + PROMPT_KEY_CHUNK : longest;
+            widen_chunk(b, b->v_cache, table, kv, c0, c1, next, kv_rows);
+            value_chunk(b, rows, n_rows, kv_rows, c0, c1, earliest);
+        }
+        for (int r = 0; r < n_rows; r++) {
+            const __m256 scale = _mm256_set1_ps(inv[r]);
+            float *out = b->out + (first + r / (hb - ha)) * per_q + (int64_t)(ha + r % (hb - ha)) * d_len;
+            for (int d = 0; d < d_len; d += 8)
+                _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(rows[r].acc + d), scale));
+        }
+    }
+}
+
+#endif
