@@ -24,10 +24,13 @@ def serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def serve_here(capsys, monkeypatch):
     """``bargein serve ARGS`` in this process, with ``env`` set over os.environ: its exit
     status (argparse's ``SystemExit`` included) and output, as a CompletedProcess."""
+    import torch
+
     from bargein.cli import main
 
     def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
         capsys.readouterr()
+        threads = torch.get_num_threads()  # a serve that gets past its arguments sets them
         with monkeypatch.context() as patch:  # the variables are restored as the call returns
             for name, value in (env or {}).items():
                 patch.setenv(name, value)
@@ -35,6 +38,8 @@ def serve_here(capsys, monkeypatch):
                 status = main(["serve", *args])
             except SystemExit as exit_info:
                 status = exit_info.code
+            finally:
+                torch.set_num_threads(threads)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(["bargein", "serve", *args], status, out, err)
 
