@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -150,9 +148,20 @@ def test_graceful_shutdown_answers_in_flight_streams(strict):
     assert "cancelled (shutdown)" in strict.log()
 
 
-def test_a_mixed_prefill_cap_below_one_is_a_usage_error():
-    """``--max-mixed-prefill-tokens`` must be positive: one error line, status 2, before any model loads."""
-    result = subprocess.run([sys.executable, "-m", "bargein.cli", "serve", "--port", "0",
-                             "--max-mixed-prefill-tokens", "0"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert "max_mixed_prefill_tokens must be positive" in result.stderr
+def test_a_mixed_prefill_cap_below_one_is_a_usage_error(capsys):
+    """``--max-mixed-prefill-tokens`` must be positive: one error line, status 2, before any
+    model loads. In this process (``python -m bargein.cli`` calls the same ``main``): a
+    subprocess costs seconds of imports."""
+    import torch
+
+    from bargein.cli import main
+
+    capsys.readouterr()
+    threads = torch.get_num_threads()  # serve sets them as it starts: this process's tests keep theirs
+    try:
+        status = main(["serve", "--port", "0", "--max-mixed-prefill-tokens", "0"])
+    finally:
+        torch.set_num_threads(threads)
+    stderr = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in stderr, stderr
+    assert "max_mixed_prefill_tokens must be positive" in stderr
