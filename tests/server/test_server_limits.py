@@ -1,4 +1,5 @@
-"""Limits and operations on a strict server: API key, body size, queue, server deadline, shutdown.
+"""Limits and operations on a strict server: API key, body size, queue, server deadline, shutdown
+(the deadline measured on the session's guarded server, whose is 3 s).
 
 One server for the module (``--max-num-seqs 1`` so a second request queues behind the
 first, ``--max-queue 2`` so a third is refused), shut down by the last test, which
@@ -10,20 +11,19 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import listed_requests, wait_until
+from tests.conftest import GUARDED_ARGS, listed_requests, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("check_kv")]
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "test-secret"
 SERVER_TIMEOUT_S = 8.0
+GUARDED_TIMEOUT_S = float(GUARDED_ARGS[GUARDED_ARGS.index("--request-timeout") + 1])
 STORY = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
 ENDLESS = {"ignore_eos": True, "max_tokens": 2000}
 ARGS = ("--max-num-seqs", "1", "--max-queue", "2", "--request-timeout", str(SERVER_TIMEOUT_S),
@@ -112,14 +112,18 @@ async def test_queue_full_429_and_cancel_or_disconnect_while_queued(aclient, str
     assert await asyncio.wait_for(running, 30) == "cancelled"
 
 
-def test_server_request_timeout_is_a_deadline(strict):
-    client = openai.OpenAI(base_url=f"{strict.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
+def test_server_request_timeout_is_a_deadline(guarded_server):
+    """On the session's guarded server (``--request-timeout 3``, tests/conftest.py): the
+    strict server's 8 s, which keeps the queue test's stream alive under load, would be an
+    8 s wait here."""
+    client = openai.OpenAI(base_url=f"{guarded_server.base_url}/v1", api_key=guarded_server.api_key,
+                           max_retries=0, timeout=120)
     started = time.monotonic()
     completion = client.chat.completions.create(model=MODEL, messages=STORY, extra_body=ENDLESS)
     took = time.monotonic() - started
     [choice] = completion.choices
     assert choice.finish_reason == "cancelled" and choice.model_extra["cancel_reason"] == "deadline"
-    assert SERVER_TIMEOUT_S - 0.5 <= took < SERVER_TIMEOUT_S + 30
+    assert GUARDED_TIMEOUT_S - 0.5 <= took < GUARDED_TIMEOUT_S + 30
     assert completion.usage.completion_tokens > 0 and choice.message.content
 
 
@@ -144,9 +148,20 @@ def test_graceful_shutdown_answers_in_flight_streams(strict):
     assert "cancelled (shutdown)" in strict.log()
 
 
-def test_a_mixed_prefill_cap_below_one_is_a_usage_error():
-    """``--max-mixed-prefill-tokens`` must be positive: one error line, status 2, before any model loads."""
-    result = subprocess.run([sys.executable, "-m", "bargein.cli", "serve", "--port", "0",
-                             "--max-mixed-prefill-tokens", "0"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert "max_mixed_prefill_tokens must be positive" in result.stderr
+def test_a_mixed_prefill_cap_below_one_is_a_usage_error(capsys):
+    """``--max-mixed-prefill-tokens`` must be positive: one error line, status 2, before any
+    model loads. In this process (``python -m bargein.cli`` calls the same ``main``): a
+    subprocess costs seconds of imports."""
+    import torch
+
+    from bargein.cli import main
+
+    capsys.readouterr()
+    threads = torch.get_num_threads()  # serve sets them as it starts: this process's tests keep theirs
+    try:
+        status = main(["serve", "--port", "0", "--max-mixed-prefill-tokens", "0"])
+    finally:
+        torch.set_num_threads(threads)
+    stderr = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in stderr, stderr
+    assert "max_mixed_prefill_tokens must be positive" in stderr
