@@ -7,8 +7,10 @@ This is the one command to measure them on a Raspberry Pi 5, an Apple Silicon Ma
 Linux or a Graviton; on x86-64 it measures the plain C, AVX2 and AVX-512 VNNI paths alike.
 
 1. Kernels, in one process, interleaved: the GGUF block matmul (gguf_matmul.c, the `fast`
-   precision) per block type at 1, 8 and 32 rows, and the BlockWeight int8 matmul
-   (quant_matmul.c), on every path this CPU runs; milliseconds per call (best of repeats:
+   precision) per block type at 1, 8, 32 and 128 rows (decode, and prefill chunks: from 4
+   rows on the sdot path runs its register tiles, neon_int8_tile.h, for the types with one
+   scale per 32 and the BlockWeights), and the BlockWeight int8 matmuls (quant_matmul.c,
+   4-bit and 8-bit), on every path this CPU runs; milliseconds per call (best of repeats:
    the least disturbed run), and the speed-up over plain C measured in the same run. Every
    path's output is checked to equal plain C's, bit for bit, on this machine.
 2. Engine: ``bench/bench_model.py``'s decode tokens/s (1 and 8 sequences) and prefill
@@ -39,15 +41,15 @@ from common import base_parser, emit, format_table, machine_info  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bargein.kernels import build_flags  # noqa: E402
-from bargein.kernels.block_quant import quantize_8bit  # noqa: E402
+from bargein.kernels.block_quant import BlockWeight, quantize_8bit  # noqa: E402
 from bargein.kernels.ggml_types import GGMLQuantizationType  # noqa: E402
 from bargein.kernels.native import Q8_ISAS, load_native_kernels  # noqa: E402
 from bargein.kernels.native_structs import describe_quant  # noqa: E402
 from bargein.kernels.quant_weight import QuantWeight  # noqa: E402
 from tests.gguf_blocks import random_blocks  # noqa: E402
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
-ROWS = (1, 8, 32)
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K")
+ROWS = (1, 8, 32, 128)
 
 
 def best_time(fn, seconds: float) -> float:
@@ -68,6 +70,10 @@ def kernel_rows(kernels, paths: list[str], n: int, k: int, threads: int, seconds
                                                   random_blocks(GGMLQuantizationType[name], n, k, rng), n, k)))
              for name in TYPES]
     cases.append(("blockweight q8", quantize_8bit(torch.randn(n, k, generator=torch.Generator().manual_seed(0)))))
+    g = torch.Generator().manual_seed(1)
+    cases.append(("blockweight q4", BlockWeight(4, torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g),
+                                                torch.rand(n, k // 32, generator=g) * 0.01,
+                                                torch.randn(n, k // 32, generator=g) * 0.05)))
     for name, weight in cases:
         for m in ROWS:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

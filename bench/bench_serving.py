@@ -10,6 +10,10 @@ AIPerf's metric definitions, one asyncio process, its own CPU time reported):
 - ``rate``: a Poisson request-rate sweep around the first server's saturation rate
   (its request rate at the highest concurrency), goodput under TTFT <= 2 s, ITL <= 100 ms;
 - ``cancel``: the same rates with 20% of requests cancelled 1 s after sending;
+- ``goodput``: goodput as the field compares servers (DistServe): the highest Poisson
+  request rate, 20% cancelled 1 s after sending, at which at least 90% of the requests
+  not cancelled meet both SLOs, found per server by stepping and bisecting the rate
+  (``serving_goodput``, ``serving_goodput_runs``), with the ratio of the two;
 - ``multiturn``: conversations where every second answer is cut off by the client and
   the next turn continues from the partial answer: TTFT and cached prompt share of
   continued turns;
@@ -42,12 +46,14 @@ if __package__ in (None, ""):
 
 from common import emit, format_table, histogram_quantile, machine_info, rnd  # noqa: E402
 from serving_client import Target, run_concurrency, run_conversations, run_rate  # noqa: E402
-from serving_metrics import Slo, summarize, summarize_conversations  # noqa: E402
+from serving_goodput import SearchPlan, Slo, ratio_bounds  # noqa: E402
+from serving_goodput_runs import GoodputLoad, goodput_sections, measure_goodput  # noqa: E402
+from serving_metrics import summarize, summarize_conversations  # noqa: E402
 from serving_servers import Server, bargein_server, find_llama_server, llama_server  # noqa: E402
 from serving_workloads import PromptMaker  # noqa: E402
 
 SEND_DELAY = "bargein_output_send_delay_seconds"
-WORKLOADS = ("concurrency", "rate", "cancel", "multiturn", "aiperf")
+WORKLOADS = ("concurrency", "rate", "cancel", "goodput", "multiturn", "aiperf")
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,6 +74,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rate-requests", type=int, default=24)
     p.add_argument("--cancel-share", type=float, default=0.2)
     p.add_argument("--cancel-after", type=float, default=1.0)
+    g = p.add_argument_group("goodput", "the highest rate meeting the SLO share (--workloads goodput)")
+    g.add_argument("--goodput-share", type=float, default=0.9, help="share of the requests not cancelled that "
+                   "must meet both SLOs (default 0.9)")
+    g.add_argument("--goodput-start", type=float, default=1.0, help="the first run's requests/s")
+    g.add_argument("--goodput-factor", type=float, default=2.0, help="step the rate by this until a miss")
+    g.add_argument("--goodput-resolution", type=float, default=1.2, help="bisect until the failing rate is "
+                   "within this factor of the sustained one")
+    g.add_argument("--goodput-repeats", type=int, default=2, help="runs of the boundary rate")
+    g.add_argument("--goodput-window", type=float, default=20.0, help="seconds of arrivals per run")
+    g.add_argument("--goodput-min-requests", type=int, default=13, help="requests per run at least (13: "
+                   "10 judged, so that 90%% lets one miss)")
+    g.add_argument("--goodput-max-runs", type=int, default=10, help="runs per server at most")
+    g.add_argument("--goodput-budget", type=float, default=190.0, help="seconds of the search per server: a "
+                   "run starts only if its arrivals and the longest wait for its last request still fit")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--cut-after", type=int, default=24, help="content events before a cut-off answer is cut")
@@ -80,6 +100,8 @@ def parse_args() -> argparse.Namespace:
         args.concurrency, args.input_tokens, args.output_tokens = "1,8", "128", 32
         args.rate_requests, args.conversations, args.turns, args.cut_after = 8, 2, 4, 8
         args.rates = "1.0"
+        args.goodput_window, args.goodput_budget, args.goodput_max_runs = 5.0, 30.0, 3
+        args.goodput_min_requests = 5
     return args
 
 
@@ -109,6 +131,12 @@ class Bench:
         self.input_tokens = ints(args.input_tokens)
         self.context = max(self.input_tokens) + 4 * args.output_tokens + args.turns * (64 + args.output_tokens) + 256
         self.saturation: float | None = None  # requests/s of the first server at its highest concurrency
+        self.goodput_load = GoodputLoad(min(self.input_tokens), args.output_tokens, args.cancel_share,
+                                        args.cancel_after, args.goodput_window, args.goodput_min_requests,
+                                        args.goodput_budget, args.seed)
+        self.goodput_plan = SearchPlan(args.goodput_start, args.goodput_factor, args.goodput_resolution,
+                                       args.goodput_repeats, max_runs=args.goodput_max_runs,
+                                       share=args.goodput_share)
 
     def server(self, name: str) -> Server:
         slots = max(self.concurrency + [self.args.conversations])
@@ -136,6 +164,9 @@ class Bench:
         for name, share in (("rate", 0.0), ("cancel", self.args.cancel_share)):
             if name in workloads:
                 out[name] = [self._rated(server, target, rate, share) for rate in rates]
+        if "goodput" in workloads:
+            out["goodput"] = measure_goodput(server, target, self.maker, self.goodput_load, self.goodput_plan,
+                                             self.slo)
         if "multiturn" in workloads:
             conv = self.maker.conversations(self.args.conversations, self.args.turns, 48, self.args.seed)
             run = asyncio.run(run_conversations(target, conv, self.args.output_tokens, self.args.cut_after))
@@ -188,6 +219,7 @@ def tables(results: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
                 for s, res in results.items() for r in res.get(name, [])]
         if rows:
             sections.append((title, format_table(rnd(rows, 2))))
+    sections += goodput_sections(results)
     mt = [{"server": s, "turns": res["multiturn"][k]["turns"], "kind": k,
            "TTFT p50 ms": res["multiturn"][k]["ttft_ms"]["p50"], "TTFT p99 ms": res["multiturn"][k]["ttft_ms"]["p99"],
            "cached share p50": res["multiturn"][k]["cached_share_p50"],
@@ -221,6 +253,9 @@ def main() -> None:
             sections.append((f"AIPerf vs this client on {name}", res["aiperf"]["table"]))
     result = {"machine": machine_info(), "model": str(model), "threads": args.threads, "slo": vars(bench.slo),
               "saturation_request_s": bench.saturation, "results": results}
+    goodputs = [res["goodput"] for res in results.values() if "goodput" in res]
+    if len(goodputs) == 2:
+        result["goodput_ratio"] = dict(zip(("ratio", "lowest", "highest"), ratio_bounds(*goodputs), strict=True))
     emit("Serving: bargein serve vs llama-server", sections, result, args.json)
     if args.plots:
         from serving_plots import plot

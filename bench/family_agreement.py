@@ -7,9 +7,10 @@ Q8_0 with llama.cpp's ``llama-quantize`` and runs it through llama.cpp (``llama_
 the venv, which quantizes activations to Q8_0 blocks against Q8_0 weights, as ``fast``
 does to int8 per block of 32), and prints, against transformers in float32 on the same
 tokens: llama.cpp on the float32 file (its float path), llama.cpp on Q8_0, bargein ``fast``
-on the float32 file (which it holds as Q8_0 blocks, against int8 activations) and on the
-file converted to F16 by ``llama-quantize`` (which ``fast`` reads in place against float32
-activations: no int8 anywhere).
+on the float32 file (a float source: held as 16-bit rows, F16 here, against float32
+activations; bargein/kernels/half_rows.py), on the file converted to F16 by
+``llama-quantize`` (read in place, the same rows) and on the Q8_0 file (int8 blocks against
+int8 activations: what ``fast`` did with a float file before the float-source rule).
 
 ``--ablate`` also says where ``fast`` diverges from ``exact``: the float32 file in ``fast``,
 one operation at a time (``fuse_layers`` off), with parts of it replaced by ``exact``'s
@@ -105,8 +106,9 @@ def main() -> None:
             want = reference_logits(name, "gguf", tokens)
             runs = [("llama.cpp F32", _llama_cpp_logits(f32, tokens)),
                     ("llama.cpp Q8_0", _llama_cpp_logits(q8, tokens)),
-                    ("bargein fast", all_logits(_engine(f32, "fast"), tokens)),
-                    ("bargein fast, F16 file", all_logits(_engine(f16, "fast"), tokens))]
+                    ("bargein fast (16-bit rows)", all_logits(_engine(f32, "fast"), tokens)),
+                    ("bargein fast, F16 file", all_logits(_engine(f16, "fast"), tokens)),
+                    ("bargein fast, Q8_0 file", all_logits(_engine(q8, "fast"), tokens))]
             if args.ablate:
                 runs += _ablation(f32, tokens)
             rows += [{"family": name, "run": label, **_compare(got, want)} for label, got in runs]

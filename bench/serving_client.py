@@ -31,7 +31,7 @@ import json
 import random
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,9 +49,12 @@ class Record:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     outcome: str = "ok"  # ok | cancelled (by the load's cancellation) | cut (multi-turn) | error
+    #                      | stopped (closed when its run's verdict was already certain)
     error: str | None = None
     turn: int = 0
     continued: bool = False  # this turn continues a conversation whose last answer was cut off
+    cancel_planned: bool = False  # the load chose this request to cancel (goodput does not judge it)
+    ended: bool = False  # no longer in flight (set last, whatever the outcome)
 
     @property
     def ttft(self) -> float | None:
@@ -200,8 +203,13 @@ def chat_body(target: Target, messages: Sequence[dict[str, str]], max_tokens: in
             "temperature": 0, "ignore_eos": ignore_eos, "stream_options": {"include_usage": True}}
 
 
-async def _one(target: Target, body: dict[str, Any], cancel_after_s: float | None) -> Record:
-    record = Record(sent=time.perf_counter())
+async def _one(target: Target, body: dict[str, Any], cancel_after_s: float | None,
+               record: Record | None = None) -> Record:
+    """One request into ``record`` (a new one by default); ``cancel_after_s``: the load
+    cancels it that long after sending. Cancelling the task that runs this closes the
+    connection, marks the record ``stopped`` and re-raises."""
+    record = record if record is not None else Record(sent=time.perf_counter())
+    record.sent = time.perf_counter()
     task = asyncio.ensure_future(stream_chat(target, body, record))
     try:
         if cancel_after_s is None:
@@ -216,12 +224,24 @@ async def _one(target: Target, body: dict[str, Any], cancel_after_s: float | Non
                 task.result()
     except (OSError, StreamError, ValueError, asyncio.IncompleteReadError) as exc:
         record.outcome, record.error = "error", f"{type(exc).__name__}: {exc}"
+    except asyncio.CancelledError:
+        task.cancel()  # asyncio.wait does not cancel what it waits on
+        await asyncio.gather(task, return_exceptions=True)
+        record.outcome = "stopped"
+        raise
+    finally:
+        record.ended = True
     return record
 
 
+def cancelled_count(n: int, share: float) -> int:
+    """How many of ``n`` requests the load cancels at a cancel share (whatever the seed)."""
+    return round(share * n)
+
+
 def _cancel_plan(n: int, share: float, seed: int) -> list[bool]:
-    """Exactly round(share * n) requests, chosen by the seed, are cancelled."""
-    chosen = set(random.Random(seed).sample(range(n), round(share * n)))
+    """Exactly ``cancelled_count(n, share)`` requests, chosen by the seed, are cancelled."""
+    chosen = set(random.Random(seed).sample(range(n), cancelled_count(n, share)))
     return [i in chosen for i in range(n)]
 
 
@@ -259,23 +279,62 @@ async def run_concurrency(target: Target, prompts: Sequence[str], concurrency: i
     return await _timed(load)
 
 
+StopRule = Callable[[Sequence[Record], float], bool]
+
+
 async def run_rate(target: Target, prompts: Sequence[str], rate: float, max_tokens: int,
-                   cancel_share: float = 0.0, cancel_after_s: float = 1.0, seed: int = 0) -> Run:
+                   cancel_share: float = 0.0, cancel_after_s: float = 1.0, seed: int = 0,
+                   stop_when: StopRule | None = None, poll_s: float = 0.05) -> Run:
     """Every prompt once, sent at Poisson arrivals of ``rate`` requests per second (seeded),
-    however many are then in flight (AIPerf's ``--request-rate``)."""
+    however many are then in flight (AIPerf's ``--request-rate``).
+
+    ``stop_when(records, now)``, asked every ``poll_s`` with the requests sent so far (in
+    sending order): once it is true, nothing more is sent and the requests in flight are
+    closed (outcome ``stopped``); the run's records are then the ones sent, and it ends
+    when it stopped (not at its last event: a stopped run may have had none)."""
     rng = random.Random(seed)
     gaps = [rng.expovariate(rate) for _ in prompts]
     cancels = _cancel_plan(len(prompts), cancel_share, seed + 1)
 
-    async def load() -> list[Record]:
-        tasks = []
-        for i, prompt in enumerate(prompts):
-            body = chat_body(target, [{"role": "user", "content": prompt}], max_tokens)
-            tasks.append(asyncio.ensure_future(_one(target, body, cancel_after_s if cancels[i] else None)))
-            await asyncio.sleep(gaps[i])
-        return list(await asyncio.gather(*tasks))
+    stopped_at: list[float] = []
 
-    return await _timed(load)
+    async def load() -> list[Record]:
+        records: list[Record] = []
+        tasks: list[asyncio.Future] = []
+
+        async def send() -> None:
+            for i, prompt in enumerate(prompts):
+                body = chat_body(target, [{"role": "user", "content": prompt}], max_tokens)
+                record = Record(sent=time.perf_counter(), cancel_planned=cancels[i])
+                records.append(record)
+                tasks.append(asyncio.ensure_future(_one(target, body, cancel_after_s if cancels[i] else None,
+                                                        record)))
+                await asyncio.sleep(gaps[i])
+
+        sender = asyncio.ensure_future(send())
+        if stop_when is None:
+            await sender
+        else:
+            while not (sender.done() and all(t.done() for t in tasks)):
+                if stop_when(records, now := time.perf_counter()):
+                    stopped_at.append(now)
+                    sender.cancel()
+                    break
+                await asyncio.sleep(poll_s)
+            await asyncio.gather(sender, return_exceptions=True)
+            for t in tasks:
+                t.cancel()
+        for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(outcome, Exception):  # not a CancelledError: a fault of this client, not a result
+                raise outcome
+        for record in records:  # a task cancelled before it first ran never marked its record
+            if not record.ended:
+                record.outcome, record.ended = "stopped", True
+        return records
+
+    run = await _timed(load)
+    run.ended = max([run.ended, *stopped_at])
+    return run
 
 
 async def run_conversations(target: Target, openings: Sequence[Sequence[str]], max_tokens: int,

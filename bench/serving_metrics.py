@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from common import percentile
 from serving_client import Record, Run
+from serving_goodput import Slo
 
-
-@dataclass(frozen=True)
-class Slo:
-    """Goodput's service level objectives: a completed request is good if it meets both."""
-
-    ttft_s: float = 2.0
-    itl_s: float = 0.100
-
-    def met(self, r: Record) -> bool:
-        itl = r.itl
-        return r.ttft is not None and r.ttft <= self.ttft_s and (itl is None or itl <= self.itl_s)
+DEFAULT_SLO = Slo()
 
 
 def _pcts(values: list[float], scale: float = 1.0) -> dict[str, float]:
@@ -27,7 +17,7 @@ def _pcts(values: list[float], scale: float = 1.0) -> dict[str, float]:
     return {k: (percentile(values, p) * scale if values else math.nan) for k, p in keys}
 
 
-def summarize(run: Run, slo: Slo = Slo()) -> dict[str, Any]:
+def summarize(run: Run, slo: Slo = DEFAULT_SLO) -> dict[str, Any]:
     """Counts, throughputs and percentiles of one run; latencies in milliseconds."""
     done = run.completed
     duration = run.duration or math.nan
@@ -40,6 +30,7 @@ def summarize(run: Run, slo: Slo = Slo()) -> dict[str, Any]:
         "completed": len(done),
         "cancelled": sum(r.outcome == "cancelled" for r in run.records),
         "errors": sum(r.outcome == "error" for r in run.records),
+        "stopped": sum(r.outcome == "stopped" for r in run.records),
         "first_error": next((r.error for r in run.records if r.error), None),
         "duration_s": duration,
         "output_tok_s": sum(r.output_tokens for r in done) / duration,

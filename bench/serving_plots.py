@@ -11,6 +11,7 @@ def plot(results: dict[str, dict[str, Any]], folder: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
@@ -44,6 +45,25 @@ def plot(results: dict[str, dict[str, Any]], folder: Path) -> list[Path]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         written.append(_save(fig, folder / f"serving_{kind}.png"))
+    found = {s: r["goodput"] for s, r in results.items() if r.get("goodput", {}).get("runs_detail")}
+    if found:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for server, g in found.items():
+            runs = sorted(g["runs_detail"], key=lambda r: r["rate"])
+            line = ax.plot([r["rate"] for r in runs], [r["share"] for r in runs], marker="o", label=server)[0]
+            if g["max_slo_rate"]:
+                ax.axvline(g["max_slo_rate"], color=line.get_color(), linestyle=":", alpha=0.7)
+        first = next(iter(found.values()))
+        share, load = first["plan"]["share"], first["load"]
+        ax.axhline(share, color="grey", linestyle="--", label=f"{share:.0%} of requests")
+        ax.set(title=f"Requests within the SLOs, {load['cancel_share']:.0%} cancelled after "
+                     f"{load['cancel_after_s']:g} s (dotted: goodput)", xlabel="offered requests/s",
+               ylabel="share of the requests not cancelled", ylim=(0, 1.05))
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, folder / "serving_goodput.png"))
     return written
 
 

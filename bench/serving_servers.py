@@ -11,6 +11,7 @@ from /proc, so each workload reports what the server spent beside the load gener
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -39,6 +40,7 @@ class Server:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    busy_gauges: tuple[str, ...] = ()  # /metrics gauges whose sum is the requests it still works on
 
     def start(self, timeout_s: float = 300.0) -> Server:
         fd, name = tempfile.mkstemp(prefix=f"serving-{self.name}-", suffix=".log")
@@ -82,12 +84,27 @@ class Server:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
             return r.read().decode()
 
+    def busy(self) -> float:
+        """Requests queued or running now, by the server's own gauges."""
+        text = self.metrics_text()
+        return sum(float(value) for name in self.busy_gauges
+                   for value in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    def wait_idle(self, timeout_s: float = 60.0, poll_s: float = 0.1) -> float:
+        """Seconds until the server works on no request (it may still finish requests whose
+        client has gone); ``timeout_s`` at most: the caller reports what it got."""
+        started = time.monotonic()
+        while self.busy() > 0 and time.monotonic() - started < timeout_s:
+            time.sleep(poll_s)
+        return time.monotonic() - started
+
 
 def bargein_server(model: Path, threads: int, context: int, max_seqs: int, extra: list[str]) -> Server:
     return Server("bargein", [sys.executable, "-m", "bargein.cli", "serve", "--model", str(model),
                               "--port", "{port}", "--threads", str(threads), "--max-model-len", str(context),
                               "--max-num-seqs", str(max_seqs), "--log-level", "warning", *extra],
-                  "/health", env={"PYTHONPATH": str(REPO)})
+                  "/health", env={"PYTHONPATH": str(REPO)},
+                  busy_gauges=("bargein_requests_waiting", "bargein_requests_running"))
 
 
 def find_llama_server(explicit: str | None) -> str | None:
@@ -104,4 +121,5 @@ def llama_server(binary: str, model: Path, threads: int, context: int, slots: in
     return Server("llama-server", [binary, "-m", str(model), "--port", "{port}", "--host", "127.0.0.1",
                                    "-t", str(threads), "-tb", str(threads), "-np", str(slots),
                                    "-c", str(context * slots), "--kv-unified", "--no-webui",
-                                   "--metrics"], "/health", env=env)
+                                   "--metrics"], "/health", env=env,
+                  busy_gauges=("llamacpp:requests_processing", "llamacpp:requests_deferred"))

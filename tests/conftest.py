@@ -144,6 +144,13 @@ from its serving line by :meth:`wait_ready`."""
             return None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+        return self.wait_exit(timeout)
+
+    def wait_exit(self, timeout: float = 30.0) -> int | None:
+        """Waits for the process to end (a signal was sent), killing it after ``timeout``."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -180,8 +187,13 @@ class ServerFactory:
         return [s for s in self.servers.values() if s.running]
 
     def stop_all(self) -> None:
-        for server in self.servers.values():
-            server.stop()
+        """All at once: a server takes a second or more to drain and exit, and a worker
+        ends its session with several."""
+        running = self.running()
+        for server in running:
+            server.proc.send_signal(signal.SIGTERM)
+        for server in running:
+            server.wait_exit()
 
 
 @pytest.fixture(scope="session")

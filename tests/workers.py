@@ -39,6 +39,7 @@ except ImportError:  # pytest-xdist is a test extra; without it the suite runs i
 SHARED_FIXTURES = {
     "ray_cluster": "ray",  # a Ray cluster of 3 nodes (tests/ray_cluster.py)
     "portable_kernels": "portable-kernels",  # a ~25 s build (tests/kernels/conftest.py)
+    "replica_set": "ray",  # 2 replica processes (tests/distributed/conftest.py)
 }
 
 GROUPED_MODULES = {
@@ -51,6 +52,7 @@ GROUPED_MODULES = {
     "tests/distributed/test_pipeline_kv_disk.py": "ray",
     "tests/distributed/test_pipeline_kv_disk_server.py": "ray",
     "tests/distributed/test_replicas_tenants.py": "ray",
+    "tests/distributed/test_cluster_auth.py": "ray",
     "tests/kernels/test_native_kernels.py": "portable-kernels",
     "tests/kernels/test_quant_kernels.py": "portable-kernels",
 }

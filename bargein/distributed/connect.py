@@ -3,7 +3,9 @@
 ``connect(address)`` joins "auto" (the cluster this machine belongs to: ``$RAY_ADDRESS``
 or the one ``ray start`` recorded here), "local" (a new one in this process) or
 HOST:PORT. Where the cluster asks for a token (see :mod:`bargein.distributed.join`),
-the head presents the one this machine holds; where it holds none, it says so.
+the head presents the one this machine holds; where it holds none, it says so. Whether it
+asks is found out from the cluster itself (:mod:`bargein.distributed.cluster_auth`), not
+from a token file here, unless ``$RAY_AUTH_MODE`` says.
 
 :func:`check_cluster` then asks every live node, with a task pinned to it, for its Ray,
 Python and bargein versions, and tries the head's route to each node's raylet. Each
@@ -21,6 +23,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from bargein.distributed.cluster_auth import ClusterAuth, mode_for, probe
 from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.join import INSTALL_HINT, check_reachable, local_token, split_address
 
@@ -44,8 +47,12 @@ def connect(address: str, num_cpus: int, *, check: bool = True) -> None:
         check_reachable(*split_address(address), timeout=3.0)  # Ray itself retries for minutes
     if ray.is_initialized():
         return
-    if address != "local" and local_token() is not None and "RAY_AUTH_MODE" not in os.environ:
-        _present_token()
+    if address != "local" and "RAY_AUTH_MODE" not in os.environ:
+        # A Ray Client address (ray://) has no GCS to ask: a token held here is presented.
+        cluster = ClusterAuth.UNKNOWN if address.startswith("ray://") else probe(address)
+        mode = mode_for(cluster, address, has_token=local_token() is not None)
+        if mode is not None:
+            _run_with_auth_mode(mode)
     try:
         if address == "local":
             # address="local": a new instance even where a cluster runs on this machine
@@ -73,9 +80,11 @@ def connect(address: str, num_cpus: int, *, check: bool = True) -> None:
             raise PipelineSetupError(str(problems))
 
 
-def _present_token() -> None:
-    """Token authentication on for this process: a bargein cluster runs with it."""
-    os.environ["RAY_AUTH_MODE"] = "token"
+def _run_with_auth_mode(mode: str) -> None:
+    """This process (and what it starts) joins with ``mode`` ("token" or "disabled"): set
+    explicitly, so that Ray does not turn tokens on by itself for "auto" where this machine
+    holds one."""
+    os.environ["RAY_AUTH_MODE"] = mode
     try:  # Ray read the mode into its config when it was imported: read it again
         from ray._raylet import Config
 
@@ -85,6 +94,9 @@ def _present_token() -> None:
 
 
 def no_token_message(address: str) -> str:
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return (f"the Ray cluster at {address} asks for a token and RAY_AUTH_MODE=disabled here: unset "
+                f"RAY_AUTH_MODE (or set it to token) and give this machine the head's ~/.ray/auth_token")
     if local_token() is None:
         return (f"the Ray cluster at {address} asks for a token and this machine has none: copy the head's "
                 f"~/.ray/auth_token here (`bargein cluster join HEAD --token-file FILE` does it)")

@@ -48,6 +48,7 @@ import torch
 from bargein.config import CacheConfig, EngineConfig, ModelConfig
 from bargein.distributed.connect import connect
 from bargein.distributed.errors import PipelineSetupError
+from bargein.distributed.model_copy import has_model_copy
 from bargein.distributed.split import (
     LayerRanges,
     MatrixWidths,
@@ -58,7 +59,7 @@ from bargein.distributed.split import (
     split_reason,
     stage_weight_bytes,
 )
-from bargein.distributed.weights import fingerprint, has_model_copy, read_stored
+from bargein.distributed.weights import fingerprint, read_stored
 from bargein.distributed.widths import stage_widths
 from bargein.distributed.worker_env import describe_wait_policy
 from bargein.engine.device import resolve_dtype
@@ -277,16 +278,20 @@ class PipelineRunner(StageRecovery):
         traffic = HeadTraffic()
         element = torch.tensor([], dtype=resolve_dtype(config.dtype, torch.device("cpu"))).element_size()
         expected = fingerprint(source)
-        probe = ray.remote(num_cpus=0)(has_model_copy)
         for p in placements:
-            on_node = NodeAffinitySchedulingStrategy(p.node_id, soft=False)
             needed = stage_weight_bytes(model_config, p.layers, element)
             if needed > p.node_memory_bytes:
                 raise PipelineSetupError(
                     f"stage {p.index} (layers {p.layers[0]}-{p.layers[1]}) needs {needed / 2**20:.0f} MiB "
                     f"for its weights, but its node {p.node_address} offers {p.node_memory_bytes / 2**20:.0f} MiB")
+        # Every node asked at once: an answer starts a worker process there (a second or more).
+        probe = ray.remote(num_cpus=0)(has_model_copy)
+        asked = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(p.node_id, soft=False)).remote(
+            node_path, source.kind, expected) for p in placements]
+        for p, answer in zip(placements, asked, strict=True):
+            on_node = NodeAffinitySchedulingStrategy(p.node_id, soft=False)
             try:
-                has_copy = ray.get(probe.options(scheduling_strategy=on_node).remote(node_path, source.kind, expected))
+                has_copy = ray.get(answer)
             except ray.exceptions.RayError as exc:  # e.g. the node went away since Ray listed it
                 raise PipelineSetupError(f"node {p.node_address} (for stage {p.index}) did not answer: "
                                          f"{first_line(exc)}") from None

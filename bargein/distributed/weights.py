@@ -14,7 +14,6 @@ No Ray here: the caller does the shipping.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +22,11 @@ import numpy as np
 import torch
 
 from bargein.config import ModelConfig
+from bargein.distributed.model_copy import Fingerprint, file_fingerprint, has_model_copy  # noqa: F401 (stage.py)
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.dequant import dequantize
 from bargein.kernels.ggml_types import GGMLQuantizationType
+from bargein.kernels.half_rows import HALF_DTYPES, half_rows
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError
 from bargein.loader.families import norm_offset, stored_rows
@@ -35,7 +36,6 @@ from bargein.loader.hf_folder import _weight_map, text_model_names
 from bargein.loader.names import gguf_location, wanted_tensors
 from bargein.loader.source import ModelSource
 
-Fingerprint = tuple[tuple[str, int], ...]
 Weight = torch.Tensor | BlockWeight | QuantWeight
 
 
@@ -68,24 +68,8 @@ class StoredWeights:
 
 
 def fingerprint(source: ModelSource) -> Fingerprint:
-    """Names and sizes of the files a model is read from: a node whose copy at the same
-    path matches reads it itself."""
-    path = Path(source.path)
-    if source.kind == "gguf":
-        return ((path.name, path.stat().st_size),)
-    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".json"))
-    return tuple((p.name, p.stat().st_size) for p in files)
-
-
-def has_model_copy(path: str, kind: str, expected: Fingerprint) -> bool:
-    """True if this machine holds the same model files at ``path`` (run on the node;
-    ``~`` is this node's home directory)."""
-    path = os.path.expanduser(path)
-    source = ModelSource(kind, Path(path), "")  # type: ignore[arg-type]
-    try:
-        return os.path.exists(path) and fingerprint(source) == expected
-    except OSError:
-        return False
+    """Names and sizes of the files a model is read from (:mod:`bargein.distributed.model_copy`)."""
+    return file_fingerprint(Path(source.path), source.kind)
 
 
 def read_stored(source: ModelSource, config: ModelConfig, layer_range: tuple[int, int]) -> StoredWeights:
@@ -124,8 +108,8 @@ def materialize(stored: StoredWeights, config: ModelConfig, dtype: torch.dtype,
                 device: torch.device, *, blocks: bool = False) -> dict[str, Weight]:
     """Canonical weights from stored form, as the loader would have produced them from the
     file (``load_weights`` with the same ``blocks``): with ``blocks``, a GGUF's matrices of
-    the kernels' block types become QuantWeights over the shipped bytes (no copy), never
-    widened to float32."""
+    the kernels' block types and a folder's F16/BF16 matrices become QuantWeights over the
+    shipped bytes (no copy), never widened to float32."""
     weights: dict[str, Weight] = {}
     for canon in list(stored.tensors):
         t = stored.tensors[canon]
@@ -139,6 +123,10 @@ def materialize(stored: StoredWeights, config: ModelConfig, dtype: torch.dtype,
                 raw = torch.from_numpy(np.asarray(t.data).view(np.uint8).reshape(-1))
             held = QuantWeight.of(GGMLQuantizationType(t.ggml_type), raw, *t.shape)
             held = held.reorder_rows(qk_row_order(held.shape[0], heads)) if permuted else held
+            weights[canon] = held.reorder_rows(rows) if (rows := stored_rows(config, canon)) is not None else held
+            continue
+        if t.ggml_type is None and blocks and len(t.shape) == 2 and t.data.dtype in HALF_DTYPES:
+            held = half_rows(t.data)  # an F16/BF16 matrix: its 16-bit rows, as the loader holds them
             weights[canon] = held.reorder_rows(rows) if (rows := stored_rows(config, canon)) is not None else held
             continue
         if t.ggml_type is None:

@@ -6,7 +6,7 @@ A stage computes from a GGUF's matrices of the kernels' block types
 (:data:`~bargein.kernels.quant_weight.QUANT_TYPES`) as stored, in blocks, in both
 precisions, where the native kernels run with a float32 model on the CPU (see
 ``build_model`` and ``resolve_kernels``). Every other matrix is dequantized to the model's
-dtype (in ``fast`` a dense one is read as 8-bit blocks, in ``exact`` as float32; priced
+dtype (in ``fast`` a float one is read as 16-bit rows, in ``exact`` as float32; priced
 at 4 here either way); a safetensors folder is dense throughout.
 Only the GGUF's tensor table is read (no tensor data), through ``open_gguf``, which the
 head opened already to read the model's config.

@@ -20,7 +20,7 @@ from bargein.config import EngineConfig, ModelConfig
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.ops import resolve_kernels
 from bargein.kernels.quant_weight import QuantWeight
-from bargein.model.block_weights import Weight
+from bargein.model.block_weights import Weight, fast_weight
 from bargein.model.llama import LlamaStage
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,8 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
     dtype = resolve_dtype(config.dtype, device)
     kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
     reads_blocks = kernels.native is not None and device.type == "cpu" and dtype == torch.float32
-    stored = widened = 0
+    stored = widened = narrowed = halves = 0
+    narrowed_to: dict[str, int] = {}  # 16-bit type -> matrices narrowed to it
     for name in list(weights):
         tensor = weights[name]
         # RoPE frequency factors stay float32: they set the angles, not the activations.
@@ -81,6 +82,15 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
                 widened += weights[name].numel() * weights[name].element_size()
         elif tensor.device != device or tensor.dtype != want:
             weights[name] = tensor.to(device=device, dtype=want)
+        if kernels.fast and reads_blocks and (held := fast_weight(name, weights[name])) is not weights[name]:
+            narrowed, halves = narrowed + tensor.numel() * 4, halves + held.nbytes  # float-source rule
+            kind = "/".join(sorted(t.name for t in held.qtypes))
+            narrowed_to[kind] = narrowed_to.get(kind, 0) + 1
+            weights[name] = held
+    if narrowed:
+        log.info("fast: the float32 matrices (%.0f MiB) are held as 16-bit rows (%.0f MiB; %s), not "
+                 "re-quantized to int8", narrowed / 2**20, halves / 2**20,
+                 ", ".join(f"{n} as {kind}" for kind, n in sorted(narrowed_to.items())))
     if widened:
         why = (f"on {device.type} the weights are uploaded as {str(dtype).removeprefix('torch.')}"
                if device.type != "cpu" else "the native kernels are unavailable" if kernels.native is None

@@ -4,7 +4,7 @@
  *
  * Bit-identity with the x86 paths. The float kernels that simd.h's AVX2 bodies speed up
  * (attention, the row-wise ops, the float block matmul) fix their summation order by the
- * AVX2 body: eight float lanes, fused multiply-adds, hsum256's tree, exp256's polynomial.
+ * AVX2 body: eight float lanes, fused multiply-adds, hsum256's tree, exp256's chain.
  * f32x8 below is those eight lanes as two NEON registers, and every helper here does, lane
  * for lane, the operation of the AVX2 helper it mirrors (vfmaq_f32 is one rounding like
  * vfmadd; vrndmq_f32 is floor; vcvtq_s32_f32 truncates like cvttps), so an ARM64 node and
@@ -18,6 +18,8 @@
 
 #include <arm_neon.h>
 #include <stdint.h>
+
+#include "exp.h"
 
 #define BARGEIN_NEON 1
 
@@ -94,14 +96,17 @@ static inline int32x4_t dot16_neon(int32x4_t acc, int8x16_t a, int8x16_t b) {
     return vpadalq_s16(vpadalq_s16(acc, lo), hi);
 }
 
-/* n floats x (a multiple of 16) quantized to int8 as the kernels' plain C does: amax =
- * max |x| (a NaN skipped, as fmaxf skips it), d = amax / 127, q = rint(x / d) clamped to
- * -127..127 (round half to even, both), into q, with the sums of q per 16 into sums16.
- * Returns d. */
-static inline float neon_quantize(const float *x, int n, int8_t *q, int32_t *sums16) {
+/* max|x| over n floats (n a multiple of 4; a NaN skipped, as fmaxf skips it; a max: the
+ * order does not matter). */
+static inline float neon_amax(const float *x, int n) {
     float32x4_t mx = vdupq_n_f32(0.0f);
     for (int i = 0; i < n; i += 4) mx = vmaxnmq_f32(mx, vabsq_f32(vld1q_f32(x + i)));
-    const float d = vmaxnmvq_f32(mx) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    return vmaxnmvq_f32(mx);
+}
+
+/* n floats x (a multiple of 16) as rint(x * inv) clamped to -127..127 (round half to
+ * even) into q, with the sums of q per 16 into sums16. */
+static inline void neon_quantize_by(const float *x, int n, float inv, int8_t *q, int32_t *sums16) {
     const float32x4_t scale = vdupq_n_f32(inv);
     const int32x4_t top = vdupq_n_s32(127), bottom = vdupq_n_s32(-127);
     for (int i = 0; i < n; i += 16) {
@@ -114,6 +119,14 @@ static inline float neon_quantize(const float *x, int n, int8_t *q, int32_t *sum
         vst1q_s8(q + i, vcombine_s8(vmovn_s16(a), vmovn_s16(b)));
         sums16[i / 16] = vaddvq_s32(vaddq_s32(vaddq_s32(v[0], v[1]), vaddq_s32(v[2], v[3])));
     }
+}
+
+/* n floats x (a multiple of 16) quantized to int8 as the kernels' plain C does: amax =
+ * max |x|, d = amax / 127, q = rint(x / d) clamped to -127..127, into q, with the sums of
+ * q per 16 into sums16. Returns d. */
+static inline float neon_quantize(const float *x, int n, int8_t *q, int32_t *sums16) {
+    const float d = neon_amax(x, n) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    neon_quantize_by(x, n, inv, q, sums16);
     return d;
 }
 
@@ -151,9 +164,17 @@ static inline float f8_hsum(f32x8 v) {
     return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);
 }
 
-/* exp256, lane for lane (Cephes' expf for x <= 0). */
+/* The lanes of x one by one through bargein_expf (exp256_lanes' NEON twin). */
+static __attribute__((noinline)) float32x4_t exp4_lanes(float32x4_t x) {
+    float v[4];
+    vst1q_f32(v, x);
+    for (int i = 0; i < 4; i++) v[i] = bargein_expf(v[i]);
+    return vld1q_f32(v);
+}
+
+/* exp256, lane for lane: bargein_expf's bits for every float (exp.h). */
 static inline float32x4_t exp4_mirror(float32x4_t x) {
-    x = vmaxnmq_f32(x, vdupq_n_f32(-87.3365478515625f)); /* maxps: a NaN gives the bound, as here */
+    if (vminvq_u32(vcaleq_f32(x, vdupq_n_f32(BARGEIN_EXP_FAST_LIMIT))) == 0) return exp4_lanes(x); /* also NaN */
     float32x4_t fx = vfmaq_f32(vdupq_n_f32(0.5f), x, vdupq_n_f32(1.44269504088896341f));
     fx = vrndmq_f32(fx);
     x = vfmsq_f32(x, fx, vdupq_n_f32(0.693359375f));

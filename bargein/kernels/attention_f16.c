@@ -164,7 +164,7 @@ static float softmax_row(float *s, int64_t ctx) {
     sum = neon_exp_shift(s, m, ctx, &t);
 #endif
     for (; t < ctx; t++) {
-        s[t] = expf(s[t] - m);
+        s[t] = bargein_expf(s[t] - m); /* exp256's bits: the same element in either path */
         sum += s[t];
     }
     return 1.0f / sum;

@@ -58,7 +58,9 @@ class BlockWeight:
 
 def quantize_8bit(weight: torch.Tensor) -> BlockWeight | None:
     """``weight`` rounded to 8-bit blocks (llama.cpp's Q8_0: scale = max|w| / 127, one per 32
-    values), for the ``fast`` precision; None when its rows are not made of whole blocks.
+    values); None when its rows are not made of whole blocks. The model no longer uses it
+    (``fast`` holds a float weight as 16-bit rows, bargein.kernels.half_rows): the kernel
+    tests and benches make Q8 BlockWeights with it.
 
     Unlike :func:`recover_blocks` this approximates: each value moves by at most half its
     block's scale.

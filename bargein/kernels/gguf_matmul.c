@@ -21,26 +21,37 @@
  *   y[r, j] = acc
  *
  * The K chain (Q4_K, Q5_K, Q6_K: superblocks of 256 with integer sub-scales, as
- * llama.cpp's q8_K dot products). Each row of x is quantized per superblock of 256 (kd =
- * max|x| / 127, kq = rint(x / kd)), with kq's integer sums per 32 (S32_j) and per 16
- * (S16_h). For output y[r, j], over the superblocks t of column j in order, with D_j
- * (D_h) the exact integer dot product of the unsigned quants u of 32-block j (of half h)
- * with kq, sc and mn the block's integer scales and mins, d and dmin its float16 fields:
+ * llama.cpp's q8_K dot products, but with a step per 32-block). Each row of x is
+ * quantized per superblock of 256 with one float unit kd and an integer multiple m_j in
+ * 1..16 per 32-block j (k_chain_step): with amax the superblock's max|x| and amax_j the
+ * block's, d = amax / 127, m_j = ceil(amax_j / amax * 16) (1 where amax_j or amax is 0),
+ * the block's step (d * m_j) * (1/16), kq = rint(x / step) (clamped to +-127), kd = d *
+ * (1/16); so x ~ kd * m_j * kq, and a 32-block without the superblock's outlier channel
+ * is rounded on a step up to 16 times finer. kq's integer sums per 32 (S32_j) and per 16
+ * (S16_h) are kept. For output y[r, j], over the superblocks t of column j in order, with
+ * D_j (D_h) the exact integer dot product of the unsigned quants u of 32-block j (of
+ * half h) with kq, sc and mn the block's integer scales and mins, d and dmin its float16
+ * fields, m_j the row's multiples (m_h = m of the half's 32-block):
  *
  *   acc = 0
  *   for t = 0, 1, ..., k/256 - 1:
- *       Q4_K, Q5_K:  D = sum_j sc_j * D_j,  M = sum_j mn_j * S32_j
+ *       Q4_K, Q5_K:  D = sum_j sc_j * m_j * D_j,  M = sum_j mn_j * m_j * S32_j
  *                    acc = fma((float)D, d * kd[r, t], acc)
  *                    acc = fma((float)M, (-dmin) * kd[r, t], acc)
- *       Q6_K:        D = sum_h sc_h * (D_h - 32 * S16_h)
+ *       Q6_K:        D = sum_h sc_h * m_h * (D_h - 32 * S16_h)
  *                    acc = fma((float)D, d * kd[r, t], acc)
  *   y[r, j] = acc
  *
- * D and M are exact int32 sums (so any order of summing gives them); (float)D rounds to
- * nearest even where |D| >= 2^24, the same on every path. Per superblock, one float step
- * (two with mins) instead of one per 32-block, and no per-32 activation scale: the
- * few-row path keeps each column's integer lanes for the whole superblock and sums the
- * lanes across columns once per superblock, not once per 32-block.
+ * D and M are exact int32 sums (so any order of summing gives them, and a path may let
+ * a partial sum wrap around 2^32 where the total fits): the worst cases are |D| <= 8 *
+ * 63 * 16 * 32 * 31 * 127 < 2^30 (Q5_K), 16 * 128 * 16 * 16 * 32 * 127 < 2^31 (Q6_K),
+ * |M| <= 8 * 63 * 16 * 32 * 127 < 2^25. (float)D rounds to nearest even where |D| >=
+ * 2^24, the same on every path. Per superblock, one float step (two with mins) instead
+ * of one per 32-block: the few-row path keeps each column's integer lanes for the whole
+ * superblock and sums the lanes across columns once per superblock, not once per
+ * 32-block. The multiples cost an integer multiply per row and superblock of a column
+ * (its scales times the row's m_j) in the few-row pass, one per row and 32-block in the
+ * tile pass (AVX2: none, m_j takes the place of maddubs' pair-summing ones).
  *
  * On the 32 chain every integer is exact in int32 and in float (|D| < 2^24). For Q4_1
  * and Q8_0 it is quant_matmul.c's chain with its scales and mins, so a weight read here
@@ -114,34 +125,57 @@ typedef struct {
     float *d, *s;    /* (m, nb) */
     int32_t *s16;    /* (m, 2 nb): S_lo, S_hi */
     float *xsum16;   /* exact: (m, 2 nb) float sums of x per half */
-    /* the K chain's (k_chain_type): per superblock of 256, kd = max|x| / 127 and kq =
-     * rint(x / kd), with kq's sums per 16 (ks16) and per 32 (ks32); NULL when no segment
-     * of the matrix is of such a type */
+    /* the K chain's (k_chain_type), see the header: per superblock of 256 the unit kd, per
+     * 32-block the multiple km of kd, kq = rint(x / (kd * km)), and kq's sums per 16
+     * (ks16) and per 32 (ks32); NULL when no segment of the matrix is of such a type */
     int8_t *kq;      /* (m, k) */
     float *kd;       /* (m, k / 256) */
+    int16_t *km;     /* (m, k / 32): 1 .. 16 */
     int16_t *ks16, *ks32; /* (m, k / 16), (m, k / 32) */
     int64_t m, k, nb;
     int exact;
 } acts_t;
 
+/* The K chain's multiple of a 32-block whose max|x| is amax32 in a superblock whose max|x|
+ * is amax: ceil(amax32 / amax * 16), in 1..16 (the quotient is at most 1, so 16 at most). */
+static inline int k_chain_multiple(float amax32, float amax) {
+    const int m = amax > 0.0f ? (int)ceilf(amax32 / amax * 16.0f) : 1;
+    return m < 1 ? 1 : m;
+}
+
+/* The step of a 32-block with multiple m in a superblock whose max|x| is amax: (d * m) / 16,
+ * d = amax / 127 (the float operations every path does, in this order); 0 where amax is 0. */
+static inline float k_chain_step(float amax, int m) { return amax / 127.0f * (float)m * 0.0625f; }
+
+/* The superblock's float unit kd = d / 16 (exact: a power of two). */
+static inline float k_chain_unit(float amax) { return amax / 127.0f * 0.0625f; }
+
 /* Row r's superblock t quantized for the K chain from its 256 values x (plain C). */
 static void quantize_superblock_c(const acts_t *a, int64_t r, int64_t t, const float *x) {
-    float amax = 0.0f;
-    for (int i = 0; i < 256; i++) amax = fmaxf(amax, fabsf(x[i]));
-    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    float amax = 0.0f, amax32[8];
+    for (int j = 0; j < 8; j++) {
+        amax32[j] = 0.0f;
+        for (int i = 32 * j; i < 32 * j + 32; i++) amax32[j] = fmaxf(amax32[j], fabsf(x[i]));
+        amax = fmaxf(amax, amax32[j]);
+    }
     int8_t *q = a->kq + r * a->k + t * 256;
     int16_t *s16 = a->ks16 + r * (a->k / 16) + t * 16, *s32 = a->ks32 + r * (a->k / 32) + t * 8;
-    for (int h = 0; h < 16; h++) {
-        int sum = 0;
-        for (int i = 16 * h; i < 16 * h + 16; i++) {
-            const int v = (int)rintf(x[i] * inv);
-            q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
-            sum += q[i];
+    int16_t *km = a->km + r * (a->k / 32) + t * 8;
+    for (int j = 0; j < 8; j++) {
+        km[j] = (int16_t)k_chain_multiple(amax32[j], amax);
+        const float step = k_chain_step(amax, km[j]), inv = step > 0.0f ? 1.0f / step : 0.0f;
+        for (int h = 2 * j; h < 2 * j + 2; h++) {
+            int sum = 0;
+            for (int i = 16 * h; i < 16 * h + 16; i++) {
+                const int v = (int)rintf(x[i] * inv);
+                q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+                sum += q[i];
+            }
+            s16[h] = (int16_t)sum;
         }
-        s16[h] = (int16_t)sum;
+        s32[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
     }
-    for (int j = 0; j < 8; j++) s32[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
-    a->kd[r * (a->k / 256) + t] = d;
+    a->kd[r * (a->k / 256) + t] = k_chain_unit(amax);
 }
 
 static void quantize_rows(void *arg, int index, int count) {
@@ -236,19 +270,20 @@ static void column_k_chain_c(const job_t *job, const bargein_qseg_t *seg, const 
         gguf_quants_c((int)seg->type, blk, u);
         for (int64_t r = 0; r < job->m; r++) {
             const int8_t *x = a->kq + r * k + t * 256;
+            const int16_t *km = a->km + r * (k / 32) + t * 8;
             int32_t D = 0, M = 0;
             if (seg->type == T_Q6_K) {
                 for (int h = 0; h < 16; h++) {
                     int32_t dot = 0;
                     for (int l = 16 * h; l < 16 * h + 16; l++) dot += ((int32_t)u[l] - 32) * x[l];
-                    D += sc[h] * dot;
+                    D += sc[h] * km[h / 2] * dot;
                 }
             } else {
                 for (int s = 0; s < 8; s++) {
                     int32_t dot = 0;
                     for (int l = 32 * s; l < 32 * s + 32; l++) dot += (int32_t)u[l] * x[l];
-                    D += sc[s] * dot;
-                    M += mn[s] * a->ks32[r * (k / 32) + t * 8 + s];
+                    D += sc[s] * km[s] * dot;
+                    M += mn[s] * km[s] * a->ks32[r * (k / 32) + t * 8 + s];
                 }
             }
             const float xd = a->kd[r * supers + t];
@@ -329,6 +364,7 @@ static void column_exact_c(const job_t *job, const bargein_qseg_t *seg, const qi
 
 #ifdef GGUF_ARM64
 #include "neon_gguf_matmul.h"
+#include "neon_gguf_tile.h" /* many rows with sdot, 32 chain */
 #endif
 
 /* ---- x86 vector paths: a tile of 16 columns, decoded once per call ------------------ */
@@ -499,15 +535,19 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
         if (a->kq)
             for (int64_t t = 0; t < a->k / 256; t++) {
                 const float *x = a->x + r * a->k + t * 256;
-                const float d = amax_avx2(x, 8) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+                float amax = 0.0f, amax32[8];
+                for (int j = 0; j < 8; j++) amax32[j] = amax_avx2(x + 32 * j, 1), amax = fmaxf(amax, amax32[j]);
                 int16_t *s16 = a->ks16 + r * (a->k / 16) + t * 16, *s32 = a->ks32 + r * (a->k / 32) + t * 8;
+                int16_t *km = a->km + r * (a->k / 32) + t * 8;
                 for (int j = 0; j < 8; j++) {
+                    km[j] = (int16_t)k_chain_multiple(amax32[j], amax);
+                    const float step = k_chain_step(amax, km[j]), inv = step > 0.0f ? 1.0f / step : 0.0f;
                     int32_t sums[2];
                     quantize32_avx2(x + 32 * j, inv, a->kq + r * a->k + t * 256 + 32 * j, sums);
                     s16[2 * j] = (int16_t)sums[0], s16[2 * j + 1] = (int16_t)sums[1];
                     s32[j] = (int16_t)(sums[0] + sums[1]);
                 }
-                a->kd[r * (a->k / 256) + t] = d;
+                a->kd[r * (a->k / 256) + t] = k_chain_unit(amax);
             }
         if (!a->q) continue;
         for (int64_t b = 0; b < a->nb; b++) {
@@ -702,16 +742,17 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
 
 /* The K chain over the tile (Q4_K, Q5_K: MIN is 1; Q6_K: 0, offset 32), rows r0 ..
  * r0 + ROWS_N - 1: per superblock, each 32-block's (each half's) dot products for 16
- * columns times the integer scales from the panels, summed in int32 (exact, so in any
- * order), then the header's float steps once. Panels (params_at): sc at [(2 * b) * TILE +
- * c] per 32-block b (Q6_K: per half at [h * TILE + c]), the mins as int16 pairs at
- * [(16 t + p) * TILE + c], d and -dmin at the superblock's first 32-block. */
+ * columns times the integer scales from the panels and the row's multiple m of the
+ * block, summed in int32 (exact, so in any order), then the header's float steps once.
+ * K_DOT adds one group of four quants' products, with m already in (K_M_IN_DOT: AVX2's
+ * madd by m instead of by ones) or not (VNNI: times m once per block and row after the
+ * scales). Panels (params_at): sc at [(2 * b) * TILE + c] per 32-block b (Q6_K: per half
+ * at [h * TILE + c]), the mins as int16 pairs at [(16 t + p) * TILE + c] (times the rows'
+ * m pairs, int16: at most 63 * 16), d and -dmin at the superblock's first 32-block. */
 #define TILE_K_BODY(ROWS_MAX)                                                                              \
     const acts_t *a = job->a;                                                                              \
     const int64_t k = job->k, supers = k / 256;                                                            \
     const __m256i *tile = (const __m256i *)tl->tile;                                                       \
-    const __m256i ones = _mm256_set1_epi16(1);                                                             \
-    (void)ones;                                                                                            \
     __m256 acc[ROWS_MAX][2];                                                                               \
     for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                          \
     for (int64_t t = 0; t < supers; t++) {                                                                 \
@@ -719,11 +760,14 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
         for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();                     \
         for (int j = 0; j < 8; j++) {                                                                      \
             const int64_t b = t * 8 + j;                                                                   \
-            __m256i dlo[ROWS_MAX][2], dhi[ROWS_MAX][2];                                                    \
+            __m256i dlo[ROWS_MAX][2], dhi[ROWS_MAX][2], mv[ROWS_MAX]; /* mv: K_M_IN_DOT's */               \
+            (void)mv;                                                                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
                 const int16_t *s16 = a->ks16 + (r0 + r) * (k / 16) + 2 * b;                                \
-                dlo[r][0] = dlo[r][1] = _mm256_set1_epi32(MIN ? 0 : -32 * s16[0]);                         \
-                dhi[r][0] = dhi[r][1] = _mm256_set1_epi32(MIN ? 0 : -32 * s16[1]);                         \
+                const int m = a->km[(r0 + r) * (k / 32) + b], off = K_M_IN_DOT ? -32 * m : -32;            \
+                if (K_M_IN_DOT) mv[r] = _mm256_set1_epi16((int16_t)m);                                     \
+                dlo[r][0] = dlo[r][1] = _mm256_set1_epi32(MIN ? 0 : off * s16[0]);                         \
+                dhi[r][0] = dhi[r][1] = _mm256_set1_epi32(MIN ? 0 : off * s16[1]);                         \
             }                                                                                              \
             const __m256i *wb = tile + b * 16;                                                             \
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {                                          \
@@ -733,11 +777,11 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
                     memcpy(&four, a->kq + (r0 + r) * k + 32 * b + 4 * g, 4);                               \
                     const __m256i xv = _mm256_set1_epi32(four);                                            \
                     if (!MIN && g >= 4) {                                                                  \
-                        dhi[r][0] = DOT_GROUP(dhi[r][0], w0, xv, 0);                                       \
-                        dhi[r][1] = DOT_GROUP(dhi[r][1], w1, xv, 1);                                       \
+                        dhi[r][0] = K_DOT(dhi[r][0], w0, xv, mv[r]);                                       \
+                        dhi[r][1] = K_DOT(dhi[r][1], w1, xv, mv[r]);                                       \
                     } else {                                                                               \
-                        dlo[r][0] = DOT_GROUP(dlo[r][0], w0, xv, 0);                                       \
-                        dlo[r][1] = DOT_GROUP(dlo[r][1], w1, xv, 1);                                       \
+                        dlo[r][0] = K_DOT(dlo[r][0], w0, xv, mv[r]);                                       \
+                        dlo[r][1] = K_DOT(dlo[r][1], w1, xv, mv[r]);                                       \
                     }                                                                                      \
                 }                                                                                          \
             }                                                                                              \
@@ -745,29 +789,37 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
                 const __m256i sc0 = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v)); \
                 const __m256i sc1 = _mm256_loadu_si256((const __m256i *)(tl->psc + (2 * b + 1) * TILE + 8 * v)); \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                 \
-                    dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_mullo_epi32(dlo[r][v], sc0));             \
-                    if (!MIN) dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_mullo_epi32(dhi[r][v], sc1));   \
+                    __m256i e = _mm256_mullo_epi32(dlo[r][v], sc0);                                        \
+                    if (!MIN) e = _mm256_add_epi32(e, _mm256_mullo_epi32(dhi[r][v], sc1));                 \
+                    if (!K_M_IN_DOT) /* broadcast here: a register held over the block's dots spills */    \
+                        e = _mm256_mullo_epi32(e, _mm256_set1_epi32(a->km[(r0 + r) * (k / 32) + b]));      \
+                    dk[r][v] = _mm256_add_epi32(dk[r][v], e);                                              \
                 }                                                                                          \
             }                                                                                              \
         }                                                                                                  \
         const int64_t at = t * 8 * TILE;                                                                   \
-        _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {                                              \
-            const __m256 d = _mm256_loadu_ps(tl->ps + at + 8 * v), nm = _mm256_loadu_ps(tl->pm + at + 8 * v); \
-            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
-                const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);                            \
-                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dk[r][v]), _mm256_mul_ps(d, xd), acc[r][v]); \
-                if (MIN) {                                                                                 \
-                    const int16_t *s32 = a->ks32 + (r0 + r) * (k / 32) + t * 8;                            \
-                    __m256i mk = _mm256_setzero_si256();                                                   \
-                    for (int p = 0; p < 4; p++) { /* mins and sums as int16 pairs: one madd per two */     \
-                        int32_t pair;                                                                      \
-                        memcpy(&pair, s32 + 2 * p, 4);                                                     \
-                        mk = _mm256_add_epi32(mk, _mm256_madd_epi16(                                       \
-                            _mm256_loadu_si256((const __m256i *)(tl->pmn + (t * 16 + p) * TILE + 8 * v)),  \
-                            _mm256_set1_epi32(pair)));                                                     \
+        const __m256 d[2] = {_mm256_loadu_ps(tl->ps + at), _mm256_loadu_ps(tl->ps + at + 8)};               \
+        const __m256 nm[2] = {_mm256_loadu_ps(tl->pm + at), _mm256_loadu_ps(tl->pm + at + 8)};              \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+            const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);                                \
+            __m256i mk[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};                              \
+            if (MIN) {                                                                                     \
+                const int16_t *s32 = a->ks32 + (r0 + r) * (k / 32) + t * 8;                                \
+                const int16_t *km = a->km + (r0 + r) * (k / 32) + t * 8;                                   \
+                for (int p = 0; p < 4; p++) { /* mins times m and sums as int16 pairs: one madd per two */ \
+                    int32_t spair, mpair;                                                                  \
+                    memcpy(&spair, s32 + 2 * p, 4);                                                        \
+                    memcpy(&mpair, km + 2 * p, 4);                                                         \
+                    const __m256i sv = _mm256_set1_epi32(spair), mp = _mm256_set1_epi32(mpair);            \
+                    _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {                                  \
+                        const __m256i mn = _mm256_loadu_si256((const __m256i *)(tl->pmn + (t * 16 + p) * TILE + 8 * v)); \
+                        mk[v] = K_MADD_ADD(mk[v], _mm256_mullo_epi16(mn, mp), sv);                         \
                     }                                                                                      \
-                    acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mk), _mm256_mul_ps(nm, xd), acc[r][v]); \
                 }                                                                                          \
+            }                                                                                              \
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {                                          \
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dk[r][v]), _mm256_mul_ps(d[v], xd), acc[r][v]); \
+                if (MIN) acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mk[v]), _mm256_mul_ps(nm[v], xd), acc[r][v]); \
             }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
@@ -781,13 +833,17 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
             for (int c = 0; c < 8 && c0 + c < cols; c++) out[c] = lanes[c];                                \
         }
 
-#define DOT_GROUP(ACC, W, X, V) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones))
+#define K_M_IN_DOT 1
+#define K_DOT(ACC, W, X, M) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), M))
+#define K_MADD_ADD(ACC, A, B) _mm256_add_epi32(ACC, _mm256_madd_epi16(A, B))
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k_avx2_t(const job_t *job, const tile_t *tl,
                                                                              int64_t j0, int cols, int64_t r0,
                                                                              const int ROWS_N, const int MIN) {
     TILE_K_BODY(2)
 }
-#undef DOT_GROUP
+#undef K_M_IN_DOT
+#undef K_DOT
+#undef K_MADD_ADD
 
 static TARGET_AVX2 void rows_k_avx2(const job_t *job, const tile_t *tl, int64_t type, int64_t j0, int cols,
                                     int64_t r0, int rows) {
@@ -834,13 +890,17 @@ static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const qinfo
     }
 }
 
-#define DOT_GROUP(ACC, W, X, V) _mm256_dpbusd_epi32(ACC, W, X)
+#define K_M_IN_DOT 0
+#define K_DOT(ACC, W, X, M) _mm256_dpbusd_epi32(ACC, W, X)
+#define K_MADD_ADD(ACC, A, B) _mm256_dpwssd_epi32(ACC, A, B)
 static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_vnni_t(const job_t *job, const tile_t *tl,
                                                                              int64_t j0, int cols, int64_t r0,
                                                                              const int ROWS_N, const int MIN) {
     TILE_K_BODY(4)
 }
-#undef DOT_GROUP
+#undef K_M_IN_DOT
+#undef K_DOT
+#undef K_MADD_ADD
 
 /* Returns the rows done (four at a time at most). */
 static TARGET_VNNI int rows_k_vnni(const job_t *job, const tile_t *tl, int64_t type, int64_t j0, int cols,
@@ -1295,13 +1355,15 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
 }
 
 /* Columns j0 .. j0 + 7 (col[c] their rows, the last repeated) of a Q4_K, Q5_K or Q6_K
- * segment for rows r0 .. r0 + ROWS_N - 1, the K chain: per superblock and column, each
- * 32-block's quants decoded in registers, their byte products with the row's int8
- * activations paired to int16 (maddubs: |u x| pairs stay below 2^15) and multiplied by
- * the block's (half's) integer scale into int32 lanes (SCALED_ADD), summed over the
- * superblock; Q6_K's offset comes off as 32 * sum(sc * S16), Q4_K/Q5_K's mins as
- * sum(mn * S32) apart. Then once per superblock the eight columns' lanes are summed into
- * one lane each and the header's float steps run, one column to a lane. */
+ * segment for rows r0 .. r0 + ROWS_N - 1, the K chain: per superblock and column, the
+ * block's integer scales times each row's multiples m (int16: at most 63 * 16, or 128 *
+ * 16 for Q6_K), then each 32-block's quants decoded in registers, their byte products
+ * with the row's int8 activations paired to int16 (maddubs: |u x| pairs stay below 2^15)
+ * and multiplied by that row's scale into int32 lanes (SCALED_ADD), summed over the
+ * superblock (the lanes may wrap around 2^32: the total fits, see the header); Q6_K's
+ * offset comes off as 32 * sum(sc * m * S16), Q4_K/Q5_K's mins as sum(mn * m * S32)
+ * apart. Then once per superblock the eight columns' lanes are summed into one lane each
+ * and the header's float steps run, one column to a lane. */
 #define K_GROUP_BODY(ROWS_MAX)                                                                             \
     const acts_t *a = job->a;                                                                              \
     const int64_t k = job->k, supers = k / 256;                                                            \
@@ -1311,38 +1373,44 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
     for (int64_t t = 0; t < supers; t++) {                                                                 \
         const int64_t at = t * bytes;                                                                      \
         if (ahead) prefetch_step(ahead, t);                                                                \
-        __m256i cd[ROWS_MAX][8];                                                                           \
+        __m256i cd[ROWS_MAX][8], rm[ROWS_MAX]; /* rm: the row's m per 32-block (Q6_K: per half), int16 */ \
         __m128i cm[ROWS_MAX][8];                                                                           \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+            const __m128i m8 = _mm_loadu_si128((const __m128i *)(a->km + (r0 + r) * (k / 32) + t * 8));   \
+            rm[r] = Q6 ? _mm256_setr_m128i(_mm_unpacklo_epi16(m8, m8), _mm_unpackhi_epi16(m8, m8))         \
+                       : _mm256_broadcastsi128_si256(m8);                                                  \
+        }                                                                                                  \
         for (int c = 0; c < 8; c++) {                                                                      \
             const uint8_t *blk = col[c] + at;                                                              \
-            __m256i sc_a, sc_b = _mm256_setzero_si256(), sc16 = _mm256_setzero_si256();                    \
+            __m256i sc, sc_a[ROWS_MAX], sc_b[ROWS_MAX]; /* the scales, and per row times m */              \
             __m128i mn = _mm_setzero_si128();                                                              \
-            if (Q6) {                                                                                      \
-                sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));                \
-                sc_a = _mm256_permute4x64_epi64(sc16, 0x44), sc_b = _mm256_permute4x64_epi64(sc16, 0xEE);  \
-            } else {                                                                                       \
-                k_scales_mins(blk, &sc_a, &mn);                                                            \
+            if (Q6) sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));             \
+            else k_scales_mins(blk, &sc, &mn);                                                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
+                sc_a[r] = _mm256_mullo_epi16(sc, rm[r]);                                                   \
+                sc_b[r] = Q6 ? _mm256_permute4x64_epi64(sc_a[r], 0xEE) : sc_a[r];                          \
             }                                                                                              \
             __m256i dc[ROWS_MAX];                                                                          \
-            for (int r = 0; r < ROWS_N; r++) dc[r] = _mm256_setzero_si256();                               \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
+                if (Q6) {                                                                                  \
+                    const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->ks16 + (r0 + r) * (k / 16) + t * 16)); \
+                    dc[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc_a[r], s16), 5)); \
+                    sc_a[r] = _mm256_permute4x64_epi64(sc_a[r], 0x44);                                     \
+                } else {                                                                                   \
+                    const __m128i s32 = _mm_loadu_si128((const __m128i *)(a->ks32 + (r0 + r) * (k / 32) + t * 8)); \
+                    cm[r][c] = _mm_madd_epi16(_mm_mullo_epi16(mn, _mm256_castsi256_si128(rm[r])), s32);   \
+                    dc[r] = _mm256_setzero_si256();                                                        \
+                }                                                                                          \
+            }                                                                                              \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                          \
                 const __m256i u = quants32(TYPE, blk, j);                                                  \
-                const __m256i scale = Q6 ? lane_word(j < 4 ? sc_a : sc_b, 8 + j % 4) : lane_word(sc_a, j); \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                 \
+                    const __m256i scale = Q6 ? lane_word(j < 4 ? sc_a[r] : sc_b[r], 8 + j % 4) : lane_word(sc_a[r], j); \
                     const __m256i x = _mm256_loadu_si256((const __m256i *)(a->kq + (r0 + r) * k + t * 256 + 32 * j)); \
                     dc[r] = SCALED_ADD(dc[r], _mm256_maddubs_epi16(u, x), scale);                          \
                 }                                                                                          \
             }                                                                                              \
-            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
-                if (Q6) {                                                                                  \
-                    const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->ks16 + (r0 + r) * (k / 16) + t * 16)); \
-                    dc[r] = _mm256_sub_epi32(dc[r], _mm256_slli_epi32(_mm256_madd_epi16(sc16, s16), 5));   \
-                } else {                                                                                   \
-                    const __m128i s32 = _mm_loadu_si128((const __m128i *)(a->ks32 + (r0 + r) * (k / 32) + t * 8)); \
-                    cm[r][c] = _mm_madd_epi16(mn, s32);                                                    \
-                }                                                                                          \
-                cd[r][c] = dc[r];                                                                          \
-            }                                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) cd[r][c] = dc[r];                     \
         }                                                                                                  \
         __m256 d, neg_dmin = _mm256_setzero_ps();                                                          \
         if (Q6) {                                                                                          \
@@ -1588,6 +1656,10 @@ static void run_tiles(void *arg, int index, int count) {
             continue;
         }
 #ifdef GGUF_ARM64
+        if (neon_gguf_tiled(job, seg, &info)) {
+            neon_gguf_tile_columns(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
+            continue;
+        }
         neon_gguf_tile(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
 #endif
 #ifdef GGUF_X86
@@ -1658,7 +1730,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
         if (k_chain_type(w->segs[s].type)) has_k = 1;
         else if (!half_type(w->segs[s].type)) has_32 = 1;
     }
-    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
+    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
                  NULL, NULL, NULL, NULL, 0};
     /* tiles are built for many rows on the vector paths only; otherwise a float per row
@@ -1684,6 +1756,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
         if (has_k) {
             a.kq = malloc((size_t)(m * k > 0 ? m * k : 1));
             a.kd = malloc(sizeof(float) * cells); /* more than m * k / 256 */
+            a.km = malloc(sizeof(int16_t) * cells);
             a.ks16 = malloc(sizeof(int16_t) * 2 * cells);
             a.ks32 = malloc(sizeof(int16_t) * cells);
         }
@@ -1693,7 +1766,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     job.seg_start = malloc(sizeof(int64_t) * (size_t)(w->num_segs + 1));
     job.scratch = aligned_alloc(64, (size_t)(job.scratch_bytes * num_threads));
     if ((exact ? !a.xsum16
-               : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.ks16 || !a.ks32)))) ||
+               : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)))) ||
         !job.tile_seg || !job.tile_col || !job.seg_start ||
         !job.scratch) {
         status = -1;
@@ -1724,6 +1797,7 @@ done:
     free(a.xsum16);
     free(a.kq);
     free(a.kd);
+    free(a.km);
     free(a.ks16);
     free(a.ks32);
     free(job.tile_seg);

@@ -19,7 +19,8 @@
  * instruction-set path gives the same bits: plain C (eight lanes written out), AVX2 (a
  * register of eight lanes per output; a few rows and columns at a time share each load and
  * widening), AVX-512 (a 512-bit register holds two columns' eight lanes, so half the
- * instructions for the same lanes). Work is split over units of 48 output columns.
+ * instructions for the same lanes; one row takes eight columns at a time, as AVX2 does, see
+ * ONE_ROW_COLS). Work is split over units of 48 output columns.
  * The padded steps matter only for the sign of a zero and are done alike everywhere.
  */
 #include "half_matmul.h"
@@ -39,6 +40,13 @@
 
 #define MAX_ROWS 6  /* rows at a time, at most (AVX-512) */
 #define MAX_COLS 16 /* columns at a time, at most (AVX-512, one row) */
+/* Columns at a time for one row, on both paths: eight streams of rows keep the reads at
+ * memory speed; sixteen (AVX-512's register count allows them) read slower, 0.6-0.7x
+ * ggml's one-row F16 speed against 0.85-1.3x with eight (bench/half_matmul_ab.c, Zen 4,
+ * one thread, interleaved). -D to try others. */
+#ifndef ONE_ROW_COLS
+#define ONE_ROW_COLS 8
+#endif
 #define UNIT 48 /* output columns per unit of work: a multiple of every path's columns at a time */
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
@@ -92,6 +100,19 @@ static inline TARGET_AVX2 ALWAYS float sum_lanes(__m128 a, __m128 b) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
+/* One row reads the weights at memory speed, so each column's row is fetched PREFETCH bytes
+ * ahead of the reads, and past the row's end the same column of the next group: without
+ * that, the first PREFETCH bytes of every group's rows were demand misses (rows of k = 2048
+ * are 4 KB: a quarter of the weights at the former 1024 bytes ahead, 0.56x ggml's one-row
+ * speed). 256 bytes ahead of eight streams read fastest of 0-2048 (bench/half_matmul_ab.c,
+ * Zen 4: 1024 gave 0.73x ggml, 256 0.80-0.88x at k = 2048). -D to try others. */
+#ifndef PREFETCH
+#define PREFETCH 256
+#endif
+static inline ALWAYS void fetch_ahead(const uint8_t *w, const uint8_t *next, int64_t at, int64_t row_bytes) {
+    _mm_prefetch((const char *)(at < row_bytes ? w + at : next + (at - row_bytes)), _MM_HINT_T0);
+}
+
 /* The last k % 8 values of ROWS_N rows and COLS_N columns, zero-padded to eight. */
 #define PAD_TAIL(ROWS_N, COLS_N)                                                                   \
     uint16_t wt[MAX_COLS][8];                                                                      \
@@ -110,9 +131,11 @@ static inline TARGET_AVX2 ALWAYS float sum_lanes(__m128 a, __m128 b) {
     }
 
 /* Outputs of ROWS_N rows xr and COLS_N columns wc (the caller repeats the last row or column
- * to fill a short group), stored for the first rows x cols at out[r * ldo + c]. */
+ * to fill a short group), stored for the first rows x cols at out[r * ldo + c]; wn: the next
+ * group's columns (fetched ahead by one row). */
 static inline TARGET_AVX2 ALWAYS void micro_avx2(const int TYPE, const int ROWS_N, const int COLS_N,
-                                                 const float *const *xr, const uint8_t *const *wc, int64_t k,
+                                                 const float *const *xr, const uint8_t *const *wc,
+                                                 const uint8_t *const *wn, int64_t k,
                                                  int rows, int cols, float *out, int64_t ldo) {
     __m256 acc[4][8]; /* fixed sizes (not ROWS_N, COLS_N: arrays of variable size live in memory) */
     _Pragma("GCC unroll 16") for (int r = 0; r < ROWS_N; r++)
@@ -129,7 +152,7 @@ static inline TARGET_AVX2 ALWAYS void micro_avx2(const int TYPE, const int ROWS_
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
         if (ROWS_N == 1 && i % 32 == 0)  /* one row reads the weights at memory speed: fetch ahead */
-            _Pragma("GCC unroll 16") for (int c = 0; c < COLS_N; c++) _mm_prefetch((const char *)(wc[c] + 2 * i + 1024), _MM_HINT_T0);
+            _Pragma("GCC unroll 16") for (int c = 0; c < COLS_N; c++) fetch_ahead(wc[c], wn[c], 2 * i + PREFETCH, 2 * k);
         STEP_AVX2(wc, xr, i)
     }
     if (i < k) {
@@ -152,7 +175,8 @@ static inline TARGET_AVX512 ALWAYS __m512 widen16(const int TYPE, const uint8_t 
 /* micro_avx2 on AVX-512: COLS_N (even) columns as COLS_N / 2 registers of two columns' lanes,
  * each row's eight values broadcast to both halves. */
 static inline TARGET_AVX512 ALWAYS void micro_avx512(const int TYPE, const int ROWS_N, const int COLS_N,
-                                                     const float *const *xr, const uint8_t *const *wc, int64_t k,
+                                                     const float *const *xr, const uint8_t *const *wc,
+                                                     const uint8_t *const *wn, int64_t k,
                                                      int rows, int cols, float *out, int64_t ldo) {
     __m512 acc[6][8]; /* at most 6 rows, 8 pairs */
     _Pragma("GCC unroll 16") for (int r = 0; r < ROWS_N; r++)
@@ -169,7 +193,7 @@ static inline TARGET_AVX512 ALWAYS void micro_avx512(const int TYPE, const int R
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
         if (ROWS_N == 1 && i % 32 == 0)
-            _Pragma("GCC unroll 16") for (int c = 0; c < COLS_N; c++) _mm_prefetch((const char *)(wc[c] + 2 * i + 1024), _MM_HINT_T0);
+            _Pragma("GCC unroll 16") for (int c = 0; c < COLS_N; c++) fetch_ahead(wc[c], wn[c], 2 * i + PREFETCH, 2 * k);
         STEP_AVX512(wc, xr, i)
     }
     if (i < k) {
@@ -208,7 +232,10 @@ typedef int (*rows_fn)(const half_job_t *, const bargein_qseg_t *, int64_t, int6
     const float *xr[MAX_ROWS];                                                                     \
     const uint8_t *wc[MAX_COLS];                                                                   \
     _Pragma("GCC unroll 16") for (int r = 0; r < ROWS_N; r++) xr[r] = job->x + (r0 + (r < rows ? r : rows - 1)) * k;        \
-    _Pragma("GCC unroll 16") for (int c = 0; c < COLS_N; c++) wc[c] = half_row(seg, col0 + c0 + (c < n ? c : n - 1));
+    const uint8_t *wn[MAX_COLS];                                                                   \
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS_N; c++) wc[c] = half_row(seg, col0 + c0 + (c < n ? c : n - 1)); \
+    _Pragma("GCC unroll 16") for (int c = 0; c < COLS_N; c++)                                      \
+        wn[c] = half_row(seg, col0 + c0 + COLS_N + c < seg->rows ? col0 + c0 + COLS_N + c : seg->rows - 1);
 
 static int rows_c(const half_job_t *job, const bargein_qseg_t *seg, int64_t col0, int64_t j0, int cols, int64_t r0,
                   int left) {
@@ -225,7 +252,7 @@ static int rows_c(const half_job_t *job, const bargein_qseg_t *seg, int64_t col0
     for (int c0 = 0; c0 < cols; c0 += COLS_N) {                                                    \
         const int n = cols - c0 < COLS_N ? cols - c0 : COLS_N;                                     \
         GROUP_POINTERS(ROWS_N, COLS_N)                                                             \
-        MICRO(TYPE, ROWS_N, COLS_N, xr, wc, k, rows, n, job->y + r0 * job->w->n + j0 + c0, job->w->n); \
+        MICRO(TYPE, ROWS_N, COLS_N, xr, wc, wn, k, rows, n, job->y + r0 * job->w->n + j0 + c0, job->w->n); \
     }
 
 /* Per row count, the columns at a time that fill the registers (16 on AVX2, 32 on AVX-512). */
@@ -233,13 +260,13 @@ static int rows_c(const half_job_t *job, const bargein_qseg_t *seg, int64_t col0
     switch (rows) { GROUPS(MICRO, TYPE) }
 
 #define AVX2_GROUPS(MICRO, TYPE)                                                                   \
-    case 1: ROWS_BODY(MICRO, TYPE, 1, 8) break;                                                    \
+    case 1: ROWS_BODY(MICRO, TYPE, 1, ONE_ROW_COLS) break;                                         \
     case 2: ROWS_BODY(MICRO, TYPE, 2, 6) break;                                                    \
     case 3: ROWS_BODY(MICRO, TYPE, 3, 4) break;                                                    \
     default: ROWS_BODY(MICRO, TYPE, 4, 3) break;
 
 #define AVX512_GROUPS(MICRO, TYPE)                                                                 \
-    case 1: ROWS_BODY(MICRO, TYPE, 1, 16) break;                                                   \
+    case 1: ROWS_BODY(MICRO, TYPE, 1, ONE_ROW_COLS) break;                                         \
     case 2: ROWS_BODY(MICRO, TYPE, 2, 12) break;                                                   \
     case 3: ROWS_BODY(MICRO, TYPE, 3, 8) break;                                                    \
     case 4: ROWS_BODY(MICRO, TYPE, 4, 8) break;                                                    \

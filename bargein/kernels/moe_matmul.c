@@ -35,6 +35,7 @@
  * Returns 0; -1 when scratch memory could not be had; -6 for an expert id outside
  * [0, experts); any other status is bargein_gguf_matmul's.
  */
+#include "exp.h" /* bargein_expf: libm's expf rounds apart on x86-64 and AArch64 */
 #include "moe_matmul.h"
 #include "parallel.h"
 
@@ -119,7 +120,7 @@ static void route_rows(void *arg, int index, int count) {
         float mx = logit[0];
         for (int64_t e = 1; e < job->experts; e++) mx = logit[e] > mx ? logit[e] : mx;
         float sum = 0.0f;
-        for (int64_t e = 0; e < job->experts; e++) sum += expf(logit[e] - mx);
+        for (int64_t e = 0; e < job->experts; e++) sum += bargein_expf(logit[e] - mx);
         int64_t *ids = job->ids + r * job->topk;
         float *w = job->weights + r * job->topk;
         float chosen = 0.0f;
@@ -131,12 +132,12 @@ static void route_rows(void *arg, int index, int count) {
                 if (!taken && (best < 0 || logit[e] > logit[best])) best = e;
             }
             ids[s] = best;
-            w[s] = expf(logit[best] - mx) / sum;
+            w[s] = bargein_expf(logit[best] - mx) / sum;
             chosen += w[s];
         }
         if (job->norm)
             for (int64_t s = 0; s < job->topk; s++) w[s] /= chosen;
-        if (job->rows_w > job->experts) job->gate[r] = 1.0f / (1.0f + expf(-logit[job->experts]));
+        if (job->rows_w > job->experts) job->gate[r] = 1.0f / (1.0f + bargein_expf(-logit[job->experts]));
     }
     free(logit);
 }

@@ -41,7 +41,8 @@ static inline GG_TARGET __attribute__((always_inline)) void GG_NAME(rows_32)(con
 }
 
 /* Rows r0 .. r0 + ROWS - 1 against a decoded quad on the K chain into v: per superblock,
- * D (and M) in int32, then the plain C's one (two) fused steps, a lane per column. */
+ * D (and M) in int32, each 32-block's (half's) dot products times the row's multiple m
+ * of the block and the scales, then the plain C's one (two) fused steps, a lane per column. */
 static inline GG_TARGET __attribute__((always_inline)) void GG_NAME(rows_k)(const job_t *job, int q6,
                                                                             const int8_t *q, const neon_pk_t *p,
                                                                             int64_t r0, const int ROWS,
@@ -58,8 +59,9 @@ static inline GG_TARGET __attribute__((always_inline)) void GG_NAME(rows_k)(cons
                 const int32x4_t sc = vld1q_s32(p[t].sc[h]);
                 for (int r = 0; r < ROWS; r++) {
                     const int8x16_t xv = vld1q_s8(a->kq + (r0 + r) * k + t * 256 + 16 * h);
+                    const int32_t m = a->km[(r0 + r) * (k / 32) + t * 8 + h / 2];
                     for (int c = 0; c < 4; c++) d[c] = GG_DOT(vdupq_n_s32(0), w[c], xv);
-                    D[r] = vmlaq_s32(D[r], sc, neon_sum_lanes4(d));
+                    D[r] = vmlaq_s32(D[r], sc, vmulq_n_s32(neon_sum_lanes4(d), m));
                 }
             }
         } else {
@@ -73,9 +75,10 @@ static inline GG_TARGET __attribute__((always_inline)) void GG_NAME(rows_k)(cons
                 for (int r = 0; r < ROWS; r++) {
                     const int8_t *x = a->kq + (r0 + r) * k + t * 256 + 32 * s;
                     const int8x16_t xl = vld1q_s8(x), xh = vld1q_s8(x + 16);
+                    const int32_t m = a->km[(r0 + r) * (k / 32) + t * 8 + s];
                     for (int c = 0; c < 4; c++) d[c] = GG_DOT(GG_DOT(vdupq_n_s32(0), wl[c], xl), wh[c], xh);
-                    D[r] = vmlaq_s32(D[r], sc, neon_sum_lanes4(d));
-                    M[r] = vmlaq_s32(M[r], mn, vdupq_n_s32(a->ks32[(r0 + r) * (k / 32) + t * 8 + s]));
+                    D[r] = vmlaq_s32(D[r], sc, vmulq_n_s32(neon_sum_lanes4(d), m));
+                    M[r] = vmlaq_s32(M[r], mn, vdupq_n_s32(m * a->ks32[(r0 + r) * (k / 32) + t * 8 + s]));
                 }
             }
         }

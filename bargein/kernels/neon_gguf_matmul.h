@@ -169,11 +169,21 @@ static void neon_gguf_quantize_rows(void *arg, int index, int count) {
     const acts_t *a = (const acts_t *)arg;
     const int64_t k = a->k, nb = a->nb;
     for (int64_t r = a->m * index / count; r < a->m * (index + 1) / count; r++) {
-        for (int64_t t = 0; a->kq && t < k / 256; t++) {
-            int32_t s16[16];
-            a->kd[r * (k / 256) + t] = neon_quantize(a->x + r * k + t * 256, 256, a->kq + r * k + t * 256, s16);
-            for (int h = 0; h < 16; h++) a->ks16[r * (k / 16) + t * 16 + h] = (int16_t)s16[h];
-            for (int j = 0; j < 8; j++) a->ks32[r * (k / 32) + t * 8 + j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
+        for (int64_t t = 0; a->kq && t < k / 256; t++) { /* the K chain: quantize_superblock_c's values */
+            const float *x = a->x + r * k + t * 256;
+            float amax = 0.0f, amax32[8];
+            for (int j = 0; j < 8; j++) amax32[j] = neon_amax(x + 32 * j, 32), amax = fmaxf(amax, amax32[j]);
+            for (int j = 0; j < 8; j++) {
+                const int m = k_chain_multiple(amax32[j], amax);
+                const float step = k_chain_step(amax, m), inv = step > 0.0f ? 1.0f / step : 0.0f;
+                int32_t s16[2];
+                neon_quantize_by(x + 32 * j, 32, inv, a->kq + r * k + t * 256 + 32 * j, s16);
+                a->km[r * (k / 32) + t * 8 + j] = (int16_t)m;
+                a->ks16[r * (k / 16) + t * 16 + 2 * j] = (int16_t)s16[0];
+                a->ks16[r * (k / 16) + t * 16 + 2 * j + 1] = (int16_t)s16[1];
+                a->ks32[r * (k / 32) + t * 8 + j] = (int16_t)(s16[0] + s16[1]);
+            }
+            a->kd[r * (k / 256) + t] = k_chain_unit(amax);
         }
         for (int64_t b = 0; a->q && b < nb; b++) {
             int32_t s16[2];

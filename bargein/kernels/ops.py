@@ -11,7 +11,8 @@ CPU code.
 
 Precision. ``exact`` computes in float32 from the stored weights, as the reference does.
 ``fast`` (CPU with native kernels only) quantizes activations to int8 per block of 32 for
-the weights held in 4-/8-bit blocks (quant_matmul.c), keeps K/V in float16, and runs the
+the weights held in 4-/8-bit blocks (quant_matmul.c), multiplies float32 activations by
+float-source weights held as 16-bit rows (half_matmul.c), keeps K/V in float16, and runs the
 norms, the gated activation and attention through native row-wise kernels, so that a
 token's result depends on nothing but its own row: not on how many rows share the
 forward, nor on the thread count. Without the native kernels (no C compiler) or off the
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from bargein.config import PRECISIONS
-from bargein.kernels.block_quant import BlockWeight, quantize_8bit, recover_blocks
+from bargein.kernels.block_quant import BlockWeight, recover_blocks
 from bargein.kernels.native import NativeKernels, load_native_kernels
 from bargein.kernels.native_structs import QuantMatrix, describe_quant
 from bargein.kernels.quant_weight import QuantWeight
@@ -60,21 +61,12 @@ class KernelSet:
         return "fast" if self.fast else "exact"
 
     def block_form(self, weight: torch.Tensor) -> BlockWeight | None:
-        """The compact Q4/Q8 form of ``weight`` worth keeping for :meth:`block_linear`, or None.
-
-        ``exact`` keeps only a form that rebuilds the weight exactly; ``fast`` also
-        quantizes any other weight to 8-bit blocks (llama.cpp's Q8_0), so that every
-        matmul of the fast forward runs the batch-invariant int8 kernel.
-        """
+        """The compact Q4/Q8 form of ``weight`` worth keeping for :meth:`block_linear`, or None:
+        only a form that rebuilds the weight exactly (a float weight is never re-quantized;
+        ``fast`` holds it as 16-bit rows, see :mod:`bargein.kernels.half_rows`)."""
         if self.native is None or weight.device.type != "cpu":
             return None
-        blocks = recover_blocks(weight)
-        if blocks is None and self.fast:
-            blocks = quantize_8bit(weight)
-            if blocks is None:
-                log.warning("fast precision: a %s weight is not made of whole blocks of 32 values; its matmul "
-                            "runs in float32 and is not guaranteed batch-invariant", tuple(weight.shape))
-        return blocks
+        return recover_blocks(weight)
 
     def block_linear(self, x: torch.Tensor, blocks: BlockWeight) -> torch.Tensor | None:
         """``x @ W.T`` from the block form, where the native kernel is the path to take; else None.

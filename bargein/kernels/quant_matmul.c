@@ -169,6 +169,7 @@ static float output_c(const qjob_t *job, int64_t r, int64_t j) {
 
 #ifdef BARGEIN_ARM64
 #include "neon_q8_matmul.h"
+#include "neon_q8_tile.h" /* many rows with sdot */
 #endif
 
 /* ---- x86: AVX2, and AVX-512 VNNI on 256-bit registers ------------------------------- */
@@ -677,6 +678,7 @@ typedef struct {
     /* many rows: tiles of sixteen columns, repacked, by this function (else NULL) */
     void (*gemm)(const qjob_t *, const void *, const float *, int64_t, int64_t, int);
     int gemm_rows;
+    int neon_tile; /* ARM64 sdot, many rows: neon_q8_tile.h's packed quads (tiles: the scratch) */
 } run_t;
 
 /* Output columns [n * index / count, n * (index + 1) / count) in whole groups of eight
@@ -694,6 +696,13 @@ static void run_groups(void *arg, int index, int count) {
         return;
     }
 #ifdef BARGEIN_ARM64
+#ifdef BARGEIN_DOTPROD
+    if (run->neon_tile) {
+        uint8_t *scratch = (uint8_t *)job->tiles + (int64_t)index * neon_q8_tile_bytes(job->nb);
+        neon_q8_tile_columns(job, g0 * GROUP, g1 * GROUP < job->n ? g1 * GROUP : job->n, scratch);
+        return;
+    }
+#endif
     float *panels = job->panels + (int64_t)index * 4 * job->nb * GROUP;
     for (int64_t g = g0; g < g1; g++) {
         neon_q8_panels(job, g * GROUP, panels);
@@ -740,13 +749,19 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     const int gemm = (isa == ISA_VNNI && m >= (bits == 4 ? GEMM_MIN_ROWS_Q4 : GEMM_MIN_ROWS_Q8)) ||
                      (isa == ISA_AVX2 && bits == 4 && m >= GEMM_MIN_ROWS_AVX2);
     if (gemm && num_threads > (n + 2 * GROUP - 1) / (2 * GROUP)) num_threads = (int)((n + 2 * GROUP - 1) / (2 * GROUP));
+    size_t tile_bytes = 512 * blocks; /* per thread */
+    int neon_tile = 0;
+#ifdef BARGEIN_DOTPROD
+    neon_tile = isa == ISA_DOTPROD && m >= NEON_TILE_MIN_ROWS;
+    if (neon_tile) tile_bytes = (size_t)neon_q8_tile_bytes((int64_t)blocks);
+#endif
     int8_t *xq = malloc((size_t)(m * pairs > 0 ? m * pairs * PAIR_BYTES : 1));
     float *xd = malloc(sizeof(float) * cells), *xs = malloc(sizeof(float) * cells);
     int32_t *xc = malloc(sizeof(int32_t) * cells);
     float *panels = malloc(sizeof(float) * 4 * GROUP * blocks * (size_t)num_threads);
-    void *tiles = gemm ? aligned_alloc(64, 512 * blocks * (size_t)num_threads) : NULL;
+    void *tiles = gemm || neon_tile ? aligned_alloc(64, (tile_bytes * (size_t)num_threads + 63) / 64 * 64) : NULL;
     int status = 0;
-    if (!xq || !xd || !xs || !xc || !panels || (gemm && !tiles)) {
+    if (!xq || !xd || !xs || !xc || !panels || ((gemm || neon_tile) && !tiles)) {
         status = -1;
         goto done;
     }
@@ -772,7 +787,7 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
 #ifdef BARGEIN_ARM64
     if (isa == ISA_NEON) run = (run_t){&job, q8_group_neon, ROWS_NEON, NULL, 0};
 #ifdef BARGEIN_DOTPROD
-    if (isa == ISA_DOTPROD) run = (run_t){&job, q8_group_dotprod, ROWS_NEON, NULL, 0};
+    if (isa == ISA_DOTPROD) run = (run_t){&job, q8_group_dotprod, ROWS_NEON, NULL, 0, neon_tile};
 #endif
 #endif
     bargein_parallel_run(run_groups, &run, num_threads);

@@ -11,9 +11,12 @@
  *   soft cap:  y[r, i] = cap * tanh(x[r, i] / cap), x and y (m, n) (Gemma 2's logits)
  * The last two use bargein_tanhf (tanh.h) on every element, one scalar call, so no vector path
  * can round apart and the bits are the same on x86-64 and AArch64 (libm's tanhf's are not).
+ * SiLU's exp is exp.h's, in the vector bodies and the scalar tail alike, so an element's
+ * bits do not depend on the path that computes it, nor on the architecture.
  *
  * Rows are shared out among threads whole. Float32, contiguous.
  */
+#include "exp.h"
 #include "parallel.h"
 #include "simd.h"
 #include "tanh.h"
@@ -52,7 +55,13 @@ static void rms_norm_rows(void *arg, int index, int count) {
     }
 }
 
-static inline float silu(float a) { return a / (1.0f + expf(-a)); }
+/* silu(a) = a / (1 + e^-a) for a >= 0, a e^a / (1 + e^a) below: e^-|a| only, so nothing
+ * overflows. The vector bodies' steps, one lane's worth: every element gets the same bits
+ * whether a vector body or this tail computes it (bargein_expf is exp256's bits). */
+static inline float silu(float a) {
+    const float e = bargein_expf(-fabsf(a));
+    return (a < 0.0f ? a * e : a) / (1.0f + e);
+}
 
 static void silu_mul_rows(void *arg, int index, int count) {
     const rows_t *job = (const rows_t *)arg;
@@ -62,7 +71,6 @@ static void silu_mul_rows(void *arg, int index, int count) {
         float *y = job->y + r * n;
         int64_t i = 0;
 #ifdef BARGEIN_AVX2
-        /* silu(a) = a / (1 + e^-a) for a >= 0, a e^a / (1 + e^a) below: exp of -|a| only. */
         const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
         for (; i + 8 <= n; i += 8) {
             const __m256 va = _mm256_loadu_ps(a + i);

@@ -2,6 +2,8 @@
 #ifndef BARGEIN_SIMD_H
 #define BARGEIN_SIMD_H
 
+#include "exp.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define BARGEIN_AVX2 1
@@ -14,9 +16,22 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' expf, ~1 ulp. */
+/* The lanes of x one by one through bargein_expf: the inputs the chain below does not
+ * scale in one step (|x| > BARGEIN_EXP_FAST_LIMIT: overflow, subnormals, 0) and NaN. Rare
+ * (a softmax's scores 87 apart), so out of line. */
+static __attribute__((noinline)) __m256 exp256_lanes(__m256 x) {
+    float v[8];
+    _mm256_storeu_ps(v, x);
+    for (int i = 0; i < 8; i++) v[i] = bargein_expf(v[i]);
+    return _mm256_loadu_ps(v);
+}
+
+/* e^x in eight lanes, each lane bargein_expf's bits (exp.h: the same fused chain, Cephes'
+ * expf), for every float. */
 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365478515625f));
+    const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(magnitude, _mm256_set1_ps(BARGEIN_EXP_FAST_LIMIT), _CMP_LE_OQ)) != 0xFF)
+        return exp256_lanes(x);
     __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
     fx = _mm256_floor_ps(fx);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);

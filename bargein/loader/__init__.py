@@ -141,9 +141,10 @@ def load_weights(
 ) -> dict[str, torch.Tensor | BlockWeight]:
     """Canonical weights for layers [start, end) (all layers when None), as ``dtype`` on ``device``.
 
-    With ``blocks``, a GGUF's Q4_1 and Q8_0 matrices come back as they are stored, as
-    :class:`~bargein.kernels.block_quant.BlockWeight` on the CPU (``dtype`` and ``device``
-    do not apply to them), read straight from the file's bytes; nothing else changes.
+    With ``blocks``, a GGUF's matrices of the kernels' block types, and F16/BF16 matrices of
+    either format, come back as they are stored, as
+    :class:`~bargein.kernels.quant_weight.QuantWeight` views of the mapped file on the CPU
+    (``dtype`` and ``device`` do not apply to them); nothing else changes.
 
     Each tensor is read, converted and moved to ``device`` before the next is read, so
     host memory holds one tensor at a time, never a float32 copy of the whole model
@@ -161,7 +162,7 @@ def load_weights(
                                         device=torch.device(device), progress=progress, blocks=blocks)
         else:
             weights = dict(load_hf_weights(source.path, config, layer_range=layer_range, dtype=dtype,
-                                           device=torch.device(device), progress=progress))
+                                           device=torch.device(device), progress=progress, blocks=blocks))
     for name, tensor in weights.items():
         shape = expected_shape(config, name)
         if shape is not None and tuple(tensor.shape) != shape:

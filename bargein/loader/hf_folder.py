@@ -1,20 +1,32 @@
 """Hugging Face model folders: config.json and (sharded) *.safetensors.
 
-Never unpickles: only safetensors weights are read.
+Never unpickles: only safetensors weights are read. Each file is memory-mapped once,
+read-only (:class:`MappedSafetensors`), and tensors are views of the map: for the native
+kernels (``blocks``), an F16 or BF16 matrix becomes 16-bit rows over the file's own bytes
+(:func:`~bargein.kernels.half_rows.half_rows`: never widened, never copied, file-backed
+pages shared with the page cache), as a GGUF's F16/BF16 matrices are. Norms and biases
+(small) are copied out as float32; a float32 matrix is a view of the map until the model
+holds it (``fast`` narrows it to 16-bit rows, ``exact`` packs it).
 """
 
 from __future__ import annotations
 
 import json
+import mmap
+import struct
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
 from bargein.config import ModelConfig
+from bargein.kernels.half_rows import HALF_DTYPES, half_rows
+from bargein.kernels.quant_weight import QuantWeight
 from bargein.loader.errors import CorruptModelError, UnsupportedModelError
 from bargein.loader.families import (
     HF_FAMILIES,
@@ -112,6 +124,64 @@ def _open(file: Path) -> Any:
         raise CorruptModelError(f"{file}: not a readable safetensors file ({exc})") from exc
 
 
+# safetensors' dtype names -> (numpy dtype of the stored elements, torch dtype they are)
+_DTYPES = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16),
+           "BF16": (np.uint16, torch.bfloat16), "F64": (np.float64, torch.float64),
+           "I64": (np.int64, torch.int64), "I32": (np.int32, torch.int32), "I16": (np.int16, torch.int16),
+           "I8": (np.int8, torch.int8), "U8": (np.uint8, torch.uint8), "BOOL": (np.bool_, torch.bool)}
+
+
+class MappedSafetensors:
+    """One safetensors file mapped read-only, once; :meth:`tensor` views of it outlive this
+    object (numpy holds the map, which goes when the last view does)."""
+
+    def __init__(self, file: Path):
+        with _open(file):  # safetensors' own check of the header: a clear error for a bad file
+            pass
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            self.header: dict[str, Any] = json.loads(f.read(size))
+            self.mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        self.file, self.base = file, 8 + size
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The stored tensor as a read-only view of the map, in its own dtype."""
+        entry = self.header[name]
+        stored, dtype = _DTYPES.get(entry["dtype"], (None, None))
+        if stored is None:
+            raise CorruptModelError(f"{self.file}: tensor {name!r} has dtype {entry['dtype']}, which bargein "
+                                    f"does not read (readable: {', '.join(_DTYPES)})")
+        start, end = entry["data_offsets"]
+        raw = self.mapped[self.base + start:self.base + end].view(stored)
+        with warnings.catch_warnings():
+            # torch warns that the array is not writable; nothing writes to weights, and a
+            # write would fault rather than corrupt the file (the map is ACCESS_READ).
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(raw).view(dtype).reshape(entry["shape"])
+
+
+def stored_dtypes(folder: Path, config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Canonical name -> (safetensors dtype, stored shape) of every tensor the whole model
+    reads, from the files' headers alone (nothing mapped or read besides them)."""
+    wanted = {canon: hf_name for canon, (_, hf_name) in wanted_tensors(config, 0, config.num_layers).items()}
+    where = _weight_map(folder)
+    wanted = text_model_names(wanted, where)
+    headers: dict[Path, dict[str, Any]] = {}
+    out = {}
+    for canon, hf_name in wanted.items():
+        file = where.get(hf_name)
+        if file is None:
+            continue  # the loader reports it
+        if file not in headers:
+            with open(file, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                headers[file] = json.loads(f.read(size))
+        entry = headers[file].get(hf_name)
+        if entry is not None:
+            out[canon] = (entry["dtype"], tuple(entry["shape"]))
+    return out
+
+
 def load_hf_weights(
     folder: Path,
     config: ModelConfig,
@@ -120,9 +190,12 @@ def load_hf_weights(
     dtype: torch.dtype,
     device: torch.device,
     progress: bool,
-) -> dict[str, torch.Tensor]:
-    """Canonical tensors for layers [start, end), read shard by shard, each moved to
-    ``device`` as it is read."""
+    blocks: bool = False,
+) -> dict[str, torch.Tensor | QuantWeight]:
+    """Canonical tensors for layers [start, end), read file by file from the mapped files,
+    each moved to ``device`` as it is read. With ``blocks`` (the native kernels read the
+    model), every F16 or BF16 matrix is 16-bit rows over the mapped file instead (on the
+    CPU, whatever ``device``), in both precisions: never widened, never copied."""
     start, end = check_layer_range(config, layer_range)
     wanted = {canon: hf_name for canon, (_, hf_name) in wanted_tensors(config, start, end).items()}
     where = _weight_map(folder)
@@ -133,7 +206,7 @@ def load_hf_weights(
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for canon, hf_name in wanted.items():
         by_file.setdefault(where[hf_name], []).append((canon, hf_name))
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantWeight] = {}
     bar = tqdm(
         total=len(wanted),
         desc=f"Loading {config.name}",
@@ -143,25 +216,32 @@ def load_hf_weights(
     )
     with bar:
         for file, names in by_file.items():
-            with _open(file) as handle:
-                for canon, hf_name in names:
-                    try:
-                        weights[canon] = _canonical(config, canon, handle.get_tensor(hf_name), device, dtype)
-                    except Exception as exc:
-                        raise CorruptModelError(
-                            f"{file}: cannot read tensor {hf_name!r} ({exc})"
-                        ) from exc
-                    bar.update()
+            mapped = MappedSafetensors(file)
+            for canon, hf_name in names:
+                try:
+                    weights[canon] = _canonical(config, canon, mapped.tensor(hf_name), device, dtype, blocks)
+                except CorruptModelError:
+                    raise
+                except Exception as exc:
+                    raise CorruptModelError(f"{file}: cannot read tensor {hf_name!r} ({exc})") from exc
+                bar.update()
     return {canon: weights[canon] for canon in wanted}
 
 
 def _canonical(config: ModelConfig, canon: str, stored: torch.Tensor, device: torch.device,
-               dtype: torch.dtype) -> torch.Tensor:
-    """A stored tensor as the canonical one: its rows of a fused matrix, Q/K heads reordered
-    for partial rotary, Gemma's norm as its multiplier (see bargein.loader.families)."""
+               dtype: torch.dtype, blocks: bool) -> torch.Tensor | QuantWeight:
+    """A stored tensor (a view of the mapped file) as the canonical one: its rows of a fused
+    matrix, Q/K heads reordered for partial rotary, Gemma's norm as its multiplier (see
+    bargein.loader.families); with ``blocks``, an F16/BF16 matrix as 16-bit rows over the
+    file (the rows picked by their order, no bytes moved)."""
     rows = stored_rows(config, canon)
+    if blocks and stored.dim() == 2 and stored.dtype in HALF_DTYPES:
+        held = half_rows(stored)
+        return held.reorder_rows(rows) if rows is not None else held
     if rows is not None:
         stored = stored.index_select(0, rows)
     if offset := norm_offset(config, "hf", canon):
         stored = stored.float() + offset  # in float32, as the reference adds it
+    if stored.dim() < 2:
+        stored = stored.to(dtype=dtype, copy=True)  # norms and biases: small, copied out of the map
     return stored.to(device=device, dtype=dtype)

@@ -19,9 +19,11 @@ from pathlib import Path
 
 from bargein.config import EngineConfig, ModelConfig
 from bargein.kernels.ggml_types import GGMLQuantizationType
+from bargein.kernels.half_rows import ROUTING_WEIGHTS
 from bargein.kernels.quant_weight import QUANT_TYPES
 from bargein.loader.errors import LoaderError
 from bargein.loader.gguf_file import open_gguf
+from bargein.loader.hf_folder import stored_dtypes
 from bargein.loader.names import expected_shape, gguf_location, wanted_tensors
 from bargein.loader.parameters import describe_parameters
 from bargein.loader.source import ModelSource
@@ -94,8 +96,8 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     available = available if available is not None else available_memory()
     on_cpu = not config.device.startswith("cuda") and config.dtype in ("auto", "float32")
     reads_blocks = on_cpu and config.native_kernels
-    mapped, private = _weight_bytes(source, model_config, reads_blocks)
     fast = config.precision == "fast" and reads_blocks
+    mapped, private = _weight_bytes(source, model_config, reads_blocks, fast)
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
     block = config.cache.block_size
     if kv_auto:
@@ -126,22 +128,30 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     return plan
 
 
-def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: bool) -> tuple[int, int]:
+def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: bool,
+                  fast: bool) -> tuple[int, int]:
     """(mapped, private) bytes of every weight the model holds."""
     wanted = wanted_tensors(model_config, 0, model_config.num_layers)
     mapped = private = 0
-    if source.kind != "gguf":
+    if source.kind != "gguf":  # the float-source rule (bargein.kernels.half_rows) on the headers' dtypes
+        stored = stored_dtypes(source.path, model_config)
         for canon in wanted:
-            shape = expected_shape(model_config, canon) or ()
+            dtype, shape = stored.get(canon, ("F32", expected_shape(model_config, canon) or ()))
             numel = 1
-            for d in shape:
+            for d in expected_shape(model_config, canon) or shape:
                 numel *= d
-            private += 4 * numel
+            matrix = len(shape) == 2 and not canon.endswith(ROUTING_WEIGHTS)
+            if reads_blocks and matrix and dtype in ("F16", "BF16"):
+                mapped += 2 * numel  # 16-bit rows over the mapped file
+            elif fast and matrix:
+                private += 2 * numel  # float32 narrowed to 16-bit rows
+            else:
+                private += 4 * numel
         return mapped, private
     tensors = open_gguf(source.path).tensors
     # dict.fromkeys: an MoE layer's experts are one stacked tensor, named by each expert's entry
-    names = list(dict.fromkeys(gguf_location(tensors, c, gguf)[0] for c, (gguf, _) in wanted.items())) + (["rope_freqs.weight"] if "rope_freqs.weight"
-                                                                        in tensors else [])
+    canon_of = {gguf_location(tensors, c, gguf)[0]: c for c, (gguf, _) in wanted.items()}
+    names = list(canon_of) + (["rope_freqs.weight"] if "rope_freqs.weight" in tensors else [])
     for name in names:
         info = tensors.get(name)
         if info is None:
@@ -155,6 +165,9 @@ def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: 
             continue  # an unknown type: the loader refuses it by name
         if reads_blocks and qtype in QUANT_TYPES and len(info.torch_shape) in (2, 3):  # 3: stacked experts
             mapped += info.n_bytes
+        elif fast and qtype == GGMLQuantizationType.F32 and len(info.torch_shape) in (2, 3) \
+                and not canon_of.get(name, "").endswith(ROUTING_WEIGHTS):
+            private += 2 * numel  # float32 narrowed to 16-bit rows (bargein.kernels.half_rows)
         else:
             private += 4 * numel
     return mapped, private

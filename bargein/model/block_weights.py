@@ -7,6 +7,9 @@ A loaded weight is a dense tensor, a :class:`~bargein.kernels.quant_weight.Quant
 weight). The model fuses Q/K/V and gate/up by stacking rows: QuantWeights stack as
 segments (no copy, mixed types fine), BlockWeights by stacking their parts. The token
 embedding reads only the rows it looks up.
+
+:func:`fast_weight` is how ``fast`` holds a loaded float32 matrix: as 16-bit rows (the
+float-source rule of :mod:`bargein.kernels.half_rows`), never re-quantized to int8.
 """
 
 from __future__ import annotations
@@ -18,10 +21,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.half_rows import ROUTING_WEIGHTS, half_rows
 from bargein.kernels.ops import TORCH_KERNELS, KernelSet
 from bargein.kernels.quant_weight import QuantWeight
 
 Weight = torch.Tensor | BlockWeight | QuantWeight
+
+
+def fast_weight(name: str, weight: Weight) -> Weight:
+    """How ``fast`` holds the loaded weight ``name``: a float32 matrix that a matmul kernel
+    reads (every 2-D weight but an MoE's routing rows) as 16-bit rows (:func:`half_rows`:
+    F16, or BF16 where F16 cannot hold its values); anything else as it is."""
+    if (isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.dtype == torch.float32
+            and weight.device.type == "cpu" and not name.endswith(ROUTING_WEIGHTS)):
+        return half_rows(weight)
+    return weight
 
 
 def dense(weight: Weight) -> torch.Tensor:

@@ -15,7 +15,10 @@ on 2 AVX2 cores over every linear of SmolLM2-135M, against the packed float32 ma
 2.5x as fast at 1 row, 1.7x at 8, 1.16x at 12, even at 16 and 0.72x at 32 rows).
 
 In the ``fast`` precision every forward, of any number of rows, reads the block form with
-int8 activations (see :mod:`bargein.kernels.ops`), so no float32 copy is kept beside it.
+int8 activations (see :mod:`bargein.kernels.ops`), so no float32 copy is kept beside it; a
+dense weight without an exact block form is a float source, held as 16-bit rows
+(:func:`~bargein.kernels.half_rows.half_rows`, read by ``KernelSet.quant_linear`` against
+float32 activations), never re-quantized to int8.
 In ``exact``, a layer built :meth:`Linear.from_blocks` (a GGUF's stored blocks) holds no
 float32 copy unless asked to (``keep_fp32``, off by default): every forward, of any number
 of rows, reads the blocks with float32 activations, and the weights take their quantized
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bargein.kernels.block_quant import BlockWeight
+from bargein.kernels.half_rows import half_rows
 from bargein.kernels.ops import TORCH_KERNELS, KernelSet
 from bargein.kernels.quant_weight import QuantWeight
 
@@ -64,8 +68,11 @@ class Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.packed: torch.Tensor | None = None
         self.weight: nn.Parameter | None = None if weight is None else nn.Parameter(weight, requires_grad=False)
-        if kernels.fast and self.blocks is not None:
-            self.weight = None  # the fast forward reads the blocks only, for any number of rows
+        if kernels.fast and self.blocks is None and self.quant is None and weight is not None \
+                and weight.device.type == "cpu" and weight.dim() == 2:
+            self.quant = half_rows(weight)  # a float source: 16-bit rows, never int8 (the one rule)
+        if kernels.fast and (self.blocks is not None or self.quant is not None):
+            self.weight = None  # the fast forward reads the blocks or rows only, for any number of rows
         elif weight is not None and pack and _onednn_available(weight):
             self.packed = _try_pack(weight, self.bias)
             if self.packed is not None:

@@ -13,7 +13,7 @@ expert no token chooses), from a folder, dense tensors.
 - ``fast``: routing, the experts grouped by expert and the weighted sum in two native calls
   (moe_matmul.c), with int8 activations against the experts' blocks; a token's output
   depends on its own row only, not on which rows share the step or which experts they
-  chose. Dense experts (a folder's) are quantized to Q8_0 blocks once, at construction.
+  chose. Dense experts (a folder's float weights) are 16-bit rows (F16 or BF16, float32 activations).
   Inside a fused stage (:mod:`bargein.model.fused_layers`) the same calls run from C
   (:meth:`MoEFeedForward.fused_description`), with the same bits.
 """
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bargein.config import MoEConfig
-from bargein.kernels.ggml_types import GGMLQuantizationType
+from bargein.kernels.half_rows import half_rows
 from bargein.kernels.moe_native import ExpertTable
 from bargein.kernels.native_structs import FastMoE, Q8Weight
 from bargein.kernels.ops import KernelSet
@@ -38,21 +38,6 @@ from bargein.model.block_weights import Weight, cat_rows, dense
 from bargein.model.linear import Linear
 
 log = logging.getLogger(__name__)
-
-
-def q8_0_weight(weight: torch.Tensor) -> QuantWeight | None:
-    """A dense (n, k) matrix as llama.cpp's Q8_0 blocks (d = max|x| / 127 as float16, q =
-    round(x / d)); None where a row is not whole blocks of 32."""
-    n, k = weight.shape
-    if k % 32:
-        return None
-    blocks = weight.detach().float().reshape(n, k // 32, 32)
-    d = blocks.abs().amax(-1) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(blocks * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    scales = d.to(torch.float16).unsqueeze(-1).view(torch.uint8)  # (n, k / 32, 2)
-    data = torch.cat([scales, q.view(torch.uint8)], dim=-1).reshape(n, -1).contiguous()
-    return QuantWeight.of(GGMLQuantizationType.Q8_0, data, n, k)
 
 
 class Expert(nn.Module):
@@ -99,10 +84,9 @@ class MoEFeedForward(nn.Module):
         self.experts = None if self.table is not None else nn.ModuleList(Expert(*w, kernels) for w in experts)
 
     def _native_table(self, experts: list[tuple[Weight, ...]]) -> ExpertTable | None:
-        held = [[w if isinstance(w, QuantWeight) else q8_0_weight(dense(w)) for w in ws] for ws in experts]
-        if any(w is None or len(w.segments) != 1 for ws in held for w in ws):
-            log.warning("fast precision: an expert's matrix is not whole blocks of 32 values; its MoE layers run "
-                        "in float32 and are not guaranteed batch-invariant")
+        # a float-source expert is 16-bit rows (bargein.kernels.half_rows), never re-quantized to int8
+        held = [[w if isinstance(w, QuantWeight) else half_rows(dense(w)) for w in ws] for ws in experts]
+        if any(len(w.segments) != 1 for ws in held for w in ws):
             return None
         return ExpertTable(*([ws[i] for ws in held] for i in range(3)))  # type: ignore[misc]
 

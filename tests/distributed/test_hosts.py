@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bargein.distributed.cluster_auth import ClusterAuth, probe
 from bargein.distributed.split import speed_factors
 from bargein.kernels.native import cache_dir
 from tests import cpu_limits
@@ -230,6 +231,9 @@ def test_the_cluster_check_finds_every_host(cluster: Cluster) -> None:
     out = _ok(cluster.head.bargein("cluster", "check", "--ray", cluster.address), "cluster check")
     assert "the Ray cluster is ready: 3 nodes" in out
     assert all(h.ip in out for h in cluster.hosts.hosts)
+    # A bargein cluster asks for a token: a call without one is refused (what a head joining
+    # it finds out first, bargein/distributed/cluster_auth.py).
+    assert probe(cluster.address) is ClusterAuth.TOKEN
 
 
 def test_a_forced_graph_transport_across_hosts_is_refused_before_loading(cluster: Cluster) -> None:

@@ -8,6 +8,7 @@ import stat
 import pytest
 
 from bargein.cli import main
+from bargein.distributed.cluster_auth import ClusterAuth, mode_for
 from bargein.distributed.errors import PipelineSetupError
 from bargein.distributed.join import (
     NodeStart,
@@ -77,10 +78,28 @@ def test_each_version_difference_is_one_line() -> None:
     assert str(problems).splitlines()[0] == "the Ray cluster is not ready:" and len(str(problems).splitlines()) == 3
 
 
-def test_the_no_token_messages_say_what_to_copy(home) -> None:
+def test_the_no_token_messages_say_what_to_copy(home, monkeypatch) -> None:
     assert "this machine has none: copy the head's ~/.ray/auth_token here" in connect.no_token_message("h:6379")
     install_token("x")
     assert "refused this machine's token" in connect.no_token_message("h:6379")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert "asks for a token and RAY_AUTH_MODE=disabled here: unset RAY_AUTH_MODE" in connect.no_token_message("h:1")
+
+
+def test_the_head_joins_with_the_cluster_s_auth_mode_not_the_token_file_s() -> None:
+    """A token held here does not turn tokens on for a cluster that answered without one
+    (its calls back to the head would be refused); a cluster that asks for one gets it, or
+    a clear error; where the cluster did not say, a token held here is presented."""
+    for has_token in (True, False):
+        assert mode_for(ClusterAuth.NONE, "h:1", has_token=has_token) == "disabled"
+    assert mode_for(ClusterAuth.TOKEN, "h:1", has_token=True) == "token"
+    with pytest.raises(PipelineSetupError) as refused:
+        mode_for(ClusterAuth.TOKEN, "h:1", has_token=False)
+    assert str(refused.value) == ("the Ray cluster at h:1 uses token authentication and this machine holds no "
+                                  "token: copy the head's ~/.ray/auth_token here (`bargein cluster join HEAD "
+                                  "--token-file FILE` does it) or set RAY_AUTH_TOKEN")
+    assert mode_for(ClusterAuth.UNKNOWN, "h:1", has_token=True) == "token"
+    assert mode_for(ClusterAuth.UNKNOWN, "h:1", has_token=False) is None
 
 
 def test_join_without_a_token_or_with_a_bad_file_stops_before_ray(home, capsys) -> None:

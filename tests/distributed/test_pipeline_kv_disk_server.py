@@ -92,13 +92,8 @@ def setting(ray_cluster, tmp_path_factory) -> Iterator[Setting]:
                                   resources={second: 1}) for _ in range(2)]
     ray_cluster.wait_for_nodes()
     try:
-        with pytest.MonkeyPatch.context() as mp:
-            # The servers join the session's cluster as this process did: a Ray token this
-            # machine holds (~/.ray/auth_token) must not switch them to token authentication,
-            # which the cluster does not use (its calls to them would be refused).
-            mp.setenv("RAY_AUTH_MODE", os.environ.get("RAY_AUTH_MODE", "disabled"))
-            yield Setting(model, Engine.from_pretrained(str(model), EngineConfig(), progress=False),
-                          ray_cluster.address, second)
+        yield Setting(model, Engine.from_pretrained(str(model), EngineConfig(), progress=False),
+                      ray_cluster.address, second)
     finally:
         for node in nodes:  # gracefully: Ray forgets them at once
             ray_cluster.remove_node(node, allow_graceful=True)

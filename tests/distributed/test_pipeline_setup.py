@@ -4,6 +4,7 @@ before anything is started; the layer split helpers. No Ray cluster needed."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +203,26 @@ def test_auto_picks_a_compiled_graph_only_on_the_head_s_node_with_a_core_per_sta
     with pytest.raises(PipelineSetupError, match="needs every pipeline stage on the head's node"):
         pick_transport("graph", ["h", "n"], "h", 64, 1)
     assert pick_transport("graph", ["h", "n"], "h", 64, 1, strict=False) == "calls"  # a stage re-created elsewhere
+
+
+def test_a_node_is_asked_for_its_model_copy_by_a_module_without_torch(model: str, tmp_path) -> None:
+    """The probe task's worker process imports only ``model_copy`` (seconds saved on every
+    node of every start), and it answers by the files' names and sizes."""
+    import subprocess
+    import sys
+
+    from bargein.distributed.model_copy import file_fingerprint, has_model_copy
+    from bargein.distributed.weights import fingerprint
+    from bargein.loader.source import ModelSource
+
+    done = subprocess.run([sys.executable, "-c", "import sys, bargein.distributed.model_copy; "
+                           "print(sorted({'torch', 'bargein.loader', 'ray'} & set(sys.modules)))"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "[]", done.stderr
+    expected = fingerprint(ModelSource("gguf", Path(model), "tiny"))
+    assert expected == file_fingerprint(Path(model), "gguf") == (("tiny.gguf", Path(model).stat().st_size),)
+    assert has_model_copy(model, "gguf", expected)
+    other = tmp_path / "tiny.gguf"
+    other.write_bytes(b"GGUF")
+    assert not has_model_copy(str(other), "gguf", expected) and not has_model_copy(str(tmp_path / "none"), "gguf",
+                                                                                   expected)

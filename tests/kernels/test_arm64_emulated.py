@@ -9,8 +9,13 @@ What must hold, exactly:
 - in each run, every int8-matmul instruction set and thread count gives its plain C's bits;
 - every ARM64 run gives the x86-64 run's bits, case by case (up to a whole two-layer fused
   forward, embedding to logits and K/V), so a mixed cluster's stages and replicas agree
-  (contract C4). That includes GeGLU and soft caps: they use the kernels' own tanh
-  (tanh.h), since glibc's tanhf rounds apart on x86-64 and AArch64 (about 1 input in 8,600).
+  (contract C4), with no case left out. That includes GeGLU and soft caps, softmax, SiLU
+  and the MoE router: they use the kernels' own tanh and exp (tanh.h, exp.h), since glibc's
+  tanhf and expf round apart on x86-64 and AArch64;
+- the kernels' exp (tests/kernels/arm64/exp_check.c, on a dense sample of every float):
+  within 1 ulp, its vector bodies (AVX2, NEON) give its bits for every input, and its bits
+  are the same built for this machine, as plain C without -march, and for ARM64 under qemu
+  (bench/bench_exp.py runs all 2^32 inputs).
 
 Needs gcc-aarch64-linux-gnu and qemu-user (Debian; ``scripts/bootstrap.sh --test`` installs
 them when run as root). The two ARM64 builds are cached by their sources, so a rerun costs
@@ -33,6 +38,10 @@ from bargein.kernels import build_flags, native
 
 KERNELS_DIR = Path(native.__file__).parent
 HARNESS = Path(__file__).with_name("arm64") / "kernel_harness.c"
+EXP_CHECK = HARNESS.with_name("exp_check.c")
+# Every 2053rd bit pattern (about 2.1 million floats: every exponent, varied mantissas), then
+# exp_check's edge cases and the 24,579 floats around the limits of its scaling steps.
+EXP_STRIDE = 2053
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"
 SYSROOT = "/usr/aarch64-linux-gnu"
@@ -51,21 +60,30 @@ def _sources() -> list[Path]:
     return [*native._SOURCES]
 
 
-def _cross_build(march: str, folder: Path) -> Path:
-    """The harness and the kernels for ARM64 with the library's flags and ``march``, built
-    once per source, compiler and flags."""
-    flags = [f for f in build_flags.COMMON_FLAGS if f not in ("-shared", "-fPIC")] + [march, "-fopenmp"]
-    inputs = [HARNESS, *_sources(), *native._HEADERS]
+# The library's flags, less those of a shared object.
+PROGRAM_FLAGS = [f for f in build_flags.COMMON_FLAGS if f not in ("-shared", "-fPIC")]
+
+
+def _cached_build(compiler: str, flags: list[str], sources: list[Path], name: str, folder: Path) -> Path:
+    """``sources`` built into a program with ``compiler`` and ``flags`` (and the kernels'
+    headers), once per source, compiler and flags."""
+    inputs = [*sources, *native._HEADERS]
     key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in inputs), repr(flags).encode(),
-                                     native._compiler_identity(CROSS_CC).encode()])).hexdigest()[:16]
-    binary = folder / f"harness-{march.removeprefix('-march=')}-{key}"
+                                     native._compiler_identity(compiler).encode()])).hexdigest()[:16]
+    binary = folder / f"{name}-{key}"
     if not binary.exists():
         folder.mkdir(parents=True, exist_ok=True)
         tmp = binary.with_suffix(f".tmp{os.getpid()}")
-        subprocess.run([CROSS_CC, *flags, f"-I{KERNELS_DIR}", "-o", str(tmp), str(HARNESS),
-                        *map(str, _sources()), "-lm"], check=True, capture_output=True, text=True, timeout=600)
+        subprocess.run([compiler, *flags, f"-I{KERNELS_DIR}", "-o", str(tmp), *map(str, sources), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=600)
         os.replace(tmp, binary)
     return binary
+
+
+def _cross_build(march: str, folder: Path) -> Path:
+    """The harness and the kernels for ARM64 with the library's flags and ``march``."""
+    return _cached_build(CROSS_CC, [*PROGRAM_FLAGS, march, "-fopenmp"], [HARNESS, *_sources()],
+                         f"harness-{march.removeprefix('-march=')}", folder)
 
 
 def _parse(output: str) -> dict[str, dict[str, str]]:
@@ -112,6 +130,33 @@ def x86_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str
     return _run([str(binary)])
 
 
+@pytest.fixture(scope="module")
+def exp_runs() -> dict[str, dict[str, str]]:
+    """exp_check's results on EXP_STRIDE's sample, per build: ``native`` for this machine
+    (-march=native: on x86-64 with AVX2 its exp256), ``plain`` without -march (no vector
+    body; fmaf from libm where the compiler may not assume an fma instruction) and, where
+    the cross tools are installed, ``arm64`` under qemu on an ARMv8.0 CPU (NEON's body)."""
+    compiler = native._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    folder = native.cache_dir() / "arm64-harness"
+    builds = {"native": (compiler, [*PROGRAM_FLAGS, "-march=native"], []),
+              "plain": (compiler, PROGRAM_FLAGS, [])}
+    if not missing:
+        builds["arm64"] = (CROSS_CC, [*PROGRAM_FLAGS, build_flags.ARM64_BASE_MARCH], [QEMU, "-L", SYSROOT, "-cpu",
+                                                                                        "cortex-a57"])
+
+    def run(name: str) -> dict[str, str]:
+        cc, flags, runner = builds[name]
+        binary = _cached_build(cc, flags, [EXP_CHECK], f"exp_check-{name}", folder)
+        done = subprocess.run([*runner, str(binary), str(EXP_STRIDE)], check=True, capture_output=True, text=True,
+                              timeout=300)
+        return dict(line.split("\t") for line in done.stdout.splitlines())
+
+    with concurrent.futures.ThreadPoolExecutor(len(builds)) as pool:
+        return dict(zip(builds, pool.map(run, builds), strict=True))
+
+
 def _isas(run: dict[str, dict[str, str]]) -> list[int]:
     return [int(n) for n in run["isas"]["-"].split(",")]
 
@@ -156,7 +201,26 @@ def test_arm64_gives_the_x86_64_bits(arm64_runs, x86_run, run_name: str) -> None
 
     tanh_cases = [case for case in x86_run if case.startswith(("gelu_tanh_mul/", "softcap/", "fast_layers/gelu=1"))]
     assert tanh_cases  # GeGLU and soft caps are compared too: the kernels' own tanh has one set of bits
+    # and softmax, SiLU (at the inputs glibc's expf rounds apart) and the MoE router: the kernels' own exp
+    assert {"silu_mul/exp_edges", "moe_route/m=5", "decode_attention/d=36", "attention_f16_decode/d=36,window=0,softcap=0"} <= set(x86_run)
     assert [case for case in x86_run if case != "isas" and reference(run[case]) != reference(x86_run[case])] == []
+
+
+def test_exp_is_within_one_ulp_and_its_vector_bodies_give_its_bits(exp_runs) -> None:
+    for name, run in exp_runs.items():
+        assert int(run["count"]) > 2_000_000, name
+        assert (run["max_ulp"], run["over_one"], run["vector_mismatch"]) == ("1", "0", "0"), (name, run)
+    assert exp_runs["plain"]["vector"] == "none"
+    if platform.machine() == "x86_64" and {"avx2", "fma"} <= build_flags.cpu_features():
+        assert exp_runs["native"]["vector"] == "avx2"
+
+
+@needs_cross_tools
+def test_exp_has_the_same_bits_on_x86_64_and_arm64(exp_runs) -> None:
+    """The scalar exp built three ways (this machine's -march, plain C, ARM64 under qemu)
+    hashes the same outputs; its vector bodies match it in each build (the test above)."""
+    assert exp_runs["arm64"]["vector"] == "neon"
+    assert len({run["hash"] for run in exp_runs.values()}) == 1, exp_runs
 
 
 def test_build_flags_per_architecture() -> None:

@@ -92,8 +92,9 @@ def test_batches_of_disjoint_and_shared_experts(name: str) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", NAMES)
 def test_fast_agrees_with_transformers(name: str, fmt: str) -> None:
-    """``fast`` (int8 activations against Q8_0 experts: these float32 files' experts are
-    quantized once) against transformers over 48 teacher-forced positions: top-1 agreement
+    """``fast`` (these float32 files' matrices, experts included, held as F16 rows against
+    float32 activations: bargein/kernels/half_rows.py) against transformers over 48
+    teacher-forced positions: top-1 agreement
     >= 90%, and at 90% of the positions the largest logit difference within the dense
     families' bound (8% of the largest logit; tests/model/test_families.py). Not at all of
     them: where a token's expert choice is a near tie, ``fast`` may choose the other expert

@@ -26,14 +26,9 @@ from typing import Any
 from bargein.config import EngineConfig, ModelConfig
 from bargein.distributed.engines import pipeline_engine
 from bargein.distributed.errors import PipelineSetupError
+from bargein.distributed.model_copy import Fingerprint, has_model_copy
 from bargein.distributed.replicas.actor import WeightsOrigin
-from bargein.distributed.weights import (
-    Fingerprint,
-    fingerprint,
-    has_model_copy,
-    materialize,
-    read_stored,
-)
+from bargein.distributed.weights import fingerprint, materialize, read_stored
 from bargein.engine.block_window import max_positions
 from bargein.engine.device import build_model, one_torch_thread, resolve_device, resolve_dtype
 from bargein.engine.engine import Engine
@@ -108,10 +103,12 @@ def replica_model(ref: str, config: EngineConfig, nodes: list[dict[str, Any]], *
     if config.pipeline is None and ship is not False:
         probe = ray.remote(num_cpus=0)(has_model_copy)
         lacking = []
-        for node in nodes:
-            on_node = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+        # Every node asked at once: an answer starts a worker process there (a second or more).
+        asked = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+            node_path, source.kind, expected) for node in nodes]
+        for node, answer in zip(nodes, asked, strict=True):
             try:
-                if not ray.get(probe.options(scheduling_strategy=on_node).remote(node_path, source.kind, expected)):
+                if not ray.get(answer):
                     lacking.append(node["NodeManagerAddress"])
             except ray.exceptions.RayError as exc:
                 raise PipelineSetupError(f"node {node['NodeManagerAddress']} did not answer: {first_line(exc)}") \

@@ -136,6 +136,7 @@ static void gguf_case(const gguf_type_t *t, const gguf_type_t *second, int64_t m
     const bargein_qmat_t w = {segs, second ? 2 : 1, n, k};
     float *x = checked(malloc(sizeof(float) * (size_t)(m * k))), *y = checked(malloc(sizeof(float) * (size_t)(m * n)));
     fill_floats(x, m * k, 3.0f);
+    for (int64_t i = 5; i < m * k; i += 97) x[i] *= 40.0f; /* outlier channels: the K chain's per-32 steps vary */
     char name[96], path[32];
     snprintf(name, sizeof name, "gguf_fast/%s%s%s/m=%" PRId64, t->name, second ? "+" : "", second ? second->name : "", m);
     for (int i = 0; i < num_isas; i++)
@@ -306,6 +307,26 @@ static void rowwise_case(int64_t m, int64_t n) {
     free(x), free(w), free(y);
 }
 
+/* SiLU over the inputs whose exp glibc 2.36 rounds apart on x86-64 and AArch64 (e^32.564632,
+ * e^-63.099461: what a / (1 + expf(-a)) met at these a) and the exp's range limits, in the
+ * vector bodies and in the scalar tail (n = 11: one eight, three more). */
+static void exp_edges_case(void) {
+    static const uint32_t bits[11] = {0xC202422F, 0x427C65D9, 0x4202422F, 0xC27C65D9, 0xC2B17218, 0x42CFF1B5,
+                                      0xC2AEAC51, 0x3F800000, 0xC202422F, 0x427C65D9, 0xC2AEAC51};
+    float x[44], y[22];
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 11; i++) {
+            memcpy(&x[22 * r + i], &bits[(i + 3 * r) % 11], 4);
+            x[22 * r + 11 + i] = 1.0f + (float)i / 8.0f;
+        }
+    char path[16];
+    for (int th = 0; th < 2; th++) {
+        snprintf(path, sizeof path, "t=%d", THREADS[th]);
+        bargein_silu_mul(x, y, 2, 11, THREADS[th]);
+        report("silu_mul/exp_edges", path, y, sizeof y);
+    }
+}
+
 /* ---- mixture of experts: routing, and the grouped experts on every instruction set ---- */
 
 static void moe_case(const gguf_type_t *t, int64_t m) {
@@ -443,9 +464,16 @@ int main(void) {
     const int64_t rows[] = {1, 3, 9, 25};
     for (int t = 0; t < NUM_TYPES; t++)
         for (int r = 0; r < 4; r++) gguf_case(&TYPES[t], NULL, rows[r], 37, 512);
+    /* the ARM64 sdot tiles' types (one scale, and a min, per 32) from their threshold of 4
+     * rows on: whole and partial passes of 6 rows */
+    const int64_t tile_rows[] = {4, 7, 16, 33};
+    for (int t = 0; t < NUM_TYPES; t++)
+        if (TYPES[t].qk == 32 || TYPES[t].type == 23)
+            for (int r = 0; r < 4; r++) gguf_case(&TYPES[t], NULL, tile_rows[r], 37, 512);
     gguf_case(&TYPES[0], &TYPES[9], 3, 37, 512); /* Q4_0 over Q6_K, through a row order */
     gguf_case(&TYPES[7], &TYPES[4], 9, 37, 512); /* Q4_K over Q8_0 */
     for (int r = 0; r < 4; r++) block_case(4, rows[r], 37, 96), block_case(8, rows[r], 37, 96);
+    for (int r = 0; r < 4; r++) block_case(4, tile_rows[r], 37, 96), block_case(8, tile_rows[r], 37, 96);
     block_case(4, 17, 41, 256);
     block_case(8, 17, 41, 256);
     for (int d = 0; d < 2; d++) {
@@ -457,6 +485,7 @@ int main(void) {
         decode_attention_case(dims[d]);
     }
     rowwise_case(5, 67);
+    exp_edges_case();
     rowwise_case(9, 256);
     moe_case(&TYPES[7], 5);
     moe_case(&TYPES[4], 3);

@@ -1,0 +1,1 @@
+"""Tests of the benchmarks' own logic (bench/): pure functions, no model, no server."""
