@@ -13,6 +13,11 @@ table this prints the issue's targets, each with the measured value:
     python bench/bench_moe.py /tmp/moe/qwen3moe-2b.Q4_K_M.gguf /tmp/moe/qwen3-dense-2b.Q4_K_M.gguf [--precision fast]
 
 ``--quick``: 4 streams of 8 tokens, one load, a 128-token prefill (a smoke run).
+
+``--rounds N``: only the ``--streams`` decode of the MoE file, bargein and llama.cpp in
+turn (which goes first alternates), N rounds: each round's ratio and their median, so that
+a change is judged against llama.cpp measured in the same minutes (the dense file is not
+run). On a loaded machine the median of several rounds moves far less than one run.
 """
 
 from __future__ import annotations
@@ -23,7 +28,20 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_models import COLUMNS, bench_file  # noqa: E402
+import statistics  # noqa: E402
+
+from bench_models import (  # noqa: E402
+    _BARGEIN,
+    _LLAMA,
+    COLUMNS,
+    LOAD_PROMPT,
+    STREAM_PROMPT,
+    _run,
+    _torch_threads,
+    bench_file,
+    measurements,
+    text_ids,
+)
 from common import base_parser, emit, format_table, machine_info  # noqa: E402
 
 
@@ -46,6 +64,26 @@ def targets(rows: list[dict[str, Any]], moe: str, dense: str, streams: int) -> l
             for name, value, op, goal in checks]
 
 
+def stream_rounds(path: str, precision: str, threads: int | None, streams: int, answer: int,
+                  rounds: int) -> list[dict[str, Any]]:
+    """The ``streams``-stream decode of ``path``, bargein and llama.cpp in turn, ``rounds``
+    times (one fresh process per side and round, as bench_models measures it)."""
+    Path(path).read_bytes()  # the page cache warm for both sides
+    ids = text_ids(path, LOAD_PROMPT + STREAM_PROMPT * 2 + 7 * streams)
+    plan = measurements(ids, streams, answer, ())[f"{streams}_stream"]
+    common = {"model": path, "threads": threads, "precision": precision, "bench": str(Path(__file__).parent),
+              "cpu_threads": _torch_threads()}
+    rows = []
+    for r in range(rounds):
+        sides = [("bargein", _BARGEIN), ("llama.cpp", _LLAMA)]
+        got = {side: _run(script, {**common, **plan})["tok_s"] for side, script in (sides if r % 2 == 0 else sides[::-1])}
+        rows.append({"round": r + 1, "bargein_tok_s": got["bargein"], "llama_cpp_tok_s": got["llama.cpp"],
+                     "ratio": got["bargein"] / got["llama.cpp"]})
+    rows.append({"round": "median", **{key: statistics.median(row[key] for row in rows)
+                                      for key in ("bargein_tok_s", "llama_cpp_tok_s", "ratio")}})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("moe", help="the MoE GGUF (bench/make_moe_gguf.py)")
@@ -54,10 +92,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--load-repeats", type=int, default=3)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--answer", type=int, default=32, help="tokens per stream (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="only the --streams decode of the MoE file, both sides in turn, this many rounds")
     args = parser.parse_args(argv)
     llama = importlib.util.find_spec("llama_cpp") is not None
     if not llama:
         print("llama_cpp (llama-cpp-python) is not importable here: bargein's side only", file=sys.stderr)
+    if args.rounds:
+        if not llama:
+            parser.error("--rounds compares with llama.cpp: llama_cpp is not importable here")
+        rounds = stream_rounds(args.moe, args.precision, args.threads, args.streams, args.answer, args.rounds)
+        result = {"benchmark": "moe_stream_rounds", "streams": args.streams, "precision": args.precision,
+                  "machine": machine_info(), "rounds": rounds}
+        emit(f"The MoE file's {args.streams}-stream decode, bargein and llama.cpp in turn",
+             [("tok/s per round", format_table(rounds, ["round", "bargein_tok_s", "llama_cpp_tok_s", "ratio"]))],
+             result, args.json)
+        return result
     prefills = (128,) if args.quick else (512,)
     streams, answer = (4, 8) if args.quick else (args.streams, args.answer)
     rows: list[dict[str, Any]] = []

@@ -22,4 +22,8 @@ typedef struct {
 int bargein_gguf_matmul(const float *x, int64_t m, const bargein_qmat_t *w, float *y, int exact, int num_threads,
                         int isa);
 
+/* bargein_gguf_matmul on one thread for the few rows of one expert (moe_matmul.c), its row
+ * passes chosen for them: the same bits as bargein_gguf_matmul. */
+int bargein_gguf_matmul_expert(const float *x, int64_t m, const bargein_qmat_t *w, float *y, int exact, int isa);
+
 #endif

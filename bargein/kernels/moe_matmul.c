@@ -14,14 +14,15 @@
  * Experts (bargein_moe_experts). Each expert e has gate, up (inter, hidden) and down
  * (hidden, inter) matrices in a GGUF file's blocks (bargein_qmat_t, read in place: a slice
  * of a stacked expert tensor in the mapped file). The rows that chose e are gathered (in
- * row order), and every (expert, column tile) of gate and up together, and of down, is one
- * work item: gguf_matmul.c's bargein_gguf_matmul over the tile's rows of the matrices (a
- * descriptor pointing into the expert's blocks, no copy: gate's and up's tiles as two
- * segments of one matrix, so that the rows' activations are quantized once for both) for
- * all of the expert's rows at once, on one thread. The work items of gate and up share one
- * parallel region, those of down another; an expert no row chose has no work item and is
- * not read. Between them h = silu(g) * u with
- * silu(a) = a / (1 + expf(-a)), and at the end
+ * row order), and every (expert, column range) of gate and up together, and of down, is
+ * one work item: gguf_matmul.c's bargein_gguf_matmul_expert over the range's rows of the
+ * matrices (a descriptor pointing into the expert's blocks, no copy: gate's and up's ranges
+ * as two segments of one matrix, so that the rows' activations are quantized once for
+ * both) for all of the expert's rows at once, on one thread; a gate/up item then writes
+ * h = silu(g) * u on its columns as the dense layers' SwiGLU does (rowwise.c's
+ * bargein_silu_mul). The items of gate and up share one parallel region, those of down
+ * another; threads claim them one at a time, the costliest first. An expert no row chose
+ * has no work item and is not read. At the end
  *   y[r] = w[r, 0] * out[r, 0] + w[r, 1] * out[r, 1] + ... (slot order, each product and
  *          sum rounded: the library is built with -ffp-contract=off).
  *
@@ -39,11 +40,12 @@
 #include "parallel.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-
+void bargein_silu_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads); /* rowwise.c */
 
 /* Output columns per work item: about ITEMS_PER_THREAD items per thread over the chosen
  * experts' columns, in multiples of 16 within [MIN_TILE, MAX_TILE]. Few items keep the
@@ -68,6 +70,14 @@ typedef struct {
  * (no fma: -ffp-contract=off), so every target gives the per-lane loop's bits. */
 typedef float lanes8_t __attribute__((vector_size(32)));
 
+/* The sum of a's and b's lanes, as dot8 below adds them. */
+static float lanes_sum(lanes8_t acc, const float *a, const float *b, int64_t i, int64_t n) {
+    float lanes[8];
+    memcpy(lanes, &acc, sizeof lanes);
+    for (int l = 0; i < n; i++, l++) lanes[l] += a[i] * b[i];
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
 static float dot8(const float *a, const float *b, int64_t n) {
     lanes8_t acc = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
@@ -77,10 +87,25 @@ static float dot8(const float *a, const float *b, int64_t n) {
         memcpy(&vb, b + i, sizeof vb);
         acc = acc + va * vb;
     }
-    float lanes[8];
-    memcpy(lanes, &acc, sizeof lanes);
-    for (int l = 0; i < n; i++, l++) lanes[l] += a[i] * b[i];
-    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    return lanes_sum(acc, a, b, i, n);
+}
+
+/* dot8(a, b[j * n ..], n) for j = 0 .. 3, bit for bit: four chains side by side, so that
+ * each add need not wait for the one before it in its own chain. */
+static void dot8_4(const float *a, const float *b, int64_t n, float *out) {
+    lanes8_t acc[4] = {{0, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 0}, {0, 0, 0, 0, 0, 0, 0, 0},
+                       {0, 0, 0, 0, 0, 0, 0, 0}};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        lanes8_t va;
+        memcpy(&va, a + i, sizeof va);
+        for (int j = 0; j < 4; j++) {
+            lanes8_t vb;
+            memcpy(&vb, b + j * n + i, sizeof vb);
+            acc[j] = acc[j] + va * vb;
+        }
+    }
+    for (int j = 0; j < 4; j++) out[j] = lanes_sum(acc[j], a, b + j * n, i, n);
 }
 
 static void route_rows(void *arg, int index, int count) {
@@ -89,7 +114,9 @@ static void route_rows(void *arg, int index, int count) {
     if (!logit) return; /* the caller checks ids[0] = -1 marks left */
     for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
         const float *x = job->x + r * job->hidden;
-        for (int64_t e = 0; e < job->rows_w; e++) logit[e] = dot8(x, job->router + e * job->hidden, job->hidden);
+        int64_t e = 0;
+        for (; e + 4 <= job->rows_w; e += 4) dot8_4(x, job->router + e * job->hidden, job->hidden, logit + e);
+        for (; e < job->rows_w; e++) logit[e] = dot8(x, job->router + e * job->hidden, job->hidden);
         float mx = logit[0];
         for (int64_t e = 1; e < job->experts; e++) mx = logit[e] > mx ? logit[e] : mx;
         float sum = 0.0f;
@@ -131,37 +158,34 @@ int bargein_moe_route(const float *x, int64_t m, int64_t hidden, const float *ro
 
 /* ---- experts ------------------------------------------------------------------------- */
 
-/* One work item: columns [col0, col0 + tile) of segment `seg` of one expert's matrix w, into
- * output columns from out_col; where w2 is set, the same columns of its segment seg2 too (up's
- * tile beside gate's: one matmul, one quantization of the rows), into columns from out_col2. */
+/* One work item: output columns [col0, col0 + cols) of one expert, for all its rows: of
+ * gate and up together (the first phase, which then writes h = silu(g) * u on those
+ * columns), or of down (the second). A range lies within one segment of each matrix it
+ * reads. `cost` orders the items, largest first. */
 typedef struct {
-    int64_t expert, seg, col0, out_col, seg2, out_col2;
-    const bargein_qmat_t *w, *w2;
+    int64_t expert, col0, cols, cost;
 } item_t;
 
 typedef struct {
-    const item_t *items;
+    const item_t *items;  /* largest cost first */
     int64_t num_items;
-    const int64_t *cost;  /* (num_items + 1): the items' running cost (rows x columns), for sharing out */
+    _Atomic int64_t next; /* the next item to claim */
+    const bargein_qmat_t *const *w, *const *w2; /* w2: up beside w's gate (first phase), or NULL */
     const float *in;      /* (P, in_width), rows grouped by expert */
     int64_t in_width;
     float *out;           /* (P, out_width) */
     int64_t out_width;
     const int64_t *first; /* (experts + 1): an expert's first grouped row */
-    float *scratch;       /* per thread: max rows of an expert x 2 tiles */
+    float *scratch;       /* per thread: scratch_floats */
     int64_t scratch_floats;
     int *status;          /* per thread */
-    int64_t tile;
     int exact, isa;
 } phase_t;
 
-static int64_t item_cols(const item_t *it, int64_t tile) {
-    const int64_t left = it->w->segs[it->seg].rows - it->col0;
-    return left < tile ? left : tile;
-}
-
-/* Rows [col0, col0 + cols) of a segment, in place. */
-static bargein_qseg_t seg_part(const bargein_qseg_t *seg, int64_t col0, int64_t cols) {
+/* Rows [col0, col0 + cols) of matrix w (which lie in one segment), in place. */
+static bargein_qseg_t rows_of(const bargein_qmat_t *w, int64_t col0, int64_t cols) {
+    const bargein_qseg_t *seg = w->segs;
+    while (col0 >= seg->rows) col0 -= seg++->rows;
     bargein_qseg_t part = *seg;
     part.rows = cols;
     if (seg->order) part.order = seg->order + col0;
@@ -169,51 +193,44 @@ static bargein_qseg_t seg_part(const bargein_qseg_t *seg, int64_t col0, int64_t 
     return part;
 }
 
+/* Where the segment of w that holds row c ends. */
+static int64_t segment_end(const bargein_qmat_t *w, int64_t c) {
+    int64_t end = 0;
+    for (int64_t s = 0; s < w->num_segs && end <= c; s++) end += w->segs[s].rows;
+    return end;
+}
+
+/* Items are claimed one at a time, largest first, by whichever thread is free: a thread
+ * that was descheduled, or got the experts chosen by many rows, leaves the rest to the
+ * others. Which thread runs an item changes no bit of its output. */
 static void run_items(void *arg, int index, int count) {
-    const phase_t *job = (const phase_t *)arg;
+    (void)count;
+    phase_t *job = (phase_t *)arg;
     float *tmp = job->scratch + (int64_t)index * job->scratch_floats;
-    /* A thread takes the items that start within its share of the total cost: experts chosen
-     * by many rows cost more than those chosen by few. */
-    const int64_t total = job->cost[job->num_items];
-    const int64_t from = total * index / count, to = total * (index + 1) / count;
-    int64_t t = 0;
-    while (t < job->num_items && job->cost[t] < from) t++;
-    for (; t < job->num_items && job->cost[t] < to; t++) {
+    for (;;) {
+        const int64_t t = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
+        if (t >= job->num_items) return;
         const item_t *it = &job->items[t];
-        const int64_t cols = item_cols(it, job->tile), width = it->w2 ? 2 * cols : cols;
+        const int64_t e = it->expert, cols = it->cols, r0 = job->first[e], rows = job->first[e + 1] - r0;
         bargein_qseg_t parts[2];
-        parts[0] = seg_part(&it->w->segs[it->seg], it->col0, cols);
-        if (it->w2) parts[1] = seg_part(&it->w2->segs[it->seg2], it->col0, cols);
-        const bargein_qmat_t tile = {parts, it->w2 ? 2 : 1, width, it->w->k};
-        const int64_t r0 = job->first[it->expert], rows = job->first[it->expert + 1] - r0;
-        /* an item of all the output's columns, in their order, writes the output rows itself */
-        const int whole = width == job->out_width && it->out_col == 0 && (!it->w2 || it->out_col2 == cols);
-        float *y = whole ? job->out + r0 * job->out_width : tmp;
-        const int status = bargein_gguf_matmul(job->in + r0 * job->in_width, rows, &tile, y, job->exact, 1, job->isa);
+        parts[0] = rows_of(job->w[e], it->col0, cols);
+        if (job->w2) parts[1] = rows_of(job->w2[e], it->col0, cols);
+        const int64_t width = job->w2 ? 2 * cols : cols;
+        const bargein_qmat_t tile = {parts, job->w2 ? 2 : 1, width, job->w[e]->k};
+        const int whole = cols == job->out_width; /* the item writes whole rows of the output */
+        float *y = job->w2 || !whole ? tmp : job->out + r0 * job->out_width;
+        const int status = bargein_gguf_matmul_expert(job->in + r0 * job->in_width, rows, &tile, y, job->exact, job->isa);
         if (status) {
             job->status[index] = status;
             return;
         }
-        for (int64_t i = 0; i < rows && !whole; i++) {
-            float *row = job->out + (r0 + i) * job->out_width;
-            memcpy(row + it->out_col, tmp + i * width, sizeof(float) * (size_t)cols);
-            if (it->w2) memcpy(row + it->out_col2, tmp + i * width + cols, sizeof(float) * (size_t)cols);
+        if (job->w2) { /* rows of [g | u] in tmp: h into the output's rows, or into tmp's second part */
+            float *h = whole ? job->out + r0 * job->out_width : tmp + rows * width;
+            bargein_silu_mul(tmp, h, rows, cols, 1);
+            y = h;
         }
-    }
-}
-
-typedef struct {
-    float *gu;  /* (P, 2 inter): [g | u] */
-    float *h;   /* (P, inter) */
-    int64_t rows, inter;
-} swiglu_t;
-
-static void swiglu_rows(void *arg, int index, int count) {
-    const swiglu_t *job = (const swiglu_t *)arg;
-    for (int64_t r = job->rows * index / count; r < job->rows * (index + 1) / count; r++) {
-        const float *g = job->gu + r * 2 * job->inter, *u = g + job->inter;
-        float *h = job->h + r * job->inter;
-        for (int64_t i = 0; i < job->inter; i++) h[i] = g[i] / (1.0f + bargein_expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < rows && !whole; i++)
+            memcpy(job->out + (r0 + i) * job->out_width + it->col0, y + i * cols, sizeof(float) * (size_t)cols);
     }
 }
 
@@ -239,45 +256,44 @@ static void combine_rows(void *arg, int index, int count) {
     }
 }
 
-/* Whether w2's segments pair with w's (the same number, each of the same rows). */
-static int pairable(const bargein_qmat_t *w, const bargein_qmat_t *w2) {
-    if (w->num_segs != w2->num_segs || w->k != w2->k) return 0;
-    for (int64_t s = 0; s < w->num_segs; s++)
-        if (w->segs[s].rows != w2->segs[s].rows) return 0;
-    return 1;
+static int by_cost(const void *a, const void *b) {
+    const item_t *x = (const item_t *)a, *y = (const item_t *)b;
+    if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
+    if (x->expert != y->expert) return x->expert < y->expert ? -1 : 1;
+    return x->col0 < y->col0 ? -1 : x->col0 > y->col0;
 }
 
-/* The work items of matrices w[e] (into output columns from out_base) and, where w2 is not
- * NULL, w2[e] (from out_base2), for the experts with rows: each segment's rows in tiles, a
- * tile of w2 beside the same tile of w where their segments pair. */
+/* The work items over the `columns` output columns of matrices w[e] (and w2[e] beside
+ * them, where not NULL) for the experts with rows, in ranges of at most `tile` within
+ * one segment of each, largest cost first. The cost of a range: its columns times the
+ * expert's rows plus DECODE_ROWS (each call decodes the blocks it reads once or twice:
+ * about as long as two rows' products), for each matrix. */
+#define DECODE_ROWS 2
 static int64_t list_items(item_t *items, const bargein_qmat_t *const *w, const bargein_qmat_t *const *w2,
-                          const int64_t *first, int64_t experts, int64_t out_base, int64_t out_base2, int64_t tile) {
+                          const int64_t *first, int64_t experts, int64_t columns, int64_t tile) {
     int64_t count = 0;
     for (int64_t e = 0; e < experts; e++) {
-        if (first[e + 1] == first[e]) continue; /* no row chose it: never read */
-        const int paired = w2 && pairable(w[e], w2[e]);
-        int64_t col = out_base, col2 = out_base2;
-        for (int64_t s = 0; s < w[e]->num_segs; s++) {
-            for (int64_t c = 0; c < w[e]->segs[s].rows; c += tile)
-                items[count++] = (item_t){e, s, c, col + c, s, col2 + c, w[e], paired ? w2[e] : NULL};
-            col += w[e]->segs[s].rows;
-            col2 += w[e]->segs[s].rows;
-        }
-        if (!w2 || paired) continue;
-        col2 = out_base2;
-        for (int64_t s = 0; s < w2[e]->num_segs; s++) {
-            for (int64_t c = 0; c < w2[e]->segs[s].rows; c += tile)
-                items[count++] = (item_t){e, s, c, col2 + c, 0, 0, w2[e], NULL};
-            col2 += w2[e]->segs[s].rows;
+        const int64_t rows = first[e + 1] - first[e];
+        if (rows == 0) continue; /* no row chose it: never read */
+        for (int64_t c = 0; c < columns;) {
+            int64_t end = c + tile < columns ? c + tile : columns, seg_end = segment_end(w[e], c);
+            end = end < seg_end ? end : seg_end;
+            if (w2 && (seg_end = segment_end(w2[e], c)) < end) end = seg_end;
+            items[count++] = (item_t){e, c, end - c, (end - c) * (rows + DECODE_ROWS) * (w2 ? 2 : 1)};
+            c = end;
         }
     }
+    qsort(items, (size_t)count, sizeof(item_t), by_cost);
     return count;
 }
 
-static int64_t tiles_of(const bargein_qmat_t *const *w, int64_t experts, int64_t tile) {
+/* The items one phase can have at most: every expert's columns in ranges of `tile`, split
+ * again at each segment boundary of either matrix. */
+static int64_t max_items(const bargein_qmat_t *const *w, const bargein_qmat_t *const *w2, int64_t experts,
+                         int64_t columns, int64_t tile) {
     int64_t count = 0;
     for (int64_t e = 0; e < experts; e++)
-        for (int64_t s = 0; s < w[e]->num_segs; s++) count += (w[e]->segs[s].rows + tile - 1) / tile;
+        count += (columns + tile - 1) / tile + w[e]->num_segs + (w2 ? w2[e]->num_segs : 0);
     return count;
 }
 
@@ -290,14 +306,8 @@ static int64_t tile_for(const int64_t *first, int64_t experts, int64_t columns_p
     return tile < MIN_TILE ? MIN_TILE : tile > MAX_TILE ? MAX_TILE : tile;
 }
 
-static int run_phase(phase_t *job, int64_t *cost, int num_threads) {
-    cost[0] = 0;
-    for (int64_t t = 0; t < job->num_items; t++) {
-        const item_t *it = &job->items[t];
-        const int64_t rows = job->first[it->expert + 1] - job->first[it->expert];
-        cost[t + 1] = cost[t] + rows * item_cols(it, job->tile) * (it->w2 ? 2 : 1);
-    }
-    job->cost = cost;
+static int run_phase(phase_t *job, int num_threads) {
+    atomic_store_explicit(&job->next, 0, memory_order_relaxed);
     int threads = job->num_items < num_threads ? (int)job->num_items : num_threads;
     if (threads < 1) threads = 1;
     for (int i = 0; i < threads; i++) job->status[i] = 0;
@@ -346,7 +356,6 @@ int bargein_moe_experts_in(const float *x, int64_t m, int64_t hidden, int64_t in
     int64_t *fill = calloc((size_t)experts, sizeof(int64_t));
     int *statuses = malloc(sizeof(int) * (size_t)num_threads);
     item_t *items = NULL;
-    int64_t *cost = NULL;
     if (!first || !pos || !fill || !statuses) goto done;
     /* Group the (row, slot) pairs by expert, rows in order within an expert. */
     for (int64_t i = 0; i < pairs; i++) first[ids[i] + 1]++;
@@ -356,31 +365,28 @@ int bargein_moe_experts_in(const float *x, int64_t m, int64_t hidden, int64_t in
         first[e + 1] += first[e];
     }
     const int64_t tile = tile_for(first, experts, 2 * inter + hidden, num_threads);
-    const int64_t num_items = tiles_of(gate, experts, tile) + tiles_of(up, experts, tile) + tiles_of(down, experts, tile);
-    items = malloc(sizeof(item_t) * (size_t)(num_items > 0 ? num_items : 1));
-    cost = malloc(sizeof(int64_t) * (size_t)(num_items + 1));
-    const int64_t scratch_floats = (most * 2 * tile + 15) / 16 * 16;
-    const int64_t sizes[5] = {pairs * hidden, pairs * 2 * inter, pairs * inter, pairs * hidden,
-                              scratch_floats * num_threads};
-    float *buffers[5];
-    if (!items || !cost || take_floats(scratch, 5, sizes, buffers)) goto done;
-    float *xg = buffers[0], *gu = buffers[1], *h = buffers[2], *out = buffers[3];
+    const int64_t first_items = max_items(gate, up, experts, inter, tile), down_items = max_items(down, NULL, experts,
+                                                                                                    hidden, tile);
+    items = malloc(sizeof(item_t) * (size_t)(first_items > down_items ? first_items : down_items));
+    /* per thread: an item's [g | u] rows and its h rows (3 tiles), or its rows of down */
+    const int64_t scratch_floats = (most * 3 * tile + 15) / 16 * 16;
+    const int64_t sizes[4] = {pairs * hidden, pairs * inter, pairs * hidden, scratch_floats * num_threads};
+    float *buffers[4];
+    if (!items || take_floats(scratch, 4, sizes, buffers)) goto done;
+    float *xg = buffers[0], *h = buffers[1], *out = buffers[2];
     for (int64_t i = 0; i < pairs; i++) {
         const int64_t e = ids[i], p = first[e] + fill[e]++;
         pos[i] = p;
         memcpy(xg + p * hidden, x + (i / topk) * hidden, sizeof(float) * (size_t)hidden);
     }
-    /* gate and up: one region */
-    phase_t job = {items, list_items(items, gate, up, first, experts, 0, inter, tile), NULL, xg, hidden, gu,
-                   2 * inter, first, buffers[4], scratch_floats, statuses, tile, exact, isa};
-    if ((status = run_phase(&job, cost, num_threads))) goto done;
-    swiglu_t act = {gu, h, pairs, inter};
-    const int64_t act_threads = pairs / 4 < num_threads ? pairs / 4 : num_threads;
-    bargein_parallel_run(swiglu_rows, &act, act_threads > 1 ? (int)act_threads : 1);
+    /* gate and up, then h = silu(g) * u: one region */
+    phase_t job = {items, list_items(items, gate, up, first, experts, inter, tile), 0, gate, up, xg, hidden, h,
+                   inter, first, buffers[3], scratch_floats, statuses, exact, isa};
+    if ((status = run_phase(&job, num_threads))) goto done;
     /* down: another */
-    job.num_items = list_items(items, down, NULL, first, experts, 0, 0, tile);
-    job.in = h, job.in_width = inter, job.out = out, job.out_width = hidden;
-    if ((status = run_phase(&job, cost, num_threads))) goto done;
+    job.num_items = list_items(items, down, NULL, first, experts, hidden, tile);
+    job.w = down, job.w2 = NULL, job.in = h, job.in_width = inter, job.out = out, job.out_width = hidden;
+    if ((status = run_phase(&job, num_threads))) goto done;
     combine_t sum = {out, weights, pos, y, m, hidden, topk};
     const int64_t sum_threads = m / 4 < num_threads ? m / 4 : num_threads;
     bargein_parallel_run(combine_rows, &sum, sum_threads > 1 ? (int)sum_threads : 1);
@@ -390,7 +396,6 @@ done:
     free(pos);
     free(fill);
     free(items);
-    free(cost);
     free(statuses);
     return status;
 }

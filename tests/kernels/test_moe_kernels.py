@@ -6,7 +6,10 @@
   product of gguf.quants' values to float32 rounding; ``fast`` is the float64 product of
   the int8-rounded activations (per block of 32) to the int8 path's error;
 - a row's output is bit-identical alone, in a batch whose rows route to other experts, in
-  one where every row shares one expert, and for every thread count.
+  one where every row shares one expert, and for every thread count;
+- an expert's rows through the grouped path (passes of up to 8 rows, 1 to 12 rows, on
+  every instruction-set path, its matrices in one segment or two) are bit for bit the
+  dense matmuls (gguf_matmul.c's bargein_gguf_matmul) and the dense SwiGLU.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ import torch
 
 from bargein.kernels.moe_native import ExpertTable
 from bargein.kernels.native import load_native_kernels
-from bargein.kernels.native_structs import NativeKernelError
+from bargein.kernels.native_structs import NativeKernelError, describe_quant
+from bargein.kernels.quant_weight import QuantWeight
 from tests.gguf_blocks import TYPES, T, gguf_dequantize, random_weight
+from tests.kernels.isa_params import isa_params
 from tests.kernels.test_gguf_kernels import K_CHAIN, int8_activations
 
 KERNELS = load_native_kernels()
@@ -112,3 +117,33 @@ def test_an_expert_id_outside_the_layer_is_refused() -> None:
     with pytest.raises(NativeKernelError, match="outside"):
         KERNELS.moe.experts(x, table, torch.tensor([[0, 4], [1, 2]]), torch.ones(2, 2), exact=False,
                             num_threads=1, isa=KERNELS.q8_isa)
+
+
+def _two_segments(weight: QuantWeight) -> QuantWeight:
+    """The same matrix as two segments (its first 100 rows, then the rest) over the same blocks: a
+    boundary inside a work item's column range."""
+    data, qtype, n, k = weight.segments[0].data, weight.segments[0].qtype, *weight.shape
+    return QuantWeight.cat_rows([QuantWeight.of(qtype, data[:100], 100, k), QuantWeight.of(qtype, data[100:], n - 100, k)])
+
+
+@pytest.mark.parametrize("isa", isa_params(KERNELS))
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0], ids=lambda t: t.name)
+def test_an_experts_rows_are_the_dense_matmuls_bits(qtype: T, isa: str) -> None:
+    """Every row count from 1 to 12 on one expert (all rows chose it, weight 1: y is its
+    MLP's output unscaled) gives the dense path's bits: the VNNI K chain's passes of 5 to 8
+    rows and the passes of 4, 2 or 1 row of the other paths and types alike."""
+    rng = np.random.default_rng(int(qtype))
+    gate, up, down = (random_weight(qtype, INTER, HIDDEN, rng), random_weight(qtype, INTER, HIDDEN, rng),
+                      random_weight(qtype, HIDDEN, INTER, rng))
+    tables = {"one segment": ExpertTable([gate], [up], [down]),
+              "two segments": ExpertTable([_two_segments(gate)], [_two_segments(up)], [_two_segments(down)])}
+    gate_up, down_q = describe_quant(QuantWeight.cat_rows([gate, up])), describe_quant(down)
+    x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(5)) * 0.5
+    isa_id = {"c": 0, "avx2": 1, "vnni": 2}[isa]
+    for m in range(1, 13):
+        rows = x[:m].contiguous()
+        want = KERNELS.quant_matmul(KERNELS.silu_mul(KERNELS.quant_matmul(rows, gate_up, 1), 1), down_q, 1)
+        for name, table in tables.items():
+            got = KERNELS.moe.experts(rows, table, torch.zeros(m, 1, dtype=torch.int64), torch.ones(m, 1),
+                                      exact=False, num_threads=2, isa=isa_id)
+            assert torch.equal(got, want), (m, name)
