@@ -319,8 +319,12 @@ def test_chat_two_choices_interleave_by_index(live_server, fingerprint):
 COMPLETION_SCENARIOS = {
     "length": ({"prompt": "The capital of France is", "max_tokens": 5}, r"R0( C0){1,5} F0:length U D"),
     "stop-string": ({"prompt": "One, two, three, four,", "max_tokens": 50, "stop": [","]}, r"R0( C0)+ F0:stop U D"),
-    "cancelled-by-id": ({"prompt": LONG, "max_tokens": 300}, r"R0( C0){3,} F0:cancelled:user U D"),
-    "deadline": ({"prompt": LONG, "max_tokens": 1000, "timeout": 0.5}, r"R0( C0)* F0:cancelled:deadline U D"),
+    # ignore_eos: a raw completion of LONG is near a tie between a newline and the end of
+    # text (exact: -1.83 / -1.88 nats), which any change of fast's bits can flip; these two
+    # scenarios need an answer that is still running when it is cancelled.
+    "cancelled-by-id": ({"prompt": LONG, "max_tokens": 300, "ignore_eos": True}, r"R0( C0){3,} F0:cancelled:user U D"),
+    "deadline": ({"prompt": LONG, "max_tokens": 1000, "timeout": 0.5, "ignore_eos": True},
+                 r"R0( C0)* F0:cancelled:deadline U D"),
 }
 
 
