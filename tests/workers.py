@@ -39,7 +39,6 @@ except ImportError:  # pytest-xdist is a test extra; without it the suite runs i
 SHARED_FIXTURES = {
     "ray_cluster": "ray",  # a Ray cluster of 3 nodes (tests/ray_cluster.py)
     "portable_kernels": "portable-kernels",  # a ~25 s build (tests/kernels/conftest.py)
-    "replica_set": "ray",  # 2 replica processes (tests/distributed/conftest.py)
 }
 
 GROUPED_MODULES = {

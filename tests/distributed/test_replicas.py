@@ -1,8 +1,7 @@
 """N engine replicas on a Ray cluster behind one facade (issue 17).
 
 One :class:`ReplicaSet` of 2 tiny-engine replicas (one CPU, one torch thread each) on the
-shared simulated cluster serves every test of this module, and test_replicas_tenants.py
-after it (``replica_set``, tests/distributed/conftest.py); the kill test comes last and
+shared simulated cluster serves every test of this module; the kill test comes last and
 leaves the set whole again (Ray restarts the replica). Each test compares against a
 single in-process engine on the same weights: greedy tokens exactly, seeded sampled
 tokens exactly.
@@ -12,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
 import jsonschema
 import pytest
+import torch
 
 pytest.importorskip("ray")
 
@@ -34,18 +35,54 @@ from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.app import create_app  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
 from bargein.server.tools import tool_plan  # noqa: E402
-from tests.distributed.replica_engines import build_replica_engine  # noqa: E402
+from tests.tiny_engine import tiny_engine  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 ENDLESS = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(6 + 3 * i)] for i in range(5)]
 
 
+def build_replica_engine() -> Engine:
+    """Runs on each replica's node (pickled by reference): the tiny engine, one torch thread,
+    whose forward hangs for a request named ``hang-*`` once it has 3 tokens (not resumed)."""
+    torch.set_num_threads(1)
+    engine = tiny_engine(num_blocks=96, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    engine.runner = _HangingRunner(engine)
+    return engine
+
+
+class _HangingRunner:
+    """The engine's runner, except that a plan with a ``hang-*`` request at 3 output tokens
+    (not a resumed one) never returns: a hung forward, while the actor still answers."""
+
+    def __init__(self, engine: Engine):
+        self._engine, self._inner, self._plan = engine, engine.runner, None
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def submit(self, plan) -> None:
+        self._plan = plan
+        self._inner.submit(plan)
+
+    def collect(self):
+        for chunk in self._plan.sampled:
+            req = self._engine.scheduler.requests.get(chunk.request_id)
+            if chunk.request_id.startswith("hang-") and req is not None and req.output_offset == 0 \
+                    and req.num_output_tokens >= 3:
+                threading.Event().wait()
+        return self._inner.collect()
+
+
 @pytest.fixture(scope="module")
-def replicas(replica_set) -> ReplicaSet:
-    """The session's set of 2 tiny-engine replicas (tests/distributed/conftest.py), which
-    test_replicas_tenants.py uses after this module."""
-    return replica_set
+def replicas(ray_cluster) -> ReplicaSet:
+    # queue_cost_tokens=0: a shared prefix of a block or two draws requests to where it is
+    # cached whatever the queue, so the failover tests can gather their requests on one
+    # replica (the load-aware rule is tested in test_router.py and on the namespace hosts).
+    group = start_replicas(BuildWith(build_replica_engine), 2,
+                           ReplicaOptions(num_cpus=1, call_timeout_s=5.0, hang_timeout_s=4.0, queue_cost_tokens=0))
+    yield group
+    group.close()
 
 
 @pytest.fixture(scope="module")

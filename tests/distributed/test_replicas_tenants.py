@@ -1,8 +1,7 @@
 """Tenants' prefix-cache namespaces through a real replica set on Ray (issue 34).
 
 ``test_route_tenants.py`` checks the router alone against a block pool; this drives a
-:class:`ReplicaSet` of two tiny-engine replicas on the shared simulated cluster (the one
-test_replicas.py uses, ``replica_set`` in tests/distributed/conftest.py), with the
+:class:`ReplicaSet` of two tiny-engine replicas on the shared simulated cluster, with the
 namespaces the server gives tenants (``prefix_namespace``) as each request's
 ``cache_salt``. Alice and Bob send the same prompt, get the same greedy answer and then
 continue with the same next turn, so their token sequences are identical and only the
@@ -24,7 +23,7 @@ import torch
 
 pytest.importorskip("ray")
 
-from bargein.distributed.replicas import ReplicaSet  # noqa: E402
+from bargein.distributed.replicas import BuildWith, ReplicaOptions, ReplicaSet, start_replicas  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.tenants import Tenant, prefix_namespace  # noqa: E402
@@ -38,17 +37,17 @@ BOB = prefix_namespace(Tenant("bob"), None, shared=False)
 
 
 def build_tenant_replica() -> Engine:
-    """The reference in this process: the replicas' tiny engine and weights (their pools
-    are larger, which changes no answer), one torch thread."""
+    """Runs on each replica's node (pickled by reference): the tiny engine, one torch thread."""
     torch.set_num_threads(1)
     return tiny_engine(num_blocks=64, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
-def replicas(replica_set) -> ReplicaSet:
-    """The session's 2 tiny-engine replicas (the same weights as :func:`build_tenant_replica`),
-    whose router follows any cached prefix whatever the queue (``queue_cost_tokens=0``)."""
-    return replica_set
+def replicas(ray_cluster) -> Iterator[ReplicaSet]:
+    group = start_replicas(BuildWith(build_tenant_replica), 2,
+                           ReplicaOptions(num_cpus=1, call_timeout_s=10.0, queue_cost_tokens=0))
+    yield group
+    group.close()
 
 
 def greedy(salt: str | None, max_tokens: int = 6) -> SamplingParams:
