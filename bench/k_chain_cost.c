@@ -27,16 +27,10 @@
 #include <string.h>
 #include <time.h>
 
-typedef struct {
-    int64_t type;
-    const uint8_t *data;
-    int64_t row_bytes, rows;
-    const int64_t *order;
-} seg_t; /* bargein_qseg_t */
-typedef struct {
-    const seg_t *segs;
-    int64_t num_segs, n, k;
-} mat_t; /* bargein_qmat_t */
+#include "../bargein/kernels/gguf_matrix.h" /* the matrix as the library takes it */
+
+typedef bargein_qseg_t seg_t;
+typedef bargein_qmat_t mat_t;
 typedef int (*matmul_fn)(const float *, int64_t, const mat_t *, float *, int, int, int);
 
 typedef struct {
