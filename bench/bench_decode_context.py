@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import apply_threads, base_parser, emit, format_table, machine_info, rnd  # noqa: E402
+from common import apply_threads, base_parser, emit, format_table, machine_info, rnd, token_gaps  # noqa: E402
 
 
 def parse_args():
@@ -45,14 +45,8 @@ def decode_gaps(engine, context: int, tokens: int, salt: int, forwards: list[flo
     collector = OutputCollector(engine)
     collector.add_request([1000 + (7 * i + salt) % 20000 for i in range(context)],
                           SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-    last, gaps, start = None, [], len(forwards)
-    while collector.pending:
-        outs = collector.step()
-        now = time.perf_counter()
-        if any(o.new_token_ids for o in outs):
-            if last is not None:
-                gaps.append(now - last)
-            last = now
+    start = len(forwards)
+    gaps = token_gaps(collector)
     decode_forwards = forwards[start + 2:]  # past the prompt's steps and the first token's
     return 1000 * statistics.median(gaps), 1000 * statistics.median(decode_forwards or [float("nan")])
 

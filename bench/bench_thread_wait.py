@@ -28,11 +28,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_parser, emit, format_table, machine_info, median  # noqa: E402
+from common import base_parser, emit, format_table, machine_info, median, token_gaps  # noqa: E402
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -52,14 +51,7 @@ def child(threads: int, tokens: int, repeats: int, model: str | None) -> dict:
         collector = OutputCollector(engine)
         collector.add_request([2000 + 3 * i + r for i in range(128)],
                               SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-        last, gaps = None, []
-        while collector.pending:
-            outs = collector.step()
-            now = time.perf_counter()
-            if any(o.new_token_ids for o in outs):
-                if last is not None:
-                    gaps.append(now - last)
-                last = now
+        gaps = token_gaps(collector)
         itl.append(statistics.median(gaps) * 1000)
     return {"itl_ms": statistics.median(itl), "itl_runs_ms": itl}
 

@@ -67,6 +67,20 @@ def drive_to_completion(step: Callable[[], Iterable[Any]], abort: Callable[[str]
     return result
 
 
+def token_gaps(collector: Any) -> list[float]:
+    """Steps an OutputCollector until nothing is pending; the seconds between consecutive
+    steps that emitted a token (the first emitting step starts the clock)."""
+    last, gaps = None, []
+    while collector.pending:
+        outs = collector.step()
+        now = time.perf_counter()
+        if any(o.new_token_ids for o in outs):
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+    return gaps
+
+
 def median(values: Iterable[float]) -> float:
     data = list(values)
     return statistics.median(data) if data else math.nan
