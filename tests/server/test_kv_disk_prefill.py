@@ -31,10 +31,12 @@ BLOCK = 16
 SPEC = TinySpec(max_position_embeddings=4096)
 NO_CONTROL = {str(tiny_tokenizer().token_to_id(t)): -100 for t in SPECIAL_TOKENS}
 TURN = {"temperature": 0, "max_tokens": 8, "ignore_eos": True, "logit_bias": NO_CONTROL, "return_token_ids": True}
-# 16 prompt tokens a step and no step-time target (which would size chunks by time): a
-# ~2,000-token prompt is read in ~125 steps, so a cancel sent once half is read lands long
-# before the end.
-ARGS = ("--max-num-batched-tokens", "16", "--max-step-ms", "0", "--kv-tokens", "4096", "--log-level", "warning",
+# 4 prompt tokens a step and no step-time target (which would size chunks by time): a
+# ~2,000-token prompt is read in ~500 steps, so a cancel sent once half is read lands long
+# before the end even where the poll and the cancel wait on a loaded machine (with 16 a
+# step, the tiny model's second half took ~150 ms, which a busy CI machine's HTTP
+# round trips outlasted).
+ARGS = ("--max-num-batched-tokens", "4", "--max-step-ms", "0", "--kv-tokens", "4096", "--log-level", "warning",
         "--debug-endpoints")
 
 
