@@ -1,0 +1,116 @@
+"""What one expert's MLP costs in `fast` (moe_matmul.c through bargein_gguf_matmul_expert), split
+into the part paid once per expert read and the part paid per row that chose it.
+
+A 32-stream decode step of the 48-expert top-8 file gives each expert ~5.3 rows (32 * 8 /
+48), so the step's expert time is about experts * (fixed + 5.3 * per_row) per layer. This
+times the native experts call of every MoE layer of a GGUF with ``r`` rows all choosing the
+same ``topk`` experts (so each chosen expert gets exactly ``r`` rows), for each ``r`` of
+``--rows``, cycling over the layers and over the experts as a step does (their weights come
+from memory, not from the cache), on one thread, in process CPU seconds (a loaded machine's
+waits for a core do not count), the instruction-set paths in turn within each round;
+medians over ``--rounds``. Then a least-squares line per path: ``us_per_expert = fixed +
+per_row * rows``, and what it predicts for a step's mean rows per expert.
+
+    python bench/bench_moe_experts.py /work/models/moe/qwen3moe-2b.Q4_K_M.gguf
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, format_table, machine_info  # noqa: E402
+
+from bargein.kernels.native import Q8_ISAS  # noqa: E402
+from bargein.kernels.ops import resolve_kernels  # noqa: E402
+from bargein.loader import load_config, load_weights, resolve_model_ref  # noqa: E402
+from bargein.model.llama import LlamaStage  # noqa: E402
+from bargein.model.moe import MoEFeedForward  # noqa: E402
+
+PATHS = {"vnni": "AVX-512 VNNI", "avx2": "AVX2"}  # the x86 paths, best first
+
+
+def moe_layers(path: str) -> list[MoEFeedForward]:
+    """The file's MoE feed-forward modules in `fast` (their experts read in place from the file)."""
+    source = resolve_model_ref(path)
+    config = load_config(source)
+    weights = dict(load_weights(source, config, blocks=True, progress=False))
+    stage = LlamaStage(config, weights, None, kernels=resolve_kernels("cpu", precision="fast"))
+    layers = [layer.feed_forward for layer in stage.layers if isinstance(layer.feed_forward, MoEFeedForward)]
+    if not layers or layers[0].table is None:
+        raise SystemExit(f"{path}: no MoE layers with native expert tables")
+    return layers
+
+
+def time_rows(layers: list[MoEFeedForward], rows: int, isa: int) -> float:
+    """Microseconds of CPU per expert call with ``rows`` rows, over every layer and every
+    group of ``topk`` experts in turn."""
+    first = layers[0]
+    native, topk, experts = first.kernels.native, first.topk, first.num_experts
+    x = torch.randn(rows, first.table.hidden, generator=torch.Generator().manual_seed(rows))
+    weights = torch.full((rows, topk), 1.0 / topk)
+    groups = [torch.arange(g, g + topk).repeat(rows, 1).contiguous() for g in range(0, experts - topk + 1, topk)]
+    started = time.process_time()
+    for layer in layers:
+        for ids in groups:
+            native.moe.experts(x, layer.table, ids, weights, exact=False, num_threads=1, isa=isa)
+    return (time.process_time() - started) / (len(layers) * len(groups) * topk) * 1e6
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares (fixed, per_row) of us = fixed + per_row * rows."""
+    n = len(points)
+    mx, my = sum(r for r, _ in points) / n, sum(t for _, t in points) / n
+    slope = sum((r - mx) * (t - my) for r, t in points) / sum((r - mx) ** 2 for r, _ in points)
+    return my - slope * mx, slope
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("moe", help="an MoE GGUF (bench/make_moe_gguf.py)")
+    parser.add_argument("--rows", default="1,2,4,5,6,8,12,16", help="rows per expert (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--streams", type=int, default=32, help="a step's rows, for the prediction")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    layers = moe_layers(args.moe)
+    native = layers[0].kernels.native
+    isas = [Q8_ISAS[name] for name in PATHS if native.q8_isa_available(name)]
+    names = {Q8_ISAS[name]: label for name, label in PATHS.items()}
+    counts = [int(r) for r in args.rows.split(",")]
+    for isa in isas:  # first calls: the library's lazy set-up, pages of the file mapped
+        time_rows(layers, 1, isa)
+    times: dict[tuple[int, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for rows in counts:
+            for isa in isas:
+                times.setdefault((isa, rows), []).append(time_rows(layers, rows, isa))
+    table = [{"rows": rows, **{names[isa]: statistics.median(times[isa, rows]) for isa in isas}}
+             for rows in counts]
+    mean_rows = args.streams * layers[0].topk / layers[0].num_experts
+    lines = []
+    for isa in isas:
+        fixed, per_row = fit([(rows, statistics.median(times[isa, rows])) for rows in counts])
+        step = fixed + per_row * mean_rows
+        lines.append({"path": names[isa], "fixed_us": fixed, "per_row_us": per_row,
+                      "mean_rows": mean_rows, "us_per_expert_at_mean": step,
+                      "rows_share": per_row * mean_rows / step})
+    result = {"benchmark": "moe_experts", "file": Path(args.moe).name, "machine": machine_info(),
+              "us_per_expert_call": table, "fit": lines}
+    emit("One expert's MLP: the part per expert read and the part per row (CPU us, one thread)",
+         [("us per expert call, by rows per expert", format_table(table)),
+          ("us = fixed + per_row * rows", format_table(lines))], result, args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()
