@@ -58,7 +58,8 @@
  * from the file's blocks gives the bits a BlockWeight of the same blocks gives there.
  * Either chain depends on nothing but row r, column j and k: work is split over output columns (tiles of 16
  * within a segment), so every row count, thread count and instruction-set path (plain C,
- * AVX2, AVX-512 VNNI on 256-bit registers) gives the same bits.
+ * AVX2, AVX-512 VNNI on 256-bit registers, its K chain's many-row tile pass on 512-bit
+ * ones: gguf_tile_zmm.h) gives the same bits.
  *
  * Vector paths. Each thread decodes a tile of 16 columns, the whole of k, once per call:
  * a column's blocks into bytes u = q + off (the type's offset, so every quant is
@@ -614,6 +615,52 @@ static tile_t tile_scratch(const job_t *job, int index) {
 static void build_tile(const job_t *job, const tile_t *tl, const bargein_qseg_t *seg, const qinfo_t *info,
                        int64_t col0);
 
+/* The weights of the group a tile ahead, fetched into L2 by the first pass over a group,
+ * a few lines per step (block or pair of blocks), each line once: eight interleaved
+ * column streams are more than the hardware prefetcher follows at one row's speed, and a
+ * block or a pair can span two lines or more (fetching one line per block left the rest
+ * to demand misses: the 1-row head ran at half BlockWeight's speed). The range is one
+ * stretch where the eight rows lie back to back, else one per column. A prefetch past
+ * the data never faults. */
+typedef struct {
+    const uint8_t *base[8];
+    int ranges;
+    int64_t lines, per_step; /* lines per range, lines fetched per range and step */
+} ahead_t;
+
+static ahead_t ahead_plan(const bargein_qseg_t *seg, int64_t first, int64_t span, int64_t steps) {
+    ahead_t p;
+    const int together = seg->order == NULL && first + 7 < seg->rows;
+    p.ranges = together ? 1 : 8;
+    for (int c = 0; c < 8; c++) p.base[c] = column_row(seg, first + c < seg->rows ? first + c : seg->rows - 1);
+    const int64_t bytes = together ? 7 * seg->row_bytes + span : span;
+    p.lines = (bytes + 126) / 64; /* from an unaligned start */
+    p.per_step = (p.lines + steps - 1) / steps;
+    return p;
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(const ahead_t *p, int64_t step) {
+    const int64_t l0 = step * p->per_step, l1 = l0 + p->per_step < p->lines ? l0 + p->per_step : p->lines;
+    for (int i = 0; i < p->ranges; i++)
+        for (int64_t l = l0; l < l1; l++) _mm_prefetch((const char *)(p->base[i] + 64 * l), _MM_HINT_T1);
+}
+
+/* The plans for the tile after tile t (of this thread's tiles t .. t1 - 1; any segment),
+ * one per eight columns, in k / 256 steps (a tile pass's superblocks): 1 if there is
+ * one, else 0. The many-row passes read a tile many times from L1/L2 while its
+ * successor's blocks would otherwise wait for build_tile's demand misses: 16 column
+ * streams are more than the hardware prefetcher follows. */
+static int tile_ahead(const job_t *job, int64_t t, int64_t t1, ahead_t ahead[2]) {
+    if (t + 1 >= t1) return 0;
+    const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[t + 1]];
+    qinfo_t info;
+    if (gguf_qinfo((int)seg->type, &info)) return 0;
+    const int64_t span = job->k / info.qk * info.bytes, steps = job->k / 256 > 0 ? job->k / 256 : 1;
+    for (int v = 0; v < 2; v++) ahead[v] = ahead_plan(seg, job->tile_col[t + 1] + 8 * v, span, steps);
+    return 1;
+}
+
+
 /* The float steps of the header for one block b, eight columns (v) and one row. */
 #define FLOAT_STEPS(ACC, DLO, DHI, V, R)                                                                   \
     {                                                                                                      \
@@ -745,8 +792,8 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
  * columns times the integer scales from the panels and the row's multiple m of the
  * block, summed in int32 (exact, so in any order), then the header's float steps once.
  * K_DOT adds one group of four quants' products, with m already in (K_M_IN_DOT: AVX2's
- * madd by m instead of by ones) or not (VNNI: times m once per block and row after the
- * scales). Panels (params_at): sc at [(2 * b) * TILE + c] per 32-block b (Q6_K: per half
+ * madd by m instead of by ones) or not (times m once per block and row after the
+ * scales, as gguf_tile_zmm.h's VNNI pass does on 512-bit registers). Panels (params_at): sc at [(2 * b) * TILE + c] per 32-block b (Q6_K: per half
  * at [h * TILE + c]), the mins as int16 pairs at [(16 t + p) * TILE + c] (times the rows'
  * m pairs, int16: at most 63 * 16), d and -dmin at the superblock's first 32-block. */
 #define TILE_K_BODY(ROWS_MAX)                                                                              \
@@ -756,6 +803,7 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
     __m256 acc[ROWS_MAX][2];                                                                               \
     for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                          \
     for (int64_t t = 0; t < supers; t++) {                                                                 \
+        if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);                                   \
         __m256i dk[ROWS_MAX][2];                                                                           \
         for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();                     \
         for (int j = 0; j < 8; j++) {                                                                      \
@@ -837,23 +885,25 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const qinf
 #define K_DOT(ACC, W, X, M) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), M))
 #define K_MADD_ADD(ACC, A, B) _mm256_add_epi32(ACC, _mm256_madd_epi16(A, B))
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k_avx2_t(const job_t *job, const tile_t *tl,
-                                                                             int64_t j0, int cols, int64_t r0,
-                                                                             const int ROWS_N, const int MIN) {
+                                                                             const ahead_t *ahead, int64_t j0,
+                                                                             int cols, int64_t r0, const int ROWS_N,
+                                                                             const int MIN) {
     TILE_K_BODY(2)
 }
 #undef K_M_IN_DOT
 #undef K_DOT
 #undef K_MADD_ADD
 
-static TARGET_AVX2 void rows_k_avx2(const job_t *job, const tile_t *tl, int64_t type, int64_t j0, int cols,
-                                    int64_t r0, int rows) {
+/* ahead: NULL, or the next tile's plans (tile_ahead), fetched a part per superblock. */
+static TARGET_AVX2 void rows_k_avx2(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type,
+                                    int64_t j0, int cols, int64_t r0, int rows) {
     const int min = type != T_Q6_K;
     if (rows == 2) {
-        if (min) rows_k_avx2_t(job, tl, j0, cols, r0, 2, 1);
-        else rows_k_avx2_t(job, tl, j0, cols, r0, 2, 0);
+        if (min) rows_k_avx2_t(job, tl, ahead, j0, cols, r0, 2, 1);
+        else rows_k_avx2_t(job, tl, ahead, j0, cols, r0, 2, 0);
     } else {
-        if (min) rows_k_avx2_t(job, tl, j0, cols, r0, 1, 1);
-        else rows_k_avx2_t(job, tl, j0, cols, r0, 1, 0);
+        if (min) rows_k_avx2_t(job, tl, ahead, j0, cols, r0, 1, 1);
+        else rows_k_avx2_t(job, tl, ahead, j0, cols, r0, 1, 0);
     }
 }
 
@@ -890,29 +940,7 @@ static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const qinfo
     }
 }
 
-#define K_M_IN_DOT 0
-#define K_DOT(ACC, W, X, M) _mm256_dpbusd_epi32(ACC, W, X)
-#define K_MADD_ADD(ACC, A, B) _mm256_dpwssd_epi32(ACC, A, B)
-static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_vnni_t(const job_t *job, const tile_t *tl,
-                                                                             int64_t j0, int cols, int64_t r0,
-                                                                             const int ROWS_N, const int MIN) {
-    TILE_K_BODY(4)
-}
-#undef K_M_IN_DOT
-#undef K_DOT
-#undef K_MADD_ADD
-
-/* Returns the rows done (four at a time at most). */
-static TARGET_VNNI int rows_k_vnni(const job_t *job, const tile_t *tl, int64_t type, int64_t j0, int cols,
-                                   int64_t r0, int rows) {
-    const int min = type != T_Q6_K;
-    switch (rows < 4 ? rows : 4) {
-    case 4: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 4, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 4, 0); return 4;
-    case 3: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 3, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 3, 0); return 3;
-    case 2: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 2, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 2, 0); return 2;
-    default: if (min) rows_k_vnni_t(job, tl, j0, cols, r0, 1, 1); else rows_k_vnni_t(job, tl, j0, cols, r0, 1, 0); return 1;
-    }
-}
+#include "gguf_tile_zmm.h" /* the same passes on 512-bit registers */
 #endif /* GGUF_VNNI */
 #endif /* GGUF_X86 */
 
@@ -1042,36 +1070,6 @@ static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bar
 
 #define SUM_PAIRS32(a, b) _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b))
 #define SUM_PAIRS64(a, b) _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b))
-
-/* The weights of the group a tile ahead, fetched into L2 by the first pass over a group,
- * a few lines per step (block or pair of blocks), each line once: eight interleaved
- * column streams are more than the hardware prefetcher follows at one row's speed, and a
- * block or a pair can span two lines or more (fetching one line per block left the rest
- * to demand misses: the 1-row head ran at half BlockWeight's speed). The range is one
- * stretch where the eight rows lie back to back, else one per column. A prefetch past
- * the data never faults. */
-typedef struct {
-    const uint8_t *base[8];
-    int ranges;
-    int64_t lines, per_step; /* lines per range, lines fetched per range and step */
-} ahead_t;
-
-static ahead_t ahead_plan(const bargein_qseg_t *seg, int64_t first, int64_t span, int64_t steps) {
-    ahead_t p;
-    const int together = seg->order == NULL && first + 7 < seg->rows;
-    p.ranges = together ? 1 : 8;
-    for (int c = 0; c < 8; c++) p.base[c] = column_row(seg, first + c < seg->rows ? first + c : seg->rows - 1);
-    const int64_t bytes = together ? 7 * seg->row_bytes + span : span;
-    p.lines = (bytes + 126) / 64; /* from an unaligned start */
-    p.per_step = (p.lines + steps - 1) / steps;
-    return p;
-}
-
-static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(const ahead_t *p, int64_t step) {
-    const int64_t l0 = step * p->per_step, l1 = l0 + p->per_step < p->lines ? l0 + p->per_step : p->lines;
-    for (int i = 0; i < p->ranges; i++)
-        for (int64_t l = l0; l < l1; l++) _mm_prefetch((const char *)(p->base[i] + 64 * l), _MM_HINT_T1);
-}
 
 /* Columns j0 .. j0 + 7 (the first `cols` stored; col[c] their rows' blocks, the last
  * repeated) for rows r0 .. r0 + ROWS_N - 1: per 32-block, each column's quants decoded in
@@ -1671,17 +1669,20 @@ static void run_tiles(void *arg, int index, int count) {
         }
         const tile_t tl = tile_scratch(job, index);
         build_tile(job, &tl, seg, &info, col0);
+        ahead_t ahead[2];
+        const int fetch = tile_ahead(job, t, t1, ahead); /* the K chain's first pass fetches it */
         for (int64_t r0 = 0; r0 < job->m;) {
             const int left = (int)(job->m - r0 < 64 ? job->m - r0 : 64);
             if (k_chain_type(seg->type)) {
 #ifdef GGUF_VNNI
                 if (job->isa == ISA_VNNI) {
-                    r0 += rows_k_vnni(job, &tl, seg->type, j0, cols, r0, left);
+                    /* the first pass fetches the next tile's blocks while it reads this one */
+                    r0 += rows_k_zmm(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left);
                     continue;
                 }
 #endif
                 const int rows = left < 2 ? left : 2;
-                rows_k_avx2(job, &tl, seg->type, j0, cols, r0, rows);
+                rows_k_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, rows);
                 r0 += rows;
                 continue;
             }

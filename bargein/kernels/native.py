@@ -52,7 +52,7 @@ _HEADERS = tuple(Path(__file__).with_name(name) for name in (
     "parallel.h", "simd.h", "gguf_types.h", "gguf_matrix.h", "moe_matmul.h", "x86_simd.h", "half_matmul.h", "fast_forward.h",
     "arm64_simd.h", "neon_block_matmul.h", "neon_q8_matmul.h", "neon_q8_body.h", "neon_gguf_matmul.h",
     "neon_gguf_body.h", "neon_attention_f16.h", "tanh.h", "exp.h", "neon_int8_tile.h", "neon_q8_tile.h",
-    "neon_gguf_tile.h", "attention_prompt_x86.h"))
+    "neon_gguf_tile.h", "attention_prompt_x86.h", "gguf_tile_zmm.h"))
 _FLAGS = build_flags.COMMON_FLAGS
 # Tried in order until one builds (build_flags.py: per architecture and CPU).
 _VARIANTS = build_flags.compile_variants()

@@ -1,0 +1,130 @@
+/* gguf_matmul.c's many-row tile pass of the K chain (Q4_K, Q5_K, Q6_K) on AVX-512 VNNI
+ * with 512-bit registers: the whole tile of 16 columns in one register (lane c = column
+ * c), so one weight load and one vpdpbusd serve 16 columns of a row, up to 8 rows share
+ * each load, and the per-block integer scaling (vpmulld by the scales and by the row's
+ * multiple m) runs once per 16 columns instead of once per 8. The steps are the 256-bit
+ * pass's, per lane and in the same order, so the bits are the other paths' (and plain
+ * C's): the integer sums are exact, and each lane's float steps are the same operations
+ * on the same operands. The 32 chain stays on gguf_matmul.c's 256-bit rows_vnni: on the
+ * 2-core Zen 4 a 512-bit version of it measured no faster (same-run A/B, 2026-12-02).
+ *
+ * The first pass over a tile also fetches the next tile's blocks into L2 (tile_ahead's
+ * plans, a part per superblock): on weights that stream from memory, as in a decode step
+ * of a 1B model, the next build_tile otherwise waits on 16 columns of demand misses
+ * (bench/gemm_tile_ab.c, 32 rows, Q4_K: 0.76-0.91x the time without it).
+ *
+ * The tile's layout (tile_t: tile[(b * 8 + g) * 2 + v] 32-byte vectors, v = 0 columns
+ * 0-7, v = 1 columns 8-15) puts a group's 16 columns in 64 consecutive bytes, so a
+ * 512-bit load reads them in lane order; scratch is 64-byte aligned (aligned_alloc, a
+ * per-thread size rounded to 64, the tile first). The panels hold 16 columns per block
+ * contiguously (index * TILE + c) and load the same way.
+ *
+ * Included by gguf_matmul.c inside its GGUF_VNNI section (needs acts_t, job_t, tile_t,
+ * ahead_t, prefetch_step, TILE and TARGET_VNNI). */
+#ifndef BARGEIN_GGUF_TILE_ZMM_H
+#define BARGEIN_GGUF_TILE_ZMM_H
+
+#define ZMM_ROWS_K 8 /* the K chain with mins (Q4_K, Q5_K): acc, dk, dlo per row: 24 registers */
+#define ZMM_ROWS_K_SPLIT 6 /* Q6_K: and dhi per row: 24 registers */
+
+/* Writes a row's 16 lanes, the first `cols` of them, to y[row, j0 ..]. */
+static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(const job_t *job, int64_t row, int64_t j0,
+                                                                             int cols, __m512 v) {
+    float *out = job->y + row * job->n + j0;
+    if (cols == TILE) _mm512_storeu_ps(out, v);
+    else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
+}
+
+/* The K chain (header of gguf_matmul.c), rows r0 .. r0 + ROWS_N - 1 over the tile: per
+ * 32-block, the dot products (Q6_K: per half, with the offset's -32 * S16 as start),
+ * times the column's integer scale(s), times the row's multiple m (after the scales: the
+ * product of all three is an exact int32 sum in any order), summed over the superblock
+ * in int32; then the superblock's one or two float steps. */
+static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const job_t *job, const tile_t *tl,
+                                                                            const ahead_t *ahead, int64_t j0, int cols,
+                                                                            int64_t r0, const int ROWS_N, const int MIN) {
+    const acts_t *a = job->a;
+    const int64_t k = job->k, supers = k / 256;
+    const __m512i *tile = (const __m512i *)tl->tile;
+    __m512 acc[ZMM_ROWS_K];
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < supers; t++) {
+        if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
+        __m512i dk[ZMM_ROWS_K];
+        for (int r = 0; r < ROWS_N; r++) dk[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = t * 8 + j;
+            __m512i dlo[ZMM_ROWS_K], dhi[ZMM_ROWS_K];
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                const int16_t *s16 = a->ks16 + (r0 + r) * (k / 16) + 2 * b;
+                dlo[r] = _mm512_set1_epi32(MIN ? 0 : -32 * s16[0]);
+                dhi[r] = _mm512_set1_epi32(MIN ? 0 : -32 * s16[1]);
+            }
+            const __m512i *wb = tile + b * 8;
+            const int8_t *xb = a->kq + r0 * k + 32 * b;
+            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
+                const __m512i w = _mm512_load_si512(wb + g);
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                    int32_t four;
+                    memcpy(&four, xb + r * k + 4 * g, 4);
+                    const __m512i xv = _mm512_set1_epi32(four);
+                    if (!MIN && g >= 4) dhi[r] = _mm512_dpbusd_epi32(dhi[r], w, xv);
+                    else dlo[r] = _mm512_dpbusd_epi32(dlo[r], w, xv);
+                }
+            }
+            const __m512i sc0 = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
+            const __m512i sc1 = _mm512_loadu_si512(tl->psc + (2 * b + 1) * TILE);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                __m512i e = _mm512_mullo_epi32(dlo[r], sc0);
+                if (!MIN) e = _mm512_add_epi32(e, _mm512_mullo_epi32(dhi[r], sc1));
+                e = _mm512_mullo_epi32(e, _mm512_set1_epi32(a->km[(r0 + r) * (k / 32) + b]));
+                dk[r] = _mm512_add_epi32(dk[r], e);
+            }
+        }
+        const int64_t at = t * 8 * TILE;
+        const __m512 d = _mm512_loadu_ps(tl->ps + at), nm = _mm512_loadu_ps(tl->pm + at);
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+            const __m512 xd = _mm512_set1_ps(a->kd[(r0 + r) * supers + t]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dk[r]), _mm512_mul_ps(d, xd), acc[r]);
+            if (MIN) {
+                /* mins times m and sums as int16 pairs (the 256-bit pass's sums, per lane) */
+                const int16_t *s32 = a->ks32 + (r0 + r) * (k / 32) + t * 8;
+                const int16_t *km = a->km + (r0 + r) * (k / 32) + t * 8;
+                __m512i mk = _mm512_setzero_si512();
+                for (int p = 0; p < 4; p++) {
+                    int32_t spair, mpair;
+                    memcpy(&spair, s32 + 2 * p, 4);
+                    memcpy(&mpair, km + 2 * p, 4);
+                    const __m512i mn = _mm512_loadu_si512(tl->pmn + (t * 16 + p) * TILE);
+                    mk = _mm512_dpwssd_epi32(mk, _mm512_mullo_epi16(mn, _mm512_set1_epi32(mpair)),
+                                             _mm512_set1_epi32(spair));
+                }
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mk), _mm512_mul_ps(nm, xd), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS_N; r++) zmm_store_row(job, r0 + r, j0, cols, acc[r]);
+}
+
+/* Returns the rows done. ahead: NULL, or the plans (two, one per eight columns) of the
+ * next tile's blocks, fetched a part per superblock. */
+static TARGET_VNNI int rows_k_zmm(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type, int64_t j0,
+                                  int cols, int64_t r0, int rows) {
+#define K_ZMM(N)                                                                                           \
+    (type != T_Q6_K ? rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 0))
+    const int most = type != T_Q6_K ? ZMM_ROWS_K : ZMM_ROWS_K_SPLIT, n = rows < most ? rows : most;
+    switch (n) {
+    case 8: rows_k_zmm_t(job, tl, ahead, j0, cols, r0, 8, 1); break; /* only the mins' kind takes 8 */
+    case 7: rows_k_zmm_t(job, tl, ahead, j0, cols, r0, 7, 1); break;
+    case 6: K_ZMM(6); break;
+    case 5: K_ZMM(5); break;
+    case 4: K_ZMM(4); break;
+    case 3: K_ZMM(3); break;
+    case 2: K_ZMM(2); break;
+    default: K_ZMM(1);
+    }
+#undef K_ZMM
+    return n;
+}
+
+#endif
