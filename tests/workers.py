@@ -50,7 +50,6 @@ GROUPED_MODULES = {
     "tests/distributed/test_moe_ray.py": "ray",
     "tests/distributed/test_pipeline_kv_disk.py": "ray",
     "tests/distributed/test_pipeline_kv_disk_server.py": "ray",
-    "tests/distributed/test_replicas_tenants.py": "ray",
     "tests/distributed/test_cluster_auth.py": "ray",
     "tests/kernels/test_native_kernels.py": "portable-kernels",
     "tests/kernels/test_quant_kernels.py": "portable-kernels",

@@ -26,40 +26,21 @@ pytest.importorskip("ray")
 import ray  # noqa: E402
 
 from bargein.build import build_engine  # noqa: E402
-from bargein.config import CacheConfig, EngineConfig, PipelineConfig, SchedulerConfig  # noqa: E402
 from bargein.distributed.replicas import BuildWith, ReplicaOptions, ReplicaSet, start_replicas  # noqa: E402
 from bargein.engine.engine import Engine  # noqa: E402
 from bargein.engine.request import FinishReason  # noqa: E402
 from bargein.engine.sampling import SamplingParams  # noqa: E402
+from tests.distributed.moe_engines import MODEL, build_replica, moe_config  # noqa: E402
 from tests.distributed.test_pipeline_recovery import Nodes  # noqa: E402
-from tests.model.moe_files import model_path  # noqa: E402
 
-MODEL = model_path("qwen3moe", "gguf")
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=4321, ignore_eos=True)
 PROMPTS = [[(11 * i + 7 * j) % 300 + 3 for j in range(5 + 4 * i)] for i in range(3)]
 
 
-def _config(resource: str | None = None) -> EngineConfig:
-    pipeline = None if resource is None else PipelineConfig(
-        stages=2, node_resource=resource, heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, step_timeout_s=5.0,
-        recovery_timeout_s=60.0)
-    return EngineConfig(cache=CacheConfig(block_size=4, num_blocks=48),
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32),
-                        device="cpu", dtype="float32", pipeline=pipeline)
-
-
-def build_replica() -> Engine:
-    """Runs on each replica's node (pickled by reference): the MoE engine, one torch thread."""
-    import torch
-
-    torch.set_num_threads(1)
-    return Engine.from_pretrained(MODEL, _config(), progress=False)
-
-
 @functools.cache
 def _local() -> Engine:
-    return Engine.from_pretrained(MODEL, _config(), progress=False)
+    return Engine.from_pretrained(MODEL, moe_config(), progress=False)
 
 
 def _want(prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
@@ -121,7 +102,7 @@ def test_moe_replicas_answer_as_one_process_and_a_killed_replica_s_streams_finis
 
 
 def test_an_moe_pipeline_answers_as_one_process_and_a_lost_stage_keeps_the_turn(nodes: Nodes) -> None:
-    pipe = build_engine(MODEL, _config(nodes.resource), progress=False)
+    pipe = build_engine(MODEL, moe_config(nodes.resource), progress=False)
     try:
         runner = pipe.runner
         assert [p.layers for p in runner.placements] == [(0, 1), (1, 2)]  # one MoE layer each

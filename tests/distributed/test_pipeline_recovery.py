@@ -1,9 +1,11 @@
 """A lost pipeline stage costs a pause, not a conversation (issue 13, contract C8).
 
-Each test adds its own simulated nodes to the shared cluster (``tests/ray_cluster.py``),
-each offering a resource named for the test, so its pipeline runs only there and
+The module adds its own simulated nodes to the shared cluster (``tests/ray_cluster.py``),
+each offering a resource named for the module, so its pipelines run only there and
 killing or removing them touches no other test's stages. Timeouts are short (set by
-config). Every result is compared with the single-process engine on the same file:
+config). The three fault tests share one pipeline (two stages and a spare node): each
+leaves it whole, its lost stage re-created, and counts what its own fault did (building a
+pipeline is two processes that import torch, seconds of CPU). Every result is compared with the single-process engine on the same file:
 greedy tokens and a seeded sampled stream token for token, and a conversation that was
 idle during the fault continues exactly.
 """
@@ -18,6 +20,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -200,6 +203,54 @@ def _pipeline(model: str, nodes: Nodes, recovery_timeout_s: float = 60.0) -> Eng
     return build_engine(model, _config(nodes.resource, recovery_timeout_s), progress=False)
 
 
+@pytest.fixture(scope="module")
+def built(model: str, pool: Nodes) -> Iterator[list[Engine]]:
+    """The module's shared pipeline once built (see :func:`pipe`); closed at the end."""
+    held: list[Engine] = []
+    try:
+        yield held
+    finally:
+        for engine in held:
+            engine.close()
+
+
+@pytest.fixture
+def pipe(model: str, nodes: Nodes, built: list[Engine]) -> Engine:
+    """The fault tests' pipeline: built by the first, on two of the pool's three nodes, and
+    reused while it is whole (a test that failed half-way may leave it otherwise: then a
+    new one is built)."""
+    if built and (built[0].runner_health().state != "ok" or built[0].scheduler.requests):
+        built.pop().close()
+    if not built:
+        built.append(_pipeline(model, nodes))
+    return built[0]
+
+
+@dataclass(frozen=True)
+class Faults:
+    """A pipeline's fault counters at one moment, so that a test on the shared pipeline
+    counts only what its own fault did (:meth:`since`)."""
+
+    losses: int
+    recoveries: int
+    restarts: tuple[int, ...]
+    recover_seconds: tuple[float, ...]
+    kv_losses: int
+    recomputed_tokens: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> Faults:
+        stats = engine.runner.recovery
+        return cls(stats.losses, stats.recoveries, tuple(stats.restarts), tuple(stats.recover_seconds),
+                   engine.counters.kv_losses, engine.counters.recomputed_tokens)
+
+    def since(self, before: Faults) -> Faults:
+        return Faults(self.losses - before.losses, self.recoveries - before.recoveries,
+                      tuple(a - b for a, b in zip(self.restarts, before.restarts, strict=True)),
+                      self.recover_seconds[len(before.recover_seconds):], self.kv_losses - before.kv_losses,
+                      self.recomputed_tokens - before.recomputed_tokens)
+
+
 def test_without_capacity_requests_fail_clearly_and_the_server_heals_when_a_node_returns(
         model: str, local: Engine, pool: Nodes) -> None:
     """First in the module: the pool's first two nodes, and no spare (a lost stage has
@@ -274,39 +325,39 @@ def test_without_capacity_requests_fail_clearly_and_the_server_heals_when_a_node
 
 
 def test_a_stage_whose_node_dies_mid_stream_is_recreated_and_every_stream_continues_token_exact(
-        model: str, local: Engine, nodes: Nodes) -> None:
-    pipe = _pipeline(model, nodes)  # two stages and a spare
-    try:
-        runner = pipe.runner
-        lost_node = runner.placements[1].node_id
-        killed_at: list[float] = []
+        local: Engine, nodes: Nodes, pipe: Engine) -> None:
+    runner = pipe.runner  # two stages and a spare
+    before = Faults.of(pipe)
+    described = runner_body(runner.describe())
+    lost_node = runner.placements[1].node_id
+    killed_at: list[float] = []
 
-        def kill_node() -> None:
-            killed_at.append(time.monotonic())
-            nodes.remove(lost_node)
+    def kill_node() -> None:
+        killed_at.append(time.monotonic())
+        nodes.remove(lost_node)
 
-        want = _scenario(local, None)
-        got = _scenario(pipe, kill_node)
-        assert got == want
-        assert all(reason != FinishReason.ERROR for _, reason, _ in got[0])
-        assert runner.recovery.losses == 1 and runner.recovery.recoveries == 1
-        assert runner.recovery.restarts == [0, 1]
-        assert runner.placements[1].node_id != lost_node
-        assert runner.placements[1].node_id in {n.node_id for n in nodes.nodes}
-        assert 0 < runner.recovery.recover_seconds[0] < 30
-        assert pipe.counters.kv_losses == 1 and pipe.counters.recomputed_tokens > 0
-        assert pipe.runner_health().state == "ok"
-        info = runner_body(runner.describe())
-        assert info["recovery"]["recoveries"] == 1 and [s["restarts"] for s in info["stages"]] == [0, 1]
-        assert all(s["state"] == "ok" for s in info["stages"])
-        _check_idle_accounting(pipe)
-    finally:
-        pipe.close()
+    want = _scenario(local, None)
+    got = _scenario(pipe, kill_node)
+    assert got == want
+    assert all(reason != FinishReason.ERROR for _, reason, _ in got[0])
+    faults = Faults.of(pipe).since(before)
+    assert faults.losses == 1 and faults.recoveries == 1
+    assert faults.restarts == (0, 1)
+    assert runner.placements[1].node_id != lost_node
+    assert runner.placements[1].node_id in {n.node_id for n in nodes.nodes}
+    assert len(faults.recover_seconds) == 1 and 0 < faults.recover_seconds[0] < 30
+    assert faults.kv_losses == 1 and faults.recomputed_tokens > 0
+    assert pipe.runner_health().state == "ok"
+    info = runner_body(runner.describe())
+    assert info["recovery"]["recoveries"] == described["recovery"]["recoveries"] + 1
+    assert [s["restarts"] - t["restarts"] for s, t in zip(info["stages"], described["stages"], strict=True)] == [0, 1]
+    assert all(s["state"] == "ok" for s in info["stages"])
+    _check_idle_accounting(pipe)
 
 
-def test_a_hung_stage_is_noticed_by_its_heartbeat_and_replaced(model: str, local: Engine, nodes: Nodes) -> None:
-    pipe = _pipeline(model, nodes)  # two stages and a spare
-    stopped: list[int] = []
+def test_a_hung_stage_is_noticed_by_its_heartbeat_and_replaced(local: Engine, nodes: Nodes, pipe: Engine) -> None:
+    stopped: list[int] = []  # two stages and a spare
+    before = Faults.of(pipe)
     try:
         runner = pipe.runner
         import ray
@@ -323,50 +374,48 @@ def test_a_hung_stage_is_noticed_by_its_heartbeat_and_replaced(model: str, local
         # Stage 0 is replaced once. Stage 1 may be replaced too: its plan in flight waits on
         # hidden states from the frozen process, and on a loaded machine that wait can
         # outlast the per-plan deadline before Ray reports the killed owner.
-        assert runner.recovery.restarts[0] == 1 and runner.recovery.restarts[1] in (0, 1)
-        assert runner.recovery.recoveries == sum(runner.recovery.restarts)
-        assert pipe.counters.recomputed_tokens > 0
+        faults = Faults.of(pipe).since(before)
+        assert faults.restarts[0] == 1 and faults.restarts[1] in (0, 1)
+        assert faults.recoveries == sum(faults.restarts)
+        assert faults.recomputed_tokens > 0
         _check_idle_accounting(pipe)
     finally:
-        pipe.close()
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
 def test_a_plan_past_its_deadline_loses_its_stage_which_is_recreated_and_streams_continue_token_exact(
-        model: str, local: Engine, nodes: Nodes, caplog) -> None:
+        local: Engine, nodes: Nodes, pipe: Engine, caplog) -> None:
     """Stage 1 takes longer than ``step_timeout_s`` over one plan while it answers every
     heartbeat (its health thread is free): the head treats it as hung, as the README says,
     kills and re-creates it, and every sequence recomputes from its tokens."""
-    pipe = _pipeline(model, nodes)
-    try:
-        runner = pipe.runner
-        deadline = runner.pipe.step_timeout_s
+    runner = pipe.runner
+    before = Faults.of(pipe)
+    deadline = runner.pipe.step_timeout_s
 
-        def slow_next_plan(worker, seconds: float) -> None:  # runs in the stage, in plan order
-            forward = worker.stage.forward
+    def slow_next_plan(worker, seconds: float) -> None:  # runs in the stage, in plan order
+        forward = worker.stage.forward
 
-            def slow(*args, **kwargs):
-                time.sleep(seconds)  # the heartbeat is answered meanwhile, on its own thread
-                return forward(*args, **kwargs)
+        def slow(*args, **kwargs):
+            time.sleep(seconds)  # the heartbeat is answered meanwhile, on its own thread
+            return forward(*args, **kwargs)
 
-            worker.stage.forward = slow
+        worker.stage.forward = slow
 
-        def slow_stage() -> None:
-            runner.actors[1].__ray_call__.remote(slow_next_plan, 10 * deadline)
+    def slow_stage() -> None:
+        runner.actors[1].__ray_call__.remote(slow_next_plan, 10 * deadline)
 
-        want = _scenario(local, None)
-        with caplog.at_level("WARNING", logger="bargein.distributed"):
-            got = _scenario(pipe, slow_stage)
-        assert got == want
-        assert all(reason != FinishReason.ERROR for _, reason, _ in got[0])
-        lost = [r.getMessage() for r in caplog.records if "was lost" in r.getMessage()]
-        assert lost and f"pipeline stage 1 (layers {runner.placements[1].layers[0]}-" in lost[0]
-        assert lost[0].endswith(f"a plan took over {deadline:g} s")
-        assert runner.recovery.restarts[1] >= 1 and runner.recovery.recoveries == runner.recovery.losses
-        assert pipe.counters.kv_losses == runner.recovery.losses and pipe.counters.recomputed_tokens > 0
-        assert pipe.runner_health().state == "ok"
-        _check_idle_accounting(pipe)
-    finally:
-        pipe.close()
+    want = _scenario(local, None)
+    with caplog.at_level("WARNING", logger="bargein.distributed"):
+        got = _scenario(pipe, slow_stage)
+    assert got == want
+    assert all(reason != FinishReason.ERROR for _, reason, _ in got[0])
+    lost = [r.getMessage() for r in caplog.records if "was lost" in r.getMessage()]
+    assert lost and f"pipeline stage 1 (layers {runner.placements[1].layers[0]}-" in lost[0]
+    assert lost[0].endswith(f"a plan took over {deadline:g} s")
+    faults = Faults.of(pipe).since(before)
+    assert faults.restarts[1] >= 1 and faults.recoveries == faults.losses
+    assert faults.kv_losses == faults.losses and faults.recomputed_tokens > 0
+    assert pipe.runner_health().state == "ok"
+    _check_idle_accounting(pipe)

@@ -1,23 +1,26 @@
 """N engine replicas on a Ray cluster behind one facade (issue 17).
 
-One :class:`ReplicaSet` of 2 tiny-engine replicas (one CPU, one torch thread each) on the
-shared simulated cluster serves every test of this module; the kill test comes last and
-leaves the set whole again (Ray restarts the replica). Each test compares against a
-single in-process engine on the same weights: greedy tokens exactly, seeded sampled
-tokens exactly.
+One :class:`ReplicaSet` of 2 tiny-engine replicas (one CPU, one torch thread each,
+``replica_engines.py``) on the shared simulated cluster serves every test of this module,
+tenants' prefix-cache namespaces included (issue 34): starting a set is seconds of CPU
+(a process per replica and one for its builders, each importing torch). The kill and hang
+tests come late and leave the set whole again (Ray restarts the replica); the last one
+kills both replicas for good. Each test compares against a single in-process engine on
+the same weights: greedy tokens exactly, seeded sampled tokens exactly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
+import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import jsonschema
 import pytest
-import torch
 
 pytest.importorskip("ray")
 
@@ -34,44 +37,13 @@ from bargein.engine.request import AbortResult, CancelReason, FinishReason  # no
 from bargein.engine.sampling import SamplingParams  # noqa: E402
 from bargein.server.app import create_app  # noqa: E402
 from bargein.server.settings import ServerSettings  # noqa: E402
+from bargein.server.tenants import Tenant, prefix_namespace  # noqa: E402
 from bargein.server.tools import tool_plan  # noqa: E402
-from tests.tiny_engine import tiny_engine  # noqa: E402
+from tests.distributed.replica_engines import build_replica_engine  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 ENDLESS = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(6 + 3 * i)] for i in range(5)]
-
-
-def build_replica_engine() -> Engine:
-    """Runs on each replica's node (pickled by reference): the tiny engine, one torch thread,
-    whose forward hangs for a request named ``hang-*`` once it has 3 tokens (not resumed)."""
-    torch.set_num_threads(1)
-    engine = tiny_engine(num_blocks=96, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
-    engine.runner = _HangingRunner(engine)
-    return engine
-
-
-class _HangingRunner:
-    """The engine's runner, except that a plan with a ``hang-*`` request at 3 output tokens
-    (not a resumed one) never returns: a hung forward, while the actor still answers."""
-
-    def __init__(self, engine: Engine):
-        self._engine, self._inner, self._plan = engine, engine.runner, None
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-    def submit(self, plan) -> None:
-        self._plan = plan
-        self._inner.submit(plan)
-
-    def collect(self):
-        for chunk in self._plan.sampled:
-            req = self._engine.scheduler.requests.get(chunk.request_id)
-            if chunk.request_id.startswith("hang-") and req is not None and req.output_offset == 0 \
-                    and req.num_output_tokens >= 3:
-                threading.Event().wait()
-        return self._inner.collect()
 
 
 @pytest.fixture(scope="module")
@@ -388,6 +360,101 @@ def test_conversation_handles_stay_on_their_replica_and_continue_token_exact(rep
     run(replicas.check_block_accounting())
 
 
+# Tenants' prefix-cache namespaces through the replica set (issue 34; this was
+# test_replicas_tenants.py, which started a replica set of its own). test_route_tenants.py
+# checks the router alone against a block pool; here Alice and Bob, each with the
+# namespace the server gives a tenant (``prefix_namespace``) as the request's
+# ``cache_salt``, send the same prompt, get the same greedy answer and continue with the
+# same next turn, so their token sequences are identical and only the namespace tells
+# their cached blocks apart. The set's router follows any cached prefix whatever the queue
+# (``queue_cost_tokens=0``), and each step is made to discriminate with a phantom request
+# counted on one replica (``Router.choose`` without a request behind it, released with
+# ``finished``): where a tenant's keys matched the other's blocks, the request would go to
+# the wrong replica, or report another's blocks as its own hit.
+BLOCK = 4  # the replicas' block size (replica_engines.build_replica_engine)
+# 8 full blocks, from a token no other prompt of this module starts with: the replicas
+# reuse even a partly filled block of the common namespace, a token at a time (C7).
+TENANT_PROMPT = [250 - (5 * i + 2) % 250 for i in range(8 * BLOCK)]
+NEXT_TURN = [17, 29, 31, 41, 43]
+ALICE = prefix_namespace(Tenant("alice"), None, shared=False)
+BOB = prefix_namespace(Tenant("bob"), None, shared=False)
+
+
+def salted(salt: str | None, max_tokens: int = 6) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, cache_salt=salt)
+
+
+def tenant_answer(group: ReplicaSet, prompt: list[int], salt: str | None) -> tuple[int, int, list[int], int]:
+    """(replica, router's matched tokens, answer tokens, cached_tokens) of one request."""
+    async def main():
+        rid, stream = group.submit(prompt, salted(salt))
+        route = group.records.live[rid].route
+        tokens, out = [], None
+        while out is None or not out.finished:
+            out = await group.next_output(stream)
+            tokens += out.new_token_ids
+        return route.replica, route.matched_tokens, tokens, out.usage.cached_tokens
+
+    return run(main())
+
+
+@contextmanager
+def busier(group: ReplicaSet, replica: int) -> Iterator[None]:
+    """One phantom live request counted on ``replica``: the other is the least loaded."""
+    route = group.router.choose([1, 2, 3], exclude=frozenset({1 - replica}))
+    assert route is not None and route.replica == replica
+    try:
+        yield
+    finally:
+        group.router.finished(route)
+
+
+def full_blocks(num_tokens: int) -> int:
+    return num_tokens // BLOCK * BLOCK
+
+
+def test_tenants_with_the_same_prompt_are_routed_by_their_own_keys_and_turns_go_home(replicas, single):
+    first = list(single.generate([TENANT_PROMPT], salted(None))[0].token_ids)
+    history = TENANT_PROMPT + first + NEXT_TURN
+    second = list(single.generate([history], salted(None))[0].token_ids)
+
+    alice_home, matched, tokens, cached = tenant_answer(replicas, TENANT_PROMPT, ALICE)
+    assert (matched, tokens, cached) == (0, first, 0)
+    bob_expected_home = 1 - alice_home
+
+    # Bob's identical prompt: Alice's replica holds those tokens, but in her namespace. Made
+    # the busier one, it must not draw him; nothing of hers is reused.
+    with busier(replicas, alice_home):
+        bob_home, matched, tokens, cached = tenant_answer(replicas, TENANT_PROMPT, BOB)
+    assert (bob_home, matched, tokens, cached) == (bob_expected_home, 0, first, 0)
+
+    # Alice's second turn goes home even when home is the busier replica; Bob's replica holds
+    # the very same tokens (his), which must not count for her. Her whole first turn but
+    # its last token (sampled, never computed) is reused.
+    computed = len(TENANT_PROMPT) + len(first) - 1
+    with busier(replicas, alice_home):
+        replica, matched, tokens, cached = tenant_answer(replicas, history, ALICE)
+    assert (replica, matched, tokens) == (alice_home, full_blocks(computed), second)
+    assert len(TENANT_PROMPT) <= cached <= computed
+
+    # The same for Bob, towards his replica.
+    with busier(replicas, bob_home):
+        replica, matched, tokens, cached = tenant_answer(replicas, history, BOB)
+    assert (replica, matched, tokens) == (bob_home, full_blocks(computed), second)
+    assert len(TENANT_PROMPT) <= cached <= computed
+
+    # A request of no tenant's namespace (the common one) matches neither.
+    with busier(replicas, alice_home):
+        replica, matched, tokens, cached = tenant_answer(replicas, history, None)
+    assert (replica, matched, tokens, cached) == (bob_home, 0, second, 0)
+
+    # And a third tenant probing with Alice's exact history gets no hit anywhere.
+    carol = prefix_namespace(Tenant("carol"), None, shared=False)
+    _, matched, tokens, cached = tenant_answer(replicas, history, carol)
+    assert (matched, tokens, cached) == (0, second, 0)
+    run(replicas.check_block_accounting())
+
+
 def test_a_killed_replica_s_streams_finish_with_the_same_tokens_on_the_other(replicas, single):
     """Kill the replica that runs a greedy, a seeded sampled and a constrained request
     mid-stream: all finish with the single engine's tokens (resubmitted from their tokens;
@@ -510,36 +577,38 @@ def test_a_hung_replica_is_replaced_and_its_stream_finishes_with_the_same_tokens
     run(replicas.check_block_accounting())
 
 
-def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(ray_cluster):
-    """One replica that Ray may not restart: killed mid-stream, its request and a
-    conversation's answer end with finish_reason "error" naming the loss, after the tokens
-    already delivered; the conversation then says it was lost."""
-    group = start_replicas(BuildWith(build_replica_engine), 1,
-                           ReplicaOptions(num_cpus=0, max_restarts=0, call_timeout_s=5.0))
-    try:
-        async def main():
-            rid, stream = group.submit([4, 4, 4, 4, 4], ENDLESS)
-            conv = Conversation.open(group, [6, 6, 6, 6])
-            _, answer = group.submit((), ENDLESS, conversation_id=conv.id)
-            tokens, out = [], await group.next_output(stream)
-            tokens += out.new_token_ids
-            answered = await group.next_output(answer)
-            ray.kill(group.actors[0], no_restart=True)
-            while not out.finished:
-                out = await group.next_output(stream)
-                tokens += out.new_token_ids
-            while not answered.finished:
-                answered = await group.next_output(answer)
-            with pytest.raises(EngineError, match="was lost with its replica and no replica is left"):
-                await conv.tokens()
-            return tokens, out, answered
+def test_when_no_replica_is_left_the_stream_ends_with_a_clear_error(replicas):
+    """Last in the module: every replica of the set killed for good (Ray may not restart
+    them) while one streams an answer and another a conversation's: both end with
+    finish_reason "error" naming the loss, after the tokens already delivered; the
+    conversation then says it was lost."""
+    group = replicas
+    lost_before = list(group.lost)
 
-        tokens, out, answered = run(main())
-        assert answered.finish_reason == FinishReason.ERROR and "no replica is left" in answered.error
-        assert out.finish_reason == FinishReason.ERROR
-        assert "no replica is left" in out.error and "replica 0 was lost" in out.error
-        assert out.token_ids == tuple(tokens) and len(tokens) < ENDLESS.max_tokens
-        assert group.lost == [1] and not group.router.is_up(0)
-        assert not group.is_alive and group.health().state == "recovering"
-    finally:
-        group.close()
+    async def main():
+        rid, stream = group.submit([4, 4, 4, 4, 4], ENDLESS)
+        conv = Conversation.open(group, [6, 6, 6, 6])
+        _, answer = group.submit((), ENDLESS, conversation_id=conv.id)
+        tokens, out = [], await group.next_output(stream)
+        tokens += out.new_token_ids
+        answered = await group.next_output(answer)
+        for actor in group.actors:
+            ray.kill(actor, no_restart=True)
+        while not out.finished:
+            out = await group.next_output(stream)
+            tokens += out.new_token_ids
+        while not answered.finished:
+            answered = await group.next_output(answer)
+        with pytest.raises(EngineError, match="was lost with its replica and no replica is left"):
+            await conv.tokens()
+        return tokens, out, answered
+
+    tokens, out, answered = run(main())
+    assert answered.finish_reason == FinishReason.ERROR and "no replica is left" in answered.error
+    assert out.finish_reason == FinishReason.ERROR
+    # Lost with its replica, it may have been resubmitted to the other before that one's loss was seen.
+    assert "no replica is left" in out.error and re.search(r"replica [01] was lost", out.error), out.error
+    assert out.token_ids == tuple(tokens) and len(tokens) < ENDLESS.max_tokens
+    assert [n - b for n, b in zip(group.lost, lost_before, strict=True)] == [1, 1]
+    assert not group.router.is_up(0) and not group.router.is_up(1)
+    assert not group.is_alive and group.health().state == "recovering"
