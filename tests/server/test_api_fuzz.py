@@ -75,3 +75,14 @@ def test_the_schema_describes_the_api(fuzz_server):
     paths = httpx.get(f"{fuzz_server.base_url}/openapi.json", timeout=10).json()["paths"]
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/requests/{request_id}/cancel"):
         assert path in paths, sorted(paths)
+
+
+def test_debug_steps_takes_any_integer_after(fuzz_server):
+    """A case the fuzz found (a 500 once the engine held steps): ``after`` far past the last
+    step, or far below the first, is an answer, not an islice error."""
+    httpx.post(f"{fuzz_server.base_url}/v1/completions", timeout=60,
+               json={"prompt": "Hi", "max_tokens": 2}).raise_for_status()  # the engine holds steps
+    for after, some in ((2**70, False), (2**63, False), (-(2**70), True), (0, True)):
+        r = httpx.get(f"{fuzz_server.base_url}/debug/steps", params={"after": after}, timeout=10)
+        assert r.status_code == 200, (after, r.text)
+        assert bool(r.json()["steps"]) is some, (after, r.json())
