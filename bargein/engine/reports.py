@@ -55,7 +55,8 @@ def steps_after(counters: EngineCounters, index: int) -> list[StepRecord]:
         return []
     # By the records' own indexes: between a step's forward and its record (the inbox is
     # drained there), ``counters.steps`` is one ahead of the last record.
-    skip = max(0, len(recent) - (recent[-1].index - index))
+    # Clamped to the records held: an ``index`` past the last (any integer a client sends) skips them all.
+    skip = min(len(recent), max(0, len(recent) - (recent[-1].index - index)))
     return list(itertools.islice(recent, skip, None))
 
 

@@ -236,16 +236,6 @@ def test_the_cluster_check_finds_every_host(cluster: Cluster) -> None:
     assert probe(cluster.address) is ClusterAuth.TOKEN
 
 
-def test_a_forced_graph_transport_across_hosts_is_refused_before_loading(cluster: Cluster) -> None:
-    done = cluster.head.bargein("serve", "--model", cluster.model, "--ray", cluster.address, "--port", "0",
-                                "--kv-tokens", "512", "--pipeline-stages", "2", "--pipeline-transport", "graph")
-    assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1] == (
-        "bargein: error: the graph transport needs every pipeline stage on the head's node; use "
-        "--pipeline-transport auto or calls across nodes")
-    assert "pipeline of 2 stages" not in done.stderr  # refused before any stage loaded
-
-
 def test_the_pipeline_spans_the_hosts_and_answers_as_one_process(cluster: Cluster, pipeline: Server,
                                                                    reference) -> None:
     info = pipeline.cluster()
@@ -333,20 +323,40 @@ def test_a_slow_host_gets_fewer_layers_than_its_memory_would_give_it(cluster: Cl
 
 
 @pytest.fixture(scope="module")
-def replicas(cluster: Cluster, pipeline: Server) -> Iterator[Server]:
+def replicas_starting(cluster: Cluster, pipeline: Server) -> Iterator[Server]:
+    """The replica server, started (not yet ready): the forced-graph test runs while it loads."""
     # No --threads: each replica gets what its host offers, a thread per core (the CPUs its
     # processes may use; Ray declares two more), and takes as many Ray CPUs (one replica per
     # host: the pipeline's stages hold one on each). A wait policy of the server's own, unlike the
     # nodes' (set by bargein cluster join), shows that the server hands its own to the replicas.
     server = Server(cluster, REPLICA_PORT, "--replicas", "2", env=("GOMP_SPINCOUNT=250",))
     try:
-        yield server.wait_ready()
+        yield server
     finally:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def replicas(replicas_starting: Server) -> Server:
+    return replicas_starting.wait_ready()
+
+
 def _routed(server: Server) -> list[int]:
     return [r["routed"] for r in server.cluster()["replicas"]]
+
+
+def test_a_forced_graph_transport_across_hosts_is_refused_before_loading(cluster: Cluster,
+                                                                    replicas_starting: Server) -> None:
+    """Refused after connecting and placing (the hosts' rates are cached by then: the
+    pipeline's start measured them), before any stage loads; run while the replica server
+    starts, so that the two processes' starts overlap."""
+    done = cluster.head.bargein("serve", "--model", cluster.model, "--ray", cluster.address, "--port", "0",
+                                "--kv-tokens", "512", "--pipeline-stages", "2", "--pipeline-transport", "graph")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "bargein: error: the graph transport needs every pipeline stage on the head's node; use "
+        "--pipeline-transport auto or calls across nodes")
+    assert "pipeline of 2 stages" not in done.stderr  # refused before any stage loaded
 
 
 def test_replicas_sit_on_both_hosts_and_show_their_addresses(cluster: Cluster, replicas: Server) -> None:

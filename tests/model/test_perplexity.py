@@ -1,11 +1,14 @@
 """The fast precision's quality on the bundled model: perplexity within 1% of exact's.
 
-2,048 tokens of public-domain text (tests/data/public_domain.txt: Lincoln's Gettysburg
-Address and Second Inaugural, the Declaration of Independence), scored in eight windows
-of 256 tokens by both modes (about 4,000 token-forwards: under a minute on 2 cores, more
+The first 1,024 tokens of public-domain text (tests/data/public_domain.txt: Lincoln's
+Gettysburg Address and Second Inaugural, the Declaration of Independence), scored in four
+windows of 256 tokens by both modes (about 2,000 token-forwards: seconds on 2 cores, more
 when the machine is shared, hence the longer timeout). Tolerance: fast's perplexity
 within 1% of exact's, and the two agree on the most likely next token at 90% of
-positions or more. Run with ``-s`` to see the numbers.
+positions or more. Measured on the Zen 4 machine: a ratio of 0.99989 over these 1,024
+tokens and 0.99987 over 2,048 (which the test used to score), top-1 agreement 1.0 at
+both: the tolerance is a hundred times the difference either way, and the longer text
+doubled the test's time. Run with ``-s`` to see the numbers.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 from tests.perplexity import bundled_engines, score, text_ids, windows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-NUM_TOKENS = 2048
+NUM_TOKENS = 1024
 WINDOW = 256
 
 

@@ -93,7 +93,14 @@ def test_forced_tool_calls_hold_only_declared_properties_and_finish(client):
             model=MODEL, messages=[{"role": "user", "content": TOOL_SCHEMAS[name][1]}], tools=tools,
             tool_choice={"type": "function", "function": {"name": name}}, max_tokens=100, **sampling)
 
-    for (name, sampling), completion in zip(asks, _together(call, asks), strict=True):
+    # The ten asks share their first ~550 tokens (the tools); sent together on a cold cache,
+    # each would compute them. One answer of a token first puts them in the prefix cache.
+    warm = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello."}], tools=tools,
+                                          max_tokens=1, temperature=0)
+    assert warm.usage.prompt_tokens > 500, warm.usage  # the tools are in the prompt
+    completions = _together(call, asks)
+    assert all(c.usage.prompt_tokens_details.cached_tokens > 500 for c in completions), [c.usage for c in completions]
+    for (name, sampling), completion in zip(asks, completions, strict=True):
         [choice] = completion.choices
         assert choice.finish_reason == "tool_calls", (name, sampling, choice)
         [tool_call] = choice.message.tool_calls
