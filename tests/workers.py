@@ -63,7 +63,7 @@ GROUPED_MODULES = {
 # `make test` (its --durations, set-up included). Only their order matters, and the
 # balance at the end: the worker that frees up takes the heaviest unit left.
 SECONDS = {
-    "ray": 230.0,  # the shared cluster's 10 modules, one after another
+    "ray": 230.0,  # the shared cluster's 9 modules, one after another
     "tests/distributed/test_hosts.py": 130.0,  # 31% of the old Ray unit's time, the graph 11%
     "tests/distributed/test_pipeline_graph.py": 72.0,
     "tests/model/test_reference_parity.py": 40.0,
