@@ -9,8 +9,9 @@
  *   gelu mul:  y[r, i] = gelu_tanh(a[r, i]) * b[r, i], likewise (GeGLU, Gemma), with
  *              gelu_tanh(a) = a / 2 * (1 + tanh(sqrt(2 / pi) * (a + 0.044715 a^3)))
  *   soft cap:  y[r, i] = cap * tanh(x[r, i] / cap), x and y (m, n) (Gemma 2's logits)
- * The last two use bargein_tanhf (tanh.h) on every element, one scalar call, so no vector path
- * can round apart and the bits are the same on x86-64 and AArch64 (libm's tanhf's are not).
+ * The last two use tanh.h's tanh (not libm's, whose tanhf rounds apart on x86-64 and AArch64):
+ * its vector bodies give its scalar bargein_tanhf's bits lane for lane, so an element's bits
+ * depend neither on the path that computes it (vector body or tail) nor on the architecture.
  * SiLU's exp is exp.h's, in the vector bodies and the scalar tail alike, so an element's
  * bits do not depend on the path that computes it, nor on the architecture.
  *
@@ -94,7 +95,29 @@ static void gelu_tanh_mul_rows(void *arg, int index, int count) {
     for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
         const float *a = job->x + r * 2 * n, *b = a + n;
         float *y = job->y + r * n;
-        for (int64_t i = 0; i < n; i++) {
+        int64_t i = 0;
+#ifdef BARGEIN_AVX2
+        const __m256 vk = _mm256_set1_ps(k), cube = _mm256_set1_ps(0.044715f), half = _mm256_set1_ps(0.5f);
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= n; i += 8) { /* the scalar steps below, lane by lane */
+            const __m256 x = _mm256_loadu_ps(a + i);
+            const __m256 c = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(cube, x), x), x);
+            const __m256 th = bargein_tanh256(_mm256_mul_ps(vk, _mm256_add_ps(x, c)));
+            const __m256 g = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, th));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(g, _mm256_loadu_ps(b + i)));
+        }
+#elif defined(BARGEIN_NEON)
+        const float32x4_t vk = vdupq_n_f32(k), cube = vdupq_n_f32(0.044715f), half = vdupq_n_f32(0.5f);
+        const float32x4_t one = vdupq_n_f32(1.0f);
+        for (; i + 4 <= n; i += 4) {
+            const float32x4_t x = vld1q_f32(a + i);
+            const float32x4_t c = vmulq_f32(vmulq_f32(vmulq_f32(cube, x), x), x);
+            const float32x4_t th = bargein_tanh4(vmulq_f32(vk, vaddq_f32(x, c)));
+            const float32x4_t g = vmulq_f32(vmulq_f32(half, x), vaddq_f32(one, th));
+            vst1q_f32(y + i, vmulq_f32(g, vld1q_f32(b + i)));
+        }
+#endif
+        for (; i < n; i++) {
             const float x = a[i], inner = k * (x + 0.044715f * x * x * x);
             y[i] = 0.5f * x * (1.0f + bargein_tanhf(inner)) * b[i];
         }
@@ -105,8 +128,20 @@ static void softcap_rows(void *arg, int index, int count) {
     const rows_t *job = (const rows_t *)arg;
     const int64_t n = job->n;
     const float cap = job->eps;
-    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++)
-        for (int64_t i = 0; i < n; i++) job->y[r * n + i] = cap * bargein_tanhf(job->x[r * n + i] / cap);
+    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
+        const float *x = job->x + r * n;
+        float *y = job->y + r * n;
+        int64_t i = 0;
+#ifdef BARGEIN_AVX2
+        const __m256 vcap = _mm256_set1_ps(cap);
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(vcap, bargein_tanh256(_mm256_div_ps(_mm256_loadu_ps(x + i), vcap))));
+#elif defined(BARGEIN_NEON)
+        const float32x4_t vcap = vdupq_n_f32(cap);
+        for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vmulq_f32(vcap, bargein_tanh4(vdivq_f32(vld1q_f32(x + i), vcap))));
+#endif
+        for (; i < n; i++) y[i] = cap * bargein_tanhf(x[i] / cap);
+    }
 }
 
 static int row_threads(int64_t m, int num_threads) {

@@ -21,6 +21,7 @@
 #include <math.h>
 
 #include "exp.h"
+#include "simd.h" /* BARGEIN_AVX2, BARGEIN_NEON and their exp bodies */
 
 static inline float bargein_tanhf(float x) {
     const float a = fabsf(x);
@@ -38,5 +39,53 @@ static inline float bargein_tanhf(float x) {
     const float t = bargein_expf(-2.0f * a);
     return copysignf((1.0f - t) / (1.0f + t), x);
 }
+
+/* The vector bodies below give bargein_tanhf's bits lane for lane: the same operations on
+ * every lane, each branch computed whole and the lane's branch chosen by a blend, the
+ * polynomial in separate multiplications and additions (as the scalar's, built with
+ * -ffp-contract=off), e^(-2|x|) by the exp bodies that give bargein_expf's bits. The middle
+ * branch takes min(|x|, 9.1) so that no lane (a large or NaN one, blended away after) sends
+ * the exp to its lane-by-lane path. */
+#if defined(BARGEIN_AVX2)
+static inline __m256 bargein_tanh256(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), limit = _mm256_set1_ps(9.1f);
+    const __m256 a = _mm256_andnot_ps(sign, x), x_sign = _mm256_and_ps(sign, x);
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_sub_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(5.37397155531e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_sub_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(3.33332819422e-1f));
+    const __m256 small = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, z), x), x);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 t = exp256(_mm256_mul_ps(_mm256_set1_ps(-2.0f), _mm256_min_ps(a, limit)));
+    const __m256 middle = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+    /* the lane's branch, its sign from x (copysignf); a NaN lane gives x itself */
+    __m256 y = _mm256_blendv_ps(middle, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+    y = _mm256_blendv_ps(one, y, _mm256_cmp_ps(a, limit, _CMP_LT_OQ));
+    y = _mm256_or_ps(_mm256_andnot_ps(sign, y), x_sign);
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+#elif defined(BARGEIN_NEON)
+static inline float32x4_t bargein_tanh4(float32x4_t x) {
+    const float32x4_t a = vabsq_f32(x), limit = vdupq_n_f32(9.1f), one = vdupq_n_f32(1.0f);
+    const float32x4_t z = vmulq_f32(x, x);
+    float32x4_t p = vdupq_n_f32(-5.70498872745e-3f);
+    p = vaddq_f32(vmulq_f32(p, z), vdupq_n_f32(2.06390887954e-2f));
+    p = vsubq_f32(vmulq_f32(p, z), vdupq_n_f32(5.37397155531e-2f));
+    p = vaddq_f32(vmulq_f32(p, z), vdupq_n_f32(1.33314422036e-1f));
+    p = vsubq_f32(vmulq_f32(p, z), vdupq_n_f32(3.33332819422e-1f));
+    const float32x4_t small = vaddq_f32(vmulq_f32(vmulq_f32(p, z), x), x);
+    /* vminq_f32 would pass a NaN on: take 9.1 where |x| is not below it (NaN included) */
+    const uint32x4_t below = vcltq_f32(a, limit);
+    const float32x4_t t = exp4_mirror(vmulq_f32(vdupq_n_f32(-2.0f), vbslq_f32(below, a, limit)));
+    const float32x4_t middle = vdivq_f32(vsubq_f32(one, t), vaddq_f32(one, t));
+    float32x4_t y = vbslq_f32(vcltq_f32(a, vdupq_n_f32(0.625f)), small, middle);
+    y = vbslq_f32(below, y, one);
+    const uint32x4_t sign = vdupq_n_u32(0x80000000u);
+    y = vbslq_f32(sign, x, y); /* copysignf: the sign bit from x, the rest from y */
+    return vbslq_f32(vceqq_f32(x, x), y, x);
+}
+#endif
 
 #endif

@@ -63,6 +63,25 @@ def test_the_kernels_tanh_is_within_two_ulp_everywhere_and_exact_at_its_limits()
                        torch.tensor([[-0.0]]).view(torch.int32))  # the sign of zero is kept
 
 
+def test_the_vector_bodies_give_the_scalar_tails_bits() -> None:
+    """GeGLU and the soft cap over whole eights (AVX2 / NEON bodies) against the same values
+    each alone in a row of one (the scalar tail): the same bits, over every branch of the tanh
+    (the polynomial, the exp, the saturated ends, NaN, signed zeros)."""
+    values = torch.cat([_rows(1, 4096, seed=5).view(-1), torch.linspace(-12.0, 12.0, 4001),
+                        torch.tensor([0.0, -0.0, 0.624999, 0.625, 9.099999, 9.1, 1e-30, 3e38, -3e38, float("inf"),
+                                      -float("inf"), float("nan")])])
+    n = values.numel() // 8 * 8
+    wide = values[:n].reshape(1, -1).contiguous()
+    for cap in (1.0, 30.0):
+        assert torch.equal(KERNELS.softcap(wide, cap, 1).view(torch.int32).view(-1),
+                           KERNELS.softcap(wide.reshape(-1, 1).contiguous(), cap, 1).view(torch.int32).view(-1))
+    up = _rows(1, n, seed=6)
+    rows = torch.cat([wide, up], dim=1)
+    alone = torch.stack([wide.view(-1), up.view(-1)], dim=1).contiguous()  # n rows of one gate and one up
+    assert torch.equal(KERNELS.gelu_tanh_mul(rows, 2).view(torch.int32).view(-1),
+                       KERNELS.gelu_tanh_mul(alone, 2).view(torch.int32).view(-1))
+
+
 def _case(head_dim: int, ctx: int, block_size: int = 4, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads = 4, 2
