@@ -3,10 +3,12 @@
 gguf.GGUFReader keeps every metadata array item as a numpy view of a memory map; for a
 49k-token vocabulary and its merges that is a quarter of a million small arrays (about
 75 MB and most of a second, measured on SmolLM2-135M). Here metadata values become plain
-Python values (string arrays a list of bytes, decoded when asked for) and numeric arrays
-one numpy array each; the header is read once, front to back, through a memory map closed
-at the end; the tensor data is left to :meth:`TensorInfo.read` (``os.pread``, one tensor
-at a time).
+Python values, numeric arrays one numpy array each, and string arrays a
+:class:`StringArray`: the array's bytes as stored and where each item lies in them (a
+loop that only reads lengths), decoded when asked for, the whole array in one call where
+it can be (start-up parses a 49k vocabulary and 49k merges). The header is read once,
+front to back, through a memory map closed at the end; the tensor data is left to
+:meth:`TensorInfo.read` (``os.pread``, one tensor at a time).
 
 Every count and length is checked against the bytes left before anything is allocated
 from it, so a corrupt header is a :class:`CorruptModelError`, never a huge allocation.
@@ -39,9 +41,40 @@ STRING, ARRAY = 8, 9
 
 @dataclass(frozen=True)
 class StringArray:
-    """A metadata array of strings, kept as bytes (decoded by whoever reads them)."""
+    """A metadata array of strings as the file stores it: ``data`` is the array's bytes
+    (each item's 8-byte length, then its bytes), item i is ``data[starts[i]:ends[i]]``.
+    Decoded by whoever reads it (:meth:`decoded`)."""
 
-    items: list[bytes]
+    data: bytes
+    starts: np.ndarray  # int64
+    ends: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def items(self) -> list[bytes]:
+        data = self.data
+        return [data[s:e] for s, e in zip(self.starts.tolist(), self.ends.tolist(), strict=True)]
+
+    def decoded(self, errors: str = "strict") -> list[str]:
+        """Each item decoded from UTF-8 (``errors`` as for ``bytes.decode``), exactly what
+        decoding item by item gives. Usually one decode of the items joined by NUL bytes
+        (the last byte of each item's length, always 0, is kept as the separator); item by
+        item where an item holds a NUL or is not valid UTF-8."""
+        if len(self.starts) == 0:
+            return []
+        region = np.frombuffer(self.data, dtype=np.uint8)
+        edges = np.zeros(len(region) + 1, dtype=np.int8)
+        edges[self.starts - 1] = 1  # starts and ends never meet: 8 length bytes lie between
+        edges[self.ends] = -1
+        joined = region[np.cumsum(edges[:-1], dtype=np.int8).view(np.bool_)].tobytes()
+        if joined.count(0) == len(self.starts):  # the separators only: no item holds a NUL
+            try:
+                return joined.decode("utf-8").split("\0")[1:]
+            except UnicodeDecodeError:
+                pass  # decoded item by item below, where ``errors`` applies to each alone
+        return [item.decode("utf-8", errors=errors) for item in self.items]
 
 
 @dataclass(frozen=True)
@@ -126,23 +159,26 @@ class _Cursor:
     def string(self, what: str) -> bytes:
         return self.need(self.unpack("<Q", what), what)
 
-    def strings(self, count: int, what: str) -> list[bytes]:
-        """``count`` strings in a row: the hot loop of a vocabulary, kept to local names."""
+    def strings(self, count: int, what: str) -> StringArray:
+        """``count`` strings in a row. The hot loop of a vocabulary only reads each length
+        (kept to local names); a length past the end of the file ends it, checked once."""
         if count * 8 > self.size - self.pos:
             raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-        data, pos, size, items = self.map, self.pos, self.size, []
-        length_at = struct.Struct("<Q").unpack_from
+        data, first, pos, size, starts = self.map, self.pos, self.pos, self.size, []
+        length_at, start = struct.Struct("<Q").unpack_from, starts.append
         for _ in range(count):
-            if pos + 8 > size:
+            if pos + 8 > size:  # also stops a length that jumped past the end
                 raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-            (n,) = length_at(data, pos)
             pos += 8
-            if pos + n > size:
-                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-            items.append(data[pos:pos + n])
-            pos += n
+            start(pos)
+            pos += length_at(data, pos - 8)[0]
+        if pos > size:
+            raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
         self.pos = pos
-        return items
+        begins = np.array(starts, dtype=np.int64)
+        ends = np.empty_like(begins)
+        ends[:-1], ends[-1:] = begins[1:] - 8, pos
+        return StringArray(data[first:pos], begins - first, ends - first)
 
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALARS:
@@ -158,7 +194,7 @@ class _Cursor:
                 raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
             return np.frombuffer(self.need(count * width, what), dtype=_NUMPY[item]).copy()
         if item == STRING:
-            return StringArray(self.strings(count, what))
+            return self.strings(count, what)
         if item == ARRAY:  # arrays of arrays: no key llama.cpp writes; read and kept as a list
             if count > self.size - self.pos:
                 raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
