@@ -138,12 +138,17 @@ class GGUFFile:
 
     def strings(self, key: str) -> list[str] | None:
         """A string-array field, decoded (invalid UTF-8 replaced, as in a byte-level vocabulary)."""
+        value = self.string_array(key)
+        return None if value is None else value.decoded(errors="replace")
+
+    def string_array(self, key: str) -> StringArray | None:
+        """A string-array field as stored (see :class:`StringArray`)."""
         value = self.fields.get(key)
         if value is None:
             return None
         if not isinstance(value, StringArray):
             raise CorruptModelError(f"{self.path}: metadata {key!r} is not an array of STRING")
-        return value.decoded(errors="replace")
+        return value
 
     def ints(self, key: str) -> list[int] | None:
         return self._numbers(key, int)

@@ -17,6 +17,7 @@ Little-endian files of GGUF versions 2 and 3 are read (what llama.cpp writes).
 
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import struct
@@ -43,7 +44,7 @@ STRING, ARRAY = 8, 9
 class StringArray:
     """A metadata array of strings as the file stores it: ``data`` is the array's bytes
     (each item's 8-byte length, then its bytes), item i is ``data[starts[i]:ends[i]]``.
-    Decoded by whoever reads it (:meth:`decoded`)."""
+    Decoded by whoever reads it (:meth:`decoded`, :meth:`joined_text`)."""
 
     data: bytes
     starts: np.ndarray  # int64
@@ -57,23 +58,31 @@ class StringArray:
         data = self.data
         return [data[s:e] for s, e in zip(self.starts.tolist(), self.ends.tolist(), strict=True)]
 
-    def decoded(self, errors: str = "strict") -> list[str]:
-        """Each item decoded from UTF-8 (``errors`` as for ``bytes.decode``), exactly what
-        decoding item by item gives. Usually one decode of the items joined by NUL bytes
-        (the last byte of each item's length, always 0, is kept as the separator); item by
-        item where an item holds a NUL or is not valid UTF-8."""
-        if len(self.starts) == 0:
-            return []
+    def joined_text(self) -> str | None:
+        """The items decoded from UTF-8 and joined by NULs, in one decode of the bytes: the
+        last byte of each item's length (always 0) is kept as the separator. None where
+        that cannot stand for the items: an item holds a NUL or is not valid UTF-8."""
         region = np.frombuffer(self.data, dtype=np.uint8)
         edges = np.zeros(len(region) + 1, dtype=np.int8)
         edges[self.starts - 1] = 1  # starts and ends never meet: 8 length bytes lie between
         edges[self.ends] = -1
         joined = region[np.cumsum(edges[:-1], dtype=np.int8).view(np.bool_)].tobytes()
-        if joined.count(0) == len(self.starts):  # the separators only: no item holds a NUL
-            try:
-                return joined.decode("utf-8").split("\0")[1:]
-            except UnicodeDecodeError:
-                pass  # decoded item by item below, where ``errors`` applies to each alone
+        if joined.count(0) != len(self.starts):  # more NULs than separators
+            return None
+        try:
+            return joined[1:].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    def decoded(self, errors: str = "strict") -> list[str]:
+        """Each item decoded from UTF-8 (``errors`` as for ``bytes.decode``): what decoding
+        item by item gives, usually split from :meth:`joined_text`."""
+        if len(self.starts) == 0:
+            return []
+        text = self.joined_text()
+        if text is not None:
+            return text.split("\0")
+        # item by item, where ``errors`` applies to each alone
         return [item.decode("utf-8", errors=errors) for item in self.items]
 
 
@@ -164,7 +173,7 @@ class _Cursor:
         (kept to local names); a length past the end of the file ends it, checked once."""
         if count * 8 > self.size - self.pos:
             raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-        data, first, pos, size, starts = self.map, self.pos, self.pos, self.size, []
+        data, first, pos, size, starts = self.map, self.pos, self.pos, self.size, array.array("q")
         length_at, start = struct.Struct("<Q").unpack_from, starts.append
         for _ in range(count):
             if pos + 8 > size:  # also stops a length that jumped past the end
@@ -175,7 +184,7 @@ class _Cursor:
         if pos > size:
             raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
         self.pos = pos
-        begins = np.array(starts, dtype=np.int64)
+        begins = np.frombuffer(starts, dtype=np.int64) if count else np.empty(0, dtype=np.int64)
         ends = np.empty_like(begins)
         ends[:-1], ends[-1:] = begins[1:] - 8, pos
         return StringArray(data[first:pos], begins - first, ends - first)

@@ -13,7 +13,7 @@ bundled model's start-up, measured on 2 cores).
 
 from __future__ import annotations
 
-import itertools
+import re
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
@@ -22,10 +22,13 @@ from tokenizers import Tokenizer as HFTokenizer
 from bargein.loader.byte_alphabet import bytes_to_unicode, in_byte_alphabet
 from bargein.loader.errors import CorruptModelError, UnsupportedModelError
 from bargein.loader.gguf_file import GGUFFile
+from bargein.loader.gguf_parse import StringArray
 from bargein.loader.tokenizer import Tokenizer, bos_eos_processor
 
 # GGUF token types (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
+# A merge with no space in the NUL-joined merges (see merge_pairs).
+_MERGE_WITHOUT_SPACE = re.compile("(?:^|\0)[^ \0]*(?:\0|\\Z)")
 
 # Pre-tokenizer splits for GGUF ``tokenizer.ggml.pre`` values whose merges were learned on
 # them (as transformers chooses them); other values use the GPT-2 regex.
@@ -93,7 +96,7 @@ def _gguf_byte_level(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
             (t if in_byte_alphabet(t) else "".join(unicode_of[b] for b in t.encode("utf-8"))): i
             for i, t in enumerate(tokens)
         }
-    merges_text = f.strings("tokenizer.ggml.merges")
+    merges_text = f.string_array("tokenizer.ggml.merges")
     if merges_text is None:
         raise CorruptModelError(f"{f.path}: a gpt2 tokenizer needs tokenizer.ggml.merges")
     merges = merge_pairs(merges_text)
@@ -124,7 +127,7 @@ def _gguf_byte_level(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
 def _gguf_sentencepiece(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
     scores = f.floats("tokenizer.ggml.scores")
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges_text = f.strings("tokenizer.ggml.merges")
+    merges_text = f.string_array("tokenizer.ggml.merges")
     if merges_text is not None:
         merges = merge_pairs(merges_text)
     elif scores is not None:
@@ -174,19 +177,20 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     return [(left, right) for left, right, _ in found]
 
 
-def merge_pairs(merges: list[str]) -> list[tuple[str, ...]]:
-    """Each merge ``"left right"`` split at its first space: ``tuple(m.split(" ", 1))`` of
-    each (a merge without a space stays a 1-tuple, which the BPE model refuses).
+def merge_pairs(merges: StringArray) -> list[tuple[str, ...]]:
+    """Each merge ``"left right"`` decoded (invalid UTF-8 replaced) and split at its first
+    space: ``tuple(m.split(" ", 1))`` of each (a merge without a space stays a 1-tuple,
+    which the BPE model refuses).
 
-    Where every merge holds exactly one space and no NUL (every vocabulary seen), the whole
-    list is split in a few calls over its NUL-joined text instead of one call per merge.
+    Where every merge holds exactly one space (every vocabulary seen), the whole array is
+    split in a few calls over its NUL-joined text (:meth:`StringArray.joined_text`)
+    instead of a decode and a split per merge.
     """
-    joined = "\0".join(merges)
-    if (joined.count(" ") == len(merges) and joined.count("\0") == len(merges) - 1
-            and all(map(str.__contains__, merges, itertools.repeat(" ")))):
-        parts = joined.replace(" ", "\0").split("\0")  # left, right, left, right, ...
+    text = merges.joined_text() if len(merges) else None
+    if text is not None and text.count(" ") == len(merges) and _MERGE_WITHOUT_SPACE.search(text) is None:
+        parts = text.replace(" ", "\0").split("\0")  # left, right, left, right, ...
         return list(zip(parts[0::2], parts[1::2], strict=True))
-    return [tuple(m.split(" ", 1)) for m in merges]
+    return [tuple(m.split(" ", 1)) for m in merges.decoded(errors="replace")]
 
 
 def _add_marked_tokens(
