@@ -13,8 +13,6 @@ bundled model's start-up, measured on 2 cores).
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -27,9 +25,6 @@ from bargein.loader.tokenizer import Tokenizer, bos_eos_processor
 
 # GGUF token types (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
-# A merge with no space in the NUL-joined merges (see merge_pairs).
-_MERGE_WITHOUT_SPACE = re.compile("(?:^|\0)[^ \0]*(?:\0|\\Z)")
-
 # Pre-tokenizer splits for GGUF ``tokenizer.ggml.pre`` values whose merges were learned on
 # them (as transformers chooses them); other values use the GPT-2 regex.
 _LLAMA3_SPLIT = (
@@ -187,9 +182,13 @@ def merge_pairs(merges: StringArray) -> list[tuple[str, ...]]:
     instead of a decode and a split per merge.
     """
     text = merges.joined_text() if len(merges) else None
-    if text is not None and text.count(" ") == len(merges) and _MERGE_WITHOUT_SPACE.search(text) is None:
+    if text is not None and text.count(" ") == len(merges):
         parts = text.replace(" ", "\0").split("\0")  # left, right, left, right, ...
-        return list(zip(parts[0::2], parts[1::2], strict=True))
+        pairs = list(zip(parts[0::2], parts[1::2], strict=True))
+        # Right when the separators alternate (one space in each merge): then, and only
+        # then, the pairs put back together are the text.
+        if "\0".join(map(" ".join, pairs)) == text:
+            return pairs
     return [tuple(m.split(" ", 1)) for m in merges.decoded(errors="replace")]
 
 
