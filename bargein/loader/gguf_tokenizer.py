@@ -7,8 +7,7 @@ marks as control become special tokens, so ``<|im_start|>`` stays one token.
 Start-up builds this once per load from a 49k vocabulary and 49k merges: the arrays are
 decoded whole (:meth:`~bargein.loader.gguf_parse.StringArray.decoded`), the merges split
 into pairs in a few calls over their joined text (:func:`merge_pairs`) and the marked
-tokens found with numpy, rather than by a Python step per item (together ~70 ms of the
-bundled model's start-up, measured on 2 cores).
+tokens found with numpy, rather than by a Python step per item.
 """
 
 from __future__ import annotations
