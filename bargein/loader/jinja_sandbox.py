@@ -4,7 +4,8 @@ Templates are untrusted code, so they run in an ImmutableSandboxedEnvironment wi
 trim_blocks, lstrip_blocks, loop controls, the ``{% generation %}`` tag,
 ``raise_exception``, ``strftime_now`` and a non-escaping ``tojson``, so the prompt text is
 identical to the reference's. Imported by chat_template.py on the first render, not at
-start-up: importing jinja2 costs ~50 ms that loading a model and its first token never need.
+start-up: importing jinja2 is ~5% of the bundled model's load (callgrind), which loading a
+model and its first token never need.
 """
 
 from __future__ import annotations

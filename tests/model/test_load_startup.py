@@ -5,7 +5,7 @@ give, and loading does only what its first token needs.
   NUL, not UTF-8): in one decode of the joined bytes where it can, item by item where not.
 - Merges split into pairs as ``tuple(m.split(" ", 1))`` of each merge.
 - Loading a model (config, weights, tokenizer) imports no Jinja (the chat template's
-  renderer, ~50 ms), which the first render does; the cyclic garbage collector is off
+  renderer), which the first render does; the cyclic garbage collector is off
   while ``Engine.from_pretrained`` loads and back on after.
 """
 
