@@ -1,5 +1,6 @@
 """Start-up helpers of the serving process: the garbage collector through start-up, and
-work started on a thread of its own (see ``bargein serve`` in :mod:`bargein.cli`)."""
+work started on a thread of its own (see ``bargein serve`` in :mod:`bargein.cli`; the
+collector is paused by ``Engine.from_pretrained`` too)."""
 
 from __future__ import annotations
 

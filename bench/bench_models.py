@@ -5,7 +5,13 @@ For each GGUF file, bargein (in ``--precision``) and llama.cpp (llama-cpp-python
 
 - load: process start to the first token of a fixed prompt, minus the side's import floor
   (a process that only imports torch, for bargein, or llama_cpp), page cache warm (every
-  file is read once before anything is timed); the median of ``--load-repeats``;
+  file is read once before anything is timed); the median of ``--load-repeats``. Python
+  code starts from its compiled bytecode, as for every package an installer put in place
+  (torch and llama_cpp included): bargein's sources are compiled to ``__pycache__`` first
+  (``compileall``), since under ``PYTHONDONTWRITEBYTECODE`` a source checkout would
+  otherwise compile its ~90 modules again at each start (~0.25 s of the bundled model's
+  load on 2 cores). ``--no-bytecode`` times that case: bargein's ``__pycache__`` folders
+  removed and none written;
 - memory: peak RSS (VmHWM) over that side's processes above its import floor's, and the
   resident set at the end of the 1-stream run split into private (RssAnon) and file-backed
   (RssFile: mapped weights) pages;
@@ -31,6 +37,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,10 +79,7 @@ args = json.loads(sys.argv[1])
 import torch
 if args["threads"]:
     torch.set_num_threads(args["threads"])
-sys.path.insert(0, args["bench"])
-from common import drive_to_completion
 from bargein import CacheConfig, Engine, EngineConfig, SamplingParams
-from bargein.engine.outputs import OutputCollector
 config = EngineConfig(precision=args["precision"], cache=CacheConfig(kv_tokens=args["kv_tokens"]),
                       max_model_len=args["kv_tokens"])
 engine = Engine.from_pretrained(args["model"], config, progress=False)
@@ -91,6 +95,9 @@ elif args["kind"] == "prefill":
     engine.generate([prompts[0]], greedy(1))
     out["tok_s"] = len(prompts[0]) / (time.perf_counter() - started)
 else:
+    sys.path.insert(0, args["bench"])  # not before the load: the load times bargein's imports only
+    from common import drive_to_completion
+    from bargein.engine.outputs import OutputCollector
     collector = OutputCollector(engine)
     engine.generate([args["warmup"]], greedy(1))
     started = time.perf_counter()
@@ -156,6 +163,8 @@ print(json.dumps({**out, **memory()}))
 def _run(script: str, args: dict[str, Any]) -> dict[str, Any]:
     """One fresh process; ``launched`` (wall clock) is set just before it starts."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if not args.get("bytecode", True):
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     args = {**args, "launched": time.time()}
     result = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
                             timeout=1800, env=env)
@@ -204,10 +213,23 @@ def measurements(ids: list[int], streams: int, answer: int, prefills: tuple[int,
     return plans
 
 
+def prepare_bytecode(compiled: bool) -> None:
+    """bargein's sources compiled to ``__pycache__`` (``compiled``), or its ``__pycache__``
+    folders removed, so that each start compiles the sources (see the module doc)."""
+    if compiled:
+        import compileall
+
+        compileall.compile_dir(str(ROOT / "bargein"), quiet=1)
+    else:
+        for folder in (ROOT / "bargein").rglob("__pycache__"):
+            shutil.rmtree(folder)
+
+
 def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: int, streams: int, answer: int,
-               prefills: tuple[int, ...], llama: bool) -> list[dict[str, Any]]:
+               prefills: tuple[int, ...], llama: bool, bytecode: bool = True) -> list[dict[str, Any]]:
     """Rows for one file: bargein's, llama.cpp's (or why not), and their ratios."""
     Path(path).read_bytes()  # the page cache warm for both sides
+    prepare_bytecode(bytecode)
     family = file_family(path)
     ids = text_ids(path, max(prefills + (LOAD_PROMPT + STREAM_PROMPT * 2 + 7 * streams,)))
     plans = measurements(ids, streams, answer, prefills)
@@ -215,11 +237,11 @@ def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: 
     rows = []
     for side, script, module in sides:
         row: dict[str, Any] = {"file": Path(path).name, "side": side, "family": family,
-                               "precision": precision if side == "bargein" else "-"}
+                               "precision": precision if side == "bargein" else "-", "bytecode": bytecode}
         try:
             floor = _run(_FLOOR, {"module": module})
             common = {"model": path, "threads": threads, "precision": precision, "bench": str(Path(__file__).parent),
-                      "cpu_threads": _torch_threads()}
+                      "cpu_threads": _torch_threads(), "bytecode": bytecode}
             seen = []
             loads = [_run(script, {**common, **plans["load"]}) for _ in range(load_repeats)]
             seen += loads
@@ -291,6 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--answer", type=int, default=32, help="tokens per stream (default %(default)s)")
     parser.add_argument("--doc", default=str(DOC), help="the markdown file to update ('' for none)")
+    parser.add_argument("--no-bytecode", action="store_true",
+                        help="time bargein compiling its sources at each start (see the module doc)")
     args = parser.parse_args(argv)
     from bargein.loader import resolve_model_ref
 
@@ -308,7 +332,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for path in files:
         rows += bench_file(path, args.precision, threads=args.threads, load_repeats=1 if args.quick else
-                           args.load_repeats, streams=streams, answer=answer, prefills=prefills, llama=llama)
+                           args.load_repeats, streams=streams, answer=answer, prefills=prefills, llama=llama,
+                           bytecode=not args.no_bytecode)
     info = machine_info()
     result = {"benchmark": "models", "precision": args.precision, "machine": info, "rows": rows,
               "llama_cpp": llama}

@@ -37,11 +37,11 @@ from bargein.loader.gguf_file import (
     open_gguf,
     read_gguf_config,
 )
+from bargein.loader.gguf_tokenizer import tokenizer_from_gguf
 from bargein.loader.hf_folder import load_hf_weights, read_hf_config
 from bargein.loader.names import check_layer_range, expected_shape
 from bargein.loader.source import ModelSource, resolve_model_ref
-from bargein.loader.tokenizer import Tokenizer
-from bargein.loader.tokenizer import load_tokenizer as _load_tokenizer
+from bargein.loader.tokenizer import Tokenizer, tokenizer_from_folder
 
 __all__ = [
     "ChatTemplateError",
@@ -126,7 +126,9 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     """The tokenizer of ``source`` (GGUF metadata or the folder's tokenizer.json)."""
     # The tokenizers library raises plain Exception for an inconsistent vocabulary or merges.
     with _malformed_is_corrupt(source, "tokenizer", (Exception,)):
-        return _load_tokenizer(source)
+        if source.kind == "gguf":
+            return tokenizer_from_gguf(open_gguf(source.path))
+        return tokenizer_from_folder(source.path)
 
 
 def load_weights(

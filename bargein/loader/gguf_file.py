@@ -126,7 +126,7 @@ class GGUFFile:
             return default
         value = self.fields[key]
         if isinstance(value, StringArray):
-            return [item.decode("utf-8") for item in value.items]
+            return value.decoded()
         if isinstance(value, np.ndarray):
             return value.tolist()
         return value
@@ -138,12 +138,17 @@ class GGUFFile:
 
     def strings(self, key: str) -> list[str] | None:
         """A string-array field, decoded (invalid UTF-8 replaced, as in a byte-level vocabulary)."""
+        value = self.string_array(key)
+        return None if value is None else value.decoded(errors="replace")
+
+    def string_array(self, key: str) -> StringArray | None:
+        """A string-array field as stored (see :class:`StringArray`)."""
         value = self.fields.get(key)
         if value is None:
             return None
         if not isinstance(value, StringArray):
             raise CorruptModelError(f"{self.path}: metadata {key!r} is not an array of STRING")
-        return [item.decode("utf-8", errors="replace") for item in value.items]
+        return value
 
     def ints(self, key: str) -> list[int] | None:
         return self._numbers(key, int)
@@ -151,13 +156,18 @@ class GGUFFile:
     def floats(self, key: str) -> list[float] | None:
         return self._numbers(key, float)
 
-    def _numbers(self, key: str, kind: type) -> list[Any] | None:
+    def array(self, key: str) -> np.ndarray | None:
+        """A numeric-array field as the numpy array it was parsed into (not to be written)."""
         value = self.fields.get(key)
         if value is None:
             return None
         if not isinstance(value, np.ndarray):
             raise CorruptModelError(f"{self.path}: metadata {key!r} is not a numeric array")
-        return [kind(v) for v in value.tolist()]
+        return value
+
+    def _numbers(self, key: str, kind: type) -> list[Any] | None:
+        value = self.array(key)
+        return None if value is None else [kind(v) for v in value.tolist()]
 
     def info(self, name: str, shape_hint: str = "") -> TensorInfo:
         """A tensor's table entry, checked: present, of a type we read, all its bytes in the file."""

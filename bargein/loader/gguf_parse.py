@@ -3,10 +3,12 @@
 gguf.GGUFReader keeps every metadata array item as a numpy view of a memory map; for a
 49k-token vocabulary and its merges that is a quarter of a million small arrays (about
 75 MB and most of a second, measured on SmolLM2-135M). Here metadata values become plain
-Python values (string arrays a list of bytes, decoded when asked for) and numeric arrays
-one numpy array each; the header is read once, front to back, through a memory map closed
-at the end; the tensor data is left to :meth:`TensorInfo.read` (``os.pread``, one tensor
-at a time).
+Python values, numeric arrays one numpy array each, and string arrays a
+:class:`StringArray`: the array's bytes as stored and where each item lies in them (a
+loop that only reads lengths), decoded when asked for, the whole array in one call where
+it can be (start-up parses a 49k vocabulary and 49k merges). The header is read once,
+front to back, through a memory map closed at the end; the tensor data is left to
+:meth:`TensorInfo.read` (``os.pread``, one tensor at a time).
 
 Every count and length is checked against the bytes left before anything is allocated
 from it, so a corrupt header is a :class:`CorruptModelError`, never a huge allocation.
@@ -15,6 +17,7 @@ Little-endian files of GGUF versions 2 and 3 are read (what llama.cpp writes).
 
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import struct
@@ -39,9 +42,48 @@ STRING, ARRAY = 8, 9
 
 @dataclass(frozen=True)
 class StringArray:
-    """A metadata array of strings, kept as bytes (decoded by whoever reads them)."""
+    """A metadata array of strings as the file stores it: ``data`` is the array's bytes
+    (each item's 8-byte length, then its bytes), item i is ``data[starts[i]:ends[i]]``.
+    Decoded by whoever reads it (:meth:`decoded`, :meth:`joined_text`)."""
 
-    items: list[bytes]
+    data: bytes
+    starts: np.ndarray  # int64
+    ends: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def items(self) -> list[bytes]:
+        data = self.data
+        return [data[s:e] for s, e in zip(self.starts.tolist(), self.ends.tolist(), strict=True)]
+
+    def joined_text(self) -> str | None:
+        """The items decoded from UTF-8 and joined by NULs, in one decode of the bytes: the
+        last byte of each item's length (always 0) is kept as the separator. None where
+        that cannot stand for the items: an item holds a NUL or is not valid UTF-8."""
+        region = np.frombuffer(self.data, dtype=np.uint8)
+        edges = np.zeros(len(region) + 1, dtype=np.int8)
+        edges[self.starts - 1] = 1  # starts and ends never meet: 8 length bytes lie between
+        edges[self.ends] = -1
+        joined = region[np.cumsum(edges[:-1], dtype=np.int8).view(np.bool_)].tobytes()
+        if joined.count(0) != len(self.starts):  # more NULs than separators
+            return None
+        try:
+            return joined[1:].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    def decoded(self, errors: str = "strict") -> list[str]:
+        """Each item decoded from UTF-8 (``errors`` as for ``bytes.decode``): what decoding
+        item by item gives, usually split from :meth:`joined_text`."""
+        if len(self.starts) == 0:
+            return []
+        text = self.joined_text()
+        if text is not None:
+            return text.split("\0")
+        # item by item, where ``errors`` applies to each alone
+        return [item.decode("utf-8", errors=errors) for item in self.items]
 
 
 @dataclass(frozen=True)
@@ -126,23 +168,26 @@ class _Cursor:
     def string(self, what: str) -> bytes:
         return self.need(self.unpack("<Q", what), what)
 
-    def strings(self, count: int, what: str) -> list[bytes]:
-        """``count`` strings in a row: the hot loop of a vocabulary, kept to local names."""
+    def strings(self, count: int, what: str) -> StringArray:
+        """``count`` strings in a row. The hot loop of a vocabulary only reads each length
+        (kept to local names); a length past the end of the file ends it, checked once."""
         if count * 8 > self.size - self.pos:
             raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-        data, pos, size, items = self.map, self.pos, self.size, []
-        length_at = struct.Struct("<Q").unpack_from
+        data, first, pos, size, starts = self.map, self.pos, self.pos, self.size, array.array("q")
+        length_at, start = struct.Struct("<Q").unpack_from, starts.append
         for _ in range(count):
-            if pos + 8 > size:
+            if pos + 8 > size:  # also stops a length that jumped past the end
                 raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-            (n,) = length_at(data, pos)
             pos += 8
-            if pos + n > size:
-                raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-            items.append(data[pos:pos + n])
-            pos += n
+            start(pos)
+            pos += length_at(data, pos - 8)[0]
+        if pos > size:
+            raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
         self.pos = pos
-        return items
+        begins = np.frombuffer(starts, dtype=np.int64) if count else np.empty(0, dtype=np.int64)
+        ends = np.empty_like(begins)
+        ends[:-1], ends[-1:] = begins[1:] - 8, pos
+        return StringArray(data[first:pos], begins - first, ends - first)
 
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALARS:
@@ -158,7 +203,7 @@ class _Cursor:
                 raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
             return np.frombuffer(self.need(count * width, what), dtype=_NUMPY[item]).copy()
         if item == STRING:
-            return StringArray(self.strings(count, what))
+            return self.strings(count, what)
         if item == ARRAY:  # arrays of arrays: no key llama.cpp writes; read and kept as a list
             if count > self.size - self.pos:
                 raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")

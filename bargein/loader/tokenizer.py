@@ -1,9 +1,8 @@
-"""Tokenizers built on Hugging Face ``tokenizers``: from tokenizer.json or from a GGUF vocabulary.
+"""Tokenizers built on Hugging Face ``tokenizers``: the :class:`Tokenizer` and its loading
+from a Hugging Face folder's tokenizer.json (a GGUF's vocabulary: gguf_tokenizer.py).
 
-The GGUF builders follow what transformers does for the same file (the test oracle), so
-token ids match it: ``gpt2`` is byte-level BPE with the file's merges, ``llama`` is
-SentencePiece-style BPE with byte fallback and merges recovered from the scores. Tokens
-the file marks as control become special tokens, so ``<|im_start|>`` stays one token.
+Built to match what transformers does for the same model (the test oracle), so token ids
+match it.
 """
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
 from bargein.loader.byte_alphabet import (
     BYTE_OF_CHAR,
-    bytes_to_unicode,
+    bytes_to_unicode,  # noqa: F401  (imported from here by callers)
     in_byte_alphabet,
     is_byte_piece,
 )
@@ -30,9 +29,7 @@ from bargein.loader.encoding import (
     UnencodableTextError,  # noqa: F401  (its import path before encoding.py)
     encode_one,
 )
-from bargein.loader.errors import CorruptModelError, UnsupportedModelError
-from bargein.loader.gguf_file import GGUFFile, open_gguf
-from bargein.loader.source import ModelSource
+from bargein.loader.errors import CorruptModelError
 
 # Tokens that end a turn in common chat formats; generation stops on those that are special.
 END_OF_TURN_TOKENS = (
@@ -44,24 +41,6 @@ END_OF_TURN_TOKENS = (
     "<|eom_id|>",
     "<end_of_turn>",
 )
-
-# GGUF token types (llama.cpp's llama_token_type)
-_CONTROL, _USER_DEFINED = 3, 4
-
-# Pre-tokenizer splits for GGUF ``tokenizer.ggml.pre`` values whose merges were learned on
-# them (as transformers chooses them); other values use the GPT-2 regex.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
-}
 
 
 @dataclass
@@ -201,172 +180,7 @@ class Tokenizer:
         )
 
 
-def load_tokenizer(source: ModelSource) -> Tokenizer:
-    """The tokenizer of a model source (GGUF metadata or the folder's tokenizer.json)."""
-    if source.kind == "gguf":
-        return tokenizer_from_gguf(open_gguf(source.path))
-    return tokenizer_from_folder(source.path)
-
-
-# ---------------------------------------------------------------- GGUF
-
-
-def tokenizer_from_gguf(f: GGUFFile) -> Tokenizer:
-    kind = f.get("tokenizer.ggml.model")
-    tokens = f.strings("tokenizer.ggml.tokens")
-    if kind is None or tokens is None:
-        raise CorruptModelError(
-            f"{f.path}: no tokenizer in the metadata (tokenizer.ggml.model/tokens)"
-        )
-    types = f.ints("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if kind == "gpt2":
-        backend = _gguf_byte_level(f, tokens, types)
-        add_bos_default = False
-    elif kind == "llama":
-        backend = _gguf_sentencepiece(f, tokens)
-        add_bos_default = True
-    else:
-        raise UnsupportedModelError(
-            f"{f.path}: tokenizer model {kind!r} is not supported (gpt2, llama)"
-        )
-    _add_marked_tokens(backend, tokens, types, byte_level=kind == "gpt2")
-
-    def token(key: str) -> str | None:
-        index = f.get(f"tokenizer.ggml.{key}")
-        return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
-
-    bos, eos = token("bos_token_id"), token("eos_token_id")
-    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", add_bos_default))
-    add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False))
-    backend.post_processor = _bos_eos_processor(
-        backend, bos if add_bos else None, eos if add_eos else None
-    )
-    return Tokenizer(
-        backend=backend,
-        byte_level=kind == "gpt2",
-        bos_token=bos,
-        eos_token=eos,
-        chat_template=f.get("tokenizer.chat_template"),
-    )
-
-
-def _gguf_byte_level(f: GGUFFile, tokens: list[str], types: list[int]) -> HFTokenizer:
-    unicode_of = bytes_to_unicode()
-    # a token outside the byte alphabet is respelled byte by byte (as transformers does);
-    # usually none is, which one search over all of them finds quickly
-    if in_byte_alphabet("".join(tokens)):
-        vocab = dict(zip(tokens, range(len(tokens)), strict=True))
-    else:
-        vocab = {
-            (t if in_byte_alphabet(t) else "".join(unicode_of[b] for b in t.encode("utf-8"))): i
-            for i, t in enumerate(tokens)
-        }
-    merges_text = f.strings("tokenizer.ggml.merges")
-    if merges_text is None:
-        raise CorruptModelError(f"{f.path}: a gpt2 tokenizer needs tokenizer.ggml.merges")
-    merges = [tuple(m.split(" ", 1)) for m in merges_text]
-    backend = HFTokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-        )
-    )
-    split = _PRE_SPLITS.get(f.get("tokenizer.ggml.pre", ""))
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _gguf_sentencepiece(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
-    scores = f.floats("tokenizer.ggml.scores")
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges_text = f.strings("tokenizer.ggml.merges")
-    if merges_text is not None:
-        merges = [tuple(m.split(" ", 1)) for m in merges_text]
-    elif scores is not None:
-        merges = _merges_from_scores(vocab, dict(zip(tokens, scores, strict=False)))
-    else:
-        raise CorruptModelError(
-            f"{f.path}: a llama tokenizer needs tokenizer.ggml.scores or merges"
-        )
-    unk = f.get("tokenizer.ggml.unknown_token_id")
-    backend = HFTokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            fuse_unk=True,
-            byte_fallback=True,
-            unk_token=tokens[int(unk)] if unk is not None else None,
-        )
-    )
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first", split=False
-    )
-    backend.decoder = decoders.Sequence(
-        [
-            decoders.Replace("▁", " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
-    return backend
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """SentencePiece BPE merges implied by a vocabulary: every split of a token into two
-    tokens, best-scored merged token first (the order transformers derives them in)."""
-    found: list[tuple[str, str, float]] = []
-    for merged, score in scores.items():
-        local = [
-            (merged[:k], merged[k:], score)
-            for k in range(1, len(merged))
-            if merged[:k] in vocab and merged[k:] in vocab
-        ]
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        found.extend(local)
-    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in found]
-
-
-def _add_marked_tokens(
-    backend: HFTokenizer, tokens: list[str], types: list[int], *, byte_level: bool
-) -> None:
-    """Control tokens become special added tokens, user-defined ones plain added tokens.
-
-    In a byte-level vocabulary a "control" token spelled outside the byte alphabet is a
-    llama.cpp mislabel; it is not added (transformers skips it too).
-    """
-    control = [
-        AddedToken(t, normalized=False, special=True)
-        for t, ty in zip(tokens, types, strict=False)
-        if ty == _CONTROL and (not byte_level or in_byte_alphabet(t))
-    ]
-    if control:
-        backend.add_special_tokens(control)
-    user_defined = [t for t, ty in zip(tokens, types, strict=False) if ty == _USER_DEFINED]
-    if not user_defined:  # most vocabularies: no need for the whole vocabulary as a dict
-        return
-    vocab = backend.get_vocab()
-    user = [AddedToken(t, normalized=False, special=False) for t in user_defined if t in vocab]
-    if user:
-        backend.add_tokens(user)
-
-
-def _bos_eos_processor(
+def bos_eos_processor(
     backend: HFTokenizer, bos: str | None, eos: str | None
 ) -> processors.TemplateProcessing:
     """Post-processor that wraps each sequence in ``bos`` / ``eos`` (either may be None)."""
@@ -399,7 +213,7 @@ def tokenizer_from_folder(folder: Path) -> Tokenizer:
     bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
     if "add_bos_token" in config or "add_eos_token" in config:
         # an explicit flag overrides tokenizer.json's post-processor (as transformers does)
-        backend.post_processor = _bos_eos_processor(
+        backend.post_processor = bos_eos_processor(
             backend,
             bos if config.get("add_bos_token") else None,
             eos if config.get("add_eos_token") else None,
