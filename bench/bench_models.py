@@ -5,8 +5,8 @@ For each GGUF file, bargein (in ``--precision``) and llama.cpp (llama-cpp-python
 
 - load: process start to the first token of a fixed prompt, minus the side's import floor
   (a process that only imports torch, for bargein, or llama_cpp), page cache warm (every
-  file is read once before anything is timed); the median of ``--load-repeats``. Python
-  code starts from its compiled bytecode, as for every package an installer put in place
+  file is read once before anything is timed); the median of ``--load-repeats`` (the
+  floor's too). Python code starts from its compiled bytecode, as for every package an installer put in place
   (torch and llama_cpp included): bargein's sources are compiled to ``__pycache__`` first
   (``compileall``), since under ``PYTHONDONTWRITEBYTECODE`` a source checkout would
   otherwise compile its ~90 modules again at each start (~0.25 s of the bundled model's
@@ -239,7 +239,11 @@ def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: 
         row: dict[str, Any] = {"file": Path(path).name, "side": side, "family": family,
                                "precision": precision if side == "bargein" else "-", "bytecode": bytecode}
         try:
-            floor = _run(_FLOOR, {"module": module})
+            # The floor is as noisy as a load (an import of torch varies by ~0.2 s between
+            # processes): the median of as many runs, so that one slow or fast floor does
+            # not move the load by its own noise.
+            floors = [_run(_FLOOR, {"module": module}) for _ in range(load_repeats)]
+            floor = {key: statistics.median(f[key] for f in floors) for key in ("seconds", "peak_mb")}
             common = {"model": path, "threads": threads, "precision": precision, "bench": str(Path(__file__).parent),
                       "cpu_threads": _torch_threads(), "bytecode": bytecode}
             seen = []
