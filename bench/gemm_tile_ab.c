@@ -31,34 +31,9 @@
 #include <string.h>
 #include <time.h>
 
-#include "../bargein/kernels/gguf_matrix.h"
+#include "gguf_ab.h"
 
-typedef int (*matmul_fn)(const float *, int64_t, const bargein_qmat_t *, float *, int, int, int);
-
-typedef struct {
-    const char *name;
-    int type, qk, bytes, f16_at[2];
-} type_t;
-
-static const type_t TYPES[] = {
-    {"Q4_0", 2, 32, 18, {0, -1}},   {"Q8_0", 8, 32, 34, {0, -1}},     {"Q4_K", 12, 256, 144, {0, 2}},
-    {"Q5_K", 13, 256, 176, {0, 2}}, {"Q6_K", 14, 256, 210, {208, -1}},
-};
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static matmul_fn load(const char *path) {
-    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-        fprintf(stderr, "%s\n", dlerror());
-        exit(2);
-    }
-    return (matmul_fn)dlsym(lib, "bargein_gguf_matmul");
-}
+static double now(void) { return seconds_on(CLOCK_MONOTONIC); }
 
 static int by_value(const void *a, const void *b) {
     const double x = *(const double *)a, y = *(const double *)b;
@@ -132,7 +107,7 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[3], TYPES[i].name)) ty = &TYPES[i];
     const int m = atoi(argv[4]), isa = argc > 5 ? atoi(argv[5]) : 2, rounds = argc > 6 ? atoi(argv[6]) : 5;
     const int threads = argc > 7 ? atoi(argv[7]) : 1;
-    matmul_fn fa = load(argv[1]), fb = load(argv[2]);
+    matmul_fn fa = load_matmul(argv[1]), fb = load_matmul(argv[2]);
     if (!ty || !fa || !fb || m < 1 || rounds < 1) return 2;
     static const int LAYER[4][2] = {{2048, 2048}, {512, 2048}, {8192, 2048}, {2048, 8192}};
     const int one = argc > 9;

@@ -24,9 +24,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "../bargein/kernels/gguf_matrix.h"
-
-typedef int (*matmul_fn)(const float *, int64_t, const bargein_qmat_t *, float *, int, int, int);
+#include "gguf_ab.h"
 
 enum { Q4_K = 12, Q6_K = 14 };
 enum { QKV, O, GATE_UP, DOWN4, DOWN6, HEAD, KINDS };
@@ -41,20 +39,7 @@ typedef struct {
 
 static clockid_t clock_kind = CLOCK_MONOTONIC;
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(clock_kind, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static matmul_fn load(const char *path) {
-    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-        fprintf(stderr, "%s\n", dlerror());
-        exit(2);
-    }
-    return (matmul_fn)dlsym(lib, "bargein_gguf_matmul");
-}
+static double now(void) { return seconds_on(clock_kind); }
 
 /* rows x k of `type`'s blocks, random quants and small float16 steps */
 static bargein_qseg_t segment(int type, int64_t rows, int64_t k) {
@@ -107,7 +92,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     const int sides = libs[1] ? 2 : 1;
-    matmul_fn fns[2] = {load(libs[0]), libs[1] ? load(libs[1]) : NULL};
+    matmul_fn fns[2] = {load_matmul(libs[0]), libs[1] ? load_matmul(libs[1]) : NULL};
     srand(1);
     const int count = 4 * layers + 1;
     matrix_t *ms = calloc((size_t)count, sizeof(matrix_t));

@@ -27,36 +27,12 @@
 #include <string.h>
 #include <time.h>
 
-#include "../bargein/kernels/gguf_matrix.h" /* the matrix as the library takes it */
+#include "gguf_ab.h"
 
 typedef bargein_qseg_t seg_t;
 typedef bargein_qmat_t mat_t;
-typedef int (*matmul_fn)(const float *, int64_t, const mat_t *, float *, int, int, int);
 
-typedef struct {
-    const char *name;
-    int type, qk, bytes, f16_at[2];
-} type_t;
-
-static const type_t TYPES[] = {
-    {"Q4_0", 2, 32, 18, {0, -1}},     {"Q8_0", 8, 32, 34, {0, -1}},       {"Q4_K", 12, 256, 144, {0, 2}},
-    {"Q5_K", 13, 256, 176, {0, 2}},   {"Q6_K", 14, 256, 210, {208, -1}},
-};
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static matmul_fn load(const char *path) {
-    void *lib = dlopen(path, RTLD_NOW);
-    if (!lib) {
-        fprintf(stderr, "%s\n", dlerror());
-        exit(2);
-    }
-    return (matmul_fn)dlsym(lib, "bargein_gguf_matmul");
-}
+static double now(void) { return seconds_on(CLOCK_MONOTONIC); }
 
 int main(int argc, char **argv) {
     if (argc < 7) {
@@ -68,7 +44,7 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[2], TYPES[i].name)) ty = &TYPES[i];
     const int n = atoi(argv[3]), k = atoi(argv[4]), m = atoi(argv[5]), isa = atoi(argv[6]);
     const int repeats = argc > 7 ? atoi(argv[7]) : 1;
-    matmul_fn fns[2] = {load(argv[1]), argc > 8 ? load(argv[8]) : NULL};
+    matmul_fn fns[2] = {load_matmul(argv[1]), argc > 8 ? load_matmul(argv[8]) : NULL};
     if (!ty || !fns[0] || n < 1 || m < 1 || k % ty->qk) return 2;
     const int64_t row_bytes = (int64_t)k / ty->qk * ty->bytes, matrix = row_bytes * n;
     uint8_t *data = malloc((size_t)matrix);

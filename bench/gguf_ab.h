@@ -1,0 +1,49 @@
+/* What the GGUF matmul drivers of bench/ share (gemm_tile_ab.c, gemv_stream.c,
+ * k_chain_cost.c): the library's matmul entry point loaded from a built kernel library,
+ * a clock, and the block types they time. Each driver includes it once; nothing here
+ * is part of bargein. */
+#ifndef BARGEIN_BENCH_GGUF_AB_H
+#define BARGEIN_BENCH_GGUF_AB_H
+
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "../bargein/kernels/gguf_matrix.h" /* the matrix as the library takes it */
+
+/* bargein_gguf_matmul(x, m, w, y, exact, threads, isa) */
+typedef int (*matmul_fn)(const float *, int64_t, const bargein_qmat_t *, float *, int, int, int);
+
+/* A block type: ggml's type id, values per block, bytes per block, and the byte offsets
+ * of its float16 scale fields (-1: none) that a random block must hold finite. */
+typedef struct {
+    const char *name;
+    int type, qk, bytes, f16_at[2];
+} type_t;
+
+static const type_t TYPES[] __attribute__((unused)) = {
+    {"Q4_0", 2, 32, 18, {0, -1}},   {"Q8_0", 8, 32, 34, {0, -1}},     {"Q4_K", 12, 256, 144, {0, 2}},
+    {"Q5_K", 13, 256, 176, {0, 2}}, {"Q6_K", 14, 256, 210, {208, -1}},
+};
+
+/* Seconds on `clock` (CLOCK_MONOTONIC: wall; CLOCK_THREAD_CPUTIME_ID: this thread's CPU). */
+static inline double seconds_on(clockid_t clock) {
+    struct timespec t;
+    clock_gettime(clock, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* The matmul of the kernel library at `path`, loaded privately so that two builds of the
+ * same library can be timed side by side in one process; exits 2 where it cannot load. */
+static inline matmul_fn load_matmul(const char *path) {
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        fprintf(stderr, "%s\n", dlerror());
+        exit(2);
+    }
+    return (matmul_fn)dlsym(lib, "bargein_gguf_matmul");
+}
+
+#endif
