@@ -102,9 +102,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s A.so B.so TYPE ROWS [ISA] [ROUNDS] [THREADS] [N K]\n", argv[0]);
         return 2;
     }
-    const type_t *ty = NULL;
-    for (size_t i = 0; i < sizeof(TYPES) / sizeof(TYPES[0]); i++)
-        if (!strcmp(argv[3], TYPES[i].name)) ty = &TYPES[i];
+    const type_t *ty = type_named(argv[3]);
     const int m = atoi(argv[4]), isa = argc > 5 ? atoi(argv[5]) : 2, rounds = argc > 6 ? atoi(argv[6]) : 5;
     const int threads = argc > 7 ? atoi(argv[7]) : 1;
     matmul_fn fa = load_matmul(argv[1]), fb = load_matmul(argv[2]);

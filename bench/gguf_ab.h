@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "../bargein/kernels/gguf_matrix.h" /* the matrix as the library takes it */
@@ -27,6 +28,13 @@ static const type_t TYPES[] __attribute__((unused)) = {
     {"Q4_0", 2, 32, 18, {0, -1}},   {"Q8_0", 8, 32, 34, {0, -1}},     {"Q4_K", 12, 256, 144, {0, 2}},
     {"Q5_K", 13, 256, 176, {0, 2}}, {"Q6_K", 14, 256, 210, {208, -1}},
 };
+
+/* The block type called `name` (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K), or NULL. */
+static inline const type_t *type_named(const char *name) {
+    for (size_t i = 0; i < sizeof(TYPES) / sizeof(TYPES[0]); i++)
+        if (!strcmp(name, TYPES[i].name)) return &TYPES[i];
+    return NULL;
+}
 
 /* Seconds on `clock` (CLOCK_MONOTONIC: wall; CLOCK_THREAD_CPUTIME_ID: this thread's CPU). */
 static inline double seconds_on(clockid_t clock) {

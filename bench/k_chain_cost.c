@@ -39,9 +39,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s LIB TYPE N K ROWS ISA [REPEATS] [LIB_B]\n", argv[0]);
         return 2;
     }
-    const type_t *ty = NULL;
-    for (size_t i = 0; i < sizeof(TYPES) / sizeof(TYPES[0]); i++)
-        if (!strcmp(argv[2], TYPES[i].name)) ty = &TYPES[i];
+    const type_t *ty = type_named(argv[2]);
     const int n = atoi(argv[3]), k = atoi(argv[4]), m = atoi(argv[5]), isa = atoi(argv[6]);
     const int repeats = argc > 7 ? atoi(argv[7]) : 1;
     matmul_fn fns[2] = {load_matmul(argv[1]), argc > 8 ? load_matmul(argv[8]) : NULL};
