@@ -419,6 +419,18 @@ def _stream_chat(server: Server, messages: list[dict], max_tokens: int, first: t
     return final | {"ended": time.monotonic()}
 
 
+def _new_chats_to_reach_every_replica(speeds: list[float]) -> list[int]:
+    """The replicas that new chats started at once go to, by the router's least-queue rule
+    (a replica's live requests plus one, over its routing weight), until every replica has one."""
+    loads = [0] * len(speeds)
+    spread = []
+    while min(loads) == 0:
+        chosen = min(range(len(speeds)), key=lambda i: ((loads[i] + 1) / speeds[i], i))
+        loads[chosen] += 1
+        spread.append(chosen)
+    return spread
+
+
 def _wait_for(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -428,21 +440,26 @@ def _wait_for(condition, timeout: float, what: str) -> None:
 
 def test_a_host_whose_link_stays_down_past_its_death_costs_a_pause_and_rejoins(cluster: Cluster, replicas: Server,
                                                                                 reference) -> None:
-    """Two answers are generating, one on each host's replica, when h2's cable is pulled
-    (its veth down): the one on h1 goes on; the one on h2 pauses until the head finds the
-    replica lost and resumes on h1 from the tokens delivered, token for token; a new chat
-    is served meanwhile. The link stays down until Ray has declared h2 dead (Ray restarts
+    """Answers are generating on both hosts' replicas when h2's cable is pulled (its veth
+    down): those on h1 go on; those on h2 pause until the head finds the replica lost and
+    resume on h1 from the tokens delivered, token for token; a new chat is served
+    meanwhile. As many answers start at once as the router needs to give each replica one
+    (two, unless this shared machine measured one host under half the other's speed). The link stays down until Ray has declared h2 dead (Ray restarts
     its replica on h1), so that when it comes back h2's raylet ends and Ray would never
     take that node back: ``bargein cluster join --rejoin`` on h2 starts the node again, by
     itself, and the cluster check runs a task on it."""
     lost, answer = cluster.hosts[2], 230
     on_lost = next(r["index"] for r in replicas.cluster()["replicas"] if r["node_address"] == lost.ip)
     before = replicas.cluster()
-    chats = [[{"role": "user", "content": f"Tell a long story, number {n}."}] for n in range(2)]
-    # Pulled at the first streamed content of either: the answer on h2 (a tiny model's 230
+    speeds = [r["speed"] for r in before["replicas"]]
+    spread = _new_chats_to_reach_every_replica(speeds)
+    assert len(spread) <= 12, f"routing weights {speeds}: the hosts' measured speeds are absurd"
+    # Each opens with its own number, so that no two share a cached block the router would follow.
+    chats = [[{"role": "user", "content": f"{n}. Tell a long story."}] for n in range(len(spread))]
+    # Pulled at the first streamed content of any: the answers on h2 (a tiny model's 230
     # tokens take a fraction of a second) must not be over yet.
     started = threading.Event()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
         answers = [pool.submit(_stream_chat, replicas, m, answer, started) for m in chats]
         assert started.wait(60), "the answers did not start"
         lost.link(up=False)
@@ -460,12 +477,14 @@ def test_a_host_whose_link_stays_down_past_its_death_costs_a_pause_and_rejoins(c
         finally:
             lost.link(up=True)
     routed = [a["routed"] - b["routed"] for a, b in zip(after["replicas"], before["replicas"], strict=True)]
-    assert routed[1 - on_lost] >= 2 and routed[on_lost] == 1, routed  # one answer started on each host
+    on_h2 = routed[on_lost]
+    # Answers started on each host; h2's were routed again, to h1, when resumed; and the new chat.
+    assert on_h2 >= 1 and sum(routed) == len(chats) + on_h2 + 1, (routed, speeds)
     for final in finals:
         assert final["finish_reason"] == "length"
         assert final["token_ids"] == _expected(reference, final["prompt_token_ids"], answer)
     assert after["replicas"][on_lost]["lost"] == before["replicas"][on_lost]["lost"] + 1
-    assert after["resubmitted"] == before["resubmitted"] + 1  # the answer on h2, resumed on h1
+    assert after["resubmitted"] == before["resubmitted"] + on_h2  # the answers on h2, resumed on h1
     assert max(f["ended"] for f in finals) - down_at >= 2  # that one waited for the loss to be found
     # The link is back: h2's old node ends, and the watch on h2 starts it again.
     again = f"this machine ({lost.ip}) joined the Ray cluster at {cluster.address} again"
