@@ -2,22 +2,23 @@
  * Where one stream's weight pass loses to llama.cpp's repacked weights: the one-row `fast`
  * matmuls of a whole decode step of a real GGUF file (every layer's QKV, O, gate+up and
  * down, and the head: output.weight, else the tied token_embd.weight), the same kernel
- * library on the same blocks in different places, one layout after the other in each
- * round (interleaved rounds, medians and same-run ratios against the first layout):
+ * library on the same blocks in different places of memory, one after the other in each
+ * round (interleaved rounds, medians and same-run ratios against the first):
  *
  *   map    the file's pages, mapped read-only and shared (as bargein's loader maps them);
  *   anon   each tensor copied into its own anonymous mapping (4 KB pages);
- *   huge   the same with madvise(MADV_HUGEPAGE) (2 MB pages where THP is `madvise`);
- *   ilv    anonymous 4 KB pages, rows interleaved in groups of BARGEIN_ROW_GROUP (a group's
- *          superblocks side by side: one sequential stream per group, see gguf_matrix.h);
- *   ilvh   the interleaved layout on huge pages.
+ *   huge   the same with madvise(MADV_HUGEPAGE) (2 MB pages where THP is `madvise`).
+
+ * A fourth layout, rows interleaved in groups of 8 (a group's superblocks side by side, as
+ * llama.cpp's repack lays them), was timed with a prototype of the kernel's addressing
+ * (commit c3601fa of branch ilv, layouts ilv and ilvh): on huge pages it gained nothing
+ * over the plain rows (docs/benchmarks.md), so neither it nor the prototype was kept.
  *
  *   cc -O2 -o /tmp/gemv_layout bench/gemv_layout.c -ldl -lm
  *   /tmp/gemv_layout FILE.gguf LIB.so [--threads 2] [--isa 2] [--rounds 9] [--cpu]
- *                    [--layouts map,anon,huge,ilv,ilvh]
+ *                    [--layouts map,anon,huge]
  *
- * LIB.so is a kernel library that reads bargein_qseg_t.group (this tree's
- * bargein_kernels_*.so). --cpu times the calling thread's CPU time (use with --threads 1).
+ * LIB.so is a built kernel library (a tree's bargein_kernels_*.so). --cpu times the calling thread's CPU time (use with --threads 1).
  * Q/K rows are read in the file's order here (bargein reads Q and K through a row order:
  * the same bytes, fetched eight rows apart instead of side by side).
  */
@@ -29,8 +30,8 @@
 
 #include "gguf_ab.h"
 
-enum { MAP, ANON, HUGE, ILV, ILVH, LAYOUTS };
-static const char *LAYOUT_NAMES[LAYOUTS] = {"map", "anon", "huge", "ilv", "ilvh"};
+enum { MAP, ANON, HUGE, LAYOUTS };
+static const char *LAYOUT_NAMES[LAYOUTS] = {"map", "anon", "huge"};
 enum { MAX_TENSORS = 4096, MAX_MATS = 512 };
 
 typedef struct {
@@ -120,25 +121,14 @@ static uint8_t *anonymous(size_t bytes, int huge) {
     return p;
 }
 
-/* Tensor t's rows (row_bytes each, blocks of `bytes`) at dst, interleaved in groups of g. */
-static void interleave(uint8_t *dst, const uint8_t *src, int64_t rows, int64_t row_bytes, int bytes, int g) {
-    const int64_t full = rows - rows % g, blocks = row_bytes / bytes;
-    for (int64_t r0 = 0; r0 < full; r0 += g)
-        for (int64_t t = 0; t < blocks; t++)
-            for (int c = 0; c < g; c++)
-                memcpy(dst + r0 * row_bytes + (t * g + c) * bytes, src + (r0 + c) * row_bytes + t * bytes, (size_t)bytes);
-    memcpy(dst + full * row_bytes, src + full * row_bytes, (size_t)((rows - full) * row_bytes));
-}
-
 static bargein_qseg_t place(const tensor_t *t, const uint8_t *file, uint64_t data_at, int layout) {
     const type_t *ty = type_of(t->type);
     const int64_t k = t->dims[0], rows = t->dims[1], row_bytes = k / ty->qk * ty->bytes;
     const uint8_t *src = file + data_at + t->offset;
-    bargein_qseg_t s = {t->type, src, row_bytes, rows, NULL, 0};
+    bargein_qseg_t s = {t->type, src, row_bytes, rows, NULL};
     if (layout == MAP) return s;
-    uint8_t *dst = anonymous((size_t)(rows * row_bytes), layout == HUGE || layout == ILVH);
-    if (layout == ANON || layout == HUGE) memcpy(dst, src, (size_t)(rows * row_bytes));
-    else interleave(dst, src, rows, row_bytes, ty->bytes, BARGEIN_ROW_GROUP), s.group = BARGEIN_ROW_GROUP;
+    uint8_t *dst = anonymous((size_t)(rows * row_bytes), layout == HUGE);
+    memcpy(dst, src, (size_t)(rows * row_bytes));
     s.data = dst;
     return s;
 }
@@ -149,7 +139,7 @@ static int by_double(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-    const char *path = NULL, *lib = NULL, *layouts_arg = "map,anon,huge,ilv,ilvh";
+    const char *path = NULL, *lib = NULL, *layouts_arg = "map,anon,huge";
     int threads = 2, isa = 2, rounds = 9;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);

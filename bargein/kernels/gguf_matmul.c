@@ -229,23 +229,8 @@ typedef struct {
     int64_t k_group_rows; /* the K chain's few-row passes on VNNI take this many rows at most */
 } job_t;
 
-/* Whether stored row s of a segment lies in an interleaved group (see gguf_matrix.h). */
-static inline int grouped_row(const bargein_qseg_t *seg, int64_t s) {
-    return seg->group > 1 && s < seg->rows - seg->rows % seg->group;
-}
-
-/* The first block of row i (after the order) of a segment whose blocks are `bytes` each. */
 static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
-    const int64_t s = seg->order ? seg->order[i] : i;
-    if (!grouped_row(seg, s)) return seg->data + s * seg->row_bytes;
-    qinfo_t info = {32, 0, 0, KIND_PLAIN};
-    gguf_qinfo((int)seg->type, &info);
-    return seg->data + (s - s % seg->group) * seg->row_bytes + s % seg->group * info.bytes;
-}
-
-/* The bytes from one block of row i to its next: a block's, or a group's worth in a group. */
-static inline int64_t column_stride(const bargein_qseg_t *seg, const qinfo_t *info, int64_t i) {
-    return grouped_row(seg, seg->order ? seg->order[i] : i) ? seg->group * info->bytes : info->bytes;
+    return seg->data + (seg->order ? seg->order[i] : i) * seg->row_bytes;
 }
 
 /* ---- plain C ------------------------------------------------------------------------ */
@@ -1522,34 +1507,32 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
         const ahead_t ahead_cols = next_col0 >= 0 ? ahead_plan(seg, next_col0 + 8 * v, job->k / info->qk * info->bytes, steps)
                                                   : (ahead_t){{NULL}, 0, 0, 0};
         const int group_cols = cols - 8 * v < 8 ? cols - 8 * v : 8;
-        /* one stride for the eight: a group of BARGEIN_ROW_GROUP starts at a multiple of 8 */
-        const int stride = (int)column_stride(seg, info, col0 + 8 * v);
         for (int64_t r0 = 0; r0 < job->m;) {
             const ahead_t *ahead = r0 == 0 && next_col0 >= 0 ? &ahead_cols : NULL;
             if (k_chain_type(seg->type)) {
 #ifdef GGUF_VNNI
                 if (job->isa == ISA_VNNI) {
                     const int rows = (int)(job->m - r0 < job->k_group_rows ? job->m - r0 : job->k_group_rows);
-                    k_group_vnni((int)seg->type, job, col, ahead, stride, j0 + 8 * v, group_cols, r0, rows);
+                    k_group_vnni((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
                     r0 += rows;
                     continue;
                 }
 #endif
                 const int rows = (int)(job->m - r0 < GROUP_ROWS_AVX2 ? job->m - r0 : GROUP_ROWS_AVX2);
-                k_group_avx2((int)seg->type, job, col, ahead, stride, j0 + 8 * v, group_cols, r0, rows);
+                k_group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
                 r0 += rows;
                 continue;
             }
 #ifdef GGUF_VNNI
             if (job->isa == ISA_VNNI) {
                 const int rows = (int)(job->m - r0 < GROUP_ROWS_VNNI ? job->m - r0 : GROUP_ROWS_VNNI);
-                group_vnni((int)seg->type, job, col, ahead, stride, j0 + 8 * v, group_cols, r0, rows);
+                group_vnni((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
                 r0 += rows;
                 continue;
             }
 #endif
             const int rows = (int)(job->m - r0 < GROUP_ROWS_AVX2 ? job->m - r0 : GROUP_ROWS_AVX2);
-            group_avx2((int)seg->type, job, col, ahead, stride, j0 + 8 * v, group_cols, r0, rows);
+            group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
             r0 += rows;
         }
     }

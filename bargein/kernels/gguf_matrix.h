@@ -1,14 +1,7 @@
 /* A weight matrix held in a GGUF file's own blocks, as gguf_matmul.c reads it: segments
  * stacked along rows, each of one block type, its stored rows read in place (row_bytes
  * apart, never written) through an optional row order. Shared by gguf_matmul.c, which
- * defines the matmul, and moe_matmul.c, which runs it on one expert's slice.
- *
- * `group` (0: none) is a row-interleaved layout, as a load-time copy writes it: the first
- * rows - rows % group stored rows lie in groups of `group` rows, a group's blocks
- * interleaved (block t of the group's row c at group start + (t * group + c) * block
- * bytes, the group starting at its first row * row_bytes); the remaining rows each hold
- * their blocks in a run, row i at i * row_bytes. Only BARGEIN_ROW_GROUP is taken, and only
- * with no order (the copy applies it). The same blocks, so the same bits on every path. */
+ * defines the matmul, and moe_matmul.c, which runs it on one expert's slice. */
 #ifndef BARGEIN_GGUF_MATRIX_H
 #define BARGEIN_GGUF_MATRIX_H
 
@@ -19,10 +12,7 @@ typedef struct {
     const uint8_t *data;
     int64_t row_bytes, rows;
     const int64_t *order;
-    int64_t group;
 } bargein_qseg_t;
-
-#define BARGEIN_ROW_GROUP 8
 
 typedef struct {
     const bargein_qseg_t *segs;

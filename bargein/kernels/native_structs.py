@@ -26,8 +26,7 @@ class Q8Weight(ctypes.Structure):
 class QuantSegmentC(ctypes.Structure):
     """One segment of a GGUF-block matrix as gguf_matmul.c reads it (bargein_qseg_t)."""
 
-    _fields_ = [("type", _I64), ("data", _P), ("row_bytes", _I64), ("rows", _I64), ("order", _P),
-                ("group", _I64)]
+    _fields_ = [("type", _I64), ("data", _P), ("row_bytes", _I64), ("rows", _I64), ("order", _P)]
 
 
 class QuantMatrixC(ctypes.Structure):
