@@ -335,6 +335,7 @@ class PipelineConfig:
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PRECISIONS = ("exact", "fast")
+WEIGHTS_MEMORY = ("private", "mapped")  # bargein.loader.private_weights
 # Decode-only steps of these batch sizes (padded up to the next one) replay CUDA graphs.
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -367,6 +368,10 @@ class EngineConfig:
     # few rows read instead in ``exact``: faster batches and prefill, at 4-6x the weights'
     # memory. None: True in ``exact``, False in ``fast`` (which never reads a float32 copy).
     fp32_weights: bool | None = None
+    # Where the weights the kernels read in place live: "private", a copy on 2 MB pages made
+    # at load (one stream decodes ~1.2x faster from it, bargein.loader.private_weights), or
+    # "mapped", the file's pages in the page cache, shared with other processes on the file.
+    weights_memory: str = "private"
     # CUDA only: replay decode-only steps from CUDA graphs captured per batch size.
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = CUDA_GRAPH_BATCH_SIZES
@@ -385,6 +390,8 @@ class EngineConfig:
             raise ValueError(f"sliding_window must be 0 (none) or a number of positions; got {self.sliding_window}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if self.weights_memory not in WEIGHTS_MEMORY:
+            raise ValueError(f"weights_memory must be one of {', '.join(WEIGHTS_MEMORY)}; got {self.weights_memory!r}")
         base, _, index = self.device.partition(":")
         if base not in DEVICES or (index and (base != "cuda" or not index.isdigit())):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")

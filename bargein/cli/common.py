@@ -33,6 +33,17 @@ def add_precision_argument(p: argparse.ArgumentParser) -> None:
                         "(CPU with a C compiler; otherwise exact) (default: %(default)s)")
 
 
+def add_weights_memory_argument(p: argparse.ArgumentParser) -> None:
+    """``--weights-memory private|mapped`` (default: the engine's)."""
+    from bargein.config import WEIGHTS_MEMORY, EngineConfig
+
+    p.add_argument("--weights-memory", default=EngineConfig.weights_memory, choices=WEIGHTS_MEMORY,
+                   help="private: the weights the kernels read in place are copied at load into this process's "
+                        "memory on 2 MB pages (one stream decodes ~1.2x faster); mapped: they stay the file's "
+                        "pages, shared in the page cache with every process serving the same file "
+                        "(default: %(default)s)")
+
+
 def server_root(url: str) -> str:
     """The server's root URL from what a user may paste: trailing slashes and a trailing
     ``/v1`` (the base URL OpenAI clients want) are dropped, since the client adds ``/v1/...``."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import Any
 
-from bargein.cli.common import Command, add_precision_argument
+from bargein.cli.common import Command, add_precision_argument, add_weights_memory_argument
 from bargein.cli.errors import EXIT_FAILURE, EXIT_SETUP, EXIT_USAGE, CliError
 from bargein.cli.threads import add_threads_argument, apply_threads
 
@@ -138,6 +138,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache: auto is bfloat16 on CUDA, float32 on the CPU (default: %(default)s)")
     add_precision_argument(p)
+    add_weights_memory_argument(p)
     p.add_argument("--speculative", default=speculative, choices=["off", "ngram", "draft"],
                    help="speculative decoding, which never changes an answer: ngram guesses the next tokens "
                         "from the prompt and the answer so far (editing, quoting), draft from --draft-model; "
@@ -274,7 +275,7 @@ def _start_serving(args: argparse.Namespace) -> _Ready:
                                       max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
                                       max_step_ms=args.max_step_ms or None),
             max_model_len=args.max_model_len, device=args.device, dtype=args.dtype, precision=args.precision,
-            pipeline=pipeline, sliding_window=args.sliding_window,
+            pipeline=pipeline, sliding_window=args.sliding_window, weights_memory=args.weights_memory,
             speculative=_speculative(args, pipeline is not None))
         _check_replica_flags(args)
         if kv_auto and (args.replicas is not None or config.pipeline is not None):

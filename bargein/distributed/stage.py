@@ -204,7 +204,7 @@ class StageWorker:
             elif own_copy:
                 source = ModelSource(source_kind, Path(path), model_config.name)  # type: ignore[arg-type]
                 weights = load_weights(source, model_config, layer_range=layers, dtype=dtype, device=device,
-                                       progress=False, blocks=blocks)
+                                       progress=False, blocks=blocks, private=config.weights_memory == "private")
                 close_model_files()
             else:
                 raise RuntimeError(f"stage {index}: this node has no copy of the model at {node_path} "

@@ -58,7 +58,8 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
         # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model
         # dequantizes them where nothing reads blocks).
         weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
-                               progress=progress, blocks=device.type == "cpu")
+                               progress=progress, blocks=device.type == "cpu",
+                               private=config.weights_memory == "private")
         model = build_model(model_config, weights, config, max_positions=max_len)
         tokenizer = load_tokenizer(source)
         close_model_files()

@@ -40,6 +40,7 @@ from bargein.loader.gguf_file import (
 from bargein.loader.gguf_tokenizer import tokenizer_from_gguf
 from bargein.loader.hf_folder import load_hf_weights, read_hf_config
 from bargein.loader.names import check_layer_range, expected_shape
+from bargein.loader.private_weights import copy_to_private
 from bargein.loader.source import ModelSource, resolve_model_ref
 from bargein.loader.tokenizer import Tokenizer, tokenizer_from_folder
 
@@ -140,13 +141,16 @@ def load_weights(
     device: torch.device | str = "cpu",
     progress: bool = True,
     blocks: bool = False,
+    private: bool = False,
 ) -> dict[str, torch.Tensor | BlockWeight]:
     """Canonical weights for layers [start, end) (all layers when None), as ``dtype`` on ``device``.
 
     With ``blocks``, a GGUF's matrices of the kernels' block types, and F16/BF16 matrices of
     either format, come back as they are stored, as
     :class:`~bargein.kernels.quant_weight.QuantWeight` views of the mapped file on the CPU
-    (``dtype`` and ``device`` do not apply to them); nothing else changes.
+    (``dtype`` and ``device`` do not apply to them); nothing else changes. With ``private``
+    too, those views are replaced by a private copy on 2 MB pages, the file's pages dropped
+    tensor by tensor (:func:`bargein.loader.private_weights.copy_to_private`; one log line).
 
     Each tensor is read, converted and moved to ``device`` before the next is read, so
     host memory holds one tensor at a time, never a float32 copy of the whole model
@@ -165,6 +169,10 @@ def load_weights(
         else:
             weights = dict(load_hf_weights(source.path, config, layer_range=layer_range, dtype=dtype,
                                            device=torch.device(device), progress=progress, blocks=blocks))
+        if blocks and private:
+            copied = copy_to_private(weights)
+            if copied.bytes:
+                log.info("%s", copied.describe())
     for name, tensor in weights.items():
         shape = expected_shape(config, name)
         if shape is not None and tuple(tensor.shape) != shape:

@@ -1,9 +1,10 @@
 """Memory stated before a model is loaded: its weights, its KV cache, the resident set to expect.
 
 Weights read in place from a memory-mapped GGUF (the block types the kernels read) are
-file-backed pages: the kernel can drop and re-read them, so they never cause an
-out-of-memory kill, though a machine without room for them pages (slowly). Everything
-else is private memory: weights widened or copied at load, the KV cache, and the
+file-backed pages with ``weights_memory="mapped"``: the kernel can drop and re-read them,
+so they never cause an out-of-memory kill, though a machine without room for them pages
+(slowly). With ``"private"`` (the default) they are copied at load into private memory
+(bargein.loader.private_weights) and counted there. Everything else is private memory: weights widened or copied at load, the KV cache, and the
 process itself (PyTorch, the tokenizer, buffers; :data:`RUNTIME_BYTES`, an estimate).
 A plan whose private memory exceeds what the system has available cannot run and is
 refused here, with one message, instead of being killed half-way through loading.
@@ -98,6 +99,8 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     reads_blocks = on_cpu and config.native_kernels
     fast = config.precision == "fast" and reads_blocks
     mapped, private = _weight_bytes(source, model_config, reads_blocks, fast)
+    if config.weights_memory == "private":  # the blocks read in place, copied at load
+        mapped, private = 0, private + mapped
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
     block = config.cache.block_size
     if kv_auto:

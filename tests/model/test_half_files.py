@@ -82,7 +82,8 @@ from bargein.loader.resident import resident_memory
 import torch
 before = resident_memory()
 engine = Engine.from_pretrained(sys.argv[1], EngineConfig(device="cpu", precision=sys.argv[2],
-                                cache=CacheConfig(block_size=4, num_blocks=16)), progress=False)
+                                cache=CacheConfig(block_size=4, num_blocks=16), weights_memory="mapped"),
+                                progress=False)
 loaded = resident_memory()
 engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1))
 ran = resident_memory()

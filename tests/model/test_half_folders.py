@@ -118,7 +118,8 @@ def test_memory_plan_states_the_16_bit_rows(folders, dtype: str, precision: str)
 
     folder, reference = folders[dtype]
     source = resolve_model_ref(str(folder))
-    config = EngineConfig(device="cpu", precision=precision, cache=CacheConfig(block_size=4, num_blocks=64))
+    config = EngineConfig(device="cpu", precision=precision, cache=CacheConfig(block_size=4, num_blocks=64),
+                          weights_memory="mapped")
     plan = plan_memory(source, load_config(source), config, available=1 << 40)
     matrices = sum(w.numel() for w in reference.values() if w.dim() == 2)
     vectors = sum(w.numel() for w in reference.values() if w.dim() == 1)
@@ -142,7 +143,8 @@ def test_memory_plan_of_a_float32_gguf_narrows_its_matrices_in_fast(tmp_path) ->
     matrices = sum(w.numel() for w in weights.values() if w.dim() == 2)
     vectors = sum(w.numel() for w in weights.values() if w.dim() == 1)
     for precision in ("fast", "exact"):
-        config = EngineConfig(device="cpu", precision=precision, cache=CacheConfig(block_size=4, num_blocks=64))
+        config = EngineConfig(device="cpu", precision=precision, cache=CacheConfig(block_size=4, num_blocks=64),
+                              weights_memory="mapped")
         plan = plan_memory(source, load_config(source), config, available=1 << 40)
         narrowed = precision == "fast"  # the plan assumes the native kernels (config.native_kernels)
         assert plan.private_weight_bytes == (2 if narrowed else 4) * matrices + 4 * vectors, precision

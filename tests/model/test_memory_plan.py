@@ -15,7 +15,7 @@ from bargein.loader.memory_plan import RUNTIME_BYTES, MemoryPlanError, plan_memo
 from tests.model.quant_models import write_quant_gguf
 
 GiB = 1 << 30
-CPU = EngineConfig(device="cpu", precision="exact", cache=CacheConfig(kv_tokens=1024))
+CPU = EngineConfig(device="cpu", precision="exact", cache=CacheConfig(kv_tokens=1024), weights_memory="mapped")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,9 @@ def test_the_plan_maps_the_files_blocks_and_counts_the_rest_as_private(q4_k_m: P
     assert "mapped" in plan.describe() and "expected RSS" in plan.describe()
     fast = plan_memory(source, config, replace(CPU, precision="fast"), available=64 * GiB)
     assert fast.kv_bytes * 2 == plan.kv_bytes  # float16 K/V
+    copied = plan_memory(source, config, replace(CPU, weights_memory="private"), available=64 * GiB)
+    assert (copied.mapped_weight_bytes, copied.private_weight_bytes) == (0, blocks + norms)  # the load-time copy
+    assert copied.expected_rss == plan.expected_rss
     widened = plan_memory(source, config, replace(CPU, native_kernels=False), available=64 * GiB)
     assert widened.mapped_weight_bytes == 0 and widened.private_weight_bytes > 4 * blocks
 

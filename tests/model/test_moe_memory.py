@@ -148,7 +148,7 @@ def test_only_the_chosen_experts_are_read(model_file: Path) -> None:
 def test_the_memory_plan_maps_every_expert_and_states_the_parameters(model_file: Path) -> None:
     source = resolve_model_ref(str(model_file))
     config = load_config(source)
-    plan = plan_memory(source, config, EngineConfig(precision="fast", device="cpu"))
+    plan = plan_memory(source, config, EngineConfig(precision="fast", device="cpu", weights_memory="mapped"))
     assert plan.mapped_weight_bytes == LAYERS * EXPERTS * EXPERT_BYTES  # the Q8_0 experts, once each
     total, active = parameter_counts(config)
     per_expert = 3 * EXPERT_FF * HIDDEN

@@ -126,7 +126,7 @@ def test_q8_experts_answer_as_the_stacked_file(files: dict[str, Path], precision
 
 def test_memory_plan_widths_and_shipped_weights_match_the_stacked_file(files: dict[str, Path]) -> None:
     ours, stacked = resolve_model_ref(str(files["q8"])), resolve_model_ref(str(files["stacked-q8"]))
-    config, engine = load_config(ours), EngineConfig(precision="fast", device="cpu")
+    config, engine = load_config(ours), EngineConfig(precision="fast", device="cpu", weights_memory="mapped")
     plan, plan_stacked = plan_memory(ours, config, engine), plan_memory(stacked, config, engine)
     assert plan.mapped_weight_bytes == plan_stacked.mapped_weight_bytes == 2 * 3 * EXPERTS * 64 * 64 // 32 * 34
     widths = stage_widths(ours, config, engine)

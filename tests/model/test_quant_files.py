@@ -36,9 +36,9 @@ PROMPT = [5, 17, 42, 99, 3, 250, 7, 61, 8, 120, 33]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def config(precision: str) -> EngineConfig:
+def config(precision: str, weights_memory: str = "private") -> EngineConfig:
     return EngineConfig(device="cpu", precision=precision, cache=CacheConfig(block_size=4, num_blocks=64),
-                        cuda_graphs=False)
+                        cuda_graphs=False, weights_memory=weights_memory)
 
 
 def kernels_read(mix: str) -> bool:
@@ -86,7 +86,7 @@ def test_weights_are_views_of_the_mapped_file(files, mix: str) -> None:
     assert_matrices_view_the_file(path)
     mapped = open_gguf(path).mapped()
     start, end = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
-    engine = Engine.from_pretrained(str(path), config("exact"), progress=False)
+    engine = Engine.from_pretrained(str(path), config("exact", "mapped"), progress=False)
     model = engine.runner.stages[0]
     held = [s.data.data_ptr() for m in model.modules() if isinstance(m, Linear) for s in m.quant.segments]
     assert held and all(start <= p < end for p in held)  # the model holds the views, not copies
@@ -128,7 +128,8 @@ from bargein.loader.resident import resident_memory
 import torch
 before = resident_memory()
 engine = Engine.from_pretrained(sys.argv[1], EngineConfig(device="cpu", precision="exact",
-                                cache=CacheConfig(block_size=4, num_blocks=16)), progress=False)
+                                cache=CacheConfig(block_size=4, num_blocks=16), weights_memory="mapped"),
+                                progress=False)
 loaded = resident_memory()
 engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=1))
 ran = resident_memory()

@@ -120,7 +120,8 @@ def load_draft_model(path: str | os.PathLike[str], config: EngineConfig) -> list
     device = resolve_device(config.device)
     with one_torch_thread():
         weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
-                               progress=False, blocks=device.type == "cpu")
+                               progress=False, blocks=device.type == "cpu",
+                               private=config.weights_memory == "private")
         model = build_model(model_config, weights, config, max_positions=model_config.max_position_embeddings)
         close_model_files()
     return [model]

@@ -1,0 +1,148 @@
+"""The load-time private copy of the weights (bargein.loader.private_weights): the same bits
+on every kernel path as the mapped file's blocks, the same tokens with either
+``weights_memory``, shared segments copied once, and the resident set holding the copy as
+private pages, the file's pages dropped, peak about one copy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bargein.config import CacheConfig, EngineConfig
+from bargein.engine.engine import Engine
+from bargein.engine.sampling import SamplingParams
+from bargein.kernels.native import load_native_kernels
+from bargein.kernels.native_structs import describe_quant
+from bargein.kernels.quant_weight import QuantWeight
+from bargein.loader import load_config, load_weights, resolve_model_ref
+from bargein.loader.gguf_file import open_gguf
+from bargein.loader.private_weights import HUGE_PAGE, copy_to_private
+from tests.model.quant_models import write_quant_gguf
+from tests.tiny_models import TinySpec
+
+KERNELS = load_native_kernels()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here")
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 61, 8, 120, 33]
+TIED = TinySpec(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_quant_gguf(tmp_path_factory.mktemp("private") / "tiny.Q4_K_M.gguf", TIED, mix="Q4_K_M")[0]
+
+
+def _loaded(path: Path) -> dict[str, object]:
+    source = resolve_model_ref(path)
+    return load_weights(source, load_config(source), progress=False, blocks=True)
+
+
+def test_the_copy_is_private_aligned_once_per_segment_and_the_same_bytes(q4_k_m: Path) -> None:
+    mapped, copied = _loaded(q4_k_m), _loaded(q4_k_m)
+    made = copy_to_private(copied)
+    f = open_gguf(q4_k_m).mapped()
+    start, end = f.ctypes.data, f.ctypes.data + f.nbytes
+    quants = {name: w for name, w in copied.items() if isinstance(w, QuantWeight)}
+    segments = {s.data.data_ptr(): s.data.nbytes for w in quants.values() for s in w.segments}
+    assert made.bytes == sum(segments.values())  # each stored tensor once
+    assert made.bytes == sum(t.n_bytes for t in open_gguf(q4_k_m).tensors.values() if len(t.shape) == 2)
+    lowest = min(segments)
+    assert lowest % HUGE_PAGE == 0  # the arena starts on a 2 MB boundary
+    assert all(p % 64 == 0 and not start <= p < end for p in segments)  # off the map, on cache lines
+    assert max(p + n for p, n in segments.items()) - lowest < made.bytes + 64 * len(segments)  # one arena
+    for name, w in quants.items():
+        was = mapped[name]
+        assert isinstance(was, QuantWeight) and len(w.segments) == len(was.segments)
+        for s, t in zip(w.segments, was.segments, strict=True):
+            assert s.qtype == t.qtype and torch.equal(s.data, t.data)
+            assert (s.order is None) == (t.order is None) and (s.order is None or torch.equal(s.order, t.order))
+    assert all(torch.equal(copied[n], mapped[n]) for n in copied if n not in quants)  # the rest untouched
+
+
+@needs_kernels
+def test_every_kernel_path_gives_the_same_bits_from_the_copy(q4_k_m: Path) -> None:
+    mapped, copied = _loaded(q4_k_m), _loaded(q4_k_m)
+    copy_to_private(copied)
+    isas = [i for i in ("c", "avx2", "vnni", "neon", "dotprod") if KERNELS.q8_isa_available(i)]
+    x = torch.randn(19, 512, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([0, 3, 200, TIED.vocab_size - 1, 7])
+    for name, w in copied.items():
+        if not isinstance(w, QuantWeight):
+            continue
+        a, b = describe_quant(mapped[name]), describe_quant(w)
+        xs = x[:, :w.k].contiguous()
+        for isa in isas:
+            for rows in (1, 3, 19):  # the few-row passes and the tile pass
+                for exact in (False, True):
+                    want = KERNELS.quant_matmul(xs[:rows].contiguous(), a, 2, exact=exact, isa=isa)
+                    assert torch.equal(KERNELS.quant_matmul(xs[:rows].contiguous(), b, 2, exact=exact, isa=isa), want), (name, isa)
+        if name == "embed.weight":  # the tied head's rows, looked up
+            assert torch.equal(KERNELS.quant_rows(b, ids, 2), KERNELS.quant_rows(a, ids, 2))
+
+
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_both_settings_give_the_same_tokens(q4_k_m: Path, precision: str) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for where in ("private", "mapped"):
+        config = EngineConfig(device="cpu", precision=precision, cache=CacheConfig(block_size=4, num_blocks=64),
+                              cuda_graphs=False, weights_memory=where)
+        (out,) = Engine.from_pretrained(str(q4_k_m), config, progress=False).generate([PROMPT], greedy)
+        outs[where] = list(out.token_ids)
+    assert outs["private"] == outs["mapped"]
+
+
+def test_an_unknown_setting_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="weights_memory must be one of private, mapped"):
+        EngineConfig(weights_memory="shared")
+
+
+_RSS_SCRIPT = """
+import json, logging, sys
+from bargein import Engine, EngineConfig, CacheConfig, SamplingParams
+from bargein.loader.resident import resident_memory
+import torch
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+logging.getLogger("bargein.loader").addHandler(handler)
+logging.getLogger("bargein.loader").setLevel(logging.INFO)
+before = resident_memory()
+engine = Engine.from_pretrained(sys.argv[1], EngineConfig(device="cpu", precision="fast",
+                                cache=CacheConfig(block_size=4, num_blocks=16), weights_memory="private"),
+                                progress=False)
+loaded = resident_memory()
+engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))
+ran = resident_memory()
+file_rss, inside = 0, False  # the model file's pages resident in this process, from its mappings
+with open("/proc/self/smaps") as smaps:
+    for line in smaps:
+        head = line.split()
+        if "-" in head[0] and not line.startswith(("Rss", "Pss")):
+            inside = line.rstrip().endswith(sys.argv[1])
+        elif inside and head[0] == "Rss:":
+            file_rss += int(head[1]) * 1024
+print(json.dumps({"loaded_anon": loaded.anon - before.anon, "file_rss": file_rss,
+                  "peak": ran.peak - before.total, "log": [l for l in lines if "private memory" in l]}))
+"""
+
+
+@needs_kernels
+def test_the_copy_is_private_memory_and_the_files_pages_are_dropped(tmp_path: Path) -> None:
+    spec = TinySpec(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=4, num_layers=3,
+                    tie_word_embeddings=False)
+    path, _ = write_quant_gguf(tmp_path / "mid.Q4_K.gguf", spec, mix="Q4_K")
+    size = path.stat().st_size
+    blocks = sum(t.n_bytes for t in open_gguf(path).tensors.values() if len(t.shape) == 2)
+    result = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(path)], capture_output=True, text=True,
+                            timeout=300, check=True)
+    m = json.loads(result.stdout.strip().splitlines()[-1])
+    assert m["loaded_anon"] > 0.95 * blocks, m  # the copy is resident, as private pages
+    assert m["file_rss"] < 0.02 * size, m  # decoding reads the copy: the file's pages were dropped
+    assert m["peak"] < 1.3 * size + 100 * 2**20, m  # about one copy at a time, not two
+    (line,) = m["log"]  # one line, stating the bytes
+    assert f"{blocks / 2**20:,.0f} MiB of blocks copied into private memory" in line, line
