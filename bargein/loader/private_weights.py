@@ -12,7 +12,9 @@ one-stream lead the same way: its rows land in an anonymous buffer.
 blocks with ``MADV_HUGEPAGE`` advised, each segment's stored bytes copied into it, then the
 file's pages of that segment dropped from this process (``MADV_DONTNEED``: they stay in the
 page cache, where the kernel may reclaim them), so the resident set never holds both copies
-of more than one tensor. The copy is the same bytes in the same layout (rows, order,
+of more than one tensor. Huge pages are asked for during the first HUGE_PAGE_BUDGET_S of
+the copy only (a huge page's fault may wait for the kernel to compact memory), the rest
+faulted in 4 KB pages and advised for khugepaged. The copy is the same bytes in the same layout (rows, order,
 segments), so every kernel path gives the same bits from it. The price: the pages are
 private, not shared with other processes serving the same file (``weights_memory="mapped"``
 keeps the file's pages; see EngineConfig).
@@ -36,7 +38,13 @@ log = logging.getLogger(__name__)
 # EngineConfig.weights_memory: where the weights read in place live.
 WEIGHTS_MEMORY = ("private", "mapped")
 HUGE_PAGE = 2 << 20
+# A fault on a huge page may compact memory first (THP defrag "madvise": direct compaction
+# for advised ranges): on a machine whose memory is fragmented that took 3.9-7.4 s for
+# 600 MB where 4 KB pages took 0.25 s. So huge pages are asked for during this long of the
+# copy only; the rest is faulted in 4 KB pages and left to khugepaged to collapse later.
+HUGE_PAGE_BUDGET_S = 0.5
 _ALIGN = 64  # each segment starts on a cache line
+_CHUNK = 4 * HUGE_PAGE
 _MADV_DONTNEED = 4
 
 
@@ -91,18 +99,36 @@ def _libc() -> ctypes.CDLL:
     return _LIBC
 
 
-def _arena(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of zeroed anonymous memory, starting on a 2 MB boundary, huge pages advised
-    (a flat uint8 tensor that keeps its mapping alive)."""
-    # MAP_PRIVATE: Python's default for -1 is MAP_SHARED, shared memory (shmem), which gets
-    # no transparent huge pages where shmem_enabled is never, and counts as RssShmem
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    anchor = ctypes.c_char.from_buffer(region)
-    skip = -ctypes.addressof(anchor) % HUGE_PAGE
-    del anchor  # a live export would keep the mapping from ever closing
-    return torch.frombuffer(region, dtype=torch.uint8)[skip:skip + nbytes]
+class _Arena:
+    """``nbytes`` of zeroed anonymous private memory starting on a 2 MB boundary (``tensor``,
+    flat uint8, keeps the mapping alive), huge pages advised until :meth:`small_pages_from`."""
+
+    def __init__(self, nbytes: int):
+        # MAP_PRIVATE: Python's default for -1 is MAP_SHARED, shared memory (shmem), which gets
+        # no transparent huge pages where shmem_enabled is never, and counts as RssShmem
+        self.region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+        self.huge = hasattr(mmap, "MADV_HUGEPAGE")
+        if self.huge:
+            self.region.madvise(mmap.MADV_HUGEPAGE)
+        anchor = ctypes.c_char.from_buffer(self.region)
+        self.skip = -ctypes.addressof(anchor) % HUGE_PAGE
+        del anchor  # a live export would keep the mapping from ever closing
+        self.nbytes = nbytes
+        self.tensor = torch.frombuffer(self.region, dtype=torch.uint8)[self.skip:self.skip + nbytes]
+
+    def small_pages_from(self, at: int) -> int:
+        """Fault the arena from byte ``at`` (rounded up to a huge page) in 4 KB pages: no direct
+        compaction from here on. Returns where the 4 KB pages start."""
+        start = (at + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+        if self.huge and start < self.nbytes:
+            self.region.madvise(mmap.MADV_NOHUGEPAGE, self.skip + start, self.nbytes - start)
+        return start
+
+    def huge_pages_later(self, start: int) -> None:
+        """Advise huge pages again from ``start``, so that khugepaged may collapse the 4 KB pages
+        in the background (nothing is done now)."""
+        if self.huge and start < self.nbytes:
+            self.region.madvise(mmap.MADV_HUGEPAGE, self.skip + start, self.nbytes - start)
 
 
 def copy_to_private(weights: dict[str, object]) -> PrivateCopy:
@@ -122,14 +148,20 @@ def copy_to_private(weights: dict[str, object]) -> PrivateCopy:
         total += (data.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     if not sources:
         return PrivateCopy(0, _anon_huge_bytes(), 0.0)
-    arena = _arena(total)
+    arena = _Arena(total)
     copies: dict[tuple[int, int], torch.Tensor] = {}
+    small_from = None  # where 4 KB pages start, once the huge pages' time budget is spent
     for key, data in sources.items():
-        at = offsets[key]
-        copy = arena[at:at + data.nbytes].view(data.shape)
-        copy.copy_(data)
-        copies[key] = copy
+        at, flat = offsets[key], data.reshape(-1)
+        for part in range(0, data.nbytes, _CHUNK):  # the budget looked at every few huge pages
+            if small_from is None and time.perf_counter() - began > HUGE_PAGE_BUDGET_S:
+                small_from = arena.small_pages_from(at + part)
+            end = min(part + _CHUNK, data.nbytes)
+            arena.tensor[at + part:at + end].copy_(flat[part:end])
+        copies[key] = arena.tensor[at:at + data.nbytes].view(data.shape)
         _drop_pages(data)
+    if small_from is not None:
+        arena.huge_pages_later(small_from)
     replaced = {
         key: QuantWeight(tuple(QuantSegment(s.qtype, copies[(s.data.data_ptr(), s.data.nbytes)], s.order)
                                for s in w.segments))

@@ -146,3 +146,14 @@ def test_the_copy_is_private_memory_and_the_files_pages_are_dropped(tmp_path: Pa
     assert m["peak"] < 1.3 * size + 100 * 2**20, m  # about one copy at a time, not two
     (line,) = m["log"]  # one line, stating the bytes
     assert f"{blocks / 2**20:,.0f} MiB of blocks copied into private memory" in line, line
+
+
+def test_past_the_huge_page_budget_the_rest_is_copied_the_same(q4_k_m: Path, monkeypatch) -> None:
+    import bargein.loader.private_weights as private_weights
+
+    monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", 0.0)  # 4 KB pages from the first chunk
+    mapped, copied = _loaded(q4_k_m), _loaded(q4_k_m)
+    assert copy_to_private(copied).bytes > 0
+    for name, w in copied.items():
+        if isinstance(w, QuantWeight):
+            assert all(torch.equal(s.data, t.data) for s, t in zip(w.segments, mapped[name].segments, strict=True))
