@@ -13,8 +13,8 @@ blocks with ``MADV_HUGEPAGE`` advised, each segment's stored bytes copied into i
 file's pages of that segment dropped from this process (``MADV_DONTNEED``: they stay in the
 page cache, where the kernel may reclaim them), so the resident set never holds both copies
 of more than one tensor. Huge pages are asked for during the first HUGE_PAGE_BUDGET_S of
-the copy only (a huge page's fault may wait for the kernel to compact memory), the rest
-faulted in 4 KB pages and advised for khugepaged. The copy is the same bytes in the same layout (rows, order,
+the copy only (a huge page's first fault can be slow, see HUGE_PAGE_BUDGET_S), the rest
+faulted in 4 KB pages by a few threads and advised for khugepaged. The copy is the same bytes in the same layout (rows, order,
 segments), so every kernel path gives the same bits from it. The price: the pages are
 private, not shared with other processes serving the same file (``weights_memory="mapped"``
 keeps the file's pages; see EngineConfig).
@@ -25,8 +25,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -35,16 +37,16 @@ from bargein.kernels.quant_weight import QuantSegment, QuantWeight
 
 log = logging.getLogger(__name__)
 
-# EngineConfig.weights_memory: where the weights read in place live.
-WEIGHTS_MEMORY = ("private", "mapped")
 HUGE_PAGE = 2 << 20
-# A fault on a huge page may compact memory first (THP defrag "madvise": direct compaction
-# for advised ranges): on a machine whose memory is fragmented that took 3.9-7.4 s for
-# 600 MB where 4 KB pages took 0.2-0.6 s. So huge pages are asked for during this long of the
-# copy only; the rest is faulted in 4 KB pages and left to khugepaged to collapse later.
-HUGE_PAGE_BUDGET_S = 0.4
+# A huge page's first fault can be slow: on this project's VMs (free 4 MB blocks plenty,
+# so not compaction; likely the host backing guest memory on first touch) 600 MB took
+# 3.9-7.4 s on fresh 2 MB pages, 0.09 s on reused ones, 0.2-0.6 s on 4 KB pages. So huge
+# pages are asked for during this long of the copy only; the rest is faulted in 4 KB pages (by two threads or more) and left to
+# khugepaged to collapse later.
+HUGE_PAGE_BUDGET_S = 0.3
 _ALIGN = 64  # each segment starts on a cache line
 _CHUNK = 4 * HUGE_PAGE
+_COPY_THREADS = min(4, os.cpu_count() or 1)
 _MADV_DONTNEED = 4
 
 
@@ -149,19 +151,30 @@ def copy_to_private(weights: dict[str, object]) -> PrivateCopy:
     if not sources:
         return PrivateCopy(0, _anon_huge_bytes(), 0.0)
     arena = _Arena(total)
-    copies: dict[tuple[int, int], torch.Tensor] = {}
+    pending = list(sources.items())
     small_from = None  # where 4 KB pages start, once the huge pages' time budget is spent
-    for key, data in sources.items():
+    while pending and small_from is None:  # on huge pages: one thread (their faults do not overlap)
+        key, data = pending.pop(0)
         at, flat = offsets[key], data.reshape(-1)
         for part in range(0, data.nbytes, _CHUNK):  # the budget looked at every few huge pages
             if small_from is None and time.perf_counter() - began > HUGE_PAGE_BUDGET_S:
                 small_from = arena.small_pages_from(at + part)
             end = min(part + _CHUNK, data.nbytes)
             arena.tensor[at + part:at + end].copy_(flat[part:end])
-        copies[key] = arena.tensor[at:at + data.nbytes].view(data.shape)
         _drop_pages(data)
+
+    def copy_one(item: tuple[tuple[int, int], torch.Tensor]) -> None:
+        at, data = offsets[item[0]], item[1]
+        arena.tensor[at:at + data.nbytes].view(data.shape).copy_(data)  # the GIL released
+        _drop_pages(data)
+
+    if pending:  # on 4 KB pages, whose faults two threads take about twice as fast
+        with ThreadPoolExecutor(max_workers=min(_COPY_THREADS, len(pending))) as pool:
+            list(pool.map(copy_one, pending))
     if small_from is not None:
         arena.huge_pages_later(small_from)
+    copies = {key: arena.tensor[offsets[key]:offsets[key] + data.nbytes].view(data.shape)
+              for key, data in sources.items()}
     replaced = {
         key: QuantWeight(tuple(QuantSegment(s.qtype, copies[(s.data.data_ptr(), s.data.nbytes)], s.order)
                                for s in w.segments))
