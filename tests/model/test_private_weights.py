@@ -148,12 +148,19 @@ def test_the_copy_is_private_memory_and_the_files_pages_are_dropped(tmp_path: Pa
     assert f"{blocks / 2**20:,.0f} MiB of blocks copied into private memory" in line, line
 
 
-def test_past_the_huge_page_budget_the_rest_is_copied_the_same(q4_k_m: Path, monkeypatch) -> None:
+def test_past_the_huge_page_budget_the_rest_is_copied_and_merged_the_same(monkeypatch) -> None:
     import bargein.loader.private_weights as private_weights
+    from bargein.kernels.ggml_types import GGMLQuantizationType
 
     monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", 0.0)  # 4 KB pages from the first chunk
-    mapped, copied = _loaded(q4_k_m), _loaded(q4_k_m)
-    assert copy_to_private(copied).bytes > 0
-    for name, w in copied.items():
-        if isinstance(w, QuantWeight):
-            assert all(torch.equal(s.data, t.data) for s, t in zip(w.segments, mapped[name].segments, strict=True))
+    rows = 3 * HUGE_PAGE // 272 + 5  # rows of 256 Q8_0 values (272 bytes): over three huge pages
+    blocks = torch.randint(0, 256, (rows * 272,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    weight = QuantWeight.of(GGMLQuantizationType.Q8_0, blocks, rows, 256)
+    weights = {"w": weight, "also": weight, "norm": torch.ones(4)}
+    made = copy_to_private(weights)
+    assert made.bytes == blocks.numel() and weights["w"] is weights["also"]  # copied once, still shared
+    if made.merging is not None:  # its 4 KB pages merged into 2 MB ones meanwhile: the same bytes after
+        made.merging.join(timeout=60)
+        assert not made.merging.is_alive()
+    (segment,) = weights["w"].segments
+    assert segment.data.data_ptr() != blocks.data_ptr() and torch.equal(segment.data.reshape(-1), blocks)
