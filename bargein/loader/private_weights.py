@@ -14,7 +14,7 @@ file's pages of that segment dropped from this process (``MADV_DONTNEED``: they 
 page cache, where the kernel may reclaim them), so the resident set never holds both copies
 of more than one tensor. Huge pages are faulted in during the first HUGE_PAGE_BUDGET_S of
 the copy only (a huge page's first fault can be slow), the rest in 4 KB pages by a few
-threads, then merged into 2 MB pages by a background thread at the lowest priority. The
+threads, advised for khugepaged to merge into 2 MB pages over time. The
 copy is the same bytes in the same layout (rows, order, segments), so every kernel path gives the same bits from it. The price: the pages are
 private, not shared with other processes serving the same file (``weights_memory="mapped"``
 keeps the file's pages; see EngineConfig).
@@ -22,14 +22,10 @@ keeps the file's pages; see EngineConfig).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import errno
 import logging
 import mmap
 import os
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,13 +41,12 @@ HUGE_PAGE = 2 << 20
 # so not compaction; likely the host backing guest memory on first touch) 600 MB took
 # 3.9-7.4 s on fresh 2 MB pages, 0.09 s on reused ones, 0.2-0.6 s on 4 KB pages. So huge
 # pages are faulted in during this long of the copy only; the rest in 4 KB pages (two
-# threads or more), merged later in the background (MADV_COLLAPSE: ~110 MB/s here).
+# threads or more), left to khugepaged to merge (see _Arena.huge_pages_later).
 HUGE_PAGE_BUDGET_S = 0.3
 _ALIGN = 64  # each segment starts on a cache line
 _CHUNK = 4 * HUGE_PAGE
 _COPY_THREADS = min(4, os.cpu_count() or 1)
 _MADV_DONTNEED = 4
-_MADV_COLLAPSE = 25
 
 
 @dataclass(frozen=True)
@@ -63,13 +58,11 @@ class PrivateCopy:
     bytes: int
     huge_bytes: int
     seconds: float
-    merging: threading.Thread | None = None  # merging the rest into 2 MB pages (see _Arena)
 
     def describe(self) -> str:
         """The one log line of the copy."""
         return (f"weights: {self.bytes / 2**20:,.0f} MiB of blocks copied into private memory in "
-                f"{self.seconds:.2f} s ({self.huge_bytes / 2**20:,.0f} MiB of the process on 2 MB pages"
-                f"{', the rest merged into them in the background' if self.merging else ''}); "
+                f"{self.seconds:.2f} s ({self.huge_bytes / 2**20:,.0f} MiB of the process on 2 MB pages); "
                 "--weights-memory mapped keeps them in the shared page cache instead")
 
 
@@ -149,29 +142,14 @@ class _Arena:
             self.region.madvise(mmap.MADV_NOHUGEPAGE, self.skip + start, self.nbytes - start)
         return start
 
-    def huge_pages_later(self, start: int) -> threading.Thread | None:
-        """Merge the 4 KB pages from ``start`` into 2 MB pages in the background: huge pages
-        advised again, then a thread at the lowest priority collapses them one 2 MB range
-        at a time (``MADV_COLLAPSE``, Linux 6.1+: the same bytes, moved by the kernel under
-        any reader), so it takes only a core nothing else wants. Returns the thread."""
-        if not self.huge or start >= self.nbytes or not sys.platform.startswith("linux"):
-            return None
-        self.region.madvise(mmap.MADV_HUGEPAGE, self.skip + start, self.nbytes - start)
-        thread = threading.Thread(target=self._collapse, args=(start,), name="bargein-huge-pages", daemon=True)
-        thread.start()
-        return thread
-
-    def _collapse(self, start: int) -> None:
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for at in range(start, self.nbytes - HUGE_PAGE + 1, HUGE_PAGE):
-            try:
-                self.region.madvise(_MADV_COLLAPSE, self.skip + at, HUGE_PAGE)
-            except OSError as exc:
-                if exc.errno == errno.EINVAL:  # no MADV_COLLAPSE here (or THP off): khugepaged's, if any
-                    return
-            except ValueError:  # the mapping was closed
-                return
+    def huge_pages_later(self, start: int) -> None:
+        """Advise huge pages again from ``start``, so that khugepaged may merge the 4 KB pages
+        in the background, a few ranges at a time. Not MADV_COLLAPSE from a thread of our
+        own: each range collapsed holds its readers until it is copied (~20 ms here), and
+        every decode step reads every range; one stream decoded 2-3x slower for the seconds
+        it took (2026-12-02)."""
+        if self.huge and start < self.nbytes:
+            self.region.madvise(mmap.MADV_HUGEPAGE, self.skip + start, self.nbytes - start)
 
 
 def copy_to_private(weights: dict[str, object]) -> PrivateCopy:
@@ -213,7 +191,8 @@ def copy_to_private(weights: dict[str, object]) -> PrivateCopy:
     if pending:  # on 4 KB pages, whose faults two threads take about twice as fast
         with ThreadPoolExecutor(max_workers=min(_COPY_THREADS, len(pending))) as pool:
             list(pool.map(copy_one, pending))
-    merging = arena.huge_pages_later(small_from) if small_from is not None else None
+    if small_from is not None:
+        arena.huge_pages_later(small_from)
     copies = {key: arena.tensor[offsets[key]:offsets[key] + data.nbytes].view(data.shape)
               for key, data in sources.items()}
     replaced = {
@@ -224,5 +203,4 @@ def copy_to_private(weights: dict[str, object]) -> PrivateCopy:
     for name, w in weights.items():
         if isinstance(w, QuantWeight):
             weights[name] = replaced[id(w)]
-    return PrivateCopy(sum(d.nbytes for d in sources.values()), _anon_huge_bytes(), time.perf_counter() - began,
-                       merging)
+    return PrivateCopy(sum(d.nbytes for d in sources.values()), _anon_huge_bytes(), time.perf_counter() - began)
