@@ -12,6 +12,15 @@ medians over ``--rounds``. Then a least-squares line per path: ``us_per_expert =
 per_row * rows``, and what it predicts for a step's mean rows per expert.
 
     python bench/bench_moe_experts.py /work/models/moe/qwen3moe-2b.Q4_K_M.gguf
+
+``--step`` times instead a whole step's experts call per layer, as a decode step makes it:
+``--streams`` rows, each routed to ``topk`` distinct random experts (seeded, so the same
+routing for every build), on ``--threads`` threads, in wall-clock microseconds per layer
+(the threads' balance and waits count), the median over ``--rounds``. Two builds compare in
+turn, a process each (PYTHONPATH names the tree whose kernels are timed):
+
+    for i in 1 2 3; do for tree in /work/main $PWD; do PYTHONPATH=$tree python \
+        bench/bench_moe_experts.py FILE --step --threads 2; done; done
 """
 
 from __future__ import annotations
@@ -63,6 +72,22 @@ def time_rows(layers: list[MoEFeedForward], rows: int, isa: int) -> float:
     return (time.process_time() - started) / (len(layers) * len(groups) * topk) * 1e6
 
 
+def time_step(layers: list[MoEFeedForward], streams: int, threads: int, isa: int, steps: int) -> float:
+    """Wall-clock microseconds per layer of the experts call for ``streams`` rows routed at
+    random (seeded), over ``steps`` steps of every layer."""
+    first = layers[0]
+    native, topk, experts = first.kernels.native, first.topk, first.num_experts
+    g = torch.Generator().manual_seed(streams)
+    x = torch.randn(streams, first.table.hidden, generator=g)
+    weights = torch.full((streams, topk), 1.0 / topk)
+    routes = [torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(streams)])
+              for _ in range(steps * len(layers))]
+    started = time.perf_counter()
+    for i, ids in enumerate(routes):
+        native.moe.experts(x, layers[i % len(layers)].table, ids, weights, exact=False, num_threads=threads, isa=isa)
+    return (time.perf_counter() - started) / len(routes) * 1e6
+
+
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least squares (fixed, per_row) of us = fixed + per_row * rows."""
     n = len(points)
@@ -80,10 +105,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--streams", type=int, default=32, help="a step's rows, for the prediction")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--step", action="store_true", help="time a whole step's experts call per layer instead")
+    parser.add_argument("--threads", type=int, default=2, help="threads of --step (default %(default)s)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     layers = moe_layers(args.moe)
     native = layers[0].kernels.native
+    if args.step:
+        isa = native.q8_isa
+        time_step(layers, args.streams, args.threads, isa, 1)  # first calls: set-up, pages mapped
+        step = statistics.median(time_step(layers, args.streams, args.threads, isa, 4) for _ in range(args.rounds))
+        result = {"benchmark": "moe_experts_step", "file": Path(args.moe).name, "streams": args.streams,
+                  "threads": args.threads, "us_per_layer": step, "machine": machine_info()}
+        print(f"{args.streams} rows, {args.threads} threads: {step:.0f} us per layer's experts call")
+        return result
     isas = [Q8_ISAS[name] for name in PATHS if native.q8_isa_available(name)]
     names = {Q8_ISAS[name]: label for name, label in PATHS.items()}
     counts = [int(r) for r in args.rows.split(",")]
