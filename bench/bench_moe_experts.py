@@ -12,10 +12,22 @@ medians over ``--rounds``. Then a least-squares line per path: ``us_per_expert =
 per_row * rows``, and what it predicts for a step's mean rows per expert.
 
     python bench/bench_moe_experts.py /work/models/moe/qwen3moe-2b.Q4_K_M.gguf
+
+``--step`` times instead a whole step's experts call per layer, as a decode step makes it:
+``--streams`` rows, each routed to ``topk`` distinct random experts (seeded), on
+``--threads`` threads, in wall-clock milliseconds per step (every layer once; the threads'
+balance and waits count), the median over ``--rounds``. ``--against LIB.so`` loads another
+build of the kernels (one from ``BARGEIN_CACHE_DIR``, built by another tree) into the same
+process and runs each step's routing on both in turn, alternating which goes first, checks
+that their outputs are the same bits, and prints the median of the per-step ratios: a
+same-run A/B that a loaded machine's noise moves for both sides alike.
+
+    python bench/bench_moe_experts.py FILE --step --threads 2 --rounds 40 --against OTHER.so
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import sys
 import time
@@ -27,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, format_table, machine_info  # noqa: E402
 
+from bargein.kernels.moe_native import MoEKernels  # noqa: E402
 from bargein.kernels.native import Q8_ISAS  # noqa: E402
 from bargein.kernels.ops import resolve_kernels  # noqa: E402
 from bargein.loader import load_config, load_weights, resolve_model_ref  # noqa: E402
@@ -63,6 +76,32 @@ def time_rows(layers: list[MoEFeedForward], rows: int, isa: int) -> float:
     return (time.process_time() - started) / (len(layers) * len(groups) * topk) * 1e6
 
 
+def time_steps(layers: list[MoEFeedForward], builds: dict[str, MoEKernels], streams: int, threads: int,
+               isa: int, rounds: int) -> dict[str, list[float]]:
+    """Per build, the wall-clock milliseconds of each round's step (every layer's experts
+    call, ``streams`` rows routed at random, seeded), the builds in turn within a round
+    (alternating which goes first) on the same routing; their outputs must agree bit for bit."""
+    first = layers[0]
+    topk, experts = first.topk, first.num_experts
+    g = torch.Generator().manual_seed(streams)
+    x = torch.randn(streams, first.table.hidden, generator=g)
+    weights = torch.full((streams, topk), 1.0 / topk)
+    times: dict[str, list[float]] = {name: [] for name in builds}
+    for r in range(rounds + 1):  # round 0: the first calls (set-up, pages of the file mapped), not counted
+        routes = [torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(streams)]) for _ in layers]
+        outputs = {}
+        for name in list(builds)[::1 if r % 2 else -1]:
+            started = time.perf_counter()
+            outputs[name] = [builds[name].experts(x, layer.table, ids, weights, exact=False, num_threads=threads,
+                                                  isa=isa) for layer, ids in zip(layers, routes, strict=True)]
+            if r:
+                times[name].append((time.perf_counter() - started) * 1e3)
+        reference = next(iter(outputs.values()))
+        if not all(torch.equal(a, b) for other in outputs.values() for a, b in zip(reference, other, strict=True)):
+            raise SystemExit("the builds' outputs differ")
+    return times
+
+
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least squares (fixed, per_row) of us = fixed + per_row * rows."""
     n = len(points)
@@ -80,10 +119,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--streams", type=int, default=32, help="a step's rows, for the prediction")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--step", action="store_true", help="time a whole step's experts call per layer instead")
+    parser.add_argument("--threads", type=int, default=2, help="threads of --step (default %(default)s)")
+    parser.add_argument("--against", metavar="LIB.so", help="--step: another build of the kernels, in turn")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     layers = moe_layers(args.moe)
     native = layers[0].kernels.native
+    if args.step:
+        builds = {"this tree": native.moe}
+        if args.against:
+            builds["against"] = MoEKernels(ctypes.CDLL(args.against))
+        times = time_steps(layers, builds, args.streams, args.threads, native.q8_isa, args.rounds)
+        result = {"benchmark": "moe_experts_step", "file": Path(args.moe).name, "streams": args.streams,
+                  "threads": args.threads, "ms_per_step": {k: statistics.median(v) for k, v in times.items()},
+                  "machine": machine_info()}
+        line = ", ".join(f"{k} {v:.1f}" for k, v in result["ms_per_step"].items())
+        if args.against:
+            ratios = [a / b for a, b in zip(times["this tree"], times["against"], strict=True)]
+            result["ratio_median"] = statistics.median(ratios)
+            line += f"; this tree / against per step, median {result['ratio_median']:.3f}"
+        print(f"{args.streams} rows, {args.threads} threads, ms per step's experts calls: {line}")
+        return result
     isas = [Q8_ISAS[name] for name in PATHS if native.q8_isa_available(name)]
     names = {Q8_ISAS[name]: label for name, label in PATHS.items()}
     counts = [int(r) for r in args.rows.split(",")]

@@ -20,9 +20,10 @@
  * as two segments of one matrix, so that the rows' activations are quantized once for
  * both) for all of the expert's rows at once, on one thread; a gate/up item then writes
  * h = silu(g) * u on its columns as the dense layers' SwiGLU does (rowwise.c's
- * bargein_silu_mul). The items of gate and up share one parallel region, those of down
- * another; threads claim them one at a time, the costliest first. An expert no row chose
- * has no work item and is not read. At the end
+ * bargein_silu_mul). All items of a layer share one parallel region with no barrier in
+ * it (region_t): threads claim them one at a time, the gate/up items first, each kind the
+ * costliest first; an expert's down items wait only for that expert's gate/up items. An
+ * expert no row chose has no work item and is not read. Once a row's experts are all done
  *   y[r] = w[r, 0] * out[r, 0] + w[r, 1] * out[r, 1] + ... (slot order, each product and
  *          sum rounded: the library is built with -ffp-contract=off).
  *
@@ -40,10 +41,20 @@
 #include "parallel.h"
 
 #include <math.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
 
 void bargein_silu_mul(const float *x, float *y, int64_t m, int64_t n, int num_threads); /* rowwise.c */
 
@@ -159,28 +170,49 @@ int bargein_moe_route(const float *x, int64_t m, int64_t hidden, const float *ro
 /* ---- experts ------------------------------------------------------------------------- */
 
 /* One work item: output columns [col0, col0 + cols) of one expert, for all its rows: of
- * gate and up together (the first phase, which then writes h = silu(g) * u on those
+ * gate and up together (the first kind, which then writes h = silu(g) * u on those
  * columns), or of down (the second). A range lies within one segment of each matrix it
- * reads. `cost` orders the items, largest first. */
+ * reads. `cost` orders the items of a kind, largest first. */
 typedef struct {
     int64_t expert, col0, cols, cost;
 } item_t;
 
+/* The matrices one kind of item reads and the buffers it reads and writes. */
 typedef struct {
-    const item_t *items;  /* largest cost first */
-    int64_t num_items;
-    _Atomic int64_t next; /* the next item to claim */
-    const bargein_qmat_t *const *w, *const *w2; /* w2: up beside w's gate (first phase), or NULL */
+    const bargein_qmat_t *const *w, *const *w2; /* w2: up beside w's gate (gate/up items), or NULL */
     const float *in;      /* (P, in_width), rows grouped by expert */
     int64_t in_width;
     float *out;           /* (P, out_width) */
     int64_t out_width;
+} kind_t;
+
+/* One layer's experts as one parallel region. The gate/up items come first in `items`,
+ * then the down items: a thread claims the next item of the list, so every gate/up item
+ * is claimed before any down item. A down item of expert e waits for e's gate/up items
+ * (up_left[e] reaching 0; they are all claimed by then, so running on other threads, and
+ * the wait ends); a row's weighted sum is written by the thread that finishes the last
+ * down item any of its slots needs (row_left[r] reaching 0). So no thread waits at a
+ * barrier between gate/up and down, or before the sum: with experts of 9 rows beside
+ * experts of 1, a thread that is done with its part takes the next item, of either kind. */
+typedef struct {
+    const item_t *items;  /* gate/up items then down items, each kind largest cost first */
+    int64_t num_up, num_items;
+    _Atomic int64_t next; /* the next item to claim */
+    _Atomic int64_t *up_left;  /* (experts): gate/up items of e not yet done */
+    _Atomic int64_t *row_left; /* (m): down items that row r's slots need, not yet done */
+    kind_t kinds[2];      /* gate/up, down */
     const int64_t *first; /* (experts + 1): an expert's first grouped row */
+    const int64_t *owner; /* (P): the row of x a grouped row belongs to */
+    const int64_t *pos;   /* (m, topk): the grouped row of (r, s) */
+    const float *weights; /* (m, topk) */
+    float *y;
+    int64_t hidden, topk;
     float *scratch;       /* per thread: scratch_floats */
     int64_t scratch_floats;
     int *status;          /* per thread */
+    _Atomic int failed;   /* set on any item's failure: the others stop claiming */
     int exact, isa;
-} phase_t;
+} region_t;
 
 /* Rows [col0, col0 + cols) of matrix w (which lie in one segment), in place. */
 static bargein_qseg_t rows_of(const bargein_qmat_t *w, int64_t col0, int64_t cols) {
@@ -200,58 +232,80 @@ static int64_t segment_end(const bargein_qmat_t *w, int64_t c) {
     return end;
 }
 
-/* Items are claimed one at a time, largest first, by whichever thread is free: a thread
+/* y[r] = w[r, 0] * out[r, 0] + w[r, 1] * out[r, 1] + ... (slot order, each product and
+ * sum rounded: the library is built with -ffp-contract=off). */
+static void combine_row(const region_t *job, int64_t r) {
+    const float *out = job->kinds[1].out;
+    float *y = job->y + r * job->hidden;
+    for (int64_t s = 0; s < job->topk; s++) {
+        const float w = job->weights[r * job->topk + s];
+        const float *o = out + job->pos[r * job->topk + s] * job->hidden;
+        if (s == 0)
+            for (int64_t i = 0; i < job->hidden; i++) y[i] = w * o[i];
+        else
+            for (int64_t i = 0; i < job->hidden; i++) y[i] += w * o[i];
+    }
+}
+
+/* Until expert e's gate/up items are done (their h rows written: the acquire pairs with
+ * their release). Spins briefly, then yields the core: the thread it waits for may be
+ * descheduled on a loaded machine, and needs a core more than this one does. */
+static void wait_for_up(region_t *job, int64_t e) {
+    for (int spins = 0; atomic_load_explicit(&job->up_left[e], memory_order_acquire) > 0; spins++) {
+        if (atomic_load_explicit(&job->failed, memory_order_relaxed)) return; /* the item failed */
+        if (spins < 256) CPU_RELAX();
+        else sched_yield();
+    }
+}
+
+/* Items are claimed one at a time, in list order, by whichever thread is free: a thread
  * that was descheduled, or got the experts chosen by many rows, leaves the rest to the
  * others. Which thread runs an item changes no bit of its output. */
 static void run_items(void *arg, int index, int count) {
     (void)count;
-    phase_t *job = (phase_t *)arg;
+    region_t *job = (region_t *)arg;
     float *tmp = job->scratch + (int64_t)index * job->scratch_floats;
     for (;;) {
         const int64_t t = atomic_fetch_add_explicit(&job->next, 1, memory_order_relaxed);
-        if (t >= job->num_items) return;
+        if (t >= job->num_items || atomic_load_explicit(&job->failed, memory_order_relaxed)) return;
         const item_t *it = &job->items[t];
+        const int up = t < job->num_up;
+        const kind_t *kind = &job->kinds[up ? 0 : 1];
         const int64_t e = it->expert, cols = it->cols, r0 = job->first[e], rows = job->first[e + 1] - r0;
+        if (!up) {
+            wait_for_up(job, e);
+            if (atomic_load_explicit(&job->failed, memory_order_relaxed)) return;
+        }
         bargein_qseg_t parts[2];
-        parts[0] = rows_of(job->w[e], it->col0, cols);
-        if (job->w2) parts[1] = rows_of(job->w2[e], it->col0, cols);
-        const int64_t width = job->w2 ? 2 * cols : cols;
-        const bargein_qmat_t tile = {parts, job->w2 ? 2 : 1, width, job->w[e]->k};
-        const int whole = cols == job->out_width; /* the item writes whole rows of the output */
-        float *y = job->w2 || !whole ? tmp : job->out + r0 * job->out_width;
-        const int status = bargein_gguf_matmul_expert(job->in + r0 * job->in_width, rows, &tile, y, job->exact, job->isa);
+        parts[0] = rows_of(kind->w[e], it->col0, cols);
+        if (kind->w2) parts[1] = rows_of(kind->w2[e], it->col0, cols);
+        const int64_t width = kind->w2 ? 2 * cols : cols;
+        const bargein_qmat_t tile = {parts, kind->w2 ? 2 : 1, width, kind->w[e]->k};
+        const int whole = cols == kind->out_width; /* the item writes whole rows of the output */
+        float *y = kind->w2 || !whole ? tmp : kind->out + r0 * kind->out_width;
+        const int status = bargein_gguf_matmul_expert(kind->in + r0 * kind->in_width, rows, &tile, y, job->exact,
+                                                      job->isa);
         if (status) {
             job->status[index] = status;
+            atomic_store_explicit(&job->failed, 1, memory_order_relaxed);
             return;
         }
-        if (job->w2) { /* rows of [g | u] in tmp: h into the output's rows, or into tmp's second part */
-            float *h = whole ? job->out + r0 * job->out_width : tmp + rows * width;
+        if (kind->w2) { /* rows of [g | u] in tmp: h into the output's rows, or into tmp's second part */
+            float *h = whole ? kind->out + r0 * kind->out_width : tmp + rows * width;
             bargein_silu_mul(tmp, h, rows, cols, 1);
             y = h;
         }
         for (int64_t i = 0; i < rows && !whole; i++)
-            memcpy(job->out + (r0 + i) * job->out_width + it->col0, y + i * cols, sizeof(float) * (size_t)cols);
-    }
-}
-
-typedef struct {
-    const float *out, *weights;
-    const int64_t *pos; /* (m, topk): the grouped row of (r, s) */
-    float *y;
-    int64_t m, hidden, topk;
-} combine_t;
-
-static void combine_rows(void *arg, int index, int count) {
-    const combine_t *job = (const combine_t *)arg;
-    for (int64_t r = job->m * index / count; r < job->m * (index + 1) / count; r++) {
-        float *y = job->y + r * job->hidden;
-        for (int64_t s = 0; s < job->topk; s++) {
-            const float w = job->weights[r * job->topk + s];
-            const float *o = job->out + job->pos[r * job->topk + s] * job->hidden;
-            if (s == 0)
-                for (int64_t i = 0; i < job->hidden; i++) y[i] = w * o[i];
-            else
-                for (int64_t i = 0; i < job->hidden; i++) y[i] += w * o[i];
+            memcpy(kind->out + (r0 + i) * kind->out_width + it->col0, y + i * cols, sizeof(float) * (size_t)cols);
+        if (up) {
+            atomic_fetch_sub_explicit(&job->up_left[e], 1, memory_order_release);
+            continue;
+        }
+        /* the rows whose last needed down item this was: their sum, here (acq_rel: the
+         * last decrement sees every other item's writes to those rows' outputs) */
+        for (int64_t p = r0; p < r0 + rows; p++) {
+            const int64_t r = job->owner[p];
+            if (atomic_fetch_sub_explicit(&job->row_left[r], 1, memory_order_acq_rel) == 1) combine_row(job, r);
         }
     }
 }
@@ -306,17 +360,6 @@ static int64_t tile_for(const int64_t *first, int64_t experts, int64_t columns_p
     return tile < MIN_TILE ? MIN_TILE : tile > MAX_TILE ? MAX_TILE : tile;
 }
 
-static int run_phase(phase_t *job, int num_threads) {
-    atomic_store_explicit(&job->next, 0, memory_order_relaxed);
-    int threads = job->num_items < num_threads ? (int)job->num_items : num_threads;
-    if (threads < 1) threads = 1;
-    for (int i = 0; i < threads; i++) job->status[i] = 0;
-    bargein_parallel_run(run_items, job, threads);
-    for (int i = 0; i < threads; i++)
-        if (job->status[i]) return job->status[i];
-    return 0;
-}
-
 void bargein_moe_scratch_free(bargein_moe_scratch_t *scratch) {
     free(scratch->data);
     scratch->data = NULL;
@@ -354,9 +397,12 @@ int bargein_moe_experts_in(const float *x, int64_t m, int64_t hidden, int64_t in
     int64_t *first = calloc((size_t)experts + 1, sizeof(int64_t));
     int64_t *pos = malloc(sizeof(int64_t) * (size_t)(pairs > 0 ? pairs : 1));
     int64_t *fill = calloc((size_t)experts, sizeof(int64_t));
-    int *statuses = malloc(sizeof(int) * (size_t)num_threads);
+    int64_t *owner = malloc(sizeof(int64_t) * (size_t)(pairs > 0 ? pairs : 1));
+    _Atomic int64_t *up_left = calloc((size_t)experts, sizeof(_Atomic int64_t));
+    _Atomic int64_t *row_left = calloc((size_t)(m > 0 ? m : 1), sizeof(_Atomic int64_t));
+    int *statuses = calloc((size_t)num_threads, sizeof(int));
     item_t *items = NULL;
-    if (!first || !pos || !fill || !statuses) goto done;
+    if (!first || !pos || !fill || !owner || !up_left || !row_left || !statuses) goto done;
     /* Group the (row, slot) pairs by expert, rows in order within an expert. */
     for (int64_t i = 0; i < pairs; i++) first[ids[i] + 1]++;
     int64_t most = 0;
@@ -365,9 +411,9 @@ int bargein_moe_experts_in(const float *x, int64_t m, int64_t hidden, int64_t in
         first[e + 1] += first[e];
     }
     const int64_t tile = tile_for(first, experts, 2 * inter + hidden, num_threads);
-    const int64_t first_items = max_items(gate, up, experts, inter, tile), down_items = max_items(down, NULL, experts,
-                                                                                                    hidden, tile);
-    items = malloc(sizeof(item_t) * (size_t)(first_items > down_items ? first_items : down_items));
+    const int64_t up_items = max_items(gate, up, experts, inter, tile), down_items = max_items(down, NULL, experts,
+                                                                                                 hidden, tile);
+    items = malloc(sizeof(item_t) * (size_t)(up_items + down_items));
     /* per thread: an item's [g | u] rows and its h rows (3 tiles), or its rows of down */
     const int64_t scratch_floats = (most * 3 * tile + 15) / 16 * 16;
     const int64_t sizes[4] = {pairs * hidden, pairs * inter, pairs * hidden, scratch_floats * num_threads};
@@ -377,24 +423,31 @@ int bargein_moe_experts_in(const float *x, int64_t m, int64_t hidden, int64_t in
     for (int64_t i = 0; i < pairs; i++) {
         const int64_t e = ids[i], p = first[e] + fill[e]++;
         pos[i] = p;
+        owner[p] = i / topk;
         memcpy(xg + p * hidden, x + (i / topk) * hidden, sizeof(float) * (size_t)hidden);
     }
-    /* gate and up, then h = silu(g) * u: one region */
-    phase_t job = {items, list_items(items, gate, up, first, experts, inter, tile), 0, gate, up, xg, hidden, h,
-                   inter, first, buffers[3], scratch_floats, statuses, exact, isa};
-    if ((status = run_phase(&job, num_threads))) goto done;
-    /* down: another */
-    job.num_items = list_items(items, down, NULL, first, experts, hidden, tile);
-    job.w = down, job.w2 = NULL, job.in = h, job.in_width = inter, job.out = out, job.out_width = hidden;
-    if ((status = run_phase(&job, num_threads))) goto done;
-    combine_t sum = {out, weights, pos, y, m, hidden, topk};
-    const int64_t sum_threads = m / 4 < num_threads ? m / 4 : num_threads;
-    bargein_parallel_run(combine_rows, &sum, sum_threads > 1 ? (int)sum_threads : 1);
+    /* gate and up (then h = silu(g) * u), down, and the sum: one region (see region_t) */
+    const int64_t num_up = list_items(items, gate, up, first, experts, inter, tile);
+    const int64_t num_items = num_up + list_items(items + num_up, down, NULL, first, experts, hidden, tile);
+    for (int64_t t = 0; t < num_up; t++) up_left[items[t].expert]++;
+    for (int64_t t = num_up; t < num_items; t++) /* as run_items counts them down */
+        for (int64_t p = first[items[t].expert]; p < first[items[t].expert + 1]; p++) row_left[owner[p]]++;
+    region_t job = {items, num_up, num_items, 0, up_left, row_left,
+                    {{gate, up, xg, hidden, h, inter}, {down, NULL, h, inter, out, hidden}},
+                    first, owner, pos, weights, y, hidden, topk, buffers[3], scratch_floats, statuses, 0, exact,
+                    isa};
+    const int threads = num_items < num_threads ? (int)(num_items > 0 ? num_items : 1) : num_threads;
+    bargein_parallel_run(run_items, &job, threads);
     status = 0;
+    for (int i = 0; i < threads; i++)
+        if (statuses[i] && !status) status = statuses[i];
 done:
     free(first);
     free(pos);
     free(fill);
+    free(owner);
+    free(up_left);
+    free(row_left);
     free(items);
     free(statuses);
     return status;

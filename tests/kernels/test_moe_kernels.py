@@ -111,6 +111,30 @@ def test_a_rows_output_does_not_depend_on_the_batch_or_threads() -> None:
             assert torch.equal(got[:1], alone), (name, threads)
 
 
+def test_every_rows_output_is_its_own_in_a_step_of_many_experts() -> None:
+    """A step as a 48-expert model makes them, scaled down: 12 experts, top 4, 24 rows, one
+    expert chosen by every row beside experts of one row (at 8 threads each expert's gate/up
+    and down are split into several work items), so that a down item and a row's sum wait
+    for items run on other threads (moe_matmul.c's one region): every row is bit for bit its
+    output alone, for 1, 2, 3 and 8 threads, and again (an item that did not wait would race
+    with the one it needs: the repeats give the race its chances)."""
+    rng = np.random.default_rng(11)
+    experts, topk, m = 12, 4, 24
+    mats = [[random_weight(T.Q4_K, INTER, HIDDEN, rng), random_weight(T.Q4_K, INTER, HIDDEN, rng),
+             random_weight(T.Q4_K, HIDDEN, INTER, rng)] for _ in range(experts)]
+    table = ExpertTable(*([ws[i] for ws in mats] for i in range(3)))
+    x, _ = _route_inputs(m, seed=11)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.stack([torch.cat([torch.tensor([0]), 1 + torch.randperm(experts - 1, generator=g)[:topk - 1]])
+                       for _ in range(m)])
+    w = torch.softmax(torch.randn(m, topk, generator=g), dim=1)
+    alone = torch.cat([KERNELS.moe.experts(x[r:r + 1], table, ids[r:r + 1], w[r:r + 1], exact=False, num_threads=1,
+                                           isa=KERNELS.q8_isa) for r in range(m)])
+    for threads in (1, 2, 3, 8) + (2, 8) * 20:
+        got = KERNELS.moe.experts(x, table, ids, w, exact=False, num_threads=threads, isa=KERNELS.q8_isa)
+        assert torch.equal(got, alone), threads
+
+
 def test_an_expert_id_outside_the_layer_is_refused() -> None:
     table, _ = _table(T.Q8_0, seed=3)
     x, _ = _route_inputs(2, seed=3)
