@@ -27,6 +27,7 @@ import torch
 
 from bargein.config import ModelConfig
 from bargein.engine.decode_graphs import DecodeGraphs
+from bargein.engine.logits_buffer import LogitsBuffer
 from bargein.engine.plan import StepPlan
 from bargein.model.attention import AttentionMetadata
 from bargein.model.llama import LlamaStage
@@ -39,6 +40,8 @@ class StepResult:
 
     A runner may pick plain rows' tokens itself (``tokens``: plan row -> token id, as
     ``sampler.sample_rows`` does); ``logits`` then holds only the other rows, in plan order.
+    ``logits`` is valid until the runner's next ``collect``: a runner may write every step's
+    logits into the same memory (the in-process runner does, see ``LogitsBuffer``).
     """
 
     plan: StepPlan
@@ -211,6 +214,7 @@ class ModelRunner:
         if cuda_graph_batch_sizes and self.device.type == "cuda" and all(s.graph_safe for s in self.stages):
             self.decode_graphs = self.padded_decode(cuda_graph_batch_sizes, capture=True)
         self._submitted: StepPlan | None = None
+        self.logits_buffer = LogitsBuffer(self.vocab_size)  # where execute writes the logits, step after step
         self._decode_batch = any(s.reads_decode_batch for s in self.stages)
 
     @property
@@ -255,7 +259,9 @@ class ModelRunner:
                             batch_sizes=batch_sizes, capture=capture)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Runs the plan's forward; returns float32 logits (one row per ``chunk.num_logits``)."""
+        """Runs the plan's forward; returns float32 logits (one row per ``chunk.num_logits``),
+        valid until the next ``execute``: on the CPU, a view of this runner's reused memory
+        (``LogitsBuffer``) where the model's fused head writes them. Clone what you keep."""
         for caches in self.kv_caches:
             for src, dst in plan.block_copies:
                 for cache in caches:
@@ -266,8 +272,10 @@ class ModelRunner:
                 and (logits := self.decode_graphs.run(plan)) is not None):
             return logits
         x, pos, meta, indices = plan_inputs(plan, self.block_size, self.device, decode_batch=self._decode_batch)
+        out = self.logits_buffer.rows(indices.shape[0]) if self.device.type == "cpu" else None
         for stage, caches in zip(self.stages, self.kv_caches, strict=True):
-            x = stage(x, pos, meta, caches, logits_indices=indices if stage.is_last else None)
+            x = stage(x, pos, meta, caches, logits_indices=indices if stage.is_last else None,
+                      logits_out=out if stage.is_last else None)
         return x
 
 

@@ -30,16 +30,31 @@ the model thought, not how the token was picked.
 
 Device syncs: none until the chosen token ids (and log-probabilities) are copied to
 Python at the end of ``sample``.
+
+Vocabulary-wide rows (Gemma's 262,144 tokens): top_k alone takes its threshold from a
+partial selection (``topk``), top_p sorts with numpy's vectorised sort, and a step where a
+row truncates by top_k or top_p runs torch's operations on one intra-op thread
+(``one_torch_thread``): with two, each of the dozen vocabulary-wide operations per row pays
+an OpenMP fork and join whose second thread competes with the native kernels' pool (still
+spinning after the forward) or anything else on a busy machine, and such steps took 3-15x
+longer (gemma3-1b, 8 streams, interleaved in one engine). Temperature-only and logprobs
+steps keep torch's threads: there one thread measured slower about as often as faster.
+The operations are row-wise or exact (maxima, sorts, selections, cumulative sums along the
+row), so the tokens and log-probabilities do not depend on any of this
+(tests/engine/test_sampler_wide_vocab.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from bargein.engine.device import one_torch_thread
 from bargein.engine.grammar import GrammarMasks, GrammarMatcher
 from bargein.engine.sampling import SamplingParams
 
@@ -144,9 +159,10 @@ class Sampler:
         if all(_plain_greedy(state) for state in states):
             # Fast path: nothing to adjust and nothing to report, one batched argmax.
             return [SampledToken(t, None, ()) for t in argmax_rows(allowed)]
-        kept = truncate_logits(adjust_logits(allowed, states), [s.params for s in states])
-        token_ids = (kept + _gumbel_noise(logits, states)).argmax(dim=-1)  # (B,)
-        return _with_logprobs(logits, token_ids, states)
+        with _threads_for([s.params for s in states]):  # see the module's docstring (Threads)
+            kept = truncate_logits(adjust_logits(allowed, states), [s.params for s in states])
+            token_ids = (kept + _gumbel_noise(logits, states)).argmax(dim=-1)  # (B,)
+            return _with_logprobs(logits, token_ids, states)
 
 
 def adjust_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -197,9 +213,18 @@ def truncate_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
     threshold = torch.full_like(row_max, float("-inf"))  # (B, 1): keep scaled >= threshold
     vocab_size = logits.shape[-1]
-    if any(p.top_k is not None or p.top_p < 1.0 for p in params):
-        sorted_desc = scaled.sort(dim=-1, descending=True).values  # (B, V)
-        top_k = [min(p.top_k or vocab_size, vocab_size) for p in params]
+    top_k = [min(p.top_k or vocab_size, vocab_size) for p in params]
+    if all(p.top_p == 1.0 for p in params) and any(p.top_k is not None for p in params):
+        # top_k alone: its k-th largest value is the threshold (below, ``last_kept`` is
+        # then -inf or that same value), and a partial selection finds it without sorting
+        # the whole vocabulary.
+        has_k = [p.top_k is not None for p in params]
+        largest = scaled.topk(max(k for k, has in zip(top_k, has_k, strict=True) if has), dim=-1).values
+        kth = largest.gather(1, _column([k if has else 1 for k, has in zip(top_k, has_k, strict=True)],
+                                        logits, torch.long) - 1)  # (B, 1)
+        threshold = torch.where(_column(has_k, logits, torch.bool), kth, threshold)  # no top_k: keep all
+    elif any(p.top_k is not None or p.top_p < 1.0 for p in params):
+        sorted_desc = _sorted_descending(scaled)  # (B, V)
         kth = sorted_desc.gather(1, _column(top_k, logits, torch.long) - 1)  # (B, 1)
         sorted_desc = torch.where(sorted_desc >= kth, sorted_desc, float("-inf"))
         probs = sorted_desc.softmax(dim=-1)
@@ -219,6 +244,21 @@ def truncate_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         one_hot = torch.full_like(logits, float("-inf")).scatter_(1, best, 0.0)
         kept = torch.where(_column([p.greedy for p in params], logits, torch.bool), one_hot, kept)
     return kept
+
+
+def _threads_for(params: Sequence[SamplingParams]) -> contextlib.AbstractContextManager[None]:
+    """One torch thread where a row truncates by top_k or top_p (see the module's docstring,
+    Threads); torch's own count otherwise, where one thread measured slower as often as faster."""
+    truncates = any(p.top_k is not None or p.top_p < 1.0 for p in params if not p.greedy)
+    return one_torch_thread() if truncates else contextlib.nullcontext()
+
+
+def _sorted_descending(values: torch.Tensor) -> torch.Tensor:
+    """Each row's values from largest to smallest (the values of ``sort(descending=True)``):
+    on the CPU by numpy's vectorised sort, several times torch's on a 262,144-token row."""
+    if values.device.type != "cpu":
+        return values.sort(dim=-1, descending=True).values
+    return torch.from_numpy(np.ascontiguousarray(np.sort(values.numpy(), axis=-1)[:, ::-1]))
 
 
 def _plain_greedy(state: SamplingState) -> bool:
@@ -262,10 +302,11 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int]:
     logits = logits.float()
     if all(r.params.greedy for r in rows):
         return argmax_rows(logits)
-    kept = truncate_logits(logits, [r.params for r in rows])
-    generator = torch.Generator(device=logits.device)
-    noise = [_row_noise(r.params.greedy, generator, r.seed, r.token_index, logits) for r in rows]
-    return argmax_rows(kept + torch.stack(noise))
+    with _threads_for([r.params for r in rows]):  # see the module's docstring (Threads)
+        kept = truncate_logits(logits, [r.params for r in rows])
+        generator = torch.Generator(device=logits.device)
+        noise = [_row_noise(r.params.greedy, generator, r.seed, r.token_index, logits) for r in rows]
+        return argmax_rows(kept + torch.stack(noise))
 
 
 def argmax_rows(values: torch.Tensor) -> list[int]:

@@ -166,11 +166,14 @@ class FusedLayers:
         return cls(native, config, array, rope, fused_embed, fused_head, keep, local_rope, embed_scale)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                 kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None,
+                 logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """For x token ids (T,) where the call has the embedding, else hidden states
         (T, hidden): float32 logits (N, vocab) of rows ``logits_indices`` (all rows if None)
         where the call has the head, else the hidden states after every layer (T, hidden).
-        x itself is left as it was."""
+        x itself is left as it was. ``logits_out``: where the head writes the logits (and
+        the tensor returned) if it is a contiguous float32 CPU tensor of exactly (N, vocab);
+        otherwise the logits go to a new tensor."""
         if meta.token_seq is None or meta.token_context is None:
             raise ValueError("the fast precision's attention needs AttentionMetadata.build's per-token fields")
         with self._lock:
@@ -190,7 +193,9 @@ class FusedLayers:
                 rows = logits_indices if logits_indices is not None else torch.arange(out.shape[0])
                 if rows.dtype != torch.int64 or not rows.is_contiguous() or rows.dim() != 1:
                     rows = rows.to(torch.int64).contiguous().view(-1)
-                logits = torch.empty((rows.shape[0], self.vocab_size), dtype=torch.float32)
+                shape = (rows.shape[0], self.vocab_size)
+                logits = logits_out if logits_out is not None and logits_out.shape == shape \
+                    and _float32(logits_out) else torch.empty(shape, dtype=torch.float32)
                 head.rows, head.num_rows, head.logits = rows.data_ptr(), rows.shape[0], logits.data_ptr()
             self.native.fast_layers(self._layers, self._shape, out, positions, meta.slot_mapping, meta.block_tables,
                                     meta.token_seq, meta.token_context, embed, head, torch.get_num_threads())

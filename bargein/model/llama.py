@@ -287,11 +287,15 @@ class LlamaStage(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None = None,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits_out``: (N, vocab) float32 memory the fused head may write the logits into
+        (and return) instead of a new tensor (``FusedLayers.__call__``); the per-operation
+        path ignores it."""
         fused = self.fused
         if fused is not None and inputs.device.type == "cpu":  # one native call
             x = self.embed(inputs) if self.is_first and not fused.has_embed else inputs
-            x = fused(x, positions, meta, kv_caches, logits_indices)
+            x = fused(x, positions, meta, kv_caches, logits_indices, logits_out)
             if fused.has_head:
                 return x  # the logits
         else:

@@ -36,7 +36,7 @@ def recording(engine) -> list[torch.Tensor]:
 
     def record(plan):
         out = execute(plan)
-        logs.append(out.float().cpu())
+        logs.append(out.float().cpu().clone())  # execute may hand out reused memory
         return out
 
     engine.runner.execute = record

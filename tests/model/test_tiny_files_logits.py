@@ -33,7 +33,7 @@ def _logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
     table = BlockTable()
     engine.pool.ensure_writable(table, 0, len(tokens))
     plan = StepPlan(0, (ScheduledChunk("x", tuple(tokens), 0, tuple(table.block_ids), True),))
-    out = engine.runner.execute(plan)[0]
+    out = engine.runner.execute(plan)[0].clone()  # execute may hand out reused memory
     engine.pool.release(table)
     return out
 
