@@ -104,6 +104,9 @@
 #define K_GEMM_MIN_ROWS 24 /* the K chain's few-row pass shares each decode across its rows and
                               * sums lanes once per superblock: it beats the tile to 16 rows or more */
 #define K_GROUP_ROWS_VNNI 4
+#define K_SCALED_MIN_ROWS 64 /* from this many rows the VNNI K pass of Q4_K/Q5_K reads scale x m */
+#define K_SCALED_MAX_K 4096   /* from a per-tile table, for k up to this (the table is 16 k bytes) */
+#define K_MULTIPLES 16 /* k_chain_multiple's m: 1 .. 16 */
 /* One expert's few rows (bargein_gguf_matmul_expert; ~5 at 32 rows of a 48-expert top-8
  * model): VNNI passes of up to 8 rows decode each block once for 5 to 8 rows, where passes
  * of 4 decoded it twice (measured on the 2-core Zen 4, the MoE file's experts of six layers
@@ -566,12 +569,21 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
 
 /* Per-thread tile scratch: tile 16 * k bytes (32-byte vectors tile[(b * 8 + g) * 2 + v]:
  * lane c holds elements 4g .. 4g + 3 of block b of column 8v + c), column bytes 16 * k,
- * panels: s, m (nb * 16 floats each, block-major), sc, mn (2 nb * 16 int32 each). */
+ * panels: s, m (nb * 16 floats each, block-major), sc, mn (2 nb * 16 int32 each); then,
+ * where the job's scratch has room for it (k_scaled), scaled: sc times each multiple m
+ * (nb * K_MULTIPLES * 16 int32, gguf_tile_zmm.h's zmm_scale_table). */
 typedef struct {
     uint8_t *tile, *cols;
     float *ps, *pm;
-    int32_t *psc, *pmn;
+    int32_t *psc, *pmn, *scaled;
 } tile_t;
+
+/* Whether the VNNI K pass of Q4_K/Q5_K reads sc x m from a table (tile_t's scaled) for m
+ * rows of width k: it saves a vpmulld per row and 32-block against 16 k bytes of table
+ * built per tile; on the 2-core Zen 4 at 512 rows 0.93x the time at k = 2048, but 1.06x at
+ * k = 8192, where the table and the tile (384 KB) crowd L2 (bench/gemm_tile_ab.c), and no
+ * gain for Q6_K (three multiplies to two, twice the table), which keeps its pass. */
+static inline int k_scaled(int64_t m, int64_t k) { return m >= K_SCALED_MIN_ROWS && k <= K_SCALED_MAX_K; }
 
 static tile_t tile_scratch(const job_t *job, int index) {
     uint8_t *base = job->scratch + (int64_t)index * job->scratch_bytes;
@@ -583,6 +595,7 @@ static tile_t tile_scratch(const job_t *job, int index) {
     t.pm = t.ps + nb * TILE;
     t.psc = (int32_t *)(t.pm + nb * TILE);
     t.pmn = t.psc + 2 * nb * TILE;
+    t.scaled = t.pmn + 2 * nb * TILE;
     return t;
 }
 
@@ -1687,8 +1700,11 @@ static void run_tiles(void *arg, int index, int count) {
             if (k_chain_type(seg->type)) {
 #ifdef GGUF_VNNI
                 if (job->isa == ISA_VNNI) {
+                    /* many rows: each row's scale x m is one load from a table built once per tile */
+                    const int scaled = k_scaled(job->m, job->k) && seg->type != T_Q6_K;
+                    if (scaled && r0 == 0) zmm_scale_table(job, &tl);
                     /* the first pass fetches the next tile's blocks while it reads this one */
-                    r0 += rows_k_zmm(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left);
+                    r0 += rows_k_zmm(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left, scaled);
                     continue;
                 }
 #endif
@@ -1751,6 +1767,8 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     const int tiles = !exact && isa != ISA_C && m >= (job.gemm_min_rows < K_GEMM_MIN_ROWS ? job.gemm_min_rows : K_GEMM_MIN_ROWS);
     job.scratch_bytes = tiles ? 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4)
                               : (int64_t)sizeof(float) * (m > 0 ? m : 1);
+    if (tiles && has_k && isa == ISA_VNNI && k_scaled(m, k)) /* tile_t's scaled */
+        job.scratch_bytes += (int64_t)TILE * nb * K_MULTIPLES * 4;
 #ifdef GGUF_ARM64
     if (!exact && isa != ISA_C) job.scratch_bytes = neon_gguf_scratch_bytes(k);
 #endif

@@ -27,6 +27,22 @@
 #define ZMM_ROWS_K 8 /* the K chain with mins (Q4_K, Q5_K): acc, dk, dlo per row: 24 registers */
 #define ZMM_ROWS_K_SPLIT 6 /* Q6_K: and dhi per row: 24 registers */
 
+/* The K pass's table for many rows of Q4_K/Q5_K (gguf_matmul.c's k_scaled): each 32-block
+ * b's scale of the tile's panel (psc[2 b * TILE + c]) times each multiple m = 1 .. 16, at
+ * scaled[(b * K_MULTIPLES + m - 1) * TILE + c], so that a row's per-block step is
+ * dlo * (sc * m) (one vpmulld with a folded load) instead of (dlo * sc) * m: the same
+ * int32 (wrapping products are associative), built by sums, once per tile. At 512 rows
+ * the second vpmulld was ~10% of the pass's time (a build without it, k_chain_cost.c):
+ * on Zen 4 a vpmulld zmm takes a vpdpbusd's slot (bench/vnni_roof.c's kmul mix). */
+static TARGET_VNNI void zmm_scale_table(const job_t *job, const tile_t *tl) {
+    for (int64_t b = 0; b < job->nb; b++) {
+        const __m512i sc = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
+        __m512i times = sc;
+        for (int m = 0; m < K_MULTIPLES; m++, times = _mm512_add_epi32(times, sc))
+            _mm512_store_si512(tl->scaled + (b * K_MULTIPLES + m) * TILE, times);
+    }
+}
+
 /* Writes a row's 16 lanes, the first `cols` of them, to y[row, j0 ..]. */
 static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(const job_t *job, int64_t row, int64_t j0,
                                                                              int cols, __m512 v) {
@@ -42,7 +58,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(cons
  * in int32; then the superblock's one or two float steps. */
 static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const job_t *job, const tile_t *tl,
                                                                             const ahead_t *ahead, int64_t j0, int cols,
-                                                                            int64_t r0, const int ROWS_N, const int MIN) {
+                                                                            int64_t r0, const int ROWS_N, const int MIN,
+                                                                            const int SCALED) {
     const acts_t *a = job->a;
     const int64_t k = job->k, supers = k / 256;
     const __m512i *tile = (const __m512i *)tl->tile;
@@ -71,6 +88,14 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
                     if (!MIN && g >= 4) dhi[r] = _mm512_dpbusd_epi32(dhi[r], w, xv);
                     else dlo[r] = _mm512_dpbusd_epi32(dlo[r], w, xv);
                 }
+            }
+            if (SCALED && MIN) { /* zmm_scale_table's sc * m: one multiply */
+                const int32_t *at = tl->scaled + b * K_MULTIPLES * TILE;
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                    const int64_t m1 = a->km[(r0 + r) * (k / 32) + b] - 1;
+                    dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(dlo[r], _mm512_load_si512(at + m1 * TILE)));
+                }
+                continue;
             }
             const __m512i sc0 = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
             const __m512i sc1 = _mm512_loadu_si512(tl->psc + (2 * b + 1) * TILE);
@@ -107,15 +132,17 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
 }
 
 /* Returns the rows done. ahead: NULL, or the plans (two, one per eight columns) of the
- * next tile's blocks, fetched a part per superblock. */
+ * next tile's blocks, fetched a part per superblock. scaled: read zmm_scale_table's
+ * table (built for this tile) instead of multiplying by m. */
 static TARGET_VNNI int rows_k_zmm(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type, int64_t j0,
-                                  int cols, int64_t r0, int rows) {
-#define K_ZMM(N)                                                                                           \
-    (type != T_Q6_K ? rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 0))
+                                  int cols, int64_t r0, int rows, int scaled) { /* scaled: Q4_K, Q5_K only */
+#define K_ZMM_S(N, MIN)                                                                                    \
+    (scaled ? rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, MIN, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, MIN, 0))
+#define K_ZMM(N) (type != T_Q6_K ? K_ZMM_S(N, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 0, 0))
     const int most = type != T_Q6_K ? ZMM_ROWS_K : ZMM_ROWS_K_SPLIT, n = rows < most ? rows : most;
     switch (n) {
-    case 8: rows_k_zmm_t(job, tl, ahead, j0, cols, r0, 8, 1); break; /* only the mins' kind takes 8 */
-    case 7: rows_k_zmm_t(job, tl, ahead, j0, cols, r0, 7, 1); break;
+    case 8: K_ZMM_S(8, 1); break; /* only the mins' kind takes 8 */
+    case 7: K_ZMM_S(7, 1); break;
     case 6: K_ZMM(6); break;
     case 5: K_ZMM(5); break;
     case 4: K_ZMM(4); break;
@@ -124,6 +151,7 @@ static TARGET_VNNI int rows_k_zmm(const job_t *job, const tile_t *tl, const ahea
     default: K_ZMM(1);
     }
 #undef K_ZMM
+#undef K_ZMM_S
     return n;
 }
 
