@@ -1767,8 +1767,10 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     const int tiles = !exact && isa != ISA_C && m >= (job.gemm_min_rows < K_GEMM_MIN_ROWS ? job.gemm_min_rows : K_GEMM_MIN_ROWS);
     job.scratch_bytes = tiles ? 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4)
                               : (int64_t)sizeof(float) * (m > 0 ? m : 1);
+#ifdef GGUF_X86
     if (tiles && has_k && isa == ISA_VNNI && k_scaled(m, k)) /* tile_t's scaled */
         job.scratch_bytes += (int64_t)TILE * nb * K_MULTIPLES * 4;
+#endif
 #ifdef GGUF_ARM64
     if (!exact && isa != ISA_C) job.scratch_bytes = neon_gguf_scratch_bytes(k);
 #endif
