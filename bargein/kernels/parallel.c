@@ -37,14 +37,6 @@
 #include <sys/resource.h>
 #include <time.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
 
 #define MAX_WORKERS 255
 #define SPIN_NS 200000       /* the longest a thread spins for work (or for the workers) */

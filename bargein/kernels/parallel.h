@@ -11,4 +11,15 @@
 typedef void (*bargein_task_fn)(void *arg, int index, int count);
 void bargein_parallel_run(bargein_task_fn fn, void *arg, int count);
 
+/* A spinning thread's pause between two looks at shared state (it frees the core's
+ * other hyperthread and saves power while it waits). */
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
 #endif
