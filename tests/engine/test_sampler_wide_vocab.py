@@ -10,14 +10,13 @@ really splits its operations.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from bargein.engine import sampler
 from bargein.engine.sampler import Sampler, SamplingState, adjust_logits, row_sampling, sample_rows
 from bargein.engine.sampling import SamplingParams
+from tests.torch_threads import torch_threads
 
 VOCAB = 131_072
 
@@ -51,18 +50,8 @@ def _reference_truncate(logits: torch.Tensor, params) -> torch.Tensor:
     return kept
 
 
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def _reference_sample(logits: torch.Tensor, states) -> list:
-    with _torch_threads(2):
+    with torch_threads(2):
         kept = _reference_truncate(adjust_logits(logits, states), [s.params for s in states])
         token_ids = (kept + sampler._gumbel_noise(logits, states)).argmax(dim=-1)
         return sampler._with_logprobs(logits, token_ids, states)
@@ -111,7 +100,7 @@ def test_the_same_tokens_and_logprobs_as_before(batch: str) -> None:
 
 
 def test_the_threads_come_back_after_sampling() -> None:
-    with _torch_threads(2):
+    with torch_threads(2):
         states = [SamplingState.create(SamplingParams(temperature=0.8, top_p=0.9, seed=1), [1])]
         Sampler().sample(_logits(1, seed=0), states)
         assert torch.get_num_threads() == 2

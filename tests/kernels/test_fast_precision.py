@@ -3,9 +3,6 @@ shares its forward or on the thread count, bit for bit; and it stays close to `e
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
 
@@ -15,6 +12,7 @@ from bargein.kernels.half_rows import is_half
 from bargein.model.attention import AttentionMetadata, KVCache
 from bargein.model.llama import LlamaStage
 from tests.tiny_engine import TINY, tiny_weights
+from tests.torch_threads import torch_threads
 
 KERNELS_FAST = build_model(TINY, dict(tiny_weights(0)), EngineConfig(precision="fast")).kernels.fast
 pytestmark = pytest.mark.skipif(not KERNELS_FAST, reason="no native kernels here: fast runs as exact")
@@ -24,16 +22,6 @@ BLOCK = 4
 def model(precision: str) -> LlamaStage:
     config = EngineConfig(precision=precision, cache=CacheConfig(block_size=BLOCK, num_blocks=64))
     return build_model(TINY, dict(tiny_weights(0)), config, max_positions=TINY.max_position_embeddings)
-
-
-@contextmanager
-def threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def forward(stage: LlamaStage, caches: list[KVCache], steps: list[tuple[int, list[int], int]],
@@ -71,11 +59,11 @@ def test_a_sequence_gets_the_same_bits_alone_or_batched_at_any_thread_count(num_
     stage = model("fast")
     a, b, c = token_stream(2, 17), token_stream(3, 30), token_stream(4, 5)
     tables = {0: list(range(0, 8)), 1: list(range(8, 17)), 2: list(range(17, 25))}
-    with threads(1):
+    with torch_threads(1):
         alone = stage.make_kv_caches(32, BLOCK)
         (a_prefill,) = forward(stage, alone, [(0, a[:16], 0)], tables)
         (a_decode,) = forward(stage, alone, [(0, a[16:], 16)], tables)
-    with threads(num_threads):
+    with torch_threads(num_threads):
         mixed = stage.make_kv_caches(32, BLOCK)
         forward(stage, mixed, [(1, b[:20], 0)], tables)
         # a's prompt beside another's prompt chunk and a third's whole prompt
