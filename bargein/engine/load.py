@@ -7,6 +7,7 @@ built by :func:`bargein.build.build_engine`, a layer above the engine.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from bargein.config import EngineConfig
@@ -53,7 +54,12 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
     model_config = load_config(source, sliding_window=config.sliding_window)
     device = resolve_device(config.device)
     max_len = max_positions(config, model_config)  # no position past the pool's longest sequence
-    with one_torch_thread():
+    # The tokenizer is built on a thread of its own while the weights load: building it is
+    # Python and the tokenizers library holding the GIL (0.5 s of a 262k vocabulary), the
+    # weights' private copy is memory copies that release it, so the two overlap (the
+    # metadata both read was parsed by load_config, before either starts).
+    with one_torch_thread(), ThreadPoolExecutor(1, thread_name_prefix="bargein-tokenizer") as pool:
+        tokenizer_built = pool.submit(load_tokenizer, source)
         # Each tensor goes to the device as it is read: no whole-model copy in host memory.
         # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model
         # dequantizes them where nothing reads blocks).
@@ -61,7 +67,7 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
                                progress=progress, blocks=device.type == "cpu",
                                private=config.weights_memory == "private")
         model = build_model(model_config, weights, config, max_positions=max_len)
-        tokenizer = load_tokenizer(source)
+        tokenizer = tokenizer_built.result()
         close_model_files()
         release_free_heap()  # what parsing the file and building the tokenizer left behind
         return engine_class(model, tokenizer, config, model_name=source.name, model_identity=source.path)
