@@ -51,6 +51,20 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(cons
     else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
 }
 
+/* Q6_K's offset for ROWS_N rows and one superblock: off[r][h] = -32 * S16_h of row r (s16:
+ * row 0's 16 sums, `stride` apart), widened once per superblock with three vector steps
+ * per row, so that each 16-block's start is a broadcast load: building it from the int16
+ * sum per half and row (a scalar multiply and a move into a vector register) was ~9% of
+ * the 512-row pass (a timing-only build without the offset, bench/k_chain_cost.c). */
+static inline TARGET_VNNI __attribute__((always_inline)) void zmm_offsets(const int16_t *s16, int64_t stride,
+                                                                           const int ROWS_N,
+                                                                           int32_t off[ZMM_ROWS_K_SPLIT][16]) {
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+        const __m512i wide = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s16 + r * stride)));
+        _mm512_store_si512(off[r], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wide, 5)));
+    }
+}
+
 /* The K chain (header of gguf_matmul.c), rows r0 .. r0 + ROWS_N - 1 over the tile: per
  * 32-block, the dot products (Q6_K: per half, with the offset's -32 * S16 as start),
  * times the column's integer scale(s), times the row's multiple m (after the scales: the
@@ -69,13 +83,14 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         __m512i dk[ZMM_ROWS_K];
         for (int r = 0; r < ROWS_N; r++) dk[r] = _mm512_setzero_si512();
+        int32_t off[ZMM_ROWS_K_SPLIT][16] __attribute__((aligned(64))); /* Q6_K: -32 * S16, the offset's start */
+        if (!MIN) zmm_offsets(a->ks16 + r0 * (k / 16) + t * 16, k / 16, ROWS_N, off);
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             __m512i dlo[ZMM_ROWS_K], dhi[ZMM_ROWS_K];
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-                const int16_t *s16 = a->ks16 + (r0 + r) * (k / 16) + 2 * b;
-                dlo[r] = _mm512_set1_epi32(MIN ? 0 : -32 * s16[0]);
-                dhi[r] = _mm512_set1_epi32(MIN ? 0 : -32 * s16[1]);
+                dlo[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(off[r][2 * j]);
+                dhi[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(off[r][2 * j + 1]);
             }
             const __m512i *wb = tile + b * 8;
             const int8_t *xb = a->kq + r0 * k + 32 * b;
