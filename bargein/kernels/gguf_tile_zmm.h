@@ -51,16 +51,21 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(cons
     else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
 }
 
-/* Q6_K's offset for ROWS_N rows and one superblock: off[r][h] = -32 * S16_h of row r (s16:
- * row 0's 16 sums, `stride` apart), widened once per superblock with three vector steps
- * per row, so that each 16-block's start is a broadcast load: building it from the int16
- * sum per half and row (a scalar multiply and a move into a vector register) was ~9% of
- * the 512-row pass (a timing-only build without the offset, bench/k_chain_cost.c). */
-static inline TARGET_VNNI __attribute__((always_inline)) void zmm_offsets(const int16_t *s16, int64_t stride,
-                                                                           const int ROWS_N,
-                                                                           int32_t off[ZMM_ROWS_K_SPLIT][16]) {
+/* A superblock's per-row integers, widened to int32 once per superblock and row so that
+ * each 32-block reads them as broadcast loads (a vpmulld's folded operand) instead of
+ * moving a scalar into a vector register per row and block: mult[r][j] = m_j of row r
+ * (km: row 0's eight, `stride` apart), and for Q6_K (!MIN) off[r][h] = -32 * S16_h, the
+ * offset's start (s16: row 0's sixteen). Built per half and row from the int16 sums, the
+ * offset's start alone was ~9% of the 512-row pass (a timing-only build without it,
+ * bench/k_chain_cost.c). */
+static inline TARGET_VNNI __attribute__((always_inline)) void zmm_row_terms(const int16_t *km, const int16_t *s16,
+                                                                             int64_t stride, const int ROWS_N,
+                                                                             const int MIN, int32_t mult[][8],
+                                                                             int32_t off[][16]) {
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-        const __m512i wide = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s16 + r * stride)));
+        _mm256_store_si256((__m256i *)mult[r], _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(km + r * stride))));
+        if (MIN) continue;
+        const __m512i wide = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s16 + 2 * r * stride)));
         _mm512_store_si512(off[r], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wide, 5)));
     }
 }
@@ -83,8 +88,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         __m512i dk[ZMM_ROWS_K];
         for (int r = 0; r < ROWS_N; r++) dk[r] = _mm512_setzero_si512();
-        int32_t off[ZMM_ROWS_K_SPLIT][16] __attribute__((aligned(64))); /* Q6_K: -32 * S16, the offset's start */
-        if (!MIN) zmm_offsets(a->ks16 + r0 * (k / 16) + t * 16, k / 16, ROWS_N, off);
+        int32_t mult[ZMM_ROWS_K][8] __attribute__((aligned(32))), off[ZMM_ROWS_K_SPLIT][16] __attribute__((aligned(64)));
+        zmm_row_terms(a->km + r0 * (k / 32) + t * 8, a->ks16 + r0 * (k / 16) + t * 16, k / 32, ROWS_N, MIN, mult, off);
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             __m512i dlo[ZMM_ROWS_K], dhi[ZMM_ROWS_K];
@@ -117,7 +122,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
                 __m512i e = _mm512_mullo_epi32(dlo[r], sc0);
                 if (!MIN) e = _mm512_add_epi32(e, _mm512_mullo_epi32(dhi[r], sc1));
-                e = _mm512_mullo_epi32(e, _mm512_set1_epi32(a->km[(r0 + r) * (k / 32) + b]));
+                e = _mm512_mullo_epi32(e, _mm512_set1_epi32(mult[r][j]));
                 dk[r] = _mm512_add_epi32(dk[r], e);
             }
         }
