@@ -24,8 +24,7 @@
 #ifndef BARGEIN_GGUF_TILE_ZMM_H
 #define BARGEIN_GGUF_TILE_ZMM_H
 
-#define ZMM_ROWS_K 8 /* the K chain with mins (Q4_K, Q5_K): acc, dk, dlo per row: 24 registers */
-#define ZMM_ROWS_K_SPLIT 6 /* Q6_K: and dhi per row: 24 registers */
+#define ZMM_ROWS_K 8 /* rows per pass: dk, dlo (Q6_K: and dhi) per row in registers, acc in memory */
 
 /* The K pass's table for many rows of Q4_K/Q5_K (gguf_matmul.c's k_scaled): each 32-block
  * b's scale of the tile's panel (psc[2 b * TILE + c]) times each multiple m = 1 .. 16, at
@@ -51,6 +50,25 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(cons
     else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
 }
 
+/* A superblock's per-row integers, widened to int32 once per superblock and row so that
+ * each 32-block reads them as broadcast loads (a vpmulld's folded operand) instead of
+ * moving a scalar into a vector register per row and block: mult[r][j] = m_j of row r
+ * (km: row 0's eight, `stride` apart), and for Q6_K (!MIN) off[r][h] = -32 * S16_h, the
+ * offset's start (s16: row 0's sixteen). Built per half and row from the int16 sums, the
+ * offset's start alone was ~9% of the 512-row pass (a timing-only build without it,
+ * bench/k_chain_cost.c). */
+static inline TARGET_VNNI __attribute__((always_inline)) void zmm_row_terms(const int16_t *km, const int16_t *s16,
+                                                                             int64_t stride, const int ROWS_N,
+                                                                             const int MIN, int32_t mult[][8],
+                                                                             int32_t off[][16]) {
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+        _mm256_store_si256((__m256i *)mult[r], _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(km + r * stride))));
+        if (MIN) continue;
+        const __m512i wide = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s16 + 2 * r * stride)));
+        _mm512_store_si512(off[r], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wide, 5)));
+    }
+}
+
 /* The K chain (header of gguf_matmul.c), rows r0 .. r0 + ROWS_N - 1 over the tile: per
  * 32-block, the dot products (Q6_K: per half, with the offset's -32 * S16 as start),
  * times the column's integer scale(s), times the row's multiple m (after the scales: the
@@ -63,19 +81,20 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
     const acts_t *a = job->a;
     const int64_t k = job->k, supers = k / 256;
     const __m512i *tile = (const __m512i *)tl->tile;
-    __m512 acc[ZMM_ROWS_K];
-    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm512_setzero_ps();
+    float acc[ZMM_ROWS_K][TILE] __attribute__((aligned(64))); /* updated once per superblock: registers go to dhi */
+    for (int r = 0; r < ROWS_N; r++) _mm512_store_ps(acc[r], _mm512_setzero_ps());
     for (int64_t t = 0; t < supers; t++) {
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         __m512i dk[ZMM_ROWS_K];
         for (int r = 0; r < ROWS_N; r++) dk[r] = _mm512_setzero_si512();
+        int32_t mult[ZMM_ROWS_K][8] __attribute__((aligned(32))), off[ZMM_ROWS_K][16] __attribute__((aligned(64)));
+        zmm_row_terms(a->km + r0 * (k / 32) + t * 8, a->ks16 + r0 * (k / 16) + t * 16, k / 32, ROWS_N, MIN, mult, off);
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             __m512i dlo[ZMM_ROWS_K], dhi[ZMM_ROWS_K];
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-                const int16_t *s16 = a->ks16 + (r0 + r) * (k / 16) + 2 * b;
-                dlo[r] = _mm512_set1_epi32(MIN ? 0 : -32 * s16[0]);
-                dhi[r] = _mm512_set1_epi32(MIN ? 0 : -32 * s16[1]);
+                dlo[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(off[r][2 * j]);
+                dhi[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(off[r][2 * j + 1]);
             }
             const __m512i *wb = tile + b * 8;
             const int8_t *xb = a->kq + r0 * k + 32 * b;
@@ -102,7 +121,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
                 __m512i e = _mm512_mullo_epi32(dlo[r], sc0);
                 if (!MIN) e = _mm512_add_epi32(e, _mm512_mullo_epi32(dhi[r], sc1));
-                e = _mm512_mullo_epi32(e, _mm512_set1_epi32(a->km[(r0 + r) * (k / 32) + b]));
+                e = _mm512_mullo_epi32(e, _mm512_set1_epi32(mult[r][j]));
                 dk[r] = _mm512_add_epi32(dk[r], e);
             }
         }
@@ -110,7 +129,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
         const __m512 d = _mm512_loadu_ps(tl->ps + at), nm = _mm512_loadu_ps(tl->pm + at);
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
             const __m512 xd = _mm512_set1_ps(a->kd[(r0 + r) * supers + t]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dk[r]), _mm512_mul_ps(d, xd), acc[r]);
+            __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dk[r]), _mm512_mul_ps(d, xd), _mm512_load_ps(acc[r]));
             if (MIN) {
                 /* mins times m and sums as int16 pairs (the 256-bit pass's sums, per lane) */
                 const int16_t *s32 = a->ks32 + (r0 + r) * (k / 32) + t * 8;
@@ -124,11 +143,12 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
                     mk = _mm512_dpwssd_epi32(mk, _mm512_mullo_epi16(mn, _mm512_set1_epi32(mpair)),
                                              _mm512_set1_epi32(spair));
                 }
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mk), _mm512_mul_ps(nm, xd), acc[r]);
+                sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mk), _mm512_mul_ps(nm, xd), sum);
             }
+            _mm512_store_ps(acc[r], sum);
         }
     }
-    for (int r = 0; r < ROWS_N; r++) zmm_store_row(job, r0 + r, j0, cols, acc[r]);
+    for (int r = 0; r < ROWS_N; r++) zmm_store_row(job, r0 + r, j0, cols, _mm512_load_ps(acc[r]));
 }
 
 /* Returns the rows done. ahead: NULL, or the plans (two, one per eight columns) of the
@@ -139,10 +159,10 @@ static TARGET_VNNI int rows_k_zmm(const job_t *job, const tile_t *tl, const ahea
 #define K_ZMM_S(N, MIN)                                                                                    \
     (scaled ? rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, MIN, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, MIN, 0))
 #define K_ZMM(N) (type != T_Q6_K ? K_ZMM_S(N, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 0, 0))
-    const int most = type != T_Q6_K ? ZMM_ROWS_K : ZMM_ROWS_K_SPLIT, n = rows < most ? rows : most;
+    const int n = rows < ZMM_ROWS_K ? rows : ZMM_ROWS_K;
     switch (n) {
-    case 8: K_ZMM_S(8, 1); break; /* only the mins' kind takes 8 */
-    case 7: K_ZMM_S(7, 1); break;
+    case 8: K_ZMM(8); break;
+    case 7: K_ZMM(7); break;
     case 6: K_ZMM(6); break;
     case 5: K_ZMM(5); break;
     case 4: K_ZMM(4); break;
