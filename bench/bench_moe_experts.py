@@ -23,6 +23,12 @@ that their outputs are the same bits, and prints the median of the per-step rati
 same-run A/B that a loaded machine's noise moves for both sides alike.
 
     python bench/bench_moe_experts.py FILE --step --threads 2 --rounds 40 --against OTHER.so
+
+Without ``--step``, ``--against LIB.so`` times the two builds' expert calls in turn for each
+rows count and path instead, and prints per rows count the median of the rounds' ratios
+(this tree / LIB.so): a same-run A/B of the few-row pass at each row count.
+
+    python bench/bench_moe_experts.py FILE --rows 1,5,8,9,12 --rounds 9 --against OTHER.so
 """
 
 from __future__ import annotations
@@ -61,18 +67,18 @@ def moe_layers(path: str) -> list[MoEFeedForward]:
     return layers
 
 
-def time_rows(layers: list[MoEFeedForward], rows: int, isa: int) -> float:
-    """Microseconds of CPU per expert call with ``rows`` rows, over every layer and every
-    group of ``topk`` experts in turn."""
+def time_rows(layers: list[MoEFeedForward], moe: MoEKernels, rows: int, isa: int) -> float:
+    """Microseconds of CPU per expert call of build ``moe`` with ``rows`` rows, over every
+    layer and every group of ``topk`` experts in turn."""
     first = layers[0]
-    native, topk, experts = first.kernels.native, first.topk, first.num_experts
+    topk, experts = first.topk, first.num_experts
     x = torch.randn(rows, first.table.hidden, generator=torch.Generator().manual_seed(rows))
     weights = torch.full((rows, topk), 1.0 / topk)
     groups = [torch.arange(g, g + topk).repeat(rows, 1).contiguous() for g in range(0, experts - topk + 1, topk)]
     started = time.process_time()
     for layer in layers:
         for ids in groups:
-            native.moe.experts(x, layer.table, ids, weights, exact=False, num_threads=1, isa=isa)
+            moe.experts(x, layer.table, ids, weights, exact=False, num_threads=1, isa=isa)
     return (time.process_time() - started) / (len(layers) * len(groups) * topk) * 1e6
 
 
@@ -102,6 +108,28 @@ def time_steps(layers: list[MoEFeedForward], builds: dict[str, MoEKernels], stre
     return times
 
 
+def rows_against(layers: list[MoEFeedForward], other: MoEKernels, counts: list[int], isas: list[int],
+                 rounds: int, names: dict[int, str], file: str, json_path: str | None) -> dict[str, Any]:
+    """Per rows count and path, the median over ``rounds`` of this tree's expert call time
+    over ``other``'s, the two timed in turn within a round (alternating which goes first)."""
+    builds = [layers[0].kernels.native.moe, other]
+    for isa in isas:  # first calls: the libraries' lazy set-up, pages of the file mapped
+        for moe in builds:
+            time_rows(layers, moe, 1, isa)
+    ratios: dict[tuple[int, int], list[float]] = {}
+    for r in range(rounds):
+        for rows in counts:
+            for isa in isas:
+                us = [time_rows(layers, moe, rows, isa) for moe in builds[::1 if r % 2 else -1]]
+                ratios.setdefault((isa, rows), []).append(us[0] / us[1] if r % 2 else us[1] / us[0])
+    table = [{"rows": rows, **{names[isa]: statistics.median(ratios[isa, rows]) for isa in isas}} for rows in counts]
+    result = {"benchmark": "moe_experts_against", "file": file, "machine": machine_info(),
+              "ratio_this_over_against": table}
+    emit("One expert's MLP, this tree / --against per call (CPU time, one thread, median of rounds)",
+         [("ratio by rows per expert", format_table(table))], result, json_path)
+    return result
+
+
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least squares (fixed, per_row) of us = fixed + per_row * rows."""
     n = len(points)
@@ -121,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--step", action="store_true", help="time a whole step's experts call per layer instead")
     parser.add_argument("--threads", type=int, default=2, help="threads of --step (default %(default)s)")
-    parser.add_argument("--against", metavar="LIB.so", help="--step: another build of the kernels, in turn")
+    parser.add_argument("--against", metavar="LIB.so", help="another build of the kernels, timed in turn: per step (--step) or per rows count")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     layers = moe_layers(args.moe)
@@ -144,13 +172,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     isas = [Q8_ISAS[name] for name in PATHS if native.q8_isa_available(name)]
     names = {Q8_ISAS[name]: label for name, label in PATHS.items()}
     counts = [int(r) for r in args.rows.split(",")]
+    if args.against:
+        return rows_against(layers, MoEKernels(ctypes.CDLL(args.against)), counts, isas, args.rounds, names,
+                            Path(args.moe).name, args.json)
     for isa in isas:  # first calls: the library's lazy set-up, pages of the file mapped
-        time_rows(layers, 1, isa)
+        time_rows(layers, native.moe, 1, isa)
     times: dict[tuple[int, int], list[float]] = {}
     for _ in range(args.rounds):
         for rows in counts:
             for isa in isas:
-                times.setdefault((isa, rows), []).append(time_rows(layers, rows, isa))
+                times.setdefault((isa, rows), []).append(time_rows(layers, native.moe, rows, isa))
     table = [{"rows": rows, **{names[isa]: statistics.median(times[isa, rows]) for isa in isas}}
              for rows in counts]
     mean_rows = args.streams * layers[0].topk / layers[0].num_experts
