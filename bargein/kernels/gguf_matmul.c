@@ -1375,11 +1375,16 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8(co
     return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
 }
 
-/* Eight columns' four int32 lanes summed into one lane per column, in column order. */
-static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_128(const __m128i v[8]) {
-    __m256i w[4];
-    for (int c = 0; c < 4; c++) w[c] = _mm256_setr_m128i(v[c], v[c + 4]);
-    return SUM_PAIRS64(SUM_PAIRS32(w[0], w[1]), SUM_PAIRS32(w[2], w[3]));
+/* One row's sum(mn * m * S32) over a superblock's eight 32-blocks for eight columns, one
+ * lane per column in column order: mw[c] holds column c's mins (int16) in its low lane and
+ * column c + 4's in its high one (built once per superblock for all rows), m and s32 the
+ * row's multiples and 32-sums in both lanes. Eight instructions and the sums of pairs per
+ * row where a multiply and a madd per column and row took sixteen. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(const __m256i mw[4], __m256i m,
+                                                                               __m256i s32) {
+    __m256i t[4];
+    for (int c = 0; c < 4; c++) t[c] = _mm256_madd_epi16(_mm256_mullo_epi16(mw[c], m), s32);
+    return SUM_PAIRS64(SUM_PAIRS32(t[0], t[1]), SUM_PAIRS32(t[2], t[3]));
 }
 
 /* Columns j0 .. j0 + 7 (col[c] their rows, the last repeated) of a Q4_K, Q5_K or Q6_K
@@ -1390,8 +1395,9 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
  * lanes two 32-blocks at a time (K_PAIR, either order of the integer sums: the same
  * total), summed over the superblock (the lanes may wrap around 2^32: the total fits, see the header); Q6_K's
  * offset comes off as 32 * sum(sc * m * S16), Q4_K/Q5_K's mins as sum(mn * m * S32)
- * apart. Then once per superblock the eight columns' lanes are summed into one lane each
- * and the header's float steps run, one column to a lane. */
+ * apart (for the eight columns at once per row: mins_columns8). Then once per superblock
+ * the eight columns' lanes are summed into one lane each and the header's float steps
+ * run, one column to a lane. */
 #define K_GROUP_BODY(ROWS_MAX)                                                                             \
     const acts_t *a = job->a;                                                                              \
     const int64_t k = job->k, supers = k / 256;                                                            \
@@ -1402,7 +1408,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
         const int64_t at = t * bytes;                                                                      \
         if (ahead) prefetch_step(ahead, t);                                                                \
         __m256i cd[ROWS_MAX][8], rm[ROWS_MAX]; /* rm: the row's m per 32-block (Q6_K: per half), int16 */ \
-        __m128i cm[ROWS_MAX][8];                                                                           \
+        __m128i mns[8];                        /* Q4_K/Q5_K: each column's mins */                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
             const __m128i m8 = _mm_loadu_si128((const __m128i *)(a->km + (r0 + r) * (k / 32) + t * 8));   \
             rm[r] = Q6 ? _mm256_setr_m128i(_mm_unpacklo_epi16(m8, m8), _mm_unpackhi_epi16(m8, m8))         \
@@ -1411,9 +1417,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
         for (int c = 0; c < 8; c++) {                                                                      \
             const uint8_t *blk = col[c] + at;                                                              \
             __m256i sc, sc_a[ROWS_MAX], sc_b[ROWS_MAX]; /* the scales, and per row times m */              \
-            __m128i mn = _mm_setzero_si128();                                                              \
             if (Q6) sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));             \
-            else k_scales_mins(blk, &sc, &mn);                                                             \
+            else k_scales_mins(blk, &sc, &mns[c]);                                                         \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
                 sc_a[r] = _mm256_mullo_epi16(sc, rm[r]);                                                   \
                 sc_b[r] = Q6 ? _mm256_permute4x64_epi64(sc_a[r], 0xEE) : sc_a[r];                          \
@@ -1424,11 +1429,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
                     const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->ks16 + (r0 + r) * (k / 16) + t * 16)); \
                     dc[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc_a[r], s16), 5)); \
                     sc_a[r] = _mm256_permute4x64_epi64(sc_a[r], 0x44);                                     \
-                } else {                                                                                   \
-                    const __m128i s32 = _mm_loadu_si128((const __m128i *)(a->ks32 + (r0 + r) * (k / 32) + t * 8)); \
-                    cm[r][c] = _mm_madd_epi16(_mm_mullo_epi16(mn, _mm256_castsi256_si128(rm[r])), s32);   \
+                } else                                                                                     \
                     dc[r] = _mm256_setzero_si256();                                                        \
-                }                                                                                          \
             }                                                                                              \
             _Pragma("GCC unroll 4") for (int j = 0; j < 8; j += 2) {                                       \
                 const __m256i u0 = quants32(TYPE, blk, j), u1 = quants32(TYPE, blk, j + 1);                \
@@ -1440,6 +1442,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
             }                                                                                              \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) cd[r][c] = dc[r];                     \
         }                                                                                                  \
+        __m256i mw[4];                                                                                     \
+        for (int c = 0; c < 4 && !Q6; c++) mw[c] = _mm256_setr_m128i(mns[c], mns[c + 4]);                 \
         __m256 d, neg_dmin = _mm256_setzero_ps();                                                          \
         if (Q6) {                                                                                          \
             const __m256i w = _mm256_srli_epi32(words8(col, at + 206), 16); /* d: the block's last two bytes */ \
@@ -1451,8 +1455,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
             const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);                                \
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_columns8(cd[r])), _mm256_mul_ps(d, xd), acc[r]); \
-            if (!Q6)                                                                                       \
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_columns8_128(cm[r])), _mm256_mul_ps(neg_dmin, xd), acc[r]); \
+            if (!Q6) {                                                                                     \
+                const __m256i s32 = _mm256_broadcastsi128_si256(                                           \
+                    _mm_loadu_si128((const __m128i *)(a->ks32 + (r0 + r) * (k / 32) + t * 8)));            \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins_columns8(mw, rm[r], s32)), _mm256_mul_ps(neg_dmin, xd), acc[r]); \
+            }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
     for (int r = 0; r < ROWS_N; r++) {                                                                     \
