@@ -1347,15 +1347,21 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_scales_mins(cons
 
 /* Byte shuffles repeating an int16 lane over each 128-bit lane: LANE_WORDS[j] takes word
  * j of both lanes (Q4_K, Q5_K), LANE_WORDS[8 + j] word 2j % 8 of the low lane and
- * (2j + 1) % 8 of the high one (Q6_K's halves). A table: built from immediates, the
- * compiler rematerialized them in the loop. */
-static const uint8_t LANE_WORDS[12][32] __attribute__((aligned(32))) = {
-#define W16(i) 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, \
-               2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1
+ * (2j + 1) % 8 of the high one (Q6_K's halves). LANE_WORDS[12 + j / 2] (j even) and
+ * [16 + j % 4 / 2] are the same for a pair of 32-blocks j, j + 1 as k_pair_vnni packs
+ * them: each lane's words 0-3 from block j's word, 4-7 from block j + 1's. A table:
+ * built from immediates, the compiler rematerialized them in the loop. */
+static const uint8_t LANE_WORDS[18][32] __attribute__((aligned(32))) = {
+#define W4(i) 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1, 2 * (i), 2 * (i) + 1
+#define W16(i) W4(i), W4(i)
     {W16(0), W16(0)}, {W16(1), W16(1)}, {W16(2), W16(2)}, {W16(3), W16(3)},
     {W16(4), W16(4)}, {W16(5), W16(5)}, {W16(6), W16(6)}, {W16(7), W16(7)},
     {W16(0), W16(1)}, {W16(2), W16(3)}, {W16(4), W16(5)}, {W16(6), W16(7)},
+    {W4(0), W4(1), W4(0), W4(1)}, {W4(2), W4(3), W4(2), W4(3)},
+    {W4(4), W4(5), W4(4), W4(5)}, {W4(6), W4(7), W4(6), W4(7)},
+    {W4(0), W4(2), W4(1), W4(3)}, {W4(4), W4(6), W4(5), W4(7)},
 #undef W16
+#undef W4
 };
 
 static inline TARGET_AVX2 __attribute__((always_inline)) __m256i lane_word(__m256i v, int table) {
@@ -1369,23 +1375,29 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8(co
     return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
 }
 
-/* Eight columns' four int32 lanes summed into one lane per column, in column order. */
-static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_128(const __m128i v[8]) {
-    __m256i w[4];
-    for (int c = 0; c < 4; c++) w[c] = _mm256_setr_m128i(v[c], v[c + 4]);
-    return SUM_PAIRS64(SUM_PAIRS32(w[0], w[1]), SUM_PAIRS32(w[2], w[3]));
+/* One row's sum(mn * m * S32) over a superblock's eight 32-blocks for eight columns, one
+ * lane per column in column order: mw[c] holds column c's mins (int16) in its low lane and
+ * column c + 4's in its high one (built once per superblock for all rows), m and s32 the
+ * row's multiples and 32-sums in both lanes. Eight instructions and the sums of pairs per
+ * row where a multiply and a madd per column and row took sixteen. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(const __m256i mw[4], __m256i m,
+                                                                               __m256i s32) {
+    __m256i t[4];
+    for (int c = 0; c < 4; c++) t[c] = _mm256_madd_epi16(_mm256_mullo_epi16(mw[c], m), s32);
+    return SUM_PAIRS64(SUM_PAIRS32(t[0], t[1]), SUM_PAIRS32(t[2], t[3]));
 }
 
 /* Columns j0 .. j0 + 7 (col[c] their rows, the last repeated) of a Q4_K, Q5_K or Q6_K
  * segment for rows r0 .. r0 + ROWS_N - 1, the K chain: per superblock and column, the
  * block's integer scales times each row's multiples m (int16: at most 63 * 16, or 128 *
  * 16 for Q6_K), then each 32-block's quants decoded in registers, their byte products
- * with the row's int8 activations paired to int16 (maddubs: |u x| pairs stay below 2^15)
- * and multiplied by that row's scale into int32 lanes (SCALED_ADD), summed over the
- * superblock (the lanes may wrap around 2^32: the total fits, see the header); Q6_K's
+ * with the row's int8 activations summed and multiplied by that row's scale into int32
+ * lanes two 32-blocks at a time (K_PAIR, either order of the integer sums: the same
+ * total), summed over the superblock (the lanes may wrap around 2^32: the total fits, see the header); Q6_K's
  * offset comes off as 32 * sum(sc * m * S16), Q4_K/Q5_K's mins as sum(mn * m * S32)
- * apart. Then once per superblock the eight columns' lanes are summed into one lane each
- * and the header's float steps run, one column to a lane. */
+ * apart (for the eight columns at once per row: mins_columns8). Then once per superblock
+ * the eight columns' lanes are summed into one lane each and the header's float steps
+ * run, one column to a lane. */
 #define K_GROUP_BODY(ROWS_MAX)                                                                             \
     const acts_t *a = job->a;                                                                              \
     const int64_t k = job->k, supers = k / 256;                                                            \
@@ -1396,7 +1408,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
         const int64_t at = t * bytes;                                                                      \
         if (ahead) prefetch_step(ahead, t);                                                                \
         __m256i cd[ROWS_MAX][8], rm[ROWS_MAX]; /* rm: the row's m per 32-block (Q6_K: per half), int16 */ \
-        __m128i cm[ROWS_MAX][8];                                                                           \
+        __m128i mns[8];                        /* Q4_K/Q5_K: each column's mins */                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
             const __m128i m8 = _mm_loadu_si128((const __m128i *)(a->km + (r0 + r) * (k / 32) + t * 8));   \
             rm[r] = Q6 ? _mm256_setr_m128i(_mm_unpacklo_epi16(m8, m8), _mm_unpackhi_epi16(m8, m8))         \
@@ -1405,9 +1417,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
         for (int c = 0; c < 8; c++) {                                                                      \
             const uint8_t *blk = col[c] + at;                                                              \
             __m256i sc, sc_a[ROWS_MAX], sc_b[ROWS_MAX]; /* the scales, and per row times m */              \
-            __m128i mn = _mm_setzero_si128();                                                              \
             if (Q6) sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));             \
-            else k_scales_mins(blk, &sc, &mn);                                                             \
+            else k_scales_mins(blk, &sc, &mns[c]);                                                         \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
                 sc_a[r] = _mm256_mullo_epi16(sc, rm[r]);                                                   \
                 sc_b[r] = Q6 ? _mm256_permute4x64_epi64(sc_a[r], 0xEE) : sc_a[r];                          \
@@ -1418,22 +1429,21 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
                     const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->ks16 + (r0 + r) * (k / 16) + t * 16)); \
                     dc[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc_a[r], s16), 5)); \
                     sc_a[r] = _mm256_permute4x64_epi64(sc_a[r], 0x44);                                     \
-                } else {                                                                                   \
-                    const __m128i s32 = _mm_loadu_si128((const __m128i *)(a->ks32 + (r0 + r) * (k / 32) + t * 8)); \
-                    cm[r][c] = _mm_madd_epi16(_mm_mullo_epi16(mn, _mm256_castsi256_si128(rm[r])), s32);   \
+                } else                                                                                     \
                     dc[r] = _mm256_setzero_si256();                                                        \
-                }                                                                                          \
             }                                                                                              \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                          \
-                const __m256i u = quants32(TYPE, blk, j);                                                  \
+            _Pragma("GCC unroll 4") for (int j = 0; j < 8; j += 2) {                                       \
+                const __m256i u0 = quants32(TYPE, blk, j), u1 = quants32(TYPE, blk, j + 1);                \
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                 \
-                    const __m256i scale = Q6 ? lane_word(j < 4 ? sc_a[r] : sc_b[r], 8 + j % 4) : lane_word(sc_a[r], j); \
-                    const __m256i x = _mm256_loadu_si256((const __m256i *)(a->kq + (r0 + r) * k + t * 256 + 32 * j)); \
-                    dc[r] = SCALED_ADD(dc[r], _mm256_maddubs_epi16(u, x), scale);                          \
+                    const int8_t *xr = a->kq + (r0 + r) * k + t * 256 + 32 * j;                            \
+                    dc[r] = K_PAIR(dc[r], u0, u1, _mm256_loadu_si256((const __m256i *)xr),                 \
+                                   _mm256_loadu_si256((const __m256i *)(xr + 32)), j < 4 ? sc_a[r] : sc_b[r], j); \
                 }                                                                                          \
             }                                                                                              \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) cd[r][c] = dc[r];                     \
         }                                                                                                  \
+        __m256i mw[4];                                                                                     \
+        for (int c = 0; c < 4 && !Q6; c++) mw[c] = _mm256_setr_m128i(mns[c], mns[c + 4]);                 \
         __m256 d, neg_dmin = _mm256_setzero_ps();                                                          \
         if (Q6) {                                                                                          \
             const __m256i w = _mm256_srli_epi32(words8(col, at + 206), 16); /* d: the block's last two bytes */ \
@@ -1445,8 +1455,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
             const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);                                \
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_columns8(cd[r])), _mm256_mul_ps(d, xd), acc[r]); \
-            if (!Q6)                                                                                       \
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_columns8_128(cm[r])), _mm256_mul_ps(neg_dmin, xd), acc[r]); \
+            if (!Q6) {                                                                                     \
+                const __m256i s32 = _mm256_broadcastsi128_si256(                                           \
+                    _mm_loadu_si128((const __m128i *)(a->ks32 + (r0 + r) * (k / 32) + t * 8)));            \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins_columns8(mw, rm[r], s32)), _mm256_mul_ps(neg_dmin, xd), acc[r]); \
+            }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
     for (int r = 0; r < ROWS_N; r++) {                                                                     \
@@ -1456,12 +1469,25 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8_12
         for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
     }
 
-#define SCALED_ADD(ACC, P, S) _mm256_add_epi32(ACC, _mm256_madd_epi16(P, S))
+/* 32-block j's scale words of one row (SC: sc_a or sc_b, as K_GROUP_BODY makes them). */
+#define K_SCALE(SC, J) (Q6 ? lane_word(SC, 8 + (J) % 4) : lane_word(SC, J))
+
+/* 32-blocks j, j + 1 (j even): their byte products paired to int16 (maddubs: |u x| pairs
+ * stay below 2^15), each multiplied by its scale words and added into the int32 lanes. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i k_pair_avx2(const int Q6, __m256i acc, __m256i u0,
+                                                                             __m256i u1, __m256i x0, __m256i x1,
+                                                                             __m256i sc, int j) {
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u0, x0), K_SCALE(sc, j)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u1, x1), K_SCALE(sc, j + 1)));
+}
+#undef K_SCALE
+
+#define K_PAIR(ACC, U0, U1, X0, X1, SC, J) k_pair_avx2(Q6, ACC, U0, U1, X0, X1, SC, J)
 static inline TARGET_AVX2 __attribute__((always_inline)) void k_group_avx2_t(GROUP_ARGS, const int ROWS_N,
                                                                              const int TYPE) {
     K_GROUP_BODY(2)
 }
-#undef SCALED_ADD
+#undef K_PAIR
 
 #define K_GROUP_TYPES(CALL)                                                                                \
     case T_Q4_K: CALL(T_Q4_K); break;                                                                      \
@@ -1477,7 +1503,20 @@ static TARGET_AVX2 void k_group_avx2(int type, GROUP_ARGS, int rows) {
 }
 
 #ifdef GGUF_VNNI
-#define SCALED_ADD(ACC, P, S) _mm256_dpwssd_epi32(ACC, P, S)
+/* 32-blocks j, j + 1 (j even): each one's byte products summed in fours (vpdpbusd: at
+ * most 4 * 63 * 128 = 32256 for Q6_K's u, so packing to int16 never saturates), the two
+ * packed into one vector of int16 words (per 128-bit lane block j's four, then j + 1's)
+ * and multiplied by their scale words in one vpdpwssd: five instructions per row and
+ * pair where maddubs, a shuffle and vpdpwssd per block took six. */
+static inline TARGET_VNNI __attribute__((always_inline)) __m256i k_pair_vnni(const int Q6, __m256i acc, __m256i u0,
+                                                                             __m256i u1, __m256i x0, __m256i x1,
+                                                                             __m256i sc, int j) {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i p = _mm256_packs_epi32(_mm256_dpbusd_epi32(zero, u0, x0), _mm256_dpbusd_epi32(zero, u1, x1));
+    return _mm256_dpwssd_epi32(acc, p, lane_word(sc, Q6 ? 16 + j % 4 / 2 : 12 + j / 2));
+}
+
+#define K_PAIR(ACC, U0, U1, X0, X1, SC, J) k_pair_vnni(Q6, ACC, U0, U1, X0, X1, SC, J)
 static inline TARGET_VNNI __attribute__((always_inline)) void k_group_vnni_t(GROUP_ARGS, const int ROWS_N,
                                                                              const int TYPE) {
     K_GROUP_BODY(4)
@@ -1488,7 +1527,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void k_group_vnni8_t(GR
                                                                               const int TYPE) {
     K_GROUP_BODY(EXPERT_K_GROUP_ROWS_VNNI)
 }
-#undef SCALED_ADD
+#undef K_PAIR
 
 static TARGET_VNNI void k_group_vnni(int type, GROUP_ARGS, int rows) {
 #define K_GROUP_VNNI(TY)                                                                                   \
