@@ -21,7 +21,10 @@
  *   head in order) in registers, so they overlap instead of waiting on each other. Every
  *   row of a step gets a score for every key up to the step's longest context, those past
  *   its own too: they are never read (the softmax and the values take the row's own
- *   positions only).
+ *   positions only). With AVX-512 and no soft cap: 4 rows x 16 keys per step on the
+ *   chunk's keys transposed, each score's eight lanes in eight registers of 16 keys, so
+ *   that hsum256's tree is vertical adds (score_keys16): the score step's horizontal sums
+ *   and scalar stores were as many instructions as its fused multiply-adds.
  * - Values: 6 rows x 16 values of the head per step, the sums in registers across a
  *   chunk's keys; a row's chain goes on in memory (acc) from chunk to chunk and, where the
  *   six rows' positions differ inside a chunk (the causal edge, a window's start), the
