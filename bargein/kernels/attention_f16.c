@@ -386,7 +386,7 @@ static void run_worker(void *arg, int index, int count) {
     if (b->prompt_path) {
         const size_t group = (size_t)(b->num_heads / b->num_kv_heads);
         rows = PROMPT_QUERY_TILE * group > (size_t)b->num_heads ? PROMPT_QUERY_TILE * group : (size_t)b->num_heads;
-        row_rows = PROMPT_KEY_CHUNK;
+        row_rows = 2 * PROMPT_KEY_CHUNK; /* a chunk, and its keys transposed */
     }
 #endif
     float *scores = malloc(sizeof(float) * rows * (size_t)cap);

@@ -21,7 +21,10 @@
  *   head in order) in registers, so they overlap instead of waiting on each other. Every
  *   row of a step gets a score for every key up to the step's longest context, those past
  *   its own too: they are never read (the softmax and the values take the row's own
- *   positions only).
+ *   positions only). With AVX-512 and no soft cap: 4 rows x 16 keys per step on the
+ *   chunk's keys transposed, each score's eight lanes in eight registers of 16 keys, so
+ *   that hsum256's tree is vertical adds (score_keys16): the score step's horizontal sums
+ *   and scalar stores were as many instructions as its fused multiply-adds.
  * - Values: 6 rows x 16 values of the head per step, the sums in registers across a
  *   chunk's keys; a row's chain goes on in memory (acc) from chunk to chunk and, where the
  *   six rows' positions differ inside a chunk (the causal edge, a window's start), the
@@ -120,11 +123,95 @@ static inline __attribute__((always_inline)) void score_chunk_body(const f16_bat
     }
 }
 
+#ifdef __AVX512F__
+#define KEY_LANES 16 /* keys of one transposed score vector */
+
+/* The chunk's widened keys k (n_keys rows of d_len floats) transposed into kt: kt[d *
+ * PROMPT_KEY_CHUNK + t] is key t's element d; keys past n_keys are zeros (scored, never
+ * stored). */
+static void transpose_chunk(const float *k, int64_t n_keys, int d_len, float *kt) {
+    for (int d = 0; d < d_len; d++)
+        for (int64_t t = 0; t < PROMPT_KEY_CHUNK; t++) kt[d * PROMPT_KEY_CHUNK + t] = t < n_keys ? k[t * d_len + d] : 0.0f;
+}
+
+/* Lanes l and l + 4 of the eight-lane chains of rows[0, R) against 16 transposed keys
+ * (kt at the first of them), added: lane l of a chain holds sum over j of q[l + 8j] k[l + 8j],
+ * fused multiply-adds in j's order from zero, as attend_one's lane l does. */
+static inline __attribute__((always_inline)) void lane_pair(const prompt_row_t *rows, int R, const float *kt,
+                                                            int l, int d_len, __m512 *pair) {
+    __m512 a[SCORE_ROWS], c[SCORE_ROWS];
+    for (int r = 0; r < R; r++) a[r] = c[r] = _mm512_setzero_ps();
+    for (int d = 0; d < d_len; d += 8) {
+        const __m512 ka = _mm512_loadu_ps(kt + (d + l) * PROMPT_KEY_CHUNK);
+        const __m512 kc = _mm512_loadu_ps(kt + (d + l + 4) * PROMPT_KEY_CHUNK);
+        for (int r = 0; r < R; r++) {
+            a[r] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r].q[d + l]), ka, a[r]);
+            c[r] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r].q[d + l + 4]), kc, c[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) pair[r] = _mm512_add_ps(a[r], c[r]);
+}
+
+/* Scores of rows[0, R) against the 16 keys at kt (positions at, at + 1, ... of the rows'
+ * scores), the first `valid` stored. Each is hsum256 of attend_one's chain, its tree
+ * ((L0 + L4) + (L2 + L6)) + ((L1 + L5) + (L3 + L7)) done lane-wise across the keys instead
+ * of across a register, so no horizontal sum; then times the scale, as score() does
+ * without a soft cap (the only case this path takes). */
+static inline __attribute__((always_inline)) void score_keys16(const f16_batch_t *b, const prompt_row_t *rows, int R,
+                                                               const float *kt, int64_t at, int valid, int d_len) {
+    __m512 even[SCORE_ROWS], odd[SCORE_ROWS], pair[SCORE_ROWS];
+    lane_pair(rows, R, kt, 0, d_len, even);
+    lane_pair(rows, R, kt, 2, d_len, pair);
+    for (int r = 0; r < R; r++) even[r] = _mm512_add_ps(even[r], pair[r]);
+    lane_pair(rows, R, kt, 1, d_len, odd);
+    lane_pair(rows, R, kt, 3, d_len, pair);
+    const __mmask16 keep = (__mmask16)((1u << valid) - 1);
+    for (int r = 0; r < R; r++) {
+        const __m512 s = _mm512_mul_ps(_mm512_add_ps(even[r], _mm512_add_ps(odd[r], pair[r])), _mm512_set1_ps(b->scale));
+        _mm512_mask_storeu_ps(rows[r].s + at, keep, s);
+    }
+}
+
+/* score_chunk's body on transposed keys (d_len a constant where inlined with one). */
+static inline __attribute__((always_inline)) void score_chunk_t(const f16_batch_t *b, const prompt_row_t *rows,
+                                                                int n_rows, const float *kt, int64_t n_keys,
+                                                                int64_t at, int64_t pos, int d_len) {
+    for (int r = 0; r < n_rows;) {
+        const int R = n_rows - r < SCORE_ROWS ? 1 : SCORE_ROWS;
+        int64_t keys = 0; /* the keys before these rows' longest context */
+        for (int i = r; i < r + R; i++) keys = rows[i].hi - pos > keys ? rows[i].hi - pos : keys;
+        keys = keys < n_keys ? keys : n_keys;
+        for (int64_t t = 0; t < keys; t += KEY_LANES) {
+            const int valid = keys - t < KEY_LANES ? (int)(keys - t) : KEY_LANES;
+            if (R == SCORE_ROWS)
+                score_keys16(b, rows + r, SCORE_ROWS, kt + t, at + t, valid, d_len);
+            else
+                score_keys16(b, rows + r, 1, kt + t, at + t, valid, d_len);
+        }
+        r += R;
+    }
+}
+#endif
+
 /* Scores of rows[0, n_rows) against n_keys widened keys k of positions pos, pos + 1, ...,
  * written at index at onwards of each row's scores (keys past all of a step's rows'
- * contexts are skipped). The common head size 64 gets its own fully unrolled copy. */
+ * contexts are skipped). The common head size 64 gets its own fully unrolled copy. With
+ * AVX-512 and no soft cap, the keys are transposed into kt (PROMPT_KEY_CHUNK x head_dim
+ * floats of scratch) and scored 16 at a time by score_chunk_t: the same bits. */
 static __attribute__((noinline)) void score_chunk(const f16_batch_t *b, const prompt_row_t *rows, int n_rows,
-                                                  const float *k, int64_t n_keys, int64_t at, int64_t pos) {
+                                                  const float *k, int64_t n_keys, int64_t at, int64_t pos,
+                                                  float *kt) {
+#ifdef __AVX512F__
+    if (b->softcap <= 0.0f) {
+        transpose_chunk(k, n_keys, b->head_dim, kt);
+        if (b->head_dim == 64)
+            score_chunk_t(b, rows, n_rows, kt, n_keys, at, pos, 64);
+        else
+            score_chunk_t(b, rows, n_rows, kt, n_keys, at, pos, b->head_dim);
+        return;
+    }
+#endif
+    (void)kt;
     if (b->head_dim == 64)
         score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, 64);
     else
@@ -198,7 +285,7 @@ static __attribute__((noinline)) void value_chunk(const f16_batch_t *b, const pr
 /* The tile of queries [first, first + n) over query heads [h0, h1) (see the top of this file).
  * scores: (PROMPT_QUERY_TILE x group, max_context) floats; acc: (PROMPT_QUERY_TILE x group,
  * head_dim);
- * kv_rows: PROMPT_KEY_CHUNK x head_dim. */
+ * kv_rows: 2 x PROMPT_KEY_CHUNK x head_dim (a chunk's keys or values, and the keys transposed). */
 static void attend_prompt(const f16_batch_t *b, int64_t first, int n, int h0, int h1, float *scores, float *acc,
                           float *kv_rows) {
     const int n_heads = b->num_heads, group = n_heads / b->num_kv_heads, d_len = b->head_dim;
@@ -223,7 +310,8 @@ static void attend_prompt(const f16_batch_t *b, int64_t first, int n, int h0, in
             const int64_t c1 = c0 + PROMPT_KEY_CHUNK < span ? c0 + PROMPT_KEY_CHUNK : span;
             const int64_t next = c1 + PROMPT_KEY_CHUNK < span ? c1 + PROMPT_KEY_CHUNK : span;
             widen_chunk(b, b->k_cache, table, kv, earliest + c0, earliest + c1, earliest + next, kv_rows);
-            score_chunk(b, rows, n_rows, kv_rows, c1 - c0, c0, earliest + c0);
+            score_chunk(b, rows, n_rows, kv_rows, c1 - c0, c0, earliest + c0,
+                        kv_rows + PROMPT_KEY_CHUNK * d_len);
         }
         float inv[PROMPT_QUERY_TILE * group];
         for (int r = 0; r < n_rows; r++) {
