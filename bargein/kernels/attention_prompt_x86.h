@@ -25,7 +25,8 @@
  *   chunk's keys transposed, each score's eight lanes in eight registers of 16 keys, so
  *   that hsum256's tree is vertical adds (score_keys16): the score step's horizontal sums
  *   and scalar stores were as many instructions as its fused multiply-adds.
- * - Values: 6 rows x 16 values of the head per step, the sums in registers across a
+ * - Values: 6 rows x 16 values of the head per step (x 64 in 512-bit registers where
+ *   AVX-512 has them: a quarter of the weight broadcasts), the sums in registers across a
  *   chunk's keys; a row's chain goes on in memory (acc) from chunk to chunk and, where the
  *   six rows' positions differ inside a chunk (the causal edge, a window's start), the
  *   positions only some rows see are added row by row before and after the shared ones,
@@ -246,9 +247,76 @@ static inline __attribute__((always_inline)) void value_step(const prompt_row_t 
     }
 }
 
-/* Every row's sums continued over its positions within [c0, c1): for each group of
- * VALUE_ROWS rows, the positions all of them see in one register-tiled pass, those only
- * some see row by row before and after it, so each row's chain stays in position order. */
+#ifdef __AVX512F__
+#define VALUE_WIDE 64 /* values a row per 512-bit value step: 6 rows x 4 accumulators + 4 values + 1 weight */
+
+/* value_step for values [d, d + 64) in four 512-bit registers a row: the very chains (one
+ * fused multiply-add per position, in position order, per value), with a quarter of the
+ * weight broadcasts, value loads and accumulator round trips of four 16-value steps. */
+static inline __attribute__((always_inline)) void value_step_wide(const prompt_row_t *rows, int R, const float *v,
+                                                                  int d_len, int64_t c0, int64_t t0, int64_t t1,
+                                                                  int64_t earliest, int d) {
+    __m512 a[VALUE_ROWS][4];
+    const float *w[VALUE_ROWS];
+    for (int r = 0; r < R; r++) {
+        for (int j = 0; j < 4; j++) a[r][j] = _mm512_loadu_ps(rows[r].acc + d + 16 * j);
+        w[r] = rows[r].s + t0 - earliest;
+    }
+    const float *vt = v + (t0 - c0) * d_len + d;
+    for (int64_t i = 0; i < t1 - t0; i++, vt += d_len) {
+        __m512 vj[4];
+        for (int j = 0; j < 4; j++) vj[j] = _mm512_loadu_ps(vt + 16 * j);
+        for (int r = 0; r < R; r++) {
+            const __m512 wr = _mm512_set1_ps(w[r][i]);
+            for (int j = 0; j < 4; j++) a[r][j] = _mm512_fmadd_ps(wr, vj[j], a[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(rows[r].acc + d + 16 * j, a[r][j]);
+}
+#endif
+
+/* Rows[0, R)'s values [d, d + width) continued over positions [t0, t1): width 16 by
+ * value_step, 64 (AVX-512 only) by value_step_wide. */
+static inline __attribute__((always_inline)) void value_run(const prompt_row_t *rows, int R, const float *v,
+                                                            int d_len, int64_t c0, int64_t t0, int64_t t1,
+                                                            int64_t earliest, int d, int width) {
+#ifdef __AVX512F__
+    if (width == VALUE_WIDE) {
+        value_step_wide(rows, R, v, d_len, c0, t0, t1, earliest, d);
+        return;
+    }
+#endif
+    value_step(rows, R, v, d_len, c0, t0, t1, earliest, d);
+}
+
+/* One group's (R <= VALUE_ROWS rows) values [d, d + width) over their positions within
+ * [c0, c1): those all of them see, [shared_lo, shared_hi), in one register-tiled pass,
+ * those only some see row by row before and after it, so each row's chain stays in
+ * position order. */
+static inline __attribute__((always_inline)) void value_group(const prompt_row_t *group, int R, const float *v,
+                                                              int d_len, int64_t c0, int64_t c1, int64_t shared_lo,
+                                                              int64_t shared_hi, int64_t earliest, int d, int width) {
+    for (int r = 0; r < R; r++) { /* before the shared positions */
+        const int64_t lo = group[r].lo > c0 ? group[r].lo : c0;
+        const int64_t hi = group[r].hi < shared_lo ? group[r].hi : shared_lo;
+        if (lo < hi) value_run(group + r, 1, v, d_len, c0, lo, hi, earliest, d, width);
+    }
+    if (shared_lo < shared_hi) {
+        if (R == VALUE_ROWS)
+            value_run(group, VALUE_ROWS, v, d_len, c0, shared_lo, shared_hi, earliest, d, width);
+        else
+            for (int r = 0; r < R; r++) value_run(group + r, 1, v, d_len, c0, shared_lo, shared_hi, earliest, d, width);
+    }
+    for (int r = 0; r < R; r++) { /* after them */
+        const int64_t lo = group[r].lo > shared_hi ? group[r].lo : shared_hi;
+        const int64_t hi = group[r].hi < c1 ? group[r].hi : c1;
+        if (lo < hi) value_run(group + r, 1, v, d_len, c0, lo, hi, earliest, d, width);
+    }
+}
+
+/* Every row's sums continued over its positions within [c0, c1), VALUE_ROWS rows at a
+ * time (value_group), 64 values of the head a pass where AVX-512 has them, else 16. */
 static __attribute__((noinline)) void value_chunk(const f16_batch_t *b, const prompt_row_t *rows, int n_rows,
                                                   const float *v, int64_t c0, int64_t c1, int64_t earliest) {
     const int d_len = b->head_dim;
@@ -261,24 +329,12 @@ static __attribute__((noinline)) void value_chunk(const f16_batch_t *b, const pr
             shared_hi = group[r].hi < shared_hi ? group[r].hi : shared_hi;
         }
         if (shared_hi < shared_lo) shared_hi = shared_lo; /* no position seen by all: row by row */
-        for (int d = 0; d < d_len; d += 16) {
-            for (int r = 0; r < R; r++) { /* before the shared positions */
-                const int64_t lo = group[r].lo > c0 ? group[r].lo : c0;
-                const int64_t hi = group[r].hi < shared_lo ? group[r].hi : shared_lo;
-                if (lo < hi) value_step(group + r, 1, v, d_len, c0, lo, hi, earliest, d);
-            }
-            if (shared_lo < shared_hi) {
-                if (R == VALUE_ROWS)
-                    value_step(group, VALUE_ROWS, v, d_len, c0, shared_lo, shared_hi, earliest, d);
-                else
-                    for (int r = 0; r < R; r++) value_step(group + r, 1, v, d_len, c0, shared_lo, shared_hi, earliest, d);
-            }
-            for (int r = 0; r < R; r++) { /* after them */
-                const int64_t lo = group[r].lo > shared_hi ? group[r].lo : shared_hi;
-                const int64_t hi = group[r].hi < c1 ? group[r].hi : c1;
-                if (lo < hi) value_step(group + r, 1, v, d_len, c0, lo, hi, earliest, d);
-            }
-        }
+        int d = 0;
+#ifdef __AVX512F__
+        for (; d + VALUE_WIDE <= d_len; d += VALUE_WIDE)
+            value_group(group, R, v, d_len, c0, c1, shared_lo, shared_hi, earliest, d, VALUE_WIDE);
+#endif
+        for (; d < d_len; d += 16) value_group(group, R, v, d_len, c0, c1, shared_lo, shared_hi, earliest, d, 16);
     }
 }
 
