@@ -42,6 +42,14 @@ static TARGET_VNNI void zmm_scale_table(const job_t *job, const tile_t *tl) {
     }
 }
 
+/* acc + the byte dot products of w's 16 lanes with the four signed bytes at x, broadcast
+ * as the instruction's own memory operand ({1to16}): GCC otherwise broadcasts them with a
+ * vpbroadcastd of its own, one per vpdpbusd. */
+static inline TARGET_VNNI __attribute__((always_inline)) __m512i dpbusd_bcst(__m512i acc, __m512i w, const int8_t *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)x));
+    return acc;
+}
+
 /* Writes a row's 16 lanes, the first `cols` of them, to y[row, j0 ..]. */
 static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(const job_t *job, int64_t row, int64_t j0,
                                                                              int cols, __m512 v) {
@@ -101,11 +109,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
                 const __m512i w = _mm512_load_si512(wb + g);
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-                    int32_t four;
-                    memcpy(&four, xb + r * k + 4 * g, 4);
-                    const __m512i xv = _mm512_set1_epi32(four);
-                    if (!MIN && g >= 4) dhi[r] = _mm512_dpbusd_epi32(dhi[r], w, xv);
-                    else dlo[r] = _mm512_dpbusd_epi32(dlo[r], w, xv);
+                    if (!MIN && g >= 4) dhi[r] = dpbusd_bcst(dhi[r], w, xb + r * k + 4 * g);
+                    else dlo[r] = dpbusd_bcst(dlo[r], w, xb + r * k + 4 * g);
                 }
             }
             if (SCALED && MIN) { /* zmm_scale_table's sc * m: one multiply */
