@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -142,6 +142,7 @@ def load_weights(
     progress: bool = True,
     blocks: bool = False,
     private: bool = False,
+    after_huge_pages: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor | BlockWeight]:
     """Canonical weights for layers [start, end) (all layers when None), as ``dtype`` on ``device``.
 
@@ -151,6 +152,8 @@ def load_weights(
     (``dtype`` and ``device`` do not apply to them); nothing else changes. With ``private``
     too, those views are replaced by a private copy on 2 MB pages, the file's pages dropped
     tensor by tensor (:func:`bargein.loader.private_weights.copy_to_private`; one log line).
+    ``after_huge_pages`` is called once, when work beside the load no longer slows it: after
+    the private copy's huge pages, else once the weights are read.
 
     Each tensor is read, converted and moved to ``device`` before the next is read, so
     host memory holds one tensor at a time, never a float32 copy of the whole model
@@ -170,9 +173,11 @@ def load_weights(
             weights = dict(load_hf_weights(source.path, config, layer_range=layer_range, dtype=dtype,
                                            device=torch.device(device), progress=progress, blocks=blocks))
         if blocks and private:
-            copied = copy_to_private(weights)
+            copied = copy_to_private(weights, after_huge_pages=after_huge_pages)
             if copied.bytes:
                 log.info("%s", copied.describe())
+        elif after_huge_pages is not None:
+            after_huge_pages()
     for name, tensor in weights.items():
         shape = expected_shape(config, name)
         if shape is not None and tuple(tensor.shape) != shape:

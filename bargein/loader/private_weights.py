@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -152,11 +153,17 @@ class _Arena:
             self.region.madvise(mmap.MADV_HUGEPAGE, self.skip + start, self.nbytes - start)
 
 
-def copy_to_private(weights: dict[str, object]) -> PrivateCopy:
+def copy_to_private(weights: dict[str, object], *,
+                    after_huge_pages: Callable[[], None] | None = None) -> PrivateCopy:
     """Replace every :class:`QuantWeight` of ``weights`` by the same matrix over a private
     copy of its blocks (see the module docstring); other values are left as they are. A
     segment shared by several weights (a tied embedding and head) is copied once and
-    stays shared. Returns what was copied."""
+    stays shared. Returns what was copied.
+
+    ``after_huge_pages`` is called once the copy on huge pages is over (before the copy on
+    4 KB pages, or before returning): work started there runs beside the rest of the copy
+    without taking the huge pages' time budget (a thread holding the GIL there stalls the
+    copy between chunks, and the budget then buys half the huge pages)."""
     began = time.perf_counter()
     quants = {id(w): w for w in weights.values() if isinstance(w, QuantWeight)}
     sources: dict[tuple[int, int], torch.Tensor] = {}
@@ -168,6 +175,8 @@ def copy_to_private(weights: dict[str, object]) -> PrivateCopy:
         offsets[key] = total
         total += (data.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
     if not sources:
+        if after_huge_pages is not None:
+            after_huge_pages()
         return PrivateCopy(0, _anon_huge_bytes(), 0.0)
     arena = _Arena(total)
     shared_files = _shared_file_maps()  # the file views among the sources, whose pages are dropped
@@ -182,6 +191,8 @@ def copy_to_private(weights: dict[str, object]) -> PrivateCopy:
             end = min(part + _CHUNK, data.nbytes)
             arena.tensor[at + part:at + end].copy_(flat[part:end])
         _drop_pages(data, shared_files)
+    if after_huge_pages is not None:
+        after_huge_pages()
 
     def copy_one(item: tuple[tuple[int, int], torch.Tensor]) -> None:
         at, data = offsets[item[0]], item[1]
