@@ -101,15 +101,21 @@ static inline __attribute__((always_inline)) void score_step(const f16_batch_t *
     }
 }
 
+/* The keys of a chunk (starting at position pos, n_keys of them) before the longest context
+ * of rows[0 .. n): the ones any of these rows scores. */
+static inline int64_t keys_seen(const prompt_row_t *rows, int n, int64_t pos, int64_t n_keys) {
+    int64_t keys = 0;
+    for (int i = 0; i < n; i++) keys = rows[i].hi - pos > keys ? rows[i].hi - pos : keys;
+    return keys < n_keys ? keys : n_keys;
+}
+
 /* score_chunk's body for one head size (d_len a constant where inlined with one). */
 static inline __attribute__((always_inline)) void score_chunk_body(const f16_batch_t *b, const prompt_row_t *rows,
                                                                    int n_rows, const float *k, int64_t n_keys,
                                                                    int64_t at, int64_t pos, int d_len) {
     for (int r = 0; r < n_rows;) {
         const int R = n_rows - r < SCORE_ROWS ? 1 : SCORE_ROWS;
-        int64_t keys = 0; /* the keys before these rows' longest context */
-        for (int i = r; i < r + R; i++) keys = rows[i].hi - pos > keys ? rows[i].hi - pos : keys;
-        keys = keys < n_keys ? keys : n_keys;
+        const int64_t keys = keys_seen(rows + r, R, pos, n_keys);
         int64_t t = 0;
         if (R == SCORE_ROWS) {
             for (; t + SCORE_KEYS <= keys; t += SCORE_KEYS)
@@ -179,9 +185,7 @@ static inline __attribute__((always_inline)) void score_chunk_t(const f16_batch_
                                                                 int64_t at, int64_t pos, int d_len) {
     for (int r = 0; r < n_rows;) {
         const int R = n_rows - r < SCORE_ROWS ? 1 : SCORE_ROWS;
-        int64_t keys = 0; /* the keys before these rows' longest context */
-        for (int i = r; i < r + R; i++) keys = rows[i].hi - pos > keys ? rows[i].hi - pos : keys;
-        keys = keys < n_keys ? keys : n_keys;
+        const int64_t keys = keys_seen(rows + r, R, pos, n_keys);
         for (int64_t t = 0; t < keys; t += KEY_LANES) {
             const int valid = keys - t < KEY_LANES ? (int)(keys - t) : KEY_LANES;
             if (R == SCORE_ROWS)
