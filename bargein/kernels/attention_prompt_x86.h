@@ -301,9 +301,12 @@ static inline __attribute__((always_inline)) void value_run(const prompt_row_t *
 static inline __attribute__((always_inline)) void value_group(const prompt_row_t *group, int R, const float *v,
                                                               int d_len, int64_t c0, int64_t c1, int64_t shared_lo,
                                                               int64_t shared_hi, int64_t earliest, int d, int width) {
+    /* shared_lo passes c1 when a row's window starts beyond this chunk: the part before
+     * the shared positions still ends with the chunk, whose values are all v holds. */
+    const int64_t before_end = shared_lo < c1 ? shared_lo : c1;
     for (int r = 0; r < R; r++) { /* before the shared positions */
         const int64_t lo = group[r].lo > c0 ? group[r].lo : c0;
-        const int64_t hi = group[r].hi < shared_lo ? group[r].hi : shared_lo;
+        const int64_t hi = group[r].hi < before_end ? group[r].hi : before_end;
         if (lo < hi) value_run(group + r, 1, v, d_len, c0, lo, hi, earliest, d, width);
     }
     if (shared_lo < shared_hi) {

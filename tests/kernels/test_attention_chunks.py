@@ -66,3 +66,22 @@ def test_prompt_tiles_over_many_key_chunks_equal_each_query_alone(num_heads, num
             scores = softcap * torch.tanh(scores / softcap)
         want = (F.softmax(scores, dim=-1) @ values).squeeze(1)
         torch.testing.assert_close(got[t].double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_a_tile_whose_windows_start_more_than_a_key_chunk_apart_equals_each_query_alone(softcap):
+    """Queries of one sequence need not be consecutive (the kernel takes any contexts): with a
+    window, one tile's rows may start their windows beyond the key chunk another row is in;
+    each row's values then still stop at the chunk's end (nothing read past it, nothing
+    counted twice)."""
+    q, kc, vc, tables, _, _ = case(4, 2, 64, [220])
+    picks = [9, 99, 100, 149, 219]
+    q = q[picks].contiguous()
+    seq = torch.zeros(len(picks), dtype=torch.long)
+    ctx = torch.tensor([p + 1 for p in picks])
+    scale = 64 ** -0.5
+    got = KERNELS.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, 1, window=50, softcap=softcap)
+    for i in range(len(picks)):
+        alone = KERNELS.paged_attention_f16(q[i:i + 1].contiguous(), kc, vc, tables, seq[i:i + 1].contiguous(),
+                                            ctx[i:i + 1].contiguous(), scale, 1, window=50, softcap=softcap)
+        assert torch.equal(alone[0], got[i]), picks[i]
