@@ -26,6 +26,12 @@ replacing earlier rows of the same file and precision.
 
     python bench/bench_models.py [FILE.gguf ...] [--precision fast|exact] [--json PATH] [--quick]
 
+``--rounds N`` runs both sides N times in turn, the order swapped each round: on a VM whose
+host takes a share of its time, a file moves 20-25% between single runs on either side, and
+a ratio of two measurements made minutes apart carries both moves. Each side's value is then
+the median of its rounds and each ratio the median of the rounds' own ratios (the JSON lists
+every round as ``NAME_rounds``).
+
 Any family bargein loads can be given; ``bench/make_family_gguf.py`` writes the random
 1B-class Qwen3 and Gemma 3 Q4_K_M files (converted and quantized by llama.cpp's own tools)
 of issue 25's side-by-side; the printed table and the JSON say each row's ``family`` (the
@@ -225,53 +231,90 @@ def prepare_bytecode(compiled: bool) -> None:
             shutil.rmtree(folder)
 
 
+def side_round(script: str, module: str, plans: dict[str, dict[str, Any]], common: dict[str, Any],
+               load_repeats: int) -> dict[str, Any]:
+    """One side's measurements once: each a fresh process (see the module doc)."""
+    # The floor is as noisy as a load (an import of torch varies by ~0.2 s between
+    # processes): the median of as many runs, so that one slow or fast floor does
+    # not move the load by its own noise.
+    floors = [_run(_FLOOR, {"module": module}) for _ in range(load_repeats)]
+    floor = {key: statistics.median(f[key] for f in floors) for key in ("seconds", "peak_mb")}
+    loads = [_run(script, {**common, **plans["load"]}) for _ in range(load_repeats)]
+    seen = list(loads)
+    out: dict[str, Any] = {"load_s": statistics.median(r["load_s"] for r in loads) - floor["seconds"]}
+    for name, plan in plans.items():
+        if name == "load":
+            continue
+        got = _run(script, {**common, **plan})
+        seen.append(got)
+        out[f"{name}_tok_s"] = got["tok_s"]
+        if name == "1_stream":
+            out["anon_mb"], out["file_mb"] = got["anon_mb"], got["file_mb"]
+    out["peak_above_floor_mb"] = max(r["peak_mb"] for r in seen) - floor["peak_mb"]
+    out["import_floor_s"], out["floor_mb"] = floor["seconds"], floor["peak_mb"]
+    return out
+
+
+# The measures a ratio row compares; for load and memory lower is better.
+RATIO_KEYS = ("load_s", "peak_above_floor_mb")
+
+
+def ratio_row(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], base: dict[str, Any]) -> dict[str, Any]:
+    """bargein / llama.cpp per measure: the median of the rounds' own ratios (each round ran
+    both sides within the same minutes), with the rounds' ratios as ``NAME_rounds`` where
+    there were several."""
+    row = {**base, "side": "bargein / llama.cpp"}
+    for key in ours[0]:
+        if key.endswith("_tok_s") or key in RATIO_KEYS:
+            ratios = [a[key] / b[key] for a, b in zip(ours, theirs, strict=True)]
+            row[key] = statistics.median(ratios)
+            if len(ratios) > 1:
+                row[f"{key}_rounds"] = ratios
+    return row
+
+
 def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: int, streams: int, answer: int,
-               prefills: tuple[int, ...], llama: bool, bytecode: bool = True) -> list[dict[str, Any]]:
-    """Rows for one file: bargein's, llama.cpp's (or why not), and their ratios."""
+               prefills: tuple[int, ...], llama: bool, bytecode: bool = True, rounds: int = 1) -> list[dict[str, Any]]:
+    """Rows for one file: bargein's, llama.cpp's (or why not), and their ratios.
+
+    With ``rounds`` > 1 both sides run every measurement once per round, in turn, the
+    order swapped each round (a machine that slows for a minute slows both sides): a
+    side's value is the median of its rounds (each listed as ``NAME_rounds``), a ratio the
+    median of the rounds' own ratios."""
     Path(path).read_bytes()  # the page cache warm for both sides
     prepare_bytecode(bytecode)
     family = file_family(path)
     ids = text_ids(path, max(prefills + (LOAD_PROMPT + STREAM_PROMPT * 2 + 7 * streams,)))
     plans = measurements(ids, streams, answer, prefills)
     sides = [("bargein", _BARGEIN, "torch")] + ([("llama.cpp", _LLAMA, "llama_cpp")] if llama else [])
+    common = {"model": path, "threads": threads, "precision": precision, "bench": str(Path(__file__).parent),
+              "cpu_threads": _torch_threads(), "bytecode": bytecode}
+    results: dict[str, list[dict[str, Any]]] = {side: [] for side, _, _ in sides}
+    failed: dict[str, str] = {}
+    for number in range(rounds):
+        for side, script, module in (sides if number % 2 == 0 else sides[::-1]):
+            if side in failed:
+                continue
+            try:
+                results[side].append(side_round(script, module, plans, common, load_repeats))
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                failed[side] = str(exc)
+    base = {"file": Path(path).name, "family": family}
     rows = []
-    for side, script, module in sides:
-        row: dict[str, Any] = {"file": Path(path).name, "side": side, "family": family,
-                               "precision": precision if side == "bargein" else "-", "bytecode": bytecode}
-        try:
-            # The floor is as noisy as a load (an import of torch varies by ~0.2 s between
-            # processes): the median of as many runs, so that one slow or fast floor does
-            # not move the load by its own noise.
-            floors = [_run(_FLOOR, {"module": module}) for _ in range(load_repeats)]
-            floor = {key: statistics.median(f[key] for f in floors) for key in ("seconds", "peak_mb")}
-            common = {"model": path, "threads": threads, "precision": precision, "bench": str(Path(__file__).parent),
-                      "cpu_threads": _torch_threads(), "bytecode": bytecode}
-            seen = []
-            loads = [_run(script, {**common, **plans["load"]}) for _ in range(load_repeats)]
-            seen += loads
-            row["load_s"] = statistics.median(r["load_s"] for r in loads) - floor["seconds"]
-            for name, plan in plans.items():
-                if name == "load":
-                    continue
-                got = _run(script, {**common, **plan})
-                seen.append(got)
-                row[f"{name}_tok_s"] = got["tok_s"]
-                if name == "1_stream":
-                    row["anon_mb"], row["file_mb"] = got["anon_mb"], got["file_mb"]
-            row["peak_above_floor_mb"] = max(r["peak_mb"] for r in seen) - floor["peak_mb"]
-            row["import_floor_s"], row["floor_mb"] = floor["seconds"], floor["peak_mb"]
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            row["skipped"] = str(exc)
+    for side, _, _ in sides:
+        row: dict[str, Any] = {**base, "side": side, "precision": precision if side == "bargein" else "-",
+                               "bytecode": bytecode}
+        if side in failed:
+            row["skipped"] = failed[side]
+        else:
+            for key in results[side][0]:
+                values = [r[key] for r in results[side]]
+                row[key] = statistics.median(values)
+                if rounds > 1:
+                    row[f"{key}_rounds"] = values
         rows.append(row)
-    if len(rows) == 2 and "skipped" not in rows[0] and "skipped" not in rows[1]:
-        ours, theirs = rows
-        ratio = {"file": ours["file"], "side": "bargein / llama.cpp", "family": ours["family"], "precision": precision}
-        for key in ours:
-            if key.endswith("_tok_s"):
-                ratio[key] = ours[key] / theirs[key]
-            elif key in ("load_s", "peak_above_floor_mb"):
-                ratio[key] = ours[key] / theirs[key]  # lower is better here
-        rows.append(ratio)
+    if len(sides) == 2 and not failed:
+        rows.append(ratio_row(results["bargein"], results["llama.cpp"], {**base, "precision": precision}))
     return rows
 
 
@@ -317,6 +360,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--answer", type=int, default=32, help="tokens per stream (default %(default)s)")
     parser.add_argument("--doc", default=str(DOC), help="the markdown file to update ('' for none)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run both sides this many times in turn, the order swapped each round; "
+                             "medians of the rounds, ratios the median of the rounds' own ratios")
     parser.add_argument("--no-bytecode", action="store_true",
                         help="time bargein compiling its sources at each start (see the module doc)")
     args = parser.parse_args(argv)
@@ -337,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for path in files:
         rows += bench_file(path, args.precision, threads=args.threads, load_repeats=1 if args.quick else
                            args.load_repeats, streams=streams, answer=answer, prefills=prefills, llama=llama,
-                           bytecode=not args.no_bytecode)
+                           bytecode=not args.no_bytecode, rounds=1 if args.quick else args.rounds)
     info = machine_info()
     result = {"benchmark": "models", "precision": args.precision, "machine": info, "rows": rows,
               "llama_cpp": llama}
