@@ -11,10 +11,11 @@
  * differs, and no value's chain is split or reordered by it:
  *
  * - The tile is done one KV head at a time. Its rows are the (query, head) pairs that read
- *   that KV head: PROMPT_QUERY_TILE queries times the heads of a group (96 to 128 rows in
+ *   that KV head: PROMPT_QUERY_TILE queries times the heads of a group (192 to 256 rows in
  *   GQA models), so that each key and value row is fetched once for that many (the caches
  *   of a long context do not fit in L2: fetched once per 8 queries, the wait for them was a
- *   third of the time at 4,096 positions).
+ *   third of the time at 4,096 positions; 64 queries against 32: 1.06-1.11x at 4,096
+ *   positions, 128 no better, docs/benchmarks.md).
  * - Keys come PROMPT_KEY_CHUNK at a time, widened to float32 once into an L1 scratch that
  *   every row then reads (before, every row widened every key and value itself).
  * - Scores: 4 rows x 3 keys per step, their twelve chains (one per score, each over the
@@ -37,7 +38,10 @@
 #ifndef BARGEIN_ATTENTION_PROMPT_X86_H
 #define BARGEIN_ATTENTION_PROMPT_X86_H
 
-#define PROMPT_QUERY_TILE 32 /* queries of one sequence per tile (attention_f16.c shares tiles out) */
+/* Queries of one sequence per tile (attention_f16.c shares tiles out). Each thread's scores
+ * scratch is PROMPT_QUERY_TILE x group x the longest context floats (4 MB for Llama-1B at
+ * 4,096 positions). */
+#define PROMPT_QUERY_TILE 64
 #define PROMPT_KEY_CHUNK 48 /* keys widened per step: 48 x head_dim floats stay in L1 (12 KB at 64) */
 #define SCORE_ROWS 4        /* rows x keys of a score step: 12 accumulators + 3 keys in 16 registers */
 #define SCORE_KEYS 3

@@ -1,5 +1,5 @@
 """The float16 attention's prompt path over contexts of several key chunks (attention_f16.c's
-attend_prompt on x86, attention_prompt_x86.h: tiles of up to 32 queries, their (query,
+attend_prompt on x86, attention_prompt_x86.h: tiles of up to 64 queries, their (query,
 head) rows of one KV head register-tiled, keys widened 48 at a time, each output's chain
 continued from chunk to chunk): every query of a prompt tile gets the bits it gets alone (a decode: attend_one,
 or attend_tile where the head size is not a multiple of 64), whatever the group size (rows
@@ -47,7 +47,9 @@ def test_prompt_tiles_over_many_key_chunks_equal_each_query_alone(num_heads, num
     one_thread = KERNELS.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, 1, window=window, softcap=softcap)
     assert torch.equal(one_thread, got)
     block_size, group = kc.shape[1], num_heads // num_kv_heads
-    for t in (0, 1, 47, 48, 49, 63, 64, 65, 96, 100, 149, 150, 152, 153, 200, 222):
+    # 112: with a window of 50, its window starts at 63, the end of the first key chunk of
+    # the tile of queries 64-127 (earliest position 15), beside query 113's at 64.
+    for t in (0, 1, 47, 48, 49, 63, 64, 65, 96, 100, 112, 149, 150, 152, 153, 200, 222):
         alone = KERNELS.paged_attention_f16(q[t:t + 1].contiguous(), kc, vc, tables, seq[t:t + 1].contiguous(),
                                             ctx[t:t + 1].contiguous(), scale, 2, window=window, softcap=softcap)
         assert torch.equal(alone[0], got[t]), t
