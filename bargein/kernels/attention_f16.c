@@ -55,7 +55,8 @@ typedef struct {
     const int64_t *tile_starts; /* tile i: queries [tile_starts[i], tile_starts[i + 1]) */
     int64_t num_tiles;
     int head_parts;    /* each tile's query heads are split into this many work items */
-    int prompt_path;   /* tiles of several queries take attend_prompt (tiles of PROMPT_QUERY_TILE) */
+    int prompt_path;   /* tiles of several queries take attend_prompt */
+    int prompt_tile;   /* the prompt path's queries per tile (prompt_tile_for) */
     atomic_llong next; /* the next work item a thread may take */
 } f16_batch_t;
 
@@ -366,6 +367,19 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
 #include "attention_prompt_x86.h"
 /* Whether tiles of several queries take attend_prompt. */
 static inline int takes_prompt_path(int head_dim) { return head_dim % 16 == 0; }
+
+#ifdef PROMPT_PATH
+/* Queries per prompt tile: PROMPT_QUERY_TILE while a thread's score rows (the tile's queries
+ * x group x the longest context, floats) fit PROMPT_SCORES_BYTES, half as many beyond, so that
+ * a long context's scratch stays what 32-query tiles took (64 MB a thread at 131,072
+ * positions and a group of 4) while every prompt up to 16,384 positions (group 4) gets the
+ * larger tile. No query's bits depend on its tile (the top of attention_prompt_x86.h). */
+#define PROMPT_SCORES_BYTES ((int64_t)16 << 20)
+static int prompt_tile_for(int group, int64_t max_context) {
+    const int64_t bytes = (int64_t)PROMPT_QUERY_TILE * group * max_context * (int64_t)sizeof(float);
+    return bytes <= PROMPT_SCORES_BYTES ? PROMPT_QUERY_TILE : PROMPT_QUERY_TILE / 2;
+}
+#endif
 #elif defined(BARGEIN_NEON)
 #define ONE_QUERY_PATH 1
 #include "neon_attention_f16.h"
@@ -385,7 +399,8 @@ static void run_worker(void *arg, int index, int count) {
 #ifdef PROMPT_PATH
     if (b->prompt_path) {
         const size_t group = (size_t)(b->num_heads / b->num_kv_heads);
-        rows = PROMPT_QUERY_TILE * group > (size_t)b->num_heads ? PROMPT_QUERY_TILE * group : (size_t)b->num_heads;
+        const size_t tile_rows = (size_t)b->prompt_tile * group;
+        rows = tile_rows > (size_t)b->num_heads ? tile_rows : (size_t)b->num_heads;
         row_rows = 2 * PROMPT_KEY_CHUNK; /* a chunk, and its keys transposed */
     }
 #endif
@@ -424,11 +439,15 @@ int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, cons
                                    float softcap, int num_threads) {
     int64_t *tile_starts = malloc(sizeof(int64_t) * (size_t)(num_queries + 1));
     if (!tile_starts) return -1;
-    int64_t num_tiles = 0;
+    int64_t num_tiles = 0, max_context = 0;
+    for (int64_t i = 0; i < num_queries; i++)
+        max_context = query_ctx[i] > max_context ? query_ctx[i] : max_context;
 #ifdef PROMPT_PATH
-    const int prompt_path = takes_prompt_path(head_dim), tile = prompt_path ? PROMPT_QUERY_TILE : QUERY_TILE;
+    const int prompt_path = takes_prompt_path(head_dim);
+    const int prompt_tile = prompt_path ? prompt_tile_for(num_heads / num_kv_heads, max_context) : 0;
+    const int tile = prompt_path ? prompt_tile : QUERY_TILE;
 #else
-    const int prompt_path = 0, tile = QUERY_TILE;
+    const int prompt_path = 0, prompt_tile = 0, tile = QUERY_TILE;
 #endif
     for (int64_t i = 0; i < num_queries; i++)
         if (i == 0 || query_seq[i] != query_seq[i - 1] || i - tile_starts[num_tiles - 1] == tile)
@@ -439,9 +458,9 @@ int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, cons
     if (num_threads > num_tiles * head_parts) num_threads = (int)(num_tiles * head_parts);
     f16_batch_t batch = {q,         k_cache,      v_cache,   block_tables, query_seq,  query_ctx,  out,
                          num_queries, table_width, 0,        num_heads,    num_kv_heads, head_dim, block_size,
-                         scale,     softcap,      window,    tile_starts,  num_tiles,  head_parts, prompt_path, 0};
-    for (int64_t i = 0; i < num_queries; i++)
-        batch.max_context = query_ctx[i] > batch.max_context ? query_ctx[i] : batch.max_context;
+                         scale,     softcap,      window,    tile_starts,  num_tiles,  head_parts, prompt_path,
+                         prompt_tile, 0};
+    batch.max_context = max_context;
     bargein_parallel_run(run_worker, &batch, num_threads);
     const int failed = atomic_load(&batch.next) < num_tiles * head_parts;
     free(tile_starts);

@@ -38,9 +38,10 @@
 #ifndef BARGEIN_ATTENTION_PROMPT_X86_H
 #define BARGEIN_ATTENTION_PROMPT_X86_H
 
-/* Queries of one sequence per tile (attention_f16.c shares tiles out). Each thread's scores
- * scratch is PROMPT_QUERY_TILE x group x the longest context floats (4 MB for Llama-1B at
- * 4,096 positions). */
+/* Queries of one sequence per tile at most (attention_f16.c shares tiles out). Each thread's
+ * scores scratch is the tile's queries x group x the longest context floats (4 MB for
+ * Llama-1B at 4,096 positions): attention_f16.c's prompt_tile_for halves the tile where that
+ * passes its bound. */
 #define PROMPT_QUERY_TILE 64
 #define PROMPT_KEY_CHUNK 48 /* keys widened per step: 48 x head_dim floats stay in L1 (12 KB at 64) */
 #define SCORE_ROWS 4        /* rows x keys of a score step: 12 accumulators + 3 keys in 16 registers */
@@ -350,8 +351,8 @@ static __attribute__((noinline)) void value_chunk(const f16_batch_t *b, const pr
 }
 
 /* The tile of queries [first, first + n) over query heads [h0, h1) (see the top of this file).
- * scores: (PROMPT_QUERY_TILE x group, max_context) floats; acc: (PROMPT_QUERY_TILE x group,
- * head_dim);
+ * n <= b->prompt_tile <= PROMPT_QUERY_TILE; scores: (n x group, max_context) floats at least;
+ * acc: (n x group, head_dim);
  * kv_rows: 2 x PROMPT_KEY_CHUNK x head_dim (a chunk's keys or values, and the keys transposed). */
 static void attend_prompt(const f16_batch_t *b, int64_t first, int n, int h0, int h1, float *scores, float *acc,
                           float *kv_rows) {

@@ -87,3 +87,21 @@ def test_a_tile_whose_windows_start_more_than_a_key_chunk_apart_equals_each_quer
         alone = KERNELS.paged_attention_f16(q[i:i + 1].contiguous(), kc, vc, tables, seq[i:i + 1].contiguous(),
                                             ctx[i:i + 1].contiguous(), scale, 1, window=50, softcap=softcap)
         assert torch.equal(alone[0], got[i]), picks[i]
+
+
+@pytest.mark.parametrize("window", [None, 4000])
+def test_a_long_context_takes_smaller_tiles_with_the_same_bits(window):
+    """Past 16 MB of a thread's score rows (64 queries x a group of 8 x 8,300 positions here)
+    the prompt path takes tiles of 32 queries (attention_f16.c's prompt_tile_for): a chunk of
+    70 queries after 8,230 cached positions still gets each query's bits alone, on 1 and 3
+    threads, across the tiles' edges at 32 and 64."""
+    cached, new = 8230, 70
+    q, kc, vc, tables, seq, ctx = case(8, 1, 64, [cached + new])
+    q, seq, ctx = (t[cached:].contiguous() for t in (q, seq, ctx))
+    scale = 64 ** -0.5
+    got = KERNELS.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, 3, window=window)
+    assert torch.equal(KERNELS.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, 1, window=window), got)
+    for t in (0, 31, 32, 33, 63, 64, 69):
+        alone = KERNELS.paged_attention_f16(q[t:t + 1].contiguous(), kc, vc, tables, seq[t:t + 1].contiguous(),
+                                            ctx[t:t + 1].contiguous(), scale, 1, window=window)
+        assert torch.equal(alone[0], got[t]), t
