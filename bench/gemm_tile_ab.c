@@ -13,7 +13,7 @@
  * Both sides' outputs are compared bit for bit on the first copy (a build that changes
  * the bits is reported, not timed).
  *
- *   cc -O2 -o /tmp/gemm_tile_ab bench/gemm_tile_ab.c -ldl
+ *   cc -O2 -o /tmp/gemm_tile_ab bench/gemm_tile_ab.c -ldl -lm
  *   /tmp/gemm_tile_ab A.so B.so TYPE ROWS [ISA] [ROUNDS] [THREADS] [N K]
  *
  * TYPE: Q4_K Q5_K Q6_K Q4_0 Q8_0; ROWS: 32 (a 32-stream decode step), 512 (a prefill
