@@ -95,6 +95,9 @@ def test_the_key_stays_in_the_session_unless_remembered(chat: Chat, browser) -> 
     second.wait_for_function("key => document.querySelector('#api-key').value === key", arg=KEY)
     assert second.input_value("#api-key") == KEY and second.is_checked("#remember-key")
     second.uncheck("#remember-key")
+    # Another tab's storage change reaches this one asynchronously (Chromium syncs local
+    # storage between renderers): wait for it, then check.
+    chat.page.wait_for_function("() => localStorage.getItem('bargein.apiKey') === null")
     assert _storage(chat)["local"] is None
     second.close()
 
