@@ -1546,6 +1546,14 @@ static TARGET_VNNI void k_group_vnni(int type, GROUP_ARGS, int rows) {
 }
 #endif
 
+/* The rows of the next few-row pass of at most `most` rows with `left` rows to go: the
+ * fewest passes, their rows as even as can be (9 rows of passes of up to 8: 5 + 4, where 8 +
+ * 1 decoded every block twice for a pass of one row at a few-row pass's cost per row). */
+static inline int even_rows(int64_t left, int64_t most) {
+    const int64_t passes = (left + most - 1) / most;
+    return (int)((left + passes - 1) / passes);
+}
+
 /* The tile's columns, two groups of eight, for every row (few rows). */
 static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t col0,
                            int64_t j0, int cols, int64_t next_col0) {
@@ -1564,7 +1572,7 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
             if (k_chain_type(seg->type)) {
 #ifdef GGUF_VNNI
                 if (job->isa == ISA_VNNI) {
-                    const int rows = (int)(job->m - r0 < job->k_group_rows ? job->m - r0 : job->k_group_rows);
+                    const int rows = even_rows(job->m - r0, job->k_group_rows);
                     k_group_vnni((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
                     r0 += rows;
                     continue;
