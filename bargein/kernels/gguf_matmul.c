@@ -52,9 +52,9 @@
  * 32-block. The multiples cost an integer multiply per row and superblock of a column
  * (its scales times the row's m_j) in the few-row pass, one per row and 32-block in the
  * tile pass (AVX2: none, m_j takes the place of maddubs' pair-summing ones). On VNNI,
- * Q4_K's few-row passes of 4 rows or more put four 32-blocks in each vector (the quad
- * pass, k_quads_vnni_t, with the activations re-ordered once per call to match): the same
- * integer D by other partial sums.
+ * Q4_K's few-row passes of 2 rows or more put four 32-blocks in each vector (the quad
+ * pass, k_quads_vnni_t, with the activations re-ordered once per call to match): the
+ * same integer D by other partial sums.
  *
  * On the 32 chain every integer is exact in int32 and in float (|D| < 2^24). For Q4_1
  * and Q8_0 it is quant_matmul.c's chain with its scales and mins, so a weight read here
@@ -118,9 +118,10 @@
  * without the few-row passes' prefetch). */
 #define EXPERT_K_GROUP_ROWS_VNNI 8
 /* From this many rows a VNNI few-row pass of Q4_K puts four 32-blocks in each vector (the
- * quad pass, k_quads_vnni_t): it re-orders each block's quants once per pass, which fewer
- * rows do not repay. */
-#define K_QUADS_MIN_ROWS 4
+ * quad pass, k_quads_vnni_t). Its transpose costs each column and superblock more than the
+ * paired pass's decode, which one row does not repay (1.02x the paired pass's time at 1
+ * row; 0.95x at 2, 0.87x at 3, 0.85x at 4: docs/benchmarks.md). */
+#define K_QUADS_MIN_ROWS 2
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
 
@@ -145,8 +146,8 @@ typedef struct {
     int16_t *ks16, *ks32; /* (m, k / 16), (m, k / 32) */
     int64_t m, k, nb;
     int exact;
-    /* kq again in quad order (quad_order), for the VNNI quad pass of Q4_K; NULL where no
-     * such pass runs */
+    /* kq again in quad order (quad_order), for the VNNI few-row passes of Q4_K (the quad
+     * pass); NULL where none runs */
     int8_t *kx; /* (m, k) */
 } acts_t;
 
@@ -1573,7 +1574,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void k_group_vnni8_t(GR
 }
 #undef K_PAIR
 
-/* Q4_K, K_QUADS_MIN_ROWS to 8 rows: K_GROUP_BODY's sums, four 32-blocks to a vector. Per
+/* Q4_K, K_QUADS_MIN_ROWS to 8 rows: K_GROUP_BODY's sums, four 32-blocks to a vector (the quad pass). Per
  * column and superblock, the quants' four 32-byte runs (run p: 32-blocks 2p and 2p + 1)
  * transposed in 64-bit words (qwords4x4), so that vector s holds bytes 8s .. 8s + 7 of run
  * p in word p: its low nibbles are quants 8s .. 8s + 7 of the even 32-blocks, its high
@@ -1635,7 +1636,9 @@ static TARGET_VNNI void k_group_vnni(int type, GROUP_ARGS, int rows) {
         case 7: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 7); return;
         case 6: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 6); return;
         case 5: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 5); return;
-        default: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 4); return;
+        case 4: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 4); return;
+        case 3: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 3); return;
+        default: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 2); return;
         }
     }
 #define K_GROUP_VNNI(TY)                                                                                   \
@@ -1913,6 +1916,8 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
         if (k_chain_type(w->segs[s].type)) has_k = 1, has_q4_k |= w->segs[s].type == T_Q4_K;
         else if (!half_type(w->segs[s].type)) has_32 = 1;
     }
+    /* the quad pass's order of kq: VNNI few-row passes of Q4_K */
+    const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
                  NULL, NULL, NULL, NULL, 0};
@@ -1946,10 +1951,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
             a.km = malloc(sizeof(int16_t) * cells);
             a.ks16 = malloc(sizeof(int16_t) * 2 * cells);
             a.ks32 = malloc(sizeof(int16_t) * cells);
-            /* the quad pass's order of kq: VNNI few-row passes of Q4_K (from K_QUADS_MIN_ROWS);
-             * where it cannot be had, the paired passes run instead (the same bits) */
-            if (has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS)
-                a.kx = malloc((size_t)(m * k));
+            if (quads) a.kx = malloc((size_t)(m * k > 0 ? m * k : 1));
         }
     }
     job.tile_seg = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
@@ -1957,7 +1959,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     job.seg_start = malloc(sizeof(int64_t) * (size_t)(w->num_segs + 1));
     job.scratch = aligned_alloc(64, (size_t)(job.scratch_bytes * num_threads));
     if ((exact ? !a.xsum16
-               : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)))) ||
+               : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)) || (quads && !a.kx))) ||
         !job.tile_seg || !job.tile_col || !job.seg_start ||
         !job.scratch) {
         status = -1;

@@ -242,9 +242,9 @@ def test_k_chain_integer_sums_at_their_bounds_keep_the_bits(qtype, isa):
     sums at 4 * 63 * 127 for Q6_K's pairs, 16 products of Q4_K's quads at 16 * 15 * 127 =
     30480 beside int16's 32767; D at 8 * 63 * 16 * 32 * 15 * 127 for Q4_K): an int16 or
     int32 sum that overflowed or saturated on some path would change the bits. Every row
-    count from 1 to 12 through the dense matmul (passes of up to 4 rows on VNNI, the quad
-    pass of Q4_K at 4) and through one expert's call (bargein_gguf_matmul_expert: passes
-    of up to 8, split evenly, the quad pass from 4 rows) equals the C path's bits."""
+    count from 1 to 12 through the dense matmul (VNNI: passes of up to 4 rows) and through
+    one expert's call (bargein_gguf_matmul_expert: passes of up to 8, split evenly), Q4_K's
+    from 2 rows in the quad pass, equals the C path's bits."""
     rng = rng_for("bounds", qtype)
     k = 512
     weight = _blocks_at_their_bounds(qtype, 32, k, rng)
