@@ -1918,7 +1918,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     }
     /* the quad pass's order of kq: VNNI few-row passes of Q4_K */
     const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
-    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
+    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
                  NULL, NULL, NULL, NULL, 0};
     /* tiles are built for many rows on the vector paths only; otherwise a float per row
