@@ -51,7 +51,10 @@
  * superblock and sums the lanes across columns once per superblock, not once per
  * 32-block. The multiples cost an integer multiply per row and superblock of a column
  * (its scales times the row's m_j) in the few-row pass, one per row and 32-block in the
- * tile pass (AVX2: none, m_j takes the place of maddubs' pair-summing ones).
+ * tile pass (AVX2: none, m_j takes the place of maddubs' pair-summing ones). On VNNI,
+ * Q4_K's few-row passes of 2 rows or more put four 32-blocks in each vector (the quad
+ * pass, k_quads_vnni_t, with the activations re-ordered once per call to match): the
+ * same integer D by other partial sums.
  *
  * On the 32 chain every integer is exact in int32 and in float (|D| < 2^24). For Q4_1
  * and Q8_0 it is quant_matmul.c's chain with its scales and mins, so a weight read here
@@ -115,6 +118,11 @@
  * passes of up to 6; the tile from 7, 9 or 12 rows on instead lost: it reads the weights
  * without the few-row passes' prefetch). */
 #define EXPERT_K_GROUP_ROWS_VNNI 8
+/* From this many rows a VNNI few-row pass of Q4_K puts four 32-blocks in each vector (the
+ * quad pass, k_quads_vnni_t). Its transpose costs each column and superblock more than the
+ * paired pass's decode, which one row does not repay (1.02x the paired pass's time at 1
+ * row; 0.95x at 2, 0.87x at 3, 0.85x at 4: docs/benchmarks.md). */
+#define K_QUADS_MIN_ROWS 2
 
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
 
@@ -139,6 +147,9 @@ typedef struct {
     int16_t *ks16, *ks32; /* (m, k / 16), (m, k / 32) */
     int64_t m, k, nb;
     int exact;
+    /* kq again in quad order (quad_order), for the VNNI few-row passes of Q4_K (the quad
+     * pass); NULL where none runs */
+    int8_t *kx; /* (m, k) */
 } acts_t;
 
 /* The K chain's multiple of a 32-block whose max|x| is amax32 in a superblock whose max|x|
@@ -533,6 +544,29 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(co
     }
 }
 
+/* The 4 x 4 transpose of 64-bit words: qword p of v[s] is qword s of src[p]. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void qwords4x4(const __m256i src[4], __m256i v[4]) {
+    const __m256i t0 = _mm256_unpacklo_epi64(src[0], src[1]), t1 = _mm256_unpackhi_epi64(src[0], src[1]);
+    const __m256i t2 = _mm256_unpacklo_epi64(src[2], src[3]), t3 = _mm256_unpackhi_epi64(src[2], src[3]);
+    v[0] = _mm256_permute2x128_si256(t0, t2, 0x20), v[2] = _mm256_permute2x128_si256(t0, t2, 0x31);
+    v[1] = _mm256_permute2x128_si256(t1, t3, 0x20), v[3] = _mm256_permute2x128_si256(t1, t3, 0x31);
+}
+
+/* A superblock's 256 activation bytes q (eight 32-blocks) in quad order, into out: eight
+ * 32-byte vectors, h = 0 (the even 32-blocks) then h = 1 (the odd ones), s = 0 .. 3 each,
+ * where vector 4h + s holds in its 64-bit word p bytes 8s .. 8s + 7 of 32-block 2p + h.
+ * A Q4_K superblock's quants are stored a pair of 32-blocks to 32 bytes (2p in the low
+ * nibbles, 2p + 1 in the high ones), so the same transpose of its four 32-byte runs
+ * (k_quads_vnni_t) meets these vectors lane for lane. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void quad_order(const int8_t *q, int8_t *out) {
+    for (int h = 0; h < 2; h++) {
+        __m256i src[4], v[4];
+        for (int p = 0; p < 4; p++) src[p] = _mm256_loadu_si256((const __m256i *)(q + 32 * (2 * p + h)));
+        qwords4x4(src, v);
+        for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(out + 32 * (4 * h + i)), v[i]);
+    }
+}
+
 /* quantize_rows on AVX2: the same values (the same float operations, round to nearest even). */
 static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
     const acts_t *a = (const acts_t *)arg;
@@ -553,6 +587,7 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                     s32[j] = (int16_t)(sums[0] + sums[1]);
                 }
                 a->kd[r * (a->k / 256) + t] = k_chain_unit(amax);
+                if (a->kx) quad_order(a->kq + r * a->k + t * 256, a->kx + r * a->k + t * 256);
             }
         if (!a->q) continue;
         for (int64_t b = 0; b < a->nb; b++) {
@@ -1463,6 +1498,14 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(c
             }                                                                                              \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) cd[r][c] = dc[r];                     \
         }                                                                                                  \
+        K_SUPER_STEPS                                                                                      \
+    }                                                                                                      \
+    K_STORE_ROWS
+
+/* The end of a superblock of eight columns for each row (in the K pass bodies): cd[r][c]
+ * column c's int32 lanes of D, summed into one lane per column; the mins' M from mns[c]
+ * and rm[r] (Q4_K/Q5_K); then the header's float steps, one column to a lane. */
+#define K_SUPER_STEPS                                                                                      \
         __m256i mw[4];                                                                                     \
         for (int c = 0; c < 4 && !Q6; c++) mw[c] = _mm256_setr_m128i(mns[c], mns[c + 4]);                 \
         __m256 d, neg_dmin = _mm256_setzero_ps();                                                          \
@@ -1481,8 +1524,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(c
                     _mm_loadu_si128((const __m128i *)(a->ks32 + (r0 + r) * (k / 32) + t * 8)));            \
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins_columns8(mw, rm[r], s32)), _mm256_mul_ps(neg_dmin, xd), acc[r]); \
             }                                                                                              \
-        }                                                                                                  \
-    }                                                                                                      \
+        }
+
+/* The rows' float sums acc[r] into y, columns j0 .. j0 + cols - 1. */
+#define K_STORE_ROWS                                                                                       \
     for (int r = 0; r < ROWS_N; r++) {                                                                     \
         float lanes[8];                                                                                    \
         _mm256_storeu_ps(lanes, acc[r]);                                                                   \
@@ -1550,7 +1595,73 @@ static inline TARGET_VNNI __attribute__((always_inline)) void k_group_vnni8_t(GR
 }
 #undef K_PAIR
 
+/* Q4_K, K_QUADS_MIN_ROWS to 8 rows: K_GROUP_BODY's sums, four 32-blocks to a vector (the quad pass). Per
+ * column and superblock, the quants' four 32-byte runs (run p: 32-blocks 2p and 2p + 1)
+ * transposed in 64-bit words (qwords4x4), so that vector s holds bytes 8s .. 8s + 7 of run
+ * p in word p: its low nibbles are quants 8s .. 8s + 7 of the even 32-blocks, its high
+ * nibbles of the odd ones, the order of a row's activations in a->kx (quad_order). Per
+ * row, four vpdpbusd then sum each int32 lane over 16 products of one 32-block (|sum| <=
+ * 16 * 15 * 127 = 30480: Q4_K's quants only, so the pack to int16 never saturates), one
+ * pack puts the even and odd blocks' lanes side by side, and one vpdpwssd multiplies them
+ * by sc * m: eleven vector instructions per row, column and superblock where the pairs
+ * take twenty (their pack, shuffle and vpdpwssd are per pair of 32-blocks). D is the
+ * same exact integer, so the bits are those of every other path. */
+static inline TARGET_VNNI __attribute__((always_inline)) void k_quads_vnni_t(GROUP_ARGS, const int ROWS_N) {
+    const int Q6 = 0;
+    const acts_t *a = job->a;
+    const int64_t k = job->k, supers = k / 256;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    /* int16 words 0..7 (both 128-bit lanes) to the blocks of a pack of the even and odd
+     * lanes: 0, 0, 2, 2, 1, 1, 3, 3 in the low lane, 4, 4, 6, 6, 5, 5, 7, 7 in the high one */
+    const __m256i packed = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 2, 3, 2, 3, 6, 7, 6, 7,
+                                            8, 9, 8, 9, 12, 13, 12, 13, 10, 11, 10, 11, 14, 15, 14, 15);
+    __m256 acc[EXPERT_K_GROUP_ROWS_VNNI];
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < supers; t++) {
+        const int64_t at = t * bytes;
+        if (ahead) prefetch_step(ahead, t);
+        __m256i cd[EXPERT_K_GROUP_ROWS_VNNI][8], rm[EXPERT_K_GROUP_ROWS_VNNI], rq[EXPERT_K_GROUP_ROWS_VNNI];
+        __m128i mns[8];
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+            rm[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(a->km + (r0 + r) * (k / 32) + t * 8)));
+            rq[r] = _mm256_shuffle_epi8(rm[r], packed);
+        }
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *blk = col[c] + at;
+            __m256i sc, runs[4], v[4], lo[4], hi[4];
+            k_scales_mins(blk, &sc, &mns[c]);
+            sc = _mm256_shuffle_epi8(sc, packed);
+            for (int p = 0; p < 4; p++) runs[p] = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * p));
+            qwords4x4(runs, v);
+            for (int i = 0; i < 4; i++)
+                lo[i] = _mm256_and_si256(v[i], low4), hi[i] = _mm256_and_si256(_mm256_srli_epi16(v[i], 4), low4);
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                const __m256i *xr = (const __m256i *)(a->kx + (r0 + r) * k + t * 256);
+                __m256i even = zero, odd = zero;
+                for (int i = 0; i < 4; i++) {
+                    even = _mm256_dpbusd_epi32(even, lo[i], _mm256_loadu_si256(xr + i));
+                    odd = _mm256_dpbusd_epi32(odd, hi[i], _mm256_loadu_si256(xr + 4 + i));
+                }
+                cd[r][c] = _mm256_dpwssd_epi32(zero, _mm256_packs_epi32(even, odd), _mm256_mullo_epi16(sc, rq[r]));
+            }
+        }
+        K_SUPER_STEPS
+    }
+    K_STORE_ROWS
+}
+
 static TARGET_VNNI void k_group_vnni(int type, GROUP_ARGS, int rows) {
+    if (type == T_Q4_K && rows >= K_QUADS_MIN_ROWS && job->a->kx) {
+        switch (rows) {
+        case 8: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 8); return;
+        case 7: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 7); return;
+        case 6: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 6); return;
+        case 5: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 5); return;
+        case 4: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 4); return;
+        case 3: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 3); return;
+        default: k_quads_vnni_t(job, col, ahead, bytes, j0, cols, r0, 2); return;
+        }
+    }
 #define K_GROUP_VNNI(TY)                                                                                   \
     switch (rows) {                                                                                        \
     case 8: k_group_vnni8_t(job, col, ahead, bytes, j0, cols, r0, 8, TY); break;                           \
@@ -1566,6 +1677,14 @@ static TARGET_VNNI void k_group_vnni(int type, GROUP_ARGS, int rows) {
 #undef K_GROUP_VNNI
 }
 #endif
+
+/* The rows of the next few-row pass of at most `most` rows with `left` rows to go: the
+ * fewest passes, their rows as even as can be (9 rows of passes of up to 8: 5 + 4, where 8 +
+ * 1 decoded every block twice for a pass of one row at a few-row pass's cost per row). */
+static inline int even_rows(int64_t left, int64_t most) {
+    const int64_t passes = (left + most - 1) / most;
+    return (int)((left + passes - 1) / passes);
+}
 
 /* The tile's columns, two groups of eight, for every row (few rows). */
 static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qinfo_t *info, int64_t col0,
@@ -1585,7 +1704,7 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
             if (k_chain_type(seg->type)) {
 #ifdef GGUF_VNNI
                 if (job->isa == ISA_VNNI) {
-                    const int rows = (int)(job->m - r0 < job->k_group_rows ? job->m - r0 : job->k_group_rows);
+                    const int rows = even_rows(job->m - r0, job->k_group_rows);
                     k_group_vnni((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
                     r0 += rows;
                     continue;
@@ -1819,12 +1938,14 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (num_threads > num_tiles) num_threads = (int)num_tiles;
     if (num_threads < 1) num_threads = 1;
     const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
-    int has_k = 0, has_32 = 0; /* segments on the K chain, on the 32 chain */
+    int has_k = 0, has_32 = 0, has_q4_k = 0; /* segments on the K chain (Q4_K among them), on the 32 chain */
     for (int64_t s = 0; s < w->num_segs; s++) {
-        if (k_chain_type(w->segs[s].type)) has_k = 1;
+        if (k_chain_type(w->segs[s].type)) has_k = 1, has_q4_k |= w->segs[s].type == T_Q4_K;
         else if (!half_type(w->segs[s].type)) has_32 = 1;
     }
-    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact};
+    /* the quad pass's order of kq: VNNI few-row passes of Q4_K */
+    const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
+    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
                  NULL, NULL, NULL, NULL, 0};
     /* tiles are built for many rows on the vector paths only; otherwise a float per row
@@ -1857,6 +1978,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
             a.km = malloc(sizeof(int16_t) * cells);
             a.ks16 = malloc(sizeof(int16_t) * 2 * cells);
             a.ks32 = malloc(sizeof(int16_t) * cells);
+            if (quads) a.kx = malloc((size_t)(m * k > 0 ? m * k : 1));
         }
     }
     job.tile_seg = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
@@ -1864,7 +1986,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     job.seg_start = malloc(sizeof(int64_t) * (size_t)(w->num_segs + 1));
     job.scratch = aligned_alloc(64, (size_t)(job.scratch_bytes * num_threads));
     if ((exact ? !a.xsum16
-               : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)))) ||
+               : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)) || (quads && !a.kx))) ||
         !job.tile_seg || !job.tile_col || !job.seg_start ||
         !job.scratch) {
         status = -1;
@@ -1898,6 +2020,7 @@ done:
     free(a.km);
     free(a.ks16);
     free(a.ks32);
+    free(a.kx);
     free(job.tile_seg);
     free(job.tile_col);
     free(job.seg_start);

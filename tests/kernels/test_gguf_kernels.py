@@ -12,6 +12,7 @@ a BlockWeight of the same blocks gives in quant_matmul.c.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 
 import numpy as np
@@ -20,7 +21,8 @@ import torch
 
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.dequant import DEQUANTIZERS
-from bargein.kernels.native import load_native_kernels
+from bargein.kernels.ggml_types import GGML_QUANT_SIZES
+from bargein.kernels.native import Q8_ISAS, load_native_kernels
 from bargein.kernels.native_structs import describe_quant
 from bargein.kernels.ops import KernelSet
 from bargein.kernels.quant_weight import QuantSegment, QuantWeight
@@ -198,6 +200,67 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
     for m in [*range(24, 32), *range(64, 72)]:
         for threads in (1, 2):
             assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
+
+
+def _blocks_at_their_bounds(qtype: T, n: int, k: int, rng: np.random.Generator) -> QuantWeight:
+    """(n, k) of ``qtype`` whose columns put the K chain's integer sums at their bounds, by
+    column c % 4: every quant, scale and min at its largest (Q6_K: u = 63 and scales -128 or
+    127, alternating); the same scales and mins, random quants; every quant 0 (Q6_K: q = -32,
+    the most negative), the scales at their largest; all random. The float16 fields stay
+    tests/gguf_blocks.py's."""
+    data = random_blocks(qtype, n, k, rng).numpy().copy()
+    values, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = data.reshape(n, k // values, nbytes)
+    quants, scales = {T.Q4_K: (slice(16, 144), slice(4, 16)), T.Q5_K: (slice(16, 176), slice(4, 16)),
+                      T.Q6_K: (slice(0, 192), slice(192, 208))}[qtype]
+    for c in range(n):
+        if c % 4 == 3:
+            continue
+        blocks[c, :, scales] = (0x80 if c % 8 < 4 else 0x7F) if qtype == T.Q6_K else 0xFF
+        if c % 4 == 0:
+            blocks[c, :, quants] = 0xFF
+        elif c % 4 == 2:
+            blocks[c, :, quants] = 0
+    return QuantWeight((QuantSegment(qtype, torch.from_numpy(data), None),))
+
+
+def _activations_at_their_bounds(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """m rows whose K-chain quants are +-127 with multiple 16 in every 32-block (every |x|
+    equal): all positive, all negative, alternating, random signs; then random signs with
+    one 32-block per superblock 100 times smaller (a small multiple beside 16s)."""
+    signs = [np.ones(k), -np.ones(k), np.resize([1.0, -1.0], k)]
+    x = np.stack([signs[r] if r < 3 else rng.choice([-1.0, 1.0], size=k) for r in range(m)]).astype(np.float32)
+    x[6:, 32:64] *= np.float32(0.01)
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", K_CHAIN, ids=[t.name for t in K_CHAIN])
+def test_k_chain_integer_sums_at_their_bounds_keep_the_bits(qtype, isa):
+    """Quants, scales, mins and activations at their extremes (one 32-block's four-product
+    sums at 4 * 63 * 127 for Q6_K's pairs, 16 products of Q4_K's quads at 16 * 15 * 127 =
+    30480 beside int16's 32767; D at 8 * 63 * 16 * 32 * 15 * 127 for Q4_K): an int16 or
+    int32 sum that overflowed or saturated on some path would change the bits. Every row
+    count from 1 to 12 through the dense matmul (VNNI: passes of up to 4 rows) and through
+    one expert's call (bargein_gguf_matmul_expert: passes of up to 8, split evenly), Q4_K's
+    from 2 rows in the quad pass, equals the C path's bits."""
+    rng = rng_for("bounds", qtype)
+    k = 512
+    weight = _blocks_at_their_bounds(qtype, 32, k, rng)
+    matrix = describe_quant(weight)
+    x = torch.from_numpy(_activations_at_their_bounds(12, k, rng))
+    base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+    library = ctypes.CDLL(str(KERNELS.path))  # the loaded library: its exported expert call
+    expert = library.bargein_gguf_matmul_expert
+    expert.restype = ctypes.c_int
+    expert.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    for m in range(1, 13):
+        rows = x[:m].contiguous()
+        assert torch.equal(KERNELS.quant_matmul(rows, matrix, 2, isa=isa), base[:m]), m
+        y = torch.empty((m, weight.shape[0]), dtype=torch.float32)
+        assert expert(rows.data_ptr(), m, ctypes.addressof(matrix.struct), y.data_ptr(), 0, Q8_ISAS[isa]) == 0
+        assert torch.equal(y, base[:m]), m
 
 
 @needs_kernels
