@@ -92,7 +92,7 @@ def main() -> None:
                 hashes[name].add(result["hash"])
         line = f"{shape:14s} tokens {args.tokens}: this {statistics.median(times['this']):.3f} s"
         if args.ab:
-            ratio = [o / t for o, t in zip(times["other"], times["this"])]
+            ratio = [o / t for o, t in zip(times["other"], times["this"], strict=True)]
             line += (f", other {statistics.median(times['other']):.3f} s, other/this median "
                      f"{statistics.median(ratio):.3f} (rounds {', '.join(f'{x:.3f}' for x in ratio)}), "
                      f"same bits: {hashes['this'] == hashes['other']}")
