@@ -457,10 +457,9 @@ int bargein_paged_attention_f16_ex(const float *q, const uint16_t *k_cache, cons
     const int head_parts = num_tiles >= num_threads ? 1 : (num_heads < num_threads ? num_heads : num_threads);
     if (num_threads > num_tiles * head_parts) num_threads = (int)(num_tiles * head_parts);
     f16_batch_t batch = {q,         k_cache,      v_cache,   block_tables, query_seq,  query_ctx,  out,
-                         num_queries, table_width, 0,        num_heads,    num_kv_heads, head_dim, block_size,
+                         num_queries, table_width, max_context, num_heads, num_kv_heads, head_dim, block_size,
                          scale,     softcap,      window,    tile_starts,  num_tiles,  head_parts, prompt_path,
                          prompt_tile, 0};
-    batch.max_context = max_context;
     bargein_parallel_run(run_worker, &batch, num_threads);
     const int failed = atomic_load(&batch.next) < num_tiles * head_parts;
     free(tile_starts);
