@@ -62,7 +62,9 @@
  * Either chain depends on nothing but row r, column j and k: work is split over output columns (tiles of 16
  * within a segment), so every row count, thread count and instruction-set path (plain C,
  * AVX2, AVX-512 VNNI on 256-bit registers, its K chain's many-row tile pass on 512-bit
- * ones: gguf_tile_zmm.h) gives the same bits.
+ * ones: gguf_tile_zmm.h) gives the same bits. Threads start with even shares of the
+ * tiles and take what is left of each other's when done with theirs (run_tiles), so
+ * which thread computes a tile varies from call to call; its bits do not.
  *
  * Vector paths. Each thread decodes a tile of 16 columns, the whole of k, once per call:
  * a column's blocks into bytes u = q + off (the type's offset, so every quant is
@@ -87,6 +89,7 @@
 #include "half_matmul.h"
 #include "parallel.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -230,6 +233,15 @@ static void quantize_rows(void *arg, int index, int count) {
 
 /* ---- the job ------------------------------------------------------------------------ */
 
+/* One thread's share of the tiles, [front, back) in one word (front in the low 32 bits),
+ * on a cache line of its own: its owner takes tiles from the front; a thread done with
+ * its own share takes the tiles of the share with the most left from the back. Which
+ * thread computes a tile changes no bit of it. */
+typedef struct {
+    _Atomic uint64_t span;
+    char pad[56];
+} tile_range_t;
+
 typedef struct {
     const bargein_qmat_t *w;
     const acts_t *a;
@@ -242,6 +254,7 @@ typedef struct {
     uint8_t *scratch;                          /* per thread: scratch_bytes */
     int64_t scratch_bytes;
     int64_t k_group_rows; /* the K chain's few-row passes on VNNI take this many rows at most */
+    tile_range_t *ranges; /* per thread index: its share of the tiles */
 } job_t;
 
 static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
@@ -694,18 +707,19 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(cons
         for (int64_t l = l0; l < l1; l++) _mm_prefetch((const char *)(p->base[i] + 64 * l), _MM_HINT_T1);
 }
 
-/* The plans for the tile after tile t (of this thread's tiles t .. t1 - 1; any segment),
- * one per eight columns, in k / block steps (the first pass's steps: superblocks on the K
- * chain, 32-blocks on the 32 chain): 1 if there is one, else 0. The many-row passes read a tile many times from L1/L2 while its
- * successor's blocks would otherwise wait for build_tile's demand misses: 16 column
- * streams are more than the hardware prefetcher follows. */
-static int tile_ahead(const job_t *job, int64_t t, int64_t t1, int64_t block, ahead_t ahead[2]) {
-    if (t + 1 >= t1) return 0;
-    const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[t + 1]];
+/* The plans for tile `next` (the tile this thread is likely to take after the current one;
+ * any segment; -1: none), one per eight columns, in k / block steps (the first pass's
+ * steps: superblocks on the K chain, 32-blocks on the 32 chain): 1 if there is one, else
+ * 0. The many-row passes read a tile many times from L1/L2 while its successor's blocks
+ * would otherwise wait for build_tile's demand misses: 16 column streams are more than the
+ * hardware prefetcher follows. */
+static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahead[2]) {
+    if (next < 0) return 0;
+    const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[next]];
     qinfo_t info;
     if (gguf_qinfo((int)seg->type, &info)) return 0;
     const int64_t span = job->k / info.qk * info.bytes, steps = job->k / block > 0 ? job->k / block : 1;
-    for (int v = 0; v < 2; v++) ahead[v] = ahead_plan(seg, job->tile_col[t + 1] + 8 * v, span, steps);
+    for (int v = 0; v < 2; v++) ahead[v] = ahead_plan(seg, job->tile_col[next] + 8 * v, span, steps);
     return 1;
 }
 
@@ -1832,10 +1846,53 @@ static TARGET_AVX2 void column_exact_avx2(const job_t *job, const bargein_qseg_t
 
 /* ---- the work, split over tiles of output columns ----------------------------------- */
 
+#define SPAN(front, back) (((uint64_t)(back) << 32) | (uint64_t)(front))
+#define SPAN_FRONT(s) ((int64_t)(uint32_t)(s))
+#define SPAN_BACK(s) ((int64_t)((s) >> 32))
+
+/* Takes the front tile of a share (from_back 0) or its back tile (1) into *t; 0 when the
+ * share is empty. The tile after it in that direction, if the share still holds it, into
+ * *next (-1 if not): the tile whose blocks are fetched while *t is read. */
+static int take_tile(tile_range_t *range, int from_back, int64_t *t, int64_t *next) {
+    uint64_t s = atomic_load_explicit(&range->span, memory_order_relaxed);
+    for (;;) {
+        const int64_t front = SPAN_FRONT(s), back = SPAN_BACK(s);
+        if (front >= back) return 0;
+        const uint64_t taken = from_back ? SPAN(front, back - 1) : SPAN(front + 1, back);
+        if (atomic_compare_exchange_weak_explicit(&range->span, &s, taken, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            *t = from_back ? back - 1 : front;
+            *next = back - front > 1 ? (from_back ? back - 2 : front + 1) : -1;
+            return 1;
+        }
+    }
+}
+
+static void run_tile(const job_t *job, int index, int64_t t, int64_t next);
+
+/* Thread `index`'s share of the tiles, then (work stealing) what is left of the others',
+ * from their backs, the share with the most tiles left first: a thread slowed by the
+ * memory, a late start or its core being taken costs the call only its last tile, not the
+ * rest of its share. Shares start even (job->ranges, set by the caller). */
 static void run_tiles(void *arg, int index, int count) {
     const job_t *job = (const job_t *)arg;
-    const int64_t t0 = job->num_tiles * index / count, t1 = job->num_tiles * (index + 1) / count;
-    for (int64_t t = t0; t < t1; t++) {
+    int64_t t, next;
+    while (take_tile(&job->ranges[index], 0, &t, &next)) run_tile(job, index, t, next);
+    for (;;) {
+        int victim = -1;
+        int64_t most = 0;
+        for (int i = 0; i < count; i++) {
+            const uint64_t s = atomic_load_explicit(&job->ranges[i].span, memory_order_relaxed);
+            if (SPAN_BACK(s) - SPAN_FRONT(s) > most) most = SPAN_BACK(s) - SPAN_FRONT(s), victim = i;
+        }
+        if (victim < 0) return;
+        while (take_tile(&job->ranges[victim], 1, &t, &next)) run_tile(job, index, t, next);
+    }
+}
+
+/* Tile t on thread `index` (its scratch), fetching tile `next`'s blocks ahead (-1: none). */
+static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
+    {
         const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[t]];
         qinfo_t info = {32, 0, 0, KIND_PLAIN};
         gguf_qinfo((int)seg->type, &info);
@@ -1844,7 +1901,7 @@ static void run_tiles(void *arg, int index, int count) {
 #ifdef GGUF_X86
         if (job->a->exact && job->isa != ISA_C) {
             for (int c = 0; c < cols; c++) column_exact_avx2(job, seg, &info, col0 + c, j0 + c);
-            continue;
+            return;
         }
 #endif
         if (job->isa == ISA_C || job->a->exact) {
@@ -1854,21 +1911,21 @@ static void run_tiles(void *arg, int index, int count) {
                 else if (k_chain_type(seg->type)) column_k_chain_c(job, seg, &info, col0 + c, j0 + c, acc);
                 else column_fast_c(job, seg, &info, col0 + c, j0 + c, acc);
             }
-            continue;
+            return;
         }
 #ifdef GGUF_ARM64
         if (neon_gguf_tiled(job, seg, &info)) {
             neon_gguf_tile_columns(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
-            continue;
+            return;
         }
         neon_gguf_tile(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
 #endif
 #ifdef GGUF_X86
         if (job->m < (k_chain_type(seg->type) ? K_GEMM_MIN_ROWS : job->gemm_min_rows)) {
             /* the next tile's columns, fetched while this one's are read (same segment only) */
-            const int64_t next = t + 1 < t1 && job->tile_seg[t + 1] == job->tile_seg[t] ? job->tile_col[t + 1] : -1;
-            run_groups_x86(job, seg, &info, col0, j0, cols, next);
-            continue;
+            run_groups_x86(job, seg, &info, col0, j0, cols,
+                           next >= 0 && job->tile_seg[next] == job->tile_seg[t] ? job->tile_col[next] : -1);
+            return;
         }
         const tile_t tl = tile_scratch(job, index);
         build_tile(job, &tl, seg, &info, col0);
@@ -1879,7 +1936,7 @@ static void run_tiles(void *arg, int index, int count) {
          * fetched lines cost it in L2 (bench/gemm_tile_ab.c, Q4_0 on the 1B shapes, VNNI, new /
          * old time: 0.83 at 16 rows, 0.92 at 32, 0.98 at 64, 1.03 at 128, 1.07 at 512). */
         const int fetch = (k_chain_type(seg->type) || job->m <= AHEAD_MAX_ROWS_32) &&
-                          tile_ahead(job, t, t1, k_chain_type(seg->type) ? 256 : 32, ahead);
+                          tile_ahead(job, next, k_chain_type(seg->type) ? 256 : 32, ahead);
         for (int64_t r0 = 0; r0 < job->m;) {
             const int left = (int)(job->m - r0 < 64 ? job->m - r0 : 64);
             if (k_chain_type(seg->type)) {
@@ -1947,7 +2004,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
-                 NULL, NULL, NULL, NULL, 0};
+                 NULL, NULL, NULL, NULL, 0, 0, NULL};
     /* tiles are built for many rows on the vector paths only; otherwise a float per row
      * (the C columns' sums): a tile's scratch for one row would be mapped and unmapped
      * by malloc on every call once k is large */
@@ -1985,10 +2042,11 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     job.tile_col = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     job.seg_start = malloc(sizeof(int64_t) * (size_t)(w->num_segs + 1));
     job.scratch = aligned_alloc(64, (size_t)(job.scratch_bytes * num_threads));
+    job.ranges = aligned_alloc(64, sizeof(tile_range_t) * (size_t)num_threads);
     if ((exact ? !a.xsum16
                : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)) || (quads && !a.kx))) ||
         !job.tile_seg || !job.tile_col || !job.seg_start ||
-        !job.scratch) {
+        !job.scratch || !job.ranges) {
         status = -1;
         goto done;
     }
@@ -2008,6 +2066,8 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (isa != ISA_C && !exact) quantize = neon_gguf_quantize_rows;
 #endif
     bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
+    for (int i = 0; i < num_threads; i++)
+        atomic_init(&job.ranges[i].span, SPAN(num_tiles * i / num_threads, num_tiles * (i + 1) / num_threads));
     bargein_parallel_run(run_tiles, &job, num_threads);
 done:
     free(a.q);
@@ -2025,6 +2085,7 @@ done:
     free(job.tile_col);
     free(job.seg_start);
     free(job.scratch);
+    free(job.ranges);
     return status;
 }
 

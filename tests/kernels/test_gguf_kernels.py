@@ -202,6 +202,30 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
             assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
 
 
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+def test_threads_that_take_each_others_tiles_compute_every_tile_once(isa):
+    """A thread done with its share of the tiles takes the others' from their backs (work
+    stealing): with more threads than cores they are descheduled mid-call and steal often.
+    Every output (filled with NaN before the call) comes out written, with the bits of one
+    thread, across segments and row orders, on the few-row and the tile passes."""
+    rng = rng_for("stealing")
+    k = 256
+    weight = QuantWeight.cat_rows([random_weight(T.Q4_0, 16 * 37 + 5, k, rng, order=True),
+                                   random_weight(T.Q4_K, 16 * 21 + 3, k, rng), random_weight(T.Q8_0, 40, k, rng)])
+    matrix = describe_quant(weight)
+    n = weight.segments[0].rows + weight.segments[1].rows + weight.segments[2].rows
+    x = torch.from_numpy(rng.standard_normal((32, k)).astype(np.float32))
+    for m in (1, 5, 32):
+        base = KERNELS.quant_matmul(x[:m].contiguous(), matrix, 1, isa="c")
+        for threads in (2, 3, 5, 8):
+            for _ in range(6):
+                y = torch.full((m, n), float("nan"))
+                status = KERNELS._gguf_matmul(x[:m].contiguous().data_ptr(), m, ctypes.addressof(matrix.struct),
+                                              y.data_ptr(), 0, threads, Q8_ISAS[isa])
+                assert status == 0 and torch.equal(y, base), (m, threads)
+
+
 def _blocks_at_their_bounds(qtype: T, n: int, k: int, rng: np.random.Generator) -> QuantWeight:
     """(n, k) of ``qtype`` whose columns put the K chain's integer sums at their bounds, by
     column c % 4: every quant, scale and min at its largest (Q6_K: u = 63 and scales -128 or
