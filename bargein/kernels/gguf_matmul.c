@@ -89,7 +89,6 @@
 #include "half_matmul.h"
 #include "parallel.h"
 
-#include <stdatomic.h>
 #include <stdlib.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -233,15 +232,6 @@ static void quantize_rows(void *arg, int index, int count) {
 
 /* ---- the job ------------------------------------------------------------------------ */
 
-/* One thread's share of the tiles, [front, back) in one word (front in the low 32 bits),
- * on a cache line of its own: its owner takes tiles from the front; a thread done with
- * its own share takes the tiles of the share with the most left from the back. Which
- * thread computes a tile changes no bit of it. */
-typedef struct {
-    _Atomic uint64_t span;
-    char pad[56];
-} tile_range_t;
-
 typedef struct {
     const bargein_qmat_t *w;
     const acts_t *a;
@@ -254,7 +244,7 @@ typedef struct {
     uint8_t *scratch;                          /* per thread: scratch_bytes */
     int64_t scratch_bytes;
     int64_t k_group_rows; /* the K chain's few-row passes on VNNI take this many rows at most */
-    tile_range_t *ranges; /* per thread index: its share of the tiles */
+    bargein_share_t *shares; /* per thread index: its share of the tiles (parallel.h) */
 } job_t;
 
 static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
@@ -1846,127 +1836,89 @@ static TARGET_AVX2 void column_exact_avx2(const job_t *job, const bargein_qseg_t
 
 /* ---- the work, split over tiles of output columns ----------------------------------- */
 
-#define SPAN(front, back) (((uint64_t)(back) << 32) | (uint64_t)(front))
-#define SPAN_FRONT(s) ((int64_t)(uint32_t)(s))
-#define SPAN_BACK(s) ((int64_t)((s) >> 32))
-
-/* Takes the front tile of a share (from_back 0) or its back tile (1) into *t; 0 when the
- * share is empty. The tile after it in that direction, if the share still holds it, into
- * *next (-1 if not): the tile whose blocks are fetched while *t is read. */
-static int take_tile(tile_range_t *range, int from_back, int64_t *t, int64_t *next) {
-    uint64_t s = atomic_load_explicit(&range->span, memory_order_relaxed);
-    for (;;) {
-        const int64_t front = SPAN_FRONT(s), back = SPAN_BACK(s);
-        if (front >= back) return 0;
-        const uint64_t taken = from_back ? SPAN(front, back - 1) : SPAN(front + 1, back);
-        if (atomic_compare_exchange_weak_explicit(&range->span, &s, taken, memory_order_relaxed,
-                                                  memory_order_relaxed)) {
-            *t = from_back ? back - 1 : front;
-            *next = back - front > 1 ? (from_back ? back - 2 : front + 1) : -1;
-            return 1;
-        }
+/* Tile t on thread `index` (its scratch), fetching tile `next`'s blocks ahead (-1: none). */
+static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
+    const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[t]];
+    qinfo_t info = {32, 0, 0, KIND_PLAIN};
+    gguf_qinfo((int)seg->type, &info);
+    const int64_t col0 = job->tile_col[t], j0 = job->seg_start[job->tile_seg[t]] + col0;
+    const int cols = (int)(seg->rows - col0 < TILE ? seg->rows - col0 : TILE);
+#ifdef GGUF_X86
+    if (job->a->exact && job->isa != ISA_C) {
+        for (int c = 0; c < cols; c++) column_exact_avx2(job, seg, &info, col0 + c, j0 + c);
+        return;
     }
+#endif
+    if (job->isa == ISA_C || job->a->exact) {
+        float *acc = (float *)(job->scratch + (int64_t)index * job->scratch_bytes);
+        for (int c = 0; c < cols; c++) {
+            if (job->a->exact) column_exact_c(job, seg, &info, col0 + c, j0 + c, acc);
+            else if (k_chain_type(seg->type)) column_k_chain_c(job, seg, &info, col0 + c, j0 + c, acc);
+            else column_fast_c(job, seg, &info, col0 + c, j0 + c, acc);
+        }
+        return;
+    }
+#ifdef GGUF_ARM64
+    if (neon_gguf_tiled(job, seg, &info)) {
+        neon_gguf_tile_columns(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
+        return;
+    }
+    neon_gguf_tile(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
+#endif
+#ifdef GGUF_X86
+    if (job->m < (k_chain_type(seg->type) ? K_GEMM_MIN_ROWS : job->gemm_min_rows)) {
+        /* the next tile's columns, fetched while this one's are read (same segment only) */
+        run_groups_x86(job, seg, &info, col0, j0, cols,
+                       next >= 0 && job->tile_seg[next] == job->tile_seg[t] ? job->tile_col[next] : -1);
+        return;
+    }
+    const tile_t tl = tile_scratch(job, index);
+    build_tile(job, &tl, seg, &info, col0);
+    ahead_t ahead[2];
+    /* The first pass over this tile fetches the next one's blocks, a step per superblock on
+     * the K chain, per 32-block on the 32 chain. The 32 chain only up to AHEAD_MAX_ROWS_32
+     * rows: a tile read by more passes waits less on its successor's first reads than the
+     * fetched lines cost it in L2 (bench/gemm_tile_ab.c, Q4_0 on the 1B shapes, VNNI, new /
+     * old time: 0.83 at 16 rows, 0.92 at 32, 0.98 at 64, 1.03 at 128, 1.07 at 512). */
+    const int fetch = (k_chain_type(seg->type) || job->m <= AHEAD_MAX_ROWS_32) &&
+                      tile_ahead(job, next, k_chain_type(seg->type) ? 256 : 32, ahead);
+    for (int64_t r0 = 0; r0 < job->m;) {
+        const int left = (int)(job->m - r0 < 64 ? job->m - r0 : 64);
+        if (k_chain_type(seg->type)) {
+#ifdef GGUF_VNNI
+            if (job->isa == ISA_VNNI) {
+                /* many rows: each row's scale x m is one load from a table built once per tile */
+                const int scaled = k_scaled(job->m, job->k) && seg->type != T_Q6_K;
+                if (scaled && r0 == 0) zmm_scale_table(job, &tl);
+                /* the first pass fetches the next tile's blocks while it reads this one */
+                r0 += rows_k_zmm(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left, scaled);
+                continue;
+            }
+#endif
+            const int rows = left < 2 ? left : 2;
+            rows_k_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, rows);
+            r0 += rows;
+            continue;
+        }
+#ifdef GGUF_VNNI
+        if (job->isa == ISA_VNNI) {
+            r0 += rows_vnni(job, &tl, fetch && r0 == 0 ? ahead : NULL, &info, j0, cols, r0, left);
+            continue;
+        }
+#endif
+        const int rows = left < ROWS_AVX2 ? left : ROWS_AVX2;
+        rows_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, &info, j0, cols, r0, rows);
+        r0 += rows;
+    }
+#endif
 }
 
-static void run_tile(const job_t *job, int index, int64_t t, int64_t next);
-
-/* Thread `index`'s share of the tiles, then (work stealing) what is left of the others',
- * from their backs, the share with the most tiles left first: a thread slowed by the
- * memory, a late start or its core being taken costs the call only its last tile, not the
- * rest of its share. Shares start even (job->ranges, set by the caller). */
+/* Tiles for thread `index`: its share, then what is left of the others' (parallel.h's
+ * shares: work stealing), each fetching the blocks of the tile likely to come next. */
 static void run_tiles(void *arg, int index, int count) {
     const job_t *job = (const job_t *)arg;
     int64_t t, next;
-    while (take_tile(&job->ranges[index], 0, &t, &next)) run_tile(job, index, t, next);
-    for (;;) {
-        int victim = -1;
-        int64_t most = 0;
-        for (int i = 0; i < count; i++) {
-            const uint64_t s = atomic_load_explicit(&job->ranges[i].span, memory_order_relaxed);
-            if (SPAN_BACK(s) - SPAN_FRONT(s) > most) most = SPAN_BACK(s) - SPAN_FRONT(s), victim = i;
-        }
-        if (victim < 0) return;
-        while (take_tile(&job->ranges[victim], 1, &t, &next)) run_tile(job, index, t, next);
-    }
-}
-
-/* Tile t on thread `index` (its scratch), fetching tile `next`'s blocks ahead (-1: none). */
-static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
-    {
-        const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[t]];
-        qinfo_t info = {32, 0, 0, KIND_PLAIN};
-        gguf_qinfo((int)seg->type, &info);
-        const int64_t col0 = job->tile_col[t], j0 = job->seg_start[job->tile_seg[t]] + col0;
-        const int cols = (int)(seg->rows - col0 < TILE ? seg->rows - col0 : TILE);
-#ifdef GGUF_X86
-        if (job->a->exact && job->isa != ISA_C) {
-            for (int c = 0; c < cols; c++) column_exact_avx2(job, seg, &info, col0 + c, j0 + c);
-            return;
-        }
-#endif
-        if (job->isa == ISA_C || job->a->exact) {
-            float *acc = (float *)(job->scratch + (int64_t)index * job->scratch_bytes);
-            for (int c = 0; c < cols; c++) {
-                if (job->a->exact) column_exact_c(job, seg, &info, col0 + c, j0 + c, acc);
-                else if (k_chain_type(seg->type)) column_k_chain_c(job, seg, &info, col0 + c, j0 + c, acc);
-                else column_fast_c(job, seg, &info, col0 + c, j0 + c, acc);
-            }
-            return;
-        }
-#ifdef GGUF_ARM64
-        if (neon_gguf_tiled(job, seg, &info)) {
-            neon_gguf_tile_columns(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
-            return;
-        }
-        neon_gguf_tile(job, seg, &info, col0, j0, cols, job->scratch + (int64_t)index * job->scratch_bytes);
-#endif
-#ifdef GGUF_X86
-        if (job->m < (k_chain_type(seg->type) ? K_GEMM_MIN_ROWS : job->gemm_min_rows)) {
-            /* the next tile's columns, fetched while this one's are read (same segment only) */
-            run_groups_x86(job, seg, &info, col0, j0, cols,
-                           next >= 0 && job->tile_seg[next] == job->tile_seg[t] ? job->tile_col[next] : -1);
-            return;
-        }
-        const tile_t tl = tile_scratch(job, index);
-        build_tile(job, &tl, seg, &info, col0);
-        ahead_t ahead[2];
-        /* The first pass over this tile fetches the next one's blocks, a step per superblock on
-         * the K chain, per 32-block on the 32 chain. The 32 chain only up to AHEAD_MAX_ROWS_32
-         * rows: a tile read by more passes waits less on its successor's first reads than the
-         * fetched lines cost it in L2 (bench/gemm_tile_ab.c, Q4_0 on the 1B shapes, VNNI, new /
-         * old time: 0.83 at 16 rows, 0.92 at 32, 0.98 at 64, 1.03 at 128, 1.07 at 512). */
-        const int fetch = (k_chain_type(seg->type) || job->m <= AHEAD_MAX_ROWS_32) &&
-                          tile_ahead(job, next, k_chain_type(seg->type) ? 256 : 32, ahead);
-        for (int64_t r0 = 0; r0 < job->m;) {
-            const int left = (int)(job->m - r0 < 64 ? job->m - r0 : 64);
-            if (k_chain_type(seg->type)) {
-#ifdef GGUF_VNNI
-                if (job->isa == ISA_VNNI) {
-                    /* many rows: each row's scale x m is one load from a table built once per tile */
-                    const int scaled = k_scaled(job->m, job->k) && seg->type != T_Q6_K;
-                    if (scaled && r0 == 0) zmm_scale_table(job, &tl);
-                    /* the first pass fetches the next tile's blocks while it reads this one */
-                    r0 += rows_k_zmm(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left, scaled);
-                    continue;
-                }
-#endif
-                const int rows = left < 2 ? left : 2;
-                rows_k_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, rows);
-                r0 += rows;
-                continue;
-            }
-#ifdef GGUF_VNNI
-            if (job->isa == ISA_VNNI) {
-                r0 += rows_vnni(job, &tl, fetch && r0 == 0 ? ahead : NULL, &info, j0, cols, r0, left);
-                continue;
-            }
-#endif
-            const int rows = left < ROWS_AVX2 ? left : ROWS_AVX2;
-            rows_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, &info, j0, cols, r0, rows);
-            r0 += rows;
-        }
-#endif
-    }
+    while (bargein_shares_take(job->shares, index, count, &t, &next)) run_tile(job, index, t, next);
 }
 
 static int check_types(const bargein_qmat_t *w) {
@@ -2042,11 +1994,11 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     job.tile_col = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     job.seg_start = malloc(sizeof(int64_t) * (size_t)(w->num_segs + 1));
     job.scratch = aligned_alloc(64, (size_t)(job.scratch_bytes * num_threads));
-    job.ranges = aligned_alloc(64, sizeof(tile_range_t) * (size_t)num_threads);
+    job.shares = aligned_alloc(64, sizeof(bargein_share_t) * (size_t)num_threads);
     if ((exact ? !a.xsum16
                : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)) || (quads && !a.kx))) ||
         !job.tile_seg || !job.tile_col || !job.seg_start ||
-        !job.scratch || !job.ranges) {
+        !job.scratch || !job.shares) {
         status = -1;
         goto done;
     }
@@ -2066,8 +2018,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (isa != ISA_C && !exact) quantize = neon_gguf_quantize_rows;
 #endif
     bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
-    for (int i = 0; i < num_threads; i++)
-        atomic_init(&job.ranges[i].span, SPAN(num_tiles * i / num_threads, num_tiles * (i + 1) / num_threads));
+    bargein_shares_init(job.shares, num_threads, num_tiles);
     bargein_parallel_run(run_tiles, &job, num_threads);
 done:
     free(a.q);
@@ -2085,7 +2036,7 @@ done:
     free(job.tile_col);
     free(job.seg_start);
     free(job.scratch);
-    free(job.ranges);
+    free(job.shares);
     return status;
 }
 

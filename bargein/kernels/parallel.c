@@ -260,3 +260,45 @@ void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
     if (caller_was_preempted()) contention_seen(now_ns());
     pthread_mutex_unlock(&pool.submit);
 }
+
+/* ---- shares of a call's items (parallel.h) ------------------------------------------- */
+
+#define SPAN(front, back) (((uint64_t)(back) << 32) | (uint64_t)(front))
+#define SPAN_FRONT(s) ((int64_t)(uint32_t)(s))
+#define SPAN_BACK(s) ((int64_t)((s) >> 32))
+
+void bargein_shares_init(bargein_share_t *shares, int count, int64_t n) {
+    for (int i = 0; i < count; i++) atomic_init(&shares[i].span, SPAN(n * i / count, n * (i + 1) / count));
+}
+
+/* Takes the front item of a share (from_back 0) or its back item (1); 0 when it is empty. */
+static int take_from(bargein_share_t *share, int from_back, int64_t *item, int64_t *next) {
+    uint64_t s = atomic_load_explicit(&share->span, memory_order_relaxed);
+    for (;;) {
+        const int64_t front = SPAN_FRONT(s), back = SPAN_BACK(s);
+        if (front >= back) return 0;
+        const uint64_t taken = from_back ? SPAN(front, back - 1) : SPAN(front + 1, back);
+        /* relaxed: a take only decides who computes an item; what the items read was
+         * published with the call, what they write is seen after the call's end */
+        if (atomic_compare_exchange_weak_explicit(&share->span, &s, taken, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            *item = from_back ? back - 1 : front;
+            *next = back - front > 1 ? (from_back ? back - 2 : front + 1) : -1;
+            return 1;
+        }
+    }
+}
+
+int bargein_shares_take(bargein_share_t *shares, int index, int count, int64_t *item, int64_t *next) {
+    if (take_from(&shares[index], 0, item, next)) return 1;
+    for (;;) {
+        int victim = -1;
+        int64_t most = 0;
+        for (int i = 0; i < count; i++) {
+            const uint64_t s = atomic_load_explicit(&shares[i].span, memory_order_relaxed);
+            if (SPAN_BACK(s) - SPAN_FRONT(s) > most) most = SPAN_BACK(s) - SPAN_FRONT(s), victim = i;
+        }
+        if (victim < 0) return 0;
+        if (take_from(&shares[victim], 1, item, next)) return 1;
+    }
+}

@@ -11,6 +11,28 @@
 typedef void (*bargein_task_fn)(void *arg, int index, int count);
 void bargein_parallel_run(bargein_task_fn fn, void *arg, int count);
 
+/* Items [0, n) of a call, shared out by thread index for work stealing: index i starts
+ * with the even share [n * i / count, n * (i + 1) / count) and takes its items from the
+ * front; once its own share is empty it takes items from the back of the share with the
+ * most left. So a thread slowed by the memory, a late start or a lost core costs the call
+ * only the item it is on, not the rest of its share. Every item is taken exactly once.
+ * Items must not depend on which thread takes them (the kernels' results never do). */
+#include <stdatomic.h>
+#include <stdint.h>
+
+typedef struct {
+    _Atomic uint64_t span; /* [front, back): front in the low 32 bits */
+    char pad[56];          /* a cache line per share: its owner's takes do not contend */
+} bargein_share_t;
+
+/* shares: count of them (64-byte aligned); n < 2^32. */
+void bargein_shares_init(bargein_share_t *shares, int count, int64_t n);
+
+/* The next item for thread `index` of `count` into *item (0 when none is left), and the
+ * one it will likely take after it into *next (-1 if none): the item whose data a kernel
+ * may fetch ahead while it works on *item. */
+int bargein_shares_take(bargein_share_t *shares, int index, int count, int64_t *item, int64_t *next);
+
 /* A spinning thread's pause between two looks at shared state (it frees the core's
  * other hyperthread and saves power while it waits). */
 #if defined(__x86_64__) || defined(__i386__)
