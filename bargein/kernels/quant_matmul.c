@@ -679,62 +679,70 @@ typedef struct {
     void (*gemm)(const qjob_t *, const void *, const float *, int64_t, int64_t, int);
     int gemm_rows;
     int neon_tile; /* ARM64 sdot, many rows: neon_q8_tile.h's packed quads (tiles: the scratch) */
+    bargein_share_t *shares; /* per thread index: its share of the items (parallel.h) */
+    int64_t item_groups;     /* groups per item: several where a group of few rows is a short work */
 } run_t;
 
-/* Output columns [n * index / count, n * (index + 1) / count) in whole groups of eight
- * (tiles of sixteen for the many-row path), every row; a group's weights stay in the
- * first-level cache while every row passes over them. The order of the work changes
- * no value. */
-static void run_groups(void *arg, int index, int count) {
-    const run_t *run = (const run_t *)arg;
+/* Output columns of group g (eight columns; a tile of sixteen on the many-row path), every
+ * row, on thread `index` (its panels and tile); a group's weights stay in the first-level
+ * cache while every row passes over them. `next`: the group whose weights the many-row path
+ * fetches meanwhile (-1: none). The order of the work changes no value. */
+static void run_group(const run_t *run, int index, int64_t g, int64_t next) {
     const qjob_t *job = run->job;
-    const int64_t width = run->gemm ? 2 * GROUP : GROUP, groups = (job->n + width - 1) / width;
-    const int64_t g0 = groups * index / count, g1 = groups * (index + 1) / count;
+    const int64_t width = run->gemm ? 2 * GROUP : GROUP;
     if (run->group == NULL) {
-        for (int64_t j = g0 * GROUP; j < g1 * GROUP && j < job->n; j++)
+        for (int64_t j = g * GROUP; j < (g + 1) * GROUP && j < job->n; j++)
             for (int64_t r = 0; r < job->m; r++) job->y[r * job->n + j] = output_c(job, r, j);
         return;
     }
 #ifdef BARGEIN_ARM64
+    (void)next;
 #ifdef BARGEIN_DOTPROD
     if (run->neon_tile) {
         uint8_t *scratch = (uint8_t *)job->tiles + (int64_t)index * neon_q8_tile_bytes(job->nb);
-        neon_q8_tile_columns(job, g0 * GROUP, g1 * GROUP < job->n ? g1 * GROUP : job->n, scratch);
+        neon_q8_tile_columns(job, g * GROUP, (g + 1) * GROUP < job->n ? (g + 1) * GROUP : job->n, scratch);
         return;
     }
 #endif
     float *panels = job->panels + (int64_t)index * 4 * job->nb * GROUP;
-    for (int64_t g = g0; g < g1; g++) {
-        neon_q8_panels(job, g * GROUP, panels);
-        for (int64_t r0 = 0; r0 < job->m; r0 += run->rows)
-            run->group(job, panels, g * GROUP, r0, job->m - r0 < run->rows ? (int)(job->m - r0) : run->rows);
-    }
+    neon_q8_panels(job, g * GROUP, panels);
+    for (int64_t r0 = 0; r0 < job->m; r0 += run->rows)
+        run->group(job, panels, g * GROUP, r0, job->m - r0 < run->rows ? (int)(job->m - r0) : run->rows);
 #endif
 #ifdef BARGEIN_X86
     float *panels = job->panels + (int64_t)index * 4 * job->nb * GROUP;
     if (run->gemm) {
         __m256i *tile = (__m256i *)job->tiles + (int64_t)index * 16 * job->nb;
-        for (int64_t g = g0; g < g1; g++) {
-            const int64_t j0 = g * width;
-            build_panels_avx2(job, j0, panels);
-            build_panels_avx2(job, j0 + GROUP < job->n ? j0 + GROUP : job->n - 1, panels + 2 * job->nb * GROUP);
-            repack_tile(job, j0, tile);
-            /* the next tile's weights, fetched while the rows pass over this one */
+        const int64_t j0 = g * width;
+        build_panels_avx2(job, j0, panels);
+        build_panels_avx2(job, j0 + GROUP < job->n ? j0 + GROUP : job->n - 1, panels + 2 * job->nb * GROUP);
+        repack_tile(job, j0, tile);
+        if (next >= 0) { /* the next tile's weights, fetched while the rows pass over this one */
             const int64_t bytes = (job->bits == 4 ? BLOCK / 2 : BLOCK) * job->nb;
-            const int64_t next = (j0 + width < job->n ? j0 + width : job->n) * bytes;
-            const int64_t stop = (j0 + 2 * width < job->n ? j0 + 2 * width : job->n) * bytes;
-            for (int64_t at = next; at < stop; at += 64) _mm_prefetch((const char *)(job->qs + at), _MM_HINT_T1);
-            for (int64_t r0 = 0; r0 < job->m; r0 += run->gemm_rows)
-                run->gemm(job, tile, panels, j0, r0, job->m - r0 < run->gemm_rows ? (int)(job->m - r0) : run->gemm_rows);
+            const int64_t stop = ((next + 1) * width < job->n ? (next + 1) * width : job->n) * bytes;
+            for (int64_t at = next * width * bytes; at < stop; at += 64) _mm_prefetch((const char *)(job->qs + at), _MM_HINT_T1);
         }
+        for (int64_t r0 = 0; r0 < job->m; r0 += run->gemm_rows)
+            run->gemm(job, tile, panels, j0, r0, job->m - r0 < run->gemm_rows ? (int)(job->m - r0) : run->gemm_rows);
         return;
     }
-    for (int64_t g = g0; g < g1; g++) {
-        build_panels_avx2(job, g * GROUP, panels);
-        for (int64_t r0 = 0; r0 < job->m; r0 += run->rows)
-            run->group(job, panels, g * GROUP, r0, job->m - r0 < run->rows ? (int)(job->m - r0) : run->rows);
-    }
+    build_panels_avx2(job, g * GROUP, panels);
+    for (int64_t r0 = 0; r0 < job->m; r0 += run->rows)
+        run->group(job, panels, g * GROUP, r0, job->m - r0 < run->rows ? (int)(job->m - r0) : run->rows);
 #endif
+}
+
+/* Items for thread `index` (item_groups groups each): its share, then what is left of the
+ * others' (parallel.h's shares: work stealing). */
+static void run_groups(void *arg, int index, int count) {
+    const run_t *run = (const run_t *)arg;
+    const int64_t width = run->gemm ? 2 * GROUP : GROUP, groups = (run->job->n + width - 1) / width;
+    int64_t item, next;
+    while (bargein_shares_take(run->shares, index, count, &item, &next)) {
+        const int64_t g1 = (item + 1) * run->item_groups < groups ? (item + 1) * run->item_groups : groups;
+        for (int64_t g = item * run->item_groups; g < g1; g++)
+            run_group(run, index, g, g + 1 < g1 ? g + 1 : next >= 0 ? next * run->item_groups : -1);
+    }
 }
 
 int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t *qs, const float *scales,
@@ -760,8 +768,9 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     int32_t *xc = malloc(sizeof(int32_t) * cells);
     float *panels = malloc(sizeof(float) * 4 * GROUP * blocks * (size_t)num_threads);
     void *tiles = gemm || neon_tile ? aligned_alloc(64, (tile_bytes * (size_t)num_threads + 63) / 64 * 64) : NULL;
+    bargein_share_t *shares = aligned_alloc(64, sizeof(bargein_share_t) * (size_t)num_threads);
     int status = 0;
-    if (!xq || !xd || !xs || !xc || !panels || ((gemm || neon_tile) && !tiles)) {
+    if (!xq || !xd || !xs || !xc || !panels || ((gemm || neon_tile) && !tiles) || !shares) {
         status = -1;
         goto done;
     }
@@ -790,6 +799,13 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     if (isa == ISA_DOTPROD) run = (run_t){&job, q8_group_dotprod, ROWS_NEON, NULL, 0, neon_tile};
 #endif
 #endif
+    run.shares = shares;
+    /* A group of one row is a few hundred nanoseconds of work: four to an item, so that
+     * taking items (an atomic each) stays a small part of it. */
+    run.item_groups = m < 4 && !run.gemm ? 8 : 1;
+    const int64_t width = run.gemm ? 2 * GROUP : GROUP, items = ((n + width - 1) / width + run.item_groups - 1) /
+                                                                run.item_groups;
+    bargein_shares_init(shares, num_threads, items);
     bargein_parallel_run(run_groups, &run, num_threads);
 done:
     free(xq);
@@ -798,5 +814,6 @@ done:
     free(xc);
     free(panels);
     free(tiles);
+    free(shares);
     return status;
 }

@@ -354,6 +354,29 @@ def test_q4_1_and_q8_0_from_the_file_equal_block_weights(qtype, isa):
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0], ids=["Q4_1", "Q8_0"])
+def test_block_weight_threads_that_take_each_others_groups_compute_every_group_once(qtype, isa):
+    """quant_matmul.c's groups (eight columns; tiles of sixteen from its many-row threshold)
+    are shares that threads steal from, as gguf_matmul.c's tiles: every output, NaN before
+    the call, comes out written with one thread's bits while 2-8 threads take them."""
+    rng = rng_for("blockweight-stealing", qtype)
+    n, k = 16 * 23 + 5, 576
+    blocks = _block_weight(qtype, random_blocks(qtype, n, k, rng), n, k)
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    mins = blocks.mins.data_ptr() if blocks.mins is not None else None
+    for m in (1, 5, 40):
+        base = KERNELS.q8_block_matmul(x[:m].contiguous(), blocks, 1, isa="c")
+        for threads in (2, 3, 5, 8):
+            for _ in range(6):
+                y = torch.full((m, n), float("nan"))
+                status = KERNELS._q8_matmul(x[:m].contiguous().data_ptr(), m, k, blocks.qs.data_ptr(),
+                                            blocks.scales.data_ptr(), mins, blocks.bits, n, y.data_ptr(), threads,
+                                            Q8_ISAS[isa])
+                assert status == 0 and torch.equal(y, base), (m, threads)
+
+
+@needs_kernels
 def test_read_only_mapped_blocks_are_read_in_place(tmp_path):
     rng = rng_for("mmap")
     data = random_blocks(T.Q4_K, 16, 512, rng)
