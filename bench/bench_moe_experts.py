@@ -24,6 +24,10 @@ same-run A/B that a loaded machine's noise moves for both sides alike.
 
     python bench/bench_moe_experts.py FILE --step --threads 2 --rounds 40 --against OTHER.so
 
+(With ``--threads 2`` the two libraries' thread pools spin against each other; one may fall
+back to sleeping workers for a while. bench/gemm_tile_ab.c's header says how to time
+threads instead: each library in a process of its own, the processes alternated.)
+
 Without ``--step``, ``--against LIB.so`` times the two builds' expert calls in turn for each
 rows count and path instead, and prints per rows count the median of the rounds' ratios
 (this tree / LIB.so): a same-run A/B of the few-row pass at each row count.

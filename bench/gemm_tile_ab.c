@@ -21,6 +21,13 @@
  * instead of the layer's five. Build A and B with bargein/kernels' flags (native.py):
  * cc -O3 -std=c11 -shared -fPIC -pthread -ffp-contract=off -march=native -fopenmp
  * -o X.so bargein/kernels/[a-z]*.c -lm (the .c files), from each tree.
+ *
+ * Two threads or more: each library has its own thread pool (parallel.c), and the two
+ * pools' workers spin against each other between calls; a pool that sees its threads
+ * descheduled falls back to sleeping workers (one thread's speed) for a while, so a
+ * 2-thread ratio of two libraries in one process can be far off (one SmolLM2 A/B read
+ * 1.008 one way and 0.481 with the order swapped). For threads, time each library alone
+ * in its own process (pass the same .so as A and B) and alternate the processes.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

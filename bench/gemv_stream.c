@@ -15,6 +15,13 @@
  * loads waited for memory, which other programs' traffic still lengthens).
  * ISA 0 plain C, 1 AVX2, 2 AVX-512 VNNI (gguf_matmul.c's numbers). The libraries are the
  * cached bargein_kernels_*.so of each tree (or cc -O3 -march=native -fopenmp -shared ...).
+ *
+ * Two threads or more: each library has its own thread pool (parallel.c), and the two
+ * pools' workers spin against each other between calls; a pool that sees its threads
+ * descheduled falls back to sleeping workers (one thread's speed) for a while, so a
+ * 2-thread ratio of two libraries in one process can be far off (one SmolLM2 A/B read
+ * 1.008 one way and 0.481 with the order swapped). For threads, time each library alone
+ * in its own process (pass the same .so as A and B) and alternate the processes.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
