@@ -1940,7 +1940,8 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     int64_t num_tiles = 0; /* of the block types' segments; the 16-bit floats' are half_matmul.c's */
     for (int64_t s = 0; s < w->num_segs; s++)
         if (!half_type(w->segs[s].type)) num_tiles += (w->segs[s].rows + TILE - 1) / TILE;
-    if (num_tiles < w->n && bargein_half_matmul(x, m, w, y, num_threads, isa)) return -2;
+    const int half_status = num_tiles < w->n ? bargein_half_matmul(x, m, w, y, num_threads, isa) : 0;
+    if (half_status) return half_status;
     if (num_tiles == 0) return 0;
     if (exact && isa == ISA_VNNI) isa = ISA_AVX2; /* exact has a C and an AVX2 path */
     const int64_t k = w->k, nb = k / 32, n = w->n;

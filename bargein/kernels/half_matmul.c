@@ -28,6 +28,7 @@
 #include "parallel.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -217,6 +218,7 @@ typedef struct {
     float *y;
     int64_t m, num_units;
     int isa;
+    bargein_share_t *shares; /* per thread index: its share of the units (parallel.h) */
 } half_job_t;
 
 static int64_t segment_units(const bargein_qseg_t *seg) {
@@ -292,6 +294,9 @@ static TARGET_AVX512 int rows_avx512(const half_job_t *job, const bargein_qseg_t
 }
 #endif
 
+/* Units for thread `index` (UNIT output columns of one segment, every row): its share,
+ * then what is left of the others' (parallel.h's shares: work stealing). Which thread
+ * computes a unit changes no bit of it. */
 static void run_units(void *arg, int index, int count) {
     const half_job_t *job = (const half_job_t *)arg;
     const bargein_qmat_t *w = job->w;
@@ -300,20 +305,17 @@ static void run_units(void *arg, int index, int count) {
     if (job->isa == ISA_AVX2) rows_by = rows_avx2;
     if (job->isa == ISA_AVX512) rows_by = rows_avx512;
 #endif
-    const int64_t u0 = job->num_units * index / count, u1 = job->num_units * (index + 1) / count;
-    int64_t u = 0, start = 0; /* units before segment s, its first output column */
-    for (int64_t s = 0; s < w->num_segs && u < u1; start += w->segs[s].rows, s++) {
+    int64_t unit, next;
+    while (bargein_shares_take(job->shares, index, count, &unit, &next)) {
+        int64_t s = 0, start = 0; /* the unit's segment, its first output column */
+        for (; unit >= segment_units(&w->segs[s]); start += w->segs[s].rows, s++) unit -= segment_units(&w->segs[s]);
         const bargein_qseg_t *seg = &w->segs[s];
-        const int64_t units = segment_units(seg);
-        for (int64_t v = u0 > u ? u0 - u : 0; v < units && u + v < u1; v++) {
-            const int64_t col0 = v * UNIT;
-            const int cols = (int)(seg->rows - col0 < UNIT ? seg->rows - col0 : UNIT);
-            for (int64_t r0 = 0; r0 < job->m;) {
-                const int left = (int)(job->m - r0 < 64 ? job->m - r0 : 64);
-                r0 += rows_by(job, seg, col0, start + col0, cols, r0, left);
-            }
+        const int64_t col0 = unit * UNIT;
+        const int cols = (int)(seg->rows - col0 < UNIT ? seg->rows - col0 : UNIT);
+        for (int64_t r0 = 0; r0 < job->m;) {
+            const int left = (int)(job->m - r0 < 64 ? job->m - r0 : 64);
+            r0 += rows_by(job, seg, col0, start + col0, cols, r0, left);
         }
-        u += units;
     }
 }
 
@@ -336,11 +338,16 @@ int bargein_half_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
      * that this CPU runs but this file cannot (no F16C) gives the same bits in plain C. */
     if (!bargein_q8_isa_available(isa)) return -2;
     if (!half_isa_available(isa)) isa = half_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
-    half_job_t job = {x, w, y, m, 0, isa};
+    half_job_t job = {x, w, y, m, 0, isa, NULL};
     for (int64_t s = 0; s < w->num_segs; s++) job.num_units += segment_units(&w->segs[s]);
     if (m <= 0 || job.num_units == 0) return 0;
     if (num_threads > job.num_units) num_threads = (int)job.num_units;
-    bargein_parallel_run(run_units, &job, num_threads > 1 ? num_threads : 1);
+    if (num_threads < 1) num_threads = 1;
+    job.shares = aligned_alloc(64, sizeof(bargein_share_t) * (size_t)num_threads);
+    if (!job.shares) return -1;
+    bargein_shares_init(job.shares, num_threads, job.num_units);
+    bargein_parallel_run(run_units, &job, num_threads);
+    free(job.shares);
     return 0;
 }
 

@@ -16,7 +16,8 @@ static inline int half_type(int64_t type) { return type == T_F16 || type == T_BF
 /* y[:, j] = x @ W[j].T for the columns j of w's F16 and BF16 segments only (the others'
  * columns are left as they are), x (m, k) float32, y (m, n). One summation order for every
  * row count, thread count and isa (< 0 the best here, 0 C, 1 AVX2, 2 AVX-512): see
- * half_matmul.c. Returns 0; -2 when the forced isa is not this CPU's. */
+ * half_matmul.c. Returns 0; -1 when scratch memory could not be had; -2 when the forced
+ * isa is not this CPU's. */
 int bargein_half_matmul(const float *x, int64_t m, const bargein_qmat_t *w, float *y, int num_threads, int isa);
 
 /* Row i of an F16 or BF16 segment (k values) widened to float32 into out (exact), with
