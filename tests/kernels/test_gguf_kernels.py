@@ -28,6 +28,7 @@ from bargein.kernels.ops import KernelSet
 from bargein.kernels.quant_weight import QuantSegment, QuantWeight
 from tests.gguf_blocks import TYPES, T, gguf_dequantize, random_blocks, random_weight
 from tests.kernels.isa_params import isa_params
+from tests.kernels.stealing import assert_each_output_written_once, gguf_run
 
 KERNELS = load_native_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here; the reference path is tested")
@@ -214,16 +215,10 @@ def test_threads_that_take_each_others_tiles_compute_every_tile_once(isa):
     weight = QuantWeight.cat_rows([random_weight(T.Q4_0, 16 * 37 + 5, k, rng, order=True),
                                    random_weight(T.Q4_K, 16 * 21 + 3, k, rng), random_weight(T.Q8_0, 40, k, rng)])
     matrix = describe_quant(weight)
-    n = weight.segments[0].rows + weight.segments[1].rows + weight.segments[2].rows
     x = torch.from_numpy(rng.standard_normal((32, k)).astype(np.float32))
     for m in (1, 5, 32):
         base = KERNELS.quant_matmul(x[:m].contiguous(), matrix, 1, isa="c")
-        for threads in (2, 3, 5, 8):
-            for _ in range(6):
-                y = torch.full((m, n), float("nan"))
-                status = KERNELS._gguf_matmul(x[:m].contiguous().data_ptr(), m, ctypes.addressof(matrix.struct),
-                                              y.data_ptr(), 0, threads, Q8_ISAS[isa])
-                assert status == 0 and torch.equal(y, base), (m, threads)
+        assert_each_output_written_once(gguf_run(KERNELS, x[:m], matrix, isa), base)
 
 
 def _blocks_at_their_bounds(qtype: T, n: int, k: int, rng: np.random.Generator) -> QuantWeight:
@@ -366,14 +361,12 @@ def test_block_weight_threads_that_take_each_others_groups_compute_every_group_o
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
     mins = blocks.mins.data_ptr() if blocks.mins is not None else None
     for m in (1, 5, 40):
-        base = KERNELS.q8_block_matmul(x[:m].contiguous(), blocks, 1, isa="c")
-        for threads in (2, 3, 5, 8):
-            for _ in range(6):
-                y = torch.full((m, n), float("nan"))
-                status = KERNELS._q8_matmul(x[:m].contiguous().data_ptr(), m, k, blocks.qs.data_ptr(),
-                                            blocks.scales.data_ptr(), mins, blocks.bits, n, y.data_ptr(), threads,
-                                            Q8_ISAS[isa])
-                assert status == 0 and torch.equal(y, base), (m, threads)
+        rows = x[:m].contiguous()
+        base = KERNELS.q8_block_matmul(rows, blocks, 1, isa="c")
+        assert_each_output_written_once(
+            lambda y, threads, rows=rows: KERNELS._q8_matmul(rows.data_ptr(), rows.shape[0], k, blocks.qs.data_ptr(),
+                                                             blocks.scales.data_ptr(), mins, blocks.bits, n,
+                                                             y.data_ptr(), threads, Q8_ISAS[isa]), base)
 
 
 @needs_kernels

@@ -10,19 +10,18 @@ both precisions, and beside block-type segments in one matrix.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
 
 from bargein.kernels.ggml_types import GGMLQuantizationType as T
-from bargein.kernels.native import Q8_ISAS, load_native_kernels
+from bargein.kernels.native import load_native_kernels
 from bargein.kernels.native_structs import describe_quant
 from bargein.kernels.ops import KernelSet
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantSegment, QuantWeight
 from tests.gguf_blocks import random_weight
 from tests.kernels.isa_params import isa_params
+from tests.kernels.stealing import assert_each_output_written_once, gguf_run
 
 KERNELS = load_native_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here; the reference path is tested")
@@ -172,16 +171,10 @@ def test_threads_that_take_each_others_units_compute_every_unit_once(isa):
                                    random_weight(T.Q4_K, 16 * 5 + 3, k, np.random.default_rng(22)),
                                    half_weight(T.BF16, 48 * 6 + 1, k, 23, order=True)])
     matrix = describe_quant(weight)
-    n = weight.shape[0]
     x = torch.from_numpy(np.random.default_rng(24).standard_normal((9, k)).astype(np.float32))
     for m in (1, 9):
         base = KERNELS.quant_matmul(x[:m].contiguous(), matrix, 1, isa="c")
-        for threads in (2, 3, 5, 8):
-            for _ in range(6):
-                y = torch.full((m, n), float("nan"))
-                status = KERNELS._gguf_matmul(x[:m].contiguous().data_ptr(), m, ctypes.addressof(matrix.struct),
-                                              y.data_ptr(), 0, threads, Q8_ISAS[isa])
-                assert status == 0 and torch.equal(y, base), (m, threads)
+        assert_each_output_written_once(gguf_run(KERNELS, x[:m], matrix, isa), base)
 
 def test_without_native_kernels_the_reference_runs():
     weight = half_weight(T.BF16, 12, 64, 15)
