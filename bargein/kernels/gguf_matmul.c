@@ -1995,7 +1995,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     job.tile_col = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     job.seg_start = malloc(sizeof(int64_t) * (size_t)(w->num_segs + 1));
     job.scratch = aligned_alloc(64, (size_t)(job.scratch_bytes * num_threads));
-    job.shares = aligned_alloc(64, sizeof(bargein_share_t) * (size_t)num_threads);
+    job.shares = bargein_shares_new(num_threads, num_tiles);
     if ((exact ? !a.xsum16
                : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)) || (quads && !a.kx))) ||
         !job.tile_seg || !job.tile_col || !job.seg_start ||
@@ -2019,7 +2019,6 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (isa != ISA_C && !exact) quantize = neon_gguf_quantize_rows;
 #endif
     bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
-    bargein_shares_init(job.shares, num_threads, num_tiles);
     bargein_parallel_run(run_tiles, &job, num_threads);
 done:
     free(a.q);

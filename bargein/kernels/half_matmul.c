@@ -308,7 +308,7 @@ static void run_units(void *arg, int index, int count) {
     int64_t unit, next;
     while (bargein_shares_take(job->shares, index, count, &unit, &next)) {
         int64_t s = 0, start = 0; /* the unit's segment, its first output column */
-        for (; unit >= segment_units(&w->segs[s]); start += w->segs[s].rows, s++) unit -= segment_units(&w->segs[s]);
+        for (int64_t units; unit >= (units = segment_units(&w->segs[s])); s++) unit -= units, start += w->segs[s].rows;
         const bargein_qseg_t *seg = &w->segs[s];
         const int64_t col0 = unit * UNIT;
         const int cols = (int)(seg->rows - col0 < UNIT ? seg->rows - col0 : UNIT);
@@ -343,9 +343,8 @@ int bargein_half_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     if (m <= 0 || job.num_units == 0) return 0;
     if (num_threads > job.num_units) num_threads = (int)job.num_units;
     if (num_threads < 1) num_threads = 1;
-    job.shares = aligned_alloc(64, sizeof(bargein_share_t) * (size_t)num_threads);
+    job.shares = bargein_shares_new(num_threads, job.num_units);
     if (!job.shares) return -1;
-    bargein_shares_init(job.shares, num_threads, job.num_units);
     bargein_parallel_run(run_units, &job, num_threads);
     free(job.shares);
     return 0;

@@ -34,6 +34,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <sys/resource.h>
 #include <time.h>
 
@@ -267,8 +268,10 @@ void bargein_parallel_run(bargein_task_fn fn, void *arg, int count) {
 #define SPAN_FRONT(s) ((int64_t)(uint32_t)(s))
 #define SPAN_BACK(s) ((int64_t)((s) >> 32))
 
-void bargein_shares_init(bargein_share_t *shares, int count, int64_t n) {
-    for (int i = 0; i < count; i++) atomic_init(&shares[i].span, SPAN(n * i / count, n * (i + 1) / count));
+bargein_share_t *bargein_shares_new(int count, int64_t n) {
+    bargein_share_t *shares = aligned_alloc(64, sizeof(bargein_share_t) * (size_t)count);
+    for (int i = 0; shares && i < count; i++) atomic_init(&shares[i].span, SPAN(n * i / count, n * (i + 1) / count));
+    return shares;
 }
 
 /* Takes the front item of a share (from_back 0) or its back item (1); 0 when it is empty. */

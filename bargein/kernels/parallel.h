@@ -25,8 +25,9 @@ typedef struct {
     char pad[56];          /* a cache line per share: its owner's takes do not contend */
 } bargein_share_t;
 
-/* shares: count of them (64-byte aligned); n < 2^32. */
-void bargein_shares_init(bargein_share_t *shares, int count, int64_t n);
+/* count shares of items [0, n) (n < 2^32), allocated (64-byte aligned: release with free)
+ * and set to their even starts; NULL when the memory could not be had. */
+bargein_share_t *bargein_shares_new(int count, int64_t n);
 
 /* The next item for thread `index` of `count` into *item (0 when none is left), and the
  * one it will likely take after it into *next (-1 if none): the item whose data a kernel

@@ -680,6 +680,7 @@ typedef struct {
     int gemm_rows;
     int neon_tile; /* ARM64 sdot, many rows: neon_q8_tile.h's packed quads (tiles: the scratch) */
     bargein_share_t *shares; /* per thread index: its share of the items (parallel.h) */
+    int64_t groups;          /* of eight columns (tiles of sixteen on the many-row path) */
     int64_t item_groups;     /* groups per item: several where a group of few rows is a short work */
 } run_t;
 
@@ -736,10 +737,9 @@ static void run_group(const run_t *run, int index, int64_t g, int64_t next) {
  * others' (parallel.h's shares: work stealing). */
 static void run_groups(void *arg, int index, int count) {
     const run_t *run = (const run_t *)arg;
-    const int64_t width = run->gemm ? 2 * GROUP : GROUP, groups = (run->job->n + width - 1) / width;
     int64_t item, next;
     while (bargein_shares_take(run->shares, index, count, &item, &next)) {
-        const int64_t g1 = (item + 1) * run->item_groups < groups ? (item + 1) * run->item_groups : groups;
+        const int64_t g1 = (item + 1) * run->item_groups < run->groups ? (item + 1) * run->item_groups : run->groups;
         for (int64_t g = item * run->item_groups; g < g1; g++)
             run_group(run, index, g, g + 1 < g1 ? g + 1 : next >= 0 ? next * run->item_groups : -1);
     }
@@ -768,9 +768,9 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     int32_t *xc = malloc(sizeof(int32_t) * cells);
     float *panels = malloc(sizeof(float) * 4 * GROUP * blocks * (size_t)num_threads);
     void *tiles = gemm || neon_tile ? aligned_alloc(64, (tile_bytes * (size_t)num_threads + 63) / 64 * 64) : NULL;
-    bargein_share_t *shares = aligned_alloc(64, sizeof(bargein_share_t) * (size_t)num_threads);
+    bargein_share_t *shares = NULL;
     int status = 0;
-    if (!xq || !xd || !xs || !xc || !panels || ((gemm || neon_tile) && !tiles) || !shares) {
+    if (!xq || !xd || !xs || !xc || !panels || ((gemm || neon_tile) && !tiles)) {
         status = -1;
         goto done;
     }
@@ -799,13 +799,16 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
     if (isa == ISA_DOTPROD) run = (run_t){&job, q8_group_dotprod, ROWS_NEON, NULL, 0, neon_tile};
 #endif
 #endif
-    run.shares = shares;
-    /* A group of one row is a few hundred nanoseconds of work: four to an item, so that
+    const int64_t width = run.gemm ? 2 * GROUP : GROUP;
+    run.groups = (n + width - 1) / width;
+    /* A group of one row is a few hundred nanoseconds of work: eight to an item, so that
      * taking items (an atomic each) stays a small part of it. */
     run.item_groups = m < 4 && !run.gemm ? 8 : 1;
-    const int64_t width = run.gemm ? 2 * GROUP : GROUP, items = ((n + width - 1) / width + run.item_groups - 1) /
-                                                                run.item_groups;
-    bargein_shares_init(shares, num_threads, items);
+    run.shares = shares = bargein_shares_new(num_threads, (run.groups + run.item_groups - 1) / run.item_groups);
+    if (!shares) {
+        status = -1;
+        goto done;
+    }
     bargein_parallel_run(run_groups, &run, num_threads);
 done:
     free(xq);
