@@ -87,6 +87,22 @@ def test_forced_and_required_calls_streamed_equal_plain(client):
         assert pieces and all(pieces)
 
 
+def _stream_events(shape, slot, slots, pieces: list[str]) -> list[str]:
+    """The events a stream shape writes for one request whose outputs add these pieces of
+    text in turn, the last one finishing (STOP): event_stream's order, without a server."""
+    events = list(shape.opening(slots))
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = RequestOutput("r", (i,), tuple(range(len(pieces))) if last else (), piece,
+                            "".join(pieces) if last else "", last, FinishReason.STOP if last else None,
+                            Usage(1, i + 1, 0))
+        shape.observe(slot, out)
+        events += shape.content(slot, out)
+        if last:
+            events += shape.final(slot, out)
+    return events + list(shape.closing({}))
+
+
 def test_chat_tool_call_arguments_stream_one_delta_per_generated_piece():
     """Text, then a call the model wrote: a content delta, the call's opening delta (index,
     id, type, name, empty arguments), then one arguments delta per output that added to
@@ -95,16 +111,7 @@ def test_chat_tool_call_arguments_stream_one_delta_per_generated_piece():
                       logprobs=False, include_usage=False, tool_names={"get_time"})
     slot = Slot("r", None, 0, 0)
     pieces = ["Sure. ", '<tool_call>{"name":"get_time","argu', 'ments":{"zo', 'ne":', '"UTC"', '}}</tool_call>']
-    events = list(shape.opening([slot]))
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        out = RequestOutput("r", (i,), tuple(range(len(pieces))) if last else (), piece,
-                            "".join(pieces) if last else "", last, FinishReason.STOP if last else None,
-                            Usage(1, i + 1, 0))
-        events += shape.content(slot, out)
-        if last:
-            events += shape.final(slot, out)
-    events += shape.closing({})
+    events = _stream_events(shape, slot, [slot], pieces)
     deltas = []
     for event in events:
         if event.strip() == "data: [DONE]":
@@ -246,16 +253,7 @@ def test_responses_auto_events_open_items_as_they_appear():
                             answer=AnswerParser(None, {"get_time"}), tools=RESPONSES_TOOLS)
     shape = ResponsesShape(stored)
     pieces = ["Sure. ", '<tool_call>{"name":"get_time","argu', 'ments":{"zone":', '"UTC"}}</tool_call>']
-    events = list(shape.opening([]))
-    for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
-        out = RequestOutput("r", (i,), tuple(range(4)) if last else (), piece, "".join(pieces) if last else "",
-                            last, FinishReason.STOP if last else None, Usage(1, i + 1, 0))
-        shape.observe(None, out)
-        events += shape.content(None, out)
-        if last:
-            events += shape.final(None, out)
-    events += shape.closing({})
+    events = _stream_events(shape, None, [], pieces)
     kinds = []
     for event in events:
         data = json.loads(event.split("data: ", 1)[1])
