@@ -8,14 +8,16 @@ that from anonymous memory alone, the rest from the huge pages: TLB misses of a 
 stream; ``bench/gemv_layout.c``, docs/benchmarks.md). llama.cpp's load-time repack gets its
 one-stream lead the same way: its rows land in an anonymous buffer.
 
-:func:`copy_to_private` makes that copy, weight by weight: one anonymous mapping for all the
-blocks with ``MADV_HUGEPAGE`` advised, each segment's stored bytes copied into it, then the
-file's pages of that segment dropped from this process (``MADV_DONTNEED``: they stay in the
-page cache, where the kernel may reclaim them), so the resident set never holds both copies
-of more than one tensor. Huge pages are faulted in during the first HUGE_PAGE_BUDGET_S of
-the copy only (a huge page's first fault can be slow), the rest in 4 KB pages by a few
-threads, advised for khugepaged to merge into 2 MB pages over time. The
-copy is the same bytes in the same layout (rows, order, segments), so every kernel path gives the same bits from it. The price: the pages are
+:func:`copy_to_private` makes that copy in one anonymous mapping for all the blocks, with
+``MADV_HUGEPAGE`` advised. First the mapping is faulted in, in order, by a few threads
+(``MADV_POPULATE_WRITE``: the kernel's own loop, no trap per page), on huge pages during the
+first HUGE_PAGE_BUDGET_S only (a huge page's first fault can be slow), the rest in 4 KB pages,
+advised for khugepaged to merge into 2 MB pages over time. Then each segment's stored bytes
+are copied in (plain memory copies by the same threads, the GIL released), and the file's
+pages of that segment dropped from this process (``MADV_DONTNEED``: they stay in the page
+cache, where the kernel may reclaim them), so the resident set holds the copy and at most
+a few tensors of the file. The copy is the same bytes in the same layout (rows, order,
+segments), so every kernel path gives the same bits from it. The price: the pages are
 private, not shared with other processes serving the same file (``weights_memory="mapped"``
 keeps the file's pages; see EngineConfig).
 """
@@ -26,6 +28,7 @@ import ctypes
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,9 +48,10 @@ HUGE_PAGE = 2 << 20
 # threads or more), left to khugepaged to merge (see _Arena.huge_pages_later).
 HUGE_PAGE_BUDGET_S = 0.3
 _ALIGN = 64  # each segment starts on a cache line
-_CHUNK = 4 * HUGE_PAGE
+_CHUNK = 4 * HUGE_PAGE  # huge pages are faulted in this much at a time, the budget looked at between
 _COPY_THREADS = min(4, os.cpu_count() or 1)
 _MADV_DONTNEED = 4
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later; older kernels say EINVAL
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ def _drop_pages(tensor: torch.Tensor, shared_files: list[tuple[int, int]]) -> No
     start = (tensor.data_ptr() + page - 1) // page * page
     end = (tensor.data_ptr() + tensor.nbytes) // page * page
     if end > start:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_DONTNEED))
+        _madvise(start, end - start, _MADV_DONTNEED)
 
 
 _LIBC: ctypes.CDLL | None = None
@@ -116,6 +120,11 @@ def _libc() -> ctypes.CDLL:
         _LIBC = ctypes.CDLL(None, use_errno=True)
         _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return _LIBC
+
+
+def _madvise(address: int, nbytes: int, advice: int) -> bool:
+    """madvise(2) on ``nbytes`` from ``address`` (the GIL released for the call); True if it did."""
+    return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) == 0
 
 
 class _Arena:
@@ -134,6 +143,14 @@ class _Arena:
         del anchor  # a live export would keep the mapping from ever closing
         self.nbytes = nbytes
         self.tensor = torch.frombuffer(self.region, dtype=torch.uint8)[self.skip:self.skip + nbytes]
+        self.address = self.tensor.data_ptr()
+
+    def fault_in(self, start: int, end: int) -> None:
+        """Make bytes ``start`` .. ``end`` of the arena resident, on whatever pages are advised
+        there: MADV_POPULATE_WRITE where the kernel has it, else a write to every 4 KB page
+        (each a page fault of its own); the GIL released either way."""
+        if end > start and not _madvise(self.address + start, end - start, _MADV_POPULATE_WRITE):
+            self.tensor[start:end:4096].fill_(0)  # zero already: only the faults matter
 
     def small_pages_from(self, at: int) -> int:
         """Fault the arena from byte ``at`` (rounded up to a huge page) in 4 KB pages: no direct
@@ -160,10 +177,11 @@ def copy_to_private(weights: dict[str, object], *,
     segment shared by several weights (a tied embedding and head) is copied once and
     stays shared. Returns what was copied.
 
-    ``after_huge_pages`` is called once the copy on huge pages is over (before the copy on
-    4 KB pages, or before returning): work started there runs beside the rest of the copy
-    without taking the huge pages' time budget (a thread holding the GIL there stalls the
-    copy between chunks, and the budget then buys half the huge pages)."""
+    ``after_huge_pages`` is called once the huge pages are in (before the rest of the
+    arena is faulted in and the blocks copied, or before returning): work started there
+    runs beside the rest of the copy without taking the huge pages' time budget (a thread
+    holding the GIL there stalls the faulting threads between chunks, and the budget then
+    buys fewer huge pages)."""
     began = time.perf_counter()
     quants = {id(w): w for w in weights.values() if isinstance(w, QuantWeight)}
     sources: dict[tuple[int, int], torch.Tensor] = {}
@@ -180,30 +198,23 @@ def copy_to_private(weights: dict[str, object], *,
         return PrivateCopy(0, _anon_huge_bytes(), 0.0)
     arena = _Arena(total)
     shared_files = _shared_file_maps()  # the file views among the sources, whose pages are dropped
-    pending = list(sources.items())
-    small_from = None  # where 4 KB pages start, once the huge pages' time budget is spent
-    while pending and small_from is None:  # on huge pages: one thread (their faults do not overlap)
-        key, data = pending.pop(0)
-        at, flat = offsets[key], data.reshape(-1)
-        for part in range(0, data.nbytes, _CHUNK):  # the budget looked at every few huge pages
-            if small_from is None and time.perf_counter() - began > HUGE_PAGE_BUDGET_S:
-                small_from = arena.small_pages_from(at + part)
-            end = min(part + _CHUNK, data.nbytes)
-            arena.tensor[at + part:at + end].copy_(flat[part:end])
-        _drop_pages(data, shared_files)
-    if after_huge_pages is not None:
-        after_huge_pages()
+    threads = min(_COPY_THREADS, max(1, total // _CHUNK))
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bargein-weights-copy") as pool:
+        small_from = _fault_in_huge(arena, began, pool, threads)
+        if after_huge_pages is not None:
+            after_huge_pages()
+        if small_from < total:  # the rest on 4 KB pages, one range per thread (their faults overlap)
+            bounds = [small_from + (total - small_from) * i // threads // 4096 * 4096 for i in range(threads)]
+            bounds.append(total)
+            list(pool.map(arena.fault_in, bounds[:-1], bounds[1:]))
 
-    def copy_one(item: tuple[tuple[int, int], torch.Tensor]) -> None:
-        at, data = offsets[item[0]], item[1]
-        arena.tensor[at:at + data.nbytes].view(data.shape).copy_(data)  # the GIL released
-        _drop_pages(data, shared_files)
+        def copy_one(item: tuple[tuple[int, int], torch.Tensor]) -> None:
+            at, data = offsets[item[0]], item[1]
+            arena.tensor[at:at + data.nbytes].view(data.shape).copy_(data)  # the GIL released
+            _drop_pages(data, shared_files)
 
-    if pending:  # on 4 KB pages, whose faults two threads take about twice as fast
-        with ThreadPoolExecutor(max_workers=min(_COPY_THREADS, len(pending))) as pool:
-            list(pool.map(copy_one, pending))
-    if small_from is not None:
-        arena.huge_pages_later(small_from)
+        list(pool.map(copy_one, sorted(sources.items(), key=lambda item: -item[1].nbytes)))
+    arena.huge_pages_later(small_from)
     copies = {key: arena.tensor[offsets[key]:offsets[key] + data.nbytes].view(data.shape)
               for key, data in sources.items()}
     replaced = {
@@ -215,3 +226,28 @@ def copy_to_private(weights: dict[str, object], *,
         if isinstance(w, QuantWeight):
             weights[name] = replaced[id(w)]
     return PrivateCopy(sum(d.nbytes for d in sources.values()), _anon_huge_bytes(), time.perf_counter() - began)
+
+
+def _fault_in_huge(arena: _Arena, began: float, pool: ThreadPoolExecutor, threads: int) -> int:
+    """Fault the arena in from its start, _CHUNK at a time in order, on huge pages, by
+    ``threads`` workers of ``pool`` until HUGE_PAGE_BUDGET_S from ``began`` is spent; then
+    advise 4 KB pages for the rest (:meth:`_Arena.small_pages_from`). Returns where the
+    4 KB pages start (the arena's size if it all got in)."""
+    lock = threading.Lock()
+    state = {"next": 0, "small_from": arena.nbytes}
+
+    def worker() -> None:
+        while True:
+            with lock:  # taking a chunk and ending the phase are one step: no chunk past the end
+                at = state["next"]
+                if at >= state["small_from"]:
+                    return
+                if time.perf_counter() - began > HUGE_PAGE_BUDGET_S:
+                    state["small_from"] = arena.small_pages_from(at)
+                    return
+                state["next"] = at + _CHUNK
+            arena.fault_in(at, min(at + _CHUNK, arena.nbytes))
+
+    for done in [pool.submit(worker) for _ in range(threads)]:
+        done.result()
+    return min(state["small_from"], arena.nbytes)

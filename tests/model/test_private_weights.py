@@ -161,3 +161,31 @@ def test_past_the_huge_page_budget_the_rest_is_copied_the_same(monkeypatch) -> N
     assert made.bytes == blocks.numel() and weights["w"] is weights["also"]  # copied once, still shared
     (segment,) = weights["w"].segments
     assert segment.data.data_ptr() != blocks.data_ptr() and torch.equal(segment.data.reshape(-1), blocks)
+
+
+def test_without_populate_advice_the_pages_are_touched_and_copied_the_same(monkeypatch) -> None:
+    """A kernel before Linux 5.14 refuses MADV_POPULATE_WRITE: the arena is faulted in by a
+    write to each page instead, on huge pages and on 4 KB pages alike, with the same bytes."""
+    import bargein.loader.private_weights as private_weights
+    from bargein.kernels.ggml_types import GGMLQuantizationType
+
+    refused = []
+    real = private_weights._madvise
+
+    def old_kernel(address: int, nbytes: int, advice: int) -> bool:
+        if advice == private_weights._MADV_POPULATE_WRITE:
+            refused.append(nbytes)
+            return False
+        return real(address, nbytes, advice)
+
+    monkeypatch.setattr(private_weights, "_madvise", old_kernel)
+    rows = 5 * HUGE_PAGE // 272 + 3  # over five huge pages of Q8_0 rows
+    blocks = torch.randint(0, 256, (rows * 272,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    weights = {"w": QuantWeight.of(GGMLQuantizationType.Q8_0, blocks, rows, 256)}
+    for budget in (0.0, 10.0):  # all on 4 KB pages, then all within the huge pages' budget
+        monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", budget)
+        refused.clear()
+        made = copy_to_private(weights)
+        assert sum(refused) >= blocks.numel() and made.bytes == blocks.numel()  # every byte faulted in the old way
+        (segment,) = weights["w"].segments
+        assert torch.equal(segment.data.reshape(-1), blocks)
