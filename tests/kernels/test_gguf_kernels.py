@@ -185,6 +185,25 @@ def test_fast_bits_do_not_depend_on_rows_threads_or_path(qtype, isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t not in K_CHAIN and GGML_QUANT_SIZES[t][0] == 32],
+                         ids=lambda t: t.name)
+def test_an_odd_count_of_32_blocks_keeps_the_bits(qtype, isa):
+    """k of 23 blocks: the few-row passes take blocks two at a time and the last alone, the
+    offset's terms of a missing second block included; every row count of the few-row and
+    tile passes, one thread and three, equal the plain C path."""
+    rng = rng_for("odd", qtype)
+    k = 23 * 32
+    matrix = describe_quant(QuantWeight.cat_rows([random_weight(qtype, 21, k, rng, order=True),
+                                                   random_weight(qtype, 11, k, rng)]))
+    x = torch.from_numpy(with_outliers(rng.standard_normal((9, k)).astype(np.float32)))
+    base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+    for m in range(1, 10):
+        for threads in (1, 3):
+            assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
     """The K chain's many-row tile passes (from 24 rows) take rows 8 at a time on VNNI (every
     type), 2 on AVX2: 24 .. 31 rows end in every remainder of either, and the first pass over
