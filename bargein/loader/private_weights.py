@@ -28,6 +28,7 @@ import ctypes
 import logging
 import mmap
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ _CHUNK = 4 * HUGE_PAGE  # huge pages are faulted in this much at a time, the bud
 _COPY_THREADS = min(4, os.cpu_count() or 1)
 _MADV_DONTNEED = 4
 _MADV_POPULATE_WRITE = 23  # Linux 5.14 and later; older kernels say EINVAL
+_LINUX = sys.platform.startswith("linux")  # the advice numbers above are Linux's
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class _Arena:
         """Make bytes ``start`` .. ``end`` of the arena resident, on whatever pages are advised
         there: MADV_POPULATE_WRITE where the kernel has it, else a write to every 4 KB page
         (each a page fault of its own); the GIL released either way."""
-        if end > start and not _madvise(self.address + start, end - start, _MADV_POPULATE_WRITE):
+        if end > start and not (_LINUX and _madvise(self.address + start, end - start, _MADV_POPULATE_WRITE)):
             self.tensor[start:end:4096].fill_(0)  # zero already: only the faults matter
 
     def small_pages_from(self, at: int) -> int:
