@@ -11,15 +11,16 @@ one-stream lead the same way: its rows land in an anonymous buffer.
 :func:`copy_to_private` makes that copy in one anonymous mapping for all the blocks, with
 ``MADV_HUGEPAGE`` advised. First the mapping is faulted in, in order, by a few threads
 (``MADV_POPULATE_WRITE``: the kernel's own loop, no trap per page), on huge pages during the
-first HUGE_PAGE_BUDGET_S only (a huge page's first fault can be slow), the rest in 4 KB pages,
-advised for khugepaged to merge into 2 MB pages over time. Then each segment's stored bytes
-are copied in (plain memory copies by the same threads, the GIL released), and the file's
-pages of that segment dropped from this process (``MADV_DONTNEED``: they stay in the page
-cache, where the kernel may reclaim them), so the resident set holds the copy and at most
-a few tensors of the file. The copy is the same bytes in the same layout (rows, order,
-segments), so every kernel path gives the same bits from it. The price: the pages are
-private, not shared with other processes serving the same file (``weights_memory="mapped"``
-keeps the file's pages; see EngineConfig).
+first HUGE_PAGE_BUDGET_S only (a huge page's first fault can be slow); the rest is advised
+4 KB pages, for khugepaged to merge into 2 MB pages over time. Then the segments' stored
+bytes come in: those viewed from a mapped file are read from the file, about one ``preadv``
+per thread (bargein.loader.file_reads: the file's pages never enter this process, and the
+threads need the GIL only between reads while the tokenizer is built beside them), the
+others copied (the rest of the mapping faulted in first, each copy dropping its source's
+file pages, if any, with ``MADV_DONTNEED``). The copy is the same bytes in the same layout
+(rows, order, segments), so every kernel path gives the same bits from it. The price: the
+pages are private, not shared with other processes serving the same file
+(``weights_memory="mapped"`` keeps the file's pages; see EngineConfig).
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ from dataclasses import dataclass
 import torch
 
 from bargein.kernels.quant_weight import QuantSegment, QuantWeight
+from bargein.loader.file_reads import (
+    MAX_GAP,
+    FileSpan,
+    file_span,
+    plan_reads,
+    run_read,
+    shared_file_maps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,21 +91,6 @@ def _anon_huge_bytes() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
-
-
-def _shared_file_maps() -> list[tuple[int, int]]:
-    """The address ranges of this process's shared file mappings (/proc/self/maps; none off Linux)."""
-    ranges = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[1][3] == "s" and fields[5].startswith("/"):
-                    lo, hi = fields[0].split("-")
-                    ranges.append((int(lo, 16), int(hi, 16)))
-    except (OSError, ValueError, IndexError):
-        return []
-    return ranges
 
 
 def _drop_pages(tensor: torch.Tensor, shared_files: list[tuple[int, int]]) -> None:
@@ -179,11 +173,10 @@ def copy_to_private(weights: dict[str, object], *,
     segment shared by several weights (a tied embedding and head) is copied once and
     stays shared. Returns what was copied.
 
-    ``after_huge_pages`` is called once the huge pages are in (before the rest of the
-    arena is faulted in and the blocks copied, or before returning): work started there
-    runs beside the rest of the copy without taking the huge pages' time budget (a thread
-    holding the GIL there stalls the faulting threads between chunks, and the budget then
-    buys fewer huge pages)."""
+    ``after_huge_pages`` is called once the huge pages are in (before the blocks are read
+    or copied, or before returning): work started there runs beside the rest of the copy
+    without taking the huge pages' time budget (a thread holding the GIL there stalls the
+    faulting threads between chunks, and the budget then buys fewer huge pages)."""
     began = time.perf_counter()
     quants = {id(w): w for w in weights.values() if isinstance(w, QuantWeight)}
     sources: dict[tuple[int, int], torch.Tensor] = {}
@@ -199,23 +192,27 @@ def copy_to_private(weights: dict[str, object], *,
             after_huge_pages()
         return PrivateCopy(0, _anon_huge_bytes(), 0.0)
     arena = _Arena(total)
-    shared_files = _shared_file_maps()  # the file views among the sources, whose pages are dropped
+    maps = shared_file_maps()  # the file views among the sources: read from their files
+    spans = {key: file_span(key[0], key[1], maps) for key in sources}
     threads = min(_COPY_THREADS, max(1, total // _CHUNK))
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bargein-weights-copy") as pool:
         small_from = _fault_in_huge(arena, began, pool, threads)
         if after_huge_pages is not None:
             after_huge_pages()
-        if small_from < total:  # the rest on 4 KB pages, one range per thread (their faults overlap)
+        in_memory = [(key, data) for key, data in sources.items() if spans[key] is None]
+        if in_memory and small_from < total:  # the rest on 4 KB pages, one range per thread (their faults overlap)
             bounds = [small_from + (total - small_from) * i // threads // 4096 * 4096 for i in range(threads)]
             bounds.append(total)
             list(pool.map(arena.fault_in, bounds[:-1], bounds[1:]))
+        _read_from_files(arena, {key: (span, offsets[key]) for key, span in spans.items() if span}, pool, threads)
+        shared_files = [(lo, hi) for lo, hi, _, _ in maps]
 
         def copy_one(item: tuple[tuple[int, int], torch.Tensor]) -> None:
             at, data = offsets[item[0]], item[1]
             arena.tensor[at:at + data.nbytes].view(data.shape).copy_(data)  # the GIL released
             _drop_pages(data, shared_files)
 
-        list(pool.map(copy_one, sorted(sources.items(), key=lambda item: -item[1].nbytes)))
+        list(pool.map(copy_one, sorted(in_memory, key=lambda item: -item[1].nbytes)))
     arena.huge_pages_later(small_from)
     copies = {key: arena.tensor[offsets[key]:offsets[key] + data.nbytes].view(data.shape)
               for key, data in sources.items()}
@@ -228,6 +225,19 @@ def copy_to_private(weights: dict[str, object], *,
         if isinstance(w, QuantWeight):
             weights[name] = replaced[id(w)]
     return PrivateCopy(sum(d.nbytes for d in sources.values()), _anon_huge_bytes(), time.perf_counter() - began)
+
+
+def _read_from_files(arena: _Arena, at: dict[tuple[int, int], tuple[FileSpan, int]], pool: ThreadPoolExecutor,
+                     threads: int) -> None:
+    """Fill the arena at each (span, arena offset) of ``at`` with the span's bytes from its
+    file: about one preadv per thread (bargein.loader.file_reads), the pages past the huge
+    ones faulted in by the reads themselves."""
+    if not at:
+        return
+    region = memoryview(arena.region)
+    gap = memoryview(bytearray(MAX_GAP))
+    pairs = [(span, region[arena.skip + offset:arena.skip + offset + span.nbytes]) for span, offset in at.values()]
+    list(pool.map(run_read, plan_reads(pairs, threads, gap)))
 
 
 def _fault_in_huge(arena: _Arena, began: float, pool: ThreadPoolExecutor, threads: int) -> int:
