@@ -49,8 +49,8 @@ class Read:
         return sum(b.nbytes for b in self.buffers)
 
 
-def shared_file_maps() -> list[tuple[int, int, int, str]]:
-    """(start, end, file offset, path) of this process's shared file mappings; none off Linux."""
+def shared_file_maps() -> list[tuple[int, int, int, str, int]]:
+    """(start, end, file offset, path, inode) of this process's shared file mappings; none off Linux."""
     if not sys.platform.startswith("linux"):
         return []
     maps = []
@@ -60,20 +60,24 @@ def shared_file_maps() -> list[tuple[int, int, int, str]]:
                 fields = line.split(maxsplit=5)
                 if len(fields) == 6 and fields[1][3] == "s" and fields[5].startswith("/"):
                     lo, hi = fields[0].split("-")
-                    maps.append((int(lo, 16), int(hi, 16), int(fields[2], 16), fields[5].rstrip("\n")))
+                    maps.append((int(lo, 16), int(hi, 16), int(fields[2], 16), fields[5].rstrip("\n"),
+                                 int(fields[4])))
     except (OSError, ValueError, IndexError):
         return []
     return maps
 
 
-def file_span(address: int, nbytes: int, maps: list[tuple[int, int, int, str]]) -> FileSpan | None:
+def file_span(address: int, nbytes: int, maps: list[tuple[int, int, int, str, int]]) -> FileSpan | None:
     """Where ``nbytes`` at ``address`` lie in a file, if inside one of ``maps`` (shared_file_maps)
-    and the file is still the one mapped (a deleted file's path says so)."""
-    for lo, hi, offset, path in maps:
+    and the path still names the file mapped (same inode: not for a file deleted or replaced
+    since, nor a path /proc/self/maps had to escape)."""
+    for lo, hi, offset, path, inode in maps:
         if lo <= address and address + nbytes <= hi:
-            if path.endswith(" (deleted)"):
-                return None
-            return FileSpan(path, offset + address - lo, nbytes)
+            try:
+                same = os.stat(path).st_ino == inode
+            except OSError:
+                same = False
+            return FileSpan(path, offset + address - lo, nbytes) if same else None
     return None
 
 

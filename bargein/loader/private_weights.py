@@ -205,7 +205,7 @@ def copy_to_private(weights: dict[str, object], *,
             bounds.append(total)
             list(pool.map(arena.fault_in, bounds[:-1], bounds[1:]))
         _read_from_files(arena, {key: (span, offsets[key]) for key, span in spans.items() if span}, pool, threads)
-        shared_files = [(lo, hi) for lo, hi, _, _ in maps]
+        shared_files = [(lo, hi) for lo, hi, *_ in maps]
 
         def copy_one(item: tuple[tuple[int, int], torch.Tensor]) -> None:
             at, data = offsets[item[0]], item[1]

@@ -50,10 +50,15 @@ def test_a_mapped_views_span_is_its_offset_in_the_file(tmp_path: Path) -> None:
     assert file_span(address, len(data), shared_file_maps()) is None  # runs past the mapping
 
 
-def test_a_deleted_file_is_not_read_again() -> None:
-    maps = [(0x1000, 0x9000, 0, "/tmp/gone.gguf (deleted)"), (0x10000, 0x20000, 4096, "/tmp/here.gguf")]
-    assert file_span(0x2000, 16, maps) is None
-    assert file_span(0x10010, 16, maps) == FileSpan("/tmp/here.gguf", 4096 + 0x10, 16)
+def test_a_path_that_no_longer_names_the_mapped_file_is_not_read(tmp_path: Path) -> None:
+    here, _ = _file(tmp_path, 100, seed=4)
+    other, _ = _file(tmp_path, 100, seed=5)
+    inode = os.stat(here).st_ino
+    maps = [(0x1000, 0x9000, 0, str(tmp_path / "gone.gguf (deleted)"), inode),
+            (0x10000, 0x20000, 4096, str(here), inode), (0x30000, 0x40000, 0, str(other), inode)]
+    assert file_span(0x2000, 16, maps) is None  # deleted
+    assert file_span(0x10010, 16, maps) == FileSpan(str(here), 4096 + 0x10, 16)
+    assert file_span(0x30010, 16, maps) is None  # the path names another file now
 
 
 def test_spans_with_gaps_fill_their_destinations_in_few_reads(tmp_path: Path) -> None:
