@@ -99,6 +99,7 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     reads_blocks = on_cpu and config.native_kernels
     fast = config.precision == "fast" and reads_blocks
     mapped, private = _weight_bytes(source, model_config, reads_blocks, fast)
+    in_place = mapped  # what --weights-memory mapped would leave in the file's pages
     if config.weights_memory == "private":  # the blocks read in place, copied at load
         mapped, private = 0, private + mapped
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
@@ -123,11 +124,15 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     plan = MemoryPlan(mapped, private, tokens * per_token, tokens, RUNTIME_BYTES, available,
                       describe_parameters(model_config) if model_config.moe is not None else "")
     if available is not None and plan.private_bytes > available:
+        # Copied blocks that could stay in the file's pages: say so where that would fit.
+        mapped_fits = mapped == 0 and in_place > 0 and plan.private_bytes - in_place <= available
         raise MemoryPlanError(
             f"{source.path}: this needs ~{plan.private_bytes / MiB:,.0f} MiB of private memory (weights "
             f"{private / MiB:,.0f} MiB, KV cache {plan.kv_bytes / MiB:,.0f} MiB, runtime "
             f"~{RUNTIME_BYTES / MiB:,.0f} MiB) and this machine has {available / MiB:,.0f} MiB available; "
-            "use a smaller KV cache (--kv-memory / --kv-tokens) or a smaller file")
+            + (f"--weights-memory mapped keeps {in_place / MiB:,.0f} MiB of weights in the file's pages instead "
+               "(slower where they do not all stay resident), or " if mapped_fits else "")
+            + "use a smaller KV cache (--kv-memory / --kv-tokens) or a smaller file")
     return plan
 
 

@@ -65,6 +65,19 @@ def test_private_memory_that_cannot_fit_is_refused_before_loading(q4_k_m: Path) 
         plan_memory(source, load_config(source), big_kv, available=2 * GiB)
 
 
+def test_a_private_copy_that_cannot_fit_points_to_the_mapped_file_where_that_fits(q4_k_m: Path) -> None:
+    source = resolve_model_ref(q4_k_m)
+    config = load_config(source)
+    copied = replace(CPU, weights_memory="private")
+    need = plan_memory(source, config, copied, available=64 * GiB)
+    blocks = sum(t.n_bytes for t in open_gguf(q4_k_m).tensors.values() if len(t.shape) == 2)
+    with pytest.raises(MemoryPlanError, match=f"--weights-memory mapped keeps {blocks / 2**20:,.0f} MiB"):
+        plan_memory(source, config, copied, available=need.private_bytes - 1)
+    with pytest.raises(MemoryPlanError, match="private memory") as refused:  # not even without the copy
+        plan_memory(source, config, copied, available=need.private_bytes - blocks - 1)
+    assert "--weights-memory mapped" not in str(refused.value)
+
+
 def test_the_bundled_models_blocks_are_mapped() -> None:
     source = resolve_model_ref(None)
     config = load_config(source)
