@@ -5,7 +5,8 @@ A weight loaded from a GGUF or safetensors file is a view of the file's shared m
 ``/proc/self/maps``: Linux only, ``None`` elsewhere or for memory that is not a file view).
 :func:`plan_reads` turns many (span, destination) pairs into a few :class:`Read` s, each one
 ``preadv`` of a contiguous stretch of one file scattered into the destinations (the small
-gaps between spans into a throwaway buffer), and :func:`run_read` runs one.
+gaps between spans into a throwaway buffer), :func:`run_read` runs one, and
+:func:`read_spans` plans and runs them all on a pool of threads.
 
 Why not copy from the mapping: a thread copying tensor by tensor needs the GIL between
 tensors, and at load another thread builds the tokenizer in a library that holds the GIL
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 MAX_GAP = 1 << 20  # bytes between two spans read through rather than split into two reads
@@ -113,6 +115,13 @@ def plan_reads(pairs: list[tuple[FileSpan, memoryview]], parts: int, gap: memory
             end, size = span.offset + span.nbytes, size + span.nbytes
     reads.sort(key=lambda r: -r.nbytes)
     return reads
+
+
+def read_spans(pairs: list[tuple[FileSpan, memoryview]], pool: Executor, parts: int) -> None:
+    """Fill every destination of ``pairs`` with its span's bytes: :func:`plan_reads` for
+    ``parts`` threads, the reads run on ``pool``, one gap buffer shared by them all."""
+    if pairs:
+        list(pool.map(run_read, plan_reads(pairs, parts, memoryview(bytearray(MAX_GAP)))))
 
 
 def run_read(read: Read) -> None:

@@ -39,14 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from bargein.kernels.quant_weight import QuantSegment, QuantWeight
-from bargein.loader.file_reads import (
-    MAX_GAP,
-    FileSpan,
-    file_span,
-    plan_reads,
-    run_read,
-    shared_file_maps,
-)
+from bargein.loader.file_reads import file_span, read_spans, shared_file_maps
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +197,12 @@ def copy_to_private(weights: dict[str, object], *,
             bounds = [small_from + (total - small_from) * i // threads // 4096 * 4096 for i in range(threads)]
             bounds.append(total)
             list(pool.map(arena.fault_in, bounds[:-1], bounds[1:]))
-        _read_from_files(arena, {key: (span, offsets[key]) for key, span in spans.items() if span}, pool, threads)
+        # The file views among the sources, read from their files into their places (the
+        # pages past the huge ones faulted in by the reads themselves).
+        region = memoryview(arena.region)
+        read_spans([(span, region[arena.skip + offsets[key]:arena.skip + offsets[key] + span.nbytes])
+                    for key, span in spans.items() if span], pool, threads)
+        del region
         shared_files = [(lo, hi) for lo, hi, *_ in maps]
 
         def copy_one(item: tuple[tuple[int, int], torch.Tensor]) -> None:
@@ -225,19 +223,6 @@ def copy_to_private(weights: dict[str, object], *,
         if isinstance(w, QuantWeight):
             weights[name] = replaced[id(w)]
     return PrivateCopy(sum(d.nbytes for d in sources.values()), _anon_huge_bytes(), time.perf_counter() - began)
-
-
-def _read_from_files(arena: _Arena, at: dict[tuple[int, int], tuple[FileSpan, int]], pool: ThreadPoolExecutor,
-                     threads: int) -> None:
-    """Fill the arena at each (span, arena offset) of ``at`` with the span's bytes from its
-    file: about one preadv per thread (bargein.loader.file_reads), the pages past the huge
-    ones faulted in by the reads themselves."""
-    if not at:
-        return
-    region = memoryview(arena.region)
-    gap = memoryview(bytearray(MAX_GAP))
-    pairs = [(span, region[arena.skip + offset:arena.skip + offset + span.nbytes]) for span, offset in at.values()]
-    list(pool.map(run_read, plan_reads(pairs, threads, gap)))
 
 
 def _fault_in_huge(arena: _Arena, began: float, pool: ThreadPoolExecutor, threads: int) -> int:
