@@ -371,6 +371,7 @@ class EngineConfig:
     # Where the weights the kernels read in place live: "private", a copy on 2 MB pages made
     # at load (one stream decodes ~1.2x faster from it, bargein.loader.private_weights), or
     # "mapped", the file's pages in the page cache, shared with other processes on the file.
+    # An MoE's experts stay mapped either way: a token reads only those it is routed to.
     weights_memory: str = "private"
     # CUDA only: replay decode-only steps from CUDA graphs captured per batch size.
     cuda_graphs: bool = True

@@ -39,7 +39,7 @@ from bargein.loader.gguf_file import (
 )
 from bargein.loader.gguf_tokenizer import tokenizer_from_gguf
 from bargein.loader.hf_folder import load_hf_weights, read_hf_config
-from bargein.loader.names import check_layer_range, expected_shape
+from bargein.loader.names import check_layer_range, expected_shape, expert_index
 from bargein.loader.private_weights import copy_to_private
 from bargein.loader.source import ModelSource, resolve_model_ref
 from bargein.loader.tokenizer import Tokenizer, tokenizer_from_folder
@@ -151,7 +151,9 @@ def load_weights(
     :class:`~bargein.kernels.quant_weight.QuantWeight` views of the mapped file on the CPU
     (``dtype`` and ``device`` do not apply to them); nothing else changes. With ``private``
     too, those views are replaced by a private copy on 2 MB pages, the file's pages dropped
-    tensor by tensor (:func:`bargein.loader.private_weights.copy_to_private`; one log line).
+    tensor by tensor (:func:`bargein.loader.private_weights.copy_to_private`; one log line),
+    except an MoE's experts: a token reads only those it is routed to, so they stay views of
+    the file, resident as they are read (a private copy would take all of them at load).
     ``after_huge_pages`` is called once, when work beside the load no longer slows it: after
     the private copy's huge pages, else once the weights are read.
 
@@ -173,9 +175,10 @@ def load_weights(
             weights = dict(load_hf_weights(source.path, config, layer_range=layer_range, dtype=dtype,
                                            device=torch.device(device), progress=progress, blocks=blocks))
         if blocks and private:
-            copied = copy_to_private(weights, after_huge_pages=after_huge_pages)
-            if copied.bytes:
-                log.info("%s", copied.describe())
+            copied = copy_to_private(weights, keep=lambda name: expert_index(name) is not None,
+                                     after_huge_pages=after_huge_pages)
+            if copied.bytes or copied.kept_bytes:
+                log.info("%s", copied.describe(kept="MoE experts (resident as tokens route to them)"))
         elif after_huge_pages is not None:
             after_huge_pages()
     for name, tensor in weights.items():

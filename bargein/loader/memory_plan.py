@@ -4,7 +4,8 @@ Weights read in place from a memory-mapped GGUF (the block types the kernels rea
 file-backed pages with ``weights_memory="mapped"``: the kernel can drop and re-read them,
 so they never cause an out-of-memory kill, though a machine without room for them pages
 (slowly). With ``"private"`` (the default) they are copied at load into private memory
-(bargein.loader.private_weights) and counted there. Everything else is private memory: weights widened or copied at load, the KV cache, and the
+(bargein.loader.private_weights) and counted there, except an MoE's experts, which stay
+mapped either way (a token reads only those it is routed to). Everything else is private memory: weights widened or copied at load, the KV cache, and the
 process itself (PyTorch, the tokenizer, buffers; :data:`RUNTIME_BYTES`, an estimate).
 A plan whose private memory exceeds what the system has available cannot run and is
 refused here, with one message, instead of being killed half-way through loading.
@@ -25,7 +26,7 @@ from bargein.kernels.quant_weight import QUANT_TYPES
 from bargein.loader.errors import LoaderError
 from bargein.loader.gguf_file import open_gguf
 from bargein.loader.hf_folder import stored_dtypes
-from bargein.loader.names import expected_shape, gguf_location, wanted_tensors
+from bargein.loader.names import expected_shape, expert_index, gguf_location, wanted_tensors
 from bargein.loader.parameters import describe_parameters
 from bargein.loader.source import ModelSource
 
@@ -98,10 +99,10 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     on_cpu = not config.device.startswith("cuda") and config.dtype in ("auto", "float32")
     reads_blocks = on_cpu and config.native_kernels
     fast = config.precision == "fast" and reads_blocks
-    mapped, private = _weight_bytes(source, model_config, reads_blocks, fast)
+    mapped, private, experts = _weight_bytes(source, model_config, reads_blocks, fast)
     in_place = mapped  # what --weights-memory mapped would leave in the file's pages
-    if config.weights_memory == "private":  # the blocks read in place, copied at load
-        mapped, private = 0, private + mapped
+    if config.weights_memory == "private":  # the blocks read in place, copied at load but an MoE's experts
+        mapped, private = experts, private + mapped - experts
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
     block = config.cache.block_size
     if kv_auto:
@@ -125,22 +126,24 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
                       describe_parameters(model_config) if model_config.moe is not None else "")
     if available is not None and plan.private_bytes > available:
         # Copied blocks that could stay in the file's pages: say so where that would fit.
-        mapped_fits = mapped == 0 and in_place > 0 and plan.private_bytes - in_place <= available
+        mapped_fits = mapped < in_place and plan.private_bytes - (in_place - mapped) <= available
         raise MemoryPlanError(
             f"{source.path}: this needs ~{plan.private_bytes / MiB:,.0f} MiB of private memory (weights "
             f"{private / MiB:,.0f} MiB, KV cache {plan.kv_bytes / MiB:,.0f} MiB, runtime "
             f"~{RUNTIME_BYTES / MiB:,.0f} MiB) and this machine has {available / MiB:,.0f} MiB available; "
-            + (f"--weights-memory mapped keeps {in_place / MiB:,.0f} MiB of weights in the file's pages instead "
+            + (f"--weights-memory mapped keeps {(in_place - mapped) / MiB:,.0f} MiB of weights in the file's pages "
+               "instead "
                "(slower where they do not all stay resident), or " if mapped_fits else "")
             + "use a smaller KV cache (--kv-memory / --kv-tokens) or a smaller file")
     return plan
 
 
 def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: bool,
-                  fast: bool) -> tuple[int, int]:
-    """(mapped, private) bytes of every weight the model holds."""
+                  fast: bool) -> tuple[int, int, int]:
+    """(mapped, private, experts) bytes of every weight the model holds, where the kernels
+    read in place all that can be read so (``experts``: the MoE experts' share of ``mapped``)."""
     wanted = wanted_tensors(model_config, 0, model_config.num_layers)
-    mapped = private = 0
+    mapped = private = experts = 0
     if source.kind != "gguf":  # the float-source rule (bargein.kernels.half_rows) on the headers' dtypes
         stored = stored_dtypes(source.path, model_config)
         for canon in wanted:
@@ -151,11 +154,12 @@ def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: 
             matrix = len(shape) == 2 and not canon.endswith(ROUTING_WEIGHTS)
             if reads_blocks and matrix and dtype in ("F16", "BF16"):
                 mapped += 2 * numel  # 16-bit rows over the mapped file
+                experts += 2 * numel if expert_index(canon) is not None else 0
             elif fast and matrix:
                 private += 2 * numel  # float32 narrowed to 16-bit rows
             else:
                 private += 4 * numel
-        return mapped, private
+        return mapped, private, experts
     tensors = open_gguf(source.path).tensors
     # dict.fromkeys: an MoE layer's experts are one stacked tensor, named by each expert's entry
     canon_of = {gguf_location(tensors, c, gguf)[0]: c for c, (gguf, _) in wanted.items()}
@@ -173,9 +177,10 @@ def _weight_bytes(source: ModelSource, model_config: ModelConfig, reads_blocks: 
             continue  # an unknown type: the loader refuses it by name
         if reads_blocks and qtype in QUANT_TYPES and len(info.torch_shape) in (2, 3):  # 3: stacked experts
             mapped += info.n_bytes
+            experts += info.n_bytes if expert_index(canon_of.get(name, "")) is not None else 0
         elif fast and qtype == GGMLQuantizationType.F32 and len(info.torch_shape) in (2, 3) \
                 and not canon_of.get(name, "").endswith(ROUTING_WEIGHTS):
             private += 2 * numel  # float32 narrowed to 16-bit rows (bargein.kernels.half_rows)
         else:
             private += 4 * numel
-    return mapped, private
+    return mapped, private, experts

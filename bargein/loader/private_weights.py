@@ -20,7 +20,9 @@ others copied (the rest of the mapping faulted in first, each copy dropping its 
 file pages, if any, with ``MADV_DONTNEED``). The copy is the same bytes in the same layout
 (rows, order, segments), so every kernel path gives the same bits from it. The price: the
 pages are private, not shared with other processes serving the same file
-(``weights_memory="mapped"`` keeps the file's pages; see EngineConfig).
+(``weights_memory="mapped"`` keeps the file's pages; see EngineConfig). The caller may keep
+some weights out of the copy: the loader keeps an MoE's experts in the file's pages, since a
+token reads only the few it is routed to (bargein.loader.load_weights).
 """
 
 from __future__ import annotations
@@ -67,12 +69,15 @@ class PrivateCopy:
     bytes: int
     huge_bytes: int
     seconds: float
+    kept_bytes: int = 0  # blocks of the weights the caller kept out of the copy, left where they were
 
-    def describe(self) -> str:
-        """The one log line of the copy."""
+    def describe(self, kept: str = "weights") -> str:
+        """The one log line of the copy; ``kept`` names what ``kept_bytes`` are."""
+        left = (f"; {self.kept_bytes / 2**20:,.0f} MiB of {kept} left in the file's pages"
+                if self.kept_bytes else "")
         return (f"weights: {self.bytes / 2**20:,.0f} MiB of blocks copied into private memory in "
-                f"{self.seconds:.2f} s ({self.huge_bytes / 2**20:,.0f} MiB of the process on 2 MB pages); "
-                "--weights-memory mapped keeps them in the shared page cache instead")
+                f"{self.seconds:.2f} s ({self.huge_bytes / 2**20:,.0f} MiB of the process on 2 MB pages){left}; "
+                "--weights-memory mapped keeps them all in the shared page cache instead")
 
 
 def _anon_huge_bytes() -> int:
@@ -159,10 +164,11 @@ class _Arena:
             self.region.madvise(mmap.MADV_HUGEPAGE, self.skip + start, self.nbytes - start)
 
 
-def copy_to_private(weights: dict[str, object], *,
+def copy_to_private(weights: dict[str, object], *, keep: Callable[[str], bool] = lambda name: False,
                     after_huge_pages: Callable[[], None] | None = None) -> PrivateCopy:
     """Replace every :class:`QuantWeight` of ``weights`` by the same matrix over a private
-    copy of its blocks (see the module docstring); other values are left as they are. A
+    copy of its blocks (see the module docstring), except those whose name ``keep`` says to
+    leave where they are (counted in ``kept_bytes``); other values are left as they are. A
     segment shared by several weights (a tied embedding and head) is copied once and
     stays shared. Returns what was copied.
 
@@ -171,7 +177,9 @@ def copy_to_private(weights: dict[str, object], *,
     without taking the huge pages' time budget (a thread holding the GIL there stalls the
     faulting threads between chunks, and the budget then buys fewer huge pages)."""
     began = time.perf_counter()
-    quants = {id(w): w for w in weights.values() if isinstance(w, QuantWeight)}
+    quants = {id(w): w for name, w in weights.items() if isinstance(w, QuantWeight) and not keep(name)}
+    kept = {(s.data.data_ptr(), s.data.nbytes) for name, w in weights.items()
+            if isinstance(w, QuantWeight) and keep(name) for s in w.segments}
     sources: dict[tuple[int, int], torch.Tensor] = {}
     for w in quants.values():
         for s in w.segments:
@@ -183,7 +191,7 @@ def copy_to_private(weights: dict[str, object], *,
     if not sources:
         if after_huge_pages is not None:
             after_huge_pages()
-        return PrivateCopy(0, _anon_huge_bytes(), 0.0)
+        return PrivateCopy(0, _anon_huge_bytes(), 0.0, sum(nbytes for _, nbytes in kept))
     arena = _Arena(total)
     maps = shared_file_maps()  # the file views among the sources: read from their files
     spans = {key: file_span(key[0], key[1], maps) for key in sources}
@@ -220,9 +228,10 @@ def copy_to_private(weights: dict[str, object], *,
         for key, w in quants.items()
     }
     for name, w in weights.items():
-        if isinstance(w, QuantWeight):
+        if id(w) in replaced:
             weights[name] = replaced[id(w)]
-    return PrivateCopy(sum(d.nbytes for d in sources.values()), _anon_huge_bytes(), time.perf_counter() - began)
+    return PrivateCopy(sum(d.nbytes for d in sources.values()), _anon_huge_bytes(), time.perf_counter() - began,
+                       sum(key[1] for key in kept if key not in sources))
 
 
 def _fault_in_huge(arena: _Arena, began: float, pool: ThreadPoolExecutor, threads: int) -> int:

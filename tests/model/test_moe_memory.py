@@ -4,15 +4,21 @@ experts tokens choose are ever read.
 A Qwen3-MoE GGUF with Q8_0 experts (8 of them, ~0.8 MB each per layer) is written here;
 its router is zero, so every token chooses experts 0 and 1 (a tie goes to the lower
 expert in ``fast``'s routing). Then the pages of experts 0 and 1 are all mapped into this
-process, those of experts 4-6 none (/proc/self/pagemap's present bit: the kernel maps a
-few pages around a fault, so the neighbours of what was read, experts 2-3 and 7, are not
-judged), and the file's resident bytes (its mappings' Rss in /proc/self/smaps) grow by
+process, those of experts 4-6 none (/proc/self/pagemap's present bit, the file read cold
+without readahead: the kernel maps a few pages around a fault, so the neighbours of what
+was read, experts 2-3 and 7, are not judged), and the file's resident bytes (its mappings' Rss in /proc/self/smaps) grow by
 about two experts' worth, not eight; with a random router every expert is read. The memory plan counts
-every expert as mapped, and states the parameters, total and active per token.
+every expert as mapped, and states the parameters, total and active per token. All of
+this holds under the default ``weights_memory="private"`` too, which copies the dense
+blocks at load but leaves the experts in the file's pages.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import mmap
+import os
 from pathlib import Path
 
 import gguf
@@ -23,6 +29,7 @@ import torch
 from bargein.config import EngineConfig
 from bargein.engine.device import build_model
 from bargein.kernels.native import load_native_kernels
+from bargein.kernels.quant_weight import QuantWeight
 from bargein.loader import load_config, load_weights, resolve_model_ref
 from bargein.loader.gguf_file import open_gguf
 from bargein.loader.memory_plan import plan_memory
@@ -35,6 +42,7 @@ pytestmark = pytest.mark.skipif(load_native_kernels() is None, reason="the fast 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, LAYERS, EXPERTS, TOPK, EXPERT_FF, VOCAB = 256, 4, 2, 64, 2, 8, 2, 1024, 128
 Q8 = gguf.GGMLQuantizationType.Q8_0
 EXPERT_BYTES = 3 * EXPERT_FF * HIDDEN // 32 * 34  # one expert's gate, up and down in Q8_0, one layer
+ATTENTION_BYTES = (2 * HEADS + 2 * KV_HEADS) * HEAD_DIM * HIDDEN // 32 * 34  # q, k, v, o in Q8_0, one layer
 
 
 def _write(path: Path) -> None:
@@ -63,7 +71,7 @@ def _write(path: Path) -> None:
         b = f"blk.{i}."
         for name, shape in (("attn_q", (HEADS * HEAD_DIM, HIDDEN)), ("attn_k", (KV_HEADS * HEAD_DIM, HIDDEN)),
                             ("attn_v", (KV_HEADS * HEAD_DIM, HIDDEN)), ("attn_output", (HIDDEN, HEADS * HEAD_DIM))):
-            w.add_tensor(b + name + ".weight", rand(*shape))
+            w.add_tensor(b + name + ".weight", gguf.quants.quantize(rand(*shape), Q8), raw_dtype=Q8)
         for name, n in (("attn_norm", HIDDEN), ("ffn_norm", HIDDEN), ("attn_q_norm", HEAD_DIM),
                         ("attn_k_norm", HEAD_DIM)):
             w.add_tensor(b + name + ".weight", np.ones(n, np.float32))
@@ -108,6 +116,43 @@ def _mapped_pages(path: Path, stage) -> dict[int, float]:
     return {e: present[e] / pages[e] for e in range(EXPERTS)}
 
 
+def _cold(path: Path) -> None:
+    """Drop ``path``'s pages from the page cache. The kernel maps a whole large folio of the
+    page cache on a fault (Linux 6.x), so pages cached beside what was read would count as
+    mapped; read cold with :func:`_random_access`, each fault brings in its own page only."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _random_access(path: Path) -> None:
+    """No readahead on the loader's mapping of ``path`` (MADV_RANDOM)."""
+    mapped = open_gguf(path).mapped()
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = mapped.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    length = mapped.ctypes.data + mapped.nbytes - start
+    assert libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 1) == 0  # MADV_RANDOM
+
+
+def _in_file(weight: QuantWeight, path: Path) -> bool:
+    """Whether all of ``weight``'s blocks lie in a mapping of ``path``."""
+    data = weight.segments[0].data
+    lo, hi = data.data_ptr(), data.data_ptr() + data.nbytes
+    return any(start <= lo and hi <= end and str(path) in line
+               for start, end, line in _mappings())
+
+
+def _mappings() -> list[tuple[int, int, str]]:
+    maps = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span = line.split()[0].split("-")
+        maps.append((int(span[0], 16), int(span[1], 16), line))
+    return maps
+
+
 def _forward(stage, tokens: int, seed: int) -> None:
     caches = stage.make_kv_caches(tokens // 4 + 1, 4)
     meta = AttentionMetadata.build(block_tables=[list(range(tokens // 4 + 1))], query_lens=[tokens],
@@ -116,21 +161,37 @@ def _forward(stage, tokens: int, seed: int) -> None:
     stage(ids, torch.arange(tokens), meta, caches)
 
 
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("moe-memory") / "experts-q8.gguf"
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    """A file of each test's own: its pages are read cold, and none are mapped by another test."""
+    path = tmp_path / "experts-q8.gguf"
     _write(path)
     return path
 
 
-def test_only_the_chosen_experts_are_read(model_file: Path) -> None:
+@pytest.mark.parametrize("private", [False, True], ids=["mapped", "private"])
+def test_only_the_chosen_experts_are_read(model_file: Path, private: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Under either weights memory: ``private`` (the default) copies the dense blocks and
+    leaves the experts in the file's pages."""
     source = resolve_model_ref(str(model_file))
     config = load_config(source)
-    stage = build_model(config, load_weights(source, config, progress=False, blocks=True),
-                        EngineConfig(precision="fast", device="cpu"), max_positions=64)
+    _cold(model_file)
+    caplog.set_level(logging.INFO, logger="bargein.loader")
+    weights = load_weights(source, config, progress=False, blocks=True, private=private)
+    _random_access(model_file)
+    dense = [weights[f"layers.{i}.{w}.weight"] for i in range(LAYERS) for w in ("wq", "wk", "wv", "wo")]
+    experts = [weights[f"layers.{i}.experts.{e}.{w}.weight"]
+               for i in range(LAYERS) for e in range(EXPERTS) for w in ("w1", "w2", "w3")]
+    stage = build_model(config, weights, EngineConfig(precision="fast", device="cpu"), max_positions=64)
     all_experts = LAYERS * EXPERTS * EXPERT_BYTES
     before = _resident(model_file)
     assert before <= model_file.stat().st_size - all_experts + 256 * 1024  # loading read the rest, no expert
+    if private:  # the attention's blocks were read into private memory, their file pages never mapped
+        assert before <= model_file.stat().st_size - all_experts - LAYERS * ATTENTION_BYTES + 256 * 1024
+        line = f"{all_experts / 2**20:,.0f} MiB of MoE experts (resident as tokens route to them) left in the file's"
+        assert any(line in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert all(_in_file(w, model_file) != private for w in dense)
+    assert all(_in_file(w, model_file) for w in experts)
     _forward(stage, 24, seed=1)
     mapped = _mapped_pages(model_file, stage)
     assert mapped[0] == mapped[1] == 1.0 and mapped[4] == mapped[5] == mapped[6] == 0.0, mapped
@@ -145,11 +206,13 @@ def test_only_the_chosen_experts_are_read(model_file: Path) -> None:
     assert _resident(model_file) - before >= 0.95 * all_experts  # (a few pages were mapped before)
 
 
-def test_the_memory_plan_maps_every_expert_and_states_the_parameters(model_file: Path) -> None:
+@pytest.mark.parametrize("memory", ["mapped", "private"])
+def test_the_memory_plan_maps_every_expert_and_states_the_parameters(model_file: Path, memory: str) -> None:
     source = resolve_model_ref(str(model_file))
     config = load_config(source)
-    plan = plan_memory(source, config, EngineConfig(precision="fast", device="cpu", weights_memory="mapped"))
-    assert plan.mapped_weight_bytes == LAYERS * EXPERTS * EXPERT_BYTES  # the Q8_0 experts, once each
+    plan = plan_memory(source, config, EngineConfig(precision="fast", device="cpu", weights_memory=memory))
+    experts = LAYERS * EXPERTS * EXPERT_BYTES  # the Q8_0 experts, once each
+    assert plan.mapped_weight_bytes == experts + (LAYERS * ATTENTION_BYTES if memory == "mapped" else 0)
     total, active = parameter_counts(config)
     per_expert = 3 * EXPERT_FF * HIDDEN
     assert total - active == LAYERS * (EXPERTS - TOPK) * per_expert
