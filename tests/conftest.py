@@ -22,7 +22,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -33,7 +32,7 @@ import httpx
 import pytest
 
 from bargein.cli.threads import settle_waiting
-from tests import forked_servers, native_build, ray_starts, workers
+from tests import forked_servers, native_build, ray_starts, session_files, workers
 from tests.started import STARTED, count
 
 # Tests that give a process a home of its own (Ray nodes with their own HOME, namespace
@@ -101,8 +100,7 @@ from its serving line by :meth:`wait_ready`."""
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> ServerProcess:
-        fd, name = tempfile.mkstemp(prefix="bargein-serve-", suffix=".log")
-        self.log_path = Path(name)
+        fd, self.log_path = session_files.log_file("serve-")
         argv = ["serve", "--port", "0", *self.args]
         if self.api_key:
             argv += ["--api-key", self.api_key]
@@ -264,7 +262,8 @@ def pytest_sessionstart(session) -> None:
     builds them before it starts the workers (xdist's own hook runs last)."""
     if _is_worker(session.config):
         return
-    ray_starts.name_the_lock()  # before xdist starts the workers, which inherit it
+    session_files.directory()  # named before xdist starts the workers, which inherit it
+    ray_starts.name_the_lock()
     native_build.build_or_stop()  # under CI=true, a failed or timed-out build stops the run
 
 
@@ -287,10 +286,15 @@ def pytest_runtest_logreport(report) -> None:
     UNIT_CLOCK.add(report.nodeid, report.duration)
 
 
-def pytest_sessionfinish(session) -> None:
+SESSION_FILES_LINE: list[str] = []  # in the controller: where a failed session's logs are kept
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
     if _is_worker(session.config):  # sent to the controller, which sums the workers' counts
         session.config.workeroutput["started"] = dict(STARTED)
         session.config.workeroutput["clock"] = UNIT_CLOCK.output()
+    elif (line := session_files.finish(passed=exitstatus == 0)) is not None:
+        SESSION_FILES_LINE.append(line)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -306,7 +310,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     each worker's time by unit of work (``tests/workers.py``): the critical path."""
     if STARTED:
         terminalreporter.write_line("started: " + ", ".join(f"{n} {what}" for what, n in sorted(STARTED.items())))
-    for line in WORKER_LINES:
+    for line in WORKER_LINES + SESSION_FILES_LINE:
         terminalreporter.write_line(line)
 
 

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests import session_files
+
 LOCK_ENV = "BARGEIN_TEST_RAY_START_LOCK"
 
 
@@ -27,7 +29,7 @@ def name_the_lock() -> None:
     """Names the session's lock file (in the controller, or a run without xdist), for
     every process started after this to inherit; a name already set is kept."""
     if LOCK_ENV not in os.environ:
-        os.environ[LOCK_ENV] = str(Path(tempfile.mkdtemp(prefix="bargein-ray-starts-")) / "lock")
+        os.environ[LOCK_ENV] = str(session_files.directory() / "ray-start.lock")
 
 
 @contextmanager

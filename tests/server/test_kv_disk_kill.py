@@ -29,7 +29,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from bargein.engine.kv_disk.block_file import (
     header_fingerprint,
     parse_name,
 )
+from tests import session_files
 from tests.conftest import REPO, STARTUP_TIMEOUT_S, free_port
 from tests.started import count
 from tests.tiny_models import SPECIAL_TOKENS, TinySpec, tiny_tokenizer, tiny_weights, write_gguf
@@ -72,11 +72,11 @@ class Zygote:
 
     def serve(self, *args: str) -> Child:
         port = free_port()
-        fd, log = tempfile.mkstemp(prefix="bargein-kill-", suffix=".log")
+        fd, log = session_files.log_file("kill-")
         os.close(fd)
-        self.proc.stdin.write(json.dumps({"args": ["--port", str(port), *args], "log": log}) + "\n")
+        self.proc.stdin.write(json.dumps({"args": ["--port", str(port), *args], "log": str(log)}) + "\n")
         count("bargein servers")
-        return Child(int(self.proc.stdout.readline()), port, Path(log))
+        return Child(int(self.proc.stdout.readline()), port, log)
 
     def close(self) -> None:
         self.proc.stdin.close()
