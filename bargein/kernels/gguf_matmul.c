@@ -106,6 +106,7 @@
 #define TILE 16 /* output columns per unit of work */
 #define GEMM_MIN_ROWS_VNNI 8 /* below this, few-row passes decode each block in registers */
 #define GEMM_MIN_ROWS_AVX2 8
+#define SIGNED_MIN_ROWS 64 /* from this many rows the VNNI tile pass of the plain kinds is rows_vnni_signed */
 #define AHEAD_MAX_ROWS_32 64 /* the 32 chain's tile passes fetch the next tile up to this many rows */
 #define K_GEMM_MIN_ROWS 24 /* the K chain's few-row pass shares each decode across its rows and
                               * sums lanes once per superblock: it beats the tile to 16 rows or more */
@@ -152,6 +153,9 @@ typedef struct {
     /* kq again in quad order (quad_order), for the VNNI few-row passes of Q4_K (the quad
      * pass); NULL where none runs */
     int8_t *kx; /* (m, k) */
+    /* q + 128 as unsigned bytes, for the VNNI tile pass of the plain kinds (rows_vnni_signed:
+     * activations unsigned, the tile's quants signed); NULL where none runs */
+    uint8_t *qu; /* (m, k) */
 } acts_t;
 
 /* The K chain's multiple of a 32-block whose max|x| is amax32 in a superblock whose max|x|
@@ -226,6 +230,8 @@ static void quantize_rows(void *arg, int index, int count) {
             a->s[r * a->nb + b] = d * (float)(sum[0] + sum[1]);
             a->s16[r * 2 * a->nb + 2 * b] = sum[0];
             a->s16[r * 2 * a->nb + 2 * b + 1] = sum[1];
+            if (a->qu)
+                for (int i = 0; i < 32; i++) a->qu[r * a->k + b * 32 + i] = (uint8_t)(q[i] ^ 0x80);
         }
     }
 }
@@ -524,8 +530,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) float amax_avx2(const f
 }
 
 /* 32 floats x as rint(x * inv) clamped to +-127 into out, with the sums of each half of 16. */
+/* One 32-block of x quantized to out (and, where uout is not NULL, plus 128 to uout), its
+ * halves' sums to sums. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(const float *x, float inv, int8_t *out,
-                                                                               int32_t sums[2]) {
+                                                                               int32_t sums[2], uint8_t *uout) {
     const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
     const __m256 scale = _mm256_set1_ps(inv);
     __m256i q[4];
@@ -538,7 +546,9 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(co
         const __m256i lo = q[2 * half], hi = q[2 * half + 1];
         const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
         const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-        _mm_storeu_si128((__m128i *)(out + 16 * half), _mm_packs_epi16(lo16, hi16));
+        const __m128i packed = _mm_packs_epi16(lo16, hi16);
+        _mm_storeu_si128((__m128i *)(out + 16 * half), packed);
+        if (uout) _mm_storeu_si128((__m128i *)(uout + 16 * half), _mm_xor_si128(packed, _mm_set1_epi8((char)0x80)));
         const __m256i sum = _mm256_add_epi32(lo, hi);
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -585,7 +595,7 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                     km[j] = (int16_t)k_chain_multiple(amax32[j], amax);
                     const float step = k_chain_step(amax, km[j]), inv = step > 0.0f ? 1.0f / step : 0.0f;
                     int32_t sums[2];
-                    quantize32_avx2(x + 32 * j, inv, a->kq + r * a->k + t * 256 + 32 * j, sums);
+                    quantize32_avx2(x + 32 * j, inv, a->kq + r * a->k + t * 256 + 32 * j, sums, NULL);
                     s16[2 * j] = (int16_t)sums[0], s16[2 * j + 1] = (int16_t)sums[1];
                     s32[j] = (int16_t)(sums[0] + sums[1]);
                 }
@@ -597,7 +607,7 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
             const float *x = a->x + r * a->k + b * 32;
             const float d = amax_avx2(x, 1) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
             int32_t sums[2];
-            quantize32_avx2(x, inv, a->q + r * a->k + b * 32, sums);
+            quantize32_avx2(x, inv, a->q + r * a->k + b * 32, sums, a->qu ? a->qu + r * a->k + b * 32 : NULL);
             a->d[r * a->nb + b] = d;
             a->s[r * a->nb + b] = d * (float)(sums[0] + sums[1]);
             a->s16[r * 2 * a->nb + 2 * b] = sums[0];
@@ -759,9 +769,15 @@ static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahe
             prefetch_step(&ahead[1], b);                                                                   \
         }                                                                                                  \
         __m256i dlo[ROWS_MAX][2], dhi[ROWS_MAX][2];                                                        \
+        const __m256i *toff = (const __m256i *)(tl->psc + b * TILE);                                       \
+        const __m256i toff0 = SIGNED_W ? _mm256_load_si256(toff) : _mm256_setzero_si256();                 \
+        const __m256i toff1 = SIGNED_W ? _mm256_load_si256(toff + 1) : _mm256_setzero_si256();             \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
             const int64_t cell = (r0 + r) * nb + b;                                                        \
-            if (KIND >= KIND_SPLIT) {                                                                      \
+            if (SIGNED_W) { /* the tile's offset terms: -128 times each column's quants' sum */           \
+                dlo[r][0] = toff0;                                                                         \
+                dlo[r][1] = toff1;                                                                         \
+            } else if (KIND >= KIND_SPLIT) {                                                               \
                 dlo[r][0] = dlo[r][1] = _mm256_set1_epi32(-OFF * a->s16[2 * cell]);                        \
                 dhi[r][0] = dhi[r][1] = _mm256_set1_epi32(-OFF * a->s16[2 * cell + 1]);                    \
             } else {                                                                                       \
@@ -774,7 +790,7 @@ static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahe
             PREP                                                                                           \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
                 int32_t four;                                                                              \
-                memcpy(&four, a->q + (r0 + r) * k + 32 * b + 4 * g, 4);                                    \
+                memcpy(&four, (SIGNED_W ? (const int8_t *)a->qu : a->q) + (r0 + r) * k + 32 * b + 4 * g, 4); \
                 const __m256i xv = _mm256_set1_epi32(four);                                                \
                 if (KIND >= KIND_SPLIT && g >= 4) {                                                        \
                     dhi[r][0] = DOT_GROUP(dhi[r][0], w0, xv, 0);                                           \
@@ -800,6 +816,7 @@ static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahe
             for (int c = 0; c < 8 && c0 + c < cols; c++) out[c] = lanes[c];                                \
         }
 
+#define SIGNED_W 0
 /* AVX2, quants below 128 (u * x fits maddubs' int16 pairs): maddubs + madd. */
 #define PREP
 #define DOT_GROUP(ACC, W, X, V) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones))
@@ -977,8 +994,25 @@ static TARGET_AVX2 void rows_k_avx2(const job_t *job, const tile_t *tl, const ah
     }
 }
 
+#undef SIGNED_W
+
 #ifdef GGUF_VNNI
 #define PREP
+#define SIGNED_W 1
+#define DOT_GROUP(ACC, W, X, V) _mm256_dpbusd_epi32(ACC, X, W)
+/* The plain kinds (KIND_PLAIN) on VNNI: the tile's quants signed (q = u - off, sign_tile)
+ * against the activations plus 128 (acts_t's qu), the lanes started from the tile's offset
+ * terms -128 * sum q: sum q (x + 128) - 128 sum q = sum (u - off) x, the same int32 D as
+ * rows_vnni_kind's with no per-row offset to work out. */
+static inline TARGET_VNNI __attribute__((always_inline)) void rows_vnni_signed(const job_t *job, const tile_t *tl, const ahead_t *ahead,
+                                                                                int64_t j0, int cols, int64_t r0,
+                                                                                const int ROWS_N, const int KIND,
+                                                                                const int OFF, const int AHEAD) {
+    TILE_ROWS_BODY(6)
+}
+#undef DOT_GROUP
+#undef SIGNED_W
+#define SIGNED_W 0
 #define DOT_GROUP(ACC, W, X, V) _mm256_dpbusd_epi32(ACC, W, X)
 static inline TARGET_VNNI __attribute__((always_inline)) void rows_vnni_kind(const job_t *job, const tile_t *tl, const ahead_t *ahead,
                                                                               int64_t j0, int cols, int64_t r0,
@@ -988,6 +1022,17 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_vnni_kind(con
 }
 #undef PREP
 #undef DOT_GROUP
+#undef SIGNED_W
+
+#define VNNI_ROWS_SIGNED                                                                                   \
+    switch (rows < 6 ? rows : 6) {                                                                         \
+    case 6: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 6, KIND_PLAIN, 0, AHEAD); break;                \
+    case 5: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 5, KIND_PLAIN, 0, AHEAD); break;                \
+    case 4: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 4, KIND_PLAIN, 0, AHEAD); break;                \
+    case 3: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 3, KIND_PLAIN, 0, AHEAD); break;                \
+    case 2: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, 0, AHEAD); break;                \
+    default: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 0, AHEAD);                      \
+    }
 
 #define VNNI_ROWS(KINDV, MAXR)                                                                             \
     switch (rows < MAXR ? rows : MAXR) {                                                                   \
@@ -1005,12 +1050,34 @@ static inline TARGET_VNNI __attribute__((always_inline)) int rows_vnni_t(const j
                                                                          const int AHEAD) {
     const int off = info->off;
     switch (info->kind) {
-    case KIND_PLAIN: VNNI_ROWS(KIND_PLAIN, 6) return rows < 6 ? rows : 6;
+    case KIND_PLAIN:
+        if (job->a->qu) { VNNI_ROWS_SIGNED } /* the tile made signed (sign_tile) */
+        else { VNNI_ROWS(KIND_PLAIN, 6) }
+        return rows < 6 ? rows : 6;
     case KIND_MIN: VNNI_ROWS(KIND_MIN, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
     case KIND_SPLIT: VNNI_ROWS(KIND_SPLIT, 4) return rows < 4 ? rows : 4;
     default: VNNI_ROWS(KIND_SPLIT_MIN, 4) return rows < 4 ? rows : 4;
     }
 }
+/* The tile's quants made signed for rows_vnni_signed: q = u - off in place, and per 32-block
+ * and column the lanes' start -128 * sum q (into the tile's psc panel, which the plain
+ * kinds do not use). */
+static TARGET_VNNI void sign_tile(const job_t *job, const tile_t *tl, int off) {
+    __m256i *tile = (__m256i *)tl->tile;
+    const __m256i offv = _mm256_set1_epi8((char)off), ones = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < job->nb; b++)
+        for (int v = 0; v < 2; v++) {
+            __m256i sum = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                __m256i *at = tile + (b * 8 + g) * 2 + v;
+                const __m256i q = _mm256_sub_epi8(_mm256_load_si256(at), offv);
+                _mm256_store_si256(at, q);
+                sum = _mm256_dpbusd_epi32(sum, ones, q);
+            }
+            _mm256_storeu_si256((__m256i *)(tl->psc + b * TILE + 8 * v), _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sum), 7));
+        }
+}
+
 /* ahead: NULL, or the next tile's plans, fetched a part per 32-block. */
 static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const ahead_t *ahead, const qinfo_t *info,
                                  int64_t j0, int cols, int64_t r0, int rows) {
@@ -1945,6 +2012,10 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
     }
     const tile_t tl = tile_scratch(job, index);
     build_tile(job, &tl, seg, &info, col0);
+#ifdef GGUF_VNNI
+    if (job->isa == ISA_VNNI && job->a->qu && !k_chain_type(seg->type) && info.kind == KIND_PLAIN)
+        sign_tile(job, &tl, info.off);
+#endif
     ahead_t ahead[2];
     /* The first pass over this tile fetches the next one's blocks, a step per superblock on
      * the K chain, per 32-block on the 32 chain. The 32 chain only up to AHEAD_MAX_ROWS_32
@@ -2026,7 +2097,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     }
     /* the quad pass's order of kq: VNNI few-row passes of Q4_K */
     const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
-    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL};
+    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL, NULL};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
                  NULL, NULL, NULL, NULL, 0, 0, NULL};
     /* tiles are built for many rows on the vector paths only; otherwise a float per row
@@ -2052,6 +2123,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
             a.d = malloc(sizeof(float) * cells);
             a.s = malloc(sizeof(float) * cells);
             a.s16 = malloc(sizeof(int32_t) * 2 * cells);
+            if (tiles && isa == ISA_VNNI && m >= SIGNED_MIN_ROWS) a.qu = malloc((size_t)(m * k > 0 ? m * k : 1));
         }
         if (has_k) {
             a.kq = malloc((size_t)(m * k > 0 ? m * k : 1));
@@ -2103,6 +2175,7 @@ done:
     free(a.ks16);
     free(a.ks32);
     free(a.kx);
+    free(a.qu);
     free(job.tile_seg);
     free(job.tile_col);
     free(job.seg_start);

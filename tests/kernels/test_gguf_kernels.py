@@ -224,6 +224,26 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
+def test_plain_kinds_from_64_rows_keep_the_bits(isa):
+    """From 64 rows the VNNI tile pass of the types whose D needs only an offset (Q4_0, Q5_0,
+    Q8_0, IQ4_NL, IQ4_XS) reads its quants signed against the activations plus 128, its lanes
+    started from the tile's -128 * sum q: 64 .. 69 rows end in every remainder of its passes
+    of six, beside a Q4_1 segment that keeps the unsigned pass in the same call."""
+    rng = rng_for("signed-tiles")
+    k = 512
+    weight = QuantWeight.cat_rows([random_weight(T.Q4_0, 21, k, rng, order=True), random_weight(T.Q5_0, 17, k, rng),
+                                   random_weight(T.Q8_0, 16, k, rng), random_weight(T.IQ4_NL, 9, k, rng),
+                                   random_weight(T.IQ4_XS, 18, k, rng), random_weight(T.Q4_1, 7, k, rng)])
+    matrix = describe_quant(weight)
+    x = torch.from_numpy(with_outliers(rng.standard_normal((69, k)).astype(np.float32)))
+    base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+    for m in range(64, 70):
+        for threads in (1, 2):
+            assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 def test_threads_that_take_each_others_tiles_compute_every_tile_once(isa):
     """A thread done with its share of the tiles takes the others' from their backs (work
     stealing): with more threads than cores they are descheduled mid-call and steal often.
