@@ -106,7 +106,12 @@
 #define TILE 16 /* output columns per unit of work */
 #define GEMM_MIN_ROWS_VNNI 8 /* below this, few-row passes decode each block in registers */
 #define GEMM_MIN_ROWS_AVX2 8
-#define SIGNED_MIN_ROWS 64 /* from this many rows the VNNI tile pass of the plain kinds is rows_vnni_signed */
+/* From this many rows the tile passes of the plain kinds read a signed tile (signed_tile):
+ * the tile's sign pass costs more than it saves below (bench/gemm_tile_ab.c, Q4_0, one
+ * thread, the signed pass's time over the unsigned one's: VNNI 1.076 at 16 rows, 0.976 at
+ * 32, 0.973 at 64, 0.918 at 512; AVX2 0.915 at 16, 0.872 at 32, 0.844 at 512). */
+#define SIGNED_MIN_ROWS_VNNI 32
+#define SIGNED_MIN_ROWS_AVX2 GEMM_MIN_ROWS_AVX2
 #define AHEAD_MAX_ROWS_32 64 /* the 32 chain's tile passes fetch the next tile up to this many rows */
 #define K_GEMM_MIN_ROWS 24 /* the K chain's few-row pass shares each decode across its rows and
                               * sums lanes once per superblock: it beats the tile to 16 rows or more */
@@ -844,6 +849,49 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_wide(con
 #undef PREP
 #undef DOT_GROUP
 
+/* AVX2, the plain kinds whose quants times 255 fit maddubs' int16 pairs (|q| <= 16: Q4_0,
+ * Q5_0), made signed as rows_vnni_signed's: maddubs of the activations plus 128 against q. */
+#define PREP
+#define SIGNED_W 1
+#define DOT_GROUP(ACC, W, X, V) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(X, W), ones))
+static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_signed(const job_t *job, const tile_t *tl, const ahead_t *ahead,
+                                                                                int64_t j0, int cols, int64_t r0,
+                                                                                const int ROWS_N, const int KIND,
+                                                                                const int OFF, const int AHEAD) {
+    TILE_ROWS_BODY(2)
+}
+#undef PREP
+#undef DOT_GROUP
+#undef SIGNED_W
+#define SIGNED_W 0
+
+/* Whether the tile passes read a plain kind's tile signed (sign_tile) against acts_t's qu:
+ * on VNNI every plain kind, on AVX2 those whose |q| <= 16 (maddubs' pairs of 255 q fit). */
+static inline int signed_tile(int isa, const qinfo_t *info) {
+    return info->kind == KIND_PLAIN && (isa == ISA_VNNI || (isa == ISA_AVX2 && info->off <= 16));
+}
+
+/* The tile's quants made signed for the signed passes: q = u - off in place, and per
+ * 32-block and column the lanes' start -128 * sum q (into the tile's psc panel, which the
+ * plain kinds do not use): sum q (x + 128) - 128 sum q = sum (u - off) x, the same int32 D
+ * as the unsigned passes' with no per-row offset to work out. */
+static TARGET_AVX2 void sign_tile(const job_t *job, const tile_t *tl, int off) {
+    __m256i *tile = (__m256i *)tl->tile;
+    const __m256i offv = _mm256_set1_epi8((char)off), ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < job->nb; b++)
+        for (int v = 0; v < 2; v++) {
+            __m256i sum = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                __m256i *at = tile + (b * 8 + g) * 2 + v;
+                const __m256i q = _mm256_sub_epi8(_mm256_load_si256(at), offv);
+                _mm256_store_si256(at, q);
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q), ones16));
+            }
+            _mm256_storeu_si256((__m256i *)(tl->psc + b * TILE + 8 * v),
+                                _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sum), 7));
+        }
+}
+
 #define AVX2_KINDS(FN, OFFV)                                                                               \
     switch (kind) {                                                                                        \
     case KIND_PLAIN: if (rows == 2) FN(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, OFFV, AHEAD); else FN(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, OFFV, AHEAD); break; \
@@ -857,7 +905,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_t(const 
                                                                            int64_t j0, int cols, int64_t r0, int rows,
                                                                            const int AHEAD) {
     const int kind = info->kind;
-    if (info->off == 128) {
+    if (job->a->qu && signed_tile(ISA_AVX2, info)) { /* the tile made signed (sign_tile) */
+        if (rows == 2) rows_avx2_signed(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, 0, AHEAD);
+        else rows_avx2_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 0, AHEAD);
+    } else if (info->off == 128) {
         AVX2_KINDS(rows_avx2_wide, 0)
     } else if (info->off == 0) {
         AVX2_KINDS(rows_avx2_narrow, 0)
@@ -1051,7 +1102,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) int rows_vnni_t(const j
     const int off = info->off;
     switch (info->kind) {
     case KIND_PLAIN:
-        if (job->a->qu) { VNNI_ROWS_SIGNED } /* the tile made signed (sign_tile) */
+        if (job->a->qu && signed_tile(ISA_VNNI, info)) { VNNI_ROWS_SIGNED } /* the tile made signed (sign_tile) */
         else { VNNI_ROWS(KIND_PLAIN, 6) }
         return rows < 6 ? rows : 6;
     case KIND_MIN: VNNI_ROWS(KIND_MIN, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
@@ -1059,25 +1110,6 @@ static inline TARGET_VNNI __attribute__((always_inline)) int rows_vnni_t(const j
     default: VNNI_ROWS(KIND_SPLIT_MIN, 4) return rows < 4 ? rows : 4;
     }
 }
-/* The tile's quants made signed for rows_vnni_signed: q = u - off in place, and per 32-block
- * and column the lanes' start -128 * sum q (into the tile's psc panel, which the plain
- * kinds do not use). */
-static TARGET_VNNI void sign_tile(const job_t *job, const tile_t *tl, int off) {
-    __m256i *tile = (__m256i *)tl->tile;
-    const __m256i offv = _mm256_set1_epi8((char)off), ones = _mm256_set1_epi8(1);
-    for (int64_t b = 0; b < job->nb; b++)
-        for (int v = 0; v < 2; v++) {
-            __m256i sum = _mm256_setzero_si256();
-            for (int g = 0; g < 8; g++) {
-                __m256i *at = tile + (b * 8 + g) * 2 + v;
-                const __m256i q = _mm256_sub_epi8(_mm256_load_si256(at), offv);
-                _mm256_store_si256(at, q);
-                sum = _mm256_dpbusd_epi32(sum, ones, q);
-            }
-            _mm256_storeu_si256((__m256i *)(tl->psc + b * TILE + 8 * v), _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sum), 7));
-        }
-}
-
 /* ahead: NULL, or the next tile's plans, fetched a part per 32-block. */
 static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const ahead_t *ahead, const qinfo_t *info,
                                  int64_t j0, int cols, int64_t r0, int rows) {
@@ -2012,10 +2044,7 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
     }
     const tile_t tl = tile_scratch(job, index);
     build_tile(job, &tl, seg, &info, col0);
-#ifdef GGUF_VNNI
-    if (job->isa == ISA_VNNI && job->a->qu && !k_chain_type(seg->type) && info.kind == KIND_PLAIN)
-        sign_tile(job, &tl, info.off);
-#endif
+    if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off);
     ahead_t ahead[2];
     /* The first pass over this tile fetches the next one's blocks, a step per superblock on
      * the K chain, per 32-block on the 32 chain. The 32 chain only up to AHEAD_MAX_ROWS_32
@@ -2091,9 +2120,16 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (num_threads < 1) num_threads = 1;
     const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
     int has_k = 0, has_32 = 0, has_q4_k = 0; /* segments on the K chain (Q4_K among them), on the 32 chain */
+    int has_signed = 0;                      /* and among the latter, those with a signed tile pass */
     for (int64_t s = 0; s < w->num_segs; s++) {
         if (k_chain_type(w->segs[s].type)) has_k = 1, has_q4_k |= w->segs[s].type == T_Q4_K;
-        else if (!half_type(w->segs[s].type)) has_32 = 1;
+        else if (!half_type(w->segs[s].type)) {
+            has_32 = 1;
+#ifdef GGUF_X86
+            qinfo_t info;
+            has_signed |= !gguf_qinfo((int)w->segs[s].type, &info) && signed_tile(isa, &info);
+#endif
+        }
     }
     /* the quad pass's order of kq: VNNI few-row passes of Q4_K */
     const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
@@ -2123,7 +2159,8 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
             a.d = malloc(sizeof(float) * cells);
             a.s = malloc(sizeof(float) * cells);
             a.s16 = malloc(sizeof(int32_t) * 2 * cells);
-            if (tiles && isa == ISA_VNNI && m >= SIGNED_MIN_ROWS) a.qu = malloc((size_t)(m * k > 0 ? m * k : 1));
+            if (tiles && has_signed && m >= (isa == ISA_VNNI ? SIGNED_MIN_ROWS_VNNI : SIGNED_MIN_ROWS_AVX2))
+                a.qu = malloc((size_t)(m * k > 0 ? m * k : 1));
         }
         if (has_k) {
             a.kq = malloc((size_t)(m * k > 0 ? m * k : 1));

@@ -224,11 +224,13 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
-def test_plain_kinds_from_64_rows_keep_the_bits(isa):
-    """From 64 rows the VNNI tile pass of the types whose D needs only an offset (Q4_0, Q5_0,
-    Q8_0, IQ4_NL, IQ4_XS) reads its quants signed against the activations plus 128, its lanes
-    started from the tile's -128 * sum q: 64 .. 69 rows end in every remainder of its passes
-    of six, beside a Q4_1 segment that keeps the unsigned pass in the same call."""
+def test_plain_kinds_signed_tiles_keep_the_bits(isa):
+    """From 32 rows on VNNI, 8 on AVX2, the tile passes of the types whose D needs only an
+    offset read their quants signed against the activations plus 128, their lanes started
+    from the tile's -128 * sum q: on VNNI all of them (Q4_0, Q5_0, Q8_0, IQ4_NL, IQ4_XS), on
+    AVX2 those whose quants fit maddubs' pairs so (Q4_0, Q5_0; the others keep the unsigned
+    pass in the same call, as Q4_1 does on both). Row counts across both thresholds, and
+    64 .. 69 rows ending in every remainder of VNNI's passes of six and AVX2's of two."""
     rng = rng_for("signed-tiles")
     k = 512
     weight = QuantWeight.cat_rows([random_weight(T.Q4_0, 21, k, rng, order=True), random_weight(T.Q5_0, 17, k, rng),
@@ -237,7 +239,7 @@ def test_plain_kinds_from_64_rows_keep_the_bits(isa):
     matrix = describe_quant(weight)
     x = torch.from_numpy(with_outliers(rng.standard_normal((69, k)).astype(np.float32)))
     base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
-    for m in range(64, 70):
+    for m in (7, 8, 9, 31, 32, 33, *range(64, 70)):
         for threads in (1, 2):
             assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
 
