@@ -158,7 +158,7 @@ typedef struct {
     /* kq again in quad order (quad_order), for the VNNI few-row passes of Q4_K (the quad
      * pass); NULL where none runs */
     int8_t *kx; /* (m, k) */
-    /* q + 128 as unsigned bytes, for the VNNI tile pass of the plain kinds (rows_vnni_signed:
+    /* q + 128 as unsigned bytes, for the signed tile passes of the plain kinds (signed_tile:
      * activations unsigned, the tile's quants signed); NULL where none runs */
     uint8_t *qu; /* (m, k) */
 } acts_t;
