@@ -1075,24 +1075,14 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_vnni_kind(con
 #undef DOT_GROUP
 #undef SIGNED_W
 
-#define VNNI_ROWS_SIGNED                                                                                   \
-    switch (rows < 6 ? rows : 6) {                                                                         \
-    case 6: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 6, KIND_PLAIN, 0, AHEAD); break;                \
-    case 5: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 5, KIND_PLAIN, 0, AHEAD); break;                \
-    case 4: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 4, KIND_PLAIN, 0, AHEAD); break;                \
-    case 3: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 3, KIND_PLAIN, 0, AHEAD); break;                \
-    case 2: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, 0, AHEAD); break;                \
-    default: rows_vnni_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 0, AHEAD);                      \
-    }
-
-#define VNNI_ROWS(KINDV, MAXR)                                                                             \
+#define VNNI_ROWS(FN, KINDV, MAXR)                                                                         \
     switch (rows < MAXR ? rows : MAXR) {                                                                   \
-    case 6: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 6, KINDV, off, AHEAD); break;                                   \
-    case 5: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 5, KINDV, off, AHEAD); break;                                   \
-    case 4: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 4, KINDV, off, AHEAD); break;                                   \
-    case 3: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 3, KINDV, off, AHEAD); break;                                   \
-    case 2: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 2, KINDV, off, AHEAD); break;                                   \
-    default: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 1, KINDV, off, AHEAD);                                         \
+    case 6: FN(job, tl, ahead, j0, cols, r0, 6, KINDV, off, AHEAD); break;                                   \
+    case 5: FN(job, tl, ahead, j0, cols, r0, 5, KINDV, off, AHEAD); break;                                   \
+    case 4: FN(job, tl, ahead, j0, cols, r0, 4, KINDV, off, AHEAD); break;                                   \
+    case 3: FN(job, tl, ahead, j0, cols, r0, 3, KINDV, off, AHEAD); break;                                   \
+    case 2: FN(job, tl, ahead, j0, cols, r0, 2, KINDV, off, AHEAD); break;                                   \
+    default: FN(job, tl, ahead, j0, cols, r0, 1, KINDV, off, AHEAD);                                         \
     }
 /* Returns the rows done (split kinds take four at a time: two accumulators per half). */
 static inline TARGET_VNNI __attribute__((always_inline)) int rows_vnni_t(const job_t *job, const tile_t *tl,
@@ -1102,12 +1092,12 @@ static inline TARGET_VNNI __attribute__((always_inline)) int rows_vnni_t(const j
     const int off = info->off;
     switch (info->kind) {
     case KIND_PLAIN:
-        if (job->a->qu && signed_tile(ISA_VNNI, info)) { VNNI_ROWS_SIGNED } /* the tile made signed (sign_tile) */
-        else { VNNI_ROWS(KIND_PLAIN, 6) }
+        if (job->a->qu && signed_tile(ISA_VNNI, info)) { VNNI_ROWS(rows_vnni_signed, KIND_PLAIN, 6) } /* the tile made signed (sign_tile) */
+        else { VNNI_ROWS(rows_vnni_kind, KIND_PLAIN, 6) }
         return rows < 6 ? rows : 6;
-    case KIND_MIN: VNNI_ROWS(KIND_MIN, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
-    case KIND_SPLIT: VNNI_ROWS(KIND_SPLIT, 4) return rows < 4 ? rows : 4;
-    default: VNNI_ROWS(KIND_SPLIT_MIN, 4) return rows < 4 ? rows : 4;
+    case KIND_MIN: VNNI_ROWS(rows_vnni_kind, KIND_MIN, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
+    case KIND_SPLIT: VNNI_ROWS(rows_vnni_kind, KIND_SPLIT, 4) return rows < 4 ? rows : 4;
+    default: VNNI_ROWS(rows_vnni_kind, KIND_SPLIT_MIN, 4) return rows < 4 ? rows : 4;
     }
 }
 /* ahead: NULL, or the next tile's plans, fetched a part per 32-block. */

@@ -31,6 +31,7 @@ from bargein.engine.device import build_model
 from bargein.kernels.native import load_native_kernels
 from bargein.kernels.quant_weight import QuantWeight
 from bargein.loader import load_config, load_weights, resolve_model_ref
+from bargein.loader.file_reads import file_span, shared_file_maps
 from bargein.loader.gguf_file import open_gguf
 from bargein.loader.memory_plan import plan_memory
 from bargein.loader.parameters import parameter_counts
@@ -140,17 +141,8 @@ def _random_access(path: Path) -> None:
 def _in_file(weight: QuantWeight, path: Path) -> bool:
     """Whether all of ``weight``'s blocks lie in a mapping of ``path``."""
     data = weight.segments[0].data
-    lo, hi = data.data_ptr(), data.data_ptr() + data.nbytes
-    return any(start <= lo and hi <= end and str(path) in line
-               for start, end, line in _mappings())
-
-
-def _mappings() -> list[tuple[int, int, str]]:
-    maps = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span = line.split()[0].split("-")
-        maps.append((int(span[0], 16), int(span[1], 16), line))
-    return maps
+    span = file_span(data.data_ptr(), data.nbytes, shared_file_maps())
+    return span is not None and Path(span.path) == path
 
 
 def _forward(stage, tokens: int, seed: int) -> None:
