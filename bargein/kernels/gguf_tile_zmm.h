@@ -50,6 +50,13 @@ static inline TARGET_VNNI __attribute__((always_inline)) __m512i dpbusd_bcst(__m
     return acc;
 }
 
+/* acc + the int16 pair products of mn's 16 lanes with the pair at p, broadcast as the
+ * instruction's memory operand (as dpbusd_bcst). */
+static inline TARGET_VNNI __attribute__((always_inline)) __m512i dpwssd_bcst(__m512i acc, __m512i mn, const int16_t *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(mn), "m"(*(const int32_t *)p));
+    return acc;
+}
+
 /* Writes a row's 16 lanes, the first `cols` of them, to y[row, j0 ..]. */
 static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(const job_t *job, int64_t row, int64_t j0,
                                                                              int cols, __m512 v) {
@@ -132,19 +139,26 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
         }
         const int64_t at = t * 8 * TILE;
         const __m512 d = _mm512_loadu_ps(tl->ps + at), nm = _mm512_loadu_ps(tl->pm + at);
+        int wide = 0; /* a row whose m * sum q overflows int16 here (acts_t's kwide) */
+        if (MIN) _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) wide |= a->kwide[(r0 + r) * supers + t];
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
             const __m512 xd = _mm512_set1_ps(a->kd[(r0 + r) * supers + t]);
             __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dk[r]), _mm512_mul_ps(d, xd), _mm512_load_ps(acc[r]));
             if (MIN) {
-                /* mins times m and sums as int16 pairs (the 256-bit pass's sums, per lane) */
-                const int16_t *s32 = a->ks32 + (r0 + r) * (k / 32) + t * 8;
-                const int16_t *km = a->km + (r0 + r) * (k / 32) + t * 8;
+                /* the mins' sum of mn * m * sum q over the eight 32-blocks, as int16 pairs (the
+                 * 256-bit pass's exact int32 per lane): against kp = m * sum q where the
+                 * superblock's products fit int16, else mn * m against sum q */
+                const int64_t row32 = (r0 + r) * (k / 32) + t * 8;
                 __m512i mk = _mm512_setzero_si512();
                 for (int p = 0; p < 4; p++) {
-                    int32_t spair, mpair;
-                    memcpy(&spair, s32 + 2 * p, 4);
-                    memcpy(&mpair, km + 2 * p, 4);
                     const __m512i mn = _mm512_loadu_si512(tl->pmn + (t * 16 + p) * TILE);
+                    if (!wide) {
+                        mk = dpwssd_bcst(mk, mn, a->kp + row32 + 2 * p);
+                        continue;
+                    }
+                    int32_t spair, mpair;
+                    memcpy(&spair, a->ks32 + row32 + 2 * p, 4);
+                    memcpy(&mpair, a->km + row32 + 2 * p, 4);
                     mk = _mm512_dpwssd_epi32(mk, _mm512_mullo_epi16(mn, _mm512_set1_epi32(mpair)),
                                              _mm512_set1_epi32(spair));
                 }

@@ -325,6 +325,30 @@ def test_k_chain_integer_sums_at_their_bounds_keep_the_bits(qtype, isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K], ids=["Q4_K", "Q5_K"])
+def test_k_chain_tile_mins_at_int16_bounds_keep_the_bits(qtype, isa):
+    """The tile passes (from 24 rows) sum the mins against each row's m * sum q as int16
+    where a superblock's eight products fit, else against sum q with m times the min: rows
+    whose every 32-block has 24 quants of +127 and 8 of -127 (m * sum q = 16 * 2032 = 32512,
+    or its negative) take the first; rows 8 .. 15, 25 and 7 (36576), the second, for the
+    whole pass of rows they fall in on VNNI, for their own on AVX2. Quants, scales and mins
+    at their extremes (as above); the C path's bits at every row remainder of both tile
+    passes, one thread and two."""
+    rng = rng_for("tile-mins", qtype)
+    k = 512
+    matrix = describe_quant(_blocks_at_their_bounds(qtype, 32, k, rng))
+    fits, wide = np.resize([1.0] * 24 + [-1.0] * 8, k), np.resize([1.0] * 25 + [-1.0] * 7, k)
+    rows = [(wide if r % 2 else -wide) if 8 <= r < 16 else
+            [fits, -fits, rng.choice([-1.0, 1.0], size=k)][r % 3] for r in range(71)]
+    x = torch.from_numpy(np.stack(rows).astype(np.float32) * np.float32(0.5))
+    base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+    for m in [*range(24, 32), *range(64, 72)]:
+        for threads in (1, 2):
+            assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 def test_mixed_segments_and_orders(isa):
     rng = rng_for("mixed")
     weight = mixed_weight(rng)
