@@ -117,7 +117,7 @@
                               * sums lanes once per superblock: it beats the tile to 16 rows or more */
 #define K_GROUP_ROWS_VNNI 4
 #define K_SCALED_MIN_ROWS 64 /* from this many rows the VNNI K pass of Q4_K/Q5_K reads scale x m */
-#define K_SCALED_MAX_K 4096   /* from a per-tile table, for k up to this (the table is 16 k bytes) */
+#define K_SCALED_MAX_K 8192   /* from a per-tile table, for k up to this (the table is 16 k bytes) */
 #define K_MULTIPLES 16 /* k_chain_multiple's m: 1 .. 16 */
 /* One expert's few rows (bargein_gguf_matmul_expert; ~5 at 32 rows of a 48-expert top-8
  * model): VNNI passes of up to 8 rows decode each block once for 5 to 8 rows, where passes
@@ -659,9 +659,10 @@ typedef struct {
 
 /* Whether the VNNI K pass of Q4_K/Q5_K reads sc x m from a table (tile_t's scaled) for m
  * rows of width k: it saves a vpmulld per row and 32-block against 16 k bytes of table
- * built per tile; on the 2-core Zen 4 at 512 rows 0.93x the time at k = 2048, but 1.06x at
- * k = 8192, where the table and the tile (384 KB) crowd L2 (bench/gemm_tile_ab.c), and no
- * gain for Q6_K (three multiplies to two, twice the table), which keeps its pass. */
+ * built per tile; on the 2-core Zen 4 at 512 rows 0.93x the time at k = 2048, and since
+ * the mins' products (acts_t's kp) 0.97-0.98x at k = 8192 too (1.06x before, when the
+ * table and the tile, 384 KB, crowded L2 more than the multiply cost; bench/gemm_tile_ab.c),
+ * and no gain for Q6_K (three multiplies to two, twice the table), which keeps its pass. */
 static inline int k_scaled(int64_t m, int64_t k) { return m >= K_SCALED_MIN_ROWS && k <= K_SCALED_MAX_K; }
 
 static tile_t tile_scratch(const job_t *job, int index) {
