@@ -876,7 +876,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_wide(con
 #undef DOT_GROUP
 
 /* AVX2, the plain kinds whose quants times 255 fit maddubs' int16 pairs (|q| <= 16: Q4_0,
- * Q5_0), made signed as rows_vnni_signed's: maddubs of the activations plus 128 against q. */
+ * Q5_0), made signed as rows_vnni_kind's SIGNED pass: maddubs of the activations plus 128
+ * against q. */
 #define PREP
 #undef SIGNED_W
 #define SIGNED_W 1
@@ -1079,40 +1080,31 @@ static TARGET_AVX2 void rows_k_avx2(const job_t *job, const tile_t *tl, const ah
 
 #ifdef GGUF_VNNI
 #define PREP
-#define SIGNED_W 1
-#define DOT_GROUP(ACC, W, X, V) _mm256_dpbusd_epi32(ACC, X, W)
-/* The plain kinds (KIND_PLAIN) on VNNI: the tile's quants signed (q = u - off, sign_tile)
- * against the activations plus 128 (acts_t's qu), the lanes started from the tile's offset
- * terms -128 * sum q: sum q (x + 128) - 128 sum q = sum (u - off) x, the same int32 D as
- * rows_vnni_kind's with no per-row offset to work out. */
-static inline TARGET_VNNI __attribute__((always_inline)) void rows_vnni_signed(const job_t *job, const tile_t *tl, const ahead_t *ahead,
-                                                                                int64_t j0, int cols, int64_t r0,
-                                                                                const int ROWS_N, const int KIND,
-                                                                                const int OFF, const int AHEAD) {
-    TILE_ROWS_BODY(6)
-}
-#undef DOT_GROUP
-#undef SIGNED_W
-#define SIGNED_W 0
-#define DOT_GROUP(ACC, W, X, V) _mm256_dpbusd_epi32(ACC, W, X)
+#define SIGNED_W SIGNED
+#define DOT_GROUP(ACC, W, X, V) (SIGNED ? _mm256_dpbusd_epi32(ACC, X, W) : _mm256_dpbusd_epi32(ACC, W, X))
+/* The tile pass on VNNI. SIGNED (the plain kinds only): the tile's quants signed (q = u -
+ * off, sign_tile) against the activations plus 128 (acts_t's qu), the lanes started from
+ * the tile's offset terms -128 * sum q: sum q (x + 128) - 128 sum q = sum (u - off) x, the
+ * same int32 D as the unsigned pass's with no per-row offset to work out. */
 static inline TARGET_VNNI __attribute__((always_inline)) void rows_vnni_kind(const job_t *job, const tile_t *tl, const ahead_t *ahead,
                                                                               int64_t j0, int cols, int64_t r0,
                                                                               const int ROWS_N, const int KIND,
-                                                                              const int OFF, const int AHEAD) {
+                                                                              const int OFF, const int AHEAD,
+                                                                              const int SIGNED) {
     TILE_ROWS_BODY(6)
 }
 #undef PREP
 #undef DOT_GROUP
 #undef SIGNED_W
 
-#define VNNI_ROWS(FN, KINDV, MAXR)                                                                         \
-    switch (rows < MAXR ? rows : MAXR) {                                                                   \
-    case 6: FN(job, tl, ahead, j0, cols, r0, 6, KINDV, off, AHEAD); break;                                   \
-    case 5: FN(job, tl, ahead, j0, cols, r0, 5, KINDV, off, AHEAD); break;                                   \
-    case 4: FN(job, tl, ahead, j0, cols, r0, 4, KINDV, off, AHEAD); break;                                   \
-    case 3: FN(job, tl, ahead, j0, cols, r0, 3, KINDV, off, AHEAD); break;                                   \
-    case 2: FN(job, tl, ahead, j0, cols, r0, 2, KINDV, off, AHEAD); break;                                   \
-    default: FN(job, tl, ahead, j0, cols, r0, 1, KINDV, off, AHEAD);                                         \
+#define VNNI_ROWS(KINDV, SIGNEDV, MAXR)                                                          \
+    switch (rows < MAXR ? rows : MAXR) {                                                         \
+    case 6: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 6, KINDV, off, AHEAD, SIGNEDV); break;  \
+    case 5: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 5, KINDV, off, AHEAD, SIGNEDV); break;  \
+    case 4: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 4, KINDV, off, AHEAD, SIGNEDV); break;  \
+    case 3: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 3, KINDV, off, AHEAD, SIGNEDV); break;  \
+    case 2: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 2, KINDV, off, AHEAD, SIGNEDV); break;  \
+    default: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 1, KINDV, off, AHEAD, SIGNEDV);        \
     }
 /* Returns the rows done (split kinds take four at a time: two accumulators per half). */
 static inline TARGET_VNNI __attribute__((always_inline)) int rows_vnni_t(const job_t *job, const tile_t *tl,
@@ -1122,12 +1114,12 @@ static inline TARGET_VNNI __attribute__((always_inline)) int rows_vnni_t(const j
     const int off = info->off;
     switch (info->kind) {
     case KIND_PLAIN:
-        if (job->a->qu && signed_tile(ISA_VNNI, info)) { VNNI_ROWS(rows_vnni_signed, KIND_PLAIN, 6) } /* the tile made signed (sign_tile) */
-        else { VNNI_ROWS(rows_vnni_kind, KIND_PLAIN, 6) }
+        if (job->a->qu && signed_tile(ISA_VNNI, info)) { VNNI_ROWS(KIND_PLAIN, 1, 6) } /* the tile made signed (sign_tile) */
+        else { VNNI_ROWS(KIND_PLAIN, 0, 6) }
         return rows < 6 ? rows : 6;
-    case KIND_MIN: VNNI_ROWS(rows_vnni_kind, KIND_MIN, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
-    case KIND_SPLIT: VNNI_ROWS(rows_vnni_kind, KIND_SPLIT, 4) return rows < 4 ? rows : 4;
-    default: VNNI_ROWS(rows_vnni_kind, KIND_SPLIT_MIN, 4) return rows < 4 ? rows : 4;
+    case KIND_MIN: VNNI_ROWS(KIND_MIN, 0, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
+    case KIND_SPLIT: VNNI_ROWS(KIND_SPLIT, 0, 4) return rows < 4 ? rows : 4;
+    default: VNNI_ROWS(KIND_SPLIT_MIN, 0, 4) return rows < 4 ? rows : 4;
     }
 }
 /* ahead: NULL, or the next tile's plans, fetched a part per 32-block. */
