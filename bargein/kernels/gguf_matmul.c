@@ -1063,16 +1063,111 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k_avx2_t(cons
 #undef K_DOT
 #undef K_MADD_ADD
 
+/* Q4_K and Q5_K's AVX2 pass (TILE_K_BODY's D and M, the same int32): a 32-block's maddubs
+ * pairs are summed in int16 and meet the block's sc * m in one madd, instead of one madd
+ * (by m) per group of four and a multiply by sc per block. The int16 sums are exact: a
+ * pair is at most 2 * 15 * 127 = 3,810 (Q4_K), so the block's eight groups stay under
+ * 30,480; Q5_K's pairs reach 2 * 31 * 127 = 7,874, so its halves of four groups are summed
+ * apart (31,496) and meet sc * m in a madd each. sc * m <= 63 * 16 fits int16, and a madd
+ * pair's products <= 2 * 30,480 * 1,008 fit int32. Per block, row and 8 columns: 8
+ * maddubs and 1-2 madds on the multiply ports instead of 8 maddubs, 8 madds and a
+ * mullo_epi32. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(const job_t *job, const tile_t *tl,
+                                                                               const ahead_t *ahead, int64_t j0,
+                                                                               int cols, int64_t r0, const int ROWS_N,
+                                                                               const int HALVES) {
+    const acts_t *a = job->a;
+    const int64_t k = job->k, supers = k / 256;
+    const __m256i *tile = (const __m256i *)tl->tile;
+    __m256 acc[2][2];
+    for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < supers; t++) {
+        if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
+        __m256i dk[2][2];
+        for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = t * 8 + j;
+            const __m256i *wb = tile + b * 16;
+            __m256i sum[2][2][2]; /* [half of the groups][row][columns 0-7, 8-15], int16 pairs */
+            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
+                const int h = HALVES == 2 && g >= 4;
+                const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
+                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+                    int32_t four;
+                    memcpy(&four, a->kq + (r0 + r) * k + 32 * b + 4 * g, 4);
+                    const __m256i xv = _mm256_set1_epi32(four);
+                    const __m256i p0 = _mm256_maddubs_epi16(w0, xv), p1 = _mm256_maddubs_epi16(w1, xv);
+                    if (g == 0 || (HALVES == 2 && g == 4)) {
+                        sum[h][r][0] = p0, sum[h][r][1] = p1;
+                    } else {
+                        sum[h][r][0] = _mm256_add_epi16(sum[h][r][0], p0);
+                        sum[h][r][1] = _mm256_add_epi16(sum[h][r][1], p1);
+                    }
+                }
+            }
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                /* sc in both int16 halves of its column's lane: sc * m by one mullo_epi16 per row */
+                const __m256i sc = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v));
+                const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+                    const __m256i scm = _mm256_mullo_epi16(sc2, _mm256_set1_epi16(a->km[(r0 + r) * (k / 32) + b]));
+                    __m256i e = _mm256_madd_epi16(sum[0][r][v], scm);
+                    if (HALVES == 2) e = _mm256_add_epi32(e, _mm256_madd_epi16(sum[1][r][v], scm));
+                    dk[r][v] = _mm256_add_epi32(dk[r][v], e);
+                }
+            }
+        }
+        const int64_t at = t * 8 * TILE;
+        const __m256 d[2] = {_mm256_loadu_ps(tl->ps + at), _mm256_loadu_ps(tl->ps + at + 8)};
+        const __m256 nm[2] = {_mm256_loadu_ps(tl->pm + at), _mm256_loadu_ps(tl->pm + at + 8)};
+        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+            const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);
+            __m256i mk[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            const int64_t row32 = (r0 + r) * (k / 32) + t * 8;
+            const int wide = a->kwide[(r0 + r) * supers + t];
+            for (int p = 0; p < 4; p++) { /* the mins as in TILE_K_BODY */
+                int32_t spair, mpair, ppair;
+                memcpy(&spair, a->ks32 + row32 + 2 * p, 4);
+                memcpy(&mpair, a->km + row32 + 2 * p, 4);
+                memcpy(&ppair, a->kp + row32 + 2 * p, 4);
+                const __m256i sv = _mm256_set1_epi32(spair), mp = _mm256_set1_epi32(mpair);
+                const __m256i pv = _mm256_set1_epi32(ppair);
+                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                    const __m256i mn = _mm256_loadu_si256((const __m256i *)(tl->pmn + (t * 16 + p) * TILE + 8 * v));
+                    mk[v] = _mm256_add_epi32(mk[v], wide ? _mm256_madd_epi16(_mm256_mullo_epi16(mn, mp), sv)
+                                                         : _mm256_madd_epi16(mn, pv));
+                }
+            }
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dk[r][v]), _mm256_mul_ps(d[v], xd), acc[r][v]);
+                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mk[v]), _mm256_mul_ps(nm[v], xd), acc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS_N; r++)
+        for (int v = 0; v < 2; v++) {
+            const int64_t c0 = 8 * v;
+            if (c0 >= cols) break;
+            float lanes[8];
+            _mm256_storeu_ps(lanes, acc[r][v]);
+            float *out = job->y + (r0 + r) * job->n + j0 + c0;
+            for (int c = 0; c < 8 && c0 + c < cols; c++) out[c] = lanes[c];
+        }
+}
+
 /* ahead: NULL, or the next tile's plans (tile_ahead), fetched a part per superblock. */
 static TARGET_AVX2 void rows_k_avx2(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type,
                                     int64_t j0, int cols, int64_t r0, int rows) {
-    const int min = type != T_Q6_K;
-    if (rows == 2) {
-        if (min) rows_k_avx2_t(job, tl, ahead, j0, cols, r0, 2, 1);
-        else rows_k_avx2_t(job, tl, ahead, j0, cols, r0, 2, 0);
-    } else {
-        if (min) rows_k_avx2_t(job, tl, ahead, j0, cols, r0, 1, 1);
+    const int halves = type == T_Q5_K ? 2 : 1;
+    if (type == T_Q6_K) {
+        if (rows == 2) rows_k_avx2_t(job, tl, ahead, j0, cols, r0, 2, 0);
         else rows_k_avx2_t(job, tl, ahead, j0, cols, r0, 1, 0);
+    } else if (rows == 2) {
+        if (halves == 1) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 1);
+        else rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 2);
+    } else {
+        if (halves == 1) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 1);
+        else rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 2);
     }
 }
 

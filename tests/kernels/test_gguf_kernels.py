@@ -304,13 +304,17 @@ def test_k_chain_integer_sums_at_their_bounds_keep_the_bits(qtype, isa):
     int32 sum that overflowed or saturated on some path would change the bits. Every row
     count from 1 to 12 through the dense matmul (VNNI: passes of up to 4 rows) and through
     one expert's call (bargein_gguf_matmul_expert: passes of up to 8, split evenly), Q4_K's
-    from 2 rows in the quad pass, equals the C path's bits."""
+    from 2 rows in the quad pass, equals the C path's bits; so do 24 and 25 rows, the tile
+    passes (AVX2: a 32-block's pairs summed in int16, Q4_K's eight at 16 * 15 * 127 = 30480,
+    Q5_K's halves at 8 * 31 * 127 = 31496, before the madd by sc * m)."""
     rng = rng_for("bounds", qtype)
     k = 512
     weight = _blocks_at_their_bounds(qtype, 32, k, rng)
     matrix = describe_quant(weight)
-    x = torch.from_numpy(_activations_at_their_bounds(12, k, rng))
+    x = torch.from_numpy(_activations_at_their_bounds(25, k, rng))
     base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+    for m in (24, 25):
+        assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, 2, isa=isa), base[:m]), m
     library = ctypes.CDLL(str(KERNELS.path))  # the loaded library: its exported expert call
     expert = library.bargein_gguf_matmul_expert
     expert.restype = ctypes.c_int
