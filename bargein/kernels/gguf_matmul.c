@@ -816,6 +816,8 @@ static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahe
             }                                                                                              \
         }                                                                                                  \
         const __m256i *wb = tile + b * 16;                                                                 \
+        __m256i s16[ROWS_MAX][2]; /* GROUPS16's int16 sums */                                              \
+        (void)s16;                                                                                         \
         _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {                                              \
             const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);      \
             PREP                                                                                           \
@@ -823,7 +825,15 @@ static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahe
                 int32_t four;                                                                              \
                 memcpy(&four, (SIGNED_W ? (const int8_t *)a->qu : a->q) + (r0 + r) * k + 32 * b + 4 * g, 4); \
                 const __m256i xv = _mm256_set1_epi32(four);                                                \
-                if (KIND >= KIND_SPLIT && g >= 4) {                                                        \
+                if (GROUPS16 > 1) {                                                                        \
+                    const __m256i p0 = GROUP_PAIRS(w0, xv), p1 = GROUP_PAIRS(w1, xv);                      \
+                    s16[r][0] = g % GROUPS16 ? _mm256_add_epi16(s16[r][0], p0) : p0;                       \
+                    s16[r][1] = g % GROUPS16 ? _mm256_add_epi16(s16[r][1], p1) : p1;                       \
+                    if (g % GROUPS16 == GROUPS16 - 1) {                                                    \
+                        dlo[r][0] = _mm256_add_epi32(dlo[r][0], _mm256_madd_epi16(s16[r][0], ones));       \
+                        dlo[r][1] = _mm256_add_epi32(dlo[r][1], _mm256_madd_epi16(s16[r][1], ones));       \
+                    }                                                                                      \
+                } else if (KIND >= KIND_SPLIT && g >= 4) {                                                 \
                     dhi[r][0] = DOT_GROUP(dhi[r][0], w0, xv, 0);                                           \
                     dhi[r][1] = DOT_GROUP(dhi[r][1], w1, xv, 1);                                           \
                 } else {                                                                                   \
@@ -848,6 +858,8 @@ static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahe
         }
 
 #define SIGNED_W 0
+#define GROUPS16 1 /* groups whose maddubs pairs TILE_ROWS_BODY sums in int16 before a madd (1: none) */
+#define GROUP_PAIRS(W, X) _mm256_maddubs_epi16(X, W) /* the AVX2 signed pass's pairs (GROUPS16 > 1) */
 /* AVX2, quants below 128 (u * x fits maddubs' int16 pairs): maddubs + madd. */
 #define PREP
 #define DOT_GROUP(ACC, W, X, V) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(W, X), ones))
@@ -877,10 +889,14 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_wide(con
 
 /* AVX2, the plain kinds whose quants times 255 fit maddubs' int16 pairs (|q| <= 16: Q4_0,
  * Q5_0), made signed as rows_vnni_kind's SIGNED pass: maddubs of the activations plus 128
- * against q. */
+ * against q, the pairs of GROUPS16 groups summed in int16 before one madd by ones (OFF, the
+ * type's offset, bounds |q|: a pair is at most 2 * 255 * OFF, so 8 groups of Q4_0's stay
+ * at 32640 and 4 of Q5_0's), instead of a madd per group: the same int32. */
 #define PREP
 #undef SIGNED_W
 #define SIGNED_W 1
+#undef GROUPS16
+#define GROUPS16 (OFF <= 8 ? 8 : 4)
 #define DOT_GROUP(ACC, W, X, V) _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16(X, W), ones))
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_signed(const job_t *job, const tile_t *tl, const ahead_t *ahead,
                                                                                 int64_t j0, int cols, int64_t r0,
@@ -892,6 +908,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_signed(c
 #undef DOT_GROUP
 #undef SIGNED_W
 #define SIGNED_W 0
+#undef GROUPS16
+#define GROUPS16 1
 
 /* Whether the tile passes read a plain kind's tile signed (sign_tile) against acts_t's qu:
  * on VNNI every plain kind, on AVX2 those whose |q| <= 16 (maddubs' pairs of 255 q fit). */
@@ -934,8 +952,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_t(const 
                                                                            const int AHEAD) {
     const int kind = info->kind;
     if (job->a->qu && signed_tile(ISA_AVX2, info)) { /* the tile made signed (sign_tile) */
-        if (rows == 2) rows_avx2_signed(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, 0, AHEAD);
-        else rows_avx2_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 0, AHEAD);
+        if (info->off <= 8) { /* Q4_0 */
+            if (rows == 2) rows_avx2_signed(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, 8, AHEAD);
+            else rows_avx2_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 8, AHEAD);
+        } else if (rows == 2) rows_avx2_signed(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, 16, AHEAD);
+        else rows_avx2_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 16, AHEAD);
     } else if (info->off == 128) {
         AVX2_KINDS(rows_avx2_wide, 0)
     } else if (info->off == 0) {

@@ -246,6 +246,31 @@ def test_plain_kinds_signed_tiles_keep_the_bits(isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
+def test_signed_tiles_at_their_int16_bounds_keep_the_bits(isa):
+    """The AVX2 signed pass sums its maddubs pairs in int16 over 8 groups for Q4_0 and 4 for
+    Q5_0: at q = -8 (-16) against activations of +127 (plus 128: 255) those sums reach
+    8 * 2 * 255 * 8 = 4 * 2 * 255 * 16 = 32640 beside int16's 32767. Every other column's
+    quants at their most negative; rows of +127, -127 and random signs; the C path's bits
+    at row counts of both signed passes, one thread and two."""
+    rng = rng_for("signed-bounds")
+    k = 512
+    segments = []
+    for qtype, quants in ((T.Q4_0, slice(2, 18)), (T.Q5_0, slice(2, 22))):
+        data = random_blocks(qtype, 16, k, rng).numpy().copy()
+        values, nbytes = GGML_QUANT_SIZES[qtype]
+        data.reshape(16, k // values, nbytes)[::2, :, quants] = 0  # q = u - off at its least
+        segments.append(QuantWeight((QuantSegment(qtype, torch.from_numpy(data), None),)))
+    matrix = describe_quant(QuantWeight.cat_rows(segments))
+    signs = [np.ones(k), -np.ones(k)] + [rng.choice([-1.0, 1.0], size=k) for _ in range(31)]
+    x = torch.from_numpy(np.stack([signs[r % 3] if r < 9 else signs[r] for r in range(33)]).astype(np.float32))
+    base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+    for m in (8, 9, 32, 33):
+        for threads in (1, 2):
+            assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 def test_threads_that_take_each_others_tiles_compute_every_tile_once(isa):
     """A thread done with its share of the tiles takes the others' from their backs (work
     stealing): with more threads than cores they are descheduled mid-call and steal often.
