@@ -760,13 +760,6 @@ static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahe
 }
 
 
-/* Pins *v in a register here: GCC otherwise regroups a chain of integer adds (exact, so
- * it may), computing every maddubs of a block first and keeping the products on the stack
- * where 16 ymm registers (an AVX2-only CPU) cannot hold them. With it the AVX2 tile
- * passes ran at 0.76-0.78x the time built for Zen 3 (-march=znver3), 0.84-0.91x built
- * for this Zen 4 (512 rows, Q4_K and Q5_K, bench/gemm_tile_ab.c). */
-static inline __attribute__((always_inline)) void in_order(__m256i *v) { __asm__("" : "+v"(*v)); }
-
 /* The float steps of the header for one block b, eight columns (v) and one row. */
 #define FLOAT_STEPS(ACC, DLO, DHI, V, R)                                                                   \
     {                                                                                                      \

@@ -525,6 +525,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void gemm_rows_avx2(con
                 const __m256i xv = _mm256_set1_epi32(four);
                 dot[r][0] = _mm256_add_epi16(dot[r][0], _mm256_maddubs_epi16(w0, xv));
                 dot[r][1] = _mm256_add_epi16(dot[r][1], _mm256_maddubs_epi16(w1, xv));
+                in_order(&dot[r][0]), in_order(&dot[r][1]);
             }
         }
         _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
