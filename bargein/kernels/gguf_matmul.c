@@ -1053,6 +1053,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
         }
 }
 
+#define K16_ROWS 4 /* rows per AVX2 pass of Q4_K (Q5_K: 2, its two halves' sums take twice the registers) */
 /* Q4_K and Q5_K's AVX2 pass (the header's D and M): a 32-block's maddubs
  * pairs are summed in int16 and meet the block's sc * m in one madd, instead of one madd
  * (by m) per group of four and a multiply by sc per block. The int16 sums are exact: a
@@ -1071,22 +1072,22 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
     const __m256i *tile = (const __m256i *)tl->tile;
     /* in memory, updated once per superblock: with 16 ymm registers (an AVX2-only CPU) the
      * block's int16 sums, dk, the two weight vectors and the broadcasts take them all */
-    float acc[2][TILE] __attribute__((aligned(32)));
+    float acc[K16_ROWS][TILE] __attribute__((aligned(32)));
     memset(acc, 0, sizeof(acc));
     for (int64_t t = 0; t < supers; t++) {
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
-        __m256i dk[2][2];
+        __m256i dk[K16_ROWS][2];
         for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             const __m256i *wb = tile + b * 16;
-            __m256i sum[2][2][2]; /* [half of the groups][row][columns 0-7, 8-15], int16 pairs */
+            __m256i sum[2][K16_ROWS][2]; /* [half of the groups][row][columns 0-7, 8-15], int16 pairs */
             for (int h = 0; h < HALVES; h++)
                 for (int r = 0; r < ROWS_N; r++) sum[h][r][0] = sum[h][r][1] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
                 const int h = HALVES == 2 && g >= 4;
                 const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
-                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
                     int32_t four;
                     memcpy(&four, a->kq + (r0 + r) * k + 32 * b + 4 * g, 4);
                     const __m256i xv = _mm256_set1_epi32(four);
@@ -1099,7 +1100,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
                 /* sc in both int16 halves of its column's lane: sc * m by one mullo_epi16 per row */
                 const __m256i sc = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v));
                 const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
                     const __m256i scm = _mm256_mullo_epi16(sc2, _mm256_set1_epi16(a->km[(r0 + r) * (k / 32) + b]));
                     __m256i e = _mm256_madd_epi16(sum[0][r][v], scm);
                     if (HALVES == 2) e = _mm256_add_epi32(e, _mm256_madd_epi16(sum[1][r][v], scm));
@@ -1110,7 +1111,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
         const int64_t at = t * 8 * TILE;
         const __m256 d[2] = {_mm256_loadu_ps(tl->ps + at), _mm256_loadu_ps(tl->ps + at + 8)};
         const __m256 nm[2] = {_mm256_loadu_ps(tl->pm + at), _mm256_loadu_ps(tl->pm + at + 8)};
-        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
             const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);
             __m256i mk[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             const int64_t row32 = (r0 + r) * (k / 32) + t * 8;
@@ -1151,12 +1152,17 @@ static TARGET_AVX2 void rows_k_avx2(const job_t *job, const tile_t *tl, const ah
     if (type == T_Q6_K) {
         if (rows == 2) rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 2);
         else rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 1);
-    } else if (rows == 2) {
-        if (halves == 1) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 1);
-        else rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 2);
+    } else if (halves == 1) {
+        switch (rows) {
+        case 4: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 4, 1); break;
+        case 3: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 3, 1); break;
+        case 2: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 1); break;
+        default: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 1);
+        }
+    } else if (rows >= 2) {
+        rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 2);
     } else {
-        if (halves == 1) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 1);
-        else rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 2);
+        rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 2);
     }
 }
 
@@ -2162,7 +2168,7 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
                 continue;
             }
 #endif
-            const int rows = left < 2 ? left : 2;
+            const int most = seg->type == T_Q4_K ? K16_ROWS : 2, rows = left < most ? left : most;
             rows_k_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, rows);
             r0 += rows;
             continue;

@@ -206,7 +206,7 @@ def test_an_odd_count_of_32_blocks_keeps_the_bits(qtype, isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
     """The K chain's many-row tile passes (from 24 rows) take rows 8 at a time on VNNI (every
-    type), 2 on AVX2: 24 .. 31 rows end in every remainder of either, and the first pass over
+    type), on AVX2 4 (Q4_K) or 2: 24 .. 31 rows end in every remainder of each, and the first pass over
     each tile fetches the next one's blocks (across segments and row orders here). From 64
     rows the VNNI pass of Q4_K/Q5_K reads each row's scale x m from a table built per
     tile: 64 .. 71 rows end in every remainder there too."""
