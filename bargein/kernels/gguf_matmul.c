@@ -51,7 +51,8 @@
  * superblock and sums the lanes across columns once per superblock, not once per
  * 32-block. The multiples cost an integer multiply per row and superblock of a column
  * (its scales times the row's m_j) in the few-row pass, one per row and 32-block in the
- * tile pass (AVX2: none, m_j takes the place of maddubs' pair-summing ones). On VNNI,
+ * tile pass (AVX2: Q4_K and Q5_K sum a block's maddubs pairs in int16 and madd them by
+ * sc * m; Q6_K's m takes the place of maddubs' pair-summing ones). On VNNI,
  * Q4_K's few-row passes of 2 rows or more put four 32-blocks in each vector (the quad
  * pass, k_quads_vnni_t, with the activations re-ordered once per call to match): the
  * same integer D by other partial sums.
