@@ -1468,6 +1468,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)                                           \
             start[r] = PAIR_FOLDS && OFF ? offset_lanes(OFF, a->s16 + 2 * ((r0 + r) * nb + b), two)        \
                                          : _mm256_setzero_si256();                                         \
+        (void)start; /* AVX2's PAIR_DOT starts from zero */                                                \
         __m256i h[ROWS_MAX][2];                                                                            \
         _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                                     \
             __m256i sp[ROWS_MAX][2];                                                                       \
