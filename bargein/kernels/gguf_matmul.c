@@ -761,6 +761,19 @@ static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahe
 }
 
 
+/* Writes the first `cols` of a tile row's 16 sums (lo: columns 0-7, hi: 8-15) to out. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void store_tile_row(float *out, int cols, __m256 lo, __m256 hi) {
+    if (cols == TILE) { /* a pass is short (600 cycles at 2 rows, k = 2,048): no call to memcpy here */
+        _mm256_storeu_ps(out, lo);
+        _mm256_storeu_ps(out + 8, hi);
+        return;
+    }
+    float lanes[TILE];
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+    for (int c = 0; c < cols; c++) out[c] = lanes[c];
+}
+
 /* The float steps of the header for one block b, eight columns (v) and one row. */
 #define FLOAT_STEPS(ACC, DLO, DHI, V, R)                                                                   \
     {                                                                                                      \
@@ -851,15 +864,7 @@ static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahe
             FLOAT_STEPS(acc[r][1], dlo[r][1], dhi[r][1], 1, r)                                             \
         }                                                                                                  \
     }                                                                                                      \
-    for (int r = 0; r < ROWS_N; r++)                                                                       \
-        for (int v = 0; v < 2; v++) {                                                                      \
-            const int64_t c0 = 8 * v;                                                                      \
-            if (c0 >= cols) break;                                                                         \
-            float lanes[8];                                                                                \
-            _mm256_storeu_ps(lanes, acc[r][v]);                                                            \
-            float *out = job->y + (r0 + r) * job->n + j0 + c0;                                             \
-            for (int c = 0; c < 8 && c0 + c < cols; c++) out[c] = lanes[c];                                \
-        }
+    for (int r = 0; r < ROWS_N; r++) store_tile_row(job->y + (r0 + r) * job->n + j0, cols, acc[r][0], acc[r][1]);
 
 #define SIGNED_W 0
 #define GROUPS16 1 /* groups whose maddubs pairs TILE_ROWS_BODY sums in int16 before a madd (1: none) */
@@ -1043,15 +1048,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
                 acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dk[r][v]), _mm256_mul_ps(d[v], xd), acc[r][v]);
         }
     }
-    for (int r = 0; r < ROWS_N; r++)
-        for (int v = 0; v < 2; v++) {
-            const int64_t c0 = 8 * v;
-            if (c0 >= cols) break;
-            float lanes[8];
-            _mm256_storeu_ps(lanes, acc[r][v]);
-            float *out = job->y + (r0 + r) * job->n + j0 + c0;
-            for (int c = 0; c < 8 && c0 + c < cols; c++) out[c] = lanes[c];
-        }
+    for (int r = 0; r < ROWS_N; r++) store_tile_row(job->y + (r0 + r) * job->n + j0, cols, acc[r][0], acc[r][1]);
 }
 
 #define K16_ROWS 4 /* rows per AVX2 pass of Q4_K (Q5_K: 2, its two halves' sums take twice the registers) */
@@ -1138,33 +1135,30 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
         }
     }
     for (int r = 0; r < ROWS_N; r++)
-        for (int v = 0; v < 2; v++) {
-            const int64_t c0 = 8 * v;
-            if (c0 >= cols) break;
-            float *out = job->y + (r0 + r) * job->n + j0 + c0;
-            for (int c = 0; c < 8 && c0 + c < cols; c++) out[c] = acc[r][c0 + c];
-        }
+        store_tile_row(job->y + (r0 + r) * job->n + j0, cols, _mm256_load_ps(acc[r]), _mm256_load_ps(acc[r] + 8));
 }
 
-/* ahead: NULL, or the next tile's plans (tile_ahead), fetched a part per superblock. */
-static TARGET_AVX2 void rows_k_avx2(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type,
-                                    int64_t j0, int cols, int64_t r0, int rows) {
-    const int halves = type == T_Q5_K ? 2 : 1;
-    if (type == T_Q6_K) {
-        if (rows == 2) rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 2);
-        else rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 1);
-    } else if (halves == 1) {
-        switch (rows) {
+/* Returns the rows done of the `left` from r0: up to K16_ROWS for Q4_K, 2 for Q5_K and
+ * Q6_K. ahead: NULL, or the next tile's plans (tile_ahead), fetched a part per superblock. */
+static TARGET_AVX2 int rows_k_avx2(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type,
+                                   int64_t j0, int cols, int64_t r0, int left) {
+    const int most = type == T_Q4_K ? K16_ROWS : 2, n = left < most ? left : most;
+    if (type == T_Q4_K) {
+        switch (n) {
         case 4: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 4, 1); break;
         case 3: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 3, 1); break;
         case 2: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 1); break;
         default: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 1);
         }
-    } else if (rows >= 2) {
-        rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 2);
+    } else if (type == T_Q5_K) {
+        if (n == 2) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 2);
+        else rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 2);
+    } else if (n == 2) {
+        rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 2);
     } else {
-        rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 2);
+        rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 1);
     }
+    return n;
 }
 
 #undef SIGNED_W
@@ -2170,9 +2164,7 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
                 continue;
             }
 #endif
-            const int most = seg->type == T_Q4_K ? K16_ROWS : 2, rows = left < most ? left : most;
-            rows_k_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, rows);
-            r0 += rows;
+            r0 += rows_k_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left);
             continue;
         }
 #ifdef GGUF_VNNI
