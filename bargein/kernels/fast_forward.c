@@ -54,11 +54,15 @@
  *   block_tables, table_width, token_seq, token_ctx: as bargein_paged_attention_f16 takes
  *                 them (each token's context at least 1 and within its table row)
  *   head          NULL, or the head and the rows of x to compute logits for
+ *   workspace     the call's buffers: at least bargein_fast_workspace_floats(shape, m) floats,
+ *                 the caller's to keep from call to call (a prompt chunk's buffers, tens of
+ *                 MB, mapped and unmapped by malloc on every call took a page fault and a
+ *                 zeroed page per 4 KB each time)
  * Returns 0; -1 when scratch memory could not be had; -2 when the int8 matmul's `isa` is not
  * this CPU's; -3 when a slot lies outside a cache,
  * -4 when a position lies outside the RoPE tables, -5 when a logits row is not a row of x,
  * -6 when a token id is not a row of the embedding (all checked before anything is written),
- * -7 when a GGUF weight's block type has no kernels.
+ * -7 when a GGUF weight's block type has no kernels, -8 when the workspace is too small.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -205,11 +209,42 @@ static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hid
     return status;
 }
 
+/* A call's buffers in its workspace, each from a 64-byte boundary (in floats: 16). */
+typedef struct {
+    float *normed, *qkv, *q, *attn, *proj, *gate_up, *act, *cos, *sin, *local_cos, *local_sin;
+} buffers_t;
+
+/* Lays the buffers of an m-row call out from `base` (NULL: only counts); returns the floats
+ * they take. */
+static int64_t lay_out(const bargein_fast_shape_t *shape, int64_t m, float *base, buffers_t *out) {
+    const int64_t hidden = shape->hidden, heads = shape->num_heads, kv_heads = shape->num_kv_heads;
+    const int64_t d = shape->head_dim, q_width = heads * d, qkv_width = (heads + 2 * kv_heads) * d;
+    const int64_t inter = shape->intermediate, rows = m > 0 ? m : 1;
+    const int has_local = shape->local_cos_table && shape->local_sin_table;
+    const int64_t sizes[11] = {rows * hidden, rows * qkv_width, rows * q_width, rows * q_width, rows * hidden,
+                               rows * 2 * inter, rows * inter, rows * d, rows * d, has_local ? rows * d : 0,
+                               has_local ? rows * d : 0};
+    float **slots[11] = {&out->normed, &out->qkv, &out->q, &out->attn, &out->proj, &out->gate_up,
+                         &out->act, &out->cos, &out->sin, &out->local_cos, &out->local_sin};
+    int64_t at = 0;
+    for (int i = 0; i < 11; i++) {
+        if (base) *slots[i] = base + at;
+        at += (sizes[i] + 15) / 16 * 16;
+    }
+    if (base && !has_local) out->local_cos = out->cos, out->local_sin = out->sin;
+    return at;
+}
+
+int64_t bargein_fast_workspace_floats(const bargein_fast_shape_t *shape, int64_t m) {
+    buffers_t unused;
+    return lay_out(shape, m, NULL, &unused);
+}
+
 int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, const bargein_fast_shape_t *shape,
                         float *x, int64_t m, const int64_t *positions, const int64_t *slots,
                         const int64_t *block_tables, int64_t table_width, const int64_t *token_seq,
                         const int64_t *token_ctx, const bargein_fast_embed_t *embed, const bargein_fast_head_t *head,
-                        int num_threads, int isa) {
+                        float *workspace, int64_t workspace_floats, int num_threads, int isa) {
     for (int64_t t = 0; t < m; t++) {
         if (slots[t] < 0 || slots[t] >= shape->num_slots) return -3;
         if (positions[t] < 0 || positions[t] >= shape->num_positions) return -4;
@@ -218,21 +253,17 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
         if (head->rows[i] < 0 || head->rows[i] >= m) return -5;
     for (int64_t t = 0; embed && t < m; t++)
         if (embed->ids[t] < 0 || embed->ids[t] >= embed->vocab) return -6;
+    if (!workspace || workspace_floats < bargein_fast_workspace_floats(shape, m)) return -8;
     const int64_t hidden = shape->hidden, heads = shape->num_heads, kv_heads = shape->num_kv_heads;
     const int64_t d = shape->head_dim, q_width = heads * d, qkv_width = (heads + 2 * kv_heads) * d;
-    const int64_t inter = shape->intermediate, rows = m > 0 ? m : 1;
-    float *normed = malloc(sizeof(float) * (size_t)(rows * hidden));
-    float *qkv = malloc(sizeof(float) * (size_t)(rows * qkv_width));
-    float *q = malloc(sizeof(float) * (size_t)(rows * q_width));
-    float *attn = malloc(sizeof(float) * (size_t)(rows * q_width));
-    float *proj = malloc(sizeof(float) * (size_t)(rows * hidden));
-    float *gate_up = malloc(sizeof(float) * (size_t)(rows * 2 * inter));
-    float *act = malloc(sizeof(float) * (size_t)(rows * inter));
-    float *cos = malloc(sizeof(float) * (size_t)(rows * d)), *sin = malloc(sizeof(float) * (size_t)(rows * d));
+    const int64_t inter = shape->intermediate;
+    buffers_t buf;
+    lay_out(shape, m, workspace, &buf);
+    float *normed = buf.normed, *qkv = buf.qkv, *q = buf.q, *attn = buf.attn, *proj = buf.proj;
+    float *gate_up = buf.gate_up, *act = buf.act, *cos = buf.cos, *sin = buf.sin;
+    float *local_cos = buf.local_cos, *local_sin = buf.local_sin;
     const int has_local = shape->local_cos_table && shape->local_sin_table;
-    float *local_cos = has_local ? malloc(sizeof(float) * (size_t)(rows * d)) : cos;
-    float *local_sin = has_local ? malloc(sizeof(float) * (size_t)(rows * d)) : sin;
-    int status = (normed && qkv && q && attn && proj && gate_up && act && cos && sin && local_cos && local_sin) ? 0 : -1;
+    int status = 0;
     bargein_moe_scratch_t moe_scratch = {NULL, 0}; /* the MoE layers' buffers, shared by them */
     if (status == 0 && embed) status = embed_rows(embed, x, m, hidden, num_threads);
     if (status == 0 && shape->embed_scale != 0.0f)
@@ -279,19 +310,6 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
         add_branch(x, proj, layer->post_ffn_norm, normed, m, hidden, shape->eps, num_threads);
     }
     if (status == 0 && head) status = run_head(head, x, hidden, shape->eps, shape->final_softcap, num_threads, isa);
-    if (has_local) {
-        free(local_cos);
-        free(local_sin);
-    }
     bargein_moe_scratch_free(&moe_scratch);
-    free(normed);
-    free(qkv);
-    free(q);
-    free(attn);
-    free(proj);
-    free(gate_up);
-    free(act);
-    free(cos);
-    free(sin);
     return status;
 }

@@ -85,6 +85,8 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
                         float *x, int64_t m, const int64_t *positions, const int64_t *slots,
                         const int64_t *block_tables, int64_t table_width, const int64_t *token_seq,
                         const int64_t *token_ctx, const bargein_fast_embed_t *embed, const bargein_fast_head_t *head,
-                        int num_threads, int isa);
+                        float *workspace, int64_t workspace_floats, int num_threads, int isa);
+/* The floats of bargein_fast_layers' workspace for an m-row call. */
+int64_t bargein_fast_workspace_floats(const bargein_fast_shape_t *shape, int64_t m);
 
 #endif

@@ -103,7 +103,10 @@ class NativeKernels:
         self._softcap.argtypes = [_P, _P, _I64, _I64, ctypes.c_float, _INT]
         self._fast_layers = library.bargein_fast_layers
         self._fast_layers.restype = _INT
-        self._fast_layers.argtypes = [_P, _INT, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _INT, _INT]
+        self._fast_layers.argtypes = [_P, _INT, _P, _P, _I64, _P, _P, _P, _I64, _P, _P, _P, _P, _P, _I64, _INT, _INT]
+        self._fast_workspace_floats = library.bargein_fast_workspace_floats
+        self._fast_workspace_floats.restype = _I64
+        self._fast_workspace_floats.argtypes = [_P, _I64]
         self._gguf_matmul = library.bargein_gguf_matmul
         self._gguf_matmul.restype = _INT
         self._gguf_matmul.argtypes = [_P, _I64, _P, _P, _INT, _INT, _INT]
@@ -272,7 +275,7 @@ class NativeKernels:
     def fast_layers(self, layers: ctypes.Array[FastLayer], shape: FastShape, x: torch.Tensor,
                     positions: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
                     token_seq: torch.Tensor, token_ctx: torch.Tensor, embed: FastEmbed | None,
-                    head: FastHead | None, num_threads: int) -> None:
+                    head: FastHead | None, workspace: torch.Tensor, num_threads: int) -> None:
         """Runs the fast forward of every layer in ``layers`` on x (m, hidden), in place (x
         first written from ``embed``'s rows of its token ids if given), then ``head`` if
         given (it writes its logits) (see fast_forward.c): bit for bit what the
@@ -282,7 +285,9 @@ class NativeKernels:
         (bargein.model.fused_layers), so this checks only the per-call tensors' layout. The
         caller guarantees what the attention kernel's caller does (every context at least 1
         and within its table row); slots, positions, token ids and logits rows are checked
-        in C, before anything is written.
+        in C, before anything is written. ``workspace``: a contiguous float32 CPU tensor of at
+        least :meth:`fast_workspace_floats` elements for this many rows, where the call keeps
+        its buffers (the caller's to reuse from call to call).
         """
         m = x.shape[0]
         _check_rows(x, shape.hidden)
@@ -291,15 +296,22 @@ class NativeKernels:
                 or block_tables.dtype != torch.int64 or not block_tables.is_contiguous() or block_tables.dim() != 2:
             raise NativeKernelError("one int64 position, slot, sequence and context per token and int64 block "
                                     "tables are needed")
+        if workspace.dtype != torch.float32 or workspace.device.type != "cpu" or not workspace.is_contiguous():
+            raise NativeKernelError("the workspace must be a contiguous float32 CPU tensor")
         status = self._fast_layers(ctypes.addressof(layers), len(layers), ctypes.addressof(shape), x.data_ptr(), m,
                                    positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
                                    block_tables.shape[1], token_seq.data_ptr(), token_ctx.data_ptr(),
                                    None if embed is None else ctypes.addressof(embed),
-                                   None if head is None else ctypes.addressof(head), num_threads, self.q8_isa)
+                                   None if head is None else ctypes.addressof(head), workspace.data_ptr(),
+                                   workspace.numel(), num_threads, self.q8_isa)
         if status in _FAST_LAYER_ERRORS:
             raise NativeKernelError(_FAST_LAYER_ERRORS[status])
         if status:
             raise NativeKernelError("the fused fast forward could not allocate its scratch memory")
+
+    def fast_workspace_floats(self, shape: FastShape, rows: int) -> int:
+        """The float32 elements of :meth:`fast_layers`' workspace for a call of ``rows`` rows."""
+        return int(self._fast_workspace_floats(ctypes.addressof(shape), rows))
 
     def block_matmul(self, x: torch.Tensor, weight: BlockWeight, num_threads: int) -> torch.Tensor:
         """``x @ W.T`` for x (m, k) contiguous float32 on the CPU and W block-quantized (n, k)."""
@@ -348,7 +360,8 @@ class NativeKernels:
 _FAST_LAYER_ERRORS = {-2: "this CPU lacks the int8 matmul's chosen instruction set",
                       -3: "a slot lies outside the cache", -4: "a position lies outside the RoPE tables",
                       -5: "a logits row is not a row of the forward", -6: "a token id is not in the vocabulary",
-                      -7: "a GGUF weight's block type has no native kernels"}
+                      -7: "a GGUF weight's block type has no native kernels",
+                      -8: "the workspace is smaller than fast_workspace_floats"}
 
 
 def _gguf_status(status: int, isa: str | None) -> None:

@@ -19,6 +19,7 @@ from bargein.model.attention import AttentionMetadata
 from bargein.model.llama import LlamaStage
 from tests.kernels.fused_checks import (
     BLOCK,
+    NUM_BLOCKS,
     STEPS,
     TABLES,
     A,
@@ -116,6 +117,35 @@ def test_a_slot_outside_the_cache_is_refused_before_anything_is_written() -> Non
     caches = fused.make_kv_caches(2, BLOCK)  # 8 slots; table 0's block 3 lies past them
     meta = AttentionMetadata.build(block_tables=[[0, 3]], query_lens=[6], context_lens=[6], block_size=BLOCK)
     with pytest.raises(RuntimeError, match="slot lies outside the cache"):
+        fused(torch.tensor(A[:6]), torch.arange(6), meta, caches)
+    assert all(c.k.abs().sum() == 0 and c.v.abs().sum() == 0 for c in caches)
+
+
+def test_the_calls_buffers_are_kept_and_grown_to_the_largest_call() -> None:
+    """One workspace per fused stage, reused by every call that fits in it (a prompt
+    chunk's buffers are not mapped, faulted and zeroed anew each time), grown by a larger
+    one; the bits stay the per-operation path's whatever the last call left in it."""
+    fused, per_op = stage_pair(TINY)
+    caches_fused, caches_per_op = fused.make_kv_caches(NUM_BLOCKS, BLOCK), per_op.make_kv_caches(NUM_BLOCKS, BLOCK)
+    held = []
+    for steps in STEPS:  # rows 1, 3, 21, 11, 28, 1
+        assert torch.equal(run(fused, caches_fused, steps), run(per_op, caches_per_op, steps))
+        workspace = fused.fused._workspace
+        held.append((workspace.data_ptr(), workspace.numel()))
+    native, shape = fused.fused.native, fused.fused._shape
+    assert [n for _, n in held] == [native.fast_workspace_floats(shape, rows) for rows in (1, 3, 21, 21, 28, 28)]
+    assert held[2][0] == held[3][0] and held[4][0] == held[5][0]  # the same memory, not a new allocation
+
+
+def test_a_workspace_smaller_than_the_call_needs_is_refused_before_anything_is_written(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fused, _ = stage_pair(TINY)
+    native = fused.fused.native
+    needed = native.fast_workspace_floats
+    monkeypatch.setattr(native, "fast_workspace_floats", lambda shape, rows: needed(shape, rows) - 1)
+    caches = fused.make_kv_caches(NUM_BLOCKS, BLOCK)
+    meta = AttentionMetadata.build(block_tables=[TABLES[0]], query_lens=[6], context_lens=[6], block_size=BLOCK)
+    with pytest.raises(RuntimeError, match="workspace is smaller"):
         fused(torch.tensor(A[:6]), torch.arange(6), meta, caches)
     assert all(c.k.abs().sum() == 0 and c.v.abs().sum() == 0 for c in caches)
 

@@ -430,6 +430,8 @@ static void fused_case(int gelu, float softcap) {
     const fast_embed_t embed = {embedding, {NULL, NULL, NULL, 0, 0, 0, NULL}, ids, vocab};
     float *logits = checked(malloc(sizeof(float) * 2 * (size_t)vocab)), *x = checked(malloc(sizeof(float) * (size_t)(m * hidden)));
     const fast_head_t head = {norms + 4 * hidden, gguf_weight(&g[3], &TYPES[4], vocab, hidden), head_rows, 2, logits};
+    const int64_t workspace_floats = bargein_fast_workspace_floats(&shape, m);
+    float *workspace = checked(malloc(sizeof(float) * (size_t)workspace_floats));
     char name[64], path[32];
     snprintf(name, sizeof name, "fast_layers/gelu=%d,softcap=%g", gelu, softcap);
     for (int i = 0; i < num_isas; i++)
@@ -437,7 +439,7 @@ static void fused_case(int gelu, float softcap) {
             snprintf(path, sizeof path, "isa=%d,t=%d", isas[i], THREADS[th]);
             memset(caches, 0, 2 * (size_t)(4 * slots_n * kv * d));
             const int status = bargein_fast_layers(layers, 2, &shape, x, m, positions, slots, tables_bt, 1, seq, ctx,
-                                                   &embed, &head, THREADS[th], isas[i]);
+                                                   &embed, &head, workspace, workspace_floats, THREADS[th], isas[i]);
             if (status) {
                 fail(name, path, status);
                 continue;
@@ -448,7 +450,7 @@ static void fused_case(int gelu, float softcap) {
         }
     for (int i = 0; i < 4; i++) free(g[i].data);
     for (int i = 0; i < 5; i++) free(keep[i][0]), free(keep[i][1]), free(keep[i][2]);
-    free(norms), free(caches), free(tables), free(embedding), free(logits), free(x);
+    free(norms), free(caches), free(tables), free(embedding), free(logits), free(x), free(workspace);
 }
 
 int main(void) {
