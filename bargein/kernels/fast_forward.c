@@ -209,7 +209,8 @@ static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hid
     return status;
 }
 
-/* A call's buffers in its workspace, each from a 64-byte boundary (in floats: 16). */
+/* A call's buffers in its workspace, each starting a multiple of 16 floats (64 bytes) from the
+ * workspace's start (torch's CPU allocations start on a 64-byte boundary). */
 typedef struct {
     float *normed, *qkv, *q, *attn, *proj, *gate_up, *act, *cos, *sin, *local_cos, *local_sin;
 } buffers_t;
@@ -265,7 +266,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
     const int has_local = shape->local_cos_table && shape->local_sin_table;
     int status = 0;
     bargein_moe_scratch_t moe_scratch = {NULL, 0}; /* the MoE layers' buffers, shared by them */
-    if (status == 0 && embed) status = embed_rows(embed, x, m, hidden, num_threads);
+    if (embed) status = embed_rows(embed, x, m, hidden, num_threads);
     if (status == 0 && shape->embed_scale != 0.0f)
         for (int64_t j = 0; j < m * hidden; j++) x[j] = x[j] * shape->embed_scale;
     for (int64_t t = 0; t < m && status == 0; t++) { /* each token's angles, shared by every layer */
