@@ -31,9 +31,23 @@ from bargein.loader.parameters import describe_parameters
 from bargein.loader.source import ModelSource
 
 MiB = 1 << 20
-# The process's own memory besides weights and KV: torch (~220 MB resident after import,
-# measured), the server's modules, the tokenizer and per-step buffers.
+# The process's own memory besides weights, KV and the fused forward's step buffers: torch
+# (~220 MB resident after import, measured), the server's modules, the tokenizer and the
+# per-operation paths' buffers.
 RUNTIME_BYTES = 400 * MiB
+
+
+def step_buffer_bytes(model_config: ModelConfig, rows: int) -> int:
+    """The fused fast forward's workspace for a forward of ``rows`` tokens, which each model
+    keeps once its largest step has needed it (kernels/fast_forward.c's lay_out: the normed
+    rows, q/k/v, the queries, the attention's output, the projection, gate and up, their
+    product, the RoPE rows and a local layer's own; each from a 16-float boundary)."""
+    c = model_config
+    q_width, d = c.num_heads * c.head_dim, c.head_dim
+    local = 2 if c.local_rope_theta is not None else 0
+    per_row = [c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * d, q_width, q_width, c.hidden_size,
+               2 * c.intermediate_size, c.intermediate_size, d, d, *([d] * local)]
+    return 4 * sum((max(rows, 1) * n + 15) // 16 * 16 for n in per_row)
 # Left free under --kv-memory auto, for the rest of the machine and for growth.
 MARGIN_FRACTION = 0.10
 MIN_KV_TOKENS = 256  # an auto KV cache smaller than this could not hold a real conversation
@@ -52,12 +66,13 @@ class MemoryPlan:
     kv_bytes: int
     kv_tokens: int
     runtime_bytes: int
+    step_bytes: int  # the fused forward's buffers for a full step (0 where it does not run)
     available_bytes: int | None  # the system's available memory when planned; None if unknown
     parameters: str = ""  # the model's parameter counts, total and (an MoE's) active per token
 
     @property
     def private_bytes(self) -> int:
-        return self.private_weight_bytes + self.kv_bytes + self.runtime_bytes
+        return self.private_weight_bytes + self.kv_bytes + self.runtime_bytes + self.step_bytes
 
     @property
     def expected_rss(self) -> int:
@@ -67,7 +82,9 @@ class MemoryPlan:
         """The one log line ``serve`` writes before loading."""
         line = (f"memory plan: weights {self.mapped_weight_bytes / MiB:,.0f} MiB mapped + "
                 f"{self.private_weight_bytes / MiB:,.0f} MiB private, KV cache {self.kv_bytes / MiB:,.0f} MiB "
-                f"({self.kv_tokens:,} tokens), runtime ~{self.runtime_bytes / MiB:,.0f} MiB: "
+                f"({self.kv_tokens:,} tokens), "
+                + (f"step buffers {self.step_bytes / MiB:,.0f} MiB, " if self.step_bytes else "")
+                + f"runtime ~{self.runtime_bytes / MiB:,.0f} MiB: "
                 f"expected RSS ~{self.expected_rss / MiB:,.0f} MiB")
         if self.parameters:
             line = f"{self.parameters}; {line}"
@@ -104,25 +121,27 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     if config.weights_memory == "private":  # the blocks read in place, copied at load but an MoE's experts
         mapped, private = experts, private + mapped - experts
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
+    step = step_buffer_bytes(model_config, config.scheduler.max_num_batched_tokens) if fast else 0
+    runtime = RUNTIME_BYTES + step
     block = config.cache.block_size
     if kv_auto:
         if available is None:
             raise MemoryPlanError("--kv-memory auto needs the system's available memory, which it does not report "
                                   "here; give a size (e.g. --kv-memory 1GiB)")
-        left = int(available * (1 - MARGIN_FRACTION)) - mapped - private - RUNTIME_BYTES
+        left = int(available * (1 - MARGIN_FRACTION)) - mapped - private - runtime
         max_len = config.max_model_len or model_config.max_position_embeddings
         tokens = min(max(left, 0) // per_token, max_len * config.scheduler.max_num_seqs) // block * block
         if tokens < MIN_KV_TOKENS:
             raise MemoryPlanError(
-                f"{source.path}: the model needs ~{(mapped + private + RUNTIME_BYTES) / MiB:,.0f} MiB "
-                f"(weights {(mapped + private) / MiB:,.0f} MiB, runtime ~{RUNTIME_BYTES / MiB:,.0f} MiB) and "
+                f"{source.path}: the model needs ~{(mapped + private + runtime) / MiB:,.0f} MiB "
+                f"(weights {(mapped + private) / MiB:,.0f} MiB, runtime ~{runtime / MiB:,.0f} MiB) and "
                 f"this machine has {available / MiB:,.0f} MiB available: no room is left for a KV cache "
                 f"of {MIN_KV_TOKENS} tokens")
     elif config.cache.counted_blocks is not None:
         tokens = config.cache.counted_blocks * block
     else:
         tokens = config.cache.memory_bytes // (per_token * block) * block
-    plan = MemoryPlan(mapped, private, tokens * per_token, tokens, RUNTIME_BYTES, available,
+    plan = MemoryPlan(mapped, private, tokens * per_token, tokens, RUNTIME_BYTES, step, available,
                       describe_parameters(model_config) if model_config.moe is not None else "")
     if available is not None and plan.private_bytes > available:
         # Copied blocks that could stay in the file's pages: say so where that would fit.
@@ -130,7 +149,7 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
         raise MemoryPlanError(
             f"{source.path}: this needs ~{plan.private_bytes / MiB:,.0f} MiB of private memory (weights "
             f"{private / MiB:,.0f} MiB, KV cache {plan.kv_bytes / MiB:,.0f} MiB, runtime "
-            f"~{RUNTIME_BYTES / MiB:,.0f} MiB) and this machine has {available / MiB:,.0f} MiB available; "
+            f"~{runtime / MiB:,.0f} MiB) and this machine has {available / MiB:,.0f} MiB available; "
             + (f"--weights-memory mapped keeps {(in_place - mapped) / MiB:,.0f} MiB of weights in the file's pages "
                "instead "
                "(slower where they do not all stay resident), or " if mapped_fits else "")

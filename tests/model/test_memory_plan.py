@@ -11,7 +11,9 @@ import pytest
 from bargein.config import CacheConfig, EngineConfig
 from bargein.loader import load_config, resolve_model_ref
 from bargein.loader.gguf_file import open_gguf
-from bargein.loader.memory_plan import RUNTIME_BYTES, MemoryPlanError, plan_memory
+from bargein.kernels.native import load_native_kernels
+from bargein.kernels.native_structs import FastShape
+from bargein.loader.memory_plan import RUNTIME_BYTES, MemoryPlanError, plan_memory, step_buffer_bytes
 from tests.model.quant_models import write_quant_gguf
 
 GiB = 1 << 30
@@ -38,6 +40,10 @@ def test_the_plan_maps_the_files_blocks_and_counts_the_rest_as_private(q4_k_m: P
     assert "mapped" in plan.describe() and "expected RSS" in plan.describe()
     fast = plan_memory(source, config, replace(CPU, precision="fast"), available=64 * GiB)
     assert fast.kv_bytes * 2 == plan.kv_bytes  # float16 K/V
+    # the fused forward's buffers for a full step, kept by the model once a step needs them
+    assert plan.step_bytes == 0 and fast.step_bytes == step_buffer_bytes(config, 512) > 0
+    assert fast.expected_rss == blocks + norms + fast.kv_bytes + RUNTIME_BYTES + fast.step_bytes
+    assert f"step buffers {fast.step_bytes / 2**20:,.0f} MiB" in fast.describe()
     copied = plan_memory(source, config, replace(CPU, weights_memory="private"), available=64 * GiB)
     assert (copied.mapped_weight_bytes, copied.private_weight_bytes) == (0, blocks + norms)  # the load-time copy
     assert copied.expected_rss == plan.expected_rss
@@ -84,3 +90,17 @@ def test_the_bundled_models_blocks_are_mapped() -> None:
     plan = plan_memory(source, config, CPU, available=64 * GiB)
     tensors = open_gguf(source.path).tensors
     assert plan.mapped_weight_bytes == sum(t.n_bytes for t in tensors.values() if len(t.shape) == 2)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 512])
+@pytest.mark.parametrize("local", [False, True], ids=["global-rope", "local-rope"])
+def test_the_planned_step_buffers_are_the_fused_forwards_workspace(q4_k_m: Path, rows: int, local: bool) -> None:
+    native = load_native_kernels()
+    if native is None:
+        pytest.skip("no C compiler here")
+    config = replace(load_config(resolve_model_ref(q4_k_m)), local_rope_theta=10_000.0 if local else None)
+    table = 1 if local else None  # only whether the local tables are there counts
+    shape = FastShape(hidden=config.hidden_size, intermediate=config.intermediate_size, num_heads=config.num_heads,
+                      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, local_cos_table=table,
+                      local_sin_table=table)
+    assert step_buffer_bytes(config, rows) == 4 * native.fast_workspace_floats(shape, rows)
