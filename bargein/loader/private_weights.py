@@ -46,9 +46,10 @@ from bargein.loader.file_reads import file_span, read_spans, shared_file_maps
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-# A huge page's first fault can be slow: on this project's VMs (free 4 MB blocks plenty,
-# so not compaction; likely the host backing guest memory on first touch) 600 MB took
-# 3.9-7.4 s on fresh 2 MB pages, 0.09 s on reused ones, 0.2-0.6 s on 4 KB pages. So huge
+# A huge page's first fault can be slow: on this project's VMs (Firecracker guests whose
+# virtio-balloon reports every free 2 MB block back to the host, so a huge page, a whole
+# such block, is faulted in by the host on first touch) 600 MB took 3.9-7.4 s on fresh
+# 2 MB pages, 0.09 s on reused ones, 0.2-0.6 s on 4 KB pages. So huge
 # pages are faulted in during this long of the copy only; the rest in 4 KB pages (two
 # threads or more), left to khugepaged to merge (see _Arena.huge_pages_later).
 HUGE_PAGE_BUDGET_S = 0.3
