@@ -81,26 +81,34 @@ class DiskTierLookups:
         write into that id before the next forward.
 
         Blocks already registered (a memory prefix, or computed meanwhile) are passed over
-        and made most recently used. At most ``num_available - reserve`` blocks are taken,
-        free or by evicting the least recently used cached ones (never one given here);
+        and made most recently used. Blocks are taken while more than ``reserve`` stay
+        available, free or by evicting the least recently used cached ones (never one given
+        here: each is pinned until the call ends);
         evicted full blocks become spill candidates, which the caller must copy out
         *before* writing the adopted payloads into their ids. Only full blocks whose
         tokens chain to their key (the disk tier checks each file) may be given."""
         if not self.enable_prefix_caching:
             return []
-        budget = self.num_available - reserve
+        if any(len(chain_block.tokens) != self.block_size for chain_block in blocks):
+            raise ValueError("only full blocks can be adopted")
+        # Every block given here, held already or adopted, stays referenced until the end:
+        # no take may evict one (an adopted block's payload is not written yet, so its spill
+        # would copy stale K/V out under its key; a held one is a parent the rest chain to).
+        held = {i: self._hash_to_block.get(chain_block.key) for i, chain_block in enumerate(blocks)}
+        pinned = {i: block for i, block in held.items() if block is not None}
+        for block in pinned.values():
+            self._ref(block)
         adopted: list[tuple[ChainBlock, int]] = []
-        for chain_block in blocks:
-            if len(chain_block.tokens) != self.block_size:
-                raise ValueError("only full blocks can be adopted")
-            if (held := self._hash_to_block.get(chain_block.key)) is not None:
-                if held in self._evictable:  # so that adopting the rest does not evict it
-                    self._evictable.move_to_end(held)
-                continue
-            if len(adopted) >= budget:
-                break
-            block = self._take_block()
-            self._register(block, BlockContent(chain_block.parent, chain_block.tokens, chain_block.key))
-            self._unref(block)  # cached: at the most recently used end
-            adopted.append((chain_block, block))
+        try:
+            for i, chain_block in enumerate(blocks):
+                if i in pinned or chain_block.key in self._hash_to_block:  # held, or given twice
+                    continue
+                if self.num_available <= reserve:
+                    break
+                pinned[i] = block = self._take_block()
+                self._register(block, BlockContent(chain_block.parent, chain_block.tokens, chain_block.key))
+                adopted.append((chain_block, block))
+        finally:
+            for i in sorted(pinned):  # cached again, in the chain's order at the most recently used end
+                self._unref(pinned[i])
         return adopted

@@ -251,3 +251,26 @@ def test_adopt_leaves_a_reserve_and_never_evicts_what_it_adopted() -> None:
     adopted = pool.adopt_loaded(chain)  # room for 2, one kept in reserve
     assert [b for b, _ in adopted] == chain[:1] and pool.num_available == 2
     pool.check_invariants([held])
+
+
+def test_adopting_never_evicts_a_block_given_in_the_same_call() -> None:
+    """A chain whose held block comes after a missing one, in a pool of cached blocks: the
+    takes evict only blocks not given (the state machine above once saw a block adopted
+    in a call evicted by that call's next take, its spill copying stale K/V out)."""
+    pool = BlockPool(3, 2)
+    pool.track_spills()
+
+    def chain(parent: bytes | None, tokens: tuple[int, ...]) -> ChainBlock:
+        return ChainBlock(chain_hash(parent, tokens), parent, tokens)
+
+    x, y, z = chain(None, (1, 1)), chain(None, (2, 2)), chain(None, (3, 3))
+    for block in (x, y, z):  # cached, x the least recently used
+        assert len(pool.adopt_loaded([block], reserve=0)) == 1
+    assert pool.drain_spills() == [] and pool.num_free == 0
+    n1, n2 = chain(None, (4, 4)), chain(x.key, (5, 5))
+    adopted = pool.adopt_loaded([n1, x, n2, n2], reserve=0)
+    assert [block for block, _ in adopted] == [n1, n2]  # x held, n2 given twice adopted once
+    assert [candidate.block for candidate in pool.drain_spills()] == [y, z]
+    assert pool.uncached_full_blocks([4, 4], 2) == [] and pool.uncached_full_blocks([1, 1, 5, 5], 4) == []
+    pool.check_invariants([])
+    assert pool.num_cached == 3 and pool.num_referenced == 0
