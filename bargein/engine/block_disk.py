@@ -94,14 +94,14 @@ class DiskTierLookups:
         # Every block given here, held already or adopted, stays referenced until the end:
         # no take may evict one (an adopted block's payload is not written yet, so its spill
         # would copy stale K/V out under its key; a held one is a parent the rest chain to).
-        held = {i: self._hash_to_block.get(chain_block.key) for i, chain_block in enumerate(blocks)}
-        pinned = {i: block for i, block in held.items() if block is not None}
+        pinned = {i: block for i, chain_block in enumerate(blocks)
+                  if (block := self._hash_to_block.get(chain_block.key)) is not None}
         for block in pinned.values():
             self._ref(block)
         adopted: list[tuple[ChainBlock, int]] = []
         try:
             for i, chain_block in enumerate(blocks):
-                if i in pinned or chain_block.key in self._hash_to_block:  # held, or given twice
+                if chain_block.key in self._hash_to_block:  # held (pinned above), or given twice
                     continue
                 if self.num_available <= reserve:
                     break

@@ -254,12 +254,11 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
         if (head->rows[i] < 0 || head->rows[i] >= m) return -5;
     for (int64_t t = 0; embed && t < m; t++)
         if (embed->ids[t] < 0 || embed->ids[t] >= embed->vocab) return -6;
-    if (!workspace || workspace_floats < bargein_fast_workspace_floats(shape, m)) return -8;
+    buffers_t buf;
+    if (!workspace || workspace_floats < lay_out(shape, m, workspace, &buf)) return -8;
     const int64_t hidden = shape->hidden, heads = shape->num_heads, kv_heads = shape->num_kv_heads;
     const int64_t d = shape->head_dim, q_width = heads * d, qkv_width = (heads + 2 * kv_heads) * d;
     const int64_t inter = shape->intermediate;
-    buffers_t buf;
-    lay_out(shape, m, workspace, &buf);
     float *normed = buf.normed, *qkv = buf.qkv, *q = buf.q, *attn = buf.attn, *proj = buf.proj;
     float *gate_up = buf.gate_up, *act = buf.act, *cos = buf.cos, *sin = buf.sin;
     float *local_cos = buf.local_cos, *local_sin = buf.local_sin;

@@ -66,6 +66,7 @@ class FusedLayers:
         # a prompt chunk's (tens of MB) allocated per call were mapped, faulted and zeroed anew
         # each time (22k page faults per 512-token chunk of a 1B model).
         self._workspace = torch.empty(0, dtype=torch.float32)
+        self._workspace_rows = 0  # the rows it holds buffers for (it grows with them only)
         cos, sin = rope
         self._shape = FastShape(hidden=config.hidden_size, intermediate=config.intermediate_size, num_slots=0,
                                 num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
@@ -201,9 +202,10 @@ class FusedLayers:
                 logits = logits_out if logits_out is not None and logits_out.shape == shape \
                     and _float32(logits_out) else torch.empty(shape, dtype=torch.float32)
                 head.rows, head.num_rows, head.logits = rows.data_ptr(), rows.shape[0], logits.data_ptr()
-            needed = self.native.fast_workspace_floats(self._shape, out.shape[0])
-            if self._workspace.numel() < needed:
-                self._workspace = torch.empty(needed, dtype=torch.float32)
+            if out.shape[0] > self._workspace_rows:  # a step's only extra work: a compare
+                self._workspace = torch.empty(self.native.fast_workspace_floats(self._shape, out.shape[0]),
+                                              dtype=torch.float32)
+                self._workspace_rows = out.shape[0]
             self.native.fast_layers(self._layers, self._shape, out, positions, meta.slot_mapping, meta.block_tables,
                                     meta.token_seq, meta.token_context, embed, head, self._workspace,
                                     torch.get_num_threads())
