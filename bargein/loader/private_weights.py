@@ -11,7 +11,8 @@ one-stream lead the same way: its rows land in an anonymous buffer.
 :func:`copy_to_private` makes that copy in one anonymous mapping for all the blocks, with
 ``MADV_HUGEPAGE`` advised. First the mapping is faulted in, in order, by a few threads
 (``MADV_POPULATE_WRITE``: the kernel's own loop, no trap per page), on huge pages during the
-first HUGE_PAGE_BUDGET_S only (a huge page's first fault can be slow); the rest is advised
+first HUGE_PAGE_BUDGET_S at most, and only while they come at HUGE_PAGE_MIN_RATE or faster
+(a huge page's first fault can be slow); the rest is advised
 4 KB pages, for khugepaged to merge into 2 MB pages over time. Then the segments' stored
 bytes come in: those viewed from a mapped file are read from the file, about one ``preadv``
 per thread (bargein.loader.file_reads: the file's pages never enter this process, and the
@@ -50,9 +51,17 @@ HUGE_PAGE = 2 << 20
 # virtio-balloon reports every free 2 MB block back to the host, so a huge page, a whole
 # such block, is faulted in by the host on first touch) 600 MB took 3.9-7.4 s on fresh
 # 2 MB pages, 0.09 s on reused ones, 0.2-0.6 s on 4 KB pages. So huge
-# pages are faulted in during this long of the copy only; the rest in 4 KB pages (two
+# pages are faulted in during this long of the copy at most; the rest in 4 KB pages (two
 # threads or more), left to khugepaged to merge (see _Arena.huge_pages_later).
 HUGE_PAGE_BUDGET_S = 0.3
+# ... and only while they come in at least this fast (bytes a second, over the phase so
+# far, looked at once a chunk is in): where a huge page costs about a memory clear (reused
+# blocks, bare metal) the whole copy gets them within the budget; where each takes
+# milliseconds (the VMs above: 72-336 MiB in the 0.3 s) the budget bought no decode speed
+# that one stream could show (llama1b Q4_K_M 41 against 42 tok/s, Q6_K 32 against 34,
+# SmolLM2-135M 179 against 177, alternated processes) and took 0.3-0.4 s of every load
+# (SmolLM2-135M: 0.55-0.60 s against 0.19-0.22 s to its first token; 2026-12-04).
+HUGE_PAGE_MIN_RATE = 2e9
 _ALIGN = 64  # each segment starts on a cache line
 _CHUNK = 4 * HUGE_PAGE  # huge pages are faulted in this much at a time, the budget looked at between
 _COPY_THREADS = min(4, os.cpu_count() or 1)
@@ -237,11 +246,14 @@ def copy_to_private(weights: dict[str, object], *, keep: Callable[[str], bool] =
 
 def _fault_in_huge(arena: _Arena, began: float, pool: ThreadPoolExecutor, threads: int) -> int:
     """Fault the arena in from its start, _CHUNK at a time in order, on huge pages, by
-    ``threads`` workers of ``pool`` until HUGE_PAGE_BUDGET_S from ``began`` is spent; then
-    advise 4 KB pages for the rest (:meth:`_Arena.small_pages_from`). Returns where the
-    4 KB pages start (the arena's size if it all got in)."""
+    ``threads`` workers of ``pool`` until HUGE_PAGE_BUDGET_S from ``began`` is spent, or
+    until the chunks in so far came slower than HUGE_PAGE_MIN_RATE (bytes in over the time
+    since this phase began; looked at from the first chunk in); then advise 4 KB pages for
+    the rest (:meth:`_Arena.small_pages_from`). Returns where the 4 KB pages start (the
+    arena's size if it all got in)."""
     lock = threading.Lock()
-    state = {"next": 0, "small_from": arena.nbytes}
+    state = {"next": 0, "small_from": arena.nbytes, "in": 0}
+    started = time.perf_counter()
 
     def worker() -> None:
         while True:
@@ -249,11 +261,16 @@ def _fault_in_huge(arena: _Arena, began: float, pool: ThreadPoolExecutor, thread
                 at = state["next"]
                 if at >= state["small_from"]:
                     return
-                if time.perf_counter() - began > HUGE_PAGE_BUDGET_S:
+                now = time.perf_counter()
+                slow = state["in"] > 0 and state["in"] < HUGE_PAGE_MIN_RATE * (now - started)
+                if slow or now - began > HUGE_PAGE_BUDGET_S:
                     state["small_from"] = arena.small_pages_from(at)
                     return
                 state["next"] = at + _CHUNK
-            arena.fault_in(at, min(at + _CHUNK, arena.nbytes))
+            end = min(at + _CHUNK, arena.nbytes)
+            arena.fault_in(at, end)
+            with lock:
+                state["in"] += end - at
 
     for done in [pool.submit(worker) for _ in range(threads)]:
         done.result()

@@ -182,6 +182,7 @@ def test_without_populate_advice_the_pages_are_touched_and_copied_the_same(monke
     rows = 5 * HUGE_PAGE // 272 + 3  # over five huge pages of Q8_0 rows
     blocks = torch.randint(0, 256, (rows * 272,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     weights = {"w": QuantWeight.of(GGMLQuantizationType.Q8_0, blocks, rows, 256)}
+    monkeypatch.setattr(private_weights, "HUGE_PAGE_MIN_RATE", 0.0)  # however slow they come
     for budget in (0.0, 10.0):  # all on 4 KB pages, then all within the huge pages' budget
         monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", budget)
         refused.clear()
@@ -189,3 +190,59 @@ def test_without_populate_advice_the_pages_are_touched_and_copied_the_same(monke
         assert sum(refused) >= blocks.numel() and made.bytes == blocks.numel()  # every byte faulted in the old way
         (segment,) = weights["w"].segments
         assert torch.equal(segment.data.reshape(-1), blocks)
+
+
+class _TimedArena:
+    """An arena for ``_fault_in_huge`` whose chunks take ``seconds_per_mb`` to fault in."""
+
+    def __init__(self, nbytes: int, seconds_per_mb: float):
+        self.nbytes, self.seconds_per_mb = nbytes, seconds_per_mb
+        self.faulted: list[tuple[int, int]] = []
+        self.small_from: list[int] = []
+
+    def fault_in(self, start: int, end: int) -> None:
+        import time
+
+        time.sleep((end - start) / 2**20 * self.seconds_per_mb)
+        self.faulted.append((start, end))
+
+    def small_pages_from(self, at: int) -> int:
+        self.small_from.append(at)
+        return at
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_huge_pages_that_come_slowly_stop_at_the_first_chunks(monkeypatch, threads) -> None:
+    """Huge pages faulted in at 2 MB per 4 ms (0.5 GB/s, as this project's VMs give fresh
+    ones) end the huge-page phase once the first chunk is in, long before the budget; the
+    4 KB pages start right after the chunks taken, and no chunk is taken twice or past them."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import bargein.loader.private_weights as private_weights
+
+    monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", 10.0)
+    arena = _TimedArena(64 * private_weights._CHUNK, seconds_per_mb=0.002)
+    with ThreadPoolExecutor(threads) as pool:
+        small_from = private_weights._fault_in_huge(arena, time.perf_counter(), pool, threads)
+    assert arena.small_from == [small_from] and small_from <= threads * private_weights._CHUNK
+    assert sorted(arena.faulted) == [(at, at + private_weights._CHUNK)
+                                     for at in range(0, small_from, private_weights._CHUNK)]
+
+
+def test_huge_pages_that_come_fast_fill_the_arena_within_the_budget(monkeypatch) -> None:
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import bargein.loader.private_weights as private_weights
+
+    monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", 10.0)
+    # 100 MB/s: the chunks come at once, and a worker descheduled for a second by a busy
+    # machine must not look like a slow fault
+    monkeypatch.setattr(private_weights, "HUGE_PAGE_MIN_RATE", 1e8)
+    nbytes = 16 * private_weights._CHUNK + 4096  # a last chunk shorter than the others
+    arena = _TimedArena(nbytes, seconds_per_mb=0.0)
+    with ThreadPoolExecutor(2) as pool:
+        assert private_weights._fault_in_huge(arena, time.perf_counter(), pool, 2) == nbytes
+    assert arena.small_from == [] and sorted(arena.faulted)[-1] == (16 * private_weights._CHUNK, nbytes)
+    assert sum(end - start for start, end in arena.faulted) == nbytes
