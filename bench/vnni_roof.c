@@ -15,6 +15,9 @@
  *   vnni-ymm       vpdpbusd ymm, 12 accumulators (the 256-bit 32-chain pass)
  *   avx2           vpmaddubsw + vpmaddwd (by ones) + vpaddd on ymm, 8 accumulators: the
  *                  AVX2 pass's three instructions per 32 MACs
+ *   avx2-i16       vpmaddubsw + vpaddw on ymm, the activation a 4-byte broadcast from
+ *                  memory shared by two weight registers, 8 int16 sums: the step of
+ *                  Q4_K's AVX2 pass (its groups summed in int16, one madd per 32-block)
  * Each on 1 thread and on THREADS threads at once (their MACs summed over the wall time).
  *
  * The matmul: bargein_gguf_matmul(fast) of the library LIB on one resident matrix of
@@ -164,6 +167,41 @@ __attribute__((target("avx2"))) static long peak_avx2(long iters) {
 #undef SUM
 }
 
+/* Q4_K's AVX2 step: per row a broadcast activation against two weight registers (16
+ * columns), the products added to int16 sums; 4 rows, 8 sums (ymm0-15 only). */
+__attribute__((target("avx2"))) static long peak_avx2_i16(long iters) {
+    static int32_t xs[4 * 64] __attribute__((aligned(64)));
+    for (int i = 0; i < 4 * 64; i++) xs[i] = 0x01010101 * (i & 7);
+    const __m256i w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(2);
+#define DECL(i) __m256i a##i = _mm256_set1_epi32(i);
+#define SUM(i) s = _mm256_add_epi32(s, a##i);
+#define ROW(R, A, B)                                                                                       \
+    do {                                                                                                   \
+        __m256i xv_, t0_, t1_;                                                                             \
+        __asm__("vpbroadcastd %5, %2\n\tvpmaddubsw %2, %6, %3\n\tvpmaddubsw %2, %7, %4\n\t"                 \
+                "vpaddw %3, %0, %0\n\tvpaddw %4, %1, %1"                                                    \
+                : "+x"(A), "+x"(B), "=&x"(xv_), "=&x"(t0_), "=&x"(t1_)                                      \
+                : "m"(x[64 * (R)]), "x"(w0), "x"(w1));                                                     \
+    } while (0)
+    EACH8(DECL)
+    for (long it = 0; it < iters; it++) {
+        const int32_t *x = xs + (it & 15);
+        ROW(0, a0, a1);
+        ROW(1, a2, a3);
+        ROW(2, a4, a5);
+        ROW(3, a6, a7);
+    }
+    __m256i s = _mm256_setzero_si256();
+    EACH8(SUM)
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, s);
+    sink = lanes[0];
+    return iters * 8 * 32;
+#undef ROW
+#undef DECL
+#undef SUM
+}
+
 typedef long (*peak_fn)(long);
 typedef struct {
     peak_fn fn;
@@ -252,8 +290,9 @@ int main(int argc, char **argv) {
                  {"vnni-zmm-bcst", peak_vnni_zmm_bcst, 1},
                  {"vnni-zmm+kmul", peak_vnni_zmm_kmul, 1},
                  {"vnni-ymm", peak_vnni_ymm, 1},
-                 {"avx2", peak_avx2, 0}};
-    enum { NPEAK = 5 };
+                 {"avx2", peak_avx2, 0},
+                 {"avx2-i16", peak_avx2_i16, 0}};
+    enum { NPEAK = 6 };
     double peaks[NPEAK][2] = {{0}};
     printf("int8 MAC peaks (GMAC/s; GOP/s = 2x)\n%-14s %10s %12s\n", "instruction", "1 thread", "threads");
     for (int p = 0; p < NPEAK; p++) {
@@ -283,7 +322,7 @@ int main(int argc, char **argv) {
         }
         for (int isa = 2; isa >= 1; isa--) {
             if (isa == 2 && !vnni) continue;
-            const int peak_index = isa == 2 ? 0 : NPEAK - 1;
+            const int peak_index = isa == 2 ? 0 : 4; /* vnni-zmm; avx2 (madd by ones: every type's step) */
             for (int th = 1; th <= threads; th += threads > 1 ? threads - 1 : 1) {
                 const double roof = peaks[peak_index][th == 1 ? 0 : 1];
                 double seconds_per_layer = 0; /* the 16-layer stack's matrices at this rate */
