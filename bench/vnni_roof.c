@@ -67,6 +67,13 @@ static volatile int sink;
 #define EACH8(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
 #define EACH12(F) EACH8(F) F(8) F(9) F(10) F(11)
 
+/* Keeps a ymm loop's sums alive: their total's first lane to the sink. */
+__attribute__((target("avx2"))) static inline void sink_ymm(__m256i s) {
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, s);
+    sink = lanes[0];
+}
+
 __attribute__((target("avx512f,avx512vnni"))) static long peak_vnni_zmm(long iters) {
     const __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
 #define DECL(i) __m512i a##i = _mm512_set1_epi32(i);
@@ -115,9 +122,7 @@ __attribute__((target("avx2,avx512f,avx512vl,avx512vnni"))) static long peak_vnn
     }
     __m256i s = _mm256_setzero_si256();
     EACH12(SUM)
-    int32_t lanes[8];
-    _mm256_storeu_si256((__m256i *)lanes, s);
-    sink = lanes[0];
+    sink_ymm(s);
     return iters * 12 * 32;
 #undef STEP
 }
@@ -158,9 +163,7 @@ __attribute__((target("avx2"))) static long peak_avx2(long iters) {
     }
     __m256i s = _mm256_setzero_si256();
     EACH8(SUM)
-    int32_t lanes[8];
-    _mm256_storeu_si256((__m256i *)lanes, s);
-    sink = lanes[0];
+    sink_ymm(s);
     return iters * 8 * 32;
 #undef STEP
 #undef DECL
@@ -193,9 +196,7 @@ __attribute__((target("avx2"))) static long peak_avx2_i16(long iters) {
     }
     __m256i s = _mm256_setzero_si256();
     EACH8(SUM)
-    int32_t lanes[8];
-    _mm256_storeu_si256((__m256i *)lanes, s);
-    sink = lanes[0];
+    sink_ymm(s);
     return iters * 8 * 32;
 #undef ROW
 #undef DECL
