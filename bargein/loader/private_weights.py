@@ -248,12 +248,11 @@ def _fault_in_huge(arena: _Arena, began: float, pool: ThreadPoolExecutor, thread
     """Fault the arena in from its start, _CHUNK at a time in order, on huge pages, by
     ``threads`` workers of ``pool`` until HUGE_PAGE_BUDGET_S from ``began`` is spent, or
     until the chunks in so far came slower than HUGE_PAGE_MIN_RATE (bytes in over the time
-    since this phase began; looked at from the first chunk in); then advise 4 KB pages for
+    since ``began``; looked at from the first chunk in); then advise 4 KB pages for
     the rest (:meth:`_Arena.small_pages_from`). Returns where the 4 KB pages start (the
     arena's size if it all got in)."""
     lock = threading.Lock()
     state = {"next": 0, "small_from": arena.nbytes, "in": 0}
-    started = time.perf_counter()
 
     def worker() -> None:
         while True:
@@ -261,9 +260,9 @@ def _fault_in_huge(arena: _Arena, began: float, pool: ThreadPoolExecutor, thread
                 at = state["next"]
                 if at >= state["small_from"]:
                     return
-                now = time.perf_counter()
-                slow = state["in"] > 0 and state["in"] < HUGE_PAGE_MIN_RATE * (now - started)
-                if slow or now - began > HUGE_PAGE_BUDGET_S:
+                spent = time.perf_counter() - began
+                slow = state["in"] > 0 and state["in"] < HUGE_PAGE_MIN_RATE * spent
+                if slow or spent > HUGE_PAGE_BUDGET_S:
                     state["small_from"] = arena.small_pages_from(at)
                     return
                 state["next"] = at + _CHUNK
