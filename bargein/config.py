@@ -368,8 +368,9 @@ class EngineConfig:
     # few rows read instead in ``exact``: faster batches and prefill, at 4-6x the weights'
     # memory. None: True in ``exact``, False in ``fast`` (which never reads a float32 copy).
     fp32_weights: bool | None = None
-    # Where the weights the kernels read in place live: "private", a copy made at load, on 2 MB
-    # pages where they come fast, else on 4 KB pages for khugepaged to merge (one stream
+    # Where the weights the kernels read in place live: "private", this process's own memory,
+    # made in place by a background thread while the model already serves from the file, on
+    # 2 MB pages where they come fast, else on 4 KB pages for khugepaged to merge (one stream
     # decodes up to ~1.2x faster from it, bargein.loader.private_weights), or
     # "mapped", the file's pages in the page cache, shared with other processes on the file.
     # An MoE's experts stay mapped either way: a token reads only those it is routed to.

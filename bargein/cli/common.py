@@ -38,8 +38,9 @@ def add_weights_memory_argument(p: argparse.ArgumentParser) -> None:
     from bargein.config import WEIGHTS_MEMORY, EngineConfig
 
     p.add_argument("--weights-memory", default=EngineConfig.weights_memory, choices=WEIGHTS_MEMORY,
-                   help="private: the weights the kernels read in place are copied at load into this process's "
-                        "memory, on 2 MB pages where the system gives them quickly (one stream decodes up to ~1.2x faster); mapped: they stay the file's "
+                   help="private: the weights the kernels read in place become this process's own memory, copied "
+                        "by a background thread while the model already serves from the file, on 2 MB pages where "
+                        "the system gives them quickly (one stream decodes up to ~1.2x faster); mapped: they stay the file's "
                         "pages, shared in the page cache with every process serving the same file; an MoE's "
                         "experts stay mapped either way, resident as tokens route to them (default: %(default)s)")
 

@@ -7,7 +7,7 @@ built by :func:`bargein.build.build_engine`, a layer above the engine.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from bargein.config import EngineConfig
@@ -24,7 +24,6 @@ from bargein.startup import collection_paused
 
 if TYPE_CHECKING:
     from bargein.engine.engine import Engine
-    from bargein.loader import Tokenizer
 
 
 def load_in_process(engine_class: type[Engine], ref: str | None, config: EngineConfig | None, *,
@@ -57,24 +56,18 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
     max_len = max_positions(config, model_config)  # no position past the pool's longest sequence
     # The tokenizer is built on a thread of its own while the weights load: building it is
     # Python and the tokenizers library holding the GIL (0.5 s of a 262k vocabulary), the
-    # weights' private copy is memory copies that release it, so the two overlap (the
-    # metadata both read was parsed by load_config, before either starts). It starts once
-    # the copy's huge pages are in: started before, it stalled that phase for the GIL and
-    # gemma3-1b got 80-96 MiB on 2 MB pages where 200-262 MiB without it.
+    # weights' loading mostly reads the file's metadata and maps it, and their private copy
+    # (weights_memory="private") runs on a thread of its own beside both, and beside serving.
     with one_torch_thread(), ThreadPoolExecutor(1, thread_name_prefix="bargein-tokenizer") as pool:
-        tokenizer_started: list[Future[Tokenizer]] = []
-
-        def start_tokenizer() -> None:
-            tokenizer_started.append(pool.submit(load_tokenizer, source))
-
+        tokenizer_started = pool.submit(load_tokenizer, source)
         # Each tensor goes to the device as it is read: no whole-model copy in host memory.
         # On the CPU a GGUF's Q4_1/Q8_0 weights stay in their stored blocks (build_model
         # dequantizes them where nothing reads blocks).
         weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
                                progress=progress, blocks=device.type == "cpu",
-                               private=config.weights_memory == "private", after_huge_pages=start_tokenizer)
+                               private=config.weights_memory == "private")
         model = build_model(model_config, weights, config, max_positions=max_len)
-        tokenizer = tokenizer_started[0].result()
+        tokenizer = tokenizer_started.result()
         close_model_files()
         release_free_heap()  # what parsing the file and building the tokenizer left behind
         return engine_class(model, tokenizer, config, model_name=source.name, model_identity=source.path)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -40,7 +40,7 @@ from bargein.loader.gguf_file import (
 from bargein.loader.gguf_tokenizer import tokenizer_from_gguf
 from bargein.loader.hf_folder import load_hf_weights, read_hf_config
 from bargein.loader.names import check_layer_range, expected_shape, expert_index
-from bargein.loader.private_weights import copy_to_private
+from bargein.loader.private_weights import start_private_copy, wait_private_copies
 from bargein.loader.source import ModelSource, resolve_model_ref
 from bargein.loader.tokenizer import Tokenizer, tokenizer_from_folder
 
@@ -57,6 +57,7 @@ __all__ = [
     "load_tokenizer",
     "load_weights",
     "resolve_model_ref",
+    "wait_private_copies",
 ]
 
 
@@ -142,7 +143,6 @@ def load_weights(
     progress: bool = True,
     blocks: bool = False,
     private: bool = False,
-    after_huge_pages: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor | BlockWeight]:
     """Canonical weights for layers [start, end) (all layers when None), as ``dtype`` on ``device``.
 
@@ -150,12 +150,12 @@ def load_weights(
     either format, come back as they are stored, as
     :class:`~bargein.kernels.quant_weight.QuantWeight` views of the mapped file on the CPU
     (``dtype`` and ``device`` do not apply to them); nothing else changes. With ``private``
-    too, those views are replaced by a private copy on 2 MB pages, the file's pages dropped
-    tensor by tensor (:func:`bargein.loader.private_weights.copy_to_private`; one log line),
-    except an MoE's experts: a token reads only those it is routed to, so they stay views of
-    the file, resident as they are read (a private copy would take all of them at load).
-    ``after_huge_pages`` is called once, when work beside the load no longer slows it: after
-    the private copy's huge pages, else once the weights are read.
+    too, a background thread starts making the pages under those views private memory in
+    place, the same bytes at the same addresses, while the model is built and serves
+    (:func:`bargein.loader.private_weights.start_private_copy`; one log line when it ends,
+    :func:`wait_private_copies` waits for it), except an MoE's experts: a token reads only
+    those it is routed to, so they stay in the file's pages, resident as they are read (a
+    private copy would take all of them).
 
     Each tensor is read, converted and moved to ``device`` before the next is read, so
     host memory holds one tensor at a time, never a float32 copy of the whole model
@@ -174,17 +174,13 @@ def load_weights(
         else:
             weights = dict(load_hf_weights(source.path, config, layer_range=layer_range, dtype=dtype,
                                            device=torch.device(device), progress=progress, blocks=blocks))
-        if blocks and private:
-            copied = copy_to_private(weights, keep=lambda name: expert_index(name) is not None,
-                                     after_huge_pages=after_huge_pages)
-            if copied.bytes or copied.kept_bytes:
-                log.info("%s", copied.describe(kept="MoE experts (resident as tokens route to them)"))
-        elif after_huge_pages is not None:
-            after_huge_pages()
     for name, tensor in weights.items():
         shape = expected_shape(config, name)
         if shape is not None and tuple(tensor.shape) != shape:
             raise CorruptModelError(
                 f"{source.path}: tensor for {name} has shape {tuple(tensor.shape)}, expected {shape}"
             )
+    if blocks and private:
+        start_private_copy(weights, keep=lambda name: expert_index(name) is not None,
+                           describe_kept="MoE experts (resident as tokens route to them)")
     return weights

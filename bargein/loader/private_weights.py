@@ -1,4 +1,4 @@
-"""The matmul weights copied out of the mapped file into this process's own memory, on 2 MB pages.
+"""The matmul weights made private memory in place, beside serving.
 
 A decode step reads every weight once per token, so one stream runs at the speed the
 weights stream from memory. Read from the file's mapped pages (4 KB page-cache pages: a
@@ -8,26 +8,36 @@ that from anonymous memory alone, the rest from the huge pages: TLB misses of a 
 stream; ``bench/gemv_layout.c``, docs/benchmarks.md). llama.cpp's load-time repack gets its
 one-stream lead the same way: its rows land in an anonymous buffer.
 
-:func:`copy_to_private` makes that copy in one anonymous mapping for all the blocks, with
-``MADV_HUGEPAGE`` advised. First the mapping is faulted in, in order, by a few threads
-(``MADV_POPULATE_WRITE``: the kernel's own loop, no trap per page), on huge pages during the
-first HUGE_PAGE_BUDGET_S at most, and only while they come at HUGE_PAGE_MIN_RATE or faster
-(a huge page's first fault can be slow); the rest is advised
-4 KB pages, for khugepaged to merge into 2 MB pages over time. Then the segments' stored
-bytes come in: those viewed from a mapped file are read from the file, about one ``preadv``
-per thread (bargein.loader.file_reads: the file's pages never enter this process, and the
-threads need the GIL only between reads while the tokenizer is built beside them), the
-others copied (the rest of the mapping faulted in first, each copy dropping its source's
-file pages, if any, with ``MADV_DONTNEED``). The copy is the same bytes in the same layout
-(rows, order, segments), so every kernel path gives the same bits from it. The price: the
-pages are private, not shared with other processes serving the same file
-(``weights_memory="mapped"`` keeps the file's pages; see EngineConfig). The caller may keep
-some weights out of the copy: the loader keeps an MoE's experts in the file's pages, since a
-token reads only the few it is routed to (bargein.loader.load_weights).
+:func:`start_private_copy` returns at once: the model loads and serves from the file's
+mapping, and one background thread at the lowest priority makes the pages under the
+weights' file views private, a chunk at a time, *at the same addresses*: each chunk's bytes
+are copied into a fresh anonymous mapping (placed at the same offset within a 2 MB page
+as the chunk, so that its huge pages survive the move), which one ``mremap(MREMAP_FIXED)``
+then moves over the file's pages. Every tensor, C structure and kernel keeps its pointers;
+a reader sees the file's bytes before the move and the same bytes after it (a page fault
+during the move waits for it to end), so steps run while the copy goes on and give the
+same bits (the load's critical path holds no copy: 0.12-0.77 s of the load times in
+docs/benchmarks.md were this copy). The thread holds the weights only while it moves a
+chunk (they keep the mapping it moves into alive); once nothing else holds any of them
+(the model was dropped) it stops.
+
+Each chunk is faulted in before its bytes come (``MADV_POPULATE_WRITE``: the kernel's own
+loop, no trap per page), on huge pages while they come at HUGE_PAGE_MIN_RATE or faster and
+for the first HUGE_PAGE_BUDGET_S of the thread's time at most (a huge page's first fault
+can be slow); after that on 4 KB pages, advised huge once the copy is done so that
+khugepaged may merge them over time. The copy is the same bytes at the same addresses, so
+every kernel path gives the same bits from it. The price: the pages are private, not shared
+with other processes serving the same file (``weights_memory="mapped"`` keeps the file's
+pages; see EngineConfig). The caller may keep some weights out of the copy: the loader keeps
+an MoE's experts in the file's pages, since a token reads only the few it is routed to
+(bargein.loader.load_weights).
+
+Linux only (``mremap``): elsewhere the weights stay mapped, and say so in the log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -35,14 +45,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch
-
-from bargein.kernels.quant_weight import QuantSegment, QuantWeight
-from bargein.loader.file_reads import file_span, read_spans, shared_file_maps
+from bargein.kernels.quant_weight import QuantWeight
+from bargein.loader.file_maps import shared_file_maps
 
 log = logging.getLogger(__name__)
 
@@ -50,44 +58,208 @@ HUGE_PAGE = 2 << 20
 # A huge page's first fault can be slow: on this project's VMs (Firecracker guests whose
 # virtio-balloon reports every free 2 MB block back to the host, so a huge page, a whole
 # such block, is faulted in by the host on first touch) 600 MB took 3.9-7.4 s on fresh
-# 2 MB pages, 0.09 s on reused ones, 0.2-0.6 s on 4 KB pages. So huge
-# pages are faulted in during this long of the copy at most; the rest in 4 KB pages (two
-# threads or more), left to khugepaged to merge (see _Arena.huge_pages_later).
+# 2 MB pages, 0.09 s on reused ones, 0.2-0.6 s on 4 KB pages. So huge pages are faulted in
+# during this much of the copy thread's time at most (its CPU time: a thread of the lowest
+# priority waits for the CPU often, and that is no slow fault)...
 HUGE_PAGE_BUDGET_S = 0.3
-# ... and only while they come in at least this fast (bytes a second, over the phase so
-# far, looked at once a chunk is in): where a huge page costs about a memory clear (reused
-# blocks, bare metal) the whole copy gets them within the budget; where each takes
-# milliseconds (the VMs above: 72-336 MiB in the 0.3 s) the budget bought no decode speed
-# that one stream could show (llama1b Q4_K_M 41 against 42 tok/s, Q6_K 32 against 34,
-# SmolLM2-135M 179 against 177, alternated processes) and took 0.3-0.4 s of every load
-# (SmolLM2-135M: 0.55-0.60 s against 0.19-0.22 s to its first token; 2026-12-04).
+# ... and only while they come in at least this fast (bytes a second of that time, over the
+# chunks so far): where a huge page costs about a memory clear (reused blocks, bare metal)
+# the whole copy gets them; where each takes milliseconds (the VMs above: 72-336 MiB in
+# 0.3 s) they bought no decode speed that one stream could show (llama1b Q4_K_M 41 against
+# 42 tok/s, Q6_K 32 against 34, SmolLM2-135M 179 against 177, alternated processes,
+# 2026-12-04).
 HUGE_PAGE_MIN_RATE = 2e9
-_ALIGN = 64  # each segment starts on a cache line
-_CHUNK = 4 * HUGE_PAGE  # huge pages are faulted in this much at a time, the budget looked at between
-_COPY_THREADS = min(4, os.cpu_count() or 1)
-_MADV_DONTNEED = 4
-_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later; older kernels say EINVAL
-_LINUX = sys.platform.startswith("linux")  # the advice numbers above are Linux's
+CHUNK = 4 * HUGE_PAGE  # bytes moved at a time (at most; ends fall on 2 MB boundaries)
+MERGE_GAP = 1 << 20  # two ranges this close, with nothing kept between, are moved as one
+_PAGE = mmap.PAGESIZE
+_PROT_READ_WRITE = 3  # writable: khugepaged collapses no read-only anonymous range
+_MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
+_MREMAP_MAYMOVE_FIXED = 1 | 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later; older kernels say EINVAL (the copy faults the pages in)
+_LINUX = sys.platform.startswith("linux")
+DROPPED = "the weights were dropped"  # PrivateCopy.error of a copy whose model went away
 
 
 @dataclass(frozen=True)
 class PrivateCopy:
-    """What :func:`copy_to_private` made: ``bytes`` copied (the private memory the weights now
-    take), ``huge_bytes`` of this process's anonymous memory on 2 MB pages after it (all of
-    it, as /proc/self/smaps_rollup says; 0 where the system does not), ``seconds`` taken."""
+    """What a private copy did: ``bytes`` moved into private memory (whole pages under the
+    weights' blocks), ``huge_bytes`` of this process's anonymous memory on 2 MB pages after it
+    (all of it, as /proc/self/smaps_rollup says; 0 where the system does not), ``seconds``
+    from its start to its end, ``kept_bytes`` of blocks the caller kept in the file's pages,
+    and ``error``: why it stopped early, the rest left mapped (None when it did not)."""
 
     bytes: int
     huge_bytes: int
     seconds: float
-    kept_bytes: int = 0  # blocks of the weights the caller kept out of the copy, left where they were
+    kept_bytes: int = 0
+    error: str | None = None
 
     def describe(self, kept: str = "weights") -> str:
         """The one log line of the copy; ``kept`` names what ``kept_bytes`` are."""
         left = (f"; {self.kept_bytes / 2**20:,.0f} MiB of {kept} left in the file's pages"
                 if self.kept_bytes else "")
-        return (f"weights: {self.bytes / 2**20:,.0f} MiB of blocks copied into private memory in "
-                f"{self.seconds:.2f} s ({self.huge_bytes / 2**20:,.0f} MiB of the process on 2 MB pages){left}; "
-                "--weights-memory mapped keeps them all in the shared page cache instead")
+        stopped = f"; stopped early, the rest read from the file's pages: {self.error}" if self.error else ""
+        return (f"weights: {self.bytes / 2**20:,.0f} MiB of blocks made private memory beside serving in "
+                f"{self.seconds:.2f} s ({self.huge_bytes / 2**20:,.0f} MiB of the process on 2 MB pages)"
+                f"{left}{stopped}; --weights-memory mapped keeps them all in the shared page cache instead")
+
+
+@dataclass(frozen=True)
+class PageRange:
+    """Whole pages ``start`` .. ``end`` (addresses) of one file mapping."""
+
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def private_ranges(weights: dict[str, object], keep: Callable[[str], bool],
+                   maps: list[tuple[int, int, int, str, int]]) -> tuple[list[PageRange], int]:
+    """The pages to make private: those under the blocks of every :class:`QuantWeight` of
+    ``weights`` that lie in one of ``maps`` (shared_file_maps), but those whose name ``keep``
+    says to leave (a page holding any of their bytes stays mapped); ranges of one mapping
+    less than MERGE_GAP apart with no kept block between are joined. Returns the ranges, in
+    address order, and the bytes of the kept weights' blocks. Blocks outside every mapping
+    are private memory already."""
+    wanted: dict[int, list[tuple[int, int]]] = {}  # mapping index: [(lo, hi)] of the blocks
+    kept: dict[int, list[tuple[int, int]]] = {}
+    kept_bytes, seen_kept = 0, set()
+    for name, w in weights.items():
+        if not isinstance(w, QuantWeight):
+            continue
+        for segment in w.segments:
+            lo, hi = segment.data.data_ptr(), segment.data.data_ptr() + segment.data.nbytes
+            index = next((i for i, (start, end, *_) in enumerate(maps) if start <= lo and hi <= end), None)
+            if keep(name):
+                if (lo, hi) not in seen_kept:
+                    seen_kept.add((lo, hi))
+                    kept_bytes += hi - lo
+                if index is not None:
+                    kept.setdefault(index, []).append((lo, hi))
+            elif index is not None:
+                wanted.setdefault(index, []).append((lo // _PAGE * _PAGE, -(-hi // _PAGE) * _PAGE))
+    ranges: list[PageRange] = []
+    for index, spans in sorted(wanted.items(), key=lambda item: maps[item[0]][0]):
+        held = kept.get(index, [])
+        merged: list[list[int]] = []
+        for lo, hi in sorted(spans):
+            if merged and lo - merged[-1][1] <= MERGE_GAP and not any(
+                    k_lo < lo and k_hi > merged[-1][1] for k_lo, k_hi in held):
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        for lo, hi in merged:
+            for k_lo, k_hi in sorted(held):  # the kept blocks' pages cut out
+                k_lo, k_hi = k_lo // _PAGE * _PAGE, -(-k_hi // _PAGE) * _PAGE
+                if k_lo < hi and lo < k_hi:
+                    if lo < k_lo:
+                        ranges.append(PageRange(lo, k_lo))
+                    lo = max(lo, k_hi)
+            if lo < hi:
+                ranges.append(PageRange(lo, hi))
+    return ranges, kept_bytes
+
+
+def chunks(ranges: Iterable[PageRange]) -> list[PageRange]:
+    """``ranges`` cut into pieces of at most CHUNK bytes, every cut on a 2 MB boundary (so
+    that a huge page of a piece is whole inside it)."""
+    out = []
+    for r in ranges:
+        at = r.start
+        while at < r.end:
+            end = min(r.end, (at + CHUNK) // HUGE_PAGE * HUGE_PAGE)
+            if end <= at:
+                end = min(r.end, at + CHUNK)
+            out.append(PageRange(at, end))
+            at = end
+    return out
+
+
+class HugePagePhase:
+    """Whether the next chunk is faulted in on huge pages: from the start, until the chunks
+    faulted in came slower than HUGE_PAGE_MIN_RATE (bytes over ``clock`` time since the
+    start, looked at after each chunk) or HUGE_PAGE_BUDGET_S of it is spent; then never again."""
+
+    def __init__(self, clock: Callable[[], float] = time.thread_time):
+        self.clock = clock
+        self.began = clock()
+        self.faulted = 0
+        self.on = True
+
+    def faulted_in(self, nbytes: int) -> None:
+        self.faulted += nbytes
+        spent = self.clock() - self.began
+        if self.faulted < HUGE_PAGE_MIN_RATE * spent or spent > HUGE_PAGE_BUDGET_S:
+            self.on = False
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mremap.restype = ctypes.c_void_p
+        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        _LIBC = libc
+    return _LIBC
+
+
+def _madvise(address: int, nbytes: int, advice: int) -> bool:
+    """madvise(2) on ``nbytes`` from ``address`` (the GIL released for the call); True if it did."""
+    return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) == 0
+
+
+def _os_error(what: str) -> OSError:
+    errno = ctypes.get_errno()
+    return OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def _staged(target: PageRange) -> int:
+    """A fresh anonymous private mapping of ``target.nbytes`` at the same offset within a
+    2 MB page as ``target.start`` (so that a huge page inside it stays one when moved there)."""
+    libc = _libc()
+    raw = libc.mmap(None, target.nbytes + HUGE_PAGE, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
+    if raw in (None, _MAP_FAILED):
+        raise _os_error("mmap")
+    stage = raw + (target.start - raw) % HUGE_PAGE
+    if stage > raw:
+        libc.munmap(ctypes.c_void_p(raw), stage - raw)
+    libc.munmap(ctypes.c_void_p(stage + target.nbytes), raw + HUGE_PAGE - stage)  # the slack past it
+    return stage
+
+
+def move_private(target: PageRange, huge: bool) -> int:
+    """Make the pages of ``target`` private memory holding the same bytes, at the same
+    addresses: a staged copy (faulted in first, on huge pages if ``huge``) moved over them.
+    Returns the bytes faulted in on huge pages' advice; raises OSError where the system
+    refuses (then the pages are as they were)."""
+    libc = _libc()
+    stage = _staged(target)
+    try:
+        _madvise(stage, target.nbytes, _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
+        _madvise(stage, target.nbytes, _MADV_POPULATE_WRITE)  # else the copy faults them in
+        ctypes.memmove(stage, target.start, target.nbytes)  # the GIL released
+        moved = libc.mremap(ctypes.c_void_p(stage), target.nbytes, target.nbytes, _MREMAP_MAYMOVE_FIXED,
+                            ctypes.c_void_p(target.start))
+        if moved != target.start:
+            raise _os_error("mremap")
+    except BaseException:
+        libc.munmap(ctypes.c_void_p(stage), target.nbytes)
+        raise
+    return target.nbytes if huge else 0
 
 
 def _anon_huge_bytes() -> int:
@@ -101,176 +273,109 @@ def _anon_huge_bytes() -> int:
     return 0
 
 
-def _drop_pages(tensor: torch.Tensor, shared_files: list[tuple[int, int]]) -> None:
-    """Unmap from this process the whole pages inside ``tensor``'s bytes where they lie in one
-    of ``shared_files`` (the data stays in the file and the page cache; a later read faults
-    it back). Never anywhere else: on private memory MADV_DONTNEED would zero the bytes."""
-    lo, hi = tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes
-    if not any(start <= lo and hi <= end for start, end in shared_files):
-        return
-    page = mmap.PAGESIZE
-    start = (tensor.data_ptr() + page - 1) // page * page
-    end = (tensor.data_ptr() + tensor.nbytes) // page * page
-    if end > start:
-        _madvise(start, end - start, _MADV_DONTNEED)
+def _lowest_priority() -> None:
+    """This thread (Linux: a thread's nice value is its own) at nice 19: it takes a core
+    only where serving leaves one, and never holds a step back."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-_LIBC: ctypes.CDLL | None = None
+class PrivateWeights:
+    """One running (or finished) private copy of a model's weights; see the module docstring.
+    Made by :func:`start_private_copy`."""
+
+    def __init__(self, weights: dict[str, object], ranges: list[PageRange], kept_bytes: int,
+                 describe_kept: str):
+        self._weights = [weakref.ref(w) for w in weights.values() if isinstance(w, QuantWeight)]
+        self._chunks = chunks(ranges)
+        self._kept_bytes, self._describe_kept = kept_bytes, describe_kept
+        self._done = threading.Event()
+        self.result: PrivateCopy | None = None
+        self._thread = threading.Thread(target=self._run, name="bargein-weights-private", daemon=True)
+
+    def start(self) -> PrivateWeights:
+        with _RUNNING_LOCK:
+            _RUNNING.add(self)
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> PrivateCopy | None:
+        """What the copy did, once it ended (None if not within ``timeout`` seconds)."""
+        return self.result if self._done.wait(timeout) else None
+
+    def _run(self) -> None:
+        began = time.perf_counter()
+        _lowest_priority()
+        phase, moved, error, small = HugePagePhase(), 0, None, []
+        try:
+            for chunk in self._chunks:
+                held = [w for w in (ref() for ref in self._weights) if w is not None]
+                if not held:  # the model was dropped: its mapping may be gone, and no one would read the copy
+                    error = DROPPED
+                    break
+                huge = phase.on
+                try:
+                    move_private(chunk, huge)
+                except OSError as exc:
+                    error = str(exc)
+                    break
+                finally:
+                    del held
+                if huge:
+                    phase.faulted_in(chunk.nbytes)
+                else:
+                    small.append(chunk)
+                moved += chunk.nbytes
+            for chunk in small:  # khugepaged may merge them now, a few ranges at a time
+                _madvise(chunk.start, chunk.nbytes, _MADV_HUGEPAGE)
+            self.result = PrivateCopy(moved, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,
+                                      error)
+            (log.warning if error and error != DROPPED else log.info)("%s", self.result.describe(self._describe_kept))
+        finally:
+            self._done.set()
+            with _RUNNING_LOCK:
+                _RUNNING.discard(self)
 
 
-def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return _LIBC
+_RUNNING: set[PrivateWeights] = set()
+_RUNNING_LOCK = threading.Lock()
 
 
-def _madvise(address: int, nbytes: int, advice: int) -> bool:
-    """madvise(2) on ``nbytes`` from ``address`` (the GIL released for the call); True if it did."""
-    return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) == 0
+def _forget_in_child() -> None:  # a forked child has no copy threads; its pages are as the fork left them
+    global _RUNNING_LOCK
+    _RUNNING.clear()
+    _RUNNING_LOCK = threading.Lock()
 
 
-class _Arena:
-    """``nbytes`` of zeroed anonymous private memory starting on a 2 MB boundary (``tensor``,
-    flat uint8, keeps the mapping alive), huge pages advised until :meth:`small_pages_from`."""
-
-    def __init__(self, nbytes: int):
-        # MAP_PRIVATE: Python's default for -1 is MAP_SHARED, shared memory (shmem), which gets
-        # no transparent huge pages where shmem_enabled is never, and counts as RssShmem
-        self.region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
-        self.huge = hasattr(mmap, "MADV_HUGEPAGE")
-        if self.huge:
-            self.region.madvise(mmap.MADV_HUGEPAGE)
-        anchor = ctypes.c_char.from_buffer(self.region)
-        self.skip = -ctypes.addressof(anchor) % HUGE_PAGE
-        del anchor  # a live export would keep the mapping from ever closing
-        self.nbytes = nbytes
-        self.tensor = torch.frombuffer(self.region, dtype=torch.uint8)[self.skip:self.skip + nbytes]
-        self.address = self.tensor.data_ptr()
-
-    def fault_in(self, start: int, end: int) -> None:
-        """Make bytes ``start`` .. ``end`` of the arena resident, on whatever pages are advised
-        there: MADV_POPULATE_WRITE where the kernel has it, else a write to every 4 KB page
-        (each a page fault of its own); the GIL released either way."""
-        if end > start and not (_LINUX and _madvise(self.address + start, end - start, _MADV_POPULATE_WRITE)):
-            self.tensor[start:end:4096].fill_(0)  # zero already: only the faults matter
-
-    def small_pages_from(self, at: int) -> int:
-        """Fault the arena from byte ``at`` (rounded up to a huge page) in 4 KB pages: no direct
-        compaction from here on. Returns where the 4 KB pages start."""
-        start = (at + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-        if self.huge and start < self.nbytes:
-            self.region.madvise(mmap.MADV_NOHUGEPAGE, self.skip + start, self.nbytes - start)
-        return start
-
-    def huge_pages_later(self, start: int) -> None:
-        """Advise huge pages again from ``start``, so that khugepaged may merge the 4 KB pages
-        in the background, a few ranges at a time. Not MADV_COLLAPSE from a thread of our
-        own: each range collapsed holds its readers until it is copied (~20 ms here), and
-        every decode step reads every range; one stream decoded 2-3x slower for the seconds
-        it took (2026-12-02)."""
-        if self.huge and start < self.nbytes:
-            self.region.madvise(mmap.MADV_HUGEPAGE, self.skip + start, self.nbytes - start)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
-def copy_to_private(weights: dict[str, object], *, keep: Callable[[str], bool] = lambda name: False,
-                    after_huge_pages: Callable[[], None] | None = None) -> PrivateCopy:
-    """Replace every :class:`QuantWeight` of ``weights`` by the same matrix over a private
-    copy of its blocks (see the module docstring), except those whose name ``keep`` says to
-    leave where they are (counted in ``kept_bytes``); other values are left as they are. A
-    segment shared by several weights (a tied embedding and head) is copied once and
-    stays shared. Returns what was copied.
-
-    ``after_huge_pages`` is called once the huge pages are in (before the blocks are read
-    or copied, or before returning): work started there runs beside the rest of the copy
-    without taking the huge pages' time budget (a thread holding the GIL there stalls the
-    faulting threads between chunks, and the budget then buys fewer huge pages)."""
-    began = time.perf_counter()
-    quants = {id(w): w for name, w in weights.items() if isinstance(w, QuantWeight) and not keep(name)}
-    kept = {(s.data.data_ptr(), s.data.nbytes) for name, w in weights.items()
-            if isinstance(w, QuantWeight) and keep(name) for s in w.segments}
-    sources: dict[tuple[int, int], torch.Tensor] = {}
-    for w in quants.values():
-        for s in w.segments:
-            sources.setdefault((s.data.data_ptr(), s.data.nbytes), s.data)
-    offsets, total = {}, 0
-    for key, data in sources.items():
-        offsets[key] = total
-        total += (data.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    if not sources:
-        if after_huge_pages is not None:
-            after_huge_pages()
-        return PrivateCopy(0, _anon_huge_bytes(), 0.0, sum(nbytes for _, nbytes in kept))
-    arena = _Arena(total)
-    maps = shared_file_maps()  # the file views among the sources: read from their files
-    spans = {key: file_span(key[0], key[1], maps) for key in sources}
-    threads = min(_COPY_THREADS, max(1, total // _CHUNK))
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="bargein-weights-copy") as pool:
-        small_from = _fault_in_huge(arena, began, pool, threads)
-        if after_huge_pages is not None:
-            after_huge_pages()
-        in_memory = [(key, data) for key, data in sources.items() if spans[key] is None]
-        if in_memory and small_from < total:  # the rest on 4 KB pages, one range per thread (their faults overlap)
-            bounds = [small_from + (total - small_from) * i // threads // 4096 * 4096 for i in range(threads)]
-            bounds.append(total)
-            list(pool.map(arena.fault_in, bounds[:-1], bounds[1:]))
-        # The file views among the sources, read from their files into their places (the
-        # pages past the huge ones faulted in by the reads themselves).
-        region = memoryview(arena.region)
-        read_spans([(span, region[arena.skip + offsets[key]:arena.skip + offsets[key] + span.nbytes])
-                    for key, span in spans.items() if span], pool, threads)
-        del region
-        shared_files = [(lo, hi) for lo, hi, *_ in maps]
-
-        def copy_one(item: tuple[tuple[int, int], torch.Tensor]) -> None:
-            at, data = offsets[item[0]], item[1]
-            arena.tensor[at:at + data.nbytes].view(data.shape).copy_(data)  # the GIL released
-            _drop_pages(data, shared_files)
-
-        list(pool.map(copy_one, sorted(in_memory, key=lambda item: -item[1].nbytes)))
-    arena.huge_pages_later(small_from)
-    copies = {key: arena.tensor[offsets[key]:offsets[key] + data.nbytes].view(data.shape)
-              for key, data in sources.items()}
-    replaced = {
-        key: QuantWeight(tuple(QuantSegment(s.qtype, copies[(s.data.data_ptr(), s.data.nbytes)], s.order)
-                               for s in w.segments))
-        for key, w in quants.items()
-    }
-    for name, w in weights.items():
-        if id(w) in replaced:
-            weights[name] = replaced[id(w)]
-    return PrivateCopy(sum(d.nbytes for d in sources.values()), _anon_huge_bytes(), time.perf_counter() - began,
-                       sum(key[1] for key in kept if key not in sources))
+def wait_private_copies(timeout: float | None = None) -> bool:
+    """Wait until every private copy running in this process has ended; False if one is
+    still running after ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for copy in running:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if copy.wait(left) is None:
+            return False
+    return True
 
 
-def _fault_in_huge(arena: _Arena, began: float, pool: ThreadPoolExecutor, threads: int) -> int:
-    """Fault the arena in from its start, _CHUNK at a time in order, on huge pages, by
-    ``threads`` workers of ``pool`` until HUGE_PAGE_BUDGET_S from ``began`` is spent, or
-    until the chunks in so far came slower than HUGE_PAGE_MIN_RATE (bytes in over the time
-    since ``began``; looked at from the first chunk in); then advise 4 KB pages for
-    the rest (:meth:`_Arena.small_pages_from`). Returns where the 4 KB pages start (the
-    arena's size if it all got in)."""
-    lock = threading.Lock()
-    state = {"next": 0, "small_from": arena.nbytes, "in": 0}
-
-    def worker() -> None:
-        while True:
-            with lock:  # taking a chunk and ending the phase are one step: no chunk past the end
-                at = state["next"]
-                if at >= state["small_from"]:
-                    return
-                spent = time.perf_counter() - began
-                slow = state["in"] > 0 and state["in"] < HUGE_PAGE_MIN_RATE * spent
-                if slow or spent > HUGE_PAGE_BUDGET_S:
-                    state["small_from"] = arena.small_pages_from(at)
-                    return
-                state["next"] = at + _CHUNK
-            end = min(at + _CHUNK, arena.nbytes)
-            arena.fault_in(at, end)
-            with lock:
-                state["in"] += end - at
-
-    for done in [pool.submit(worker) for _ in range(threads)]:
-        done.result()
-    return min(state["small_from"], arena.nbytes)
+def start_private_copy(weights: dict[str, object], *, keep: Callable[[str], bool] = lambda name: False,
+                       describe_kept: str = "weights") -> PrivateWeights | None:
+    """Start making the pages under the file views of ``weights``' QuantWeights private
+    memory in place (see the module docstring), but those whose name ``keep`` says to leave
+    (named ``describe_kept`` in the log line). Nothing in ``weights`` changes: the same
+    tensors at the same addresses read the same bytes throughout. Returns the running copy,
+    or None where there is nothing to copy (no file views; off Linux, after one log line)."""
+    maps = shared_file_maps()
+    ranges, kept_bytes = private_ranges(weights, keep, maps)
+    if not ranges:
+        return None
+    if not _LINUX:
+        log.info("weights: read from the file's pages (a private copy in place needs Linux's mremap)")
+        return None
+    return PrivateWeights(weights, ranges, kept_bytes, describe_kept).start()

@@ -9,11 +9,16 @@ from pathlib import Path
 import pytest
 
 from bargein.config import CacheConfig, EngineConfig
-from bargein.loader import load_config, resolve_model_ref
-from bargein.loader.gguf_file import open_gguf
 from bargein.kernels.native import load_native_kernels
 from bargein.kernels.native_structs import FastShape
-from bargein.loader.memory_plan import RUNTIME_BYTES, MemoryPlanError, plan_memory, step_buffer_bytes
+from bargein.loader import load_config, resolve_model_ref
+from bargein.loader.gguf_file import open_gguf
+from bargein.loader.memory_plan import (
+    RUNTIME_BYTES,
+    MemoryPlanError,
+    plan_memory,
+    step_buffer_bytes,
+)
 from tests.model.quant_models import write_quant_gguf
 
 GiB = 1 << 30

@@ -9,8 +9,8 @@ without readahead: the kernel maps a few pages around a fault, so the neighbours
 was read, experts 2-3 and 7, are not judged), and the file's resident bytes (its mappings' Rss in /proc/self/smaps) grow by
 about two experts' worth, not eight; with a random router every expert is read. The memory plan counts
 every expert as mapped, and states the parameters, total and active per token. All of
-this holds under the default ``weights_memory="private"`` too, which copies the dense
-blocks at load but leaves the experts in the file's pages.
+this holds under the default ``weights_memory="private"`` too, which makes the dense
+blocks' pages private memory in the background but leaves the experts in the file's pages.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from bargein.config import EngineConfig
 from bargein.engine.device import build_model
 from bargein.kernels.native import load_native_kernels
 from bargein.kernels.quant_weight import QuantWeight
-from bargein.loader import load_config, load_weights, resolve_model_ref
-from bargein.loader.file_reads import file_span, shared_file_maps
+from bargein.loader import load_config, load_weights, resolve_model_ref, wait_private_copies
+from bargein.loader.file_maps import file_span, shared_file_maps
 from bargein.loader.gguf_file import open_gguf
 from bargein.loader.memory_plan import plan_memory
 from bargein.loader.parameters import parameter_counts
@@ -170,6 +170,7 @@ def test_only_the_chosen_experts_are_read(model_file: Path, private: bool, caplo
     _cold(model_file)
     caplog.set_level(logging.INFO, logger="bargein.loader")
     weights = load_weights(source, config, progress=False, blocks=True, private=private)
+    assert wait_private_copies(60)  # the dense blocks' pages made private in the background
     _random_access(model_file)
     dense = [weights[f"layers.{i}.{w}.weight"] for i in range(LAYERS) for w in ("wq", "wk", "wv", "wo")]
     experts = [weights[f"layers.{i}.experts.{e}.{w}.weight"]
@@ -178,7 +179,7 @@ def test_only_the_chosen_experts_are_read(model_file: Path, private: bool, caplo
     all_experts = LAYERS * EXPERTS * EXPERT_BYTES
     before = _resident(model_file)
     assert before <= model_file.stat().st_size - all_experts + 256 * 1024  # loading read the rest, no expert
-    if private:  # the attention's blocks were read into private memory, their file pages never mapped
+    if private:  # the attention's blocks were copied into private memory, their file pages no longer mapped
         assert before <= model_file.stat().st_size - all_experts - LAYERS * ATTENTION_BYTES + 256 * 1024
         line = f"{all_experts / 2**20:,.0f} MiB of MoE experts (resident as tokens route to them) left in the file's"
         assert any(line in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

@@ -1,13 +1,18 @@
-"""The load-time private copy of the weights (bargein.loader.private_weights): the same bits
-on every kernel path as the mapped file's blocks, the same tokens with either
-``weights_memory``, shared segments copied once, and the resident set holding the copy as
-private pages, the file's pages dropped, peak about one copy."""
+"""The private copy of the weights made in place beside serving
+(bargein.loader.private_weights): the same objects at the same addresses, now private
+memory, with the same bits on every kernel path, also for matmuls running while the pages
+move; the same tokens with either ``weights_memory``; the resident set holding the copy as
+private pages, the file's pages gone, peak about one copy; the ranges moved, the chunks,
+the huge pages' phase; a refused move or a stop leaving the rest mapped."""
 
 from __future__ import annotations
 
 import json
+import logging
+import mmap
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,12 +21,23 @@ import torch
 from bargein.config import CacheConfig, EngineConfig
 from bargein.engine.engine import Engine
 from bargein.engine.sampling import SamplingParams
+from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.native import load_native_kernels
 from bargein.kernels.native_structs import describe_quant
 from bargein.kernels.quant_weight import QuantWeight
-from bargein.loader import load_config, load_weights, resolve_model_ref
-from bargein.loader.gguf_file import open_gguf
-from bargein.loader.private_weights import HUGE_PAGE, copy_to_private
+from bargein.loader import load_config, load_weights, resolve_model_ref, wait_private_copies
+from bargein.loader.file_maps import shared_file_maps
+from bargein.loader.gguf_file import close_gguf_files, open_gguf
+from bargein.loader.private_weights import (
+    DROPPED,
+    HUGE_PAGE,
+    MERGE_GAP,
+    HugePagePhase,
+    PageRange,
+    PrivateCopy,
+    private_ranges,
+    start_private_copy,
+)
 from tests.model.quant_models import write_quant_gguf
 from tests.tiny_models import TinySpec
 
@@ -37,36 +53,58 @@ def q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _loaded(path: Path) -> dict[str, object]:
+    """The file's weights as views of a mapping of their own (not the cached file's: the copy
+    moves pages of the mapping it is given, and a reference must keep the file's)."""
+    close_gguf_files()
     source = resolve_model_ref(path)
     return load_weights(source, load_config(source), progress=False, blocks=True)
 
 
-def test_the_copy_is_private_aligned_once_per_segment_and_the_same_bytes(q4_k_m: Path) -> None:
-    mapped, copied = _loaded(q4_k_m), _loaded(q4_k_m)
-    made = copy_to_private(copied)
-    f = open_gguf(q4_k_m).mapped()
-    start, end = f.ctypes.data, f.ctypes.data + f.nbytes
-    quants = {name: w for name, w in copied.items() if isinstance(w, QuantWeight)}
-    segments = {s.data.data_ptr(): s.data.nbytes for w in quants.values() for s in w.segments}
-    assert made.bytes == sum(segments.values())  # each stored tensor once
-    assert made.bytes == sum(t.n_bytes for t in open_gguf(q4_k_m).tensors.values() if len(t.shape) == 2)
-    lowest = min(segments)
-    assert lowest % HUGE_PAGE == 0  # the arena starts on a 2 MB boundary
-    assert all(p % 64 == 0 and not start <= p < end for p in segments)  # off the map, on cache lines
-    assert max(p + n for p, n in segments.items()) - lowest < made.bytes + 64 * len(segments)  # one arena
-    for name, w in quants.items():
-        was = mapped[name]
-        assert isinstance(was, QuantWeight) and len(w.segments) == len(was.segments)
-        for s, t in zip(w.segments, was.segments, strict=True):
-            assert s.qtype == t.qtype and torch.equal(s.data, t.data)
-            assert (s.order is None) == (t.order is None) and (s.order is None or torch.equal(s.order, t.order))
-    assert all(torch.equal(copied[n], mapped[n]) for n in copied if n not in quants)  # the rest untouched
+def _copied(weights: dict[str, object], **kwargs) -> PrivateCopy:
+    running = start_private_copy(weights, **kwargs)
+    assert running is not None
+    made = running.wait(60)
+    assert made is not None and made.error is None, made
+    return made
+
+
+def _in_a_file(address: int, nbytes: int) -> bool:
+    return any(lo <= address and address + nbytes <= hi for lo, hi, *_ in shared_file_maps())
+
+
+def _segments(weights: dict[str, object]) -> dict[int, int]:
+    return {s.data.data_ptr(): s.data.nbytes for w in weights.values() if isinstance(w, QuantWeight)
+            for s in w.segments}
+
+
+def test_the_copy_is_private_memory_in_place_holding_the_same_bytes(q4_k_m: Path, caplog) -> None:
+    reference, copied = _loaded(q4_k_m), _loaded(q4_k_m)
+    segments = _segments(copied)
+    before = {name: w for name, w in copied.items()}
+    assert all(_in_a_file(p, n) for p, n in segments.items())  # views of the file, to begin with
+    caplog.set_level(logging.INFO, logger="bargein.loader")
+    made = _copied(copied)
+    assert all(copied[name] is w for name, w in before.items())  # nothing replaced: the same objects
+    assert _segments(copied) == segments  # at the same addresses
+    assert not any(_in_a_file(p, n) for p, n in segments.items())  # now private memory
+    blocks = sum(t.n_bytes for t in open_gguf(q4_k_m).tensors.values() if len(t.shape) == 2)
+    assert blocks <= made.bytes <= blocks + 2 * 4096 * len(segments) + MERGE_GAP  # whole pages, each once
+    for name, w in copied.items():
+        was = reference[name]
+        if isinstance(w, QuantWeight):
+            assert isinstance(was, QuantWeight) and len(w.segments) == len(was.segments)
+            for s, t in zip(w.segments, was.segments, strict=True):
+                assert s.qtype == t.qtype and s.data.data_ptr() != t.data.data_ptr() and torch.equal(s.data, t.data)
+        else:
+            assert torch.equal(w, was)
+    (line,) = [r.getMessage() for r in caplog.records if "private memory" in r.getMessage()]
+    assert f"{made.bytes / 2**20:,.0f} MiB of blocks made private memory beside serving" in line, line
 
 
 @needs_kernels
 def test_every_kernel_path_gives_the_same_bits_from_the_copy(q4_k_m: Path) -> None:
     mapped, copied = _loaded(q4_k_m), _loaded(q4_k_m)
-    copy_to_private(copied)
+    _copied(copied)
     isas = [i for i in ("c", "avx2", "vnni", "neon", "dotprod") if KERNELS.q8_isa_available(i)]
     x = torch.randn(19, 512, generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([0, 3, 200, TIED.vocab_size - 1, 7])
@@ -82,6 +120,43 @@ def test_every_kernel_path_gives_the_same_bits_from_the_copy(q4_k_m: Path) -> No
                     assert torch.equal(KERNELS.quant_matmul(xs[:rows].contiguous(), b, 2, exact=exact, isa=isa), want), (name, isa)
         if name == "embed.weight":  # the tied head's rows, looked up
             assert torch.equal(KERNELS.quant_rows(b, ids, 2), KERNELS.quant_rows(a, ids, 2))
+
+
+@needs_kernels
+def test_matmuls_running_while_the_pages_move_give_the_same_bits(tmp_path: Path, monkeypatch) -> None:
+    """Two threads multiply by every weight over and over while the copy moves the pages
+    under them, 64 KB at a time: every product equals the one from the file's pages."""
+    import bargein.loader.private_weights as private_weights
+
+    monkeypatch.setattr(private_weights, "CHUNK", 64 * 1024)
+    spec = TinySpec(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=4, num_layers=2,
+                    tie_word_embeddings=False)
+    path, _ = write_quant_gguf(tmp_path / "moving.Q6_K.gguf", spec, mix="Q6_K")
+    weights = _loaded(path)
+    quants = [w for w in weights.values() if isinstance(w, QuantWeight)]
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(4))
+    want = [KERNELS.quant_matmul(x[:, :w.k].contiguous(), describe_quant(w), 1) for w in quants]
+    running = start_private_copy(weights)
+    assert running is not None
+    seen: list[int] = []
+    wrong: list[int] = []
+
+    def multiply() -> None:
+        while running.wait(0) is None or len(seen) < 2 * len(quants):
+            for i, w in enumerate(quants):
+                if not torch.equal(KERNELS.quant_matmul(x[:, :w.k].contiguous(), describe_quant(w), 1), want[i]):
+                    wrong.append(i)
+                seen.append(i)
+
+    threads = [threading.Thread(target=multiply) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    made = running.wait(0)
+    assert made is not None and made.error is None and made.bytes >= sum(w.nbytes for w in quants)
+    assert not wrong and len(seen) > 4 * len(quants)
+    assert not any(_in_a_file(p, n) for p, n in _segments(weights).items())
 
 
 @pytest.mark.parametrize("precision", ["fast", "exact"])
@@ -101,9 +176,12 @@ def test_an_unknown_setting_is_refused_by_name() -> None:
         EngineConfig(weights_memory="shared")
 
 
+
+
 _RSS_SCRIPT = """
 import json, logging, sys
 from bargein import Engine, EngineConfig, CacheConfig, SamplingParams
+from bargein.loader import wait_private_copies
 from bargein.loader.resident import resident_memory
 import torch
 lines = []
@@ -115,7 +193,9 @@ before = resident_memory()
 engine = Engine.from_pretrained(sys.argv[1], EngineConfig(device="cpu", precision="fast",
                                 cache=CacheConfig(block_size=4, num_blocks=16), weights_memory="private"),
                                 progress=False)
-loaded = resident_memory()
+engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))  # beside the copy: from the file
+assert wait_private_copies(120)
+copied = resident_memory()
 engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))
 ran = resident_memory()
 file_rss, inside = 0, False  # the model file's pages resident in this process, from its mappings
@@ -126,13 +206,16 @@ with open("/proc/self/smaps") as smaps:
             inside = line.rstrip().endswith(sys.argv[1])
         elif inside and head[0] == "Rss:":
             file_rss += int(head[1]) * 1024
-print(json.dumps({"loaded_anon": loaded.anon - before.anon, "file_rss": file_rss,
+print(json.dumps({"copied_anon": copied.anon - before.anon, "file_rss": file_rss,
                   "peak": ran.peak - before.total, "log": [l for l in lines if "private memory" in l]}))
 """
 
 
 @needs_kernels
 def test_the_copy_is_private_memory_and_the_files_pages_are_dropped(tmp_path: Path) -> None:
+    """The model serves from the file's pages while the copy runs; once it ends the weights
+    are private memory, the file's pages no longer in this process, and the peak was about
+    one copy, not two."""
     spec = TinySpec(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=4, num_layers=3,
                     tie_word_embeddings=False)
     path, _ = write_quant_gguf(tmp_path / "mid.Q4_K.gguf", spec, mix="Q4_K")
@@ -141,33 +224,138 @@ def test_the_copy_is_private_memory_and_the_files_pages_are_dropped(tmp_path: Pa
     result = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(path)], capture_output=True, text=True,
                             timeout=300, check=True)
     m = json.loads(result.stdout.strip().splitlines()[-1])
-    assert m["loaded_anon"] > 0.95 * blocks, m  # the copy is resident, as private pages
-    assert m["file_rss"] < 0.02 * size, m  # decoding reads the copy: the file's pages were dropped
+    assert m["copied_anon"] > 0.95 * blocks, m  # the copy is resident, as private pages
+    assert m["file_rss"] < 0.02 * size, m  # the file's pages under the weights left this process
     assert m["peak"] < 1.3 * size + 100 * 2**20, m  # about one copy at a time, not two
     (line,) = m["log"]  # one line, stating the bytes
-    assert f"{blocks / 2**20:,.0f} MiB of blocks copied into private memory" in line, line
+    assert "MiB of blocks made private memory beside serving" in line, line
 
 
-def test_past_the_huge_page_budget_the_rest_is_copied_the_same(monkeypatch) -> None:
+def _fake_weight(data: torch.Tensor, offset: int, nbytes: int) -> QuantWeight:
+    rows = nbytes // 34
+    return QuantWeight.of(GGMLQuantizationType.Q8_0, data[offset:offset + rows * 34], rows, 32)
+
+
+def test_the_ranges_are_whole_pages_of_the_copied_blocks_joined_where_nothing_kept_lies_between() -> None:
+    page = mmap.PAGESIZE
+    data = torch.zeros(64 * 2**20 + 2 * page, dtype=torch.uint8)
+    base = -(-data.data_ptr() // page) * page - data.data_ptr()  # data[base] starts a page
+    at = data.data_ptr() + base
+    maps = [(at, at + 32 * 2**20, 0, "/m1", 1), (at + 32 * 2**20, at + 64 * 2**20, 0, "/m2", 2)]
+    mb = 2**20
+    weights = {
+        "a": _fake_weight(data, base + 100, 34 * 1000),  # pages 0-8
+        "b": _fake_weight(data, base + 34 * 1000 + 200, 34 * 100),  # joins a (a few bytes apart)
+        "c": _fake_weight(data, base + 4 * mb, 34 * 100),  # 4 MB on: a range of its own
+        "g": _fake_weight(data, base + 6 * mb - 240, 34 * 10),  # its last page holds the expert's first bytes
+        "expert": _fake_weight(data, base + 6 * mb + 100, 34 * 1000),
+        "d": _fake_weight(data, base + 6 * mb + 100 + 34 * 1000 + 4 * page, 34 * 10),  # kept bytes between g, d
+        "e": _fake_weight(data, base + 32 * mb - 34 * 10, 34 * 10),  # the first mapping's end
+        "f": _fake_weight(data, base + 32 * mb, 34 * 10),  # the second's start: not joined to e
+        "also_a": None,
+    }
+    weights["also_a"] = weights["a"]  # a tied weight, counted once
+    weights["norm"] = torch.ones(4)
+    ranges, kept = private_ranges(weights, keep=lambda name: name == "expert", maps=maps)
+    assert kept == 34 * 1000
+
+    def pages(lo: int, hi: int) -> PageRange:
+        return PageRange(at + lo // page * page, at + -(-hi // page) * page)
+
+    assert ranges == [
+        pages(100, 34 * 1000 + 200 + 3400),
+        pages(4 * mb, 4 * mb + 3400),
+        pages(6 * mb - 240, 6 * mb),  # the page shared with the expert stays mapped
+        pages(6 * mb + 100 + 34000 + 4 * page, 6 * mb + 100 + 34000 + 4 * page + 340),
+        pages(32 * mb - 340, 32 * mb),
+        pages(32 * mb, 32 * mb + 340),
+    ]
+    unmapped = {"a": weights["a"]}  # blocks in no file mapping: private memory already
+    assert private_ranges(unmapped, keep=lambda name: False, maps=[]) == ([], 0)
+
+
+def test_chunks_are_cut_on_huge_page_boundaries_and_cover_every_page() -> None:
+    from bargein.loader.private_weights import CHUNK, chunks
+
+    start = 7 * HUGE_PAGE + 3 * 4096
+    ranges = [PageRange(start, start + 3 * CHUNK + 5 * 4096), PageRange(start + 4 * CHUNK, start + 4 * CHUNK + 4096)]
+    cut = chunks(ranges)
+    assert cut[0] == PageRange(start, start // HUGE_PAGE * HUGE_PAGE + CHUNK)  # to a boundary, < CHUNK
+    assert all(c.nbytes <= CHUNK for c in cut) and sum(c.nbytes for c in cut) == sum(r.nbytes for r in ranges)
+    inner = [c.end for c in cut[:-1]] + [c.start for c in cut[1:]]  # every cut but the ranges' own ends
+    assert all(at % HUGE_PAGE == 0 for at in inner if at not in (ranges[0].end, ranges[1].start))
+    assert all(a.end == b.start for a, b in zip(cut[:-2], cut[1:-1], strict=True)) and cut[-1] == ranges[1]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_huge_pages_that_come_slowly_end_their_phase_after_the_first_chunk(monkeypatch) -> None:
     import bargein.loader.private_weights as private_weights
-    from bargein.kernels.ggml_types import GGMLQuantizationType
 
-    monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", 0.0)  # 4 KB pages from the first chunk
-    rows = 3 * HUGE_PAGE // 272 + 5  # rows of 256 Q8_0 values (272 bytes): over three huge pages
-    blocks = torch.randint(0, 256, (rows * 272,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    weight = QuantWeight.of(GGMLQuantizationType.Q8_0, blocks, rows, 256)
-    weights = {"w": weight, "also": weight, "norm": torch.ones(4)}
-    made = copy_to_private(weights)
-    assert made.bytes == blocks.numel() and weights["w"] is weights["also"]  # copied once, still shared
-    (segment,) = weights["w"].segments
-    assert segment.data.data_ptr() != blocks.data_ptr() and torch.equal(segment.data.reshape(-1), blocks)
+    monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", 10.0)
+    clock = _Clock()
+    phase = HugePagePhase(clock)
+    assert phase.on
+    clock.now += 0.016  # 8 MB in 16 ms: 0.5 GB/s, as this project's VMs give fresh huge pages
+    phase.faulted_in(8 * 2**20)
+    assert not phase.on
+    clock.now += 0.0001  # and never again, however fast the next ones come
+    phase.faulted_in(8 * 2**20)
+    assert not phase.on
 
 
-def test_without_populate_advice_the_pages_are_touched_and_copied_the_same(monkeypatch) -> None:
-    """A kernel before Linux 5.14 refuses MADV_POPULATE_WRITE: the arena is faulted in by a
-    write to each page instead, on huge pages and on 4 KB pages alike, with the same bytes."""
+def test_huge_pages_that_come_fast_last_until_the_budget_is_spent(monkeypatch) -> None:
     import bargein.loader.private_weights as private_weights
-    from bargein.kernels.ggml_types import GGMLQuantizationType
+
+    monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", 0.25)
+    clock = _Clock()
+    phase = HugePagePhase(clock)
+    chunks_on = 0
+    while phase.on:
+        clock.now += 1 / 1024  # 8 MB in under a millisecond: 8.6 GB/s (steps the sums hold exactly)
+        phase.faulted_in(8 * 2**20)
+        chunks_on += 1
+    assert chunks_on == 257  # the chunk that went past 0.25 s is the last
+
+
+def test_a_move_the_system_refuses_leaves_the_rest_mapped_and_says_why(q4_k_m: Path, monkeypatch, caplog) -> None:
+    import bargein.loader.private_weights as private_weights
+
+    monkeypatch.setattr(private_weights, "CHUNK", 16 * 1024)
+    reference, weights = _loaded(q4_k_m), _loaded(q4_k_m)
+    real, calls = private_weights.move_private, []
+
+    def refused_on_the_third(target: PageRange, huge: bool) -> int:
+        calls.append(target)
+        if len(calls) == 3:
+            raise OSError(12, "mremap: Cannot allocate memory")
+        return real(target, huge)
+
+    monkeypatch.setattr(private_weights, "move_private", refused_on_the_third)
+    caplog.set_level(logging.INFO, logger="bargein.loader")
+    running = start_private_copy(weights)
+    assert running is not None
+    made = running.wait(60)
+    assert made is not None and made.error == "[Errno 12] mremap: Cannot allocate memory"
+    assert len(calls) == 3 and made.bytes == calls[0].nbytes + calls[1].nbytes
+    assert not _in_a_file(calls[1].start, calls[1].nbytes) and _in_a_file(calls[2].start, calls[2].nbytes)
+    for name, w in weights.items():  # part private, part mapped: the same bytes everywhere
+        if isinstance(w, QuantWeight):
+            assert all(torch.equal(s.data, t.data) for s, t in zip(w.segments, reference[name].segments, strict=True))
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "stopped early, the rest read from the file's pages: [Errno 12]" in warning.getMessage()
+
+
+def test_without_populate_advice_the_copy_faults_the_pages_in_itself(q4_k_m: Path, monkeypatch) -> None:
+    """A kernel before Linux 5.14 refuses MADV_POPULATE_WRITE: the copy's writes fault the
+    pages in, with the same bytes."""
+    import bargein.loader.private_weights as private_weights
 
     refused = []
     real = private_weights._madvise
@@ -179,70 +367,35 @@ def test_without_populate_advice_the_pages_are_touched_and_copied_the_same(monke
         return real(address, nbytes, advice)
 
     monkeypatch.setattr(private_weights, "_madvise", old_kernel)
-    rows = 5 * HUGE_PAGE // 272 + 3  # over five huge pages of Q8_0 rows
-    blocks = torch.randint(0, 256, (rows * 272,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    weights = {"w": QuantWeight.of(GGMLQuantizationType.Q8_0, blocks, rows, 256)}
-    monkeypatch.setattr(private_weights, "HUGE_PAGE_MIN_RATE", 0.0)  # however slow they come
-    for budget in (0.0, 10.0):  # all on 4 KB pages, then all within the huge pages' budget
-        monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", budget)
-        refused.clear()
-        made = copy_to_private(weights)
-        assert sum(refused) >= blocks.numel() and made.bytes == blocks.numel()  # every byte faulted in the old way
-        (segment,) = weights["w"].segments
-        assert torch.equal(segment.data.reshape(-1), blocks)
+    reference, weights = _loaded(q4_k_m), _loaded(q4_k_m)
+    made = _copied(weights)
+    assert sum(refused) == made.bytes > 0
+    assert not any(_in_a_file(p, n) for p, n in _segments(weights).items())
+    for name, w in weights.items():
+        if isinstance(w, QuantWeight):
+            assert all(torch.equal(s.data, t.data) for s, t in zip(w.segments, reference[name].segments, strict=True))
 
 
-class _TimedArena:
-    """An arena for ``_fault_in_huge`` whose chunks take ``seconds_per_mb`` to fault in."""
-
-    def __init__(self, nbytes: int, seconds_per_mb: float):
-        self.nbytes, self.seconds_per_mb = nbytes, seconds_per_mb
-        self.faulted: list[tuple[int, int]] = []
-        self.small_from: list[int] = []
-
-    def fault_in(self, start: int, end: int) -> None:
-        import time
-
-        time.sleep((end - start) / 2**20 * self.seconds_per_mb)
-        self.faulted.append((start, end))
-
-    def small_pages_from(self, at: int) -> int:
-        self.small_from.append(at)
-        return at
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_huge_pages_that_come_slowly_stop_at_the_first_chunks(monkeypatch, threads) -> None:
-    """Huge pages faulted in at 2 MB per 4 ms (0.5 GB/s, as this project's VMs give fresh
-    ones) end the huge-page phase once the first chunk is in, long before the budget; the
-    4 KB pages start right after the chunks taken, and no chunk is taken twice or past them."""
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
+def test_a_copy_whose_weights_are_dropped_stops_at_the_next_chunk(q4_k_m: Path, monkeypatch) -> None:
+    """The thread holds the weights only while it moves a chunk: once the model lets them go
+    (and with them the mapping it would move into), it stops."""
     import bargein.loader.private_weights as private_weights
 
-    monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", 10.0)
-    arena = _TimedArena(64 * private_weights._CHUNK, seconds_per_mb=0.002)
-    with ThreadPoolExecutor(threads) as pool:
-        small_from = private_weights._fault_in_huge(arena, time.perf_counter(), pool, threads)
-    assert arena.small_from == [small_from] and small_from <= threads * private_weights._CHUNK
-    assert sorted(arena.faulted) == [(at, at + private_weights._CHUNK)
-                                     for at in range(0, small_from, private_weights._CHUNK)]
+    monkeypatch.setattr(private_weights, "CHUNK", 16 * 1024)
+    weights = _loaded(q4_k_m)
+    moved: list[PageRange] = []
+    real = private_weights.move_private
 
+    def move_then_drop(target: PageRange, huge: bool) -> int:
+        moved.append(target)
+        if len(moved) == 2:
+            weights.clear()  # the model's last references, gone while the second chunk moves
+        return real(target, huge)
 
-def test_huge_pages_that_come_fast_fill_the_arena_within_the_budget(monkeypatch) -> None:
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    import bargein.loader.private_weights as private_weights
-
-    monkeypatch.setattr(private_weights, "HUGE_PAGE_BUDGET_S", 10.0)
-    # 10 MB/s: the chunks come at once, and a worker descheduled for most of a second by a
-    # busy machine must not look like a slow fault
-    monkeypatch.setattr(private_weights, "HUGE_PAGE_MIN_RATE", 1e7)
-    nbytes = 16 * private_weights._CHUNK + 4096  # a last chunk shorter than the others
-    arena = _TimedArena(nbytes, seconds_per_mb=0.0)
-    with ThreadPoolExecutor(2) as pool:
-        assert private_weights._fault_in_huge(arena, time.perf_counter(), pool, 2) == nbytes
-    assert arena.small_from == [] and sorted(arena.faulted)[-1] == (16 * private_weights._CHUNK, nbytes)
-    assert sum(end - start for start, end in arena.faulted) == nbytes
+    monkeypatch.setattr(private_weights, "move_private", move_then_drop)
+    copy = start_private_copy(weights)
+    assert copy is not None
+    made = copy.wait(60)
+    assert made is not None and made.error == DROPPED and len(moved) == 2
+    assert made.bytes == sum(r.nbytes for r in moved) < sum(c.nbytes for c in copy._chunks)
+    assert wait_private_copies(0)
