@@ -8,8 +8,8 @@ that from anonymous memory alone, the rest from the huge pages: TLB misses of a 
 stream; ``bench/gemv_layout.c``, docs/benchmarks.md). llama.cpp's load-time repack gets its
 one-stream lead the same way: its rows land in an anonymous buffer.
 
-:func:`start_private_copy` returns at once: the model loads and serves from the file's
-mapping, and one background thread at the lowest priority makes the pages under the
+:func:`private_copy` finds the pages, and its :meth:`~PrivateWeights.start` returns at
+once: the model serves from the file's mapping meanwhile, and one background thread at the lowest priority makes the pages under the
 weights' file views private, a chunk at a time, *at the same addresses*: each chunk's bytes
 are copied into a fresh anonymous mapping (placed at the same offset within a 2 MB page
 as the chunk, so that its huge pages survive the move), which one ``mremap(MREMAP_FIXED)``
@@ -281,8 +281,8 @@ def _lowest_priority() -> None:
 
 
 class PrivateWeights:
-    """One running (or finished) private copy of a model's weights; see the module docstring.
-    Made by :func:`start_private_copy`."""
+    """One private copy of a model's weights, to start, running, or ended; see the module
+    docstring. Made by :func:`private_copy`."""
 
     def __init__(self, weights: dict[str, object], ranges: list[PageRange], kept_bytes: int,
                  describe_kept: str):
@@ -294,6 +294,7 @@ class PrivateWeights:
         self._thread = threading.Thread(target=self._run, name="bargein-weights-private", daemon=True)
 
     def start(self) -> PrivateWeights:
+        """Start the copy's thread (once); returns this copy."""
         with _RUNNING_LOCK:
             _RUNNING.add(self)
         self._thread.start()
@@ -364,13 +365,15 @@ def wait_private_copies(timeout: float | None = None) -> bool:
     return True
 
 
-def start_private_copy(weights: dict[str, object], *, keep: Callable[[str], bool] = lambda name: False,
-                       describe_kept: str = "weights") -> PrivateWeights | None:
-    """Start making the pages under the file views of ``weights``' QuantWeights private
-    memory in place (see the module docstring), but those whose name ``keep`` says to leave
-    (named ``describe_kept`` in the log line). Nothing in ``weights`` changes: the same
-    tensors at the same addresses read the same bytes throughout. Returns the running copy,
-    or None where there is nothing to copy (no file views; off Linux, after one log line)."""
+def private_copy(weights: dict[str, object], *, keep: Callable[[str], bool] = lambda name: False,
+                 describe_kept: str = "weights") -> PrivateWeights | None:
+    """The copy that makes the pages under the file views of ``weights``' QuantWeights
+    private memory in place (see the module docstring), but those whose name ``keep`` says to
+    leave (named ``describe_kept`` in the log line), ready to :meth:`~PrivateWeights.start`:
+    its ranges are found now, while the views are at hand (it holds none of them: a model
+    built from ``weights`` may take them out of the dict). Nothing in ``weights`` changes:
+    the same tensors at the same addresses read the same bytes throughout. None where there
+    is nothing to copy (no file views; off Linux, after one log line)."""
     maps = shared_file_maps()
     ranges, kept_bytes = private_ranges(weights, keep, maps)
     if not ranges:
@@ -378,4 +381,4 @@ def start_private_copy(weights: dict[str, object], *, keep: Callable[[str], bool
     if not _LINUX:
         log.info("weights: read from the file's pages (a private copy in place needs Linux's mremap)")
         return None
-    return PrivateWeights(weights, ranges, kept_bytes, describe_kept).start()
+    return PrivateWeights(weights, ranges, kept_bytes, describe_kept)

@@ -35,8 +35,9 @@ from bargein.loader.private_weights import (
     HugePagePhase,
     PageRange,
     PrivateCopy,
+    PrivateWeights,
+    private_copy,
     private_ranges,
-    start_private_copy,
 )
 from tests.model.quant_models import write_quant_gguf
 from tests.tiny_models import TinySpec
@@ -60,10 +61,14 @@ def _loaded(path: Path) -> dict[str, object]:
     return load_weights(source, load_config(source), progress=False, blocks=True)
 
 
-def _copied(weights: dict[str, object], **kwargs) -> PrivateCopy:
-    running = start_private_copy(weights, **kwargs)
-    assert running is not None
-    made = running.wait(60)
+def _started(weights: dict[str, object]) -> PrivateWeights:
+    copy = private_copy(weights)
+    assert copy is not None
+    return copy.start()
+
+
+def _copied(weights: dict[str, object]) -> PrivateCopy:
+    made = _started(weights).wait(60)
     assert made is not None and made.error is None, made
     return made
 
@@ -136,8 +141,7 @@ def test_matmuls_running_while_the_pages_move_give_the_same_bits(tmp_path: Path,
     quants = [w for w in weights.values() if isinstance(w, QuantWeight)]
     x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(4))
     want = [KERNELS.quant_matmul(x[:, :w.k].contiguous(), describe_quant(w), 1) for w in quants]
-    running = start_private_copy(weights)
-    assert running is not None
+    running = _started(weights)
     seen: list[int] = []
     wrong: list[int] = []
 
@@ -339,9 +343,7 @@ def test_a_move_the_system_refuses_leaves_the_rest_mapped_and_says_why(q4_k_m: P
 
     monkeypatch.setattr(private_weights, "move_private", refused_on_the_third)
     caplog.set_level(logging.INFO, logger="bargein.loader")
-    running = start_private_copy(weights)
-    assert running is not None
-    made = running.wait(60)
+    made = _started(weights).wait(60)
     assert made is not None and made.error == "[Errno 12] mremap: Cannot allocate memory"
     assert len(calls) == 3 and made.bytes == calls[0].nbytes + calls[1].nbytes
     assert not _in_a_file(calls[1].start, calls[1].nbytes) and _in_a_file(calls[2].start, calls[2].nbytes)
@@ -393,8 +395,7 @@ def test_a_copy_whose_weights_are_dropped_stops_at_the_next_chunk(q4_k_m: Path, 
         return real(target, huge)
 
     monkeypatch.setattr(private_weights, "move_private", move_then_drop)
-    copy = start_private_copy(weights)
-    assert copy is not None
+    copy = _started(weights)
     made = copy.wait(60)
     assert made is not None and made.error == DROPPED and len(moved) == 2
     assert made.bytes == sum(r.nbytes for r in moved) < sum(c.nbytes for c in copy._chunks)
