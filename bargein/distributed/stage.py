@@ -213,8 +213,8 @@ class StageWorker:
                                    f"and the head shipped none")
             max_positions = config.max_model_len or model_config.max_position_embeddings
             self.stage = build_model(model_config, weights, config, max_positions=max_positions, layer_range=layers)
-        if copy is not None:  # beside serving (shipped weights are private memory already)
-            copy.start()
+            if copy is not None:  # beside serving (shipped weights are private memory already)
+                self.stage.after_next_forward(copy.start)
         self.device = device
         self.caches: list[KVCache] = []
         self.block_size = 0

@@ -71,7 +71,6 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
         tokenizer = tokenizer_started.result()
         close_model_files()
         release_free_heap()  # what parsing the file and building the tokenizer left behind
-        engine = engine_class(model, tokenizer, config, model_name=source.name, model_identity=source.path)
-    if copy is not None:  # beside serving, not the start (private_copy_of)
-        copy.start()
-    return engine
+        if copy is not None:  # beside serving, not the start (private_copy_of)
+            model.after_next_forward(copy.start)
+        return engine_class(model, tokenizer, config, model_name=source.name, model_identity=source.path)

@@ -186,9 +186,10 @@ def private_copy_of(weights: dict[str, torch.Tensor | BlockWeight]) -> PrivateWe
     waits for it), except an MoE's experts: a token reads only those it is routed to, so
     they stay in the file's pages, resident as they are read (a private copy would take all
     of them). Take it before the model is built (the build takes the weights out of the
-    dict) and start it once the model is built: started beside the build, on this project's
-    2-core VMs it took 0.07-0.1 s from the bundled model's 0.24 s start (page faults and the
-    moves contend with the build's allocations), none from its first token after. None where
-    there is nothing to copy."""
+    dict) and start it once the model's first forward has run (``after_next_forward``):
+    started beside the build, on this project's 2-core VMs it took 0.07-0.1 s from the
+    bundled model's 0.24 s start (page faults and the moves contend with the build's
+    allocations); beside the first forward, which faults the file's pages in, 5-70 ms of
+    its 30 ms; after it, nothing measurable. None where there is nothing to copy."""
     return private_copy(weights, keep=lambda name: expert_index(name) is not None,
                         describe_kept="MoE experts (resident as tokens route to them)")

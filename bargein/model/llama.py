@@ -245,6 +245,14 @@ class LlamaStage(nn.Module):
                                         self.embed, (self.norm, self.lm_head) if self.is_last else None,
                                         local_rope=local, embed_scale=self.is_first and config.embed_scale)
                       if fuse_layers and kernels.fast and kernels.native is not None else None)
+        self._after_next_forward: list[Callable[[], object]] = []
+
+    def after_next_forward(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` once, when this stage's next forward has returned. The weights'
+        private copy starts after the first (bargein.loader.private_copy_of): that forward
+        faults the file's pages in, thousands of faults, which the copy's moves beside it
+        slowed by 5-70 ms on this project's VMs; later forwards fault nothing."""
+        self._after_next_forward.append(callback)
 
     @property
     def num_layers(self) -> int:
@@ -292,6 +300,16 @@ class LlamaStage(nn.Module):
         """``logits_out``: (N, vocab) float32 memory the fused head may write the logits into
         (and return) instead of a new tensor (``FusedLayers.__call__``); the per-operation
         path ignores it."""
+        out = self._forward(inputs, positions, meta, kv_caches, logits_indices, logits_out)
+        if self._after_next_forward:
+            callbacks, self._after_next_forward = self._after_next_forward, []
+            for callback in callbacks:
+                callback()
+        return out
+
+    def _forward(self, inputs: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_caches: Sequence[KVCache], logits_indices: torch.Tensor | None,
+                 logits_out: torch.Tensor | None) -> torch.Tensor:
         fused = self.fused
         if fused is not None and inputs.device.type == "cpu":  # one native call
             x = self.embed(inputs) if self.is_first and not fused.has_embed else inputs

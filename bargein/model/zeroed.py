@@ -12,7 +12,7 @@ import mmap
 
 import torch
 
-_MIN_BYTES = 1 << 20  # below this the heap is as good
+_MIN_BYTES = 64 << 10  # below this the heap is as good
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -125,3 +125,18 @@ def test_bad_layer_range_is_refused() -> None:
     config = CONFIGS["gqa-tied"]
     with pytest.raises(ValueError, match="layer range"):
         LlamaStage(config, random_weights(config), (2, 5))
+
+
+def test_a_callback_after_the_next_forward_runs_once_when_it_has_returned() -> None:
+    config = CONFIGS["gqa-tied"]
+    model = LlamaStage(config, random_weights(config))
+    runner = PagedRunner([model])
+    calls: list[object] = []
+    stored = runner.caches[0][-1].k  # the last layer's keys: written by the forward, zero before
+    model.after_next_forward(lambda: calls.append(bool(stored.any())))
+    model.after_next_forward(lambda: calls.append("second"))
+    assert calls == []  # nothing before a forward
+    runner.run([(0, tokens(5, 1), 0)])
+    assert calls == [True, "second"]  # after it (its keys stored), in order
+    runner.run([(0, tokens(1, 2), 5)])
+    assert calls == [True, "second"]  # once

@@ -197,7 +197,9 @@ before = resident_memory()
 engine = Engine.from_pretrained(sys.argv[1], EngineConfig(device="cpu", precision="fast",
                                 cache=CacheConfig(block_size=4, num_blocks=16), weights_memory="private"),
                                 progress=False)
-engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))  # beside the copy: from the file
+import bargein.loader.private_weights as private_weights
+at_load = {"running": len(private_weights._RUNNING), "lines": len(lines)}  # none yet: it starts after a step
+engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))  # the first forward starts it
 assert wait_private_copies(120)
 copied = resident_memory()
 engine.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))
@@ -210,16 +212,16 @@ with open("/proc/self/smaps") as smaps:
             inside = line.rstrip().endswith(sys.argv[1])
         elif inside and head[0] == "Rss:":
             file_rss += int(head[1]) * 1024
-print(json.dumps({"copied_anon": copied.anon - before.anon, "file_rss": file_rss,
+print(json.dumps({"at_load": at_load, "copied_anon": copied.anon - before.anon, "file_rss": file_rss,
                   "peak": ran.peak - before.total, "log": [l for l in lines if "private memory" in l]}))
 """
 
 
 @needs_kernels
 def test_the_copy_is_private_memory_and_the_files_pages_are_dropped(tmp_path: Path) -> None:
-    """The model serves from the file's pages while the copy runs; once it ends the weights
-    are private memory, the file's pages no longer in this process, and the peak was about
-    one copy, not two."""
+    """The load copies nothing; the first forward, from the file's pages, starts the copy;
+    once it ends the weights are private memory, the file's pages no longer in this process,
+    and the peak was about one copy, not two."""
     spec = TinySpec(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=4, num_layers=3,
                     tie_word_embeddings=False)
     path, _ = write_quant_gguf(tmp_path / "mid.Q4_K.gguf", spec, mix="Q4_K")
@@ -228,6 +230,7 @@ def test_the_copy_is_private_memory_and_the_files_pages_are_dropped(tmp_path: Pa
     result = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(path)], capture_output=True, text=True,
                             timeout=300, check=True)
     m = json.loads(result.stdout.strip().splitlines()[-1])
+    assert m["at_load"] == {"running": 0, "lines": 0}, m  # the load itself copied nothing
     assert m["copied_anon"] > 0.95 * blocks, m  # the copy is resident, as private pages
     assert m["file_rss"] < 0.02 * size, m  # the file's pages under the weights left this process
     assert m["peak"] < 1.3 * size + 100 * 2**20, m  # about one copy at a time, not two

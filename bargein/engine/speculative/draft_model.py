@@ -130,6 +130,6 @@ def load_draft_model(path: str | os.PathLike[str], config: EngineConfig) -> list
         copy = private_copy_of(weights) if config.weights_memory == "private" else None
         model = build_model(model_config, weights, config, max_positions=model_config.max_position_embeddings)
         close_model_files()
-    if copy is not None:
-        copy.start()
+        if copy is not None:  # beside serving, not the start (private_copy_of)
+            model.after_next_forward(copy.start)
     return [model]
