@@ -12,11 +12,11 @@ import mmap
 
 import torch
 
-_MIN_BYTES = 64 << 10  # below this the heap is as good
+_MIN_BYTES = 64 << 10  # below this the heap is as good (a small model's per-layer K and V are above it)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zero tensor; on the CPU and from 1 MiB up, backed by an anonymous memory map."""
+    """A zero tensor; on the CPU and from 64 KiB up, backed by an anonymous memory map."""
     numel = 1
     for d in shape:
         numel *= d
