@@ -214,7 +214,7 @@ class StageWorker:
             max_positions = config.max_model_len or model_config.max_position_embeddings
             self.stage = build_model(model_config, weights, config, max_positions=max_positions, layer_range=layers)
             if copy is not None:  # beside serving (shipped weights are private memory already)
-                self.stage.after_next_forward(copy.start)
+                copy.start_after_first_forward(self.stage)
         self.device = device
         self.caches: list[KVCache] = []
         self.block_size = 0

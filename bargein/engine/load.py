@@ -72,5 +72,5 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
         close_model_files()
         release_free_heap()  # what parsing the file and building the tokenizer left behind
         if copy is not None:  # beside serving, not the start (private_copy_of)
-            model.after_next_forward(copy.start)
+            copy.start_after_first_forward(model)
         return engine_class(model, tokenizer, config, model_name=source.name, model_identity=source.path)

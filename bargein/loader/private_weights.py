@@ -20,9 +20,10 @@ during the move waits for it to end), so steps run while the copy goes on and gi
 same bits (the load's critical path holds no copy: 0.12-0.77 s of the load times in
 docs/benchmarks.md were this copy). The thread holds the weights only while it moves a
 chunk (they keep the mapping it moves into alive); once nothing else holds any of them
-(the model was dropped) it stops. What the copy costs moves from the load into the first
-second of serving: a step beside it shares the memory (a 1B-class Q4_K_M file's first
-answer decoded 23-31 tok/s against 33-38 after a load-time copy; the next ones alike).
+(the model was dropped) it stops. It moves a chunk only while the model is quiet (no
+forward for QUIET_S; :meth:`PrivateWeights.start`'s ``quiet``): the copy takes the time
+between a chat's turns or an idle server's requests, never a step's memory bandwidth
+(under constant load the weights stay the file's pages until a pause).
 
 Each chunk is faulted in before its bytes come (``MADV_POPULATE_WRITE``: the kernel's own
 loop, no trap per page), on huge pages while they come at HUGE_PAGE_MIN_RATE or faster and
@@ -51,6 +52,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from bargein.kernels.quant_weight import QuantWeight
 from bargein.loader.file_maps import shared_file_maps
@@ -74,6 +76,12 @@ HUGE_PAGE_BUDGET_S = 0.3
 HUGE_PAGE_MIN_RATE = 2e9
 CHUNK = 4 * HUGE_PAGE  # bytes moved at a time (at most; ends fall on 2 MB boundaries)
 MERGE_GAP = 1 << 20  # two ranges this close, with nothing kept between, are moved as one
+# A model counts as quiet once no forward ran for this long: a decode's forwards follow one
+# another within milliseconds, the turns of a chat or the requests of an idle server are
+# seconds apart. Chunks moved beside steps cost them memory bandwidth: a 1B-class Q4_K_M
+# file's first answer after load decoded at 23-31 tok/s against 33-38 (2026-12-04).
+QUIET_S = 0.05
+QUIET_POLL_S = 0.01  # how often a copy waiting for a quiet model asks again
 _PAGE = mmap.PAGESIZE
 _PROT_READ_WRITE = 3  # writable: khugepaged collapses no read-only anonymous range
 _MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
@@ -293,15 +301,29 @@ class PrivateWeights:
         self._chunks = chunks(ranges)
         self._kept_bytes, self._describe_kept = kept_bytes, describe_kept
         self._done = threading.Event()
+        self._quiet: Callable[[], bool] | None = None
         self.result: PrivateCopy | None = None
         self._thread = threading.Thread(target=self._run, name="bargein-weights-private", daemon=True)
 
-    def start(self) -> PrivateWeights:
-        """Start the copy's thread (once); returns this copy."""
+    def start(self, quiet: Callable[[], bool] | None = None) -> PrivateWeights:
+        """Start the copy's thread (once); returns this copy. ``quiet``: asked before each
+        chunk, which waits until it says True (the model's quiet_for: a chunk moves only
+        while no step runs, so that steps never share the memory with the copy)."""
+        self._quiet = quiet
         with _RUNNING_LOCK:
             _RUNNING.add(self)
         self._thread.start()
         return self
+
+    def start_after_first_forward(self, stage: Any) -> None:
+        """Start once ``stage`` (a LlamaStage: ``after_next_forward``, ``quiet_for``) has run
+        its next forward, moving chunks only while it is quiet. That forward faults the
+        file's pages in (thousands of faults), which the copy's moves beside it slowed by
+        5-70 ms of its 30 ms on this project's VMs (SmolLM2-135M Q8_0, 2026-12-04)."""
+        stage.after_next_forward(lambda: self.start(quiet=stage.quiet_for(QUIET_S)))
+
+    def _held_any(self) -> bool:
+        return any(ref() is not None for ref in self._weights)
 
     def wait(self, timeout: float | None = None) -> PrivateCopy | None:
         """What the copy did, once it ended (None if not within ``timeout`` seconds)."""
@@ -313,6 +335,8 @@ class PrivateWeights:
         phase, moved, error, small = HugePagePhase(), 0, None, []
         try:
             for chunk in self._chunks:
+                while self._quiet is not None and not self._quiet() and self._held_any():
+                    time.sleep(QUIET_POLL_S)
                 held = [w for w in (ref() for ref in self._weights) if w is not None]
                 if not held:  # the model was dropped: its mapping may be gone, and no one would read the copy
                     error = DROPPED

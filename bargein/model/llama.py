@@ -22,6 +22,8 @@ copy (see :meth:`Linear.from_blocks`).
 
 from __future__ import annotations
 
+import time
+import weakref
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 
 import torch
@@ -246,12 +248,24 @@ class LlamaStage(nn.Module):
                                         local_rope=local, embed_scale=self.is_first and config.embed_scale)
                       if fuse_layers and kernels.fast and kernels.native is not None else None)
         self._after_next_forward: list[Callable[[], object]] = []
+        self._in_forward = False
+        self._last_forward_end = time.monotonic()
+
+    def quiet_for(self, seconds: float) -> Callable[[], bool]:
+        """A check, for another thread, of whether no forward of this stage has run for
+        ``seconds`` (nor runs now); True once the stage is gone. It holds the stage weakly:
+        a background job asking it keeps no model alive."""
+        stage = weakref.ref(self)
+
+        def quiet() -> bool:
+            s = stage()
+            return s is None or (not s._in_forward and time.monotonic() - s._last_forward_end >= seconds)
+
+        return quiet
 
     def after_next_forward(self, callback: Callable[[], object]) -> None:
-        """Call ``callback`` once, when this stage's next forward has returned. The weights'
-        private copy starts after the first (bargein.loader.private_copy_of): that forward
-        faults the file's pages in, thousands of faults, which the copy's moves beside it
-        slowed by 5-70 ms on this project's VMs; later forwards fault nothing."""
+        """Call ``callback`` once, when this stage's next forward has returned (the weights'
+        private copy starts after the first, see bargein.loader.private_weights)."""
         self._after_next_forward.append(callback)
 
     @property
@@ -300,7 +314,11 @@ class LlamaStage(nn.Module):
         """``logits_out``: (N, vocab) float32 memory the fused head may write the logits into
         (and return) instead of a new tensor (``FusedLayers.__call__``); the per-operation
         path ignores it."""
-        out = self._forward(inputs, positions, meta, kv_caches, logits_indices, logits_out)
+        self._in_forward = True
+        try:
+            out = self._forward(inputs, positions, meta, kv_caches, logits_indices, logits_out)
+        finally:
+            self._in_forward, self._last_forward_end = False, time.monotonic()
         if self._after_next_forward:
             callbacks, self._after_next_forward = self._after_next_forward, []
             for callback in callbacks:

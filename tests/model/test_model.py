@@ -140,3 +140,22 @@ def test_a_callback_after_the_next_forward_runs_once_when_it_has_returned() -> N
     assert calls == [True, "second"]  # after it (its keys stored), in order
     runner.run([(0, tokens(1, 2), 5)])
     assert calls == [True, "second"]  # once
+
+
+def test_quiet_for_says_whether_no_forward_ran_for_so_long_and_holds_the_stage_weakly() -> None:
+    import gc
+    import time
+
+    config = CONFIGS["gqa-tied"]
+    model = LlamaStage(config, random_weights(config))
+    runner = PagedRunner([model])
+    quiet = model.quiet_for(0.2)
+    during: list[bool] = []
+    model.after_next_forward(lambda: during.append(quiet()))
+    runner.run([(0, tokens(5, 1), 0)])
+    assert during == [False]  # just after a forward: not quiet yet
+    time.sleep(0.25)
+    assert quiet()
+    del model, runner
+    gc.collect()
+    assert quiet()  # a stage gone is quiet (and was not kept alive by the check)

@@ -403,3 +403,41 @@ def test_a_copy_whose_weights_are_dropped_stops_at_the_next_chunk(q4_k_m: Path, 
     assert made is not None and made.error == DROPPED and len(moved) == 2
     assert made.bytes == sum(r.nbytes for r in moved) < sum(c.nbytes for c in copy._chunks)
     assert wait_private_copies(0)
+
+
+def test_a_copy_moves_chunks_only_while_the_model_is_quiet(q4_k_m: Path, monkeypatch) -> None:
+    import bargein.loader.private_weights as private_weights
+
+    monkeypatch.setattr(private_weights, "CHUNK", 64 * 1024)
+    weights = _loaded(q4_k_m)
+    moved: list[PageRange] = []
+    real = private_weights.move_private
+
+    def counted(target: PageRange, huge: bool) -> int:
+        moved.append(target)
+        return real(target, huge)
+
+    monkeypatch.setattr(private_weights, "move_private", counted)
+    quiet = threading.Event()
+    copy = private_copy(weights)
+    assert copy is not None
+    copy.start(quiet=quiet.is_set)
+    assert copy.wait(0.3) is None and moved == []  # a busy model: nothing moves
+    quiet.set()
+    made = copy.wait(60)
+    assert made is not None and made.error is None and len(moved) == len(copy._chunks)
+    assert not any(_in_a_file(p, n) for p, n in _segments(weights).items())
+
+
+def test_a_copy_waiting_for_a_quiet_model_stops_once_the_weights_are_dropped(q4_k_m: Path) -> None:
+    import gc
+
+    weights = _loaded(q4_k_m)
+    copy = private_copy(weights)
+    assert copy is not None
+    copy.start(quiet=lambda: False)  # a model that never pauses
+    assert copy.wait(0.1) is None
+    weights.clear()
+    gc.collect()
+    made = copy.wait(10)
+    assert made is not None and made.error == DROPPED and made.bytes == 0

@@ -131,5 +131,5 @@ def load_draft_model(path: str | os.PathLike[str], config: EngineConfig) -> list
         model = build_model(model_config, weights, config, max_positions=model_config.max_position_embeddings)
         close_model_files()
         if copy is not None:  # beside serving, not the start (private_copy_of)
-            model.after_next_forward(copy.start)
+            copy.start_after_first_forward(model)
     return [model]
