@@ -13,6 +13,7 @@ import mmap
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,23 @@ def _in_a_file(address: int, nbytes: int) -> bool:
 def _segments(weights: dict[str, object]) -> dict[int, int]:
     return {s.data.data_ptr(): s.data.nbytes for w in weights.values() if isinstance(w, QuantWeight)
             for s in w.segments}
+
+
+def _record_moves(monkeypatch, each: Callable[[list[PageRange]], None] = lambda moved: None) -> list[PageRange]:
+    """Every chunk the copy moves, in order; ``each`` is called with them before each move
+    (it may raise, as a refusing system would)."""
+    import bargein.loader.private_weights as private_weights
+
+    moved: list[PageRange] = []
+    real = private_weights.move_private
+
+    def recorded(target: PageRange, huge: bool) -> int:
+        moved.append(target)
+        each(moved)
+        return real(target, huge)
+
+    monkeypatch.setattr(private_weights, "move_private", recorded)
+    return moved
 
 
 def test_the_copy_is_private_memory_in_place_holding_the_same_bytes(q4_k_m: Path, caplog) -> None:
@@ -336,15 +354,12 @@ def test_a_move_the_system_refuses_leaves_the_rest_mapped_and_says_why(q4_k_m: P
 
     monkeypatch.setattr(private_weights, "CHUNK", 16 * 1024)
     reference, weights = _loaded(q4_k_m), _loaded(q4_k_m)
-    real, calls = private_weights.move_private, []
 
-    def refused_on_the_third(target: PageRange, huge: bool) -> int:
-        calls.append(target)
-        if len(calls) == 3:
+    def refused_on_the_third(moved: list[PageRange]) -> None:
+        if len(moved) == 3:
             raise OSError(12, "mremap: Cannot allocate memory")
-        return real(target, huge)
 
-    monkeypatch.setattr(private_weights, "move_private", refused_on_the_third)
+    calls = _record_moves(monkeypatch, refused_on_the_third)
     caplog.set_level(logging.INFO, logger="bargein.loader")
     made = _started(weights).wait(60)
     assert made is not None and made.error == "[Errno 12] mremap: Cannot allocate memory"
@@ -388,16 +403,12 @@ def test_a_copy_whose_weights_are_dropped_stops_at_the_next_chunk(q4_k_m: Path, 
 
     monkeypatch.setattr(private_weights, "CHUNK", 16 * 1024)
     weights = _loaded(q4_k_m)
-    moved: list[PageRange] = []
-    real = private_weights.move_private
 
-    def move_then_drop(target: PageRange, huge: bool) -> int:
-        moved.append(target)
+    def drop_at_the_second(moved: list[PageRange]) -> None:
         if len(moved) == 2:
             weights.clear()  # the model's last references, gone while the second chunk moves
-        return real(target, huge)
 
-    monkeypatch.setattr(private_weights, "move_private", move_then_drop)
+    moved = _record_moves(monkeypatch, drop_at_the_second)
     copy = _started(weights)
     made = copy.wait(60)
     assert made is not None and made.error == DROPPED and len(moved) == 2
@@ -410,14 +421,7 @@ def test_a_copy_moves_chunks_only_while_the_model_is_quiet(q4_k_m: Path, monkeyp
 
     monkeypatch.setattr(private_weights, "CHUNK", 64 * 1024)
     weights = _loaded(q4_k_m)
-    moved: list[PageRange] = []
-    real = private_weights.move_private
-
-    def counted(target: PageRange, huge: bool) -> int:
-        moved.append(target)
-        return real(target, huge)
-
-    monkeypatch.setattr(private_weights, "move_private", counted)
+    moved = _record_moves(monkeypatch)
     quiet = threading.Event()
     copy = private_copy(weights)
     assert copy is not None
