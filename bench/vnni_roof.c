@@ -74,6 +74,17 @@ __attribute__((target("avx2"))) static inline void sink_ymm(__m256i s) {
     sink = lanes[0];
 }
 
+/* A ymm loop's accumulators a0, a1, ... (started apart: none folded away), and their total
+ * handed to the sink once the loop is done (EACH: EACH8 or EACH12). */
+#define YMM_ACC(i) __m256i a##i = _mm256_set1_epi32(i);
+#define YMM_ADD(i) total_ = _mm256_add_epi32(total_, a##i);
+#define SINK_YMM(EACH)                                                                                     \
+    do {                                                                                                   \
+        __m256i total_ = _mm256_setzero_si256();                                                           \
+        EACH(YMM_ADD)                                                                                      \
+        sink_ymm(total_);                                                                                  \
+    } while (0)
+
 __attribute__((target("avx512f,avx512vnni"))) static long peak_vnni_zmm(long iters) {
     const __m512i w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
 #define DECL(i) __m512i a##i = _mm512_set1_epi32(i);
@@ -113,16 +124,12 @@ __attribute__((target("avx512f,avx512vnni"))) static long peak_vnni_zmm_bcst(lon
 
 __attribute__((target("avx2,avx512f,avx512vl,avx512vnni"))) static long peak_vnni_ymm(long iters) {
     const __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5);
-#define DECL(i) __m256i a##i = _mm256_set1_epi32(i);
-#define SUM(i) s = _mm256_add_epi32(s, a##i);
 #define STEP(i) DPBUSD(a##i, w, x);
-    EACH12(DECL)
+    EACH12(YMM_ACC)
     for (long it = 0; it < iters; it++) {
         EACH12(STEP)
     }
-    __m256i s = _mm256_setzero_si256();
-    EACH12(SUM)
-    sink_ymm(s);
+    SINK_YMM(EACH12);
     return iters * 12 * 32;
 #undef STEP
 }
@@ -157,17 +164,13 @@ __attribute__((target("avx512f,avx512vnni"))) static long peak_vnni_zmm_kmul(lon
 __attribute__((target("avx2"))) static long peak_avx2(long iters) {
     const __m256i w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5), ones = _mm256_set1_epi16(1);
 #define STEP(i) MADD3(a##i, w, x, ones);
-    EACH8(DECL)
+    EACH8(YMM_ACC)
     for (long it = 0; it < iters; it++) {
         EACH8(STEP)
     }
-    __m256i s = _mm256_setzero_si256();
-    EACH8(SUM)
-    sink_ymm(s);
+    SINK_YMM(EACH8);
     return iters * 8 * 32;
 #undef STEP
-#undef DECL
-#undef SUM
 }
 
 /* Q4_K's AVX2 step: per row a broadcast activation against two weight registers (16
@@ -176,8 +179,6 @@ __attribute__((target("avx2"))) static long peak_avx2_i16(long iters) {
     static int32_t xs[4 * 64] __attribute__((aligned(64)));
     for (int i = 0; i < 4 * 64; i++) xs[i] = 0x01010101 * (i & 7);
     const __m256i w0 = _mm256_set1_epi8(3), w1 = _mm256_set1_epi8(2);
-#define DECL(i) __m256i a##i = _mm256_set1_epi32(i);
-#define SUM(i) s = _mm256_add_epi32(s, a##i);
 #define ROW(R, A, B)                                                                                       \
     do {                                                                                                   \
         __m256i xv_, t0_, t1_;                                                                             \
@@ -186,7 +187,7 @@ __attribute__((target("avx2"))) static long peak_avx2_i16(long iters) {
                 : "+x"(A), "+x"(B), "=&x"(xv_), "=&x"(t0_), "=&x"(t1_)                                      \
                 : "m"(x[64 * (R)]), "x"(w0), "x"(w1));                                                     \
     } while (0)
-    EACH8(DECL)
+    EACH8(YMM_ACC)
     for (long it = 0; it < iters; it++) {
         const int32_t *x = xs + (it & 15);
         ROW(0, a0, a1);
@@ -194,13 +195,9 @@ __attribute__((target("avx2"))) static long peak_avx2_i16(long iters) {
         ROW(2, a4, a5);
         ROW(3, a6, a7);
     }
-    __m256i s = _mm256_setzero_si256();
-    EACH8(SUM)
-    sink_ymm(s);
+    SINK_YMM(EACH8);
     return iters * 8 * 32;
 #undef ROW
-#undef DECL
-#undef SUM
 }
 
 typedef long (*peak_fn)(long);
