@@ -292,18 +292,52 @@ static inline void score_run(const f16_batch_t *b, const float *q, const uint16_
     }
 }
 
-#define PREFETCH_BLOCKS 1 /* a decode asks for the rows of the block after the one it reads */
-/* Asks for block blk's rows (values [col, col + width) of each) of a cache ahead of their
- * use, if the context reaches the block: the block table scatters blocks over the pool,
- * where the hardware prefetcher cannot follow. */
-static inline void prefetch_block(const f16_batch_t *b, const uint16_t *cache, const int64_t *table, int64_t blk,
-                                  int64_t ctx, int64_t col, int64_t width) {
-    const int64_t bs = b->block_size, row_len = (int64_t)b->num_kv_heads * b->head_dim;
-    if (blk * bs >= ctx) return;
-    const int64_t rows = (blk + 1) * bs < ctx ? bs : ctx - blk * bs;
-    const char *p = (const char *)(cache + (table[blk] * bs) * row_len + col);
-    for (int64_t r = 0; r < rows; r++, p += row_len * (int64_t)sizeof(uint16_t))
-        for (int64_t c = 0; c < width * (int64_t)sizeof(uint16_t); c += 64) __builtin_prefetch(p + c, 0, 3);
+/* A decode's reads asked for ahead of attend_one's loops: the rows of K, then of V, at
+ * positions [start, ctx) (columns [col, col + width) of each), a cache line at a time in the
+ * order the loops read them. The loops keep the requests READ_AHEAD_BLOCKS blocks ahead of
+ * what they read, a few lines after each head's pass (never one block's lines at once: a
+ * burst of requests fills the miss buffers and stalls the loads behind it), into L2
+ * (prefetcht1: two blocks do not fit L1 beside the block being read). The block table
+ * scatters blocks over the pool, where the hardware prefetcher cannot follow; on a step
+ * that streams the weights between layers, every layer's K and V come from memory. */
+#define READ_AHEAD_BLOCKS 2
+typedef struct {
+    const f16_batch_t *b;
+    const int64_t *table;
+    const uint16_t *cache; /* K's, then V's; NULL once V's last line was asked for */
+    const char *row;       /* position pos's row, from column col */
+    int64_t start, ctx, col, lines_per_row;
+    int64_t pos, line, asked; /* asked: lines asked for so far, the next is (pos, line) */
+} read_ahead_t;
+
+static inline void read_ahead_row(read_ahead_t *ra) {
+    const int64_t bs = ra->b->block_size, row_len = (int64_t)ra->b->num_kv_heads * ra->b->head_dim;
+    ra->row = (const char *)(ra->cache + (ra->table[ra->pos / bs] * bs + ra->pos % bs) * row_len + ra->col);
+}
+
+static inline void read_ahead_init(read_ahead_t *ra, const f16_batch_t *b, const int64_t *table, int64_t start,
+                                   int64_t ctx, int64_t col, int64_t width) {
+    *ra = (read_ahead_t){b, table, b->k_cache, NULL, start, ctx, col, (width * 2 + 63) / 64, start, 0, 0};
+    read_ahead_row(ra);
+}
+
+/* Asks for the stream's lines up to (not including) line number `until` (K's lines are
+ * numbered first, V's after them). */
+static inline void read_ahead_to(read_ahead_t *ra, int64_t until) {
+    const int64_t row_bytes = (int64_t)ra->b->num_kv_heads * ra->b->head_dim * (int64_t)sizeof(uint16_t);
+    for (; ra->asked < until && ra->cache; ra->asked++) {
+        __builtin_prefetch(ra->row + ra->line * 64, 0, 2);
+        if (++ra->line < ra->lines_per_row) continue;
+        ra->line = 0;
+        if (++ra->pos == ra->ctx) { /* K's last row: V's first, or the end */
+            ra->cache = ra->cache == ra->b->k_cache ? ra->b->v_cache : NULL;
+            ra->pos = ra->start;
+        } else if (ra->pos % ra->b->block_size) {
+            ra->row += row_bytes;
+            continue;
+        }
+        if (ra->cache) read_ahead_row(ra);
+    }
 }
 
 /* A tile of one query (a decode), for head_dim a multiple of 64: the very arithmetic of
@@ -311,7 +345,7 @@ static inline void prefetch_block(const f16_batch_t *b, const uint16_t *cache, c
  * hsum256, times the scale; the same softmax; each output value one chain of fused
  * multiply-adds over the positions in order, times 1 / sum), in another loop order: a
  * block of positions at a time (one table look-up per block, not a division per key, and
- * the next block asked for ahead), every head of [h0, h1) reading the block's rows while
+ * the blocks ahead asked for as it goes: read_ahead_t), every head of [h0, h1) reading the block's rows while
  * they are in L1 (from memory once, not once per query head of a group), four keys'
  * scores at once (their chains overlap instead of waiting on each other), each output
  * value's chain continued from block to block through acc, and the keys and values widened
@@ -324,13 +358,18 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
     const int64_t ctx = b->query_ctx[qi], start = first_position(b, ctx), len = ctx - start;
     const int64_t col = (int64_t)(h0 / group) * d_len, width = (int64_t)((h1 - 1) / group + 1) * d_len - col;
     const float *q = b->q + qi * per_q;
+    read_ahead_t ra;
+    read_ahead_init(&ra, b, table, start, ctx, col, width);
+    /* Lines per position, and how far ahead of the reads the requests run. */
+    const int64_t lines = ra.lines_per_row, ahead = READ_AHEAD_BLOCKS * bs * lines, heads = h1 - h0;
     for (int64_t t = start, blk = start / bs; t < ctx; blk++) { /* positions [t, end) of block blk */
         const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
         const uint16_t *k = b->k_cache + (table[blk] * bs + t - blk * bs) * row_len;
-        prefetch_block(b, b->k_cache, table, blk + PREFETCH_BLOCKS, ctx, col, width);
-        for (int h = h0; h < h1; h++)
+        for (int h = h0; h < h1; h++) {
+            read_ahead_to(&ra, (end - start) * lines + ahead * (h - h0 + 1) / heads);
             score_run(b, q + (int64_t)h * d_len, k + (int64_t)(h / group) * d_len, end - t, row_len,
                       scores + (int64_t)(h - h0) * len + t - start);
+        }
         t = end;
     }
     float inv[h1 - h0];
@@ -338,8 +377,8 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
     for (int64_t t = start, blk = start / bs; t < ctx; blk++) {
         const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
         const uint16_t *v = b->v_cache + (table[blk] * bs + t - blk * bs) * row_len;
-        prefetch_block(b, b->v_cache, table, blk + PREFETCH_BLOCKS, ctx, col, width);
         for (int h = h0; h < h1; h++) {
+            read_ahead_to(&ra, (len + end - start) * lines + ahead * (h - h0 + 1) / heads);
             const float *s = scores + (int64_t)(h - h0) * len - start;
             for (int d0 = 0; d0 < d_len; d0 += 64) {
                 const uint16_t *vh = v + (int64_t)(h / group) * d_len + d0;
