@@ -265,30 +265,69 @@ static inline __m128 hsum256_x4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm_movelh_ps(ab, cd), _mm_movehl_ps(cd, ab));
 }
 
-/* s[i] = score of query head q against the keys k + i * stride, i < n (consecutive
- * positions of one block): four keys' chains at once, each the single fused multiply-add
- * chain over the head of the one-key loop below. */
-static inline void score_run(const f16_batch_t *b, const float *q, const uint16_t *k, int64_t n, int64_t stride,
-                             float *s) {
+/* s[h][i] = score of query head q[h] against the keys k + i * stride, i < n (consecutive
+ * positions of one block), for HEADS (1 or 2) heads that read the same KV head: four
+ * keys' chains per head at once, each the single fused multiply-add chain over the head of
+ * the one-key loop below, every key widened once for the heads (two heads' eight chains
+ * keep both fused multiply-add pipes busy; one head's four wait on their latency). */
+static inline __attribute__((always_inline)) void score_run(const f16_batch_t *b, const float *const *q,
+                                                            const int HEADS, const uint16_t *k, int64_t n,
+                                                            int64_t stride, float *const *s) {
     const int d_len = b->head_dim;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4, k += 4 * stride) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 a[2][4];
+        for (int h = 0; h < HEADS; h++)
+            for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
         for (int d = 0; d < d_len; d += 8) {
-            const __m256 qd = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(qd, load_halves(k + d), a0);
-            a1 = _mm256_fmadd_ps(qd, load_halves(k + stride + d), a1);
-            a2 = _mm256_fmadd_ps(qd, load_halves(k + 2 * stride + d), a2);
-            a3 = _mm256_fmadd_ps(qd, load_halves(k + 3 * stride + d), a3);
+            __m256 qd[2];
+            for (int h = 0; h < HEADS; h++) qd[h] = _mm256_loadu_ps(q[h] + d);
+            for (int j = 0; j < 4; j++) {
+                const __m256 kd = load_halves(k + j * stride + d);
+                for (int h = 0; h < HEADS; h++) a[h][j] = _mm256_fmadd_ps(qd[h], kd, a[h][j]);
+            }
         }
-        float lanes[4];
-        _mm_storeu_ps(lanes, hsum256_x4(a0, a1, a2, a3));
-        for (int j = 0; j < 4; j++) s[i + j] = score(b, lanes[j]);
+        for (int h = 0; h < HEADS; h++) {
+            float lanes[4];
+            _mm_storeu_ps(lanes, hsum256_x4(a[h][0], a[h][1], a[h][2], a[h][3]));
+            for (int j = 0; j < 4; j++) s[h][i + j] = score(b, lanes[j]);
+        }
     }
     for (; i < n; i++, k += stride) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int d = 0; d < d_len; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_halves(k + d), acc);
-        s[i] = score(b, hsum256(acc));
+        __m256 acc[2];
+        for (int h = 0; h < HEADS; h++) acc[h] = _mm256_setzero_ps();
+        for (int d = 0; d < d_len; d += 8) {
+            const __m256 kd = load_halves(k + d);
+            for (int h = 0; h < HEADS; h++) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q[h] + d), kd, acc[h]);
+        }
+        for (int h = 0; h < HEADS; h++) s[h][i] = score(b, hsum256(acc[h]));
+    }
+}
+
+/* sum[h][d] += s[h][u] * v_u[d] over positions u of [t, end) in order (v at position t's
+ * row, the KV head's columns; s[h] indexed by position), for HEADS (1 or 2) heads that read
+ * the same KV head, each value's chain continued from sum (started from zero where first):
+ * 64 / HEADS columns at a time, every value row widened once for the heads. */
+static inline __attribute__((always_inline)) void weigh_run(const float *const *s, const int HEADS,
+                                                            const uint16_t *v, int64_t t, int64_t end,
+                                                            int64_t row_len, int first, float *const *sum,
+                                                            int d_len) {
+    const int lanes = 8 / HEADS; /* vectors of 8 columns per head and chunk */
+    for (int d0 = 0; d0 < d_len; d0 += 8 * lanes) {
+        __m256 a[2][8];
+        for (int h = 0; h < HEADS; h++)
+            for (int j = 0; j < lanes; j++) a[h][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sum[h] + d0 + 8 * j);
+        const uint16_t *vu = v + d0;
+        for (int64_t u = t; u < end; u++, vu += row_len) {
+            __m256 w[2];
+            for (int h = 0; h < HEADS; h++) w[h] = _mm256_set1_ps(s[h][u]);
+            for (int j = 0; j < lanes; j++) {
+                const __m256 vd = load_halves(vu + 8 * j);
+                for (int h = 0; h < HEADS; h++) a[h][j] = _mm256_fmadd_ps(w[h], vd, a[h][j]);
+            }
+        }
+        for (int h = 0; h < HEADS; h++)
+            for (int j = 0; j < lanes; j++) _mm256_storeu_ps(sum[h] + d0 + 8 * j, a[h][j]);
     }
 }
 
@@ -365,10 +404,14 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
     for (int64_t t = start, blk = start / bs; t < ctx; blk++) { /* positions [t, end) of block blk */
         const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
         const uint16_t *k = b->k_cache + (table[blk] * bs + t - blk * bs) * row_len;
-        for (int h = h0; h < h1; h++) {
-            read_ahead_to(&ra, (end - start) * lines + ahead * (h - h0 + 1) / heads);
-            score_run(b, q + (int64_t)h * d_len, k + (int64_t)(h / group) * d_len, end - t, row_len,
-                      scores + (int64_t)(h - h0) * len + t - start);
+        for (int h = h0, pair; h < h1; h += 1 + pair) {
+            pair = h + 1 < h1 && (h + 1) / group == h / group; /* two heads of one KV head */
+            read_ahead_to(&ra, (end - start) * lines + ahead * (h + pair - h0 + 1) / heads);
+            const float *qh[2] = {q + (int64_t)h * d_len, q + (int64_t)(h + 1) * d_len};
+            float *sh[2] = {scores + (int64_t)(h - h0) * len + t - start, scores + (int64_t)(h + 1 - h0) * len + t - start};
+            const uint16_t *kh = k + (int64_t)(h / group) * d_len;
+            if (pair) score_run(b, qh, 2, kh, end - t, row_len, sh);
+            else score_run(b, qh, 1, kh, end - t, row_len, sh);
         }
         t = end;
     }
@@ -377,20 +420,14 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
     for (int64_t t = start, blk = start / bs; t < ctx; blk++) {
         const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
         const uint16_t *v = b->v_cache + (table[blk] * bs + t - blk * bs) * row_len;
-        for (int h = h0; h < h1; h++) {
-            read_ahead_to(&ra, (len + end - start) * lines + ahead * (h - h0 + 1) / heads);
-            const float *s = scores + (int64_t)(h - h0) * len - start;
-            for (int d0 = 0; d0 < d_len; d0 += 64) {
-                const uint16_t *vh = v + (int64_t)(h / group) * d_len + d0;
-                float *sum = acc + (int64_t)(h - h0) * d_len + d0;
-                __m256 a[8];
-                for (int j = 0; j < 8; j++) a[j] = t == start ? _mm256_setzero_ps() : _mm256_loadu_ps(sum + 8 * j);
-                for (int64_t u = t; u < end; u++, vh += row_len) {
-                    const __m256 w = _mm256_set1_ps(s[u]);
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(w, load_halves(vh + 8 * j), a[j]);
-                }
-                for (int j = 0; j < 8; j++) _mm256_storeu_ps(sum + 8 * j, a[j]);
-            }
+        for (int h = h0, pair; h < h1; h += 1 + pair) {
+            pair = h + 1 < h1 && (h + 1) / group == h / group;
+            read_ahead_to(&ra, (len + end - start) * lines + ahead * (h + pair - h0 + 1) / heads);
+            const float *sh[2] = {scores + (int64_t)(h - h0) * len - start, scores + (int64_t)(h + 1 - h0) * len - start};
+            float *sum[2] = {acc + (int64_t)(h - h0) * d_len, acc + (int64_t)(h + 1 - h0) * d_len};
+            const uint16_t *vh = v + (int64_t)(h / group) * d_len;
+            if (pair) weigh_run(sh, 2, vh, t, end, row_len, t == start, sum, d_len);
+            else weigh_run(sh, 1, vh, t, end, row_len, t == start, sum, d_len);
         }
         t = end;
     }
