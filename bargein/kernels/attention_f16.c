@@ -288,8 +288,13 @@ static inline __attribute__((always_inline)) void score_run(const f16_batch_t *b
             }
         }
         for (int h = 0; h < HEADS; h++) {
+            const __m128 sums = hsum256_x4(a[h][0], a[h][1], a[h][2], a[h][3]);
+            if (b->softcap <= 0.0f) { /* score() without a cap: the product with the scale, four at once */
+                _mm_storeu_ps(s[h] + i, _mm_mul_ps(sums, _mm_set1_ps(b->scale)));
+                continue;
+            }
             float lanes[4];
-            _mm_storeu_ps(lanes, hsum256_x4(a[h][0], a[h][1], a[h][2], a[h][3]));
+            _mm_storeu_ps(lanes, sums);
             for (int j = 0; j < 4; j++) s[h][i + j] = score(b, lanes[j]);
         }
     }
