@@ -350,37 +350,44 @@ typedef struct {
     const int64_t *table;
     const uint16_t *cache; /* K's, then V's; NULL once V's last line was asked for */
     const char *row;       /* position pos's row, from column col */
-    int64_t start, ctx, col, lines_per_row;
-    int64_t pos, line, asked; /* asked: lines asked for so far, the next is (pos, line) */
+    int64_t start, ctx, col, lines_per_row, row_bytes;
+    int64_t pos, left, line, asked; /* left: rows of pos's block from pos on; asked: lines so far, the next is (pos, line) */
 } read_ahead_t;
 
+/* Position pos's row, at a block's first row read (one table look-up and division a block). */
 static inline void read_ahead_row(read_ahead_t *ra) {
     const int64_t bs = ra->b->block_size, row_len = (int64_t)ra->b->num_kv_heads * ra->b->head_dim;
     ra->row = (const char *)(ra->cache + (ra->table[ra->pos / bs] * bs + ra->pos % bs) * row_len + ra->col);
+    ra->left = bs - ra->pos % bs;
 }
 
 static inline void read_ahead_init(read_ahead_t *ra, const f16_batch_t *b, const int64_t *table, int64_t start,
                                    int64_t ctx, int64_t col, int64_t width) {
-    *ra = (read_ahead_t){b, table, b->k_cache, NULL, start, ctx, col, (width * 2 + 63) / 64, start, 0, 0};
+    const int64_t row_bytes = (int64_t)b->num_kv_heads * b->head_dim * (int64_t)sizeof(uint16_t);
+    *ra = (read_ahead_t){b, table, b->k_cache, NULL, start, ctx, col, (width * 2 + 63) / 64, row_bytes,
+                         start, 0, 0, 0};
     read_ahead_row(ra);
 }
 
 /* Asks for the stream's lines up to (not including) line number `until` (K's lines are
- * numbered first, V's after them). */
+ * numbered first, V's after them): a row's lines at a time, its bookkeeping once. */
 static inline void read_ahead_to(read_ahead_t *ra, int64_t until) {
-    const int64_t row_bytes = (int64_t)ra->b->num_kv_heads * ra->b->head_dim * (int64_t)sizeof(uint16_t);
-    for (; ra->asked < until && ra->cache; ra->asked++) {
-        __builtin_prefetch(ra->row + ra->line * 64, 0, 2);
-        if (++ra->line < ra->lines_per_row) continue;
+    while (ra->asked < until && ra->cache) {
+        const int64_t n = ra->lines_per_row - ra->line < until - ra->asked ? ra->lines_per_row - ra->line
+                                                                           : until - ra->asked;
+        for (int64_t i = 0; i < n; i++) __builtin_prefetch(ra->row + (ra->line + i) * 64, 0, 2);
+        ra->asked += n;
+        if ((ra->line += n) < ra->lines_per_row) return;
         ra->line = 0;
         if (++ra->pos == ra->ctx) { /* K's last row: V's first, or the end */
             ra->cache = ra->cache == ra->b->k_cache ? ra->b->v_cache : NULL;
             ra->pos = ra->start;
-        } else if (ra->pos % ra->b->block_size) {
-            ra->row += row_bytes;
-            continue;
+            if (ra->cache) read_ahead_row(ra);
+        } else if (--ra->left) {
+            ra->row += ra->row_bytes;
+        } else {
+            read_ahead_row(ra);
         }
-        if (ra->cache) read_ahead_row(ra);
     }
 }
 
