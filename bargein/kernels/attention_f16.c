@@ -321,7 +321,8 @@ static inline __attribute__((always_inline)) void weigh_run(const float *const *
     for (int d0 = 0; d0 < d_len; d0 += 8 * lanes) {
         __m256 a[2][8];
         for (int h = 0; h < HEADS; h++)
-            for (int j = 0; j < lanes; j++) a[h][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sum[h] + d0 + 8 * j);
+            for (int j = 0; j < lanes; j++)
+                a[h][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sum[h] + d0 + 8 * j);
         const uint16_t *vu = v + d0;
         for (int64_t u = t; u < end; u++, vu += row_len) {
             __m256 w[2];
@@ -351,7 +352,8 @@ typedef struct {
     const uint16_t *cache; /* K's, then V's; NULL once V's last line was asked for */
     const char *row;       /* position pos's row, from column col */
     int64_t start, ctx, col, lines_per_row, row_bytes;
-    int64_t pos, left, line, asked; /* left: rows of pos's block from pos on; asked: lines so far, the next is (pos, line) */
+    int64_t pos, left, line; /* the next line to ask for; left: rows of pos's block from pos on */
+    int64_t asked;           /* lines asked for so far */
 } read_ahead_t;
 
 /* Position pos's row, at a block's first row read (one table look-up and division a block). */
@@ -396,8 +398,8 @@ static inline void read_ahead_to(read_ahead_t *ra, int64_t until) {
  * hsum256, times the scale; the same softmax; each output value one chain of fused
  * multiply-adds over the positions in order, times 1 / sum), in another loop order: a
  * block of positions at a time (one table look-up per block, not a division per key, and
- * the blocks ahead asked for as it goes: read_ahead_t), every head of [h0, h1) reading the block's rows while
- * they are in L1 (from memory once, not once per query head of a group), four keys'
+ * the blocks ahead asked for as it goes: read_ahead_t), every head of [h0, h1) reading the
+ * block's rows while they are in L1 (from memory once, not once per query head of a group), four keys'
  * scores at once (their chains overlap instead of waiting on each other), each output
  * value's chain continued from block to block through acc, and the keys and values widened
  * as they are read. So the bits are attend_tile's, at a fraction of its loads and stores.
@@ -420,7 +422,8 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
             pair = h + 1 < h1 && (h + 1) / group == h / group; /* two heads of one KV head */
             read_ahead_to(&ra, (end - start) * lines + ahead * (h + pair - h0 + 1) / heads);
             const float *qh[2] = {q + (int64_t)h * d_len, q + (int64_t)(h + 1) * d_len};
-            float *sh[2] = {scores + (int64_t)(h - h0) * len + t - start, scores + (int64_t)(h + 1 - h0) * len + t - start};
+            float *sh[2] = {scores + (int64_t)(h - h0) * len + t - start,
+                            scores + (int64_t)(h + 1 - h0) * len + t - start};
             const uint16_t *kh = k + (int64_t)(h / group) * d_len;
             if (pair) score_run(b, qh, 2, kh, end - t, row_len, sh);
             else score_run(b, qh, 1, kh, end - t, row_len, sh);
@@ -435,7 +438,8 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
         for (int h = h0, pair; h < h1; h += 1 + pair) {
             pair = h + 1 < h1 && (h + 1) / group == h / group;
             read_ahead_to(&ra, (len + end - start) * lines + ahead * (h + pair - h0 + 1) / heads);
-            const float *sh[2] = {scores + (int64_t)(h - h0) * len - start, scores + (int64_t)(h + 1 - h0) * len - start};
+            const float *sh[2] = {scores + (int64_t)(h - h0) * len - start,
+                                  scores + (int64_t)(h + 1 - h0) * len - start};
             float *sum[2] = {acc + (int64_t)(h - h0) * d_len, acc + (int64_t)(h + 1 - h0) * d_len};
             const uint16_t *vh = v + (int64_t)(h / group) * d_len;
             if (pair) weigh_run(sh, 2, vh, t, end, row_len, t == start, sum, d_len);
