@@ -82,7 +82,7 @@ from bargein.engine.runner import plan_inputs
 from bargein.engine.sampler import RowSampling, sample_rows
 from bargein.kernels.block_quant import BlockWeight
 from bargein.kernels.quant_weight import QuantWeight
-from bargein.loader import close_model_files, load_weights, private_copy_of
+from bargein.loader import close_model_files, load_weights
 from bargein.loader.source import ModelSource
 from bargein.model.attention import KVCache
 from bargein.model.llama import LlamaStage
@@ -195,9 +195,9 @@ class StageWorker:
         own_copy = has_model_copy(path, source_kind, expected)
         blocks = device.type == "cpu"  # a GGUF's Q4_1/Q8_0 stay in their stored blocks, as in one process
         received = 0
-        copy = None  # the private copy of weights read from this node's file
+        from_shipped = shipped is not None and (prefer_shipped or not own_copy)
         with one_torch_thread():
-            if shipped is not None and (prefer_shipped or not own_copy):
+            if from_shipped:
                 stored = ray.get(shipped[0])
                 received = stored.nbytes
                 weights = materialize(stored, model_config, dtype, device, blocks=blocks)
@@ -206,15 +206,14 @@ class StageWorker:
                 source = ModelSource(source_kind, Path(path), model_config.name)  # type: ignore[arg-type]
                 weights = load_weights(source, model_config, layer_range=layers, dtype=dtype, device=device,
                                        progress=False, blocks=blocks)
-                copy = private_copy_of(weights) if config.weights_memory == "private" else None
                 close_model_files()
             else:
                 raise RuntimeError(f"stage {index}: this node has no copy of the model at {node_path} "
                                    f"and the head shipped none")
             max_positions = config.max_model_len or model_config.max_position_embeddings
-            self.stage = build_model(model_config, weights, config, max_positions=max_positions, layer_range=layers)
-            if copy is not None:  # beside serving (shipped weights are private memory already)
-                copy.start_after_first_forward(self.stage)
+            # shipped weights are private memory already: only this node's file is copied
+            self.stage = build_model(model_config, weights, config, max_positions=max_positions, layer_range=layers,
+                                     private_copy=not from_shipped)
         self.device = device
         self.caches: list[KVCache] = []
         self.block_size = 0

@@ -53,7 +53,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight], config: EngineConfig,
-                *, max_positions: int | None = None, layer_range: tuple[int, int] | None = None) -> LlamaStage:
+                *, max_positions: int | None = None, layer_range: tuple[int, int] | None = None,
+                private_copy: bool = False) -> LlamaStage:
     """The model (layers ``layer_range``, default all: a pipeline stage holds a range) on
     ``config``'s device and dtype, with its kernels resolved once.
 
@@ -64,7 +65,18 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
     kernels) each is widened to the model's dtype, and one log line says so and what it costs.
     Tensors not yet where they belong are moved one at a time, and every weight is dropped
     from ``weights`` as the model takes it, so no second copy of the model sits in memory.
+
+    ``private_copy`` (the loaders' models: an engine's, a pipeline stage's, a draft model's):
+    where ``config.weights_memory`` is "private", the pages under the file views among
+    ``weights`` are made private memory in place once the model's first forward has run
+    (:func:`bargein.loader.private_copy_of`, taken here before the build takes the weights
+    out of the dict); weights with no file view (shipped ones) have nothing to copy.
     """
+    copy = None
+    if private_copy and config.weights_memory == "private":
+        from bargein.loader import private_copy_of  # here: importing the engine loads no loader
+
+        copy = private_copy_of(weights)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)
@@ -101,7 +113,10 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
     model = LlamaStage(model_config, weights, layer_range, max_positions=max_positions, kernels=kernels,
                        fp32_weights=fp32_weights, consume=True)
     release_free_heap()
-    return model.to(device)
+    model = model.to(device)
+    if copy is not None:  # beside serving, not the start (private_copy_of)
+        copy.start_after_first_forward(model)
+    return model
 
 
 @contextlib.contextmanager

@@ -43,7 +43,6 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
         load_config,
         load_tokenizer,
         load_weights,
-        private_copy_of,
         resolve_model_ref,
     )
 
@@ -58,7 +57,8 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
     # The tokenizer is built on a thread of its own while the weights load: building it is
     # Python and the tokenizers library holding the GIL (0.5 s of a 262k vocabulary), the
     # weights' loading mostly reads the file's metadata and maps it; their private copy
-    # (weights_memory="private") starts once the engine is built, on a thread of its own.
+    # (weights_memory="private", build_model's private_copy) starts after the model's first
+    # forward, on a thread of its own.
     with one_torch_thread(), ThreadPoolExecutor(1, thread_name_prefix="bargein-tokenizer") as pool:
         tokenizer_started = pool.submit(load_tokenizer, source)
         # Each tensor goes to the device as it is read: no whole-model copy in host memory.
@@ -66,11 +66,8 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
         # dequantizes them where nothing reads blocks).
         weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
                                progress=progress, blocks=device.type == "cpu")
-        copy = private_copy_of(weights) if config.weights_memory == "private" else None
-        model = build_model(model_config, weights, config, max_positions=max_len)
+        model = build_model(model_config, weights, config, max_positions=max_len, private_copy=True)
         tokenizer = tokenizer_started.result()
         close_model_files()
         release_free_heap()  # what parsing the file and building the tokenizer left behind
-        if copy is not None:  # beside serving, not the start (private_copy_of)
-            copy.start_after_first_forward(model)
         return engine_class(model, tokenizer, config, model_name=source.name, model_identity=source.path)

@@ -113,13 +113,7 @@ class DraftModelProposer:
 def load_draft_model(path: str | os.PathLike[str], config: EngineConfig) -> list[LlamaStage]:
     """The draft model at ``path`` (a .gguf file or an HF folder), built like the model."""
     from bargein.engine.device import build_model, one_torch_thread, resolve_device, resolve_dtype
-    from bargein.loader import (
-        close_model_files,
-        load_config,
-        load_weights,
-        private_copy_of,
-        resolve_model_ref,
-    )
+    from bargein.loader import close_model_files, load_config, load_weights, resolve_model_ref
 
     source = resolve_model_ref(str(path))
     model_config = load_config(source)
@@ -127,9 +121,7 @@ def load_draft_model(path: str | os.PathLike[str], config: EngineConfig) -> list
     with one_torch_thread():
         weights = load_weights(source, model_config, dtype=resolve_dtype(config.dtype, device), device=device,
                                progress=False, blocks=device.type == "cpu")
-        copy = private_copy_of(weights) if config.weights_memory == "private" else None
-        model = build_model(model_config, weights, config, max_positions=model_config.max_position_embeddings)
+        model = build_model(model_config, weights, config, max_positions=model_config.max_position_embeddings,
+                            private_copy=True)
         close_model_files()
-        if copy is not None:  # beside serving, not the start (private_copy_of)
-            copy.start_after_first_forward(model)
     return [model]
