@@ -1301,6 +1301,52 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const
     for (int c = 0; c < 8; c++) params_at(TYPE, col[c] + at, ps, pm, psc, pmn, 8, c);
 }
 
+/* The bytes at 8 i + s .. of each lane's word, masked: byte i of eight columns' words. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i word_bits(__m256i w, int shift, int mask) {
+    return _mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(mask));
+}
+
+/* A Q4_K/Q5_K/Q6_K superblock's parameters for eight columns at once, one column to a
+ * lane, into the tile's panels at [sub * TILE] (ps, pm, psc, pmn already at the eight
+ * columns' first lane): the values params_at writes column by column. The packed scales
+ * are read as 32-bit words of the eight columns (words8), so each scale or min is a shift
+ * and a mask for all eight (k_scale_min's formulas, byte i of a word being p[4 w + i]);
+ * column by column, the scalar unpacking was ~40% of a Q5_K tile's build, a fifth of a
+ * 32-row matmul's time (bench/k_chain_cost.c). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const int TYPE, const uint8_t *const *col,
+                                                                         int64_t at, float *ps, float *pm,
+                                                                         int32_t *psc, int32_t *pmn) {
+    if (TYPE == T_Q6_K) { /* d repeated per 32-block; sixteen int8 scales, sign-extended */
+        const __m256 d = halves8(col, at + 208);
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(ps + j * TILE, d);
+        for (int w = 0; w < 4; w++) {
+            const __m256i sc4 = words8(col, at + 192 + 4 * w);
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_si256((__m256i *)(psc + (4 * w + i) * TILE),
+                                    _mm256_srai_epi32(_mm256_slli_epi32(sc4, 24 - 8 * i), 24));
+        }
+        return;
+    }
+    __m256 d, dmin;
+    const __m256i head = words8(col, at);
+    low_halves16(head, _mm256_srli_epi32(head, 16), &d, &dmin);
+    _mm256_storeu_ps(ps, d);
+    _mm256_storeu_ps(pm, _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f))); /* -dmin, as params_at's negation */
+    const __m256i w0 = words8(col, at + 4), w1 = words8(col, at + 8), w2 = words8(col, at + 12);
+    __m256i mn[8];
+    for (int i = 0; i < 4; i++) { /* j = i: p[i] & 63, p[i + 4] & 63 */
+        _mm256_storeu_si256((__m256i *)(psc + 2 * i * TILE), word_bits(w0, 8 * i, 63));
+        mn[i] = word_bits(w1, 8 * i, 63);
+    }
+    for (int i = 0; i < 4; i++) { /* j = i + 4: (p[j + 4] & 15) | (p[j - 4] >> 6) << 4, (p[j + 4] >> 4) | (p[j] >> 6) << 4 */
+        _mm256_storeu_si256((__m256i *)(psc + 2 * (i + 4) * TILE),
+                            _mm256_or_si256(word_bits(w2, 8 * i, 15), word_bits(w0, 8 * i + 2, 0x30)));
+        mn[i + 4] = _mm256_or_si256(word_bits(w2, 8 * i + 4, 15), word_bits(w1, 8 * i + 2, 0x30));
+    }
+    for (int p = 0; p < 4; p++) /* the mins as int16 pairs (2p, 2p + 1) */
+        _mm256_storeu_si256((__m256i *)(pmn + p * TILE), _mm256_or_si256(mn[2 * p], _mm256_slli_epi32(mn[2 * p + 1], 16)));
+}
+
 /* Columns col0 .. col0 + 15 of a segment (the last repeated past its end) into the tile:
  * each 32-block of eight columns decoded in registers, transposed, stored. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const int TYPE, const job_t *job,
@@ -1321,6 +1367,9 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const
             if (qk == 32) {
                 _mm256_storeu_ps(tl->ps + t * TILE + 8 * v, halves8(col, at));
                 if (TYPE == T_Q4_1 || TYPE == T_Q5_1) _mm256_storeu_ps(tl->pm + t * TILE + 8 * v, halves8(col, at + 2));
+            } else if (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) {
+                k_params8(TYPE, col, at, tl->ps + t * subs * TILE + 8 * v, tl->pm + t * subs * TILE + 8 * v,
+                          tl->psc + 2 * t * subs * TILE + 8 * v, tl->pmn + 2 * t * subs * TILE + 8 * v);
             } else {
                 for (int c = 0; c < 8; c++)
                     params_at(TYPE, col[c] + at, tl->ps + t * subs * TILE, tl->pm + t * subs * TILE,
