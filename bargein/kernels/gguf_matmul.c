@@ -114,8 +114,15 @@
 #define SIGNED_MIN_ROWS_VNNI 32
 #define SIGNED_MIN_ROWS_AVX2 GEMM_MIN_ROWS_AVX2
 #define AHEAD_MAX_ROWS_32 64 /* the 32 chain's tile passes fetch the next tile up to this many rows */
-#define K_GEMM_MIN_ROWS 24 /* the K chain's few-row pass shares each decode across its rows and
-                              * sums lanes once per superblock: it beats the tile to 16 rows or more */
+/* From this many rows the K chain takes the tile passes; below, the few-row passes, which
+ * decode each block in registers for their rows. Since the tile's parameters are unpacked
+ * eight columns at once (k_params8), the tile wins from 6 rows on (bench/gemm_tile_ab.c,
+ * weights from memory, the layer's five shapes, one thread, tile time over few-row time:
+ * VNNI Q4_K 1.14 at 4 rows, 0.92 at 6, 0.87 at 8, 0.73 at 16; Q5_K 0.97, 0.76, 0.73, 0.60;
+ * Q6_K -, 0.85, 0.74, 0.59; AVX2 Q4_K 0.76 at 4, 0.57 at 8). It was 24: in-process decode
+ * of llama1b.Q4_K_M, 16 streams 118-120 -> 165-167 tok/s, the MoE file's 32 streams
+ * 258-287 -> 314-321 (its experts see ~5 rows each; 6 and 8 measured the same there). */
+#define K_GEMM_MIN_ROWS 6
 #define K_GROUP_ROWS_VNNI 4
 #define K_SCALED_MIN_ROWS 64 /* from this many rows the VNNI K pass of Q4_K/Q5_K reads scale x m */
 #define K_SCALED_MAX_K 8192   /* from a per-tile table, for k up to this (the table is 16 k bytes) */
@@ -124,8 +131,8 @@
  * model): VNNI passes of up to 8 rows decode each block once for 5 to 8 rows, where passes
  * of 4 decoded it twice (measured on the 2-core Zen 4, the MoE file's experts of six layers
  * at 32 rows, interleaved rounds: 0.85-0.89x the time of passes of 4, 0.90-0.91x with
- * passes of up to 6; the tile from 7, 9 or 12 rows on instead lost: it reads the weights
- * without the few-row passes' prefetch). */
+ * passes of up to 6). Since K_GEMM_MIN_ROWS is 6, an expert's 6 rows or more take the tile
+ * (it lost from 7, 9 or 12 rows before k_params8) and these passes serve five rows at most. */
 #define EXPERT_K_GROUP_ROWS_VNNI 8
 /* From this many rows a VNNI few-row pass of Q4_K puts four 32-blocks in each vector (the
  * quad pass, k_quads_vnni_t). Its transpose costs each column and superblock more than the
