@@ -1308,7 +1308,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_group(const
     for (int c = 0; c < 8; c++) params_at(TYPE, col[c] + at, ps, pm, psc, pmn, 8, c);
 }
 
-/* The bytes at 8 i + s .. of each lane's word, masked: byte i of eight columns' words. */
+/* Each lane's 32-bit word shifted right by `shift` and masked: one packed field of eight
+ * columns at once. */
 static inline TARGET_AVX2 __attribute__((always_inline)) __m256i word_bits(__m256i w, int shift, int mask) {
     return _mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(mask));
 }
@@ -1324,7 +1325,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const in
                                                                          int64_t at, float *ps, float *pm,
                                                                          int32_t *psc, int32_t *pmn) {
     if (TYPE == T_Q6_K) { /* d repeated per 32-block; sixteen int8 scales, sign-extended */
-        const __m256 d = halves8(col, at + 208);
+        __m256 d, scales;
+        /* d, the block's last two bytes, as the high half of the word before it: a word at d
+         * would read past a tensor's last block, which may end the file's mapping */
+        const __m256i tail = words8(col, at + 206);
+        low_halves16(_mm256_srli_epi32(tail, 16), tail, &d, &scales);
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(ps + j * TILE, d);
         for (int w = 0; w < 4; w++) {
             const __m256i sc4 = words8(col, at + 192 + 4 * w);

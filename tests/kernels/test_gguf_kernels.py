@@ -13,6 +13,7 @@ a BlockWeight of the same blocks gives in quant_matmul.c.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import warnings
 
 import numpy as np
@@ -33,6 +34,7 @@ from tests.kernels.stealing import assert_each_output_written_once, gguf_run
 KERNELS = load_native_kernels()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="no C compiler here; the reference path is tested")
 EPS = float(np.finfo(np.float32).eps)
+PROT_NONE = 0  # mprotect's no-access protection (Python's mmap module does not name it)
 TYPE_IDS = [t.name for t in TYPES]
 ROWS = [1, 3, 7, 13, 33]
 
@@ -205,8 +207,9 @@ def test_an_odd_count_of_32_blocks_keeps_the_bits(qtype, isa):
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
-    """The K chain's many-row tile passes (from 24 rows) take rows 8 at a time on VNNI (every
-    type), on AVX2 4 (Q4_K) or 2: 24 .. 31 rows end in every remainder of each, and the first pass over
+    """The K chain's many-row tile passes (from 6 rows) take rows 8 at a time on VNNI (every
+    type), on AVX2 4 (Q4_K) or 2: 6 .. 13 and 24 .. 31 rows end in every remainder of each
+    (6 and 7: a tile read by one short pass), and the first pass over
     each tile fetches the next one's blocks (across segments and row orders here). From 64
     rows the VNNI pass of Q4_K/Q5_K reads each row's scale x m from a table built per
     tile: 64 .. 71 rows end in every remainder there too."""
@@ -217,9 +220,34 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
     matrix = describe_quant(weight)
     x = torch.from_numpy(with_outliers(rng.standard_normal((71, k)).astype(np.float32)))
     base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
-    for m in [*range(24, 32), *range(64, 72)]:
+    for m in [*range(4, 14), *range(24, 32), *range(64, 72)]:
         for threads in (1, 2):
             assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_a_tensor_ending_its_mapping_is_read_within_it(qtype, isa):
+    """A tensor's last block can end the file's mapping (a GGUF's last tensor ends the file):
+    no path may read a byte past it. The blocks end exactly at a page that no access is
+    allowed to; a read past them (Q6_K's d is its block's last two bytes) would fault."""
+    page = mmap.PAGESIZE
+    rng = rng_for("mapping-end", qtype.name)
+    blocks = random_blocks(qtype, 9, 256, rng).numpy()
+    buffer = mmap.mmap(-1, 2 * page)
+    base_address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(base_address + page), ctypes.c_size_t(page), PROT_NONE) == 0
+    at = page - blocks.size
+    buffer[at:page] = blocks.tobytes()
+    data = torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8, count=blocks.size, offset=at).reshape(blocks.shape))
+    matrix = describe_quant(QuantWeight((QuantSegment(qtype, data, None),)))
+    x = torch.from_numpy(rng.standard_normal((9, 256)).astype(np.float32))
+    base = KERNELS.quant_matmul(x, describe_quant(QuantWeight((QuantSegment(qtype, torch.from_numpy(blocks), None),))),
+                                1, isa="c")
+    for m in (1, 3, 6, 9):
+        assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, 2, isa=isa), base[:m]), m
 
 
 @needs_kernels
