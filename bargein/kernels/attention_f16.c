@@ -393,6 +393,10 @@ static inline void read_ahead_to(read_ahead_t *ra, int64_t until) {
     }
 }
 
+/* Whether query heads h and h + 1 are both before h1 and read one KV head (a pair for
+ * score_run and weigh_run). */
+static inline int same_kv_head(int h, int h1, int group) { return h + 1 < h1 && (h + 1) / group == h / group; }
+
 /* A tile of one query (a decode), for head_dim a multiple of 64: the very arithmetic of
  * attend_tile for it (each score one fused multiply-add chain over the head, summed by
  * hsum256, times the scale; the same softmax; each output value one chain of fused
@@ -419,7 +423,7 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
         const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
         const uint16_t *k = b->k_cache + (table[blk] * bs + t - blk * bs) * row_len;
         for (int h = h0, pair; h < h1; h += 1 + pair) {
-            pair = h + 1 < h1 && (h + 1) / group == h / group; /* two heads of one KV head */
+            pair = same_kv_head(h, h1, group);
             read_ahead_to(&ra, (end - start) * lines + ahead * (h + pair - h0 + 1) / heads);
             const float *qh[2] = {q + (int64_t)h * d_len, q + (int64_t)(h + 1) * d_len};
             float *sh[2] = {scores + (int64_t)(h - h0) * len + t - start,
@@ -436,7 +440,7 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
         const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
         const uint16_t *v = b->v_cache + (table[blk] * bs + t - blk * bs) * row_len;
         for (int h = h0, pair; h < h1; h += 1 + pair) {
-            pair = h + 1 < h1 && (h + 1) / group == h / group;
+            pair = same_kv_head(h, h1, group);
             read_ahead_to(&ra, (len + end - start) * lines + ahead * (h + pair - h0 + 1) / heads);
             const float *sh[2] = {scores + (int64_t)(h - h0) * len - start,
                                   scores + (int64_t)(h + 1 - h0) * len - start};

@@ -515,7 +515,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) float f16c(const uint8_
 }
 
 /* The per-32 s, m of the type's block (the per-16 sc, mn where the kind has them) into
- * panels at [sub * stride + c] (sc, mn at [half * stride + c]); the values gguf_params_c gives. */
+ * panels at [sub * stride + c] (sc, mn at [half * stride + c]); the values gguf_params_c gives.
+ * Not the K chain's types (Q4_K, Q5_K, Q6_K): k_params8 writes theirs, eight columns at once. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const int TYPE, const uint8_t *b, float *ps,
                                                                          float *pm, int32_t *psc, int32_t *pmn,
                                                                          const int stride, int c) {
@@ -526,29 +527,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const in
     case T_Q4_1: case T_Q5_1:
         ps[c] = f16c(b), pm[c] = f16c(b + 2);
         return;
-    case T_Q4_K: case T_Q5_K: { /* the K chain: d, -dmin once; six-bit scales as integers per 32,
-                                 * mins as int16 pairs (2p, 2p + 1) at [p * stride + c] */
-        ps[c] = f16c(b), pm[c] = -f16c(b + 2);
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            k_scale_min(b + 4, j, &sc, &mn);
-            psc[2 * j * stride + c] = sc;
-            if (j % 2) pmn[j / 2 * stride + c] |= mn << 16;
-            else pmn[j / 2 * stride + c] = mn;
-        }
-        return;
-    }
-    case T_Q6_K: {
-        const float d = f16c(b + 208);
-        for (int j = 0; j < 8; j++) ps[j * stride + c] = d;
-        for (int i = 0; i < 16; i++) psc[i * stride + c] = (int8_t)b[192 + i];
-        return;
-    }
     default: {
         dblock_t o;
         gguf_params_c(TYPE, b, &o);
         for (int j = 0; j < 8; j++) ps[j * stride + c] = o.s[j], pm[j * stride + c] = o.m[j];
-        if (TYPE == T_Q2_K || TYPE == T_Q3_K || TYPE == T_Q6_K)
+        if (TYPE == T_Q2_K || TYPE == T_Q3_K)
             for (int i = 0; i < 16; i++) psc[i * stride + c] = o.sc[i], pmn[i * stride + c] = o.mn[i];
     }
     }
@@ -1315,8 +1298,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i word_bits(__m25
 }
 
 /* A Q4_K/Q5_K/Q6_K superblock's parameters for eight columns at once, one column to a
- * lane, into the tile's panels at [sub * TILE] (ps, pm, psc, pmn already at the eight
- * columns' first lane): the values params_at writes column by column. The packed scales
+ * lane, into the tile's panels (ps, pm, psc, pmn already at the eight columns' first lane),
+ * as the K passes read them: Q4_K/Q5_K's d and -dmin once, each 32-block j's six-bit scale
+ * as an int32 at [2 j * TILE], the mins as int16 pairs (2p, 2p + 1) at [p * TILE]; Q6_K's d
+ * at every [j * TILE] and its sixteen scales at [i * TILE]. The packed scales
  * are read as 32-bit words of the eight columns (words8), so each scale or min is a shift
  * and a mask for all eight (k_scale_min's formulas, byte i of a word being p[4 w + i]);
  * column by column, the scalar unpacking was ~40% of a Q5_K tile's build, a fifth of a
