@@ -44,6 +44,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -166,6 +167,32 @@ print(json.dumps({**out, **memory()}))
 """
 
 
+def exit_reason(code: int) -> str:
+    """A child's nonzero exit code in words: its status, or the signal that killed it."""
+    if code >= 0:
+        return f"exit status {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
+def llama_failure(message: str, cpu_flags: frozenset[str] | None = None) -> str:
+    """llama.cpp's failure, with the known cause where there is one: on CPUs with AMX
+    (Sapphire Rapids and later Xeons) a llama.cpp built with ``GGML_NATIVE`` puts K-quant
+    weights in ggml's AMX buffers, whose matmul segfaults on some of them (llama.cpp issue
+    20824, open). ``cpu_flags``: /proc/cpuinfo's (default: this machine's)."""
+    if "SIGSEGV" not in message:
+        return message
+    if cpu_flags is None:
+        from bargein.kernels.build_flags import cpu_features
+        cpu_flags = cpu_features()
+    if "amx_int8" not in cpu_flags:
+        return message
+    return (f"{message} (on this AMX CPU, likely ggml's AMX matmul: llama.cpp issue 20824; build llama.cpp "
+            "with GGML_NATIVE=OFF and the AMX options off, docs/benchmarks.md)")
+
+
 def _run(script: str, args: dict[str, Any]) -> dict[str, Any]:
     """One fresh process; ``launched`` (wall clock) is set just before it starts."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -176,7 +203,7 @@ def _run(script: str, args: dict[str, Any]) -> dict[str, Any]:
                             timeout=1800, env=env)
     if result.returncode:
         lines = result.stderr.strip().splitlines()
-        raise RuntimeError(lines[-1] if lines else f"exit status {result.returncode}")
+        raise RuntimeError(lines[-1] if lines else exit_reason(result.returncode))
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -298,7 +325,7 @@ def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: 
             try:
                 results[side].append(side_round(script, module, plans, common, load_repeats))
             except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                failed[side] = str(exc)
+                failed[side] = llama_failure(str(exc)) if side == "llama.cpp" else str(exc)
     base = {"file": Path(path).name, "family": family}
     rows = []
     for side, _, _ in sides:
