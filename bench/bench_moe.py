@@ -17,7 +17,10 @@ table this prints the issue's targets, each with the measured value:
 ``--rounds N``: only the ``--streams`` decode of the MoE file, bargein and llama.cpp in
 turn (which goes first alternates), N rounds: each round's ratio and their median, so that
 a change is judged against llama.cpp measured in the same minutes (the dense file is not
-run). On a loaded machine the median of several rounds moves far less than one run.
+run). On a loaded machine the median of several rounds moves far less than one run. With
+``--streams 1`` the rounds are the one-stream target's (the same plan as the full run's).
+
+    python bench/bench_moe.py MOE.gguf DENSE.gguf --rounds 7 --streams 1
 """
 
 from __future__ import annotations
