@@ -99,6 +99,9 @@
 #if defined(__clang__) ? __clang_major__ >= 7 : __GNUC__ >= 9
 #define GGUF_VNNI 1
 #endif
+#if defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11
+#define GGUF_AMX 1 /* the K chain's tile pass on AMX (gguf_tile_amx.h): the assembler knows tdpbsud */
+#endif
 #endif
 #if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
 #define GGUF_ARM64 1 /* NEON and sdot paths: neon_gguf_matmul.h */
@@ -124,6 +127,18 @@
  * 258-287 -> 314-321 (its experts see ~5 rows each; 6 and 8 measured the same there). */
 #define K_GEMM_MIN_ROWS 6
 #define K_GROUP_ROWS_VNNI 4
+/* From this many rows the K tile pass of Q4_K/Q5_K runs on AMX where the CPU has it (isa
+ * ISA_AMX, gguf_tile_amx.h): its activations are split and each tile's quants scaled once
+ * per call, which a few 16-row passes do not repay. */
+#define AMX_MIN_ROWS 64
+/* An AMX job's item of Q4_K/Q5_K: as many tiles as keep their scaled quants (32 k bytes a
+ * tile) within AMX_SET_BYTES, for L2, and AMX_SET_TILES at most (gguf_tile_amx.h's loop
+ * order; at 512 rows of a 1B layer, 0.5 MB and 1 MB measured the same but for the down
+ * shape, k = 8,192: 0.88 and 0.85 of the AVX-512 pass's time). */
+#define AMX_SET_TILES 16
+#ifndef AMX_SET_BYTES
+#define AMX_SET_BYTES (1 << 20)
+#endif
 #define K_SCALED_MIN_ROWS 64 /* from this many rows the VNNI K pass of Q4_K/Q5_K reads scale x m */
 #define K_SCALED_MAX_K 8192   /* from a per-tile table, for k up to this (the table is 16 k bytes) */
 #define K_MULTIPLES 16 /* k_chain_multiple's m: 1 .. 16 */
@@ -140,7 +155,8 @@
  * row; 0.95x at 2, 0.87x at 3, 0.85x at 4: docs/benchmarks.md). */
 #define K_QUADS_MIN_ROWS 2
 
-enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
+/* ISA_AMX: the VNNI paths, with the K chain's tile pass of Q4_K/Q5_K on AMX from AMX_MIN_ROWS rows. */
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AMX = 5 };
 
 int bargein_q8_isa_available(int isa); /* quant_matmul.c */
 int bargein_q8_isa_best(void);
@@ -176,6 +192,10 @@ typedef struct {
      * the AVX2 pass's (bench/gemm_tile_ab.c, Q4_K, 512 rows). NULL where none runs */
     int16_t *kp;    /* (m, k / 32) */
     uint8_t *kwide; /* (m, k / 256) */
+    /* The AMX tile pass's activations (gguf_tile_amx.h): km * kq per 32-block as 256 * ahi +
+     * alo; NULL where none runs */
+    uint8_t *alo; /* (m, k) */
+    int8_t *ahi;  /* (m, k) */
 } acts_t;
 
 /* The K chain's multiple of a 32-block whose max|x| is amax32 in a superblock whose max|x|
@@ -288,6 +308,12 @@ typedef struct {
     int64_t scratch_bytes;
     int64_t k_group_rows; /* the K chain's few-row passes on VNNI take this many rows at most */
     bargein_share_t *shares; /* per thread index: its share of the tiles (parallel.h) */
+    int amx;                 /* the K tile pass of Q4_K/Q5_K runs on AMX (isa is ISA_VNNI) */
+    int64_t amx_at;          /* then: where a tile's scratch holds tile_t's amx_lo (bytes) */
+    /* and an item of Q4_K/Q5_K is up to AMX_SET_TILES tiles (run_amx_set), each in its own
+     * scratch of sub_bytes within the thread's */
+    int64_t sub_bytes;
+    int amx_set; /* tiles per item (AMX_SET_BYTES / (32 k), 1 .. AMX_SET_TILES) */
 } job_t;
 
 static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
@@ -298,6 +324,9 @@ static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
 
 /* Whether a type's blocks take the K chain (see the header). */
 static inline int k_chain_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+/* The types whose tile pass runs on AMX in an AMX job (gguf_tile_amx.h). */
+static inline int amx_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K; }
 
 /* A K-chain superblock's float d and -dmin (0 for Q6_K) and its integer scales: per 32
  * sc[0..7] and mn[0..7] (Q4_K, Q5_K), per 16 sc[0..15] (Q6_K). */
@@ -646,6 +675,7 @@ typedef struct {
     uint8_t *tile, *cols;
     float *ps, *pm;
     int32_t *psc, *pmn, *scaled;
+    uint8_t *amx_lo, *amx_hi; /* the AMX pass's quants times the scales' halves (gguf_tile_amx.h), or NULL */
 } tile_t;
 
 /* Whether the VNNI K pass of Q4_K/Q5_K reads sc x m from a table (tile_t's scaled) for m
@@ -656,8 +686,8 @@ typedef struct {
  * and no gain for Q6_K (three multiplies to two, twice the table), which keeps its pass. */
 static inline int k_scaled(int64_t m, int64_t k) { return m >= K_SCALED_MIN_ROWS && k <= K_SCALED_MAX_K; }
 
-static tile_t tile_scratch(const job_t *job, int index) {
-    uint8_t *base = job->scratch + (int64_t)index * job->scratch_bytes;
+static tile_t tile_scratch_sub(const job_t *job, int index, int sub) {
+    uint8_t *base = job->scratch + (int64_t)index * job->scratch_bytes + (int64_t)sub * job->sub_bytes;
     const int64_t k = job->k, nb = job->nb;
     tile_t t;
     t.tile = base;
@@ -667,8 +697,12 @@ static tile_t tile_scratch(const job_t *job, int index) {
     t.psc = (int32_t *)(t.pm + nb * TILE);
     t.pmn = t.psc + 2 * nb * TILE;
     t.scaled = t.pmn + 2 * nb * TILE;
+    t.amx_lo = job->amx_at ? base + job->amx_at : NULL;
+    t.amx_hi = job->amx_at ? t.amx_lo + TILE * k : NULL;
     return t;
 }
+
+static tile_t tile_scratch(const job_t *job, int index) { return tile_scratch_sub(job, index, 0); }
 
 /* The types on the 32 chain (the few-row group kernels); the K chain's have their own. */
 #define TYPES_32_CHAIN(CALL)                                                                               \
@@ -1207,6 +1241,9 @@ static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const ahead
 }
 
 #include "gguf_tile_zmm.h" /* the same passes on 512-bit registers */
+#ifdef GGUF_AMX
+#include "gguf_tile_amx.h" /* and the K chain's on AMX's tile registers */
+#endif
 #endif /* GGUF_VNNI */
 #endif /* GGUF_X86 */
 
@@ -2152,7 +2189,39 @@ static TARGET_AVX2 void column_exact_avx2(const job_t *job, const bargein_qseg_t
 
 /* ---- the work, split over tiles of output columns ----------------------------------- */
 
-/* Tile t on thread `index` (its scratch), fetching tile `next`'s blocks ahead (-1: none). */
+#ifdef GGUF_AMX
+/* An item of an AMX job (job->amx) on Q4_K/Q5_K: up to AMX_SET_TILES tiles from column
+ * col0, each built and its quants scaled in its own scratch; then each 16-row block of
+ * activations passes over all of them (rows_k_amx) while it is in L2, where a pass per
+ * tile over all rows read every row again for every tile. The rows left (fewer than 16)
+ * take each tile's AVX-512 pass, without the scale table: the same bits. */
+static void run_amx_set(const job_t *job, int index, int64_t next, const bargein_qseg_t *seg, const qinfo_t *info,
+                        int64_t col0, int64_t j0) {
+    tile_t tl[AMX_SET_TILES];
+    int subs = 0;
+    for (; subs < job->amx_set && col0 + subs * TILE < seg->rows; subs++) {
+        tl[subs] = tile_scratch_sub(job, index, subs);
+        build_tile(job, &tl[subs], seg, info, col0 + subs * TILE);
+        amx_scaled_tile(job, &tl[subs]);
+    }
+    ahead_t ahead[2];
+    const int fetch = tile_ahead(job, next, 256, ahead); /* the next item's first tile */
+    int64_t r0 = 0;
+    for (; job->m - r0 >= AMX_ROWS_K; r0 += AMX_ROWS_K)
+        for (int v = 0; v < subs; v++) {
+            const int cols = (int)(seg->rows - (col0 + v * TILE) < TILE ? seg->rows - (col0 + v * TILE) : TILE);
+            rows_k_amx(job, &tl[v], fetch && r0 == 0 && v == 0 ? ahead : NULL, j0 + v * TILE, cols, r0);
+        }
+    for (int v = 0; v < subs; v++) {
+        const int cols = (int)(seg->rows - (col0 + v * TILE) < TILE ? seg->rows - (col0 + v * TILE) : TILE);
+        for (int64_t r = r0; r < job->m;)
+            r += rows_k_zmm(job, &tl[v], NULL, seg->type, j0 + v * TILE, cols, r, (int)(job->m - r), 0);
+    }
+}
+#endif
+
+/* Tile t on thread `index` (its scratch), fetching tile `next`'s blocks ahead (-1: none);
+ * in an AMX job, an item of Q4_K/Q5_K is a set of tiles (run_amx_set). */
 static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
     const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[t]];
     qinfo_t info = {32, 0, 0, KIND_PLAIN};
@@ -2188,6 +2257,12 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
                        next >= 0 && job->tile_seg[next] == job->tile_seg[t] ? job->tile_col[next] : -1);
         return;
     }
+#ifdef GGUF_AMX
+    if (job->amx && amx_type(seg->type)) {
+        run_amx_set(job, index, next, seg, &info, col0, j0);
+        return;
+    }
+#endif
     const tile_t tl = tile_scratch(job, index);
     build_tile(job, &tl, seg, &info, col0);
     if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off);
@@ -2233,7 +2308,14 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
 static void run_tiles(void *arg, int index, int count) {
     const job_t *job = (const job_t *)arg;
     int64_t t, next;
+#ifdef GGUF_AMX
+    const int amx = job->amx; /* rows_k_amx's passes may come: their registers' shapes */
+    if (amx) amx_configure();
+#endif
     while (bargein_shares_take(job->shares, index, count, &t, &next)) run_tile(job, index, t, next);
+#ifdef GGUF_AMX
+    if (amx) amx_release();
+#endif
 }
 
 static int check_types(const bargein_qmat_t *w) {
@@ -2252,6 +2334,12 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (check_types(w)) return -3;
     if (isa < 0) isa = bargein_q8_isa_best();
     if (!bargein_q8_isa_available(isa)) return -2;
+#ifdef GGUF_AMX
+    int amx = isa == ISA_AMX && !exact && m >= AMX_MIN_ROWS; /* and a segment of Q4_K/Q5_K: below */
+#else
+    int amx = 0;
+#endif
+    if (isa == ISA_AMX) isa = ISA_VNNI; /* everything but the K tile pass: VNNI's */
     int64_t num_tiles = 0; /* of the block types' segments; the 16-bit floats' are half_matmul.c's */
     for (int64_t s = 0; s < w->num_segs; s++)
         if (!half_type(w->segs[s].type)) num_tiles += (w->segs[s].rows + TILE - 1) / TILE;
@@ -2281,7 +2369,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL, NULL, NULL, NULL};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
-                 NULL, NULL, NULL, NULL, 0, 0, NULL};
+                 NULL, NULL, NULL, NULL, 0, 0, NULL, amx};
     /* tiles are built for many rows on the vector paths only; otherwise a float per row
      * (the C columns' sums): a tile's scratch for one row would be mapped and unmapped
      * by malloc on every call once k is large */
@@ -2296,6 +2384,15 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (!exact && isa != ISA_C) job.scratch_bytes = neon_gguf_scratch_bytes(k);
 #endif
     job.scratch_bytes = (job.scratch_bytes + 63) / 64 * 64;
+    job.amx = amx && tiles && has_k_min;
+    if (job.amx) { /* tile_t's amx_lo, amx_hi */
+        job.amx_at = job.scratch_bytes;
+        job.scratch_bytes += 2 * TILE * k;
+        job.sub_bytes = job.scratch_bytes;
+        const int64_t set = AMX_SET_BYTES / (2 * TILE * k);
+        job.amx_set = (int)(set < 1 ? 1 : set > AMX_SET_TILES ? AMX_SET_TILES : set);
+        job.scratch_bytes *= job.amx_set;
+    }
     job.k_group_rows = k_group_rows;
     int status = 0;
     if (exact) a.xsum16 = malloc(sizeof(float) * 2 * cells);
@@ -2315,6 +2412,10 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
             a.ks16 = malloc(sizeof(int16_t) * 2 * cells);
             a.ks32 = malloc(sizeof(int16_t) * cells);
             if (quads) a.kx = malloc((size_t)(m * k > 0 ? m * k : 1));
+            if (job.amx) {
+                a.alo = malloc((size_t)(m * k));
+                a.ahi = malloc((size_t)(m * k));
+            }
 #ifdef GGUF_X86
             if (tiles && has_k_min && m >= K_GEMM_MIN_ROWS) { /* the x86 K tile passes' mins (kp) */
                 a.kp = malloc(sizeof(int16_t) * cells);
@@ -2330,7 +2431,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     job.shares = bargein_shares_new(num_threads, num_tiles);
     if ((exact ? !a.xsum16
                : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)) || (quads && !a.kx) ||
-                  (a.kp && !a.kwide))) ||
+                  (a.kp && !a.kwide) || (job.amx && (!a.alo || !a.ahi)))) ||
         !job.tile_seg || !job.tile_col || !job.seg_start ||
         !job.scratch || !job.shares) {
         status = -1;
@@ -2339,9 +2440,18 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     int64_t tile = 0, start = 0;
     for (int64_t s = 0; s < w->num_segs; s++) {
         job.seg_start[s] = start;
-        for (int64_t c = 0; c < w->segs[s].rows && !half_type(w->segs[s].type); c += TILE)
+        const int64_t step = job.amx && amx_type(w->segs[s].type) ? job.amx_set * TILE : TILE;
+        for (int64_t c = 0; c < w->segs[s].rows && !half_type(w->segs[s].type); c += step)
             job.tile_seg[tile] = s, job.tile_col[tile++] = c;
         start += w->segs[s].rows;
+    }
+    if (tile < job.num_tiles) { /* sets of tiles: fewer items */
+        job.num_tiles = tile;
+        free(job.shares);
+        if (!(job.shares = bargein_shares_new(num_threads, tile))) {
+            status = -1;
+            goto done;
+        }
     }
     const int64_t quant_threads = m / 16 < num_threads ? m / 16 : num_threads;
     bargein_task_fn quantize = quantize_rows;
@@ -2352,6 +2462,9 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (isa != ISA_C && !exact) quantize = neon_gguf_quantize_rows;
 #endif
     bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
+#ifdef GGUF_AMX
+    if (job.amx) bargein_parallel_run(amx_split_part, &a, quant_threads > 1 ? (int)quant_threads : 1);
+#endif
     bargein_parallel_run(run_tiles, &job, num_threads);
 done:
     free(a.q);
@@ -2365,6 +2478,8 @@ done:
     free(a.ks16);
     free(a.ks32);
     free(a.kx);
+    free(a.alo);
+    free(a.ahi);
     free(a.qu);
     free(a.kp);
     free(a.kwide);

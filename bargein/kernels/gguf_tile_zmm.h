@@ -84,6 +84,47 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_row_terms(cons
     }
 }
 
+/* A superblock's float steps for rows r0 .. r0 + ROWS_N - 1 (t: the superblock): acc[r] +=
+ * dk[r] * (d * xd), and with mins (MIN) the mins' sum of mn * m * sum q times nm * xd. The
+ * tile passes of every width share it, so their float steps are the same operations. */
+static inline TARGET_VNNI __attribute__((always_inline)) void zmm_superblock_floats(const job_t *job, const tile_t *tl,
+                                                                                     int64_t r0, int64_t t,
+                                                                                     const int ROWS_N, const int MIN,
+                                                                                     const __m512i *dk,
+                                                                                     float acc[][TILE]) {
+    const acts_t *a = job->a;
+    const int64_t k = job->k, supers = k / 256;
+    const int64_t at = t * 8 * TILE;
+    const __m512 d = _mm512_loadu_ps(tl->ps + at), nm = _mm512_loadu_ps(tl->pm + at);
+    int wide = 0; /* a row whose m * sum q overflows int16 here (acts_t's kwide) */
+    if (MIN) _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) wide |= a->kwide[(r0 + r) * supers + t];
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+        const __m512 xd = _mm512_set1_ps(a->kd[(r0 + r) * supers + t]);
+        __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dk[r]), _mm512_mul_ps(d, xd), _mm512_load_ps(acc[r]));
+        if (MIN) {
+            /* the mins' sum of mn * m * sum q over the eight 32-blocks, as int16 pairs (the
+             * 256-bit pass's exact int32 per lane): against kp = m * sum q where the
+             * superblock's products fit int16, else mn * m against sum q */
+            const int64_t row32 = (r0 + r) * (k / 32) + t * 8;
+            __m512i mk = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++) {
+                const __m512i mn = _mm512_loadu_si512(tl->pmn + (t * 16 + p) * TILE);
+                if (!wide) {
+                    mk = dpwssd_bcst(mk, mn, a->kp + row32 + 2 * p);
+                    continue;
+                }
+                int32_t spair, mpair;
+                memcpy(&spair, a->ks32 + row32 + 2 * p, 4);
+                memcpy(&mpair, a->km + row32 + 2 * p, 4);
+                mk = _mm512_dpwssd_epi32(mk, _mm512_mullo_epi16(mn, _mm512_set1_epi32(mpair)),
+                                         _mm512_set1_epi32(spair));
+            }
+            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mk), _mm512_mul_ps(nm, xd), sum);
+        }
+        _mm512_store_ps(acc[r], sum);
+    }
+}
+
 /* The K chain (header of gguf_matmul.c), rows r0 .. r0 + ROWS_N - 1 over the tile: per
  * 32-block, the dot products (Q6_K: per half, with the offset's -32 * S16 as start),
  * times the column's integer scale(s), times the row's multiple m (after the scales: the
@@ -137,35 +178,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
                 dk[r] = _mm512_add_epi32(dk[r], e);
             }
         }
-        const int64_t at = t * 8 * TILE;
-        const __m512 d = _mm512_loadu_ps(tl->ps + at), nm = _mm512_loadu_ps(tl->pm + at);
-        int wide = 0; /* a row whose m * sum q overflows int16 here (acts_t's kwide) */
-        if (MIN) _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) wide |= a->kwide[(r0 + r) * supers + t];
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-            const __m512 xd = _mm512_set1_ps(a->kd[(r0 + r) * supers + t]);
-            __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dk[r]), _mm512_mul_ps(d, xd), _mm512_load_ps(acc[r]));
-            if (MIN) {
-                /* the mins' sum of mn * m * sum q over the eight 32-blocks, as int16 pairs (the
-                 * 256-bit pass's exact int32 per lane): against kp = m * sum q where the
-                 * superblock's products fit int16, else mn * m against sum q */
-                const int64_t row32 = (r0 + r) * (k / 32) + t * 8;
-                __m512i mk = _mm512_setzero_si512();
-                for (int p = 0; p < 4; p++) {
-                    const __m512i mn = _mm512_loadu_si512(tl->pmn + (t * 16 + p) * TILE);
-                    if (!wide) {
-                        mk = dpwssd_bcst(mk, mn, a->kp + row32 + 2 * p);
-                        continue;
-                    }
-                    int32_t spair, mpair;
-                    memcpy(&spair, a->ks32 + row32 + 2 * p, 4);
-                    memcpy(&mpair, a->km + row32 + 2 * p, 4);
-                    mk = _mm512_dpwssd_epi32(mk, _mm512_mullo_epi16(mn, _mm512_set1_epi32(mpair)),
-                                             _mm512_set1_epi32(spair));
-                }
-                sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mk), _mm512_mul_ps(nm, xd), sum);
-            }
-            _mm512_store_ps(acc[r], sum);
-        }
+        zmm_superblock_floats(job, tl, r0, t, ROWS_N, MIN, dk, acc);
     }
     for (int r = 0; r < ROWS_N; r++) zmm_store_row(job, r0 + r, j0, cols, _mm512_load_ps(acc[r]));
 }

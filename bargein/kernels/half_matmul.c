@@ -50,7 +50,7 @@
 #endif
 #define UNIT 48 /* output columns per unit of work: a multiple of every path's columns at a time */
 
-enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_INT8_AMX = 5 /* the int8 kernels' AMX: AVX-512 here */ };
 
 int bargein_q8_isa_available(int isa); /* quant_matmul.c: isa 2 there is AVX-512 with VNNI */
 
@@ -337,6 +337,7 @@ int bargein_half_matmul(const float *x, int64_t m, const bargein_qmat_t *w, floa
     /* The int8 kernels' paths name the instruction sets a caller may force; a path of theirs
      * that this CPU runs but this file cannot (no F16C) gives the same bits in plain C. */
     if (!bargein_q8_isa_available(isa)) return -2;
+    if (isa == ISA_INT8_AMX) isa = ISA_AVX512;
     if (!half_isa_available(isa)) isa = half_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
     half_job_t job = {x, w, y, m, 0, isa, NULL};
     for (int64_t s = 0; s < w->num_segs; s++) job.num_units += segment_units(&w->segs[s]);

@@ -86,7 +86,9 @@
 #define GEMM_MIN_ROWS_AVX2 8
 #define PREFETCH_GROUPS 2 /* how far ahead a one-row pass fetches weights */
 
-enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
+/* ISA_AMX (Python's Q8_ISAS "amx"): the VNNI paths where AMX's tile registers serve too
+ * (gguf_matmul.c's K tile pass); the other kernels run it as ISA_VNNI. */
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AMX = 5 };
 
 typedef struct {
     const int8_t *xq;     /* (m, pairs * PAIR_BYTES) quantized activations, in pairs of blocks */
@@ -641,6 +643,30 @@ static TARGET_VNNI void gemm_vnni(const qjob_t *job, const void *tiles, const fl
 #endif /* BARGEIN_VNNI */
 #endif /* BARGEIN_X86 */
 
+#if defined(BARGEIN_VNNI) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+long syscall(long number, ...); /* unistd.h declares it for _DEFAULT_SOURCE only */
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* asm/prctl.h: Linux 5.16's permission for AMX's tile data */
+#define XFEATURE_XTILEDATA 18
+
+/* Whether the CPU has AMX's tiles and int8 products (CPUID leaf 7: EDX bits 24 and 25) and
+ * Linux lets this process use their state: asked once, for the whole process. */
+static int amx_usable(void) {
+    static _Atomic int known = 0; /* 0: not asked yet; 1: usable; -1: not */
+    int state = known;
+    if (state) return state > 0;
+    unsigned a, b, c, d;
+    state = -1;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) &&
+        syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0)
+        state = 1;
+    known = state;
+    return state > 0;
+}
+#endif
+
 /* 1 where this CPU (and its operating system) runs the instruction set, else 0. */
 int bargein_q8_isa_available(int isa) {
     if (isa == ISA_C) return 1;
@@ -648,6 +674,9 @@ int bargein_q8_isa_available(int isa) {
     __builtin_cpu_init();
     if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #ifdef BARGEIN_VNNI
+#ifdef __linux__
+    if (isa == ISA_AMX) return bargein_q8_isa_available(ISA_VNNI) && amx_usable();
+#endif
     if (isa == ISA_VNNI)
         return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -666,6 +695,7 @@ int bargein_q8_isa_best(void) {
 #ifdef BARGEIN_ARM64
     return neon_isa_available(ISA_DOTPROD) ? ISA_DOTPROD : ISA_NEON;
 #endif
+    if (bargein_q8_isa_available(ISA_AMX)) return ISA_AMX;
     return bargein_q8_isa_available(ISA_VNNI) ? ISA_VNNI : bargein_q8_isa_available(ISA_AVX2) ? ISA_AVX2 : ISA_C;
 }
 
@@ -750,6 +780,7 @@ int bargein_q8_block_matmul(const float *x, int64_t m, int64_t k, const uint8_t 
                             const float *mins, int bits, int64_t n, float *y, int num_threads, int isa) {
     if (isa < 0) isa = bargein_q8_isa_best();
     if (!bargein_q8_isa_available(isa)) return -2;
+    if (isa == ISA_AMX) isa = ISA_VNNI;
     const int64_t nb = k / BLOCK, pairs = (nb + 1) / 2, groups = (n + GROUP - 1) / GROUP;
     if (num_threads > groups) num_threads = (int)groups;
     if (num_threads < 1) num_threads = 1;

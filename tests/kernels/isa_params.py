@@ -14,7 +14,7 @@ import pytest
 from bargein.kernels.build_flags import is_arm64
 from bargein.kernels.native import Q8_ISAS, NativeKernels
 
-X86_64_ISAS = ("c", "avx2", "vnni")
+X86_64_ISAS = ("c", "avx2", "vnni", "amx")
 ARM64_ISAS = ("c", "neon", "dotprod")
 assert set(X86_64_ISAS) | set(ARM64_ISAS) == set(Q8_ISAS), "a Q8 path that no architecture's tests run"
 

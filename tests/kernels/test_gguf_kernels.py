@@ -227,6 +227,36 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
+def test_k_chain_sets_of_tiles_keep_the_bits(isa):
+    """From 64 rows AMX takes Q4_K/Q5_K in items of several tiles (as many as fit 1 MB of
+    scaled quants: 16 at k = 512, 2 at k = 16,384), 16 rows at a time over the whole set,
+    the rest of the rows tile by tile: a segment of 2 1/2 sets beside a Q6_K one (its own
+    pass), a set cut short by its segment, row remainders 0, 5 and 15, threads taking each
+    other's items, and one expert's call of 70 rows equal the C path's bits (the other paths
+    run the same shapes)."""
+    rng = rng_for("amx-sets")
+    library = ctypes.CDLL(str(KERNELS.path))
+    expert = library.bargein_gguf_matmul_expert
+    expert.restype = ctypes.c_int
+    expert.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    for k, n_q4 in ((512, 16 * 40 + 9), (16384, 16 * 5 + 3)):
+        weight = QuantWeight.cat_rows([random_weight(T.Q4_K, n_q4, k, rng, order=True),
+                                       random_weight(T.Q6_K, 21, k, rng), random_weight(T.Q5_K, 37, k, rng)])
+        matrix = describe_quant(weight)
+        x = torch.from_numpy(with_outliers(rng.standard_normal((79, k)).astype(np.float32)))
+        base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+        for m in (64, 69, 79):
+            for threads in (1, 2):
+                y = KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa)
+                assert torch.equal(y, base[:m]), (k, m, threads)
+        rows = x[:70].contiguous()
+        y = torch.empty((70, weight.shape[0]), dtype=torch.float32)
+        assert expert(rows.data_ptr(), 70, ctypes.addressof(matrix.struct), y.data_ptr(), 0, Q8_ISAS[isa]) == 0
+        assert torch.equal(y, base[:70]), k
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
 def test_a_tensor_ending_its_mapping_is_read_within_it(qtype, isa):
     """A tensor's last block can end the file's mapping (a GGUF's last tensor ends the file):

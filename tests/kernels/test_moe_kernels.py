@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bargein.kernels.moe_native import ExpertTable
-from bargein.kernels.native import load_native_kernels
+from bargein.kernels.native import Q8_ISAS, load_native_kernels
 from bargein.kernels.native_structs import NativeKernelError, describe_quant
 from bargein.kernels.quant_weight import QuantWeight
 from tests.gguf_blocks import TYPES, T, gguf_dequantize, random_weight
@@ -163,7 +163,7 @@ def test_an_experts_rows_are_the_dense_matmuls_bits(qtype: T, isa: str) -> None:
               "two segments": ExpertTable([_two_segments(gate)], [_two_segments(up)], [_two_segments(down)])}
     gate_up, down_q = describe_quant(QuantWeight.cat_rows([gate, up])), describe_quant(down)
     x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(5)) * 0.5
-    isa_id = {"c": 0, "avx2": 1, "vnni": 2}[isa]
+    isa_id = Q8_ISAS[isa]
     for m in range(1, 13):
         rows = x[:m].contiguous()
         want = KERNELS.quant_matmul(KERNELS.silu_mul(KERNELS.quant_matmul(rows, gate_up, 1), 1), down_q, 1)

@@ -128,7 +128,7 @@ def test_the_copy_is_private_memory_in_place_holding_the_same_bytes(q4_k_m: Path
 def test_every_kernel_path_gives_the_same_bits_from_the_copy(q4_k_m: Path) -> None:
     mapped, copied = _loaded(q4_k_m), _loaded(q4_k_m)
     _copied(copied)
-    isas = [i for i in ("c", "avx2", "vnni", "neon", "dotprod") if KERNELS.q8_isa_available(i)]
+    isas = [i for i in ("c", "avx2", "vnni", "amx", "neon", "dotprod") if KERNELS.q8_isa_available(i)]
     x = torch.randn(19, 512, generator=torch.Generator().manual_seed(3))
     ids = torch.tensor([0, 3, 200, TIED.vocab_size - 1, 7])
     for name, w in copied.items():

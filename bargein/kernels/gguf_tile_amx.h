@@ -1,0 +1,177 @@
+/* gguf_matmul.c's many-row tile pass of the K chain's Q4_K and Q5_K on AMX (Intel's tile
+ * registers: Sapphire Rapids and later Xeons), 16 rows at a time, with the same bits as
+ * every other path.
+ *
+ * A superblock's D = sum_j sc_j * m_j * D_j (the header of gguf_matmul.c) takes the
+ * AVX-512 pass 8 blocks x (8 vpdpbusd + a vpmulld) per row and 16 columns. Here the two
+ * per-block factors go into the tile products' operands, so that one product spans the
+ * whole superblock: the activations a = m_j * kq (|a| <= 16 * 127) as two bytes, a = 256 *
+ * ahi + alo (alo in 0..255, ahi in -8..7: acts_t's alo, ahi, split once per call), and
+ * the quants times the scale's two 3-bit halves, sc = 8 * shi + slo (q * slo, q * shi at
+ * most 31 * 7: unsigned bytes, built once per tile by amx_scaled_tile). Then
+ *
+ *   D = C_ll + 8 * C_lh + 256 * C_hl + 2048 * C_hh,   C_xy = sum over the superblock of ax * (q * sy),
+ *
+ * four tile products (tdpbuud for alo, tdpbsud for ahi) of 64 bytes' depth, four times per
+ * superblock: 16 products for 16 rows x 16 columns x 256, where the AVX-512 pass issues
+ * 1,024 vpdpbusd and 128 vpmulld. The C sums are exact int32 (|C_ll| <= 256 * 255 * 217),
+ * and D is the same integer as any other path's (a wrapped partial sum included: the total
+ * fits int32), so after zmm_superblock_floats the bits are the other paths'.
+ *
+ * Tile registers (amx_configure: all 16 rows of 64 bytes): C_ll, C_lh, C_hl, C_hh in 0-3,
+ * alo and ahi in 4, 5 (16 rows' 64 bytes, k apart), q * slo and q * shi in 6, 7 (the
+ * tile's two blocks of 8 rows of 16 columns' 4 bytes: tdpbuud's B as it is). The sums of
+ * superblock t go out to memory while the tile unit runs superblock t + 1; the vector
+ * units then combine and scale t's (a load of what a tilestored has just written waits
+ * for it to reach the cache). A thread configures the registers once per call (run_tiles)
+ * and releases them at its end. The tile instructions are inline assembly with "memory"
+ * clobbers (they read the tiles and activations that plain stores wrote), for GCC and
+ * Clang alike.
+ *
+ * The loop order is a blocked GEMM's (gguf_matmul.c's run_amx_set): an item is a set of
+ * tiles whose scaled quants fit L2 together (AMX_SET_BYTES), and each 16-row block of a
+ * passes over all of them while it is in L2. A pass per tile over all of a call's rows read
+ * every row's a (two bytes a value) again for every tile, and the tile loads of a then
+ * held 57% of the pass's samples: as fast as the AVX-512 pass, no faster. With the sets,
+ * bench/gemm_tile_ab.c (weights from memory, 512 rows, one thread, a 2-core Sapphire
+ * Rapids-class VM) 0.70-0.93x the AVX-512 pass's time per shape of a 1B layer, 0.79 over
+ * the five; a 512-token prefill of llama1b.Q4_K_M 1.16-1.24x as fast, of Q5_K_M 1.25x.
+ *
+ * Q6_K keeps the AVX-512 pass: its signed 8-bit scales per 16 and its offset's start would
+ * need other splits.
+ *
+ * Included by gguf_matmul.c inside its GGUF_AMX section, after gguf_tile_zmm.h. */
+#ifndef BARGEIN_GGUF_TILE_AMX_H
+#define BARGEIN_GGUF_TILE_AMX_H
+
+#include <string.h>
+
+#define AMX_ROWS_K 16 /* rows per pass: a tile register's rows */
+
+#define TARGET_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
+
+/* ldtilecfg's 64-byte operand (palette 1). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config_t;
+
+/* The tile registers' shapes for rows_k_amx, set once per thread and call (run_tiles):
+ * ldtilecfg took ~1,000 cycles on the machine measured. amx_release hands the state back,
+ * so that a thread holds none between calls. */
+static void amx_configure(void) {
+    amx_config_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = AMX_ROWS_K, c.colsb[t] = 64;
+    __asm__ volatile("ldtilecfg %0" ::"m"(*(const amx_config_t *)&c));
+}
+
+static void amx_release(void) { __asm__ volatile("tilerelease" ::: "memory"); }
+
+#define AMX_ZERO(T) __asm__ volatile("tilezero %%tmm" #T ::: "memory")
+#define AMX_LOAD(T, at, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #T ::"r"(at), "r"((int64_t)(stride)) : "memory")
+#define AMX_STORE(T, at) __asm__ volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(at), "r"((int64_t)64) : "memory")
+#define AMX_DP(OP, C, A, B) __asm__ volatile(#OP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::: "memory")
+
+/* acts_t's alo, ahi of rows [r0, r1): per 32-block j, a = m_j * kq as 256 * ahi + alo. */
+static TARGET_AMX void amx_split_rows(const acts_t *a, int64_t r0, int64_t r1) {
+    const int64_t nb = a->k / 32;
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t at = r * a->k + 32 * b;
+            const __m512i v = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(a->kq + at))),
+                                                 _mm512_set1_epi16(a->km[r * nb + b]));
+            _mm256_storeu_si256((__m256i *)(a->alo + at), _mm512_cvtepi16_epi8(v)); /* the low bytes */
+            _mm256_storeu_si256((__m256i *)(a->ahi + at), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+        }
+}
+
+static void amx_split_part(void *arg, int index, int count) {
+    const acts_t *a = (const acts_t *)arg;
+    amx_split_rows(a, a->m * index / count, a->m * (index + 1) / count);
+}
+
+/* tl's q * slo and q * shi (sc = 8 * shi + slo, sc from the panel psc), in the tile's
+ * layout. Each 16-bit lane holds two quants of one column: times that column's factor
+ * (at most 7) in a 16-bit multiply, each byte's product (at most 31 * 7) stays in its
+ * byte. */
+static TARGET_AMX void amx_scaled_tile(const job_t *job, const tile_t *tl) {
+    for (int64_t b = 0; b < job->nb; b++) {
+        const __m512i sc = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
+        const __m512i lo = _mm512_and_si512(sc, _mm512_set1_epi32(7)), hi = _mm512_srli_epi32(sc, 3);
+        const __m512i lo16 = _mm512_or_si512(lo, _mm512_slli_epi32(lo, 16));
+        const __m512i hi16 = _mm512_or_si512(hi, _mm512_slli_epi32(hi, 16));
+        for (int g = 0; g < 8; g++) {
+            const int64_t at = (b * 8 + g) * TILE * 4;
+            const __m512i q = _mm512_load_si512(tl->tile + at);
+            _mm512_store_si512(tl->amx_lo + at, _mm512_mullo_epi16(q, lo16));
+            _mm512_store_si512(tl->amx_hi + at, _mm512_mullo_epi16(q, hi16));
+        }
+    }
+}
+
+/* Chunk c (64 of 256) of superblock t's four products for rows r0 .. r0 + 15 into C_ll .. C_hh. */
+static inline TARGET_AMX __attribute__((always_inline)) void amx_chunk(const job_t *job, const tile_t *tl, int64_t r0,
+                                                                        int64_t t, int c) {
+    const acts_t *a = job->a;
+    const int64_t k = job->k;
+    const int64_t x = r0 * k + t * 256 + 64 * c, w = (t * 256 + 64 * c) * TILE;
+    AMX_LOAD(4, a->alo + x, k);
+    AMX_LOAD(5, a->ahi + x, k);
+    AMX_LOAD(6, tl->amx_lo + w, 64);
+    AMX_LOAD(7, tl->amx_hi + w, 64);
+    AMX_DP(tdpbuud, 0, 4, 6);
+    AMX_DP(tdpbuud, 1, 4, 7);
+    AMX_DP(tdpbsud, 2, 5, 6);
+    AMX_DP(tdpbsud, 3, 5, 7);
+}
+
+/* Rows r0 .. r0 + 15 over the tile (Q4_K, Q5_K), the registers configured and the tile's
+ * scaled quants built. ahead: NULL, or the next tile's plans (tile_ahead), a part per
+ * superblock. Superblock t + 1's products interleave with the vector units' steps of t:
+ * a quarter of t's rows after each of t + 1's four chunks. */
+static TARGET_AMX void rows_k_amx(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t j0, int cols,
+                                  int64_t r0) {
+    const int64_t supers = job->k / 256;
+    int32_t sums[2][4][AMX_ROWS_K][TILE] __attribute__((aligned(64))); /* superblock t's at t % 2 */
+    float acc[AMX_ROWS_K][TILE] __attribute__((aligned(64)));
+    for (int r = 0; r < AMX_ROWS_K; r++) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+    AMX_ZERO(0);
+    AMX_ZERO(1);
+    AMX_ZERO(2);
+    AMX_ZERO(3);
+    for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c);
+    for (int64_t t = 0; t < supers; t++) {
+        int32_t(*s)[AMX_ROWS_K][TILE] = sums[t % 2];
+        AMX_STORE(0, s[0]);
+        AMX_STORE(1, s[1]);
+        AMX_STORE(2, s[2]);
+        AMX_STORE(3, s[3]);
+        if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
+        const int more = t + 1 < supers;
+        if (more) {
+            AMX_ZERO(0);
+            AMX_ZERO(1);
+            AMX_ZERO(2);
+            AMX_ZERO(3);
+        }
+        for (int c = 0; c < 4; c++) {
+            if (more) amx_chunk(job, tl, r0, t + 1, c);
+            __m512i dk[4];
+            const int q = 4 * c; /* rows q .. q + 3 of superblock t */
+            _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
+                const __m512i ll = _mm512_load_si512(s[0][q + r]), lh = _mm512_load_si512(s[1][q + r]);
+                const __m512i hl = _mm512_load_si512(s[2][q + r]), hh = _mm512_load_si512(s[3][q + r]);
+                dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(lh, 3)),
+                                         _mm512_add_epi32(_mm512_slli_epi32(hl, 8), _mm512_slli_epi32(hh, 11)));
+            }
+            zmm_superblock_floats(job, tl, r0 + q, t, 4, 1, dk, acc + q);
+        }
+    }
+    for (int r = 0; r < AMX_ROWS_K; r++) zmm_store_row(job, r0 + r, j0, cols, _mm512_load_ps(acc[r]));
+}
+
+#endif
