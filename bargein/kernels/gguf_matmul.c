@@ -138,6 +138,7 @@
  * order; at 512 rows of a 1B layer, 0.5 MB and 1 MB measured the same but for the down
  * shape, k = 8,192: 0.88 and 0.85 of the AVX-512 pass's time). */
 #define AMX_SET_TILES 16
+#define AMX_SET_ITEMS 4 /* and at most as many as give each thread this many items */
 #ifndef AMX_SET_BYTES
 #define AMX_SET_BYTES (1 << 20)
 #endif
@@ -2391,7 +2392,13 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
         job.amx_at = job.scratch_bytes;
         job.scratch_bytes += 2 * TILE * k;
         job.sub_bytes = job.scratch_bytes;
-        const int64_t set = AMX_SET_BYTES / (2 * TILE * k);
+        /* as many tiles as fit AMX_SET_BYTES, but few enough that every thread has
+         * AMX_SET_ITEMS items to take (a small matrix on many cores) */
+        int64_t amx_tiles = 0, set = AMX_SET_BYTES / (2 * TILE * k);
+        for (int64_t s = 0; s < w->num_segs; s++)
+            if (amx_type(w->segs[s].type)) amx_tiles += (w->segs[s].rows + TILE - 1) / TILE;
+        const int64_t spread = amx_tiles / ((int64_t)AMX_SET_ITEMS * num_threads);
+        set = set < spread ? set : spread;
         job.amx_set = (int)(set < 1 ? 1 : set > AMX_SET_TILES ? AMX_SET_TILES : set);
         job.scratch_bytes *= job.amx_set;
     }

@@ -229,7 +229,8 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_chain_sets_of_tiles_keep_the_bits(isa):
     """From 64 rows AMX takes Q4_K/Q5_K in items of several tiles (as many as fit 1 MB of
-    scaled quants: 16 at k = 512, 2 at k = 16,384), 16 rows at a time over the whole set,
+    scaled quants and leave each thread 4 items: here 11 and 5 at k = 512 on one and two
+    threads, 2 and 1 at k = 16,384), 16 rows at a time over the whole set,
     the rest of the rows tile by tile: a segment of 2 1/2 sets beside a Q6_K one (its own
     pass), a set cut short by its segment, row remainders 0, 5 and 15, threads taking each
     other's items, and one expert's call of 70 rows equal the C path's bits (the other paths
