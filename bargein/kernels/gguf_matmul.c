@@ -316,7 +316,7 @@ typedef struct {
     /* and an item of Q4_K/Q5_K is up to AMX_SET_TILES tiles (run_amx_set), each in its own
      * scratch of sub_bytes within the thread's */
     int64_t sub_bytes;
-    int amx_set; /* tiles per item (AMX_SET_BYTES / (32 k), 1 .. AMX_SET_TILES) */
+    int amx_set; /* tiles per item: 1 .. AMX_SET_TILES, within AMX_SET_BYTES and AMX_SET_ITEMS */
 } job_t;
 
 static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
@@ -327,6 +327,11 @@ static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
 
 /* Whether a type's blocks take the K chain (see the header). */
 static inline int k_chain_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K || type == T_Q6_K; }
+
+/* The columns of the tile from column col0 of seg: TILE, or what is left of the segment. */
+static inline int tile_width(const bargein_qseg_t *seg, int64_t col0) {
+    return (int)(seg->rows - col0 < TILE ? seg->rows - col0 : TILE);
+}
 
 /* The types whose tile pass runs on AMX in an AMX job (gguf_tile_amx.h). */
 static inline int amx_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K; }
@@ -2212,11 +2217,11 @@ static void run_amx_set(const job_t *job, int index, int64_t next, const bargein
     int64_t r0 = 0;
     for (; job->m - r0 >= AMX_ROWS_K; r0 += AMX_ROWS_K)
         for (int v = 0; v < subs; v++) {
-            const int cols = (int)(seg->rows - (col0 + v * TILE) < TILE ? seg->rows - (col0 + v * TILE) : TILE);
-            rows_k_amx(job, &tl[v], fetch && r0 == 0 && v == 0 ? ahead : NULL, j0 + v * TILE, cols, r0);
+            rows_k_amx(job, &tl[v], fetch && r0 == 0 && v == 0 ? ahead : NULL, j0 + v * TILE,
+                       tile_width(seg, col0 + v * TILE), r0);
         }
     for (int v = 0; v < subs; v++) {
-        const int cols = (int)(seg->rows - (col0 + v * TILE) < TILE ? seg->rows - (col0 + v * TILE) : TILE);
+        const int cols = tile_width(seg, col0 + v * TILE);
         for (int64_t r = r0; r < job->m;)
             r += rows_k_zmm(job, &tl[v], NULL, seg->type, j0 + v * TILE, cols, r, (int)(job->m - r), 0);
     }
@@ -2230,7 +2235,7 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
     qinfo_t info = {32, 0, 0, KIND_PLAIN};
     gguf_qinfo((int)seg->type, &info);
     const int64_t col0 = job->tile_col[t], j0 = job->seg_start[job->tile_seg[t]] + col0;
-    const int cols = (int)(seg->rows - col0 < TILE ? seg->rows - col0 : TILE);
+    const int cols = tile_width(seg, col0);
 #ifdef GGUF_X86
     if (job->a->exact && job->isa != ISA_C) {
         for (int c = 0; c < cols; c++) column_exact_avx2(job, seg, &info, col0 + c, j0 + c);
@@ -2312,12 +2317,11 @@ static void run_tiles(void *arg, int index, int count) {
     const job_t *job = (const job_t *)arg;
     int64_t t, next;
 #ifdef GGUF_AMX
-    const int amx = job->amx; /* rows_k_amx's passes may come: their registers' shapes */
-    if (amx) amx_configure();
+    if (job->amx) amx_configure(); /* rows_k_amx's passes may come: their registers' shapes */
 #endif
     while (bargein_shares_take(job->shares, index, count, &t, &next)) run_tile(job, index, t, next);
 #ifdef GGUF_AMX
-    if (amx) amx_release();
+    if (job->amx) amx_release();
 #endif
 }
 
@@ -2372,7 +2376,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL, NULL, NULL, NULL};
     job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
-                 NULL, NULL, NULL, NULL, 0, 0, NULL, amx};
+                 NULL, NULL, NULL, NULL, 0, 0, NULL};
     /* tiles are built for many rows on the vector paths only; otherwise a float per row
      * (the C columns' sums): a tile's scratch for one row would be mapped and unmapped
      * by malloc on every call once k is large */
