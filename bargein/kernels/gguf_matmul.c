@@ -127,13 +127,16 @@
  * 258-287 -> 314-321 (its experts see ~5 rows each; 6 and 8 measured the same there). */
 #define K_GEMM_MIN_ROWS 6
 #define K_GROUP_ROWS_VNNI 4
-/* From this many rows the K tile pass of Q4_K/Q5_K runs on AMX where the CPU has it (isa
+/* From this many rows the K chain's tile pass runs on AMX where the CPU has it (isa
  * ISA_AMX, gguf_tile_amx.h): its activations are split and each tile's quants scaled once
- * per call, which a few 16-row passes do not repay (bench/gemm_tile_ab.c, Q4_K, the 1B
- * layer's shapes, one thread, AMX time over VNNI's: 1.14 at 32 rows, 1.09 at 48, 0.90 at
- * 64, 0.88 at 128, 0.79 at 512). */
+ * per call, which a few 16-row passes do not repay (bench/gemm_tile_ab.c, the 1B layer's
+ * shapes, one thread, AMX time over VNNI's: Q4_K 1.14 at 32 rows, 1.09 at 48, 0.90 at 64,
+ * 0.88 at 128, 0.79 at 512; Q6_K 1.03 at 32, 0.93 at 48, 0.86 at 64, 0.63 at 512). One
+ * bound for the job: its segments mix the types. -DAMX_MIN_ROWS=N moves it, to measure. */
+#ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 64
-/* An AMX job's item of Q4_K/Q5_K: as many tiles as keep their scaled quants (32 k bytes a
+#endif
+/* An AMX job's item of the K chain: as many tiles as keep their scaled quants (32 k bytes a
  * tile) within AMX_SET_BYTES, for L2, and AMX_SET_TILES at most (gguf_tile_amx.h's loop
  * order; at 512 rows of a 1B layer, 0.5 MB and 1 MB measured the same but for the down
  * shape, k = 8,192: 0.88 and 0.85 of the AVX-512 pass's time). */
@@ -158,7 +161,7 @@
  * row; 0.95x at 2, 0.87x at 3, 0.85x at 4: docs/benchmarks.md). */
 #define K_QUADS_MIN_ROWS 2
 
-/* ISA_AMX: the VNNI paths, with the K chain's tile pass of Q4_K/Q5_K on AMX from AMX_MIN_ROWS rows. */
+/* ISA_AMX: the VNNI paths, with the K chain's tile pass on AMX from AMX_MIN_ROWS rows. */
 enum { ISA_C = 0, ISA_AVX2 = 1, ISA_VNNI = 2, ISA_AMX = 5 };
 
 int bargein_q8_isa_available(int isa); /* quant_matmul.c */
@@ -311,9 +314,9 @@ typedef struct {
     int64_t scratch_bytes;
     int64_t k_group_rows; /* the K chain's few-row passes on VNNI take this many rows at most */
     bargein_share_t *shares; /* per thread index: its share of the tiles (parallel.h) */
-    int amx;                 /* the K tile pass of Q4_K/Q5_K runs on AMX (isa is ISA_VNNI) */
+    int amx;                 /* the K chain's tile pass runs on AMX (isa is ISA_VNNI) */
     int64_t amx_at;          /* then: where a tile's scratch holds tile_t's amx_lo (bytes) */
-    /* and an item of Q4_K/Q5_K is up to AMX_SET_TILES tiles (run_amx_set), each in its own
+    /* and an item of the K chain is up to AMX_SET_TILES tiles (run_amx_set), each in its own
      * scratch of sub_bytes within the thread's */
     int64_t sub_bytes;
     int amx_set; /* tiles per item: 1 .. AMX_SET_TILES, within AMX_SET_BYTES and AMX_SET_ITEMS */
@@ -332,9 +335,6 @@ static inline int k_chain_type(int64_t type) { return type == T_Q4_K || type == 
 static inline int tile_width(const bargein_qseg_t *seg, int64_t col0) {
     return (int)(seg->rows - col0 < TILE ? seg->rows - col0 : TILE);
 }
-
-/* The types whose tile pass runs on AMX in an AMX job (gguf_tile_amx.h). */
-static inline int amx_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K; }
 
 /* A K-chain superblock's float d and -dmin (0 for Q6_K) and its integer scales: per 32
  * sc[0..7] and mn[0..7] (Q4_K, Q5_K), per 16 sc[0..15] (Q6_K). */
@@ -2198,7 +2198,7 @@ static TARGET_AVX2 void column_exact_avx2(const job_t *job, const bargein_qseg_t
 /* ---- the work, split over tiles of output columns ----------------------------------- */
 
 #ifdef GGUF_AMX
-/* An item of an AMX job (job->amx) on Q4_K/Q5_K: up to AMX_SET_TILES tiles from column
+/* An item of an AMX job (job->amx) on the K chain: up to AMX_SET_TILES tiles from column
  * col0, each built and its quants scaled in its own scratch; then each 16-row block of
  * activations passes over all of them (rows_k_amx) while it is in L2, where a pass per
  * tile over all rows read every row again for every tile. The rows left (fewer than 16)
@@ -2210,14 +2210,14 @@ static void run_amx_set(const job_t *job, int index, int64_t next, const bargein
     for (; subs < job->amx_set && col0 + subs * TILE < seg->rows; subs++) {
         tl[subs] = tile_scratch_sub(job, index, subs);
         build_tile(job, &tl[subs], seg, info, col0 + subs * TILE);
-        amx_scaled_tile(job, &tl[subs]);
+        amx_scaled_tile(job, &tl[subs], seg->type);
     }
     ahead_t ahead[2];
     const int fetch = tile_ahead(job, next, 256, ahead); /* the next item's first tile */
     int64_t r0 = 0;
     for (; job->m - r0 >= AMX_ROWS_K; r0 += AMX_ROWS_K)
         for (int v = 0; v < subs; v++) {
-            rows_k_amx(job, &tl[v], fetch && r0 == 0 && v == 0 ? ahead : NULL, j0 + v * TILE,
+            rows_k_amx(job, &tl[v], fetch && r0 == 0 && v == 0 ? ahead : NULL, seg->type, j0 + v * TILE,
                        tile_width(seg, col0 + v * TILE), r0);
         }
     for (int v = 0; v < subs; v++) {
@@ -2229,7 +2229,7 @@ static void run_amx_set(const job_t *job, int index, int64_t next, const bargein
 #endif
 
 /* Tile t on thread `index` (its scratch), fetching tile `next`'s blocks ahead (-1: none);
- * in an AMX job, an item of Q4_K/Q5_K is a set of tiles (run_amx_set). */
+ * in an AMX job, an item of the K chain is a set of tiles (run_amx_set). */
 static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
     const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[t]];
     qinfo_t info = {32, 0, 0, KIND_PLAIN};
@@ -2266,7 +2266,7 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
         return;
     }
 #ifdef GGUF_AMX
-    if (job->amx && amx_type(seg->type)) {
+    if (job->amx && k_chain_type(seg->type)) {
         run_amx_set(job, index, next, seg, &info, col0, j0);
         return;
     }
@@ -2342,7 +2342,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (isa < 0) isa = bargein_q8_isa_best();
     if (!bargein_q8_isa_available(isa)) return -2;
 #ifdef GGUF_AMX
-    int amx = isa == ISA_AMX && !exact && m >= AMX_MIN_ROWS; /* and a segment of Q4_K/Q5_K: below */
+    int amx = isa == ISA_AMX && !exact && m >= AMX_MIN_ROWS; /* and a segment of the K chain: below */
 #else
     int amx = 0;
 #endif
@@ -2391,7 +2391,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (!exact && isa != ISA_C) job.scratch_bytes = neon_gguf_scratch_bytes(k);
 #endif
     job.scratch_bytes = (job.scratch_bytes + 63) / 64 * 64;
-    job.amx = amx && tiles && has_k_min;
+    job.amx = amx && tiles && has_k;
     if (job.amx) { /* tile_t's amx_lo, amx_hi */
         job.amx_at = job.scratch_bytes;
         job.scratch_bytes += 2 * TILE * k;
@@ -2400,7 +2400,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
          * AMX_SET_ITEMS items to take (a small matrix on many cores) */
         int64_t amx_tiles = 0, set = AMX_SET_BYTES / (2 * TILE * k);
         for (int64_t s = 0; s < w->num_segs; s++)
-            if (amx_type(w->segs[s].type)) amx_tiles += (w->segs[s].rows + TILE - 1) / TILE;
+            if (k_chain_type(w->segs[s].type)) amx_tiles += (w->segs[s].rows + TILE - 1) / TILE;
         const int64_t spread = amx_tiles / ((int64_t)AMX_SET_ITEMS * num_threads);
         set = set < spread ? set : spread;
         job.amx_set = (int)(set < 1 ? 1 : set > AMX_SET_TILES ? AMX_SET_TILES : set);
@@ -2453,7 +2453,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     int64_t tile = 0, start = 0;
     for (int64_t s = 0; s < w->num_segs; s++) {
         job.seg_start[s] = start;
-        const int64_t step = job.amx && amx_type(w->segs[s].type) ? job.amx_set * TILE : TILE;
+        const int64_t step = job.amx && k_chain_type(w->segs[s].type) ? job.amx_set * TILE : TILE;
         for (int64_t c = 0; c < w->segs[s].rows && !half_type(w->segs[s].type); c += step)
             job.tile_seg[tile] = s, job.tile_col[tile++] = c;
         start += w->segs[s].rows;

@@ -1,26 +1,33 @@
-/* gguf_matmul.c's many-row tile pass of the K chain's Q4_K and Q5_K on AMX (Intel's tile
- * registers: Sapphire Rapids and later Xeons), 16 rows at a time, with the same bits as
- * every other path.
+/* gguf_matmul.c's many-row tile pass of the K chain (Q4_K, Q5_K, Q6_K) on AMX (Intel's
+ * tile registers: Sapphire Rapids and later Xeons), 16 rows at a time, with the same bits
+ * as every other path.
  *
- * A superblock's D = sum_j sc_j * m_j * D_j (the header of gguf_matmul.c) takes the
- * AVX-512 pass 8 blocks x (8 vpdpbusd + a vpmulld) per row and 16 columns. Here the two
- * per-block factors go into the tile products' operands, so that one product spans the
- * whole superblock: the activations a = m_j * kq (|a| <= 16 * 127) as two bytes, a = 256 *
- * ahi + alo (alo in 0..255, ahi in -8..7: acts_t's alo, ahi, split once per call), and
- * the quants times the scale's two 3-bit halves, sc = 8 * shi + slo (q * slo, q * shi at
- * most 31 * 7: unsigned bytes, built once per tile by amx_scaled_tile). Then
+ * A superblock's D (the header of gguf_matmul.c) takes the AVX-512 pass 8 blocks x (8
+ * vpdpbusd + a vpmulld) per row and 16 columns (Q6_K: two vpmulld and an offset's start
+ * more). Here the per-block factors go into the tile products' operands, so that one
+ * product spans the whole superblock. The activations are the same for every type: a =
+ * m_j * kq (|a| <= 16 * 127) as two bytes, a = 256 * ahi + alo (alo in 0..255, ahi in
+ * -8..7: acts_t's alo, ahi, split once per call). The weights' two bytes are built once
+ * per tile (amx_scaled_tile):
  *
- *   D = C_ll + 8 * C_lh + 256 * C_hl + 2048 * C_hh,   C_xy = sum over the superblock of ax * (q * sy),
+ *   Q4_K, Q5_K (D = sum_j sc_j * m_j * D_j): the unsigned quants q times the scale's two
+ *   3-bit halves, sc = 8 * shi + slo (q * slo, q * shi at most 31 * 7: unsigned bytes);
+ *     D = C_ll + 8 * C_lh + 256 * C_hl + 2048 * C_hh,   C_xy = sum of ax * (q * sy);
+ *   Q6_K (D = sum_h sc_h * m_h * (D_h - 32 * S16_h) = sum of (sc_h * (u - 32)) * a): the
+ *   signed quants times their signed scale, w = sc_h * (u - 32) (|w| <= 128 * 32), as w =
+ *   256 * whi + wlo (wlo in 0..255, whi in -16..16), so the offset's start needs no term;
+ *     D = C_ll + 256 * (C_lh + C_hl) + 65536 * C_hh,    C_xy = sum of ax * wy.
  *
- * four tile products (tdpbuud for alo, tdpbsud for ahi) of 64 bytes' depth, four times per
- * superblock: 16 products for 16 rows x 16 columns x 256, where the AVX-512 pass issues
- * 1,024 vpdpbusd and 128 vpmulld. The C sums are exact int32 (|C_ll| <= 256 * 255 * 217),
- * and D is the same integer as any other path's (a wrapped partial sum included: the total
- * fits int32), so after zmm_superblock_floats the bits are the other paths'.
+ * Four tile products of 64 bytes' depth (tdpbuud, tdpbsud, and for whi tdpbusd and
+ * tdpbssd), four times per superblock: 16 products for 16 rows x 16 columns x 256, where
+ * the AVX-512 pass issues 1,024 vpdpbusd and 128 vpmulld. The C sums are exact int32
+ * (|C_ll| <= 256 * 255 * 255), and D is the same integer as any other path's (a wrapped
+ * partial sum included: the total fits int32), so after zmm_superblock_floats the bits
+ * are the other paths'.
  *
  * Tile registers (amx_configure: all 16 rows of 64 bytes): C_ll, C_lh, C_hl, C_hh in 0-3,
- * alo and ahi in 4, 5 (16 rows' 64 bytes, k apart), q * slo and q * shi in 6, 7 (the
- * tile's two blocks of 8 rows of 16 columns' 4 bytes: tdpbuud's B as it is). The sums of
+ * alo and ahi in 4, 5 (16 rows' 64 bytes, k apart), the weights' low and high bytes in 6,
+ * 7 (the tile's two blocks of 8 rows of 16 columns' 4 bytes: tdpbuud's B as it is). The sums of
  * superblock t go out to memory while the tile unit runs superblock t + 1; the vector
  * units then combine and scale t's (a load of what a tilestored has just written waits
  * for it to reach the cache). A thread configures the registers once per call (run_tiles)
@@ -36,9 +43,8 @@
  * bench/gemm_tile_ab.c (weights from memory, 512 rows, one thread, a 2-core Sapphire
  * Rapids-class VM) 0.70-0.93x the AVX-512 pass's time per shape of a 1B layer, 0.79 over
  * the five; a 512-token prefill of llama1b.Q4_K_M 1.16-1.24x as fast, of Q5_K_M 1.25x.
- *
- * Q6_K keeps the AVX-512 pass: its signed 8-bit scales per 16 and its offset's start would
- * need other splits.
+ * Q6_K: 0.57-0.71x per shape, 0.63 over the five, at 512 rows; 0.86 at 64 (its crossover
+ * is near 40 rows: 1.03 at 32, 0.93 at 48; Q4_K's near 56).
  *
  * Included by gguf_matmul.c inside its GGUF_AMX section, after gguf_tile_zmm.h. */
 #ifndef BARGEIN_GGUF_TILE_AMX_H
@@ -94,11 +100,11 @@ static void amx_split_part(void *arg, int index, int count) {
     amx_split_rows(a, a->m * index / count, a->m * (index + 1) / count);
 }
 
-/* tl's q * slo and q * shi (sc = 8 * shi + slo, sc from the panel psc), in the tile's
- * layout. Each 16-bit lane holds two quants of one column: times that column's factor
- * (at most 7) in a 16-bit multiply, each byte's product (at most 31 * 7) stays in its
- * byte. */
-static TARGET_AMX void amx_scaled_tile(const job_t *job, const tile_t *tl) {
+/* Q4_K, Q5_K: tl's q * slo and q * shi (sc = 8 * shi + slo, sc from the panel psc), in
+ * the tile's layout. Each 16-bit lane holds two quants of one column: times that column's
+ * factor (at most 7) in a 16-bit multiply, each byte's product (at most 31 * 7) stays in
+ * its byte. */
+static TARGET_AMX void amx_scaled_tile_min(const job_t *job, const tile_t *tl) {
     for (int64_t b = 0; b < job->nb; b++) {
         const __m512i sc = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
         const __m512i lo = _mm512_and_si512(sc, _mm512_set1_epi32(7)), hi = _mm512_srli_epi32(sc, 3);
@@ -113,9 +119,41 @@ static TARGET_AMX void amx_scaled_tile(const job_t *job, const tile_t *tl) {
     }
 }
 
-/* Chunk c (64 of 256) of superblock t's four products for rows r0 .. r0 + 15 into C_ll .. C_hh. */
+/* Q6_K: tl's w = sc_h * (u - 32) per half h (the signed quant times its signed scale, |w|
+ * <= 128 * 32) as 256 * whi + wlo: wlo (0..255) into amx_lo, whi (-16..16) into amx_hi, in
+ * the tile's layout. A half's four groups of 16 columns' 4 bytes are widened to int16 and
+ * multiplied by the column's scale (repeated over its 4 lanes by a permute). */
+static TARGET_AMX void amx_scaled_tile_q6(const job_t *job, const tile_t *tl) {
+    int16_t lane_col[32] __attribute__((aligned(64))); /* 16-bit lane i of columns 0-7: column i / 4 */
+    for (int i = 0; i < 32; i++) lane_col[i] = (int16_t)(i / 4);
+    const __m512i cols_lo = _mm512_load_si512(lane_col), cols_hi = _mm512_add_epi16(cols_lo, _mm512_set1_epi16(8));
+    const __m512i off = _mm512_set1_epi16(32);
+    for (int64_t h = 0; h < 2 * job->nb; h++) {
+        const __m512i sc = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_loadu_si512(tl->psc + h * TILE)));
+        const __m512i sc_lo = _mm512_permutexvar_epi16(cols_lo, sc), sc_hi = _mm512_permutexvar_epi16(cols_hi, sc);
+        for (int g = 0; g < 4; g++) { /* 32-block h / 2's groups 4 (h % 2) + g */
+            const int64_t at = (4 * h + g) * TILE * 4;
+            const __m256i *u = (const __m256i *)(tl->tile + at);
+            const __m512i w0 = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_load_si256(u)), off), sc_lo);
+            const __m512i w1 = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_load_si256(u + 1)), off), sc_hi);
+            _mm256_store_si256((__m256i *)(tl->amx_lo + at), _mm512_cvtepi16_epi8(w0)); /* the low bytes */
+            _mm256_store_si256((__m256i *)(tl->amx_lo + at + 32), _mm512_cvtepi16_epi8(w1));
+            _mm256_store_si256((__m256i *)(tl->amx_hi + at), _mm512_cvtepi16_epi8(_mm512_srai_epi16(w0, 8)));
+            _mm256_store_si256((__m256i *)(tl->amx_hi + at + 32), _mm512_cvtepi16_epi8(_mm512_srai_epi16(w1, 8)));
+        }
+    }
+}
+
+/* The tile's two operands of the AMX products (amx_lo, amx_hi) for its type. */
+static void amx_scaled_tile(const job_t *job, const tile_t *tl, int64_t type) {
+    if (type == T_Q6_K) amx_scaled_tile_q6(job, tl);
+    else amx_scaled_tile_min(job, tl);
+}
+
+/* Chunk c (64 of 256) of superblock t's four products for rows r0 .. r0 + 15 into tile
+ * registers 0-3: C_ll, C_lh, C_hl, C_hh (Q6: the high weight bytes signed). */
 static inline TARGET_AMX __attribute__((always_inline)) void amx_chunk(const job_t *job, const tile_t *tl, int64_t r0,
-                                                                        int64_t t, int c) {
+                                                                        int64_t t, int c, const int Q6) {
     const acts_t *a = job->a;
     const int64_t k = job->k;
     const int64_t x = r0 * k + t * 256 + 64 * c, w = (t * 256 + 64 * c) * TILE;
@@ -124,17 +162,20 @@ static inline TARGET_AMX __attribute__((always_inline)) void amx_chunk(const job
     AMX_LOAD(6, tl->amx_lo + w, 64);
     AMX_LOAD(7, tl->amx_hi + w, 64);
     AMX_DP(tdpbuud, 0, 4, 6);
-    AMX_DP(tdpbuud, 1, 4, 7);
+    if (Q6) AMX_DP(tdpbusd, 1, 4, 7);
+    else AMX_DP(tdpbuud, 1, 4, 7);
     AMX_DP(tdpbsud, 2, 5, 6);
-    AMX_DP(tdpbsud, 3, 5, 7);
+    if (Q6) AMX_DP(tdpbssd, 3, 5, 7);
+    else AMX_DP(tdpbsud, 3, 5, 7);
 }
 
-/* Rows r0 .. r0 + 15 over the tile (Q4_K, Q5_K), the registers configured and the tile's
- * scaled quants built. ahead: NULL, or the next tile's plans (tile_ahead), a part per
+/* Rows r0 .. r0 + 15 over the tile (Q6: Q6_K, else Q4_K or Q5_K), the registers configured
+ * and the tile's scaled quants built. ahead: NULL, or the next tile's plans (tile_ahead), a part per
  * superblock. Superblock t + 1's products interleave with the vector units' steps of t:
  * a quarter of t's rows after each of t + 1's four chunks. */
-static TARGET_AMX void rows_k_amx(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t j0, int cols,
-                                  int64_t r0) {
+static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const job_t *job, const tile_t *tl,
+                                                                          const ahead_t *ahead, int64_t j0, int cols,
+                                                                          int64_t r0, const int Q6) {
     const int64_t supers = job->k / 256;
     int32_t sums[2][4][AMX_ROWS_K][TILE] __attribute__((aligned(64))); /* superblock t's at t % 2 */
     float acc[AMX_ROWS_K][TILE] __attribute__((aligned(64)));
@@ -143,7 +184,7 @@ static TARGET_AMX void rows_k_amx(const job_t *job, const tile_t *tl, const ahea
     AMX_ZERO(1);
     AMX_ZERO(2);
     AMX_ZERO(3);
-    for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c);
+    for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c, Q6);
     for (int64_t t = 0; t < supers; t++) {
         int32_t(*s)[AMX_ROWS_K][TILE] = sums[t % 2];
         AMX_STORE(0, s[0]);
@@ -159,19 +200,29 @@ static TARGET_AMX void rows_k_amx(const job_t *job, const tile_t *tl, const ahea
             AMX_ZERO(3);
         }
         for (int c = 0; c < 4; c++) {
-            if (more) amx_chunk(job, tl, r0, t + 1, c);
+            if (more) amx_chunk(job, tl, r0, t + 1, c, Q6);
             __m512i dk[4];
             const int q = 4 * c; /* rows q .. q + 3 of superblock t */
             _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
                 const __m512i ll = _mm512_load_si512(s[0][q + r]), lh = _mm512_load_si512(s[1][q + r]);
                 const __m512i hl = _mm512_load_si512(s[2][q + r]), hh = _mm512_load_si512(s[3][q + r]);
-                dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(lh, 3)),
-                                         _mm512_add_epi32(_mm512_slli_epi32(hl, 8), _mm512_slli_epi32(hh, 11)));
+                if (Q6) /* D = C_ll + 256 (C_lh + C_hl) + 65536 C_hh */
+                    dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(_mm512_add_epi32(lh, hl), 8)),
+                                             _mm512_slli_epi32(hh, 16));
+                else
+                    dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(lh, 3)),
+                                             _mm512_add_epi32(_mm512_slli_epi32(hl, 8), _mm512_slli_epi32(hh, 11)));
             }
-            zmm_superblock_floats(job, tl, r0 + q, t, 4, 1, dk, acc + q);
+            zmm_superblock_floats(job, tl, r0 + q, t, 4, !Q6, dk, acc + q);
         }
     }
     for (int r = 0; r < AMX_ROWS_K; r++) zmm_store_row(job, r0 + r, j0, cols, _mm512_load_ps(acc[r]));
+}
+
+static TARGET_AMX void rows_k_amx(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type, int64_t j0,
+                                  int cols, int64_t r0) {
+    if (type == T_Q6_K) rows_k_amx_t(job, tl, ahead, j0, cols, r0, 1);
+    else rows_k_amx_t(job, tl, ahead, j0, cols, r0, 0);
 }
 
 #endif

@@ -125,9 +125,10 @@ class NativeKernels:
                 raise NativeKernelError(f"BARGEIN_Q8_ISA={forced!r}: choose one of "
                                         f"{', '.join(n for n in Q8_ISAS if self.q8_isa_available(n))}")
             return Q8_ISAS[forced]
-        # AMX (VNNI's paths, with the Q4_K/Q5_K tile pass on tile registers from 64 rows)
+        # AMX (VNNI's paths, with the K-quant tile pass on tile registers from 64 rows)
         # before VNNI: a 512-token prefill of a 1B Q4_K_M / Q5_K_M file 1.16-1.25x as fast
-        # on a Sapphire-Rapids-class VM (gguf_tile_amx.h); the same bits.
+        # on a Sapphire-Rapids-class VM with Q4_K/Q5_K on AMX alone (gguf_tile_amx.h); the
+        # same bits.
         # VNNI before AVX2: one vpdpbusd for maddubs + madd, and twice the registers (on the
         # Zen 4 measured, 1.1-1.3x AVX2's speed from 1 to 512 rows: bench/bench_q8_matmul.py).
         # On ARM64, sdot before plain NEON (one instruction for a widening multiply and two adds).

@@ -228,13 +228,13 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_chain_sets_of_tiles_keep_the_bits(isa):
-    """From 64 rows AMX takes Q4_K/Q5_K in items of several tiles (as many as fit 1 MB of
+    """From 64 rows AMX takes the K chain in items of several tiles (as many as fit 1 MB of
     scaled quants and leave each thread 4 items: here 11 and 5 at k = 512 on one and two
     threads, 2 and 1 at k = 16,384), 16 rows at a time over the whole set,
-    the rest of the rows tile by tile: a segment of 2 1/2 sets beside a Q6_K one (its own
-    pass), a set cut short by its segment, row remainders 0, 5 and 15, threads taking each
-    other's items, and one expert's call of 70 rows equal the C path's bits (the other paths
-    run the same shapes)."""
+    the rest of the rows tile by tile: a segment of 2 1/2 sets beside a Q6_K one (a set of
+    one full tile and 5 columns) and a Q5_K one, sets cut short by their segment, row
+    remainders 0, 5 and 15, threads taking each other's items, and one expert's call of 70
+    rows equal the C path's bits (the other paths run the same shapes)."""
     rng = rng_for("amx-sets")
     library = ctypes.CDLL(str(KERNELS.path))
     expert = library.bargein_gguf_matmul_expert
@@ -390,14 +390,15 @@ def test_k_chain_integer_sums_at_their_bounds_keep_the_bits(qtype, isa):
     one expert's call (bargein_gguf_matmul_expert: passes of up to 8, split evenly), Q4_K's
     from 2 rows in the quad pass, equals the C path's bits; so do 24 and 25 rows, the tile
     passes (AVX2: a 32-block's pairs summed in int16, Q4_K's eight at 16 * 15 * 127 = 30480,
-    Q5_K's halves at 8 * 31 * 127 = 31496, before the madd by sc * m)."""
+    Q5_K's halves at 8 * 31 * 127 = 31496, before the madd by sc * m), and 64 and 73, AMX's
+    (its operands' bytes at their bounds: Q6_K's w = -128 * -32 = 256 * 16 + 0)."""
     rng = rng_for("bounds", qtype)
     k = 512
     weight = _blocks_at_their_bounds(qtype, 32, k, rng)
     matrix = describe_quant(weight)
-    x = torch.from_numpy(_activations_at_their_bounds(25, k, rng))
+    x = torch.from_numpy(_activations_at_their_bounds(73, k, rng))
     base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
-    for m in (24, 25):
+    for m in (24, 25, 64, 73):
         assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, 2, isa=isa), base[:m]), m
     library = ctypes.CDLL(str(KERNELS.path))  # the loaded library: its exported expert call
     expert = library.bargein_gguf_matmul_expert
