@@ -142,6 +142,9 @@
  * shape, k = 8,192: 0.88 and 0.85 of the AVX-512 pass's time). */
 #define AMX_SET_TILES 16
 #define AMX_SET_ITEMS 4 /* and at most as many as give each thread this many items */
+#ifndef AMX_ROW_PAD
+#define AMX_ROW_PAD 64 /* bytes between the AMX activations' rows past k (gguf_tile_amx.h: L1's sets) */
+#endif
 #ifndef AMX_SET_BYTES
 #define AMX_SET_BYTES (1 << 20)
 #endif
@@ -200,8 +203,9 @@ typedef struct {
     uint8_t *kwide; /* (m, k / 256) */
     /* The AMX tile pass's activations (gguf_tile_amx.h): km * kq per 32-block as 256 * ahi +
      * alo; NULL where none runs */
-    uint8_t *alo; /* (m, k) */
-    int8_t *ahi;  /* (m, k) */
+    uint8_t *alo; /* (m, amx_stride) */
+    int8_t *ahi;  /* (m, amx_stride) */
+    int64_t amx_stride; /* k + AMX_ROW_PAD */
 } acts_t;
 
 /* The K chain's multiple of a 32-block whose max|x| is amax32 in a superblock whose max|x|
@@ -2200,31 +2204,28 @@ static TARGET_AVX2 void column_exact_avx2(const job_t *job, const bargein_qseg_t
 #ifdef GGUF_AMX
 /* An item of an AMX job (job->amx) on the K chain: up to AMX_SET_TILES tiles from column
  * col0, each built and its quants scaled in its own scratch; then each 16-row block of
- * activations passes over all of them (rows_k_amx) while it is in L2, where a pass per
- * tile over all rows read every row again for every tile. The rows left (fewer than 16)
+ * activations passes over all of them, superblock by superblock (rows_k_amx), where a
+ * pass per tile over all rows read every row again for every tile. The rows left (fewer than 16)
  * take each tile's AVX-512 pass, without the scale table: the same bits. */
 static void run_amx_set(const job_t *job, int index, int64_t next, const bargein_qseg_t *seg, const qinfo_t *info,
                         int64_t col0, int64_t j0) {
     tile_t tl[AMX_SET_TILES];
+    int cols[AMX_SET_TILES];
     int subs = 0;
     for (; subs < job->amx_set && col0 + subs * TILE < seg->rows; subs++) {
         tl[subs] = tile_scratch_sub(job, index, subs);
         build_tile(job, &tl[subs], seg, info, col0 + subs * TILE);
         amx_scaled_tile(job, &tl[subs], seg->type);
+        cols[subs] = tile_width(seg, col0 + subs * TILE);
     }
     ahead_t ahead[2];
     const int fetch = tile_ahead(job, next, 256, ahead); /* the next item's first tile */
     int64_t r0 = 0;
     for (; job->m - r0 >= AMX_ROWS_K; r0 += AMX_ROWS_K)
-        for (int v = 0; v < subs; v++) {
-            rows_k_amx(job, &tl[v], fetch && r0 == 0 && v == 0 ? ahead : NULL, seg->type, j0 + v * TILE,
-                       tile_width(seg, col0 + v * TILE), r0);
-        }
-    for (int v = 0; v < subs; v++) {
-        const int cols = tile_width(seg, col0 + v * TILE);
+        rows_k_amx(job, tl, subs, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0);
+    for (int v = 0; v < subs; v++)
         for (int64_t r = r0; r < job->m;)
-            r += rows_k_zmm(job, &tl[v], NULL, seg->type, j0 + v * TILE, cols, r, (int)(job->m - r), 0);
-    }
+            r += rows_k_zmm(job, &tl[v], NULL, seg->type, j0 + v * TILE, cols[v], r, (int)(job->m - r), 0);
 }
 #endif
 
@@ -2426,8 +2427,9 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
             a.ks32 = malloc(sizeof(int16_t) * cells);
             if (quads) a.kx = malloc((size_t)(m * k > 0 ? m * k : 1));
             if (job.amx) {
-                a.alo = malloc((size_t)(m * k));
-                a.ahi = malloc((size_t)(m * k));
+                a.amx_stride = k + AMX_ROW_PAD;
+                a.alo = malloc((size_t)(m * a.amx_stride));
+                a.ahi = malloc((size_t)(m * a.amx_stride));
             }
 #ifdef GGUF_X86
             if (tiles && has_k_min && m >= K_GEMM_MIN_ROWS) { /* the x86 K tile passes' mins (kp) */

@@ -46,6 +46,16 @@
  * Q6_K: 0.57-0.71x per shape, 0.63 over the five, at 512 rows; 0.86 at 64 (its crossover
  * is near 40 rows: 1.03 at 32, 0.93 at 48; Q4_K's near 56).
  *
+ * Within a set, a 16-row block goes superblock by superblock, each over all the tiles
+ * (rows_k_amx_t), so that its activations for one superblock (2 x 16 x 256 bytes) are
+ * read from L1 by every tile but the first. Their rows are k + AMX_ROW_PAD bytes apart:
+ * k apart (k a multiple of 2,048), a tile load's 16 rows fell in two of L1's 64 sets, and
+ * alo's and ahi's 32 lines could not stay in their 12 ways. The padding alone took
+ * 0.91-0.96x the time (bench/k_chain_cost.c, Q5_K and Q6_K, 2048 x 2048 and x 8192, 512
+ * rows), the order by superblocks on top of it 0.91-0.98x (with the L1 misses, it had
+ * gained nothing); both, over the layer's shapes with weights from memory
+ * (gemm_tile_ab.c): Q4_K 0.935, Q5_K 0.933, Q6_K 0.839.
+ *
  * Included by gguf_matmul.c inside its GGUF_AMX section, after gguf_tile_zmm.h. */
 #ifndef BARGEIN_GGUF_TILE_AMX_H
 #define BARGEIN_GGUF_TILE_AMX_H
@@ -82,13 +92,14 @@ static void amx_release(void) { __asm__ volatile("tilerelease" ::: "memory"); }
 #define AMX_STORE(T, at) __asm__ volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(at), "r"((int64_t)64) : "memory")
 #define AMX_DP(OP, C, A, B) __asm__ volatile(#OP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::: "memory")
 
-/* acts_t's alo, ahi of rows [r0, r1): per 32-block j, a = m_j * kq as 256 * ahi + alo. */
+/* acts_t's alo, ahi of rows [r0, r1) (amx_stride apart): per 32-block j, a = m_j * kq as
+ * 256 * ahi + alo. */
 static TARGET_AMX void amx_split_rows(const acts_t *a, int64_t r0, int64_t r1) {
     const int64_t nb = a->k / 32;
     for (int64_t r = r0; r < r1; r++)
         for (int64_t b = 0; b < nb; b++) {
-            const int64_t at = r * a->k + 32 * b;
-            const __m512i v = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(a->kq + at))),
+            const int64_t at = r * a->amx_stride + 32 * b, from = r * a->k + 32 * b;
+            const __m512i v = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(a->kq + from))),
                                                  _mm512_set1_epi16(a->km[r * nb + b]));
             _mm256_storeu_si256((__m256i *)(a->alo + at), _mm512_cvtepi16_epi8(v)); /* the low bytes */
             _mm256_storeu_si256((__m256i *)(a->ahi + at), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
@@ -155,10 +166,9 @@ static void amx_scaled_tile(const job_t *job, const tile_t *tl, int64_t type) {
 static inline TARGET_AMX __attribute__((always_inline)) void amx_chunk(const job_t *job, const tile_t *tl, int64_t r0,
                                                                         int64_t t, int c, const int Q6) {
     const acts_t *a = job->a;
-    const int64_t k = job->k;
-    const int64_t x = r0 * k + t * 256 + 64 * c, w = (t * 256 + 64 * c) * TILE;
-    AMX_LOAD(4, a->alo + x, k);
-    AMX_LOAD(5, a->ahi + x, k);
+    const int64_t x = r0 * a->amx_stride + t * 256 + 64 * c, w = (t * 256 + 64 * c) * TILE;
+    AMX_LOAD(4, a->alo + x, a->amx_stride);
+    AMX_LOAD(5, a->ahi + x, a->amx_stride);
     AMX_LOAD(6, tl->amx_lo + w, 64);
     AMX_LOAD(7, tl->amx_hi + w, 64);
     AMX_DP(tdpbuud, 0, 4, 6);
@@ -169,30 +179,38 @@ static inline TARGET_AMX __attribute__((always_inline)) void amx_chunk(const job
     else AMX_DP(tdpbsud, 3, 5, 7);
 }
 
-/* Rows r0 .. r0 + 15 over the tile (Q6: Q6_K, else Q4_K or Q5_K), the registers configured
- * and the tile's scaled quants built. ahead: NULL, or the next tile's plans (tile_ahead), a part per
- * superblock. Superblock t + 1's products interleave with the vector units' steps of t:
- * a quarter of t's rows after each of t + 1's four chunks. */
-static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const job_t *job, const tile_t *tl,
-                                                                          const ahead_t *ahead, int64_t j0, int cols,
-                                                                          int64_t r0, const int Q6) {
-    const int64_t supers = job->k / 256;
-    int32_t sums[2][4][AMX_ROWS_K][TILE] __attribute__((aligned(64))); /* superblock t's at t % 2 */
-    float acc[AMX_ROWS_K][TILE] __attribute__((aligned(64)));
-    for (int r = 0; r < AMX_ROWS_K; r++) _mm512_store_ps(acc[r], _mm512_setzero_ps());
+/* Rows r0 .. r0 + 15 over a set's `subs` tiles tl (Q6: Q6_K, else Q4_K or Q5_K; tile v's
+ * columns j0 + 16 v on, cols[v] of them), the registers configured and the tiles' scaled
+ * quants built. ahead: NULL, or the next item's plans (tile_ahead), a part per
+ * superblock. Step i is superblock i / subs of tile i % subs (the header: the
+ * activations of a superblock stay in L1 over the set). Step i + 1's products
+ * interleave with the vector units' work on step i: a quarter of i's rows after each of
+ * i + 1's four chunks. */
+static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const job_t *job, const tile_t *tl, int subs,
+                                                                          const ahead_t *ahead, int64_t j0,
+                                                                          const int *cols, int64_t r0, const int Q6) {
+    const int64_t steps = job->k / 256 * subs; /* step i: superblock i / subs of tile i % subs */
+    int32_t sums[2][4][AMX_ROWS_K][TILE] __attribute__((aligned(64))); /* step i's at i % 2 */
+    float acc[AMX_SET_TILES][AMX_ROWS_K][TILE] __attribute__((aligned(64)));
+    for (int v = 0; v < subs; v++)
+        for (int r = 0; r < AMX_ROWS_K; r++) _mm512_store_ps(acc[v][r], _mm512_setzero_ps());
     AMX_ZERO(0);
     AMX_ZERO(1);
     AMX_ZERO(2);
     AMX_ZERO(3);
     for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c, Q6);
-    for (int64_t t = 0; t < supers; t++) {
-        int32_t(*s)[AMX_ROWS_K][TILE] = sums[t % 2];
+    for (int64_t i = 0; i < steps; i++) {
+        const int64_t t = i / subs;
+        const int v = (int)(i % subs);
+        int32_t(*s)[AMX_ROWS_K][TILE] = sums[i % 2];
         AMX_STORE(0, s[0]);
         AMX_STORE(1, s[1]);
         AMX_STORE(2, s[2]);
         AMX_STORE(3, s[3]);
-        if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
-        const int more = t + 1 < supers;
+        if (ahead && v == 0) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
+        const int more = i + 1 < steps;
+        const int64_t t1 = (i + 1) / subs;
+        const tile_t *tl1 = tl + (i + 1) % subs;
         if (more) {
             AMX_ZERO(0);
             AMX_ZERO(1);
@@ -200,9 +218,9 @@ static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const 
             AMX_ZERO(3);
         }
         for (int c = 0; c < 4; c++) {
-            if (more) amx_chunk(job, tl, r0, t + 1, c, Q6);
+            if (more) amx_chunk(job, tl1, r0, t1, c, Q6);
             __m512i dk[4];
-            const int q = 4 * c; /* rows q .. q + 3 of superblock t */
+            const int q = 4 * c; /* rows q .. q + 3 of step i */
             _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
                 const __m512i ll = _mm512_load_si512(s[0][q + r]), lh = _mm512_load_si512(s[1][q + r]);
                 const __m512i hl = _mm512_load_si512(s[2][q + r]), hh = _mm512_load_si512(s[3][q + r]);
@@ -213,16 +231,17 @@ static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const 
                     dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(lh, 3)),
                                              _mm512_add_epi32(_mm512_slli_epi32(hl, 8), _mm512_slli_epi32(hh, 11)));
             }
-            zmm_superblock_floats(job, tl, r0 + q, t, 4, !Q6, dk, acc + q);
+            zmm_superblock_floats(job, tl + v, r0 + q, t, 4, !Q6, dk, acc[v] + q);
         }
     }
-    for (int r = 0; r < AMX_ROWS_K; r++) zmm_store_row(job, r0 + r, j0, cols, _mm512_load_ps(acc[r]));
+    for (int v = 0; v < subs; v++)
+        for (int r = 0; r < AMX_ROWS_K; r++) zmm_store_row(job, r0 + r, j0 + v * TILE, cols[v], _mm512_load_ps(acc[v][r]));
 }
 
-static TARGET_AMX void rows_k_amx(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type, int64_t j0,
-                                  int cols, int64_t r0) {
-    if (type == T_Q6_K) rows_k_amx_t(job, tl, ahead, j0, cols, r0, 1);
-    else rows_k_amx_t(job, tl, ahead, j0, cols, r0, 0);
+static TARGET_AMX void rows_k_amx(const job_t *job, const tile_t *tl, int subs, const ahead_t *ahead, int64_t type,
+                                  int64_t j0, const int *cols, int64_t r0) {
+    if (type == T_Q6_K) rows_k_amx_t(job, tl, subs, ahead, j0, cols, r0, 1);
+    else rows_k_amx_t(job, tl, subs, ahead, j0, cols, r0, 0);
 }
 
 #endif
