@@ -26,12 +26,12 @@
  * are the other paths'.
  *
  * Tile registers (amx_configure: all 16 rows of 64 bytes): C_ll, C_lh, C_hl, C_hh in 0-3,
- * alo and ahi in 4, 5 (16 rows' 64 bytes, k apart), the weights' low and high bytes in 6,
- * 7 (the tile's two blocks of 8 rows of 16 columns' 4 bytes: tdpbuud's B as it is). The sums of
- * superblock t go out to memory while the tile unit runs superblock t + 1; the vector
- * units then combine and scale t's (a load of what a tilestored has just written waits
- * for it to reach the cache). A thread configures the registers once per call (run_tiles)
- * and releases them at its end. The tile instructions are inline assembly with "memory"
+ * alo and ahi in 4, 5 (16 rows' 64 bytes, amx_stride apart), the weights' low and high
+ * bytes in 6, 7 (the tile's two blocks of 8 rows of 16 columns' 4 bytes: tdpbuud's B as it
+ * is). The sums of a step (a superblock of one tile) go out to memory while the tile unit
+ * runs the next step; the vector units then combine and scale the first's (a load of
+ * what a tilestored has just written waits for it to reach the cache). A thread
+ * configures the registers once per call (run_tiles) and releases them at its end. The tile instructions are inline assembly with "memory"
  * clobbers (they read the tiles and activations that plain stores wrote), for GCC and
  * Clang alike.
  *
