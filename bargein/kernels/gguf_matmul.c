@@ -687,7 +687,7 @@ typedef struct {
     uint8_t *tile, *cols;
     float *ps, *pm;
     int32_t *psc, *pmn, *scaled;
-    uint8_t *amx_lo, *amx_hi; /* the AMX pass's quants times the scales' halves (gguf_tile_amx.h), or NULL */
+    uint8_t *amx_lo, *amx_hi; /* the AMX pass's weights (scale times quant) as low and high bytes (gguf_tile_amx.h), or NULL */
 } tile_t;
 
 /* Whether the VNNI K pass of Q4_K/Q5_K reads sc x m from a table (tile_t's scaled) for m

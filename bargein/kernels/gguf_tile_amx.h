@@ -7,33 +7,37 @@
  * more). Here the per-block factors go into the tile products' operands, so that one
  * product spans the whole superblock. The activations are the same for every type: a =
  * m_j * kq (|a| <= 16 * 127) as two bytes, a = 256 * ahi + alo (alo in 0..255, ahi in
- * -8..7: acts_t's alo, ahi, split once per call). The weights' two bytes are built once
- * per tile (amx_scaled_tile):
+ * -8..7: acts_t's alo, ahi, split once per call). So are the weights, built once per tile
+ * (amx_scaled_tile): w = 256 * whi + wlo (wlo in 0..255, whi signed), where
  *
- *   Q4_K, Q5_K (D = sum_j sc_j * m_j * D_j): the unsigned quants q times the scale's two
- *   3-bit halves, sc = 8 * shi + slo (q * slo, q * shi at most 31 * 7: unsigned bytes);
- *     D = C_ll + 8 * C_lh + 256 * C_hl + 2048 * C_hh,   C_xy = sum of ax * (q * sy);
- *   Q6_K (D = sum_h sc_h * m_h * (D_h - 32 * S16_h) = sum of (sc_h * (u - 32)) * a): the
- *   signed quants times their signed scale, w = sc_h * (u - 32) (|w| <= 128 * 32), as w =
- *   256 * whi + wlo (wlo in 0..255, whi in -16..16), so the offset's start needs no term;
- *     D = C_ll + 256 * (C_lh + C_hl) + 65536 * C_hh,    C_xy = sum of ax * wy.
+ *   Q4_K, Q5_K (D = sum_j sc_j * m_j * D_j = sum of (sc_j * q) * a): w = sc * q, the
+ *   unsigned quant times its 6-bit scale (at most 31 * 63: whi in 0..7);
+ *   Q6_K (D = sum_h sc_h * m_h * (D_h - 32 * S16_h) = sum of (sc_h * (u - 32)) * a): w =
+ *   sc_h * (u - 32), the signed quant times its signed scale (|w| <= 128 * 32: whi in
+ *   -16..16), so the offset's start needs no term;
  *
- * Four tile products of 64 bytes' depth (tdpbuud, tdpbsud, and for whi tdpbusd and
- * tdpbssd), four times per superblock: 16 products for 16 rows x 16 columns x 256, where
- * the AVX-512 pass issues 1,024 vpdpbusd and 128 vpmulld. The C sums are exact int32
- * (|C_ll| <= 256 * 255 * 255), and D is the same integer as any other path's (a wrapped
- * partial sum included: the total fits int32), so after zmm_superblock_floats the bits
- * are the other paths'.
+ *   D = C_ll + 256 * C_mid + 65536 * C_hh,  C_ll = sum alo * wlo, C_hh = sum ahi * whi,
+ *   C_mid = sum alo * whi + sum ahi * wlo (both cross products in one accumulator).
  *
- * Tile registers (amx_configure: all 16 rows of 64 bytes): C_ll, C_lh, C_hl, C_hh in 0-3,
- * alo and ahi in 4, 5 (16 rows' 64 bytes, amx_stride apart), the weights' low and high
- * bytes in 6, 7 (the tile's two blocks of 8 rows of 16 columns' 4 bytes: tdpbuud's B as it
- * is). The sums of a step (a superblock of one tile) go out to memory while the tile unit
- * runs the next step; the vector units then combine and scale the first's (a load of
- * what a tilestored has just written waits for it to reach the cache). A thread
- * configures the registers once per call (run_tiles) and releases them at its end. The tile instructions are inline assembly with "memory"
- * clobbers (they read the tiles and activations that plain stores wrote), for GCC and
- * Clang alike.
+ * Four tile products of 64 bytes' depth (tdpbuud, tdpbusd, tdpbsud, tdpbssd), four times
+ * per superblock: 16 products for 16 rows x 16 columns x 256, where the AVX-512 pass
+ * issues 1,024 vpdpbusd and 128 vpmulld. The C sums are exact int32 (|C_ll| <= 256 * 255
+ * * 255), and D is the same integer as any other path's (a wrapped partial sum included:
+ * the total fits int32), so after zmm_superblock_floats the bits are the other paths'.
+ * (Q4_K and Q5_K split sc into 3-bit halves before, q * slo and q * shi, for four
+ * accumulators of factors 1, 8, 256 and 2,048; with three, a step stores and zeroes one
+ * tile less and combines one sum less per row: bench/gemm_tile_ab.c, the 1B layer's
+ * shapes at 512 rows, 0.956x the time for Q4_K, 0.965 for Q5_K, 0.958 for Q6_K.)
+ *
+ * Tile registers (amx_configure: all 16 rows of 64 bytes): C_ll, C_mid, C_hh in 0-2, alo
+ * and ahi in 4, 5 (16 rows' 64 bytes, amx_stride apart), the weights' low and high bytes
+ * in 6, 7 (the tile's two blocks of 8 rows of 16 columns' 4 bytes: tdpbuud's B as it
+ * is); 3 is free. The sums of a step (a superblock of one tile) go out to memory while
+ * the tile unit runs the next step; the vector units then combine and scale the first's
+ * (a load of what a tilestored has just written waits for it to reach the cache). A
+ * thread configures the registers once per call (run_tiles) and releases them at its
+ * end. The tile instructions are inline assembly with "memory" clobbers (they read the
+ * tiles and activations that plain stores wrote), for GCC and Clang alike.
  *
  * The loop order is a blocked GEMM's (gguf_matmul.c's run_amx_set): an item is a set of
  * tiles whose scaled quants fit L2 together (AMX_SET_BYTES), and each 16-row block of a
@@ -111,39 +115,25 @@ static void amx_split_part(void *arg, int index, int count) {
     amx_split_rows(a, a->m * index / count, a->m * (index + 1) / count);
 }
 
-/* Q4_K, Q5_K: tl's q * slo and q * shi (sc = 8 * shi + slo, sc from the panel psc), in
- * the tile's layout. Each 16-bit lane holds two quants of one column: times that column's
- * factor (at most 7) in a 16-bit multiply, each byte's product (at most 31 * 7) stays in
- * its byte. */
-static TARGET_AMX void amx_scaled_tile_min(const job_t *job, const tile_t *tl) {
-    for (int64_t b = 0; b < job->nb; b++) {
-        const __m512i sc = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
-        const __m512i lo = _mm512_and_si512(sc, _mm512_set1_epi32(7)), hi = _mm512_srli_epi32(sc, 3);
-        const __m512i lo16 = _mm512_or_si512(lo, _mm512_slli_epi32(lo, 16));
-        const __m512i hi16 = _mm512_or_si512(hi, _mm512_slli_epi32(hi, 16));
-        for (int g = 0; g < 8; g++) {
-            const int64_t at = (b * 8 + g) * TILE * 4;
-            const __m512i q = _mm512_load_si512(tl->tile + at);
-            _mm512_store_si512(tl->amx_lo + at, _mm512_mullo_epi16(q, lo16));
-            _mm512_store_si512(tl->amx_hi + at, _mm512_mullo_epi16(q, hi16));
-        }
-    }
-}
-
-/* Q6_K: tl's w = sc_h * (u - 32) per half h (the signed quant times its signed scale, |w|
- * <= 128 * 32) as 256 * whi + wlo: wlo (0..255) into amx_lo, whi (-16..16) into amx_hi, in
- * the tile's layout. A half's four groups of 16 columns' 4 bytes are widened to int16 and
- * multiplied by the column's scale (repeated over its 4 lanes by a permute). */
-static TARGET_AMX void amx_scaled_tile_q6(const job_t *job, const tile_t *tl) {
+/* tl's weights w as the AMX operands' two bytes, w = 256 * whi + wlo (wlo in 0..255 into
+ * amx_lo, whi into amx_hi), in the tile's layout: w = sc * u for Q4_K and Q5_K (the
+ * unsigned quant times its 6-bit scale: at most 31 * 63, so whi in 0..7), w = sc * (u - 32)
+ * for Q6_K (the signed quant times its signed scale: |w| <= 128 * 32, whi in -16..16). Each
+ * 64-byte group of the tile (16 columns' 4 quants) is widened to int16 and multiplied by
+ * its column's scale (repeated over the column's 4 lanes by a permute); a scale of Q4_K or
+ * Q5_K spans a 32-block (8 groups), one of Q6_K a 16-half (4 groups). */
+static TARGET_AMX void amx_scaled_tile(const job_t *job, const tile_t *tl, int64_t type) {
     int16_t lane_col[32] __attribute__((aligned(64))); /* 16-bit lane i of columns 0-7: column i / 4 */
     for (int i = 0; i < 32; i++) lane_col[i] = (int16_t)(i / 4);
     const __m512i cols_lo = _mm512_load_si512(lane_col), cols_hi = _mm512_add_epi16(cols_lo, _mm512_set1_epi16(8));
-    const __m512i off = _mm512_set1_epi16(32);
-    for (int64_t h = 0; h < 2 * job->nb; h++) {
-        const __m512i sc = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_loadu_si512(tl->psc + h * TILE)));
+    const int q6 = type == T_Q6_K, groups = q6 ? 4 : 8; /* groups per scale */
+    const __m512i off = _mm512_set1_epi16(q6 ? 32 : 0);
+    for (int64_t h = 0; h < job->k / (4 * groups); h++) {
+        const int32_t *psc = tl->psc + (q6 ? h : 2 * h) * TILE; /* the panel: Q4_K/Q5_K's at [2 j TILE] */
+        const __m512i sc = _mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_loadu_si512(psc)));
         const __m512i sc_lo = _mm512_permutexvar_epi16(cols_lo, sc), sc_hi = _mm512_permutexvar_epi16(cols_hi, sc);
-        for (int g = 0; g < 4; g++) { /* 32-block h / 2's groups 4 (h % 2) + g */
-            const int64_t at = (4 * h + g) * TILE * 4;
+        for (int g = 0; g < groups; g++) {
+            const int64_t at = (groups * h + g) * TILE * 4;
             const __m256i *u = (const __m256i *)(tl->tile + at);
             const __m512i w0 = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_load_si256(u)), off), sc_lo);
             const __m512i w1 = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_load_si256(u + 1)), off), sc_hi);
@@ -155,31 +145,23 @@ static TARGET_AMX void amx_scaled_tile_q6(const job_t *job, const tile_t *tl) {
     }
 }
 
-/* The tile's two operands of the AMX products (amx_lo, amx_hi) for its type. */
-static void amx_scaled_tile(const job_t *job, const tile_t *tl, int64_t type) {
-    if (type == T_Q6_K) amx_scaled_tile_q6(job, tl);
-    else amx_scaled_tile_min(job, tl);
-}
-
 /* Chunk c (64 of 256) of superblock t's four products for rows r0 .. r0 + 15 into tile
- * registers 0-3: C_ll, C_lh, C_hl, C_hh (Q6: the high weight bytes signed). */
+ * registers 0-2: C_ll, C_mid (both cross products: the same factor 256), C_hh. */
 static inline TARGET_AMX __attribute__((always_inline)) void amx_chunk(const job_t *job, const tile_t *tl, int64_t r0,
-                                                                        int64_t t, int c, const int Q6) {
+                                                                        int64_t t, int c) {
     const acts_t *a = job->a;
     const int64_t x = r0 * a->amx_stride + t * 256 + 64 * c, w = (t * 256 + 64 * c) * TILE;
     AMX_LOAD(4, a->alo + x, a->amx_stride);
     AMX_LOAD(5, a->ahi + x, a->amx_stride);
     AMX_LOAD(6, tl->amx_lo + w, 64);
     AMX_LOAD(7, tl->amx_hi + w, 64);
-    AMX_DP(tdpbuud, 0, 4, 6);
-    if (Q6) AMX_DP(tdpbusd, 1, 4, 7);
-    else AMX_DP(tdpbuud, 1, 4, 7);
-    AMX_DP(tdpbsud, 2, 5, 6);
-    if (Q6) AMX_DP(tdpbssd, 3, 5, 7);
-    else AMX_DP(tdpbsud, 3, 5, 7);
+    AMX_DP(tdpbuud, 0, 4, 6); /* alo * wlo */
+    AMX_DP(tdpbusd, 1, 4, 7); /* alo * whi */
+    AMX_DP(tdpbsud, 1, 5, 6); /* ahi * wlo */
+    AMX_DP(tdpbssd, 2, 5, 7); /* ahi * whi */
 }
 
-/* Rows r0 .. r0 + 15 over a set's `subs` tiles tl (Q6: Q6_K, else Q4_K or Q5_K; tile v's
+/* Rows r0 .. r0 + 15 over a set's `subs` tiles tl (MIN: Q4_K or Q5_K, else Q6_K; tile v's
  * columns j0 + 16 v on, cols[v] of them), the registers configured and the tiles' scaled
  * quants built. ahead: NULL, or the next item's plans (tile_ahead), a part per
  * superblock. Step i is superblock i / subs of tile i % subs (the header: the
@@ -188,17 +170,16 @@ static inline TARGET_AMX __attribute__((always_inline)) void amx_chunk(const job
  * i + 1's four chunks. */
 static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const job_t *job, const tile_t *tl, int subs,
                                                                           const ahead_t *ahead, int64_t j0,
-                                                                          const int *cols, int64_t r0, const int Q6) {
+                                                                          const int *cols, int64_t r0, const int MIN) {
     const int64_t steps = job->k / 256 * subs; /* step i: superblock i / subs of tile i % subs */
-    int32_t sums[2][4][AMX_ROWS_K][TILE] __attribute__((aligned(64))); /* step i's at i % 2 */
+    int32_t sums[2][3][AMX_ROWS_K][TILE] __attribute__((aligned(64))); /* step i's at i % 2 */
     float acc[AMX_SET_TILES][AMX_ROWS_K][TILE] __attribute__((aligned(64)));
     for (int v = 0; v < subs; v++)
         for (int r = 0; r < AMX_ROWS_K; r++) _mm512_store_ps(acc[v][r], _mm512_setzero_ps());
     AMX_ZERO(0);
     AMX_ZERO(1);
     AMX_ZERO(2);
-    AMX_ZERO(3);
-    for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c, Q6);
+    for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c);
     for (int64_t i = 0; i < steps; i++) {
         const int64_t t = i / subs;
         const int v = (int)(i % subs);
@@ -206,7 +187,6 @@ static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const 
         AMX_STORE(0, s[0]);
         AMX_STORE(1, s[1]);
         AMX_STORE(2, s[2]);
-        AMX_STORE(3, s[3]);
         if (ahead && v == 0) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         const int more = i + 1 < steps;
         const int64_t t1 = (i + 1) / subs;
@@ -215,23 +195,17 @@ static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const 
             AMX_ZERO(0);
             AMX_ZERO(1);
             AMX_ZERO(2);
-            AMX_ZERO(3);
         }
         for (int c = 0; c < 4; c++) {
-            if (more) amx_chunk(job, tl1, r0, t1, c, Q6);
+            if (more) amx_chunk(job, tl1, r0, t1, c);
             __m512i dk[4];
             const int q = 4 * c; /* rows q .. q + 3 of step i */
-            _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
-                const __m512i ll = _mm512_load_si512(s[0][q + r]), lh = _mm512_load_si512(s[1][q + r]);
-                const __m512i hl = _mm512_load_si512(s[2][q + r]), hh = _mm512_load_si512(s[3][q + r]);
-                if (Q6) /* D = C_ll + 256 (C_lh + C_hl) + 65536 C_hh */
-                    dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(_mm512_add_epi32(lh, hl), 8)),
-                                             _mm512_slli_epi32(hh, 16));
-                else
-                    dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(lh, 3)),
-                                             _mm512_add_epi32(_mm512_slli_epi32(hl, 8), _mm512_slli_epi32(hh, 11)));
+            _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) { /* D = C_ll + 256 C_mid + 65536 C_hh */
+                const __m512i ll = _mm512_load_si512(s[0][q + r]), mid = _mm512_load_si512(s[1][q + r]);
+                const __m512i hh = _mm512_load_si512(s[2][q + r]);
+                dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(mid, 8)), _mm512_slli_epi32(hh, 16));
             }
-            zmm_superblock_floats(job, tl + v, r0 + q, t, 4, !Q6, dk, acc[v] + q);
+            zmm_superblock_floats(job, tl + v, r0 + q, t, 4, MIN, dk, acc[v] + q);
         }
     }
     for (int v = 0; v < subs; v++)
@@ -240,8 +214,8 @@ static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const 
 
 static TARGET_AMX void rows_k_amx(const job_t *job, const tile_t *tl, int subs, const ahead_t *ahead, int64_t type,
                                   int64_t j0, const int *cols, int64_t r0) {
-    if (type == T_Q6_K) rows_k_amx_t(job, tl, subs, ahead, j0, cols, r0, 1);
-    else rows_k_amx_t(job, tl, subs, ahead, j0, cols, r0, 0);
+    if (type == T_Q6_K) rows_k_amx_t(job, tl, subs, ahead, j0, cols, r0, 0);
+    else rows_k_amx_t(job, tl, subs, ahead, j0, cols, r0, 1); /* Q4_K, Q5_K: the mins */
 }
 
 #endif
