@@ -205,7 +205,7 @@ static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const 
                 const __m512i hh = _mm512_load_si512(s[2][q + r]);
                 dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(mid, 8)), _mm512_slli_epi32(hh, 16));
             }
-            zmm_superblock_floats(job, tl + v, r0 + q, t, 4, MIN, dk, acc[v] + q);
+            zmm_superblock_floats(job, tl + v, r0 + q, t, 4, MIN, dk, acc[v] + q, 1);
         }
     }
     for (int v = 0; v < subs; v++)
