@@ -68,16 +68,21 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(cons
 /* A superblock's per-row integers, widened to int32 once per superblock and row so that
  * each 32-block reads them as broadcast loads (a vpmulld's folded operand) instead of
  * moving a scalar into a vector register per row and block: mult[r][j] = m_j of row r
- * (km: row 0's eight, `stride` apart), and for Q6_K (!MIN) off[r][h] = -32 * S16_h, the
+ * (km: row 0's eight, `stride` apart; SCALED: (m_j - 1) * TILE, where zmm_scale_table's
+ * sc * m_j starts in the block's table, so that each row and block reads it with one
+ * load and no arithmetic: 0.956-0.964x the pass's time at 512 rows, Q4_K and Q5_K,
+ * against m_j read from km there), and for Q6_K (!MIN) off[r][h] = -32 * S16_h, the
  * offset's start (s16: row 0's sixteen). Built per half and row from the int16 sums, the
  * offset's start alone was ~9% of the 512-row pass (a timing-only build without it,
  * bench/k_chain_cost.c). */
 static inline TARGET_VNNI __attribute__((always_inline)) void zmm_row_terms(const int16_t *km, const int16_t *s16,
                                                                              int64_t stride, const int ROWS_N,
-                                                                             const int MIN, int32_t mult[][8],
-                                                                             int32_t off[][16]) {
+                                                                             const int MIN, const int SCALED,
+                                                                             int32_t mult[][8], int32_t off[][16]) {
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-        _mm256_store_si256((__m256i *)mult[r], _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(km + r * stride))));
+        __m256i m = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(km + r * stride)));
+        if (SCALED) m = _mm256_mullo_epi32(_mm256_sub_epi32(m, _mm256_set1_epi32(1)), _mm256_set1_epi32(TILE));
+        _mm256_store_si256((__m256i *)mult[r], m);
         if (MIN) continue;
         const __m512i wide = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s16 + 2 * r * stride)));
         _mm512_store_si512(off[r], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wide, 5)));
@@ -168,7 +173,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
         __m512i dk[ZMM_ROWS_K];
         for (int r = 0; r < ROWS_N; r++) dk[r] = _mm512_setzero_si512();
         int32_t mult[ZMM_ROWS_K][8] __attribute__((aligned(32))), off[ZMM_ROWS_K][16] __attribute__((aligned(64)));
-        zmm_row_terms(a->km + r0 * (k / 32) + t * 8, a->ks16 + r0 * (k / 16) + t * 16, k / 32, ROWS_N, MIN, mult, off);
+        zmm_row_terms(a->km + r0 * (k / 32) + t * 8, a->ks16 + r0 * (k / 16) + t * 16, k / 32, ROWS_N, MIN, SCALED && MIN, mult,
+                      off);
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             __m512i dlo[ZMM_ROWS_K], dhi[ZMM_ROWS_K];
@@ -187,10 +193,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
             }
             if (SCALED && MIN) { /* zmm_scale_table's sc * m: one multiply */
                 const int32_t *at = tl->scaled + b * K_MULTIPLES * TILE;
-                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-                    const int64_t m1 = a->km[(r0 + r) * (k / 32) + b] - 1;
-                    dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(dlo[r], _mm512_load_si512(at + m1 * TILE)));
-                }
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)
+                    dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(dlo[r], _mm512_load_si512(at + mult[r][j])));
                 continue;
             }
             const __m512i sc0 = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
