@@ -40,7 +40,7 @@
  * tiles and activations that plain stores wrote), for GCC and Clang alike.
  *
  * The loop order is a blocked GEMM's (gguf_matmul.c's run_amx_set): an item is a set of
- * tiles whose scaled quants fit L2 together (AMX_SET_BYTES), and each 16-row block of a
+ * tiles whose scaled weights fit L2 together (AMX_SET_BYTES), and each 16-row block of a
  * passes over all of them while it is in L2. A pass per tile over all of a call's rows read
  * every row's a (two bytes a value) again for every tile, and the tile loads of a then
  * held 57% of the pass's samples: as fast as the AVX-512 pass, no faster. With the sets,
@@ -161,9 +161,22 @@ static inline TARGET_AMX __attribute__((always_inline)) void amx_chunk(const job
     AMX_DP(tdpbssd, 2, 5, 7); /* ahi * whi */
 }
 
+/* The three sums' registers (0-2) zeroed for a step, and stored to s (C_ll, C_mid, C_hh). */
+static inline TARGET_AMX __attribute__((always_inline)) void amx_zero_sums(void) {
+    AMX_ZERO(0);
+    AMX_ZERO(1);
+    AMX_ZERO(2);
+}
+
+static inline TARGET_AMX __attribute__((always_inline)) void amx_store_sums(int32_t (*s)[AMX_ROWS_K][TILE]) {
+    AMX_STORE(0, s[0]);
+    AMX_STORE(1, s[1]);
+    AMX_STORE(2, s[2]);
+}
+
 /* Rows r0 .. r0 + 15 over a set's `subs` tiles tl (MIN: Q4_K or Q5_K, else Q6_K; tile v's
- * columns j0 + 16 v on, cols[v] of them), the registers configured and the tiles' scaled
- * quants built. ahead: NULL, or the next item's plans (tile_ahead), a part per
+ * columns j0 + 16 v on, cols[v] of them), the registers configured and the tiles' weights
+ * scaled (amx_scaled_tile). ahead: NULL, or the next item's plans (tile_ahead), a part per
  * superblock. Step i is superblock i / subs of tile i % subs (the header: the
  * activations of a superblock stay in L1 over the set). Step i + 1's products
  * interleave with the vector units' work on step i: a quarter of i's rows after each of
@@ -176,26 +189,18 @@ static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const 
     float acc[AMX_SET_TILES][AMX_ROWS_K][TILE] __attribute__((aligned(64)));
     for (int v = 0; v < subs; v++)
         for (int r = 0; r < AMX_ROWS_K; r++) _mm512_store_ps(acc[v][r], _mm512_setzero_ps());
-    AMX_ZERO(0);
-    AMX_ZERO(1);
-    AMX_ZERO(2);
+    amx_zero_sums();
     for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c);
     for (int64_t i = 0; i < steps; i++) {
         const int64_t t = i / subs;
         const int v = (int)(i % subs);
         int32_t(*s)[AMX_ROWS_K][TILE] = sums[i % 2];
-        AMX_STORE(0, s[0]);
-        AMX_STORE(1, s[1]);
-        AMX_STORE(2, s[2]);
+        amx_store_sums(s);
         if (ahead && v == 0) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         const int more = i + 1 < steps;
         const int64_t t1 = (i + 1) / subs;
         const tile_t *tl1 = tl + (i + 1) % subs;
-        if (more) {
-            AMX_ZERO(0);
-            AMX_ZERO(1);
-            AMX_ZERO(2);
-        }
+        if (more) amx_zero_sums();
         for (int c = 0; c < 4; c++) {
             if (more) amx_chunk(job, tl1, r0, t1, c);
             __m512i dk[4];

@@ -191,7 +191,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
                     else dlo[r] = dpbusd_bcst(dlo[r], w, xb + r * k + 4 * g);
                 }
             }
-            if (SCALED && MIN) { /* zmm_scale_table's sc * m: one multiply */
+            if (SCALED && MIN) { /* zmm_scale_table's sc * m: one multiply (mult holds m's offsets there) */
                 const int32_t *at = tl->scaled + b * K_MULTIPLES * TILE;
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)
                     dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(dlo[r], _mm512_load_si512(at + mult[r][j])));
