@@ -11,10 +11,18 @@
  * decode step (issue 29: 9.9 against 20 ms with OpenMP's spin on and off); where other
  * programs want the cores, a spinning thread holds a core that the thread it waits for
  * needs, and the same step took 50 ms against 18 (see bargein/cli/threads.py). So the
- * spin adapts: a spinning thread looks at the clock as it spins, and a gap in what it saw
- * means it was descheduled, which happens only when more threads want to run than there
- * are cores; so does a worker that ends its index much later than the caller ends its own,
- * and the caller's own count of involuntary switches (looked at every few calls). Then workers spin only a few microseconds for a while (CALM_MIN_NS), doubled
+ * spin adapts: a spinning thread looks at the clock as it spins, and a gap in what it saw,
+ * with an involuntary switch of the thread counted in it, means that another task of this
+ * system had its core, which happens when more threads want to run than there are cores;
+ * so does a worker that ends its index much later than the caller ends its own, and a
+ * caller that lost an eighth of its time to other tasks since it last looked (every few
+ * calls: its time waiting on a run queue, /proc/thread-self/schedstat). A gap without a
+ * switch is the hypervisor's (its vCPU was descheduled on the host) or an interrupt's, and
+ * a switch that cost a few microseconds in tens of milliseconds is a kernel thread's
+ * (a virtual machine's rcu, kworker and kdamond threads preempt a busy thread several
+ * times a second): neither is helped by sleeping, and taking them for contention kept the
+ * worker of a 2-core VM asleep for 14% of a prompt's prefill (2-75 ms at a time, the
+ * caller alone on the call). Then workers spin only a few microseconds for a while (CALM_MIN_NS), doubled
  * each time spinning is descheduled again soon after it resumed (up to CALM_MAX_NS), and
  * reset after a calm period passes clean: on a quiet machine threads spin, on a busy one
  * they sleep almost at once and are not woken (the caller takes their indices; waiting
@@ -30,13 +38,16 @@
 #define _GNU_SOURCE /* RUSAGE_THREAD */
 #include "parallel.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <sys/resource.h>
 #include <time.h>
+#include <unistd.h>
 
 
 #define MAX_WORKERS 255
@@ -48,6 +59,7 @@
 #define CALM_MIN_NS 2000000  /* no spinning for this long after a descheduled spin ... */
 #define CALM_MAX_NS 256000000 /* ... doubled while it happens again, up to this */
 #define PREEMPT_CHECK 16     /* calls between two looks at the caller's involuntary switches */
+#define LOST_SHARE 8         /* a caller that waited on a run queue 1/8 of the time since its last look */
 
 /* The current call, one word: generation (32 bits), count (16), next index to claim (16).
  * A claim is a compare-and-swap on it, so a worker that comes late can never take an index
@@ -96,6 +108,38 @@ static void contention_seen(int64_t now) {
     atomic_store_explicit(&pool.calm_until, now + calm, memory_order_relaxed);
 }
 
+/* The calling thread's involuntary context switches so far; -1 where the system does not
+ * count them per thread. */
+static long involuntary_switches(void) {
+#ifdef RUSAGE_THREAD
+    struct rusage usage;
+    return getrusage(RUSAGE_THREAD, &usage) == 0 ? usage.ru_nivcsw : -1;
+#else
+    return -1;
+#endif
+}
+
+/* How long the calling thread has waited on a run queue (runnable while another task had
+ * its core), ns, from /proc/thread-self/schedstat; -1 where the kernel does not say (not
+ * Linux, or no CONFIG_SCHED_INFO). */
+static int64_t run_queue_wait_ns(void) {
+    char text[96];
+    const int fd = open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    const ssize_t n = read(fd, text, sizeof text - 1);
+    close(fd);
+    if (n <= 0) return -1;
+    text[n] = 0;
+    unsigned long long running, waiting;
+    return sscanf(text, "%llu %llu", &running, &waiting) == 2 ? (int64_t)waiting : -1;
+}
+
+/* Whether losing `lost` ns to other tasks over `span` ns is contention worth calming down
+ * for: an eighth of the time, and more than one descheduled spin's worth. */
+static int lost_to_contention(int64_t lost, int64_t span) {
+    return lost > PREEMPTED_NS && lost * LOST_SHARE >= span;
+}
+
 typedef int (*ready_fn)(void);
 
 /* Spins until ready() or the spin's end; 1 if ready. While calm (see the top), a spin for
@@ -104,6 +148,7 @@ typedef int (*ready_fn)(void);
  * the caller's core is better given up) to CALM_WAIT_NS. */
 static inline int spin_until(ready_fn ready, int for_workers) {
     if (ready()) return 1;
+    const long switches = involuntary_switches();
     int64_t last = now_ns();
     const int calm = last < atomic_load_explicit(&pool.calm_until, memory_order_relaxed);
     const int64_t end = last + (!calm ? SPIN_NS : for_workers ? CALM_WAIT_NS : CALM_SPIN_NS);
@@ -113,7 +158,8 @@ static inline int spin_until(ready_fn ready, int for_workers) {
             CPU_RELAX();
         }
         const int64_t now = now_ns();
-        if (now - last > PREEMPTED_NS) {
+        /* a gap: descheduled, by this system's scheduler only if it counted a switch */
+        if (now - last > PREEMPTED_NS && (switches < 0 || involuntary_switches() != switches)) {
             contention_seen(now);
             return ready();
         }
@@ -177,24 +223,29 @@ static void *worker_main(void *unused) {
 }
 
 static int call_count; /* the running call's count, for all_done (read under `submit`) */
-/* per calling thread: its calls, and its involuntary switches when last looked */
+/* per calling thread: its calls; when it last looked, its involuntary switches then, and
+ * its run-queue wait when last read (-1: not yet) */
 static _Thread_local unsigned calls;
 static _Thread_local long caller_switches = -1;
+static _Thread_local int64_t caller_looked, caller_wait = -1;
 
-/* Whether the calling thread was descheduled against its will since the last look, every
- * PREEMPT_CHECK calls (a system call). The caller runs most of a step: when it is the
- * thread that loses its core, no spin of a worker sees it. */
+/* Whether the calling thread lost its core to other tasks for an eighth of the time since
+ * its last look (lost_to_contention), looked at every PREEMPT_CHECK calls: a system call,
+ * and a read of its schedstat only when it was switched out against its will since (until
+ * then its run-queue wait only grows by its wake-ups'). The caller runs most of a step:
+ * when it is the thread that loses its core, no spin of a worker sees it. Where the wait is
+ * not known, any involuntary switch counts. */
 static int caller_was_preempted(void) {
-#ifdef RUSAGE_THREAD
     if (++calls % PREEMPT_CHECK) return 0;
-    struct rusage usage;
-    if (getrusage(RUSAGE_THREAD, &usage) != 0) return 0;
-    const long before = caller_switches;
-    caller_switches = usage.ru_nivcsw;
-    return before >= 0 && usage.ru_nivcsw > before;
-#else
-    return 0;
-#endif
+    const long switches = involuntary_switches(), before = caller_switches;
+    const int64_t now = now_ns(), since = caller_looked;
+    caller_switches = switches;
+    caller_looked = now;
+    if (switches < 0 || before < 0 || switches == before) return 0;
+    const int64_t wait = run_queue_wait_ns(), lost = wait - caller_wait;
+    const int known = wait >= 0 && caller_wait >= 0;
+    caller_wait = wait;
+    return known ? lost_to_contention(lost, now - since) : wait < 0;
 }
 
 static int all_done(void) { return atomic_load(&pool.done) >= call_count - 1; }
