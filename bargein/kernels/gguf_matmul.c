@@ -590,7 +590,27 @@ static inline TARGET_AVX2 __attribute__((always_inline)) float amax_avx2(const f
     return _mm_cvtss_f32(m4);
 }
 
-/* 32 floats x as rint(x * inv) clamped to +-127 into out, with the sums of each half of 16. */
+/* max|x| of each of a superblock's eight 32-blocks (x: 256 floats), lane j for block j:
+ * each block's four vectors maxed into one, then the eight reduced side by side (the
+ * pairs' unpacks, the quads' shuffles, the halves' permutes) instead of one horizontal
+ * reduction per block. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256 amax8_avx2(const float *x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[8];
+    for (int j = 0; j < 8; j++) {
+        __m256 mx = _mm256_setzero_ps(); /* from 0, as amax_avx2 */
+        for (int i = 0; i < 4; i++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 32 * j + 8 * i)));
+        v[j] = mx;
+    }
+    __m256 pairs[4], quads[2];
+    for (int p = 0; p < 4; p++) /* per 128-bit half: block 2p's and 2p + 1's maxima of lanes (0, 2), (1, 3) */
+        pairs[p] = _mm256_max_ps(_mm256_unpacklo_ps(v[2 * p], v[2 * p + 1]), _mm256_unpackhi_ps(v[2 * p], v[2 * p + 1]));
+    for (int q = 0; q < 2; q++) /* per 128-bit half: blocks 4q .. 4q + 3, each over its half's four lanes */
+        quads[q] = _mm256_max_ps(_mm256_shuffle_ps(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(pairs[2 * q], pairs[2 * q + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_max_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+
 /* One 32-block of x quantized to out (and, where uout is not NULL, plus 128 to uout), its
  * halves' sums to sums. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(const float *x, float inv, int8_t *out,
@@ -616,6 +636,22 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(co
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
         sums[half] = _mm_cvtsi128_si32(s4);
     }
+}
+
+/* A 32-block's a = m * kq (|a| <= 16 * 127) as the AMX pass's two bytes, a = 256 * ahi + alo
+ * (gguf_tile_amx.h), written as the block is quantized rather than by a pass of its own
+ * over every row again. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void amx_split32_avx2(const int8_t *kq, int m, uint8_t *alo,
+                                                                                int8_t *ahi) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)kq), mult = _mm256_set1_epi16((short)m);
+    const __m256i a0 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_castsi256_si128(q)), mult);
+    const __m256i a1 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(_mm256_extracti128_si256(q, 1)), mult);
+    const __m256i low = _mm256_set1_epi16(0xff);
+    /* the packs work within 128-bit halves: the permute puts the four quarters in order */
+    const __m256i lo = _mm256_packus_epi16(_mm256_and_si256(a0, low), _mm256_and_si256(a1, low));
+    const __m256i hi = _mm256_packs_epi16(_mm256_srai_epi16(a0, 8), _mm256_srai_epi16(a1, 8));
+    _mm256_storeu_si256((__m256i *)alo, _mm256_permute4x64_epi64(lo, _MM_SHUFFLE(3, 1, 2, 0)));
+    _mm256_storeu_si256((__m256i *)ahi, _mm256_permute4x64_epi64(hi, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
 /* The 4 x 4 transpose of 64-bit words: qword p of v[s] is qword s of src[p]. */
@@ -648,21 +684,38 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
         if (a->kq)
             for (int64_t t = 0; t < a->k / 256; t++) {
                 const float *x = a->x + r * a->k + t * 256;
-                float amax = 0.0f, amax32[8];
-                for (int j = 0; j < 8; j++) amax32[j] = amax_avx2(x + 32 * j, 1), amax = fmaxf(amax, amax32[j]);
+                int8_t *kq = a->kq + r * a->k + t * 256;
                 int16_t *s16 = a->ks16 + r * (a->k / 16) + t * 16, *s32 = a->ks32 + r * (a->k / 32) + t * 8;
                 int16_t *km = a->km + r * (a->k / 32) + t * 8;
+                /* the eight blocks' multiples and steps side by side: the operations of
+                 * k_chain_multiple and k_chain_step, lane by lane (the same bits) */
+                const __m256 amax32 = amax8_avx2(x);
+                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax32), _mm256_extractf128_ps(amax32, 1));
+                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+                __m256i m8 = _mm256_set1_epi32(1);
+                if (amax > 0.0f) {
+                    const __m256 up = _mm256_round_ps(_mm256_mul_ps(_mm256_div_ps(amax32, _mm256_set1_ps(amax)), _mm256_set1_ps(16.0f)),
+                                                      _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+                    m8 = _mm256_max_epi32(_mm256_cvttps_epi32(up), m8);
+                }
+                const __m256 step = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(amax / 127.0f), _mm256_cvtepi32_ps(m8)),
+                                                  _mm256_set1_ps(0.0625f));
+                float inv[8];
+                _mm256_storeu_ps(inv, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), step),
+                                                    _mm256_cmp_ps(step, _mm256_setzero_ps(), _CMP_GT_OQ)));
+                _mm_storeu_si128((__m128i *)km, _mm_packs_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1)));
                 for (int j = 0; j < 8; j++) {
-                    km[j] = (int16_t)k_chain_multiple(amax32[j], amax);
-                    const float step = k_chain_step(amax, km[j]), inv = step > 0.0f ? 1.0f / step : 0.0f;
                     int32_t sums[2];
-                    quantize32_avx2(x + 32 * j, inv, a->kq + r * a->k + t * 256 + 32 * j, sums, NULL);
+                    quantize32_avx2(x + 32 * j, inv[j], kq + 32 * j, sums, NULL);
                     s16[2 * j] = (int16_t)sums[0], s16[2 * j + 1] = (int16_t)sums[1];
                     s32[j] = (int16_t)(sums[0] + sums[1]);
+                    if (a->alo) amx_split32_avx2(kq + 32 * j, km[j], a->alo + r * a->amx_stride + t * 256 + 32 * j,
+                                                 a->ahi + r * a->amx_stride + t * 256 + 32 * j);
                 }
                 a->kd[r * (a->k / 256) + t] = k_chain_unit(amax);
                 if (a->kp) k_chain_products(a, r, t);
-                if (a->kx) quad_order(a->kq + r * a->k + t * 256, a->kx + r * a->k + t * 256);
+                if (a->kx) quad_order(kq, a->kx + r * a->k + t * 256);
             }
         if (!a->q) continue;
         for (int64_t b = 0; b < a->nb; b++) {
@@ -2477,9 +2530,6 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (isa != ISA_C && !exact) quantize = neon_gguf_quantize_rows;
 #endif
     bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
-#ifdef GGUF_AMX
-    if (job.amx) bargein_parallel_run(amx_split_part, &a, quant_threads > 1 ? (int)quant_threads : 1);
-#endif
     bargein_parallel_run(run_tiles, &job, num_threads);
 done:
     free(a.q);

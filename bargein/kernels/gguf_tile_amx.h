@@ -7,8 +7,8 @@
  * more). Here the per-block factors go into the tile products' operands, so that one
  * product spans the whole superblock. The activations are the same for every type: a =
  * m_j * kq (|a| <= 16 * 127) as two bytes, a = 256 * ahi + alo (alo in 0..255, ahi in
- * -8..7: acts_t's alo, ahi, split once per call). So are the weights, built once per tile
- * (amx_scaled_tile): w = 256 * whi + wlo (wlo in 0..255, whi signed), where
+ * -8..7: acts_t's alo, ahi, written as each block is quantized). So are the weights, built
+ * once per tile (amx_scaled_tile): w = 256 * whi + wlo (wlo in 0..255, whi signed), where
  *
  *   Q4_K, Q5_K (D = sum_j sc_j * m_j * D_j = sum of (sc_j * q) * a): w = sc * q, the
  *   unsigned quant times its 6-bit scale (at most 31 * 63: whi in 0..7);
@@ -95,25 +95,6 @@ static void amx_release(void) { __asm__ volatile("tilerelease" ::: "memory"); }
     __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #T ::"r"(at), "r"((int64_t)(stride)) : "memory")
 #define AMX_STORE(T, at) __asm__ volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(at), "r"((int64_t)64) : "memory")
 #define AMX_DP(OP, C, A, B) __asm__ volatile(#OP " %%tmm" #B ", %%tmm" #A ", %%tmm" #C ::: "memory")
-
-/* acts_t's alo, ahi of rows [r0, r1) (amx_stride apart): per 32-block j, a = m_j * kq as
- * 256 * ahi + alo. */
-static TARGET_AMX void amx_split_rows(const acts_t *a, int64_t r0, int64_t r1) {
-    const int64_t nb = a->k / 32;
-    for (int64_t r = r0; r < r1; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t at = r * a->amx_stride + 32 * b, from = r * a->k + 32 * b;
-            const __m512i v = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(a->kq + from))),
-                                                 _mm512_set1_epi16(a->km[r * nb + b]));
-            _mm256_storeu_si256((__m256i *)(a->alo + at), _mm512_cvtepi16_epi8(v)); /* the low bytes */
-            _mm256_storeu_si256((__m256i *)(a->ahi + at), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
-        }
-}
-
-static void amx_split_part(void *arg, int index, int count) {
-    const acts_t *a = (const acts_t *)arg;
-    amx_split_rows(a, a->m * index / count, a->m * (index + 1) / count);
-}
 
 /* tl's weights w as the AMX operands' two bytes, w = 256 * whi + wlo (wlo in 0..255 into
  * amx_lo, whi into amx_hi), in the tile's layout: w = sc * u for Q4_K and Q5_K (the
