@@ -579,15 +579,19 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void params_at(const in
 }
 
 
+/* The largest of v's eight lanes. */
+static inline TARGET_AVX2 __attribute__((always_inline)) float hmax_avx2(__m256 v) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
 /* max|x| over blocks32 blocks of 32 floats (a max: the order does not matter). */
 static inline TARGET_AVX2 __attribute__((always_inline)) float amax_avx2(const float *x, int blocks32) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 mx = _mm256_setzero_ps();
     for (int i = 0; i < 4 * blocks32; i++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8 * i)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    return _mm_cvtss_f32(m4);
+    return hmax_avx2(mx);
 }
 
 /* max|x| of each of a superblock's eight 32-blocks (x: 256 floats), lane j for block j:
@@ -690,9 +694,7 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                 /* the eight blocks' multiples and steps side by side: the operations of
                  * k_chain_multiple and k_chain_step, lane by lane (the same bits) */
                 const __m256 amax32 = amax8_avx2(x);
-                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax32), _mm256_extractf128_ps(amax32, 1));
-                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+                const float amax = hmax_avx2(amax32);
                 __m256i m8 = _mm256_set1_epi32(1);
                 if (amax > 0.0f) {
                     const __m256 up = _mm256_round_ps(_mm256_mul_ps(_mm256_div_ps(amax32, _mm256_set1_ps(amax)), _mm256_set1_ps(16.0f)),
