@@ -1083,52 +1083,82 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const ahea
  * acts_t's kp, or where those overflow int16, times the rows' m pairs, at most 63 * 16,
  * against sum q), d and -dmin at the superblock's first 32-block.
  *
- * Q6_K (offset 32): per group of four, maddubs, then a madd by the row's m (in place of
- * maddubs' pair-summing ones), each half's lanes started from the offset's -32 * m * S16_h,
- * times the half's scale once per block. (Pairs of groups summed in int16 first, as Q4_K's
- * pass does, measured 1.05-1.08x the time at k = 2,048 and 0.94-0.95x at 8,192 built for
- * Zen 3: not kept.) */
+ * Q6_K (offset 32): the maddubs pairs of two groups of four summed in int16 (at most
+ * 4 * 63 * 127 = 32,004), each such sum against the half's sc * m (|sc * m| <= 128 * 16)
+ * in one madd; the offset's -32 * sc_h * m * S16_h once per block, row and 8 columns, a
+ * madd of the tile's (-32 sc_lo, -32 sc_hi) pairs (k_params8, in the mins' panel, which
+ * Q6_K has no use for) against the row's (m S16_lo, m S16_hi), made for a superblock's
+ * eight blocks at once (|m * S16| <= 16 * 2,032). Per block, row and 8 columns: 8
+ * maddubs, 5 madds and 2 int16 multiplies on the multiply ports, where a madd by m per
+ * group and a mullo_epi32 by sc per half took 8 maddubs, 8 madds and 2 mullo_epi32 (two
+ * uops each on Intel). The quants' part alone can pass int32 where the weights are all
+ * 63; the adds wrap modulo 2^32 and D itself fits int32 (|q - 32| <= 32: 16 * 2,048 * 16
+ * * 32 * 127 < 2^31), so the wrapped sum is D: the same bits. bench/gemm_tile_ab.c, one
+ * thread, the layer's shapes, built for Skylake (16 ymm registers), new / old time: 0.83
+ * at 512 rows, 0.88 at 32; built for Zen 3: 0.86, 0.90. (The same int16 pairs with the
+ * madd by m and the mullo_epi32 by sc kept measured 1.05-1.08x the time on the Zen 4.) */
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(const job_t *job, const tile_t *tl,
                                                                                const ahead_t *ahead, int64_t j0,
                                                                                int cols, int64_t r0, const int ROWS_N) {
     const acts_t *a = job->a;
     const int64_t k = job->k, supers = k / 256;
     const __m256i *tile = (const __m256i *)tl->tile;
+    /* each 32-bit lane's pair (sc_lo, sc_hi) of int16 into both halves: sc_lo, then sc_hi */
+    const __m256i dup_lo = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5,
+                                            8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i dup_hi = _mm256_add_epi8(dup_lo, _mm256_set1_epi8(2));
     __m256 acc[2][2];
     for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t t = 0; t < supers; t++) {
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         __m256i dk[2][2];
-        for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();
+        /* ms[r][j]: 32-block j's (m S16_lo, m S16_hi) as an int16 pair, all eight at once */
+        int32_t ms[2][8] __attribute__((aligned(32)));
+        for (int r = 0; r < ROWS_N; r++) {
+            dk[r][0] = dk[r][1] = _mm256_setzero_si256();
+            const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->ks16 + (r0 + r) * (k / 16) + t * 16));
+            const __m256i m8 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a->km + (r0 + r) * (k / 32) + t * 8)));
+            _mm256_store_si256((__m256i *)ms[r], _mm256_mullo_epi16(s16, _mm256_or_si256(m8, _mm256_slli_epi32(m8, 16))));
+        }
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
-            __m256i dlo[2][2], dhi[2][2], mv[2];
-            _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
-                const int16_t *s16 = a->ks16 + (r0 + r) * (k / 16) + 2 * b;
-                const int m = a->km[(r0 + r) * (k / 32) + b];
-                mv[r] = _mm256_set1_epi16((int16_t)m);
-                dlo[r][0] = dlo[r][1] = _mm256_set1_epi32(-32 * m * s16[0]);
-                dhi[r][0] = dhi[r][1] = _mm256_set1_epi32(-32 * m * s16[1]);
+            int m[2];
+            for (int r = 0; r < ROWS_N; r++) m[r] = a->km[(r0 + r) * (k / 32) + b];
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) { /* the offset: (-32 sc_lo, -32 sc_hi) against (m S16_lo, m S16_hi) */
+                const __m256i neg = _mm256_loadu_si256((const __m256i *)(tl->pmn + (2 * b + 1) * TILE + 8 * v));
+                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
+                    dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_madd_epi16(neg, _mm256_set1_epi32(ms[r][j])));
             }
             const __m256i *wb = tile + b * 16;
-            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
-                const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
-                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
-                    int32_t four;
-                    memcpy(&four, a->kq + (r0 + r) * k + 32 * b + 4 * g, 4);
-                    const __m256i xv = _mm256_set1_epi32(four);
-                    __m256i *d = g >= 4 ? dhi[r] : dlo[r];
-                    d[0] = _mm256_add_epi32(d[0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xv), mv[r]));
-                    d[1] = _mm256_add_epi32(d[1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xv), mv[r]));
-                    in_order(&d[0]), in_order(&d[1]);
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                __m256i scm[2][2]; /* [row][v]: the half's sc times the row's m in both int16 halves of each lane */
+                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                    const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
+                    const __m256i sc = _mm256_shuffle_epi8(pair, h ? dup_hi : dup_lo);
+                    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
+                        scm[r][v] = _mm256_mullo_epi16(sc, _mm256_set1_epi16((int16_t)m[r]));
                 }
-            }
-            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                const __m256i sc0 = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v));
-                const __m256i sc1 = _mm256_loadu_si256((const __m256i *)(tl->psc + (2 * b + 1) * TILE + 8 * v));
-                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
-                    dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_add_epi32(_mm256_mullo_epi32(dlo[r][v], sc0),
-                                                                           _mm256_mullo_epi32(dhi[r][v], sc1)));
+                _Pragma("GCC unroll 2") for (int q = 2 * h; q < 2 * h + 2; q++) { /* pairs of groups: 2q, 2q + 1 */
+                    __m256i sum[2][2];
+                    _Pragma("GCC unroll 2") for (int i = 0; i < 2; i++) {
+                        const int g = 2 * q + i;
+                        const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
+                        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+                            int32_t four;
+                            memcpy(&four, a->kq + (r0 + r) * k + 32 * b + 4 * g, 4);
+                            const __m256i xv = _mm256_set1_epi32(four);
+                            const __m256i p0 = _mm256_maddubs_epi16(w0, xv), p1 = _mm256_maddubs_epi16(w1, xv);
+                            sum[r][0] = i == 0 ? p0 : _mm256_add_epi16(sum[r][0], p0);
+                            sum[r][1] = i == 0 ? p1 : _mm256_add_epi16(sum[r][1], p1);
+                            in_order(&sum[r][0]), in_order(&sum[r][1]);
+                        }
+                    }
+                    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+                        dk[r][0] = _mm256_add_epi32(dk[r][0], _mm256_madd_epi16(sum[r][0], scm[r][0]));
+                        dk[r][1] = _mm256_add_epi32(dk[r][1], _mm256_madd_epi16(sum[r][1], scm[r][1]));
+                        in_order(&dk[r][0]), in_order(&dk[r][1]);
+                    }
+                }
             }
         }
         const int64_t at = t * 8 * TILE;
@@ -1405,14 +1435,15 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i word_bits(__m25
  * lane, into the tile's panels (ps, pm, psc, pmn already at the eight columns' first lane),
  * as the K passes read them: Q4_K/Q5_K's d and -dmin once, each 32-block j's six-bit scale
  * as an int32 at [2 j * TILE], the mins as int16 pairs (2p, 2p + 1) at [p * TILE]; Q6_K's d
- * at every [j * TILE] and its sixteen scales at [i * TILE]. The packed scales
+ * at every [j * TILE], its sixteen scales at [i * TILE] and, for the AVX2 pass (q6_pairs), as
+ * int16 pairs per 32-block j in pmn: (sc_lo, sc_hi) at [2 j * TILE], times -32 at [(2 j + 1) * TILE]. The packed scales
  * are read as 32-bit words of the eight columns (words8), so each scale or min is a shift
  * and a mask for all eight (k_scale_min's formulas, byte i of a word being p[4 w + i]);
  * column by column, the scalar unpacking was ~40% of a Q5_K tile's build, a fifth of a
  * 32-row matmul's time (bench/k_chain_cost.c). */
 static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const int TYPE, const uint8_t *const *col,
                                                                          int64_t at, float *ps, float *pm,
-                                                                         int32_t *psc, int32_t *pmn) {
+                                                                         int32_t *psc, int32_t *pmn, int q6_pairs) {
     if (TYPE == T_Q6_K) { /* d repeated per 32-block; sixteen int8 scales, sign-extended */
         __m256 d, scales;
         /* d, the block's last two bytes, as the high half of the word before it: a word at d
@@ -1425,6 +1456,18 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const in
             for (int i = 0; i < 4; i++)
                 _mm256_storeu_si256((__m256i *)(psc + (4 * w + i) * TILE),
                                     _mm256_srai_epi32(_mm256_slli_epi32(sc4, 24 - 8 * i), 24));
+            /* the AVX2 pass's int16 pairs of 32-block 2w + h: (sc_lo, sc_hi) at [2 (2w + h) * TILE],
+             * (-32 sc_lo, -32 sc_hi) at [(2 (2w + h) + 1) * TILE]; the other passes do without
+             * (written for them too, they cost a VNNI pass of 32 rows 1.06x its time) */
+            if (!q6_pairs) continue;
+            const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(sc4, 8), 8), odd = _mm256_srai_epi16(sc4, 8);
+            const __m256i pairs[2] = {_mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xAA),
+                                      _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA)};
+            for (int h = 0; h < 2; h++) {
+                _mm256_storeu_si256((__m256i *)(pmn + 2 * (2 * w + h) * TILE), pairs[h]);
+                _mm256_storeu_si256((__m256i *)(pmn + (2 * (2 * w + h) + 1) * TILE),
+                                    _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(pairs[h], 5)));
+            }
         }
         return;
     }
@@ -1470,7 +1513,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const
                 if (TYPE == T_Q4_1 || TYPE == T_Q5_1) _mm256_storeu_ps(tl->pm + t * TILE + 8 * v, halves8(col, at + 2));
             } else if (TYPE == T_Q4_K || TYPE == T_Q5_K || TYPE == T_Q6_K) {
                 k_params8(TYPE, col, at, tl->ps + t * subs * TILE + 8 * v, tl->pm + t * subs * TILE + 8 * v,
-                          tl->psc + 2 * t * subs * TILE + 8 * v, tl->pmn + 2 * t * subs * TILE + 8 * v);
+                          tl->psc + 2 * t * subs * TILE + 8 * v, tl->pmn + 2 * t * subs * TILE + 8 * v,
+                          job->isa == ISA_AVX2);
             } else {
                 for (int c = 0; c < 8; c++)
                     params_at(TYPE, col[c] + at, tl->ps + t * subs * TILE, tl->pm + t * subs * TILE,
