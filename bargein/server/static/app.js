@@ -490,14 +490,21 @@ function bindSettings() {
   api.setApiKey(state.settings.apiKey);
 }
 
+// The latest loadModel call. A changed key and a Retry each start one; an older call's answer
+// that comes back later (a 401 for the key just replaced) is stale and must not show.
+let modelLoads = 0;
+
 async function loadModel() {
+  const load = ++modelLoads;
   try {
     const models = await api.getModels();
+    if (load !== modelLoads) return;
     state.model = models.data?.[0]?.id ?? null;
     el.model.textContent = state.model || "no model";
     setConnected(true);
     if (!state.inflight) renderMessages(); // speaker labels name the model
   } catch (e) {
+    if (load !== modelLoads) return;
     el.model.textContent = e.kind !== "auth" ? "unavailable" : state.settings.apiKey ? "API key rejected" : "API key needed";
     if (e.kind === "auth") setConnected(true, "Connected; the server wants an API key");
     reportError(e);
