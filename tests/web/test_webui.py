@@ -550,6 +550,39 @@ def test_prompt_progress_bar_while_a_long_prompt_is_read(guarded_chat: Chat) -> 
     assert question.locator(".toggle-more").inner_text() == "Show less"
 
 
+def test_a_late_rejection_of_a_replaced_key_shows_nothing(browser, guarded_server, tmp_path: Path, request) -> None:
+    """The model list asked with a wrong key answers 401 only after the key was fixed and the
+    list came back with it: that stale answer shows no error and keeps the model named."""
+    held = []
+
+    def hold_wrong(route) -> None:
+        if route.request.headers.get("authorization") == "Bearer wrong":
+            held.append(route)
+        else:
+            route.continue_()
+
+    with open_chat(browser, guarded_server.base_url, tmp_path, request.node.name) as chat:
+        chat.page.click("#error-close")  # the first visit's "needs an API key"
+        chat.page.route("**/v1/models", hold_wrong)
+        chat.settings(api_key="wrong")
+        chat.page.focus("#max-tokens")  # the key's change event: a model list asked with it, held
+        for _ in range(100):
+            if held:
+                break
+            chat.page.wait_for_timeout(20)
+        assert held, "the page never asked for the model list with the wrong key"
+        chat.settings(api_key=GUARDED_KEY)
+        chat.page.focus("#max-tokens")
+        model = chat.page.locator("#model")
+        chat.page.wait_for_function("() => !document.querySelector('#model').textContent.startsWith('API key')")
+        named = model.inner_text()
+        with chat.page.expect_response(lambda r: r.url.endswith("/v1/models") and r.status == 401):
+            held[0].continue_()
+        chat.page.wait_for_timeout(300)  # the page's handling of that late answer
+        assert chat.page.is_hidden("#error"), chat.page.inner_text("#error")
+        assert model.inner_text() == named
+
+
 def test_key_errors_ask_for_the_key(browser, guarded_server, tmp_path: Path, request) -> None:
     with open_chat(browser, guarded_server.base_url, tmp_path, request.node.name) as chat:
         assert chat.page.inner_text("#model") == "API key needed"
