@@ -1110,6 +1110,20 @@ static TARGET_AVX2 void rows_avx2(const job_t *job, const tile_t *tl, const ahea
 }
 #define ROWS_AVX2 2
 
+/* The K chain's AVX2 passes' inner step: a row's four activation bytes at x, broadcast,
+ * against a group's two weight vectors (columns 0-7, 8-15), their maddubs pairs added into
+ * the row's int16 sums s (first: s starts from them). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(const int8_t *x, __m256i w0, __m256i w1,
+                                                                                int first, __m256i s[2]) {
+    int32_t four;
+    memcpy(&four, x, 4);
+    const __m256i xv = _mm256_set1_epi32(four);
+    const __m256i p0 = _mm256_maddubs_epi16(w0, xv), p1 = _mm256_maddubs_epi16(w1, xv);
+    s[0] = first ? p0 : _mm256_add_epi16(s[0], p0);
+    s[1] = first ? p1 : _mm256_add_epi16(s[1], p1);
+    in_order(&s[0]), in_order(&s[1]);
+}
+
 /* The K chain's AVX2 tile passes, rows r0 .. r0 + ROWS_N - 1 over the tile: per
  * superblock, each 32-block's (Q6_K: each half's) dot products for 16 columns times the
  * integer scales from the panels and the row's multiple m of the block, summed in int32
@@ -1179,15 +1193,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
                     _Pragma("GCC unroll 2") for (int i = 0; i < 2; i++) {
                         const int g = 2 * q + i;
                         const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
-                        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
-                            int32_t four;
-                            memcpy(&four, a->kq + (r0 + r) * k + 32 * b + 4 * g, 4);
-                            const __m256i xv = _mm256_set1_epi32(four);
-                            const __m256i p0 = _mm256_maddubs_epi16(w0, xv), p1 = _mm256_maddubs_epi16(w1, xv);
-                            sum[r][0] = i == 0 ? p0 : _mm256_add_epi16(sum[r][0], p0);
-                            sum[r][1] = i == 0 ? p1 : _mm256_add_epi16(sum[r][1], p1);
-                            in_order(&sum[r][0]), in_order(&sum[r][1]);
-                        }
+                        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
+                            group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, i == 0, sum[r]);
                     }
                     _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
                         dk[r][0] = _mm256_add_epi32(dk[r][0], _mm256_madd_epi16(sum[r][0], scm[r][0]));
@@ -1240,18 +1247,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
                 const int h = HALVES == 2 && g >= 4;
                 const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
-                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
-                    int32_t four;
-                    memcpy(&four, a->kq + (r0 + r) * k + 32 * b + 4 * g, 4);
-                    const __m256i xv = _mm256_set1_epi32(four);
-                    /* each half's sum starts from its first group's pairs: no zeroed start to add to
-                     * (an add fewer per 8 maddubs; 0.97-0.99x the pass's time built for Zen 3) */
-                    const __m256i p0 = _mm256_maddubs_epi16(w0, xv), p1 = _mm256_maddubs_epi16(w1, xv);
-                    const int first = g % (8 / HALVES) == 0;
-                    sum[h][r][0] = first ? p0 : _mm256_add_epi16(sum[h][r][0], p0);
-                    sum[h][r][1] = first ? p1 : _mm256_add_epi16(sum[h][r][1], p1);
-                    in_order(&sum[h][r][0]), in_order(&sum[h][r][1]);
-                }
+                /* each half's sum starts from its first group's pairs: no zeroed start to add to
+                 * (an add fewer per 8 maddubs; 0.97-0.99x the pass's time built for Zen 3) */
+                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
+                    group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, g % (8 / HALVES) == 0, sum[h][r]);
             }
             _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
                 /* sc in both int16 halves of its column's lane: sc * m by one mullo_epi16 per row */
