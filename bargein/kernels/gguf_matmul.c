@@ -622,6 +622,24 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256 amax8_avx2(const
     return _mm256_max_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20), _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
 }
 
+/* A superblock's eight multiples (into km) and the inverses of their steps (into inv, 0
+ * where the step is 0), from its blocks' maxima amax32 and its own amax: the operations of
+ * k_chain_multiple and k_chain_step lane by lane, so the same bits. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_chain_steps8_avx2(__m256 amax32, float amax, int16_t *km,
+                                                                                   float *inv) {
+    __m256i m8 = _mm256_set1_epi32(1);
+    if (amax > 0.0f) {
+        const __m256 up = _mm256_round_ps(_mm256_mul_ps(_mm256_div_ps(amax32, _mm256_set1_ps(amax)), _mm256_set1_ps(16.0f)),
+                                          _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
+        m8 = _mm256_max_epi32(_mm256_cvttps_epi32(up), m8);
+    }
+    const __m256 step = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(amax / 127.0f), _mm256_cvtepi32_ps(m8)),
+                                      _mm256_set1_ps(0.0625f));
+    _mm256_storeu_ps(inv, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), step),
+                                        _mm256_cmp_ps(step, _mm256_setzero_ps(), _CMP_GT_OQ)));
+    _mm_storeu_si128((__m128i *)km, _mm_packs_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1)));
+}
+
 /* One 32-block of x quantized to out (and, where uout is not NULL, plus 128 to uout), its
  * halves' sums to sums. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(const float *x, float inv, int8_t *out,
@@ -698,22 +716,10 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                 int8_t *kq = a->kq + r * a->k + t * 256;
                 int16_t *s16 = a->ks16 + r * (a->k / 16) + t * 16, *s32 = a->ks32 + r * (a->k / 32) + t * 8;
                 int16_t *km = a->km + r * (a->k / 32) + t * 8;
-                /* the eight blocks' multiples and steps side by side: the operations of
-                 * k_chain_multiple and k_chain_step, lane by lane (the same bits) */
                 const __m256 amax32 = amax8_avx2(x);
                 const float amax = hmax_avx2(amax32);
-                __m256i m8 = _mm256_set1_epi32(1);
-                if (amax > 0.0f) {
-                    const __m256 up = _mm256_round_ps(_mm256_mul_ps(_mm256_div_ps(amax32, _mm256_set1_ps(amax)), _mm256_set1_ps(16.0f)),
-                                                      _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
-                    m8 = _mm256_max_epi32(_mm256_cvttps_epi32(up), m8);
-                }
-                const __m256 step = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(amax / 127.0f), _mm256_cvtepi32_ps(m8)),
-                                                  _mm256_set1_ps(0.0625f));
                 float inv[8];
-                _mm256_storeu_ps(inv, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), step),
-                                                    _mm256_cmp_ps(step, _mm256_setzero_ps(), _CMP_GT_OQ)));
-                _mm_storeu_si128((__m128i *)km, _mm_packs_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1)));
+                k_chain_steps8_avx2(amax32, amax, km, inv);
                 for (int j = 0; j < 8; j++) {
                     int32_t sums[2];
                     quantize32_avx2(x + 32 * j, inv[j], kq + 32 * j, sums, NULL);
@@ -1038,6 +1044,12 @@ static inline int signed_tile(int isa, const qinfo_t *info) {
     return info->kind == KIND_PLAIN && (isa == ISA_VNNI || (isa == ISA_AVX2 && info->off <= 16));
 }
 
+/* Whether the AVX2 tile passes of 8-bit quants (off 128) read |q| from the tile's column
+ * bytes (abs_tile, rows_avx2_wide_abs) for a job of m rows. */
+static inline int abs_tiled(int isa, const qinfo_t *info, int64_t m) {
+    return isa == ISA_AVX2 && info->off == 128 && m >= ABS_MIN_ROWS_AVX2;
+}
+
 /* The tile's quants made signed for the signed passes: q = u - off in place, and per
  * 32-block and column the lanes' start -128 * sum q (into the tile's psc panel, which the
  * plain kinds do not use): sum q (x + 128) - 128 sum q = sum (u - off) x, the same int32 D
@@ -1091,7 +1103,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_t(const 
             else rows_avx2_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 8, AHEAD);
         } else if (rows == 2) rows_avx2_signed(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, 16, AHEAD);
         else rows_avx2_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 16, AHEAD);
-    } else if (info->off == 128 && job->m >= ABS_MIN_ROWS_AVX2) {
+    } else if (abs_tiled(ISA_AVX2, info, job->m)) {
         AVX2_KINDS(rows_avx2_wide_abs, 0)
     } else if (info->off == 128) {
         AVX2_KINDS(rows_avx2_wide, 0)
@@ -2409,7 +2421,7 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
     const tile_t tl = tile_scratch(job, index);
     build_tile(job, &tl, seg, &info, col0);
     if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off);
-    else if (job->isa == ISA_AVX2 && info.off == 128 && job->m >= ABS_MIN_ROWS_AVX2) abs_tile(job, &tl);
+    else if (abs_tiled(job->isa, &info, job->m)) abs_tile(job, &tl);
     ahead_t ahead[2];
     /* The first pass over this tile fetches the next one's blocks, a step per superblock on
      * the K chain, per 32-block on the 32 chain. The 32 chain only up to AHEAD_MAX_ROWS_32
