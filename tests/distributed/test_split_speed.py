@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,6 +50,32 @@ def test_the_calibration_times_the_models_own_layer_matrices() -> None:
     # 64 experts of one shape: timed once, counted 64 times (slower per layer than one matrix).
     one, experts = LayerShapes(((256, 256),)), LayerShapes(((256, 256),) * 64)
     assert layer_rate(1, experts, seconds=0.05) < layer_rate(1, one, seconds=0.05) / 8
+
+
+def test_a_stall_between_two_products_counts_against_the_node(monkeypatch) -> None:
+    """A CPU quota throttles a node wherever its quota runs out, between two products as
+    well as in one: the rate is the burst's layers over the burst's whole time (on a
+    clock that each product moves by 1 ms and every fifth reading by a 10 ms stall)."""
+    import torch
+
+    clock, readings = [0.0], []
+
+    def product(a, b):
+        clock[0] += 0.001
+        return a @ b
+
+    def perf_counter() -> float:
+        if len(readings) % 5 == 4:
+            clock[0] += 0.010
+        readings.append(clock[0])
+        return clock[0]
+
+    monkeypatch.setattr(torch, "mm", product)
+    monkeypatch.setattr(calibrate, "time", SimpleNamespace(perf_counter=perf_counter))
+    rate = layer_rate(1, LayerShapes(((8, 8),)), seconds=0.2)
+    layers = len(readings) - 1  # a reading at the start, then one after each product
+    assert rate == pytest.approx(layers / (readings[-1] - readings[0]))
+    assert rate < 1 / (0.001 + 0.010 / 5) * 1.01
 
 
 def test_a_nodes_rate_is_cached_per_node_model_and_threads(tmp_path, monkeypatch) -> None:
