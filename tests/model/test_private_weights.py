@@ -193,7 +193,7 @@ def test_matmuls_running_while_the_pages_move_give_the_same_bits(tmp_path: Path,
         t.join(120)
     made = running.wait(0)
     assert made is not None and made.error is None and made.bytes >= sum(w.nbytes for w in quants)
-    assert len(moved) * 64 * 1024 >= made.bytes and not unpaced
+    assert len(moved) * private_weights.CHUNK >= made.bytes and not unpaced
     assert not wrong and len(seen) >= len(moved)
     assert not any(_in_a_file(p, n) for p, n in _segments(weights).items())
 
