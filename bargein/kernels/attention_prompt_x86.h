@@ -18,8 +18,12 @@
  *   positions, 128 no better, docs/benchmarks.md).
  * - Keys come PROMPT_KEY_CHUNK at a time, widened to float32 once into an L1 scratch that
  *   every row then reads (before, every row widened every key and value itself).
- * - Scores: 4 rows x 3 keys per step, their twelve chains (one per score, each over the
- *   head in order) in registers, so they overlap instead of waiting on each other. Every
+ * - Scores: 3 rows x 4 keys per step, their twelve chains (one per score, each over the
+ *   head in order) in registers, so they overlap instead of waiting on each other; each
+ *   row's four sums leave in one store, two rows' trees side by side in one register
+ *   (hsum256_x8: with 4 rows x 3 keys, a score at a time, the horizontal sums and scalar
+ *   stores were about half of the step's samples; 0.88-0.91x the prompt attention's time,
+ *   Llama-1B's shape, 512 to 4,096 positions, AVX2 build). Every
  *   row of a step gets a score for every key up to the step's longest context, those past
  *   its own too: they are never read (the softmax and the values take the row's own
  *   positions only). With AVX-512 and no soft cap: 4 rows x 16 keys per step on the
@@ -44,8 +48,13 @@
  * passes its bound. */
 #define PROMPT_QUERY_TILE 64
 #define PROMPT_KEY_CHUNK 48 /* keys widened per step: 48 x head_dim floats stay in L1 (12 KB at 64) */
-#define SCORE_ROWS 4        /* rows x keys of a score step: 12 accumulators + 3 keys in 16 registers */
-#define SCORE_KEYS 3
+#define SCORE_ROWS 4 /* rows of an AVX-512 score step (score_keys16) */
+/* Rows x keys of a 256-bit score step: 12 accumulators, 3 queries and a key in 16 registers
+ * (2 rows x 4 keys: 0.93x the time of the 4 x 3 step before, against 3 rows' 0.88). */
+#ifndef STEP_ROWS
+#define STEP_ROWS 3
+#endif
+#define STEP_KEYS 4
 #define VALUE_ROWS 6 /* rows x 16 values of a value step: 12 accumulators + 2 values + 1 weight */
 
 /* One (query, head) pair of the tile: its query head, its scores (at position - earliest),
@@ -78,32 +87,50 @@ static inline void widen_chunk(const f16_batch_t *b, const uint16_t *cache, cons
     }
 }
 
+/* Eight scores, a row's four keys (a[0..3]) and the next row's (e[0..3]), as one vector
+ * [a0 a1 a2 a3 | e0 e1 e2 e3], each hsum256's tree as hsum256_x4's, the two rows side by
+ * side in the two 128-bit halves: the halves' sums by one blend and one cross-lane permute
+ * per pair of chains instead of an extract each, and the two trees' steps shared. */
+static inline __m256 hsum256_x8(const __m256 *a, const __m256 *e) {
+    __m256 s[4]; /* s[c] = [a_c's L0+L4 .. L3+L7 | e_c's] */
+    for (int c = 0; c < 4; c++)
+        s[c] = _mm256_add_ps(_mm256_blend_ps(a[c], e[c], 0xF0), _mm256_permute2f128_ps(a[c], e[c], 0x21));
+    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(s[0], s[1]), _mm256_unpackhi_ps(s[0], s[1]));
+    const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(s[2], s[3]), _mm256_unpackhi_ps(s[2], s[3]));
+    return _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
 /* Scores of rows[0, R) against keys k (C rows of d_len floats, positions at, at + 1, ...
  * of the rows' scores): R x C chains at once, each over the head in order. R, C and (where
- * the caller makes it so) d_len are constants after inlining. */
+ * the caller makes it so) d_len are constants after inlining. A step of four keys without
+ * a soft cap writes each row's four scores with one store (hsum256_x8, two rows at a time). */
 static inline __attribute__((always_inline)) void score_step(const f16_batch_t *b, const prompt_row_t *rows, int R,
                                                              const float *k, int C, int64_t at, int d_len) {
-    __m256 acc[SCORE_ROWS][SCORE_KEYS];
+    __m256 acc[STEP_ROWS][STEP_KEYS];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     for (int d = 0; d < d_len; d += 8) {
-        __m256 kd[SCORE_KEYS];
-        for (int c = 0; c < C; c++) kd[c] = _mm256_loadu_ps(k + (int64_t)c * d_len + d);
-        for (int r = 0; r < R; r++) {
-            const __m256 qd = _mm256_loadu_ps(rows[r].q + d);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(qd, kd[c], acc[r][c]);
+        __m256 qd[STEP_ROWS];
+        for (int r = 0; r < R; r++) qd[r] = _mm256_loadu_ps(rows[r].q + d);
+        for (int c = 0; c < C; c++) { /* a key at a time: 12 chains, 3 queries and 1 key in registers */
+            const __m256 kd = _mm256_loadu_ps(k + (int64_t)c * d_len + d);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(qd[r], kd, acc[r][c]);
         }
     }
-    for (int c = 0; c < C; c++) {
-        if (R == SCORE_ROWS && b->softcap <= 0.0f) { /* score() for four rows: the dot product times the scale */
-            float lanes[4];
-            _mm_storeu_ps(lanes, _mm_mul_ps(hsum256_x4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]),
-                                            _mm_set1_ps(b->scale)));
-            for (int r = 0; r < R; r++) rows[r].s[at + c] = lanes[r];
-        } else {
-            for (int r = 0; r < R; r++) rows[r].s[at + c] = score(b, hsum256(acc[r][c]));
+    if (C == 4 && b->softcap <= 0.0f) { /* score() without a cap: the products with the scale */
+        int r = 0;
+        for (; r + 2 <= R; r += 2) {
+            const __m256 s = _mm256_mul_ps(hsum256_x8(acc[r], acc[r + 1]), _mm256_set1_ps(b->scale));
+            _mm_storeu_ps(rows[r].s + at, _mm256_castps256_ps128(s));
+            _mm_storeu_ps(rows[r + 1].s + at, _mm256_extractf128_ps(s, 1));
         }
+        if (r < R)
+            _mm_storeu_ps(rows[r].s + at,
+                          _mm_mul_ps(hsum256_x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(b->scale)));
+        return;
     }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) rows[r].s[at + c] = score(b, hsum256(acc[r][c]));
 }
 
 /* The keys of a chunk (starting at position pos, n_keys of them) before the longest context
@@ -119,16 +146,16 @@ static inline __attribute__((always_inline)) void score_chunk_body(const f16_bat
                                                                    int n_rows, const float *k, int64_t n_keys,
                                                                    int64_t at, int64_t pos, int d_len) {
     for (int r = 0; r < n_rows;) {
-        const int R = n_rows - r < SCORE_ROWS ? 1 : SCORE_ROWS;
+        const int R = n_rows - r < STEP_ROWS ? 1 : STEP_ROWS;
         const int64_t keys = keys_seen(rows + r, R, pos, n_keys);
         int64_t t = 0;
-        if (R == SCORE_ROWS) {
-            for (; t + SCORE_KEYS <= keys; t += SCORE_KEYS)
-                score_step(b, rows + r, SCORE_ROWS, k + t * d_len, SCORE_KEYS, at + t, d_len);
-            for (; t < keys; t++) score_step(b, rows + r, SCORE_ROWS, k + t * d_len, 1, at + t, d_len);
+        if (R == STEP_ROWS) {
+            for (; t + STEP_KEYS <= keys; t += STEP_KEYS)
+                score_step(b, rows + r, STEP_ROWS, k + t * d_len, STEP_KEYS, at + t, d_len);
+            for (; t < keys; t++) score_step(b, rows + r, STEP_ROWS, k + t * d_len, 1, at + t, d_len);
         } else {
-            for (; t + SCORE_KEYS <= keys; t += SCORE_KEYS)
-                score_step(b, rows + r, 1, k + t * d_len, SCORE_KEYS, at + t, d_len);
+            for (; t + STEP_KEYS <= keys; t += STEP_KEYS)
+                score_step(b, rows + r, 1, k + t * d_len, STEP_KEYS, at + t, d_len);
             for (; t < keys; t++) score_step(b, rows + r, 1, k + t * d_len, 1, at + t, d_len);
         }
         r += R;

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from bargein.kernels import native
+from bargein.kernels import build_flags, native
 
 # The sources of the kernels the portable library's tests call (test_native_kernels.py:
 # paged decode attention; test_quant_kernels.py: the int8 matmul and its instruction sets,
@@ -43,6 +43,23 @@ class NotBuilt:
                              f"tests/kernels/conftest.py's PORTABLE_SOURCES")
 
 
+def build_partial(folder, variants: tuple[tuple[str, ...], ...], names: tuple[str, ...]) -> native.NativeKernels:
+    """The kernel sources ``names`` built into ``folder`` with the first of ``variants``
+    (architecture flags) that compiles, bound as :class:`native.NativeKernels` binds the
+    whole library; skips the test where there is no C compiler."""
+    compiler = native._compiler()
+    if compiler is None or shutil.which(compiler) is None:
+        pytest.skip("no C compiler here")
+    sources = tuple(source for source in native._SOURCES if source.name in names)
+    assert len(sources) == len(names), "a kernel source was renamed in bargein/kernels/native.py"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "_VARIANTS", variants)
+        patch.setattr(native, "_SOURCES", sources)
+        path = native.build_library(compiler, folder)
+    assert [p.name for p in folder.iterdir()] == [path.name]  # a refused variant left nothing
+    return native.NativeKernels(PartialLibrary(ctypes.CDLL(str(path))), path)
+
+
 @pytest.fixture(scope="session")
 def portable_kernels(tmp_path_factory: pytest.TempPathFactory) -> native.NativeKernels:
     """The kernels as a compiler that refuses ``-march=native`` (and OpenMP) builds them:
@@ -50,15 +67,18 @@ def portable_kernels(tmp_path_factory: pytest.TempPathFactory) -> native.NativeK
     the vector paths exist only through their own target attributes and ``parallel.c``
     runs its own thread pool. Built once per session, from :data:`PORTABLE_SOURCES` only
     (~5 s of CPU; all of them take ~35 s); two tests need exactly this library."""
-    compiler = native._compiler()
-    if compiler is None or shutil.which(compiler) is None:
-        pytest.skip("no C compiler here")
-    folder = tmp_path_factory.mktemp("portable-kernels")
-    sources = tuple(source for source in native._SOURCES if source.name in PORTABLE_SOURCES)
-    assert len(sources) == len(PORTABLE_SOURCES), "a portable source was renamed in bargein/kernels/native.py"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native, "_VARIANTS", (("-march=no-such-cpu",), ()))
-        patch.setattr(native, "_SOURCES", sources)
-        path = native.build_library(compiler, folder)
-    assert [p.name for p in folder.iterdir()] == [path.name]  # the refused variant left nothing
-    return native.NativeKernels(PartialLibrary(ctypes.CDLL(str(path))), path)
+    return build_partial(tmp_path_factory.mktemp("portable-kernels"), (("-march=no-such-cpu",), ()), PORTABLE_SOURCES)
+
+
+@pytest.fixture(scope="session")
+def avx2_attention_kernels(tmp_path_factory: pytest.TempPathFactory) -> native.NativeKernels:
+    """The float16 attention (attention_f16.c, its thread pool, and quant_matmul.c, which the
+    binding asks for its instruction sets) built for x86-64-v3:
+    AVX2, FMA and F16C without AVX-512, as an AVX2-only machine builds it with
+    -march=native, so that a machine with AVX-512 checks its 256-bit prompt path too
+    (~2 s of CPU). Skipped off x86-64 or where the CPU cannot run it."""
+    if build_flags.is_arm64() or not {"avx2", "fma", "f16c"} <= build_flags.cpu_features():
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
+    return build_partial(tmp_path_factory.mktemp("avx2-attention"),
+                         (("-march=x86-64-v3", "-fopenmp"), ("-march=haswell", "-fopenmp"), ("-march=x86-64-v3",)),
+                         ("attention_f16.c", "quant_matmul.c", "parallel.c"))

@@ -105,3 +105,23 @@ def test_a_long_context_takes_smaller_tiles_with_the_same_bits(window):
         alone = KERNELS.paged_attention_f16(q[t:t + 1].contiguous(), kc, vc, tables, seq[t:t + 1].contiguous(),
                                             ctx[t:t + 1].contiguous(), scale, 1, window=window)
         assert torch.equal(alone[0], got[t]), t
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "softcap"),
+                         [(9, 3, 64, None), (32, 8, 64, None), (4, 2, 128, None), (8, 8, 64, None),
+                          (6, 2, 96, 2.0), (5, 5, 64, 3.0)])
+@pytest.mark.parametrize("window", [None, 50])
+def test_an_avx2_build_gives_the_native_builds_bits(avx2_attention_kernels, num_heads, num_kv_heads, head_dim,
+                                                    softcap, window):
+    """The 256-bit prompt path (score steps of 3 rows x 4 keys, two rows' sums at once) as an
+    AVX2-only machine builds it, against this machine's build (with AVX-512: its
+    transposed 16-key steps; on an AVX2-only machine the same path): the same bits for every
+    query, over row counts that leave 1 and 2 rows of a step, keys past the last whole four
+    of a chunk, a window, a soft cap (the scalar scores), 1 and 3 threads."""
+    q, kc, vc, tables, seq, ctx = case(num_heads, num_kv_heads, head_dim, [150, 3, 70])
+    scale = head_dim ** -0.5
+    want = KERNELS.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, 2, window=window, softcap=softcap)
+    for threads in (1, 3):
+        got = avx2_attention_kernels.paged_attention_f16(q, kc, vc, tables, seq, ctx, scale, threads, window=window,
+                                                         softcap=softcap)
+        assert torch.equal(got, want), threads
