@@ -7,6 +7,7 @@ position of a chat, and the same greedy continuations, token for token.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import pytest
 import torch
@@ -132,10 +133,13 @@ def reference_greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]
     last = torch.tensor(lengths) - 1  # each row's last prompt position
     out: list[list[int]] = [[] for _ in prompts]
     past = None
+    # The KV cache's argument and output are `cache` where the forward takes it (transformers
+    # 5.25 here, which deprecates `past_key_values` for removal in 5.40), else `past_key_values`.
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         for step in range(n):
-            result = model(inputs, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-            past = result.past_key_values
+            result = model(inputs, attention_mask=mask, position_ids=positions, use_cache=True, **{name: past})
+            past = getattr(result, name)
             logits = result.logits[torch.arange(len(prompts)), last if step == 0 else -1]  # (B, vocab)
             tokens = logits.argmax(-1)  # (B,)
             for row, token in zip(out, tokens.tolist(), strict=True):
