@@ -1,0 +1,113 @@
+/*
+ * Two builds of the kernels' library, A and B, timed on the `fast` float16 prompt
+ * attention (attention_f16.c's paged attention, every position of one sequence as a query,
+ * as a prefill calls it), alternated call by call in one process on one thread: a same-run
+ * ratio for a change of the attention's kernels (issue 33, the 4,096-token prefill), steadier
+ * on a shared machine than bench/bench_prompt_attention.py's fresh process per measurement.
+ *
+ * The caches are random float16 values in scattered blocks of 16 positions (a pool's
+ * block table); queries random. Per round, A then B (B then A in odd rounds), each one call
+ * timed by the thread's CPU clock; the result is each side's best call and the median of
+ * the rounds' B / A ratios. Both sides' outputs are compared bit for bit ("same 1": the
+ * attention's bits do not depend on the build's instruction set).
+ *
+ *   cc -O2 -o /tmp/attention_ab bench/attention_ab.c -ldl -lm
+ *   /tmp/attention_ab A.so B.so TOKENS [ROUNDS] [HEADS KV_HEADS HEAD_DIM]
+ *
+ * Defaults: 7 rounds, Llama-3.2-1B's shape (32 query heads, 8 KV heads, head dim 64).
+ * Build A and B as bench/gemm_tile_ab.c's header says, from each tree; for an AVX2-only
+ * build on an AVX-512 machine, -march=x86-64-v3 (or skylake) in place of -march=native.
+ */
+#include <dlfcn.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int (*attention_t)(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
+                           int64_t table_width, const int64_t *query_seq, const int64_t *query_ctx, float *out,
+                           int64_t num_queries, int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           float scale, int64_t window, float softcap, int num_threads);
+
+#define BLOCK 16
+
+static double cpu_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static float uniform(void) { return (float)rand() / (float)RAND_MAX * 2.0f - 1.0f; }
+
+static uint16_t half_of(float f) {
+    _Float16 h = (_Float16)f;
+    uint16_t bits;
+    memcpy(&bits, &h, sizeof bits);
+    return bits;
+}
+
+static int by_value(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: %s A.so B.so TOKENS [ROUNDS] [HEADS KV_HEADS HEAD_DIM]\n", argv[0]);
+        return 2;
+    }
+    const int64_t n = atoll(argv[3]);
+    const int rounds = argc > 4 ? atoi(argv[4]) : 7;
+    const int heads = argc > 7 ? atoi(argv[5]) : 32, kv = argc > 7 ? atoi(argv[6]) : 8, dim = argc > 7 ? atoi(argv[7]) : 64;
+    if (n < 1 || rounds < 1 || heads < 1 || kv < 1 || heads % kv || dim < 1) {
+        fprintf(stderr, "bad arguments\n");
+        return 2;
+    }
+    attention_t attention[2];
+    for (int i = 0; i < 2; i++) {
+        void *library = dlopen(argv[1 + i], RTLD_NOW | RTLD_LOCAL);
+        if (!library || !(attention[i] = (attention_t)dlsym(library, "bargein_paged_attention_f16_ex"))) {
+            fprintf(stderr, "%s\n", dlerror());
+            return 1;
+        }
+    }
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK, cache = blocks * BLOCK * kv * dim, values = n * heads * dim;
+    uint16_t *k_cache = malloc(sizeof(uint16_t) * (size_t)cache), *v_cache = malloc(sizeof(uint16_t) * (size_t)cache);
+    int64_t *tables = malloc(sizeof(int64_t) * (size_t)blocks), *seq = calloc((size_t)n, sizeof(int64_t));
+    int64_t *ctx = malloc(sizeof(int64_t) * (size_t)n);
+    float *q = malloc(sizeof(float) * (size_t)values), *out[2];
+    double *ratios = malloc(sizeof(double) * (size_t)rounds);
+    for (int i = 0; i < 2; i++) out[i] = malloc(sizeof(float) * (size_t)values);
+    srand(1);
+    for (int64_t i = 0; i < cache; i++) k_cache[i] = half_of(uniform()), v_cache[i] = half_of(uniform());
+    for (int64_t i = 0; i < values; i++) q[i] = uniform();
+    for (int64_t i = 0; i < blocks; i++) tables[i] = i;
+    for (int64_t i = blocks - 1; i > 0; i--) { /* scattered blocks */
+        const int64_t j = rand() % (i + 1), t = tables[i];
+        tables[i] = tables[j], tables[j] = t;
+    }
+    for (int64_t i = 0; i < n; i++) ctx[i] = i + 1;
+    const float scale = 1.0f / sqrtf((float)dim);
+    double best[2] = {1e30, 1e30};
+    for (int r = 0; r < rounds; r++) {
+        double took[2];
+        for (int s = 0; s < 2; s++) {
+            const int i = r % 2 ? 1 - s : s;
+            const double start = cpu_seconds();
+            if (attention[i](q, k_cache, v_cache, tables, blocks, seq, ctx, out[i], n, heads, kv, dim, BLOCK, scale, 0,
+                             0.0f, 1)) {
+                fprintf(stderr, "%s failed\n", argv[1 + i]);
+                return 1;
+            }
+            took[i] = cpu_seconds() - start;
+            if (took[i] < best[i]) best[i] = took[i];
+        }
+        ratios[r] = took[1] / took[0];
+    }
+    qsort(ratios, (size_t)rounds, sizeof(double), by_value);
+    printf("tokens %lld heads %d/%d dim %d: A %.3f s  B %.3f s (best)  B/A median %.3f  same %d\n", (long long)n, heads,
+           kv, dim, best[0], best[1], ratios[rounds / 2], !memcmp(out[0], out[1], sizeof(float) * (size_t)values));
+    return 0;
+}
