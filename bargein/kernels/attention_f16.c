@@ -153,12 +153,18 @@ static float softmax_row(float *s, int64_t ctx) {
     int64_t t = 1;
 #ifdef BARGEIN_AVX2
     /* max_ps(x, m) is x > m ? x : m, the scalar step's choice lane by lane: the same largest
-     * score (NaN only where s[0] is) in any order; only a zero's sign may differ, which
-     * s - m and so the exponentials do not see. */
-    __m256 vmax = _mm256_set1_ps(m);
-    for (; t + 8 <= ctx; t += 8) vmax = _mm256_max_ps(_mm256_loadu_ps(s + t), vmax);
+     * score (NaN only where s[0] is, from which every running maximum starts) in any order;
+     * only a zero's sign may differ, which s - m and so the exponentials do not see. Four
+     * running maxima, so that the loop waits on max_ps's latency a quarter as often (one
+     * chain held about a third of the softmax's samples). */
+    __m256 vmax[4];
+    for (int a = 0; a < 4; a++) vmax[a] = _mm256_set1_ps(m);
+    for (; t + 32 <= ctx; t += 32)
+        for (int a = 0; a < 4; a++) vmax[a] = _mm256_max_ps(_mm256_loadu_ps(s + t + 8 * a), vmax[a]);
+    for (; t + 8 <= ctx; t += 8) vmax[0] = _mm256_max_ps(_mm256_loadu_ps(s + t), vmax[0]);
+    vmax[0] = _mm256_max_ps(_mm256_max_ps(vmax[0], vmax[1]), _mm256_max_ps(vmax[2], vmax[3]));
     float lanes[8];
-    _mm256_storeu_ps(lanes, vmax);
+    _mm256_storeu_ps(lanes, vmax[0]);
     for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;
 #endif
     for (; t < ctx; t++) m = s[t] > m ? s[t] : m;
