@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -43,7 +44,7 @@ class NotBuilt:
                              f"tests/kernels/conftest.py's PORTABLE_SOURCES")
 
 
-def build_partial(folder, variants: tuple[tuple[str, ...], ...], names: tuple[str, ...]) -> native.NativeKernels:
+def build_partial(folder: Path, variants: tuple[tuple[str, ...], ...], names: tuple[str, ...]) -> native.NativeKernels:
     """The kernel sources ``names`` built into ``folder`` with the first of ``variants``
     (architecture flags) that compiles, bound as :class:`native.NativeKernels` binds the
     whole library; skips the test where there is no C compiler."""
@@ -73,10 +74,10 @@ def portable_kernels(tmp_path_factory: pytest.TempPathFactory) -> native.NativeK
 @pytest.fixture(scope="session")
 def avx2_attention_kernels(tmp_path_factory: pytest.TempPathFactory) -> native.NativeKernels:
     """The float16 attention (attention_f16.c, its thread pool, and quant_matmul.c, which the
-    binding asks for its instruction sets) built for x86-64-v3:
-    AVX2, FMA and F16C without AVX-512, as an AVX2-only machine builds it with
-    -march=native, so that a machine with AVX-512 checks its 256-bit prompt path too
-    (~2 s of CPU). Skipped off x86-64 or where the CPU cannot run it."""
+    binding asks for its instruction sets) built for x86-64-v3: AVX2, FMA and F16C without
+    AVX-512, as an AVX2-only machine builds it with -march=native, so that a machine with
+    AVX-512 checks the 256-bit prompt path too (~3 s of CPU). Skipped off x86-64 or where
+    the CPU cannot run it."""
     if build_flags.is_arm64() or not {"avx2", "fma", "f16c"} <= build_flags.cpu_features():
         pytest.skip("this CPU cannot run an x86-64-v3 build")
     return build_partial(tmp_path_factory.mktemp("avx2-attention"),
