@@ -39,6 +39,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "gguf_ab.h" /* seconds_on, median */
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define STRIDE 2112 /* amx_stride at k = 2,048: k + AMX_ROW_PAD */
@@ -75,11 +77,7 @@ static int32_t sums[3][16][16] __attribute__((aligned(64)));
 static uint8_t *acts;    /* alo then ahi: ROWS rows of STRIDE bytes each */
 static uint8_t *weights; /* TILES tiles of SUPERS superblocks: 4 chunks x 2 KB */
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
+static double now(void) { return seconds_on(CLOCK_MONOTONIC); }
 
 static inline void step(const uint8_t *x, const uint8_t *w) {
     ZERO(0);
@@ -135,11 +133,6 @@ static double steps_set(long n, int pass) {
     return (now() - t0) / (double)done * 1e9;
 }
 
-static int by_value(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 int main(int argc, char **argv) {
     const int rounds = argc > 1 ? atoi(argv[1]) : 5;
     if (rounds < 1) {
@@ -182,8 +175,7 @@ int main(int argc, char **argv) {
     char json[2048];
     int at = snprintf(json, sizeof json, "{\"rounds\": %d, \"ns\": {", rounds);
     for (int i = 0; i < N_ROWS; i++) {
-        qsort(ns[i], (size_t)rounds, sizeof(double), by_value);
-        const double med = ns[i][rounds / 2];
+        const double med = median(ns[i], rounds < 64 ? rounds : 64);
         const double gmac = rows[i].chunks_per_unit ? 16384.0 * rows[i].chunks_per_unit / med : 0.0;
         if (gmac > 0)
             printf("%-14s %8.2f %-8s %14.0f\n", rows[i].name, med, rows[i].unit, gmac);

@@ -18,13 +18,9 @@
  * Build A and B as bench/gemm_tile_ab.c's header says, from each tree; for an AVX2-only
  * build on an AVX-512 machine, -march=x86-64-v3 (or skylake) in place of -march=native.
  */
-#include <dlfcn.h>
 #include <math.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
+
+#include "gguf_ab.h" /* seconds_on, median */
 
 typedef int (*attention_t)(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *tables,
                            int64_t table_width, const int64_t *query_seq, const int64_t *query_ctx, float *out,
@@ -33,12 +29,6 @@ typedef int (*attention_t)(const float *q, const uint16_t *k_cache, const uint16
 
 #define BLOCK 16
 
-static double cpu_seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 static float uniform(void) { return (float)rand() / (float)RAND_MAX * 2.0f - 1.0f; }
 
 static uint16_t half_of(float f) {
@@ -46,11 +36,6 @@ static uint16_t half_of(float f) {
     uint16_t bits;
     memcpy(&bits, &h, sizeof bits);
     return bits;
-}
-
-static int by_value(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 int main(int argc, char **argv) {
@@ -95,19 +80,19 @@ int main(int argc, char **argv) {
         double took[2];
         for (int s = 0; s < 2; s++) {
             const int i = r % 2 ? 1 - s : s;
-            const double start = cpu_seconds();
+            const double start = seconds_on(CLOCK_THREAD_CPUTIME_ID);
             if (attention[i](q, k_cache, v_cache, tables, blocks, seq, ctx, out[i], n, heads, kv, dim, BLOCK, scale, 0,
                              0.0f, 1)) {
                 fprintf(stderr, "%s failed\n", argv[1 + i]);
                 return 1;
             }
-            took[i] = cpu_seconds() - start;
+            took[i] = seconds_on(CLOCK_THREAD_CPUTIME_ID) - start;
             if (took[i] < best[i]) best[i] = took[i];
         }
         ratios[r] = took[1] / took[0];
     }
-    qsort(ratios, (size_t)rounds, sizeof(double), by_value);
+    const double ratio = median(ratios, rounds);
     printf("tokens %lld heads %d/%d dim %d: A %.3f s  B %.3f s (best)  B/A median %.3f  same %d\n", (long long)n, heads,
-           kv, dim, best[0], best[1], ratios[rounds / 2], !memcmp(out[0], out[1], sizeof(float) * (size_t)values));
+           kv, dim, best[0], best[1], ratio, !memcmp(out[0], out[1], sizeof(float) * (size_t)values));
     return 0;
 }

@@ -42,16 +42,6 @@
 
 static double now(void) { return seconds_on(CLOCK_MONOTONIC); }
 
-static int by_value(const void *a, const void *b) {
-    const double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof(double), by_value);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 /* One shape: returns B / A (median over rounds), prints the line. */
 static double shape(matmul_fn fa, matmul_fn fb, const type_t *ty, int n, int k, int m, int isa, int rounds,
                     int threads) {

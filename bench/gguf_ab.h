@@ -1,7 +1,7 @@
-/* What the GGUF matmul drivers of bench/ share (gemm_tile_ab.c, gemv_stream.c,
- * k_chain_cost.c): the library's matmul entry point loaded from a built kernel library,
- * a clock, and the block types they time. Each driver includes it once; nothing here
- * is part of bargein. */
+/* What the kernel drivers of bench/ share (gemm_tile_ab.c, gemv_stream.c, k_chain_cost.c,
+ * attention_ab.c): the library's matmul entry point loaded from a built kernel library,
+ * a clock, a median, and the block types they time. Each driver includes it once; nothing
+ * here is part of bargein. */
 #ifndef BARGEIN_BENCH_GGUF_AB_H
 #define BARGEIN_BENCH_GGUF_AB_H
 
@@ -42,6 +42,17 @@ static inline double seconds_on(clockid_t clock) {
     struct timespec t;
     clock_gettime(clock, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static inline int by_value(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The median of v[0 .. n) (n >= 1), which it sorts in place. */
+static inline double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof(double), by_value);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 /* The matmul of the kernel library at `path`, loaded privately so that two builds of the
