@@ -21,21 +21,25 @@
  *   y[r, j] = acc
  *
  * The K chain (Q4_K, Q5_K, Q6_K: superblocks of 256 with integer sub-scales, as
- * llama.cpp's q8_K dot products, but with a step per 32-block). Each row of x is
- * quantized per superblock of 256 with one float unit kd and an integer multiple m_j in
- * 1..16 per 32-block j (k_chain_step): with amax the superblock's max|x| and amax_j the
- * block's, d = amax / 127, m_j = ceil(amax_j / amax * 16) (1 where amax_j or amax is 0),
- * the block's step (d * m_j) * (1/16), kq = rint(x / step) (clamped to +-127), kd = d *
- * (1/16); so x ~ kd * m_j * kq, and a 32-block without the superblock's outlier channel
- * is rounded on a step up to 16 times finer. kq's integer sums per 32 (S32_j) and per 16
- * (S16_h) are kept. For output y[r, j], over the superblocks t of column j in order, with
- * D_j (D_h) the exact integer dot product of the unsigned quants u of 32-block j (of
- * half h) with kq, sc and mn the block's integer scales and mins, d and dmin its float16
- * fields, m_j the row's multiples (m_h = m of the half's 32-block):
+ * llama.cpp's q8_K dot products). Each row of x is quantized per superblock of 256 with
+ * one float unit kd and an integer multiple m_j per 32-block j (k_chain_step), in one of
+ * two ways, by the weight's type (acts_t's k_flat, k_flat_type):
+ *   - flat (Q4_K, Q5_K; llama.cpp's Q8_K): with amax the superblock's max|x|, d = amax /
+ *     127, every m_j = 1, kq = rint(x / d) (clamped to +-127), kd = d;
+ *   - per 32 (Q6_K): with amax_j the 32-block's max|x|, m_j = ceil(amax_j / amax * 16)
+ *     (1 where amax_j or amax is 0), the block's step (d * m_j) * (1/16), kq = rint(x /
+ *     step), kd = d * (1/16); so a 32-block without the superblock's outlier channel is
+ *     rounded on a step up to 16 times finer.
+ * Either way x ~ kd * m_j * kq, and a matrix whose segments mix the two has its rows
+ * quantized both ways (a column's bits depend on its own type only). kq's integer sums
+ * per 32 (S32_j) and per 16 (S16_h) are kept. For output y[r, j], over the superblocks t
+ * of column j in order, with D_j (D_h) the exact integer dot product of the unsigned
+ * quants u of 32-block j (of half h) with kq, sc and mn the block's integer scales and
+ * mins, d and dmin its float16 fields, m_h = m of the half's 32-block:
  *
  *   acc = 0
  *   for t = 0, 1, ..., k/256 - 1:
- *       Q4_K, Q5_K:  D = sum_j sc_j * m_j * D_j,  M = sum_j mn_j * m_j * S32_j
+ *       Q4_K, Q5_K:  D = sum_j sc_j * D_j,  M = sum_j mn_j * S32_j    (m_j = 1)
  *                    acc = fma((float)D, d * kd[r, t], acc)
  *                    acc = fma((float)M, (-dmin) * kd[r, t], acc)
  *       Q6_K:        D = sum_h sc_h * m_h * (D_h - 32 * S16_h)
@@ -44,18 +48,18 @@
  *
  * D and M are exact int32 sums (so any order of summing gives them, and a path may let
  * a partial sum wrap around 2^32 where the total fits): the worst cases are |D| <= 8 *
- * 63 * 16 * 32 * 31 * 127 < 2^30 (Q5_K), 16 * 128 * 16 * 16 * 32 * 127 < 2^31 (Q6_K),
- * |M| <= 8 * 63 * 16 * 32 * 127 < 2^25. (float)D rounds to nearest even where |D| >=
- * 2^24, the same on every path. Per superblock, one float step (two with mins) instead
- * of one per 32-block: the few-row path keeps each column's integer lanes for the whole
- * superblock and sums the lanes across columns once per superblock, not once per
- * 32-block. The multiples cost an integer multiply per row and superblock of a column
- * (its scales times the row's m_j) in the few-row pass, one per row and 32-block in the
- * tile pass (AVX2: Q4_K and Q5_K sum a block's maddubs pairs in int16 and madd them by
- * sc * m; Q6_K's m takes the place of maddubs' pair-summing ones). On VNNI,
- * Q4_K's few-row passes of 2 rows or more put four 32-blocks in each vector (the quad
- * pass, k_quads_vnni_t, with the activations re-ordered once per call to match): the
- * same integer D by other partial sums.
+ * 63 * 32 * 31 * 127 < 2^26 (Q5_K), 16 * 128 * 16 * 16 * 32 * 127 < 2^31 (Q6_K), |M| <= 8
+ * * 63 * 32 * 127 < 2^21. (float)D rounds to nearest even where |D| >= 2^24, the same on
+ * every path. Per superblock, one float step (two with mins) instead of one per 32-block:
+ * the few-row path keeps each column's integer lanes for the whole superblock and sums the
+ * lanes across columns once per superblock, not once per 32-block. Q6_K's multiples cost
+ * an integer multiply per row and superblock of a column (its scales times the row's
+ * m_h) in the few-row pass, one per row and 32-block in the tile pass (AVX2: its m takes
+ * the place of maddubs' pair-summing ones); Q4_K's and Q5_K's flat activations cost none
+ * (AVX2: a block's maddubs pairs summed in int16 meet sc in one madd). On VNNI, Q4_K's
+ * few-row passes of 2 rows or more put four 32-blocks in each vector (the quad pass,
+ * k_quads_vnni_t, with the activations re-ordered once per call to match): the same
+ * integer D by other partial sums.
  *
  * On the 32 chain every integer is exact in int32 and in float (|D| < 2^24). For Q4_1
  * and Q8_0 it is quant_matmul.c's chain with its scales and mins, so a weight read here
@@ -155,9 +159,6 @@
 #ifndef AMX_SET_BYTES
 #define AMX_SET_BYTES (1 << 20)
 #endif
-#define K_SCALED_MIN_ROWS 64 /* from this many rows the VNNI K pass of Q4_K/Q5_K reads scale x m */
-#define K_SCALED_MAX_K 8192   /* from a per-tile table, for k up to this (the table is 16 k bytes) */
-#define K_MULTIPLES 16 /* k_chain_multiple's m: 1 .. 16 */
 /* One expert's few rows (bargein_gguf_matmul_expert; ~5 at 32 rows of a 48-expert top-8
  * model): VNNI passes of up to 8 rows decode each block once for 5 to 8 rows, where passes
  * of 4 decoded it twice (measured on the 2-core Zen 4, the MoE file's experts of six layers
@@ -201,49 +202,41 @@ typedef struct {
     /* q + 128 as unsigned bytes, for the signed tile passes of the plain kinds (signed_tile:
      * activations unsigned, the tile's quants signed); NULL where none runs */
     uint8_t *qu; /* (m, k) */
-    /* The mins' row terms of the x86 K tile passes of Q4_K/Q5_K (k_chain_products): kp =
-     * km * ks32 per 32-block as int16, where every one of a superblock's eight fits (then
-     * kwide = 0; else kwide = 1 and that superblock's kp is not read). A vpmullw of the
-     * mins by m per pair of 32-blocks and row saved: 0.972x the VNNI pass's time, 0.965x
-     * the AVX2 pass's (bench/gemm_tile_ab.c, Q4_K, 512 rows). NULL where none runs */
-    int16_t *kp;    /* (m, k / 32) */
-    uint8_t *kwide; /* (m, k / 256) */
     /* The AMX tile pass's activations (gguf_tile_amx.h): km * kq per 32-block as 256 * ahi +
      * alo; NULL where none runs */
     uint8_t *alo; /* (m, amx_stride) */
     int8_t *ahi;  /* (m, amx_stride) */
     int64_t amx_stride; /* k + AMX_ROW_PAD */
+    /* The K chain's activations on one step per superblock (k_flat_type: Q4_K's and Q5_K's):
+     * every m_j 1 and kd = max|x| / 127, so alo holds kq itself and ahi is NULL; else a step
+     * per 32-block (Q6_K's) */
+    int k_flat;
 } acts_t;
+
+/* Whether a K-chain type's activations take one step per superblock (acts_t's k_flat), as
+ * llama.cpp's Q8_K: Q4_K and Q5_K. Q6_K keeps a step per 32-block: next to its small weight
+ * error, one outlier channel per 256 values setting the step of the 255 others cost
+ * smollm2.Q6_K's fast perplexity +1.8% (docs/benchmarks.md), while Q4_K's and Q5_K's larger
+ * error hides it; and with one step their AMX tile pass multiplies one-byte activations,
+ * two tile products per superblock chunk instead of four (gguf_tile_amx.h). */
+static inline int k_flat_type(int64_t type) { return type == T_Q4_K || type == T_Q5_K; }
 
 /* The K chain's multiple of a 32-block whose max|x| is amax32 in a superblock whose max|x|
  * is amax: ceil(amax32 / amax * 16), in 1..16 (the quotient is at most 1, so 16 at most). */
-static inline int k_chain_multiple(float amax32, float amax) {
-    const int m = amax > 0.0f ? (int)ceilf(amax32 / amax * 16.0f) : 1;
+static inline int k_chain_multiple(float amax32, float amax, int flat) {
+    const int m = amax > 0.0f && !flat ? (int)ceilf(amax32 / amax * 16.0f) : 1;
     return m < 1 ? 1 : m;
 }
 
 /* The step of a 32-block with multiple m in a superblock whose max|x| is amax: (d * m) / 16,
- * d = amax / 127 (the float operations every path does, in this order); 0 where amax is 0. */
-static inline float k_chain_step(float amax, int m) { return amax / 127.0f * (float)m * 0.0625f; }
-
-/* The superblock's float unit kd = d / 16 (exact: a power of two). */
-static inline float k_chain_unit(float amax) { return amax / 127.0f * 0.0625f; }
-
-/* acts_t's kp and kwide of row r's superblock t, from its km and ks32 (a row's m * sum q
- * reaches 16 * 32 * 127 = 65024, beyond int16, only where a 32-block's quants nearly all
- * share a sign and size: kwide sends that superblock to the pass's int16 product of m and
- * the min instead). */
-static inline void k_chain_products(const acts_t *a, int64_t r, int64_t t) {
-    const int64_t at = r * (a->k / 32) + t * 8;
-    int wide = 0;
-    for (int j = 0; j < 8; j++) {
-        const int32_t p = (int32_t)a->km[at + j] * a->ks32[at + j];
-        const int fits = p >= INT16_MIN && p <= INT16_MAX;
-        wide |= !fits;
-        a->kp[at + j] = (int16_t)(fits ? p : 0);
-    }
-    a->kwide[r * (a->k / 256) + t] = (uint8_t)wide;
+ * d = amax / 127 (the float operations every path does, in this order); flat: d. 0 where
+ * amax is 0. */
+static inline float k_chain_step(float amax, int m, int flat) {
+    return flat ? amax / 127.0f : amax / 127.0f * (float)m * 0.0625f;
 }
+
+/* The superblock's float unit kd = d / 16 (exact: a power of two); flat: d. */
+static inline float k_chain_unit(float amax, int flat) { return flat ? amax / 127.0f : amax / 127.0f * 0.0625f; }
 
 /* Row r's superblock t quantized for the K chain from its 256 values x (plain C). */
 static void quantize_superblock_c(const acts_t *a, int64_t r, int64_t t, const float *x) {
@@ -257,8 +250,8 @@ static void quantize_superblock_c(const acts_t *a, int64_t r, int64_t t, const f
     int16_t *s16 = a->ks16 + r * (a->k / 16) + t * 16, *s32 = a->ks32 + r * (a->k / 32) + t * 8;
     int16_t *km = a->km + r * (a->k / 32) + t * 8;
     for (int j = 0; j < 8; j++) {
-        km[j] = (int16_t)k_chain_multiple(amax32[j], amax);
-        const float step = k_chain_step(amax, km[j]), inv = step > 0.0f ? 1.0f / step : 0.0f;
+        km[j] = (int16_t)k_chain_multiple(amax32[j], amax, a->k_flat);
+        const float step = k_chain_step(amax, km[j], a->k_flat), inv = step > 0.0f ? 1.0f / step : 0.0f;
         for (int h = 2 * j; h < 2 * j + 2; h++) {
             int sum = 0;
             for (int i = 16 * h; i < 16 * h + 16; i++) {
@@ -270,8 +263,7 @@ static void quantize_superblock_c(const acts_t *a, int64_t r, int64_t t, const f
         }
         s32[j] = (int16_t)(s16[2 * j] + s16[2 * j + 1]);
     }
-    a->kd[r * (a->k / 256) + t] = k_chain_unit(amax);
-    if (a->kp) k_chain_products(a, r, t);
+    a->kd[r * (a->k / 256) + t] = k_chain_unit(amax, a->k_flat);
 }
 
 static void quantize_rows(void *arg, int index, int count) {
@@ -314,7 +306,8 @@ static void quantize_rows(void *arg, int index, int count) {
 
 typedef struct {
     const bargein_qmat_t *w;
-    const acts_t *a;
+    const acts_t *a;      /* the 32 chain's activations and Q6_K's K chain's */
+    const acts_t *a_flat; /* Q4_K's and Q5_K's (k_flat), or NULL: run_tile passes them as a */
     float *y;
     int64_t m, n, k, nb;
     int isa;
@@ -624,10 +617,17 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256 amax8_avx2(const
 
 /* A superblock's eight multiples (into km) and the inverses of their steps (into inv, 0
  * where the step is 0), from its blocks' maxima amax32 and its own amax: the operations of
- * k_chain_multiple and k_chain_step lane by lane, so the same bits. */
-static inline TARGET_AVX2 __attribute__((always_inline)) void k_chain_steps8_avx2(__m256 amax32, float amax, int16_t *km,
-                                                                                   float *inv) {
+ * k_chain_multiple and k_chain_step lane by lane, so the same bits (flat: every m 1, every
+ * step amax / 127). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_chain_steps8_avx2(__m256 amax32, float amax, int flat,
+                                                                                   int16_t *km, float *inv) {
     __m256i m8 = _mm256_set1_epi32(1);
+    if (flat) {
+        const float step = k_chain_step(amax, 1, 1);
+        _mm256_storeu_ps(inv, _mm256_set1_ps(step > 0.0f ? 1.0f / step : 0.0f));
+        _mm_storeu_si128((__m128i *)km, _mm_set1_epi16(1));
+        return;
+    }
     if (amax > 0.0f) {
         const __m256 up = _mm256_round_ps(_mm256_mul_ps(_mm256_div_ps(amax32, _mm256_set1_ps(amax)), _mm256_set1_ps(16.0f)),
                                           _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC);
@@ -640,10 +640,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_chain_steps8_avx
     _mm_storeu_si128((__m128i *)km, _mm_packs_epi32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1)));
 }
 
-/* One 32-block of x quantized to out (and, where uout is not NULL, plus 128 to uout), its
- * halves' sums to sums. */
+/* One 32-block of x quantized to out (and, where uout is not NULL, plus 128 to uout; where
+ * out2 is not NULL, again to out2), its halves' sums to sums. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(const float *x, float inv, int8_t *out,
-                                                                               int32_t sums[2], uint8_t *uout) {
+                                                                               int32_t sums[2], uint8_t *uout,
+                                                                               int8_t *out2) {
     const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
     const __m256 scale = _mm256_set1_ps(inv);
     __m256i q[4];
@@ -658,6 +659,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(co
         const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
         const __m128i packed = _mm_packs_epi16(lo16, hi16);
         _mm_storeu_si128((__m128i *)(out + 16 * half), packed);
+        if (out2) _mm_storeu_si128((__m128i *)(out2 + 16 * half), packed);
         if (uout) _mm_storeu_si128((__m128i *)(uout + 16 * half), _mm_xor_si128(packed, _mm_set1_epi8((char)0x80)));
         const __m256i sum = _mm256_add_epi32(lo, hi);
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
@@ -719,17 +721,17 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                 const __m256 amax32 = amax8_avx2(x);
                 const float amax = hmax_avx2(amax32);
                 float inv[8];
-                k_chain_steps8_avx2(amax32, amax, km, inv);
+                k_chain_steps8_avx2(amax32, amax, a->k_flat, km, inv);
                 for (int j = 0; j < 8; j++) {
                     int32_t sums[2];
-                    quantize32_avx2(x + 32 * j, inv[j], kq + 32 * j, sums, NULL);
+                    uint8_t *alo = a->alo ? a->alo + r * a->amx_stride + t * 256 + 32 * j : NULL;
+                    /* flat: the AMX pass's one byte is kq itself */
+                    quantize32_avx2(x + 32 * j, inv[j], kq + 32 * j, sums, NULL, a->k_flat ? (int8_t *)alo : NULL);
                     s16[2 * j] = (int16_t)sums[0], s16[2 * j + 1] = (int16_t)sums[1];
                     s32[j] = (int16_t)(sums[0] + sums[1]);
-                    if (a->alo) amx_split32_avx2(kq + 32 * j, km[j], a->alo + r * a->amx_stride + t * 256 + 32 * j,
-                                                 a->ahi + r * a->amx_stride + t * 256 + 32 * j);
+                    if (alo && !a->k_flat) amx_split32_avx2(kq + 32 * j, km[j], alo, a->ahi + r * a->amx_stride + t * 256 + 32 * j);
                 }
-                a->kd[r * (a->k / 256) + t] = k_chain_unit(amax);
-                if (a->kp) k_chain_products(a, r, t);
+                a->kd[r * (a->k / 256) + t] = k_chain_unit(amax, a->k_flat);
                 if (a->kx) quad_order(kq, a->kx + r * a->k + t * 256);
             }
         if (!a->q) continue;
@@ -737,7 +739,7 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
             const float *x = a->x + r * a->k + b * 32;
             const float d = amax_avx2(x, 1) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
             int32_t sums[2];
-            quantize32_avx2(x, inv, a->q + r * a->k + b * 32, sums, a->qu ? a->qu + r * a->k + b * 32 : NULL);
+            quantize32_avx2(x, inv, a->q + r * a->k + b * 32, sums, a->qu ? a->qu + r * a->k + b * 32 : NULL, NULL);
             a->d[r * a->nb + b] = d;
             a->s[r * a->nb + b] = d * (float)(sums[0] + sums[1]);
             a->s16[r * 2 * a->nb + 2 * b] = sums[0];
@@ -749,23 +751,13 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
 /* Per-thread tile scratch: tile 16 * k bytes (32-byte vectors tile[(b * 8 + g) * 2 + v]:
  * lane c holds elements 4g .. 4g + 3 of block b of column 8v + c), column bytes 16 * k (the
  * tile's |q| where abs_tile writes them),
- * panels: s, m (nb * 16 floats each, block-major), sc, mn (2 nb * 16 int32 each); then,
- * where the job's scratch has room for it (k_scaled), scaled: sc times each multiple m
- * (nb * K_MULTIPLES * 16 int32, gguf_tile_zmm.h's zmm_scale_table). */
+ * panels: s, m (nb * 16 floats each, block-major), sc, mn (2 nb * 16 int32 each). */
 typedef struct {
     uint8_t *tile, *cols;
     float *ps, *pm;
-    int32_t *psc, *pmn, *scaled;
+    int32_t *psc, *pmn;
     uint8_t *amx_lo, *amx_hi; /* the AMX pass's weights (scale times quant) as low and high bytes (gguf_tile_amx.h), or NULL */
 } tile_t;
-
-/* Whether the VNNI K pass of Q4_K/Q5_K reads sc x m from a table (tile_t's scaled) for m
- * rows of width k: it saves a vpmulld per row and 32-block against 16 k bytes of table
- * built per tile; on the 2-core Zen 4 at 512 rows 0.93x the time at k = 2048, and since
- * the mins' products (acts_t's kp) 0.97-0.98x at k = 8192 too (1.06x before, when the
- * table and the tile, 384 KB, crowded L2 more than the multiply cost; bench/gemm_tile_ab.c),
- * and no gain for Q6_K (three multiplies to two, twice the table), which keeps its pass. */
-static inline int k_scaled(int64_t m, int64_t k) { return m >= K_SCALED_MIN_ROWS && k <= K_SCALED_MAX_K; }
 
 static tile_t tile_scratch_sub(const job_t *job, int index, int sub) {
     uint8_t *base = job->scratch + (int64_t)index * job->scratch_bytes + (int64_t)sub * job->sub_bytes;
@@ -777,7 +769,6 @@ static tile_t tile_scratch_sub(const job_t *job, int index, int sub) {
     t.pm = t.ps + nb * TILE;
     t.psc = (int32_t *)(t.pm + nb * TILE);
     t.pmn = t.psc + 2 * nb * TILE;
-    t.scaled = t.pmn + 2 * nb * TILE;
     t.amx_lo = job->amx_at ? base + job->amx_at : NULL;
     t.amx_hi = job->amx_at ? t.amx_lo + TILE * k : NULL;
     return t;
@@ -1138,12 +1129,12 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(c
 
 /* The K chain's AVX2 tile passes, rows r0 .. r0 + ROWS_N - 1 over the tile: per
  * superblock, each 32-block's (Q6_K: each half's) dot products for 16 columns times the
- * integer scales from the panels and the row's multiple m of the block, summed in int32
- * (exact, so in any order), then the header's float steps once. Panels (params_at): sc
- * at [(2 * b) * TILE + c] per 32-block b (Q6_K: per half at [(2 * b + h) * TILE + c]),
- * the mins as int16 pairs at [(16 t + p) * TILE + c] (against the rows' m * sum q pairs,
- * acts_t's kp, or where those overflow int16, times the rows' m pairs, at most 63 * 16,
- * against sum q), d and -dmin at the superblock's first 32-block.
+ * integer scales from the panels (Q6_K: and the row's multiple m of the block), summed in
+ * int32 (exact, so in any order), then the header's float steps once. Panels (params_at):
+ * sc at [(2 * b) * TILE + c] per 32-block b (Q6_K: per half at [(2 * b + h) * TILE + c]),
+ * the mins as int16 pairs at [(16 t + p) * TILE + c] (against the rows' pairs of sum q:
+ * Q4_K's and Q5_K's activations are flat, m = 1), d and -dmin at the superblock's first
+ * 32-block.
  *
  * Q6_K (offset 32): the maddubs pairs of two groups of four summed in int16 (at most
  * 4 * 63 * 127 = 32,004), each such sum against the half's sc * m (|sc * m| <= 128 * 16)
@@ -1228,15 +1219,14 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
 }
 
 #define K16_ROWS 4 /* rows per AVX2 pass of Q4_K (Q5_K: 2, its two halves' sums take twice the registers) */
-/* Q4_K and Q5_K's AVX2 pass (the header's D and M): a 32-block's maddubs
- * pairs are summed in int16 and meet the block's sc * m in one madd, instead of one madd
- * (by m) per group of four and a multiply by sc per block. The int16 sums are exact: a
- * pair is at most 2 * 15 * 127 = 3,810 (Q4_K), so the block's eight groups stay under
- * 30,480; Q5_K's pairs reach 2 * 31 * 127 = 7,874, so its halves of four groups are summed
- * apart (31,496) and meet sc * m in a madd each. sc * m <= 63 * 16 fits int16, and a madd
- * pair's products <= 2 * 30,480 * 1,008 fit int32. Per block, row and 8 columns: 8
- * maddubs and 1-2 madds on the multiply ports instead of 8 maddubs, 8 madds and a
- * mullo_epi32. */
+/* Q4_K and Q5_K's AVX2 pass (the header's D and M, their activations flat: m = 1): a
+ * 32-block's maddubs pairs are summed in int16 and meet the block's sc in one madd,
+ * instead of one madd per group of four and a multiply by sc per block. The int16 sums
+ * are exact: a pair is at most 2 * 15 * 127 = 3,810 (Q4_K), so the block's eight groups
+ * stay under 30,480; Q5_K's pairs reach 2 * 31 * 127 = 7,874, so its halves of four groups
+ * are summed apart (31,496) and meet sc in a madd each. A madd pair's products <= 2 *
+ * 30,480 * 63 fit int32. Per block, row and 8 columns: 8 maddubs and 1-2 madds on the
+ * multiply ports instead of 8 maddubs, 8 madds and a mullo_epi32. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(const job_t *job, const tile_t *tl,
                                                                                const ahead_t *ahead, int64_t j0,
                                                                                int cols, int64_t r0, const int ROWS_N,
@@ -1265,13 +1255,12 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
                     group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, g % (8 / HALVES) == 0, sum[h][r]);
             }
             _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                /* sc in both int16 halves of its column's lane: sc * m by one mullo_epi16 per row */
+                /* sc in both int16 halves of its column's lane, for the madd of each row's pairs */
                 const __m256i sc = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v));
                 const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
                 _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
-                    const __m256i scm = _mm256_mullo_epi16(sc2, _mm256_set1_epi16(a->km[(r0 + r) * (k / 32) + b]));
-                    __m256i e = _mm256_madd_epi16(sum[0][r][v], scm);
-                    if (HALVES == 2) e = _mm256_add_epi32(e, _mm256_madd_epi16(sum[1][r][v], scm));
+                    __m256i e = _mm256_madd_epi16(sum[0][r][v], sc2);
+                    if (HALVES == 2) e = _mm256_add_epi32(e, _mm256_madd_epi16(sum[1][r][v], sc2));
                     dk[r][v] = _mm256_add_epi32(dk[r][v], e);
                 }
             }
@@ -1283,18 +1272,13 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
             const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);
             __m256i mk[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             const int64_t row32 = (r0 + r) * (k / 32) + t * 8;
-            const int wide = a->kwide[(r0 + r) * supers + t];
-            for (int p = 0; p < 4; p++) { /* the mins: against kp, or m times mn against sum q */
-                int32_t spair, mpair, ppair;
+            for (int p = 0; p < 4; p++) { /* the mins against sum q (flat activations: m = 1) */
+                int32_t spair;
                 memcpy(&spair, a->ks32 + row32 + 2 * p, 4);
-                memcpy(&mpair, a->km + row32 + 2 * p, 4);
-                memcpy(&ppair, a->kp + row32 + 2 * p, 4);
-                const __m256i sv = _mm256_set1_epi32(spair), mp = _mm256_set1_epi32(mpair);
-                const __m256i pv = _mm256_set1_epi32(ppair);
+                const __m256i sv = _mm256_set1_epi32(spair);
                 _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
                     const __m256i mn = _mm256_loadu_si256((const __m256i *)(tl->pmn + (t * 16 + p) * TILE + 8 * v));
-                    mk[v] = _mm256_add_epi32(mk[v], wide ? _mm256_madd_epi16(_mm256_mullo_epi16(mn, mp), sv)
-                                                         : _mm256_madd_epi16(mn, pv));
+                    mk[v] = _mm256_add_epi32(mk[v], _mm256_madd_epi16(mn, sv));
                 }
             }
             _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
@@ -1946,26 +1930,25 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i sum_columns8(co
     return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
 }
 
-/* One row's sum(mn * m * S32) over a superblock's eight 32-blocks for eight columns, one
- * lane per column in column order: mw[c] holds column c's mins (int16) in its low lane and
- * column c + 4's in its high one (built once per superblock for all rows), m and s32 the
- * row's multiples and 32-sums in both lanes. Eight instructions and the sums of pairs per
- * row where a multiply and a madd per column and row took sixteen. */
-static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(const __m256i mw[4], __m256i m,
-                                                                               __m256i s32) {
+/* One row's sum(mn * S32) over a superblock's eight 32-blocks for eight columns (Q4_K,
+ * Q5_K: flat activations, m = 1), one lane per column in column order: mw[c] holds column
+ * c's mins (int16) in its low lane and column c + 4's in its high one (built once per
+ * superblock for all rows), s32 the row's 32-sums in both lanes. Four madds and the sums
+ * of pairs per row where a madd per column and row took eight. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(const __m256i mw[4], __m256i s32) {
     __m256i t[4];
-    for (int c = 0; c < 4; c++) t[c] = _mm256_madd_epi16(_mm256_mullo_epi16(mw[c], m), s32);
+    for (int c = 0; c < 4; c++) t[c] = _mm256_madd_epi16(mw[c], s32);
     return SUM_PAIRS64(SUM_PAIRS32(t[0], t[1]), SUM_PAIRS32(t[2], t[3]));
 }
 
 /* Columns j0 .. j0 + 7 (col[c] their rows, the last repeated) of a Q4_K, Q5_K or Q6_K
  * segment for rows r0 .. r0 + ROWS_N - 1, the K chain: per superblock and column, the
- * block's integer scales times each row's multiples m (int16: at most 63 * 16, or 128 *
- * 16 for Q6_K), then each 32-block's quants decoded in registers, their byte products
- * with the row's int8 activations summed and multiplied by that row's scale into int32
- * lanes two 32-blocks at a time (K_PAIR, either order of the integer sums: the same
- * total), summed over the superblock (the lanes may wrap around 2^32: the total fits, see the header); Q6_K's
- * offset comes off as 32 * sum(sc * m * S16), Q4_K/Q5_K's mins as sum(mn * m * S32)
+ * block's integer scales (Q6_K: times each row's multiples m, int16: at most 128 * 16),
+ * then each 32-block's quants decoded in registers, their byte products with the row's
+ * int8 activations summed and multiplied by that row's scale into int32 lanes two
+ * 32-blocks at a time (K_PAIR, either order of the integer sums: the same total), summed
+ * over the superblock (the lanes may wrap around 2^32: the total fits, see the header);
+ * Q6_K's offset comes off as 32 * sum(sc * m * S16), Q4_K/Q5_K's mins as sum(mn * S32)
  * apart (for the eight columns at once per row: mins_columns8). Then once per superblock
  * the eight columns' lanes are summed into one lane each and the header's float steps
  * run, one column to a lane. */
@@ -1980,10 +1963,9 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(c
         if (ahead) prefetch_step(ahead, t);                                                                \
         __m256i cd[ROWS_MAX][8], rm[ROWS_MAX]; /* rm: the row's m per 32-block (Q6_K: per half), int16 */ \
         __m128i mns[8];                        /* Q4_K/Q5_K: each column's mins */                        \
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N && Q6; r++) {                                   \
             const __m128i m8 = _mm_loadu_si128((const __m128i *)(a->km + (r0 + r) * (k / 32) + t * 8));   \
-            rm[r] = Q6 ? _mm256_setr_m128i(_mm_unpacklo_epi16(m8, m8), _mm_unpackhi_epi16(m8, m8))         \
-                       : _mm256_broadcastsi128_si256(m8);                                                  \
+            rm[r] = _mm256_setr_m128i(_mm_unpacklo_epi16(m8, m8), _mm_unpackhi_epi16(m8, m8));             \
         }                                                                                                  \
         for (int c = 0; c < 8; c++) {                                                                      \
             const uint8_t *blk = col[c] + at;                                                              \
@@ -1991,7 +1973,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(c
             if (Q6) sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));             \
             else k_scales_mins(blk, &sc, &mns[c]);                                                         \
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                     \
-                sc_a[r] = _mm256_mullo_epi16(sc, rm[r]);                                                   \
+                sc_a[r] = Q6 ? _mm256_mullo_epi16(sc, rm[r]) : sc; /* Q4_K, Q5_K: flat, m = 1 */          \
                 sc_b[r] = Q6 ? _mm256_permute4x64_epi64(sc_a[r], 0xEE) : sc_a[r];                          \
             }                                                                                              \
             __m256i dc[ROWS_MAX];                                                                          \
@@ -2019,7 +2001,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(c
 
 /* The end of a superblock of eight columns for each row (in the K pass bodies): cd[r][c]
  * column c's int32 lanes of D, summed into one lane per column; the mins' M from mns[c]
- * and rm[r] (Q4_K/Q5_K); then the header's float steps, one column to a lane. */
+ * (Q4_K/Q5_K); then the header's float steps, one column to a lane. */
 #define K_SUPER_STEPS                                                                                      \
         __m256i mw[4];                                                                                     \
         for (int c = 0; c < 4 && !Q6; c++) mw[c] = _mm256_setr_m128i(mns[c], mns[c + 4]);                 \
@@ -2037,7 +2019,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(c
             if (!Q6) {                                                                                     \
                 const __m256i s32 = _mm256_broadcastsi128_si256(                                           \
                     _mm_loadu_si128((const __m128i *)(a->ks32 + (r0 + r) * (k / 32) + t * 8)));            \
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins_columns8(mw, rm[r], s32)), _mm256_mul_ps(neg_dmin, xd), acc[r]); \
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins_columns8(mw, s32)), _mm256_mul_ps(neg_dmin, xd), acc[r]); \
             }                                                                                              \
         }
 
@@ -2118,8 +2100,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void k_group_vnni8_t(GR
  * row, four vpdpbusd then sum each int32 lane over 16 products of one 32-block (|sum| <=
  * 16 * 15 * 127 = 30480: Q4_K's quants only, so the pack to int16 never saturates), one
  * pack puts the even and odd blocks' lanes side by side, and one vpdpwssd multiplies them
- * by sc * m: eleven vector instructions per row, column and superblock where the pairs
- * take twenty (their pack, shuffle and vpdpwssd are per pair of 32-blocks). D is the
+ * by sc (flat activations: m = 1): ten vector instructions per row, column and superblock
+ * where the pairs take twenty (their pack, shuffle and vpdpwssd are per pair of 32-blocks). D is the
  * same exact integer, so the bits are those of every other path. */
 static inline TARGET_VNNI __attribute__((always_inline)) void k_quads_vnni_t(GROUP_ARGS, const int ROWS_N) {
     const int Q6 = 0;
@@ -2135,12 +2117,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void k_quads_vnni_t(GRO
     for (int64_t t = 0; t < supers; t++) {
         const int64_t at = t * bytes;
         if (ahead) prefetch_step(ahead, t);
-        __m256i cd[EXPERT_K_GROUP_ROWS_VNNI][8], rm[EXPERT_K_GROUP_ROWS_VNNI], rq[EXPERT_K_GROUP_ROWS_VNNI];
+        __m256i cd[EXPERT_K_GROUP_ROWS_VNNI][8];
         __m128i mns[8];
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-            rm[r] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(a->km + (r0 + r) * (k / 32) + t * 8)));
-            rq[r] = _mm256_shuffle_epi8(rm[r], packed);
-        }
         for (int c = 0; c < 8; c++) {
             const uint8_t *blk = col[c] + at;
             __m256i sc, runs[4], v[4], lo[4], hi[4];
@@ -2157,7 +2135,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void k_quads_vnni_t(GRO
                     even = _mm256_dpbusd_epi32(even, lo[i], _mm256_loadu_si256(xr + i));
                     odd = _mm256_dpbusd_epi32(odd, hi[i], _mm256_loadu_si256(xr + 4 + i));
                 }
-                cd[r][c] = _mm256_dpwssd_epi32(zero, _mm256_packs_epi32(even, odd), _mm256_mullo_epi16(sc, rq[r]));
+                cd[r][c] = _mm256_dpwssd_epi32(zero, _mm256_packs_epi32(even, odd), sc); /* flat: m = 1 */
             }
         }
         K_SUPER_STEPS
@@ -2371,7 +2349,7 @@ static void run_amx_set(const job_t *job, int index, int64_t next, const bargein
         rows_k_amx(job, tl, subs, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0);
     for (int v = 0; v < subs; v++)
         for (int64_t r = r0; r < job->m;)
-            r += rows_k_zmm(job, &tl[v], NULL, seg->type, j0 + v * TILE, cols[v], r, (int)(job->m - r), 0);
+            r += rows_k_zmm(job, &tl[v], NULL, seg->type, j0 + v * TILE, cols[v], r, (int)(job->m - r));
 }
 #endif
 
@@ -2379,6 +2357,12 @@ static void run_amx_set(const job_t *job, int index, int64_t next, const bargein
  * in an AMX job, an item of the K chain is a set of tiles (run_amx_set). */
 static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
     const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[t]];
+    if (job->a_flat && k_flat_type(seg->type)) { /* this tile's activations are the flat ones */
+        job_t flat = *job;
+        flat.a = job->a_flat, flat.a_flat = NULL;
+        run_tile(&flat, index, t, next);
+        return;
+    }
     qinfo_t info = {32, 0, 0, KIND_PLAIN};
     gguf_qinfo((int)seg->type, &info);
     const int64_t col0 = job->tile_col[t], j0 = job->seg_start[job->tile_seg[t]] + col0;
@@ -2435,11 +2419,8 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
         if (k_chain_type(seg->type)) {
 #ifdef GGUF_VNNI
             if (job->isa == ISA_VNNI) {
-                /* many rows: each row's scale x m is one load from a table built once per tile */
-                const int scaled = k_scaled(job->m, job->k) && seg->type != T_Q6_K;
-                if (scaled && r0 == 0) zmm_scale_table(job, &tl);
                 /* the first pass fetches the next tile's blocks while it reads this one */
-                r0 += rows_k_zmm(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left, scaled);
+                r0 += rows_k_zmm(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left);
                 continue;
             }
 #endif
@@ -2471,6 +2452,40 @@ static void run_tiles(void *arg, int index, int count) {
 #ifdef GGUF_AMX
     if (job->amx) amx_release();
 #endif
+}
+
+/* a's K-chain arrays for its m rows of width k: kq .. ks32; kx where quads (the quad
+ * pass), alo (and ahi, but where k_flat) where amx. Returns 0, or -1 when memory could
+ * not be had. */
+static int k_acts_alloc(acts_t *a, int quads, int amx) {
+    const int64_t m = a->m, k = a->k;
+    const size_t cells = (size_t)(m * a->nb > 0 ? m * a->nb : 1), bytes = (size_t)(m * k > 0 ? m * k : 1);
+    a->kq = malloc(bytes);
+    a->kd = malloc(sizeof(float) * cells); /* more than m * k / 256 */
+    a->km = malloc(sizeof(int16_t) * cells);
+    a->ks16 = malloc(sizeof(int16_t) * 2 * cells);
+    a->ks32 = malloc(sizeof(int16_t) * cells);
+    if (quads) a->kx = malloc(bytes);
+    if (amx) {
+        a->amx_stride = k + AMX_ROW_PAD;
+        a->alo = malloc((size_t)(m * a->amx_stride));
+        if (!a->k_flat) a->ahi = malloc((size_t)(m * a->amx_stride));
+    }
+    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) ||
+                   (amx && (!a->alo || (!a->k_flat && !a->ahi)))
+               ? -1
+               : 0;
+}
+
+static void k_acts_free(acts_t *a) {
+    free(a->kq);
+    free(a->kd);
+    free(a->km);
+    free(a->ks16);
+    free(a->ks32);
+    free(a->kx);
+    free(a->alo);
+    free(a->ahi);
 }
 
 static int check_types(const bargein_qmat_t *w) {
@@ -2507,11 +2522,12 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     if (num_threads < 1) num_threads = 1;
     const size_t cells = (size_t)(m * nb > 0 ? m * nb : 1);
     int has_k = 0, has_32 = 0, has_q4_k = 0; /* segments on the K chain (Q4_K among them), on the 32 chain */
-    int has_k_min = 0;                       /* and on the former, those with mins (Q4_K, Q5_K) */
-    int has_signed = 0;                      /* and among the latter, those with a signed tile pass */
+    int has_k_flat = 0, has_q6_k = 0;        /* and on the former, Q4_K or Q5_K (k_flat_type), Q6_K */
+    int has_signed = 0;                      /* and on the latter, those with a signed tile pass */
     for (int64_t s = 0; s < w->num_segs; s++) {
         if (k_chain_type(w->segs[s].type))
-            has_k = 1, has_q4_k |= w->segs[s].type == T_Q4_K, has_k_min |= w->segs[s].type != T_Q6_K;
+            has_k = 1, has_q4_k |= w->segs[s].type == T_Q4_K, has_k_flat |= k_flat_type(w->segs[s].type),
+            has_q6_k |= w->segs[s].type == T_Q6_K;
         else if (!half_type(w->segs[s].type)) {
             has_32 = 1;
 #ifdef GGUF_X86
@@ -2523,7 +2539,9 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     /* the quad pass's order of kq: VNNI few-row passes of Q4_K */
     const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL, NULL, NULL, NULL};
-    job_t job = {w, &a, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
+    acts_t af = a; /* Q4_K's and Q5_K's K chain */
+    af.k_flat = 1;
+    job_t job = {w, &a, has_k_flat && !exact ? &af : NULL, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
                  NULL, NULL, NULL, NULL, 0, 0, NULL};
     /* tiles are built for many rows on the vector paths only; otherwise a float per row
      * (the C columns' sums): a tile's scratch for one row would be mapped and unmapped
@@ -2531,10 +2549,6 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     const int tiles = !exact && isa != ISA_C && m >= (job.gemm_min_rows < K_GEMM_MIN_ROWS ? job.gemm_min_rows : K_GEMM_MIN_ROWS);
     job.scratch_bytes = tiles ? 2 * TILE * k + (int64_t)TILE * nb * (2 * 4 + 4 * 4)
                               : (int64_t)sizeof(float) * (m > 0 ? m : 1);
-#ifdef GGUF_X86
-    if (tiles && has_k && isa == ISA_VNNI && k_scaled(m, k)) /* tile_t's scaled */
-        job.scratch_bytes += (int64_t)TILE * nb * K_MULTIPLES * 4;
-#endif
 #ifdef GGUF_ARM64
     if (!exact && isa != ISA_C) job.scratch_bytes = neon_gguf_scratch_bytes(k);
 #endif
@@ -2566,35 +2580,15 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
             if (tiles && has_signed && m >= (isa == ISA_VNNI ? SIGNED_MIN_ROWS_VNNI : SIGNED_MIN_ROWS_AVX2))
                 a.qu = malloc((size_t)(m * k > 0 ? m * k : 1));
         }
-        if (has_k) {
-            a.kq = malloc((size_t)(m * k > 0 ? m * k : 1));
-            a.kd = malloc(sizeof(float) * cells); /* more than m * k / 256 */
-            a.km = malloc(sizeof(int16_t) * cells);
-            a.ks16 = malloc(sizeof(int16_t) * 2 * cells);
-            a.ks32 = malloc(sizeof(int16_t) * cells);
-            if (quads) a.kx = malloc((size_t)(m * k > 0 ? m * k : 1));
-            if (job.amx) {
-                a.amx_stride = k + AMX_ROW_PAD;
-                a.alo = malloc((size_t)(m * a.amx_stride));
-                a.ahi = malloc((size_t)(m * a.amx_stride));
-            }
-#ifdef GGUF_X86
-            if (tiles && has_k_min && m >= K_GEMM_MIN_ROWS) { /* the x86 K tile passes' mins (kp) */
-                a.kp = malloc(sizeof(int16_t) * cells);
-                a.kwide = malloc(cells);
-            }
-#endif
-        }
+        if (has_q6_k && k_acts_alloc(&a, 0, job.amx)) status = -1;
+        if (has_k_flat && k_acts_alloc(&af, quads, job.amx)) status = -1;
     }
     job.tile_seg = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     job.tile_col = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     job.seg_start = malloc(sizeof(int64_t) * (size_t)(w->num_segs + 1));
     job.scratch = aligned_alloc(64, (size_t)(job.scratch_bytes * num_threads));
     job.shares = bargein_shares_new(num_threads, num_tiles);
-    if ((exact ? !a.xsum16
-               : ((has_32 && (!a.q || !a.d || !a.s || !a.s16)) || (has_k && (!a.kq || !a.kd || !a.km || !a.ks16 || !a.ks32)) || (quads && !a.kx) ||
-                  (a.kp && !a.kwide) || (job.amx && (!a.alo || !a.ahi)))) ||
-        !job.tile_seg || !job.tile_col || !job.seg_start ||
+    if (status || (exact ? !a.xsum16 : has_32 && (!a.q || !a.d || !a.s || !a.s16)) || !job.tile_seg || !job.tile_col || !job.seg_start ||
         !job.scratch || !job.shares) {
         status = -1;
         goto done;
@@ -2623,7 +2617,8 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
 #ifdef GGUF_ARM64
     if (isa != ISA_C && !exact) quantize = neon_gguf_quantize_rows;
 #endif
-    bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
+    if (exact || has_32 || has_q6_k) bargein_parallel_run(quantize, &a, quant_threads > 1 ? (int)quant_threads : 1);
+    if (af.kq) bargein_parallel_run(quantize, &af, quant_threads > 1 ? (int)quant_threads : 1);
     bargein_parallel_run(run_tiles, &job, num_threads);
 done:
     free(a.q);
@@ -2631,17 +2626,9 @@ done:
     free(a.s);
     free(a.s16);
     free(a.xsum16);
-    free(a.kq);
-    free(a.kd);
-    free(a.km);
-    free(a.ks16);
-    free(a.ks32);
-    free(a.kx);
-    free(a.alo);
-    free(a.ahi);
     free(a.qu);
-    free(a.kp);
-    free(a.kwide);
+    k_acts_free(&a);
+    k_acts_free(&af);
     free(job.tile_seg);
     free(job.tile_col);
     free(job.seg_start);

@@ -3,34 +3,41 @@
  * as every other path.
  *
  * A superblock's D (the header of gguf_matmul.c) takes the AVX-512 pass 8 blocks x (8
- * vpdpbusd + a vpmulld) per row and 16 columns (Q6_K: two vpmulld and an offset's start
+ * vpdpbusd + a vpmulld) per row and 16 columns (Q6_K: three vpmulld and an offset's start
  * more). Here the per-block factors go into the tile products' operands, so that one
- * product spans the whole superblock. The activations are the same for every type: a =
- * m_j * kq (|a| <= 16 * 127) as two bytes, a = 256 * ahi + alo (alo in 0..255, ahi in
- * -8..7: acts_t's alo, ahi, written as each block is quantized). So are the weights, built
- * once per tile (amx_scaled_tile): w = 256 * whi + wlo (wlo in 0..255, whi signed), where
+ * product spans the whole superblock. The activations a = m_j * kq: for Q4_K and Q5_K flat
+ * (m_j = 1, acts_t's k_flat), a = kq, one signed byte (acts_t's alo); for Q6_K |a| <= 16 *
+ * 127, two bytes, a = 256 * ahi + alo (alo in 0..255, ahi in -8..7: acts_t's alo, ahi),
+ * each written as its block is quantized. The weights, built once per tile
+ * (amx_scaled_tile), w = 256 * whi + wlo (wlo in 0..255, whi signed), where
  *
- *   Q4_K, Q5_K (D = sum_j sc_j * m_j * D_j = sum of (sc_j * q) * a): w = sc * q, the
- *   unsigned quant times its 6-bit scale (at most 31 * 63: whi in 0..7);
+ *   Q4_K, Q5_K (D = sum_j sc_j * D_j = sum of (sc_j * q) * a): w = sc * q, the unsigned
+ *   quant times its 6-bit scale (at most 31 * 63: whi in 0..7);
  *   Q6_K (D = sum_h sc_h * m_h * (D_h - 32 * S16_h) = sum of (sc_h * (u - 32)) * a): w =
  *   sc_h * (u - 32), the signed quant times its signed scale (|w| <= 128 * 32: whi in
  *   -16..16), so the offset's start needs no term;
  *
- *   D = C_ll + 256 * C_mid + 65536 * C_hh,  C_ll = sum alo * wlo, C_hh = sum ahi * whi,
- *   C_mid = sum alo * whi + sum ahi * wlo (both cross products in one accumulator).
+ *   Q4_K, Q5_K:  D = C_l + 256 * C_h,  C_l = sum a * wlo, C_h = sum a * whi;
+ *   Q6_K:        D = C_ll + 256 * C_mid + 65536 * C_hh,  C_ll = sum alo * wlo, C_hh = sum
+ *                ahi * whi, C_mid = sum alo * whi + sum ahi * wlo (both cross products in
+ *                one accumulator).
  *
- * Four tile products of 64 bytes' depth (tdpbuud, tdpbusd, tdpbsud, tdpbssd), four times
- * per superblock: 16 products for 16 rows x 16 columns x 256, where the AVX-512 pass
- * issues 1,024 vpdpbusd and 128 vpmulld. The C sums are exact int32 (|C_ll| <= 256 * 255
- * * 255), and D is the same integer as any other path's (a wrapped partial sum included:
- * the total fits int32), so after zmm_superblock_floats the bits are the other paths'.
+ * Tile products of 64 bytes' depth, four times per superblock: Q4_K's and Q5_K's two
+ * (tdpbsud, tdpbssd), 8 products for 16 rows x 16 columns x 256; Q6_K's four (tdpbuud,
+ * tdpbusd, tdpbsud, tdpbssd), 16 products, where the AVX-512 pass issues 1,024 vpdpbusd
+ * and 128 to 384 vpmulld. (The flat activations halved Q4_K's and Q5_K's products:
+ * bench/gemm_tile_ab.c, the 1B layer's shapes at 512 rows, one thread, 0.78x the time of
+ * the four products on per-32 activations.) The C sums are exact int32 (|C_ll| <= 256 *
+ * 255 * 255), and D is the same integer as any other path's (a wrapped partial sum
+ * included: the total fits int32), so after zmm_superblock_floats the bits are the other
+ * paths'.
  * (Q4_K and Q5_K split sc into 3-bit halves before, q * slo and q * shi, for four
  * accumulators of factors 1, 8, 256 and 2,048; with three, a step stores and zeroes one
  * tile less and combines one sum less per row: bench/gemm_tile_ab.c, the 1B layer's
  * shapes at 512 rows, 0.956x the time for Q4_K, 0.965 for Q5_K, 0.958 for Q6_K.)
  *
- * Tile registers (amx_configure: all 16 rows of 64 bytes): C_ll, C_mid, C_hh in 0-2, alo
- * and ahi in 4, 5 (16 rows' 64 bytes, amx_stride apart), the weights' low and high bytes
+ * Tile registers (amx_configure: all 16 rows of 64 bytes): the sums in 0-2 (C_l, C_h in 0,
+ * 1), alo and ahi in 4, 5 (16 rows' 64 bytes, amx_stride apart), the weights' low and high bytes
  * in 6, 7 (the tile's two blocks of 8 rows of 16 columns' 4 bytes: tdpbuud's B as it
  * is); 3 is free. The sums of a step (a superblock of one tile) go out to memory while
  * the tile unit runs the next step; the vector units then combine and scale the first's
@@ -126,36 +133,45 @@ static TARGET_AMX void amx_scaled_tile(const job_t *job, const tile_t *tl, int64
     }
 }
 
-/* Chunk c (64 of 256) of superblock t's four products for rows r0 .. r0 + 15 into tile
- * registers 0-2: C_ll, C_mid (both cross products: the same factor 256), C_hh. */
+/* Chunk c (64 of 256) of superblock t's products for rows r0 .. r0 + 15 into tile
+ * registers 0-2: C_ll, C_mid (both cross products: the same factor 256), C_hh, four
+ * products; FLAT (one-byte activations a = kq): C_l = sum a * wlo, C_h = sum a * whi into
+ * 0, 1, two products. */
 static inline TARGET_AMX __attribute__((always_inline)) void amx_chunk(const job_t *job, const tile_t *tl, int64_t r0,
-                                                                        int64_t t, int c) {
+                                                                        int64_t t, int c, const int FLAT) {
     const acts_t *a = job->a;
     const int64_t x = r0 * a->amx_stride + t * 256 + 64 * c, w = (t * 256 + 64 * c) * TILE;
     AMX_LOAD(4, a->alo + x, a->amx_stride);
-    AMX_LOAD(5, a->ahi + x, a->amx_stride);
+    if (!FLAT) AMX_LOAD(5, a->ahi + x, a->amx_stride);
     AMX_LOAD(6, tl->amx_lo + w, 64);
     AMX_LOAD(7, tl->amx_hi + w, 64);
+    if (FLAT) {
+        AMX_DP(tdpbsud, 0, 4, 6); /* a * wlo */
+        AMX_DP(tdpbssd, 1, 4, 7); /* a * whi */
+        return;
+    }
     AMX_DP(tdpbuud, 0, 4, 6); /* alo * wlo */
     AMX_DP(tdpbusd, 1, 4, 7); /* alo * whi */
     AMX_DP(tdpbsud, 1, 5, 6); /* ahi * wlo */
     AMX_DP(tdpbssd, 2, 5, 7); /* ahi * whi */
 }
 
-/* The three sums' registers (0-2) zeroed for a step, and stored to s (C_ll, C_mid, C_hh). */
-static inline TARGET_AMX __attribute__((always_inline)) void amx_zero_sums(void) {
+/* The sums' registers (0-2; FLAT 0-1) zeroed for a step, and stored to s. */
+static inline TARGET_AMX __attribute__((always_inline)) void amx_zero_sums(const int FLAT) {
     AMX_ZERO(0);
     AMX_ZERO(1);
-    AMX_ZERO(2);
+    if (!FLAT) AMX_ZERO(2);
 }
 
-static inline TARGET_AMX __attribute__((always_inline)) void amx_store_sums(int32_t (*s)[AMX_ROWS_K][TILE]) {
+static inline TARGET_AMX __attribute__((always_inline)) void amx_store_sums(int32_t (*s)[AMX_ROWS_K][TILE],
+                                                                             const int FLAT) {
     AMX_STORE(0, s[0]);
     AMX_STORE(1, s[1]);
-    AMX_STORE(2, s[2]);
+    if (!FLAT) AMX_STORE(2, s[2]);
 }
 
-/* Rows r0 .. r0 + 15 over a set's `subs` tiles tl (MIN: Q4_K or Q5_K, else Q6_K; tile v's
+/* Rows r0 .. r0 + 15 over a set's `subs` tiles tl (MIN: Q4_K or Q5_K, their activations
+ * flat (acts_t's k_flat) and so two products a chunk; else Q6_K, four; tile v's
  * columns j0 + 16 v on, cols[v] of them), the registers configured and the tiles' weights
  * scaled (amx_scaled_tile). ahead: NULL, or the next item's plans (tile_ahead), a part per
  * superblock. Step i is superblock i / subs of tile i % subs (the header: the
@@ -170,25 +186,29 @@ static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const 
     float acc[AMX_SET_TILES][AMX_ROWS_K][TILE] __attribute__((aligned(64)));
     for (int v = 0; v < subs; v++)
         for (int r = 0; r < AMX_ROWS_K; r++) _mm512_store_ps(acc[v][r], _mm512_setzero_ps());
-    amx_zero_sums();
-    for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c);
+    amx_zero_sums(MIN);
+    for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c, MIN);
     for (int64_t i = 0; i < steps; i++) {
         const int64_t t = i / subs;
         const int v = (int)(i % subs);
         int32_t(*s)[AMX_ROWS_K][TILE] = sums[i % 2];
-        amx_store_sums(s);
+        amx_store_sums(s, MIN);
         if (ahead && v == 0) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         const int more = i + 1 < steps;
         const int64_t t1 = (i + 1) / subs;
         const tile_t *tl1 = tl + (i + 1) % subs;
-        if (more) amx_zero_sums();
+        if (more) amx_zero_sums(MIN);
         for (int c = 0; c < 4; c++) {
-            if (more) amx_chunk(job, tl1, r0, t1, c);
+            if (more) amx_chunk(job, tl1, r0, t1, c, MIN);
             __m512i dk[4];
             const int q = 4 * c; /* rows q .. q + 3 of step i */
-            _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) { /* D = C_ll + 256 C_mid + 65536 C_hh */
+            _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
                 const __m512i ll = _mm512_load_si512(s[0][q + r]), mid = _mm512_load_si512(s[1][q + r]);
-                const __m512i hh = _mm512_load_si512(s[2][q + r]);
+                if (MIN) { /* D = C_l + 256 C_h */
+                    dk[r] = _mm512_add_epi32(ll, _mm512_slli_epi32(mid, 8));
+                    continue;
+                }
+                const __m512i hh = _mm512_load_si512(s[2][q + r]); /* D = C_ll + 256 C_mid + 65536 C_hh */
                 dk[r] = _mm512_add_epi32(_mm512_add_epi32(ll, _mm512_slli_epi32(mid, 8)), _mm512_slli_epi32(hh, 16));
             }
             zmm_superblock_floats(job, tl + v, r0 + q, t, 4, MIN, dk, acc[v] + q, 1);

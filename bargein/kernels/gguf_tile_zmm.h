@@ -1,8 +1,8 @@
 /* gguf_matmul.c's many-row tile pass of the K chain (Q4_K, Q5_K, Q6_K) on AVX-512 VNNI
  * with 512-bit registers: the whole tile of 16 columns in one register (lane c = column
  * c), so one weight load and one vpdpbusd serve 16 columns of a row, up to 8 rows share
- * each load, and the per-block integer scaling (vpmulld by the scales and by the row's
- * multiple m) runs once per 16 columns instead of once per 8. The steps are the 256-bit
+ * each load, and the per-block integer scaling (vpmulld by the scales, and for Q6_K by the
+ * row's multiple m) runs once per 16 columns instead of once per 8. The steps are the 256-bit
  * pass's, per lane and in the same order, so the bits are the other paths' (and plain
  * C's): the integer sums are exact, and each lane's float steps are the same operations
  * on the same operands. The 32 chain stays on gguf_matmul.c's 256-bit rows_vnni: on the
@@ -25,22 +25,6 @@
 #define BARGEIN_GGUF_TILE_ZMM_H
 
 #define ZMM_ROWS_K 8 /* rows per pass: dk, dlo (Q6_K: and dhi) per row in registers, acc in memory */
-
-/* The K pass's table for many rows of Q4_K/Q5_K (gguf_matmul.c's k_scaled): each 32-block
- * b's scale of the tile's panel (psc[2 b * TILE + c]) times each multiple m = 1 .. 16, at
- * scaled[(b * K_MULTIPLES + m - 1) * TILE + c], so that a row's per-block step is
- * dlo * (sc * m) (one vpmulld with a folded load) instead of (dlo * sc) * m: the same
- * int32 (wrapping products are associative), built by sums, once per tile. At 512 rows
- * the second vpmulld was ~10% of the pass's time (a build without it, k_chain_cost.c):
- * on Zen 4 a vpmulld zmm takes a vpdpbusd's slot (bench/vnni_roof.c's kmul mix). */
-static TARGET_VNNI void zmm_scale_table(const job_t *job, const tile_t *tl) {
-    for (int64_t b = 0; b < job->nb; b++) {
-        const __m512i sc = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
-        __m512i times = sc;
-        for (int m = 0; m < K_MULTIPLES; m++, times = _mm512_add_epi32(times, sc))
-            _mm512_store_si512(tl->scaled + (b * K_MULTIPLES + m) * TILE, times);
-    }
-}
 
 /* acc + the byte dot products of w's 16 lanes with the four signed bytes at x, broadcast
  * as the instruction's own memory operand ({1to16}): GCC otherwise broadcasts them with a
@@ -65,38 +49,30 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(cons
     else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
 }
 
-/* A superblock's per-row integers, widened to int32 once per superblock and row so that
- * each 32-block reads them as broadcast loads (a vpmulld's folded operand) instead of
+/* Q6_K's per-row integers of a superblock, widened to int32 once per superblock and row so
+ * that each 32-block reads them as broadcast loads (a vpmulld's folded operand) instead of
  * moving a scalar into a vector register per row and block: mult[r][j] = m_j of row r
- * (km: row 0's eight, `stride` apart; SCALED: (m_j - 1) * TILE, where zmm_scale_table's
- * sc * m_j starts in the block's table, so that each row and block reads it with one
- * load and no arithmetic: 0.956-0.964x the pass's time at 512 rows, Q4_K and Q5_K,
- * against m_j read from km there), and for Q6_K (!MIN) off[r][h] = -32 * S16_h, the
- * offset's start (s16: row 0's sixteen). Built per half and row from the int16 sums, the
- * offset's start alone was ~9% of the 512-row pass (a timing-only build without it,
- * bench/k_chain_cost.c). */
+ * (km: row 0's eight, `stride` apart) and off[r][h] = -32 * S16_h, the offset's start
+ * (s16: row 0's sixteen). Built per half and row from the int16 sums, the offset's start
+ * alone was ~9% of the 512-row pass (a timing-only build without it, bench/k_chain_cost.c).
+ * Q4_K's and Q5_K's activations are flat (m_j = 1): they need neither. */
 static inline TARGET_VNNI __attribute__((always_inline)) void zmm_row_terms(const int16_t *km, const int16_t *s16,
                                                                              int64_t stride, const int ROWS_N,
-                                                                             const int MIN, const int SCALED,
                                                                              int32_t mult[][8], int32_t off[][16]) {
     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-        __m256i m = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(km + r * stride)));
-        if (SCALED) m = _mm256_mullo_epi32(_mm256_sub_epi32(m, _mm256_set1_epi32(1)), _mm256_set1_epi32(TILE));
-        _mm256_store_si256((__m256i *)mult[r], m);
-        if (MIN) continue;
+        _mm256_store_si256((__m256i *)mult[r], _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(km + r * stride))));
         const __m512i wide = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s16 + 2 * r * stride)));
         _mm512_store_si512(off[r], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wide, 5)));
     }
 }
 
 /* zmm_superblock_floats' steps for row r: acc += dk * (d * xd), and with mins (MIN) the
- * mins' sum of mn * m * sum q over the eight 32-blocks, as int16 pairs (the 256-bit pass's
- * exact int32 per lane), times nm * xd: against kp = m * sum q where the superblock's
- * products fit int16 (wide = 0), else mn * m against sum q. mn: the mins' four vectors,
- * or NULL to read them from the panel pmn here. */
+ * mins' sum of mn * S32 over the eight 32-blocks (the activations are flat: m_j = 1), as
+ * int16 pairs (the 256-bit pass's exact int32 per lane), times nm * xd. mn: the mins'
+ * four vectors, or NULL to read them from the panel pmn here. */
 static inline TARGET_VNNI __attribute__((always_inline)) void zmm_superblock_row(const acts_t *a, const int32_t *pmn,
                                                                                   int64_t r, int64_t t, const int MIN,
-                                                                                  int wide, __m512 d, __m512 nm,
+                                                                                  __m512 d, __m512 nm,
                                                                                   const __m512i *mn, __m512i dk,
                                                                                   float *acc) {
     const int64_t k = a->k;
@@ -105,17 +81,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_superblock_row
     if (MIN) {
         const int64_t row32 = r * (k / 32) + t * 8;
         __m512i mk = _mm512_setzero_si512();
-        for (int p = 0; p < 4; p++) {
-            const __m512i mnp = mn ? mn[p] : _mm512_loadu_si512(pmn + (t * 16 + p) * TILE);
-            if (!wide) {
-                mk = dpwssd_bcst(mk, mnp, a->kp + row32 + 2 * p);
-                continue;
-            }
-            int32_t spair, mpair;
-            memcpy(&spair, a->ks32 + row32 + 2 * p, 4);
-            memcpy(&mpair, a->km + row32 + 2 * p, 4);
-            mk = _mm512_dpwssd_epi32(mk, _mm512_mullo_epi16(mnp, _mm512_set1_epi32(mpair)), _mm512_set1_epi32(spair));
-        }
+        for (int p = 0; p < 4; p++)
+            mk = dpwssd_bcst(mk, mn ? mn[p] : _mm512_loadu_si512(pmn + (t * 16 + p) * TILE), a->ks32 + row32 + 2 * p);
         sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mk), _mm512_mul_ps(nm, xd), sum);
     }
     _mm512_store_ps(acc, sum);
@@ -124,10 +91,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_superblock_row
 /* A superblock's float steps for rows r0 .. r0 + ROWS_N - 1 (t: the superblock), row by row
  * (zmm_superblock_row). The tile passes of every width share them, so their float steps
  * are the same operations. HOIST (the AMX pass): the mins' four vectors loaded once for
- * all the rows and the rows' int16 test made once, so that each loop is straight-line
- * code (with the test inside, GCC branched out of the loop per row and reloaded the
- * mins): bench/gemm_tile_ab.c, 512 rows, 0.970-0.983x the AMX pass's time for Q4_K and
- * Q5_K, but 1.034x the VNNI pass's, whose eight rows' registers it crowds. */
+ * all the rows (bench/gemm_tile_ab.c, 512 rows, 0.970-0.983x the AMX pass's time for Q4_K
+ * and Q5_K, but 1.034x the VNNI pass's, whose eight rows' registers it crowds). */
 static inline TARGET_VNNI __attribute__((always_inline)) void zmm_superblock_floats(const job_t *job, const tile_t *tl,
                                                                                      int64_t r0, int64_t t,
                                                                                      const int ROWS_N, const int MIN,
@@ -135,34 +100,23 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_superblock_flo
                                                                                      float acc[][TILE],
                                                                                      const int HOIST) {
     const acts_t *a = job->a;
-    const int64_t supers = job->k / 256, at = t * 8 * TILE;
+    const int64_t at = t * 8 * TILE;
     const __m512 d = _mm512_loadu_ps(tl->ps + at), nm = _mm512_loadu_ps(tl->pm + at);
-    int wide = 0; /* a row whose m * sum q overflows int16 here (acts_t's kwide) */
-    if (MIN) _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) wide |= a->kwide[(r0 + r) * supers + t];
-    if (!HOIST) {
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)
-            zmm_superblock_row(a, tl->pmn, r0 + r, t, MIN, wide, d, nm, NULL, dk[r], acc[r]);
-        return;
-    }
     __m512i mn[4];
-    if (MIN)
+    if (HOIST && MIN)
         for (int p = 0; p < 4; p++) mn[p] = _mm512_loadu_si512(tl->pmn + (t * 16 + p) * TILE);
-    if (MIN && wide)
-        for (int r = 0; r < ROWS_N; r++) zmm_superblock_row(a, tl->pmn, r0 + r, t, 1, 1, d, nm, mn, dk[r], acc[r]);
-    else
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)
-            zmm_superblock_row(a, tl->pmn, r0 + r, t, MIN, 0, d, nm, mn, dk[r], acc[r]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)
+        zmm_superblock_row(a, tl->pmn, r0 + r, t, MIN, d, nm, HOIST ? mn : NULL, dk[r], acc[r]);
 }
 
 /* The K chain (header of gguf_matmul.c), rows r0 .. r0 + ROWS_N - 1 over the tile: per
  * 32-block, the dot products (Q6_K: per half, with the offset's -32 * S16 as start),
- * times the column's integer scale(s), times the row's multiple m (after the scales: the
- * product of all three is an exact int32 sum in any order), summed over the superblock
- * in int32; then the superblock's one or two float steps. */
+ * times the column's integer scale(s) (Q6_K: then times the row's multiple m; the product
+ * of all three is an exact int32 sum in any order), summed over the superblock in int32;
+ * then the superblock's one or two float steps. */
 static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const job_t *job, const tile_t *tl,
                                                                             const ahead_t *ahead, int64_t j0, int cols,
-                                                                            int64_t r0, const int ROWS_N, const int MIN,
-                                                                            const int SCALED) {
+                                                                            int64_t r0, const int ROWS_N, const int MIN) {
     const acts_t *a = job->a;
     const int64_t k = job->k, supers = k / 256;
     const __m512i *tile = (const __m512i *)tl->tile;
@@ -173,8 +127,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
         __m512i dk[ZMM_ROWS_K];
         for (int r = 0; r < ROWS_N; r++) dk[r] = _mm512_setzero_si512();
         int32_t mult[ZMM_ROWS_K][8] __attribute__((aligned(32))), off[ZMM_ROWS_K][16] __attribute__((aligned(64)));
-        zmm_row_terms(a->km + r0 * (k / 32) + t * 8, a->ks16 + r0 * (k / 16) + t * 16, k / 32, ROWS_N, MIN, SCALED && MIN, mult,
-                      off);
+        if (!MIN) zmm_row_terms(a->km + r0 * (k / 32) + t * 8, a->ks16 + r0 * (k / 16) + t * 16, k / 32, ROWS_N, mult, off);
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             __m512i dlo[ZMM_ROWS_K], dhi[ZMM_ROWS_K];
@@ -191,19 +144,16 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
                     else dlo[r] = dpbusd_bcst(dlo[r], w, xb + r * k + 4 * g);
                 }
             }
-            if (SCALED && MIN) { /* zmm_scale_table's sc * m: one multiply (mult holds m's offsets there) */
-                const int32_t *at = tl->scaled + b * K_MULTIPLES * TILE;
+            const __m512i sc0 = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
+            if (MIN) { /* flat activations: sc alone */
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)
-                    dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(dlo[r], _mm512_load_si512(at + mult[r][j])));
+                    dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(dlo[r], sc0));
                 continue;
             }
-            const __m512i sc0 = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
             const __m512i sc1 = _mm512_loadu_si512(tl->psc + (2 * b + 1) * TILE);
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-                __m512i e = _mm512_mullo_epi32(dlo[r], sc0);
-                if (!MIN) e = _mm512_add_epi32(e, _mm512_mullo_epi32(dhi[r], sc1));
-                e = _mm512_mullo_epi32(e, _mm512_set1_epi32(mult[r][j]));
-                dk[r] = _mm512_add_epi32(dk[r], e);
+                const __m512i e = _mm512_add_epi32(_mm512_mullo_epi32(dlo[r], sc0), _mm512_mullo_epi32(dhi[r], sc1));
+                dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(e, _mm512_set1_epi32(mult[r][j])));
             }
         }
         zmm_superblock_floats(job, tl, r0, t, ROWS_N, MIN, dk, acc, 0);
@@ -212,13 +162,11 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
 }
 
 /* Returns the rows done. ahead: NULL, or the plans (two, one per eight columns) of the
- * next tile's blocks, fetched a part per superblock. scaled: read zmm_scale_table's
- * table (built for this tile) instead of multiplying by m. */
+ * next tile's blocks, fetched a part per superblock. */
 static TARGET_VNNI int rows_k_zmm(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type, int64_t j0,
-                                  int cols, int64_t r0, int rows, int scaled) { /* scaled: Q4_K, Q5_K only */
-#define K_ZMM_S(N, MIN)                                                                                    \
-    (scaled ? rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, MIN, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, MIN, 0))
-#define K_ZMM(N) (type != T_Q6_K ? K_ZMM_S(N, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 0, 0))
+                                  int cols, int64_t r0, int rows) {
+#define K_ZMM(N)                                                                                           \
+    (type != T_Q6_K ? rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 0))
     const int n = rows < ZMM_ROWS_K ? rows : ZMM_ROWS_K;
     switch (n) {
     case 8: K_ZMM(8); break;
@@ -231,7 +179,6 @@ static TARGET_VNNI int rows_k_zmm(const job_t *job, const tile_t *tl, const ahea
     default: K_ZMM(1);
     }
 #undef K_ZMM
-#undef K_ZMM_S
     return n;
 }
 

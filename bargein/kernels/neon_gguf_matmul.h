@@ -174,8 +174,8 @@ static void neon_gguf_quantize_rows(void *arg, int index, int count) {
             float amax = 0.0f, amax32[8];
             for (int j = 0; j < 8; j++) amax32[j] = neon_amax(x + 32 * j, 32), amax = fmaxf(amax, amax32[j]);
             for (int j = 0; j < 8; j++) {
-                const int m = k_chain_multiple(amax32[j], amax);
-                const float step = k_chain_step(amax, m), inv = step > 0.0f ? 1.0f / step : 0.0f;
+                const int m = k_chain_multiple(amax32[j], amax, a->k_flat);
+                const float step = k_chain_step(amax, m, a->k_flat), inv = step > 0.0f ? 1.0f / step : 0.0f;
                 int32_t s16[2];
                 neon_quantize_by(x + 32 * j, 32, inv, a->kq + r * k + t * 256 + 32 * j, s16);
                 a->km[r * (k / 32) + t * 8 + j] = (int16_t)m;
@@ -183,7 +183,7 @@ static void neon_gguf_quantize_rows(void *arg, int index, int count) {
                 a->ks16[r * (k / 16) + t * 16 + 2 * j + 1] = (int16_t)s16[1];
                 a->ks32[r * (k / 32) + t * 8 + j] = (int16_t)(s16[0] + s16[1]);
             }
-            a->kd[r * (k / 256) + t] = k_chain_unit(amax);
+            a->kd[r * (k / 256) + t] = k_chain_unit(amax, a->k_flat);
         }
         for (int64_t b = 0; a->q && b < nb; b++) {
             int32_t s16[2];

@@ -57,9 +57,11 @@ def reference_values(weight: QuantWeight) -> np.ndarray:
     return np.concatenate([gguf_dequantize(s) for s in weight.segments])
 
 
-# The types on the K chain (gguf_matmul.c): one float unit per superblock of 256, a step
-# per 32-block that is an integer multiple of it.
+# The types on the K chain (gguf_matmul.c): one float unit per superblock of 256; Q4_K's
+# and Q5_K's activations take it as their one step (K_FLAT, as llama.cpp's Q8_K), Q6_K's a
+# step per 32-block that is an integer multiple of it.
 K_CHAIN = (T.Q4_K, T.Q5_K, T.Q6_K)
+K_FLAT = (T.Q4_K, T.Q5_K)
 
 
 def rounded_per_block(x: np.ndarray, block: int) -> np.ndarray:
@@ -91,9 +93,12 @@ def k_chain_activations(x: np.ndarray) -> np.ndarray:
     return (q * mult[..., None].astype(np.float64) * unit[..., None]).reshape(m, k)
 
 
-def int8_activations(x: np.ndarray, block: int = 32) -> np.ndarray:
-    """x as the fast kernels round it: the 32 chain's (block 32) or the K chain's (256)."""
-    return k_chain_activations(x) if block == 256 else rounded_per_block(x, block)
+def int8_activations(x: np.ndarray, qtype: T) -> np.ndarray:
+    """x as the fast kernels round it for a weight of type qtype: the 32 chain's, one step
+    per superblock (K_FLAT), or the K chain's per-32 multiples (Q6_K)."""
+    if qtype in K_FLAT:
+        return rounded_per_block(x, 256)
+    return k_chain_activations(x) if qtype in K_CHAIN else rounded_per_block(x, 32)
 
 
 def with_outliers(x: np.ndarray, every: int = 97, scale: float = 40.0) -> np.ndarray:
@@ -163,7 +168,7 @@ def test_fast_is_the_int8_product(qtype):
     x[3] = 0.0  # an all-zero row: d = 0
     x[4, 256:288] = 0.0  # an all-zero 32-block: the K chain's multiple is 1
     y = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(weight), 2, isa="c").numpy()
-    xq = int8_activations(x, 256 if qtype in K_CHAIN else 32)
+    xq = int8_activations(x, qtype)
     assert (np.abs(y - xq @ w.T) <= fast_bound(xq, w)).all()
 
 
@@ -369,9 +374,10 @@ def _blocks_at_their_bounds(qtype: T, n: int, k: int, rng: np.random.Generator) 
 
 
 def _activations_at_their_bounds(m: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """m rows whose K-chain quants are +-127 with multiple 16 in every 32-block (every |x|
-    equal): all positive, all negative, alternating, random signs; then random signs with
-    one 32-block per superblock 100 times smaller (a small multiple beside 16s)."""
+    """m rows whose K-chain quants are +-127 in every 32-block (every |x| equal; Q6_K's
+    multiple 16): all positive, all negative, alternating, random signs; then random signs
+    with one 32-block per superblock 100 times smaller (Q6_K: a small multiple beside 16s;
+    Q4_K and Q5_K, flat: that block's quants near 1)."""
     signs = [np.ones(k), -np.ones(k), np.resize([1.0, -1.0], k)]
     x = np.stack([signs[r] if r < 3 else rng.choice([-1.0, 1.0], size=k) for r in range(m)]).astype(np.float32)
     x[6:, 32:64] *= np.float32(0.01)
@@ -384,14 +390,15 @@ def _activations_at_their_bounds(m: int, k: int, rng: np.random.Generator) -> np
 def test_k_chain_integer_sums_at_their_bounds_keep_the_bits(qtype, isa):
     """Quants, scales, mins and activations at their extremes (one 32-block's four-product
     sums at 4 * 63 * 127 for Q6_K's pairs, 16 products of Q4_K's quads at 16 * 15 * 127 =
-    30480 beside int16's 32767; D at 8 * 63 * 16 * 32 * 15 * 127 for Q4_K): an int16 or
+    30480 beside int16's 32767; D at 16 * 128 * 16 * 16 * 32 * 127 for Q6_K): an int16 or
     int32 sum that overflowed or saturated on some path would change the bits. Every row
     count from 1 to 12 through the dense matmul (VNNI: passes of up to 4 rows) and through
     one expert's call (bargein_gguf_matmul_expert: passes of up to 8, split evenly), Q4_K's
     from 2 rows in the quad pass, equals the C path's bits; so do 24 and 25 rows, the tile
     passes (AVX2: a 32-block's pairs summed in int16, Q4_K's eight at 16 * 15 * 127 = 30480,
-    Q5_K's halves at 8 * 31 * 127 = 31496, before the madd by sc * m), and 64 and 73, AMX's
-    (its operands' bytes at their bounds: Q6_K's w = -128 * -32 = 256 * 16 + 0)."""
+    Q5_K's halves at 8 * 31 * 127 = 31496, before the madd by sc), and 64 and 73, AMX's
+    (its operands' bytes at their bounds: Q6_K's w = -128 * -32 = 256 * 16 + 0, Q4_K's and
+    Q5_K's one-byte a = +-127 against w = 63 * 15 or 63 * 31)."""
     rng = rng_for("bounds", qtype)
     k = 512
     weight = _blocks_at_their_bounds(qtype, 32, k, rng)
@@ -416,19 +423,18 @@ def test_k_chain_integer_sums_at_their_bounds_keep_the_bits(qtype, isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K], ids=["Q4_K", "Q5_K"])
 def test_k_chain_tile_mins_at_int16_bounds_keep_the_bits(qtype, isa):
-    """The tile passes (from 24 rows) sum the mins against each row's m * sum q as int16
-    where a superblock's eight products fit, else against sum q with m times the min: rows
-    whose every 32-block has 24 quants of +127 and 8 of -127 (m * sum q = 16 * 2032 = 32512,
-    or its negative) take the first; rows 8 .. 15, 25 and 7 (36576), the second, for the
-    whole pass of rows they fall in on VNNI, for their own on AVX2. Quants, scales and mins
-    at their extremes (as above); the C path's bits at every row remainder of both tile
-    passes, one thread and two."""
+    """The tile passes (from 24 rows) sum the mins as int16 pairs against each row's pairs
+    of 32-block sums (the activations are flat: sum q itself, at most 32 * 127 = 4064):
+    rows whose every 32-block's quants are all +127 or all -127 (sum q = +-4064), 24 of
+    +127 and 8 of -127 (2032), 25 and 7, and random signs. Quants, scales and mins at their
+    extremes (as above); the C path's bits at every row remainder of both tile passes, one
+    thread and two."""
     rng = rng_for("tile-mins", qtype)
     k = 512
     matrix = describe_quant(_blocks_at_their_bounds(qtype, 32, k, rng))
     fits, wide = np.resize([1.0] * 24 + [-1.0] * 8, k), np.resize([1.0] * 25 + [-1.0] * 7, k)
     rows = [(wide if r % 2 else -wide) if 8 <= r < 16 else
-            [fits, -fits, rng.choice([-1.0, 1.0], size=k)][r % 3] for r in range(71)]
+            [fits, -fits, np.ones(k), -np.ones(k), rng.choice([-1.0, 1.0], size=k)][r % 5] for r in range(71)]
     x = torch.from_numpy(np.stack(rows).astype(np.float32) * np.float32(0.5))
     base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
     for m in [*range(24, 32), *range(64, 72)]:
@@ -442,12 +448,14 @@ def test_mixed_segments_and_orders(isa):
     rng = rng_for("mixed")
     weight = mixed_weight(rng)
     w = reference_values(weight).astype(np.float64)
-    x = with_outliers(rng.standard_normal((33, 512)).astype(np.float32))
+    # 70 rows: the tile passes, on AMX too (from 64 rows), with both of the K chain's
+    # roundings of the rows in one call (Q4_K's flat, Q6_K's per 32)
+    x = with_outliers(rng.standard_normal((70, 512)).astype(np.float32))
     whole = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(weight), 3, isa=isa)
     # each segment alone gives its columns' bits, each the int8 product of its chain
     start = 0
     for segment in weight.segments:
-        xq, ws = int8_activations(x, 256 if segment.qtype in K_CHAIN else 32), w[start:start + segment.rows]
+        xq, ws = int8_activations(x, segment.qtype), w[start:start + segment.rows]
         assert (np.abs(whole.numpy()[:, start:start + segment.rows] - xq @ ws.T) <= fast_bound(xq, ws)).all()
         alone = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(QuantWeight((segment,))), 1, isa="c")
         assert torch.equal(alone, whole[:, start:start + segment.rows])
@@ -458,11 +466,12 @@ def test_mixed_segments_and_orders(isa):
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", K_CHAIN, ids=[t.name for t in K_CHAIN])
-def test_k_chain_steps_per_32_beat_one_step_per_256_on_outlier_channels(qtype):
+def test_q6_k_steps_per_32_beat_one_step_per_256_on_outlier_channels():
     """One outlier channel per superblock (as ffn_down's input has) sets the superblock's
-    step; the K chain's per-32 multiples keep the other 32-blocks' steps fine, so the
-    product's error against float is well below that of one step per 256 on the same input."""
+    step; Q6_K's per-32 multiples keep the other 32-blocks' steps fine, so the product's
+    error against float is well below that of one step per 256 on the same input (Q4_K's
+    and Q5_K's activations take that one step: test_fast_is_the_int8_product)."""
+    qtype = T.Q6_K
     rng = np.random.default_rng(3300 + qtype)  # fixed: the ratio is about 0.35, from 0.28 to 0.48 over seeds
     k = 1024
     weight = random_weight(qtype, 64, k, rng)

@@ -24,7 +24,7 @@ from bargein.kernels.native_structs import NativeKernelError, describe_quant
 from bargein.kernels.quant_weight import QuantWeight
 from tests.gguf_blocks import TYPES, T, gguf_dequantize, random_weight
 from tests.kernels.isa_params import isa_params
-from tests.kernels.test_gguf_kernels import K_CHAIN, int8_activations
+from tests.kernels.test_gguf_kernels import int8_activations
 
 KERNELS = load_native_kernels()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="no C compiler here; the torch path is tested")
@@ -50,14 +50,14 @@ def _silu(a: np.ndarray) -> np.ndarray:
 
 
 def _reference(x: np.ndarray, values: list[list[np.ndarray]], ids: np.ndarray, w: np.ndarray,
-               fast: bool, block: int = 32) -> np.ndarray:
+               fast: bool, qtype: T) -> np.ndarray:
     y = np.zeros_like(x, dtype=np.float64)
     for r in range(x.shape[0]):
         for s in range(ids.shape[1]):
             gate, up, down = values[ids[r, s]]
-            xr = int8_activations(x[r:r + 1], block) if fast else x[r:r + 1].astype(np.float64)
+            xr = int8_activations(x[r:r + 1], qtype) if fast else x[r:r + 1].astype(np.float64)
             h = (_silu(xr @ gate.T) * (xr @ up.T)).astype(np.float32)
-            hr = int8_activations(h, block) if fast else h.astype(np.float64)
+            hr = int8_activations(h, qtype) if fast else h.astype(np.float64)
             y[r] += w[r, s] * (hr @ down.T)[0]
     return y
 
@@ -88,7 +88,7 @@ def test_grouped_experts_against_float64(qtype: T) -> None:
     for exact in (True, False):
         got = KERNELS.moe.experts(x, table, ids, weights, exact=exact, num_threads=2, isa=KERNELS.q8_isa).double()
         want = _reference(x.numpy(), values, ids.numpy(), weights.double().numpy(), fast=not exact,
-                          block=256 if qtype in K_CHAIN else 32)
+                          qtype=qtype)
         err = (got.numpy() - want).__abs__().max() / (np.abs(want).max() + 1e-30)
         assert err < (2e-5 if exact else 5e-3), (exact, err)
 
