@@ -194,13 +194,15 @@ def llama_failure(message: str, cpu_flags: frozenset[str] | None = None) -> str:
 
 
 def _run(script: str, args: dict[str, Any]) -> dict[str, Any]:
-    """One fresh process; ``launched`` (wall clock) is set just before it starts."""
+    """One fresh process, started in this tree (``python -c`` puts its directory first on
+    sys.path, before PYTHONPATH: from another tree's directory it would import that tree's
+    bargein); ``launched`` (wall clock) is set just before it starts."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if not args.get("bytecode", True):
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     args = {**args, "launched": time.time()}
     result = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
-                            timeout=1800, env=env)
+                            timeout=1800, env=env, cwd=ROOT)
     if result.returncode:
         lines = result.stderr.strip().splitlines()
         raise RuntimeError(lines[-1] if lines else exit_reason(result.returncode))
