@@ -139,13 +139,15 @@
 #define K_GEMM_MIN_ROWS 6
 #define K_GROUP_ROWS_VNNI 4
 /* From this many rows the K chain's tile pass runs on AMX where the CPU has it (isa
- * ISA_AMX, gguf_tile_amx.h): its activations are split and each tile's quants scaled once
- * per call, which a few 16-row passes do not repay (bench/gemm_tile_ab.c, the 1B layer's
- * shapes, one thread, AMX time over VNNI's: Q4_K 1.14 at 32 rows, 1.09 at 48, 0.90 at 64,
- * 0.88 at 128, 0.79 at 512; Q6_K 1.03 at 32, 0.93 at 48, 0.86 at 64, 0.63 at 512). One
- * bound for the job: its segments mix the types. -DAMX_MIN_ROWS=N moves it, to measure. */
+ * ISA_AMX, gguf_tile_amx.h): its activations are laid out and each tile's quants scaled
+ * once per call, which a few 16-row passes do not repay (bench/gemm_tile_ab.c, the 1B
+ * layer's shapes, one thread, AMX time over VNNI's, since Q4_K's and Q5_K's activations
+ * are flat: Q4_K 1.31 at 16 rows, 1.085 at 32, 0.940 at 48; Q5_K 1.32, 1.087, 0.958;
+ * Q6_K 1.22, 1.02, 0.903; with per-32 activations Q4_K took 1.09 at 48, 0.90 at 64, 0.79
+ * at 512). One bound for the job: its segments mix the types. -DAMX_MIN_ROWS=N moves it,
+ * to measure. */
 #ifndef AMX_MIN_ROWS
-#define AMX_MIN_ROWS 64
+#define AMX_MIN_ROWS 48
 #endif
 /* An AMX job's item of the K chain: as many tiles as keep their scaled quants (32 k bytes a
  * tile) within AMX_SET_BYTES, for L2, and AMX_SET_TILES at most (gguf_tile_amx.h's loop

@@ -233,7 +233,7 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_chain_sets_of_tiles_keep_the_bits(isa):
-    """From 64 rows AMX takes the K chain in items of several tiles (as many as fit 1 MB of
+    """From 48 rows AMX takes the K chain in items of several tiles (as many as fit 1 MB of
     scaled quants and leave each thread 4 items: here 11 and 5 at k = 512 on one and two
     threads, 2 and 1 at k = 16,384), 16 rows at a time over the whole set,
     the rest of the rows tile by tile: a segment of 2 1/2 sets beside a Q6_K one (a set of
@@ -251,7 +251,7 @@ def test_k_chain_sets_of_tiles_keep_the_bits(isa):
         matrix = describe_quant(weight)
         x = torch.from_numpy(with_outliers(rng.standard_normal((79, k)).astype(np.float32)))
         base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
-        for m in (64, 69, 79):
+        for m in (48, 64, 69, 79):
             for threads in (1, 2):
                 y = KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa)
                 assert torch.equal(y, base[:m]), (k, m, threads)
@@ -448,7 +448,7 @@ def test_mixed_segments_and_orders(isa):
     rng = rng_for("mixed")
     weight = mixed_weight(rng)
     w = reference_values(weight).astype(np.float64)
-    # 70 rows: the tile passes, on AMX too (from 64 rows), with both of the K chain's
+    # 70 rows: the tile passes, on AMX too (from 48 rows), with both of the K chain's
     # roundings of the rows in one call (Q4_K's flat, Q6_K's per 32)
     x = with_outliers(rng.standard_normal((70, 512)).astype(np.float32))
     whole = KERNELS.quant_matmul(torch.from_numpy(x), describe_quant(weight), 3, isa=isa)
