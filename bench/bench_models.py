@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import shutil
 import signal
 import statistics
@@ -53,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import base_parser, emit, format_table, machine_info  # noqa: E402
+from common import base_parser, emit, format_table, machine_info, run_fresh_python  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ROOT / "tests" / "data" / "public_domain.txt"
@@ -194,15 +193,11 @@ def llama_failure(message: str, cpu_flags: frozenset[str] | None = None) -> str:
 
 
 def _run(script: str, args: dict[str, Any]) -> dict[str, Any]:
-    """One fresh process, started in this tree (``python -c`` puts its directory first on
-    sys.path, before PYTHONPATH: from another tree's directory it would import that tree's
-    bargein); ``launched`` (wall clock) is set just before it starts."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    if not args.get("bytecode", True):
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    """One fresh process of this tree (common.run_fresh_python); ``launched`` (wall clock)
+    is set just before it starts."""
+    extra_env = {} if args.get("bytecode", True) else {"PYTHONDONTWRITEBYTECODE": "1"}
     args = {**args, "launched": time.time()}
-    result = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
-                            timeout=1800, env=env, cwd=ROOT)
+    result = run_fresh_python(script, [json.dumps(args)], timeout=1800, extra_env=extra_env)
     if result.returncode:
         lines = result.stderr.strip().splitlines()
         raise RuntimeError(lines[-1] if lines else exit_reason(result.returncode))

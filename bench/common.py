@@ -15,11 +15,27 @@ import os
 import platform
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+TREE = Path(__file__).resolve().parents[1]  # the tree these benchmarks belong to
+
+
+def run_fresh_python(script: str, argv: Sequence[str], timeout: float,
+                     extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -c script *argv`` in a fresh process that imports this tree's bargein: the
+    tree is first on PYTHONPATH, and the process starts in it (``-c`` puts the working
+    directory on sys.path before PYTHONPATH: started from another tree's directory, it
+    would import that tree's bargein). stdout and stderr are captured as text."""
+    env = {**os.environ, **(extra_env or {}),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(TREE), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=TREE)
 
 
 @dataclass

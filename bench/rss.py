@@ -18,11 +18,12 @@ which is what a server whose cache is full holds.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_fresh_python  # noqa: E402
 
 PROMPT_TOKENS = 100
 ANSWER_TOKENS = 32
@@ -110,10 +111,7 @@ print(json.dumps({"peak_mb": peak(), "after_load_mb": loaded, "load_s": load_s, 
 
 
 def _run(script: str, *argv: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                                     os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=600,
-                            env=env)
+    result = run_fresh_python(script, argv, timeout=600)
     if result.returncode:
         raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -180,7 +178,6 @@ RSS_COLUMNS = ["engine", "skipped", "kv_tokens", "kv_cache_mb", "peak_mb", "floo
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from common import base_parser, emit
 
     parser = base_parser(__doc__.splitlines()[0])
