@@ -201,6 +201,10 @@ typedef struct {
     /* kq again in quad order (quad_order), for the VNNI few-row passes of Q4_K (the quad
      * pass); NULL where none runs */
     int8_t *kx; /* (m, k) */
+    /* Q6_K's AVX2 tile pass (rows_q6k_avx2_t): per 16 values of kq, its offset's part of
+     * each int16 lane of a maddubs sum, -32 * (the sum of the values at positions 0, 1 mod 4;
+     * at 2, 3 mod 4) as two int16 in one int32 (|.| <= 32 * 8 * 127); NULL where none runs */
+    int32_t *kc16; /* (m, k / 16) */
     /* q + 128 as unsigned bytes, for the signed tile passes of the plain kinds (signed_tile:
      * activations unsigned, the tile's quants signed); NULL where none runs */
     uint8_t *qu; /* (m, k) */
@@ -687,6 +691,19 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void amx_split32_avx2(c
     _mm256_storeu_si256((__m256i *)ahi, _mm256_permute4x64_epi64(hi, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
+/* A 32-block's two halves' offsets for Q6_K's AVX2 tile pass (acts_t's kc16), from its
+ * quantized bytes kq: the sums at positions 0, 1 mod 4 and 2, 3 mod 4 of each half of 16,
+ * times -32, as two int16 in one int32 per half. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void q6k_offsets32_avx2(const int8_t *kq, int32_t *kc16) {
+    /* pairs of bytes (2i, 2i + 1) summed; each int32 lane then holds one (0-1, 2-3) pair of
+     * sums, and the two shuffles add a half's four lanes int16 by int16 */
+    const __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)kq));
+    __m256i s = _mm256_add_epi16(p, _mm256_shuffle_epi32(p, 0x4E));
+    s = _mm256_mullo_epi16(_mm256_add_epi16(s, _mm256_shuffle_epi32(s, 0xB1)), _mm256_set1_epi16(-32));
+    kc16[0] = _mm256_cvtsi256_si32(s);
+    kc16[1] = _mm256_extract_epi32(s, 4);
+}
+
 /* The 4 x 4 transpose of 64-bit words: qword p of v[s] is qword s of src[p]. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void qwords4x4(const __m256i src[4], __m256i v[4]) {
     const __m256i t0 = _mm256_unpacklo_epi64(src[0], src[1]), t1 = _mm256_unpackhi_epi64(src[0], src[1]);
@@ -732,6 +749,7 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                     s16[2 * j] = (int16_t)sums[0], s16[2 * j + 1] = (int16_t)sums[1];
                     s32[j] = (int16_t)(sums[0] + sums[1]);
                     if (alo && !a->k_flat) amx_split32_avx2(kq + 32 * j, km[j], alo, a->ahi + r * a->amx_stride + t * 256 + 32 * j);
+                    if (a->kc16) q6k_offsets32_avx2(kq + 32 * j, a->kc16 + r * (a->k / 16) + t * 16 + 2 * j);
                 }
                 a->kd[r * (a->k / 256) + t] = k_chain_unit(amax, a->k_flat);
                 if (a->kx) quad_order(kq, a->kx + r * a->k + t * 256);
@@ -1138,20 +1156,17 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(c
  * Q4_K's and Q5_K's activations are flat, m = 1), d and -dmin at the superblock's first
  * 32-block.
  *
- * Q6_K (offset 32): the maddubs pairs of two groups of four summed in int16 (at most
- * 4 * 63 * 127 = 32,004), each such sum against the half's sc * m (|sc * m| <= 128 * 16)
- * in one madd; the offset's -32 * sc_h * m * S16_h once per block, row and 8 columns, a
- * madd of the tile's (-32 sc_lo, -32 sc_hi) pairs (k_params8, in the mins' panel, which
- * Q6_K has no use for) against the row's (m S16_lo, m S16_hi), made for a superblock's
- * eight blocks at once (|m * S16| <= 16 * 2,032). Per block, row and 8 columns: 8
- * maddubs, 5 madds and 2 int16 multiplies on the multiply ports, where a madd by m per
- * group and a mullo_epi32 by sc per half took 8 maddubs, 8 madds and 2 mullo_epi32 (two
- * uops each on Intel). The quants' part alone can pass int32 where the weights are all
- * 63; the adds wrap modulo 2^32 and D itself fits int32 (|q - 32| <= 32: 16 * 2,048 * 16
- * * 32 * 127 < 2^31), so the wrapped sum is D: the same bits. bench/gemm_tile_ab.c, one
- * thread, the layer's shapes, built for Skylake (16 ymm registers), new / old time: 0.83
- * at 512 rows, 0.88 at 32; built for Zen 3: 0.86, 0.90. (The same int16 pairs with the
- * madd by m and the mullo_epi32 by sc kept measured 1.05-1.08x the time on the Zen 4.) */
+ * Q6_K (offset 32): a half's four groups' maddubs pairs summed in int16 from the row's
+ * offsets (acts_t's kc16: -32 times the activations each int16 lane meets), so that the sum
+ * is the half's sum (q - 32) x over the lane's eight products, |.| <= 8 * 32 * 127 =
+ * 32,512. The uncentred pairs (up to 2 * 63 * 127 each) pass int16 on the way, but the adds
+ * wrap modulo 2^16 and the end fits, so the sum is exact. It meets the half's sc * m
+ * (|sc * m| <= 128 * 16) in one madd. Per block, row and 8 columns: 8 maddubs, 2 madds and
+ * 2 int16 multiplies on the multiply ports, where the offset as a madd of (-32 sc_lo,
+ * -32 sc_hi) against the row's (m S16_lo, m S16_hi) and the pairs of two groups (at most 4
+ * * 63 * 127 = 32,004) each in a madd took 8 maddubs, 5 madds and 2 int16 multiplies. The
+ * adds of the int32 D wrap too where the weights are all 63; D itself fits int32 (|q - 32|
+ * <= 32: 16 * 2,048 * 16 * 32 * 127 < 2^31), so the wrapped sum is D: the same bits. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(const job_t *job, const tile_t *tl,
                                                                                const ahead_t *ahead, int64_t j0,
                                                                                int cols, int64_t r0, const int ROWS_N) {
@@ -1167,44 +1182,29 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
     for (int64_t t = 0; t < supers; t++) {
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         __m256i dk[2][2];
-        /* ms[r][j]: 32-block j's (m S16_lo, m S16_hi) as an int16 pair, all eight at once */
-        int32_t ms[2][8] __attribute__((aligned(32)));
-        for (int r = 0; r < ROWS_N; r++) {
-            dk[r][0] = dk[r][1] = _mm256_setzero_si256();
-            const __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->ks16 + (r0 + r) * (k / 16) + t * 16));
-            const __m256i m8 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a->km + (r0 + r) * (k / 32) + t * 8)));
-            _mm256_store_si256((__m256i *)ms[r], _mm256_mullo_epi16(s16, _mm256_or_si256(m8, _mm256_slli_epi32(m8, 16))));
-        }
+        for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             int m[2];
             for (int r = 0; r < ROWS_N; r++) m[r] = a->km[(r0 + r) * (k / 32) + b];
-            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) { /* the offset: (-32 sc_lo, -32 sc_hi) against (m S16_lo, m S16_hi) */
-                const __m256i neg = _mm256_loadu_si256((const __m256i *)(tl->pmn + (2 * b + 1) * TILE + 8 * v));
-                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
-                    dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_madd_epi16(neg, _mm256_set1_epi32(ms[r][j])));
-            }
             const __m256i *wb = tile + b * 16;
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                __m256i scm[2][2]; /* [row][v]: the half's sc times the row's m in both int16 halves of each lane */
+                __m256i sum[2][2]; /* [row][v]: the half's int16 sums, from the row's offsets */
+                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
+                    sum[r][0] = sum[r][1] = _mm256_set1_epi32(a->kc16[(r0 + r) * (k / 16) + 2 * b + h]);
+                _Pragma("GCC unroll 4") for (int g = 4 * h; g < 4 * h + 4; g++) {
+                    const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
+                    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
+                        group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, 0, sum[r]);
+                }
                 _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
                     const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
                     const __m256i sc = _mm256_shuffle_epi8(pair, h ? dup_hi : dup_lo);
-                    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
-                        scm[r][v] = _mm256_mullo_epi16(sc, _mm256_set1_epi16((int16_t)m[r]));
-                }
-                _Pragma("GCC unroll 2") for (int q = 2 * h; q < 2 * h + 2; q++) { /* pairs of groups: 2q, 2q + 1 */
-                    __m256i sum[2][2];
-                    _Pragma("GCC unroll 2") for (int i = 0; i < 2; i++) {
-                        const int g = 2 * q + i;
-                        const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
-                        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
-                            group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, i == 0, sum[r]);
-                    }
                     _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
-                        dk[r][0] = _mm256_add_epi32(dk[r][0], _mm256_madd_epi16(sum[r][0], scm[r][0]));
-                        dk[r][1] = _mm256_add_epi32(dk[r][1], _mm256_madd_epi16(sum[r][1], scm[r][1]));
-                        in_order(&dk[r][0]), in_order(&dk[r][1]);
+                        /* the half's sc times the row's m in both int16 halves of each lane */
+                        const __m256i scm = _mm256_mullo_epi16(sc, _mm256_set1_epi16((int16_t)m[r]));
+                        dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_madd_epi16(sum[r][v], scm));
+                        in_order(&dk[r][v]);
                     }
                 }
             }
@@ -1469,7 +1469,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i word_bits(__m25
  * as the K passes read them: Q4_K/Q5_K's d and -dmin once, each 32-block j's six-bit scale
  * as an int32 at [2 j * TILE], the mins as int16 pairs (2p, 2p + 1) at [p * TILE]; Q6_K's d
  * at every [j * TILE], its sixteen scales at [i * TILE] and, for the AVX2 pass (q6_pairs), as
- * int16 pairs per 32-block j in pmn: (sc_lo, sc_hi) at [2 j * TILE], times -32 at [(2 j + 1) * TILE]. The packed scales
+ * int16 pairs per 32-block j in pmn: (sc_lo, sc_hi) at [2 j * TILE]. The packed scales
  * are read as 32-bit words of the eight columns (words8), so each scale or min is a shift
  * and a mask for all eight (k_scale_min's formulas, byte i of a word being p[4 w + i]);
  * column by column, the scalar unpacking was ~40% of a Q5_K tile's build, a fifth of a
@@ -1489,18 +1489,14 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const in
             for (int i = 0; i < 4; i++)
                 _mm256_storeu_si256((__m256i *)(psc + (4 * w + i) * TILE),
                                     _mm256_srai_epi32(_mm256_slli_epi32(sc4, 24 - 8 * i), 24));
-            /* the AVX2 pass's int16 pairs of 32-block 2w + h: (sc_lo, sc_hi) at [2 (2w + h) * TILE],
-             * (-32 sc_lo, -32 sc_hi) at [(2 (2w + h) + 1) * TILE]; the other passes do without
-             * (written for them too, they cost a VNNI pass of 32 rows 1.06x its time) */
+            /* the AVX2 pass's int16 pairs of 32-block 2w + h: (sc_lo, sc_hi) at [2 (2w + h) * TILE];
+             * the other passes do without (written for them too, pairs and their multiples of
+             * -32 cost a VNNI pass of 32 rows 1.06x its time) */
             if (!q6_pairs) continue;
             const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(sc4, 8), 8), odd = _mm256_srai_epi16(sc4, 8);
             const __m256i pairs[2] = {_mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xAA),
                                       _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA)};
-            for (int h = 0; h < 2; h++) {
-                _mm256_storeu_si256((__m256i *)(pmn + 2 * (2 * w + h) * TILE), pairs[h]);
-                _mm256_storeu_si256((__m256i *)(pmn + (2 * (2 * w + h) + 1) * TILE),
-                                    _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(pairs[h], 5)));
-            }
+            for (int h = 0; h < 2; h++) _mm256_storeu_si256((__m256i *)(pmn + 2 * (2 * w + h) * TILE), pairs[h]);
         }
         return;
     }
@@ -2457,9 +2453,9 @@ static void run_tiles(void *arg, int index, int count) {
 }
 
 /* a's K-chain arrays for its m rows of width k: kq .. ks32; kx where quads (the quad
- * pass), alo (and ahi, but where k_flat) where amx. Returns 0, or -1 when memory could
- * not be had. */
-static int k_acts_alloc(acts_t *a, int quads, int amx) {
+ * pass), alo (and ahi, but where k_flat) where amx, kc16 where q6k_avx2 (Q6_K's AVX2 tile
+ * pass). Returns 0, or -1 when memory could not be had. */
+static int k_acts_alloc(acts_t *a, int quads, int amx, int q6k_avx2) {
     const int64_t m = a->m, k = a->k;
     const size_t cells = (size_t)(m * a->nb > 0 ? m * a->nb : 1), bytes = (size_t)(m * k > 0 ? m * k : 1);
     a->kq = malloc(bytes);
@@ -2468,12 +2464,13 @@ static int k_acts_alloc(acts_t *a, int quads, int amx) {
     a->ks16 = malloc(sizeof(int16_t) * 2 * cells);
     a->ks32 = malloc(sizeof(int16_t) * cells);
     if (quads) a->kx = malloc(bytes);
+    if (q6k_avx2) a->kc16 = malloc(sizeof(int32_t) * 2 * cells);
     if (amx) {
         a->amx_stride = k + AMX_ROW_PAD;
         a->alo = malloc((size_t)(m * a->amx_stride));
         if (!a->k_flat) a->ahi = malloc((size_t)(m * a->amx_stride));
     }
-    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) ||
+    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && !a->kc16) ||
                    (amx && (!a->alo || (!a->k_flat && !a->ahi)))
                ? -1
                : 0;
@@ -2486,6 +2483,7 @@ static void k_acts_free(acts_t *a) {
     free(a->ks16);
     free(a->ks32);
     free(a->kx);
+    free(a->kc16);
     free(a->alo);
     free(a->ahi);
 }
@@ -2540,7 +2538,12 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
     }
     /* the quad pass's order of kq: VNNI few-row passes of Q4_K */
     const int quads = !exact && has_q4_k && isa == ISA_VNNI && m >= K_QUADS_MIN_ROWS && m < K_GEMM_MIN_ROWS;
-    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL, NULL, NULL, NULL};
+    /* Q6_K's tile pass on AVX2 (rows_k_avx2) and so its activations' offsets (kc16) */
+    int q6k_avx2 = 0;
+#ifdef GGUF_X86
+    q6k_avx2 = !exact && has_q6_k && isa == ISA_AVX2 && m >= K_GEMM_MIN_ROWS;
+#endif
+    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL, NULL, NULL, NULL, NULL};
     acts_t af = a; /* Q4_K's and Q5_K's K chain */
     af.k_flat = 1;
     job_t job = {w, &a, has_k_flat && !exact ? &af : NULL, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
@@ -2582,8 +2585,8 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
             if (tiles && has_signed && m >= (isa == ISA_VNNI ? SIGNED_MIN_ROWS_VNNI : SIGNED_MIN_ROWS_AVX2))
                 a.qu = malloc((size_t)(m * k > 0 ? m * k : 1));
         }
-        if (has_q6_k && k_acts_alloc(&a, 0, job.amx)) status = -1;
-        if (has_k_flat && k_acts_alloc(&af, quads, job.amx)) status = -1;
+        if (has_q6_k && k_acts_alloc(&a, 0, job.amx, q6k_avx2)) status = -1;
+        if (has_k_flat && k_acts_alloc(&af, quads, job.amx, 0)) status = -1;
     }
     job.tile_seg = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     job.tile_col = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));

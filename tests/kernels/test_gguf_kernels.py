@@ -396,7 +396,8 @@ def test_k_chain_integer_sums_at_their_bounds_keep_the_bits(qtype, isa):
     one expert's call (bargein_gguf_matmul_expert: passes of up to 8, split evenly), Q4_K's
     from 2 rows in the quad pass, equals the C path's bits; so do 24 and 25 rows, the tile
     passes (AVX2: a 32-block's pairs summed in int16, Q4_K's eight at 16 * 15 * 127 = 30480,
-    Q5_K's halves at 8 * 31 * 127 = 31496, before the madd by sc), and 64 and 73, AMX's
+    Q5_K's halves at 8 * 31 * 127 = 31496, before the madd by sc; Q6_K's halves from the
+    row's offsets, wrapping on the way, at 8 * 32 * 127 = 32512 where q = -32), and 64 and 73, AMX's
     (its operands' bytes at their bounds: Q6_K's w = -128 * -32 = 256 * 16 + 0, Q4_K's and
     Q5_K's one-byte a = +-127 against w = 63 * 15 or 63 * 31)."""
     rng = rng_for("bounds", qtype)
