@@ -183,9 +183,7 @@ static inline TARGET_AMX __attribute__((always_inline)) void rows_k_amx_t(const 
                                                                           const int *cols, int64_t r0, const int MIN) {
     const int64_t steps = job->k / 256 * subs; /* step i: superblock i / subs of tile i % subs */
     int32_t sums[2][3][AMX_ROWS_K][TILE] __attribute__((aligned(64))); /* step i's at i % 2 */
-    float acc[AMX_SET_TILES][AMX_ROWS_K][TILE] __attribute__((aligned(64)));
-    for (int v = 0; v < subs; v++)
-        for (int r = 0; r < AMX_ROWS_K; r++) _mm512_store_ps(acc[v][r], _mm512_setzero_ps());
+    float acc[AMX_SET_TILES][AMX_ROWS_K][TILE] __attribute__((aligned(64))); /* the first superblock writes it */
     amx_zero_sums(MIN);
     for (int c = 0; c < 4; c++) amx_chunk(job, tl, r0, 0, c, MIN);
     for (int64_t i = 0; i < steps; i++) {
