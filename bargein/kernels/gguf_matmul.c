@@ -128,6 +128,16 @@
 #define ABS_MIN_ROWS_AVX2 32
 #endif
 #define AHEAD_MAX_ROWS_32 64 /* the 32 chain's tile passes fetch the next tile up to this many rows */
+/* From AHEAD_SPREAD_MIN_ROWS rows, the K chain's first AHEAD_PASSES tile passes share the
+ * next tile's fetch, a part each, instead of the first pass alone: a VNNI pass of 8 rows
+ * reads a tile in ~2.5 us, too short for 18 KB from memory, and build_tile's demand misses
+ * were 9% of a VNNI prefill's samples (bench/gemm_tile_ab.c, 512 rows, one thread, new /
+ * old time: VNNI Q4_K 0.981, Q5_K 0.990, Q6_K 0.985; AVX2, built for Skylake, 0.995,
+ * 0.994, 0.987; 8 passes no better). */
+#ifndef AHEAD_PASSES
+#define AHEAD_PASSES 4
+#endif
+#define AHEAD_SPREAD_MIN_ROWS 64
 /* From this many rows the K chain takes the tile passes; below, the few-row passes, which
  * decode each block in registers for their rows. Since the tile's parameters are unpacked
  * eight columns at once (k_params8), the tile wins from 6 rows on (bench/gemm_tile_ab.c,
@@ -825,7 +835,7 @@ static tile_t tile_scratch(const job_t *job, int index) { return tile_scratch_su
 static void build_tile(const job_t *job, const tile_t *tl, const bargein_qseg_t *seg, const qinfo_t *info,
                        int64_t col0);
 
-/* The weights of the group a tile ahead, fetched into L2 by the first pass over a group,
+/* The weights of the group a tile ahead, fetched into L2 by the first pass(es) over a group,
  * a few lines per step (block or pair of blocks), each line once: eight interleaved
  * column streams are more than the hardware prefetcher follows at one row's speed, and a
  * block or a pair can span two lines or more (fetching one line per block left the rest
@@ -836,6 +846,7 @@ typedef struct {
     const uint8_t *base[8];
     int ranges;
     int64_t lines, per_step; /* lines per range, lines fetched per range and step */
+    int64_t first;           /* the line step 0 fetches (a pass after the first: its part's start) */
 } ahead_t;
 
 /* Writes the plan in place: returned by value, the 88-byte struct was built on the stack and
@@ -852,10 +863,11 @@ static void ahead_plan(ahead_t *p, const bargein_qseg_t *seg, int64_t first, int
     const int64_t bytes = together ? 7 * seg->row_bytes + span : span;
     p->lines = (bytes + 126) / 64; /* from an unaligned start */
     p->per_step = (p->lines + steps - 1) / steps;
+    p->first = 0;
 }
 
 static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(const ahead_t *p, int64_t step) {
-    const int64_t l0 = step * p->per_step, l1 = l0 + p->per_step < p->lines ? l0 + p->per_step : p->lines;
+    const int64_t l0 = p->first + step * p->per_step, l1 = l0 + p->per_step < p->lines ? l0 + p->per_step : p->lines;
     for (int i = 0; i < p->ranges; i++)
         for (int64_t l = l0; l < l1; l++) _mm_prefetch((const char *)(p->base[i] + 64 * l), _MM_HINT_T1);
 }
@@ -866,12 +878,12 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(cons
  * 0. The many-row passes read a tile many times from L1/L2 while its successor's blocks
  * would otherwise wait for build_tile's demand misses: 16 column streams are more than the
  * hardware prefetcher follows. */
-static int tile_ahead(const job_t *job, int64_t next, int64_t block, ahead_t ahead[2]) {
+static int tile_ahead(const job_t *job, int64_t next, int64_t block, int passes, ahead_t ahead[2]) {
     if (next < 0) return 0;
     const bargein_qseg_t *seg = &job->w->segs[job->tile_seg[next]];
     qinfo_t info;
     if (gguf_qinfo((int)seg->type, &info)) return 0;
-    const int64_t span = job->k / info.qk * info.bytes, steps = job->k / block > 0 ? job->k / block : 1;
+    const int64_t span = job->k / info.qk * info.bytes, steps = (job->k / block > 0 ? job->k / block : 1) * passes;
     for (int v = 0; v < 2; v++) ahead_plan(&ahead[v], seg, job->tile_col[next] + 8 * v, span, steps);
     return 1;
 }
@@ -2341,7 +2353,7 @@ static void run_amx_set(const job_t *job, int index, int64_t next, const bargein
         cols[subs] = tile_width(seg, col0 + subs * TILE);
     }
     ahead_t ahead[2];
-    const int fetch = tile_ahead(job, next, 256, ahead); /* the next item's first tile */
+    const int fetch = tile_ahead(job, next, 256, 1, ahead); /* the next item's first tile */
     int64_t r0 = 0;
     for (; job->m - r0 >= AMX_ROWS_K; r0 += AMX_ROWS_K)
         rows_k_amx(job, tl, subs, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0);
@@ -2410,19 +2422,22 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
      * rows: a tile read by more passes waits less on its successor's first reads than the
      * fetched lines cost it in L2 (bench/gemm_tile_ab.c, Q4_0 on the 1B shapes, VNNI, new /
      * old time: 0.83 at 16 rows, 0.92 at 32, 0.98 at 64, 1.03 at 128, 1.07 at 512). */
+    const int passes = k_chain_type(seg->type) && job->m >= AHEAD_SPREAD_MIN_ROWS ? AHEAD_PASSES : 1;
     const int fetch = (k_chain_type(seg->type) || job->m <= AHEAD_MAX_ROWS_32) &&
-                      tile_ahead(job, next, k_chain_type(seg->type) ? 256 : 32, ahead);
-    for (int64_t r0 = 0; r0 < job->m;) {
+                      tile_ahead(job, next, k_chain_type(seg->type) ? 256 : 32, passes, ahead);
+    for (int64_t r0 = 0, pass = 0; r0 < job->m; pass++) {
         const int left = (int)(job->m - r0 < 64 ? job->m - r0 : 64);
         if (k_chain_type(seg->type)) {
+            /* the first passes fetch the next tile's blocks, a part each, while they read this one */
+            const ahead_t *use = fetch && pass < passes ? ahead : NULL;
+            for (int v = 0; use && v < 2; v++) ahead[v].first = pass * (job->k / 256) * ahead[v].per_step;
 #ifdef GGUF_VNNI
             if (job->isa == ISA_VNNI) {
-                /* the first pass fetches the next tile's blocks while it reads this one */
-                r0 += rows_k_zmm(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left);
+                r0 += rows_k_zmm(job, &tl, use, seg->type, j0, cols, r0, left);
                 continue;
             }
 #endif
-            r0 += rows_k_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, seg->type, j0, cols, r0, left);
+            r0 += rows_k_avx2(job, &tl, use, seg->type, j0, cols, r0, left);
             continue;
         }
 #ifdef GGUF_VNNI
