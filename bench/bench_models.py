@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     from bargein.loader import resolve_model_ref
 
-    files = args.files or [str(resolve_model_ref(args.model).path)]
+    # Each side runs in a child process with its own working directory: absolute paths.
+    files = [str(Path(f).resolve()) for f in args.files] or [str(resolve_model_ref(args.model).path)]
     prefills = (128,) if args.quick else (512, 4096)
     streams, answer = (4, 8) if args.quick else (args.streams, args.answer)
     try:
