@@ -17,7 +17,7 @@
  *   cc -O2 -o /tmp/gemm_tile_ab bench/gemm_tile_ab.c -ldl -lm
  *   /tmp/gemm_tile_ab A.so B.so TYPE ROWS [ISA] [ROUNDS] [THREADS] [N K]
  *
- * TYPE: Q4_K Q5_K Q6_K Q4_0 Q8_0 Q4_1 IQ4_NL; ROWS: 32 (a 32-stream decode step), 512 (a prefill
+ * TYPE: Q4_K Q5_K Q6_K Q4_0 Q8_0 Q4_1 IQ4_NL Q5_0 Q5_1; ROWS: 32 (a 32-stream decode step), 512 (a prefill
  * chunk); ISA: 1 AVX2, 2 AVX-512 VNNI (default 2); THREADS default 1; N K: one shape
  * instead of the layer's five. Build A and B with bargein/kernels' flags (native.py):
  * cc -O3 -std=c11 -shared -fPIC -pthread -ffp-contract=off -march=native -fopenmp

@@ -27,10 +27,10 @@ typedef struct {
 static const type_t TYPES[] __attribute__((unused)) = {
     {"Q4_0", 2, 32, 18, {0, -1}},   {"Q8_0", 8, 32, 34, {0, -1}},     {"Q4_K", 12, 256, 144, {0, 2}},
     {"Q5_K", 13, 256, 176, {0, 2}}, {"Q6_K", 14, 256, 210, {208, -1}}, {"Q4_1", 3, 32, 20, {0, 2}},
-    {"IQ4_NL", 20, 32, 18, {0, -1}},
+    {"IQ4_NL", 20, 32, 18, {0, -1}}, {"Q5_0", 6, 32, 22, {0, -1}},   {"Q5_1", 7, 32, 24, {0, 2}},
 };
 
-/* The block type called `name` (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, Q4_1, IQ4_NL), or NULL. */
+/* The block type called `name` (Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, Q4_1, IQ4_NL, Q5_0, Q5_1), or NULL. */
 static inline const type_t *type_named(const char *name) {
     for (size_t i = 0; i < sizeof(TYPES) / sizeof(TYPES[0]); i++)
         if (!strcmp(name, TYPES[i].name)) return &TYPES[i];

@@ -514,6 +514,24 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i fifth_bits(cons
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
+/* The fifth bits of two Q5_0/Q5_1 blocks at once, as PAIR_BODY holds their quants: qh0's
+ * bits 0-15 (elements 0-15 of the first block, against its low nibbles) in the low lane and
+ * qh1's in the high one (upper = 0); with upper = 1 bits 16-31 (elements 16-31, the high
+ * nibbles). Each bit as 0x10 in its byte, shared by every row of the pass. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i fifth_bits_pair(const uint8_t *qh0, const uint8_t *qh1,
+                                                                                 const int upper) {
+    uint32_t h0, h1;
+    memcpy(&h0, qh0, 4);
+    memcpy(&h1, qh1, 4);
+    const __m256i both = _mm256_set_m128i(_mm_set1_epi32((int)h1), _mm_set1_epi32((int)h0));
+    const __m256i lower_bytes = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i spread = _mm256_shuffle_epi8(both, upper ? _mm256_add_epi8(lower_bytes, _mm256_set1_epi8(2))
+                                                           : lower_bytes);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
 static inline TARGET_AVX2 __attribute__((always_inline)) __m256i iq4_values(__m256i nib) {
     const __m256i table = _mm256_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
                                            (char)181, (char)197, (char)217, (char)241, 1, 24, 45, 63, 79, 93, 106, 118,
@@ -1676,7 +1694,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
 #define PAIR_BODY(ROWS_MAX)                                                                                \
     const acts_t *a = job->a;                                                                              \
     const int64_t nb = job->nb, k = job->k;                                                                \
-    const int KIND = type_kind(TYPE), OFF = type_off(TYPE), qoff = TYPE == T_Q4_1 ? 4 : 2;                 \
+    const int KIND = type_kind(TYPE), OFF = type_off(TYPE);                                                \
+    const int FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, qh = TYPE == T_Q5_1 ? 4 : 2; /* Q5: qh's offset */ \
+    const int qoff = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;                   \
+    (void)FIVE;                                                                                            \
+    (void)qh;                                                                                              \
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);                        \
     const __m256i low4 = _mm256_set1_epi8(0x0F);                                                           \
     (void)ones;                                                                                            \
@@ -1716,6 +1738,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
                                                                   (const __m128i *)(w + at0 + qoff + 16)), flip); \
                     } else {                                                                               \
                         lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
+                    }                                                                                      \
+                    if (FIVE) { /* the fifth bits, elements 0-15 with the low nibbles, 16-31 the high */   \
+                        lo = _mm256_or_si256(lo, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 0));          \
+                        hi = _mm256_or_si256(hi, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 1));          \
                     }                                                                                      \
                     if (TYPE == T_IQ4_NL) lo = iq4_values(lo), hi = iq4_values(hi);                        \
                     PAIR_PREP                                                                              \
@@ -1758,7 +1784,9 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
         *(M0) = *(S0), *(M1) = *(S1);                                                                      \
     }
 
-#define PAIRED(TYPE) ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_1 || (TYPE) == T_IQ4_NL || (TYPE) == T_Q8_0)
+#define PAIRED(TYPE)                                                                                        \
+    ((TYPE) == T_Q4_0 || (TYPE) == T_Q4_1 || (TYPE) == T_Q5_0 || (TYPE) == T_Q5_1 || (TYPE) == T_IQ4_NL ||     \
+     (TYPE) == T_Q8_0)
 static int paired_type(int type) { return PAIRED(type); }
 
 #define GROUP_ARGS const job_t *job, const uint8_t *const *col, const ahead_t *ahead, int bytes, int64_t j0, \
