@@ -1223,7 +1223,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
                 _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
                     sum[r][0] = sum[r][1] = _mm256_set1_epi32(a->kc16[(r0 + r) * (k / 16) + 2 * b + h]);
                 _Pragma("GCC unroll 4") for (int g = 4 * h; g < 4 * h + 4; g++) {
-                    const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
+                    __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
+                    in_order(&w0), in_order(&w1); /* in registers for both rows: as rows_k16_avx2_t */
                     _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
                         group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, 0, sum[r]);
                 }
@@ -1280,7 +1281,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
             __m256i sum[2][K16_ROWS][2]; /* [half of the groups][row][columns 0-7, 8-15], int16 pairs */
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
                 const int h = HALVES == 2 && g >= 4;
-                const __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
+                /* held in registers for every row (in_order): left to itself GCC, short of the
+                 * 16 ymm registers, loads them again for each row, three loads per two maddubs
+                 * where a Zen 3 or a Skylake does two 256-bit loads a cycle (0.91x the time) */
+                __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
+                in_order(&w0), in_order(&w1);
                 /* each half's sum starts from its first group's pairs: no zeroed start to add to
                  * (an add fewer per 8 maddubs; 0.97-0.99x the pass's time built for Zen 3) */
                 _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
