@@ -1689,9 +1689,10 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
     }
 
 
-/* Q4_0, Q4_1, IQ4_NL, Q8_0: two blocks of a column at once. One 32-byte vector holds both
- * blocks' low nibbles (elements 0..15 of b, then of b + 1; Q8_0: their first 16 bytes),
- * another their high ones (Q8_0: the second 16), against the
+/* Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0: two blocks of a column at once. One 32-byte vector
+ * holds both blocks' low nibbles (elements 0..15 of b, then of b + 1; Q5: with their fifth
+ * bits, fifth_bits_pair; Q8_0: their first 16 bytes), another their high ones (Q8_0: the
+ * second 16), against the
  * rows' activations loaded to match; the lane sums then give D_b and D_b+1 per column,
  * and the float steps run block b first, as the header says. PAIR_PARAMS reads the eight
  * columns' d (and m) of both blocks; with PAIR_FOLDS the offset's terms start the lanes
