@@ -466,6 +466,7 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
 }
 
 #define PROMPT_PATH 1
+#include "x86_simd.h" /* in_order_ps */
 #include "attention_prompt_x86.h"
 /* Whether tiles of several queries take attend_prompt. */
 static inline int takes_prompt_path(int head_dim) { return head_dim % 16 == 0; }

@@ -34,4 +34,7 @@ static inline __attribute__((target("avx2"), always_inline)) void transpose8(__m
  * rows on 2 threads (bench/gemm_tile_ab.c), the same bits. */
 static inline __attribute__((always_inline)) void in_order(__m256i *v) { __asm__("" : "+v"(*v)); }
 
+/* in_order for a float vector (attention_prompt_x86.h's score step). */
+static inline __attribute__((always_inline)) void in_order_ps(__m256 *v) { __asm__("" : "+v"(*v)); }
+
 #endif
