@@ -504,14 +504,20 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i nibbles16(const
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
 }
 
+/* Each byte of spread, a copy of the byte of qh that holds its bit (byte i of a lane of
+ * eight: bit i), as 0x10 where that bit is set, else 0. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i bit_bytes(__m256i spread) {
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
 /* Bit i of the 32-bit little-endian qh as 0x10 in byte i (the fifth bit of Q5_0/Q5_1). */
 static inline TARGET_AVX2 __attribute__((always_inline)) __m256i fifth_bits(const uint8_t *qh) {
     uint32_t h;
     memcpy(&h, qh, 4);
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
         _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+    return bit_bytes(spread);
 }
 
 /* The fifth bits of two Q5_0/Q5_1 blocks at once, as PAIR_BODY holds their quants: qh0's
@@ -528,8 +534,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i fifth_bits_pair
                                                  0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m256i spread = _mm256_shuffle_epi8(both, upper ? _mm256_add_epi8(lower_bytes, _mm256_set1_epi8(2))
                                                            : lower_bytes);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+    return bit_bytes(spread);
 }
 
 static inline TARGET_AVX2 __attribute__((always_inline)) __m256i iq4_values(__m256i nib) {
@@ -1705,8 +1710,6 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
     const int KIND = type_kind(TYPE), OFF = type_off(TYPE);                                                \
     const int FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, qh = TYPE == T_Q5_1 ? 4 : 2; /* Q5: qh's offset */ \
     const int qoff = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;                   \
-    (void)FIVE;                                                                                            \
-    (void)qh;                                                                                              \
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);                        \
     const __m256i low4 = _mm256_set1_epi8(0x0F);                                                           \
     (void)ones;                                                                                            \
