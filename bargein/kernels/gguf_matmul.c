@@ -1204,6 +1204,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(c
  * * 63 * 127 = 32,004) each in a madd took 8 maddubs, 5 madds and 2 int16 multiplies. The
  * adds of the int32 D wrap too where the weights are all 63; D itself fits int32 (|q - 32|
  * <= 32: 16 * 2,048 * 16 * 32 * 127 < 2^31), so the wrapped sum is D: the same bits. */
+#define Q6K_ROWS 4 /* rows per AVX2 pass of Q6_K at most */
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(const job_t *job, const tile_t *tl,
                                                                                const ahead_t *ahead, int64_t j0,
                                                                                int cols, int64_t r0, const int ROWS_N) {
@@ -1214,31 +1215,32 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
     const __m256i dup_lo = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5,
                                             8, 9, 8, 9, 12, 13, 12, 13);
     const __m256i dup_hi = _mm256_add_epi8(dup_lo, _mm256_set1_epi8(2));
-    __m256 acc[2][2];
-    for (int r = 0; r < ROWS_N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    /* in memory, updated once per superblock, as rows_k16_avx2_t's */
+    float acc[Q6K_ROWS][TILE] __attribute__((aligned(32)));
+    memset(acc, 0, sizeof(acc));
     for (int64_t t = 0; t < supers; t++) {
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
-        __m256i dk[2][2];
+        __m256i dk[Q6K_ROWS][2];
         for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
-            int m[2];
+            int m[Q6K_ROWS];
             for (int r = 0; r < ROWS_N; r++) m[r] = a->km[(r0 + r) * (k / 32) + b];
             const __m256i *wb = tile + b * 16;
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                __m256i sum[2][2]; /* [row][v]: the half's int16 sums, from the row's offsets */
-                _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
+                __m256i sum[Q6K_ROWS][2]; /* [row][v]: the half's int16 sums, from the row's offsets */
+                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
                     sum[r][0] = sum[r][1] = _mm256_set1_epi32(a->kc16[(r0 + r) * (k / 16) + 2 * b + h]);
                 _Pragma("GCC unroll 4") for (int g = 4 * h; g < 4 * h + 4; g++) {
                     __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
-                    in_order(&w0), in_order(&w1); /* in registers for both rows: as rows_k16_avx2_t */
-                    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++)
+                    in_order(&w0), in_order(&w1); /* in registers for every row: as rows_k16_avx2_t */
+                    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
                         group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, 0, sum[r]);
                 }
                 _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
                     const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
                     const __m256i sc = _mm256_shuffle_epi8(pair, h ? dup_hi : dup_lo);
-                    _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+                    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
                         /* the half's sc times the row's m in both int16 halves of each lane */
                         const __m256i scm = _mm256_mullo_epi16(sc, _mm256_set1_epi16((int16_t)m[r]));
                         dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_madd_epi16(sum[r][v], scm));
@@ -1249,16 +1251,18 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
         }
         const int64_t at = t * 8 * TILE;
         const __m256 d[2] = {_mm256_loadu_ps(tl->ps + at), _mm256_loadu_ps(tl->ps + at + 8)};
-        _Pragma("GCC unroll 2") for (int r = 0; r < ROWS_N; r++) {
+        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
             const __m256 xd = _mm256_set1_ps(a->kd[(r0 + r) * supers + t]);
             _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++)
-                acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dk[r][v]), _mm256_mul_ps(d[v], xd), acc[r][v]);
+                _mm256_store_ps(acc[r] + 8 * v, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dk[r][v]), _mm256_mul_ps(d[v], xd),
+                                                                _mm256_load_ps(acc[r] + 8 * v)));
         }
     }
-    for (int r = 0; r < ROWS_N; r++) store_tile_row(job->y + (r0 + r) * job->n + j0, cols, acc[r][0], acc[r][1]);
+    for (int r = 0; r < ROWS_N; r++)
+        store_tile_row(job->y + (r0 + r) * job->n + j0, cols, _mm256_load_ps(acc[r]), _mm256_load_ps(acc[r] + 8));
 }
 
-#define K16_ROWS 4 /* rows per AVX2 pass of Q4_K (Q5_K: 2, its two halves' sums take twice the registers) */
+#define K16_ROWS 4 /* rows per AVX2 pass of Q4_K and Q5_K */
 /* Q4_K and Q5_K's AVX2 pass (the header's D and M, their activations flat: m = 1): a
  * 32-block's maddubs pairs are summed in int16 and meet the block's sc in one madd,
  * instead of one madd per group of four and a multiply by sc per block. The int16 sums
@@ -1285,27 +1289,28 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             const __m256i *wb = tile + b * 16;
-            __m256i sum[2][K16_ROWS][2]; /* [half of the groups][row][columns 0-7, 8-15], int16 pairs */
-            _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
-                const int h = HALVES == 2 && g >= 4;
-                /* held in registers for every row (in_order): left to itself GCC, short of the
-                 * 16 ymm registers, loads them again for each row, three loads per two maddubs
-                 * where a Zen 3 or a Skylake does two 256-bit loads a cycle (0.91x the time) */
-                __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
-                in_order(&w0), in_order(&w1);
-                /* each half's sum starts from its first group's pairs: no zeroed start to add to
-                 * (an add fewer per 8 maddubs; 0.97-0.99x the pass's time built for Zen 3) */
-                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
-                    group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, g % (8 / HALVES) == 0, sum[h][r]);
-            }
-            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                /* sc in both int16 halves of its column's lane, for the madd of each row's pairs */
-                const __m256i sc = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v));
-                const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
-                    __m256i e = _mm256_madd_epi16(sum[0][r][v], sc2);
-                    if (HALVES == 2) e = _mm256_add_epi32(e, _mm256_madd_epi16(sum[1][r][v], sc2));
-                    dk[r][v] = _mm256_add_epi32(dk[r][v], e);
+            _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++) {
+                __m256i sum[K16_ROWS][2]; /* [row][columns 0-7, 8-15]: the half's int16 pairs */
+                _Pragma("GCC unroll 8") for (int g = h * (8 / HALVES); g < (h + 1) * (8 / HALVES); g++) {
+                    /* held in registers for every row (in_order): left to itself GCC, short of the
+                     * 16 ymm registers, loads them again for each row, three loads per two maddubs
+                     * where a Zen 3 or a Skylake does two 256-bit loads a cycle (0.91x the time) */
+                    __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
+                    in_order(&w0), in_order(&w1);
+                    /* the sum starts from the half's first group's pairs: no zeroed start to add to
+                     * (an add fewer per 8 maddubs; 0.97-0.99x the pass's time built for Zen 3) */
+                    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
+                        group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, g == h * (8 / HALVES), sum[r]);
+                }
+                /* each half meets sc as soon as it is summed, so that a row holds one half's
+                 * sums at a time and Q5_K takes as many rows a pass as Q4_K */
+                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                    /* sc in both int16 halves of its column's lane (again for Q5_K's second half:
+                     * held across the groups it would take two more registers) */
+                    const __m256i sc = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v));
+                    const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+                    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
+                        dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_madd_epi16(sum[r][v], sc2));
                 }
             }
         }
@@ -1336,26 +1341,31 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
         store_tile_row(job->y + (r0 + r) * job->n + j0, cols, _mm256_load_ps(acc[r]), _mm256_load_ps(acc[r] + 8));
 }
 
-/* Returns the rows done of the `left` from r0: up to K16_ROWS for Q4_K, 2 for Q5_K and
- * Q6_K. ahead: NULL, or the next tile's plans (tile_ahead), fetched a part per superblock. */
+/* Returns the rows done of the `left` from r0: up to K16_ROWS for Q4_K and Q5_K, Q6K_ROWS
+ * for Q6_K. ahead: NULL, or the next tile's plans (tile_ahead), fetched a part per superblock. */
 static TARGET_AVX2 int rows_k_avx2(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type,
                                    int64_t j0, int cols, int64_t r0, int left) {
-    const int most = type == T_Q4_K ? K16_ROWS : 2, n = left < most ? left : most;
-    if (type == T_Q4_K) {
-        switch (n) {
-        case 4: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 4, 1); break;
-        case 3: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 3, 1); break;
-        case 2: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 1); break;
-        default: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 1);
-        }
-    } else if (type == T_Q5_K) {
-        if (n == 2) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, 2);
-        else rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, 2);
-    } else if (n == 2) {
-        rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 2);
-    } else {
-        rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 1);
+    const int most = type == T_Q6_K ? Q6K_ROWS : K16_ROWS, n = left < most ? left : most;
+#define ROWS_K16(HALVES)                                                                                   \
+    switch (n) {                                                                                           \
+    case 4: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 4, HALVES); break;                               \
+    case 3: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 3, HALVES); break;                               \
+    case 2: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, HALVES); break;                               \
+    default: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, HALVES);                                     \
     }
+    if (type == T_Q4_K) {
+        ROWS_K16(1)
+    } else if (type == T_Q5_K) {
+        ROWS_K16(2)
+    } else {
+        switch (n) {
+        case 4: rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 4); break;
+        case 3: rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 3); break;
+        case 2: rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 2); break;
+        default: rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 1);
+        }
+    }
+#undef ROWS_K16
     return n;
 }
 

@@ -212,8 +212,8 @@ def test_an_odd_count_of_32_blocks_keeps_the_bits(qtype, isa):
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
 def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
-    """The K chain's many-row tile passes (from 6 rows) take rows 8 at a time on VNNI (every
-    type), on AVX2 4 (Q4_K) or 2: 6 .. 13 and 24 .. 31 rows end in every remainder of each
+    """The K chain's many-row tile passes (from 6 rows) take rows 8 at a time on VNNI and 4
+    on AVX2 (every type): 6 .. 13 and 24 .. 31 rows end in every remainder of each
     (6 and 7: a tile read by one short pass), and the first pass over
     each tile fetches the next one's blocks (across segments and row orders here). From 64
     rows the VNNI pass of Q4_K/Q5_K reads each row's scale x m from a table built per
