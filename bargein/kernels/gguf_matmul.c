@@ -121,7 +121,7 @@
 #define SIGNED_MIN_ROWS_VNNI 32
 #define SIGNED_MIN_ROWS_AVX2 GEMM_MIN_ROWS_AVX2
 /* From this many rows the AVX2 tile pass of 8-bit quants (Q8_0, IQ4_NL, IQ4_XS) reads |q|
- * from a copy made once per tile (abs_tile) instead of making it in every pass
+ * from a copy made once per tile (build_tile's ABS) instead of making it in every pass
  * (bench/gemm_tile_ab.c, one thread, built for Skylake, new / old time, Q8_0: 1.113 at 8
  * rows, 1.030 at 16, 0.968 at 32, 0.890 at 512; IQ4_NL 0.893 at 512). */
 #ifndef ABS_MIN_ROWS_AVX2
@@ -803,7 +803,7 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
 
 /* Per-thread tile scratch: tile 16 * k bytes (32-byte vectors tile[(b * 8 + g) * 2 + v]:
  * lane c holds elements 4g .. 4g + 3 of block b of column 8v + c), column bytes 16 * k (the
- * tile's |q| where abs_tile writes them),
+ * tile's |q| where build_tile writes them: abs_tiled),
  * panels: s, m (nb * 16 floats each, block-major), sc, mn (2 nb * 16 int32 each). */
 typedef struct {
     uint8_t *tile, *cols;
@@ -1047,7 +1047,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_wide(con
     TILE_ROWS_BODY(2)
 }
 #undef PREP
-/* The same, from ABS_MIN_ROWS_AVX2 rows: the tile holds q and its column bytes |q| (abs_tile). */
+/* The same, from ABS_MIN_ROWS_AVX2 rows: the tile holds q and its column bytes |q| (abs_tiled). */
 #define PREP                                                                                               \
     const __m256i q0 = w0, q1 = w1;                                                                        \
     const __m256i a0 = _mm256_load_si256((const __m256i *)tl->cols + b * 16 + 2 * g);                     \
@@ -1093,7 +1093,7 @@ static inline int signed_tile(int isa, const qinfo_t *info) {
 }
 
 /* Whether the AVX2 tile passes of 8-bit quants (off 128) read |q| from the tile's column
- * bytes (abs_tile, rows_avx2_wide_abs) for a job of m rows. */
+ * bytes (build_tile's ABS, rows_avx2_wide_abs) for a job of m rows. */
 static inline int abs_tiled(int isa, const qinfo_t *info, int64_t m) {
     return isa == ISA_AVX2 && info->off == 128 && m >= ABS_MIN_ROWS_AVX2;
 }
@@ -1117,19 +1117,6 @@ static TARGET_AVX2 void sign_tile(const job_t *job, const tile_t *tl, int off) {
             _mm256_storeu_si256((__m256i *)(tl->psc + b * TILE + 8 * v),
                                 _mm256_slli_epi32(_mm256_sub_epi32(_mm256_setzero_si256(), sum), 7));
         }
-}
-
-/* The tile of a type with 8-bit quants (off 128) made ready for rows_avx2_wide_abs: q = u -
- * 128 in place and |q| into the tile's column bytes (as unsigned bytes: |-128| is 128), once
- * per tile instead of a vpxor and a vpsignb per group in every pass. */
-static TARGET_AVX2 void abs_tile(const job_t *job, const tile_t *tl) {
-    __m256i *tile = (__m256i *)tl->tile, *abs = (__m256i *)tl->cols;
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    for (int64_t i = 0; i < job->nb * 16; i++) {
-        const __m256i q = _mm256_xor_si256(_mm256_load_si256(tile + i), flip);
-        _mm256_store_si256(tile + i, q);
-        _mm256_store_si256(abs + i, _mm256_sign_epi8(q, q));
-    }
 }
 
 #define AVX2_KINDS(FN, OFFV)                                                                               \
@@ -1573,11 +1560,15 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const in
 }
 
 /* Columns col0 .. col0 + 15 of a segment (the last repeated past its end) into the tile:
- * each 32-block of eight columns decoded in registers, transposed, stored. */
+ * each 32-block of eight columns decoded in registers, transposed, stored. ABS (8-bit
+ * quants, off 128: abs_tiled), the tile made ready for rows_avx2_wide_abs as it is stored:
+ * q = u - 128 and |q| into the tile's column bytes (as unsigned bytes: |-128| is 128), once
+ * per tile instead of a vpxor and a vpsignb per group in every pass. (A second pass over the
+ * built tile did the same and took 4% of a 32-stream decode of smollm2.Q8_0, Zen 3.) */
 static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const int TYPE, const job_t *job,
                                                                             const tile_t *tl,
                                                                             const bargein_qseg_t *seg, int bytes,
-                                                                            int64_t col0) {
+                                                                            int64_t col0, const int ABS) {
     const int64_t k = job->k;
     const int qk = type_qk(TYPE), subs = qk / 32;
     __m256i *tile = (__m256i *)tl->tile;
@@ -1606,7 +1597,16 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const
                 for (int c = 0; c < 8; c++) r[c] = _mm256_castsi256_ps(quants32(TYPE, col[c] + at, j));
                 transpose8(r);
                 const int64_t b = t * subs + j;
-                for (int g = 0; g < 8; g++) _mm256_store_si256(tile + (b * 8 + g) * 2 + v, _mm256_castps_si256(r[g]));
+                for (int g = 0; g < 8; g++) {
+                    const int64_t at_g = (b * 8 + g) * 2 + v;
+                    if (ABS && type_off(TYPE) == 128) {
+                        const __m256i q = _mm256_xor_si256(_mm256_castps_si256(r[g]), _mm256_set1_epi8((char)0x80));
+                        _mm256_store_si256(tile + at_g, q);
+                        _mm256_store_si256((__m256i *)tl->cols + at_g, _mm256_sign_epi8(q, q));
+                    } else {
+                        _mm256_store_si256(tile + at_g, _mm256_castps_si256(r[g]));
+                    }
+                }
             }
         }
     }
@@ -1614,7 +1614,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const
 
 static TARGET_AVX2 void build_tile(const job_t *job, const tile_t *tl, const bargein_qseg_t *seg, const qinfo_t *info,
                                    int64_t col0) {
-#define BUILD_TILE(TY) build_tile_t(TY, job, tl, seg, info->bytes, col0)
+    const int abs = abs_tiled(job->isa, info, job->m);
+#define BUILD_TILE(TY) build_tile_t(TY, job, tl, seg, info->bytes, col0, abs)
     switch (seg->type) { TYPE_CASES(BUILD_TILE) }
 #undef BUILD_TILE
 }
@@ -2463,8 +2464,7 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
 #endif
     const tile_t tl = tile_scratch(job, index);
     build_tile(job, &tl, seg, &info, col0);
-    if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off);
-    else if (abs_tiled(job->isa, &info, job->m)) abs_tile(job, &tl);
+    if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off); /* (abs_tiled: build_tile) */
     ahead_t ahead[2];
     /* The first pass over this tile fetches the next one's blocks, a step per superblock on
      * the K chain, per 32-block on the 32 chain. The 32 chain only up to AHEAD_MAX_ROWS_32
