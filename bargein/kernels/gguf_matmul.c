@@ -1171,6 +1171,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(c
     in_order(&s[0]), in_order(&s[1]);
 }
 
+#define Q6K_ROWS 4 /* rows per AVX2 pass of Q6_K at most */
+
 /* The K chain's AVX2 tile passes, rows r0 .. r0 + ROWS_N - 1 over the tile: per
  * superblock, each 32-block's (Q6_K: each half's) dot products for 16 columns times the
  * integer scales from the panels (Q6_K: and the row's multiple m of the block), summed in
@@ -1191,7 +1193,6 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(c
  * * 63 * 127 = 32,004) each in a madd took 8 maddubs, 5 madds and 2 int16 multiplies. The
  * adds of the int32 D wrap too where the weights are all 63; D itself fits int32 (|q - 32|
  * <= 32: 16 * 2,048 * 16 * 32 * 127 < 2^31), so the wrapped sum is D: the same bits. */
-#define Q6K_ROWS 4 /* rows per AVX2 pass of Q6_K at most */
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(const job_t *job, const tile_t *tl,
                                                                                const ahead_t *ahead, int64_t j0,
                                                                                int cols, int64_t r0, const int ROWS_N) {
@@ -2464,7 +2465,8 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
 #endif
     const tile_t tl = tile_scratch(job, index);
     build_tile(job, &tl, seg, &info, col0);
-    if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off); /* (abs_tiled: build_tile) */
+    /* (an abs_tiled tile got its q and |q| as it was built) */
+    if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off);
     ahead_t ahead[2];
     /* The first pass over this tile fetches the next one's blocks, a step per superblock on
      * the K chain, per 32-block on the 32 chain. The 32 chain only up to AHEAD_MAX_ROWS_32
