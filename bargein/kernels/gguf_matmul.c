@@ -1171,7 +1171,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(c
     in_order(&s[0]), in_order(&s[1]);
 }
 
-#define Q6K_ROWS 4 /* rows per AVX2 pass of Q6_K at most */
+#define K_ROWS_AVX2 4 /* rows per AVX2 tile pass of the K chain (every type) at most */
 
 /* The K chain's AVX2 tile passes, rows r0 .. r0 + ROWS_N - 1 over the tile: per
  * superblock, each 32-block's (Q6_K: each half's) dot products for 16 columns times the
@@ -1204,19 +1204,19 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
                                             8, 9, 8, 9, 12, 13, 12, 13);
     const __m256i dup_hi = _mm256_add_epi8(dup_lo, _mm256_set1_epi8(2));
     /* in memory, updated once per superblock, as rows_k16_avx2_t's */
-    float acc[Q6K_ROWS][TILE] __attribute__((aligned(32)));
+    float acc[K_ROWS_AVX2][TILE] __attribute__((aligned(32)));
     memset(acc, 0, sizeof(acc));
     for (int64_t t = 0; t < supers; t++) {
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
-        __m256i dk[Q6K_ROWS][2];
+        __m256i dk[K_ROWS_AVX2][2];
         for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
-            int m[Q6K_ROWS];
+            int m[K_ROWS_AVX2];
             for (int r = 0; r < ROWS_N; r++) m[r] = a->km[(r0 + r) * (k / 32) + b];
             const __m256i *wb = tile + b * 16;
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                __m256i sum[Q6K_ROWS][2]; /* [row][v]: the half's int16 sums, from the row's offsets */
+                __m256i sum[K_ROWS_AVX2][2]; /* [row][v]: the half's int16 sums, from the row's offsets */
                 _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
                     sum[r][0] = sum[r][1] = _mm256_set1_epi32(a->kc16[(r0 + r) * (k / 16) + 2 * b + h]);
                 _Pragma("GCC unroll 4") for (int g = 4 * h; g < 4 * h + 4; g++) {
@@ -1250,7 +1250,6 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
         store_tile_row(job->y + (r0 + r) * job->n + j0, cols, _mm256_load_ps(acc[r]), _mm256_load_ps(acc[r] + 8));
 }
 
-#define K16_ROWS 4 /* rows per AVX2 pass of Q4_K and Q5_K */
 /* Q4_K and Q5_K's AVX2 pass (the header's D and M, their activations flat: m = 1): a
  * 32-block's maddubs pairs are summed in int16 and meet the block's sc in one madd,
  * instead of one madd per group of four and a multiply by sc per block. The int16 sums
@@ -1268,17 +1267,17 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
     const __m256i *tile = (const __m256i *)tl->tile;
     /* in memory, updated once per superblock: with 16 ymm registers (an AVX2-only CPU) the
      * block's int16 sums, dk, the two weight vectors and the broadcasts take them all */
-    float acc[K16_ROWS][TILE] __attribute__((aligned(32)));
+    float acc[K_ROWS_AVX2][TILE] __attribute__((aligned(32)));
     memset(acc, 0, sizeof(acc));
     for (int64_t t = 0; t < supers; t++) {
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
-        __m256i dk[K16_ROWS][2];
+        __m256i dk[K_ROWS_AVX2][2];
         for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             const __m256i *wb = tile + b * 16;
             _Pragma("GCC unroll 2") for (int h = 0; h < HALVES; h++) {
-                __m256i sum[K16_ROWS][2]; /* [row][columns 0-7, 8-15]: the half's int16 pairs */
+                __m256i sum[K_ROWS_AVX2][2]; /* [row][columns 0-7, 8-15]: the half's int16 pairs */
                 _Pragma("GCC unroll 8") for (int g = h * (8 / HALVES); g < (h + 1) * (8 / HALVES); g++) {
                     /* held in registers for every row (in_order): left to itself GCC, short of the
                      * 16 ymm registers, loads them again for each row, three loads per two maddubs
@@ -1329,31 +1328,34 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
         store_tile_row(job->y + (r0 + r) * job->n + j0, cols, _mm256_load_ps(acc[r]), _mm256_load_ps(acc[r] + 8));
 }
 
-/* Returns the rows done of the `left` from r0: up to K16_ROWS for Q4_K and Q5_K, Q6K_ROWS
- * for Q6_K. ahead: NULL, or the next tile's plans (tile_ahead), fetched a part per superblock. */
+/* Returns the rows done of the `left` from r0: up to K_ROWS_AVX2. ahead: NULL, or the next
+ * tile's plans (tile_ahead), fetched a part per superblock. */
 static TARGET_AVX2 int rows_k_avx2(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type,
                                    int64_t j0, int cols, int64_t r0, int left) {
-    const int most = type == T_Q6_K ? Q6K_ROWS : K16_ROWS, n = left < most ? left : most;
-#define ROWS_K16(HALVES)                                                                                   \
+    const int n = left < K_ROWS_AVX2 ? left : K_ROWS_AVX2;
+    /* a switch per type, the row count a constant in each pass (a switch per row count with
+     * the types inside read 1.25-1.29x Q6_K's time: GCC laid the passes out worse) */
+#define BY_ROWS(PASS)                                                                                      \
     switch (n) {                                                                                           \
-    case 4: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 4, HALVES); break;                               \
-    case 3: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 3, HALVES); break;                               \
-    case 2: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 2, HALVES); break;                               \
-    default: rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, 1, HALVES);                                     \
+    case 4: PASS(4); break;                                                                                \
+    case 3: PASS(3); break;                                                                                \
+    case 2: PASS(2); break;                                                                                \
+    default: PASS(1);                                                                                      \
     }
+#define Q4K_PASS(N) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, N, 1)
+#define Q5K_PASS(N) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, N, 2)
+#define Q6K_PASS(N) rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, N)
     if (type == T_Q4_K) {
-        ROWS_K16(1)
+        BY_ROWS(Q4K_PASS)
     } else if (type == T_Q5_K) {
-        ROWS_K16(2)
+        BY_ROWS(Q5K_PASS)
     } else {
-        switch (n) {
-        case 4: rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 4); break;
-        case 3: rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 3); break;
-        case 2: rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 2); break;
-        default: rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, 1);
-        }
+        BY_ROWS(Q6K_PASS)
     }
-#undef ROWS_K16
+#undef BY_ROWS
+#undef Q4K_PASS
+#undef Q5K_PASS
+#undef Q6K_PASS
     return n;
 }
 
