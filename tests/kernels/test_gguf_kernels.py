@@ -310,6 +310,31 @@ def test_plain_kinds_signed_tiles_keep_the_bits(isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
+def test_eight_bit_tiles_at_their_int16_bounds_keep_the_bits(isa):
+    """The AVX2 pass of 8-bit quants (from 32 rows) multiplies |q| by x XORed with q's sign
+    mask (-x - 1 where q < 0) and starts its lanes from the tile's sum of |q| over the
+    negative q: at q = -128 against x = +127 a maddubs pair is 2 * 128 * -128, int16's
+    least. Q8_0 columns whose quants are all -128, all +127 or alternate; rows of +127, -127
+    and random signs; the C path's bits at row counts across the threshold and every
+    remainder of the pass's four rows, one thread and two."""
+    rng = rng_for("eight-bit-bounds")
+    k = 512
+    data = random_blocks(T.Q8_0, 24, k, rng).numpy().copy()
+    blocks = data.reshape(24, k // 32, 34)
+    blocks[0::3, :, 2:] = 0x80  # q = -128
+    blocks[1::3, :, 2:] = 0x7F  # q = +127
+    blocks[2::3, :, 2::2] = 0x80
+    matrix = describe_quant(QuantWeight((QuantSegment(T.Q8_0, torch.from_numpy(data), None),)))
+    signs = [np.ones(k), -np.ones(k)] + [rng.choice([-1.0, 1.0], size=k) for _ in range(35)]
+    x = torch.from_numpy(np.stack([signs[r % 3] if r < 12 else signs[r] for r in range(37)]).astype(np.float32))
+    base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+    for m in (31, 32, 33, 34, 35, 36, 37):
+        for threads in (1, 2):
+            assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 def test_signed_tiles_at_their_int16_bounds_keep_the_bits(isa):
     """The AVX2 signed pass sums its maddubs pairs in int16 over 8 groups for Q4_0 and 4 for
     Q5_0: at q = -8 (-16) against activations of +127 (plus 128: 255) those sums reach
