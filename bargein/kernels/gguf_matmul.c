@@ -1901,6 +1901,103 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_avx2_t(GROUP
         GROUP_BODY(2)
     }
 }
+/* PAIR_BODY's arithmetic for one row of eight columns that are rows `stride` bytes apart
+ * (col0 the first), at blocks b and b + 1 (TWO; else b alone, the odd last block of a
+ * row), added to *acc: the same operations in the same order, so the same bits. PAIR_BODY
+ * takes eight column pointers (GCC keeps them on the stack and loads one for each block it
+ * reads) and tests for a second block in every step; this step is addressed from col0 and
+ * the stride, and pair_row_avx2_t takes the odd block after its loop. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_step(const int TYPE, const acts_t *a, int64_t nb,
+                                                                             int64_t k, const uint8_t *col0,
+                                                                             int64_t stride, int bytes, int64_t r0,
+                                                                             int64_t b, const int TWO, __m256 *acc) {
+    const int KIND = type_kind(TYPE), OFF = type_off(TYPE);
+    const int FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, qh = TYPE == T_Q5_1 ? 4 : 2;
+    const int qoff = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80), low4 = _mm256_set1_epi8(0x0F);
+    (void)flip;
+    const uint8_t *const c4 = col0 + 4 * stride;
+    const uint8_t *const wc[8] = {col0, col0 + stride, col0 + 2 * stride, col0 + 3 * stride,
+                                  c4,   c4 + stride,   c4 + 2 * stride,   c4 + 3 * stride};
+    const int64_t at0 = b * bytes, at1 = (TWO ? b + 1 : b) * bytes;
+    __m256 s0, s1, m0, m1;
+    PAIR_PARAMS_WORDS(wc, at0, at1, &s0, &s1, &m0, &m1);
+    const int8_t *x0 = a->q + r0 * k + 32 * b, *x1 = TWO ? x0 + 32 : x0;
+    const __m256i xlo = _mm256_loadu2_m128i((const __m128i *)x1, (const __m128i *)x0);
+    const __m256i xhi = _mm256_loadu2_m128i((const __m128i *)(x1 + 16), (const __m128i *)(x0 + 16));
+    __m256i tt[8];
+    _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
+        const uint8_t *w = wc[c];
+        const __m256i q = _mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff), (const __m128i *)(w + at0 + qoff));
+        __m256i lo, hi;
+        if (TYPE == T_Q8_0) {
+            lo = _mm256_xor_si256(q, flip);
+            hi = _mm256_xor_si256(_mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff + 16),
+                                                      (const __m128i *)(w + at0 + qoff + 16)), flip);
+        } else {
+            lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        }
+        if (FIVE) {
+            lo = _mm256_or_si256(lo, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 0));
+            hi = _mm256_or_si256(hi, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 1));
+        }
+        if (TYPE == T_IQ4_NL) lo = iq4_values(lo), hi = iq4_values(hi);
+        PAIR_PREP
+        tt[c] = PAIR_DOT(_mm256_setzero_si256(), lo, hi, xlo, xhi);
+    }
+    const __m256i h0 = SUM_PAIRS64(SUM_PAIRS32(tt[0], tt[1]), SUM_PAIRS32(tt[2], tt[3]));
+    const __m256i h1 = SUM_PAIRS64(SUM_PAIRS32(tt[4], tt[5]), SUM_PAIRS32(tt[6], tt[7]));
+    const int64_t cell = r0 * nb + b;
+    __m256i d0 = _mm256_permute2x128_si256(h0, h1, 0x20), d1 = _mm256_permute2x128_si256(h0, h1, 0x31);
+    if (OFF_APPLIES && OFF) {
+        d0 = _mm256_sub_epi32(d0, _mm256_set1_epi32(OFF * (a->s16[2 * cell] + a->s16[2 * cell + 1])));
+        if (TWO) d1 = _mm256_sub_epi32(d1, _mm256_set1_epi32(OFF * (a->s16[2 * cell + 2] + a->s16[2 * cell + 3])));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_set1_ps(a->d[cell])), *acc);
+    if (KIND == KIND_MIN) *acc = _mm256_fmadd_ps(m0, _mm256_set1_ps(a->s[cell]), *acc);
+    if (TWO) {
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, _mm256_set1_ps(a->d[cell + 1])), *acc);
+        if (KIND == KIND_MIN) *acc = _mm256_fmadd_ps(m1, _mm256_set1_ps(a->s[cell + 1]), *acc);
+    }
+}
+
+/* group_avx2's one row where its eight columns are rows of the segment in order (col[c] =
+ * col[0] + c * stride): pair_row_step over the blocks, then the odd last one. The next
+ * tile's lines (ahead: one range where its rows lie back to back) are asked for a fixed
+ * count per step from a running pointer, without prefetch_step's bounds.
+ *
+ * A one-stream decode step's matmuls (bench/gemv_layout.c, the file mapped, two threads,
+ * Zen 3), new / old time: smollm2.Q8_0 0.82-0.84, smollm2.Q4_0 0.89, smollm2.Q4_K_M (its
+ * Q5_0 and Q5_1 matrices) 0.90, llama1b.Q4_0 0.93-0.97. Either change alone gained nothing
+ * there: the step alone read 1.02-1.07x the old time from memory (faster where the matrix
+ * stays in L2), the prefetch alone 1.01-1.04x. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_avx2_t(const int TYPE, const job_t *job,
+                                                                               const uint8_t *col0, int64_t stride,
+                                                                               const ahead_t *ahead, int bytes,
+                                                                               int64_t j0, int cols, int64_t r0) {
+    const acts_t *a = job->a;
+    const int64_t nb = job->nb, k = job->k;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    const int one = ahead && ahead->ranges == 1; /* (a prefetch past the data never faults) */
+    const char *pf = one ? (const char *)ahead->base[0] : NULL;
+    const int per = one ? (int)ahead->per_step : 0;
+    for (; b + 1 < nb; b += 2) {
+        if (one) {
+            for (int i = 0; i < per; i++) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
+            pf += 64 * per;
+        } else if (ahead) prefetch_step(ahead, b / 2);
+        pair_row_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 1, &acc);
+    }
+    if (b < nb) {
+        if (ahead) prefetch_step(ahead, b / 2);
+        pair_row_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 0, &acc);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    float *out = job->y + r0 * job->n + j0;
+    for (int c = 0; c < cols; c++) out[c] = lanes[c];
+}
 #undef PAIR_PREP
 #undef PAIR_PARAMS
 #undef PAIR_FOLDS
@@ -1910,9 +2007,12 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_avx2_t(GROUP
 #undef OFF_APPLIES
 #define GROUP_ROWS_AVX2 2
 
-static TARGET_AVX2 void group_avx2(int type, GROUP_ARGS, int rows) {
+/* strided: col[c] is col[0] + c * (col[1] - col[0]) (eight rows of the segment in its
+ * stored order), which one row of a paired type takes through pair_row_avx2_t. */
+static TARGET_AVX2 void group_avx2(int type, GROUP_ARGS, int rows, int strided) {
 #define GROUP_AVX2(TY)                                                                                     \
     if (rows == 2) group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                              \
+    else if (PAIRED(TY) && strided) pair_row_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0); \
     else group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 1, TY)
     switch (type) { TYPES_32_CHAIN(GROUP_AVX2) }
 #undef GROUP_AVX2
@@ -2313,6 +2413,7 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
         ahead_t ahead_cols;
         if (next_col0 >= 0) ahead_plan(&ahead_cols, seg, next_col0 + 8 * v, job->k / info->qk * info->bytes, steps);
         const int group_cols = cols - 8 * v < 8 ? cols - 8 * v : 8;
+        const int strided = seg->order == NULL && col0 + 8 * v + 7 < seg->rows; /* group_avx2's */
         for (int64_t r0 = 0; r0 < job->m;) {
             const ahead_t *ahead = r0 == 0 && next_col0 >= 0 ? &ahead_cols : NULL;
             if (k_chain_type(seg->type)) {
@@ -2338,7 +2439,7 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
             }
 #endif
             const int rows = (int)(job->m - r0 < GROUP_ROWS_AVX2 ? job->m - r0 : GROUP_ROWS_AVX2);
-            group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+            group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows, strided);
             r0 += rows;
         }
     }

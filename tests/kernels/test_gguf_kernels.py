@@ -211,6 +211,30 @@ def test_an_odd_count_of_32_blocks_keeps_the_bits(qtype, isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t not in K_CHAIN and GGML_QUANT_SIZES[t][0] == 32],
+                         ids=lambda t: t.name)
+def test_one_row_over_rows_in_stored_order_keeps_the_bits(qtype, isa):
+    """One row (a one-stream decode): eight columns that are rows of a segment in its stored
+    order take AVX2's strided pass (pair_row_avx2_t), each tile's next one fetched ahead;
+    the others (a row order, a segment's last few rows) the general one. Segments of 37 rows
+    in order (four strided groups, five rows left), 19 through a row order and 24 in order;
+    k of 64 blocks and of 23 (the odd last block after the loop): the C path's bits, one
+    thread and two, and each row alone from the middle of a batch."""
+    rng = rng_for("one-row-strided", qtype)
+    for k in (64 * 32, 23 * 32):
+        matrix = describe_quant(QuantWeight.cat_rows([random_weight(qtype, 37, k, rng),
+                                                      random_weight(qtype, 19, k, rng, order=True),
+                                                      random_weight(qtype, 24, k, rng)]))
+        x = torch.from_numpy(with_outliers(rng.standard_normal((5, k)).astype(np.float32)))
+        base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
+        for r in range(5):
+            for threads in (1, 2):
+                y = KERNELS.quant_matmul(x[r:r + 1].contiguous(), matrix, threads, isa=isa)
+                assert torch.equal(y, base[r:r + 1]), (k, r, threads)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS)
 def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
     """The K chain's many-row tile passes (from 6 rows) take rows 8 at a time on VNNI and 4
     on AVX2 (every type): 6 .. 13 and 24 .. 31 rows end in every remainder of each
