@@ -1961,8 +1961,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_step(cons
     }
 }
 
-/* group_avx2's one row where its eight columns are rows of the segment in order (col[c] =
- * col[0] + c * stride): pair_row_step over the blocks, then the odd last one. The next
+/* group_avx2's one row where its eight columns are rows evenly apart (col[c] = col[0] + c *
+ * stride): pair_row_step over the blocks, then the odd last one. The next
  * tile's lines (ahead: one range where its rows lie back to back) are asked for a fixed
  * count per step from a running pointer, without prefetch_step's bounds.
  *
@@ -2008,7 +2008,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_avx2_t(co
 #define GROUP_ROWS_AVX2 2
 
 /* strided: col[c] is col[0] + c * (col[1] - col[0]) (eight rows of the segment in its
- * stored order), which one row of a paired type takes through pair_row_avx2_t. */
+ * stored order, or every other one under the Q/K row order), which one row of a paired
+ * type takes through pair_row_avx2_t. */
 static TARGET_AVX2 void group_avx2(int type, GROUP_ARGS, int rows, int strided) {
 #define GROUP_AVX2(TY)                                                                                     \
     if (rows == 2) group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                              \
@@ -2413,7 +2414,8 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
         ahead_t ahead_cols;
         if (next_col0 >= 0) ahead_plan(&ahead_cols, seg, next_col0 + 8 * v, job->k / info->qk * info->bytes, steps);
         const int group_cols = cols - 8 * v < 8 ? cols - 8 * v : 8;
-        const int strided = seg->order == NULL && col0 + 8 * v + 7 < seg->rows; /* group_avx2's */
+        int strided = 1; /* group_avx2's: eight rows evenly apart (in order, or a Q/K order's every other row) */
+        for (int c = 2; c < 8; c++) strided &= col[c] - col[0] == c * (col[1] - col[0]);
         for (int64_t r0 = 0; r0 < job->m;) {
             const ahead_t *ahead = r0 == 0 && next_col0 >= 0 ? &ahead_cols : NULL;
             if (k_chain_type(seg->type)) {
