@@ -1768,6 +1768,30 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
     }
 
 
+/* A column's two blocks at byte offsets at0 and at1 of its row w, as PAIR_BODY holds them
+ * (see below): elements 0-15 of both blocks in *lo, 16-31 in *hi (Q8_0: their bytes,
+ * offset by 128; Q5: with their fifth bits; IQ4_NL: the table's values). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void pair_quants(const int TYPE, const uint8_t *w, int64_t at0,
+                                                                           int64_t at1, __m256i *lo, __m256i *hi) {
+    const int FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, qh = TYPE == T_Q5_1 ? 4 : 2; /* Q5: qh's offset */
+    const int qoff = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;
+    const __m256i q = _mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff), (const __m128i *)(w + at0 + qoff));
+    if (TYPE == T_Q8_0) { /* the blocks' first and second 16 bytes, offset by 128 */
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        *lo = _mm256_xor_si256(q, flip);
+        *hi = _mm256_xor_si256(_mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff + 16),
+                                                   (const __m128i *)(w + at0 + qoff + 16)), flip);
+    } else {
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        *lo = _mm256_and_si256(q, low4), *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+    }
+    if (FIVE) { /* the fifth bits, elements 0-15 with the low nibbles, 16-31 the high */
+        *lo = _mm256_or_si256(*lo, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 0));
+        *hi = _mm256_or_si256(*hi, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 1));
+    }
+    if (TYPE == T_IQ4_NL) *lo = iq4_values(*lo), *hi = iq4_values(*hi);
+}
+
 /* Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0: two blocks of a column at once. One 32-byte vector
  * holds both blocks' low nibbles (elements 0..15 of b, then of b + 1; Q5: with their fifth
  * bits, fifth_bits_pair; Q8_0: their first 16 bytes), another their high ones (Q8_0: the
@@ -1780,10 +1804,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
     const acts_t *a = job->a;                                                                              \
     const int64_t nb = job->nb, k = job->k;                                                                \
     const int KIND = type_kind(TYPE), OFF = type_off(TYPE);                                                \
-    const int FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, qh = TYPE == T_Q5_1 ? 4 : 2; /* Q5: qh's offset */ \
-    const int qoff = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;                   \
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);                        \
-    const __m256i low4 = _mm256_set1_epi8(0x0F);                                                           \
     (void)ones;                                                                                            \
     (void)flip;                                                                                            \
     __m256 acc[ROWS_MAX];                                                                                  \
@@ -1811,22 +1832,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
             _Pragma("GCC unroll 2") for (int cp = 0; cp < 2; cp++) {                                       \
                 __m256i tt[ROWS_MAX][2];                                                                   \
                 _Pragma("GCC unroll 2") for (int cc = 0; cc < 2; cc++) {                                   \
-                    const uint8_t *w = col[half * 4 + cp * 2 + cc];                                        \
-                    const __m256i q = _mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff),               \
-                                                          (const __m128i *)(w + at0 + qoff));              \
                     __m256i lo, hi;                                                                        \
-                    if (TYPE == T_Q8_0) { /* the blocks' first and second 16 bytes, offset by 128 */       \
-                        lo = _mm256_xor_si256(q, flip);                                                    \
-                        hi = _mm256_xor_si256(_mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff + 16),  \
-                                                                  (const __m128i *)(w + at0 + qoff + 16)), flip); \
-                    } else {                                                                               \
-                        lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
-                    }                                                                                      \
-                    if (FIVE) { /* the fifth bits, elements 0-15 with the low nibbles, 16-31 the high */   \
-                        lo = _mm256_or_si256(lo, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 0));          \
-                        hi = _mm256_or_si256(hi, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 1));          \
-                    }                                                                                      \
-                    if (TYPE == T_IQ4_NL) lo = iq4_values(lo), hi = iq4_values(hi);                        \
+                    pair_quants(TYPE, col[half * 4 + cp * 2 + cc], at0, at1, &lo, &hi);                    \
                     PAIR_PREP                                                                              \
                     _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) tt[r][cc] = PAIR_DOT(start[r], lo, hi, xlo[r], xhi[r]); \
                 }                                                                                          \
@@ -1912,9 +1919,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_step(cons
                                                                              int64_t stride, int bytes, int64_t r0,
                                                                              int64_t b, const int TWO, __m256 *acc) {
     const int KIND = type_kind(TYPE), OFF = type_off(TYPE);
-    const int FIVE = TYPE == T_Q5_0 || TYPE == T_Q5_1, qh = TYPE == T_Q5_1 ? 4 : 2;
-    const int qoff = TYPE == T_Q4_1 ? 4 : TYPE == T_Q5_0 ? 6 : TYPE == T_Q5_1 ? 8 : 2;
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80), low4 = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80); /* (PAIR_PREP's) */
+    (void)ones;
     (void)flip;
     const uint8_t *const c4 = col0 + 4 * stride;
     const uint8_t *const wc[8] = {col0, col0 + stride, col0 + 2 * stride, col0 + 3 * stride,
@@ -1927,21 +1933,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_step(cons
     const __m256i xhi = _mm256_loadu2_m128i((const __m128i *)(x1 + 16), (const __m128i *)(x0 + 16));
     __m256i tt[8];
     _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
-        const uint8_t *w = wc[c];
-        const __m256i q = _mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff), (const __m128i *)(w + at0 + qoff));
         __m256i lo, hi;
-        if (TYPE == T_Q8_0) {
-            lo = _mm256_xor_si256(q, flip);
-            hi = _mm256_xor_si256(_mm256_loadu2_m128i((const __m128i *)(w + at1 + qoff + 16),
-                                                      (const __m128i *)(w + at0 + qoff + 16)), flip);
-        } else {
-            lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        }
-        if (FIVE) {
-            lo = _mm256_or_si256(lo, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 0));
-            hi = _mm256_or_si256(hi, fifth_bits_pair(w + at0 + qh, w + at1 + qh, 1));
-        }
-        if (TYPE == T_IQ4_NL) lo = iq4_values(lo), hi = iq4_values(hi);
+        pair_quants(TYPE, wc[c], at0, at1, &lo, &hi);
         PAIR_PREP
         tt[c] = PAIR_DOT(_mm256_setzero_si256(), lo, hi, xlo, xhi);
     }
