@@ -966,11 +966,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void store_tile_row(flo
         }                                                                                                  \
         __m256i dlo[ROWS_MAX][2], dhi[ROWS_MAX][2];                                                        \
         const __m256i *toff = (const __m256i *)(tl->psc + b * TILE);                                       \
-        const __m256i toff0 = SIGNED_W ? _mm256_load_si256(toff) : _mm256_setzero_si256();                 \
-        const __m256i toff1 = SIGNED_W ? _mm256_load_si256(toff + 1) : _mm256_setzero_si256();             \
+        const __m256i toff0 = SIGNED_W || TILE_STARTS ? _mm256_load_si256(toff) : _mm256_setzero_si256();  \
+        const __m256i toff1 = SIGNED_W || TILE_STARTS ? _mm256_load_si256(toff + 1) : _mm256_setzero_si256(); \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
             const int64_t cell = (r0 + r) * nb + b;                                                        \
-            if (SIGNED_W) { /* the tile's offset terms: -128 times each column's quants' sum */           \
+            if (SIGNED_W || TILE_STARTS) { /* the tile's terms: sign_tile's, or build_tile's ABS ones */   \
                 dlo[r][0] = toff0;                                                                         \
                 dlo[r][1] = toff1;                                                                         \
             } else if (KIND >= KIND_SPLIT) {                                                               \
@@ -1018,6 +1018,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void store_tile_row(flo
     for (int r = 0; r < ROWS_N; r++) store_tile_row(job->y + (r0 + r) * job->n + j0, cols, acc[r][0], acc[r][1]);
 
 #define SIGNED_W 0
+#define TILE_STARTS 0 /* the lanes start from the tile's psc panel (build_tile's ABS terms) */
 #define GROUPS16 1 /* groups whose maddubs pairs TILE_ROWS_BODY sums in int16 before a madd (1: none) */
 #define GROUP_PAIRS(W, X) _mm256_maddubs_epi16(X, W) /* the AVX2 signed pass's pairs (GROUPS16 > 1) */
 /* AVX2, quants below 128 (u * x fits maddubs' int16 pairs): maddubs + madd. PREP holds the
@@ -1047,6 +1048,33 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_wide(con
     TILE_ROWS_BODY(2)
 }
 #undef PREP
+#undef DOT_GROUP
+/* The same from ABS_MIN_ROWS_AVX2 rows (abs_tiled): the tile holds each quant's sign as a
+ * mask (0xFF where q < 0) and its column bytes |q| (build_tile's ABS). x XOR the mask is x
+ * where q >= 0 and -x - 1 where q < 0, so maddubs(|q|, x ^ mask) sums q x less |q| for each
+ * negative q, and each column's lanes start from that sum (build_tile's terms, in the psc
+ * panel: TILE_STARTS): the same int32 D as the vpsignb of x by q above (|x| <= 127,
+ * quantize32's range), with an XOR, which any vector port runs, for the vpsignb, which on a
+ * Zen 3 takes one of the two ports of the maddubs and the madd. A pair is at most 2 * 128 *
+ * 128 in magnitude: maddubs never saturates. (Four rows a pass with the float sums in
+ * memory read 0.98x this pass's time on the 1B shapes but 1.04-1.07x on SmolLM2's 1536 x
+ * 576: not kept.) */
+#define PREP                                                                                               \
+    const __m256i a0 = _mm256_load_si256((const __m256i *)tl->cols + b * 16 + 2 * g);                     \
+    const __m256i a1 = _mm256_load_si256((const __m256i *)tl->cols + b * 16 + 2 * g + 1);
+#define DOT_GROUP(ACC, W, X, V)                                                                            \
+    _mm256_add_epi32(ACC, _mm256_madd_epi16(_mm256_maddubs_epi16((V) ? a1 : a0, _mm256_xor_si256(X, (V) ? w1 : w0)), ones))
+#undef TILE_STARTS
+#define TILE_STARTS 1
+static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_wide_abs(const job_t *job, const tile_t *tl,
+                                                                                  const ahead_t *ahead, int64_t j0,
+                                                                                  int cols, int64_t r0,
+                                                                                  const int ROWS_N, const int KIND,
+                                                                                  const int OFF, const int AHEAD) {
+    TILE_ROWS_BODY(2)
+}
+#undef TILE_STARTS
+#define TILE_STARTS 0
 #undef PREP
 #undef DOT_GROUP
 
@@ -1080,8 +1108,8 @@ static inline int signed_tile(int isa, const qinfo_t *info) {
     return info->kind == KIND_PLAIN && (isa == ISA_VNNI || (isa == ISA_AVX2 && info->off <= 16));
 }
 
-/* Whether the AVX2 tile pass of 8-bit quants (off 128) for a job of m rows is rows_abs_avx2,
- * its tile built with the signs' masks and |q| (build_tile's ABS). */
+/* Whether the AVX2 tile pass of 8-bit quants (off 128) for a job of m rows is
+ * rows_avx2_wide_abs, its tile built with the signs' masks and |q| (build_tile's ABS). */
 static inline int abs_tiled(int isa, const qinfo_t *info, int64_t m) {
     return isa == ISA_AVX2 && info->off == 128 && m >= ABS_MIN_ROWS_AVX2;
 }
@@ -1107,70 +1135,6 @@ static TARGET_AVX2 void sign_tile(const job_t *job, const tile_t *tl, int off) {
         }
 }
 
-#define ABS_ROWS_AVX2 4 /* rows per pass of rows_abs_avx2 at most */
-
-/* The AVX2 tile pass of the 8-bit quants (off 128: Q8_0, IQ4_NL, IQ4_XS, all plain) from
- * ABS_MIN_ROWS_AVX2 rows (abs_tiled): the tile holds each quant's sign as a mask (0xFF
- * where q < 0) and its column bytes |q| (build_tile's ABS). x XOR the mask is x where
- * q >= 0 and -x - 1 where q < 0, so maddubs(|q|, x ^ mask) sums q x less |q| for each
- * negative q, and each column's lanes start from that sum (build_tile's terms, in the psc
- * panel): the same int32 D as a vpsignb of x by q would give (|x| <= 127, quantize32's
- * range), with an XOR, which any vector port runs, for the vpsignb, which on a Zen 3 takes
- * one of the two ports of the maddubs and the madd. A pair is at most 2 * 128 * 128 in
- * magnitude: maddubs never saturates. The float sums live in memory, updated once per
- * 32-block, so that four rows' int32 sums, the group's four tile vectors and the ones stay
- * in the 16 ymm registers (per group: four tile loads for four rows instead of two). */
-static inline TARGET_AVX2 __attribute__((always_inline)) void rows_abs_avx2_t(const job_t *job, const tile_t *tl,
-                                                                               const ahead_t *ahead, int64_t j0,
-                                                                               int cols, int64_t r0, const int ROWS_N) {
-    const acts_t *a = job->a;
-    const int64_t nb = job->nb, k = job->k;
-    const __m256i *tile = (const __m256i *)tl->tile, *abs = (const __m256i *)tl->cols;
-    const __m256i ones = _mm256_set1_epi16(1);
-    float acc[ABS_ROWS_AVX2][TILE] __attribute__((aligned(32)));
-    memset(acc, 0, sizeof(acc));
-    for (int64_t b = 0; b < nb; b++) {
-        if (ahead) prefetch_step(ahead, b), prefetch_step(ahead + 1, b);
-        __m256i d[ABS_ROWS_AVX2][2];
-        const __m256i start0 = _mm256_loadu_si256((const __m256i *)(tl->psc + b * TILE));
-        const __m256i start1 = _mm256_loadu_si256((const __m256i *)(tl->psc + b * TILE + 8));
-        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) d[r][0] = start0, d[r][1] = start1;
-        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
-            __m256i m0 = _mm256_load_si256(tile + (b * 8 + g) * 2), m1 = _mm256_load_si256(tile + (b * 8 + g) * 2 + 1);
-            __m256i a0 = _mm256_load_si256(abs + (b * 8 + g) * 2), a1 = _mm256_load_si256(abs + (b * 8 + g) * 2 + 1);
-            in_order(&m0), in_order(&m1), in_order(&a0), in_order(&a1);
-            _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
-                int32_t four;
-                memcpy(&four, a->q + (r0 + r) * k + 32 * b + 4 * g, 4);
-                const __m256i xv = _mm256_set1_epi32(four);
-                d[r][0] = _mm256_add_epi32(d[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_xor_si256(xv, m0)), ones));
-                d[r][1] = _mm256_add_epi32(d[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_xor_si256(xv, m1)), ones));
-                in_order(&d[r][0]), in_order(&d[r][1]);
-            }
-        }
-        const __m256 s0 = _mm256_loadu_ps(tl->ps + b * TILE), s1 = _mm256_loadu_ps(tl->ps + b * TILE + 8);
-        _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
-            const __m256 xd = _mm256_set1_ps(a->d[(r0 + r) * nb + b]);
-            _mm256_store_ps(acc[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][0]), _mm256_mul_ps(s0, xd), _mm256_load_ps(acc[r])));
-            _mm256_store_ps(acc[r] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r][1]), _mm256_mul_ps(s1, xd),
-                                                        _mm256_load_ps(acc[r] + 8)));
-        }
-    }
-    for (int r = 0; r < ROWS_N; r++)
-        store_tile_row(job->y + (r0 + r) * job->n + j0, cols, _mm256_load_ps(acc[r]), _mm256_load_ps(acc[r] + 8));
-}
-
-/* Returns the rows done of the `left` from r0: up to ABS_ROWS_AVX2. */
-static TARGET_AVX2 int rows_abs_avx2(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t j0, int cols,
-                                     int64_t r0, int left) {
-    switch (left < ABS_ROWS_AVX2 ? left : ABS_ROWS_AVX2) {
-    case 1: rows_abs_avx2_t(job, tl, ahead, j0, cols, r0, 1); return 1;
-    case 2: rows_abs_avx2_t(job, tl, ahead, j0, cols, r0, 2); return 2;
-    case 3: rows_abs_avx2_t(job, tl, ahead, j0, cols, r0, 3); return 3;
-    default: rows_abs_avx2_t(job, tl, ahead, j0, cols, r0, 4); return 4;
-    }
-}
-
 #define AVX2_KINDS(FN, OFFV)                                                                               \
     switch (kind) {                                                                                        \
     case KIND_PLAIN: if (rows == 2) FN(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, OFFV, AHEAD); else FN(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, OFFV, AHEAD); break; \
@@ -1190,6 +1154,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_t(const 
             else rows_avx2_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 8, AHEAD);
         } else if (rows == 2) rows_avx2_signed(job, tl, ahead, j0, cols, r0, 2, KIND_PLAIN, 16, AHEAD);
         else rows_avx2_signed(job, tl, ahead, j0, cols, r0, 1, KIND_PLAIN, 16, AHEAD);
+    } else if (abs_tiled(ISA_AVX2, info, job->m)) {
+        AVX2_KINDS(rows_avx2_wide_abs, 0)
     } else if (info->off == 128) {
         AVX2_KINDS(rows_avx2_wide, 0)
     } else if (info->off == 0) {
@@ -1614,7 +1580,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const in
 
 /* Columns col0 .. col0 + 15 of a segment (the last repeated past its end) into the tile:
  * each 32-block of eight columns decoded in registers, transposed, stored. ABS (8-bit
- * quants, off 128: abs_tiled), the tile made ready for rows_abs_avx2 as it is stored:
+ * quants, off 128: abs_tiled), the tile made ready for rows_avx2_wide_abs as it is stored:
  * with q = u - 128, q's sign mask (0xFF where q < 0) into the tile, |q| into its column bytes
  * (as unsigned bytes: |-128| is 128), and per 32-block and column the sum of |q| over the
  * negative q into the psc panel (which the plain kinds do not use), once per tile instead
@@ -2653,10 +2619,6 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
             continue;
         }
 #endif
-        if (abs_tiled(job->isa, &info, job->m)) {
-            r0 += rows_abs_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, j0, cols, r0, left);
-            continue;
-        }
         const int rows = left < ROWS_AVX2 ? left : ROWS_AVX2;
         rows_avx2(job, &tl, fetch && r0 == 0 ? ahead : NULL, &info, j0, cols, r0, rows);
         r0 += rows;
