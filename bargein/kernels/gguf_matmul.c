@@ -1758,6 +1758,27 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_quants(const 
     if (TYPE == T_IQ4_NL) *lo = iq4_values(*lo), *hi = iq4_values(*hi);
 }
 
+/* The float steps of PAIR_BODY for one row at blocks b (cell) and b + 1 (where two):
+ * d0 and d1 the eight columns' int32 sums of each, less the type's offset terms where
+ * SUB_OFF (OFF times the row's activation sums, as a->s16 holds them), then each block's
+ * steps in block order (KIND_MIN: and its m). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void pair_float_steps(const int KIND, const int SUB_OFF,
+                                                                                const int OFF, const acts_t *a,
+                                                                                int64_t cell, int two, __m256i d0,
+                                                                                __m256i d1, __m256 s0, __m256 s1,
+                                                                                __m256 m0, __m256 m1, __m256 *acc) {
+    if (SUB_OFF) {
+        d0 = _mm256_sub_epi32(d0, _mm256_set1_epi32(OFF * (a->s16[2 * cell] + a->s16[2 * cell + 1])));
+        if (two) d1 = _mm256_sub_epi32(d1, _mm256_set1_epi32(OFF * (a->s16[2 * cell + 2] + a->s16[2 * cell + 3])));
+    }
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_set1_ps(a->d[cell])), *acc);
+    if (KIND == KIND_MIN) *acc = _mm256_fmadd_ps(m0, _mm256_set1_ps(a->s[cell]), *acc);
+    if (two) {
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, _mm256_set1_ps(a->d[cell + 1])), *acc);
+        if (KIND == KIND_MIN) *acc = _mm256_fmadd_ps(m1, _mm256_set1_ps(a->s[cell + 1]), *acc);
+    }
+}
+
 /* Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q8_0: two blocks of a column at once. One 32-byte vector
  * holds both blocks' low nibbles (elements 0..15 of b, then of b + 1; Q5: with their fifth
  * bits, fifth_bits_pair; Q8_0: their first 16 bytes), another their high ones (Q8_0: the
@@ -1808,19 +1829,9 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_quants(const 
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) h[r][half] = SUM_PAIRS64(sp[r][0], sp[r][1]); \
         }                                                                                                  \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
-            const int64_t cell = (r0 + r) * nb + b;                                                        \
-            __m256i d0 = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x20);                                \
-            __m256i d1 = _mm256_permute2x128_si256(h[r][0], h[r][1], 0x31);                                \
-            if (!PAIR_FOLDS && OFF_APPLIES && OFF) {                                                       \
-                d0 = _mm256_sub_epi32(d0, _mm256_set1_epi32(OFF * (a->s16[2 * cell] + a->s16[2 * cell + 1]))); \
-                if (two) d1 = _mm256_sub_epi32(d1, _mm256_set1_epi32(OFF * (a->s16[2 * cell + 2] + a->s16[2 * cell + 3]))); \
-            }                                                                                              \
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_set1_ps(a->d[cell])), acc[r]); \
-            if (KIND == KIND_MIN) acc[r] = _mm256_fmadd_ps(m0, _mm256_set1_ps(a->s[cell]), acc[r]);         \
-            if (two) {                                                                                     \
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, _mm256_set1_ps(a->d[cell + 1])), acc[r]); \
-                if (KIND == KIND_MIN) acc[r] = _mm256_fmadd_ps(m1, _mm256_set1_ps(a->s[cell + 1]), acc[r]); \
-            }                                                                                              \
+            pair_float_steps(KIND, !PAIR_FOLDS && OFF_APPLIES && OFF, OFF, a, (r0 + r) * nb + b, two,        \
+                             _mm256_permute2x128_si256(h[r][0], h[r][1], 0x20),                            \
+                             _mm256_permute2x128_si256(h[r][0], h[r][1], 0x31), s0, s1, m0, m1, &acc[r]);  \
         }                                                                                                  \
     }                                                                                                      \
     for (int r = 0; r < ROWS_N; r++) {                                                                     \
@@ -1876,8 +1887,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_avx2_t(GROUP
 }
 /* PAIR_BODY's arithmetic for one row of eight columns that are rows `stride` bytes apart
  * (col0 the first), at blocks b and b + 1 (TWO; else b alone, the odd last block of a
- * row), added to *acc: the same operations in the same order, so the same bits. PAIR_BODY
- * takes eight column pointers (GCC keeps them on the stack and loads one for each block it
+ * row), added to *acc: PAIR_BODY's decoding (pair_quants) and float steps
+ * (pair_float_steps), so the same bits. PAIR_BODY takes eight column pointers (GCC keeps them on the stack and loads one for each block it
  * reads) and tests for a second block in every step; this step is addressed from col0 and
  * the stride, and pair_row_avx2_t takes the odd block after its loop. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_step(const int TYPE, const acts_t *a, int64_t nb,
@@ -1906,18 +1917,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_step(cons
     }
     const __m256i h0 = SUM_PAIRS64(SUM_PAIRS32(tt[0], tt[1]), SUM_PAIRS32(tt[2], tt[3]));
     const __m256i h1 = SUM_PAIRS64(SUM_PAIRS32(tt[4], tt[5]), SUM_PAIRS32(tt[6], tt[7]));
-    const int64_t cell = r0 * nb + b;
-    __m256i d0 = _mm256_permute2x128_si256(h0, h1, 0x20), d1 = _mm256_permute2x128_si256(h0, h1, 0x31);
-    if (OFF_APPLIES && OFF) {
-        d0 = _mm256_sub_epi32(d0, _mm256_set1_epi32(OFF * (a->s16[2 * cell] + a->s16[2 * cell + 1])));
-        if (TWO) d1 = _mm256_sub_epi32(d1, _mm256_set1_epi32(OFF * (a->s16[2 * cell + 2] + a->s16[2 * cell + 3])));
-    }
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_set1_ps(a->d[cell])), *acc);
-    if (KIND == KIND_MIN) *acc = _mm256_fmadd_ps(m0, _mm256_set1_ps(a->s[cell]), *acc);
-    if (TWO) {
-        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, _mm256_set1_ps(a->d[cell + 1])), *acc);
-        if (KIND == KIND_MIN) *acc = _mm256_fmadd_ps(m1, _mm256_set1_ps(a->s[cell + 1]), *acc);
-    }
+    pair_float_steps(KIND, OFF_APPLIES && OFF, OFF, a, r0 * nb + b, TWO, _mm256_permute2x128_si256(h0, h1, 0x20),
+                     _mm256_permute2x128_si256(h0, h1, 0x31), s0, s1, m0, m1, acc);
 }
 
 /* group_avx2's one row where its eight columns are rows evenly apart (col[c] = col[0] + c *
