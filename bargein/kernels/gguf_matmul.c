@@ -1578,6 +1578,14 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const in
         _mm256_storeu_si256((__m256i *)(pmn + p * TILE), _mm256_or_si256(mn[2 * p], _mm256_slli_epi32(mn[2 * p + 1], 16)));
 }
 
+/* quants32's bytes less the offset 128 (q, signed), for the 8-bit kinds (type_off 128):
+ * Q8_0's stored bytes as they are, instead of flipped twice. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i signed_quants32(const int TYPE, const uint8_t *blk,
+                                                                                 const int j) {
+    if (TYPE == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(blk + 2));
+    return _mm256_xor_si256(quants32(TYPE, blk, j), _mm256_set1_epi8((char)0x80));
+}
+
 /* Columns col0 .. col0 + 15 of a segment (the last repeated past its end) into the tile:
  * each 32-block of eight columns decoded in registers, transposed, stored. ABS (8-bit
  * quants, off 128: abs_tiled), the tile made ready for rows_avx2_wide_abs as it is stored:
@@ -1615,25 +1623,28 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const
             }
             for (int j = 0; j < subs; j++) {
                 __m256 r[8];
-                for (int c = 0; c < 8; c++) r[c] = _mm256_castsi256_ps(quants32(TYPE, col[c] + at, j));
+                const int signed_q = ABS && type_off(TYPE) == 128; /* the ABS tile's q = u - 128 */
+                for (int c = 0; c < 8; c++)
+                    r[c] = _mm256_castsi256_ps(signed_q ? signed_quants32(TYPE, col[c] + at, j) : quants32(TYPE, col[c] + at, j));
                 transpose8(r);
                 const int64_t b = t * subs + j;
-                __m256i negs = _mm256_setzero_si256(); /* ABS: each column's sum of |q| over q < 0 */
+                /* ABS: each column's sum of |q| over q < 0, as int16 pairs (8 groups of two
+                 * bytes <= 128 each: <= 2,048) widened once */
+                __m256i negs = _mm256_setzero_si256();
                 for (int g = 0; g < 8; g++) {
                     const int64_t at_g = (b * 8 + g) * 2 + v;
-                    if (ABS && type_off(TYPE) == 128) {
-                        const __m256i q = _mm256_xor_si256(_mm256_castps_si256(r[g]), _mm256_set1_epi8((char)0x80));
-                        const __m256i mask = _mm256_cmpgt_epi8(_mm256_setzero_si256(), q), aq = _mm256_sign_epi8(q, q);
+                    if (signed_q) {
+                        const __m256i q = _mm256_castps_si256(r[g]);
+                        const __m256i mask = _mm256_cmpgt_epi8(_mm256_setzero_si256(), q), aq = _mm256_abs_epi8(q);
                         _mm256_store_si256(tile + at_g, mask);
                         _mm256_store_si256((__m256i *)tl->cols + at_g, aq);
-                        negs = _mm256_add_epi32(negs, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(aq, mask),
-                                                                                             _mm256_set1_epi8(1)),
-                                                                        _mm256_set1_epi16(1)));
+                        negs = _mm256_add_epi16(negs, _mm256_maddubs_epi16(_mm256_and_si256(aq, mask), _mm256_set1_epi8(1)));
                     } else {
                         _mm256_store_si256(tile + at_g, _mm256_castps_si256(r[g]));
                     }
                 }
-                if (ABS && type_off(TYPE) == 128) _mm256_storeu_si256((__m256i *)(tl->psc + b * TILE + 8 * v), negs);
+                if (signed_q)
+                    _mm256_storeu_si256((__m256i *)(tl->psc + b * TILE + 8 * v), _mm256_madd_epi16(negs, _mm256_set1_epi16(1)));
             }
         }
     }
