@@ -895,6 +895,39 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void prefetch_step(cons
         for (int64_t l = l0; l < l1; l++) _mm_prefetch((const char *)(p->base[i] + 64 * l), _MM_HINT_T1);
 }
 
+/* A row's eight float sums (one column to a lane) into y, columns j0 .. j0 + cols - 1. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void store_row8(const job_t *job, __m256 sums, int64_t row,
+                                                                          int64_t j0, int cols) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, sums);
+    float *out = job->y + row * job->n + j0;
+    for (int c = 0; c < cols; c++) out[c] = lanes[c];
+}
+
+/* The one-row strided passes' fetch of the next tile (pair_row_avx2_t, k_row_avx2_t): where
+ * its rows lie back to back (one range), a fixed count of lines per step from a running
+ * pointer, without prefetch_step's bounds (a prefetch past the data never faults); else
+ * prefetch_step's. */
+typedef struct {
+    const ahead_t *plan; /* NULL: nothing to fetch */
+    const char *at;      /* the next line, one range only (else NULL) */
+    int per;
+} ahead_run_t;
+
+static inline TARGET_AVX2 __attribute__((always_inline)) ahead_run_t ahead_run(const ahead_t *plan) {
+    const int one = plan && plan->ranges == 1;
+    return (ahead_run_t){plan, one ? (const char *)plan->base[0] : NULL, one ? (int)plan->per_step : 0};
+}
+
+static inline TARGET_AVX2 __attribute__((always_inline)) void ahead_run_step(ahead_run_t *run, int64_t step) {
+    if (run->at) {
+        for (int i = 0; i < run->per; i++) _mm_prefetch(run->at + 64 * i, _MM_HINT_T1);
+        run->at += 64 * run->per;
+    } else if (run->plan) {
+        prefetch_step(run->plan, step);
+    }
+}
+
 /* The plans for tile `next` (the tile this thread is likely to take after the current one;
  * any segment; -1: none), one per eight columns, in k / block steps (the first pass's
  * steps: superblocks on the K chain, 32-blocks on the 32 chain): 1 if there is one, else
@@ -1737,12 +1770,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i offset_lanes(in
             }                                                                                              \
         }                                                                                                  \
     }                                                                                                      \
-    for (int r = 0; r < ROWS_N; r++) {                                                                     \
-        float lanes[8];                                                                                    \
-        _mm256_storeu_ps(lanes, acc[r]);                                                                   \
-        float *out = job->y + (r0 + r) * job->n + j0;                                                      \
-        for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
-    }
+    for (int r = 0; r < ROWS_N; r++) store_row8(job, acc[r], r0 + r, j0, cols);
 
 
 /* A column's two blocks at byte offsets at0 and at1 of its row w, as PAIR_BODY holds them
@@ -1845,12 +1873,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_float_steps(c
                              _mm256_permute2x128_si256(h[r][0], h[r][1], 0x31), s0, s1, m0, m1, &acc[r]);  \
         }                                                                                                  \
     }                                                                                                      \
-    for (int r = 0; r < ROWS_N; r++) {                                                                     \
-        float lanes[8];                                                                                    \
-        _mm256_storeu_ps(lanes, acc[r]);                                                                   \
-        float *out = job->y + (r0 + r) * job->n + j0;                                                      \
-        for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
-    }
+    for (int r = 0; r < ROWS_N; r++) store_row8(job, acc[r], r0 + r, j0, cols);
 
 /* PAIR_BODY's parameters read with words8's broadcasts and blends (Q4_1: inserted). */
 #define PAIR_PARAMS_WORDS(COL, AT0, AT1, S0, S1, M0, M1)                                                   \
@@ -1950,24 +1973,16 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_avx2_t(co
     const int64_t nb = job->nb, k = job->k;
     __m256 acc = _mm256_setzero_ps();
     int64_t b = 0;
-    const int one = ahead && ahead->ranges == 1; /* (a prefetch past the data never faults) */
-    const char *pf = one ? (const char *)ahead->base[0] : NULL;
-    const int per = one ? (int)ahead->per_step : 0;
+    ahead_run_t run = ahead_run(ahead);
     for (; b + 1 < nb; b += 2) {
-        if (one) {
-            for (int i = 0; i < per; i++) _mm_prefetch(pf + 64 * i, _MM_HINT_T1);
-            pf += 64 * per;
-        } else if (ahead) prefetch_step(ahead, b / 2);
+        ahead_run_step(&run, b / 2);
         pair_row_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 1, &acc);
     }
     if (b < nb) {
         if (ahead) prefetch_step(ahead, b / 2);
         pair_row_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 0, &acc);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    float *out = job->y + r0 * job->n + j0;
-    for (int c = 0; c < cols; c++) out[c] = lanes[c];
+    store_row8(job, acc, r0, j0, cols);
 }
 #undef PAIR_PREP
 #undef PAIR_PARAMS
@@ -2152,8 +2167,16 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(c
     __m256 acc[ROWS_MAX];                                                                                  \
     for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();                                        \
     for (int64_t t = 0; t < supers; t++) {                                                                 \
-        const int64_t at = t * bytes;                                                                      \
         if (ahead) prefetch_step(ahead, t);                                                                \
+        K_SUPER(ROWS_MAX)                                                                                  \
+    }                                                                                                      \
+    K_STORE_ROWS
+
+/* K_GROUP_BODY's superblock t (columns col[0 .. 7], rows r0 .. r0 + ROWS_N - 1), added to
+ * acc[r]. */
+#define K_SUPER(ROWS_MAX)                                                                                  \
+    {                                                                                                      \
+        const int64_t at = t * bytes;                                                                      \
         __m256i cd[ROWS_MAX][8], rm[ROWS_MAX]; /* rm: the row's m per 32-block (Q6_K: per half), int16 */ \
         __m128i mns[8];                        /* Q4_K/Q5_K: each column's mins */                        \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N && Q6; r++) {                                   \
@@ -2189,8 +2212,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(c
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) cd[r][c] = dc[r];                     \
         }                                                                                                  \
         K_SUPER_STEPS                                                                                      \
-    }                                                                                                      \
-    K_STORE_ROWS
+    }
 
 /* The end of a superblock of eight columns for each row (in the K pass bodies): cd[r][c]
  * column c's int32 lanes of D, summed into one lane per column; the mins' M from mns[c]
@@ -2218,12 +2240,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i mins_columns8(c
 
 /* The rows' float sums acc[r] into y, columns j0 .. j0 + cols - 1. */
 #define K_STORE_ROWS                                                                                       \
-    for (int r = 0; r < ROWS_N; r++) {                                                                     \
-        float lanes[8];                                                                                    \
-        _mm256_storeu_ps(lanes, acc[r]);                                                                   \
-        float *out = job->y + (r0 + r) * job->n + j0;                                                      \
-        for (int c = 0; c < cols; c++) out[c] = lanes[c];                                                  \
-    }
+    for (int r = 0; r < ROWS_N; r++) store_row8(job, acc[r], r0 + r, j0, cols);
 
 /* 32-block j's scale words of one row (SC: sc_a or sc_b, as K_GROUP_BODY makes them). */
 #define K_SCALE(SC, J) (Q6 ? lane_word(SC, 8 + (J) % 4) : lane_word(SC, J))
@@ -2243,6 +2260,41 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_group_avx2_t(GRO
                                                                              const int TYPE) {
     K_GROUP_BODY(2)
 }
+
+/* K_GROUP_BODY's superblock t for one row of eight columns that are rows `stride` bytes
+ * apart (col0 the first), added to *acc: the same operations, so the same bits, addressed
+ * from col0 and the stride instead of eight column pointers that GCC keeps on the stack
+ * (pair_row_step's change, for the K chain). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_row_step(const int TYPE, const acts_t *a, int64_t k,
+                                                                          const uint8_t *col0, int64_t stride,
+                                                                          int bytes, int64_t r0, int64_t t,
+                                                                          __m256 *acc) {
+    const int ROWS_N = 1, Q6 = TYPE == T_Q6_K;
+    const int64_t supers = k / 256;
+    const uint8_t *const c4 = col0 + 4 * stride;
+    const uint8_t *const col[8] = {col0, col0 + stride, col0 + 2 * stride, col0 + 3 * stride,
+                                   c4,   c4 + stride,   c4 + 2 * stride,   c4 + 3 * stride};
+    K_SUPER(1)
+}
+
+/* k_group_avx2's one row where its eight columns are rows evenly apart (col[c] = col[0] +
+ * c stride): k_row_step per superblock, the next tile fetched as pair_row_avx2_t does
+ * (ahead_run_t). One thread's one-row matmuls of a decode step (bench/gemv_layout.c, the
+ * file mapped, CPU time, Zen 3, alternated processes), new / old: llama1b.Q6_K 0.94,
+ * llama1b.Q5_K_M 0.95, llama1b.Q4_K_M 0.98. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_row_avx2_t(const int TYPE, const job_t *job,
+                                                                            const uint8_t *col0, int64_t stride,
+                                                                            const ahead_t *ahead, int bytes,
+                                                                            int64_t j0, int cols, int64_t r0) {
+    const int64_t k = job->k;
+    __m256 acc[1] = {_mm256_setzero_ps()};
+    ahead_run_t run = ahead_run(ahead);
+    for (int64_t t = 0; t < k / 256; t++) {
+        ahead_run_step(&run, t);
+        k_row_step(TYPE, job->a, k, col0, stride, bytes, r0, t, acc);
+    }
+    store_row8(job, acc[0], r0, j0, cols);
+}
 #undef K_PAIR
 
 #define K_GROUP_TYPES(CALL)                                                                                \
@@ -2250,9 +2302,11 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_group_avx2_t(GRO
     case T_Q5_K: CALL(T_Q5_K); break;                                                                      \
     default: CALL(T_Q6_K);
 
-static TARGET_AVX2 void k_group_avx2(int type, GROUP_ARGS, int rows) {
+/* strided: as group_avx2's, one row then takes k_row_avx2_t. */
+static TARGET_AVX2 void k_group_avx2(int type, GROUP_ARGS, int rows, int strided) {
 #define K_GROUP_AVX2(TY)                                                                                   \
     if (rows == 2) k_group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                            \
+    else if (strided) k_row_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0);         \
     else k_group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 1, TY)
     switch (type) { K_GROUP_TYPES(K_GROUP_AVX2) }
 #undef K_GROUP_AVX2
@@ -2399,7 +2453,7 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
                 }
 #endif
                 const int rows = (int)(job->m - r0 < GROUP_ROWS_AVX2 ? job->m - r0 : GROUP_ROWS_AVX2);
-                k_group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+                k_group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows, strided);
                 r0 += rows;
                 continue;
             }

@@ -212,18 +212,19 @@ def test_an_odd_count_of_32_blocks_keeps_the_bits(qtype, isa):
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", [t for t in TYPES if t not in K_CHAIN and GGML_QUANT_SIZES[t][0] == 32],
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t in K_CHAIN or GGML_QUANT_SIZES[t][0] == 32],
                          ids=lambda t: t.name)
 def test_one_row_over_rows_in_stored_order_keeps_the_bits(qtype, isa):
     """One row (a one-stream decode): eight columns that are rows evenly apart (a segment in
-    its stored order, or every other row under the Q/K row order) take AVX2's strided pass
-    (pair_row_avx2_t), each tile's next one fetched ahead; the others (a random row order, a
-    segment's last few rows) the general one. Segments of 37 rows in order (four strided
-    groups, five rows left), 19 through a random order, 64 through the Q/K order of one
-    head and 24 in order; k of 64 blocks and of 23 (the odd last block after the loop): the
-    C path's bits, one thread and two, and each row alone from the middle of a batch."""
+    its stored order, or every other row under the Q/K row order) take AVX2's strided passes
+    (pair_row_avx2_t, k_row_avx2_t on the K chain), each tile's next one fetched ahead; the
+    others (a random row order, a segment's last few rows) the general one. Segments of 37
+    rows in order (four strided groups, five rows left), 19 through a random order, 64
+    through the Q/K order of one head and 24 in order; k of 64 blocks and of 23 (the odd
+    last block after the loop), on the K chain of 8 superblocks and of 3: the C path's bits,
+    one thread and two, and each row alone from the middle of a batch."""
     rng = rng_for("one-row-strided", qtype)
-    for k in (64 * 32, 23 * 32):
+    for k in (8 * 256, 3 * 256) if qtype in K_CHAIN else (64 * 32, 23 * 32):
         qk = random_weight(qtype, 64, k, rng).reorder_rows(qk_row_order(64, 1))
         matrix = describe_quant(QuantWeight.cat_rows([random_weight(qtype, 37, k, rng),
                                                       random_weight(qtype, 19, k, rng, order=True), qk,
