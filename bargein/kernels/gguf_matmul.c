@@ -114,6 +114,12 @@
 #define TILE 16 /* output columns per unit of work */
 #define GEMM_MIN_ROWS_VNNI 8 /* below this, few-row passes decode each block in registers */
 #define GEMM_MIN_ROWS_AVX2 8
+/* Rows a pass of AVX2's few-row strided passes at most (pair_rows_avx2_t, k_rows_avx2_t:
+ * eight columns that are rows evenly apart); other few-row passes take two. Four rows a
+ * pass against two (bench/gemm_tile_ab.c, the 1B layer's shapes from memory, one thread,
+ * Zen 3, new / old time): 3 rows Q4_0 0.80, Q8_0 0.82, Q6_K 0.84, Q4_K 0.86; 4 rows 0.86,
+ * 0.87, 0.91, 0.92; 5 rows 0.89, 0.88, 0.95, 0.97; 7 rows Q4_0 and Q8_0 0.82. */
+#define STRIDED_ROWS_AVX2 4
 /* From this many rows the tile passes of the plain kinds read a signed tile (signed_tile):
  * the tile's sign pass costs more than it saves below (bench/gemm_tile_ab.c, Q4_0, one
  * thread, the signed pass's time over the unsigned one's: VNNI 1.076 at 16 rows, 0.976 at
@@ -904,7 +910,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void store_row8(const j
     for (int c = 0; c < cols; c++) out[c] = lanes[c];
 }
 
-/* The one-row strided passes' fetch of the next tile (pair_row_avx2_t, k_row_avx2_t): where
+/* The few-row strided passes' fetch of the next tile (pair_rows_avx2_t, k_rows_avx2_t): where
  * its rows lie back to back (one range), a fixed count of lines per step from a running
  * pointer, without prefetch_step's bounds (a prefetch past the data never faults); else
  * prefetch_step's. */
@@ -1919,16 +1925,18 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_avx2_t(GROUP
         GROUP_BODY(2)
     }
 }
-/* PAIR_BODY's arithmetic for one row of eight columns that are rows `stride` bytes apart
- * (col0 the first), at blocks b and b + 1 (TWO; else b alone, the odd last block of a
- * row), added to *acc: PAIR_BODY's decoding (pair_quants) and float steps
- * (pair_float_steps), so the same bits. PAIR_BODY takes eight column pointers (GCC keeps them on the stack and loads one for each block it
- * reads) and tests for a second block in every step; this step is addressed from col0 and
- * the stride, and pair_row_avx2_t takes the odd block after its loop. */
-static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_step(const int TYPE, const acts_t *a, int64_t nb,
-                                                                             int64_t k, const uint8_t *col0,
-                                                                             int64_t stride, int bytes, int64_t r0,
-                                                                             int64_t b, const int TWO, __m256 *acc) {
+/* PAIR_BODY's arithmetic for ROWS_N rows (r0 on) of eight columns that are rows `stride`
+ * bytes apart (col0 the first), at blocks b and b + 1 (TWO; else b alone, the odd last block
+ * of a row), added to acc[r]: PAIR_BODY's decoding (pair_quants) and float steps
+ * (pair_float_steps), so the same bits. PAIR_BODY takes eight column pointers (GCC keeps
+ * them on the stack and loads one for each block it reads) and tests for a second block in
+ * every step; this step is addressed from col0 and the stride, and pair_rows_avx2_t takes
+ * the odd block after its loop. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void pair_rows_step(const int TYPE, const acts_t *a, int64_t nb,
+                                                                              int64_t k, const uint8_t *col0,
+                                                                              int64_t stride, int bytes, int64_t r0,
+                                                                              int64_t b, const int TWO, const int ROWS_N,
+                                                                              __m256 *acc) {
     const int KIND = type_kind(TYPE), OFF = type_off(TYPE);
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80); /* (PAIR_PREP's) */
     (void)ones;
@@ -1939,50 +1947,57 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_step(cons
     const int64_t at0 = b * bytes, at1 = (TWO ? b + 1 : b) * bytes;
     __m256 s0, s1, m0, m1;
     PAIR_PARAMS_WORDS(wc, at0, at1, &s0, &s1, &m0, &m1);
-    const int8_t *x0 = a->q + r0 * k + 32 * b, *x1 = TWO ? x0 + 32 : x0;
-    const __m256i xlo = _mm256_loadu2_m128i((const __m128i *)x1, (const __m128i *)x0);
-    const __m256i xhi = _mm256_loadu2_m128i((const __m128i *)(x1 + 16), (const __m128i *)(x0 + 16));
-    __m256i tt[8];
+    __m256i xlo[STRIDED_ROWS_AVX2], xhi[STRIDED_ROWS_AVX2], tt[STRIDED_ROWS_AVX2][8];
+    for (int r = 0; r < ROWS_N; r++) {
+        const int8_t *x0 = a->q + (r0 + r) * k + 32 * b, *x1 = TWO ? x0 + 32 : x0;
+        xlo[r] = _mm256_loadu2_m128i((const __m128i *)x1, (const __m128i *)x0);
+        xhi[r] = _mm256_loadu2_m128i((const __m128i *)(x1 + 16), (const __m128i *)(x0 + 16));
+    }
     _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
         __m256i lo, hi;
         pair_quants(TYPE, wc[c], at0, at1, &lo, &hi);
         PAIR_PREP
-        tt[c] = PAIR_DOT(_mm256_setzero_si256(), lo, hi, xlo, xhi);
+        for (int r = 0; r < ROWS_N; r++) tt[r][c] = PAIR_DOT(_mm256_setzero_si256(), lo, hi, xlo[r], xhi[r]);
     }
-    const __m256i h0 = SUM_PAIRS64(SUM_PAIRS32(tt[0], tt[1]), SUM_PAIRS32(tt[2], tt[3]));
-    const __m256i h1 = SUM_PAIRS64(SUM_PAIRS32(tt[4], tt[5]), SUM_PAIRS32(tt[6], tt[7]));
-    pair_float_steps(KIND, OFF_APPLIES && OFF, OFF, a, r0 * nb + b, TWO, _mm256_permute2x128_si256(h0, h1, 0x20),
-                     _mm256_permute2x128_si256(h0, h1, 0x31), s0, s1, m0, m1, acc);
+    for (int r = 0; r < ROWS_N; r++) {
+        const __m256i h0 = SUM_PAIRS64(SUM_PAIRS32(tt[r][0], tt[r][1]), SUM_PAIRS32(tt[r][2], tt[r][3]));
+        const __m256i h1 = SUM_PAIRS64(SUM_PAIRS32(tt[r][4], tt[r][5]), SUM_PAIRS32(tt[r][6], tt[r][7]));
+        pair_float_steps(KIND, OFF_APPLIES && OFF, OFF, a, (r0 + r) * nb + b, TWO,
+                         _mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31), s0, s1,
+                         m0, m1, &acc[r]);
+    }
 }
 
-/* group_avx2's one row where its eight columns are rows evenly apart (col[c] = col[0] + c *
- * stride): pair_row_step over the blocks, then the odd last one. The next
- * tile's lines (ahead: one range where its rows lie back to back) are asked for a fixed
- * count per step from a running pointer, without prefetch_step's bounds.
+/* group_avx2's rows (one to STRIDED_ROWS_AVX2) where its eight columns are rows evenly
+ * apart (col[c] = col[0] + c stride): pair_rows_step over the blocks, then the odd last
+ * one. The next tile's lines are fetched as ahead_run_t says.
  *
  * A one-stream decode step's matmuls (bench/gemv_layout.c, the file mapped, two threads,
  * Zen 3), new / old time: smollm2.Q8_0 0.82-0.84, smollm2.Q4_0 0.89, smollm2.Q4_K_M (its
  * Q5_0 and Q5_1 matrices) 0.90, llama1b.Q4_0 0.93-0.97. Either change alone gained nothing
  * there: the step alone read 1.02-1.07x the old time from memory (faster where the matrix
- * stays in L2), the prefetch alone 1.01-1.04x. */
-static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_avx2_t(const int TYPE, const job_t *job,
-                                                                               const uint8_t *col0, int64_t stride,
-                                                                               const ahead_t *ahead, int bytes,
-                                                                               int64_t j0, int cols, int64_t r0) {
+ * stays in L2), the prefetch alone 1.01-1.04x. Two rows, against PAIR_BODY's (bench/
+ * gemm_tile_ab.c, the 1B layer's shapes, one thread): Q4_0 0.87, Q8_0 0.92. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void pair_rows_avx2_t(const int TYPE, const job_t *job,
+                                                                                const uint8_t *col0, int64_t stride,
+                                                                                const ahead_t *ahead, int bytes,
+                                                                                int64_t j0, int cols, int64_t r0,
+                                                                                const int ROWS_N) {
     const acts_t *a = job->a;
     const int64_t nb = job->nb, k = job->k;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[STRIDED_ROWS_AVX2];
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();
     int64_t b = 0;
     ahead_run_t run = ahead_run(ahead);
     for (; b + 1 < nb; b += 2) {
         ahead_run_step(&run, b / 2);
-        pair_row_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 1, &acc);
+        pair_rows_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 1, ROWS_N, acc);
     }
     if (b < nb) {
         if (ahead) prefetch_step(ahead, b / 2);
-        pair_row_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 0, &acc);
+        pair_rows_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 0, ROWS_N, acc);
     }
-    store_row8(job, acc, r0, j0, cols);
+    for (int r = 0; r < ROWS_N; r++) store_row8(job, acc[r], r0 + r, j0, cols);
 }
 #undef PAIR_PREP
 #undef PAIR_PARAMS
@@ -1993,13 +2008,32 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_row_avx2_t(co
 #undef OFF_APPLIES
 #define GROUP_ROWS_AVX2 2
 
+#define PAIRED_CASES(CALL)                                                                                 \
+    case T_Q4_0: CALL(T_Q4_0); break;                                                                      \
+    case T_Q4_1: CALL(T_Q4_1); break;                                                                      \
+    case T_Q5_0: CALL(T_Q5_0); break;                                                                      \
+    case T_Q5_1: CALL(T_Q5_1); break;                                                                      \
+    case T_Q8_0: CALL(T_Q8_0); break;                                                                      \
+    default: CALL(T_IQ4_NL);
+
+/* Three or four strided rows of a paired type (out of line: inlined into group_avx2, these
+ * copies made its one- and two-row passes 2-3% slower). */
+static TARGET_AVX2 __attribute__((noinline)) void pair_rows_wide_avx2(int type, GROUP_ARGS, int rows) {
+#define PAIR_ROWS_WIDE(TY)                                                                                 \
+    if (rows == 4) pair_rows_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0, 4);      \
+    else pair_rows_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0, 3)
+    switch (type) { PAIRED_CASES(PAIR_ROWS_WIDE) }
+#undef PAIR_ROWS_WIDE
+}
+
 /* strided: col[c] is col[0] + c * (col[1] - col[0]) (eight rows of the segment in its
- * stored order, or every other one under the Q/K row order), which one row of a paired
- * type takes through pair_row_avx2_t. */
+ * stored order, or every other one under the Q/K row order), which a paired type's rows
+ * take through pair_rows_avx2_t. */
 static TARGET_AVX2 void group_avx2(int type, GROUP_ARGS, int rows, int strided) {
 #define GROUP_AVX2(TY)                                                                                     \
-    if (rows == 2) group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                              \
-    else if (PAIRED(TY) && strided) pair_row_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0); \
+    if (PAIRED(TY) && strided && rows == 2) pair_rows_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0, 2); \
+    else if (PAIRED(TY) && strided) pair_rows_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0, 1); \
+    else if (rows == 2) group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                         \
     else group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 1, TY)
     switch (type) { TYPES_32_CHAIN(GROUP_AVX2) }
 #undef GROUP_AVX2
@@ -2261,39 +2295,42 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_group_avx2_t(GRO
     K_GROUP_BODY(2)
 }
 
-/* K_GROUP_BODY's superblock t for one row of eight columns that are rows `stride` bytes
- * apart (col0 the first), added to *acc: the same operations, so the same bits, addressed
- * from col0 and the stride instead of eight column pointers that GCC keeps on the stack
- * (pair_row_step's change, for the K chain). */
-static inline TARGET_AVX2 __attribute__((always_inline)) void k_row_step(const int TYPE, const acts_t *a, int64_t k,
-                                                                          const uint8_t *col0, int64_t stride,
-                                                                          int bytes, int64_t r0, int64_t t,
-                                                                          __m256 *acc) {
-    const int ROWS_N = 1, Q6 = TYPE == T_Q6_K;
+/* K_GROUP_BODY's superblock t for ROWS_N rows (r0 on) of eight columns that are rows
+ * `stride` bytes apart (col0 the first), added to acc[r]: the same operations, so the same
+ * bits, addressed from col0 and the stride instead of eight column pointers that GCC keeps
+ * on the stack (pair_rows_step's change, for the K chain). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_rows_step(const int TYPE, const acts_t *a, int64_t k,
+                                                                           const uint8_t *col0, int64_t stride,
+                                                                           int bytes, int64_t r0, int64_t t,
+                                                                           const int ROWS_N, __m256 *acc) {
+    const int Q6 = TYPE == T_Q6_K;
     const int64_t supers = k / 256;
     const uint8_t *const c4 = col0 + 4 * stride;
     const uint8_t *const col[8] = {col0, col0 + stride, col0 + 2 * stride, col0 + 3 * stride,
                                    c4,   c4 + stride,   c4 + 2 * stride,   c4 + 3 * stride};
-    K_SUPER(1)
+    K_SUPER(STRIDED_ROWS_AVX2)
 }
 
-/* k_group_avx2's one row where its eight columns are rows evenly apart (col[c] = col[0] +
- * c stride): k_row_step per superblock, the next tile fetched as pair_row_avx2_t does
+/* k_group_avx2's rows where its eight columns are rows evenly apart (col[c] = col[0] + c
+ * stride): k_rows_step per superblock, the next tile fetched as pair_rows_avx2_t does
  * (ahead_run_t). One thread's one-row matmuls of a decode step (bench/gemv_layout.c, the
  * file mapped, CPU time, Zen 3, alternated processes), new / old: llama1b.Q6_K 0.94,
- * llama1b.Q5_K_M 0.95, llama1b.Q4_K_M 0.98. */
-static inline TARGET_AVX2 __attribute__((always_inline)) void k_row_avx2_t(const int TYPE, const job_t *job,
-                                                                            const uint8_t *col0, int64_t stride,
-                                                                            const ahead_t *ahead, int bytes,
-                                                                            int64_t j0, int cols, int64_t r0) {
+ * llama1b.Q5_K_M 0.95, llama1b.Q4_K_M 0.98; two rows (bench/gemm_tile_ab.c) Q6_K 0.93,
+ * Q4_K 0.96. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_rows_avx2_t(const int TYPE, const job_t *job,
+                                                                             const uint8_t *col0, int64_t stride,
+                                                                             const ahead_t *ahead, int bytes,
+                                                                             int64_t j0, int cols, int64_t r0,
+                                                                             const int ROWS_N) {
     const int64_t k = job->k;
-    __m256 acc[1] = {_mm256_setzero_ps()};
+    __m256 acc[STRIDED_ROWS_AVX2];
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm256_setzero_ps();
     ahead_run_t run = ahead_run(ahead);
     for (int64_t t = 0; t < k / 256; t++) {
         ahead_run_step(&run, t);
-        k_row_step(TYPE, job->a, k, col0, stride, bytes, r0, t, acc);
+        k_rows_step(TYPE, job->a, k, col0, stride, bytes, r0, t, ROWS_N, acc);
     }
-    store_row8(job, acc[0], r0, j0, cols);
+    for (int r = 0; r < ROWS_N; r++) store_row8(job, acc[r], r0 + r, j0, cols);
 }
 #undef K_PAIR
 
@@ -2302,11 +2339,21 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_row_avx2_t(const
     case T_Q5_K: CALL(T_Q5_K); break;                                                                      \
     default: CALL(T_Q6_K);
 
-/* strided: as group_avx2's, one row then takes k_row_avx2_t. */
+/* Three or four strided rows of the K chain (out of line, as pair_rows_wide_avx2). */
+static TARGET_AVX2 __attribute__((noinline)) void k_rows_wide_avx2(int type, GROUP_ARGS, int rows) {
+#define K_ROWS_WIDE(TY)                                                                                    \
+    if (rows == 4) k_rows_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0, 4);         \
+    else k_rows_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0, 3)
+    switch (type) { K_GROUP_TYPES(K_ROWS_WIDE) }
+#undef K_ROWS_WIDE
+}
+
+/* strided: as group_avx2's, the rows then take k_rows_avx2_t. */
 static TARGET_AVX2 void k_group_avx2(int type, GROUP_ARGS, int rows, int strided) {
 #define K_GROUP_AVX2(TY)                                                                                   \
-    if (rows == 2) k_group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                            \
-    else if (strided) k_row_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0);         \
+    if (strided && rows == 2) k_rows_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0, 2); \
+    else if (strided) k_rows_avx2_t(TY, job, col[0], col[1] - col[0], ahead, bytes, j0, cols, r0, 1);     \
+    else if (rows == 2) k_group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 2, TY);                       \
     else k_group_avx2_t(job, col, ahead, bytes, j0, cols, r0, 1, TY)
     switch (type) { K_GROUP_TYPES(K_GROUP_AVX2) }
 #undef K_GROUP_AVX2
@@ -2452,8 +2499,10 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
                     continue;
                 }
 #endif
-                const int rows = (int)(job->m - r0 < GROUP_ROWS_AVX2 ? job->m - r0 : GROUP_ROWS_AVX2);
-                k_group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows, strided);
+                const int most = strided ? STRIDED_ROWS_AVX2 : GROUP_ROWS_AVX2;
+                const int rows = (int)(job->m - r0 < most ? job->m - r0 : most);
+                if (rows > GROUP_ROWS_AVX2) k_rows_wide_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+                else k_group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows, strided);
                 r0 += rows;
                 continue;
             }
@@ -2465,8 +2514,10 @@ static void run_groups_x86(const job_t *job, const bargein_qseg_t *seg, const qi
                 continue;
             }
 #endif
-            const int rows = (int)(job->m - r0 < GROUP_ROWS_AVX2 ? job->m - r0 : GROUP_ROWS_AVX2);
-            group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows, strided);
+            const int most = strided && paired_type((int)seg->type) ? STRIDED_ROWS_AVX2 : GROUP_ROWS_AVX2;
+            const int rows = (int)(job->m - r0 < most ? job->m - r0 : most);
+            if (rows > GROUP_ROWS_AVX2) pair_rows_wide_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows);
+            else group_avx2((int)seg->type, job, col, ahead, info->bytes, j0 + 8 * v, group_cols, r0, rows, strided);
             r0 += rows;
         }
     }

@@ -214,15 +214,16 @@ def test_an_odd_count_of_32_blocks_keeps_the_bits(qtype, isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", [t for t in TYPES if t in K_CHAIN or GGML_QUANT_SIZES[t][0] == 32],
                          ids=lambda t: t.name)
-def test_one_row_over_rows_in_stored_order_keeps_the_bits(qtype, isa):
-    """One row (a one-stream decode): eight columns that are rows evenly apart (a segment in
-    its stored order, or every other row under the Q/K row order) take AVX2's strided passes
-    (pair_row_avx2_t, k_row_avx2_t on the K chain), each tile's next one fetched ahead; the
-    others (a random row order, a segment's last few rows) the general one. Segments of 37
-    rows in order (four strided groups, five rows left), 19 through a random order, 64
-    through the Q/K order of one head and 24 in order; k of 64 blocks and of 23 (the odd
-    last block after the loop), on the K chain of 8 superblocks and of 3: the C path's bits,
-    one thread and two, and each row alone from the middle of a batch."""
+def test_few_rows_over_rows_in_stored_order_keep_the_bits(qtype, isa):
+    """One to four rows (a decode of as many streams): eight columns that are rows evenly
+    apart (a segment in its stored order, or every other row under the Q/K row order) take
+    AVX2's strided passes (pair_rows_avx2_t, k_rows_avx2_t on the K chain; up to four rows
+    a pass), each tile's next one fetched ahead; the others (a random row order, a segment's
+    last few rows) the general ones. Segments of 37 rows in order (four strided groups, five
+    rows left), 19 through a random order, 64 through the Q/K order of one head and 24 in
+    order; k of 64 blocks and of 23 (the odd last block after the loop), on the K chain of 8
+    superblocks and of 3: the C path's bits, one thread and two, for each run of one to four
+    rows from the middle of a batch."""
     rng = rng_for("one-row-strided", qtype)
     for k in (8 * 256, 3 * 256) if qtype in K_CHAIN else (64 * 32, 23 * 32):
         qk = random_weight(qtype, 64, k, rng).reorder_rows(qk_row_order(64, 1))
@@ -231,10 +232,11 @@ def test_one_row_over_rows_in_stored_order_keeps_the_bits(qtype, isa):
                                                       random_weight(qtype, 24, k, rng)]))
         x = torch.from_numpy(with_outliers(rng.standard_normal((5, k)).astype(np.float32)))
         base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
-        for r in range(5):
-            for threads in (1, 2):
-                y = KERNELS.quant_matmul(x[r:r + 1].contiguous(), matrix, threads, isa=isa)
-                assert torch.equal(y, base[r:r + 1]), (k, r, threads)
+        for n in range(1, 5):
+            for r in range(6 - n):
+                for threads in (1, 2):
+                    y = KERNELS.quant_matmul(x[r:r + n].contiguous(), matrix, threads, isa=isa)
+                    assert torch.equal(y, base[r:r + n]), (k, n, r, threads)
 
 
 @needs_kernels
