@@ -910,6 +910,18 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void store_row8(const j
     for (int c = 0; c < cols; c++) out[c] = lanes[c];
 }
 
+/* The rows of eight columns evenly apart (the strided passes' col0 and stride), as the
+ * column pointers the pass bodies read. */
+typedef struct {
+    const uint8_t *c[8];
+} cols8_t;
+
+static inline TARGET_AVX2 __attribute__((always_inline)) cols8_t strided_cols8(const uint8_t *col0, int64_t stride) {
+    const uint8_t *const c4 = col0 + 4 * stride;
+    return (cols8_t){{col0, col0 + stride, col0 + 2 * stride, col0 + 3 * stride, c4, c4 + stride, c4 + 2 * stride,
+                      c4 + 3 * stride}};
+}
+
 /* The few-row strided passes' fetch of the next tile (pair_rows_avx2_t, k_rows_avx2_t): where
  * its rows lie back to back (one range), a fixed count of lines per step from a running
  * pointer, without prefetch_step's bounds (a prefetch past the data never faults); else
@@ -1803,6 +1815,15 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_quants(const 
     if (TYPE == T_IQ4_NL) *lo = iq4_values(*lo), *hi = iq4_values(*hi);
 }
 
+/* A row's int8 activations of blocks b and b + 1 (where two; else b again) as PAIR_BODY
+ * pairs them: elements 0-15 of both in *lo, 16-31 in *hi. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void pair_acts(const acts_t *a, int64_t k, int64_t row,
+                                                                         int64_t b, int two, __m256i *lo, __m256i *hi) {
+    const int8_t *x0 = a->q + row * k + 32 * b, *x1 = two ? x0 + 32 : x0;
+    *lo = _mm256_loadu2_m128i((const __m128i *)x1, (const __m128i *)x0);
+    *hi = _mm256_loadu2_m128i((const __m128i *)(x1 + 16), (const __m128i *)(x0 + 16));
+}
+
 /* The float steps of PAIR_BODY for one row at blocks b (cell) and b + 1 (where two):
  * d0 and d1 the eight columns' int32 sums of each, less the type's offset terms where
  * SUB_OFF (OFF times the row's activation sums, as a->s16 holds them), then each block's
@@ -1848,11 +1869,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_float_steps(c
         PAIR_PARAMS(col, at0, at1, &s0, &s1, &m0, &m1);                                                    \
         if (ahead) prefetch_step(ahead, b / 2);                                                            \
         __m256i xlo[ROWS_MAX], xhi[ROWS_MAX];                                                              \
-        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {                                         \
-            const int8_t *x0 = a->q + (r0 + r) * k + 32 * b, *x1 = two ? x0 + 32 : x0;                      \
-            xlo[r] = _mm256_loadu2_m128i((const __m128i *)x1, (const __m128i *)x0);                        \
-            xhi[r] = _mm256_loadu2_m128i((const __m128i *)(x1 + 16), (const __m128i *)(x0 + 16));          \
-        }                                                                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) pair_acts(a, k, r0 + r, b, two, &xlo[r], &xhi[r]); \
         __m256i start[ROWS_MAX]; /* where each column's lanes start: zero, or the offset's terms */      \
         _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++)                                           \
             start[r] = PAIR_FOLDS && OFF ? offset_lanes(OFF, a->s16 + 2 * ((r0 + r) * nb + b), two)        \
@@ -1941,18 +1958,13 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_rows_step(con
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80); /* (PAIR_PREP's) */
     (void)ones;
     (void)flip;
-    const uint8_t *const c4 = col0 + 4 * stride;
-    const uint8_t *const wc[8] = {col0, col0 + stride, col0 + 2 * stride, col0 + 3 * stride,
-                                  c4,   c4 + stride,   c4 + 2 * stride,   c4 + 3 * stride};
+    const cols8_t rows8 = strided_cols8(col0, stride);
+    const uint8_t *const *const wc = rows8.c;
     const int64_t at0 = b * bytes, at1 = (TWO ? b + 1 : b) * bytes;
     __m256 s0, s1, m0, m1;
     PAIR_PARAMS_WORDS(wc, at0, at1, &s0, &s1, &m0, &m1);
     __m256i xlo[STRIDED_ROWS_AVX2], xhi[STRIDED_ROWS_AVX2], tt[STRIDED_ROWS_AVX2][8];
-    for (int r = 0; r < ROWS_N; r++) {
-        const int8_t *x0 = a->q + (r0 + r) * k + 32 * b, *x1 = TWO ? x0 + 32 : x0;
-        xlo[r] = _mm256_loadu2_m128i((const __m128i *)x1, (const __m128i *)x0);
-        xhi[r] = _mm256_loadu2_m128i((const __m128i *)(x1 + 16), (const __m128i *)(x0 + 16));
-    }
+    for (int r = 0; r < ROWS_N; r++) pair_acts(a, k, r0 + r, b, TWO, &xlo[r], &xhi[r]);
     _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {
         __m256i lo, hi;
         pair_quants(TYPE, wc[c], at0, at1, &lo, &hi);
@@ -1993,7 +2005,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void pair_rows_avx2_t(c
         ahead_run_step(&run, b / 2);
         pair_rows_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 1, ROWS_N, acc);
     }
-    if (b < nb) {
+    if (b < nb) { /* (prefetch_step: the run kept past the loop made the loop 1.03x its time) */
         if (ahead) prefetch_step(ahead, b / 2);
         pair_rows_step(TYPE, a, nb, k, col0, stride, bytes, r0, b, 0, ROWS_N, acc);
     }
@@ -2305,9 +2317,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_rows_step(const 
                                                                            const int ROWS_N, __m256 *acc) {
     const int Q6 = TYPE == T_Q6_K;
     const int64_t supers = k / 256;
-    const uint8_t *const c4 = col0 + 4 * stride;
-    const uint8_t *const col[8] = {col0, col0 + stride, col0 + 2 * stride, col0 + 3 * stride,
-                                   c4,   c4 + stride,   c4 + 2 * stride,   c4 + 3 * stride};
+    const cols8_t rows8 = strided_cols8(col0, stride);
+    const uint8_t *const *const col = rows8.c;
     K_SUPER(STRIDED_ROWS_AVX2)
 }
 
