@@ -369,7 +369,9 @@ def test_replicas_sit_on_both_hosts_and_show_their_addresses(cluster: Cluster, r
     # these share one machine's cores, and one measured slow is measured again).
     rates = [r["layers_per_s"] for r in info["replicas"]]
     assert all(rate > 0 for rate in rates), info["replicas"]
-    assert [r["speed"] for r in info["replicas"]] == [round(f, 4) for f in speed_factors(rates)]
+    # (the router weighs by the measured rates, the snapshot shows them rounded to 0.1: the
+    # factors recomputed here can differ from its rounded ones in the fourth decimal)
+    assert [r["speed"] for r in info["replicas"]] == pytest.approx(speed_factors(rates), abs=1e-3)
     assert "compute threads per replica: what its node offers" in replicas.log.read_text()
     # Ray's "the actor restart will fail" error, which a replica's builder (the shipped
     # model: an object reference) once caused at every start, is not logged.
