@@ -217,9 +217,12 @@ typedef struct {
     /* kq again in quad order (quad_order), for the VNNI few-row passes of Q4_K (the quad
      * pass); NULL where none runs */
     int8_t *kx; /* (m, k) */
-    /* Q6_K's AVX2 tile pass (rows_q6k_avx2_t): per 16 values of kq, its offset's part of
-     * each int16 lane of a maddubs sum, -32 * (the sum of the values at positions 0, 1 mod 4;
-     * at 2, 3 mod 4) as two int16 in one int32 (|.| <= 32 * 8 * 127); NULL where none runs */
+    /* Q6_K's AVX2 tile pass (rows_q6k_avx2_t): kq in halves order (halves_order32: per
+     * 32-block, bytes 4g .. 4g + 3 are kq's 2g, 2g + 1, 16 + 2g, 17 + 2g), and per quarter
+     * of it (groups 0-3, 4-7) its offset's part of each int16 lane of a maddubs sum: -32 *
+     * (the sum of its values from the first half; from the second half) as two int16 in one
+     * int32 (|.| <= 32 * 8 * 127); NULL where none runs */
+    int8_t *kqh;   /* (m, k) */
     int32_t *kc16; /* (m, k / 16) */
     /* q + 128 as unsigned bytes, for the signed tile passes of the plain kinds (signed_tile:
      * activations unsigned, the tile's quants signed); NULL where none runs */
@@ -730,13 +733,23 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void amx_split32_avx2(c
     _mm256_storeu_si256((__m256i *)ahi, _mm256_permute4x64_epi64(hi, _MM_SHUFFLE(3, 1, 2, 0)));
 }
 
-/* A 32-block's two halves' offsets for Q6_K's AVX2 tile pass (acts_t's kc16), from its
- * quantized bytes kq: the sums at positions 0, 1 mod 4 and 2, 3 mod 4 of each half of 16,
- * times -32, as two int16 in one int32 per half. */
-static inline TARGET_AVX2 __attribute__((always_inline)) void q6k_offsets32_avx2(const int8_t *kq, int32_t *kc16) {
-    /* pairs of bytes (2i, 2i + 1) summed; each int32 lane then holds one (0-1, 2-3) pair of
-     * sums, and the two shuffles add a half's four lanes int16 by int16 */
-    const __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi8(1), _mm256_loadu_si256((const __m256i *)kq));
+/* A 32-block's 32 bytes in halves order (acts_t's kqh, and the quants of Q6_K's AVX2
+ * tile): 16-bit word 2g is word g, word 2g + 1 is word 8 + g, so that each four bytes
+ * 4g .. 4g + 3 hold two values of the first half and the two 16 positions on. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i halves_order32(__m256i v) {
+    const __m256i words = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                           0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    /* 64-bit words 0, 2, 1, 3: each 128-bit lane holds four words of each half */
+    return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(v, 0xD8), words);
+}
+
+/* A 32-block's two quarters' offsets for Q6_K's AVX2 tile pass (acts_t's kc16), from its
+ * bytes in halves order kh: per quarter (bytes 0-15, 16-31 of kh), the sums of its values
+ * from the first half and from the second, times -32, as two int16 in one int32. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void q6k_offsets32_avx2(__m256i kh, int32_t *kc16) {
+    /* pairs of bytes (2i, 2i + 1) summed; each int32 lane then holds one (first half, second
+     * half) pair of sums, and the two shuffles add a quarter's four lanes int16 by int16 */
+    const __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi8(1), kh);
     __m256i s = _mm256_add_epi16(p, _mm256_shuffle_epi32(p, 0x4E));
     s = _mm256_mullo_epi16(_mm256_add_epi16(s, _mm256_shuffle_epi32(s, 0xB1)), _mm256_set1_epi16(-32));
     kc16[0] = _mm256_cvtsi256_si32(s);
@@ -788,7 +801,11 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                     s16[2 * j] = (int16_t)sums[0], s16[2 * j + 1] = (int16_t)sums[1];
                     s32[j] = (int16_t)(sums[0] + sums[1]);
                     if (alo && !a->k_flat) amx_split32_avx2(kq + 32 * j, km[j], alo, a->ahi + r * a->amx_stride + t * 256 + 32 * j);
-                    if (a->kc16) q6k_offsets32_avx2(kq + 32 * j, a->kc16 + r * (a->k / 16) + t * 16 + 2 * j);
+                    if (a->kqh) {
+                        const __m256i kh = halves_order32(_mm256_loadu_si256((const __m256i *)(kq + 32 * j)));
+                        _mm256_storeu_si256((__m256i *)(a->kqh + r * a->k + t * 256 + 32 * j), kh);
+                        q6k_offsets32_avx2(kh, a->kc16 + r * (a->k / 16) + t * 16 + 2 * j);
+                    }
                 }
                 a->kd[r * (a->k / 256) + t] = k_chain_unit(amax, a->k_flat);
                 if (a->kx) quad_order(kq, a->kx + r * a->k + t * 256);
@@ -808,7 +825,8 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
 }
 
 /* Per-thread tile scratch: tile 16 * k bytes (32-byte vectors tile[(b * 8 + g) * 2 + v]:
- * lane c holds elements 4g .. 4g + 3 of block b of column 8v + c), column bytes 16 * k (the
+ * lane c holds elements 4g .. 4g + 3 of block b of column 8v + c; Q6_K's for the AVX2 pass
+ * in halves order, halves_order32), column bytes 16 * k (the
  * tile's |q| where build_tile writes them: abs_tiled),
  * panels: s, m (nb * 16 floats each, block-major), sc, mn (2 nb * 16 int32 each). */
 typedef struct {
@@ -1241,35 +1259,33 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(c
 #define K_ROWS_AVX2 4 /* rows per AVX2 tile pass of the K chain (every type) at most */
 
 /* The K chain's AVX2 tile passes, rows r0 .. r0 + ROWS_N - 1 over the tile: per
- * superblock, each 32-block's (Q6_K: each half's) dot products for 16 columns times the
+ * superblock, each 32-block's (Q6_K: each quarter's) dot products for 16 columns times the
  * integer scales from the panels (Q6_K: and the row's multiple m of the block), summed in
  * int32 (exact, so in any order), then the header's float steps once. Panels (params_at):
- * sc at [(2 * b) * TILE + c] per 32-block b (Q6_K: per half at [(2 * b + h) * TILE + c]),
- * the mins as int16 pairs at [(16 t + p) * TILE + c] (against the rows' pairs of sum q:
- * Q4_K's and Q5_K's activations are flat, m = 1), d and -dmin at the superblock's first
- * 32-block.
+ * sc at [(2 * b) * TILE + c] per 32-block b (Q6_K: the pair (sc of the first half, sc of
+ * the second) at [2 * b * TILE + c] in pmn), the mins as int16 pairs at [(16 t + p) * TILE
+ * + c] (against the rows' pairs of sum q: Q4_K's and Q5_K's activations are flat, m = 1),
+ * d and -dmin at the superblock's first 32-block.
  *
- * Q6_K (offset 32): a half's four groups' maddubs pairs summed in int16 from the row's
- * offsets (acts_t's kc16: -32 times the activations each int16 lane meets), so that the sum
- * is the half's sum (q - 32) x over the lane's eight products, |.| <= 8 * 32 * 127 =
- * 32,512. The uncentred pairs (up to 2 * 63 * 127 each) pass int16 on the way, but the adds
- * wrap modulo 2^16 and the end fits, so the sum is exact. It meets the half's sc * m
- * (|sc * m| <= 128 * 16) in one madd. Per block, row and 8 columns: 8 maddubs, 2 madds and
- * 2 int16 multiplies on the multiply ports, where the offset as a madd of (-32 sc_lo,
- * -32 sc_hi) against the row's (m S16_lo, m S16_hi) and the pairs of two groups (at most 4
- * * 63 * 127 = 32,004) each in a madd took 8 maddubs, 5 madds and 2 int16 multiplies. The
- * adds of the int32 D wrap too where the weights are all 63; D itself fits int32 (|q - 32|
- * <= 32: 16 * 2,048 * 16 * 32 * 127 < 2^31), so the wrapped sum is D: the same bits. */
+ * Q6_K (offset 32): the tile's quants and the row's activations (acts_t's kqh) are in
+ * halves order (halves_order32), so that each int32 lane of a maddubs sum holds a product
+ * pair of the block's first half in its low int16 and one of its second half in its high
+ * int16. A quarter's four groups are summed in int16 from the row's offsets (kc16: -32
+ * times the activations each int16 lane meets), so that each int16 is its half's sum (q -
+ * 32) x over the lane's eight products, |.| <= 8 * 32 * 127 = 32,512. The uncentred pairs
+ * (up to 2 * 63 * 127 each) pass int16 on the way, but the adds wrap modulo 2^16 and the end
+ * fits, so the sum is exact. It meets the pair (sc_first * m, sc_second * m) (|sc * m| <=
+ * 128 * 16) in one madd. Per block, row and 8 columns: 8 maddubs, 2 madds and one int16
+ * multiply on the multiply ports, where the halves summed apart (each lane's int16 of one
+ * half) took two multiplies and a shuffle per half to spread sc over both int16. The adds of
+ * the int32 D wrap too where the weights are all 63; D itself fits int32 (|q - 32| <= 32: 16
+ * * 2,048 * 16 * 32 * 127 < 2^31), so the wrapped sum is D: the same bits. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(const job_t *job, const tile_t *tl,
                                                                                const ahead_t *ahead, int64_t j0,
                                                                                int cols, int64_t r0, const int ROWS_N) {
     const acts_t *a = job->a;
     const int64_t k = job->k, supers = k / 256;
     const __m256i *tile = (const __m256i *)tl->tile;
-    /* each 32-bit lane's pair (sc_lo, sc_hi) of int16 into both halves: sc_lo, then sc_hi */
-    const __m256i dup_lo = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5,
-                                            8, 9, 8, 9, 12, 13, 12, 13);
-    const __m256i dup_hi = _mm256_add_epi8(dup_lo, _mm256_set1_epi8(2));
     /* in memory, updated once per superblock, as rows_k16_avx2_t's */
     float acc[K_ROWS_AVX2][TILE] __attribute__((aligned(32)));
     memset(acc, 0, sizeof(acc));
@@ -1279,29 +1295,29 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
         for (int r = 0; r < ROWS_N; r++) dk[r][0] = dk[r][1] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
-            int m[K_ROWS_AVX2];
-            for (int r = 0; r < ROWS_N; r++) m[r] = a->km[(r0 + r) * (k / 32) + b];
             const __m256i *wb = tile + b * 16;
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
-                __m256i sum[K_ROWS_AVX2][2]; /* [row][v]: the half's int16 sums, from the row's offsets */
+            /* the block's pairs of sc times the row's m, for both quarters */
+            __m256i scm[K_ROWS_AVX2][2];
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
                 _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
-                    sum[r][0] = sum[r][1] = _mm256_set1_epi32(a->kc16[(r0 + r) * (k / 16) + 2 * b + h]);
-                _Pragma("GCC unroll 4") for (int g = 4 * h; g < 4 * h + 4; g++) {
+                    scm[r][v] = _mm256_mullo_epi16(pair, _mm256_set1_epi16(a->km[(r0 + r) * (k / 32) + b]));
+            }
+            _Pragma("GCC unroll 2") for (int q = 0; q < 2; q++) {
+                __m256i sum[K_ROWS_AVX2][2]; /* [row][v]: the quarter's int16 sums, from the row's offsets */
+                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
+                    sum[r][0] = sum[r][1] = _mm256_set1_epi32(a->kc16[(r0 + r) * (k / 16) + 2 * b + q]);
+                _Pragma("GCC unroll 4") for (int g = 4 * q; g < 4 * q + 4; g++) {
                     __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
                     in_order(&w0), in_order(&w1); /* in registers for every row: as rows_k16_avx2_t */
                     _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
-                        group_pairs_avx2(a->kq + (r0 + r) * k + 32 * b + 4 * g, w0, w1, 0, sum[r]);
+                        group_pairs_avx2(a->kqh + (r0 + r) * k + 32 * b + 4 * g, w0, w1, 0, sum[r]);
                 }
-                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                    const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
-                    const __m256i sc = _mm256_shuffle_epi8(pair, h ? dup_hi : dup_lo);
+                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++)
                     _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
-                        /* the half's sc times the row's m in both int16 halves of each lane */
-                        const __m256i scm = _mm256_mullo_epi16(sc, _mm256_set1_epi16((int16_t)m[r]));
-                        dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_madd_epi16(sum[r][v], scm));
+                        dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_madd_epi16(sum[r][v], scm[r][v]));
                         in_order(&dk[r][v]);
                     }
-                }
             }
         }
         const int64_t at = t * 8 * TILE;
@@ -1637,6 +1653,21 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i signed_quants32
     return _mm256_xor_si256(quants32(TYPE, blk, j), _mm256_set1_epi8((char)0x80));
 }
 
+/* Eight groups of a 32-block (group g: bytes 4g .. 4g + 3 of each of eight columns, as
+ * transposed) put in halves order (halves_order32), the order Q6_K's AVX2 pass reads: group
+ * g takes word g % 2 of groups g / 2 and 4 + g / 2. A shift and a blend each, in the
+ * 128-bit lanes (permuting each column's 32 bytes before the transpose crosses them: the
+ * tile's build took 1.17x its time, eight rows, 2048 x 2048). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void halves_order_groups(__m256 r[8]) {
+    __m256i g[8];
+    for (int i = 0; i < 4; i++) {
+        const __m256i first = _mm256_castps_si256(r[i]), second = _mm256_castps_si256(r[4 + i]);
+        g[2 * i] = _mm256_blend_epi16(first, _mm256_slli_epi32(second, 16), 0xAA);
+        g[2 * i + 1] = _mm256_blend_epi16(_mm256_srli_epi32(first, 16), second, 0xAA);
+    }
+    for (int i = 0; i < 8; i++) r[i] = _mm256_castsi256_ps(g[i]);
+}
+
 /* Columns col0 .. col0 + 15 of a segment (the last repeated past its end) into the tile:
  * each 32-block of eight columns decoded in registers, transposed, stored. ABS (8-bit
  * quants, off 128: abs_tiled), the tile made ready for rows_avx2_wide_abs as it is stored:
@@ -1678,6 +1709,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void build_tile_t(const
                 for (int c = 0; c < 8; c++)
                     r[c] = _mm256_castsi256_ps(signed_q ? signed_quants32(TYPE, col[c] + at, j) : quants32(TYPE, col[c] + at, j));
                 transpose8(r);
+                if (TYPE == T_Q6_K && job->isa == ISA_AVX2) halves_order_groups(r);
                 const int64_t b = t * subs + j;
                 /* ABS: each column's sum of |q| over q < 0, as int16 pairs (8 groups of two
                  * bytes <= 128 each: <= 2,048) widened once */
@@ -2780,13 +2812,13 @@ static int k_acts_alloc(acts_t *a, int quads, int amx, int q6k_avx2) {
     a->ks16 = malloc(sizeof(int16_t) * 2 * cells);
     a->ks32 = malloc(sizeof(int16_t) * cells);
     if (quads) a->kx = malloc(bytes);
-    if (q6k_avx2) a->kc16 = malloc(sizeof(int32_t) * 2 * cells);
+    if (q6k_avx2) a->kc16 = malloc(sizeof(int32_t) * 2 * cells), a->kqh = malloc(bytes);
     if (amx) {
         a->amx_stride = k + AMX_ROW_PAD;
         a->alo = malloc((size_t)(m * a->amx_stride));
         if (!a->k_flat) a->ahi = malloc((size_t)(m * a->amx_stride));
     }
-    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && !a->kc16) ||
+    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && (!a->kc16 || !a->kqh)) ||
                    (amx && (!a->alo || (!a->k_flat && !a->ahi)))
                ? -1
                : 0;
@@ -2800,6 +2832,7 @@ static void k_acts_free(acts_t *a) {
     free(a->ks32);
     free(a->kx);
     free(a->kc16);
+    free(a->kqh);
     free(a->alo);
     free(a->ahi);
 }
@@ -2859,7 +2892,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
 #ifdef GGUF_X86
     q6k_avx2 = !exact && has_q6_k && isa == ISA_AVX2 && m >= K_GEMM_MIN_ROWS;
 #endif
-    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL, NULL, NULL, NULL, NULL};
+    acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL, NULL, NULL, NULL, NULL, NULL};
     acts_t af = a; /* Q4_K's and Q5_K's K chain */
     af.k_flat = 1;
     job_t job = {w, &a, has_k_flat && !exact ? &af : NULL, y, m, n, k, nb, isa, isa == ISA_VNNI ? GEMM_MIN_ROWS_VNNI : GEMM_MIN_ROWS_AVX2, num_tiles,
