@@ -1375,10 +1375,9 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
                 /* each half meets sc as soon as it is summed, so that a row holds one half's
                  * sums at a time and Q5_K takes as many rows a pass as Q4_K */
                 _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                    /* sc in both int16 halves of its column's lane (again for Q5_K's second half:
-                     * held across the groups it would take two more registers) */
-                    const __m256i sc = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v));
-                    const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+                    /* sc in both int16 halves of its column's lane, as the tile holds it on AVX2
+                     * (k_params8) */
+                    const __m256i sc2 = _mm256_loadu_si256((const __m256i *)(tl->psc + 2 * b * TILE + 8 * v));
                     _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
                         dk[r][v] = _mm256_add_epi32(dk[r][v], _mm256_madd_epi16(sum[r][v], sc2));
                 }
@@ -1592,16 +1591,17 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i word_bits(__m25
 /* A Q4_K/Q5_K/Q6_K superblock's parameters for eight columns at once, one column to a
  * lane, into the tile's panels (ps, pm, psc, pmn already at the eight columns' first lane),
  * as the K passes read them: Q4_K/Q5_K's d and -dmin once, each 32-block j's six-bit scale
- * as an int32 at [2 j * TILE], the mins as int16 pairs (2p, 2p + 1) at [p * TILE]; Q6_K's d
- * at every [j * TILE], its sixteen scales at [i * TILE] and, for the AVX2 pass (q6_pairs), as
- * int16 pairs per 32-block j in pmn: (sc_lo, sc_hi) at [2 j * TILE]. The packed scales
+ * as an int32 at [2 j * TILE] (for the AVX2 pass, avx2_panels: in both int16 of the int32),
+ * the mins as int16 pairs (2p, 2p + 1) at [p * TILE]; Q6_K's d at every [j * TILE], its
+ * sixteen scales at [i * TILE] and, for the AVX2 pass, as int16 pairs per 32-block j in pmn:
+ * (sc_lo, sc_hi) at [2 j * TILE]. The packed scales
  * are read as 32-bit words of the eight columns (words8), so each scale or min is a shift
  * and a mask for all eight (k_scale_min's formulas, byte i of a word being p[4 w + i]);
  * column by column, the scalar unpacking was ~40% of a Q5_K tile's build, a fifth of a
  * 32-row matmul's time (bench/k_chain_cost.c). */
 static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const int TYPE, const uint8_t *const *col,
                                                                          int64_t at, float *ps, float *pm,
-                                                                         int32_t *psc, int32_t *pmn, int q6_pairs) {
+                                                                         int32_t *psc, int32_t *pmn, int avx2_panels) {
     if (TYPE == T_Q6_K) { /* d repeated per 32-block; sixteen int8 scales, sign-extended */
         __m256 d, scales;
         /* d, the block's last two bytes, as the high half of the word before it: a word at d
@@ -1617,7 +1617,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const in
             /* the AVX2 pass's int16 pairs of 32-block 2w + h: (sc_lo, sc_hi) at [2 (2w + h) * TILE];
              * the other passes do without (written for them too, pairs and their multiples of
              * -32 cost a VNNI pass of 32 rows 1.06x its time) */
-            if (!q6_pairs) continue;
+            if (!avx2_panels) continue;
             const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(sc4, 8), 8), odd = _mm256_srai_epi16(sc4, 8);
             const __m256i pairs[2] = {_mm256_blend_epi16(even, _mm256_slli_epi32(odd, 16), 0xAA),
                                       _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA)};
@@ -1632,15 +1632,19 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_params8(const in
     _mm256_storeu_ps(pm, _mm256_xor_ps(dmin, _mm256_set1_ps(-0.0f))); /* -dmin, as params_at's negation */
     const __m256i w0 = words8(col, at + 4), w1 = words8(col, at + 8), w2 = words8(col, at + 12);
     __m256i mn[8];
+    __m256i sc[8];
     for (int i = 0; i < 4; i++) { /* j = i: p[i] & 63, p[i + 4] & 63 */
-        _mm256_storeu_si256((__m256i *)(psc + 2 * i * TILE), word_bits(w0, 8 * i, 63));
+        sc[i] = word_bits(w0, 8 * i, 63);
         mn[i] = word_bits(w1, 8 * i, 63);
     }
     for (int i = 0; i < 4; i++) { /* j = i + 4: (p[j + 4] & 15) | (p[j - 4] >> 6) << 4, (p[j + 4] >> 4) | (p[j] >> 6) << 4 */
-        _mm256_storeu_si256((__m256i *)(psc + 2 * (i + 4) * TILE),
-                            _mm256_or_si256(word_bits(w2, 8 * i, 15), word_bits(w0, 8 * i + 2, 0x30)));
+        sc[i + 4] = _mm256_or_si256(word_bits(w2, 8 * i, 15), word_bits(w0, 8 * i + 2, 0x30));
         mn[i + 4] = _mm256_or_si256(word_bits(w2, 8 * i + 4, 15), word_bits(w1, 8 * i + 2, 0x30));
     }
+    /* the AVX2 pass's sc in both int16 of its lane, the factor of its madds (rows_k16_avx2_t:
+     * spread there per block, half and eight columns, an or and a shift shared by four rows) */
+    for (int j = 0; j < 8; j++)
+        _mm256_storeu_si256((__m256i *)(psc + 2 * j * TILE), avx2_panels ? _mm256_or_si256(sc[j], _mm256_slli_epi32(sc[j], 16)) : sc[j]);
     for (int p = 0; p < 4; p++) /* the mins as int16 pairs (2p, 2p + 1) */
         _mm256_storeu_si256((__m256i *)(pmn + p * TILE), _mm256_or_si256(mn[2 * p], _mm256_slli_epi32(mn[2 * p + 1], 16)));
 }
