@@ -18,18 +18,17 @@
  *   positions, 128 no better, docs/benchmarks.md).
  * - Keys come PROMPT_KEY_CHUNK at a time, widened to float32 once into an L1 scratch that
  *   every row then reads (before, every row widened every key and value itself).
- * - Scores: 3 rows x 4 keys per step, their twelve chains (one per score, each over the
- *   head in order) in registers, so they overlap instead of waiting on each other; each
- *   row's four sums leave in one store, two rows' trees side by side in one register
- *   (hsum256_x8: with 4 rows x 3 keys, a score at a time, the horizontal sums and scalar
- *   stores were about half of the step's samples; 0.88-0.91x the prompt attention's time,
- *   Llama-1B's shape, 512 to 4,096 positions, AVX2 build). Every
- *   row of a step gets a score for every key up to the step's longest context, those past
- *   its own too: they are never read (the softmax and the values take the row's own
- *   positions only). With AVX-512 and no soft cap: 4 rows x 16 keys per step on the
- *   chunk's keys transposed, each score's eight lanes in eight registers of 16 keys, so
- *   that hsum256's tree is vertical adds (score_keys16): the score step's horizontal sums
- *   and scalar stores were as many instructions as its fused multiply-adds.
+ * - Scores without a soft cap: on the chunk's keys transposed (transpose_chunk), each
+ *   score's eight lanes computed lane by lane across the keys, so that hsum256's tree is
+ *   vertical adds: 3 rows x 24 keys per step on AVX2 (score_keys24: each broadcast of a query
+ *   element feeds three fused multiply-adds), 4 rows x 16 keys with AVX-512 (score_keys16).
+ *   The 256-bit step before, 3 rows x 4 keys against the keys as stored with a horizontal sum
+ *   per score (score_step, which soft-capped scores still take), spent about 40% of its time
+ *   in the horizontal sums and their scalar stores; the transposed step takes 0.93-0.98x the
+ *   prompt attention's time (bench/attention_ab.c, Llama-1B's and SmolLM2's shapes, 4,096
+ *   positions, Zen 3). Every row of a step gets a score for every key up to the step's
+ *   longest context, those past its own too: they are never read (the softmax and the values
+ *   take the row's own positions only).
  * - Values: 6 rows x 16 values of the head per step (x 64 in 512-bit registers where
  *   AVX-512 has them: a quarter of the weight broadcasts), the sums in registers across a
  *   chunk's keys; a row's chain goes on in memory (acc) from chunk to chunk and, where the
@@ -48,7 +47,6 @@
  * passes its bound. */
 #define PROMPT_QUERY_TILE 64
 #define PROMPT_KEY_CHUNK 48 /* keys widened per step: 48 x head_dim floats stay in L1 (12 KB at 64) */
-#define SCORE_ROWS 4 /* rows of an AVX-512 score step (score_keys16) */
 /* Rows x keys of a 256-bit score step: 12 accumulators, 3 queries and a key in 16 registers
  * (2 rows x 4 keys: 0.93x the time of the 4 x 3 step before, against 3 rows' 0.88). */
 #ifndef STEP_ROWS
@@ -87,23 +85,10 @@ static inline void widen_chunk(const f16_batch_t *b, const uint16_t *cache, cons
     }
 }
 
-/* Eight scores, a row's four keys (a[0..3]) and the next row's (e[0..3]), as one vector
- * [a0 a1 a2 a3 | e0 e1 e2 e3], each hsum256's tree as hsum256_x4's, the two rows side by
- * side in the two 128-bit halves: the halves' sums by one blend and one cross-lane permute
- * per pair of chains instead of an extract each, and the two trees' steps shared. */
-static inline __m256 hsum256_x8(const __m256 *a, const __m256 *e) {
-    __m256 s[4]; /* s[c] = [a_c's L0+L4 .. L3+L7 | e_c's] */
-    for (int c = 0; c < 4; c++)
-        s[c] = _mm256_add_ps(_mm256_blend_ps(a[c], e[c], 0xF0), _mm256_permute2f128_ps(a[c], e[c], 0x21));
-    const __m256 ab = _mm256_add_ps(_mm256_unpacklo_ps(s[0], s[1]), _mm256_unpackhi_ps(s[0], s[1]));
-    const __m256 cd = _mm256_add_ps(_mm256_unpacklo_ps(s[2], s[3]), _mm256_unpackhi_ps(s[2], s[3]));
-    return _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-}
-
 /* Scores of rows[0, R) against keys k (C rows of d_len floats, positions at, at + 1, ...
- * of the rows' scores): R x C chains at once, each over the head in order. R, C and (where
- * the caller makes it so) d_len are constants after inlining. A step of four keys without
- * a soft cap writes each row's four scores with one store (hsum256_x8, two rows at a time). */
+ * of the rows' scores): R x C chains at once, each over the head in order, each summed by
+ * hsum256 and soft-capped by score(). R, C and (where the caller makes it so) d_len are
+ * constants after inlining. (Scores without a soft cap take score_chunk_t.) */
 static inline __attribute__((always_inline)) void score_step(const f16_batch_t *b, const prompt_row_t *rows, int R,
                                                              const float *k, int C, int64_t at, int d_len) {
     __m256 acc[STEP_ROWS][STEP_KEYS];
@@ -122,18 +107,6 @@ static inline __attribute__((always_inline)) void score_step(const f16_batch_t *
             in_order_ps(&kd);
             for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(qd[r], kd, acc[r][c]);
         }
-    }
-    if (C == 4 && b->softcap <= 0.0f) { /* score() without a cap: the products with the scale */
-        int r = 0;
-        for (; r + 2 <= R; r += 2) {
-            const __m256 s = _mm256_mul_ps(hsum256_x8(acc[r], acc[r + 1]), _mm256_set1_ps(b->scale));
-            _mm_storeu_ps(rows[r].s + at, _mm256_castps256_ps128(s));
-            _mm_storeu_ps(rows[r + 1].s + at, _mm256_extractf128_ps(s, 1));
-        }
-        if (r < R)
-            _mm_storeu_ps(rows[r].s + at,
-                          _mm_mul_ps(hsum256_x4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]), _mm_set1_ps(b->scale)));
-        return;
     }
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) rows[r].s[at + c] = score(b, hsum256(acc[r][c]));
@@ -168,16 +141,23 @@ static inline __attribute__((always_inline)) void score_chunk_body(const f16_bat
     }
 }
 
-#ifdef __AVX512F__
-#define KEY_LANES 16 /* keys of one transposed score vector */
-
 /* The chunk's widened keys k (n_keys rows of d_len floats) transposed into kt: kt[d *
  * PROMPT_KEY_CHUNK + t] is key t's element d; keys past n_keys are zeros (scored, never
- * stored). */
+ * stored). Eight keys by eight elements at a time (transpose8). */
 static void transpose_chunk(const float *k, int64_t n_keys, int d_len, float *kt) {
-    for (int d = 0; d < d_len; d++)
-        for (int64_t t = 0; t < PROMPT_KEY_CHUNK; t++) kt[d * PROMPT_KEY_CHUNK + t] = t < n_keys ? k[t * d_len + d] : 0.0f;
+    for (int64_t t0 = 0; t0 < PROMPT_KEY_CHUNK; t0 += 8)
+        for (int d0 = 0; d0 < d_len; d0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = t0 + i < n_keys ? _mm256_loadu_ps(k + (t0 + i) * d_len + d0) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(kt + (int64_t)(d0 + j) * PROMPT_KEY_CHUNK + t0, r[j]);
+        }
 }
+
+#ifdef __AVX512F__
+#define KEY_LANES 16 /* keys of one transposed score vector */
+#define SCORE_ROWS 4 /* rows of an AVX-512 score step (score_keys16) */
 
 /* Lanes l and l + 4 of the eight-lane chains of rows[0, R) against 16 transposed keys
  * (kt at the first of them), added: lane l of a chain holds sum over j of q[l + 8j] k[l + 8j],
@@ -234,17 +214,87 @@ static inline __attribute__((always_inline)) void score_chunk_t(const f16_batch_
         r += R;
     }
 }
+#else
+#define KEY_VECS 3 /* 256-bit vectors of keys a transposed score step scores */
+#define KEY_LANES (8 * KEY_VECS)
+/* Rows of a 256-bit transposed score step: 9 accumulators, the 3 key vectors and a
+ * broadcast in registers. (4 rows x 24 keys or 3 x 32 spill; 6 x 16 read 1.03x the time of
+ * the step before, 4 x 16 1.27x: each broadcast fed two fused multiply-adds there.) */
+#define SCORE_ROWS 3
+_Static_assert(PROMPT_KEY_CHUNK % KEY_LANES == 0, "a chunk is whole score steps");
+
+/* Lane l of the eight-lane chains of rows[0, R) against the KEY_LANES transposed keys at
+ * kt: lane l of a chain holds sum over j of q[l + 8j] k[l + 8j], fused multiply-adds in j's
+ * order from zero, as attend_one's lane l does. */
+static inline __attribute__((always_inline)) void score_lane(const prompt_row_t *rows, int R, const float *kt, int l,
+                                                             int d_len, __m256 out[SCORE_ROWS][KEY_VECS]) {
+    __m256 a[SCORE_ROWS][KEY_VECS];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < KEY_VECS; v++) a[r][v] = _mm256_setzero_ps();
+    for (int d = 0; d < d_len; d += 8) {
+        __m256 k[KEY_VECS];
+        for (int v = 0; v < KEY_VECS; v++) k[v] = _mm256_loadu_ps(kt + (d + l) * PROMPT_KEY_CHUNK + 8 * v), in_order_ps(&k[v]);
+        for (int r = 0; r < R; r++) {
+            const __m256 qd = _mm256_broadcast_ss(rows[r].q + d + l);
+            for (int v = 0; v < KEY_VECS; v++) a[r][v] = _mm256_fmadd_ps(qd, k[v], a[r][v]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < KEY_VECS; v++) out[r][v] = a[r][v];
+}
+
+/* score_keys16's scores in 256-bit registers: rows[0, R) against the 24 transposed keys
+ * at kt, hsum256's tree ((L0 + L4) + (L2 + L6)) + ((L1 + L5) + (L3 + L7)) done lane-wise
+ * across the keys after all eight lanes' chains (a lane's at a time: 9 chains, each
+ * broadcast of a query element feeding three fused multiply-adds), then times the scale,
+ * as score() does without a soft cap; the first `valid` stored. */
+static inline __attribute__((always_inline)) void score_keys24(const f16_batch_t *b, const prompt_row_t *rows, int R,
+                                                               const float *kt, int64_t at, int valid, int d_len) {
+    __m256 lane[8][SCORE_ROWS][KEY_VECS];
+    for (int l = 0; l < 8; l++) score_lane(rows, R, kt, l, d_len, lane[l]);
+    const __m256 scale = _mm256_set1_ps(b->scale);
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < KEY_VECS; v++) {
+            const __m256 even = _mm256_add_ps(_mm256_add_ps(lane[0][r][v], lane[4][r][v]),
+                                              _mm256_add_ps(lane[2][r][v], lane[6][r][v]));
+            const __m256 odd = _mm256_add_ps(_mm256_add_ps(lane[1][r][v], lane[5][r][v]),
+                                             _mm256_add_ps(lane[3][r][v], lane[7][r][v]));
+            const __m256 s = _mm256_mul_ps(_mm256_add_ps(even, odd), scale);
+            const int n = valid - 8 * v;
+            if (n >= 8) _mm256_storeu_ps(rows[r].s + at + 8 * v, s);
+            else if (n > 0)
+                _mm256_maskstore_ps(rows[r].s + at + 8 * v,
+                                    _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), s);
+        }
+}
+
+/* score_chunk's body on transposed keys, 256-bit (d_len a constant where inlined with one). */
+static inline __attribute__((always_inline)) void score_chunk_t(const f16_batch_t *b, const prompt_row_t *rows,
+                                                                int n_rows, const float *kt, int64_t n_keys,
+                                                                int64_t at, int64_t pos, int d_len) {
+    for (int r = 0; r < n_rows;) {
+        const int R = n_rows - r < SCORE_ROWS ? 1 : SCORE_ROWS;
+        const int64_t keys = keys_seen(rows + r, R, pos, n_keys);
+        for (int64_t t = 0; t < keys; t += KEY_LANES) {
+            const int valid = keys - t < KEY_LANES ? (int)(keys - t) : KEY_LANES;
+            if (R == SCORE_ROWS)
+                score_keys24(b, rows + r, SCORE_ROWS, kt + t, at + t, valid, d_len);
+            else
+                score_keys24(b, rows + r, 1, kt + t, at + t, valid, d_len);
+        }
+        r += R;
+    }
+}
 #endif
 
 /* Scores of rows[0, n_rows) against n_keys widened keys k of positions pos, pos + 1, ...,
  * written at index at onwards of each row's scores (keys past all of a step's rows'
  * contexts are skipped). The common head size 64 gets its own fully unrolled copy. With
- * AVX-512 and no soft cap, the keys are transposed into kt (PROMPT_KEY_CHUNK x head_dim
- * floats of scratch) and scored 16 at a time by score_chunk_t: the same bits. */
+ * no soft cap, the keys are transposed into kt (PROMPT_KEY_CHUNK x head_dim floats of
+ * scratch) and scored 24 (AVX2) or 16 (AVX-512) at a time by score_chunk_t: the same bits. */
 static __attribute__((noinline)) void score_chunk(const f16_batch_t *b, const prompt_row_t *rows, int n_rows,
                                                   const float *k, int64_t n_keys, int64_t at, int64_t pos,
                                                   float *kt) {
-#ifdef __AVX512F__
     if (b->softcap <= 0.0f) {
         transpose_chunk(k, n_keys, b->head_dim, kt);
         if (b->head_dim == 64)
@@ -253,8 +303,6 @@ static __attribute__((noinline)) void score_chunk(const f16_batch_t *b, const pr
             score_chunk_t(b, rows, n_rows, kt, n_keys, at, pos, b->head_dim);
         return;
     }
-#endif
-    (void)kt;
     if (b->head_dim == 64)
         score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, 64);
     else
