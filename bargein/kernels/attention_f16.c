@@ -272,21 +272,22 @@ static inline __m128 hsum256_x4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 /* s[h][i] = score of query head q[h] against the keys k + i * stride, i < n (consecutive
- * positions of one block), for HEADS (1 or 2) heads that read the same KV head: four
+ * positions of one block), for HEADS (1 to 3) heads that read the same KV head: four
  * keys' chains per head at once, each the single fused multiply-add chain over the head of
- * the one-key loop below, every key widened once for the heads (two heads' eight chains
- * keep both fused multiply-add pipes busy; one head's four wait on their latency). */
+ * the one-key loop below, every key widened once for the heads (two or three heads' eight
+ * or twelve chains keep both fused multiply-add pipes busy; one head's four wait on their
+ * latency). */
 static inline __attribute__((always_inline)) void score_run(const f16_batch_t *b, const float *const *q,
                                                             const int HEADS, const uint16_t *k, int64_t n,
                                                             int64_t stride, float *const *s) {
     const int d_len = b->head_dim;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4, k += 4 * stride) {
-        __m256 a[2][4];
+        __m256 a[3][4];
         for (int h = 0; h < HEADS; h++)
             for (int j = 0; j < 4; j++) a[h][j] = _mm256_setzero_ps();
         for (int d = 0; d < d_len; d += 8) {
-            __m256 qd[2];
+            __m256 qd[3];
             for (int h = 0; h < HEADS; h++) qd[h] = _mm256_loadu_ps(q[h] + d);
             for (int j = 0; j < 4; j++) {
                 const __m256 kd = load_halves(k + j * stride + d);
@@ -305,7 +306,7 @@ static inline __attribute__((always_inline)) void score_run(const f16_batch_t *b
         }
     }
     for (; i < n; i++, k += stride) {
-        __m256 acc[2];
+        __m256 acc[3];
         for (int h = 0; h < HEADS; h++) acc[h] = _mm256_setzero_ps();
         for (int d = 0; d < d_len; d += 8) {
             const __m256 kd = load_halves(k + d);
@@ -316,22 +317,22 @@ static inline __attribute__((always_inline)) void score_run(const f16_batch_t *b
 }
 
 /* sum[h][d] += s[h][u] * v_u[d] over positions u of [t, end) in order (v at position t's
- * row, the KV head's columns; s[h] indexed by position), for HEADS (1 or 2) heads that read
+ * row, the KV head's columns; s[h] indexed by position), for HEADS (1 to 3) heads that read
  * the same KV head, each value's chain continued from sum (started from zero where first):
- * 64 / HEADS columns at a time, every value row widened once for the heads. */
+ * 64 / HEADS columns at a time (16 for three), every value row widened once for the heads. */
 static inline __attribute__((always_inline)) void weigh_run(const float *const *s, const int HEADS,
                                                             const uint16_t *v, int64_t t, int64_t end,
                                                             int64_t row_len, int first, float *const *sum,
                                                             int d_len) {
-    const int lanes = 8 / HEADS; /* vectors of 8 columns per head and chunk */
+    const int lanes = HEADS == 3 ? 2 : 8 / HEADS; /* vectors of 8 columns per head and chunk */
     for (int d0 = 0; d0 < d_len; d0 += 8 * lanes) {
-        __m256 a[2][8];
+        __m256 a[3][8];
         for (int h = 0; h < HEADS; h++)
             for (int j = 0; j < lanes; j++)
                 a[h][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sum[h] + d0 + 8 * j);
         const uint16_t *vu = v + d0;
         for (int64_t u = t; u < end; u++, vu += row_len) {
-            __m256 w[2];
+            __m256 w[3];
             for (int h = 0; h < HEADS; h++) w[h] = _mm256_set1_ps(s[h][u]);
             for (int j = 0; j < lanes; j++) {
                 const __m256 vd = load_halves(vu + 8 * j);
@@ -399,9 +400,15 @@ static inline void read_ahead_to(read_ahead_t *ra, int64_t until) {
     }
 }
 
-/* Whether query heads h and h + 1 are both before h1 and read one KV head (a pair for
- * score_run and weigh_run). */
-static inline int same_kv_head(int h, int h1, int group) { return h + 1 < h1 && (h + 1) / group == h / group; }
+/* How many query heads from h on (1 to 3, all before h1) score_run and weigh_run take at
+ * once: the heads of h's KV head three at a time where the group is a multiple of three
+ * (SmolLM2's: a pair and a single head left the single head's four chains waiting on their
+ * latency and widened the KV head's rows twice), else two at a time. */
+static inline int heads_at_once(int h, int h1, int group) {
+    const int most = group % 3 == 0 ? 3 : 2, left_in_group = group - h % group, left = h1 - h;
+    const int n = left_in_group < left ? left_in_group : left;
+    return n < most ? n : most;
+}
 
 /* A tile of one query (a decode), for head_dim a multiple of 64: the very arithmetic of
  * attend_tile for it (each score one fused multiply-add chain over the head, summed by
@@ -428,14 +435,16 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
     for (int64_t t = start, blk = start / bs; t < ctx; blk++) { /* positions [t, end) of block blk */
         const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
         const uint16_t *k = b->k_cache + (table[blk] * bs + t - blk * bs) * row_len;
-        for (int h = h0, pair; h < h1; h += 1 + pair) {
-            pair = same_kv_head(h, h1, group);
-            read_ahead_to(&ra, (end - start) * lines + ahead * (h + pair - h0 + 1) / heads);
-            const float *qh[2] = {q + (int64_t)h * d_len, q + (int64_t)(h + 1) * d_len};
-            float *sh[2] = {scores + (int64_t)(h - h0) * len + t - start,
-                            scores + (int64_t)(h + 1 - h0) * len + t - start};
+        for (int h = h0, n; h < h1; h += n) {
+            n = heads_at_once(h, h1, group);
+            read_ahead_to(&ra, (end - start) * lines + ahead * (h + n - h0) / heads);
+            const float *qh[3];
+            float *sh[3];
+            for (int i = 0; i < n; i++)
+                qh[i] = q + (int64_t)(h + i) * d_len, sh[i] = scores + (int64_t)(h + i - h0) * len + t - start;
             const uint16_t *kh = k + (int64_t)(h / group) * d_len;
-            if (pair) score_run(b, qh, 2, kh, end - t, row_len, sh);
+            if (n == 3) score_run(b, qh, 3, kh, end - t, row_len, sh);
+            else if (n == 2) score_run(b, qh, 2, kh, end - t, row_len, sh);
             else score_run(b, qh, 1, kh, end - t, row_len, sh);
         }
         t = end;
@@ -445,14 +454,16 @@ static void attend_one(const f16_batch_t *b, int64_t qi, int h0, int h1, float *
     for (int64_t t = start, blk = start / bs; t < ctx; blk++) {
         const int64_t end = (blk + 1) * bs < ctx ? (blk + 1) * bs : ctx;
         const uint16_t *v = b->v_cache + (table[blk] * bs + t - blk * bs) * row_len;
-        for (int h = h0, pair; h < h1; h += 1 + pair) {
-            pair = same_kv_head(h, h1, group);
-            read_ahead_to(&ra, (len + end - start) * lines + ahead * (h + pair - h0 + 1) / heads);
-            const float *sh[2] = {scores + (int64_t)(h - h0) * len - start,
-                                  scores + (int64_t)(h + 1 - h0) * len - start};
-            float *sum[2] = {acc + (int64_t)(h - h0) * d_len, acc + (int64_t)(h + 1 - h0) * d_len};
+        for (int h = h0, n; h < h1; h += n) {
+            n = heads_at_once(h, h1, group);
+            read_ahead_to(&ra, (len + end - start) * lines + ahead * (h + n - h0) / heads);
+            const float *sh[3];
+            float *sum[3];
+            for (int i = 0; i < n; i++)
+                sh[i] = scores + (int64_t)(h + i - h0) * len - start, sum[i] = acc + (int64_t)(h + i - h0) * d_len;
             const uint16_t *vh = v + (int64_t)(h / group) * d_len;
-            if (pair) weigh_run(sh, 2, vh, t, end, row_len, t == start, sum, d_len);
+            if (n == 3) weigh_run(sh, 3, vh, t, end, row_len, t == start, sum, d_len);
+            else if (n == 2) weigh_run(sh, 2, vh, t, end, row_len, t == start, sum, d_len);
             else weigh_run(sh, 1, vh, t, end, row_len, t == start, sum, d_len);
         }
         t = end;
