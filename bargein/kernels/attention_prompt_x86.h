@@ -20,8 +20,8 @@
  *   every row then reads (before, every row widened every key and value itself).
  * - Scores without a soft cap: on the chunk's keys transposed (transpose_chunk), each
  *   score's eight lanes computed lane by lane across the keys, so that hsum256's tree is
- *   vertical adds: 3 rows x 24 keys per step on AVX2 (score_keys24: each broadcast of a query
- *   element feeds three fused multiply-adds), 4 rows x 16 keys with AVX-512 (score_keys16).
+ *   vertical adds: 3 rows x 24 keys per step on AVX2 (score_keys: each broadcast of a query
+ *   element feeds three fused multiply-adds), 4 rows x 16 keys with AVX-512.
  *   The 256-bit step before, 3 rows x 4 keys against the keys as stored with a horizontal sum
  *   per score (score_step, which soft-capped scores still take), spent about 40% of its time
  *   in the horizontal sums and their scalar stores; the transposed step takes 0.93-0.98x the
@@ -157,7 +157,7 @@ static void transpose_chunk(const float *k, int64_t n_keys, int d_len, float *kt
 
 #ifdef __AVX512F__
 #define KEY_LANES 16 /* keys of one transposed score vector */
-#define SCORE_ROWS 4 /* rows of an AVX-512 score step (score_keys16) */
+#define SCORE_ROWS 4 /* rows of an AVX-512 score step */
 
 /* Lanes l and l + 4 of the eight-lane chains of rows[0, R) against 16 transposed keys
  * (kt at the first of them), added: lane l of a chain holds sum over j of q[l + 8j] k[l + 8j],
@@ -182,8 +182,8 @@ static inline __attribute__((always_inline)) void lane_pair(const prompt_row_t *
  * ((L0 + L4) + (L2 + L6)) + ((L1 + L5) + (L3 + L7)) done lane-wise across the keys instead
  * of across a register, so no horizontal sum; then times the scale, as score() does
  * without a soft cap (the only case this path takes). */
-static inline __attribute__((always_inline)) void score_keys16(const f16_batch_t *b, const prompt_row_t *rows, int R,
-                                                               const float *kt, int64_t at, int valid, int d_len) {
+static inline __attribute__((always_inline)) void score_keys(const f16_batch_t *b, const prompt_row_t *rows, int R,
+                                                             const float *kt, int64_t at, int valid, int d_len) {
     __m512 even[SCORE_ROWS], odd[SCORE_ROWS], pair[SCORE_ROWS];
     lane_pair(rows, R, kt, 0, d_len, even);
     lane_pair(rows, R, kt, 2, d_len, pair);
@@ -197,23 +197,6 @@ static inline __attribute__((always_inline)) void score_keys16(const f16_batch_t
     }
 }
 
-/* score_chunk's body on transposed keys (d_len a constant where inlined with one). */
-static inline __attribute__((always_inline)) void score_chunk_t(const f16_batch_t *b, const prompt_row_t *rows,
-                                                                int n_rows, const float *kt, int64_t n_keys,
-                                                                int64_t at, int64_t pos, int d_len) {
-    for (int r = 0; r < n_rows;) {
-        const int R = n_rows - r < SCORE_ROWS ? 1 : SCORE_ROWS;
-        const int64_t keys = keys_seen(rows + r, R, pos, n_keys);
-        for (int64_t t = 0; t < keys; t += KEY_LANES) {
-            const int valid = keys - t < KEY_LANES ? (int)(keys - t) : KEY_LANES;
-            if (R == SCORE_ROWS)
-                score_keys16(b, rows + r, SCORE_ROWS, kt + t, at + t, valid, d_len);
-            else
-                score_keys16(b, rows + r, 1, kt + t, at + t, valid, d_len);
-        }
-        r += R;
-    }
-}
 #else
 #define KEY_VECS 3 /* 256-bit vectors of keys a transposed score step scores */
 #define KEY_LANES (8 * KEY_VECS)
@@ -243,13 +226,13 @@ static inline __attribute__((always_inline)) void score_lane(const prompt_row_t 
         for (int v = 0; v < KEY_VECS; v++) out[r][v] = a[r][v];
 }
 
-/* score_keys16's scores in 256-bit registers: rows[0, R) against the 24 transposed keys
+/* The AVX-512 step's scores in 256-bit registers: rows[0, R) against the 24 transposed keys
  * at kt, hsum256's tree ((L0 + L4) + (L2 + L6)) + ((L1 + L5) + (L3 + L7)) done lane-wise
  * across the keys after all eight lanes' chains (a lane's at a time: 9 chains, each
  * broadcast of a query element feeding three fused multiply-adds), then times the scale,
  * as score() does without a soft cap; the first `valid` stored. */
-static inline __attribute__((always_inline)) void score_keys24(const f16_batch_t *b, const prompt_row_t *rows, int R,
-                                                               const float *kt, int64_t at, int valid, int d_len) {
+static inline __attribute__((always_inline)) void score_keys(const f16_batch_t *b, const prompt_row_t *rows, int R,
+                                                             const float *kt, int64_t at, int valid, int d_len) {
     __m256 lane[8][SCORE_ROWS][KEY_VECS];
     for (int l = 0; l < 8; l++) score_lane(rows, R, kt, l, d_len, lane[l]);
     const __m256 scale = _mm256_set1_ps(b->scale);
@@ -268,7 +251,10 @@ static inline __attribute__((always_inline)) void score_keys24(const f16_batch_t
         }
 }
 
-/* score_chunk's body on transposed keys, 256-bit (d_len a constant where inlined with one). */
+#endif
+
+/* score_chunk's body on transposed keys, KEY_LANES keys a step (d_len a constant where
+ * inlined with one). */
 static inline __attribute__((always_inline)) void score_chunk_t(const f16_batch_t *b, const prompt_row_t *rows,
                                                                 int n_rows, const float *kt, int64_t n_keys,
                                                                 int64_t at, int64_t pos, int d_len) {
@@ -278,15 +264,13 @@ static inline __attribute__((always_inline)) void score_chunk_t(const f16_batch_
         for (int64_t t = 0; t < keys; t += KEY_LANES) {
             const int valid = keys - t < KEY_LANES ? (int)(keys - t) : KEY_LANES;
             if (R == SCORE_ROWS)
-                score_keys24(b, rows + r, SCORE_ROWS, kt + t, at + t, valid, d_len);
+                score_keys(b, rows + r, SCORE_ROWS, kt + t, at + t, valid, d_len);
             else
-                score_keys24(b, rows + r, 1, kt + t, at + t, valid, d_len);
+                score_keys(b, rows + r, 1, kt + t, at + t, valid, d_len);
         }
         r += R;
     }
 }
-#endif
-
 /* Scores of rows[0, n_rows) against n_keys widened keys k of positions pos, pos + 1, ...,
  * written at index at onwards of each row's scores (keys past all of a step's rows'
  * contexts are skipped). The common head size 64 gets its own fully unrolled copy. With
