@@ -12,11 +12,12 @@
  * attention's bits do not depend on the build's instruction set).
  *
  *   cc -O2 -o /tmp/attention_ab bench/attention_ab.c -ldl -lm
- *   /tmp/attention_ab A.so B.so TOKENS [ROUNDS] [HEADS KV_HEADS HEAD_DIM [SEQUENCES]]
+ *   /tmp/attention_ab A.so B.so TOKENS [ROUNDS] [HEADS KV_HEADS HEAD_DIM [SEQUENCES [SOFTCAP]]]
  *
  * Defaults: 7 rounds, Llama-3.2-1B's shape (32 query heads, 8 KV heads, head dim 64).
  * SEQUENCES > 0 times a decode step instead: that many sequences of TOKENS positions, one
- * query each (the last position), each call repeated until it has run 0.2 s.
+ * query each (the last position), each call repeated until it has run 0.2 s. SOFTCAP > 0
+ * caps the scores (Gemma 2's 50).
  * Build A and B as bench/gemm_tile_ab.c's header says, from each tree; for an AVX2-only
  * build on an AVX-512 machine, -march=x86-64-v3 (or skylake) in place of -march=native.
  */
@@ -42,13 +43,14 @@ static uint16_t half_of(float f) {
 
 int main(int argc, char **argv) {
     if (argc < 4) {
-        fprintf(stderr, "usage: %s A.so B.so TOKENS [ROUNDS] [HEADS KV_HEADS HEAD_DIM [SEQUENCES]]\n", argv[0]);
+        fprintf(stderr, "usage: %s A.so B.so TOKENS [ROUNDS] [HEADS KV_HEADS HEAD_DIM [SEQUENCES [SOFTCAP]]]\n", argv[0]);
         return 2;
     }
     const int64_t n = atoll(argv[3]);
     const int rounds = argc > 4 ? atoi(argv[4]) : 7;
     const int heads = argc > 7 ? atoi(argv[5]) : 32, kv = argc > 7 ? atoi(argv[6]) : 8, dim = argc > 7 ? atoi(argv[7]) : 64;
     const int64_t sequences = argc > 8 ? atoll(argv[8]) : 0; /* 0: one prompt, every position a query */
+    const float softcap = argc > 9 ? (float)atof(argv[9]) : 0.0f;
     if (n < 1 || rounds < 1 || heads < 1 || kv < 1 || heads % kv || dim < 1 || sequences < 0) {
         fprintf(stderr, "bad arguments\n");
         return 2;
@@ -86,7 +88,7 @@ int main(int argc, char **argv) {
     if (sequences) {
         const double start = seconds_on(CLOCK_THREAD_CPUTIME_ID);
         attention[0](q, k_cache, v_cache, tables, width, seq, ctx, out[0], queries, heads, kv, dim, BLOCK,
-                     1.0f / sqrtf((float)dim), 0, 0.0f, 1);
+                     1.0f / sqrtf((float)dim), 0, softcap, 1);
         const double took = seconds_on(CLOCK_THREAD_CPUTIME_ID) - start;
         reps = took > 0 ? (int)(0.2 / took) + 1 : 1000;
     }
@@ -99,7 +101,7 @@ int main(int argc, char **argv) {
             const double start = seconds_on(CLOCK_THREAD_CPUTIME_ID);
             for (int rep = 0; rep < reps; rep++)
                 if (attention[i](q, k_cache, v_cache, tables, width, seq, ctx, out[i], queries, heads, kv, dim, BLOCK,
-                                 scale, 0, 0.0f, 1)) {
+                                 scale, 0, softcap, 1)) {
                     fprintf(stderr, "%s failed\n", argv[1 + i]);
                     return 1;
                 }

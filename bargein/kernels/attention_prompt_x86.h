@@ -229,20 +229,23 @@ static inline __attribute__((always_inline)) void score_lane(const prompt_row_t 
 /* The AVX-512 step's scores in 256-bit registers: rows[0, R) against the 24 transposed keys
  * at kt, hsum256's tree ((L0 + L4) + (L2 + L6)) + ((L1 + L5) + (L3 + L7)) done lane-wise
  * across the keys after all eight lanes' chains (a lane's at a time: 9 chains, each
- * broadcast of a query element feeding three fused multiply-adds), then times the scale,
- * as score() does without a soft cap; the first `valid` stored. */
+ * broadcast of a query element feeding three fused multiply-adds), then score()'s steps
+ * eight at a time (times the scale; the soft cap through bargein_tanh256, which gives
+ * bargein_tanhf's bits); the first `valid` stored. */
 static inline __attribute__((always_inline)) void score_keys(const f16_batch_t *b, const prompt_row_t *rows, int R,
                                                              const float *kt, int64_t at, int valid, int d_len) {
     __m256 lane[8][SCORE_ROWS][KEY_VECS];
     for (int l = 0; l < 8; l++) score_lane(rows, R, kt, l, d_len, lane[l]);
-    const __m256 scale = _mm256_set1_ps(b->scale);
+    const __m256 scale = _mm256_set1_ps(b->scale), cap = _mm256_set1_ps(b->softcap);
     for (int r = 0; r < R; r++)
         for (int v = 0; v < KEY_VECS; v++) {
             const __m256 even = _mm256_add_ps(_mm256_add_ps(lane[0][r][v], lane[4][r][v]),
                                               _mm256_add_ps(lane[2][r][v], lane[6][r][v]));
             const __m256 odd = _mm256_add_ps(_mm256_add_ps(lane[1][r][v], lane[5][r][v]),
                                              _mm256_add_ps(lane[3][r][v], lane[7][r][v]));
-            const __m256 s = _mm256_mul_ps(_mm256_add_ps(even, odd), scale);
+            __m256 s = _mm256_mul_ps(_mm256_add_ps(even, odd), scale);
+            if (b->softcap > 0.0f) /* score()'s cap, its operations in its order: the same bits */
+                s = _mm256_mul_ps(cap, bargein_tanh256(_mm256_div_ps(s, cap)));
             const int n = valid - 8 * v;
             if (n >= 8) _mm256_storeu_ps(rows[r].s + at + 8 * v, s);
             else if (n > 0)
@@ -271,15 +274,22 @@ static inline __attribute__((always_inline)) void score_chunk_t(const f16_batch_
         r += R;
     }
 }
+
 /* Scores of rows[0, n_rows) against n_keys widened keys k of positions pos, pos + 1, ...,
  * written at index at onwards of each row's scores (keys past all of a step's rows'
- * contexts are skipped). The common head size 64 gets its own fully unrolled copy. With
- * no soft cap, the keys are transposed into kt (PROMPT_KEY_CHUNK x head_dim floats of
- * scratch) and scored 24 (AVX2) or 16 (AVX-512) at a time by score_chunk_t: the same bits. */
+ * contexts are skipped). The common head size 64 gets its own fully unrolled copy. On
+ * AVX2, and with AVX-512 where there is no soft cap, the keys are transposed into kt
+ * (PROMPT_KEY_CHUNK x head_dim floats of scratch) and scored 24 (AVX2) or 16 (AVX-512) at a
+ * time by score_chunk_t: the same bits as score_step's. */
 static __attribute__((noinline)) void score_chunk(const f16_batch_t *b, const prompt_row_t *rows, int n_rows,
                                                   const float *k, int64_t n_keys, int64_t at, int64_t pos,
                                                   float *kt) {
-    if (b->softcap <= 0.0f) {
+#ifdef __AVX512F__
+    const int transposed = b->softcap <= 0.0f; /* the 512-bit step has no soft cap */
+#else
+    const int transposed = 1;
+#endif
+    if (transposed) {
         transpose_chunk(k, n_keys, b->head_dim, kt);
         if (b->head_dim == 64)
             score_chunk_t(b, rows, n_rows, kt, n_keys, at, pos, 64);
