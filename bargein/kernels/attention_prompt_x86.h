@@ -18,15 +18,15 @@
  *   positions, 128 no better, docs/benchmarks.md).
  * - Keys come PROMPT_KEY_CHUNK at a time, widened to float32 once into an L1 scratch that
  *   every row then reads (before, every row widened every key and value itself).
- * - Scores without a soft cap: on the chunk's keys transposed (transpose_chunk), each
- *   score's eight lanes computed lane by lane across the keys, so that hsum256's tree is
- *   vertical adds: 3 rows x 24 keys per step on AVX2 (score_keys: each broadcast of a query
- *   element feeds three fused multiply-adds), 4 rows x 16 keys with AVX-512.
- *   The 256-bit step before, 3 rows x 4 keys against the keys as stored with a horizontal sum
- *   per score (score_step, which soft-capped scores still take), spent about 40% of its time
- *   in the horizontal sums and their scalar stores; the transposed step takes 0.93-0.98x the
- *   prompt attention's time (bench/attention_ab.c, Llama-1B's and SmolLM2's shapes, 4,096
- *   positions, Zen 3). Every row of a step gets a score for every key up to the step's
+ * - Scores: on the chunk's keys transposed (transpose_chunk), each score's eight lanes
+ *   computed lane by lane across the keys, so that hsum256's tree is vertical adds: 3 rows x
+ *   24 keys per step on AVX2 (score_keys: each broadcast of a query element feeds three
+ *   fused multiply-adds; a soft cap eight scores at a time), 4 rows x 16 keys with AVX-512
+ *   (no soft cap: capped scores take score_step there). The 256-bit step before, 3 rows x
+ *   4 keys against the keys as stored with a horizontal sum per score (score_step), spent
+ *   about 40% of its time in the horizontal sums and their scalar stores; the transposed
+ *   step takes 0.93-0.98x the prompt attention's time (bench/attention_ab.c, Llama-1B's and
+ *   SmolLM2's shapes, 4,096 positions, Zen 3; with Gemma 2's soft cap 0.78x). Every row of a step gets a score for every key up to the step's
  *   longest context, those past its own too: they are never read (the softmax and the values
  *   take the row's own positions only).
  * - Values: 6 rows x 16 values of the head per step (x 64 in 512-bit registers where
@@ -36,7 +36,7 @@
  *   positions only some rows see are added row by row before and after the shared ones,
  *   keeping each row's order.
  *
- * Included by attention_f16.c after score(), softmax_row(), load_halves() and hsum256_x4().
+ * Included by attention_f16.c after score(), softmax_row(), load_halves() and tanh.h.
  */
 #ifndef BARGEIN_ATTENTION_PROMPT_X86_H
 #define BARGEIN_ATTENTION_PROMPT_X86_H
@@ -47,8 +47,9 @@
  * passes its bound. */
 #define PROMPT_QUERY_TILE 64
 #define PROMPT_KEY_CHUNK 48 /* keys widened per step: 48 x head_dim floats stay in L1 (12 KB at 64) */
-/* Rows x keys of a 256-bit score step: 12 accumulators, 3 queries and a key in 16 registers
- * (2 rows x 4 keys: 0.93x the time of the 4 x 3 step before, against 3 rows' 0.88). */
+/* Rows x keys of score_step (AVX-512's soft-capped scores): 12 accumulators, 3 queries and
+ * a key in 16 registers (2 rows x 4 keys: 0.93x the time of the 4 x 3 step before, against
+ * 3 rows' 0.88). */
 #ifndef STEP_ROWS
 #define STEP_ROWS 3
 #endif
