@@ -47,13 +47,6 @@
  * passes its bound. */
 #define PROMPT_QUERY_TILE 64
 #define PROMPT_KEY_CHUNK 48 /* keys widened per step: 48 x head_dim floats stay in L1 (12 KB at 64) */
-/* Rows x keys of score_step (AVX-512's soft-capped scores): 12 accumulators, 3 queries and
- * a key in 16 registers (2 rows x 4 keys: 0.93x the time of the 4 x 3 step before, against
- * 3 rows' 0.88). */
-#ifndef STEP_ROWS
-#define STEP_ROWS 3
-#endif
-#define STEP_KEYS 4
 #define VALUE_ROWS 6 /* rows x 16 values of a value step: 12 accumulators + 2 values + 1 weight */
 
 /* One (query, head) pair of the tile: its query head, its scores (at position - earliest),
@@ -86,6 +79,21 @@ static inline void widen_chunk(const f16_batch_t *b, const uint16_t *cache, cons
     }
 }
 
+/* The keys of a chunk (starting at position pos, n_keys of them) before the longest context
+ * of rows[0 .. n): the ones any of these rows scores. */
+static inline int64_t keys_seen(const prompt_row_t *rows, int n, int64_t pos, int64_t n_keys) {
+    int64_t keys = 0;
+    for (int i = 0; i < n; i++) keys = rows[i].hi - pos > keys ? rows[i].hi - pos : keys;
+    return keys < n_keys ? keys : n_keys;
+}
+
+#ifdef __AVX512F__
+/* Rows x keys of score_step (AVX-512's soft-capped scores: the 512-bit transposed step has
+ * no cap): 12 accumulators, 3 queries and a key in 16 registers (2 rows x 4 keys: 0.93x the
+ * time of the 4 x 3 step before, against 3 rows' 0.88). */
+#define STEP_ROWS 3
+#define STEP_KEYS 4
+
 /* Scores of rows[0, R) against keys k (C rows of d_len floats, positions at, at + 1, ...
  * of the rows' scores): R x C chains at once, each over the head in order, each summed by
  * hsum256 and soft-capped by score(). R, C and (where the caller makes it so) d_len are
@@ -113,14 +121,6 @@ static inline __attribute__((always_inline)) void score_step(const f16_batch_t *
         for (int r = 0; r < R; r++) rows[r].s[at + c] = score(b, hsum256(acc[r][c]));
 }
 
-/* The keys of a chunk (starting at position pos, n_keys of them) before the longest context
- * of rows[0 .. n): the ones any of these rows scores. */
-static inline int64_t keys_seen(const prompt_row_t *rows, int n, int64_t pos, int64_t n_keys) {
-    int64_t keys = 0;
-    for (int i = 0; i < n; i++) keys = rows[i].hi - pos > keys ? rows[i].hi - pos : keys;
-    return keys < n_keys ? keys : n_keys;
-}
-
 /* score_chunk's body for one head size (d_len a constant where inlined with one). */
 static inline __attribute__((always_inline)) void score_chunk_body(const f16_batch_t *b, const prompt_row_t *rows,
                                                                    int n_rows, const float *k, int64_t n_keys,
@@ -141,6 +141,7 @@ static inline __attribute__((always_inline)) void score_chunk_body(const f16_bat
         r += R;
     }
 }
+#endif
 
 /* The chunk's widened keys k (n_keys rows of d_len floats) transposed into kt: kt[d *
  * PROMPT_KEY_CHUNK + t] is key t's element d; keys past n_keys are zeros (scored, never
@@ -286,22 +287,19 @@ static __attribute__((noinline)) void score_chunk(const f16_batch_t *b, const pr
                                                   const float *k, int64_t n_keys, int64_t at, int64_t pos,
                                                   float *kt) {
 #ifdef __AVX512F__
-    const int transposed = b->softcap <= 0.0f; /* the 512-bit step has no soft cap */
-#else
-    const int transposed = 1;
-#endif
-    if (transposed) {
-        transpose_chunk(k, n_keys, b->head_dim, kt);
+    if (b->softcap > 0.0f) { /* the 512-bit step has no soft cap */
         if (b->head_dim == 64)
-            score_chunk_t(b, rows, n_rows, kt, n_keys, at, pos, 64);
+            score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, 64);
         else
-            score_chunk_t(b, rows, n_rows, kt, n_keys, at, pos, b->head_dim);
+            score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, b->head_dim);
         return;
     }
+#endif
+    transpose_chunk(k, n_keys, b->head_dim, kt);
     if (b->head_dim == 64)
-        score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, 64);
+        score_chunk_t(b, rows, n_rows, kt, n_keys, at, pos, 64);
     else
-        score_chunk_body(b, rows, n_rows, k, n_keys, at, pos, b->head_dim);
+        score_chunk_t(b, rows, n_rows, kt, n_keys, at, pos, b->head_dim);
 }
 
 /* Values [d, d + 16) of rows[0, R)'s sums, continued over positions [t0, t1) of the chunk
