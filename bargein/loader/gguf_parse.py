@@ -58,16 +58,23 @@ class StringArray:
         data = self.data
         return [data[s:e] for s, e in zip(self.starts.tolist(), self.ends.tolist(), strict=True)]
 
-    def joined_text(self) -> str | None:
-        """The items decoded from UTF-8 and joined by NULs, in one decode of the bytes: the
-        last byte of each item's length (always 0) is kept as the separator. None where
-        that cannot stand for the items: an item holds a NUL or is not valid UTF-8."""
+    def joined_bytes(self) -> bytes | None:
+        """The items' bytes, each after a NUL (``b"\\0" + b"\\0".join(items)``), in one
+        gather: the last byte of each item's length (always 0) is kept as the separator.
+        None where the NULs would not stand for the items' bounds: an item holds a NUL."""
         region = np.frombuffer(self.data, dtype=np.uint8)
         edges = np.zeros(len(region) + 1, dtype=np.int8)
         edges[self.starts - 1] = 1  # starts and ends never meet: 8 length bytes lie between
         edges[self.ends] = -1
         joined = region[np.cumsum(edges[:-1], dtype=np.int8).view(np.bool_)].tobytes()
-        if joined.count(0) != len(self.starts):  # more NULs than separators
+        return joined if joined.count(0) == len(self.starts) else None  # more NULs: an item's
+
+    def joined_text(self) -> str | None:
+        """The items decoded from UTF-8 and joined by NULs, in one decode of
+        :meth:`joined_bytes`. None where that cannot stand for the items: an item holds a
+        NUL or is not valid UTF-8."""
+        joined = self.joined_bytes()
+        if joined is None:
             return None
         try:
             return joined[1:].decode("utf-8")
@@ -169,11 +176,20 @@ class _Cursor:
         return self.need(self.unpack("<Q", what), what)
 
     def strings(self, count: int, what: str) -> StringArray:
-        """``count`` strings in a row. The hot loop of a vocabulary only reads each length
-        (kept to local names); a length past the end of the file ends it, checked once."""
+        """``count`` strings in a row: where each lies found at once (:func:`short_item_starts`)
+        or, where that finds nothing certain, by a loop that only reads each length (kept to
+        local names); a length past the end of the file ends it, checked once."""
         if count * 8 > self.size - self.pos:
             raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
-        data, first, pos, size, starts = self.map, self.pos, self.pos, self.size, array.array("q")
+        first = self.pos
+        found = short_item_starts(self.map, first, self.size, count) if count else None
+        if found is not None:
+            begins, pos = found
+            self.pos = pos
+            ends = np.empty_like(begins)
+            ends[:-1], ends[-1] = begins[1:] - 8, pos
+            return StringArray(self.map[first:pos], begins - first, ends - first)
+        data, pos, size, starts = self.map, first, self.size, array.array("q")
         length_at, start = struct.Struct("<Q").unpack_from, starts.append
         for _ in range(count):
             if pos + 8 > size:  # also stops a length that jumped past the end
@@ -209,6 +225,47 @@ class _Cursor:
                 raise CorruptModelError(f"{self.path}: {what} runs past the end of the file")
             return [self.value(ARRAY, what) for _ in range(count)]
         raise CorruptModelError(f"{self.path}: {what} has unknown item type {item}")
+
+
+def short_item_starts(buffer: mmap.mmap, first: int, size: int, count: int) -> tuple[np.ndarray, int] | None:
+    """Where ``count`` length-prefixed items from ``buffer[first:]`` begin (each after its
+    8-byte little-endian length), and where the last ends; found with a few passes of numpy
+    over the bytes instead of a step of Python per item (a 49k vocabulary's loop took 10 ms).
+
+    A length of 1 to 255 is a nonzero byte and seven zero bytes, so where every item is
+    that long, the items' lengths are among the positions that look so (the candidates):
+    if, from ``first``, each candidate's length leads to the next candidate, ``count``
+    times, these are the items. Anything else (an empty item or one of 256 bytes or more, a
+    nonzero byte and seven NULs inside an item, a length past ``size``) gives None, and
+    the caller reads the lengths one by one, which finds what is there or says what is
+    wrong. The window read grows until it holds the items."""
+    left = size - first
+    window = min(left, 16 * count + 64)
+    while window >= 8:
+        region = np.frombuffer(buffer, dtype=np.uint8, count=window, offset=first)
+        nonzero = region != 0
+        length = nonzero[: window - 7].copy()  # a nonzero byte at p, then seven zero bytes
+        for shift in range(1, 8):
+            length &= ~nonzero[shift : window - 7 + shift]
+        candidates = np.flatnonzero(length)
+        lengths = region[candidates].astype(np.int64)
+        del region  # a view of the map, which the parse closes
+        ends = candidates + 8 + lengths
+        n = min(count, len(candidates))
+        if n == 0 or candidates[0] != 0:
+            return None
+        agree = ends[: n - 1] == candidates[1:n]
+        wrong = int(np.argmin(agree)) if n > 1 and not agree.all() else -1
+        if wrong < 0 and n == count:
+            if ends[n - 1] > left:
+                return None
+            return candidates[:n] + 8 + first, int(ends[n - 1]) + first
+        # the chain ran out of the window (or off the candidates inside it): a wider window, if any
+        reached = ends[wrong] if wrong >= 0 else ends[n - 1]
+        if reached + 8 <= window or window == left:
+            return None
+        window = min(left, 2 * window)
+    return None
 
 
 def parse_gguf(path: Path) -> ParsedGGUF:

@@ -6,7 +6,7 @@ marks as control become special tokens, so ``<|im_start|>`` stays one token.
 
 Start-up builds this once per load from a 49k vocabulary and 49k merges: the arrays are
 decoded whole (:meth:`~bargein.loader.gguf_parse.StringArray.decoded`), the merges split
-into pairs in a few calls over their joined text (:func:`merge_pairs`) and the marked
+into pairs in a few calls over their joined bytes (:func:`merge_pairs`) and the marked
 tokens found with numpy, rather than by a Python step per item.
 """
 
@@ -177,18 +177,29 @@ def merge_pairs(merges: StringArray) -> list[tuple[str, ...]]:
     which the BPE model refuses).
 
     Where every merge holds exactly one space (every vocabulary seen), the whole array is
-    split in a few calls over its NUL-joined text (:meth:`StringArray.joined_text`)
-    instead of a decode and a split per merge.
+    decoded and split in a few calls over its NUL-joined bytes
+    (:meth:`StringArray.joined_bytes`) instead of a decode and a split per merge.
     """
-    text = merges.joined_text() if len(merges) else None
-    if text is not None and text.count(" ") == len(merges):
-        parts = text.replace(" ", "\0").split("\0")  # left, right, left, right, ...
-        pairs = list(zip(parts[0::2], parts[1::2], strict=True))
-        # Right when the separators alternate (one space in each merge): then, and only
-        # then, the pairs put back together are the text.
-        if "\0".join(map(" ".join, pairs)) == text:
-            return pairs
+    joined = merges.joined_bytes() if len(merges) else None
+    if joined is not None and _one_space_each(joined):
+        try:
+            text = joined[1:].decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+        if text is not None:
+            parts = text.replace(" ", "\0").split("\0")  # left, right, left, right, ...
+            return list(zip(parts[0::2], parts[1::2], strict=True))
     return [tuple(m.split(" ", 1)) for m in merges.decoded(errors="replace")]
+
+
+def _one_space_each(joined: bytes) -> bool:
+    """Whether every item of ``joined`` (each after a NUL) holds exactly one space: its
+    spaces and NULs, in order, alternate from the leading NUL. A byte-level check (in
+    UTF-8 neither byte is part of another character), a pass of numpy where putting the
+    pairs back together and comparing took 10 ms of a 49k-merge load."""
+    marks = np.frombuffer(joined, dtype=np.uint8)
+    marks = marks[(marks == 0) | (marks == 32)]
+    return len(marks) % 2 == 0 and not marks[0::2].any() and bool((marks[1::2] == 32).all())
 
 
 def _add_marked_tokens(
