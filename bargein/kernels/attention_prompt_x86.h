@@ -26,9 +26,10 @@
  *   4 keys against the keys as stored with a horizontal sum per score (score_step), spent
  *   about 40% of its time in the horizontal sums and their scalar stores; the transposed
  *   step takes 0.93-0.98x the prompt attention's time (bench/attention_ab.c, Llama-1B's and
- *   SmolLM2's shapes, 4,096 positions, Zen 3; with Gemma 2's soft cap 0.78x). Every row of a step gets a score for every key up to the step's
- *   longest context, those past its own too: they are never read (the softmax and the values
- *   take the row's own positions only).
+ *   SmolLM2's shapes, 4,096 positions, Zen 3; with Gemma 2's soft cap 0.78x). Every row of
+ *   a step gets a score for every key up to the step's longest context, those past its own
+ *   too: they are never read (the softmax and the values take the row's own positions
+ *   only).
  * - Values: 6 rows x 16 values of the head per step (x 64 in 512-bit registers where
  *   AVX-512 has them: a quarter of the weight broadcasts), the sums in registers across a
  *   chunk's keys; a row's chain goes on in memory (acc) from chunk to chunk and, where the
