@@ -42,7 +42,6 @@ from bargein.engine.block_keys import BlockHash, ChainBlock, SpillCandidate, cha
 from bargein.engine.blocks import BlockPool, BlockTable
 from bargein.engine.kv_disk.fingerprint import ModelFingerprint, identity_files, sources_digest
 from bargein.engine.kv_disk.kv_tier import KVTier, KVTierHost
-from bargein.engine.kv_disk.local_tier import LocalKVTier
 from bargein.engine.kv_disk.stats import DiskTierStats
 from bargein.engine.request import Sequence as TokenSequence
 from bargein.engine.runner import ModelRunner, Runner
@@ -110,6 +109,9 @@ class DiskCache:
         ready = threading.Event()
         tier: KVTier | None
         if isinstance(runner, ModelRunner):
+            # imported here: the tier's modules are 6-8 ms of a start without a disk tier
+            from bargein.engine.kv_disk.local_tier import LocalKVTier
+
             fingerprint = stage_fingerprint(runner.stages, cache.block_size, model_identity)
             pairs = [(c.k, c.v) for stage_caches in runner.kv_caches for c in stage_caches]
             tier = LocalKVTier.open(cache.kv_disk_dir, fingerprint, cache.kv_disk_bytes, caches=pairs,

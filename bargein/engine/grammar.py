@@ -28,9 +28,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance as llg
 import numpy as np
 import torch
 
@@ -38,6 +37,11 @@ from bargein.engine.constraint import Constraint
 from bargein.engine.grammar_probe import ProbeFailed, ProbeOverBudget, probe
 from bargein.engine.json_steering import JsonTracker, SteeringClasses, steer
 from bargein.engine.xml_steering import XmlCallTracker
+
+# llguidance is imported by the functions that build or check a grammar, not with this
+# module: its import is 6-7 ms of an engine's start, and most engines never compile one.
+if TYPE_CHECKING:
+    import llguidance as llg
 
 # Compact JSON (no optional whitespace): a small model cannot loop on blank space, and
 # a constrained answer has one spelling, which keeps re-rendered histories token-exact.
@@ -60,6 +64,8 @@ class GrammarOverBudget(UnsupportedGrammar):
 
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar for ``constraint``; raises UnsupportedGrammar for malformed input."""
+    import llguidance as llg
+
     if constraint.kind == "lark":
         return llg.LLMatcher.grammar_from_lark(constraint.text)
     try:
@@ -79,6 +85,8 @@ def check_constraint(constraint: Constraint) -> None:
     ``Unimplemented keys: ["not"]``). Needs no tokenizer, but its cost grows with the
     constraint: call it off the event loop."""
     _check_size(constraint)
+    import llguidance as llg
+
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar_text(constraint),
                                                                       limits=_limits())
     if is_error:
@@ -92,6 +100,8 @@ def _check_size(constraint: Constraint) -> None:
 
 
 def _limits() -> llg.LLParserLimits:
+    import llguidance as llg
+
     return llg.LLParserLimits(**BUILD_LIMITS)
 
 
@@ -223,6 +233,8 @@ class Grammars:
 
     def _build(self, constraint: Constraint, tokenizer: llg.LLTokenizer, started: float,
                budget_s: float | None, trial: bool) -> llg.LLMatcher:
+        import llguidance as llg
+
         _check_size(constraint)
         grammar = grammar_text(constraint)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=_limits())
@@ -255,6 +267,8 @@ class Grammars:
     def _tokenizer_once(self) -> llg.LLTokenizer:
         with self._lock:
             if self._ll_tokenizer is None:
+                import llguidance as llg
+
                 n = self.grammar_vocab_size
                 table = _TokenTable(self._tokenizer, n, self._eos)
                 self._ll_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(table), n_vocab=n, eos_token=self._eos)

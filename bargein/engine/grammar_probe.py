@@ -20,9 +20,12 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import llguidance as llg
 import numpy as np
+
+if TYPE_CHECKING:  # a signature's only: llguidance is imported where a grammar is built (grammar.py)
+    import llguidance as llg
 
 PROBE_STEPS = 40  # tokens per trial answer
 PROBE_SEED = 20261201

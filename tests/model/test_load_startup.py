@@ -126,6 +126,19 @@ def test_loading_imports_no_jinja_until_a_template_renders() -> None:
     assert out.split() == ["False", "True"]
 
 
+def test_an_engine_imports_no_grammar_engine_or_disk_tier_until_used() -> None:
+    """llguidance and the disk tier's modules (6-8 ms each of a start) wait for a
+    constraint to check and a tier to open."""
+    later = ["llguidance", "bargein.engine.kv_disk.tier", "bargein.engine.kv_disk.local_tier"]
+    code = ("import sys; from bargein import Engine, SamplingParams; e = Engine.from_pretrained(progress=False); "
+            "e.generate(['Hi'], SamplingParams(max_tokens=2)); "
+            f"print(*[m in sys.modules for m in {later!r}]); "
+            "from bargein.engine.constraint import Constraint; from bargein.engine.grammar import check_constraint; "
+            "check_constraint(Constraint.json_object()); print('llguidance' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False", "False", "True"]
+
+
 def test_from_pretrained_loads_with_the_collector_paused(tmp_path, monkeypatch) -> None:
     spec = TinySpec()
     path = write_gguf(tmp_path / "tiny.gguf", spec, tiny_weights(spec))

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from bargein.config import CacheConfig
 from bargein.engine.block_keys import BlockHash, ChainBlock, SpillCandidate
-from bargein.engine.kv_disk.fingerprint import ModelFingerprint
-from bargein.engine.kv_disk.index import RebuildReport
-from bargein.engine.kv_disk.stats import DiskTierStats
-from bargein.engine.kv_disk.tier import Loaded
+
+if TYPE_CHECKING:  # in signatures only: every engine imports this module, the tier's only one with a disk tier
+    from bargein.engine.kv_disk.fingerprint import ModelFingerprint
+    from bargein.engine.kv_disk.index import RebuildReport
+    from bargein.engine.kv_disk.stats import DiskTierStats
+    from bargein.engine.kv_disk.tier import Loaded
 
 
 class KVTier(Protocol):
