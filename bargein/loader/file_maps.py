@@ -1,17 +1,30 @@
-"""This process's shared file mappings, and where a tensor viewed from one lies in its file.
+"""This process's shared file mappings: which there are, where a tensor viewed from one lies
+in its file, and its pages mapped in ahead of their first read.
 
 A weight loaded from a GGUF or safetensors file is a view of the file's shared mapping.
 :func:`shared_file_maps` lists those mappings (``/proc/self/maps``: Linux only, none
 elsewhere); :func:`file_span` finds where a view's bytes lie in which file (``None`` for
 memory that is not a file view, such as weights made private memory by
-bargein.loader.private_weights).
+bargein.loader.private_weights); :func:`map_ahead` has the kernel map a mapping's pages
+in before a forward touches them. The libc calls on mapped memory (:func:`libc`,
+:func:`madvise`) go through ctypes, which releases the GIL for each.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import sys
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+_MADV_POPULATE_READ = 22  # Linux 5.14 and later; older kernels say EINVAL
 
 
 @dataclass(frozen=True)
@@ -53,3 +66,71 @@ def file_span(address: int, nbytes: int, maps: list[tuple[int, int, int, str, in
                 same = False
             return FileSpan(path, offset + address - lo, nbytes) if same else None
     return None
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def libc() -> ctypes.CDLL:
+    """This process's C library, with the memory calls' signatures set (madvise, mmap, munmap,
+    mremap); each call releases the GIL."""
+    global _LIBC
+    if _LIBC is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_long]
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.mremap.restype = ctypes.c_void_p
+        lib.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        _LIBC = lib
+    return _LIBC
+
+
+def madvise(address: int, nbytes: int, advice: int) -> bool:
+    """madvise(2) on ``nbytes`` from ``address`` (the GIL released for the call); True if it did."""
+    return libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) == 0
+
+
+def os_error(what: str) -> OSError:
+    """The OSError of the last failed libc call (its errno), naming ``what`` was called."""
+    errno = ctypes.get_errno()
+    return OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def map_ahead(mapped: np.ndarray, spans: Iterable[tuple[int, int]]) -> threading.Thread | None:
+    """Starts mapping in the pages of ``spans`` ((offset, nbytes) into ``mapped``, a view of a
+    whole file's read-only mapping) on a daemon thread, and returns it; None where there is
+    nothing to do (no span, not Linux).
+
+    A first forward over weights viewed from a file faults each of their pages into this
+    process (page-cache pages, page-table entries only): ~2,600 faults for SmolLM2-135M's
+    131 MB, ~10 ms of a 32-token first forward (54 against 44 ms with them mapped ahead). ``madvise(MADV_POPULATE_READ)`` maps a
+    range in one call (reading what the page cache lacks), and ctypes releases the GIL for
+    it, so the loader starts it as soon as it knows the ranges and the pages come in beside
+    the tokenizer's build. The pages are the file's, as a fault would map them: what is
+    resident and shared does not change, only when. Where the kernel refuses (before Linux
+    5.14) the thread stops at the first range and the forward faults the pages in as before.
+    The thread holds ``mapped`` (so the mapping) until it ends.
+    """
+    merged: list[list[int]] = []
+    for offset, nbytes in sorted((o, n) for o, n in spans if n > 0):
+        if merged and offset <= merged[-1][1] + mmap.PAGESIZE:  # touching, or a page apart
+            merged[-1][1] = max(merged[-1][1], offset + nbytes)
+        else:
+            merged.append([offset, offset + nbytes])
+    if not merged or not sys.platform.startswith("linux"):
+        return None
+
+    def run(held: np.ndarray = mapped) -> None:  # held: the mapping stays while its pages come in
+        base = held.ctypes.data
+        for start, end in merged:
+            address = base + start
+            head = address % mmap.PAGESIZE  # from the page it begins in
+            if not madvise(address - head, end - start + head, _MADV_POPULATE_READ):
+                return
+
+    thread = threading.Thread(target=run, name="bargein-map-ahead", daemon=True)
+    thread.start()
+    return thread

@@ -38,8 +38,9 @@ from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
 from bargein.loader.families import GGUF_FAMILIES, gguf_features, gguf_moe, stored_rows
+from bargein.loader.file_maps import map_ahead
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
-from bargein.loader.names import check_layer_range, gguf_location, wanted_tensors
+from bargein.loader.names import check_layer_range, expert_index, gguf_location, wanted_tensors
 
 SUPPORTED_ARCHS = tuple(GGUF_FAMILIES)
 # The types whose blocks BlockWeight holds as they are: (bits, bytes before the quants).
@@ -340,6 +341,8 @@ def load_gguf_weights(
     }
     if "rope_freqs.weight" in f.tensors:
         wanted["rope_freq_factors"] = "rope_freqs.weight"
+    # the pages read whole come in beside the tokenizer's build (file_maps.map_ahead)
+    map_ahead(f.mapped(), _read_whole(f, config, wanted, blocks=blocks, last=end == config.num_layers))
     arch = f.get("general.architecture")
     weights: dict[str, Weight] = {}
     stored = widened = 0  # quantized matrices widened here (without ``blocks``): their bytes before and after
@@ -372,6 +375,24 @@ def load_gguf_weights(
         log.warning("the file's quantized matrices (%.0f MiB of blocks) are widened to %.0f MiB of %s on upload "
                     "to %s", stored / 2**20, widened / 2**20, str(dtype).removeprefix("torch."), device)
     return weights
+
+
+def _read_whole(f: GGUFFile, config: ModelConfig, wanted: dict[str, str], *, blocks: bool,
+                last: bool) -> list[tuple[int, int]]:
+    """(offset, nbytes) of the wanted tensors that this load (without ``blocks``) or its
+    first forward (with them) reads whole: not an MoE's experts (a token reads those it is
+    routed to) and, with ``blocks``, not the embedding unless it is also the head (a
+    lookup reads a row per token)."""
+    spans = []
+    for canon, gguf_name in wanted.items():
+        if expert_index(canon) is not None:
+            continue
+        if canon == "embed.weight" and blocks and not (config.tie_word_embeddings and last):
+            continue
+        info = f.tensors.get(gguf_name)
+        if info is not None:  # a missing one is reported by the load
+            spans.append((info.data_offset, info.n_bytes))
+    return spans
 
 
 def _progress(items: Any, total: int, name: str, enabled: bool) -> Iterator[Any]:

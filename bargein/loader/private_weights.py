@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bargein.kernels.quant_weight import QuantWeight
-from bargein.loader.file_maps import shared_file_maps
+from bargein.loader.file_maps import libc, madvise, os_error, shared_file_maps
 
 log = logging.getLogger(__name__)
 
@@ -210,45 +210,16 @@ class HugePagePhase:
             self.on = False
 
 
-_LIBC: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mremap.restype = ctypes.c_void_p
-        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        _LIBC = libc
-    return _LIBC
-
-
-def _madvise(address: int, nbytes: int, advice: int) -> bool:
-    """madvise(2) on ``nbytes`` from ``address`` (the GIL released for the call); True if it did."""
-    return _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) == 0
-
-
-def _os_error(what: str) -> OSError:
-    errno = ctypes.get_errno()
-    return OSError(errno, f"{what}: {os.strerror(errno)}")
-
-
 def _staged(target: PageRange) -> int:
     """A fresh anonymous private mapping of ``target.nbytes`` at the same offset within a
     2 MB page as ``target.start`` (so that a huge page inside it stays one when moved there)."""
-    libc = _libc()
-    raw = libc.mmap(None, target.nbytes + HUGE_PAGE, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
+    raw = libc().mmap(None, target.nbytes + HUGE_PAGE, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
     if raw in (None, _MAP_FAILED):
-        raise _os_error("mmap")
+        raise os_error("mmap")
     stage = raw + (target.start - raw) % HUGE_PAGE
     if stage > raw:
-        libc.munmap(ctypes.c_void_p(raw), stage - raw)
-    libc.munmap(ctypes.c_void_p(stage + target.nbytes), raw + HUGE_PAGE - stage)  # the slack past it
+        libc().munmap(ctypes.c_void_p(raw), stage - raw)
+    libc().munmap(ctypes.c_void_p(stage + target.nbytes), raw + HUGE_PAGE - stage)  # the slack past it
     return stage
 
 
@@ -257,18 +228,17 @@ def move_private(target: PageRange, huge: bool) -> int:
     addresses: a staged copy (faulted in first, on huge pages if ``huge``) moved over them.
     Returns the bytes faulted in on huge pages' advice; raises OSError where the system
     refuses (then the pages are as they were)."""
-    libc = _libc()
     stage = _staged(target)
     try:
-        _madvise(stage, target.nbytes, _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
-        _madvise(stage, target.nbytes, _MADV_POPULATE_WRITE)  # else the copy faults them in
+        madvise(stage, target.nbytes, _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
+        madvise(stage, target.nbytes, _MADV_POPULATE_WRITE)  # else the copy faults them in
         ctypes.memmove(stage, target.start, target.nbytes)  # the GIL released
-        moved = libc.mremap(ctypes.c_void_p(stage), target.nbytes, target.nbytes, _MREMAP_MAYMOVE_FIXED,
+        moved = libc().mremap(ctypes.c_void_p(stage), target.nbytes, target.nbytes, _MREMAP_MAYMOVE_FIXED,
                             ctypes.c_void_p(target.start))
         if moved != target.start:
-            raise _os_error("mremap")
+            raise os_error("mremap")
     except BaseException:
-        libc.munmap(ctypes.c_void_p(stage), target.nbytes)
+        libc().munmap(ctypes.c_void_p(stage), target.nbytes)
         raise
     return target.nbytes if huge else 0
 
@@ -355,7 +325,7 @@ class PrivateWeights:
                     small.append(chunk)
                 moved += chunk.nbytes
             for chunk in small:  # khugepaged may merge them now, a few ranges at a time
-                _madvise(chunk.start, chunk.nbytes, _MADV_HUGEPAGE)
+                madvise(chunk.start, chunk.nbytes, _MADV_HUGEPAGE)
             self.result = PrivateCopy(moved, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,
                                       error)
             (log.warning if error and error != DROPPED else log.info)("%s", self.result.describe(self._describe_kept))

@@ -395,7 +395,7 @@ def test_without_populate_advice_the_copy_faults_the_pages_in_itself(q4_k_m: Pat
     import bargein.loader.private_weights as private_weights
 
     refused = []
-    real = private_weights._madvise
+    real = private_weights.madvise
 
     def old_kernel(address: int, nbytes: int, advice: int) -> bool:
         if advice == private_weights._MADV_POPULATE_WRITE:
@@ -403,7 +403,7 @@ def test_without_populate_advice_the_copy_faults_the_pages_in_itself(q4_k_m: Pat
             return False
         return real(address, nbytes, advice)
 
-    monkeypatch.setattr(private_weights, "_madvise", old_kernel)
+    monkeypatch.setattr(private_weights, "madvise", old_kernel)
     reference, weights = _loaded(q4_k_m), _loaded(q4_k_m)
     made = _copied(weights)
     assert sum(refused) == made.bytes > 0
