@@ -40,7 +40,7 @@ from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedMod
 from bargein.loader.families import GGUF_FAMILIES, gguf_features, gguf_moe, stored_rows
 from bargein.loader.file_maps import map_ahead
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
-from bargein.loader.names import check_layer_range, expert_index, gguf_location, wanted_tensors
+from bargein.loader.names import check_layer_range, gguf_location, read_whole, wanted_tensors
 
 SUPPORTED_ARCHS = tuple(GGUF_FAMILIES)
 # The types whose blocks BlockWeight holds as they are: (bits, bytes before the quants).
@@ -379,18 +379,11 @@ def load_gguf_weights(
 
 def _read_whole(f: GGUFFile, config: ModelConfig, wanted: dict[str, str], *, blocks: bool,
                 last: bool) -> list[tuple[int, int]]:
-    """(offset, nbytes) of the wanted tensors that this load (without ``blocks``) or its
-    first forward (with them) reads whole: not an MoE's experts (a token reads those it is
-    routed to) and, with ``blocks``, not the embedding unless it is also the head (a
-    lookup reads a row per token)."""
+    """(offset, nbytes) in the file of the wanted tensors read whole (names.read_whole)."""
     spans = []
     for canon, gguf_name in wanted.items():
-        if expert_index(canon) is not None:
-            continue
-        if canon == "embed.weight" and blocks and not (config.tie_word_embeddings and last):
-            continue
         info = f.tensors.get(gguf_name)
-        if info is not None:  # a missing one is reported by the load
+        if info is not None and read_whole(config, canon, blocks=blocks, last=last):  # a missing one: the load says
             spans.append((info.data_offset, info.n_bytes))
     return spans
 

@@ -36,7 +36,8 @@ from bargein.loader.families import (
     norm_offset,
     stored_rows,
 )
-from bargein.loader.names import check_layer_range, wanted_tensors
+from bargein.loader.file_maps import map_ahead
+from bargein.loader.names import check_layer_range, read_whole, wanted_tensors
 
 SUPPORTED_ARCHITECTURES = tuple(HF_FAMILIES)
 INDEX_FILE = "model.safetensors.index.json"
@@ -144,6 +145,11 @@ class MappedSafetensors:
             self.mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
         self.file, self.base = file, 8 + size
 
+    def span(self, name: str) -> tuple[int, int]:
+        """(offset, nbytes) of a stored tensor in the file."""
+        start, end = self.header[name]["data_offsets"]
+        return self.base + start, end - start
+
     def tensor(self, name: str) -> torch.Tensor:
         """The stored tensor as a read-only view of the map, in its own dtype."""
         entry = self.header[name]
@@ -151,8 +157,8 @@ class MappedSafetensors:
         if stored is None:
             raise CorruptModelError(f"{self.file}: tensor {name!r} has dtype {entry['dtype']}, which bargein "
                                     f"does not read (readable: {', '.join(_DTYPES)})")
-        start, end = entry["data_offsets"]
-        raw = self.mapped[self.base + start:self.base + end].view(stored)
+        offset, nbytes = self.span(name)
+        raw = self.mapped[offset:offset + nbytes].view(stored)
         with warnings.catch_warnings():
             # torch warns that the array is not writable; nothing writes to weights, and a
             # write would fault rather than corrupt the file (the map is ACCESS_READ).
@@ -217,6 +223,9 @@ def load_hf_weights(
     with bar:
         for file, names in by_file.items():
             mapped = MappedSafetensors(file)
+            # the pages read whole come in beside the tokenizer's build (file_maps.map_ahead)
+            map_ahead(mapped.mapped, [mapped.span(hf_name) for canon, hf_name in names
+                                      if read_whole(config, canon, blocks=blocks, last=end == config.num_layers)])
             for canon, hf_name in names:
                 try:
                     weights[canon] = _canonical(config, canon, mapped.tensor(hf_name), device, dtype, blocks)

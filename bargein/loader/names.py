@@ -71,6 +71,17 @@ def expert_index(canon: str) -> int | None:
     return int(parts[3]) if len(parts) > 4 and parts[0] == "layers" and parts[2] == "experts" else None
 
 
+def read_whole(config: ModelConfig, canon: str, *, blocks: bool, last: bool) -> bool:
+    """Whether a load without ``blocks`` (which reads every weight) or the first forward after
+    one with them (the weights read in place) reads all of canonical weight ``canon``: all
+    but an MoE's experts (a token reads those it is routed to) and, with ``blocks``, the
+    embedding unless it is also the head (``last``: the stage ends the model; a lookup reads
+    a row per token)."""
+    if expert_index(canon) is not None:
+        return False
+    return canon != "embed.weight" or not blocks or (config.tie_word_embeddings and last)
+
+
 # A stacked expert tensor's name part -> the part of each expert's own tensor in older files
 # (llama.cpp's LLM_TENSOR_FFN_*_EXP, "blk.%d.ffn_gate.%d": Mixtral GGUFs converted before 2024-04).
 PER_EXPERT_GGUF = {"ffn_gate_exps": "ffn_gate", "ffn_up_exps": "ffn_up", "ffn_down_exps": "ffn_down"}

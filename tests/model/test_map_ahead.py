@@ -1,5 +1,5 @@
 """A load's file pages mapped in ahead of the first forward (bargein.loader.file_maps.map_ahead):
-exactly the pages asked for come in, and a load asks for what it or its first forward reads
+exactly the pages asked for come in, and a load (a GGUF file, a safetensors folder) asks for what it or its first forward reads
 whole."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import bargein.loader.gguf_file as gguf_file
+import bargein.loader.hf_folder as hf_folder
 from bargein.loader import load_config, load_weights, resolve_model_ref
 from bargein.loader.file_maps import map_ahead
 from bargein.loader.gguf_file import close_gguf_files, open_gguf
@@ -92,3 +93,15 @@ def test_an_moe_file_maps_ahead_all_but_its_experts(monkeypatch) -> None:
     # the shared expert and the router are read whole
     assert experts and {"blk.0.ffn_gate_shexp.weight", "blk.0.ffn_gate_inp.weight"} <= names
     assert names == set(tensors) - experts - {"token_embd.weight"}
+
+
+def test_a_safetensors_folder_maps_ahead_what_it_reads_whole(monkeypatch) -> None:
+    folder = Path(__file__).parents[1] / "data" / "families" / "qwen3" / "hf"  # untied
+    asked: list[tuple[int, int]] = []
+    monkeypatch.setattr(hf_folder, "map_ahead", lambda mapped, spans: asked.extend(spans))
+    source = resolve_model_ref(str(folder))
+    load_weights(source, load_config(source), progress=False, blocks=True)
+    (file,) = folder.glob("*.safetensors")
+    stored = hf_folder.MappedSafetensors(file)
+    spans = {stored.span(name): name for name in stored.header if name != "__metadata__"}
+    assert sorted(spans[s] for s in asked) == sorted(set(spans.values()) - {"model.embed_tokens.weight"})
