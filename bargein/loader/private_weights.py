@@ -234,7 +234,7 @@ def move_private(target: PageRange, huge: bool) -> int:
         madvise(stage, target.nbytes, _MADV_POPULATE_WRITE)  # else the copy faults them in
         ctypes.memmove(stage, target.start, target.nbytes)  # the GIL released
         moved = libc().mremap(ctypes.c_void_p(stage), target.nbytes, target.nbytes, _MREMAP_MAYMOVE_FIXED,
-                            ctypes.c_void_p(target.start))
+                              ctypes.c_void_p(target.start))
         if moved != target.start:
             raise os_error("mremap")
     except BaseException:
