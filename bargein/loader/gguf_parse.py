@@ -69,11 +69,12 @@ class StringArray:
         joined = region[np.cumsum(edges[:-1], dtype=np.int8).view(np.bool_)].tobytes()
         return joined if joined.count(0) == len(self.starts) else None  # more NULs: an item's
 
-    def joined_text(self) -> str | None:
+    def joined_text(self, joined: bytes | None = None) -> str | None:
         """The items decoded from UTF-8 and joined by NULs, in one decode of
-        :meth:`joined_bytes`. None where that cannot stand for the items: an item holds a
-        NUL or is not valid UTF-8."""
-        joined = self.joined_bytes()
+        :meth:`joined_bytes` (``joined``: those bytes, where the caller has them already).
+        None where that cannot stand for the items: an item holds a NUL or is not valid
+        UTF-8."""
+        joined = self.joined_bytes() if joined is None else joined
         if joined is None:
             return None
         try:

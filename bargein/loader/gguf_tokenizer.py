@@ -181,14 +181,10 @@ def merge_pairs(merges: StringArray) -> list[tuple[str, ...]]:
     (:meth:`StringArray.joined_bytes`) instead of a decode and a split per merge.
     """
     joined = merges.joined_bytes() if len(merges) else None
-    if joined is not None and _one_space_each(joined):
-        try:
-            text = joined[1:].decode("utf-8")
-        except UnicodeDecodeError:
-            text = None
-        if text is not None:
-            parts = text.replace(" ", "\0").split("\0")  # left, right, left, right, ...
-            return list(zip(parts[0::2], parts[1::2], strict=True))
+    text = merges.joined_text(joined) if joined is not None and _one_space_each(joined) else None
+    if text is not None:
+        parts = text.replace(" ", "\0").split("\0")  # left, right, left, right, ...
+        return list(zip(parts[0::2], parts[1::2], strict=True))
     return [tuple(m.split(" ", 1)) for m in merges.decoded(errors="replace")]
 
 
