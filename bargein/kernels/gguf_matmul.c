@@ -112,7 +112,15 @@
 #endif
 
 #define TILE 16 /* output columns per unit of work */
-#define GEMM_MIN_ROWS_VNNI 8 /* below this, few-row passes decode each block in registers */
+/* Below this many rows, the 32 chain's few-row passes decode each block in registers; from
+ * it on, a tile is built once and read by the 512-bit passes (rows_zmm32; the K chain has
+ * K_GEMM_MIN_ROWS). Tile passes against few-row ones (bench/gemm_tile_ab.c, the 1B layer's
+ * shapes from memory, one thread, Zen 5, new / old time): 4 rows Q4_0 1.061, Q8_0 1.074,
+ * Q4_1 1.064; 5 rows 0.860, 0.743, 0.828; 6 rows 0.806, 0.711, 0.785; 7 rows 0.742, 0.692,
+ * 0.790. */
+#ifndef GEMM_MIN_ROWS_VNNI
+#define GEMM_MIN_ROWS_VNNI 5
+#endif
 #define GEMM_MIN_ROWS_AVX2 8
 /* Rows a pass of AVX2's few-row strided passes at most (pair_rows_avx2_t, k_rows_avx2_t:
  * eight columns that are rows evenly apart); other few-row passes take two. Four rows a
@@ -122,9 +130,13 @@
 #define STRIDED_ROWS_AVX2 4
 /* From this many rows the tile passes of the plain kinds read a signed tile (signed_tile):
  * the tile's sign pass costs more than it saves below (bench/gemm_tile_ab.c, Q4_0, one
- * thread, the signed pass's time over the unsigned one's: VNNI 1.076 at 16 rows, 0.976 at
- * 32, 0.973 at 64, 0.918 at 512; AVX2 0.915 at 16, 0.872 at 32, 0.844 at 512). */
-#define SIGNED_MIN_ROWS_VNNI 32
+ * thread, the signed pass's time over the unsigned one's: VNNI's 256-bit pass on a Zen 4
+ * 1.076 at 16 rows, 0.976 at 32, 0.973 at 64, 0.918 at 512; its 512-bit pass on a Zen 5
+ * 0.956 at 16 rows and 0.929 at 24 (Q8_0 0.975, 0.985); AVX2 0.915 at 16, 0.872 at 32,
+ * 0.844 at 512). */
+#ifndef SIGNED_MIN_ROWS_VNNI
+#define SIGNED_MIN_ROWS_VNNI 16
+#endif
 #define SIGNED_MIN_ROWS_AVX2 GEMM_MIN_ROWS_AVX2
 /* From this many rows the AVX2 tile pass of 8-bit quants (Q8_0, IQ4_NL, IQ4_XS) reads |q|
  * from a copy made once per tile (build_tile's ABS) instead of making it in every pass
@@ -1148,7 +1160,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_avx2_wide_abs
 #undef DOT_GROUP
 
 /* AVX2, the plain kinds whose quants times 255 fit maddubs' int16 pairs (|q| <= 16: Q4_0,
- * Q5_0), made signed as rows_vnni_kind's SIGNED pass: maddubs of the activations plus 128
+ * Q5_0), made signed as rows_zmm32's SIGNED pass: maddubs of the activations plus 128
  * against q, the pairs of GROUPS16 groups summed in int16 before one madd by ones (OFF, the
  * type's offset, bounds |q|: a pair is at most 2 * 255 * OFF, so 8 groups of Q4_0's stay
  * at 32640 and 4 of Q5_0's), instead of a madd per group: the same int32. */
@@ -1444,57 +1456,7 @@ static TARGET_AVX2 int rows_k_avx2(const job_t *job, const tile_t *tl, const ahe
 #undef SIGNED_W
 
 #ifdef GGUF_VNNI
-#define PREP
-#define SIGNED_W SIGNED
-#define DOT_GROUP(ACC, W, X, V) (SIGNED ? _mm256_dpbusd_epi32(ACC, X, W) : _mm256_dpbusd_epi32(ACC, W, X))
-/* The tile pass on VNNI. SIGNED (the plain kinds only): the tile's quants signed (q = u -
- * off, sign_tile) against the activations plus 128 (acts_t's qu), the lanes started from
- * the tile's offset terms -128 * sum q: sum q (x + 128) - 128 sum q = sum (u - off) x, the
- * same int32 D as the unsigned pass's with no per-row offset to work out. */
-static inline TARGET_VNNI __attribute__((always_inline)) void rows_vnni_kind(const job_t *job, const tile_t *tl, const ahead_t *ahead,
-                                                                              int64_t j0, int cols, int64_t r0,
-                                                                              const int ROWS_N, const int KIND,
-                                                                              const int OFF, const int AHEAD,
-                                                                              const int SIGNED) {
-    TILE_ROWS_BODY(6)
-}
-#undef PREP
-#undef DOT_GROUP
-#undef SIGNED_W
-
-#define VNNI_ROWS(KINDV, SIGNEDV, MAXR)                                                          \
-    switch (rows < MAXR ? rows : MAXR) {                                                         \
-    case 6: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 6, KINDV, off, AHEAD, SIGNEDV); break;  \
-    case 5: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 5, KINDV, off, AHEAD, SIGNEDV); break;  \
-    case 4: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 4, KINDV, off, AHEAD, SIGNEDV); break;  \
-    case 3: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 3, KINDV, off, AHEAD, SIGNEDV); break;  \
-    case 2: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 2, KINDV, off, AHEAD, SIGNEDV); break;  \
-    default: rows_vnni_kind(job, tl, ahead, j0, cols, r0, 1, KINDV, off, AHEAD, SIGNEDV);        \
-    }
-/* Returns the rows done (split kinds take four at a time: two accumulators per half). */
-static inline TARGET_VNNI __attribute__((always_inline)) int rows_vnni_t(const job_t *job, const tile_t *tl,
-                                                                         const ahead_t *ahead, const qinfo_t *info,
-                                                                         int64_t j0, int cols, int64_t r0, int rows,
-                                                                         const int AHEAD) {
-    const int off = info->off;
-    switch (info->kind) {
-    case KIND_PLAIN:
-        if (job->a->qu && signed_tile(ISA_VNNI, info)) { VNNI_ROWS(KIND_PLAIN, 1, 6) } /* the tile made signed (sign_tile) */
-        else { VNNI_ROWS(KIND_PLAIN, 0, 6) }
-        return rows < 6 ? rows : 6;
-    case KIND_MIN: VNNI_ROWS(KIND_MIN, 0, 4) return rows < 4 ? rows : 4; /* the mins take registers too */
-    case KIND_SPLIT: VNNI_ROWS(KIND_SPLIT, 0, 4) return rows < 4 ? rows : 4;
-    default: VNNI_ROWS(KIND_SPLIT_MIN, 0, 4) return rows < 4 ? rows : 4;
-    }
-}
-/* ahead: NULL, or the next tile's plans, fetched a part per 32-block. */
-static TARGET_VNNI int rows_vnni(const job_t *job, const tile_t *tl, const ahead_t *ahead, const qinfo_t *info,
-                                 int64_t j0, int cols, int64_t r0, int rows) {
-    return ahead ? rows_vnni_t(job, tl, ahead, info, j0, cols, r0, rows, 1)
-                 : rows_vnni_t(job, tl, NULL, info, j0, cols, r0, rows, 0);
-}
-
-#include "gguf_tile_zmm.h" /* the same passes on 512-bit registers */
+#include "gguf_tile_zmm.h" /* the tile passes of VNNI, on 512-bit registers */
 #ifdef GGUF_AMX
 #include "gguf_tile_amx.h" /* and the K chain's on AMX's tile registers */
 #endif
@@ -2779,7 +2741,7 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
         }
 #ifdef GGUF_VNNI
         if (job->isa == ISA_VNNI) {
-            r0 += rows_vnni(job, &tl, fetch && r0 == 0 ? ahead : NULL, &info, j0, cols, r0, left);
+            r0 += rows_zmm32(job, &tl, fetch && r0 == 0 ? ahead : NULL, &info, j0, cols, r0, left);
             continue;
         }
 #endif

@@ -5,8 +5,11 @@
  * row's multiple m) runs once per 16 columns instead of once per 8. The steps are the 256-bit
  * pass's, per lane and in the same order, so the bits are the other paths' (and plain
  * C's): the integer sums are exact, and each lane's float steps are the same operations
- * on the same operands. The 32 chain stays on gguf_matmul.c's 256-bit rows_vnni: on the
- * 2-core Zen 4 a 512-bit version of it measured no faster (same-run A/B, 2026-12-02).
+ * on the same operands. The 32 chain's pass (rows_zmm32, at the end) is the 256-bit pass's
+ * (TILE_ROWS_BODY) on 16 lanes the same way: on the 2-core Zen 4 it measured no faster than
+ * the 256-bit one (same-run A/B, 2026-12-02: that core splits a 512-bit vpdpbusd in two);
+ * on a Zen 5, whose vector units are 512 bits wide, 0.63-0.76x its time at 32 and 512 rows
+ * for every 32-chain type (bench/gemm_tile_ab.c, one thread, 2026-12-07).
  *
  * The first pass over a tile also fetches the next tile's blocks into L2 (tile_ahead's
  * plans, a part per superblock): on weights that stream from memory, as in a decode step
@@ -20,11 +23,16 @@
  * contiguously (index * TILE + c) and load the same way.
  *
  * Included by gguf_matmul.c inside its GGUF_VNNI section (needs acts_t, job_t, tile_t,
- * ahead_t, prefetch_step, TILE and TARGET_VNNI). */
+ * ahead_t, qinfo_t, prefetch_step, signed_tile, TILE and TARGET_VNNI). */
 #ifndef BARGEIN_GGUF_TILE_ZMM_H
 #define BARGEIN_GGUF_TILE_ZMM_H
 
 #define ZMM_ROWS_K 8 /* rows per pass: dk, dlo (Q6_K: and dhi) per row in registers, acc in memory */
+/* the 32 chain's rows per pass: acc and dlo (split kinds: and dhi) in registers (Zen 5, one
+ * thread, against 8: 12 rows 1.03-1.10x the time, 6 rows 0.97-1.07x) */
+#ifndef ZMM_ROWS_32
+#define ZMM_ROWS_32 8
+#endif
 
 /* acc + the byte dot products of w's 16 lanes with the four signed bytes at x, broadcast
  * as the instruction's own memory operand ({1to16}): GCC otherwise broadcasts them with a
@@ -187,6 +195,105 @@ static TARGET_VNNI int rows_k_zmm(const job_t *job, const tile_t *tl, const ahea
     }
 #undef K_ZMM
     return n;
+}
+
+/* The 32 chain's tile pass (TILE_ROWS_BODY's, gguf_matmul.c) on 512-bit registers: per
+ * 32-block, the 16 columns' dot products in one register per row (one weight load and one
+ * vpdpbusd serve the tile's 16 columns of a row), then the block's float steps, each lane
+ * the same operations on the same operands as the 256-bit pass's (FLOAT_STEPS), so the
+ * same bits. SIGNED: the tile's quants signed against the activations plus 128 (sign_tile),
+ * the lanes started from the tile's terms; else the per-row offsets' starts. */
+static inline TARGET_VNNI __attribute__((always_inline)) void rows_zmm32_t(const job_t *job, const tile_t *tl,
+                                                                            const ahead_t *ahead, int64_t j0, int cols,
+                                                                            int64_t r0, const int ROWS_N, const int KIND,
+                                                                            const int OFF, const int AHEAD,
+                                                                            const int SIGNED) {
+    const acts_t *a = job->a;
+    const int64_t nb = job->nb, k = job->k;
+    const __m512i *tile = (const __m512i *)tl->tile;
+    __m512 acc[ZMM_ROWS_32];
+    for (int r = 0; r < ROWS_N; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if (AHEAD) prefetch_step(&ahead[0], b), prefetch_step(&ahead[1], b);
+        __m512i dlo[ZMM_ROWS_32], dhi[ZMM_ROWS_32];
+        const __m512i start = SIGNED ? _mm512_load_si512(tl->psc + b * TILE) : _mm512_setzero_si512();
+        _Pragma("GCC unroll 12") for (int r = 0; r < ROWS_N; r++) {
+            const int64_t cell = (r0 + r) * nb + b;
+            if (SIGNED) dlo[r] = start;
+            else if (KIND >= KIND_SPLIT) {
+                dlo[r] = _mm512_set1_epi32(-OFF * a->s16[2 * cell]);
+                dhi[r] = _mm512_set1_epi32(-OFF * a->s16[2 * cell + 1]);
+            } else dlo[r] = _mm512_set1_epi32(-OFF * (a->s16[2 * cell] + a->s16[2 * cell + 1]));
+        }
+        const __m512i *wb = tile + b * 8;
+        const uint8_t *xb = (SIGNED ? a->qu : (const uint8_t *)a->q) + r0 * k + 32 * b;
+        _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
+            const __m512i w = _mm512_load_si512(wb + g);
+            _Pragma("GCC unroll 12") for (int r = 0; r < ROWS_N; r++) {
+                const uint8_t *x = xb + r * k + 4 * g;
+                if (SIGNED) { /* the activations are the unsigned operand: a register of their own */
+                    int32_t four;
+                    memcpy(&four, x, 4);
+                    dlo[r] = _mm512_dpbusd_epi32(dlo[r], _mm512_set1_epi32(four), w);
+                } else if (KIND >= KIND_SPLIT && g >= 4) dhi[r] = dpbusd_bcst(dhi[r], w, (const int8_t *)x);
+                else dlo[r] = dpbusd_bcst(dlo[r], w, (const int8_t *)x);
+            }
+        }
+        const __m512 ps = _mm512_loadu_ps(tl->ps + b * TILE);
+        _Pragma("GCC unroll 12") for (int r = 0; r < ROWS_N; r++) {
+            const int64_t cell = (r0 + r) * nb + b;
+            __m512i d = dlo[r];
+            if (KIND >= KIND_SPLIT)
+                d = _mm512_add_epi32(_mm512_mullo_epi32(dlo[r], _mm512_loadu_si512(tl->psc + 2 * b * TILE)),
+                                     _mm512_mullo_epi32(dhi[r], _mm512_loadu_si512(tl->psc + (2 * b + 1) * TILE)));
+            const __m512 xd = _mm512_set1_ps(a->d[cell]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ps, xd), acc[r]);
+            if (KIND == KIND_MIN) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(tl->pm + b * TILE), _mm512_set1_ps(a->s[cell]), acc[r]);
+            if (KIND == KIND_SPLIT_MIN) {
+                const __m512i mins = _mm512_add_epi32(
+                    _mm512_mullo_epi32(_mm512_loadu_si512(tl->pmn + 2 * b * TILE), _mm512_set1_epi32(a->s16[2 * cell])),
+                    _mm512_mullo_epi32(_mm512_loadu_si512(tl->pmn + (2 * b + 1) * TILE), _mm512_set1_epi32(a->s16[2 * cell + 1])));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(_mm512_loadu_ps(tl->pm + b * TILE), xd), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS_N; r++) zmm_store_row(job, r0 + r, j0, cols, acc[r]);
+}
+
+#define ZMM32_ROWS(KINDV, SIGNEDV)                                                                         \
+    switch (n) {                                                                                           \
+    case 8: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 8, KINDV, off, AHEAD, SIGNEDV); break;              \
+    case 7: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 7, KINDV, off, AHEAD, SIGNEDV); break;              \
+    case 6: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 6, KINDV, off, AHEAD, SIGNEDV); break;              \
+    case 5: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 5, KINDV, off, AHEAD, SIGNEDV); break;              \
+    case 4: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 4, KINDV, off, AHEAD, SIGNEDV); break;              \
+    case 3: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 3, KINDV, off, AHEAD, SIGNEDV); break;              \
+    case 2: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 2, KINDV, off, AHEAD, SIGNEDV); break;              \
+    default: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 1, KINDV, off, AHEAD, SIGNEDV);                    \
+    }
+static inline TARGET_VNNI __attribute__((always_inline)) int rows_zmm32_a(const job_t *job, const tile_t *tl,
+                                                                           const ahead_t *ahead, const qinfo_t *info,
+                                                                           int64_t j0, int cols, int64_t r0, int rows,
+                                                                           const int AHEAD) {
+    const int off = info->off, n = rows < ZMM_ROWS_32 ? rows : ZMM_ROWS_32;
+    switch (info->kind) {
+    case KIND_PLAIN:
+        if (job->a->qu && signed_tile(ISA_VNNI, info)) { ZMM32_ROWS(KIND_PLAIN, 1) } /* the tile made signed (sign_tile) */
+        else { ZMM32_ROWS(KIND_PLAIN, 0) }
+        break;
+    case KIND_MIN: ZMM32_ROWS(KIND_MIN, 0) break;
+    case KIND_SPLIT: ZMM32_ROWS(KIND_SPLIT, 0) break;
+    default: ZMM32_ROWS(KIND_SPLIT_MIN, 0)
+    }
+    return n;
+}
+#undef ZMM32_ROWS
+
+/* Returns the rows done. ahead: NULL, or the next tile's plans, fetched a part per 32-block. */
+static TARGET_VNNI int rows_zmm32(const job_t *job, const tile_t *tl, const ahead_t *ahead, const qinfo_t *info,
+                                  int64_t j0, int cols, int64_t r0, int rows) {
+    return ahead ? rows_zmm32_a(job, tl, ahead, info, j0, cols, r0, rows, 1)
+                 : rows_zmm32_a(job, tl, NULL, info, j0, cols, r0, rows, 0);
 }
 
 #endif
