@@ -217,7 +217,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_zmm32_t(const
         if (AHEAD) prefetch_step(&ahead[0], b), prefetch_step(&ahead[1], b);
         __m512i dlo[ZMM_ROWS_32], dhi[ZMM_ROWS_32];
         const __m512i start = SIGNED ? _mm512_load_si512(tl->psc + b * TILE) : _mm512_setzero_si512();
-        _Pragma("GCC unroll 12") for (int r = 0; r < ROWS_N; r++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
             const int64_t cell = (r0 + r) * nb + b;
             if (SIGNED) dlo[r] = start;
             else if (KIND >= KIND_SPLIT) {
@@ -229,7 +229,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_zmm32_t(const
         const uint8_t *xb = (SIGNED ? a->qu : (const uint8_t *)a->q) + r0 * k + 32 * b;
         _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
             const __m512i w = _mm512_load_si512(wb + g);
-            _Pragma("GCC unroll 12") for (int r = 0; r < ROWS_N; r++) {
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
                 const uint8_t *x = xb + r * k + 4 * g;
                 if (SIGNED) { /* the activations are the unsigned operand: a register of their own */
                     int32_t four;
@@ -240,7 +240,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_zmm32_t(const
             }
         }
         const __m512 ps = _mm512_loadu_ps(tl->ps + b * TILE);
-        _Pragma("GCC unroll 12") for (int r = 0; r < ROWS_N; r++) {
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
             const int64_t cell = (r0 + r) * nb + b;
             __m512i d = dlo[r];
             if (KIND >= KIND_SPLIT)
