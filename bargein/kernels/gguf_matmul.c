@@ -701,10 +701,12 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_chain_steps8_avx
 }
 
 /* One 32-block of x quantized to out (and, where uout is not NULL, plus 128 to uout; where
- * out2 is not NULL, again to out2), its halves' sums to sums. */
-static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(const float *x, float inv, int8_t *out,
-                                                                               int32_t sums[2], uint8_t *uout,
-                                                                               int8_t *out2) {
+ * out2 is not NULL, again to out2); returns its halves' values (elements 0-15, 16-31) as
+ * two vectors of pair sums, lane i of halves[h] the sum of values 16h + i and 16h + 8 + i,
+ * for the caller to reduce (hsum8x8_epi32 for eight blocks at once). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_halves_avx2(const float *x, float inv,
+                                                                                      int8_t *out, uint8_t *uout,
+                                                                                      int8_t *out2, __m256i halves[2]) {
     const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
     const __m256 scale = _mm256_set1_ps(inv);
     __m256i q[4];
@@ -713,20 +715,32 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_avx2(co
                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(rounded), top), bottom);
     }
-    for (int half = 0; half < 2; half++) {
-        const __m256i lo = q[2 * half], hi = q[2 * half + 1];
-        const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
-        const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
-        const __m128i packed = _mm_packs_epi16(lo16, hi16);
-        _mm_storeu_si128((__m128i *)(out + 16 * half), packed);
-        if (out2) _mm_storeu_si128((__m128i *)(out2 + 16 * half), packed);
-        if (uout) _mm_storeu_si128((__m128i *)(uout + 16 * half), _mm_xor_si128(packed, _mm_set1_epi8((char)0x80)));
-        const __m256i sum = _mm256_add_epi32(lo, hi);
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        sums[half] = _mm_cvtsi128_si32(s4);
-    }
+    /* the packs work within 128-bit halves: dword i of their result holds four values of
+     * q[i % 4], from its lane 4 (i / 4) on; the permute puts the dwords in order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)out, packed);
+    if (out2) _mm256_storeu_si256((__m256i *)out2, packed);
+    if (uout) _mm256_storeu_si256((__m256i *)uout, _mm256_xor_si256(packed, _mm256_set1_epi8((char)0x80)));
+    halves[0] = _mm256_add_epi32(q[0], q[1]);
+    halves[1] = _mm256_add_epi32(q[2], q[3]);
+}
+
+/* The sum of the eight int32 lanes of v. */
+static inline TARGET_AVX2 __attribute__((always_inline)) int32_t hsum_epi32_avx2(__m256i v) {
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* Lane j: the sum of v[j]'s eight int32 lanes (exact, so in any order): two rounds of
+ * pairwise adds within 128-bit halves, then the halves added. Eight blocks' sums at the
+ * cost of about one horizontal reduction. */
+static inline TARGET_AVX2 __attribute__((always_inline)) __m256i hsum8x8_epi32(const __m256i v[8]) {
+    const __m256i lo = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i hi = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
 /* A 32-block's a = m * kq (|a| <= 16 * 127) as the AMX pass's two bytes, a = 256 * ahi + alo
@@ -791,6 +805,36 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quad_order(const i
     }
 }
 
+/* The 32 chain's activations for the eight 32-blocks of row r from block b0 on, each the
+ * values quantize_rows_avx2's loop makes of one block: their maxima side by side
+ * (amax8_avx2), their steps d = amax / 127 and inverses 1 / d (0 where d is 0) by vector
+ * divisions (IEEE's: the scalar ones' bits), their halves' sums reduced together. Block by
+ * block, a horizontal maximum, two scalar divisions and two horizontal sums in a chain were
+ * most of the quantizer's time (6% of a SmolLM2 prefill). */
+static inline TARGET_AVX2 __attribute__((always_inline)) void quantize8_blocks_avx2(const acts_t *a, int64_t r,
+                                                                                     int64_t b0) {
+    const int64_t at = r * a->k + b0 * 32, cell = r * a->nb + b0;
+    const float *x = a->x + at;
+    const __m256 d = _mm256_div_ps(amax8_avx2(x), _mm256_set1_ps(127.0f));
+    float inv[8];
+    _mm256_storeu_ps(inv, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), d),
+                                        _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_GT_OQ)));
+    __m256i halves[8][2], lo[8], hi[8];
+    for (int j = 0; j < 8; j++) {
+        quantize32_halves_avx2(x + 32 * j, inv[j], a->q + at + 32 * j, a->qu ? a->qu + at + 32 * j : NULL, NULL,
+                               halves[j]);
+        lo[j] = halves[j][0], hi[j] = halves[j][1];
+    }
+    const __m256i s0 = hsum8x8_epi32(lo), s1 = hsum8x8_epi32(hi);
+    _mm256_storeu_ps(a->d + cell, d);
+    _mm256_storeu_ps(a->s + cell, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1))));
+    /* S_lo, S_hi per block: the unpacks interleave within 128-bit halves (blocks 0, 1 | 4, 5
+     * and 2, 3 | 6, 7), the permutes put the halves in order */
+    const __m256i il = _mm256_unpacklo_epi32(s0, s1), ih = _mm256_unpackhi_epi32(s0, s1);
+    _mm256_storeu_si256((__m256i *)(a->s16 + 2 * cell), _mm256_permute2x128_si256(il, ih, 0x20));
+    _mm256_storeu_si256((__m256i *)(a->s16 + 2 * cell + 8), _mm256_permute2x128_si256(il, ih, 0x31));
+}
+
 /* quantize_rows on AVX2: the same values (the same float operations, round to nearest even). */
 static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
     const acts_t *a = (const acts_t *)arg;
@@ -805,13 +849,13 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                 const float amax = hmax_avx2(amax32);
                 float inv[8];
                 k_chain_steps8_avx2(amax32, amax, a->k_flat, km, inv);
+                __m256i lo[8], hi[8];
                 for (int j = 0; j < 8; j++) {
-                    int32_t sums[2];
+                    __m256i halves[2];
                     uint8_t *alo = a->alo ? a->alo + r * a->amx_stride + t * 256 + 32 * j : NULL;
                     /* flat: the AMX pass's one byte is kq itself */
-                    quantize32_avx2(x + 32 * j, inv[j], kq + 32 * j, sums, NULL, a->k_flat ? (int8_t *)alo : NULL);
-                    s16[2 * j] = (int16_t)sums[0], s16[2 * j + 1] = (int16_t)sums[1];
-                    s32[j] = (int16_t)(sums[0] + sums[1]);
+                    quantize32_halves_avx2(x + 32 * j, inv[j], kq + 32 * j, NULL, a->k_flat ? (int8_t *)alo : NULL, halves);
+                    lo[j] = halves[0], hi[j] = halves[1];
                     if (alo && !a->k_flat) amx_split32_avx2(kq + 32 * j, km[j], alo, a->ahi + r * a->amx_stride + t * 256 + 32 * j);
                     if (a->kqh) {
                         const __m256i kh = halves_order32(_mm256_loadu_si256((const __m256i *)(kq + 32 * j)));
@@ -819,15 +863,26 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                         q6k_offsets32_avx2(kh, a->kc16 + r * (a->k / 16) + t * 16 + 2 * j);
                     }
                 }
+                /* the eight blocks' S_lo, S_hi as int16 (|S| <= 16 * 127): the unpacks interleave
+                 * within 128-bit halves (blocks 0, 1 | 4, 5 and 2, 3 | 6, 7), and the pack's
+                 * order (per half, its first operand's then its second's) puts them in order */
+                const __m256i sum_lo = hsum8x8_epi32(lo), sum_hi = hsum8x8_epi32(hi);
+                _mm256_storeu_si256((__m256i *)s16, _mm256_packs_epi32(_mm256_unpacklo_epi32(sum_lo, sum_hi),
+                                                                       _mm256_unpackhi_epi32(sum_lo, sum_hi)));
+                const __m256i sum = _mm256_add_epi32(sum_lo, sum_hi);
+                _mm_storeu_si128((__m128i *)s32, _mm_packs_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1)));
                 a->kd[r * (a->k / 256) + t] = k_chain_unit(amax, a->k_flat);
                 if (a->kx) quad_order(kq, a->kx + r * a->k + t * 256);
             }
         if (!a->q) continue;
-        for (int64_t b = 0; b < a->nb; b++) {
+        int64_t b = 0;
+        for (; b + 8 <= a->nb; b += 8) quantize8_blocks_avx2(a, r, b);
+        for (; b < a->nb; b++) {
             const float *x = a->x + r * a->k + b * 32;
             const float d = amax_avx2(x, 1) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            int32_t sums[2];
-            quantize32_avx2(x, inv, a->q + r * a->k + b * 32, sums, a->qu ? a->qu + r * a->k + b * 32 : NULL, NULL);
+            __m256i halves[2];
+            quantize32_halves_avx2(x, inv, a->q + r * a->k + b * 32, a->qu ? a->qu + r * a->k + b * 32 : NULL, NULL, halves);
+            const int32_t sums[2] = {hsum_epi32_avx2(halves[0]), hsum_epi32_avx2(halves[1])};
             a->d[r * a->nb + b] = d;
             a->s[r * a->nb + b] = d * (float)(sums[0] + sums[1]);
             a->s16[r * 2 * a->nb + 2 * b] = sums[0];
