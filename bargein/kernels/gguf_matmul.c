@@ -819,11 +819,12 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize8_blocks_a
     float inv[8];
     _mm256_storeu_ps(inv, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), d),
                                         _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_GT_OQ)));
-    __m256i halves[8][2], lo[8], hi[8];
+    __m256i lo[8], hi[8];
     for (int j = 0; j < 8; j++) {
+        __m256i halves[2];
         quantize32_halves_avx2(x + 32 * j, inv[j], a->q + at + 32 * j, a->qu ? a->qu + at + 32 * j : NULL, NULL,
-                               halves[j]);
-        lo[j] = halves[j][0], hi[j] = halves[j][1];
+                               halves);
+        lo[j] = halves[0], hi[j] = halves[1];
     }
     const __m256i s0 = hsum8x8_epi32(lo), s1 = hsum8x8_epi32(hi);
     _mm256_storeu_ps(a->d + cell, d);
