@@ -701,12 +701,13 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void k_chain_steps8_avx
 }
 
 /* One 32-block of x quantized to out (and, where uout is not NULL, plus 128 to uout; where
- * out2 is not NULL, again to out2); returns its halves' values (elements 0-15, 16-31) as
- * two vectors of pair sums, lane i of halves[h] the sum of values 16h + i and 16h + 8 + i,
- * for the caller to reduce (hsum8x8_epi32 for eight blocks at once). */
+ * out2 is not NULL, again to out2); its halves' values (elements 0-15, 16-31) as vectors of
+ * pair sums into lo and hi (lane i: values i and 8 + i of the half), for the caller to
+ * reduce (hsum8x8_epi32 for eight blocks at once). */
 static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_halves_avx2(const float *x, float inv,
                                                                                       int8_t *out, uint8_t *uout,
-                                                                                      int8_t *out2, __m256i halves[2]) {
+                                                                                      int8_t *out2, __m256i *lo,
+                                                                                      __m256i *hi) {
     const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
     const __m256 scale = _mm256_set1_ps(inv);
     __m256i q[4];
@@ -722,8 +723,8 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize32_halves_
     _mm256_storeu_si256((__m256i *)out, packed);
     if (out2) _mm256_storeu_si256((__m256i *)out2, packed);
     if (uout) _mm256_storeu_si256((__m256i *)uout, _mm256_xor_si256(packed, _mm256_set1_epi8((char)0x80)));
-    halves[0] = _mm256_add_epi32(q[0], q[1]);
-    halves[1] = _mm256_add_epi32(q[2], q[3]);
+    *lo = _mm256_add_epi32(q[0], q[1]);
+    *hi = _mm256_add_epi32(q[2], q[3]);
 }
 
 /* The sum of the eight int32 lanes of v. */
@@ -820,12 +821,9 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize8_blocks_a
     _mm256_storeu_ps(inv, _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), d),
                                         _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_GT_OQ)));
     __m256i lo[8], hi[8];
-    for (int j = 0; j < 8; j++) {
-        __m256i halves[2];
+    for (int j = 0; j < 8; j++)
         quantize32_halves_avx2(x + 32 * j, inv[j], a->q + at + 32 * j, a->qu ? a->qu + at + 32 * j : NULL, NULL,
-                               halves);
-        lo[j] = halves[0], hi[j] = halves[1];
-    }
+                               &lo[j], &hi[j]);
     const __m256i s0 = hsum8x8_epi32(lo), s1 = hsum8x8_epi32(hi);
     _mm256_storeu_ps(a->d + cell, d);
     _mm256_storeu_ps(a->s + cell, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1))));
@@ -852,11 +850,10 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                 k_chain_steps8_avx2(amax32, amax, a->k_flat, km, inv);
                 __m256i lo[8], hi[8];
                 for (int j = 0; j < 8; j++) {
-                    __m256i halves[2];
                     uint8_t *alo = a->alo ? a->alo + r * a->amx_stride + t * 256 + 32 * j : NULL;
                     /* flat: the AMX pass's one byte is kq itself */
-                    quantize32_halves_avx2(x + 32 * j, inv[j], kq + 32 * j, NULL, a->k_flat ? (int8_t *)alo : NULL, halves);
-                    lo[j] = halves[0], hi[j] = halves[1];
+                    quantize32_halves_avx2(x + 32 * j, inv[j], kq + 32 * j, NULL, a->k_flat ? (int8_t *)alo : NULL,
+                                           &lo[j], &hi[j]);
                     if (alo && !a->k_flat) amx_split32_avx2(kq + 32 * j, km[j], alo, a->ahi + r * a->amx_stride + t * 256 + 32 * j);
                     if (a->kqh) {
                         const __m256i kh = halves_order32(_mm256_loadu_si256((const __m256i *)(kq + 32 * j)));
@@ -881,9 +878,10 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
         for (; b < a->nb; b++) {
             const float *x = a->x + r * a->k + b * 32;
             const float d = amax_avx2(x, 1) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-            __m256i halves[2];
-            quantize32_halves_avx2(x, inv, a->q + r * a->k + b * 32, a->qu ? a->qu + r * a->k + b * 32 : NULL, NULL, halves);
-            const int32_t sums[2] = {hsum_epi32_avx2(halves[0]), hsum_epi32_avx2(halves[1])};
+            __m256i lo, hi;
+            quantize32_halves_avx2(x, inv, a->q + r * a->k + b * 32, a->qu ? a->qu + r * a->k + b * 32 : NULL, NULL, &lo,
+                                   &hi);
+            const int32_t sums[2] = {hsum_epi32_avx2(lo), hsum_epi32_avx2(hi)};
             a->d[r * a->nb + b] = d;
             a->s[r * a->nb + b] = d * (float)(sums[0] + sums[1]);
             a->s16[r * 2 * a->nb + 2 * b] = sums[0];

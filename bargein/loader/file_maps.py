@@ -109,8 +109,8 @@ def map_ahead(mapped: np.ndarray, spans: Iterable[tuple[int, int]]) -> threading
     131 MB, ~10 ms of a 32-token first forward (54 against 44 ms with them mapped ahead).
     ``madvise(MADV_POPULATE_READ)`` maps a range in one call (reading what the page cache
     lacks), and ctypes releases the GIL for it, so the loader starts it as soon as it knows
-    the ranges and the pages come in beside the tokenizer's build. The pages are the file's, as a fault would map them: what is
-    resident and shared does not change, only when. Where the kernel refuses (before Linux
+    the ranges and the pages come in beside the tokenizer's build. The pages are the file's,
+    as a fault would map them: what is resident and shared does not change, only when. Where the kernel refuses (before Linux
     5.14) the thread stops at the first range and the forward faults the pages in as before.
     The thread holds ``mapped`` (so the mapping) until it ends.
     """
