@@ -1,7 +1,9 @@
 """GGUF files side by side with llama.cpp (issue 33): load time, memory, decode and prefill.
 
 For each GGUF file, bargein (in ``--precision``) and llama.cpp (llama-cpp-python, where
-``import llama_cpp`` works) each run every measurement in a fresh process of its own:
+``import llama_cpp`` works) each run every measurement in a fresh process of its own, the
+two sides' processes of one measurement back to back (seconds apart, so that a ratio
+compares the two under the same load on the machine's memory):
 
 - load: process start to the first token of a fixed prompt, minus the side's import floor
   (a process that only imports torch, for bargein, or llama_cpp), page cache warm (every
@@ -26,11 +28,11 @@ replacing earlier rows of the same file and precision.
 
     python bench/bench_models.py [FILE.gguf ...] [--precision fast|exact] [--json PATH] [--quick]
 
-``--rounds N`` runs both sides N times in turn, the order swapped each round: on a VM whose
-host takes a share of its time, a file moves 20-25% between single runs on either side, and
-a ratio of two measurements made minutes apart carries both moves. Each side's value is then
-the median of its rounds and each ratio the median of the rounds' own ratios (the JSON lists
-every round as ``NAME_rounds``).
+``--rounds N`` runs every measurement N times on both sides, the order swapped each round:
+on a VM whose host takes a share of its time, a file moves 20-25% between single runs on
+either side (and the memory's speed by a third from one minute to the next), so each side's
+value is then the median of its rounds and each ratio the median of the rounds' own ratios
+(the JSON lists every round as ``NAME_rounds``).
 
 Any family bargein loads can be given; ``bench/make_family_gguf.py`` writes the random
 1B-class Qwen3 and Gemma 3 Q4_K_M files (converted and quantized by llama.cpp's own tools)
@@ -48,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -255,27 +258,49 @@ def prepare_bytecode(compiled: bool) -> None:
             shutil.rmtree(folder)
 
 
-def side_round(script: str, module: str, plans: dict[str, dict[str, Any]], common: dict[str, Any],
-               load_repeats: int) -> dict[str, Any]:
-    """One side's measurements once: each a fresh process (see the module doc)."""
+Side = tuple[str, str, str]  # (name, the child's script, the module its import floor imports)
+
+
+def interleaved_round(sides: list[Side], plans: dict[str, dict[str, Any]], common: dict[str, Any],
+                      load_repeats: int, failed: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Every measurement once per side, each a fresh process (see the module doc), the
+    sides' runs of one measurement back to back in the order of ``sides``: a ratio then
+    compares runs seconds apart, where a side's whole round took minutes (on these VMs the
+    memory's speed moves by a third from one minute to the next: a ratio of runs minutes
+    apart carried that). A side whose run fails gets its reason in ``failed`` and no more
+    runs; the others go on. Returns each side's measurements that did not fail."""
+    live = [side for side in sides if side[0] not in failed]
+
+    def each(args_of: Callable[[Side], tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+        got = {}
+        for side in list(live):
+            script, args = args_of(side)
+            try:
+                got[side[0]] = _run(script, args)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                failed[side[0]] = llama_failure(str(exc)) if side[0] == "llama.cpp" else str(exc)
+                live.remove(side)
+        return got
+
     # The floor is as noisy as a load (an import of torch varies by ~0.2 s between
     # processes): the median of as many runs, so that one slow or fast floor does
     # not move the load by its own noise.
-    floors = [_run(_FLOOR, {"module": module}) for _ in range(load_repeats)]
-    floor = {key: statistics.median(f[key] for f in floors) for key in ("seconds", "peak_mb")}
-    loads = [_run(script, {**common, **plans["load"]}) for _ in range(load_repeats)]
-    seen = list(loads)
-    out: dict[str, Any] = {"load_s": statistics.median(r["load_s"] for r in loads) - floor["seconds"]}
-    for name, plan in plans.items():
-        if name == "load":
-            continue
-        got = _run(script, {**common, **plan})
-        seen.append(got)
-        out[f"{name}_tok_s"] = got["tok_s"]
-        if name == "1_stream":
-            out["anon_mb"], out["file_mb"] = got["anon_mb"], got["file_mb"]
-    out["peak_above_floor_mb"] = max(r["peak_mb"] for r in seen) - floor["peak_mb"]
-    out["import_floor_s"], out["floor_mb"] = floor["seconds"], floor["peak_mb"]
+    floors = [each(lambda side: (_FLOOR, {"module": side[2]})) for _ in range(load_repeats)]
+    loads = [each(lambda side: (side[1], {**common, **plans["load"]})) for _ in range(load_repeats)]
+    runs = {name: each(lambda side, plan=plan: (side[1], {**common, **plan}))
+            for name, plan in plans.items() if name != "load"}
+    out = {}
+    for name, _, _ in live:
+        floor = {key: statistics.median(f[name][key] for f in floors) for key in ("seconds", "peak_mb")}
+        seen = [r[name] for r in loads] + [r[name] for r in runs.values()]
+        row: dict[str, Any] = {"load_s": statistics.median(r[name]["load_s"] for r in loads) - floor["seconds"]}
+        for measure, got in runs.items():
+            row[f"{measure}_tok_s"] = got[name]["tok_s"]
+        if "1_stream" in runs:
+            row["anon_mb"], row["file_mb"] = runs["1_stream"][name]["anon_mb"], runs["1_stream"][name]["file_mb"]
+        row["peak_above_floor_mb"] = max(r["peak_mb"] for r in seen) - floor["peak_mb"]
+        row["import_floor_s"], row["floor_mb"] = floor["seconds"], floor["peak_mb"]
+        out[name] = row
     return out
 
 
@@ -301,28 +326,24 @@ def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: 
                prefills: tuple[int, ...], llama: bool, bytecode: bool = True, rounds: int = 1) -> list[dict[str, Any]]:
     """Rows for one file: bargein's, llama.cpp's (or why not), and their ratios.
 
-    With ``rounds`` > 1 both sides run every measurement once per round, in turn, the
-    order swapped each round (a machine that slows for a minute slows both sides): a
-    side's value is the median of its rounds (each listed as ``NAME_rounds``), a ratio the
-    median of the rounds' own ratios."""
+    Each round runs every measurement on both sides back to back (interleaved_round), the
+    order swapped each round (a machine that slows for a minute slows both sides): with
+    ``rounds`` > 1 a side's value is the median of its rounds (each listed as
+    ``NAME_rounds``), a ratio the median of the rounds' own ratios."""
     Path(path).read_bytes()  # the page cache warm for both sides
     prepare_bytecode(bytecode)
     family = file_family(path)
     ids = text_ids(path, max(prefills + (LOAD_PROMPT + STREAM_PROMPT * 2 + 7 * streams,)))
     plans = measurements(ids, streams, answer, prefills)
-    sides = [("bargein", _BARGEIN, "torch")] + ([("llama.cpp", _LLAMA, "llama_cpp")] if llama else [])
+    sides: list[Side] = [("bargein", _BARGEIN, "torch")] + ([("llama.cpp", _LLAMA, "llama_cpp")] if llama else [])
     common = {"model": path, "threads": threads, "precision": precision, "bench": str(Path(__file__).parent),
               "cpu_threads": _torch_threads(), "bytecode": bytecode}
     results: dict[str, list[dict[str, Any]]] = {side: [] for side, _, _ in sides}
     failed: dict[str, str] = {}
     for number in range(rounds):
-        for side, script, module in (sides if number % 2 == 0 else sides[::-1]):
-            if side in failed:
-                continue
-            try:
-                results[side].append(side_round(script, module, plans, common, load_repeats))
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                failed[side] = llama_failure(str(exc)) if side == "llama.cpp" else str(exc)
+        got = interleaved_round(sides if number % 2 == 0 else sides[::-1], plans, common, load_repeats, failed)
+        for side, measured in got.items():
+            results[side].append(measured)
     base = {"file": Path(path).name, "family": family}
     rows = []
     for side, _, _ in sides:
