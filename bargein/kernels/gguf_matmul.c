@@ -248,6 +248,13 @@ typedef struct {
      * every m_j 1 and kd = max|x| / 127, so alo holds kq itself and ahi is NULL; else a step
      * per 32-block (Q6_K's) */
     int k_flat;
+    /* Q6_K's 512-bit tile pass (rows_k_zmm_t): per row and superblock 24 int32, the eight
+     * m_j then the sixteen offsets' starts -32 * S16_h, read as its broadcast operands;
+     * NULL where none runs. Widened by each pass from km and ks16 instead, once per row and
+     * superblock, the prologue took ~6% of the pass's samples (perf, Zen 4); widened here
+     * once per call, 0.95x the pass's time at 512 rows, 0.97x at 32 and at 8
+     * (bench/gemm_tile_ab.c, one thread, Zen 4). */
+    int32_t *kz; /* (m, k / 256 * 24) */
 } acts_t;
 
 /* Whether a K-chain type's activations take one step per superblock (acts_t's k_flat), as
@@ -834,6 +841,17 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize8_blocks_a
     _mm256_storeu_si256((__m256i *)(a->s16 + 2 * cell + 8), _mm256_permute2x128_si256(il, ih, 0x31));
 }
 
+/* A superblock's terms of Q6_K's 512-bit tile pass (acts_t's kz) into z: its multiples km
+ * and, from its sixteen S16 (sums16), the offsets' starts -32 * S16, as int32. */
+static inline TARGET_AVX2 __attribute__((always_inline)) void k_zmm_terms_avx2(const int16_t *km, __m256i sums16,
+                                                                               int32_t *z) {
+    _mm256_storeu_si256((__m256i *)z, _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)km)));
+    const __m256i halves[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums16)),
+                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums16, 1))};
+    for (int h = 0; h < 2; h++)
+        _mm256_storeu_si256((__m256i *)(z + 8 + 8 * h), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(halves[h], 5)));
+}
+
 /* quantize_rows on AVX2: the same values (the same float operations, round to nearest even). */
 static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
     const acts_t *a = (const acts_t *)arg;
@@ -865,8 +883,10 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                  * within 128-bit halves (blocks 0, 1 | 4, 5 and 2, 3 | 6, 7), and the pack's
                  * order (per half, its first operand's then its second's) puts them in order */
                 const __m256i sum_lo = hsum8x8_epi32(lo), sum_hi = hsum8x8_epi32(hi);
-                _mm256_storeu_si256((__m256i *)s16, _mm256_packs_epi32(_mm256_unpacklo_epi32(sum_lo, sum_hi),
-                                                                       _mm256_unpackhi_epi32(sum_lo, sum_hi)));
+                const __m256i sums16 = _mm256_packs_epi32(_mm256_unpacklo_epi32(sum_lo, sum_hi),
+                                                          _mm256_unpackhi_epi32(sum_lo, sum_hi));
+                _mm256_storeu_si256((__m256i *)s16, sums16);
+                if (a->kz) k_zmm_terms_avx2(km, sums16, a->kz + (r * (a->k / 256) + t) * 24);
                 const __m256i sum = _mm256_add_epi32(sum_lo, sum_hi);
                 _mm_storeu_si128((__m128i *)s32, _mm_packs_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1)));
                 a->kd[r * (a->k / 256) + t] = k_chain_unit(amax, a->k_flat);
@@ -2822,8 +2842,8 @@ static void run_tiles(void *arg, int index, int count) {
 
 /* a's K-chain arrays for its m rows of width k: kq .. ks32; kx where quads (the quad
  * pass), alo (and ahi, but where k_flat) where amx, kc16 where q6k_avx2 (Q6_K's AVX2 tile
- * pass). Returns 0, or -1 when memory could not be had. */
-static int k_acts_alloc(acts_t *a, int quads, int amx, int q6k_avx2) {
+ * pass), kz where q6k_zmm (its 512-bit one). Returns 0, or -1 when memory could not be had. */
+static int k_acts_alloc(acts_t *a, int quads, int amx, int q6k_avx2, int q6k_zmm) {
     const int64_t m = a->m, k = a->k;
     const size_t cells = (size_t)(m * a->nb > 0 ? m * a->nb : 1), bytes = (size_t)(m * k > 0 ? m * k : 1);
     a->kq = malloc(bytes);
@@ -2833,12 +2853,13 @@ static int k_acts_alloc(acts_t *a, int quads, int amx, int q6k_avx2) {
     a->ks32 = malloc(sizeof(int16_t) * cells);
     if (quads) a->kx = malloc(bytes);
     if (q6k_avx2) a->kc16 = malloc(sizeof(int32_t) * 2 * cells), a->kqh = malloc(bytes);
+    if (q6k_zmm) a->kz = malloc(sizeof(int32_t) * 3 * cells); /* 24 a superblock: 3 a 32-block */
     if (amx) {
         a->amx_stride = k + AMX_ROW_PAD;
         a->alo = malloc((size_t)(m * a->amx_stride));
         if (!a->k_flat) a->ahi = malloc((size_t)(m * a->amx_stride));
     }
-    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && (!a->kc16 || !a->kqh)) ||
+    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && (!a->kc16 || !a->kqh)) || (q6k_zmm && !a->kz) ||
                    (amx && (!a->alo || (!a->k_flat && !a->ahi)))
                ? -1
                : 0;
@@ -2852,6 +2873,7 @@ static void k_acts_free(acts_t *a) {
     free(a->ks32);
     free(a->kx);
     free(a->kc16);
+    free(a->kz);
     free(a->kqh);
     free(a->alo);
     free(a->ahi);
@@ -2912,6 +2934,8 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
 #ifdef GGUF_X86
     q6k_avx2 = !exact && has_q6_k && isa == ISA_AVX2 && m >= K_GEMM_MIN_ROWS;
 #endif
+    /* and on VNNI (rows_k_zmm_t), its terms widened once (kz) */
+    const int q6k_zmm = !exact && has_q6_k && isa == ISA_VNNI && m >= K_GEMM_MIN_ROWS;
     acts_t a = {x, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, m, k, nb, exact, NULL, NULL, NULL, NULL, NULL, NULL};
     acts_t af = a; /* Q4_K's and Q5_K's K chain */
     af.k_flat = 1;
@@ -2954,8 +2978,8 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
             if (tiles && has_signed && m >= (isa == ISA_VNNI ? SIGNED_MIN_ROWS_VNNI : SIGNED_MIN_ROWS_AVX2))
                 a.qu = malloc((size_t)(m * k > 0 ? m * k : 1));
         }
-        if (has_q6_k && k_acts_alloc(&a, 0, job.amx, q6k_avx2)) status = -1;
-        if (has_k_flat && k_acts_alloc(&af, quads, job.amx, 0)) status = -1;
+        if (has_q6_k && k_acts_alloc(&a, 0, job.amx, q6k_avx2, q6k_zmm)) status = -1;
+        if (has_k_flat && k_acts_alloc(&af, quads, job.amx, 0, 0)) status = -1;
     }
     job.tile_seg = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));
     job.tile_col = malloc(sizeof(int64_t) * (size_t)(num_tiles + 1));

@@ -57,23 +57,6 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_store_row(cons
     else _mm512_mask_storeu_ps(out, (__mmask16)((1u << cols) - 1), v);
 }
 
-/* Q6_K's per-row integers of a superblock, widened to int32 once per superblock and row so
- * that each 32-block reads them as broadcast loads (a vpmulld's folded operand) instead of
- * moving a scalar into a vector register per row and block: mult[r][j] = m_j of row r
- * (km: row 0's eight, `stride` apart) and off[r][h] = -32 * S16_h, the offset's start
- * (s16: row 0's sixteen). Built per half and row from the int16 sums, the offset's start
- * alone was ~9% of the 512-row pass (a timing-only build without it, bench/k_chain_cost.c).
- * Q4_K's and Q5_K's activations are flat (m_j = 1): they need neither. */
-static inline TARGET_VNNI __attribute__((always_inline)) void zmm_row_terms(const int16_t *km, const int16_t *s16,
-                                                                             int64_t stride, const int ROWS_N,
-                                                                             int32_t mult[][8], int32_t off[][16]) {
-    _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-        _mm256_store_si256((__m256i *)mult[r], _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(km + r * stride))));
-        const __m512i wide = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s16 + 2 * r * stride)));
-        _mm512_store_si512(off[r], _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(wide, 5)));
-    }
-}
-
 /* zmm_superblock_floats' steps for row r: acc += dk * (d * xd) (superblock 0: acc = 0 +
  * dk * (d * xd), acc unread), and with mins (MIN) the
  * mins' sum of mn * S32 over the eight 32-blocks (the activations are flat: m_j = 1), as
@@ -141,14 +124,14 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         __m512i dk[ZMM_ROWS_K];
         for (int r = 0; r < ROWS_N; r++) dk[r] = _mm512_setzero_si512();
-        int32_t mult[ZMM_ROWS_K][8] __attribute__((aligned(32))), off[ZMM_ROWS_K][16] __attribute__((aligned(64)));
-        if (!MIN) zmm_row_terms(a->km + r0 * (k / 32) + t * 8, a->ks16 + r0 * (k / 16) + t * 16, k / 32, ROWS_N, mult, off);
+        /* Q6_K: row r's terms of this superblock at z + r * supers * 24 (acts_t's kz) */
+        const int32_t *z = MIN ? NULL : a->kz + (r0 * supers + t) * 24;
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             __m512i dlo[ZMM_ROWS_K], dhi[ZMM_ROWS_K];
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-                dlo[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(off[r][2 * j]);
-                dhi[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(off[r][2 * j + 1]);
+                dlo[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[r * supers * 24 + 8 + 2 * j]);
+                dhi[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[r * supers * 24 + 9 + 2 * j]);
             }
             const __m512i *wb = tile + b * 8;
             const int8_t *xb = a->kq + r0 * k + 32 * b;
@@ -168,7 +151,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
             const __m512i sc1 = _mm512_loadu_si512(tl->psc + (2 * b + 1) * TILE);
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
                 const __m512i e = _mm512_add_epi32(_mm512_mullo_epi32(dlo[r], sc0), _mm512_mullo_epi32(dhi[r], sc1));
-                dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(e, _mm512_set1_epi32(mult[r][j])));
+                dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(e, _mm512_set1_epi32(z[r * supers * 24 + j])));
             }
         }
         zmm_superblock_floats(job, tl, r0, t, ROWS_N, MIN, dk, acc, 0);
