@@ -243,30 +243,32 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_zmm32_t(const
     for (int r = 0; r < ROWS_N; r++) zmm_store_row(job, r0 + r, j0, cols, acc[r]);
 }
 
-#define ZMM32_ROWS(KINDV, SIGNEDV)                                                                         \
+#define ZMM32_ROWS(KINDV, OFFV, SIGNEDV)                                                                   \
     switch (n) {                                                                                           \
-    case 8: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 8, KINDV, off, AHEAD, SIGNEDV); break;              \
-    case 7: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 7, KINDV, off, AHEAD, SIGNEDV); break;              \
-    case 6: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 6, KINDV, off, AHEAD, SIGNEDV); break;              \
-    case 5: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 5, KINDV, off, AHEAD, SIGNEDV); break;              \
-    case 4: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 4, KINDV, off, AHEAD, SIGNEDV); break;              \
-    case 3: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 3, KINDV, off, AHEAD, SIGNEDV); break;              \
-    case 2: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 2, KINDV, off, AHEAD, SIGNEDV); break;              \
-    default: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 1, KINDV, off, AHEAD, SIGNEDV);                    \
+    case 8: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 8, KINDV, OFFV, AHEAD, SIGNEDV); break;             \
+    case 7: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 7, KINDV, OFFV, AHEAD, SIGNEDV); break;             \
+    case 6: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 6, KINDV, OFFV, AHEAD, SIGNEDV); break;             \
+    case 5: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 5, KINDV, OFFV, AHEAD, SIGNEDV); break;             \
+    case 4: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 4, KINDV, OFFV, AHEAD, SIGNEDV); break;             \
+    case 3: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 3, KINDV, OFFV, AHEAD, SIGNEDV); break;             \
+    case 2: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 2, KINDV, OFFV, AHEAD, SIGNEDV); break;             \
+    default: rows_zmm32_t(job, tl, ahead, j0, cols, r0, 1, KINDV, OFFV, AHEAD, SIGNEDV);                   \
     }
 static inline TARGET_VNNI __attribute__((always_inline)) int rows_zmm32_a(const job_t *job, const tile_t *tl,
                                                                            const ahead_t *ahead, const qinfo_t *info,
                                                                            int64_t j0, int cols, int64_t r0, int rows,
                                                                            const int AHEAD) {
     const int off = info->off, n = rows < ZMM_ROWS_32 ? rows : ZMM_ROWS_32;
+    /* the kinds with mins have unsigned quants (offset 0, gguf_types.h): a constant 0 spares
+     * each row and block the start's scalar loads, multiply and broadcast */
     switch (info->kind) {
     case KIND_PLAIN:
-        if (job->a->qu && signed_tile(ISA_VNNI, info)) { ZMM32_ROWS(KIND_PLAIN, 1) } /* the tile made signed (sign_tile) */
-        else { ZMM32_ROWS(KIND_PLAIN, 0) }
+        if (job->a->qu && signed_tile(ISA_VNNI, info)) { ZMM32_ROWS(KIND_PLAIN, off, 1) } /* the tile made signed (sign_tile) */
+        else { ZMM32_ROWS(KIND_PLAIN, off, 0) }
         break;
-    case KIND_MIN: ZMM32_ROWS(KIND_MIN, 0) break;
-    case KIND_SPLIT: ZMM32_ROWS(KIND_SPLIT, 0) break;
-    default: ZMM32_ROWS(KIND_SPLIT_MIN, 0)
+    case KIND_MIN: ZMM32_ROWS(KIND_MIN, 0, 0) break;
+    case KIND_SPLIT: ZMM32_ROWS(KIND_SPLIT, off, 0) break;
+    default: ZMM32_ROWS(KIND_SPLIT_MIN, 0, 0)
     }
     return n;
 }
