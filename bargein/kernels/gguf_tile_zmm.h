@@ -264,6 +264,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) int rows_zmm32_a(const 
     switch (info->kind) {
     case KIND_PLAIN:
         if (job->a->qu && signed_tile(ISA_VNNI, info)) { ZMM32_ROWS(KIND_PLAIN, off, 1) } /* the tile made signed (sign_tile) */
+        else if (off == 8) { ZMM32_ROWS(KIND_PLAIN, 8, 0) } /* Q4_0 and Q8_0 below the signed tile's rows */
+        else if (off == 128) { ZMM32_ROWS(KIND_PLAIN, 128, 0) }
         else { ZMM32_ROWS(KIND_PLAIN, off, 0) }
         break;
     case KIND_MIN: ZMM32_ROWS(KIND_MIN, 0, 0) break;
