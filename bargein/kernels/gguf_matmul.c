@@ -249,8 +249,8 @@ typedef struct {
      * per 32-block (Q6_K's) */
     int k_flat;
     /* Q6_K's 512-bit tile pass (rows_k_zmm_t): per row and superblock 24 int32, the eight
-     * m_j then the sixteen offsets' starts -32 * S16_h, read as its broadcast operands;
-     * NULL where none runs. Widened by each pass from km and ks16 instead, once per row and
+     * m_j then the sixteen offsets' starts -32 * S16_h, read as its broadcast operands,
+     * written by quantize_rows_avx2 (the VNNI paths' quantizer); NULL where none runs. Widened by each pass from km and ks16 instead, once per row and
      * superblock, the prologue took ~6% of the pass's samples (perf, Zen 4); widened here
      * once per call, 0.95x the pass's time at 512 rows, 0.97x at 32 and at 8
      * (bench/gemm_tile_ab.c, one thread, Zen 4). */
@@ -2859,8 +2859,8 @@ static int k_acts_alloc(acts_t *a, int quads, int amx, int q6k_avx2, int q6k_zmm
         a->alo = malloc((size_t)(m * a->amx_stride));
         if (!a->k_flat) a->ahi = malloc((size_t)(m * a->amx_stride));
     }
-    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && (!a->kc16 || !a->kqh)) || (q6k_zmm && !a->kz) ||
-                   (amx && (!a->alo || (!a->k_flat && !a->ahi)))
+    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && (!a->kc16 || !a->kqh)) ||
+                   (q6k_zmm && !a->kz) || (amx && (!a->alo || (!a->k_flat && !a->ahi)))
                ? -1
                : 0;
 }

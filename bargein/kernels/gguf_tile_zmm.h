@@ -124,14 +124,15 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         __m512i dk[ZMM_ROWS_K];
         for (int r = 0; r < ROWS_N; r++) dk[r] = _mm512_setzero_si512();
-        /* Q6_K: row r's terms of this superblock at z + r * supers * 24 (acts_t's kz) */
-        const int32_t *z = MIN ? NULL : a->kz + (r0 * supers + t) * 24;
+        /* Q6_K: row r's terms of this superblock at z + r * z_row (acts_t's kz) */
+        const int64_t z_row = supers * 24;
+        const int32_t *z = MIN ? NULL : a->kz + r0 * z_row + t * 24;
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             __m512i dlo[ZMM_ROWS_K], dhi[ZMM_ROWS_K];
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-                dlo[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[r * supers * 24 + 8 + 2 * j]);
-                dhi[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[r * supers * 24 + 9 + 2 * j]);
+                dlo[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[r * z_row + 8 + 2 * j]);
+                dhi[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[r * z_row + 9 + 2 * j]);
             }
             const __m512i *wb = tile + b * 8;
             const int8_t *xb = a->kq + r0 * k + 32 * b;
@@ -151,7 +152,7 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
             const __m512i sc1 = _mm512_loadu_si512(tl->psc + (2 * b + 1) * TILE);
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
                 const __m512i e = _mm512_add_epi32(_mm512_mullo_epi32(dlo[r], sc0), _mm512_mullo_epi32(dhi[r], sc1));
-                dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(e, _mm512_set1_epi32(z[r * supers * 24 + j])));
+                dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(e, _mm512_set1_epi32(z[r * z_row + j])));
             }
         }
         zmm_superblock_floats(job, tl, r0, t, ROWS_N, MIN, dk, acc, 0);
@@ -264,7 +265,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) int rows_zmm32_a(const 
     switch (info->kind) {
     case KIND_PLAIN:
         if (job->a->qu && signed_tile(ISA_VNNI, info)) { ZMM32_ROWS(KIND_PLAIN, off, 1) } /* the tile made signed (sign_tile) */
-        else if (off == 8) { ZMM32_ROWS(KIND_PLAIN, 8, 0) } /* Q4_0 and Q8_0 below the signed tile's rows */
+        /* below the signed tile's rows: offsets 8 (Q4_0) and 128 (Q8_0, IQ4_NL, IQ4_XS) as constants */
+        else if (off == 8) { ZMM32_ROWS(KIND_PLAIN, 8, 0) }
         else if (off == 128) { ZMM32_ROWS(KIND_PLAIN, 128, 0) }
         else { ZMM32_ROWS(KIND_PLAIN, off, 0) }
         break;
