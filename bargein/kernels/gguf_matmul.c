@@ -165,6 +165,14 @@
  * of llama1b.Q4_K_M, 16 streams 118-120 -> 165-167 tok/s, the MoE file's 32 streams
  * 258-287 -> 314-321 (its experts see ~5 rows each; 6 and 8 measured the same there). */
 #define K_GEMM_MIN_ROWS 6
+/* From this many rows Q6_K's 512-bit tile pass reads its scales times each row's m from a
+ * table built per tile (q6k_scale_table): 16 products a 32-block and column, which only
+ * many rows' passes repay (bench/gemm_tile_ab.c, the 1B layer's shapes, one thread, Zen 4,
+ * time with the table over without: 1.031 at 64 rows, 1.001 at 128, 0.964 at 160, 0.955
+ * at 192, 0.947 at 512). -DQ6K_TABLE_MIN_ROWS=N moves it. */
+#ifndef Q6K_TABLE_MIN_ROWS
+#define Q6K_TABLE_MIN_ROWS 160
+#endif
 #define K_GROUP_ROWS_VNNI 4
 /* From this many rows the K chain's tile pass runs on AMX where the CPU has it (isa
  * ISA_AMX, gguf_tile_amx.h): its activations are laid out and each tile's quants scaled
@@ -248,13 +256,21 @@ typedef struct {
      * every m_j 1 and kd = max|x| / 127, so alo holds kq itself and ahi is NULL; else a step
      * per 32-block (Q6_K's) */
     int k_flat;
-    /* Q6_K's 512-bit tile pass (rows_k_zmm_t): per row and superblock 24 int32, the eight
-     * m_j then the sixteen offsets' starts -32 * S16_h, read as its broadcast operands,
-     * written by quantize_rows_avx2 (the VNNI paths' quantizer); NULL where none runs. Widened by each pass from km and ks16 instead, once per row and
-     * superblock, the prologue took ~6% of the pass's samples (perf, Zen 4); widened here
-     * once per call, 0.95x the pass's time at 512 rows, 0.97x at 32 and at 8
-     * (bench/gemm_tile_ab.c, one thread, Zen 4). */
-    int32_t *kz; /* (m, k / 256 * 24) */
+    /* Q6_K's 512-bit tile pass (rows_k_zmm_t), written by quantize_rows_avx2 (the VNNI
+     * paths' quantizer), NULL where none runs; both per group of eight rows (the pass's
+     * rows, from a multiple of 8), so that the pass addresses its eight rows from one
+     * pointer (GCC kept eight row pointers and spilled the terms' to the stack):
+     * - kz, per superblock 24 int32 terms, the eight m_j then the sixteen offsets' starts
+     *   -32 * S16_h, read as its broadcast operands; term i of row R's superblock t at
+     *   ((R / 8) * (k / 256) + t) * 192 + i * 8 + R % 8. Widened by each pass from km and
+     *   ks16 instead, once per row and superblock, the prologue took ~6% of the pass's
+     *   samples (perf, Zen 4): 0.95x the pass's time at 512 rows, 0.97x at 32 and at 8;
+     * - kq8, kq with a group's rows side by side per 32-block: row R's 32-block b at
+     *   ((R / 8) * (k / 32) + b) * 256 + (R % 8) * 32.
+     * Both against row-major arrays, 0.96x the pass's time at 512 rows (bench/gemm_tile_ab.c,
+     * one thread, Zen 4). */
+    int32_t *kz; /* (m rounded up to 8, k / 256 * 24) */
+    int8_t *kq8; /* (m rounded up to 8, k) */
 } acts_t;
 
 /* Whether a K-chain type's activations take one step per superblock (acts_t's k_flat), as
@@ -368,6 +384,7 @@ typedef struct {
      * scratch of sub_bytes within the thread's */
     int64_t sub_bytes;
     int amx_set; /* tiles per item: 1 .. AMX_SET_TILES, within AMX_SET_BYTES and AMX_SET_ITEMS */
+    int64_t q6k_table_at; /* where a tile's scratch holds tile_t's q6k_table (bytes), or 0: none */
 } job_t;
 
 static inline const uint8_t *column_row(const bargein_qseg_t *seg, int64_t i) {
@@ -841,15 +858,18 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void quantize8_blocks_a
     _mm256_storeu_si256((__m256i *)(a->s16 + 2 * cell + 8), _mm256_permute2x128_si256(il, ih, 0x31));
 }
 
-/* A superblock's terms of Q6_K's 512-bit tile pass (acts_t's kz) into z: its multiples km
- * and, from its sixteen S16 (sums16), the offsets' starts -32 * S16, as int32. */
+/* A superblock's terms of Q6_K's 512-bit tile pass (acts_t's kz) for the row at `lane` of
+ * its group, into z (the group's terms of that superblock): its multiples km and, from its
+ * sixteen S16 (sums16), the offsets' starts -32 * S16, as int32, term i at z[i * 8 + lane]. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void k_zmm_terms_avx2(const int16_t *km, __m256i sums16,
-                                                                               int32_t *z) {
-    _mm256_storeu_si256((__m256i *)z, _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)km)));
+                                                                               int lane, int32_t *z) {
+    int32_t terms[24];
+    _mm256_storeu_si256((__m256i *)terms, _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)km)));
     const __m256i halves[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums16)),
                                _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums16, 1))};
     for (int h = 0; h < 2; h++)
-        _mm256_storeu_si256((__m256i *)(z + 8 + 8 * h), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(halves[h], 5)));
+        _mm256_storeu_si256((__m256i *)(terms + 8 + 8 * h), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(halves[h], 5)));
+    for (int i = 0; i < 24; i++) z[i * 8 + lane] = terms[i];
 }
 
 /* quantize_rows on AVX2: the same values (the same float operations, round to nearest even). */
@@ -886,7 +906,11 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                 const __m256i sums16 = _mm256_packs_epi32(_mm256_unpacklo_epi32(sum_lo, sum_hi),
                                                           _mm256_unpackhi_epi32(sum_lo, sum_hi));
                 _mm256_storeu_si256((__m256i *)s16, sums16);
-                if (a->kz) k_zmm_terms_avx2(km, sums16, a->kz + (r * (a->k / 256) + t) * 24);
+                if (a->kz) {
+                    k_zmm_terms_avx2(km, sums16, r % 8, a->kz + (r / 8 * (a->k / 256) + t) * 192);
+                    int8_t *kq8 = a->kq8 + (r / 8 * (a->k / 32) + t * 8) * 256 + r % 8 * 32;
+                    for (int j = 0; j < 8; j++) _mm256_storeu_si256((__m256i *)(kq8 + 256 * j), _mm256_loadu_si256((const __m256i *)(kq + 32 * j)));
+                }
                 const __m256i sum = _mm256_add_epi32(sum_lo, sum_hi);
                 _mm_storeu_si128((__m128i *)s32, _mm_packs_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1)));
                 a->kd[r * (a->k / 256) + t] = k_chain_unit(amax, a->k_flat);
@@ -920,6 +944,7 @@ typedef struct {
     float *ps, *pm;
     int32_t *psc, *pmn;
     uint8_t *amx_lo, *amx_hi; /* the AMX pass's weights (scale times quant) as low and high bytes (gguf_tile_amx.h), or NULL */
+    int32_t *q6k_table; /* Q6_K's scales times each multiple m (q6k_scale_table: 32 * TILE int32 a 32-block), or NULL */
 } tile_t;
 
 static tile_t tile_scratch_sub(const job_t *job, int index, int sub) {
@@ -934,6 +959,7 @@ static tile_t tile_scratch_sub(const job_t *job, int index, int sub) {
     t.pmn = t.psc + 2 * nb * TILE;
     t.amx_lo = job->amx_at ? base + job->amx_at : NULL;
     t.amx_hi = job->amx_at ? t.amx_lo + TILE * k : NULL;
+    t.q6k_table = job->q6k_table_at ? (int32_t *)(base + job->q6k_table_at) : NULL;
     return t;
 }
 
@@ -2785,8 +2811,12 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
         return;
     }
 #endif
-    const tile_t tl = tile_scratch(job, index);
+    tile_t tl = tile_scratch(job, index);
     build_tile(job, &tl, seg, &info, col0);
+#ifdef GGUF_VNNI
+    if (tl.q6k_table && seg->type == T_Q6_K) q6k_scale_table(job, &tl);
+    else tl.q6k_table = NULL;
+#endif
     /* (an abs_tiled tile got its signs' masks, |q| and their terms as it was built) */
     if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off);
     ahead_t ahead[2];
@@ -2853,14 +2883,18 @@ static int k_acts_alloc(acts_t *a, int quads, int amx, int q6k_avx2, int q6k_zmm
     a->ks32 = malloc(sizeof(int16_t) * cells);
     if (quads) a->kx = malloc(bytes);
     if (q6k_avx2) a->kc16 = malloc(sizeof(int32_t) * 2 * cells), a->kqh = malloc(bytes);
-    if (q6k_zmm) a->kz = malloc(sizeof(int32_t) * 3 * cells); /* 24 a superblock: 3 a 32-block */
+    if (q6k_zmm) { /* in groups of eight rows, the last one's rows past m never read */
+        const size_t groups = (size_t)((m + 7) / 8 > 0 ? (m + 7) / 8 : 1);
+        a->kz = malloc(sizeof(int32_t) * 3 * 8 * (size_t)a->nb * groups); /* 24 a superblock: 3 a 32-block */
+        a->kq8 = malloc((size_t)(8 * k) * groups);
+    }
     if (amx) {
         a->amx_stride = k + AMX_ROW_PAD;
         a->alo = malloc((size_t)(m * a->amx_stride));
         if (!a->k_flat) a->ahi = malloc((size_t)(m * a->amx_stride));
     }
     return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && (!a->kc16 || !a->kqh)) ||
-                   (q6k_zmm && !a->kz) || (amx && (!a->alo || (!a->k_flat && !a->ahi)))
+                   (q6k_zmm && (!a->kz || !a->kq8)) || (amx && (!a->alo || (!a->k_flat && !a->ahi)))
                ? -1
                : 0;
 }
@@ -2874,6 +2908,7 @@ static void k_acts_free(acts_t *a) {
     free(a->kx);
     free(a->kc16);
     free(a->kz);
+    free(a->kq8);
     free(a->kqh);
     free(a->alo);
     free(a->ahi);
@@ -2965,6 +3000,10 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
         set = set < spread ? set : spread;
         job.amx_set = (int)(set < 1 ? 1 : set > AMX_SET_TILES ? AMX_SET_TILES : set);
         job.scratch_bytes *= job.amx_set;
+    }
+    if (q6k_zmm && !job.amx && m >= Q6K_TABLE_MIN_ROWS) { /* tile_t's q6k_table */
+        job.q6k_table_at = job.scratch_bytes;
+        job.scratch_bytes += (int64_t)sizeof(int32_t) * 32 * TILE * nb;
     }
     job.k_group_rows = k_group_rows;
     int status = 0;

@@ -114,7 +114,8 @@ static inline TARGET_VNNI __attribute__((always_inline)) void zmm_superblock_flo
  * then the superblock's one or two float steps. */
 static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const job_t *job, const tile_t *tl,
                                                                             const ahead_t *ahead, int64_t j0, int cols,
-                                                                            int64_t r0, const int ROWS_N, const int MIN) {
+                                                                            int64_t r0, const int ROWS_N, const int MIN,
+                                                                            const int TABLE) {
     const acts_t *a = job->a;
     const int64_t k = job->k, supers = k / 256;
     const __m512i *tile = (const __m512i *)tl->tile;
@@ -124,23 +125,24 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
         if (ahead) prefetch_step(ahead, t), prefetch_step(ahead + 1, t);
         __m512i dk[ZMM_ROWS_K];
         for (int r = 0; r < ROWS_N; r++) dk[r] = _mm512_setzero_si512();
-        /* Q6_K: row r's terms of this superblock at z + r * z_row (acts_t's kz) */
-        const int64_t z_row = supers * 24;
-        const int32_t *z = MIN ? NULL : a->kz + r0 * z_row + t * 24;
+        /* Q6_K: term i of row r's superblock at z[i * 8 + r] (acts_t's kz) */
+        const int32_t *z = MIN ? NULL : a->kz + (r0 / 8 * supers + t) * 192;
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             __m512i dlo[ZMM_ROWS_K], dhi[ZMM_ROWS_K];
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-                dlo[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[r * z_row + 8 + 2 * j]);
-                dhi[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[r * z_row + 9 + 2 * j]);
+                dlo[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[(8 + 2 * j) * 8 + r]);
+                dhi[r] = MIN ? _mm512_setzero_si512() : _mm512_set1_epi32(z[(9 + 2 * j) * 8 + r]);
             }
             const __m512i *wb = tile + b * 8;
-            const int8_t *xb = a->kq + r0 * k + 32 * b;
+            /* row r's 32-block at xb + r * stride (Q6_K: acts_t's kq8, its group's rows side by side) */
+            const int8_t *xb = MIN ? a->kq + r0 * k + 32 * b : a->kq8 + (r0 / 8 * (k / 32) + b) * 256;
+            const int64_t stride = MIN ? k : 32;
             _Pragma("GCC unroll 8") for (int g = 0; g < 8; g++) {
                 const __m512i w = _mm512_load_si512(wb + g);
                 _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
-                    if (!MIN && g >= 4) dhi[r] = dpbusd_bcst(dhi[r], w, xb + r * k + 4 * g);
-                    else dlo[r] = dpbusd_bcst(dlo[r], w, xb + r * k + 4 * g);
+                    if (!MIN && g >= 4) dhi[r] = dpbusd_bcst(dhi[r], w, xb + r * stride + 4 * g);
+                    else dlo[r] = dpbusd_bcst(dlo[r], w, xb + r * stride + 4 * g);
                 }
             }
             const __m512i sc0 = _mm512_loadu_si512(tl->psc + 2 * b * TILE);
@@ -149,10 +151,20 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
                     dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(dlo[r], sc0));
                 continue;
             }
+            if (TABLE) { /* the halves' scales times the row's m, ready in the tile's table */
+                const int32_t *by_m = tl->q6k_table + (b * 16 - 1) * 2 * TILE; /* m from 1 */
+                _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
+                    const int32_t *scm = by_m + z[j * 8 + r] * 2 * TILE;
+                    const __m512i e = _mm512_add_epi32(_mm512_mullo_epi32(dlo[r], _mm512_load_si512(scm)),
+                                                       _mm512_mullo_epi32(dhi[r], _mm512_load_si512(scm + TILE)));
+                    dk[r] = _mm512_add_epi32(dk[r], e);
+                }
+                continue;
+            }
             const __m512i sc1 = _mm512_loadu_si512(tl->psc + (2 * b + 1) * TILE);
             _Pragma("GCC unroll 8") for (int r = 0; r < ROWS_N; r++) {
                 const __m512i e = _mm512_add_epi32(_mm512_mullo_epi32(dlo[r], sc0), _mm512_mullo_epi32(dhi[r], sc1));
-                dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(e, _mm512_set1_epi32(z[r * z_row + j])));
+                dk[r] = _mm512_add_epi32(dk[r], _mm512_mullo_epi32(e, _mm512_set1_epi32(z[j * 8 + r])));
             }
         }
         zmm_superblock_floats(job, tl, r0, t, ROWS_N, MIN, dk, acc, 0);
@@ -160,12 +172,29 @@ static inline TARGET_VNNI __attribute__((always_inline)) void rows_k_zmm_t(const
     for (int r = 0; r < ROWS_N; r++) zmm_store_row(job, r0 + r, j0, cols, _mm512_load_ps(acc[r]));
 }
 
-/* Returns the rows done. ahead: NULL, or the plans (two, one per eight columns) of the
- * next tile's blocks, fetched a part per superblock. */
+/* Q6_K's table for a tile (tile_t's q6k_table): per 32-block b, multiple m (1 .. 16) and
+ * half h, the 16 columns' scales times m at ((b * 16 + m - 1) * 2 + h) * TILE, each made
+ * by adding the scales m times (exact). With it the pass multiplies a row's two half sums
+ * by ready products where it multiplied them by the scales and their sum by m: two
+ * vpmulld per row and 32-block instead of three, each taking a vpdpbusd's slot on a Zen 4. */
+static TARGET_VNNI void q6k_scale_table(const job_t *job, const tile_t *tl) {
+    for (int64_t i = 0; i < 2 * job->nb; i++) {
+        const __m512i sc = _mm512_loadu_si512(tl->psc + i * TILE);
+        int32_t *out = tl->q6k_table + (i / 2 * 32 + i % 2) * TILE;
+        __m512i times = sc;
+        for (int m = 0; m < 16; m++, times = _mm512_add_epi32(times, sc)) _mm512_store_si512(out + m * 2 * TILE, times);
+    }
+}
+
+/* Returns the rows done: ROWS_N (at most ZMM_ROWS_K) from r0, a multiple of 8 (Q6_K's
+ * activations come in groups of eight rows: acts_t's kz, kq8). ahead: NULL, or the plans
+ * (two, one per eight columns) of the next tile's blocks, fetched a part per superblock. */
 static TARGET_VNNI int rows_k_zmm(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type, int64_t j0,
                                   int cols, int64_t r0, int rows) {
 #define K_ZMM(N)                                                                                           \
-    (type != T_Q6_K ? rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 1) : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 0))
+    (type != T_Q6_K      ? rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 1, 0)                             \
+     : tl->q6k_table ? rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 0, 1)                             \
+                         : rows_k_zmm_t(job, tl, ahead, j0, cols, r0, N, 0, 0))
     const int n = rows < ZMM_ROWS_K ? rows : ZMM_ROWS_K;
     switch (n) {
     case 8: K_ZMM(8); break;

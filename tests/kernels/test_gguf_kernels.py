@@ -245,17 +245,19 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
     """The K chain's many-row tile passes (from 6 rows) take rows 8 at a time on VNNI and 4
     on AVX2 (every type): 6 .. 13 and 24 .. 31 rows end in every remainder of each
     (6 and 7: a tile read by one short pass), and the first pass over
-    each tile fetches the next one's blocks (across segments and row orders here). From 64
-    rows the VNNI pass of Q4_K/Q5_K reads each row's scale x m from a table built per
-    tile: 64 .. 71 rows end in every remainder there too."""
+    each tile fetches the next one's blocks (across segments and row orders here); 64 .. 71
+    rows end in every remainder of several passes. On VNNI, Q6_K's pass reads its rows'
+    activations and terms in groups of eight rows (a short last group at 4 .. 7 rows and
+    in every remainder), and from 160 rows its scales times each row's m from a table
+    built per tile: 160 .. 167 rows end in every remainder there."""
     rng = rng_for("k-tails")
     k = 512
     weight = QuantWeight.cat_rows([random_weight(T.Q4_K, 21, k, rng, order=True), random_weight(T.Q6_K, 19, k, rng),
                                    random_weight(T.Q5_K, 17, k, rng, order=True)])
     matrix = describe_quant(weight)
-    x = torch.from_numpy(with_outliers(rng.standard_normal((71, k)).astype(np.float32)))
+    x = torch.from_numpy(with_outliers(rng.standard_normal((167, k)).astype(np.float32)))
     base = KERNELS.quant_matmul(x, matrix, 1, isa="c")
-    for m in [*range(4, 14), *range(24, 32), *range(64, 72)]:
+    for m in [*range(4, 14), *range(24, 32), *range(64, 72), *range(160, 168)]:
         for threads in (1, 2):
             assert torch.equal(KERNELS.quant_matmul(x[:m].contiguous(), matrix, threads, isa=isa), base[:m]), (m, threads)
 
