@@ -173,6 +173,17 @@
 #ifndef Q6K_TABLE_MIN_ROWS
 #define Q6K_TABLE_MIN_ROWS 160
 #endif
+/* The same on AVX2 (q6k_pair_table, int16 pairs: 1 KB a 32-block), from fewer rows since
+ * its passes take four rows, not eight, and up to k = 4,096: with the down projection's
+ * 8,192 the table (256 KB) is read from L2 by every pass (gemm_tile_ab.c, AVX2 path on the
+ * Zen 4, table / none: 1.011 at 32 rows, 0.991 at 64, 0.972 at 96, 0.974 at 128, 0.965 at
+ * 160; at 512 rows and k = 8,192 1.069). */
+#ifndef Q6K_PAIR_TABLE_MIN_ROWS
+#define Q6K_PAIR_TABLE_MIN_ROWS 96
+#endif
+#ifndef Q6K_PAIR_TABLE_MAX_K
+#define Q6K_PAIR_TABLE_MAX_K 4096
+#endif
 #define K_GROUP_ROWS_VNNI 4
 /* From this many rows the K chain's tile pass runs on AMX where the CPU has it (isa
  * ISA_AMX, gguf_tile_amx.h): its activations are laid out and each tile's quants scaled
@@ -241,9 +252,14 @@ typedef struct {
      * 32-block, bytes 4g .. 4g + 3 are kq's 2g, 2g + 1, 16 + 2g, 17 + 2g), and per quarter
      * of it (groups 0-3, 4-7) its offset's part of each int16 lane of a maddubs sum: -32 *
      * (the sum of its values from the first half; from the second half) as two int16 in one
-     * int32 (|.| <= 32 * 8 * 127); NULL where none runs */
-    int8_t *kqh;   /* (m, k) */
-    int32_t *kc16; /* (m, k / 16) */
+     * int32 (|.| <= 32 * 8 * 127); NULL where none runs. Both, and a copy of km (km4),
+     * per group of four rows (the pass's rows, from a multiple of 4), so that the pass
+     * addresses its rows from one pointer: row R's 32-block b of kqh at ((R / 4) * (k / 32)
+     * + b) * 128 + (R % 4) * 32, its entry i of kc16 at ((R / 4) * (k / 16) + i) * 4 + R % 4,
+     * of km4 at ((R / 4) * (k / 32) + i) * 4 + R % 4 */
+    int8_t *kqh;   /* (m rounded up to 4, k) */
+    int32_t *kc16; /* (m rounded up to 4, k / 16) */
+    int16_t *km4;  /* (m rounded up to 4, k / 32) */
     /* q + 128 as unsigned bytes, for the signed tile passes of the plain kinds (signed_tile:
      * activations unsigned, the tile's quants signed); NULL where none runs */
     uint8_t *qu; /* (m, k) */
@@ -797,14 +813,15 @@ static inline TARGET_AVX2 __attribute__((always_inline)) __m256i halves_order32(
 /* A 32-block's two quarters' offsets for Q6_K's AVX2 tile pass (acts_t's kc16), from its
  * bytes in halves order kh: per quarter (bytes 0-15, 16-31 of kh), the sums of its values
  * from the first half and from the second, times -32, as two int16 in one int32. */
-static inline TARGET_AVX2 __attribute__((always_inline)) void q6k_offsets32_avx2(__m256i kh, int32_t *kc16) {
+static inline TARGET_AVX2 __attribute__((always_inline)) void q6k_offsets32_avx2(__m256i kh, int32_t *kc16,
+                                                                                 int64_t stride) {
     /* pairs of bytes (2i, 2i + 1) summed; each int32 lane then holds one (first half, second
      * half) pair of sums, and the two shuffles add a quarter's four lanes int16 by int16 */
     const __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi8(1), kh);
     __m256i s = _mm256_add_epi16(p, _mm256_shuffle_epi32(p, 0x4E));
     s = _mm256_mullo_epi16(_mm256_add_epi16(s, _mm256_shuffle_epi32(s, 0xB1)), _mm256_set1_epi16(-32));
     kc16[0] = _mm256_cvtsi256_si32(s);
-    kc16[1] = _mm256_extract_epi32(s, 4);
+    kc16[stride] = _mm256_extract_epi32(s, 4);
 }
 
 /* The 4 x 4 transpose of 64-bit words: qword p of v[s] is qword s of src[p]. */
@@ -895,8 +912,10 @@ static TARGET_AVX2 void quantize_rows_avx2(void *arg, int index, int count) {
                     if (alo && !a->k_flat) amx_split32_avx2(kq + 32 * j, km[j], alo, a->ahi + r * a->amx_stride + t * 256 + 32 * j);
                     if (a->kqh) {
                         const __m256i kh = halves_order32(_mm256_loadu_si256((const __m256i *)(kq + 32 * j)));
-                        _mm256_storeu_si256((__m256i *)(a->kqh + r * a->k + t * 256 + 32 * j), kh);
-                        q6k_offsets32_avx2(kh, a->kc16 + r * (a->k / 16) + t * 16 + 2 * j);
+                        const int64_t group = r / 4, lane = r % 4, b = t * 8 + j; /* acts_t's groups of four rows */
+                        _mm256_storeu_si256((__m256i *)(a->kqh + (group * (a->k / 32) + b) * 128 + lane * 32), kh);
+                        q6k_offsets32_avx2(kh, a->kc16 + (group * (a->k / 16) + 2 * b) * 4 + lane, 4);
+                        a->km4[(group * (a->k / 32) + b) * 4 + lane] = km[j];
                     }
                 }
                 /* the eight blocks' S_lo, S_hi as int16 (|S| <= 16 * 127): the unpacks interleave
@@ -944,7 +963,7 @@ typedef struct {
     float *ps, *pm;
     int32_t *psc, *pmn;
     uint8_t *amx_lo, *amx_hi; /* the AMX pass's weights (scale times quant) as low and high bytes (gguf_tile_amx.h), or NULL */
-    int32_t *q6k_table; /* Q6_K's scales times each multiple m (q6k_scale_table: 32 * TILE int32 a 32-block), or NULL */
+    int32_t *q6k_table; /* Q6_K's scales times each multiple m, or NULL: VNNI q6k_scale_table, AVX2 q6k_pair_table */
 } tile_t;
 
 static tile_t tile_scratch_sub(const job_t *job, int index, int sub) {
@@ -1394,10 +1413,15 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(c
  * * 2,048 * 16 * 32 * 127 < 2^31), so the wrapped sum is D: the same bits. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(const job_t *job, const tile_t *tl,
                                                                                const ahead_t *ahead, int64_t j0,
-                                                                               int cols, int64_t r0, const int ROWS_N) {
+                                                                               int cols, int64_t r0, const int ROWS_N,
+                                                                               const int TABLE) {
     const acts_t *a = job->a;
     const int64_t k = job->k, supers = k / 256;
     const __m256i *tile = (const __m256i *)tl->tile;
+    /* the rows' group (acts_t's kqh, kc16, km4): row r at + r, + 32 r in a block */
+    const int8_t *kqh = a->kqh + r0 / 4 * 4 * k;
+    const int32_t *kc16 = a->kc16 + r0 / 4 * 4 * (k / 16);
+    const int16_t *km4 = a->km4 + r0 / 4 * 4 * (k / 32);
     /* in memory, updated once per superblock, as rows_k16_avx2_t's */
     float acc[K_ROWS_AVX2][TILE] __attribute__((aligned(32)));
     memset(acc, 0, sizeof(acc));
@@ -1408,22 +1432,31 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             const __m256i *wb = tile + b * 16;
-            /* the block's pairs of sc times the row's m, for both quarters */
+            /* the block's pairs of sc times the row's m, for both quarters (TABLE: ready in the
+             * tile's table, q6k_pair_table) */
             __m256i scm[K_ROWS_AVX2][2];
-            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
-                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
-                    scm[r][v] = _mm256_mullo_epi16(pair, _mm256_set1_epi16(a->km[(r0 + r) * (k / 32) + b]));
+            if (TABLE) {
+                const __m256i *by_m = (const __m256i *)tl->q6k_table + (b * 16 - 1) * 2; /* m from 1 */
+                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
+                    const __m256i *pairs = by_m + km4[4 * b + r] * 2;
+                    scm[r][0] = _mm256_load_si256(pairs), scm[r][1] = _mm256_load_si256(pairs + 1);
+                }
+            } else {
+                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                    const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
+                    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
+                        scm[r][v] = _mm256_mullo_epi16(pair, _mm256_set1_epi16(km4[4 * b + r]));
+                }
             }
             _Pragma("GCC unroll 2") for (int q = 0; q < 2; q++) {
                 __m256i sum[K_ROWS_AVX2][2]; /* [row][v]: the quarter's int16 sums, from the row's offsets */
                 _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
-                    sum[r][0] = sum[r][1] = _mm256_set1_epi32(a->kc16[(r0 + r) * (k / 16) + 2 * b + q]);
+                    sum[r][0] = sum[r][1] = _mm256_set1_epi32(kc16[(2 * b + q) * 4 + r]);
                 _Pragma("GCC unroll 4") for (int g = 4 * q; g < 4 * q + 4; g++) {
                     __m256i w0 = _mm256_load_si256(wb + 2 * g), w1 = _mm256_load_si256(wb + 2 * g + 1);
                     in_order(&w0), in_order(&w1); /* in registers for every row: as rows_k16_avx2_t */
                     _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
-                        group_pairs_avx2(a->kqh + (r0 + r) * k + 32 * b + 4 * g, w0, w1, 0, sum[r]);
+                        group_pairs_avx2(kqh + 128 * b + 32 * r + 4 * g, w0, w1, 0, sum[r]);
                 }
                 _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++)
                     _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
@@ -1443,6 +1476,21 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
     }
     for (int r = 0; r < ROWS_N; r++)
         store_tile_row(job->y + (r0 + r) * job->n + j0, cols, _mm256_load_ps(acc[r]), _mm256_load_ps(acc[r] + 8));
+}
+
+/* Q6_K's table for a tile on AVX2 (tile_t's q6k_table): per 32-block b, multiple m (1 ..
+ * 16) and v (columns 8v .. 8v + 7), the block's pairs of sc (the pmn panel) times m as
+ * int16 (|sc m| <= 2,048) at vector (b * 16 + m - 1) * 2 + v, each made by adding the pairs
+ * m times (the low 16 bits of the product, as the multiply gives them). With it the pass
+ * loads a row's two vectors where it multiplied the pairs by the row's m (two vpmullw per
+ * row and 32-block on the multiply ports). */
+static TARGET_AVX2 void q6k_pair_table(const job_t *job, const tile_t *tl) {
+    for (int64_t b = 0; b < job->nb; b++)
+        for (int v = 0; v < 2; v++) {
+            const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
+            __m256i *out = (__m256i *)tl->q6k_table + b * 32 + v, times = pair;
+            for (int m = 0; m < 16; m++, times = _mm256_add_epi16(times, pair)) _mm256_store_si256(out + 2 * m, times);
+        }
 }
 
 /* Q4_K and Q5_K's AVX2 pass (the header's D and M, their activations flat: m = 1): a
@@ -1538,7 +1586,7 @@ static TARGET_AVX2 int rows_k_avx2(const job_t *job, const tile_t *tl, const ahe
     }
 #define Q4K_PASS(N) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, N, 1)
 #define Q5K_PASS(N) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, N, 2)
-#define Q6K_PASS(N) rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, N)
+#define Q6K_PASS(N) (tl->q6k_table ? rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, N, 1) : rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, N, 0))
     if (type == T_Q4_K) {
         BY_ROWS(Q4K_PASS)
     } else if (type == T_Q5_K) {
@@ -2813,10 +2861,15 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
 #endif
     tile_t tl = tile_scratch(job, index);
     build_tile(job, &tl, seg, &info, col0);
+    if (tl.q6k_table && seg->type == T_Q6_K) {
 #ifdef GGUF_VNNI
-    if (tl.q6k_table && seg->type == T_Q6_K) q6k_scale_table(job, &tl);
-    else tl.q6k_table = NULL;
+        if (job->isa == ISA_VNNI) q6k_scale_table(job, &tl);
+        else
 #endif
+            q6k_pair_table(job, &tl);
+    } else {
+        tl.q6k_table = NULL;
+    }
     /* (an abs_tiled tile got its signs' masks, |q| and their terms as it was built) */
     if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off);
     ahead_t ahead[2];
@@ -2882,7 +2935,12 @@ static int k_acts_alloc(acts_t *a, int quads, int amx, int q6k_avx2, int q6k_zmm
     a->ks16 = malloc(sizeof(int16_t) * 2 * cells);
     a->ks32 = malloc(sizeof(int16_t) * cells);
     if (quads) a->kx = malloc(bytes);
-    if (q6k_avx2) a->kc16 = malloc(sizeof(int32_t) * 2 * cells), a->kqh = malloc(bytes);
+    if (q6k_avx2) { /* in groups of four rows, the last one's rows past m never read */
+        const size_t rows4 = (size_t)((m + 3) / 4 * 4 > 0 ? (m + 3) / 4 * 4 : 4);
+        a->kc16 = malloc(sizeof(int32_t) * (size_t)(k / 16) * rows4);
+        a->kqh = malloc((size_t)k * rows4);
+        a->km4 = malloc(sizeof(int16_t) * (size_t)(k / 32) * rows4);
+    }
     if (q6k_zmm) { /* in groups of eight rows, the last one's rows past m never read */
         const size_t groups = (size_t)((m + 7) / 8 > 0 ? (m + 7) / 8 : 1);
         a->kz = malloc(sizeof(int32_t) * 3 * 8 * (size_t)a->nb * groups); /* 24 a superblock: 3 a 32-block */
@@ -2893,7 +2951,7 @@ static int k_acts_alloc(acts_t *a, int quads, int amx, int q6k_avx2, int q6k_zmm
         a->alo = malloc((size_t)(m * a->amx_stride));
         if (!a->k_flat) a->ahi = malloc((size_t)(m * a->amx_stride));
     }
-    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && (!a->kc16 || !a->kqh)) ||
+    return !a->kq || !a->kd || !a->km || !a->ks16 || !a->ks32 || (quads && !a->kx) || (q6k_avx2 && (!a->kc16 || !a->kqh || !a->km4)) ||
                    (q6k_zmm && (!a->kz || !a->kq8)) || (amx && (!a->alo || (!a->k_flat && !a->ahi)))
                ? -1
                : 0;
@@ -2910,6 +2968,7 @@ static void k_acts_free(acts_t *a) {
     free(a->kz);
     free(a->kq8);
     free(a->kqh);
+    free(a->km4);
     free(a->alo);
     free(a->ahi);
 }
@@ -3001,7 +3060,9 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
         job.amx_set = (int)(set < 1 ? 1 : set > AMX_SET_TILES ? AMX_SET_TILES : set);
         job.scratch_bytes *= job.amx_set;
     }
-    if (q6k_zmm && !job.amx && m >= Q6K_TABLE_MIN_ROWS) { /* tile_t's q6k_table */
+    if (((q6k_zmm && m >= Q6K_TABLE_MIN_ROWS) || (q6k_avx2 && m >= Q6K_PAIR_TABLE_MIN_ROWS && k <= Q6K_PAIR_TABLE_MAX_K)) &&
+        !job.amx) {
+        /* tile_t's q6k_table: 2 KB a 32-block on VNNI, 1 KB on AVX2 */
         job.q6k_table_at = job.scratch_bytes;
         job.scratch_bytes += (int64_t)sizeof(int32_t) * 32 * TILE * nb;
     }
