@@ -55,7 +55,9 @@
  * lanes across columns once per superblock, not once per 32-block. Q6_K's multiples cost
  * an integer multiply per row and superblock of a column (its scales times the row's
  * m_h) in the few-row pass, one per row and 32-block in the tile pass (AVX2: its m takes
- * the place of maddubs' pair-summing ones); Q4_K's and Q5_K's flat activations cost none
+ * the place of maddubs' pair-summing ones), none from Q6K_TABLE_MIN_ROWS rows (AVX2:
+ * Q6K_PAIR_TABLE_MIN_ROWS), where a table per tile holds the scales times every m; Q4_K's
+ * and Q5_K's flat activations cost none
  * (AVX2: a block's maddubs pairs summed in int16 meet sc in one madd). On VNNI, Q4_K's
  * few-row passes of 2 rows or more put four 32-blocks in each vector (the quad pass,
  * k_quads_vnni_t, with the activations re-ordered once per call to match): the same
