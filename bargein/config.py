@@ -335,7 +335,7 @@ class PipelineConfig:
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 PRECISIONS = ("exact", "fast")
-WEIGHTS_MEMORY = ("private", "mapped")  # bargein.loader.private_weights
+WEIGHTS_MEMORY = ("auto", "private", "mapped")  # bargein.loader.private_weights
 # Decode-only steps of these batch sizes (padded up to the next one) replay CUDA graphs.
 CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -371,10 +371,13 @@ class EngineConfig:
     # Where the weights the kernels read in place live: "private", this process's own memory,
     # made in place by a background thread while the model already serves from the file, on
     # 2 MB pages where they come fast, else on 4 KB pages for khugepaged to merge (one stream
-    # decodes up to ~1.2x faster from it, bargein.loader.private_weights), or
-    # "mapped", the file's pages in the page cache, shared with other processes on the file.
+    # decodes up to ~1.2x faster from it than from 4 KB file pages); "mapped", the file's
+    # pages in the page cache as they are, shared with other processes on the file; "auto",
+    # the file's pages where the page cache holds them on 2 MB pages (the same thread reads
+    # them again from the file onto such pages where the kernel gives them, faster still
+    # and shared), else "private". See bargein.loader.private_weights.
     # An MoE's experts stay mapped either way: a token reads only those it is routed to.
-    weights_memory: str = "private"
+    weights_memory: str = "auto"
     # CUDA only: replay decode-only steps from CUDA graphs captured per batch size.
     cuda_graphs: bool = True
     cuda_graph_batch_sizes: tuple[int, ...] = CUDA_GRAPH_BATCH_SIZES

@@ -34,11 +34,14 @@ def add_precision_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_weights_memory_argument(p: argparse.ArgumentParser) -> None:
-    """``--weights-memory private|mapped`` (default: the engine's)."""
+    """``--weights-memory auto|private|mapped`` (default: the engine's)."""
     from bargein.config import WEIGHTS_MEMORY, EngineConfig
 
     p.add_argument("--weights-memory", default=EngineConfig.weights_memory, choices=WEIGHTS_MEMORY,
-                   help="private: the weights the kernels read in place become this process's own memory, copied "
+                   help="auto: the weights the kernels read in place stay the file's pages where the page cache "
+                        "holds them on 2 MB pages (read again from the file onto such pages in the background "
+                        "where the system gives them), else as private; "
+                        "private: they become this process's own memory, copied "
                         "by a background thread while the model already serves from the file, on 2 MB pages where "
                         "the system gives them quickly (one stream decodes up to ~1.2x faster); mapped: they stay the file's "
                         "pages, shared in the page cache with every process serving the same file; an MoE's "

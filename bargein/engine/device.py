@@ -67,16 +67,17 @@ def build_model(model_config: ModelConfig, weights: MutableMapping[str, Weight],
     from ``weights`` as the model takes it, so no second copy of the model sits in memory.
 
     ``private_copy`` (the loaders' models: an engine's, a pipeline stage's, a draft model's):
-    where ``config.weights_memory`` is "private", the pages under the file views among
-    ``weights`` are made private memory in place once the model's first forward has run
+    where ``config.weights_memory`` is "private" (or "auto", whose file pages on 2 MB pages
+    stay), the pages under the file views among ``weights`` are made private memory in place
+    once the model's first forward has run
     (:func:`bargein.loader.private_copy_of`, taken here before the build takes the weights
     out of the dict); weights with no file view (shipped ones) have nothing to copy.
     """
     copy = None
-    if private_copy and config.weights_memory == "private":
+    if private_copy and config.weights_memory != "mapped":
         from bargein.loader import private_copy_of  # here: importing the engine loads no loader
 
-        copy = private_copy_of(weights)
+        copy = private_copy_of(weights, file_pages_first=config.weights_memory == "auto")
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kernels = resolve_kernels(device, native=config.native_kernels, precision=config.precision, dtype=dtype)

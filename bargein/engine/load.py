@@ -56,9 +56,9 @@ def _load(engine_class: type[Engine], ref: str | None, config: EngineConfig | No
     max_len = max_positions(config, model_config)  # no position past the pool's longest sequence
     # The tokenizer is built on a thread of its own while the weights load: building it is
     # Python and the tokenizers library holding the GIL (0.5 s of a 262k vocabulary), the
-    # weights' loading mostly reads the file's metadata and maps it; their private copy
-    # (weights_memory="private", build_model's private_copy) starts after the model's first
-    # forward, on a thread of its own.
+    # weights' loading mostly reads the file's metadata and maps it; their private copy (or
+    # the file's pages read again onto 2 MB pages: weights_memory, build_model's
+    # private_copy) starts after the model's first forward, on a thread of its own.
     with one_torch_thread(), ThreadPoolExecutor(1, thread_name_prefix="bargein-tokenizer") as pool:
         tokenizer_started = pool.submit(load_tokenizer, source)
         # Each tensor goes to the device as it is read: no whole-model copy in host memory.

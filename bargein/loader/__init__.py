@@ -178,7 +178,8 @@ def load_weights(
     return weights
 
 
-def private_copy_of(weights: dict[str, torch.Tensor | BlockWeight]) -> PrivateWeights | None:
+def private_copy_of(weights: dict[str, torch.Tensor | BlockWeight], *,
+                    file_pages_first: bool = False) -> PrivateWeights | None:
     """The copy that makes the pages under the file views among ``weights`` (those of
     :func:`load_weights` with ``blocks``) private memory in place, the same bytes at the same
     addresses, on a background thread at the lowest priority (see
@@ -190,6 +191,9 @@ def private_copy_of(weights: dict[str, torch.Tensor | BlockWeight]) -> PrivateWe
     started beside the build, on this project's 2-core VMs it took 0.07-0.1 s from the
     bundled model's 0.24 s start (page faults and the moves contend with the build's
     allocations); beside the first forward, which faults the file's pages in, 5-70 ms of
-    its 30 ms; after it, nothing measurable. None where there is nothing to copy."""
+    its 30 ms; after it, nothing measurable. ``file_pages_first``: the file's pages stay where
+    they are (or are read again onto) 2 MB pages of the page cache (weights_memory="auto").
+    None where there is nothing to copy."""
     return private_copy(weights, keep=lambda name: expert_index(name) is not None,
-                        describe_kept="MoE experts (resident as tokens route to them)")
+                        describe_kept="MoE experts (resident as tokens route to them)",
+                        file_pages_first=file_pages_first)

@@ -24,16 +24,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
-_MADV_POPULATE_READ = 22  # Linux 5.14 and later; older kernels say EINVAL
+# madvise(2) advice values (Linux)
+MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
+MADV_POPULATE_READ = 22  # Linux 5.14 and later; older kernels say EINVAL
+MADV_POPULATE_WRITE = 23  # the same
 
 
 @dataclass(frozen=True)
 class FileSpan:
-    """``nbytes`` at byte ``offset`` of the file at ``path``."""
+    """``nbytes`` at byte ``offset`` of the file at ``path`` (inode ``inode``)."""
 
     path: str
     offset: int
     nbytes: int
+    inode: int = 0
 
 
 def shared_file_maps() -> list[tuple[int, int, int, str, int]]:
@@ -64,7 +69,7 @@ def file_span(address: int, nbytes: int, maps: list[tuple[int, int, int, str, in
                 same = os.stat(path).st_ino == inode
             except OSError:
                 same = False
-            return FileSpan(path, offset + address - lo, nbytes) if same else None
+            return FileSpan(path, offset + address - lo, nbytes, inode) if same else None
     return None
 
 
@@ -73,7 +78,7 @@ _LIBC: ctypes.CDLL | None = None
 
 def libc() -> ctypes.CDLL:
     """This process's C library, with the memory calls' signatures set (madvise, mmap, munmap,
-    mremap); each call releases the GIL."""
+    mremap, sync_file_range); each call releases the GIL."""
     global _LIBC
     if _LIBC is None:
         lib = ctypes.CDLL(None, use_errno=True)
@@ -84,6 +89,7 @@ def libc() -> ctypes.CDLL:
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         lib.mremap.restype = ctypes.c_void_p
         lib.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
         _LIBC = lib
     return _LIBC
 
@@ -128,7 +134,7 @@ def map_ahead(mapped: np.ndarray, spans: Iterable[tuple[int, int]]) -> threading
         for start, end in merged:
             address = base + start
             head = address % mmap.PAGESIZE  # from the page it begins in
-            if not madvise(address - head, end - start + head, _MADV_POPULATE_READ):
+            if not madvise(address - head, end - start + head, MADV_POPULATE_READ):
                 return
 
     thread = threading.Thread(target=run, name="bargein-map-ahead", daemon=True)

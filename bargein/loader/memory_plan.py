@@ -3,9 +3,10 @@
 Weights read in place from a memory-mapped GGUF (the block types the kernels read) are
 file-backed pages with ``weights_memory="mapped"``: the kernel can drop and re-read them,
 so they never cause an out-of-memory kill, though a machine without room for them pages
-(slowly). With ``"private"`` (the default) they become private memory, copied in place
-beside serving (bargein.loader.private_weights), and are counted there, except an MoE's
-experts, which stay
+(slowly). With ``"private"`` they become private memory, copied in place beside serving
+(bargein.loader.private_weights), and are counted there, as with ``"auto"`` (the default),
+which keeps the file's pages where the page cache holds them on 2 MB pages and else copies
+them (so a plan counts the copy); an MoE's experts stay
 mapped either way (a token reads only those it is routed to). Everything else is private memory: weights widened or copied at load, the KV cache, and the
 process itself (PyTorch, the tokenizer, buffers; :data:`RUNTIME_BYTES`, an estimate).
 A plan whose private memory exceeds what the system has available cannot run and is
@@ -119,7 +120,7 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     fast = config.precision == "fast" and reads_blocks
     mapped, private, experts = _weight_bytes(source, model_config, reads_blocks, fast)
     in_place = mapped  # what --weights-memory mapped would leave in the file's pages
-    if config.weights_memory == "private":  # the blocks read in place, made private but an MoE's experts
+    if config.weights_memory != "mapped":  # the blocks read in place may be made private, but an MoE's experts
         mapped, private = experts, private + mapped - experts
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
     step = step_buffer_bytes(model_config, config.scheduler.max_num_batched_tokens) if fast else 0

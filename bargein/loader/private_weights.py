@@ -1,4 +1,5 @@
-"""The matmul weights made private memory in place, beside serving.
+"""The matmul weights' pages made fast in place, beside serving: the file's own pages on
+2 MB pages of the page cache where the kernel gives them, else private memory.
 
 A decode step reads every weight once per token, so one stream runs at the speed the
 weights stream from memory. Read from the file's mapped pages (4 KB page-cache pages: a
@@ -36,6 +37,16 @@ pages; see EngineConfig). The caller may keep some weights out of the copy: the 
 an MoE's experts in the file's pages, since a token reads only the few it is routed to
 (bargein.loader.private_copy_of).
 
+With ``file_pages_first`` (``weights_memory="auto"``, the default) the thread first tries
+the file's own pages: where they are on 2 MB page-cache pages already (a file read from
+disk, on a kernel whose page cache holds it in large folios) there is nothing to do; else it
+refills the first chunks from the file on 2 MB pages (bargein.loader.huge_page_cache) and,
+where /proc/self/smaps then shows them mapped so, the rest. That is faster than the private
+copy where huge anonymous pages come slowly (one stream 53-54 against 49 tok/s, llama1b
+Q4_K_M on a 2-core Zen 4 VM) and shares the pages with every process on the file. Where
+the refilled chunks came back on 4 KB pages (an older kernel, a filesystem without large
+folios, another process holding the small pages) it makes the private copy as above.
+
 Linux only (``mremap``): elsewhere the weights stay mapped, and say so in the log.
 """
 
@@ -55,11 +66,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from bargein.kernels.quant_weight import QuantWeight
-from bargein.loader.file_maps import libc, madvise, os_error, shared_file_maps
+from bargein.loader.file_maps import (
+    MADV_HUGEPAGE,
+    MADV_NOHUGEPAGE,
+    MADV_POPULATE_WRITE,
+    FileSpan,
+    file_span,
+    madvise,
+    shared_file_maps,
+)
+from bargein.loader.huge_page_cache import (
+    HUGE_PAGE,
+    file_huge_bytes,
+    huge_page_bytes,
+    move_over,
+    refill,
+    staged_at_offset,
+)
 
 log = logging.getLogger(__name__)
 
-HUGE_PAGE = 2 << 20
 # A huge page's first fault can be slow: on this project's VMs (Firecracker guests whose
 # virtio-balloon reports every free 2 MB block back to the host, so a huge page, a whole
 # such block, is faulted in by the host on first touch) 600 MB took 3.9-7.4 s on fresh
@@ -82,14 +108,13 @@ MERGE_GAP = 1 << 20  # two ranges this close, with nothing kept between, are mov
 # file's first answer after load decoded at 23-31 tok/s against 33-38 (2026-12-04).
 QUIET_S = 0.05
 QUIET_POLL_S = 0.01  # how often a copy waiting for a quiet model asks again
+# file_pages_first: the file's pages count as on 2 MB pages already from this share of the
+# whole 2 MB pages under the weights; else the first PROBE_BYTES of chunks are refilled
+# from the file, and the rest follow where at least PROBE_GAIN of their 2 MB pages came so.
+ALREADY_HUGE = 0.9
+PROBE_BYTES = 4 * CHUNK
+PROBE_GAIN = 0.5
 _PAGE = mmap.PAGESIZE
-_PROT_READ_WRITE = 3  # writable: khugepaged collapses no read-only anonymous range
-_MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
-_MREMAP_MAYMOVE_FIXED = 1 | 2
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MADV_HUGEPAGE = 14
-_MADV_NOHUGEPAGE = 15
-_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later; older kernels say EINVAL (the copy faults the pages in)
 _LINUX = sys.platform.startswith("linux")
 DROPPED = "the weights were dropped"  # PrivateCopy.error of a copy whose model went away
 
@@ -107,15 +132,28 @@ class PrivateCopy:
     seconds: float
     kept_bytes: int = 0
     error: str | None = None
+    # With file_pages_first: the file's pages of this process on 2 MB pages at the end, the
+    # bytes refilled from the file, and whether those pages serve (no copy was made).
+    file_huge_bytes: int = 0
+    refilled_bytes: int = 0
+    file_pages: bool = False
 
     def describe(self, kept: str = "weights") -> str:
         """The one log line of the copy; ``kept`` names what ``kept_bytes`` are."""
         left = (f"; {self.kept_bytes / 2**20:,.0f} MiB of {kept} left in the file's pages"
                 if self.kept_bytes else "")
         stopped = f"; stopped early, the rest read from the file's pages: {self.error}" if self.error else ""
+        if self.file_pages:
+            refilled = (f" ({self.refilled_bytes / 2**20:,.0f} MiB read again from the file onto them in "
+                        f"{self.seconds:.2f} s)" if self.refilled_bytes else "")
+            return (f"weights: read in place from the file's pages, {self.file_huge_bytes / 2**20:,.0f} MiB of "
+                    f"them on 2 MB pages of the page cache{refilled}, shared with every process on the file"
+                    f"{left}{stopped}")
+        tried = (f"; the {self.refilled_bytes / 2**20:,.0f} MiB read again from the file came back on 4 KB pages"
+                 if self.refilled_bytes else "")
         return (f"weights: {self.bytes / 2**20:,.0f} MiB of blocks made private memory beside serving in "
                 f"{self.seconds:.2f} s ({self.huge_bytes / 2**20:,.0f} MiB of the process on 2 MB pages)"
-                f"{left}{stopped}; --weights-memory mapped keeps them all in the shared page cache instead")
+                f"{left}{tried}{stopped}; --weights-memory mapped keeps them all in the shared page cache instead")
 
 
 @dataclass(frozen=True)
@@ -210,36 +248,16 @@ class HugePagePhase:
             self.on = False
 
 
-def _staged(target: PageRange) -> int:
-    """A fresh anonymous private mapping of ``target.nbytes`` at the same offset within a
-    2 MB page as ``target.start`` (so that a huge page inside it stays one when moved there)."""
-    raw = libc().mmap(None, target.nbytes + HUGE_PAGE, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS, -1, 0)
-    if raw in (None, _MAP_FAILED):
-        raise os_error("mmap")
-    stage = raw + (target.start - raw) % HUGE_PAGE
-    if stage > raw:
-        libc().munmap(ctypes.c_void_p(raw), stage - raw)
-    libc().munmap(ctypes.c_void_p(stage + target.nbytes), raw + HUGE_PAGE - stage)  # the slack past it
-    return stage
-
-
 def move_private(target: PageRange, huge: bool) -> int:
     """Make the pages of ``target`` private memory holding the same bytes, at the same
     addresses: a staged copy (faulted in first, on huge pages if ``huge``) moved over them.
     Returns the bytes faulted in on huge pages' advice; raises OSError where the system
     refuses (then the pages are as they were)."""
-    stage = _staged(target)
-    try:
-        madvise(stage, target.nbytes, _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
-        madvise(stage, target.nbytes, _MADV_POPULATE_WRITE)  # else the copy faults them in
-        ctypes.memmove(stage, target.start, target.nbytes)  # the GIL released
-        moved = libc().mremap(ctypes.c_void_p(stage), target.nbytes, target.nbytes, _MREMAP_MAYMOVE_FIXED,
-                              ctypes.c_void_p(target.start))
-        if moved != target.start:
-            raise os_error("mremap")
-    except BaseException:
-        libc().munmap(ctypes.c_void_p(stage), target.nbytes)
-        raise
+    stage = staged_at_offset(target.start, target.nbytes)
+    madvise(stage, target.nbytes, MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE)
+    madvise(stage, target.nbytes, MADV_POPULATE_WRITE)  # else the copy faults them in
+    ctypes.memmove(stage, target.start, target.nbytes)  # the GIL released
+    move_over(stage, target.start, target.nbytes)
     return target.nbytes if huge else 0
 
 
@@ -262,14 +280,16 @@ def _lowest_priority() -> None:
 
 
 class PrivateWeights:
-    """One private copy of a model's weights, to start, running, or ended; see the module
-    docstring. Made by :func:`private_copy`."""
+    """One private copy of a model's weights (or, with ``file_pages_first``, the file's pages
+    on 2 MB pages where they come so), to start, running, or ended; see the module docstring.
+    Made by :func:`private_copy`."""
 
     def __init__(self, weights: dict[str, object], ranges: list[PageRange], kept_bytes: int,
-                 describe_kept: str):
+                 describe_kept: str, *, files: list[FileSpan | None] | None = None):
         self._weights = [weakref.ref(w) for w in weights.values() if isinstance(w, QuantWeight)]
         self._chunks = chunks(ranges)
         self._kept_bytes, self._describe_kept = kept_bytes, describe_kept
+        self._files = files  # file_pages_first: where each chunk lies in its file (None: no refill)
         self._done = threading.Event()
         self._quiet: Callable[[], bool] | None = None
         self.result: PrivateCopy | None = None
@@ -299,40 +319,103 @@ class PrivateWeights:
         """What the copy did, once it ended (None if not within ``timeout`` seconds)."""
         return self.result if self._done.wait(timeout) else None
 
+    def _turn(self) -> list[QuantWeight] | None:
+        """Wait until the model is quiet; then the weights, held for one chunk's move (None
+        once the model was dropped: its mapping may be gone, and no one would read the pages)."""
+        while self._quiet is not None and not self._quiet() and self._held_any():
+            time.sleep(QUIET_POLL_S)
+        held = [w for w in (ref() for ref in self._weights) if w is not None]
+        return held or None
+
     def _run(self) -> None:
         began = time.perf_counter()
         _lowest_priority()
-        phase, moved, error, small = HugePagePhase(), 0, None, []
         try:
-            for chunk in self._chunks:
-                while self._quiet is not None and not self._quiet() and self._held_any():
-                    time.sleep(QUIET_POLL_S)
-                held = [w for w in (ref() for ref in self._weights) if w is not None]
-                if not held:  # the model was dropped: its mapping may be gone, and no one would read the copy
-                    error = DROPPED
-                    break
-                huge = phase.on
-                try:
-                    move_private(chunk, huge)
-                except OSError as exc:
-                    error = str(exc)
-                    break
-                finally:
-                    del held
-                if huge:
-                    phase.faulted_in(chunk.nbytes)
-                else:
-                    small.append(chunk)
-                moved += chunk.nbytes
-            for chunk in small:  # khugepaged may merge them now, a few ranges at a time
-                madvise(chunk.start, chunk.nbytes, _MADV_HUGEPAGE)
-            self.result = PrivateCopy(moved, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,
-                                      error)
+            tried = self._file_pages(began) if self._files is not None else None
+            if tried is not None and (tried.file_pages or tried.error):
+                self.result = tried
+            else:
+                self.result = self._private(began, refilled=tried.refilled_bytes if tried else 0)
+            error = self.result.error
             (log.warning if error and error != DROPPED else log.info)("%s", self.result.describe(self._describe_kept))
         finally:
             self._done.set()
             with _RUNNING_LOCK:
                 _RUNNING.discard(self)
+
+    def _file_pages(self, began: float) -> PrivateCopy:
+        """The file's pages on 2 MB pages, as they are or refilled (``file_pages`` True in the
+        result; ``error`` where a refill was refused), or a result with ``file_pages`` False
+        where the first chunks refilled came back on 4 KB pages (then the copy follows)."""
+        assert self._files is not None
+        inodes = {span.inode for span in self._files if span is not None}
+        worth = [(chunk, span) for chunk, span in zip(self._chunks, self._files, strict=True)
+                 if span is not None and huge_page_bytes([(chunk.start, chunk.end)])]
+        before = file_huge_bytes(inodes)
+        if not worth or before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
+            return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,
+                               file_huge_bytes=before, file_pages=bool(worth))
+        refilled, error, opened = 0, None, {}
+        try:
+            for index, (chunk, span) in enumerate(worth):
+                held = self._turn()
+                if held is None:
+                    error = DROPPED
+                    break
+                try:
+                    refill(chunk.start, chunk.nbytes, _opened(opened, span), span.offset)
+                except OSError as exc:
+                    error = str(exc)
+                    break
+                finally:
+                    del held
+                refilled += chunk.nbytes
+                if refilled - chunk.nbytes < PROBE_BYTES <= refilled or index == len(worth) - 1:
+                    probed = huge_page_bytes([(c.start, c.end) for c, _ in worth[:index + 1]])
+                    if file_huge_bytes(inodes) - before < PROBE_GAIN * probed:
+                        return PrivateCopy(0, 0, 0.0, refilled_bytes=refilled)  # no 2 MB pages: the copy
+        finally:
+            for fd in opened.values():
+                os.close(fd)
+        return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes, error,
+                           file_huge_bytes=file_huge_bytes(inodes), refilled_bytes=refilled, file_pages=True)
+
+    def _private(self, began: float, *, refilled: int = 0) -> PrivateCopy:
+        """Every chunk made private memory in place (the module docstring)."""
+        phase, moved, error, small = HugePagePhase(), 0, None, []
+        for chunk in self._chunks:
+            held = self._turn()
+            if held is None:
+                error = DROPPED
+                break
+            huge = phase.on
+            try:
+                move_private(chunk, huge)
+            except OSError as exc:
+                error = str(exc)
+                break
+            finally:
+                del held
+            if huge:
+                phase.faulted_in(chunk.nbytes)
+            else:
+                small.append(chunk)
+            moved += chunk.nbytes
+        for chunk in small:  # khugepaged may merge them now, a few ranges at a time
+            madvise(chunk.start, chunk.nbytes, MADV_HUGEPAGE)
+        return PrivateCopy(moved, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes, error,
+                           refilled_bytes=refilled)
+
+
+def _opened(opened: dict[str, int], span: FileSpan) -> int:
+    """A read-only descriptor of ``span``'s file (opened once into ``opened``); OSError where
+    the path names another file now than the one mapped."""
+    fd = opened.get(span.path)
+    if fd is None:
+        fd = opened[span.path] = os.open(span.path, os.O_RDONLY)
+        if os.fstat(fd).st_ino != span.inode:
+            raise OSError(f"{span.path} was replaced since it was mapped")
+    return fd
 
 
 _RUNNING: set[PrivateWeights] = set()
@@ -363,14 +446,16 @@ def wait_private_copies(timeout: float | None = None) -> bool:
 
 
 def private_copy(weights: dict[str, object], *, keep: Callable[[str], bool] = lambda name: False,
-                 describe_kept: str = "weights") -> PrivateWeights | None:
+                 describe_kept: str = "weights", file_pages_first: bool = False) -> PrivateWeights | None:
     """The copy that makes the pages under the file views of ``weights``' QuantWeights
     private memory in place (see the module docstring), but those whose name ``keep`` says to
     leave (named ``describe_kept`` in the log line), ready to :meth:`~PrivateWeights.start`:
     its ranges are found now, while the views are at hand (it holds none of them: a model
     built from ``weights`` may take them out of the dict). Nothing in ``weights`` changes:
-    the same tensors at the same addresses read the same bytes throughout. None where there
-    is nothing to copy (no file views; off Linux, after one log line)."""
+    the same tensors at the same addresses read the same bytes throughout. ``file_pages_first``:
+    the file's pages on 2 MB pages of the page cache first, the copy only where they do not
+    come so (the module docstring). None where there is nothing to copy (no file views; off
+    Linux, after one log line)."""
     maps = shared_file_maps()
     ranges, kept_bytes = private_ranges(weights, keep, maps)
     if not ranges:
@@ -378,4 +463,5 @@ def private_copy(weights: dict[str, object], *, keep: Callable[[str], bool] = la
     if not _LINUX:
         log.info("weights: read from the file's pages (a private copy in place needs Linux's mremap)")
         return None
-    return PrivateWeights(weights, ranges, kept_bytes, describe_kept)
+    files = [file_span(c.start, c.nbytes, maps) for c in chunks(ranges)] if file_pages_first else None
+    return PrivateWeights(weights, ranges, kept_bytes, describe_kept, files=files)

@@ -29,7 +29,7 @@ def test_a_mapped_views_span_is_its_offset_in_the_file(tmp_path: Path) -> None:
     mapped = np.memmap(path, dtype=np.uint8, mode="r")
     address = mapped.ctypes.data + 4097
     span = file_span(address, 1000, shared_file_maps())
-    assert span == FileSpan(str(path), 4097, 1000)
+    assert span == FileSpan(str(path), 4097, 1000, path.stat().st_ino)
     assert file_span(np.zeros(10).ctypes.data, 10, shared_file_maps()) is None  # not a file view
     assert file_span(address, len(data), shared_file_maps()) is None  # runs past the mapping
 
@@ -41,5 +41,5 @@ def test_a_path_that_no_longer_names_the_mapped_file_is_not_read(tmp_path: Path)
     maps = [(0x1000, 0x9000, 0, str(tmp_path / "gone.gguf (deleted)"), inode),
             (0x10000, 0x20000, 4096, str(here), inode), (0x30000, 0x40000, 0, str(other), inode)]
     assert file_span(0x2000, 16, maps) is None  # deleted
-    assert file_span(0x10010, 16, maps) == FileSpan(str(here), 4096 + 0x10, 16)
+    assert file_span(0x10010, 16, maps) == FileSpan(str(here), 4096 + 0x10, 16, inode)
     assert file_span(0x30010, 16, maps) is None  # the path names another file now

@@ -52,6 +52,8 @@ def test_the_plan_maps_the_files_blocks_and_counts_the_rest_as_private(q4_k_m: P
     copied = plan_memory(source, config, replace(CPU, weights_memory="private"), available=64 * GiB)
     assert (copied.mapped_weight_bytes, copied.private_weight_bytes) == (0, blocks + norms)  # the load-time copy
     assert copied.expected_rss == plan.expected_rss
+    # "auto" keeps the file's pages where they are on 2 MB pages, else copies: planned as the copy
+    assert plan_memory(source, config, replace(CPU, weights_memory="auto"), available=64 * GiB) == copied
     widened = plan_memory(source, config, replace(CPU, native_kernels=False), available=64 * GiB)
     assert widened.mapped_weight_bytes == 0 and widened.private_weight_bytes > 4 * blocks
 

@@ -9,8 +9,8 @@ without readahead: the kernel maps a few pages around a fault, so the neighbours
 was read, experts 2-3 and 7, are not judged), and the file's resident bytes (its mappings' Rss in /proc/self/smaps) grow by
 about two experts' worth, not eight; with a random router every expert is read. The memory plan counts
 every expert as mapped, and states the parameters, total and active per token. All of
-this holds under the default ``weights_memory="private"`` too, which makes the dense
-blocks' pages private memory in the background but leaves the experts in the file's pages.
+this holds under ``weights_memory="private"`` (and the default "auto") too, which makes the
+dense blocks' pages private memory in the background but leaves the experts in the file's pages.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def test_only_the_chosen_experts_are_read(model_file: Path, private: bool, caplo
     assert _resident(model_file) - before >= 0.95 * all_experts  # (a few pages were mapped before)
 
 
-@pytest.mark.parametrize("memory", ["mapped", "private"])
+@pytest.mark.parametrize("memory", ["mapped", "private", "auto"])
 def test_the_memory_plan_maps_every_expert_and_states_the_parameters(model_file: Path, memory: str) -> None:
     source = resolve_model_ref(str(model_file))
     config = load_config(source)

@@ -1,7 +1,7 @@
 """The private copy of the weights made in place beside serving
 (bargein.loader.private_weights): the same objects at the same addresses, now private
 memory, with the same bits on every kernel path, also for matmuls running while the pages
-move; the same tokens with either ``weights_memory``; the resident set holding the copy as
+move; the same tokens with every ``weights_memory``; the resident set holding the copy as
 private pages, the file's pages gone, peak about one copy; the ranges moved, the chunks,
 the huge pages' phase; a refused move or a stop leaving the rest mapped."""
 
@@ -202,16 +202,16 @@ def test_matmuls_running_while_the_pages_move_give_the_same_bits(tmp_path: Path,
 def test_both_settings_give_the_same_tokens(q4_k_m: Path, precision: str) -> None:
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
-    for where in ("private", "mapped"):
+    for where in ("auto", "private", "mapped"):
         config = EngineConfig(device="cpu", precision=precision, cache=CacheConfig(block_size=4, num_blocks=64),
                               cuda_graphs=False, weights_memory=where)
         (out,) = Engine.from_pretrained(str(q4_k_m), config, progress=False).generate([PROMPT], greedy)
         outs[where] = list(out.token_ids)
-    assert outs["private"] == outs["mapped"]
+    assert outs["auto"] == outs["private"] == outs["mapped"]
 
 
 def test_an_unknown_setting_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="weights_memory must be one of private, mapped"):
+    with pytest.raises(ValueError, match="weights_memory must be one of auto, private, mapped"):
         EngineConfig(weights_memory="shared")
 
 
@@ -398,7 +398,7 @@ def test_without_populate_advice_the_copy_faults_the_pages_in_itself(q4_k_m: Pat
     real = private_weights.madvise
 
     def old_kernel(address: int, nbytes: int, advice: int) -> bool:
-        if advice == private_weights._MADV_POPULATE_WRITE:
+        if advice == private_weights.MADV_POPULATE_WRITE:
             refused.append(nbytes)
             return False
         return real(address, nbytes, advice)
@@ -462,3 +462,120 @@ def test_a_copy_waiting_for_a_quiet_model_stops_once_the_weights_are_dropped(q4_
     gc.collect()
     made = copy.wait(10)
     assert made is not None and made.error == DROPPED and made.bytes == 0
+
+
+def _written_64k_at_a_time(path: Path) -> Path:
+    """``path`` copied 64 KB at a time, as a copy or a download writes: its page cache on
+    the small pages of those writes (one large write can give 2 MB ones)."""
+    copy = path.with_name("copied." + path.name)
+    with open(path, "rb") as src, open(copy, "wb") as dst:
+        while piece := src.read(1 << 16):
+            dst.write(piece)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def mid_q4_k(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model of ~15 MB: whole 2 MB pages under its weights."""
+    spec = TinySpec(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=4, num_layers=3,
+                    tie_word_embeddings=False)
+    return write_quant_gguf(tmp_path_factory.mktemp("auto") / "mid.Q4_K.gguf", spec, mix="Q4_K")[0]
+
+
+def _same_weights(weights: dict[str, object], reference: dict[str, object]) -> bool:
+    return all(torch.equal(s.data, t.data) for name, w in weights.items() if isinstance(w, QuantWeight)
+               for s, t in zip(w.segments, reference[name].segments, strict=True))
+
+
+@needs_kernels
+def test_auto_reads_the_files_pages_again_onto_2mb_pages_where_the_kernel_gives_them(
+        mid_q4_k: Path, tmp_path: Path, caplog) -> None:
+    """A file just written (its page cache on small pages): the thread reads its pages again
+    from the file; where the kernel gives 2 MB page-cache pages the weights stay views of the
+    file, now on them, and nothing is copied; elsewhere the private copy follows. The same
+    bytes at the same addresses either way."""
+    from tests.model.test_huge_page_cache import gives_file_huge_pages
+
+    huge = gives_file_huge_pages(tmp_path)
+    path = _written_64k_at_a_time(mid_q4_k)
+    reference, weights = _loaded(mid_q4_k), _loaded(path)
+    segments = _segments(weights)
+    caplog.set_level(logging.INFO, logger="bargein.loader")
+    copy = private_copy(weights, file_pages_first=True)
+    assert copy is not None
+    made = copy.start().wait(60)
+    assert made is not None and made.error is None, made
+    assert _segments(weights) == segments and _same_weights(weights, reference)
+    blocks = sum(segments.values())
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
+    assert made.refilled_bytes > 0.5 * blocks, made
+    if huge:
+        assert made.file_pages and made.bytes == 0 and made.file_huge_bytes > 0.5 * blocks, made
+        assert all(_in_a_file(p, n) for p, n in segments.items())  # still the file's pages
+        assert "read in place from the file's pages" in line and "read again from the file" in line, line
+    else:
+        assert not made.file_pages and made.bytes >= blocks, made
+        assert "came back on 4 KB pages" in line, line
+
+
+@needs_kernels
+def test_auto_copies_where_the_pages_read_again_come_back_small(mid_q4_k: Path, monkeypatch, caplog) -> None:
+    """Where smaps shows no 2 MB pages after the first chunks (an older kernel, another
+    process holding the small pages), the weights are made private as with "private",
+    including the chunks read again, and the log line says why."""
+    import bargein.loader.private_weights as private_weights
+
+    monkeypatch.setattr(private_weights, "PROBE_BYTES", HUGE_PAGE)
+    monkeypatch.setattr(private_weights, "file_huge_bytes", lambda inodes: 0)
+    reference, weights = _loaded(mid_q4_k), _loaded(mid_q4_k)
+    caplog.set_level(logging.INFO, logger="bargein.loader")
+    made = private_copy(weights, file_pages_first=True).start().wait(60)
+    assert made is not None and made.error is None and not made.file_pages
+    assert 0 < made.refilled_bytes <= private_weights.CHUNK  # the probe: one chunk, then the copy
+    assert made.bytes >= sum(_segments(weights).values())
+    assert not any(_in_a_file(p, n) for p, n in _segments(weights).items()) and _same_weights(weights, reference)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
+    assert "made private memory" in line and "came back on 4 KB pages" in line, line
+
+
+def test_auto_leaves_pages_already_on_2mb_pages_as_they_are(mid_q4_k: Path, monkeypatch, caplog) -> None:
+    """The file's pages on 2 MB pages already (a file read from disk): nothing is read again
+    or copied, and the log line says where the weights are."""
+    import bargein.loader.private_weights as private_weights
+
+    monkeypatch.setattr(private_weights, "file_huge_bytes", lambda inodes: 1 << 40)
+
+    def refused(*args: object) -> None:
+        raise AssertionError("nothing to read again")
+
+    monkeypatch.setattr(private_weights, "refill", refused)
+    monkeypatch.setattr(private_weights, "move_private", refused)
+    weights = _loaded(mid_q4_k)
+    caplog.set_level(logging.INFO, logger="bargein.loader")
+    made = private_copy(weights, file_pages_first=True).start().wait(60)
+    assert made is not None and made.file_pages and made.error is None and made.bytes == made.refilled_bytes == 0
+    assert all(_in_a_file(p, n) for p, n in _segments(weights).items())
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
+    assert line.startswith("weights: read in place from the file's pages") and "read again" not in line, line
+
+
+def test_a_refill_the_system_refuses_leaves_the_rest_mapped_and_says_why(mid_q4_k: Path, monkeypatch,
+                                                                        caplog) -> None:
+    import bargein.loader.private_weights as private_weights
+
+    calls = []
+
+    def refuse_second(start: int, nbytes: int, fd: int, offset: int) -> None:
+        calls.append(start)
+        if len(calls) == 2:
+            raise OSError(12, "mremap: Cannot allocate memory")
+
+    monkeypatch.setattr(private_weights, "file_huge_bytes", lambda inodes: 0)
+    monkeypatch.setattr(private_weights, "refill", refuse_second)
+    weights = _loaded(mid_q4_k)
+    caplog.set_level(logging.INFO, logger="bargein.loader")
+    made = private_copy(weights, file_pages_first=True).start().wait(60)
+    assert made is not None and made.file_pages and "Cannot allocate memory" in made.error and len(calls) == 2
+    assert all(_in_a_file(p, n) for p, n in _segments(weights).items())
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("weights:")]
+    assert record.levelno == logging.WARNING and "stopped early" in record.getMessage()

@@ -1,0 +1,130 @@
+"""A file mapping's pages brought onto 2 MB pages of the page cache, in place.
+
+A decode step reads every weight once per token, so one stream runs at the speed the
+weights stream from memory, and on 4 KB pages a TLB miss every 4 KB costs that stream a
+fifth of its speed (bargein.loader.private_weights). Linux's page cache holds a file in
+large folios where its filesystem supports them (ext4 since Linux 6.16, XFS earlier): a
+2 MB folio at a 2 MB offset of the file, mapped at an address of the same offset within a
+2 MB page (the kernel places large file mappings so), is mapped by one page-table entry
+like an anonymous huge page ("FilePmdMapped" in /proc/self/smaps). A file read from disk
+comes in on such folios; one written on this machine (downloaded, quantized) stays on the
+4 KB pages of its writes until the kernel drops them. llama1b.Q4_K_M (636 MB) decoded one
+stream at 53-54 tok/s from its file's 2 MB pages against 45 from its 4 KB pages and 49
+from a private copy on 4 KB pages (2-core Zen 4 VM, 2026-12-07, docs/benchmarks.md).
+
+:func:`refill` moves one range of such a mapping onto fresh 2 MB page-cache pages without
+a moment where its addresses read anything but the file's bytes: a private copy of the
+range is moved over it (so this process no longer maps the file's small pages), the page
+cache drops those pages (``POSIX_FADV_DONTNEED``: only pages no process maps, so never
+another process's), a fresh view of the file's range at the same offset within a 2 MB page
+is filled from the file (``MADV_HUGEPAGE`` then ``MADV_POPULATE_READ``: read-ahead in 2 MB
+folios), and that view is moved over the copy. It costs one read of the range from the
+disk. Whether the kernel gave 2 MB pages is only seen in /proc/self/smaps
+(:func:`file_huge_bytes`), per mapping, not per range; so callers refill a few ranges
+first and look (bargein.loader.private_weights).
+
+Linux only; elsewhere nothing here is called.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from bargein.loader.file_maps import (
+    MADV_HUGEPAGE,
+    MADV_POPULATE_READ,
+    MADV_POPULATE_WRITE,
+    libc,
+    madvise,
+    os_error,
+)
+
+HUGE_PAGE = 2 << 20
+_PROT_READ = 1
+_PROT_READ_WRITE = 3
+_MAP_SHARED_FIXED = 0x01 | 0x10
+_MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
+_MREMAP_MAYMOVE_FIXED = 1 | 2
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_SYNC_WAIT_WRITE_WAIT = (
+    1 | 2 | 4
+)  # sync_file_range: wait for, start, and wait for the range's writeback
+
+
+def staged_at_offset(start: int, nbytes: int, *, prot: int = _PROT_READ_WRITE) -> int:
+    """A fresh anonymous private mapping of ``nbytes`` (``prot``) at the same offset within
+    a 2 MB page as ``start``, so that a huge page inside it stays one when moved there."""
+    raw = libc().mmap(None, nbytes + HUGE_PAGE, prot, _MAP_PRIVATE_ANONYMOUS, -1, 0)
+    if raw in (None, _MAP_FAILED):
+        raise os_error("mmap")
+    stage = raw + (start - raw) % HUGE_PAGE
+    if stage > raw:
+        libc().munmap(ctypes.c_void_p(raw), stage - raw)
+    libc().munmap(ctypes.c_void_p(stage + nbytes), raw + HUGE_PAGE - stage)  # the slack past it
+    return stage
+
+
+def move_over(stage: int, start: int, nbytes: int) -> None:
+    """Move the mapping at ``stage`` over ``start`` (``mremap``: the pages go, not their
+    bytes; what ``start`` mapped before is unmapped in the same call). On failure the stage
+    is unmapped and OSError raised; ``start`` maps what it did."""
+    moved = libc().mremap(
+        ctypes.c_void_p(stage), nbytes, nbytes, _MREMAP_MAYMOVE_FIXED, ctypes.c_void_p(start)
+    )
+    if moved != start:
+        error = os_error("mremap")
+        libc().munmap(ctypes.c_void_p(stage), nbytes)
+        raise error
+
+
+def refill(start: int, nbytes: int, fd: int, file_offset: int) -> None:
+    """Map ``nbytes`` at ``start`` (whole pages of a read-only shared mapping of ``fd`` from
+    ``file_offset``) afresh from the file on 2 MB page-cache pages where the kernel gives them;
+    see the module docstring. The addresses read the same bytes throughout. Raises OSError
+    where a step is refused; the range then maps the file's pages or a private copy of them."""
+    copy = staged_at_offset(start, nbytes)
+    madvise(copy, nbytes, MADV_POPULATE_WRITE)  # faulted in at once, not a trap per page
+    ctypes.memmove(copy, start, nbytes)  # the GIL released
+    move_over(copy, start, nbytes)  # this process no longer maps the file's pages there
+    # Written back first: the page cache keeps dirty pages (a file written in the last
+    # seconds, say just downloaded), and DONTNEED would leave them all in place.
+    libc().sync_file_range(fd, file_offset, nbytes, _SYNC_WAIT_WRITE_WAIT)
+    os.posix_fadvise(fd, file_offset, nbytes, os.POSIX_FADV_DONTNEED)
+    view = staged_at_offset(start, nbytes, prot=_PROT_READ)
+    if (
+        libc().mmap(ctypes.c_void_p(view), nbytes, _PROT_READ, _MAP_SHARED_FIXED, fd, file_offset)
+        != view
+    ):
+        error = os_error("mmap")
+        libc().munmap(ctypes.c_void_p(view), nbytes)
+        raise error
+    madvise(view, nbytes, MADV_HUGEPAGE)
+    madvise(view, nbytes, MADV_POPULATE_READ)
+    move_over(view, start, nbytes)
+
+
+def file_huge_bytes(inodes: set[int]) -> int:
+    """Bytes of this process's mappings of the files ``inodes`` mapped on 2 MB page-cache
+    pages (FilePmdMapped summed over their mappings in /proc/self/smaps; 0 where unreadable).
+    Reading smaps walks every mapping's page tables: a few milliseconds for a 1B model."""
+    total, inside = 0, False
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                fields = line.split()
+                if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                    inside = len(fields) >= 5 and fields[4].isdigit() and int(fields[4]) in inodes
+                elif inside and fields[0] == "FilePmdMapped:":
+                    total += int(fields[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
+def huge_page_bytes(spans: list[tuple[int, int]]) -> int:
+    """Bytes of the whole 2 MB pages inside the (start, end) address ``spans``: the most of
+    them that can be mapped on 2 MB pages."""
+    return sum(
+        max(0, end // HUGE_PAGE - -(-start // HUGE_PAGE)) * HUGE_PAGE for start, end in spans
+    )

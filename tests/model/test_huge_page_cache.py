@@ -1,0 +1,93 @@
+"""A file mapping's pages read again onto 2 MB page-cache pages in place
+(bargein.loader.huge_page_cache): the addresses read the file's bytes before, during and
+after, the range stays a view of the file, and on a kernel whose page cache holds the file
+in 2 MB folios the range is then mapped on 2 MB pages, also for pages just written (dirty)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bargein.loader.file_maps import MADV_HUGEPAGE, MADV_POPULATE_READ, madvise, shared_file_maps
+from bargein.loader.huge_page_cache import HUGE_PAGE, file_huge_bytes, huge_page_bytes, refill
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mremap and smaps are Linux's")
+
+
+def _mapped(path: Path) -> tuple[np.ndarray, int]:
+    with open(path, "rb") as f:
+        return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8), os.fstat(f.fileno()).st_ino
+
+
+def gives_file_huge_pages(tmp_path: Path) -> bool:
+    """Whether this kernel and filesystem map a file read from disk on 2 MB page-cache pages
+    (large folios; ext4 since Linux 6.16): 8 MB written, synced, dropped, read through a
+    mapping advised huge."""
+    path = tmp_path / "probe.bin"
+    path.write_bytes(random.Random(1).randbytes(8 * HUGE_PAGE // 2))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    mapped, inode = _mapped(path)
+    if mapped.ctypes.data % HUGE_PAGE:
+        return False
+    madvise(mapped.ctypes.data, mapped.nbytes, MADV_HUGEPAGE)
+    madvise(mapped.ctypes.data, mapped.nbytes, MADV_POPULATE_READ)
+    return file_huge_bytes({inode}) > 0
+
+
+def test_whole_huge_pages_are_counted_inside_each_span() -> None:
+    h = HUGE_PAGE
+    assert huge_page_bytes([(0, 4 * h), (5 * h + 1, 8 * h - 1), (9 * h, 9 * h + 10)]) == 4 * h + 1 * h
+    assert huge_page_bytes([(h - 4096, 2 * h + 4096)]) == h
+    assert huge_page_bytes([]) == 0
+
+
+@linux_only
+def test_a_refill_reads_the_files_bytes_throughout_and_maps_2mb_pages(tmp_path: Path) -> None:
+    """24 MB just written 64 KB at a time, as a copy or a download writes (its pages dirty,
+    on the small pages of the writes; one large write can give 2 MB ones): a thread reads
+    the range over and over while 20 MB of it are refilled in two pieces; every read equals
+    the file, the range is still a view of the file, and where the kernel gives 2 MB
+    page-cache pages it is mapped on them."""
+    huge = gives_file_huge_pages(tmp_path)
+    data = np.frombuffer(random.Random(2).randbytes(12 * HUGE_PAGE), dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    with open(path, "wb") as f:
+        for at in range(0, data.nbytes, 1 << 16):
+            f.write(data[at:at + (1 << 16)].tobytes())
+    mapped, inode = _mapped(path)
+    base = mapped.ctypes.data
+    madvise(base, mapped.nbytes, MADV_POPULATE_READ)
+    before = file_huge_bytes({inode})
+    wrong, reads, stop = [], [0], threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            if not np.array_equal(mapped, data):
+                wrong.append(reads[0])
+            reads[0] += 1
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, end in ((1, 6), (6, 11)):  # huge pages 1-10 of 12
+            refill(base + start * HUGE_PAGE, (end - start) * HUGE_PAGE, fd, start * HUGE_PAGE)
+    finally:
+        os.close(fd)
+        stop.set()
+        reader.join(60)
+    assert not wrong and reads[0] > 0
+    assert np.array_equal(mapped, data) and mapped.ctypes.data == base
+    assert any(lo <= base + HUGE_PAGE and base + 11 * HUGE_PAGE <= hi and ino == inode
+               for lo, hi, _, _, ino in shared_file_maps())  # one view of the file, as before
+    if huge:
+        assert before < 10 * HUGE_PAGE <= file_huge_bytes({inode}), (before, file_huge_bytes({inode}))
