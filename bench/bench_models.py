@@ -7,7 +7,7 @@ compares the two under the same load on the machine's memory):
 
 - load: process start to the first token of a fixed prompt, minus the side's import floor
   (a process that only imports torch, for bargein, or llama_cpp), page cache warm (every
-  file is read once before anything is timed); the median of ``--load-repeats`` (the
+  file is read once before anything is timed: see ``--page-cache``); the median of ``--load-repeats`` (the
   floor's too). Python code starts from its compiled bytecode, as for every package an installer put in place
   (torch and llama_cpp included): bargein's sources are compiled to ``__pycache__`` first
   (``compileall``), since under ``PYTHONDONTWRITEBYTECODE`` a source checkout would
@@ -33,6 +33,14 @@ on a VM whose host takes a share of its time, a file moves 20-25% between single
 either side (and the memory's speed by a third from one minute to the next), so each side's
 value is then the median of its rounds and each ratio the median of the rounds' own ratios
 (the JSON lists every round as ``NAME_rounds``).
+
+``--page-cache read`` (the default) drops each file's pages from the page cache first (its
+written pages written back; pages a process maps stay) and reads it again, so that both
+sides run on the pages a file read from disk has: on Linux 6.18's ext4, 2 MB folios, which
+a mapping gets on 2 MB pages, where a file written just before (as llama-quantize writes
+its output) sits on the small pages of its writes until the kernel drops them, and a decode
+step streams 4 KB pages 15-20% slower (both sides). ``as-is`` keeps what the cache holds.
+Each row says the share of its file a mapping got on 2 MB pages (``page_cache_2mb``).
 
 Any family bargein loads can be given; ``bench/make_family_gguf.py`` writes the random
 1B-class Qwen3 and Gemma 3 Q4_K_M files (converted and quantized by llama.cpp's own tools)
@@ -322,15 +330,40 @@ def ratio_row(ours: list[dict[str, Any]], theirs: list[dict[str, Any]], base: di
     return row
 
 
+def warm_page_cache(path: str, *, read_again: bool) -> float:
+    """Has ``path`` in the page cache (read once; with ``read_again`` its pages dropped first,
+    see the module docstring) and returns the share of it a mapping gets on 2 MB pages."""
+    import mmap
+    import os
+
+    from bargein.loader.huge_page_cache import file_huge_bytes
+
+    with open(path, "rb") as f:
+        if read_again:
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        while f.read(1 << 24):
+            pass
+        size, inode = os.fstat(f.fileno()).st_size, os.fstat(f.fileno()).st_ino
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        mapped.madvise(mmap.MADV_WILLNEED)
+        sum(mapped[at] for at in range(0, size, mmap.PAGESIZE))  # mapped in, as a side's load maps it
+        return file_huge_bytes({inode}) / size
+    finally:
+        mapped.close()
+
+
 def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: int, streams: int, answer: int,
-               prefills: tuple[int, ...], llama: bool, bytecode: bool = True, rounds: int = 1) -> list[dict[str, Any]]:
+               prefills: tuple[int, ...], llama: bool, bytecode: bool = True, rounds: int = 1,
+               read_again: bool = True) -> list[dict[str, Any]]:
     """Rows for one file: bargein's, llama.cpp's (or why not), and their ratios.
 
     Each round runs every measurement on both sides back to back (interleaved_round), the
     order swapped each round (a machine that slows for a minute slows both sides): with
     ``rounds`` > 1 a side's value is the median of its rounds (each listed as
     ``NAME_rounds``), a ratio the median of the rounds' own ratios."""
-    Path(path).read_bytes()  # the page cache warm for both sides
+    huge_share = warm_page_cache(path, read_again=read_again)  # the same pages for both sides
     prepare_bytecode(bytecode)
     family = file_family(path)
     ids = text_ids(path, max(prefills + (LOAD_PROMPT + STREAM_PROMPT * 2 + 7 * streams,)))
@@ -344,7 +377,7 @@ def bench_file(path: str, precision: str, *, threads: int | None, load_repeats: 
         got = interleaved_round(sides if number % 2 == 0 else sides[::-1], plans, common, load_repeats, failed)
         for side, measured in got.items():
             results[side].append(measured)
-    base = {"file": Path(path).name, "family": family}
+    base = {"file": Path(path).name, "family": family, "page_cache_2mb": round(huge_share, 3)}
     rows = []
     for side, _, _ in sides:
         row: dict[str, Any] = {**base, "side": side, "precision": precision if side == "bargein" else "-",
@@ -408,6 +441,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run both sides this many times in turn, the order swapped each round; "
                              "medians of the rounds, ratios the median of the rounds' own ratios")
+    parser.add_argument("--page-cache", choices=("read", "as-is"), default="read",
+                        help="read: each file dropped from the page cache and read again first; as-is: as the "
+                             "cache holds it (see the module doc)")
     parser.add_argument("--no-bytecode", action="store_true",
                         help="time bargein compiling its sources at each start (see the module doc)")
     args = parser.parse_args(argv)
@@ -429,12 +465,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for path in files:
         rows += bench_file(path, args.precision, threads=args.threads, load_repeats=1 if args.quick else
                            args.load_repeats, streams=streams, answer=answer, prefills=prefills, llama=llama,
-                           bytecode=not args.no_bytecode, rounds=1 if args.quick else args.rounds)
+                           bytecode=not args.no_bytecode, rounds=1 if args.quick else args.rounds,
+                           read_again=args.page_cache == "read")
     info = machine_info()
     result = {"benchmark": "models", "precision": args.precision, "machine": info, "rows": rows,
               "llama_cpp": llama}
     columns = ["family"] + [c for c in COLUMNS if any(c in r for r in rows)] + [
-        c for c in sorted({k for r in rows for k in r}) if c not in COLUMNS and c.endswith("_tok_s")]
+        c for c in sorted({k for r in rows for k in r}) if c not in COLUMNS and c.endswith("_tok_s")] + ["page_cache_2mb"]
     emit("GGUF files, bargein and llama.cpp side by side", [("one process per side per measurement",
                                                              format_table(rows, columns))], result, args.json)
     if args.doc and not args.quick:
