@@ -78,11 +78,29 @@ def move_over(stage: int, start: int, nbytes: int) -> None:
         raise error
 
 
-def refill(start: int, nbytes: int, fd: int, file_offset: int) -> None:
+def remap(start: int, nbytes: int, fd: int, file_offset: int) -> None:
     """Map ``nbytes`` at ``start`` (whole pages of a read-only shared mapping of ``fd`` from
-    ``file_offset``) afresh from the file on 2 MB page-cache pages where the kernel gives them;
-    see the module docstring. The addresses read the same bytes throughout. Raises OSError
-    where a step is refused; the range then maps the file's pages or a private copy of them."""
+    ``file_offset``) afresh from the page cache: a fresh view at the same offset within a 2 MB
+    page, advised huge and populated, moved over the range. Where the page cache holds 2 MB
+    folios there they are mapped on 2 MB pages (a range first touched away from a 2 MB
+    page's start got 4 KB entries); what it lacks is read from the file, in 2 MB folios
+    where the kernel makes them. Raises OSError where a step is refused; the range then
+    maps what it did."""
+    view = staged_at_offset(start, nbytes, prot=_PROT_READ)
+    if libc().mmap(ctypes.c_void_p(view), nbytes, _PROT_READ, _MAP_SHARED_FIXED, fd, file_offset) != view:
+        error = os_error("mmap")
+        libc().munmap(ctypes.c_void_p(view), nbytes)
+        raise error
+    madvise(view, nbytes, MADV_HUGEPAGE)
+    madvise(view, nbytes, MADV_POPULATE_READ)
+    move_over(view, start, nbytes)
+
+
+def refill(start: int, nbytes: int, fd: int, file_offset: int) -> None:
+    """:func:`remap` after the range's pages were dropped from the page cache, so that they
+    are read again from the file, on 2 MB pages where the kernel gives them; see the module
+    docstring. The addresses read the same bytes throughout. Raises OSError where a step is
+    refused; the range then maps the file's pages or a private copy of them."""
     copy = staged_at_offset(start, nbytes)
     madvise(copy, nbytes, MADV_POPULATE_WRITE)  # faulted in at once, not a trap per page
     ctypes.memmove(copy, start, nbytes)  # the GIL released
@@ -91,17 +109,7 @@ def refill(start: int, nbytes: int, fd: int, file_offset: int) -> None:
     # seconds, say just downloaded), and DONTNEED would leave them all in place.
     libc().sync_file_range(fd, file_offset, nbytes, _SYNC_WAIT_WRITE_WAIT)
     os.posix_fadvise(fd, file_offset, nbytes, os.POSIX_FADV_DONTNEED)
-    view = staged_at_offset(start, nbytes, prot=_PROT_READ)
-    if (
-        libc().mmap(ctypes.c_void_p(view), nbytes, _PROT_READ, _MAP_SHARED_FIXED, fd, file_offset)
-        != view
-    ):
-        error = os_error("mmap")
-        libc().munmap(ctypes.c_void_p(view), nbytes)
-        raise error
-    madvise(view, nbytes, MADV_HUGEPAGE)
-    madvise(view, nbytes, MADV_POPULATE_READ)
-    move_over(view, start, nbytes)
+    remap(start, nbytes, fd, file_offset)
 
 
 def file_huge_bytes(inodes: set[int]) -> int:
