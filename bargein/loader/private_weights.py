@@ -351,10 +351,12 @@ class PrivateWeights:
         inodes = {span.inode for span in self._files if span is not None}
         worth = [(chunk, span) for chunk, span in zip(self._chunks, self._files, strict=True)
                  if span is not None and huge_page_bytes([(chunk.start, chunk.end)])]
-        before = file_huge_bytes(inodes)
-        if not worth or before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
+        if not worth:  # no whole 2 MB page under the weights: the copy, as with "private"
+            return PrivateCopy(0, 0, 0.0)
+        before = file_huge_bytes(inodes)  # (a walk of every mapping's page tables: not for the above)
+        if before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
             return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,
-                               file_huge_bytes=before, file_pages=bool(worth))
+                               file_huge_bytes=before, file_pages=True)
         refilled, error, opened = 0, None, {}
         try:
             for index, (chunk, span) in enumerate(worth):
