@@ -108,6 +108,11 @@ MERGE_GAP = 1 << 20  # two ranges this close, with nothing kept between, are mov
 # file's first answer after load decoded at 23-31 tok/s against 33-38 (2026-12-04).
 QUIET_S = 0.05
 QUIET_POLL_S = 0.01  # how often a copy waiting for a quiet model asks again
+# file_pages_first looks at the file's pages (a walk of every mapping's page tables) and
+# reads them again from the disk only once the model has been quiet this long: a server
+# between requests, a chat between turns, not a short-lived process (the test suite's
+# engines took 20 s more of its 470 with 50 ms, 2026-12-07).
+SETTLED_S = 1.0
 # file_pages_first: the file's pages count as on 2 MB pages already from this share of the
 # whole 2 MB pages under the weights; else the first PROBE_BYTES of chunks are refilled
 # from the file, and the rest follow where at least PROBE_GAIN of their 2 MB pages came so.
@@ -292,14 +297,17 @@ class PrivateWeights:
         self._files = files  # file_pages_first: where each chunk lies in its file (None: no refill)
         self._done = threading.Event()
         self._quiet: Callable[[], bool] | None = None
+        self._settled: Callable[[], bool] | None = None
         self.result: PrivateCopy | None = None
         self._thread = threading.Thread(target=self._run, name="bargein-weights-private", daemon=True)
 
-    def start(self, quiet: Callable[[], bool] | None = None) -> PrivateWeights:
+    def start(self, quiet: Callable[[], bool] | None = None,
+              settled: Callable[[], bool] | None = None) -> PrivateWeights:
         """Start the copy's thread (once); returns this copy. ``quiet``: asked before each
         chunk, which waits until it says True (the model's quiet_for: a chunk moves only
-        while no step runs, so that steps never share the memory with the copy)."""
-        self._quiet = quiet
+        while no step runs, so that steps never share the memory with the copy);
+        ``settled``: likewise, once, before file_pages_first looks at the file's pages."""
+        self._quiet, self._settled = quiet, settled
         with _RUNNING_LOCK:
             _RUNNING.add(self)
         self._thread.start()
@@ -310,7 +318,8 @@ class PrivateWeights:
         its next forward, moving chunks only while it is quiet. That forward faults the
         file's pages in (thousands of faults), which the copy's moves beside it slowed by
         5-70 ms of its 30 ms on this project's VMs (SmolLM2-135M Q8_0, 2026-12-04)."""
-        stage.after_next_forward(lambda: self.start(quiet=stage.quiet_for(QUIET_S)))
+        stage.after_next_forward(lambda: self.start(quiet=stage.quiet_for(QUIET_S),
+                                                    settled=stage.quiet_for(SETTLED_S)))
 
     def _held_any(self) -> bool:
         return any(ref() is not None for ref in self._weights)
@@ -319,10 +328,12 @@ class PrivateWeights:
         """What the copy did, once it ended (None if not within ``timeout`` seconds)."""
         return self.result if self._done.wait(timeout) else None
 
-    def _turn(self) -> list[QuantWeight] | None:
-        """Wait until the model is quiet; then the weights, held for one chunk's move (None
-        once the model was dropped: its mapping may be gone, and no one would read the pages)."""
-        while self._quiet is not None and not self._quiet() and self._held_any():
+    def _turn(self, quiet: Callable[[], bool] | None = None) -> list[QuantWeight] | None:
+        """Wait until the model is quiet (``quiet``, default the start's); then the weights,
+        held for one chunk's move (None once the model was dropped: its mapping may be gone,
+        and no one would read the pages)."""
+        quiet = quiet or self._quiet
+        while quiet is not None and not quiet() and self._held_any():
             time.sleep(QUIET_POLL_S)
         held = [w for w in (ref() for ref in self._weights) if w is not None]
         return held or None
@@ -353,6 +364,8 @@ class PrivateWeights:
                  if span is not None and huge_page_bytes([(chunk.start, chunk.end)])]
         if not worth:  # no whole 2 MB page under the weights: the copy, as with "private"
             return PrivateCopy(0, 0, 0.0)
+        if self._turn(self._settled) is None:
+            return PrivateCopy(0, 0, time.perf_counter() - began, self._kept_bytes, DROPPED, file_pages=True)
         before = file_huge_bytes(inodes)  # (a walk of every mapping's page tables: not for the above)
         if before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
             return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,

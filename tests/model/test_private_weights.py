@@ -579,3 +579,19 @@ def test_a_refill_the_system_refuses_leaves_the_rest_mapped_and_says_why(mid_q4_
     assert all(_in_a_file(p, n) for p, n in _segments(weights).items())
     (record,) = [r for r in caplog.records if r.getMessage().startswith("weights:")]
     assert record.levelno == logging.WARNING and "stopped early" in record.getMessage()
+
+
+def test_auto_looks_at_the_files_pages_only_once_the_model_has_settled(mid_q4_k: Path, monkeypatch) -> None:
+    """The file's pages are looked at (a walk of every mapping) and read again only once the
+    model has been quiet for SETTLED_S: a short-lived process never starts reading the disk."""
+    import bargein.loader.private_weights as private_weights
+
+    looked = []
+    monkeypatch.setattr(private_weights, "file_huge_bytes", lambda inodes: looked.append(1) or 1 << 40)
+    settled = threading.Event()
+    weights = _loaded(mid_q4_k)  # held: a copy whose weights are dropped stops
+    running = private_copy(weights, file_pages_first=True).start(quiet=lambda: True, settled=settled.is_set)
+    assert running.wait(0.2) is None and not looked  # waiting for the model to settle
+    settled.set()
+    made = running.wait(60)
+    assert made is not None and made.file_pages and looked == [1]
