@@ -37,8 +37,8 @@ pages; see EngineConfig). The caller may keep some weights out of the copy: the 
 an MoE's experts in the file's pages, since a token reads only the few it is routed to
 (bargein.loader.private_copy_of).
 
-With ``file_pages_first`` (``weights_memory="auto"``, the default) the thread first tries
-the file's own pages: where they are on 2 MB page-cache pages already (a file read from
+With ``file_pages_first`` (``weights_memory="auto"``, the default) the thread first tries,
+once the model has been quiet for SETTLED_S, the file's own pages: where they are on 2 MB page-cache pages already (a file read from
 disk, on a kernel whose page cache holds it in large folios) there is nothing to do; else it
 refills the first chunks from the file on 2 MB pages (bargein.loader.huge_page_cache) and,
 where /proc/self/smaps then shows them mapped so, the rest. That is faster than the private
