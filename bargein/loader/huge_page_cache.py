@@ -47,9 +47,7 @@ _MAP_SHARED_FIXED = 0x01 | 0x10
 _MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
 _MREMAP_MAYMOVE_FIXED = 1 | 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_SYNC_WAIT_WRITE_WAIT = (
-    1 | 2 | 4
-)  # sync_file_range: wait for, start, and wait for the range's writeback
+_SYNC_WAIT_WRITE_WAIT = 1 | 2 | 4  # sync_file_range: wait for, start, then wait for the range's writeback
 
 
 def staged_at_offset(start: int, nbytes: int, *, prot: int = _PROT_READ_WRITE) -> int:
