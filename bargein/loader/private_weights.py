@@ -115,7 +115,8 @@ QUIET_POLL_S = 0.01  # how often a copy waiting for a quiet model asks again
 SETTLED_S = 1.0
 # file_pages_first: the file's pages count as on 2 MB pages already from this share of the
 # whole 2 MB pages under the weights; else the first PROBE_BYTES of chunks are refilled
-# from the file, and the rest follow where at least PROBE_GAIN of their 2 MB pages came so.
+# from the file, and the rest follow where the file's mappings then have at least PROBE_GAIN
+# of those chunks' 2 MB pages' worth on 2 MB pages (smaps counts per mapping, not per range).
 ALREADY_HUGE = 0.9
 PROBE_BYTES = 4 * CHUNK
 PROBE_GAIN = 0.5
@@ -386,8 +387,10 @@ class PrivateWeights:
                     del held
                 refilled += chunk.nbytes
                 if refilled - chunk.nbytes < PROBE_BYTES <= refilled or index == len(worth) - 1:
+                    # The whole mapping, not the gain: chunks on 2 MB pages before their refill
+                    # gain nothing, and where any chunk has them the kernel gives them.
                     probed = huge_page_bytes([(c.start, c.end) for c, _ in worth[:index + 1]])
-                    if file_huge_bytes(inodes) - before < PROBE_GAIN * probed:
+                    if file_huge_bytes(inodes) < PROBE_GAIN * probed:
                         return PrivateCopy(0, 0, 0.0, refilled_bytes=refilled)  # no 2 MB pages: the copy
         finally:
             for fd in opened.values():

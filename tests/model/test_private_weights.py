@@ -595,3 +595,17 @@ def test_auto_looks_at_the_files_pages_only_once_the_model_has_settled(mid_q4_k:
     settled.set()
     made = running.wait(60)
     assert made is not None and made.file_pages and looked == [1]
+
+
+def test_auto_reads_on_where_the_first_chunks_were_on_2mb_pages_before_their_refill(mid_q4_k: Path,
+                                                                                  monkeypatch) -> None:
+    """Chunks on 2 MB pages before their refill gain nothing: the probe asks whether the
+    file's mappings have 2 MB pages at all, not whether the refilled chunks gained them."""
+    import bargein.loader.private_weights as private_weights
+
+    monkeypatch.setattr(private_weights, "ALREADY_HUGE", 2.0)  # never "already"
+    monkeypatch.setattr(private_weights, "file_huge_bytes", lambda inodes: 4 * HUGE_PAGE)  # a constant: no gain
+    weights = _loaded(mid_q4_k)
+    made = private_copy(weights, file_pages_first=True).start().wait(60)
+    assert made is not None and made.file_pages and made.error is None and made.bytes == 0, made
+    assert made.refilled_bytes >= 6 * HUGE_PAGE and all(_in_a_file(p, n) for p, n in _segments(weights).items())
