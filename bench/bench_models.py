@@ -344,7 +344,8 @@ def warm_page_cache(path: str, *, read_again: bool) -> float:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         while f.read(1 << 24):
             pass
-        size, inode = os.fstat(f.fileno()).st_size, os.fstat(f.fileno()).st_ino
+        stat = os.fstat(f.fileno())
+        size, inode = stat.st_size, stat.st_ino
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         mapped.madvise(mmap.MADV_WILLNEED)

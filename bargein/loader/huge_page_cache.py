@@ -67,9 +67,7 @@ def move_over(stage: int, start: int, nbytes: int) -> None:
     """Move the mapping at ``stage`` over ``start`` (``mremap``: the pages go, not their
     bytes; what ``start`` mapped before is unmapped in the same call). On failure the stage
     is unmapped and OSError raised; ``start`` maps what it did."""
-    moved = libc().mremap(
-        ctypes.c_void_p(stage), nbytes, nbytes, _MREMAP_MAYMOVE_FIXED, ctypes.c_void_p(start)
-    )
+    moved = libc().mremap(ctypes.c_void_p(stage), nbytes, nbytes, _MREMAP_MAYMOVE_FIXED, ctypes.c_void_p(start))
     if moved != start:
         error = os_error("mremap")
         libc().munmap(ctypes.c_void_p(stage), nbytes)
@@ -80,9 +78,8 @@ def remap(start: int, nbytes: int, fd: int, file_offset: int) -> None:
     """Map ``nbytes`` at ``start`` (whole pages of a read-only shared mapping of ``fd`` from
     ``file_offset``) afresh from the page cache: a fresh view at the same offset within a 2 MB
     page, advised huge and populated, moved over the range. Where the page cache holds 2 MB
-    folios there they are mapped on 2 MB pages (a range first touched away from a 2 MB
-    page's start got 4 KB entries); what it lacks is read from the file, in 2 MB folios
-    where the kernel makes them. Raises OSError where a step is refused; the range then
+    folios there they are mapped on 2 MB pages; what it lacks is read from the file, in 2 MB
+    folios where the kernel makes them. Raises OSError where a step is refused; the range then
     maps what it did."""
     view = staged_at_offset(start, nbytes, prot=_PROT_READ)
     if libc().mmap(ctypes.c_void_p(view), nbytes, _PROT_READ, _MAP_SHARED_FIXED, fd, file_offset) != view:
@@ -131,6 +128,4 @@ def file_huge_bytes(inodes: set[int]) -> int:
 def huge_page_bytes(spans: list[tuple[int, int]]) -> int:
     """Bytes of the whole 2 MB pages inside the (start, end) address ``spans``: the most of
     them that can be mapped on 2 MB pages."""
-    return sum(
-        max(0, end // HUGE_PAGE - -(-start // HUGE_PAGE)) * HUGE_PAGE for start, end in spans
-    )
+    return sum(max(0, end // HUGE_PAGE - -(-start // HUGE_PAGE)) * HUGE_PAGE for start, end in spans)
