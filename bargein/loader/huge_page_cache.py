@@ -23,6 +23,10 @@ disk. Whether the kernel gave 2 MB pages is only seen in /proc/self/smaps
 (:func:`file_huge_bytes`), per mapping, not per range; so callers refill a few ranges
 first and look (bargein.loader.private_weights).
 
+A file on a file system that keeps files in memory only (tmpfs, ramfs:
+:func:`memory_file_system`) has no disk to be read again from: its pages are the file, the
+page cache cannot drop them, and a private copy would hold the weights in memory twice.
+
 Linux only; elsewhere nothing here is called.
 """
 
@@ -107,10 +111,42 @@ def refill(start: int, nbytes: int, fd: int, file_offset: int) -> None:
     remap(start, nbytes, fd, file_offset)
 
 
+# The file systems whose files live in memory only: their pages are the file itself.
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+# smaps' fields of a mapping's pages mapped on 2 MB pages: a file's page cache, and a
+# tmpfs file's pages (shared memory, counted apart)
+PMD_MAPPED_FIELDS = ("FilePmdMapped:", "ShmemPmdMapped:")
+
+
+def mount_type(device: int, mountinfo: str) -> str | None:
+    """The file system type of the mount of ``device`` (st_dev) in ``mountinfo`` (the text
+    of /proc/self/mountinfo: field 3 major:minor, the type first after " - "), or None."""
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    for line in mountinfo.splitlines():
+        fields, _, rest = line.partition(" - ")
+        numbers = fields.split()
+        if len(numbers) > 2 and numbers[2] == wanted and rest.split():
+            return rest.split()[0]
+    return None
+
+
+def memory_file_system(path: str) -> str | None:
+    """The type of the file system holding ``path`` where it keeps files in memory only
+    (:data:`MEMORY_FILE_SYSTEMS`), else None (also where the file or /proc cannot be read)."""
+    try:
+        device = os.stat(path).st_dev
+        with open("/proc/self/mountinfo") as mounts:
+            kind = mount_type(device, mounts.read())
+    except OSError:
+        return None
+    return kind if kind in MEMORY_FILE_SYSTEMS else None
+
+
 def file_huge_bytes(inodes: set[int]) -> int:
-    """Bytes of this process's mappings of the files ``inodes`` mapped on 2 MB page-cache
-    pages (FilePmdMapped summed over their mappings in /proc/self/smaps; 0 where unreadable).
-    Reading smaps walks every mapping's page tables: a few milliseconds for a 1B model."""
+    """Bytes of this process's mappings of the files ``inodes`` mapped on 2 MB pages
+    (FilePmdMapped, and ShmemPmdMapped for a tmpfs file, summed over their mappings in
+    /proc/self/smaps; 0 where unreadable). Reading smaps walks every mapping's page tables:
+    a few milliseconds for a 1B model."""
     total, inside = 0, False
     try:
         with open("/proc/self/smaps") as smaps:
@@ -118,7 +154,7 @@ def file_huge_bytes(inodes: set[int]) -> int:
                 fields = line.split()
                 if fields and "-" in fields[0] and not fields[0].endswith(":"):
                     inside = len(fields) >= 5 and fields[4].isdigit() and int(fields[4]) in inodes
-                elif inside and fields[0] == "FilePmdMapped:":
+                elif inside and fields[0] in PMD_MAPPED_FIELDS:
                     total += int(fields[1]) * 1024
     except (OSError, ValueError, IndexError):
         return 0

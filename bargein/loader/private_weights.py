@@ -45,7 +45,9 @@ where /proc/self/smaps then shows them mapped so, the rest. That is faster than 
 copy where huge anonymous pages come slowly (one stream 53-54 against 49 tok/s, llama1b
 Q4_K_M on a 2-core Zen 4 VM) and shares the pages with every process on the file. Where
 the refilled chunks came back on 4 KB pages (an older kernel, a filesystem without large
-folios, another process holding the small pages) it makes the private copy as above.
+folios, another process holding the small pages) it makes the private copy as above. A file
+on tmpfs or ramfs is kept as it is: its pages are memory already, there is no disk to read
+them again from, and a copy would hold the weights twice.
 
 Linux only (``mremap``): elsewhere the weights stay mapped, and say so in the log.
 """
@@ -79,6 +81,7 @@ from bargein.loader.huge_page_cache import (
     HUGE_PAGE,
     file_huge_bytes,
     huge_page_bytes,
+    memory_file_system,
     move_over,
     refill,
     staged_at_offset,
@@ -143,6 +146,7 @@ class PrivateCopy:
     file_huge_bytes: int = 0
     refilled_bytes: int = 0
     file_pages: bool = False
+    memory_file_system: str | None = None  # the file's, where it is one (tmpfs): kept as it is
 
     def describe(self, kept: str = "weights") -> str:
         """The one log line of the copy; ``kept`` names what ``kept_bytes`` are."""
@@ -152,6 +156,11 @@ class PrivateCopy:
         if self.file_pages:
             refilled = (f" ({self.refilled_bytes / 2**20:,.0f} MiB read again from the file onto them in "
                         f"{self.seconds:.2f} s)" if self.refilled_bytes else "")
+            if self.memory_file_system:
+                return (f"weights: read in place from the file's pages on {self.memory_file_system}, which are "
+                        f"memory already (a private copy would hold them twice), "
+                        f"{self.file_huge_bytes / 2**20:,.0f} MiB of them on 2 MB pages, shared with every "
+                        f"process on the file{left}{stopped}")
             return (f"weights: read in place from the file's pages, {self.file_huge_bytes / 2**20:,.0f} MiB of "
                     f"them on 2 MB pages of the page cache{refilled}, shared with every process on the file"
                     f"{left}{stopped}")
@@ -368,9 +377,12 @@ class PrivateWeights:
         if self._turn(self._settled) is None:
             return PrivateCopy(0, 0, time.perf_counter() - began, self._kept_bytes, DROPPED, file_pages=True)
         before = file_huge_bytes(inodes)  # (a walk of every mapping's page tables: not for the above)
-        if before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
+        # A tmpfs file's pages are the file: nothing to read them again from, and a copy
+        # would hold the weights twice. They serve as they are, on whatever pages they have.
+        in_memory = next(filter(None, map(memory_file_system, sorted({span.path for _, span in worth}))), None)
+        if in_memory or before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
             return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,
-                               file_huge_bytes=before, file_pages=True)
+                               file_huge_bytes=before, file_pages=True, memory_file_system=in_memory)
         refilled, error, opened = 0, None, {}
         try:
             for index, (chunk, span) in enumerate(worth):

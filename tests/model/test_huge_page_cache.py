@@ -9,6 +9,7 @@ import mmap
 import os
 import random
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -91,3 +92,32 @@ def test_a_refill_reads_the_files_bytes_throughout_and_maps_2mb_pages(tmp_path: 
                for lo, hi, _, _, ino in shared_file_maps())  # one view of the file, as before
     if huge:
         assert before < 10 * HUGE_PAGE <= file_huge_bytes({inode}), (before, file_huge_bytes({inode}))
+
+
+MOUNTINFO = """\
+22 1 252:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+36 22 0:32 / /dev/shm rw,nosuid,nodev shared:3 - tmpfs tmpfs rw,size=24683784k
+37 22 0:33 / /mnt/ram rw,relatime shared:4 - ramfs ramfs rw
+38 22 0:34 / /mnt/odd\\040name rw,relatime shared:5 master:2 - tmpfs none rw
+"""
+
+
+def test_a_devices_mount_type_is_read_from_mountinfo() -> None:
+    from bargein.loader.huge_page_cache import mount_type
+
+    assert mount_type(os.makedev(252, 0), MOUNTINFO) == "ext4"
+    assert mount_type(os.makedev(0, 32), MOUNTINFO) == "tmpfs"
+    assert mount_type(os.makedev(0, 33), MOUNTINFO) == "ramfs"
+    assert mount_type(os.makedev(0, 34), MOUNTINFO) == "tmpfs"  # optional fields before " - "
+    assert mount_type(os.makedev(0, 99), MOUNTINFO) is None
+
+
+def test_a_file_in_dev_shm_is_on_a_memory_file_system(tmp_path: Path) -> None:
+    from bargein.loader.huge_page_cache import memory_file_system
+
+    assert memory_file_system(str(tmp_path / "no-such-file")) is None
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    if not any(fields[1:3] == ["/dev/shm", "tmpfs"] for fields in mounts):
+        pytest.skip("no tmpfs at /dev/shm here")
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as shared:
+        assert memory_file_system(shared.name) == "tmpfs"

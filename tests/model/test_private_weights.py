@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -609,3 +611,36 @@ def test_auto_reads_on_where_the_first_chunks_were_on_2mb_pages_before_their_ref
     made = private_copy(weights, file_pages_first=True).start().wait(60)
     assert made is not None and made.file_pages and made.error is None and made.bytes == 0, made
     assert made.refilled_bytes >= 6 * HUGE_PAGE and all(_in_a_file(p, n) for p, n in _segments(weights).items())
+
+
+def test_auto_keeps_a_tmpfs_files_pages_as_they_are(mid_q4_k: Path, monkeypatch, caplog) -> None:
+    """A model in /dev/shm: its pages are the file, memory already. Nothing is read again
+    (the page cache cannot drop them) or copied (that would hold them twice), whatever
+    pages they are on, and the log line says why."""
+    import bargein.loader.private_weights as private_weights
+
+    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    if not any(fields[1:3] == ["/dev/shm", "tmpfs"] for fields in mounts):
+        pytest.skip("no tmpfs at /dev/shm here")
+
+    def refused(*args: object) -> None:
+        raise AssertionError("a tmpfs file's pages are neither read again nor copied")
+
+    monkeypatch.setattr(private_weights, "refill", refused)
+    monkeypatch.setattr(private_weights, "move_private", refused)
+    fd, name = tempfile.mkstemp(suffix=".gguf", dir="/dev/shm")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(mid_q4_k.read_bytes())
+        reference, weights = _loaded(mid_q4_k), _loaded(Path(name))
+        segments = _segments(weights)
+        caplog.set_level(logging.INFO, logger="bargein.loader")
+        made = private_copy(weights, file_pages_first=True).start().wait(60)
+        assert made is not None and made.file_pages and made.error is None, made
+        assert made.memory_file_system == "tmpfs" and made.bytes == made.refilled_bytes == 0, made
+        assert _segments(weights) == segments and all(_in_a_file(p, n) for p, n in segments.items())
+        assert _same_weights(weights, reference)
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
+        assert line.startswith("weights: read in place from the file's pages on tmpfs, which are memory already"), line
+    finally:
+        os.unlink(name)
