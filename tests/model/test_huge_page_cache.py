@@ -112,12 +112,16 @@ def test_a_devices_mount_type_is_read_from_mountinfo() -> None:
     assert mount_type(os.makedev(0, 99), MOUNTINFO) is None
 
 
+def tmpfs_at_dev_shm() -> bool:
+    """Whether /proc/mounts shows a tmpfs mounted at /dev/shm (read apart from mountinfo)."""
+    return any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in Path("/proc/mounts").read_text().splitlines())
+
+
 def test_a_file_in_dev_shm_is_on_a_memory_file_system(tmp_path: Path) -> None:
     from bargein.loader.huge_page_cache import memory_file_system
 
     assert memory_file_system(str(tmp_path / "no-such-file")) is None
-    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    if not any(fields[1:3] == ["/dev/shm", "tmpfs"] for fields in mounts):
+    if not tmpfs_at_dev_shm():
         pytest.skip("no tmpfs at /dev/shm here")
     with tempfile.NamedTemporaryFile(dir="/dev/shm") as shared:
         assert memory_file_system(shared.name) == "tmpfs"

@@ -618,9 +618,9 @@ def test_auto_keeps_a_tmpfs_files_pages_as_they_are(mid_q4_k: Path, monkeypatch,
     (the page cache cannot drop them) or copied (that would hold them twice), whatever
     pages they are on, and the log line says why."""
     import bargein.loader.private_weights as private_weights
+    from tests.model.test_huge_page_cache import tmpfs_at_dev_shm
 
-    mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    if not any(fields[1:3] == ["/dev/shm", "tmpfs"] for fields in mounts):
+    if not tmpfs_at_dev_shm():
         pytest.skip("no tmpfs at /dev/shm here")
 
     def refused(*args: object) -> None:
