@@ -6,7 +6,8 @@ so they never cause an out-of-memory kill, though a machine without room for the
 (slowly). With ``"private"`` they become private memory, copied in place beside serving
 (bargein.loader.private_weights), and are counted there, as with ``"auto"`` (the default),
 which keeps the file's pages where the page cache holds them on 2 MB pages and else copies
-them (so a plan counts the copy); an MoE's experts stay
+them (so a plan counts the copy), but keeps a file on tmpfs or ramfs mapped (its pages are
+memory already: counted as mapped); an MoE's experts stay
 mapped either way (a token reads only those it is routed to). Everything else is private memory: weights widened or copied at load, the KV cache, and the
 process itself (PyTorch, the tokenizer, buffers; :data:`RUNTIME_BYTES`, an estimate).
 A plan whose private memory exceeds what the system has available cannot run and is
@@ -28,6 +29,7 @@ from bargein.kernels.quant_weight import QUANT_TYPES
 from bargein.loader.errors import LoaderError
 from bargein.loader.gguf_file import open_gguf
 from bargein.loader.hf_folder import stored_dtypes
+from bargein.loader.huge_page_cache import memory_file_system
 from bargein.loader.names import expected_shape, expert_index, gguf_location, wanted_tensors
 from bargein.loader.parameters import describe_parameters
 from bargein.loader.source import ModelSource
@@ -120,7 +122,9 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     fast = config.precision == "fast" and reads_blocks
     mapped, private, experts = _weight_bytes(source, model_config, reads_blocks, fast)
     in_place = mapped  # what --weights-memory mapped would leave in the file's pages
-    if config.weights_memory != "mapped":  # the blocks read in place may be made private, but an MoE's experts
+    copies = config.weights_memory == "private" or (config.weights_memory == "auto"
+                                                    and memory_file_system(str(source.path)) is None)
+    if copies:  # the blocks read in place may be made private, but an MoE's experts
         mapped, private = experts, private + mapped - experts
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
     step = step_buffer_bytes(model_config, config.scheduler.max_num_batched_tokens) if fast else 0

@@ -370,16 +370,18 @@ class PrivateWeights:
         where the first chunks refilled came back on 4 KB pages (then the copy follows)."""
         assert self._files is not None
         inodes = {span.inode for span in self._files if span is not None}
+        # A tmpfs file's pages are the file: nothing to read them again from, and a copy
+        # would hold the weights twice. They serve as they are, on whatever pages they have.
+        in_memory = next(filter(None, map(memory_file_system, sorted({s.path for s in self._files if s}))), None)
         worth = [(chunk, span) for chunk, span in zip(self._chunks, self._files, strict=True)
                  if span is not None and huge_page_bytes([(chunk.start, chunk.end)])]
         if not worth:  # no whole 2 MB page under the weights: the copy, as with "private"
+            if in_memory:
+                return PrivateCopy(0, 0, 0.0, self._kept_bytes, file_pages=True, memory_file_system=in_memory)
             return PrivateCopy(0, 0, 0.0)
         if self._turn(self._settled) is None:
             return PrivateCopy(0, 0, time.perf_counter() - began, self._kept_bytes, DROPPED, file_pages=True)
         before = file_huge_bytes(inodes)  # (a walk of every mapping's page tables: not for the above)
-        # A tmpfs file's pages are the file: nothing to read them again from, and a copy
-        # would hold the weights twice. They serve as they are, on whatever pages they have.
-        in_memory = next(filter(None, map(memory_file_system, sorted({span.path for _, span in worth}))), None)
         if in_memory or before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
             return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,
                                file_huge_bytes=before, file_pages=True, memory_file_system=in_memory)

@@ -3,6 +3,7 @@ sizing from what is available, and a clear refusal where the private memory cann
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -56,6 +57,25 @@ def test_the_plan_maps_the_files_blocks_and_counts_the_rest_as_private(q4_k_m: P
     assert plan_memory(source, config, replace(CPU, weights_memory="auto"), available=64 * GiB) == copied
     widened = plan_memory(source, config, replace(CPU, native_kernels=False), available=64 * GiB)
     assert widened.mapped_weight_bytes == 0 and widened.private_weight_bytes > 4 * blocks
+
+
+def test_auto_plans_a_file_on_tmpfs_as_mapped(q4_k_m: Path) -> None:
+    """auto keeps a tmpfs file's pages as they are (bargein.loader.private_weights): its plan
+    is the mapped one, not the copy's."""
+    from tests.model.test_huge_page_cache import tmpfs_at_dev_shm
+
+    if not tmpfs_at_dev_shm():
+        pytest.skip("no tmpfs at /dev/shm here")
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", suffix=".gguf") as shared:
+        shared.write(q4_k_m.read_bytes())
+        shared.flush()
+        source = resolve_model_ref(Path(shared.name))
+        config = load_config(source)
+        auto = plan_memory(source, config, replace(CPU, weights_memory="auto"), available=64 * GiB)
+        assert auto == plan_memory(source, config, CPU, available=64 * GiB)  # CPU: "mapped"
+        assert auto.mapped_weight_bytes > 0
+        copied = plan_memory(source, config, replace(CPU, weights_memory="private"), available=64 * GiB)
+        assert copied.mapped_weight_bytes == 0
 
 
 def test_auto_gives_the_kv_cache_what_is_left_and_refuses_when_nothing_is(q4_k_m: Path) -> None:

@@ -613,10 +613,12 @@ def test_auto_reads_on_where_the_first_chunks_were_on_2mb_pages_before_their_ref
     assert made.refilled_bytes >= 6 * HUGE_PAGE and all(_in_a_file(p, n) for p, n in _segments(weights).items())
 
 
-def test_auto_keeps_a_tmpfs_files_pages_as_they_are(mid_q4_k: Path, monkeypatch, caplog) -> None:
+@pytest.mark.parametrize("model", ["mid_q4_k", "q4_k_m"])
+def test_auto_keeps_a_tmpfs_files_pages_as_they_are(model: str, request, monkeypatch, caplog) -> None:
     """A model in /dev/shm: its pages are the file, memory already. Nothing is read again
     (the page cache cannot drop them) or copied (that would hold them twice), whatever
-    pages they are on, and the log line says why."""
+    pages they are on (q4_k_m: no whole 2 MB page under its weights), and the log line says
+    why: as the memory plan counts it."""
     import bargein.loader.private_weights as private_weights
     from tests.model.test_huge_page_cache import tmpfs_at_dev_shm
 
@@ -630,9 +632,10 @@ def test_auto_keeps_a_tmpfs_files_pages_as_they_are(mid_q4_k: Path, monkeypatch,
     monkeypatch.setattr(private_weights, "move_private", refused)
     fd, name = tempfile.mkstemp(suffix=".gguf", dir="/dev/shm")
     try:
+        source = request.getfixturevalue(model)
         with os.fdopen(fd, "wb") as out:
-            out.write(mid_q4_k.read_bytes())
-        reference, weights = _loaded(mid_q4_k), _loaded(Path(name))
+            out.write(source.read_bytes())
+        reference, weights = _loaded(source), _loaded(Path(name))
         segments = _segments(weights)
         caplog.set_level(logging.INFO, logger="bargein.loader")
         made = private_copy(weights, file_pages_first=True).start().wait(60)
