@@ -7,11 +7,12 @@ so they never cause an out-of-memory kill, though a machine without room for the
 (bargein.loader.private_weights), and are counted there, as with ``"auto"`` (the default),
 which keeps the file's pages where the page cache holds them on 2 MB pages and else copies
 them (so a plan counts the copy), but keeps a file on tmpfs or ramfs mapped (its pages are
-memory already: counted as mapped); an MoE's experts stay
-mapped either way (a token reads only those it is routed to). Everything else is private memory: weights widened or copied at load, the KV cache, and the
-process itself (PyTorch, the tokenizer, buffers; :data:`RUNTIME_BYTES`, an estimate).
-A plan whose private memory exceeds what the system has available cannot run and is
-refused here, with one message, instead of being killed half-way through loading.
+memory already: counted as mapped); an MoE's experts stay mapped either way (a token reads
+only those it is routed to). Everything else is private memory: weights widened or copied
+at load, the KV cache, and the process itself (PyTorch, the tokenizer, buffers;
+:data:`RUNTIME_BYTES`, an estimate). A plan whose private memory exceeds what the system
+has available cannot run and is refused here, with one message, instead of being killed
+half-way through loading.
 
 ``--kv-memory auto`` sizes the KV cache from what is left: the available memory minus
 the weights (mapped ones too: they should stay resident), the runtime and a margin.

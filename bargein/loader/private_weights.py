@@ -38,8 +38,9 @@ an MoE's experts in the file's pages, since a token reads only the few it is rou
 (bargein.loader.private_copy_of).
 
 With ``file_pages_first`` (``weights_memory="auto"``, the default) the thread first tries,
-once the model has been quiet for SETTLED_S, the file's own pages: where they are on 2 MB page-cache pages already (a file read from
-disk, on a kernel whose page cache holds it in large folios) there is nothing to do; else it
+once the model has been quiet for SETTLED_S, the file's own pages: where they are on 2 MB
+page-cache pages already (a file read from disk, on a kernel whose page cache holds it in
+large folios) there is nothing to do; else it
 refills the first chunks from the file on 2 MB pages (bargein.loader.huge_page_cache) and,
 where /proc/self/smaps then shows them mapped so, the rest. That is faster than the private
 copy where huge anonymous pages come slowly (one stream 53-54 against 49 tok/s, llama1b
@@ -372,16 +373,15 @@ class PrivateWeights:
         inodes = {span.inode for span in self._files if span is not None}
         # A tmpfs file's pages are the file: nothing to read them again from, and a copy
         # would hold the weights twice. They serve as they are, on whatever pages they have.
-        in_memory = next(filter(None, map(memory_file_system, sorted({s.path for s in self._files if s}))), None)
+        paths = sorted({span.path for span in self._files if span is not None})
+        in_memory = next((kind for kind in map(memory_file_system, paths) if kind), None)
         worth = [(chunk, span) for chunk, span in zip(self._chunks, self._files, strict=True)
                  if span is not None and huge_page_bytes([(chunk.start, chunk.end)])]
-        if not worth:  # no whole 2 MB page under the weights: the copy, as with "private"
-            if in_memory:
-                return PrivateCopy(0, 0, 0.0, self._kept_bytes, file_pages=True, memory_file_system=in_memory)
+        if not worth and not in_memory:  # no whole 2 MB page under the weights: the copy, as with "private"
             return PrivateCopy(0, 0, 0.0)
-        if self._turn(self._settled) is None:
+        if worth and self._turn(self._settled) is None:
             return PrivateCopy(0, 0, time.perf_counter() - began, self._kept_bytes, DROPPED, file_pages=True)
-        before = file_huge_bytes(inodes)  # (a walk of every mapping's page tables: not for the above)
+        before = file_huge_bytes(inodes) if worth else 0  # (a walk of every mapping's page tables)
         if in_memory or before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
             return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,
                                file_huge_bytes=before, file_pages=True, memory_file_system=in_memory)
