@@ -15,7 +15,9 @@ has available cannot run and is refused here, with one message, instead of being
 half-way through loading.
 
 ``--kv-memory auto`` sizes the KV cache from what is left: the available memory minus
-the weights (mapped ones too: they should stay resident), the runtime and a margin.
+the weights (mapped ones too: they should stay resident), the runtime and a margin. A file
+on tmpfs or ramfs is the exception: its pages are memory already, outside what the system
+counts as available, so its mapped weights are not taken from it a second time.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class MemoryPlan:
     step_bytes: int  # the fused forward's buffers for a full step (0 where it does not run)
     available_bytes: int | None  # the system's available memory when planned; None if unknown
     parameters: str = ""  # the model's parameter counts, total and (an MoE's) active per token
+    # The file's memory file system (tmpfs, ramfs) where it is on one: the mapped weights are
+    # its pages, held in memory already and not part of ``available_bytes``.
+    memory_file_system: str | None = None
 
     @property
     def private_bytes(self) -> int:
@@ -83,9 +88,16 @@ class MemoryPlan:
     def expected_rss(self) -> int:
         return self.mapped_weight_bytes + self.private_bytes
 
+    @property
+    def needs_available_bytes(self) -> int:
+        """What the plan takes from the system's available memory: all it holds, but for
+        mapped pages of a file on tmpfs or ramfs, which are memory already."""
+        return self.private_bytes + (0 if self.memory_file_system else self.mapped_weight_bytes)
+
     def describe(self) -> str:
         """The one log line ``serve`` writes before loading."""
-        line = (f"memory plan: weights {self.mapped_weight_bytes / MiB:,.0f} MiB mapped + "
+        held = f" (the file's pages on {self.memory_file_system})" if self.memory_file_system else ""
+        line = (f"memory plan: weights {self.mapped_weight_bytes / MiB:,.0f} MiB mapped{held} + "
                 f"{self.private_weight_bytes / MiB:,.0f} MiB private, KV cache {self.kv_bytes / MiB:,.0f} MiB "
                 f"({self.kv_tokens:,} tokens), "
                 + (f"step buffers {self.step_bytes / MiB:,.0f} MiB, " if self.step_bytes else "")
@@ -95,7 +107,7 @@ class MemoryPlan:
             line = f"{self.parameters}; {line}"
         if self.available_bytes is not None:
             line += f" of {self.available_bytes / MiB:,.0f} MiB available"
-            if self.expected_rss > self.available_bytes:
+            if self.needs_available_bytes > self.available_bytes:
                 line += " (the mapped weights will not all stay resident: expect paging)"
         return line
 
@@ -123,10 +135,12 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     fast = config.precision == "fast" and reads_blocks
     mapped, private, experts = _weight_bytes(source, model_config, reads_blocks, fast)
     in_place = mapped  # what --weights-memory mapped would leave in the file's pages
-    copies = config.weights_memory == "private" or (config.weights_memory == "auto"
-                                                    and memory_file_system(str(source.path)) is None)
+    in_memory = memory_file_system(str(source.path))
+    copies = config.weights_memory == "private" or (config.weights_memory == "auto" and in_memory is None)
     if copies:  # the blocks read in place may be made private, but an MoE's experts
         mapped, private = experts, private + mapped - experts
+    # Pages of a file on tmpfs are memory already, outside `available`: not taken from it again.
+    mapped_from_available = 0 if in_memory else mapped
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * (2 if fast else 4)
     step = step_buffer_bytes(model_config, config.scheduler.max_num_batched_tokens) if fast else 0
     runtime = RUNTIME_BYTES + step
@@ -135,13 +149,13 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
         if available is None:
             raise MemoryPlanError("--kv-memory auto needs the system's available memory, which it does not report "
                                   "here; give a size (e.g. --kv-memory 1GiB)")
-        left = int(available * (1 - MARGIN_FRACTION)) - mapped - private - runtime
+        left = int(available * (1 - MARGIN_FRACTION)) - mapped_from_available - private - runtime
         max_len = config.max_model_len or model_config.max_position_embeddings
         tokens = min(max(left, 0) // per_token, max_len * config.scheduler.max_num_seqs) // block * block
         if tokens < MIN_KV_TOKENS:
             raise MemoryPlanError(
-                f"{source.path}: the model needs ~{(mapped + private + runtime) / MiB:,.0f} MiB "
-                f"(weights {(mapped + private) / MiB:,.0f} MiB, runtime ~{runtime / MiB:,.0f} MiB) and "
+                f"{source.path}: the model needs ~{(mapped_from_available + private + runtime) / MiB:,.0f} MiB "
+                f"(weights {(mapped_from_available + private) / MiB:,.0f} MiB, runtime ~{runtime / MiB:,.0f} MiB) and "
                 f"this machine has {available / MiB:,.0f} MiB available: no room is left for a KV cache "
                 f"of {MIN_KV_TOKENS} tokens")
     elif config.cache.counted_blocks is not None:
@@ -149,7 +163,7 @@ def plan_memory(source: ModelSource, model_config: ModelConfig, config: EngineCo
     else:
         tokens = config.cache.memory_bytes // (per_token * block) * block
     plan = MemoryPlan(mapped, private, tokens * per_token, tokens, RUNTIME_BYTES, step, available,
-                      describe_parameters(model_config) if model_config.moe is not None else "")
+                      describe_parameters(model_config) if model_config.moe is not None else "", in_memory)
     if available is not None and plan.private_bytes > available:
         # Copied blocks that could stay in the file's pages: say so where that would fit.
         mapped_fits = mapped < in_place and plan.private_bytes - (in_place - mapped) <= available

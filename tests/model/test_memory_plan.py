@@ -76,6 +76,35 @@ def test_auto_plans_a_file_on_tmpfs_as_mapped(q4_k_m: Path) -> None:
         assert auto.mapped_weight_bytes > 0
         copied = plan_memory(source, config, replace(CPU, weights_memory="private"), available=64 * GiB)
         assert copied.mapped_weight_bytes == 0
+        assert auto.memory_file_system == "tmpfs" and "mapped (the file's pages on tmpfs)" in auto.describe()
+
+
+def test_auto_kv_does_not_take_a_tmpfs_files_pages_from_the_available_memory_twice(q4_k_m: Path) -> None:
+    """A tmpfs file's pages are memory already, outside MemAvailable: ``--kv-memory auto``
+    gives the KV cache all that is left beside the rest, where a file on disk must keep its
+    mapped pages resident out of what is available."""
+    from tests.model.test_huge_page_cache import tmpfs_at_dev_shm
+
+    if not tmpfs_at_dev_shm():
+        pytest.skip("no tmpfs at /dev/shm here")
+    on_disk = resolve_model_ref(q4_k_m)
+    config = load_config(on_disk)
+    available = int((RUNTIME_BYTES + 8 * 2**20) / 0.9) + 2**20
+    disk = plan_memory(on_disk, config, CPU, kv_auto=True, available=available)
+    per_token = disk.kv_bytes // disk.kv_tokens
+    left = int(available * 0.9) - disk.mapped_weight_bytes - disk.private_weight_bytes - RUNTIME_BYTES
+    assert disk.kv_tokens == left // per_token // 16 * 16 and disk.memory_file_system is None
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", suffix=".gguf") as shared:
+        shared.write(q4_k_m.read_bytes())
+        shared.flush()
+        memory = plan_memory(resolve_model_ref(Path(shared.name)), config, CPU, kv_auto=True, available=available)
+    assert memory.mapped_weight_bytes == disk.mapped_weight_bytes > 16 * per_token
+    assert memory.kv_tokens == (left + disk.mapped_weight_bytes) // per_token // 16 * 16 > disk.kv_tokens
+    # with less available than its expected RSS, no paging is foretold: the mapped part is held already
+    assert memory.needs_available_bytes == memory.private_bytes == memory.expected_rss - memory.mapped_weight_bytes
+    short = replace(memory, available_bytes=memory.private_bytes + 1)
+    assert "expect paging" not in short.describe()
+    assert "expect paging" in replace(short, memory_file_system=None).describe()
 
 
 def test_auto_gives_the_kv_cache_what_is_left_and_refuses_when_nothing_is(q4_k_m: Path) -> None:
