@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -619,20 +619,52 @@ def test_auto_keeps_a_tmpfs_files_pages_as_they_are(model: str, request, monkeyp
     (the page cache cannot drop them) or copied (that would hold them twice), whatever
     pages they are on (q4_k_m: no whole 2 MB page under its weights), and the log line says
     why: as the memory plan counts it."""
-    import bargein.loader.private_weights as private_weights
     from tests.model.test_huge_page_cache import tmpfs_at_dev_shm
 
     if not tmpfs_at_dev_shm():
         pytest.skip("no tmpfs at /dev/shm here")
+    _kept_on_tmpfs(request.getfixturevalue(model), Path("/dev/shm"), monkeypatch, caplog)
+
+
+@pytest.fixture
+def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A tmpfs of its own, mounted with ``huge=always`` (which needs root, and a kernel with
+    2 MB pages for tmpfs: skipped where either is missing), unmounted after the test."""
+    mount = tmp_path / "huge-tmpfs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=always,size=64m", "tmpfs", str(mount)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        pytest.skip(f"no tmpfs with huge=always here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)
+
+
+@needs_kernels
+def test_auto_keeps_a_huge_tmpfs_files_2mb_pages_and_counts_them(mid_q4_k: Path, huge_tmpfs: Path, monkeypatch,
+                                                                  caplog) -> None:
+    """A tmpfs mounted with huge=always holds the file on 2 MB pages: ``auto`` keeps them as
+    they are, and the count of the weights on 2 MB pages is the mapping's whole pages of
+    shared memory (smaps' ShmemPmdMapped), where a file on disk counts FilePmdMapped."""
+    made, line = _kept_on_tmpfs(mid_q4_k, huge_tmpfs, monkeypatch, caplog)
+    assert made.file_huge_bytes >= HUGE_PAGE and made.file_huge_bytes % HUGE_PAGE == 0, made
+    assert f"{made.file_huge_bytes / 2**20:,.0f} MiB of them on 2 MB pages, shared" in line, line
+
+
+def _kept_on_tmpfs(source: Path, directory: Path, monkeypatch, caplog) -> tuple[PrivateCopy, str]:
+    """Loads a copy of ``source`` in ``directory`` (a tmpfs), runs ``auto``'s pass over it
+    and checks that it kept the file's pages as they are; returns the pass and its log line."""
+    import bargein.loader.private_weights as private_weights
 
     def refused(*args: object) -> None:
         raise AssertionError("a tmpfs file's pages are neither read again nor copied")
 
     monkeypatch.setattr(private_weights, "refill", refused)
     monkeypatch.setattr(private_weights, "move_private", refused)
-    fd, name = tempfile.mkstemp(suffix=".gguf", dir="/dev/shm")
+    fd, name = tempfile.mkstemp(suffix=".gguf", dir=directory)
     try:
-        source = request.getfixturevalue(model)
         with os.fdopen(fd, "wb") as out:
             out.write(source.read_bytes())
         reference, weights = _loaded(source), _loaded(Path(name))
@@ -645,5 +677,6 @@ def test_auto_keeps_a_tmpfs_files_pages_as_they_are(model: str, request, monkeyp
         assert _same_weights(weights, reference)
         (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:")]
         assert line.startswith("weights: read in place from the file's pages on tmpfs, which are memory already"), line
+        return made, line
     finally:
         os.unlink(name)
