@@ -6,7 +6,8 @@ A weight loaded from a GGUF or safetensors file is a view of the file's shared m
 elsewhere); :func:`file_span` finds where a view's bytes lie in which file (``None`` for
 memory that is not a file view, such as weights made private memory by
 bargein.loader.private_weights); :func:`map_ahead` has the kernel map a mapping's pages
-in before a forward touches them. The libc calls on mapped memory (:func:`libc`,
+in before a forward touches them. :func:`map_whole_file` maps a model's file so that each 2
+MB page of it can be mapped whole. The libc calls on mapped memory (:func:`libc`,
 :func:`madvise`) go through ctypes, which releases the GIL for each.
 """
 
@@ -17,18 +18,24 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
 # madvise(2) advice values (Linux)
 MADV_HUGEPAGE = 14
 MADV_NOHUGEPAGE = 15
 MADV_POPULATE_READ = 22  # Linux 5.14 and later; older kernels say EINVAL
 MADV_POPULATE_WRITE = 23  # the same
+MADV_COLLAPSE = 25  # Linux 6.1 and later
+
+HUGE_PAGE = 2 << 20
+PROT_NONE, PROT_READ = 0, 1
+MAP_SHARED_FIXED = 0x01 | 0x10
+_MAP_PRIVATE_ANONYMOUS_NORESERVE = 0x02 | 0x20 | 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,50 @@ def libc() -> ctypes.CDLL:
 def madvise(address: int, nbytes: int, advice: int) -> bool:
     """madvise(2) on ``nbytes`` from ``address`` (the GIL released for the call); True if it did."""
     return libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), ctypes.c_int(advice)) == 0
+
+
+def map_whole_file(path: str | os.PathLike[str]) -> np.ndarray:
+    """The whole file at ``path`` as a read-only uint8 array over one shared mapping, placed
+    at a 2 MB boundary: each 2 MB page of the file then lies on a 2 MB page of the address
+    space, so the kernel can map it whole (one page-table entry, no TLB miss per 4 KB). The
+    kernel places large mappings of an ext4 or XFS file so itself, but not those of a file
+    on a tmpfs mounted without huge pages (/dev/shm), whose pages
+    bargein.loader.private_weights gathers onto 2 MB pages in place.
+
+    Views of the array keep the mapping (numpy holds the buffer); it is unmapped when the
+    last one goes. Off Linux, or where the placement is refused, the mapping is Python's
+    ``mmap``, wherever it falls.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        placed = _placed_mapping(f.fileno(), size) if size and sys.platform.startswith("linux") else None
+        if placed is None:
+            return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+    buffer = (ctypes.c_ubyte * size).from_address(placed)
+    weakref.finalize(buffer, libc().munmap, ctypes.c_void_p(placed), ctypes.c_size_t(size))
+    mapped = np.frombuffer(buffer, dtype=np.uint8)
+    mapped.flags.writeable = False  # the pages are read-only: a write would fault
+    return mapped
+
+
+def _placed_mapping(fd: int, size: int) -> int | None:
+    """The address of a read-only shared mapping of ``size`` bytes of ``fd`` at a 2 MB
+    boundary (an address range reserved 2 MB longer, the file mapped over its aligned part,
+    the rest given back), or None where a step is refused."""
+    lib = libc()
+    reserved = lib.mmap(None, size + HUGE_PAGE, PROT_NONE, _MAP_PRIVATE_ANONYMOUS_NORESERVE, -1, 0)
+    if reserved in (None, MAP_FAILED):
+        return None
+    start = -(-reserved // HUGE_PAGE) * HUGE_PAGE
+    if lib.mmap(ctypes.c_void_p(start), size, PROT_READ, MAP_SHARED_FIXED, fd, 0) != start:
+        lib.munmap(ctypes.c_void_p(reserved), size + HUGE_PAGE)
+        return None
+    end = start + -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    if start > reserved:
+        lib.munmap(ctypes.c_void_p(reserved), start - reserved)
+    if reserved + size + HUGE_PAGE > end:
+        lib.munmap(ctypes.c_void_p(end), reserved + size + HUGE_PAGE - end)
+    return start
 
 
 def os_error(what: str) -> OSError:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import mmap
 import struct
 import sys
 import warnings
@@ -38,7 +37,7 @@ from bargein.kernels.ggml_types import GGMLQuantizationType
 from bargein.kernels.quant_weight import QUANT_TYPES, QuantWeight
 from bargein.loader.errors import CorruptModelError, LoaderError, UnsupportedModelError
 from bargein.loader.families import GGUF_FAMILIES, gguf_features, gguf_moe, stored_rows
-from bargein.loader.file_maps import map_ahead
+from bargein.loader.file_maps import map_ahead, map_whole_file
 from bargein.loader.gguf_parse import StringArray, TensorInfo, parse_gguf
 from bargein.loader.names import check_layer_range, gguf_location, read_whole, wanted_tensors
 
@@ -75,8 +74,7 @@ class GGUFFile:
         object and :func:`close_gguf_files`; the map goes when the last view does.
         """
         if self._mapped is None:
-            with open(self.path, "rb") as f:
-                self._mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+            self._mapped = map_whole_file(self.path)
         return self._mapped
 
     def view(self, name: str) -> torch.Tensor:

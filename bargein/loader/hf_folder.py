@@ -12,7 +12,6 @@ holds it (``fast`` narrows it to 16-bit rows, ``exact`` packs it).
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 import sys
 import warnings
@@ -36,7 +35,7 @@ from bargein.loader.families import (
     norm_offset,
     stored_rows,
 )
-from bargein.loader.file_maps import map_ahead
+from bargein.loader.file_maps import map_ahead, map_whole_file
 from bargein.loader.names import check_layer_range, read_whole, wanted_tensors
 
 SUPPORTED_ARCHITECTURES = tuple(HF_FAMILIES)
@@ -142,7 +141,7 @@ class MappedSafetensors:
         with open(file, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             self.header: dict[str, Any] = json.loads(f.read(size))
-            self.mapped = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        self.mapped = map_whole_file(file)
         self.file, self.base = file, 8 + size
 
     def span(self, name: str) -> tuple[int, int]:

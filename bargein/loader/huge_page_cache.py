@@ -36,21 +36,21 @@ import ctypes
 import os
 
 from bargein.loader.file_maps import (
+    HUGE_PAGE,
     MADV_HUGEPAGE,
     MADV_POPULATE_READ,
     MADV_POPULATE_WRITE,
+    MAP_FAILED,
+    MAP_SHARED_FIXED,
+    PROT_READ,
     libc,
     madvise,
     os_error,
 )
 
-HUGE_PAGE = 2 << 20
-_PROT_READ = 1
 _PROT_READ_WRITE = 3
-_MAP_SHARED_FIXED = 0x01 | 0x10
 _MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
 _MREMAP_MAYMOVE_FIXED = 1 | 2
-_MAP_FAILED = ctypes.c_void_p(-1).value
 _SYNC_WAIT_WRITE_WAIT = 1 | 2 | 4  # sync_file_range: wait for, start, then wait for the range's writeback
 
 
@@ -58,7 +58,7 @@ def staged_at_offset(start: int, nbytes: int, *, prot: int = _PROT_READ_WRITE) -
     """A fresh anonymous private mapping of ``nbytes`` (``prot``) at the same offset within
     a 2 MB page as ``start``, so that a huge page inside it stays one when moved there."""
     raw = libc().mmap(None, nbytes + HUGE_PAGE, prot, _MAP_PRIVATE_ANONYMOUS, -1, 0)
-    if raw in (None, _MAP_FAILED):
+    if raw in (None, MAP_FAILED):
         raise os_error("mmap")
     stage = raw + (start - raw) % HUGE_PAGE
     if stage > raw:
@@ -85,8 +85,8 @@ def remap(start: int, nbytes: int, fd: int, file_offset: int) -> None:
     folios there they are mapped on 2 MB pages; what it lacks is read from the file, in 2 MB
     folios where the kernel makes them. Raises OSError where a step is refused; the range then
     maps what it did."""
-    view = staged_at_offset(start, nbytes, prot=_PROT_READ)
-    if libc().mmap(ctypes.c_void_p(view), nbytes, _PROT_READ, _MAP_SHARED_FIXED, fd, file_offset) != view:
+    view = staged_at_offset(start, nbytes, prot=PROT_READ)
+    if libc().mmap(ctypes.c_void_p(view), nbytes, PROT_READ, MAP_SHARED_FIXED, fd, file_offset) != view:
         error = os_error("mmap")
         libc().munmap(ctypes.c_void_p(view), nbytes)
         raise error

@@ -43,3 +43,42 @@ def test_a_path_that_no_longer_names_the_mapped_file_is_not_read(tmp_path: Path)
     assert file_span(0x2000, 16, maps) is None  # deleted
     assert file_span(0x10010, 16, maps) == FileSpan(str(here), 4096 + 0x10, 16, inode)
     assert file_span(0x30010, 16, maps) is None  # the path names another file now
+
+
+@linux_only
+def test_a_whole_file_is_mapped_at_a_2mb_boundary_read_only_until_its_last_view_goes(tmp_path: Path) -> None:
+    """map_whole_file: the file's bytes at a 2 MB boundary (so its 2 MB pages can be mapped
+    whole, on any file system), one shared view of the file, read-only, unmapped with the
+    last view of it and not before."""
+    import gc
+
+    from bargein.loader.file_maps import HUGE_PAGE, map_whole_file
+
+    path, data = _file(tmp_path, 3 * HUGE_PAGE + 12345, seed=3)
+    mapped = map_whole_file(path)
+    base = mapped.ctypes.data
+    assert base % HUGE_PAGE == 0 and mapped.tobytes() == data
+    assert not mapped.flags.writeable and not mapped[100:200].flags.writeable
+    assert file_span(base + HUGE_PAGE + 7, 10, shared_file_maps()) == FileSpan(str(path), HUGE_PAGE + 7, 10,
+                                                                                os.stat(path).st_ino)
+    view = mapped[HUGE_PAGE:HUGE_PAGE + 64]
+    del mapped
+    gc.collect()
+    assert view.tobytes() == data[HUGE_PAGE:HUGE_PAGE + 64]  # the view holds the mapping
+    del view
+    gc.collect()
+    assert not [m for m in shared_file_maps() if m[3] == str(path)]  # gone with it
+    # nothing of the range reserved around it is left either
+    assert not [m for m in _anonymous_maps() if base - HUGE_PAGE <= m[0] < base + len(data) + HUGE_PAGE
+                and m[2] == "---p"]
+
+
+def _anonymous_maps() -> list[tuple[int, int, str]]:
+    """(start, end, permissions) of this process's mappings of no file."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) == 5:
+            lo, hi = fields[0].split("-")
+            found.append((int(lo, 16), int(hi, 16), fields[1]))
+    return found
