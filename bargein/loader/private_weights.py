@@ -47,8 +47,10 @@ copy where huge anonymous pages come slowly (one stream 53-54 against 49 tok/s, 
 Q4_K_M on a 2-core Zen 4 VM) and shares the pages with every process on the file. Where
 the refilled chunks came back on 4 KB pages (an older kernel, a filesystem without large
 folios, another process holding the small pages) it makes the private copy as above. A file
-on tmpfs or ramfs is kept as it is: its pages are memory already, there is no disk to read
-them again from, and a copy would hold the weights twice.
+on tmpfs or ramfs is read in place: its pages are memory already, there is no disk to read
+them again from, and a copy would hold the weights twice; where they are not on 2 MB pages
+(/dev/shm, mounted without huge pages) the thread gathers them onto 2 MB pages in place,
+for every process on the file (``MADV_COLLAPSE``, bargein.loader.huge_page_cache).
 
 Linux only (``mremap``): elsewhere the weights stay mapped, and say so in the log.
 """
@@ -80,6 +82,7 @@ from bargein.loader.file_maps import (
 )
 from bargein.loader.huge_page_cache import (
     HUGE_PAGE,
+    collapse,
     file_huge_bytes,
     huge_page_bytes,
     memory_file_system,
@@ -148,6 +151,10 @@ class PrivateCopy:
     refilled_bytes: int = 0
     file_pages: bool = False
     memory_file_system: str | None = None  # the file's, where it is one (tmpfs): kept as it is
+    # A tmpfs file's: the bytes of whole 2 MB pages gathered onto 2 MB pages in place, and why
+    # the kernel refused the rest (huge_page_cache.collapse; the file's pages serve either way)
+    gathered_bytes: int = 0
+    gather_refused: str | None = None
 
     def describe(self, kept: str = "weights") -> str:
         """The one log line of the copy; ``kept`` names what ``kept_bytes`` are."""
@@ -158,10 +165,14 @@ class PrivateCopy:
             refilled = (f" ({self.refilled_bytes / 2**20:,.0f} MiB read again from the file onto them in "
                         f"{self.seconds:.2f} s)" if self.refilled_bytes else "")
             if self.memory_file_system:
+                gathered = (f" ({self.gathered_bytes / 2**20:,.0f} MiB gathered onto them in place in "
+                            f"{self.seconds:.2f} s)" if self.gathered_bytes else "")
+                refused = (f"; the kernel did not gather the rest onto 2 MB pages ({self.gather_refused})"
+                           if self.gather_refused else "")
                 return (f"weights: read in place from the file's pages on {self.memory_file_system}, which are "
                         f"memory already (a private copy would hold them twice), "
-                        f"{self.file_huge_bytes / 2**20:,.0f} MiB of them on 2 MB pages, shared with every "
-                        f"process on the file{left}{stopped}")
+                        f"{self.file_huge_bytes / 2**20:,.0f} MiB of them on 2 MB pages{gathered}, shared with "
+                        f"every process on the file{left}{refused}{stopped}")
             return (f"weights: read in place from the file's pages, {self.file_huge_bytes / 2**20:,.0f} MiB of "
                     f"them on 2 MB pages of the page cache{refilled}, shared with every process on the file"
                     f"{left}{stopped}")
@@ -368,11 +379,12 @@ class PrivateWeights:
     def _file_pages(self, began: float) -> PrivateCopy:
         """The file's pages on 2 MB pages, as they are or refilled (``file_pages`` True in the
         result; ``error`` where a refill was refused), or a result with ``file_pages`` False
-        where the first chunks refilled came back on 4 KB pages (then the copy follows)."""
+        where the first chunks refilled came back on 4 KB pages (then the copy follows). A
+        tmpfs file's pages always serve (:meth:`_gathered`)."""
         assert self._files is not None
         inodes = {span.inode for span in self._files if span is not None}
         # A tmpfs file's pages are the file: nothing to read them again from, and a copy
-        # would hold the weights twice. They serve as they are, on whatever pages they have.
+        # would hold the weights twice. They serve, gathered onto 2 MB pages where they are not.
         paths = sorted({span.path for span in self._files if span is not None})
         in_memory = next((kind for kind in map(memory_file_system, paths) if kind), None)
         worth = [(chunk, span) for chunk, span in zip(self._chunks, self._files, strict=True)
@@ -382,9 +394,11 @@ class PrivateWeights:
         if worth and self._turn(self._settled) is None:
             return PrivateCopy(0, 0, time.perf_counter() - began, self._kept_bytes, DROPPED, file_pages=True)
         before = file_huge_bytes(inodes) if worth else 0  # (a walk of every mapping's page tables)
-        if in_memory or before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
+        if before >= ALREADY_HUGE * huge_page_bytes([(c.start, c.end) for c, _ in worth]):
             return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes,
                                file_huge_bytes=before, file_pages=True, memory_file_system=in_memory)
+        if in_memory:
+            return self._gathered([chunk for chunk, _ in worth], inodes, in_memory, began)
         refilled, error, opened = 0, None, {}
         try:
             for index, (chunk, span) in enumerate(worth):
@@ -411,6 +425,29 @@ class PrivateWeights:
                 os.close(fd)
         return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes, error,
                            file_huge_bytes=file_huge_bytes(inodes), refilled_bytes=refilled, file_pages=True)
+
+    def _gathered(self, worth: list[PageRange], inodes: set[int], kind: str, began: float) -> PrivateCopy:
+        """A tmpfs file's pages under the weights gathered onto 2 MB pages in place
+        (huge_page_cache.collapse), a chunk at a time while the model is quiet: the memory the
+        file takes stays the same, and a decode step no longer misses the TLB every 4 KB. The
+        first chunk the kernel refuses ends it; the pages serve either way."""
+        gathered, refused, error = 0, None, None
+        for chunk in worth:
+            held = self._turn()
+            if held is None:
+                error = DROPPED
+                break
+            try:
+                collapse(chunk.start, chunk.nbytes)
+            except OSError as exc:
+                refused = str(exc)
+                break
+            finally:
+                del held
+            gathered += huge_page_bytes([(chunk.start, chunk.end)])
+        return PrivateCopy(0, _anon_huge_bytes(), time.perf_counter() - began, self._kept_bytes, error,
+                           file_huge_bytes=file_huge_bytes(inodes), file_pages=True, memory_file_system=kind,
+                           gathered_bytes=gathered, gather_refused=refused)
 
     def _private(self, began: float, *, refilled: int = 0) -> PrivateCopy:
         """Every chunk made private memory in place (the module docstring)."""

@@ -125,3 +125,67 @@ def test_a_file_in_dev_shm_is_on_a_memory_file_system(tmp_path: Path) -> None:
         pytest.skip("no tmpfs at /dev/shm here")
     with tempfile.NamedTemporaryFile(dir="/dev/shm") as shared:
         assert memory_file_system(shared.name) == "tmpfs"
+
+
+def gathers_tmpfs_pages(directory: Path) -> str | None:
+    """None where this kernel gathers a tmpfs file's pages onto 2 MB pages in place
+    (MADV_COLLAPSE: Linux 6.1 and later, shmem_enabled not ``deny``), else its refusal:
+    4 MB in ``directory``, mapped by map_whole_file, collapsed."""
+    from bargein.loader.file_maps import map_whole_file
+    from bargein.loader.huge_page_cache import collapse
+
+    with tempfile.NamedTemporaryFile(dir=directory) as probe:
+        probe.write(bytes(2 * HUGE_PAGE))
+        probe.flush()
+        mapped = map_whole_file(probe.name)
+        try:
+            collapse(mapped.ctypes.data, mapped.nbytes)
+        except OSError as exc:
+            return str(exc)
+        return None
+
+
+@linux_only
+def test_a_tmpfs_files_pages_are_gathered_onto_2mb_pages_in_place(tmp_path: Path) -> None:
+    """12 MB in /dev/shm on 4 KB pages: a thread reads the mapping over and over while 10 MB
+    of it are gathered in two pieces; every read equals the file, the range is still the same
+    view of the file, now mapped on 2 MB pages, and the file takes no more memory."""
+    from bargein.loader.file_maps import map_whole_file
+    from bargein.loader.huge_page_cache import collapse
+
+    if not tmpfs_at_dev_shm():
+        pytest.skip("no tmpfs at /dev/shm here")
+    refused = gathers_tmpfs_pages(Path("/dev/shm"))
+    if refused:
+        pytest.skip(f"this kernel does not gather tmpfs pages onto 2 MB pages: {refused}")
+    data = np.frombuffer(random.Random(4).randbytes(12 * HUGE_PAGE), dtype=np.uint8)
+    with tempfile.NamedTemporaryFile(dir="/dev/shm") as shared:
+        shared.write(data.tobytes())
+        shared.flush()
+        inode = os.fstat(shared.fileno()).st_ino
+        blocks = os.fstat(shared.fileno()).st_blocks
+        mapped = map_whole_file(shared.name)
+        base = mapped.ctypes.data
+        madvise(base, mapped.nbytes, MADV_POPULATE_READ)
+        before = file_huge_bytes({inode})
+        wrong, reads, stop = [], [0], threading.Event()
+
+        def read() -> None:
+            while not stop.is_set():
+                if not np.array_equal(mapped, data):
+                    wrong.append(reads[0])
+                reads[0] += 1
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            for start, end in ((1, 6), (6, 11)):
+                collapse(base + start * HUGE_PAGE, (end - start) * HUGE_PAGE)
+        finally:
+            stop.set()
+            reader.join(60)
+        assert not wrong and reads[0] > 0
+        assert np.array_equal(mapped, data) and mapped.ctypes.data == base
+        assert any(lo == base and ino == inode for lo, _, _, _, ino in shared_file_maps())
+        assert before < 10 * HUGE_PAGE <= file_huge_bytes({inode}), (before, file_huge_bytes({inode}))
+        assert os.fstat(shared.fileno()).st_blocks == blocks

@@ -614,16 +614,29 @@ def test_auto_reads_on_where_the_first_chunks_were_on_2mb_pages_before_their_ref
 
 
 @pytest.mark.parametrize("model", ["mid_q4_k", "q4_k_m"])
-def test_auto_keeps_a_tmpfs_files_pages_as_they_are(model: str, request, monkeypatch, caplog) -> None:
+def test_auto_keeps_a_tmpfs_files_pages_and_gathers_them_onto_2mb_pages(model: str, request, monkeypatch,
+                                                                         caplog) -> None:
     """A model in /dev/shm: its pages are the file, memory already. Nothing is read again
-    (the page cache cannot drop them) or copied (that would hold them twice), whatever
-    pages they are on (q4_k_m: no whole 2 MB page under its weights), and the log line says
-    why: as the memory plan counts it."""
-    from tests.model.test_huge_page_cache import tmpfs_at_dev_shm
+    (the page cache cannot drop them) or copied (that would hold them twice), and the log
+    line says why: as the memory plan counts it. Its small pages are gathered onto 2 MB
+    pages in place, where the kernel does that (mid_q4_k; q4_k_m has no whole 2 MB page
+    under its weights), and the line says how many."""
+    from tests.model.test_huge_page_cache import gathers_tmpfs_pages, tmpfs_at_dev_shm
 
     if not tmpfs_at_dev_shm():
         pytest.skip("no tmpfs at /dev/shm here")
-    _kept_on_tmpfs(request.getfixturevalue(model), Path("/dev/shm"), monkeypatch, caplog)
+    made, line = _kept_on_tmpfs(request.getfixturevalue(model), Path("/dev/shm"), monkeypatch, caplog)
+    if model == "q4_k_m":
+        assert made.gathered_bytes == made.file_huge_bytes == 0 and made.gather_refused is None, made
+        return
+    refused = gathers_tmpfs_pages(Path("/dev/shm"))
+    if refused:  # the pages serve as they are, and the line says why they stay small
+        assert made.gathered_bytes == 0 and made.gather_refused, made
+        assert f"the kernel did not gather the rest onto 2 MB pages ({made.gather_refused})" in line, line
+        return
+    assert made.gather_refused is None and made.gathered_bytes >= HUGE_PAGE, made
+    assert made.file_huge_bytes >= made.gathered_bytes, made
+    assert f"of them on 2 MB pages ({made.gathered_bytes / 2**20:,.0f} MiB gathered onto them in place" in line, line
 
 
 @pytest.fixture
