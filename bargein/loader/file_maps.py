@@ -124,7 +124,8 @@ def map_whole_file(path: str | os.PathLike[str]) -> np.ndarray:
         if placed is None:
             return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
     buffer = (ctypes.c_ubyte * size).from_address(placed)
-    weakref.finalize(buffer, libc().munmap, ctypes.c_void_p(placed), ctypes.c_size_t(size))
+    unmap = weakref.finalize(buffer, libc().munmap, ctypes.c_void_p(placed), ctypes.c_size_t(size))
+    unmap.atexit = False  # at exit the process ends with it: a daemon thread may still read it
     mapped = np.frombuffer(buffer, dtype=np.uint8)
     mapped.flags.writeable = False  # the pages are read-only: a write would fault
     return mapped

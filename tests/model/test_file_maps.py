@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,3 +83,25 @@ def _anonymous_maps() -> list[tuple[int, int, str]]:
             lo, hi = fields[0].split("-")
             found.append((int(lo, 16), int(hi, 16), fields[1]))
     return found
+
+
+EXIT_WHILE_READ = """
+import sys, threading, time
+from bargein.loader.file_maps import map_whole_file
+mapped = map_whole_file(sys.argv[1])
+def read():
+    while True:
+        int(mapped[::4096].sum())
+threading.Thread(target=read, daemon=True).start()
+time.sleep(0.2)
+"""
+
+
+@linux_only
+def test_a_process_ends_cleanly_while_a_daemon_thread_reads_its_mapped_file(tmp_path: Path) -> None:
+    """The mapping is not unmapped at the interpreter's exit, under a daemon thread still
+    reading it (an engine's, a weights thread's): the process ends with it instead."""
+    path, _ = _file(tmp_path, 8 << 20, seed=5)
+    done = subprocess.run([sys.executable, "-c", EXIT_WHILE_READ, str(path)], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
