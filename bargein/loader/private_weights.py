@@ -60,7 +60,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import mmap
 import os
 import sys
 import threading
@@ -90,6 +89,7 @@ from bargein.loader.huge_page_cache import (
     refill,
     staged_at_offset,
 )
+from bargein.loader.weight_pages import PageRange, private_ranges
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,6 @@ HUGE_PAGE_BUDGET_S = 0.3
 # 2026-12-04).
 HUGE_PAGE_MIN_RATE = 2e9
 CHUNK = 4 * HUGE_PAGE  # bytes moved at a time (at most; ends fall on 2 MB boundaries)
-MERGE_GAP = 1 << 20  # two ranges this close, with nothing kept between, are moved as one
 # A model counts as quiet once no forward ran for this long: a decode's forwards follow one
 # another within milliseconds, the turns of a chat or the requests of an idle server are
 # seconds apart. Chunks moved beside steps cost them memory bandwidth: a 1B-class Q4_K_M
@@ -127,7 +126,6 @@ SETTLED_S = 1.0
 ALREADY_HUGE = 0.9
 PROBE_BYTES = 4 * CHUNK
 PROBE_GAIN = 0.5
-_PAGE = mmap.PAGESIZE
 _LINUX = sys.platform.startswith("linux")
 DROPPED = "the weights were dropped"  # PrivateCopy.error of a copy whose model went away
 
@@ -181,65 +179,6 @@ class PrivateCopy:
         return (f"weights: {self.bytes / 2**20:,.0f} MiB of blocks made private memory beside serving in "
                 f"{self.seconds:.2f} s ({self.huge_bytes / 2**20:,.0f} MiB of the process on 2 MB pages)"
                 f"{left}{tried}{stopped}; --weights-memory mapped keeps them all in the shared page cache instead")
-
-
-@dataclass(frozen=True)
-class PageRange:
-    """Whole pages ``start`` .. ``end`` (addresses) of one file mapping."""
-
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-
-def private_ranges(weights: dict[str, object], keep: Callable[[str], bool],
-                   maps: list[tuple[int, int, int, str, int]]) -> tuple[list[PageRange], int]:
-    """The pages to make private: those under the blocks of every :class:`QuantWeight` of
-    ``weights`` that lie in one of ``maps`` (shared_file_maps), but those whose name ``keep``
-    says to leave (a page holding any of their bytes stays mapped); ranges of one mapping
-    less than MERGE_GAP apart with no kept block between are joined. Returns the ranges, in
-    address order, and the bytes of the kept weights' blocks. Blocks outside every mapping
-    are private memory already."""
-    wanted: dict[int, list[tuple[int, int]]] = {}  # mapping index: [(lo, hi)] of the blocks
-    kept: dict[int, list[tuple[int, int]]] = {}
-    kept_bytes, seen_kept = 0, set()
-    for name, w in weights.items():
-        if not isinstance(w, QuantWeight):
-            continue
-        for segment in w.segments:
-            lo, hi = segment.data.data_ptr(), segment.data.data_ptr() + segment.data.nbytes
-            index = next((i for i, (start, end, *_) in enumerate(maps) if start <= lo and hi <= end), None)
-            if keep(name):
-                if (lo, hi) not in seen_kept:
-                    seen_kept.add((lo, hi))
-                    kept_bytes += hi - lo
-                if index is not None:
-                    kept.setdefault(index, []).append((lo, hi))
-            elif index is not None:
-                wanted.setdefault(index, []).append((lo // _PAGE * _PAGE, -(-hi // _PAGE) * _PAGE))
-    ranges: list[PageRange] = []
-    for index, spans in sorted(wanted.items(), key=lambda item: maps[item[0]][0]):
-        held = kept.get(index, [])
-        merged: list[list[int]] = []
-        for lo, hi in sorted(spans):
-            if merged and lo - merged[-1][1] <= MERGE_GAP and not any(
-                    k_lo < lo and k_hi > merged[-1][1] for k_lo, k_hi in held):
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        for lo, hi in merged:
-            for k_lo, k_hi in sorted(held):  # the kept blocks' pages cut out
-                k_lo, k_hi = k_lo // _PAGE * _PAGE, -(-k_hi // _PAGE) * _PAGE
-                if k_lo < hi and lo < k_hi:
-                    if lo < k_lo:
-                        ranges.append(PageRange(lo, k_lo))
-                    lo = max(lo, k_hi)
-            if lo < hi:
-                ranges.append(PageRange(lo, hi))
-    return ranges, kept_bytes
 
 
 def chunks(ranges: Iterable[PageRange]) -> list[PageRange]:

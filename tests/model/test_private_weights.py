@@ -35,14 +35,12 @@ from bargein.loader.gguf_file import close_gguf_files, open_gguf
 from bargein.loader.private_weights import (
     DROPPED,
     HUGE_PAGE,
-    MERGE_GAP,
     HugePagePhase,
-    PageRange,
     PrivateCopy,
     PrivateWeights,
     private_copy,
-    private_ranges,
 )
+from bargein.loader.weight_pages import MERGE_GAP, PageRange, private_ranges
 from tests.model.quant_models import write_quant_gguf
 from tests.tiny_models import TinySpec
 
