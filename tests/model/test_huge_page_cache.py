@@ -11,6 +11,7 @@ import random
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,22 @@ def test_a_refill_reads_the_files_bytes_throughout_and_maps_2mb_pages(tmp_path: 
     base = mapped.ctypes.data
     madvise(base, mapped.nbytes, MADV_POPULATE_READ)
     before = file_huge_bytes({inode})
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for start, end in _read_throughout(mapped, data):  # huge pages 1-10 of 12, in two pieces
+            refill(base + start * HUGE_PAGE, (end - start) * HUGE_PAGE, fd, start * HUGE_PAGE)
+    finally:
+        os.close(fd)
+    assert np.array_equal(mapped, data) and mapped.ctypes.data == base
+    assert any(lo <= base + HUGE_PAGE and base + 11 * HUGE_PAGE <= hi and ino == inode
+               for lo, hi, _, _, ino in shared_file_maps())  # one view of the file, as before
+    if huge:
+        assert before < 10 * HUGE_PAGE <= file_huge_bytes({inode}), (before, file_huge_bytes({inode}))
+
+
+def _read_throughout(mapped: np.ndarray, data: np.ndarray) -> Iterator[tuple[int, int]]:
+    """Yields the pieces (huge pages 1-5, then 6-10) to move while a thread reads ``mapped``
+    over and over; once they are moved, checks that every read equalled ``data``."""
     wrong, reads, stop = [], [0], threading.Event()
 
     def read() -> None:
@@ -78,20 +95,12 @@ def test_a_refill_reads_the_files_bytes_throughout_and_maps_2mb_pages(tmp_path: 
 
     reader = threading.Thread(target=read)
     reader.start()
-    fd = os.open(path, os.O_RDONLY)
     try:
-        for start, end in ((1, 6), (6, 11)):  # huge pages 1-10 of 12
-            refill(base + start * HUGE_PAGE, (end - start) * HUGE_PAGE, fd, start * HUGE_PAGE)
+        yield from ((1, 6), (6, 11))
     finally:
-        os.close(fd)
         stop.set()
         reader.join(60)
     assert not wrong and reads[0] > 0
-    assert np.array_equal(mapped, data) and mapped.ctypes.data == base
-    assert any(lo <= base + HUGE_PAGE and base + 11 * HUGE_PAGE <= hi and ino == inode
-               for lo, hi, _, _, ino in shared_file_maps())  # one view of the file, as before
-    if huge:
-        assert before < 10 * HUGE_PAGE <= file_huge_bytes({inode}), (before, file_huge_bytes({inode}))
 
 
 MOUNTINFO = """\
@@ -168,23 +177,8 @@ def test_a_tmpfs_files_pages_are_gathered_onto_2mb_pages_in_place(tmp_path: Path
         base = mapped.ctypes.data
         madvise(base, mapped.nbytes, MADV_POPULATE_READ)
         before = file_huge_bytes({inode})
-        wrong, reads, stop = [], [0], threading.Event()
-
-        def read() -> None:
-            while not stop.is_set():
-                if not np.array_equal(mapped, data):
-                    wrong.append(reads[0])
-                reads[0] += 1
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        try:
-            for start, end in ((1, 6), (6, 11)):
-                collapse(base + start * HUGE_PAGE, (end - start) * HUGE_PAGE)
-        finally:
-            stop.set()
-            reader.join(60)
-        assert not wrong and reads[0] > 0
+        for start, end in _read_throughout(mapped, data):
+            collapse(base + start * HUGE_PAGE, (end - start) * HUGE_PAGE)
         assert np.array_equal(mapped, data) and mapped.ctypes.data == base
         assert any(lo == base and ino == inode for lo, _, _, _, ino in shared_file_maps())
         assert before < 10 * HUGE_PAGE <= file_huge_bytes({inode}), (before, file_huge_bytes({inode}))
