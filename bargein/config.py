@@ -375,7 +375,8 @@ class EngineConfig:
     # pages in the page cache as they are, shared with other processes on the file; "auto",
     # the file's pages where the page cache holds them on 2 MB pages (the same thread reads
     # them again from the file onto such pages where the kernel gives them, faster still
-    # and shared), else "private". See bargein.loader.private_weights.
+    # and shared), else "private"; a file on tmpfs or ramfs stays mapped (its pages are
+    # memory already), gathered onto 2 MB pages in place. See bargein.loader.private_weights.
     # An MoE's experts stay mapped either way: a token reads only those it is routed to.
     weights_memory: str = "auto"
     # CUDA only: replay decode-only steps from CUDA graphs captured per batch size.
