@@ -637,6 +637,31 @@ def test_auto_keeps_a_tmpfs_files_pages_and_gathers_them_onto_2mb_pages(model: s
     assert f"of them on 2 MB pages ({made.gathered_bytes / 2**20:,.0f} MiB gathered onto them in place" in line, line
 
 
+def test_a_refused_gather_leaves_a_tmpfs_files_pages_serving_and_says_why(mid_q4_k: Path, monkeypatch,
+                                                                            caplog) -> None:
+    """A kernel that does not gather tmpfs pages (before Linux 6.1, shmem_enabled=deny): the
+    first refusal ends the gather, the pages serve as they are, and the line names it at
+    info level (nothing the user did wrong)."""
+    import bargein.loader.private_weights as private_weights
+    from tests.model.test_huge_page_cache import tmpfs_at_dev_shm
+
+    if not tmpfs_at_dev_shm():
+        pytest.skip("no tmpfs at /dev/shm here")
+    asked = []
+
+    def refuses(start: int, nbytes: int) -> None:
+        asked.append(start)
+        raise OSError(22, "madvise(MADV_COLLAPSE): Invalid argument")
+
+    monkeypatch.setattr(private_weights, "collapse", refuses)
+    made, line = _kept_on_tmpfs(mid_q4_k, Path("/dev/shm"), monkeypatch, caplog)
+    assert len(asked) == 1 and made.gathered_bytes == 0 and made.error is None, made
+    assert made.gather_refused == "[Errno 22] madvise(MADV_COLLAPSE): Invalid argument", made
+    assert line.endswith("the kernel did not gather the rest onto 2 MB pages "
+                         "([Errno 22] madvise(MADV_COLLAPSE): Invalid argument)"), line
+    assert [r.levelname for r in caplog.records if r.getMessage().startswith("weights:")] == ["INFO"]
+
+
 @pytest.fixture
 def huge_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs of its own, mounted with ``huge=always`` (which needs root, and a kernel with
