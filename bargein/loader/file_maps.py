@@ -32,9 +32,9 @@ MADV_POPULATE_WRITE = 23  # the same
 MADV_COLLAPSE = 25  # Linux 6.1 and later
 
 HUGE_PAGE = 2 << 20
-PROT_NONE, PROT_READ = 0, 1
+PROT_NONE, PROT_READ, PROT_READ_WRITE = 0, 1, 3
 MAP_SHARED_FIXED = 0x01 | 0x10
-_MAP_PRIVATE_ANONYMOUS_NORESERVE = 0x02 | 0x20 | 0x4000
+_MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
 MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -133,22 +133,31 @@ def map_whole_file(path: str | os.PathLike[str]) -> np.ndarray:
 
 def _placed_mapping(fd: int, size: int) -> int | None:
     """The address of a read-only shared mapping of ``size`` bytes of ``fd`` at a 2 MB
-    boundary (an address range reserved 2 MB longer, the file mapped over its aligned part,
-    the rest given back), or None where a step is refused."""
-    lib = libc()
-    reserved = lib.mmap(None, size + HUGE_PAGE, PROT_NONE, _MAP_PRIVATE_ANONYMOUS_NORESERVE, -1, 0)
-    if reserved in (None, MAP_FAILED):
+    boundary (mapped over an inaccessible range placed there), or None where a step is
+    refused."""
+    try:
+        start = staged_at_offset(0, size, prot=PROT_NONE)
+    except OSError:
         return None
-    start = -(-reserved // HUGE_PAGE) * HUGE_PAGE
-    if lib.mmap(ctypes.c_void_p(start), size, PROT_READ, MAP_SHARED_FIXED, fd, 0) != start:
-        lib.munmap(ctypes.c_void_p(reserved), size + HUGE_PAGE)
+    if libc().mmap(ctypes.c_void_p(start), size, PROT_READ, MAP_SHARED_FIXED, fd, 0) != start:
+        libc().munmap(ctypes.c_void_p(start), size)
         return None
-    end = start + -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-    if start > reserved:
-        lib.munmap(ctypes.c_void_p(reserved), start - reserved)
-    if reserved + size + HUGE_PAGE > end:
-        lib.munmap(ctypes.c_void_p(end), reserved + size + HUGE_PAGE - end)
     return start
+
+
+def staged_at_offset(start: int, nbytes: int, *, prot: int = PROT_READ_WRITE) -> int:
+    """A fresh anonymous private mapping of ``nbytes`` (``prot``) at the same offset within
+    a 2 MB page as ``start``, so that a huge page inside it stays one when moved there (an
+    address range reserved 2 MB longer, the rest of it given back)."""
+    raw = libc().mmap(None, nbytes + HUGE_PAGE, prot, _MAP_PRIVATE_ANONYMOUS, -1, 0)
+    if raw in (None, MAP_FAILED):
+        raise os_error("mmap")
+    stage = raw + (start - raw) % HUGE_PAGE
+    if stage > raw:
+        libc().munmap(ctypes.c_void_p(raw), stage - raw)
+    end = stage + -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # past the mapping's last page
+    libc().munmap(ctypes.c_void_p(end), raw + HUGE_PAGE - stage)  # the slack past it
+    return stage
 
 
 def os_error(what: str) -> OSError:

@@ -48,31 +48,16 @@ from bargein.loader.file_maps import (
     MADV_HUGEPAGE,
     MADV_POPULATE_READ,
     MADV_POPULATE_WRITE,
-    MAP_FAILED,
     MAP_SHARED_FIXED,
     PROT_READ,
     libc,
     madvise,
     os_error,
+    staged_at_offset,
 )
 
-_PROT_READ_WRITE = 3
-_MAP_PRIVATE_ANONYMOUS = 0x02 | 0x20
 _MREMAP_MAYMOVE_FIXED = 1 | 2
 _SYNC_WAIT_WRITE_WAIT = 1 | 2 | 4  # sync_file_range: wait for, start, then wait for the range's writeback
-
-
-def staged_at_offset(start: int, nbytes: int, *, prot: int = _PROT_READ_WRITE) -> int:
-    """A fresh anonymous private mapping of ``nbytes`` (``prot``) at the same offset within
-    a 2 MB page as ``start``, so that a huge page inside it stays one when moved there."""
-    raw = libc().mmap(None, nbytes + HUGE_PAGE, prot, _MAP_PRIVATE_ANONYMOUS, -1, 0)
-    if raw in (None, MAP_FAILED):
-        raise os_error("mmap")
-    stage = raw + (start - raw) % HUGE_PAGE
-    if stage > raw:
-        libc().munmap(ctypes.c_void_p(raw), stage - raw)
-    libc().munmap(ctypes.c_void_p(stage + nbytes), raw + HUGE_PAGE - stage)  # the slack past it
-    return stage
 
 
 def move_over(stage: int, start: int, nbytes: int) -> None:

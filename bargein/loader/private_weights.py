@@ -78,6 +78,7 @@ from bargein.loader.file_maps import (
     file_span,
     madvise,
     shared_file_maps,
+    staged_at_offset,
 )
 from bargein.loader.huge_page_cache import (
     HUGE_PAGE,
@@ -87,7 +88,6 @@ from bargein.loader.huge_page_cache import (
     memory_file_system,
     move_over,
     refill,
-    staged_at_offset,
 )
 from bargein.loader.weight_pages import PageRange, private_ranges
 
@@ -148,7 +148,7 @@ class PrivateCopy:
     file_huge_bytes: int = 0
     refilled_bytes: int = 0
     file_pages: bool = False
-    memory_file_system: str | None = None  # the file's, where it is one (tmpfs): kept as it is
+    memory_file_system: str | None = None  # the file's, where it is one (tmpfs): read in place
     # A tmpfs file's: the bytes of whole 2 MB pages gathered onto 2 MB pages in place, and why
     # the kernel refused the rest (huge_page_cache.collapse; the file's pages serve either way)
     gathered_bytes: int = 0
