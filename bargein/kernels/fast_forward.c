@@ -30,7 +30,9 @@
  *
  * so its results (the hidden states and the K/V written) are bit for bit those of the
  * per-operation path: every kernel computes a row by the same code whatever the number of
- * rows and threads, and an add of two floats rounds alike in C and in PyTorch. What the
+ * rows and threads, and an add of two floats rounds alike in C and in PyTorch. With a head,
+ * the last layer's attention and MLP run on the head's rows only (rows_t): the logits and
+ * the K/V are the per-operation path's bits, the other rows' hidden states are not made. What the
  * call saves is Python: some fifteen ctypes calls and tensor allocations per layer.
  *
  * A weight is either a BlockWeight's arrays (bargein_q8_block_matmul) or, where its
@@ -48,7 +50,8 @@
  * Contract (the Python caller, bargein/model/fused_layers.py, prepares it):
  *   layers[i]     the i-th layer's weights and caches (see bargein_fast_layer_t)
  *   x             (m, hidden) float32, contiguous; the input (or written from embed), overwritten
- *                 with the output
+ *                 with the output; where `head` asks for some rows only, the last layer's
+ *                 second half runs on those alone (rows_t) and x is left with that layer's input
  *   positions     (m,) int64: each token's position, a row of the RoPE tables
  *   slots         (m,) int64: the cache slot each token's K/V goes to
  *   block_tables, table_width, token_seq, token_ctx: as bargein_paged_attention_f16 takes
@@ -191,22 +194,59 @@ static int moe_mlp(const bargein_fast_moe_t *moe, const float *x, int64_t m, int
     return status;
 }
 
-static int run_head(const bargein_fast_head_t *head, const float *x, int64_t hidden, float eps, float final_softcap,
-                    int threads, int isa) {
+/* The head on rows `rows` of x (NULL: rows 0 .. num_rows - 1, x holding only them). */
+static int run_head(const bargein_fast_head_t *head, const float *x, const int64_t *rows, int64_t hidden, float eps,
+                    float final_softcap, int threads, int isa) {
     const int64_t r = head->num_rows > 0 ? head->num_rows : 1;
-    float *rows = malloc(sizeof(float) * (size_t)(r * hidden)), *normed = malloc(sizeof(float) * (size_t)(r * hidden));
+    float *gathered = malloc(sizeof(float) * (size_t)(r * hidden)), *normed = malloc(sizeof(float) * (size_t)(r * hidden));
     int status = -1;
-    if (rows && normed) {
+    if (gathered && normed) {
         for (int64_t i = 0; i < head->num_rows; i++)
-            memcpy(rows + i * hidden, x + head->rows[i] * hidden, sizeof(float) * (size_t)hidden);
-        bargein_rms_norm(rows, head->norm, normed, head->num_rows, hidden, eps, threads);
+            memcpy(gathered + i * hidden, x + (rows ? rows[i] : i) * hidden, sizeof(float) * (size_t)hidden);
+        bargein_rms_norm(gathered, head->norm, normed, head->num_rows, hidden, eps, threads);
         status = matmul(normed, head->num_rows, &head->weight, head->logits, threads, isa);
         if (status == 0 && final_softcap > 0.0f)
             bargein_softcap(head->logits, head->logits, head->num_rows, head->weight.n, final_softcap, threads);
     }
-    free(rows);
+    free(gathered);
     free(normed);
     return status;
+}
+
+/* The rows a layer's second half (its attention onward) runs on: every row of the call, or
+ * in a stage's last layer where the call has a head, the head's rows alone, gathered. Only
+ * they reach the logits; the layer's K/V, which later tokens read, come from its first half
+ * (the QKV matmul and RoPE) and are written for every row before. So a prompt chunk's last
+ * layer runs its attention, output projection and MLP on one row (none where the chunk asks
+ * for no logits), as llama.cpp's graphs leave out the outputs nothing reads; each kernel
+ * computes a row by the same code whatever the rows beside it, so the logits keep their bits. */
+typedef struct {
+    int64_t m;                  /* the rows */
+    float *x;                   /* (m, hidden): their hidden states */
+    const float *q;             /* (m, q_width): their queries, as RoPE wrote them */
+    const int64_t *seq, *ctx;   /* (m,): their sequences and contexts, as the attention takes them */
+    void *held;                 /* the gathered copies (NULL: the call's own rows) */
+} rows_t;
+
+/* The head's rows of x, q, seq and ctx (m rows each) gathered into `out`; the call's own where
+ * the head asks for as many rows as there are or more (some twice: the workspace's buffers
+ * hold m rows). Returns 0, or -1 when memory could not be had. */
+static int head_rows(const bargein_fast_head_t *head, int64_t m, float *x, const float *q, const int64_t *seq,
+                     const int64_t *ctx, int64_t hidden, int64_t q_width, rows_t *out) {
+    *out = (rows_t){m, x, q, seq, ctx, NULL};
+    if (head->num_rows >= m) return 0;
+    const int64_t r = head->num_rows;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(2 * r + 1) + sizeof(float) * (size_t)(r * (hidden + q_width)));
+    if (!ids) return -1;
+    float *xs = (float *)(ids + 2 * r + 1), *qs = xs + r * hidden;
+    for (int64_t i = 0; i < r; i++) {
+        const int64_t row = head->rows[i];
+        memcpy(xs + i * hidden, x + row * hidden, sizeof(float) * (size_t)hidden);
+        memcpy(qs + i * q_width, q + row * q_width, sizeof(float) * (size_t)q_width);
+        ids[i] = seq[row], ids[r + i] = ctx[row];
+    }
+    *out = (rows_t){r, xs, qs, ids, ids + r, ids};
+    return 0;
 }
 
 /* A call's buffers in its workspace, each starting a multiple of 16 floats (64 bytes) from the
@@ -276,6 +316,7 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
             memcpy(local_sin + t * d, shape->local_sin_table + positions[t] * d, sizeof(float) * (size_t)d);
         }
     }
+    rows_t tail = {m, x, q, token_seq, token_ctx, NULL}; /* the rows of each layer's second half */
     for (int i = 0; i < num_layers && status == 0; i++) {
         const bargein_fast_layer_t *layer = &layers[i];
         bargein_rms_norm(x, layer->attn_norm, normed, m, hidden, shape->eps, num_threads);
@@ -289,27 +330,35 @@ int bargein_fast_layers(const bargein_fast_layer_t *layers, int num_layers, cons
             norm_heads(qkv, m, qkv_width, q_width, kv_heads, d, layer->k_norm, shape->eps, attn, q, num_threads);
         bargein_rope_store_f16(qkv, layer->local ? local_cos : cos, layer->local ? local_sin : sin, slots,
                                layer->k_cache, layer->v_cache, q, m, (int)heads, (int)kv_heads, (int)d, num_threads);
-        if ((status = bargein_paged_attention_f16_ex(q, layer->k_cache, layer->v_cache, block_tables, table_width,
-                                                     token_seq, token_ctx, attn, m, (int)heads, (int)kv_heads, (int)d,
+        if (head && i == num_layers - 1 &&
+            (status = head_rows(head, m, x, q, token_seq, token_ctx, hidden, q_width, &tail)))
+            break;
+        const int64_t n = tail.m;
+        if (n == 0) continue;
+        if ((status = bargein_paged_attention_f16_ex(tail.q, layer->k_cache, layer->v_cache, block_tables, table_width,
+                                                     tail.seq, tail.ctx, attn, n, (int)heads, (int)kv_heads, (int)d,
                                                      (int)shape->block_size, shape->scale, layer->window,
                                                      shape->softcap, num_threads)))
             break;
-        if ((status = matmul(attn, m, &layer->wo, proj, num_threads, isa))) break;
-        add_branch(x, proj, layer->post_attn_norm, normed, m, hidden, shape->eps, num_threads);
-        bargein_rms_norm(x, layer->ffn_norm, normed, m, hidden, shape->eps, num_threads);
+        if ((status = matmul(attn, n, &layer->wo, proj, num_threads, isa))) break;
+        add_branch(tail.x, proj, layer->post_attn_norm, normed, n, hidden, shape->eps, num_threads);
+        bargein_rms_norm(tail.x, layer->ffn_norm, normed, n, hidden, shape->eps, num_threads);
         if (layer->moe) {
-            if ((status = moe_mlp(layer->moe, normed, m, hidden, proj, num_threads, isa, &moe_scratch))) break;
+            if ((status = moe_mlp(layer->moe, normed, n, hidden, proj, num_threads, isa, &moe_scratch))) break;
         } else {
-            if ((status = matmul(normed, m, &layer->w13, gate_up, num_threads, isa))) break;
+            if ((status = matmul(normed, n, &layer->w13, gate_up, num_threads, isa))) break;
             if (shape->gelu)
-                bargein_gelu_tanh_mul(gate_up, act, m, inter, num_threads);
+                bargein_gelu_tanh_mul(gate_up, act, n, inter, num_threads);
             else
-                bargein_silu_mul(gate_up, act, m, inter, num_threads);
-            if ((status = matmul(act, m, &layer->w2, proj, num_threads, isa))) break;
+                bargein_silu_mul(gate_up, act, n, inter, num_threads);
+            if ((status = matmul(act, n, &layer->w2, proj, num_threads, isa))) break;
         }
-        add_branch(x, proj, layer->post_ffn_norm, normed, m, hidden, shape->eps, num_threads);
+        add_branch(tail.x, proj, layer->post_ffn_norm, normed, n, hidden, shape->eps, num_threads);
     }
-    if (status == 0 && head) status = run_head(head, x, hidden, shape->eps, shape->final_softcap, num_threads, isa);
+    if (status == 0 && head)
+        status = run_head(head, tail.x, tail.held ? NULL : head->rows, hidden, shape->eps, shape->final_softcap,
+                          num_threads, isa);
+    free(tail.held);
     bargein_moe_scratch_free(&moe_scratch);
     return status;
 }

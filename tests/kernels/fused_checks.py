@@ -49,8 +49,9 @@ STEPS = [
 
 def run(stage: LlamaStage, caches: list[KVCache], steps: list[tuple[int, list[int], int]],
         inputs: torch.Tensor | None = None, rows: str | None = "all") -> torch.Tensor:
-    """One forward; logits of every row, of each sequence's last row ("last") or of all
-    rows by default (None: the stage's own default)."""
+    """One forward; logits of every row, of each sequence's last row ("last"), of the last
+    row, the first and the last again ("scattered"), of none ("none") or of all rows by
+    default (None: the stage's own default)."""
     ids = torch.tensor([t for _, new, _ in steps for t in new])
     positions = torch.tensor([done + i for _, new, done in steps for i in range(len(new))])
     meta = AttentionMetadata.build(block_tables=[TABLES[s] for s, _, _ in steps],
@@ -58,7 +59,9 @@ def run(stage: LlamaStage, caches: list[KVCache], steps: list[tuple[int, list[in
                                    context_lens=[done + len(new) for _, new, done in steps], block_size=BLOCK)
     x = ids if inputs is None else inputs
     ends = torch.tensor([len(new) for _, new, _ in steps]).cumsum(0) - 1
-    indices = {"all": torch.arange(len(ids)), "last": ends, None: None}[rows]
+    scattered = torch.tensor([len(ids) - 1, 0, len(ids) - 1])  # out of order, one row twice
+    indices = {"all": torch.arange(len(ids)), "last": ends, "scattered": scattered,
+               "none": torch.zeros(0, dtype=torch.int64), None: None}[rows]
     return stage(x, positions, meta, caches, indices if stage.is_last else None)
 
 

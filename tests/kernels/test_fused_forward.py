@@ -84,14 +84,20 @@ def test_the_fused_layers_give_the_per_operation_bits(config: ModelConfig, embed
     assert caches[0].k.abs().sum() > 0  # something was written
 
 
-@pytest.mark.parametrize("rows", ["last", None])
+@pytest.mark.parametrize("rows", ["last", "scattered", "none", None])
 def test_the_fused_head_computes_the_rows_asked_for(rows: str | None) -> None:
+    """Where the head asks for some rows only, the last layer's attention and MLP run on
+    those alone (fast_forward.c's rows_t): the logits of every row asked for, in any order
+    and twice over, and every layer's K/V (which the next forwards read) keep their bits."""
     fused, per_op = stage_pair(TINY)
     caches_fused, caches_per_op = fused.make_kv_caches(40, BLOCK), per_op.make_kv_caches(40, BLOCK)
     for steps in STEPS:
         got, want = run(fused, caches_fused, steps, rows=rows), run(per_op, caches_per_op, steps, rows=rows)
-        assert got.shape == (len(steps) if rows == "last" else sum(len(n) for _, n, _ in steps), TINY.vocab_size)
+        total = sum(len(n) for _, n, _ in steps)
+        expected = {"last": len(steps), "scattered": 3, "none": 0, None: total}[rows]
+        assert got.shape == (expected, TINY.vocab_size)
         assert torch.equal(got, want)
+        assert_same_caches(caches_fused, caches_per_op)
 
 
 def test_a_middle_stage_is_fused_and_leaves_its_input_alone() -> None:
