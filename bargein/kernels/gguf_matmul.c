@@ -55,8 +55,8 @@
  * lanes across columns once per superblock, not once per 32-block. Q6_K's multiples cost
  * an integer multiply per row and superblock of a column (its scales times the row's
  * m_h) in the few-row pass, one per row and 32-block in the tile pass (AVX2: its m takes
- * the place of maddubs' pair-summing ones), none from Q6K_TABLE_MIN_ROWS rows (AVX2:
- * Q6K_PAIR_TABLE_MIN_ROWS), where a table per tile holds the scales times every m; Q4_K's
+ * the place of maddubs' pair-summing ones), none on VNNI from Q6K_TABLE_MIN_ROWS rows,
+ * where a table per tile holds the scales times every m; Q4_K's
  * and Q5_K's flat activations cost none
  * (AVX2: a block's maddubs pairs summed in int16 meet sc in one madd). On VNNI, Q4_K's
  * few-row passes of 2 rows or more put four 32-blocks in each vector (the quad pass,
@@ -175,17 +175,9 @@
 #ifndef Q6K_TABLE_MIN_ROWS
 #define Q6K_TABLE_MIN_ROWS 160
 #endif
-/* The same on AVX2 (q6k_pair_table, int16 pairs: 1 KB a 32-block), from fewer rows since
- * its passes take four rows, not eight, and up to k = 4,096: with the down projection's
- * 8,192 the table (256 KB) is read from L2 by every pass (gemm_tile_ab.c, AVX2 path on the
- * Zen 4, table / none: 1.011 at 32 rows, 0.991 at 64, 0.972 at 96, 0.974 at 128, 0.965 at
- * 160; at 512 rows and k = 8,192 1.069). */
-#ifndef Q6K_PAIR_TABLE_MIN_ROWS
-#define Q6K_PAIR_TABLE_MIN_ROWS 96
-#endif
-#ifndef Q6K_PAIR_TABLE_MAX_K
-#define Q6K_PAIR_TABLE_MAX_K 4096
-#endif
+/* (The AVX2 pass multiplies: a table of its int16 pairs of sc times m, 1 KB a 32-block,
+ * read 1.05-1.06x the time of the multiplies on a Zen 3, the one AVX2-only CPU the pass
+ * runs on here, at 96, 160 and 512 rows, though 0.97x on a Zen 4 built for AVX2 only.) */
 #define K_GROUP_ROWS_VNNI 4
 /* From this many rows the K chain's tile pass runs on AMX where the CPU has it (isa
  * ISA_AMX, gguf_tile_amx.h): its activations are laid out and each tile's quants scaled
@@ -965,7 +957,7 @@ typedef struct {
     float *ps, *pm;
     int32_t *psc, *pmn;
     uint8_t *amx_lo, *amx_hi; /* the AMX pass's weights (scale times quant) as low and high bytes (gguf_tile_amx.h), or NULL */
-    int32_t *q6k_table; /* Q6_K's scales times each multiple m, or NULL: VNNI q6k_scale_table, AVX2 q6k_pair_table */
+    int32_t *q6k_table; /* Q6_K's scales times each multiple m (VNNI: q6k_scale_table), or NULL */
 } tile_t;
 
 static tile_t tile_scratch_sub(const job_t *job, int index, int sub) {
@@ -1415,8 +1407,7 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void group_pairs_avx2(c
  * * 2,048 * 16 * 32 * 127 < 2^31), so the wrapped sum is D: the same bits. */
 static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(const job_t *job, const tile_t *tl,
                                                                                const ahead_t *ahead, int64_t j0,
-                                                                               int cols, int64_t r0, const int ROWS_N,
-                                                                               const int TABLE) {
+                                                                               int cols, int64_t r0, const int ROWS_N) {
     const acts_t *a = job->a;
     const int64_t k = job->k, supers = k / 256;
     const __m256i *tile = (const __m256i *)tl->tile;
@@ -1434,21 +1425,12 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
         for (int j = 0; j < 8; j++) {
             const int64_t b = t * 8 + j;
             const __m256i *wb = tile + b * 16;
-            /* the block's pairs of sc times the row's m, for both quarters (TABLE: ready in the
-             * tile's table, q6k_pair_table) */
+            /* the block's pairs of sc times the row's m, for both quarters */
             __m256i scm[K_ROWS_AVX2][2];
-            if (TABLE) {
-                const __m256i *by_m = (const __m256i *)tl->q6k_table + (b * 16 - 1) * 2; /* m from 1 */
-                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++) {
-                    const __m256i *pairs = by_m + km4[4 * b + r] * 2;
-                    scm[r][0] = _mm256_load_si256(pairs), scm[r][1] = _mm256_load_si256(pairs + 1);
-                }
-            } else {
-                _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
-                    const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
-                    _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
-                        scm[r][v] = _mm256_mullo_epi16(pair, _mm256_set1_epi16(km4[4 * b + r]));
-                }
+            _Pragma("GCC unroll 2") for (int v = 0; v < 2; v++) {
+                const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
+                _Pragma("GCC unroll 4") for (int r = 0; r < ROWS_N; r++)
+                    scm[r][v] = _mm256_mullo_epi16(pair, _mm256_set1_epi16(km4[4 * b + r]));
             }
             _Pragma("GCC unroll 2") for (int q = 0; q < 2; q++) {
                 __m256i sum[K_ROWS_AVX2][2]; /* [row][v]: the quarter's int16 sums, from the row's offsets */
@@ -1478,21 +1460,6 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_q6k_avx2_t(co
     }
     for (int r = 0; r < ROWS_N; r++)
         store_tile_row(job->y + (r0 + r) * job->n + j0, cols, _mm256_load_ps(acc[r]), _mm256_load_ps(acc[r] + 8));
-}
-
-/* Q6_K's table for a tile on AVX2 (tile_t's q6k_table): per 32-block b, multiple m (1 ..
- * 16) and v (columns 8v .. 8v + 7), the block's pairs of sc (the pmn panel) times m as
- * int16 (|sc m| <= 2,048) at vector (b * 16 + m - 1) * 2 + v, each made by adding the pairs
- * m times (the low 16 bits of the product, as the multiply gives them). With it the pass
- * loads a row's two vectors where it multiplied the pairs by the row's m (two vpmullw per
- * row and 32-block on the multiply ports). */
-static TARGET_AVX2 void q6k_pair_table(const job_t *job, const tile_t *tl) {
-    for (int64_t b = 0; b < job->nb; b++)
-        for (int v = 0; v < 2; v++) {
-            const __m256i pair = _mm256_loadu_si256((const __m256i *)(tl->pmn + 2 * b * TILE + 8 * v));
-            __m256i *out = (__m256i *)tl->q6k_table + b * 32 + v, times = pair;
-            for (int m = 0; m < 16; m++, times = _mm256_add_epi16(times, pair)) _mm256_store_si256(out + 2 * m, times);
-        }
 }
 
 /* Q4_K and Q5_K's AVX2 pass (the header's D and M, their activations flat: m = 1): a
@@ -1572,34 +1539,42 @@ static inline TARGET_AVX2 __attribute__((always_inline)) void rows_k16_avx2_t(co
         store_tile_row(job->y + (r0 + r) * job->n + j0, cols, _mm256_load_ps(acc[r]), _mm256_load_ps(acc[r] + 8));
 }
 
+/* Each type's K pass for 1-4 rows, the row count a constant in each (a switch per row count
+ * with the types inside read 1.25-1.29x Q6_K's time: GCC laid the passes out worse), and
+ * each type's in a function of its own, which GCC lays out and gives registers apart: with
+ * two Q6_K passes (with and without a table of scales) inlined in one function, GCC moved
+ * each quarter's int16 sums from register to register (210 vmovdqa where one pass alone
+ * has 90), and the pass took 1.10-1.14x the time on a Zen 3 (bench/gemm_tile_ab.c, 512 rows). */
+#define K_PASSES_AVX2(NAME, PASS)                                                                          \
+    static TARGET_AVX2 __attribute__((noinline)) void NAME(const job_t *job, const tile_t *tl,             \
+                                                           const ahead_t *ahead, int64_t j0, int cols,     \
+                                                           int64_t r0, int n) {                            \
+        switch (n) {                                                                                       \
+        case 4: PASS(4); break;                                                                            \
+        case 3: PASS(3); break;                                                                            \
+        case 2: PASS(2); break;                                                                            \
+        default: PASS(1);                                                                                  \
+        }                                                                                                  \
+    }
+#define Q4K_PASS(N) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, N, 1)
+#define Q5K_PASS(N) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, N, 2)
+#define Q6K_PASS(N) rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, N)
+K_PASSES_AVX2(rows_q4k_avx2, Q4K_PASS)
+K_PASSES_AVX2(rows_q5k_avx2, Q5K_PASS)
+K_PASSES_AVX2(rows_q6k_avx2, Q6K_PASS)
+#undef K_PASSES_AVX2
+#undef Q4K_PASS
+#undef Q5K_PASS
+#undef Q6K_PASS
+
 /* Returns the rows done of the `left` from r0: up to K_ROWS_AVX2. ahead: NULL, or the next
  * tile's plans (tile_ahead), fetched a part per superblock. */
 static TARGET_AVX2 int rows_k_avx2(const job_t *job, const tile_t *tl, const ahead_t *ahead, int64_t type,
                                    int64_t j0, int cols, int64_t r0, int left) {
     const int n = left < K_ROWS_AVX2 ? left : K_ROWS_AVX2;
-    /* a switch per type, the row count a constant in each pass (a switch per row count with
-     * the types inside read 1.25-1.29x Q6_K's time: GCC laid the passes out worse) */
-#define BY_ROWS(PASS)                                                                                      \
-    switch (n) {                                                                                           \
-    case 4: PASS(4); break;                                                                                \
-    case 3: PASS(3); break;                                                                                \
-    case 2: PASS(2); break;                                                                                \
-    default: PASS(1);                                                                                      \
-    }
-#define Q4K_PASS(N) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, N, 1)
-#define Q5K_PASS(N) rows_k16_avx2_t(job, tl, ahead, j0, cols, r0, N, 2)
-#define Q6K_PASS(N) (tl->q6k_table ? rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, N, 1) : rows_q6k_avx2_t(job, tl, ahead, j0, cols, r0, N, 0))
-    if (type == T_Q4_K) {
-        BY_ROWS(Q4K_PASS)
-    } else if (type == T_Q5_K) {
-        BY_ROWS(Q5K_PASS)
-    } else {
-        BY_ROWS(Q6K_PASS)
-    }
-#undef BY_ROWS
-#undef Q4K_PASS
-#undef Q5K_PASS
-#undef Q6K_PASS
+    if (type == T_Q4_K) rows_q4k_avx2(job, tl, ahead, j0, cols, r0, n);
+    else if (type == T_Q5_K) rows_q5k_avx2(job, tl, ahead, j0, cols, r0, n);
+    else rows_q6k_avx2(job, tl, ahead, j0, cols, r0, n);
     return n;
 }
 
@@ -2863,15 +2838,10 @@ static void run_tile(const job_t *job, int index, int64_t t, int64_t next) {
 #endif
     tile_t tl = tile_scratch(job, index);
     build_tile(job, &tl, seg, &info, col0);
-    if (tl.q6k_table && seg->type == T_Q6_K) {
 #ifdef GGUF_VNNI
-        if (job->isa == ISA_VNNI) q6k_scale_table(job, &tl);
-        else
+    if (tl.q6k_table && seg->type == T_Q6_K) q6k_scale_table(job, &tl);
+    else tl.q6k_table = NULL;
 #endif
-            q6k_pair_table(job, &tl);
-    } else {
-        tl.q6k_table = NULL;
-    }
     /* (an abs_tiled tile got its signs' masks, |q| and their terms as it was built) */
     if (job->a->qu && signed_tile(job->isa, &info)) sign_tile(job, &tl, info.off);
     ahead_t ahead[2];
@@ -3062,9 +3032,7 @@ static int matmul_k_group_rows(const float *x, int64_t m, const bargein_qmat_t *
         job.amx_set = (int)(set < 1 ? 1 : set > AMX_SET_TILES ? AMX_SET_TILES : set);
         job.scratch_bytes *= job.amx_set;
     }
-    if (((q6k_zmm && m >= Q6K_TABLE_MIN_ROWS) || (q6k_avx2 && m >= Q6K_PAIR_TABLE_MIN_ROWS && k <= Q6K_PAIR_TABLE_MAX_K)) &&
-        !job.amx) {
-        /* tile_t's q6k_table: 2 KB a 32-block on VNNI, 1 KB on AVX2 */
+    if (q6k_zmm && !job.amx && m >= Q6K_TABLE_MIN_ROWS) { /* tile_t's q6k_table */
         job.q6k_table_at = job.scratch_bytes;
         job.scratch_bytes += (int64_t)sizeof(int32_t) * 32 * TILE * nb;
     }

@@ -248,8 +248,8 @@ def test_k_chain_tile_passes_keep_the_bits_at_every_row_remainder(isa):
     each tile fetches the next one's blocks (across segments and row orders here); 64 .. 71
     rows end in every remainder of several passes. Q6_K's passes read their rows'
     activations and terms in groups of eight rows on VNNI, four on AVX2 (short last
-    groups in every remainder), and its scales times each row's m from a table built per
-    tile from 96 rows on AVX2 and 160 on VNNI: 160 .. 167 rows end in every remainder there."""
+    groups in every remainder), and on VNNI from 160 rows its scales times each row's m
+    from a table built per tile: 160 .. 167 rows end in every remainder there."""
     rng = rng_for("k-tails")
     k = 512
     weight = QuantWeight.cat_rows([random_weight(T.Q4_K, 21, k, rng, order=True), random_weight(T.Q6_K, 19, k, rng),
