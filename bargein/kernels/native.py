@@ -284,7 +284,9 @@ class NativeKernels:
         """Runs the fast forward of every layer in ``layers`` on x (m, hidden), in place (x
         first written from ``embed``'s rows of its token ids if given), then ``head`` if
         given (it writes its logits) (see fast_forward.c): bit for bit what the
-        per-operation kernels above compute in turn.
+        per-operation kernels above compute in turn. Where ``head`` asks for fewer rows
+        than x has, the last layer's attention and MLP run on those rows alone and x keeps
+        that layer's input: the logits are the call's output.
 
         ``layers``, ``shape``, ``embed`` and ``head`` are prepared by the caller
         (bargein.model.fused_layers), so this checks only the per-call tensors' layout. The
